@@ -1,0 +1,1 @@
+"""Torch bridge: SGLang-compatible kv-canary launchers over DLPack (zero-copy in, in place out)."""
