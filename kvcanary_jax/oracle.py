@@ -29,12 +29,13 @@ import types
 
 __all__ = ["load", "available"]
 
+# Bare modules for packages whose __init__ imports the server; packages with light __init__ files
+# (kv_canary.plan, whose __init__ re-exports the plan launcher) are imported normally.
 _PACKAGES = [
     ("sglang", ""),
     ("sglang.kernels", "kernels"),
     ("sglang.kernels.ops", "kernels/ops"),
     ("sglang.kernels.ops.kv_canary", "kernels/ops/kv_canary"),
-    ("sglang.kernels.ops.kv_canary.plan", "kernels/ops/kv_canary/plan"),
     ("sglang.kernels.jit", "kernels/jit"),
     ("sglang.test", "test"),
     ("sglang.test.kernels", "test/kernels"),
