@@ -1,0 +1,322 @@
+"""scatter_req_token_ids against SGLang 0.5.23's torch reference (the oracle), byte for byte."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import jax
+import jax.numpy as jnp
+
+import kvcanary_jax as kc
+from kvcanary_jax.ops import scatter as scatter_op
+
+MARK = -9999
+
+
+def _oracle(sgl, flat, offsets, rpi, pool):
+    out = torch.from_numpy(pool.copy())
+    sgl.scatter_ref.scatter_req_token_ids_torch_reference(
+        flat_in=torch.from_numpy(flat),
+        offsets=torch.from_numpy(offsets),
+        req_pool_indices=torch.from_numpy(rpi),
+        pool_out=out,
+    )
+    return out.numpy()
+
+
+def _ours(flat, offsets, rpi, pool, **kw):
+    return np.asarray(
+        kc.scatter_req_token_ids(flat_in=flat, offsets=offsets, req_pool_indices=rpi, pool_out=pool, **kw)
+    )
+
+
+def _i64(*v):
+    return np.array(v, dtype=np.int64)
+
+
+# Hand-written cases (the spec's golden-vector scenarios); expectations come from the oracle.
+HAND_CASES = {
+    "basic_three_reqs": (_i64(*range(10, 19)), _i64(0, 3, 5, 9), _i64(1, 3, 2), (4, 6)),
+    "empty_segment_in_middle": (_i64(1, 2, 3, 4), _i64(0, 2, 2, 4), _i64(1, 2, 3), (4, 4)),
+    "truncate_to_pool_width": (_i64(*range(100, 110)), _i64(0, 10), _i64(2), (3, 4)),
+    "int64_to_int32_wraparound": (
+        _i64(2**31, 2**32 + 5, -(2**31) - 1, 2**63 - 1, -(2**63)),
+        _i64(0, 5),
+        _i64(1),
+        (2, 8),
+    ),
+    "padding_row_zero_is_written": (_i64(7, 8, 9), _i64(0, 2, 3), _i64(0, 1), (2, 4)),
+    "bs_zero": (np.zeros(0, np.int64), _i64(0), np.zeros(0, np.int64), (2, 4)),
+    "num_tokens_zero": (np.zeros(0, np.int64), _i64(0, 0, 0), _i64(1, 2), (3, 4)),
+    "shorter_than_row_tail_untouched": (_i64(5, 6), _i64(0, 2), _i64(1), (2, 8)),
+    "many_tokens_cross_block": (
+        np.arange(3000, dtype=np.int64) * 7 - 5,
+        _i64(0, 1100, 1100, 3000),
+        _i64(3, 1, 2),
+        (4, 2048),
+    ),
+    "duplicate_rows_last_request_wins_in_reference": (_i64(1, 2, 3, 4, 5), _i64(0, 3, 5), _i64(1, 1), (2, 4)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HAND_CASES))
+def test_hand_cases_match_oracle(sgl, name):
+    flat, offsets, rpi, shape = HAND_CASES[name]
+    pool = np.full(shape, MARK, np.int32)
+    expected = _oracle(sgl, flat, offsets, rpi, pool)
+    np.testing.assert_array_equal(_ours(flat, offsets, rpi, pool), expected)
+    np.testing.assert_array_equal(
+        np.asarray(
+            kc.scatter_req_token_ids_reference(
+                flat_in=flat, offsets=offsets, req_pool_indices=rpi, pool_out=pool
+            )
+        ),
+        expected,
+    )
+
+
+def test_hand_values():
+    """A case checked by hand, independent of the oracle."""
+    flat = _i64(10, 11, 12, 2**32 + 5, 14)
+    out = _ours(flat, _i64(0, 2, 5), _i64(2, 0), np.full((3, 3), -1, np.int32))
+    np.testing.assert_array_equal(out, [[12, 5, 14], [-1, -1, -1], [10, 11, -1]])
+
+
+# --- fuzz -----------------------------------------------------------------------------------
+# Interpret mode compiles once per shape: each case is padded into a fixed bucket. Padding is
+# semantically inert: extra requests have empty ranges at the end of flat_in, and flat_in's tail
+# past offsets[bs] is never addressed by well-formed offsets.
+BUCKETS = [  # (bs, num_tokens, rows, cols)
+    (8, 256, 12, 24),
+    (64, 2048, 70, 40),
+    (512, 8192, 520, 24),
+    (2000, 16384, 2004, 12),
+]
+CASES_PER_BUCKET = [1400, 450, 120, 40]
+
+
+def _draw(rng, bs_cap, tok_cap, rows, cols):
+    bs = int(rng.integers(0, bs_cap + 1))
+    mode = rng.integers(0, 3)
+    hi = {0: cols // 2 + 1, 1: cols + 1, 2: 2 * cols + 3}[int(mode)]  # lengths to past the row
+    lens = rng.integers(0, hi, bs)
+    lens[rng.random(bs) < 0.2] = 0
+    while lens.sum() > tok_cap:
+        lens = lens // 2
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    num_tokens = int(offsets[-1])
+    flat = rng.integers(-(2**63), 2**63 - 1, num_tokens, dtype=np.int64, endpoint=True)
+    # Distinct rows mostly (the GPU order of duplicate rows is unspecified), row 0 (padding) too.
+    rpi = rng.permutation(rows)[:bs].astype(np.int64) if bs <= rows else None
+    pool = rng.integers(-(2**31), 2**31 - 1, (rows, cols), dtype=np.int32)
+    return flat, offsets, rpi, pool
+
+
+def _pad(flat, offsets, rpi, bs_cap, tok_cap):
+    bs, n = rpi.shape[0], flat.shape[0]
+    flat_p = np.concatenate([flat, np.full(tok_cap - n, 77, np.int64)])
+    off_p = np.concatenate([offsets, np.full(bs_cap - bs, offsets[-1], np.int64)])
+    rpi_p = np.concatenate([rpi, np.zeros(bs_cap - bs, np.int64)])
+    return flat_p, off_p, rpi_p
+
+
+@pytest.mark.parametrize("bucket", range(len(BUCKETS)))
+def test_fuzz_against_oracle(sgl, bucket):
+    bs_cap, tok_cap, rows, cols = BUCKETS[bucket]
+    rng = np.random.default_rng(1234 + bucket)
+    compared = 0
+    for _ in range(CASES_PER_BUCKET[bucket]):
+        flat, offsets, rpi, pool = _draw(rng, bs_cap, tok_cap, rows, cols)
+        expected = _oracle(sgl, flat, offsets, rpi, pool)
+        got = _ours(*_pad(flat, offsets, rpi, bs_cap, tok_cap), pool)
+        np.testing.assert_array_equal(got, expected)
+        compared += 1
+    assert compared == CASES_PER_BUCKET[bucket]
+
+
+def test_fuzz_total_is_at_least_2000():
+    assert sum(CASES_PER_BUCKET) >= 2000
+
+
+# --- malformed inputs: never out of bounds ------------------------------------------------
+GUARD = 2  # guard rows above and below the rows any request may address
+
+
+def test_malformed_offsets_stay_in_bounds():
+    """Negative, decreasing and past-the-end offsets, out-of-range rows: the kernel agrees with
+    the in-bounds semantics of the jnp reference and never touches guard rows."""
+    rng = np.random.default_rng(7)
+    bs, n, rows, cols = 32, 300, 20, 16
+    for _ in range(300):
+        offsets = rng.integers(-50, n + 60, bs + 1).astype(np.int64)
+        if rng.random() < 0.5:
+            offsets = np.sort(offsets)
+        rpi = rng.integers(GUARD, rows - GUARD, bs).astype(np.int64)
+        rpi[rng.random(bs) < 0.1] = rng.choice([-1, -5, rows, rows + 9])  # out of range: skipped
+        # one owner per row, so the GPU/interpret order of duplicate rows cannot matter
+        _, first = np.unique(rpi, return_index=True)
+        keep = np.zeros(bs, bool)
+        keep[first] = True
+        offsets_ok = offsets.copy()
+        flat = rng.integers(-1000, 1000, n).astype(np.int64)
+        pool = np.full((rows, cols), MARK, np.int32)
+        rpi = np.where(keep, rpi, rows + 100)
+        got = _ours(flat, offsets_ok, rpi, pool)
+        ref = np.asarray(
+            kc.scatter_req_token_ids_reference(
+                flat_in=flat, offsets=offsets_ok, req_pool_indices=rpi, pool_out=pool
+            )
+        )
+        np.testing.assert_array_equal(got, ref)
+        assert (got[:GUARD] == MARK).all() and (got[-GUARD:] == MARK).all()
+        # every written value comes from flat_in at the right place
+        for r in np.nonzero(keep & (rpi >= 0) & (rpi < rows))[0]:
+            start, end = offsets_ok[r], offsets_ok[r + 1]
+            for j in range(max(0, min(end - start, cols))):
+                src = start + j
+                if 0 <= src < n:
+                    assert got[rpi[r], j] == np.int32(flat[src])
+
+
+def test_well_formed_reference_agrees_with_oracle_on_negative_start(sgl):
+    """Documented difference: SGLang's torch reference slices flat_in[start:end] with Python
+    semantics (a negative start wraps around); we never read before flat_in."""
+    flat, offsets, rpi = _i64(1, 2, 3, 4), _i64(-2, 2), _i64(1)
+    pool = np.full((2, 4), MARK, np.int32)
+    got = _ours(flat, offsets, rpi, pool)
+    np.testing.assert_array_equal(got[1], [MARK, MARK, 1, 2])  # columns 2, 3 <- flat[0], flat[1]
+    oracle = _oracle(sgl, flat, offsets, rpi, pool)
+    np.testing.assert_array_equal(oracle[1], [MARK] * 4)  # flat[-2:2] is empty in Python
+
+
+def test_no_cap_on_requests(sgl):
+    bs = 4096
+    rng = np.random.default_rng(3)
+    lens = rng.integers(0, 5, bs)
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    flat = rng.integers(0, 50000, offsets[-1]).astype(np.int64)
+    rpi = rng.permutation(bs + 1)[:bs].astype(np.int64)
+    pool = np.full((bs + 1, 4), MARK, np.int32)
+    np.testing.assert_array_equal(_ours(flat, offsets, rpi, pool), _oracle(sgl, flat, offsets, rpi, pool))
+
+
+# --- validation: SGLang's classes and messages, in SGLang's order -----------------------------
+P = "kv-canary: scatter_req_token_ids"
+
+
+def _z(shape, dtype):
+    return jnp.zeros(shape, dtype)
+
+
+VALIDATION = [
+    # (name, flat_in, offsets, req_pool_indices, pool_out, exc, message)
+    ("flat_in_not_1d", ((2, 3), "int64"), ((2,), "int64"), ((1,), "int64"), ((2, 4), "int32"),
+     ValueError, P + " flat_in must be 1-D, got shape (2, 3)"),
+    ("offsets_not_1d", ((3,), "int64"), ((1, 2), "int64"), ((1,), "int64"), ((2, 4), "int32"),
+     ValueError, P + " offsets must be 1-D, got shape (1, 2)"),
+    ("rpi_not_1d", ((3,), "int64"), ((2,), "int64"), ((1, 1), "int64"), ((2, 4), "int32"),
+     ValueError, P + " req_pool_indices must be 1-D, got shape (1, 1)"),
+    ("pool_not_2d", ((3,), "int64"), ((2,), "int64"), ((1,), "int64"), ((8,), "int32"),
+     ValueError, P + " pool_out must be 2-D, got shape (8,)"),
+    ("flat_in_dtype", ((3,), "int32"), ((2,), "int64"), ((1,), "int64"), ((2, 4), "int32"),
+     TypeError, P + " flat_in must be int64, got int32"),
+    ("offsets_dtype", ((3,), "int64"), ((2,), "int32"), ((1,), "int64"), ((2, 4), "int32"),
+     TypeError, P + " offsets must be int64, got int32"),
+    ("rpi_dtype", ((3,), "int64"), ((2,), "int64"), ((1,), "int32"), ((2, 4), "int32"),
+     TypeError, P + " req_pool_indices must be int64, got int32"),
+    ("pool_dtype", ((3,), "int64"), ((2,), "int64"), ((1,), "int64"), ((2, 4), "int64"),
+     TypeError, P + " pool_out must be int32, got int64"),
+    ("offsets_len", ((3,), "int64"), ((3,), "int64"), ((1,), "int64"), ((2, 4), "int32"),
+     ValueError, P + " offsets length 3 != bs+1 (2)"),
+    # Order: dims are checked before dtypes.
+    ("dims_before_dtypes", ((3,), "int32"), ((2,), "int64"), ((1,), "int64"), ((8,), "int64"),
+     ValueError, P + " pool_out must be 2-D, got shape (8,)"),
+]
+
+
+@pytest.mark.parametrize("case", VALIDATION, ids=[c[0] for c in VALIDATION])
+def test_validation_matches_sglang(case):
+    _, f, o, r, p, exc, msg = case
+    with jax.enable_x64(True):  # a caller with 64-bit types on (the hint below is for x64 off)
+        args = dict(flat_in=_z(*f), offsets=_z(*o), req_pool_indices=_z(*r), pool_out=_z(*p))
+        with pytest.raises(exc) as info:
+            kc.scatter_req_token_ids(**args)
+    assert str(info.value) == msg
+
+
+@pytest.mark.parametrize("case", VALIDATION, ids=[c[0] for c in VALIDATION])
+def test_validation_matches_sglang_launcher_text(sgl, case):
+    """The same conditions raised by SGLang's own launcher (torch dtypes print as torch.int64)."""
+    if sgl.scatter is None:
+        pytest.fail("SGLang's scatter launcher did not import (needs triton's Python package)")
+    _, f, o, r, p, exc, msg = case
+    t = lambda spec: torch.zeros(spec[0], dtype=getattr(torch, spec[1]))  # noqa: E731
+    with pytest.raises(exc) as info:
+        sgl.scatter.launch_scatter_req_token_ids_kernel(
+            flat_in=t(f), offsets=t(o), req_pool_indices=t(r), pool_out=t(p)
+        )
+    assert str(info.value) == msg.replace("got int", "got torch.int")
+
+
+def test_validation_under_jit():
+    f = jax.jit(lambda a, b, c, d: kc.scatter_req_token_ids(flat_in=a, offsets=b, req_pool_indices=c, pool_out=d))
+    with jax.enable_x64(True):
+        args = (_z((3,), "int64"), _z((2,), "int64"), _z((1,), "int64"), _z((2, 4), "int64"))
+        with pytest.raises(TypeError, match="pool_out must be int32, got int64"):
+            f(*args)
+
+
+def test_x64_off_gives_a_hint_not_a_silent_truncation():
+    """With x64 off, JAX narrows int64 arrays to int32 before we see them: we refuse them with
+    SGLang's message and say how to fix it, instead of silently truncating token ids."""
+    assert not jax.config.read("jax_enable_x64")
+    f = jax.jit(lambda a, b, c, d: kc.scatter_req_token_ids(flat_in=a, offsets=b, req_pool_indices=c, pool_out=d))
+    with pytest.raises(TypeError) as info:
+        f(jnp.zeros(3, jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros(1, jnp.int32), jnp.zeros((2, 4), jnp.int32))
+    assert str(info.value).startswith(P + " flat_in must be int64, got int32 (")
+    assert "jax_enable_x64" in str(info.value)
+    assert not jax.config.read("jax_enable_x64")  # the global flag is untouched
+
+
+def test_numpy_int64_inputs_keep_64_bits_without_global_x64():
+    assert not jax.config.read("jax_enable_x64")
+    flat = _i64(2**40 + 3)
+    out = _ours(flat, _i64(0, 1), _i64(0), np.zeros((1, 2), np.int32))
+    assert out[0, 0] == 3  # low 32 bits of the 64-bit id, not of a pre-narrowed value
+
+
+# --- jit + donation: in place -----------------------------------------------------------
+def test_jit_donation_updates_in_place():
+    with jax.enable_x64(True):
+        step = jax.jit(
+            lambda flat, off, rpi, pool: kc.scatter_req_token_ids(
+                flat_in=flat, offsets=off, req_pool_indices=rpi, pool_out=pool
+            ),
+            donate_argnames="pool",
+        )
+        pool = jnp.full((64, 128), MARK, jnp.int32)
+        ptr = pool.unsafe_buffer_pointer()
+        flat = jnp.arange(100, dtype=jnp.int64)
+        out = step(flat, jnp.array([0, 40, 100], jnp.int64), jnp.array([3, 9], jnp.int64), pool)
+        assert out.unsafe_buffer_pointer() == ptr  # same buffer: aliased and donated
+        assert pool.is_deleted()
+        host = np.asarray(out)
+    assert (host[3, :40] == np.arange(40)).all() and (host[3, 40:] == MARK).all()
+    assert (host[9, :60] == np.arange(40, 100)).all() and (host[9, 60:] == MARK).all()
+    untouched = np.delete(host, [3, 9], axis=0)
+    assert (untouched == MARK).all()
+
+
+@pytest.mark.gpu
+def test_gpu_matches_oracle(sgl):
+    rng = np.random.default_rng(11)
+    for bs, seq in [(1, 128), (8, 512), (64, 2048), (256, 8192), (511, 8192), (2048, 512)]:
+        lens = rng.integers(0, seq + 64, bs)
+        offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        flat = rng.integers(-(2**62), 2**62, offsets[-1]).astype(np.int64)
+        rpi = rng.permutation(bs + 1)[:bs].astype(np.int64)
+        pool = rng.integers(-(2**31), 2**31 - 1, (bs + 1, seq), dtype=np.int32)
+        got = _ours(flat, offsets, rpi, pool, interpret=False)
+        np.testing.assert_array_equal(got, _oracle(sgl, flat, offsets, rpi, pool))
