@@ -1,0 +1,80 @@
+"""Shared plumbing: environment, device transfer, SGLang loading."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def torch_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def to_torch(a: np.ndarray):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(a)).to(torch_device())
+
+
+def to_jax(a: np.ndarray):
+    with jax.enable_x64(True):
+        return jax.device_put(np.ascontiguousarray(a))
+
+
+def jax_sync(tree) -> None:
+    jax.block_until_ready(tree)
+
+
+def environment() -> dict:
+    env = {
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jax_backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+    }
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            env["gpu"] = p.name
+            env["sm_count"] = p.multi_processor_count
+    except ImportError:
+        pass
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return env
+
+
+_SGL = {}
+
+
+def sglang(cuda_jit: bool):
+    """SGLang's kv-canary modules; with ``cuda_jit`` its CUDA kernels compile on first use."""
+    if "mods" not in _SGL:
+        from kvcanary_jax import oracle
+
+        try:
+            _SGL["mods"] = oracle.load(cuda_jit=cuda_jit)
+            _SGL["cuda_jit"] = cuda_jit
+        except Exception as exc:  # noqa: BLE001 - the bench reports what it could not load
+            _SGL["mods"] = oracle.load(cuda_jit=False)
+            _SGL["cuda_jit"] = False
+            _SGL["error"] = repr(exc)
+    return _SGL["mods"]

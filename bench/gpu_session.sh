@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One H200 session: environment, GPU tests, memory checker, benchmark. Run from the repo root on
+# the GPU machine (which has no network): wheels that its image lacks travel in .whl/
+# (apache-tvm-ffi and msgspec for SGLang's CUDA JIT kernels, and the sglang wheel itself).
+#   usage: bash bench/gpu_session.sh [tests] [sanitize] [bench-quick|bench-full] [bench-ops=a,b]
+set -uo pipefail
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+SITE=/tmp/site; mkdir -p $SITE
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE \
+    .whl/apache_tvm_ffi-*.whl .whl/msgspec-*.whl 2>&1 | tail -2
+  # sglang's wheel is tagged cp311 but is pure Python for what we use: unpack it.
+  [ -d $SITE/sglang ] || python3 -c "import zipfile,glob; zipfile.ZipFile(glob.glob('.whl/sglang-*.whl')[0]).extractall('$SITE')"
+fi
+export PYTHONPATH=$PWD:$SITE
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+python3 -c "import jax, torch, triton; print('jax', jax.__version__, jax.devices(), 'torch', torch.__version__, 'triton', triton.__version__)"
+OPS=scatter,plan,write,verify,bridge
+for a in "$@"; do case $a in bench-ops=*) OPS=${a#bench-ops=};; esac; done
+for step in "$@"; do
+  case $step in
+    tests)
+      python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tee $OUT/tests.log | tail -25 ;;
+    sanitize)
+      compute-sanitizer --tool memcheck --print-limit 5 python3 bench/sanitize_cases.py 2>&1 | tee $OUT/sanitize.log | tail -15 ;;
+    bench-quick)
+      python3 -m bench --quick --ops $OPS --out $OUT/bench 2>&1 | tail -60 ;;
+    bench-full)
+      python3 -m bench --ops $OPS --out $OUT/bench 2>&1 | tail -80 ;;
+  esac
+done

@@ -1,0 +1,95 @@
+"""Markdown table and PNG plots from a results dict."""
+
+from __future__ import annotations
+
+import os
+
+PEERS = ("sglang", "triton_2d")
+LABEL = {"ours": "ours (Pallas)", "sglang": "SGLang 0.5.23", "triton_2d": "Triton 2-D",
+         "floor": "byte floor"}
+
+
+def _med(row, key):
+    v = row.get(key)
+    return None if not isinstance(v, dict) else v.get("median_us")
+
+
+def _fmt(x, nd=1):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def markdown(result: dict) -> str:
+    env = result["environment"]
+    lines = [
+        f"# kvcanary-jax bench ({result['mode']})",
+        "",
+        f"GPU: {env.get('gpu', env.get('jax_backend'))}; jax {env.get('jax')}, torch {env.get('torch')}, "
+        f"triton {env.get('triton')}; copy bandwidth {result['copy_bandwidth_gbs']:.0f} GB/s "
+        f"(read + write). Device time per call (us, median over {result['iters']} iterations, "
+        "torch.profiler/CUPTI for both sides, every kernel the call launches); inputs rotate among "
+        "enough sets to overflow the 60 MB L2.",
+        "",
+        "| op | case | ours | SGLang 0.5.23 | Triton 2-D | floor | ours/SGLang | ours/best Triton | ours/floor | correct |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for row in result["rows"]:
+        ours, sgl, t2d = _med(row, "ours"), _med(row, "sglang"), _med(row, "triton_2d")
+        floor = row.get("floor_us")
+        best = min([x for x in (sgl, t2d) if x is not None], default=None)
+        ratio = lambda a, b: None if a is None or b is None or b == 0 else a / b  # noqa: E731
+        correct = all(v for k, v in row.items() if k.endswith("_correct")) if any(
+            k.endswith("_correct") for k in row) else None
+        lines.append(
+            f"| {row['op']} | {row['case']} | {_fmt(ours)} | {_fmt(sgl)} | {_fmt(t2d)} | {_fmt(floor)} | "
+            f"{_fmt(ratio(ours, sgl), 2)} | {_fmt(ratio(ours, best), 2)} | {_fmt(ratio(ours, floor), 2)} | "
+            f"{'-' if correct is None else ('yes' if correct else 'NO')} |"
+        )
+    calls = [r for r in result["rows"] if "ours_call" in r]
+    if calls:
+        lines += ["", "Call time from Python (us per call, async launches back to back):", "",
+                  "| op | case | ours (jitted JAX) | SGLang launcher |", "| --- | --- | ---: | ---: |"]
+        for r in calls:
+            lines.append(f"| {r['op']} | {r['case']} | {_fmt(_med(r, 'ours_call'))} | "
+                         f"{_fmt(_med(r, 'sglang_call'))} |")
+    if result.get("errors"):
+        lines += ["", "Errors:", ""] + [f"- {op}: {err.strip().splitlines()[-1]}" for op, err in result["errors"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def plots(result: dict, out_dir: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = sorted({r["op"] for r in result["rows"]})
+    for op in ops:
+        rows = [r for r in result["rows"] if r["op"] == op]
+        xkey = "bytes" if all("bytes" in r for r in rows) else None
+        if xkey is None:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        series = {"ours": [], "sglang": [], "triton_2d": [], "floor": []}
+        for r in sorted(rows, key=lambda r: r[xkey]):
+            x = r[xkey] / 1e6
+            for key in ("ours", "sglang", "triton_2d"):
+                v = _med(r, key)
+                if v is not None:
+                    series[key].append((x, v))
+            if r.get("floor_us"):
+                series["floor"].append((x, r["floor_us"]))
+        styles = {"ours": "o-", "sglang": "s--", "triton_2d": "^--", "floor": "k:"}
+        for key, pts in series.items():
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, styles[key], label=LABEL[key], markersize=4)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("bytes the op must move (MB)")
+        ax.set_ylabel("device time per call (us)")
+        ax.set_title(f"{op}: {result['environment'].get('gpu', '')}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, f"{op}.png"), dpi=120)
+        plt.close(fig)

@@ -1,0 +1,93 @@
+"""``python -m bench``: one run that times every op on this GPU, ours against SGLang 0.5.23.
+
+Outputs (``--out``, default ``bench/results``): ``results.json`` (every raw figure plus the
+environment), ``results.md`` (the table) and ``<op>.png`` plots (time vs size, log scales: ours,
+SGLang, the best Triton baseline and the byte floor). ``--quick`` runs a subset in under two
+minutes; ``--smoke`` runs tiny cases on the CPU in interpret mode (CI keeps the bench alive).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from bench import common, report, timing
+
+OPS = ("scatter", "plan", "write", "verify", "bridge")
+
+
+def _op_module(name):
+    import importlib
+
+    return importlib.import_module(f"bench.op_{name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="a subset of cases (< 2 min on the H200)")
+    mode.add_argument("--smoke", action="store_true", help="tiny cases, CPU interpret mode")
+    ap.add_argument("--ops", default=",".join(OPS), help="comma list of ops to run")
+    ap.add_argument("--iters", type=int, default=None, help="timed iterations per case")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args(argv)
+
+    from tqdm import tqdm
+
+    ops = [o for o in args.ops.split(",") if o]
+    unknown = set(ops) - set(OPS)
+    if unknown:
+        ap.error(f"unknown ops {sorted(unknown)}; choose from {OPS}")
+    kind = "smoke" if args.smoke else "quick" if args.quick else "full"
+    iters = args.iters or (3 if args.smoke else 30 if args.quick else 50)
+    if not args.smoke and not common.on_gpu():
+        print("no GPU: running the smoke mode (use --smoke to silence this)", file=sys.stderr)
+        kind, iters = "smoke", min(iters, 3)
+
+    bw = timing.copy_bandwidth_gbs()
+    plan = []
+    for op in ops:
+        mod = _op_module(op)
+        cases = {"smoke": mod.SMOKE_CASES, "quick": mod.QUICK_CASES, "full": mod.FULL_CASES}[kind]
+        plan.append((op, mod, cases))
+    total = sum(len(c) for _, _, c in plan)
+    rows, errors = [], {}
+    t0 = time.time()
+    with tqdm(total=total, desc="bench", file=sys.stderr, dynamic_ncols=True) as progress:
+        for op, mod, cases in plan:
+            try:
+                rows += mod.measure(cases, iters=iters, bw_gbs=bw, progress=progress)
+            except Exception as exc:  # noqa: BLE001 - keep the other ops' figures
+                import traceback
+
+                errors[op] = traceback.format_exc()
+                print(f"bench: {op} failed: {exc!r}", file=sys.stderr)
+    result = {
+        "mode": kind,
+        "iters": iters,
+        "environment": common.environment(),
+        "copy_bandwidth_gbs": bw,
+        "sglang_cuda_jit": common._SGL.get("cuda_jit"),
+        "sglang_load_error": common._SGL.get("error"),
+        "seconds": time.time() - t0,
+        "rows": rows,
+        "errors": errors,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    table = report.markdown(result)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(table)
+    if kind != "smoke":
+        report.plots(result, args.out)
+    print(table)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
