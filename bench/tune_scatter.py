@@ -1,0 +1,75 @@
+"""Sweep the scatter's launch parameters on the GPU, for ours and for the Triton 2-D baseline.
+
+``python -m bench.tune_scatter`` prints, per case, the device time of every (block, warps)
+variant of both kernels, so the chosen constants (kvcanary_jax/ops/scatter.py) and the baseline's
+are both the best each design has; the outcome is recorded in bench/NOTES.md.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+from bench import common, timing
+from bench.op_scatter import _inputs
+
+CASES = [(1, 128), (1, 2048), (8, 2048), (64, 2048), (64, 8192), (256, 8192), (511, 8192), (2048, 2048)]
+BLOCKS = (256, 512, 1024, 2048, 4096)
+WARPS = (2, 4, 8)
+
+
+def main() -> int:
+    import jax
+    import torch
+    import triton
+
+    import kvcanary_jax as kc
+    from bench import triton_scatter as ts
+
+    out = []
+    for bs, seq in CASES:
+        flat, offsets, rpi, pool = _inputs(bs, seq, 1)
+        k = timing.num_sets(flat.nbytes + pool.nbytes)
+        res = {"case": f"bs={bs} seq={seq}", "ours": {}, "triton": {}}
+        with jax.enable_x64(True):
+            sets = [[common.to_jax(a) for a in _inputs(bs, seq, s)] for s in range(k)]
+            for block in BLOCKS:
+                for warps in WARPS:
+                    fn = jax.jit(lambda f, o, r, p, b=block, w=warps: kc.scatter_req_token_ids(
+                        flat_in=f, offsets=o, req_pool_indices=r, pool_out=p, block_cols=b,
+                        num_warps=w), donate_argnums=3)
+
+                    def run(i, fn=fn):
+                        s = sets[i % k]
+                        s[3] = fn(*s)
+
+                    t = timing.device_time(run, lambda: common.jax_sync([s[3] for s in sets]), iters=30)
+                    res["ours"][f"{block}x{warps}"] = t["median_us"]
+        tsets = [[common.to_torch(a) for a in _inputs(bs, seq, s)] for s in range(k)]
+        for block in BLOCKS:
+            for warps in WARPS:
+                span = min(seq, flat.shape[0])
+
+                def run_t(i, block=block, warps=warps):
+                    f, o, r, p = tsets[i % k]
+                    ts._scatter_2d_kernel[(bs, triton.cdiv(span, block))](
+                        f, o, r, p, f.shape[0], p.stride(0), p.shape[1], BLOCK=block, num_warps=warps)
+
+                t = timing.device_time(run_t, torch.cuda.synchronize, iters=30)
+                res["triton"][f"{block}x{warps}"] = t["median_us"]
+        best_o = min(res["ours"].items(), key=lambda kv: kv[1])
+        best_t = min(res["triton"].items(), key=lambda kv: kv[1])
+        print(f"{res['case']:>16}: ours best {best_o[0]} {best_o[1]:.2f} us | triton best {best_t[0]} "
+              f"{best_t[1]:.2f} us | ours@1024x4 {res['ours']['1024x4']:.2f} | ratio {best_o[1] / best_t[1]:.2f}",
+              flush=True)
+        out.append(res)
+    path = sys.argv[1] if len(sys.argv) > 1 else "tune_scatter.json"
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
