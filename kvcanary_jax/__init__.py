@@ -1,17 +1,44 @@
-"""kvcanary-jax: SGLang's KV-cache canary (kv-canary) as JAX/Pallas kernels."""
+"""kvcanary-jax: SGLang's KV-cache canary (kv-canary) as JAX/Pallas kernels.
+
+Ops (keyword arguments as SGLang's launchers; each returns its updated outputs and updates them
+in place under ``jax.jit`` with donation): :func:`scatter_req_token_ids`, :func:`canary_plan`,
+:func:`canary_write`, :func:`canary_verify`. Each has a pure-jnp ``*_reference``.
+Runtime for a serving loop: :class:`CanaryConfig`, :func:`init_state`, :func:`make_canary_step`,
+:func:`canary_sweep`, :func:`read_violations` (see :mod:`kvcanary_jax.runtime`).
+"""
 
 from kvcanary_jax import _config  # noqa: F401  (filters the Triton-lowering notice first)
+from kvcanary_jax.consts import (
+    CANARY_CHAIN_ANCHOR,
+    CanaryLaunchTag,
+    FailReason,
+    RealKvHashMode,
+)
+from kvcanary_jax.context import RealKvSource, VerifyOrWriteContext
+from kvcanary_jax.hashing import mix3, splitmix64
 from kvcanary_jax.ops.plan import canary_plan, canary_plan_reference
 from kvcanary_jax.ops.scatter import scatter_req_token_ids, scatter_req_token_ids_reference
+from kvcanary_jax.ops.verify import canary_verify
+from kvcanary_jax.ops.write import canary_write
 from kvcanary_jax.plans import VerifyPlan, WritePlan
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CANARY_CHAIN_ANCHOR",
+    "CanaryLaunchTag",
+    "FailReason",
+    "RealKvHashMode",
+    "RealKvSource",
+    "VerifyOrWriteContext",
     "VerifyPlan",
     "WritePlan",
     "canary_plan",
     "canary_plan_reference",
+    "canary_verify",
+    "canary_write",
+    "mix3",
     "scatter_req_token_ids",
     "scatter_req_token_ids_reference",
+    "splitmix64",
 ]
