@@ -53,10 +53,46 @@ def plan_cases(rng):
     print("plan: 20 hostile launches done")
 
 
+def write_verify_cases(rng):
+    """Seeds, slots and verify indices out of range; counts negative or past capacity."""
+    from kvcanary_jax.consts import CanaryLaunchTag, RealKvHashMode
+
+    num_slots, n, cap = 500, 600, 16
+    with jax.enable_x64(True):
+        kv = jax.numpy.asarray(rng.integers(0, 255, (num_slots // 2, 64), dtype=np.uint8))
+        src = kc.RealKvSource(tensor=kv, page_size=2, num_bytes_per_token=32, read_bytes=32)
+        for i in range(20):
+            ctx = kc.VerifyOrWriteContext.allocate(
+                num_slots=num_slots, kernel_kind=CanaryLaunchTag.TAIL_K_FULL, ring_capacity=8,
+                real_kv_sources=(src,), real_kv_hash_mode=RealKvHashMode(i % 3))
+            offsets = np.sort(rng.integers(-50, n + 50, cap + 1)).astype(np.int64)
+            wplan = kc.WritePlan(
+                write_offsets=jax.numpy.asarray(offsets),
+                write_seed_slot_indices=jax.numpy.asarray(rng.integers(-3 * num_slots, 3 * num_slots, cap)),
+                write_num_valid_reqs=jax.numpy.asarray([int(rng.integers(-5, 3 * cap))], dtype=np.int32))
+            ctx = kc.canary_write(
+                context=ctx, plan=wplan,
+                input_ids=rng.integers(0, 9, n).astype(np.int64),
+                positions=rng.integers(-5, 9, n).astype(np.int64),
+                out_cache_loc=rng.integers(-2 * num_slots, 2 * num_slots, n).astype(np.int64),
+                enable_write_input_assert=False, expected_input_tokens=None, expected_input_positions=None)
+            m = 700
+            vplan = kc.VerifyPlan(
+                verify_slot_indices=jax.numpy.asarray(rng.integers(-2 * num_slots, 2 * num_slots, m)),
+                verify_expected_tokens=jax.numpy.asarray(rng.integers(-1, 9, m)),
+                verify_expected_positions=jax.numpy.asarray(rng.integers(0, 9, m)),
+                verify_prev_slot_indices=jax.numpy.asarray(rng.integers(-2 * num_slots, 2 * num_slots, m)),
+                verify_num_valid=jax.numpy.asarray([int(rng.integers(-5, 3 * m))], dtype=np.int32),
+                enable=jax.numpy.ones(1, np.int32))
+            ctx = kc.canary_verify(context=ctx, plan=vplan, check_verify_expected_token=True)
+            jax.block_until_ready(ctx)
+    print("write + verify: 20 hostile launches each done")
+
+
 def main():
     rng = np.random.default_rng(0)
     scatter_cases(rng)
-    for name in ("plan", "write", "verify"):
+    for name in ("plan", "write_verify"):
         fn = globals().get(f"{name}_cases")
         if fn is not None:
             fn(rng)
