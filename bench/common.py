@@ -24,7 +24,7 @@ def torch_device() -> str:
 def to_torch(a: np.ndarray):
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(a)).to(torch_device())
+    return torch.from_numpy(np.array(a, copy=True)).to(torch_device())
 
 
 def to_jax(a: np.ndarray):

@@ -41,10 +41,11 @@ __all__ = [
     "NUM_WARPS",
 ]
 
-# Column tile per program. 1024 int32 columns = 4 KiB stored, 8 KiB loaded per program; chosen
-# on the H200 (bench/NOTES.md): smaller tiles multiply programs on long rows, larger ones waste
-# lanes on the short rows of decode batches.
-BLOCK_COLS = 1024
+# Column tile per program and warps, chosen by the H200 sweep in bench/NOTES.md
+# (bench/tune_scatter.py): 256 x 4 warps is the fastest or within 6% of the fastest of 15 variants
+# on every case, from 1 x 128 (launch-bound) to 511 x 8192 (bandwidth-bound); larger tiles leave
+# most lanes idle on short rows and serialise long rows into fewer programs.
+BLOCK_COLS = 256
 NUM_WARPS = 4
 
 _P = "kv-canary: scatter_req_token_ids"

@@ -1,0 +1,181 @@
+"""``kvcanary-jax``: command line.
+
+``kvcanary-jax [demo] [--steps N] [--seed S] [--faults a,b] [--device cpu|gpu] [--json]`` simulates
+a small server with the canary on, then runs the fault campaign and prints, per fault kind, how
+many faults were injected and detected, the first detecting step, and the clean run's false
+positives. ``demo`` is the default subcommand.
+
+Other subcommands register themselves through :func:`register_command` (``bench`` is looked up
+lazily from the ``bench`` package when it is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from typing import Callable
+
+__all__ = ["main", "register_command"]
+
+_COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
+
+
+def register_command(name: str, help: str, add_arguments: Callable, run: Callable) -> None:
+    """Add a subcommand: ``add_arguments(parser)`` declares its options, ``run(args) -> int``."""
+    _COMMANDS[name] = (help, add_arguments, run)
+
+
+# ------------------------------------------------------------------------------------------ demo
+
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    from kvcanary_jax.simulate import FAULT_KINDS
+
+    p.add_argument("--steps", type=int, default=40, help="clean serving steps (default 40)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--faults", default="all",
+                   help="comma list of fault kinds, or 'all': " + ", ".join(FAULT_KINDS))
+    p.add_argument("--injections", type=int, default=2, help="trials per fault kind (default 2)")
+    p.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                   help="cpu: Pallas interpret mode on the host; gpu: the compiled kernels")
+    p.add_argument("--swa-window", type=int, default=8,
+                   help="sliding window of the SWA buffer group; 0 = FULL group only")
+    p.add_argument("--v-half", action="store_true", help="also run the V-half endpoints")
+    p.add_argument("--sweep-interval", type=int, default=4)
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _progress_factory(enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is a dev extra; the demo runs without it
+        return None
+    return lambda total: tqdm(total=total, desc="kv-canary demo", unit="step", file=sys.stderr,
+                              leave=False, dynamic_ncols=True)
+
+
+def _select_device(device: str) -> bool:
+    """Returns the interpret flag; pins JAX to the host for ``cpu`` before it initialises."""
+    import jax
+
+    if device == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+        return True
+    if jax.default_backend() != "gpu":
+        raise SystemExit("kvcanary-jax: --device gpu needs a CUDA GPU (JAX sees "
+                         f"{jax.default_backend()!r})")
+    return False
+
+
+def _table(res) -> str:
+    rows = [("fault", "injected", "detected", "first step", "latency", "caught by", "reasons")]
+    for f in res.faults:
+        rows.append((
+            f.kind, str(f.injected), str(f.detected),
+            "-" if f.first_step is None else str(f.first_step),
+            ",".join(str(x) for x in f.latencies) or "-",
+            ",".join(sorted(f.tags)) or "-",
+            ",".join(r.replace("_MISMATCH", "").lower() for r in sorted(f.reasons)) or "-",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _run_demo(args) -> int:
+    interpret = _select_device(args.device)
+    warnings.filterwarnings("ignore", message=".*donated buffers.*")
+    from kvcanary_jax import simulate
+
+    faults = None if args.faults in ("all", "") else [f.strip() for f in args.faults.split(",") if f.strip()]
+    sim = simulate.SimConfig(
+        steps=args.steps, seed=args.seed, swa_window_size=args.swa_window,
+        enable_v_half=args.v_half, sweep_interval=args.sweep_interval, interpret=interpret,
+    )
+    t0 = time.perf_counter()
+    try:
+        res = simulate.run_campaign(sim, faults=faults, injections=args.injections,
+                                    progress_factory=_progress_factory(not args.no_progress))
+    except ValueError as e:
+        print(f"kvcanary-jax: {e}", file=sys.stderr)
+        return 2
+    wall = time.perf_counter() - t0
+    out = res.as_dict()
+    out["timing"]["wall_s"] = round(wall, 3)
+    out["device"] = args.device
+    out["seed"] = args.seed
+    ok = res.false_positives == 0 and all(f.detected == f.injected > 0 for f in res.faults)
+    out["ok"] = ok
+    if args.json:
+        print(json.dumps(out))
+        return 0 if ok else 1
+    t = out["timing"]
+    print(f"kv-canary demo: {res.steps} clean steps on {args.device} "
+          f"(seed {args.seed}, SWA window {args.swa_window or 'off'}, "
+          f"sweep every {args.sweep_interval} steps)")
+    print(f"clean run: {res.false_positives} violation(s) (false positives); first step "
+          f"{t['first_step_s']:.2f} s incl. compile, then median {1e3 * t['step_median_s']:.2f} ms/step")
+    for v in res.clean_violations[:5]:
+        print(f"  {v}")
+    print()
+    print(_table(res))
+    print()
+    print(f"{'OK' if ok else 'FAILED'}: {sum(f.detected for f in res.faults)}/"
+          f"{sum(f.injected for f in res.faults)} injected faults detected; wall {wall:.1f} s")
+    return 0 if ok else 1
+
+
+register_command("demo", "simulate a server with the canary on, then a fault campaign",
+                 _demo_args, _run_demo)
+
+
+# ----------------------------------------------------------------------------------------- bench
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark runner")
+
+
+def _run_bench(args) -> int:
+    try:
+        from bench import run as bench_run
+    except ImportError:
+        print("kvcanary-jax bench: the benchmark package is not installed (run from a checkout)",
+              file=sys.stderr)
+        return 2
+    return int(bench_run.main(list(args.rest)) or 0)
+
+
+if "bench" not in _COMMANDS:
+    register_command("bench", "benchmarks (kernels vs SGLang)", _bench_args, _run_bench)
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvcanary-jax", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command")
+    for name, (help_, add, _) in _COMMANDS.items():
+        add(sub.add_parser(name, help=help_))
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in _COMMANDS and argv[0] not in ("-h", "--help"):
+        argv = ["demo"] + argv
+    args = build_parser().parse_args(argv)
+    return _COMMANDS[args.command][2](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

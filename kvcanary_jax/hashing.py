@@ -1,0 +1,140 @@
+"""The canary's hash primitives on int64, usable in jnp code and inside Pallas kernels.
+
+SGLang hashes on uint64. uint64 arithmetic crashes the Pallas GPU (Triton) lowering, so every
+function here works on int64 bit patterns: multiplies wrap mod 2^64 identically on signed and
+unsigned types, xor is bitwise, and ``>>`` is :func:`jax.lax.shift_right_logical`. The results are
+the same 64 bits as SGLang's ``consts.splitmix64`` / ``splitmix64_mix3``, read as two's complement,
+i.e. exactly the int64 values stored in the canary buffer.
+
+Python-int twins (``*_int``) serve constants and tests.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvcanary_jax import consts
+
+__all__ = [
+    "to_i64",
+    "to_u64",
+    "splitmix64",
+    "mix3",
+    "splitmix64_int",
+    "mix3_int",
+    "ANCHOR_HASH_I64",
+    "fold_real_kv",
+    "array_gather",
+]
+
+_U64 = (1 << 64) - 1
+
+
+def to_i64(value: int) -> int:
+    """The int64 reading of a 64-bit pattern."""
+    value &= _U64
+    return value - (1 << 64) if value >= (1 << 63) else value
+
+
+def to_u64(value: int) -> int:
+    return value & _U64
+
+
+_M1 = np.int64(to_i64(0xBF58476D1CE4E5B9))
+_M2 = np.int64(to_i64(0x94D049BB133111EB))
+
+
+def _srl(x, n: int):
+    return jax.lax.shift_right_logical(x, jnp.full_like(x, n))
+
+
+def splitmix64(x):
+    """SplitMix64's finaliser on int64 bit patterns (no golden-gamma step: splitmix64(0) = 0)."""
+    x = jnp.asarray(x, jnp.int64)
+    x = (x ^ _srl(x, 30)) * _M1
+    x = (x ^ _srl(x, 27)) * _M2
+    return x ^ _srl(x, 31)
+
+
+def mix3(a, b, c):
+    """``splitmix64(splitmix64(splitmix64(a) ^ b) ^ c)``: the chain step (a = previous hash)."""
+    h = splitmix64(a)
+    h = splitmix64(h ^ jnp.asarray(b, jnp.int64))
+    return splitmix64(h ^ jnp.asarray(c, jnp.int64))
+
+
+def splitmix64_int(value: int) -> int:
+    """Python-int splitmix64 returning the int64 reading."""
+    x = value & _U64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
+    return to_i64(x ^ (x >> 31))
+
+
+def mix3_int(a: int, b: int, c: int) -> int:
+    h = splitmix64_int(a)
+    h = splitmix64_int(h ^ (b & _U64))
+    return splitmix64_int(h ^ (c & _U64))
+
+
+# The link a chain head stores (predecessor < 0): splitmix64 of the fixed anchor.
+ANCHOR_HASH_I64: int = splitmix64_int(consts.CANARY_CHAIN_ANCHOR)
+
+
+def _index_dtype(num_elements: int):
+    # Gather offsets share one dtype; int32 unless the buffer outgrows it.
+    return jnp.int32 if num_elements < 2**31 else jnp.int64
+
+
+def _kernel_gather(ref, idx, ok):
+    from kvcanary_jax._config import plt
+
+    return plt.load(ref.at[idx], mask=ok, other=0)
+
+
+def array_gather(arr, idx, ok):
+    """:func:`fold_real_kv`'s gather for plain arrays (pure jnp, outside kernels)."""
+    return jnp.where(ok, arr[jnp.where(ok, idx, 0)], 0)
+
+
+def fold_real_kv(slots, mask, source_refs: Sequence, specs: Sequence, mode: int,
+                 gather=_kernel_gather):
+    """Real-KV fingerprints of a vector of slots (inside a Pallas kernel by default).
+
+    ``source_refs[i]`` is source i's bytes as a flat int64 word ref; ``specs[i]`` its static
+    :class:`kvcanary_jax.context.SourceSpec`. Per source, words ``[0, E/8)`` of the slot's strip
+    (E = 16 in PARTIAL mode, ``read_bytes`` in ALL) are folded ``h = splitmix64(h ^ w)``; sources
+    are combined ``acc = splitmix64(acc ^ h)``. Lanes off ``mask``, and lanes whose row lies past
+    the source's rows (SGLang reads out of bounds there), read zero words and are never loaded.
+    ``gather(ref, idx, ok)`` loads words (pass :func:`array_gather` for plain arrays).
+    """
+    zero = jnp.zeros(slots.shape, jnp.int64)
+    if mode == int(consts.RealKvHashMode.NONE) or not specs:
+        return zero
+    acc = zero
+    for ref, spec in zip(source_refs, specs):
+        idt = _index_dtype(ref.shape[0])
+        s = jnp.where(mask, slots, 0).astype(jnp.int64)
+        row = s // spec.page_size
+        col = s % spec.page_size
+        ok = mask & (slots >= 0) & (row < spec.num_rows)
+        base = spec.word_offset + row * spec.row_stride_words + col * spec.nbpt_words
+        base = jnp.where(ok, base, 0).astype(idt)
+        words = 2 if mode == int(consts.RealKvHashMode.PARTIAL) else spec.read_words
+
+        def step(w, h, base=base, ok=ok, ref=ref):
+            word = gather(ref, base + w.astype(idt), ok)
+            return splitmix64(h ^ word)
+
+        if words <= 8:
+            h = zero
+            for w in range(words):
+                h = step(jnp.asarray(w, idt), h)
+        else:
+            h = jax.lax.fori_loop(0, words, lambda w, h: step(w, h), zero)
+        acc = splitmix64(acc ^ h)
+    return acc

@@ -1,0 +1,540 @@
+"""canary_write: stamp (token, position, chain link, real-KV fingerprint) into each written slot.
+
+Semantics (SGLang's ``launch_canary_write_kernel``, spec section 9)::
+
+    kernel_run_counter += 1                                  # always
+    for r in [0, clamp(write_num_valid_reqs, 0, write_req_capacity)):
+        h = slot_hash(seed)  (anchor hash if seed < 0);  last = seed.position (chain-position check)
+        for i in [write_offsets[r], write_offsets[r + 1]):
+            slot = out_cache_loc[i];  skip if slot < 0
+            input assert (token / position vs expected_*) -> record, chain still on actual values
+            chain-position assert (seed >= 0 and flag) -> record when position != last + 1
+            canary_buf[slot] = (token, position, h, real_kv_hash(slot))
+            h = mix3(h, token, position)
+            slot_run_counter += 1
+
+Parallel shape: one program per request row (grid = write_req_capacity; rows past the valid count
+exit). A request's chain is serial, but only the ``mix3`` step is: each program takes its tokens
+in blocks of ``block`` lanes, loads ids / positions / slots as vectors, computes the block's
+real-KV fingerprints and input-assert bits vectorised, runs the chain hash through a scalar loop
+whose body is the mix3 step (collecting each slot's link into a vector), then stores the block's
+canary rows and violation rows with vector scatters, reserving the block's ring rows with one
+atomic add.
+
+Guarantees where SGLang's GPU kernel leaves things unspecified or out of bounds:
+
+* Within a request everything is sequential, as in SGLang's reference: when a slot repeats in a
+  request the last occurrence's row is stored (earlier duplicates in the same block are masked;
+  blocks are ordered by a barrier on the GPU). The seed slot is read once, before the request's
+  first store. Violation rows of one request are appended in entry order (input-assert row before
+  the chain-position row of the same entry).
+* Across requests of one launch (a slot written by two requests, a seed written by another
+  request) the result is unspecified on the GPU, as in SGLang; interpret mode runs requests in
+  order and so reproduces the reference.
+* Nothing is read or written out of bounds: a slot at or past ``num_slots`` is skipped like a
+  negative one (SGLang writes past the buffer; its reference raises IndexError); a seed at or past
+  ``num_slots`` reads as an all-zero slot; a token index outside ``input_ids`` is skipped; a
+  real-KV row past a source's rows reads as zero words.
+* A negative ``write_num_valid_reqs`` means no request (the reference's clamp; SGLang's GPU reads
+  it as huge). Requests are taken from their own ranges: the reference's early exit on
+  ``write_offsets[A] <= 0`` differs only for non-monotonic offsets.
+* All validation happens at trace time, before anything runs (SGLang's reference bumps
+  ``kernel_run_counter`` first and validates only when there is work).
+
+:func:`canary_write_reference` is a pure-jnp, fully sequential version of the same op (requests
+and tokens in order), with the same bounds choices.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kvcanary_jax import _config, consts, hashing
+from kvcanary_jax._config import pl, plt
+from kvcanary_jax.context import (
+    SourceAbi,
+    SourceCount,
+    SourceSpec,
+    VerifyOrWriteContext,
+    as_words,
+    check_extent,
+    source_spec,
+)
+from kvcanary_jax.contracts import Check, Contiguous, Contract, Rule, meta_of
+from kvcanary_jax.ops.verify import (
+    append_rows,
+    canary_checks,
+    canary_from_words,
+    canary_words,
+    context_guard_checks,
+    scatter,
+    source_metas,
+    tensor_guard,
+)
+from kvcanary_jax.plans import WritePlan
+
+__all__ = [
+    "CONTRACT",
+    "canary_write",
+    "write_impl",
+    "canary_write_reference",
+    "BLOCK",
+    "CHAIN_UNROLL",
+    "NUM_WARPS",
+]
+
+# Tokens per block of one request. The serial part per token is one mix3 plus three scalar loads
+# that hit L1 after the block's vector loads; the vector part (loads, fingerprints, dedupe,
+# stores) is amortised over the block. Short requests (decode) pay for the dedupe tile only.
+BLOCK = 128
+# mix3 steps per trip of the chain loop (straight-line code lets the scalar loads of the next
+# steps issue while the current hash is computed).
+CHAIN_UNROLL = 8
+NUM_WARPS = 4
+
+_W = "canary_write"
+
+
+class _ExpectedPresence(Check):
+    """SGLang's flag / expected-tensor consistency (scalar ``enable_write_input_assert``)."""
+
+    def run(self, metas, scalars):
+        tok, pos = metas.get("expected_input_tokens"), metas.get("expected_input_positions")
+        if scalars["enable_write_input_assert"]:
+            if tok is None or pos is None:
+                raise ValueError(
+                    "kv-canary: expected input tensors are required when "
+                    "enable_write_input_assert=True"
+                )
+        elif tok is not None or pos is not None:
+            raise ValueError(
+                "kv-canary: expected input tensors must be None when enable_write_input_assert=False"
+            )
+
+
+def _same_length(metas, scalars):
+    n = metas["input_ids"].shape[0]
+    for name in ("positions", "out_cache_loc", "expected_input_tokens", "expected_input_positions"):
+        m = metas.get(name)
+        if m is not None and m.shape != (n,):
+            return {"name": name, "shape": m.shape, "n": n}
+    return None
+
+
+def _offsets_length(metas, scalars):
+    c = metas["plan.write_seed_slot_indices"].shape[0]
+    n = metas["plan.write_offsets"].shape[0]
+    return None if n == c + 1 else {"c1": c + 1, "n": n}
+
+
+# SGLang's launcher order: source count (every path); contiguity of the plan / token tensors;
+# flag consistency and the expected tensors' contiguity; contiguity of the sinks; per-source
+# ABI checks; then what SGLang's C++ guards check (dtypes, shapes: RuntimeError, wording ours)
+# and the canary stride (the reference's ValueError).
+CONTRACT = Contract(
+    op=_W,
+    checks=(
+        SourceCount(),
+        *(Contiguous(n) for n in (
+            "canary_buf", "plan.write_offsets", "plan.write_seed_slot_indices",
+            "plan.write_num_valid_reqs", "input_ids", "positions", "out_cache_loc")),
+        _ExpectedPresence(),
+        Contiguous("expected_input_tokens"),
+        Contiguous("expected_input_positions"),
+        *(Contiguous(n) for n in (
+            "violation_ring", "violation_write_index", "slot_run_counter",
+            "kernel_run_counter", "enable_chain_position_assert")),
+        SourceAbi(),
+        *tensor_guard(_W, "plan.write_offsets", "int64", 1),
+        *tensor_guard(_W, "plan.write_seed_slot_indices", "int64", 1),
+        *tensor_guard(_W, "plan.write_num_valid_reqs", "int32", (1,)),
+        Rule(
+            _offsets_length,
+            "kv-canary: canary_write: write_offsets.size(0) must equal write_req_capacity + 1 "
+            "({c1}), got {n}",
+            RuntimeError,
+        ),
+        *tensor_guard(_W, "input_ids", "int64", 1),
+        *tensor_guard(_W, "positions", "int64", 1),
+        *tensor_guard(_W, "out_cache_loc", "int64", 1),
+        *tensor_guard(_W, "expected_input_tokens", "int64", 1),
+        *tensor_guard(_W, "expected_input_positions", "int64", 1),
+        Rule(
+            _same_length,
+            "kv-canary: canary_write: {name} must have the length of input_ids ({n}), "
+            "got shape {shape}",
+            RuntimeError,
+        ),
+        *context_guard_checks(_W),
+        *tensor_guard(_W, "enable_chain_position_assert", "int32", (1,)),
+        *canary_checks(),
+    ),
+)
+
+
+def _write_kernel(
+    offsets_ref, seeds_ref, nvalid_ref, ids_ref, pos_ref, ocl_ref, etok_ref, epos_ref, cpa_ref,
+    *refs, specs, mode, kind, check_input, num_tokens, num_slots, slot_words, ring_cap, block,
+    unroll, barrier,
+):
+    nsrc = len(specs)
+    src_refs = refs[:nsrc]
+    canary, ring, widx, sctr, kctr = refs[nsrc + 5:]
+    r = pl.program_id(0)
+    capacity = seeds_ref.shape[0]
+    i64 = jnp.int64
+
+    @pl.when(r == 0)
+    def _bump():
+        kctr[0] = kctr[0] + 1
+
+    active = jnp.clip(nvalid_ref[0], 0, capacity)
+
+    @pl.when(r < active)
+    def _request():
+        start = offsets_ref[r]
+        n = offsets_ref[r + 1] - start
+
+        @pl.when(n > 0)
+        def _chain():
+            seed = seeds_ref[r]
+            seed_ok = (seed >= 0) & (seed < num_slots)
+            base = jnp.where(seed_ok, seed, 0) * slot_words
+            zero = jnp.zeros((), i64)
+            s_tok = jnp.where(seed_ok, canary[base + consts.CANARY_FIELD_TOKEN], zero)
+            s_pos = jnp.where(seed_ok, canary[base + consts.CANARY_FIELD_POSITION], zero)
+            s_ph = jnp.where(seed_ok, canary[base + consts.CANARY_FIELD_PREV_HASH], zero)
+            h0 = jnp.where(seed < 0, jnp.asarray(hashing.ANCHOR_HASH_I64, i64),
+                           hashing.mix3(s_ph, s_tok, s_pos))
+            pos_check = (seed >= 0) & (cpa_ref[0] != 0)
+            last0 = jnp.where(pos_check, s_pos, zero)
+            lane = jnp.arange(block, dtype=i64)
+
+            def block_body(b, carry):
+                h, last, written = carry
+                j0 = b.astype(i64) * block
+                cnt = jnp.minimum(n - j0, block)
+                i = start + j0 + lane
+                inb = (lane < cnt) & (i >= 0) & (i < num_tokens)
+                ic = jnp.where(inb, i, 0).astype(jnp.int32)
+                slot = plt.load(ocl_ref.at[ic], mask=inb, other=-1)
+                tok = plt.load(ids_ref.at[ic], mask=inb, other=0)
+                pos = plt.load(pos_ref.at[ic], mask=inb, other=0)
+                valid = inb & (slot >= 0) & (slot < num_slots)
+                rkv = hashing.fold_real_kv(slot, valid, src_refs, specs, mode)
+
+                def chunk(c, carry2):
+                    h, last, hvec, lp1vec = carry2
+                    for u in range(unroll):
+                        jl = c.astype(i64) * unroll + u
+                        ii = start + j0 + jl
+                        ok = (jl < cnt) & (ii >= 0) & (ii < num_tokens)
+                        iic = jnp.where(ok, ii, 0).astype(jnp.int32)
+                        s, t, p = ocl_ref[iic], ids_ref[iic], pos_ref[iic]
+                        v = ok & (s >= 0) & (s < num_slots)
+                        here = lane == jl
+                        hvec = jnp.where(here, h, hvec)
+                        lp1vec = jnp.where(here, last + 1, lp1vec)
+                        h = jnp.where(v, hashing.mix3(h, t, p), h)
+                        last = jnp.where(v, p, last)
+                    return h, last, hvec, lp1vec
+
+                zeros = jnp.zeros((block,), i64)
+                h, last, hvec, lp1vec = jax.lax.fori_loop(
+                    0, (cnt + unroll - 1) // unroll, chunk, (h, last, zeros, zeros)
+                )
+
+                # A slot repeated later in this block is stored by its last occurrence only.
+                later_same = (
+                    (slot[:, None] == slot[None, :]) & valid[None, :]
+                    & (lane[None, :] > lane[:, None])
+                )
+                keep = valid & (jnp.max(later_same.astype(jnp.int32), axis=1) == 0)
+                row = slot * slot_words
+                for f, vals in ((consts.CANARY_FIELD_TOKEN, tok),
+                                (consts.CANARY_FIELD_POSITION, pos),
+                                (consts.CANARY_FIELD_PREV_HASH, hvec),
+                                (consts.CANARY_FIELD_REAL_KV_HASH, rkv)):
+                    scatter(canary, row + f, vals, keep)
+                if barrier:
+                    # Orders this block's stores before a later block's store to the same slot.
+                    plt.debug_barrier()
+
+                if check_input:
+                    etok = plt.load(etok_ref.at[ic], mask=inb, other=0)
+                    epos = plt.load(epos_ref.at[ic], mask=inb, other=0)
+                    F = consts.FailReason
+                    bits_in = (jnp.where(tok != etok, int(F.WRITE_TOKEN_MISMATCH), 0)
+                               | jnp.where(pos != epos, int(F.WRITE_POSITION_MISMATCH), 0))
+                    has_in = valid & (bits_in != 0)
+                else:
+                    etok = epos = bits_in = zeros
+                    has_in = jnp.zeros((block,), jnp.bool_)
+                has_ch = valid & pos_check & (pos != lp1vec)
+                nrows = has_in.astype(jnp.int32) + has_ch.astype(jnp.int32)
+                total = jnp.sum(nrows, dtype=jnp.int32)
+
+                @pl.when(total > 0)
+                def _record():
+                    first = plt.atomic_add(widx, (jnp.int32(0),), total)
+                    rank = jnp.cumsum(nrows, dtype=jnp.int32) - nrows
+                    kind_v = jnp.full((block,), kind, i64)
+                    row_in = first + rank
+                    append_rows(ring, row_in, has_in, ring_cap, (
+                        kind_v, slot, pos, tok, etok, hvec, epos, bits_in.astype(i64)))
+                    wpm = jnp.full((block,), int(consts.FailReason.WRITE_POSITION_MISMATCH), i64)
+                    append_rows(ring, row_in + has_in.astype(jnp.int32), has_ch, ring_cap, (
+                        kind_v, slot, pos, tok, tok, hvec, lp1vec, wpm))
+
+                return h, last, written + jnp.sum(valid.astype(i64))
+
+            nblocks = (n + block - 1) // block
+            _, _, written = jax.lax.fori_loop(
+                0, nblocks, block_body, (h0, last0, jnp.zeros((), i64))
+            )
+            plt.atomic_add(sctr, (jnp.int32(0),), written)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("specs", "mode", "kind", "check_input", "block", "unroll", "num_warps",
+                     "interpret"),
+)
+def _write_jit(canary_buf, violation_ring, violation_write_index, slot_run_counter,
+               kernel_run_counter, enable_chain_position_assert, write_offsets,
+               write_seed_slot_indices, write_num_valid_reqs, input_ids, positions, out_cache_loc,
+               expected_input_tokens, expected_input_positions, source_bufs, *, specs, mode, kind,
+               check_input, block, unroll, num_warps, interpret):
+    num_slots, stride_bytes = canary_buf.shape
+    ring_cap = violation_ring.shape[0]
+    num_tokens = input_ids.shape[0]
+    capacity = write_seed_slot_indices.shape[0]
+    if num_tokens == 0:  # keep every scalar load in bounds; the masks use the true length
+        pad = lambda x: jnp.zeros((1,), jnp.int64)  # noqa: E731
+        input_ids, positions, out_cache_loc = pad(0), pad(0), pad(0)
+        if check_input:
+            expected_input_tokens, expected_input_positions = pad(0), pad(0)
+    if not check_input:
+        expected_input_tokens, expected_input_positions = input_ids, positions
+    words = [as_words(b) for b in source_bufs]
+    for i, (w, spec) in enumerate(zip(words, specs)):
+        check_extent(w, spec, i)
+    canary = canary_words(canary_buf)
+    ring = violation_ring.reshape(-1)
+    kernel = functools.partial(
+        _write_kernel, specs=specs, mode=mode, kind=kind, check_input=check_input,
+        num_tokens=num_tokens, num_slots=num_slots, slot_words=stride_bytes // 8,
+        ring_cap=ring_cap, block=block, unroll=unroll, barrier=not interpret,
+    )
+    ins = [write_offsets, write_seed_slot_indices, write_num_valid_reqs, input_ids, positions,
+           out_cache_loc, expected_input_tokens, expected_input_positions,
+           enable_chain_position_assert, *words]
+    outs = [canary, ring, violation_write_index, slot_run_counter, kernel_run_counter]
+    k = len(ins)
+    canary, ring, widx, sctr, kctr = pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs],
+        grid=(capacity,),
+        input_output_aliases={k + j: j for j in range(len(outs))},
+        interpret=interpret,
+        compiler_params=None if interpret else _config.compiler_params(num_warps),
+        name="kvcanary_write",
+    )(*ins, *outs)
+    return canary_from_words(canary, canary_buf.shape), ring.reshape(violation_ring.shape), \
+        widx, sctr, kctr
+
+
+def validate(context, plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
+             expected_input_tokens, expected_input_positions):
+    tensors = {
+        "canary_buf": context.canary_buf,
+        "plan.write_offsets": plan.write_offsets,
+        "plan.write_seed_slot_indices": plan.write_seed_slot_indices,
+        "plan.write_num_valid_reqs": plan.write_num_valid_reqs,
+        "input_ids": input_ids,
+        "positions": positions,
+        "out_cache_loc": out_cache_loc,
+        "expected_input_tokens": expected_input_tokens,
+        "expected_input_positions": expected_input_positions,
+        "violation_ring": context.violation_ring,
+        "violation_write_index": context.violation_write_index,
+        "slot_run_counter": context.slot_run_counter,
+        "kernel_run_counter": context.kernel_run_counter,
+        "enable_chain_position_assert": context.enable_chain_position_assert,
+    }
+    metas = {k: (None if v is None else meta_of(v)) for k, v in tensors.items()}
+    metas.update(source_metas(context.real_kv_sources))
+    CONTRACT.validate_metas(
+        metas, num_sources=len(context.real_kv_sources),
+        enable_write_input_assert=bool(enable_write_input_assert),
+    )
+
+
+@_config.with_x64
+def write_impl(
+    *, canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
+    enable_chain_position_assert, write_offsets, write_seed_slot_indices, write_num_valid_reqs,
+    input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions,
+    sources: tuple[tuple[jax.Array, SourceSpec], ...], kernel_kind: int, real_kv_hash_mode: int,
+    enable_write_input_assert: bool, block: int = BLOCK, unroll: int = CHAIN_UNROLL,
+    num_warps: int = NUM_WARPS, interpret: bool | None = None,
+):
+    """Array-level entry (no validation): each source is ``(buffer, SourceSpec)`` where the
+    buffer is any compact array holding the source's bytes. Returns ``(canary_buf,
+    violation_ring, violation_write_index, slot_run_counter, kernel_run_counter)``; donate the
+    first five arguments' buffers for an in-place update."""
+    if interpret is None:
+        interpret = _config.default_interpret()
+    return _write_jit(
+        canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
+        enable_chain_position_assert, write_offsets, write_seed_slot_indices,
+        write_num_valid_reqs, input_ids, positions, out_cache_loc, expected_input_tokens,
+        expected_input_positions, tuple(b for b, _ in sources),
+        specs=tuple(s for _, s in sources), mode=int(real_kv_hash_mode), kind=int(kernel_kind),
+        check_input=bool(enable_write_input_assert), block=block, unroll=unroll,
+        num_warps=num_warps, interpret=interpret,
+    )
+
+
+@_config.with_x64
+def canary_write(
+    *,
+    context: VerifyOrWriteContext,
+    plan: WritePlan,
+    input_ids: jax.Array,
+    positions: jax.Array,
+    out_cache_loc: jax.Array,
+    enable_write_input_assert: bool,
+    expected_input_tokens: jax.Array | None,
+    expected_input_positions: jax.Array | None,
+    block: int = BLOCK,
+    unroll: int = CHAIN_UNROLL,
+    num_warps: int = NUM_WARPS,
+    interpret: bool | None = None,
+) -> VerifyOrWriteContext:
+    """Write canary records for the batch's written tokens; returns the updated context.
+
+    Arguments as SGLang's ``launch_canary_write_kernel`` (keyword-only; int64 token tensors of one
+    length, a :class:`~kvcanary_jax.plans.WritePlan`). The returned context carries the new
+    ``canary_buf``, ``violation_ring``, ``violation_write_index``, ``slot_run_counter`` and
+    ``kernel_run_counter``; its other fields are the input's. Under
+    ``jax.jit(..., donate_argnames="context")`` the update is in place (the kernel aliases those
+    buffers; the sources' arrays come back unchanged and aliased).
+
+    Raises at trace time: SGLang's ValueErrors (more than 4 sources; expected tensors present iff
+    the assert is on; per-source ABI checks; canary slot stride below 4 int64 fields);
+    RuntimeError for dtype / shape mismatches (SGLang's C++ guards).
+    """
+    validate(context, plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
+              expected_input_tokens, expected_input_positions)
+    sources = tuple((s.tensor, source_spec(s)) for s in context.real_kv_sources)
+    canary, ring, widx, sctr, kctr = write_impl(
+        canary_buf=context.canary_buf, violation_ring=context.violation_ring,
+        violation_write_index=context.violation_write_index,
+        slot_run_counter=context.slot_run_counter, kernel_run_counter=context.kernel_run_counter,
+        enable_chain_position_assert=context.enable_chain_position_assert,
+        write_offsets=plan.write_offsets, write_seed_slot_indices=plan.write_seed_slot_indices,
+        write_num_valid_reqs=plan.write_num_valid_reqs, input_ids=input_ids, positions=positions,
+        out_cache_loc=out_cache_loc, expected_input_tokens=expected_input_tokens,
+        expected_input_positions=expected_input_positions, sources=sources,
+        kernel_kind=int(context.kernel_kind), real_kv_hash_mode=int(context.real_kv_hash_mode),
+        enable_write_input_assert=enable_write_input_assert, block=block, unroll=unroll,
+        num_warps=num_warps, interpret=interpret,
+    )
+    return context.replace(canary_buf=canary, violation_ring=ring, violation_write_index=widx,
+                           slot_run_counter=sctr, kernel_run_counter=kctr)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure-jnp reference: requests and tokens strictly in order (so cross-request hazards resolve as
+# in SGLang's reference), with the same bounds choices as the kernel.
+
+
+@functools.partial(jax.jit, static_argnames=("specs", "mode", "kind", "check_input"))
+def _write_reference_jit(canary_buf, ring, widx, sctr, kctr, cpa, offsets, seeds, nvalid, ids,
+                         pos, ocl, etok, epos, source_bufs, *, specs, mode, kind, check_input):
+    i64 = jnp.int64
+    num_slots, stride = canary_buf.shape
+    num_tokens = ids.shape[0]
+    c = canary_words(canary_buf).reshape(num_slots, -1)
+    ring_cap = ring.shape[0]
+    words = [as_words(b) for b in source_bufs]
+    capacity = seeds.shape[0]
+    active = jnp.clip(nvalid[0], 0, capacity)
+    safe = lambda a, i: a[jnp.clip(i, 0, max(num_tokens - 1, 0))] if num_tokens else i * 0  # noqa
+
+    def append(ring, widx, fields, when):
+        at = jnp.where(when & (widx < ring_cap), widx, ring_cap)
+        return ring.at[at].set(jnp.stack(fields).astype(i64), mode="drop"), widx + when
+
+    def request(r, st):
+        c, ring, widx, written = st
+        start, end = offsets[r], offsets[r + 1]
+        seed = seeds[r]
+        seed_ok = (seed >= 0) & (seed < num_slots)
+        srow = jnp.where(seed_ok, c[jnp.where(seed_ok, seed, 0), :4], 0)
+        h0 = jnp.where(seed < 0, jnp.asarray(hashing.ANCHOR_HASH_I64, i64),
+                       hashing.mix3(srow[2], srow[0], srow[1]))
+        pos_check = (seed >= 0) & (cpa[0] != 0)
+
+        def token(i, st):
+            c, ring, widx, written, h, last = st
+            ok = (r < active) & (i >= 0) & (i < num_tokens)
+            slot, t, p = safe(ocl, i), safe(ids, i), safe(pos, i)
+            v = ok & (slot >= 0) & (slot < num_slots)
+            rkv = hashing.fold_real_kv(slot[None], v[None], words, specs, mode,
+                                       gather=hashing.array_gather)[0]
+            if check_input:
+                et, ep = safe(etok, i), safe(epos, i)
+                bits = (jnp.where(t != et, int(consts.FailReason.WRITE_TOKEN_MISMATCH), 0)
+                        | jnp.where(p != ep, int(consts.FailReason.WRITE_POSITION_MISMATCH), 0))
+                ring, widx = append(ring, widx, [kind, slot, p, t, et, h, ep, bits],
+                                    v & (bits != 0))
+            ring, widx = append(ring, widx, [kind, slot, p, t, t, h, last + 1,
+                                             int(consts.FailReason.WRITE_POSITION_MISMATCH)],
+                                v & pos_check & (p != last + 1))
+            c = c.at[jnp.where(v, slot, num_slots), :4].set(jnp.stack([t, p, h, rkv]),
+                                                             mode="drop")
+            return (c, ring, widx, written + v, jnp.where(v, hashing.mix3(h, t, p), h),
+                    jnp.where(v, p, last))
+
+        # Tokens outside the arrays are skipped, so the loop runs over the in-range part only.
+        lo = jnp.clip(start, 0, num_tokens)
+        hi = jnp.where(r < active, jnp.clip(end, 0, num_tokens), lo)
+        c, ring, widx, written, _, _ = jax.lax.fori_loop(
+            lo, hi, token, (c, ring, widx, written, h0, jnp.where(pos_check, srow[1], 0)))
+        return c, ring, widx, written
+
+    c, ring, widx1, written = jax.lax.fori_loop(
+        0, capacity, request, (c, ring, widx[0], jnp.zeros((), i64)))
+    return (canary_from_words(c.reshape(-1), canary_buf.shape), ring,
+            widx1.reshape(1).astype(jnp.int32), sctr + written, kctr + 1)
+
+
+@_config.with_x64
+def canary_write_reference(*, context: VerifyOrWriteContext, plan: WritePlan, input_ids,
+                           positions, out_cache_loc, enable_write_input_assert: bool,
+                           expected_input_tokens, expected_input_positions
+                           ) -> VerifyOrWriteContext:
+    """Pure-jnp reference of :func:`canary_write` (fully sequential)."""
+    validate(context, plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
+             expected_input_tokens, expected_input_positions)
+    ids = jnp.asarray(input_ids)
+    canary, ring, widx, sctr, kctr = _write_reference_jit(
+        context.canary_buf, context.violation_ring, context.violation_write_index,
+        context.slot_run_counter, context.kernel_run_counter,
+        context.enable_chain_position_assert, plan.write_offsets, plan.write_seed_slot_indices,
+        plan.write_num_valid_reqs, ids, jnp.asarray(positions), jnp.asarray(out_cache_loc),
+        ids if expected_input_tokens is None else jnp.asarray(expected_input_tokens),
+        ids if expected_input_positions is None else jnp.asarray(expected_input_positions),
+        tuple(s.tensor for s in context.real_kv_sources),
+        specs=tuple(source_spec(s) for s in context.real_kv_sources),
+        mode=int(context.real_kv_hash_mode), kind=int(context.kernel_kind),
+        check_input=bool(enable_write_input_assert),
+    )
+    return context.replace(canary_buf=canary, violation_ring=ring, violation_write_index=widx,
+                           slot_run_counter=sctr, kernel_run_counter=kctr)

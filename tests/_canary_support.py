@@ -1,0 +1,334 @@
+"""Builds matching JAX and SGLang-oracle inputs for the write / verify tests and compares results.
+
+A case is plain numpy data; each side gets its own copy (torch tensors for SGLang's reference,
+JAX arrays for ours), so the two never share memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from kvcanary_jax import consts
+from kvcanary_jax.context import RealKvSource, VerifyOrWriteContext
+from kvcanary_jax.contracts import TensorMeta
+from kvcanary_jax.plans import VerifyPlan, WritePlan
+
+
+@dataclasses.dataclass
+class State:
+    canary: np.ndarray  # uint8 [num_slots, stride]
+    ring: np.ndarray  # int64 [cap, 8]
+    widx: int = 0
+    sctr: int = 0
+    kctr: int = 0
+
+    @classmethod
+    def zeros(cls, num_slots, ring_cap, stride=32):
+        return cls(np.zeros((num_slots, stride), np.uint8), np.zeros((ring_cap, 8), np.int64))
+
+    @property
+    def canary_i64(self):
+        return self.canary.view(np.int64)
+
+    def copy(self):
+        return State(self.canary.copy(), self.ring.copy(), self.widx, self.sctr, self.kctr)
+
+
+@dataclasses.dataclass
+class Src:
+    """A real-KV source: ``u8`` are the bytes of the source's rows ([rows, row_bytes]); with
+    ``pad`` > 0 the rows live at byte ``pad`` inside wider rows of a base buffer (a strided view)."""
+
+    u8: np.ndarray
+    page_size: int
+    nbpt: int
+    read_bytes: int
+    dtype: str = "uint8"
+    pad: int = 0
+
+    def base(self):
+        rows, rb = self.u8.shape
+        if not self.pad:
+            return self.u8
+        base = np.full((rows, rb + 2 * self.pad), 0xA5, np.uint8)
+        base[:, self.pad:self.pad + rb] = self.u8
+        return base
+
+
+def _jax_typed(u8: np.ndarray, dtype: str):
+    k = jnp.dtype(dtype).itemsize
+    x = jnp.asarray(u8)
+    if k == 1:
+        return x if dtype == "uint8" else jax.lax.bitcast_convert_type(x, jnp.dtype(dtype))
+    return jax.lax.bitcast_convert_type(x.reshape(u8.shape[0], -1, k), jnp.dtype(dtype))
+
+
+def jax_source(s: Src) -> RealKvSource:
+    if not s.pad:
+        return RealKvSource(tensor=_jax_typed(s.u8, s.dtype), page_size=s.page_size,
+                            num_bytes_per_token=s.nbpt, read_bytes=s.read_bytes)
+    base = s.base()
+    k = jnp.dtype(s.dtype).itemsize
+    rows, rb = s.u8.shape
+    view = TensorMeta(shape=(rows, rb // k), dtype=s.dtype, strides=(base.shape[1] // k, 1),
+                      device=None, framework="jax")
+    return RealKvSource(tensor=_jax_typed(base, s.dtype), page_size=s.page_size,
+                        num_bytes_per_token=s.nbpt, read_bytes=s.read_bytes, view=view,
+                        offset_bytes=s.pad)
+
+
+def torch_source(sgl, s: Src):
+    base = torch.from_numpy(s.base().copy())
+    t = base[:, s.pad:s.pad + s.u8.shape[1]] if s.pad else base
+    return sgl.verify.RealKvSource(tensor=t, page_size=s.page_size,
+                                   num_bytes_per_token=s.nbpt, read_bytes=s.read_bytes)
+
+
+def jax_context(st: State, *, kind=2, sources=(), mode=0, cpa=1) -> VerifyOrWriteContext:
+    with jax.enable_x64(True):
+        return VerifyOrWriteContext(
+            canary_buf=jnp.asarray(st.canary),
+            kernel_kind=consts.CanaryLaunchTag(kind),
+            violation_ring=jnp.asarray(st.ring),
+            violation_write_index=jnp.asarray([st.widx], jnp.int32),
+            slot_run_counter=jnp.asarray([st.sctr], jnp.int64),
+            kernel_run_counter=jnp.asarray([st.kctr], jnp.int64),
+            real_kv_sources=tuple(jax_source(s) for s in sources),
+            real_kv_hash_mode=consts.RealKvHashMode(mode),
+            enable_chain_position_assert=jnp.asarray([cpa], jnp.int32),
+        )
+
+
+def torch_context(sgl, st: State, *, kind=2, sources=(), mode=0, cpa=1):
+    return sgl.verify.VerifyOrWriteContext(
+        canary_buf=torch.from_numpy(st.canary.copy()),
+        kernel_kind=sgl.verify.CanaryLaunchTag(kind),
+        violation_ring=torch.from_numpy(st.ring.copy()),
+        violation_write_index=torch.tensor([st.widx], dtype=torch.int32),
+        slot_run_counter=torch.tensor([st.sctr], dtype=torch.int64),
+        kernel_run_counter=torch.tensor([st.kctr], dtype=torch.int64),
+        real_kv_sources=tuple(torch_source(sgl, s) for s in sources),
+        real_kv_hash_mode=sgl.consts.RealKvHashMode(mode),
+        enable_chain_position_assert=torch.tensor([cpa], dtype=torch.int32),
+    )
+
+
+def state_of(ctx) -> State:
+    if isinstance(ctx, VerifyOrWriteContext):
+        return State(np.asarray(ctx.canary_buf).copy(), np.asarray(ctx.violation_ring).copy(),
+                     int(ctx.violation_write_index[0]), int(ctx.slot_run_counter[0]),
+                     int(ctx.kernel_run_counter[0]))
+    return State(ctx.canary_buf.numpy().copy(), ctx.violation_ring.numpy().copy(),
+                 int(ctx.violation_write_index[0]), int(ctx.slot_run_counter[0]),
+                 int(ctx.kernel_run_counter[0]))
+
+
+def _i64(x):
+    return jnp.asarray(np.asarray(x, np.int64), jnp.int64)
+
+
+def _t64(x):
+    return torch.tensor(np.asarray(x, np.int64), dtype=torch.int64)
+
+
+def run_write(sgl, st: State, *, offsets, seeds, num_valid, ids, pos, ocl, assert_on=False,
+              etok=None, epos=None, reference=True, jnp_reference=False, **ctx_kw):
+    """Runs SGLang's write reference and ours on the same case; returns (ours, reference)
+    (reference None when not run)."""
+    from kvcanary_jax.ops.write import canary_write, canary_write_reference
+
+    if jnp_reference:
+        canary_write = canary_write_reference  # noqa: F811
+
+    tctx = torch_context(sgl, st, **ctx_kw)
+    reference and sgl.write_ref.launch_canary_write_kernel_torch_reference(
+        context=tctx,
+        plan=sgl.write.WritePlan(write_offsets=_t64(offsets), write_seed_slot_indices=_t64(seeds),
+                                 write_num_valid_reqs=torch.tensor([num_valid], dtype=torch.int32)),
+        input_ids=_t64(ids), positions=_t64(pos), out_cache_loc=_t64(ocl),
+        enable_write_input_assert=assert_on,
+        expected_input_tokens=None if etok is None else _t64(etok),
+        expected_input_positions=None if epos is None else _t64(epos),
+    )
+    with jax.enable_x64(True):
+        out = canary_write(
+            context=jax_context(st, **ctx_kw),
+            plan=WritePlan(write_offsets=_i64(offsets), write_seed_slot_indices=_i64(seeds),
+                           write_num_valid_reqs=jnp.asarray([num_valid], jnp.int32)),
+            input_ids=_i64(ids), positions=_i64(pos), out_cache_loc=_i64(ocl),
+            enable_write_input_assert=assert_on,
+            expected_input_tokens=None if etok is None else _i64(etok),
+            expected_input_positions=None if epos is None else _i64(epos),
+        )
+    return state_of(out), (state_of(tctx) if reference else None)
+
+
+def run_verify(sgl, st: State, *, slots, etok, epos, prev, num_valid, enable=1, check_token=True,
+               jnp_reference=False, **ctx_kw):
+    from kvcanary_jax.ops.verify import canary_verify, canary_verify_reference
+
+    if jnp_reference:
+        canary_verify = canary_verify_reference  # noqa: F811
+
+    tctx = torch_context(sgl, st, **ctx_kw)
+    sgl.verify_ref.launch_canary_verify_kernel_torch_reference(
+        context=tctx,
+        plan=sgl.verify.VerifyPlan(
+            verify_slot_indices=_t64(slots), verify_expected_tokens=_t64(etok),
+            verify_expected_positions=_t64(epos), verify_prev_slot_indices=_t64(prev),
+            verify_num_valid=torch.tensor([num_valid], dtype=torch.int32),
+            enable=torch.tensor([enable], dtype=torch.int32)),
+        check_verify_expected_token=check_token,
+    )
+    with jax.enable_x64(True):
+        out = canary_verify(
+            context=jax_context(st, **ctx_kw),
+            plan=VerifyPlan(
+                verify_slot_indices=_i64(slots), verify_expected_tokens=_i64(etok),
+                verify_expected_positions=_i64(epos), verify_prev_slot_indices=_i64(prev),
+                verify_num_valid=jnp.asarray([num_valid], jnp.int32),
+                enable=jnp.asarray([enable], jnp.int32)),
+            check_verify_expected_token=check_token,
+        )
+    return state_of(out), state_of(tctx)
+
+
+def new_rows(before: State, after: State) -> list[tuple]:
+    lo, hi = min(before.widx, len(after.ring)), min(after.widx, len(after.ring))
+    return [tuple(int(v) for v in r) for r in after.ring[lo:hi]]
+
+
+def assert_same(ours: State, ref: State, before: State, *, ordered=False):
+    """Equal canary, counters and write index; the launch's ring rows equal as a multiset (the
+    kernel's order is atomic-dependent), every other ring row untouched."""
+    np.testing.assert_array_equal(ours.canary, ref.canary)
+    assert (ours.widx, ours.sctr, ours.kctr) == (ref.widx, ref.sctr, ref.kctr)
+    lo, hi = min(before.widx, len(ref.ring)), min(ref.widx, len(ref.ring))
+    np.testing.assert_array_equal(ours.ring[:lo], ref.ring[:lo])
+    np.testing.assert_array_equal(ours.ring[hi:], ref.ring[hi:])
+    a, b = new_rows(before, ours), new_rows(before, ref)
+    if ordered:
+        assert a == b
+    else:
+        assert collections.Counter(a) == collections.Counter(b), (a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Random write-then-verify round trips in fixed shape buckets, so that thousands of cases reuse a
+# few interpret-mode compilations (every static choice is a function of the bucket).
+
+NUM_SLOTS = 64
+NUM_TOKENS = 24
+REQ_CAP = 4
+VERIFY_CAP = 64
+RING_CAP = 16
+
+# (canary stride, write input assert, verify token check, sources as
+#  (page_size, num_bytes_per_token, read_bytes, trailing row bytes, dtype, strided-view pad))
+BUCKETS = (
+    (32, True, True, ((1, 32, 32, 0, "uint8", 0),)),
+    (48, False, False, ((2, 16, 16, 16, "bfloat16", 16), (1, 48, 32, 0, "float32", 0))),
+    (32, False, True, ((4, 16, 16, 0, "int64", 0), (1, 32, 16, 16, "uint8", 16),
+                       (2, 32, 32, 0, "bfloat16", 0), (1, 16, 16, 0, "float32", 0))),
+)
+
+
+@dataclasses.dataclass
+class Trip:
+    sources: list
+    mode: int
+    stride: int
+    check_token: bool
+    chains: list  # per request: the (slot, token, position) written, in chain order
+    launches: list  # run_write keyword arguments, one dict per launch
+
+
+def bucket_sources(rng, layout, num_slots=NUM_SLOTS):
+    out = []
+    for page, nbpt, read, extra, dtype, pad in layout:
+        rows = -(-num_slots // page)
+        u8 = rng.integers(0, 256, (rows, page * nbpt + extra), dtype=np.uint8)
+        out.append(Src(u8, page, nbpt, read, dtype, pad))
+    return out
+
+
+def make_trip(rng, mode, bucket):
+    """Two write launches (new chains, then continuations seeded from their last slots) over
+    distinct slots, with skipped tokens (slot -1), empty requests and padding request rows."""
+    stride, assert_on, check_token, layout = BUCKETS[bucket]
+    sources = bucket_sources(rng, layout)
+    nreq = int(rng.integers(1, REQ_CAP + 1))
+    free = list(rng.permutation(np.arange(1, NUM_SLOTS)))
+    chains = [[] for _ in range(nreq)]
+    launches = []
+    for phase in range(2):
+        lens = rng.integers(0, NUM_TOKENS // nreq + 1, nreq)
+        offsets = np.zeros(REQ_CAP + 1, np.int64)
+        offsets[1:nreq + 1] = np.cumsum(lens)
+        offsets[nreq + 1:] = offsets[nreq]
+        seeds = np.full(REQ_CAP, -1, np.int64)
+        ids = rng.integers(0, 50000, NUM_TOKENS).astype(np.int64)
+        pos = rng.integers(0, 1000, NUM_TOKENS).astype(np.int64)
+        ocl = np.full(NUM_TOKENS, -1, np.int64)
+        for r in range(nreq):
+            if phase == 1 and chains[r]:
+                seeds[r] = chains[r][-1][0]
+            nextpos = chains[r][-1][2] + 1 if chains[r] else 0
+            for i in range(int(offsets[r]), int(offsets[r + 1])):
+                if rng.random() < 0.15 or not free:
+                    continue  # a skipped token: its position is noise
+                ocl[i] = free.pop()
+                pos[i] = nextpos
+                nextpos += 1
+                chains[r].append((int(ocl[i]), int(ids[i]), int(pos[i])))
+        launches.append(dict(
+            offsets=offsets, seeds=seeds, num_valid=nreq if rng.random() < 0.8 else REQ_CAP,
+            ids=ids, pos=pos, ocl=ocl, assert_on=assert_on,
+            etok=ids.copy() if assert_on else None, epos=pos.copy() if assert_on else None))
+    return Trip(sources, mode, stride, check_token, chains, launches)
+
+
+def verify_entries(rng, chains):
+    slots, etok, epos, prev = [], [], [], []
+    for chain in chains:
+        for j, (s, t, p) in enumerate(chain):
+            slots.append(s)
+            etok.append(t if rng.random() < 0.9 else -1)
+            epos.append(p)
+            prev.append(chain[j - 1][0] if j else -1)
+        if rng.random() < 0.3:  # a padding entry
+            slots.append(0), etok.append(-1), epos.append(0), prev.append(0)
+    return slots, etok, epos, prev
+
+
+def verify_plan(slots, etok, epos, prev, cap=VERIFY_CAP):
+    n = len(slots)
+    pad = cap - n
+    arr = lambda v, fill: np.array(list(v) + [fill] * pad, np.int64)  # noqa: E731
+    return dict(slots=arr(slots, 0), etok=arr(etok, -1), epos=arr(epos, 0), prev=arr(prev, 0),
+                num_valid=n)
+
+
+def garbage_state(rng, stride):
+    """Zero canary except a few garbage rows on slots no chain uses here (they must survive)."""
+    st = State.zeros(NUM_SLOTS, RING_CAP, stride)
+    st.canary[0] = rng.integers(0, 256, stride, dtype=np.uint8)
+    st.canary[:, 32:] = rng.integers(0, 256, (NUM_SLOTS, stride - 32), dtype=np.uint8)
+    return st
+
+
+def run_trip(sgl, rng, trip, jnp_reference=False):
+    """Both writes of a trip, each compared with the reference; returns the final state."""
+    st = garbage_state(rng, trip.stride)
+    kw = dict(sources=trip.sources, mode=trip.mode, jnp_reference=jnp_reference)
+    for launch in trip.launches:
+        ours, ref = run_write(sgl, st, **launch, **kw)
+        assert_same(ours, ref, st)
+        st = ref
+    return st

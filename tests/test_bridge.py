@@ -1,0 +1,825 @@
+"""The torch bridge: SGLang's own differential helpers and invariants with our launchers substituted
+for SGLang's kernels, zero-copy hand-over, the view cache, strided views, x64, bad input, streams.
+
+Expectations come from SGLang 0.5.23's torch references (the oracle), run on the same inputs by
+SGLang's ``_differential`` helpers (``run_plan_diff`` / ``run_write_diff`` / ``run_verify_diff``)
+whose kernel side is monkeypatched to the bridge's launchers.
+"""
+
+from __future__ import annotations
+
+import random
+import weakref
+
+import pytest
+import torch
+
+import jax
+
+import bridge
+from bridge import _interop as io
+from bridge._canary import launch_canary_step
+
+CPU = torch.device("cpu")
+DEVICES = [pytest.param(CPU, id="cpu"),
+           pytest.param(torch.device("cuda"), id="cuda", marks=pytest.mark.gpu)]
+
+
+# --------------------------------------------------------------------------------------------
+# Fixtures
+
+
+@pytest.fixture
+def diff(sgl, monkeypatch):
+    """SGLang's differential helpers with the bridge's launchers as the kernel side."""
+    d = sgl.differential
+    monkeypatch.setattr(d, "launch_canary_plan_kernels", bridge.launch_canary_plan_kernels)
+    monkeypatch.setattr(d, "launch_canary_verify_kernel", bridge.launch_canary_verify_kernel)
+    monkeypatch.setattr(d, "launch_canary_write_kernel", bridge.launch_canary_write_kernel)
+    if not torch.cuda.is_available():
+        # The helpers synchronise CUDA after both launches; on CPU there is nothing to wait for.
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    return d
+
+
+@pytest.fixture(scope="module")
+def helpers(sgl):
+    import importlib
+
+    return importlib.import_module("sglang.test.kernels.kv_canary._canary_helpers")
+
+
+def _snapshot(*objs):
+    out = []
+    for o in objs:
+        if isinstance(o, torch.Tensor):
+            out.append(o.clone())
+        elif o is None:
+            out.append(None)
+        else:
+            out.append(_snapshot(*[getattr(o, f) for f in o.__dataclass_fields__
+                                   if isinstance(getattr(o, f), torch.Tensor)]))
+    return out
+
+
+def _same(a, b):
+    if isinstance(a, list):
+        return all(_same(x, y) for x, y in zip(a, b))
+    if a is None:
+        return b is None
+    return torch.equal(a, b)
+
+
+def _context(cls_ctx, tag, mode, *, num_slots=64, ring=64, device=CPU, sources=(), counters=None):
+    if counters is None:
+        sctr = torch.zeros(1, dtype=torch.int64, device=device)
+        kctr = torch.zeros(1, dtype=torch.int64, device=device)
+    else:
+        sctr, kctr = counters
+    return cls_ctx(
+        canary_buf=torch.zeros(num_slots, 32, dtype=torch.uint8, device=device),
+        kernel_kind=tag.HEAD_K_FULL,
+        violation_ring=torch.zeros(ring, 8, dtype=torch.int64, device=device),
+        violation_write_index=torch.zeros(1, dtype=torch.int32, device=device),
+        slot_run_counter=sctr, kernel_run_counter=kctr, real_kv_sources=sources,
+        real_kv_hash_mode=mode,
+        enable_chain_position_assert=torch.ones(1, dtype=torch.int32, device=device),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Differential against SGLang's references, through SGLang's own helpers
+
+
+def _plan_case(rng, sgl, device, *, bs=6, max_reqs=8, width=32):
+    F = sgl.fixtures
+    rtt = F.make_req_to_token(kind="sparse_permuted", max_reqs=max_reqs, max_seq_len=width,
+                              device=device, rng=rng)
+    rows = list(range(1, max_reqs))
+    rng.shuffle(rows)
+    pad = F.make_padding_mask(bs=bs, kind=rng.choice(["none", "trailing", "interleaved"]), rng=rng)
+    rpi = torch.tensor([0 if p else rows[i] for i, p in enumerate(pad)], dtype=torch.int64,
+                       device=device)
+    prefix = torch.tensor([rng.randint(0, width - 4) for _ in range(bs)], dtype=torch.int64,
+                          device=device)
+    extend = torch.tensor([rng.randint(0, 4) for _ in range(bs)], dtype=torch.int64,
+                          device=device)
+    return rtt, rpi, prefix, extend
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_plan_matches_sglang_reference_through_its_differential_helper(sgl, diff, device):
+    rng = random.Random(1)
+    inv = sgl.invariants.PlanInvariants
+    n_cases = 0
+    for case in range(24):
+        rtt, rpi, prefix, extend = _plan_case(rng, sgl, device)
+        swa = rng.choice([0, 0, 5])
+        lut = (sgl.fixtures.make_lut(kind=rng.choice(["identity", "permutation"]),
+                                     pool_size=rtt.numel(), device=device, rng=rng)
+               if swa or rng.random() < 0.3 else None)
+        cap = rng.choice([64, 256, 8])  # 8: overflow (enable = 0) on most cases
+        pool = valid = None
+        if rng.random() < 0.5:
+            pool = torch.randint(0, 1000, (8, 40), dtype=torch.int32, device=device)
+            valid = torch.randint(0, 40, (rpi.shape[0],), dtype=torch.int64, device=device)
+        k = rng.choice([0, 1])
+        ours = (bridge.VerifyPlan.allocate(verify_capacity=cap, device=device).zero_for_testing_(),
+                bridge.WritePlan.allocate(write_req_capacity=8, device=device).zero_for_testing_())
+        ref = (
+            sgl.verify.VerifyPlan.allocate(verify_capacity=cap, device=device).zero_for_testing_(),
+            sgl.write.WritePlan.allocate(write_req_capacity=8, device=device).zero_for_testing_(),
+        )
+        diff.run_plan_diff(
+            plan_pair=(ours, ref), req_pool_indices=rpi, prefix_lens=prefix,
+            extend_seq_lens=extend, req_to_token=rtt, extras=None, swa_window_size=swa,
+            full_to_swa_index_mapping=lut, req_to_verify_expected_tokens=pool,
+            req_to_verify_expected_tokens_valid_lens=valid, kv_token_id_vs_position_offset=k,
+        )
+        # Whole plans equal, tails included (both sides start from zero_for_testing_).
+        for f in bridge.VerifyPlan.__dataclass_fields__:
+            assert torch.equal(getattr(ours[0], f), getattr(ref[0], f)), (case, f)
+        for f in bridge.WritePlan.__dataclass_fields__:
+            assert torch.equal(getattr(ours[1], f), getattr(ref[1], f)), (case, f)
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        inv.assert_all(verify_plan=ours[0], write_plan=ours[1], req_pool_indices=rpi,
+                       prefix_lens=prefix, extend_seq_lens=extend, swa_window_size=swa,
+                       extras_slot_indices=empty, extras_positions=empty,
+                       extras_prev_slot_indices=empty, extras_count=0)
+        n_cases += 1
+    assert n_cases == 24
+
+
+def _write_case(rng, helpers, device, *, n_tokens=16, num_slots=64, cap=4):
+    nreq = rng.randint(0, cap)
+    cuts = sorted(rng.randint(0, n_tokens) for _ in range(nreq))
+    offsets = [0] + cuts
+    seeds = [rng.choice([-1, rng.randint(1, num_slots - 1)]) for _ in range(nreq)]
+    plans = helpers.make_write_plan_pair(write_offsets=offsets, seed_slot_indices=seeds,
+                                         num_valid_reqs=nreq, req_capacity=cap, device=device)
+    slots = rng.sample(range(1, num_slots), n_tokens)
+    ocl = torch.tensor([s if rng.random() > 0.15 else -1 for s in slots], dtype=torch.int64,
+                       device=device)
+    ids = torch.tensor([rng.randint(-2**40, 2**40) for _ in range(n_tokens)], dtype=torch.int64,
+                       device=device)
+    pos = torch.tensor([rng.randint(0, 50) for _ in range(n_tokens)], dtype=torch.int64,
+                       device=device)
+    etok = torch.where(torch.rand(n_tokens, device=device) < 0.2, ids + 1, ids)
+    epos = torch.where(torch.rand(n_tokens, device=device) < 0.2, pos + 1, pos)
+    return plans, ids, pos, ocl, etok, epos
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_write_then_verify_match_sglang_reference_through_its_differential_helpers(
+        sgl, diff, helpers, device):
+    rng = random.Random(2)
+    torch.manual_seed(2)
+    F = sgl.fixtures
+    mode_cls, inv = sgl.consts.RealKvHashMode, sgl.invariants
+    n_cases = 0
+    for case in range(16):
+        n_src = rng.choice([0, 0, 1, 2])
+        mode = mode_cls(rng.choice([1, 2])) if n_src else mode_cls.NONE
+        # row_gap > 0: strided per-layer views into a wider buffer (rows stepped by stride(0)).
+        srcs = F.make_real_kv_sources(count=n_src, num_bytes_per_token=32, num_slots=64,
+                                      device=device, rng=rng, fill_strategy="random_bytes",
+                                      row_gap=rng.choice([0, 16]))
+        src_pair = (srcs, F.clone_real_kv_sources(srcs))
+        bufs = helpers.make_canary_buf_pair(num_slots=64, device=device)
+        for b in bufs:  # some history in the buffer: seeds read real rows
+            b.copy_(torch.randint(0, 256, tuple(b.shape), dtype=torch.uint8))
+        bufs[1].copy_(bufs[0])
+        plans, ids, pos, ocl, etok, epos = _write_case(rng, helpers, device)
+        assert_on = rng.random() < 0.5
+        before = bufs[0].clone()
+        logs = diff.run_write_diff(
+            buf_pair=bufs, plan_pair=plans, input_ids=ids, positions=pos, out_cache_loc=ocl,
+            expected_input_tokens=etok, expected_input_positions=epos,
+            enable_write_verify_inputs=assert_on, real_kv_sources_pair=src_pair,
+            real_kv_hash_mode=mode, device=device,
+        )
+        empty_log = helpers.FakeViolationLog.allocate(device=device)
+        n = int(plans[0].write_num_valid_reqs[0])
+        if all(s < 0 for s in plans[0].write_seed_slot_indices[:n].tolist()):
+            # (SGLang's write invariants count input-assert rows only: no chain-position rows.)
+            inv.WriteInvariants.assert_all(
+                canary_buf_before=before, canary_buf_after=bufs[0], plan=plans[0],
+                input_ids=ids, positions=pos, out_cache_loc=ocl,
+                enable_write_verify_inputs=assert_on, expected_input_tokens=etok,
+                expected_input_positions=epos, log_before=empty_log, log_after=logs[0],
+            )
+        # Verify the slots just written (chains from the plan), some corrupted.
+        offs = plans[0].write_offsets.tolist()
+        slots, poss, prevs = [], [], []
+        for r in range(n):
+            prev = int(plans[0].write_seed_slot_indices[r])
+            for i in range(offs[r], offs[r + 1]):
+                s = int(ocl[i])
+                if s < 0:
+                    continue
+                slots.append(s), poss.append(int(pos[i])), prevs.append(prev)
+                prev = s
+        if rng.random() < 0.5 and slots:
+            victim, byte = rng.choice(slots), rng.randint(0, 31)
+            for b in bufs:
+                b[victim, byte] ^= 0x5A
+            if n_src:
+                for pair in src_pair:
+                    pair[0].tensor[victim // pair[0].page_size, 0] ^= 1
+        vplans = helpers.make_verify_plan_pair(
+            slot_indices=slots, positions=poss, prev_slot_indices=prevs,
+            expected_input_ids=[int(ids[ocl.tolist().index(s)]) if rng.random() < 0.8 else -5
+                                for s in slots],
+            capacity=max(len(slots), 1) + 3, device=device)
+        before = bufs[0].clone()
+        vlogs = diff.run_verify_diff(
+            buf_pair=bufs, plan_pair=vplans, real_kv_sources_pair=src_pair,
+            real_kv_hash_mode=mode, device=device,
+            check_verify_expected_token=rng.random() < 0.5,
+        )
+        inv.VerifyInvariants.assert_all(
+            canary_buf_before=before, canary_buf_after=bufs[0], log_before=empty_log,
+            log_after=vlogs[0], plan=vplans[0], kernel_kind=sgl.verify.CanaryLaunchTag.HEAD_K_FULL,
+        )
+        n_cases += 1
+    assert n_cases == 16
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scatter_matches_sglang_reference_including_strided_pool_view(sgl, device):
+    rng = random.Random(3)
+    ref_fn = sgl.scatter_ref.scatter_req_token_ids_torch_reference
+    for case in range(12):
+        bs = rng.randint(1, 6)
+        lens = [rng.randint(0, 40) for _ in range(bs)]
+        offsets = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int64,
+                               device=device)
+        flat = torch.randint(-2**40, 2**40, (int(offsets[-1]),), dtype=torch.int64, device=device)
+        rpi = torch.tensor(rng.sample(range(8), bs), dtype=torch.int64, device=device)
+        big = torch.randint(-100, 100, (8, 48), dtype=torch.int32, device=device)
+        strided = case % 2 == 1
+        ours = big.clone()
+        ref = big.clone()
+        view, rview = (ours[:, :32], ref[:, :32]) if strided else (ours, ref)
+        ptr = view.data_ptr()
+        bridge.launch_scatter_req_token_ids_kernel(flat_in=flat, offsets=offsets,
+                                                   req_pool_indices=rpi, pool_out=view)
+        ref_fn(flat_in=flat, offsets=offsets, req_pool_indices=rpi, pool_out=rview)
+        assert view.data_ptr() == ptr
+        assert torch.equal(ours, ref), case  # columns outside the view untouched too
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_step_equals_the_four_sglang_references_in_sequence(sgl, device):
+    F = sgl.fixtures
+    rng = random.Random(4)
+
+    # Per-layer KV rows with a gap after each (a strided real-KV source).
+    kv = torch.randint(0, 256, (300, 64 + 16), dtype=torch.uint8).to(device)
+
+    def state(VP, WP, Ctx, Tag, Mode, Src):
+        src = Src(tensor=kv[:, :64], page_size=1, num_bytes_per_token=64, read_bytes=32)
+        return dict(
+            vp=VP.allocate(verify_capacity=64, device=device).zero_for_testing_(),
+            wp=WP.allocate(write_req_capacity=8, device=device).zero_for_testing_(),
+            ctx=_context(Ctx, Tag, Mode.ALL, num_slots=300, sources=(src,), device=device),
+            pool=torch.full((8, 48), -5, dtype=torch.int32, device=device),
+        )
+
+    rtt = F.make_req_to_token(kind="sparse_permuted", max_reqs=8, max_seq_len=32, device=device)
+    ours = state(bridge.VerifyPlan, bridge.WritePlan, bridge.VerifyOrWriteContext,
+                 bridge.CanaryLaunchTag, bridge.RealKvHashMode, bridge.RealKvSource)
+    ref = state(sgl.verify.VerifyPlan, sgl.write.WritePlan, sgl.verify.VerifyOrWriteContext,
+                sgl.verify.CanaryLaunchTag, sgl.consts.RealKvHashMode, sgl.verify.RealKvSource)
+    prefix = torch.zeros(4, dtype=torch.int64, device=device)
+    rpi = torch.tensor([1, 0, 3, 5], device=device)
+    hist = {1: [], 3: [], 5: []}
+    for step in range(3):  # prefill, then decodes: each step verifies what the last one wrote
+        extend = torch.tensor([rng.randint(1, 5) if r else 0 for r in rpi.tolist()], device=device)
+        ids, pos, ocl = [], [], []
+        for r, p, e in zip(rpi.tolist(), prefix.tolist(), extend.tolist()):
+            if r == 0:
+                continue
+            for j in range(e):
+                tok = rng.randint(0, 2**33)
+                hist[r].append(tok)
+                ids.append(tok), pos.append(p + j), ocl.append(int(rtt[r, p + j]))
+        ids, pos, ocl = (torch.tensor(v, dtype=torch.int64, device=device) for v in (ids, pos, ocl))
+        flat = torch.tensor([t for r in rpi.tolist() for t in hist.get(r, [])], dtype=torch.int64,
+                            device=device)
+        offs = torch.tensor([0] + list(torch.tensor([len(hist.get(r, [])) for r in
+                                                     rpi.tolist()]).cumsum(0)), dtype=torch.int64,
+                            device=device)
+        valid = torch.tensor([len(hist.get(r, [])) for r in rpi.tolist()], dtype=torch.int64,
+                             device=device)
+        kw = dict(req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend,
+                  req_to_token=rtt)
+        pool_view = ours["pool"][:, :40]  # strided expected-token pool
+        launch_canary_step(
+            context=ours["ctx"], verify_plan_out=ours["vp"], write_plan_out=ours["wp"], **kw,
+            input_ids=ids, positions=pos, out_cache_loc=ocl,
+            req_to_verify_expected_tokens=pool_view,
+            req_to_verify_expected_tokens_valid_lens=valid, expected_token_ids=flat,
+            expected_token_offsets=offs, check_verify_expected_token=True,
+            enable_write_input_assert=True, expected_input_tokens=ids, expected_input_positions=pos,
+        )
+        rpool = ref["pool"][:, :40]
+        sgl.scatter_ref.scatter_req_token_ids_torch_reference(
+            flat_in=flat, offsets=offs, req_pool_indices=rpi, pool_out=rpool)
+        sgl.plan_ref.launch_canary_plan_kernels_torch_reference(
+            verify_plan_out=ref["vp"], write_plan_out=ref["wp"], **kw, swa_window_size=0,
+            full_to_swa_index_mapping=None, verify_capacity=64,
+            req_to_verify_expected_tokens=rpool, req_to_verify_expected_tokens_valid_lens=valid,
+            kv_token_id_vs_position_offset=0)
+        sgl.verify_ref.launch_canary_verify_kernel_torch_reference(
+            context=ref["ctx"], plan=ref["vp"], check_verify_expected_token=True)
+        sgl.write_ref.launch_canary_write_kernel_torch_reference(
+            context=ref["ctx"], plan=ref["wp"], input_ids=ids, positions=pos, out_cache_loc=ocl,
+            enable_write_input_assert=True, expected_input_tokens=ids,
+            expected_input_positions=pos)
+        for f in ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter",
+                  "kernel_run_counter"):
+            assert torch.equal(getattr(ours["ctx"], f), getattr(ref["ctx"], f)), (step, f)
+        for f in bridge.VerifyPlan.__dataclass_fields__:
+            assert torch.equal(getattr(ours["vp"], f), getattr(ref["vp"], f)), (step, f)
+        for f in bridge.WritePlan.__dataclass_fields__:
+            assert torch.equal(getattr(ours["wp"], f), getattr(ref["wp"], f)), (step, f)
+        assert torch.equal(ours["pool"], ref["pool"])
+        prefix = prefix + extend
+        if step == 1:  # the model "rewrites" one cached token's KV: the next verify flags it
+            kv[int(rtt[3, 0]), 5] ^= 0xFF
+    assert int(ours["ctx"].violation_write_index[0]) > 0
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Zero-copy in, in place out, the cache
+
+
+def test_import_is_zero_copy_and_int64_under_scoped_x64():
+    assert not jax.config.read("jax_enable_x64")
+    t = torch.arange(64, dtype=torch.int64) * (2**40)
+    info = io.device_info(t)
+    with io.x64_scope():
+        a = io.CACHE.get(t, info, cacheable=False)
+    assert a.dtype == jax.numpy.int64
+    assert a.unsafe_buffer_pointer() == t.data_ptr()
+    assert int(a[5]) == 5 * 2**40
+    assert not jax.config.read("jax_enable_x64")  # the caller's flag is untouched
+
+
+def test_cpu_import_of_unaligned_view_copies_and_is_never_cached():
+    # JAX's CPU client imports zero-copy only from 64-byte aligned addresses; a 1-element view
+    # into a counters array 8 bytes in is copied, so serving it twice would return stale data.
+    counters = torch.zeros(12, dtype=torch.int64)
+    v = counters[1:2]
+    info = io.device_info(v)
+    with io.x64_scope():
+        for _ in range(3):
+            a = io.CACHE.get(v, info)
+            assert a.unsafe_buffer_pointer() != v.data_ptr()
+    assert v not in io.CACHE
+
+
+def test_launchers_update_in_place_keep_objects_and_pointers(sgl, helpers):
+    ctx = _context(bridge.VerifyOrWriteContext, bridge.CanaryLaunchTag, bridge.RealKvHashMode.NONE)
+    plan = helpers.make_write_plan(write_offsets=[0, 2], seed_slot_indices=[-1], num_valid_reqs=1,
+                                   req_capacity=2, device=CPU)
+    ptrs = {f: getattr(ctx, f).data_ptr() for f in ("canary_buf", "violation_ring")}
+    objs = {f: getattr(ctx, f) for f in ("canary_buf", "violation_ring")}
+    ctx.canary_buf[40:].fill_(0xAB)  # untouched rows keep their contents
+    for _ in range(3):
+        ret = bridge.launch_canary_write_kernel(
+            context=ctx, plan=plan, input_ids=torch.tensor([7, 8]), positions=torch.tensor([0, 1]),
+            out_cache_loc=torch.tensor([3, 4]), enable_write_input_assert=False,
+            expected_input_tokens=None, expected_input_positions=None)
+        assert ret is None
+    assert int(ctx.kernel_run_counter[0]) == 3 and int(ctx.slot_run_counter[0]) == 6
+    assert ctx.canary_buf.view(torch.int64)[3, 0] == 7
+    assert bool((ctx.canary_buf[40:] == 0xAB).all())
+    for f in ptrs:
+        assert getattr(ctx, f) is objs[f] and getattr(ctx, f).data_ptr() == ptrs[f]
+
+
+def test_cache_hits_on_persistent_tensors_and_misses_on_new_storage():
+    bridge.clear_cache()
+    pool = torch.zeros(4, 8, dtype=torch.int32)
+    rpi, offs = torch.tensor([1]), torch.tensor([0, 3])
+    flat = torch.tensor([1, 2, 3])
+    for _ in range(3):
+        bridge.launch_scatter_req_token_ids_kernel(flat_in=flat, offsets=offs,
+                                                   req_pool_indices=rpi, pool_out=pool)
+    assert rpi in io.CACHE and flat in io.CACHE  # seen twice: kept
+    hits = bridge.stats().get("cache_hits", 0)
+    bridge.launch_scatter_req_token_ids_kernel(flat_in=flat, offsets=offs, req_pool_indices=rpi,
+                                               pool_out=pool)
+    assert bridge.stats()["cache_hits"] >= hits + 3
+    # An entry whose storage is not the tensor's (freed and reallocated at the same address) is
+    # a miss: the new tensor gets its own import.
+    other = torch.tensor([9, 9, 9])
+    key = io.ViewCache.key(other)
+    stale = io.CACHE._entries[io.ViewCache.key(flat)]
+    io.CACHE._entries[key] = io._Entry(storage=weakref.ref(flat.untyped_storage()),
+                                       array=stale.array)
+    info = io.device_info(other)
+    with io.x64_scope():
+        a = io.CACHE.get(other, info)
+    assert a.unsafe_buffer_pointer() == other.data_ptr()
+    assert [int(x) for x in a] == [9, 9, 9]
+    bridge.clear_cache()
+    assert len(io.CACHE) == 0
+
+
+def test_temporaries_are_not_kept_alive_by_the_cache():
+    bridge.clear_cache()
+    pool = torch.zeros(4, 8, dtype=torch.int32)
+    for i in range(5):  # a fresh flat_in every step, as a serving loop builds it
+        flat = torch.tensor([i, i, i])
+        w = weakref.ref(flat.untyped_storage())
+        bridge.launch_scatter_req_token_ids_kernel(flat_in=flat, offsets=torch.tensor([0, 3]),
+                                                   req_pool_indices=torch.tensor([1]),
+                                                   pool_out=pool)
+        assert flat not in io.CACHE
+        del flat
+        assert w() is None  # freed at once: no JAX view pins it
+    assert pool[1, :3].tolist() == [4, 4, 4]
+
+
+def test_unaligned_counter_views_are_updated_in_place(sgl, helpers):
+    counters = torch.zeros(12, dtype=torch.int64)  # per-tag counters, 1-element views into it
+    ctx = _context(bridge.VerifyOrWriteContext, bridge.CanaryLaunchTag, bridge.RealKvHashMode.NONE,
+                   counters=(counters[1:2], counters[7:8]))
+    vp = helpers.make_verify_plan(slot_indices=[0, 0, 0], positions=[0, 0, 0],
+                                  prev_slot_indices=[0, 0, 0], device=CPU)
+    for _ in range(2):
+        bridge.launch_canary_verify_kernel(context=ctx, plan=vp, check_verify_expected_token=False)
+    assert counters.tolist() == [0, 6, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0]
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Views JAX's DLPack refuses
+
+
+def test_row_range_slice_of_req_to_token_works_and_column_slice_is_sglangs_error(sgl):
+    big = sgl.fixtures.make_req_to_token(kind="linear", max_reqs=16, max_seq_len=32, device=CPU)
+    shard = big[8:16]  # a DP shard's rows: contiguous, at an offset
+    args = dict(req_pool_indices=torch.tensor([1, 3]), prefix_lens=torch.tensor([4, 2]),
+                extend_seq_lens=torch.tensor([1, 1]), swa_window_size=0,
+                full_to_swa_index_mapping=None, verify_capacity=32,
+                req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
+                kv_token_id_vs_position_offset=0)
+    vp = bridge.VerifyPlan.allocate(verify_capacity=32, device=CPU).zero_for_testing_()
+    wp = bridge.WritePlan.allocate(write_req_capacity=4, device=CPU).zero_for_testing_()
+    bridge.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, req_to_token=shard,
+                                      **args)
+    assert vp.verify_slot_indices[:6].tolist() == [
+        int(shard[1, p]) for p in range(4)] + [int(shard[3, p]) for p in range(2)]
+    before = _snapshot(vp, wp)
+    with pytest.raises(ValueError, match="^kv-canary: req_to_token must be contiguous$"):
+        bridge.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp,
+                                          req_to_token=big[:, :16], **args)
+    assert _same(before, _snapshot(vp, wp))
+
+
+def test_inexpressible_view_is_refused_naming_the_tensor_and_nothing_changes():
+    base = torch.zeros(8, 4, dtype=torch.int32)
+    pool = base.t()  # column-major: no compact base to share
+    before = base.clone()
+    with pytest.raises(bridge.BridgeError, match="pool_out is a strided view"):
+        bridge.launch_scatter_req_token_ids_kernel(
+            flat_in=torch.tensor([1, 2]), offsets=torch.tensor([0, 2]),
+            req_pool_indices=torch.tensor([1]), pool_out=pool)
+    assert torch.equal(base, before)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Bad input: SGLang's error (class and words) before any launch, tensors unchanged
+
+
+def _scatter_args():
+    return dict(flat_in=torch.tensor([1, 2, 3]), offsets=torch.tensor([0, 3]),
+                req_pool_indices=torch.tensor([1]), pool_out=torch.zeros(2, 4, dtype=torch.int32))
+
+
+_SP = "kv-canary: scatter_req_token_ids"
+SCATTER_BAD = {
+    "flat_in_2d": (dict(flat_in=torch.zeros(1, 3, dtype=torch.int64)), ValueError,
+                   _SP + " flat_in must be 1-D, got shape (1, 3)"),
+    "flat_in_int32": (dict(flat_in=torch.tensor([1, 2, 3], dtype=torch.int32)), TypeError,
+                      _SP + " flat_in must be int64, got torch.int32"),
+    "pool_int64": (dict(pool_out=torch.zeros(2, 4, dtype=torch.int64)), TypeError,
+                   _SP + " pool_out must be int32, got torch.int64"),
+    "offsets_len": (dict(offsets=torch.tensor([0, 1, 3])), ValueError,
+                    _SP + " offsets length 3 != bs+1 (2)"),
+    "pool_none": (dict(pool_out=None), TypeError,
+                  _SP + " pool_out must be a torch.Tensor, got NoneType"),
+    "non_contiguous_flat": (dict(flat_in=torch.arange(6)[::2]), ValueError,
+                            "kv-canary: flat_in must be contiguous"),
+    "other_device": (dict(offsets=torch.tensor([0, 3], device="meta")), ValueError,
+                     "kv-canary: offsets must be on pool_out's device cpu, got meta"),
+    "row_out_of_range": (dict(req_pool_indices=torch.tensor([2])), ValueError,
+                         _SP + " req_pool_indices[0]=2 is outside [0, 2) (rows of pool_out)"),
+    "row_negative": (dict(req_pool_indices=torch.tensor([-1])), ValueError,
+                     _SP + " req_pool_indices[0]=-1 is outside [0, 2) (rows of pool_out)"),
+    "offsets_past_flat": (dict(offsets=torch.tensor([0, 5])), ValueError,
+                          _SP + " offsets[1]=5 is outside [0, 4) (flat_in positions)"),
+}
+
+
+@pytest.mark.parametrize("case", list(SCATTER_BAD))
+def test_scatter_bad_input(case):
+    change, exc, msg = SCATTER_BAD[case]
+    args = {**_scatter_args(), **change}
+    before = _snapshot(*[v for v in args.values() if v is None or v.device.type != "meta"])
+    with pytest.raises(exc) as e:
+        bridge.launch_scatter_req_token_ids_kernel(**args)
+    assert str(e.value) == msg and type(e.value) is exc
+    after = _snapshot(*[v for v in args.values() if v is None or v.device.type != "meta"])
+    assert _same(before, after)
+
+
+def _plan_args():
+    return dict(
+        verify_plan_out=bridge.VerifyPlan.allocate(verify_capacity=16,
+                                                   device=CPU).zero_for_testing_(),
+        write_plan_out=bridge.WritePlan.allocate(write_req_capacity=4,
+                                                 device=CPU).zero_for_testing_(),
+        req_pool_indices=torch.tensor([1, 2]), prefix_lens=torch.tensor([3, 1]),
+        extend_seq_lens=torch.tensor([1, 1]),
+        req_to_token=torch.arange(64, dtype=torch.int32).reshape(4, 16), swa_window_size=0,
+        full_to_swa_index_mapping=None, verify_capacity=16, req_to_verify_expected_tokens=None,
+        req_to_verify_expected_tokens_valid_lens=None, kv_token_id_vs_position_offset=0,
+    )
+
+
+_PP = "kv-canary: launch_canary_plan_kernels"
+PLAN_BAD = {
+    "swa_without_lut": (dict(swa_window_size=4), ValueError,
+                        _PP + " requires full_to_swa_index_mapping when swa_window_size > 0"),
+    "capacity_mismatch": (dict(verify_capacity=8), ValueError,
+                          _PP + " verify_capacity=8 does not match "
+                          "verify_plan_out.verify_slot_indices.shape[0]=16"),
+    "rtt_int64": (dict(req_to_token=torch.zeros(4, 16, dtype=torch.int64)), ValueError,
+                  "kv-canary: req_to_token must have dtype torch.int32, got torch.int64"),
+    "prefix_int32": (dict(prefix_lens=torch.tensor([3, 1], dtype=torch.int32)), ValueError,
+                     "kv-canary: prefix_lens must have dtype torch.int64, got torch.int32"),
+    "extend_len": (dict(extend_seq_lens=torch.tensor([1, 1, 1])), ValueError,
+                   "kv-canary: extend_seq_lens length must be 2, got 3"),
+    "rtt_none": (dict(req_to_token=None), TypeError,
+                 _PP + " req_to_token must be a torch.Tensor, got NoneType"),
+    "pool_without_valid_lens": (
+        dict(req_to_verify_expected_tokens=torch.zeros(4, 16, dtype=torch.int32)), ValueError,
+        "kv-canary: launch_plan_entries_kernel requires req_to_verify_expected_tokens_valid_lens "
+        "when req_to_verify_expected_tokens is set"),
+    "rpi_out_of_range": (dict(req_pool_indices=torch.tensor([1, 9])), ValueError,
+                         _PP + " req_pool_indices[1]=9 is outside [0, 4) (rows of req_to_token)"),
+    "prefix_past_width": (dict(prefix_lens=torch.tensor([3, 17])), ValueError,
+                          _PP + " prefix_lens[1]=17 exceeds req_to_token's width 16"),
+}
+
+
+@pytest.mark.parametrize("case", list(PLAN_BAD))
+def test_plan_bad_input(case):
+    change, exc, msg = PLAN_BAD[case]
+    args = {**_plan_args(), **change}
+    before = _snapshot(args["verify_plan_out"], args["write_plan_out"])
+    with pytest.raises(exc) as e:
+        bridge.launch_canary_plan_kernels(**args)
+    assert str(e.value) == msg and type(e.value) is exc
+    assert _same(before, _snapshot(args["verify_plan_out"], args["write_plan_out"]))
+
+
+def _write_args(helpers):
+    return dict(
+        context=_context(bridge.VerifyOrWriteContext, bridge.CanaryLaunchTag,
+                         bridge.RealKvHashMode.NONE, num_slots=16),
+        plan=helpers.make_write_plan(write_offsets=[0, 2], seed_slot_indices=[-1],
+                                     num_valid_reqs=1, req_capacity=2, device=CPU),
+        input_ids=torch.tensor([5, 6]), positions=torch.tensor([0, 1]),
+        out_cache_loc=torch.tensor([3, 4]), enable_write_input_assert=False,
+        expected_input_tokens=None, expected_input_positions=None,
+    )
+
+
+WRITE_BAD = {
+    "assert_without_expected": (dict(enable_write_input_assert=True), ValueError,
+                                "kv-canary: expected input tensors are required when "
+                                "enable_write_input_assert=True"),
+    "expected_without_assert": (dict(expected_input_tokens=torch.tensor([5, 6]),
+                                     expected_input_positions=torch.tensor([0, 1])), ValueError,
+                                "kv-canary: expected input tensors must be None when "
+                                "enable_write_input_assert=False"),
+    "input_ids_strided": (dict(input_ids=torch.tensor([5, 0, 6, 0])[::2]), ValueError,
+                          "kv-canary: input_ids must be contiguous"),
+    "out_cache_loc_none": (dict(out_cache_loc=None), TypeError,
+                           "kv-canary: launch_canary_write_kernel out_cache_loc must be a "
+                           "torch.Tensor, got NoneType"),
+    "slot_past_buffer": (dict(out_cache_loc=torch.tensor([3, 16])), ValueError,
+                         "kv-canary: launch_canary_write_kernel out_cache_loc[1]=16 is outside "
+                         "[-1, 16) (canary slots, negative = skip)"),
+    "positions_other_device": (dict(positions=torch.tensor([0, 1], device="meta")), ValueError,
+                               "kv-canary: positions must be on canary_buf's device cpu, got meta"),
+}
+
+
+@pytest.mark.parametrize("case", list(WRITE_BAD))
+def test_write_bad_input(case, helpers):
+    change, exc, msg = WRITE_BAD[case]
+    args = {**_write_args(helpers), **change}
+    before = _snapshot(args["context"], args["plan"])
+    with pytest.raises(exc) as e:
+        bridge.launch_canary_write_kernel(**args)
+    assert str(e.value) == msg and type(e.value) is exc
+    assert _same(before, _snapshot(args["context"], args["plan"]))
+
+
+def test_write_too_many_sources_and_int32_ids(helpers):
+    args = _write_args(helpers)
+    srcs = tuple(bridge.RealKvSource(tensor=torch.zeros(16, 32, dtype=torch.uint8), page_size=1,
+                                     num_bytes_per_token=32, read_bytes=32) for _ in range(5))
+    ctx = bridge.VerifyOrWriteContext(**{**{f: getattr(args["context"], f) for f in
+                                            bridge.VerifyOrWriteContext.__dataclass_fields__},
+                                         "real_kv_sources": srcs})
+    before = _snapshot(ctx)
+    with pytest.raises(ValueError, match="^kv-canary: at most 4 RealKvSource entries supported by "
+                                         "the CUDA ABI, got 5$"):
+        bridge.launch_canary_write_kernel(**{**args, "context": ctx})
+    with pytest.raises(RuntimeError, match="input_ids must be torch.int64, got torch.int32"):
+        bridge.launch_canary_write_kernel(**{**args, "input_ids": torch.tensor([5, 6],
+                                                                               dtype=torch.int32)})
+    assert _same(before, _snapshot(ctx))
+
+
+def test_verify_bad_input(helpers):
+    ctx = _context(bridge.VerifyOrWriteContext, bridge.CanaryLaunchTag, bridge.RealKvHashMode.NONE,
+                   num_slots=16)
+    plan = helpers.make_verify_plan(slot_indices=[3, 20], positions=[0, 1],
+                                    prev_slot_indices=[-1, 3], device=CPU)
+    before = _snapshot(ctx, plan)
+    with pytest.raises(ValueError) as e:
+        bridge.launch_canary_verify_kernel(context=ctx, plan=plan,
+                                           check_verify_expected_token=False)
+    assert str(e.value) == ("kv-canary: launch_canary_verify_kernel plan.verify_slot_indices[1]=20 "
+                            "is outside [0, 16) (canary slots)")
+    ring = torch.zeros(8, 16, dtype=torch.int64)[:, :8]
+    bad_ctx = bridge.VerifyOrWriteContext(**{**{f: getattr(ctx, f) for f in
+                                                bridge.VerifyOrWriteContext.__dataclass_fields__},
+                                             "violation_ring": ring})
+    with pytest.raises(ValueError, match="^kv-canary: violation_ring must be contiguous$"):
+        bridge.launch_canary_verify_kernel(context=bad_ctx, plan=plan,
+                                           check_verify_expected_token=False)
+    assert _same(before, _snapshot(ctx, plan))
+
+
+def test_real_kv_source_construction_uses_sglangs_checks(sgl):
+    t = torch.zeros(4, 64, dtype=torch.uint8)
+    for kw, msg in [
+        (dict(page_size=0), "kv-canary: RealKvSource.page_size must be >= 1, got 0"),
+        (dict(num_bytes_per_token=24), "kv-canary: RealKvSource.num_bytes_per_token must be a "
+                                       "positive multiple of 16, got 24"),
+        (dict(tensor=torch.zeros(64, dtype=torch.uint8)),
+         "kv-canary: RealKvSource.tensor must be at least 2-D, got shape (64,)"),
+    ]:
+        full = {**dict(tensor=t, page_size=1, num_bytes_per_token=32, read_bytes=32), **kw}
+        with pytest.raises(ValueError) as ours:
+            bridge.RealKvSource(**full)
+        with pytest.raises(ValueError) as theirs:
+            sgl.verify.RealKvSource(**full)
+        assert str(ours.value) == str(theirs.value) == msg
+
+
+def test_dataclasses_mirror_sglangs(sgl):
+    for ours, theirs in [(bridge.VerifyPlan, sgl.verify.VerifyPlan),
+                         (bridge.WritePlan, sgl.write.WritePlan),
+                         (bridge.VerifyOrWriteContext, sgl.verify.VerifyOrWriteContext),
+                         (bridge.RealKvSource, sgl.verify.RealKvSource)]:
+        assert list(ours.__dataclass_fields__) == list(theirs.__dataclass_fields__)
+    assert bridge.VerifyPlan.allocation_bytes(10) == sgl.verify.VerifyPlan.allocation_bytes(10)
+    assert bridge.WritePlan.allocation_bytes(10) == sgl.write.WritePlan.allocation_bytes(10)
+    vp = bridge.VerifyPlan.allocate(verify_capacity=5, device=CPU)
+    assert vp.enable.tolist() == [1] and vp.verify_slot_indices.dtype == torch.int64
+    assert vp.zero_for_testing_() is vp and vp.verify_expected_tokens.tolist() == [-1] * 5
+    with pytest.raises(ValueError, match="verify_capacity must be positive, got 0"):
+        bridge.VerifyPlan.allocate(verify_capacity=0, device=CPU)
+    assert [int(t) for t in bridge.CanaryLaunchTag] == [int(t) for t in sgl.verify.CanaryLaunchTag]
+
+
+def test_bridge_does_not_import_sglang():
+    import subprocess
+    import sys
+
+    code = ("import sys, bridge, torch; "
+            "bridge.launch_scatter_req_token_ids_kernel(flat_in=torch.tensor([1]), "
+            "offsets=torch.tensor([0, 1]), req_pool_indices=torch.tensor([0]), "
+            "pool_out=torch.zeros(1, 2, dtype=torch.int32)); "
+            "print(any(m == 'sglang' or m.startswith('sglang.') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# --------------------------------------------------------------------------------------------
+# 5. GPU: streams, aliasing without write-back
+
+
+@pytest.mark.gpu
+def test_gpu_outputs_alias_torch_memory_without_write_back():
+    dev = torch.device("cuda")
+    pool = torch.zeros(64, 256, dtype=torch.int32, device=dev)
+    args = dict(flat_in=torch.arange(100, device=dev), offsets=torch.tensor([0, 100], device=dev),
+                req_pool_indices=torch.tensor([3], device=dev))
+    for _ in range(3):
+        bridge.launch_scatter_req_token_ids_kernel(pool_out=pool, **args)
+    wb = bridge.stats().get("write_backs", 0)
+    for _ in range(5):
+        bridge.launch_scatter_req_token_ids_kernel(pool_out=pool, **args)
+    assert bridge.stats().get("write_backs", 0) == wb
+    assert pool[3, :100].tolist() == list(range(100))
+    entry = io.CACHE._entries[io.ViewCache.key(pool)]
+    assert entry.array.unsafe_buffer_pointer() == pool.data_ptr()
+
+
+@pytest.mark.gpu
+def test_gpu_stream_order_side_stream_producer_no_stale_reads():
+    dev = torch.device("cuda")
+    n = 4096
+    pool = torch.zeros(2, n, dtype=torch.int32, device=dev)
+    flat = torch.zeros(n, dtype=torch.int64, device=dev)
+    offs = torch.tensor([0, n], device=dev)
+    rpi = torch.tensor([1], device=dev)
+    side = torch.cuda.Stream(device=dev)
+    stale = 0
+    for trial in range(1000):
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(20000)  # make a missing wait visible
+            flat.fill_(trial)
+            bridge.launch_scatter_req_token_ids_kernel(flat_in=flat, offsets=offs,
+                                                       req_pool_indices=rpi, pool_out=pool)
+            total = pool[1].sum()  # queued after the call on the same torch stream
+        side.synchronize()
+        stale += int(total.item() != trial * n)
+    assert stale == 0
+
+
+@pytest.mark.gpu
+def test_gpu_fused_step_and_cache_hit_path_do_not_reimport_persistent_buffers(sgl):
+    dev = torch.device("cuda")
+    import bench.bridge_overhead as bo
+
+    setup = bo.make_case(device=dev, bs=64)
+    for _ in range(3):
+        bo.run_step(setup)
+    imports = bridge.stats()["imports"]
+    bo.run_step(setup)
+    assert bridge.stats()["imports"] - imports == 1  # the stream fence only
+
+
+def test_write_length_mismatch_is_a_runtime_error_before_launch(helpers):
+    args = {**_write_args(helpers), "positions": torch.tensor([0])}
+    before = _snapshot(args["context"], args["plan"])
+    with pytest.raises(RuntimeError) as e:
+        bridge.launch_canary_write_kernel(**args)
+    assert str(e.value) == ("kv-canary: canary_write: positions must have the length of "
+                            "input_ids (2), got shape (1,)")
+    assert _same(before, _snapshot(args["context"], args["plan"]))
+
+
+def test_fused_step_checks_everything_before_running_anything(helpers):
+    plan_args = _plan_args()
+    w = _write_args(helpers)
+    pool = torch.full((4, 16), 7, dtype=torch.int32)
+    objs = (plan_args["verify_plan_out"], plan_args["write_plan_out"], w["context"], pool)
+    before = _snapshot(*objs)
+    kw = {k: v for k, v in plan_args.items()
+          if k not in ("req_to_verify_expected_tokens",
+                       "req_to_verify_expected_tokens_valid_lens")}
+    with pytest.raises(ValueError, match="^kv-canary: input_ids must be contiguous$"):
+        launch_canary_step(
+            context=w["context"], **kw, input_ids=torch.tensor([5, 0, 6, 0])[::2],
+            positions=w["positions"], out_cache_loc=w["out_cache_loc"],
+            req_to_verify_expected_tokens=pool,
+            req_to_verify_expected_tokens_valid_lens=torch.tensor([3, 3]),
+            expected_token_ids=torch.tensor([1, 2, 3]),
+            expected_token_offsets=torch.tensor([0, 1, 3]),
+        )
+    assert _same(before, _snapshot(*objs))
+
+
+@pytest.mark.gpu
+def test_gpu_cpu_cuda_mix_is_refused_before_launch():
+    dev = torch.device("cuda")
+    pool = torch.zeros(2, 4, dtype=torch.int32, device=dev)
+    with pytest.raises(ValueError) as e:
+        bridge.launch_scatter_req_token_ids_kernel(
+            flat_in=torch.tensor([1, 2], device=dev), offsets=torch.tensor([0, 2]),
+            req_pool_indices=torch.tensor([1], device=dev), pool_out=pool)
+    assert str(e.value) == f"kv-canary: offsets must be on pool_out's device {pool.device}, got cpu"
+    assert int(pool.abs().sum()) == 0
+
+
+def test_value_checks_off_the_kernels_stay_in_bounds():
+    pool = torch.full((2, 4), 3, dtype=torch.int32)
+    with bridge.value_checks(False):
+        bridge.launch_scatter_req_token_ids_kernel(
+            flat_in=torch.tensor([1, 2, 3, 4]), offsets=torch.tensor([0, 2, 4]),
+            req_pool_indices=torch.tensor([5, 1]), pool_out=pool)
+    # The out-of-range row is skipped (SGLang's kernel would write past the pool).
+    assert pool.tolist() == [[3, 3, 3, 3], [3, 4, 3, 3]]

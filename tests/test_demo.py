@@ -1,0 +1,51 @@
+"""The demo: fault campaign (every fault kind detected, no false positives) and the CLI's JSON."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+from kvcanary_jax import cli
+from kvcanary_jax import simulate as sm
+
+warnings.filterwarnings("ignore", message=".*donated buffers.*")
+
+
+def test_campaign_detects_every_fault_kind():
+    res = sm.run_campaign(sm.SimConfig(steps=24, seed=1), injections=1)
+    assert res.false_positives == 0, [str(v) for v in res.clean_violations]
+    assert [f.kind for f in res.faults] == list(sm.FAULT_KINDS)
+    for f in res.faults:
+        assert f.injected == 1, f.kind
+        assert f.detected == 1, (f.kind, f.missed)
+        assert f.first_step is not None
+    by_kind = {f.kind: f for f in res.faults}
+    # Each fault is caught where SGLang's perturbers say it should be.
+    assert any(t.startswith("SWEEP") for t in by_kind["real_kv_unused_cache"].tags)
+    assert "WRITE_TOKEN_MISMATCH" in by_kind["next_token_swap"].reasons
+    assert "VERIFY_REAL_KV_HASH_MISMATCH" in by_kind["real_kv_used"].reasons
+    assert "TAIL_K_FULL" in by_kind["real_kv_used"].tags
+
+
+def test_clean_run_without_swa_has_no_violations():
+    server, infos, _ = sm.run_clean(sm.SimConfig(steps=20, seed=7, swa_window_size=0))
+    assert infos[-1].violations == 0
+    assert sum(i.num_tokens for i in infos) > 0 and server.next_rid > 3
+
+
+def test_cli_json_shape(capsys):
+    rc = cli.main(["--json", "--steps", "12", "--seed", "2", "--faults",
+                   "real_kv_used,req_to_token", "--injections", "1", "--no-progress"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert out["steps"] == 12 and out["false_positives"] == 0
+    assert [f["kind"] for f in out["faults"]] == ["real_kv_used", "req_to_token"]
+    for f in out["faults"]:
+        assert {"kind", "injected", "detected", "first_step"} <= set(f)
+        assert f["injected"] == f["detected"] == 1
+    assert len(out["timing"]["per_step_s"]) == 12
+
+
+def test_cli_rejects_unknown_fault(capsys):
+    assert cli.main(["demo", "--faults", "nope", "--steps", "2", "--no-progress"]) == 2
+    assert "unknown fault kind 'nope'" in capsys.readouterr().err

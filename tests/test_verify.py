@@ -1,0 +1,470 @@
+"""canary_verify against SGLang's torch reference (``verify_ref``), run on the same inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from kvcanary_jax import hashing
+from kvcanary_jax.context import RealKvSource
+from kvcanary_jax.contracts import TensorMeta
+from kvcanary_jax.ops.verify import canary_verify
+from kvcanary_jax.plans import VerifyPlan
+
+import _canary_support as S
+
+ANCHOR = hashing.ANCHOR_HASH_I64
+
+
+def _written(sgl, chains, *, sources=(), mode=0, stride=32, num_slots=8, ring_cap=4):
+    """A canary holding ``chains`` (lists of (slot, token, position)), written by the reference."""
+    st = S.State.zeros(num_slots, ring_cap, stride)
+    ctx = S.torch_context(sgl, st, sources=sources, mode=mode)
+    offsets, ids, pos, ocl = [0], [], [], []
+    for ch in chains:
+        for s, t, p in ch:
+            ocl.append(s), ids.append(t), pos.append(p)
+        offsets.append(len(ids))
+    import torch
+
+    sgl.write_ref.launch_canary_write_kernel_torch_reference(
+        context=ctx,
+        plan=sgl.write.WritePlan(
+            write_offsets=torch.tensor(offsets), write_seed_slot_indices=torch.full(
+                (len(chains),), -1, dtype=torch.int64),
+            write_num_valid_reqs=torch.tensor([len(chains)], dtype=torch.int32)),
+        input_ids=torch.tensor(ids), positions=torch.tensor(pos), out_cache_loc=torch.tensor(ocl),
+        enable_write_input_assert=False, expected_input_tokens=None,
+        expected_input_positions=None)
+    st = S.state_of(ctx)
+    st.sctr = st.kctr = 0
+    return st
+
+
+CHAIN = [(1, 100, 0), (2, 101, 1), (3, 102, 2), (4, 103, 3), (5, 104, 4)]
+
+
+def _entries(chain=CHAIN):
+    slots = [s for s, _, _ in chain]
+    return dict(slots=slots, etok=[t for _, t, _ in chain], epos=[p for _, _, p in chain],
+                prev=[-1] + slots[:-1])
+
+
+def _check(sgl, st, *, cap=None, num_valid=None, ordered=False, expect_rows=None, **kw):
+    e = {k: kw.pop(k) for k in ("slots", "etok", "epos", "prev")}
+    n = len(e["slots"])
+    plan = S.verify_plan(e["slots"], e["etok"], e["epos"], e["prev"], cap=cap or n)
+    if num_valid is not None:
+        plan["num_valid"] = num_valid
+    ours, ref = S.run_verify(sgl, st, **plan, **kw)
+    S.assert_same(ours, ref, st, ordered=ordered)
+    if expect_rows is not None:
+        assert ref.widx - st.widx == expect_rows
+    return ours, ref
+
+
+# --- the spec's verify cases, rebuilt; expectations from the reference ------------------------
+
+
+def test_clean_chain(sgl):
+    st = _written(sgl, [CHAIN])
+    _, ref = _check(sgl, st, **_entries(), check_token=True, expect_rows=0)
+    assert ref.sctr == 5 and ref.kctr == 1
+
+
+@pytest.mark.parametrize("check_token", [True, False])
+def test_corrupted_token(sgl, check_token):
+    st = _written(sgl, [CHAIN])
+    st.canary_i64[2, 0] = 999
+    _, ref = _check(sgl, st, **_entries(), check_token=check_token,
+                    expect_rows=2 if check_token else 1)
+    bits = sorted(int(r[7]) for r in ref.ring[:ref.widx])
+    assert bits == ([1, 32] if check_token else [1])
+
+
+def test_position_mismatch_records_stored_position(sgl):
+    st = _written(sgl, [CHAIN])
+    e = _entries()
+    e["epos"] = [0, 2, 3, 3, 4]
+    _, ref = _check(sgl, st, **e, check_token=True, expect_rows=2)
+    assert sorted(int(r[2]) for r in ref.ring[:2]) == [1, 2]
+
+
+def test_chain_head_anchor_mismatch(sgl):
+    st = _written(sgl, [CHAIN])
+    st.canary_i64[1, 2] ^= 0x55
+    _, ref = _check(sgl, st, **_entries(), check_token=True, expect_rows=2)
+    assert ANCHOR in [int(r[6]) for r in ref.ring[:2]]
+
+
+def test_slot_zero_skipped_but_counted_and_prev_zero(sgl):
+    st = _written(sgl, [CHAIN])
+    st.canary_i64[3, 2] ^= 1  # would fail the chain check, which prev 0 disables
+    e = dict(slots=[0, 1, 0, 3, 4], etok=[-1, 100, 7, 102, 103], epos=[9, 0, 9, 5, 3],
+             prev=[-1, -1, 0, 0, 3])
+    _, ref = _check(sgl, st, **e, check_token=True)
+    assert ref.sctr == 5
+
+
+def test_enable_zero_only_bumps_kernel_counter(sgl):
+    st = _written(sgl, [CHAIN])
+    st.canary_i64[2, 0] = 999
+    _, ref = _check(sgl, st, **_entries(), enable=0, check_token=True, expect_rows=0)
+    assert (ref.sctr, ref.kctr) == (0, 1)
+
+
+@pytest.mark.parametrize("num_valid", [9, 2, 0, -3])
+def test_num_valid_clamped(sgl, num_valid):
+    st = _written(sgl, [CHAIN])
+    e = _entries()
+    e["epos"] = [0, 1, 7, 7, 7]  # entries past an active prefix of 2 would fail
+    _check(sgl, st, **e, num_valid=num_valid, check_token=True)
+
+
+def test_expected_token_sentinel_and_mismatch(sgl):
+    st = _written(sgl, [CHAIN])
+    e = _entries()
+    e["etok"] = [-1, 5, 102, -1, 104]
+    _check(sgl, st, **e, check_token=True, expect_rows=1)
+
+
+def _kv_source(rng, num_slots=8, page=1, nbpt=32, read=32, pad=0, dtype="uint8"):
+    rows = -(-num_slots // page)
+    return S.Src(rng.integers(0, 256, (rows, page * nbpt), dtype=np.uint8), page, nbpt, read,
+                 dtype, pad)
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_real_kv_clean_then_bit_flip(sgl, mode):
+    rng = np.random.default_rng(3)
+    src = _kv_source(rng)
+    st = _written(sgl, [CHAIN], sources=[src], mode=mode)
+    _check(sgl, st, **_entries(), sources=[src], mode=mode, check_token=True, expect_rows=0)
+    flipped = S.Src(src.u8.copy(), 1, 32, 32)
+    flipped.u8[2, 20 if mode == 2 else 5] ^= 0x10
+    _, ref = _check(sgl, st, **_entries(), sources=[flipped], mode=mode, check_token=True,
+                    expect_rows=1)
+    assert int(ref.ring[0, 1]) == 2 and int(ref.ring[0, 7]) == 4
+
+
+def test_real_kv_mode_mismatch_flags_every_slot(sgl):
+    src = _kv_source(np.random.default_rng(4))
+    st = _written(sgl, [CHAIN], sources=[src], mode=2)
+    _check(sgl, st, **_entries(), sources=[src], mode=1, check_token=True, expect_rows=5)
+
+
+def test_ring_overflow_with_preexisting_index(sgl):
+    st = _written(sgl, [CHAIN], ring_cap=2)
+    st.widx = 1
+    st.ring[0] = np.arange(8) + 7
+    e = _entries()
+    e["epos"] = [5, 5, 5, 3, 4]
+    _, ref = _check(sgl, st, **e, check_token=True)
+    assert ref.widx == 4
+
+
+# --- out-of-range indices (never read out of bounds) -------------------------------------------
+
+
+def test_negative_slot_reads_wrapped_row_like_the_reference(sgl):
+    st = _written(sgl, [CHAIN])
+    e = dict(slots=[-3, -8, -7, 4], etok=[102, 1, 100, 103], epos=[2, 0, 0, 3],
+             prev=[2, -1, -1, -9])
+    _check(sgl, st, **e, check_token=True)
+
+
+def test_out_of_range_slot_and_prev_read_as_zero_rows():
+    st = S.State.zeros(8, 4)
+    st.canary_i64[3] = [5, 6, 7, 0]
+    with jax.enable_x64(True):
+        ctx = S.jax_context(st)
+        plan = VerifyPlan(
+            verify_slot_indices=jnp.array([8, -9, 3, 3], jnp.int64),
+            verify_expected_tokens=jnp.array([-1, -1, 5, 5], jnp.int64),
+            verify_expected_positions=jnp.array([0, 1, 6, 6], jnp.int64),
+            verify_prev_slot_indices=jnp.array([0, 0, 100, 0], jnp.int64),
+            verify_num_valid=jnp.array([4], jnp.int32), enable=jnp.array([1], jnp.int32))
+        out = S.state_of(canary_verify(context=ctx, plan=plan, check_verify_expected_token=True))
+    # slot 8 (zero row, position 0 == 0): clean; slot -9: position 0 != 1; slot 3 with prev 100
+    # (zero row): expected link mix3(0, 0, 0) = 0 != 7; slot 3 with prev 0: clean.
+    rows = sorted(tuple(int(v) for v in r) for r in out.ring[:out.widx])
+    assert rows == sorted([(2, -9, 0, 0, -1, 0, 0, 2), (2, 3, 6, 5, 5, 7, 0, 1)])
+
+
+# --- many blocks and programs (grid-stride) ----------------------------------------------------
+
+
+def test_many_blocks_grid_stride(sgl):
+    rng = np.random.default_rng(11)
+    num_slots, n = 1024, 1500
+    slots = rng.integers(1, num_slots, n)
+    st = S.State.zeros(num_slots, 2048)
+    st.canary_i64[:, :4] = rng.integers(-5, 5, (num_slots, 4))
+    e = dict(slots=slots, etok=rng.integers(-5, 5, n), epos=rng.integers(-5, 5, n),
+             prev=rng.integers(-2, num_slots, n))
+    plan = S.verify_plan(**e, cap=2048)
+    plan["num_valid"] = 1400
+    from kvcanary_jax.ops import verify as V
+
+    ours, ref = S.run_verify(sgl, st, **plan, check_token=True)
+    S.assert_same(ours, ref, st)
+    with jax.enable_x64(True):
+        tight = canary_verify(
+            context=S.jax_context(st),
+            plan=VerifyPlan(
+                verify_slot_indices=S._i64(plan["slots"]), verify_expected_tokens=S._i64(
+                    plan["etok"]), verify_expected_positions=S._i64(plan["epos"]),
+                verify_prev_slot_indices=S._i64(plan["prev"]),
+                verify_num_valid=jnp.array([1400], jnp.int32), enable=jnp.array([1], jnp.int32)),
+            check_verify_expected_token=True, block=128, max_programs=3)
+    S.assert_same(S.state_of(tight), ref, st)
+    assert V.BLOCK < 1400
+
+
+# --- round trips: write then verify, clean, per hash mode --------------------------------------
+
+TRIPS_PER_MODE = 1000
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_round_trips_clean(sgl, mode):
+    rng = np.random.default_rng(100 + mode)
+    for k in range(TRIPS_PER_MODE):
+        trip = S.make_trip(rng, mode, k % len(S.BUCKETS))
+        st = S.run_trip(sgl, rng, trip)
+        plan = S.verify_plan(*S.verify_entries(rng, trip.chains))
+        ours, ref = S.run_verify(sgl, st, **plan, sources=trip.sources, mode=mode,
+                                 check_token=trip.check_token)
+        S.assert_same(ours, ref, st)
+        assert ref.widx == 0, (k, ref.ring)
+
+
+# --- single corruptions: the exact records of the reference ------------------------------------
+
+KINDS = ("token", "position", "prev_hash", "real_kv_byte", "swapped_slot", "stale_entry")
+
+
+def _corrupt(rng, kind, trip, st, entries):
+    slots, etok, epos, prev = (list(x) for x in entries)
+    live = [i for i, s in enumerate(slots) if s != 0]
+    i = live[int(rng.integers(len(live)))]
+    s = slots[i]
+    c = st.canary_i64
+    if kind == "token":
+        c[s, 0] += 1 + int(rng.integers(1000))
+    elif kind == "position":
+        c[s, 1] += 1
+    elif kind == "prev_hash":
+        c[s, 2] ^= 1 << int(rng.integers(64))
+    elif kind == "real_kv_byte":
+        src = trip.sources[int(rng.integers(len(trip.sources)))]
+        nbytes = 16 if trip.mode == 1 else src.read_bytes
+        row, col = s // src.page_size, (s % src.page_size) * src.nbpt + int(rng.integers(nbytes))
+        src.u8[row, col] ^= 1 << int(rng.integers(8))
+    elif kind == "swapped_slot":
+        others = [j for j in live if slots[j] != s]
+        if not others:
+            return None
+        t = slots[others[int(rng.integers(len(others)))]]
+        c[[s, t]] = c[[t, s]]
+    elif kind == "stale_entry":
+        # req_to_token holds a stale slot at this position: the entry and its successor's
+        # predecessor both name it.
+        stale = int(rng.integers(1, S.NUM_SLOTS))
+        for j in range(len(slots)):
+            if prev[j] == s and slots[j] != 0:
+                prev[j] = stale
+        slots[i] = stale
+    return slots, etok, epos, prev
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_single_corruptions(sgl, mode):
+    rng = np.random.default_rng(200 + mode)
+    detected = {k: 0 for k in KINDS}
+    for k in range(60 * len(KINDS)):
+        kind = KINDS[k % len(KINDS)]
+        trip = S.make_trip(rng, mode, (k // len(KINDS)) % len(S.BUCKETS))
+        if not any(trip.chains) or not trip.sources and kind == "real_kv_byte":
+            continue
+        st = S.run_trip(sgl, rng, trip)
+        entries = S.verify_entries(rng, trip.chains)
+        got = _corrupt(rng, kind, trip, st, entries)
+        if got is None:
+            continue
+        plan = S.verify_plan(*got)
+        ours, ref = S.run_verify(sgl, st, **plan, sources=trip.sources, mode=mode,
+                                 check_token=trip.check_token)
+        S.assert_same(ours, ref, st)
+        detected[kind] += ref.widx > 0
+    for kind, n in detected.items():
+        if kind == "real_kv_byte" and mode == 0:
+            assert n == 0  # mode NONE has no fingerprint to break
+        else:
+            assert n > 0, kind
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+
+def _ctx(**kw):
+    return S.jax_context(S.State.zeros(8, 4), **kw)
+
+
+def _vplan(n=4, **over):
+    with jax.enable_x64(True):
+        d = dict(verify_slot_indices=jnp.zeros((n,), jnp.int64),
+                 verify_expected_tokens=jnp.zeros((n,), jnp.int64),
+                 verify_expected_positions=jnp.zeros((n,), jnp.int64),
+                 verify_prev_slot_indices=jnp.zeros((n,), jnp.int64),
+                 verify_num_valid=jnp.zeros((1,), jnp.int32), enable=jnp.ones((1,), jnp.int32))
+        d.update(over)
+        return VerifyPlan(**d)
+
+
+def test_too_many_sources(sgl):
+    src = S.Src(np.zeros((8, 16), np.uint8), 1, 16, 16)
+    with pytest.raises(ValueError) as ours:
+        canary_verify(context=_ctx(sources=[src] * 5), plan=_vplan(),
+                      check_verify_expected_token=False)
+    with pytest.raises(ValueError) as ref:
+        sgl.verify.launch_canary_verify_kernel(
+            context=S.torch_context(sgl, S.State.zeros(8, 4), sources=[src] * 5),
+            plan=sgl.verify.VerifyPlan.allocate(verify_capacity=4, device="cpu"),
+            check_verify_expected_token=False)
+    assert str(ours.value) == str(ref.value)
+
+
+@pytest.mark.parametrize("stride,cls,msg", [
+    (24, ValueError, "kv-canary: canary_buf slot stride must hold at least 4 int64 fields, got 3"),
+    (36, ValueError, "kv-canary: canary_buf slot stride must be a multiple of 8 bytes, got 36"),
+])
+def test_canary_stride(stride, cls, msg):
+    with jax.enable_x64(True):
+        ctx = _ctx().replace(canary_buf=jnp.zeros((8, stride), jnp.uint8))
+    with pytest.raises(cls) as e:
+        canary_verify(context=ctx, plan=_vplan(), check_verify_expected_token=False)
+    assert str(e.value) == msg
+
+
+def test_canary_stride_message_is_the_references(sgl):
+    import torch
+
+    st = S.State(np.zeros((8, 24), np.uint8), np.zeros((4, 8), np.int64))
+    ctx = S.torch_context(sgl, st)
+    plan = sgl.verify.VerifyPlan(
+        verify_slot_indices=torch.ones(2, dtype=torch.int64),
+        verify_expected_tokens=torch.zeros(2, dtype=torch.int64),
+        verify_expected_positions=torch.zeros(2, dtype=torch.int64),
+        verify_prev_slot_indices=torch.zeros(2, dtype=torch.int64),
+        verify_num_valid=torch.tensor([2], dtype=torch.int32),
+        enable=torch.tensor([1], dtype=torch.int32))
+    with pytest.raises(ValueError) as ref:
+        sgl.verify_ref.launch_canary_verify_kernel_torch_reference(
+            context=ctx, plan=plan, check_verify_expected_token=False)
+    with jax.enable_x64(True):
+        jctx = _ctx().replace(canary_buf=jnp.zeros((8, 24), jnp.uint8))
+    with pytest.raises(ValueError) as ours:
+        canary_verify(context=jctx, plan=_vplan(), check_verify_expected_token=False)
+    assert str(ours.value) == str(ref.value)
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("verify_slot_indices", "i32",
+     "kv-canary: canary_verify: plan.verify_slot_indices must be int64, got int32"),
+    ("verify_prev_slot_indices", "short",
+     "kv-canary: canary_verify: plan.verify_prev_slot_indices must have the shape of "
+     "plan.verify_slot_indices (4,), got (3,)"),
+    ("verify_num_valid", "i64", "kv-canary: canary_verify: plan.verify_num_valid must be int32, "
+     "got int64"),
+    ("enable", "two", "kv-canary: canary_verify: plan.enable must be of shape (1,), got shape (2,)"),
+])
+def test_guard_errors(field, value, msg):
+    with jax.enable_x64(True):
+        v = {"i32": jnp.zeros((4,), jnp.int32), "short": jnp.zeros((3,), jnp.int64),
+             "i64": jnp.zeros((1,), jnp.int64), "two": jnp.ones((2,), jnp.int32)}[value]
+        plan = _vplan(**{field: v})
+        with pytest.raises(RuntimeError) as e:
+            canary_verify(context=_ctx(), plan=plan, check_verify_expected_token=False)
+    assert str(e.value) == msg
+
+
+@pytest.mark.parametrize("what,msg", [
+    ("ring", "kv-canary: canary_verify: violation_ring must be of shape (ring_capacity, 8), "
+             "got shape (4, 7)"),
+    ("index", "kv-canary: canary_verify: violation_write_index must be int32, got int64"),
+    ("counter", "kv-canary: canary_verify: kernel_run_counter must be of shape (1,), "
+                "got shape (2,)"),
+])
+def test_context_guard_errors(what, msg):
+    with jax.enable_x64(True):
+        ctx = _ctx()
+        ctx = {"ring": lambda: ctx.replace(violation_ring=jnp.zeros((4, 7), jnp.int64)),
+               "index": lambda: ctx.replace(violation_write_index=jnp.zeros((1,), jnp.int64)),
+               "counter": lambda: ctx.replace(kernel_run_counter=jnp.zeros((2,), jnp.int64)),
+               }[what]()
+    with pytest.raises(RuntimeError) as e:
+        canary_verify(context=ctx, plan=_vplan(), check_verify_expected_token=False)
+    assert str(e.value) == msg
+
+
+def test_source_abi_checks(sgl):
+    import torch
+
+    # rows not packed: a torch view with stride(-1) == 2, described to us by its metadata.
+    base = torch.zeros((4, 64), dtype=torch.uint8)
+    view = base[:, ::2]
+    meta = TensorMeta(shape=tuple(view.shape), dtype="uint8", strides=tuple(view.stride()),
+                      device=None, framework="torch")
+    with jax.enable_x64(True):
+        src = RealKvSource(tensor=jnp.zeros((4, 64), jnp.uint8), page_size=1,
+                           num_bytes_per_token=16, read_bytes=16, view=meta)
+        ctx = _ctx().replace(real_kv_sources=(src,))
+    with pytest.raises(ValueError) as ours:
+        canary_verify(context=ctx, plan=_vplan(), check_verify_expected_token=False)
+    assert str(ours.value) == ("kv-canary: real_kv_sources[0].tensor rows must be packed "
+                               "(stride(-1) == 1), got strides (64, 2)")
+    # a 3-D source
+    with jax.enable_x64(True):
+        src3 = RealKvSource(tensor=jnp.zeros((4, 16, 2), jnp.uint8), page_size=1,
+                            num_bytes_per_token=16, read_bytes=16)
+        ctx = _ctx().replace(real_kv_sources=(src3,))
+    with pytest.raises(ValueError) as ours:
+        canary_verify(context=ctx, plan=_vplan(), check_verify_expected_token=False)
+    assert str(ours.value) == ("kv-canary: real_kv_sources[0].tensor (viewed as uint8) must be "
+                               "2-D, got 3-D")
+
+
+@pytest.mark.parametrize("check_token,mode", [(True, 2), (False, 0)])
+def test_lowers_through_triton_for_the_gpu(check_token, mode):
+    """The GPU (Triton) lowering runs on any machine: every primitive the kernel uses must have a
+    lowering rule there (a GPU run is still needed to compile and execute it)."""
+    src = S.Src(np.zeros((64, 32), np.uint8), 1, 32, 32, "float32")
+    with jax.enable_x64(True):
+        ctx = S.jax_context(S.State.zeros(64, 16), sources=[src], mode=mode)
+        f = jax.jit(lambda context, plan: canary_verify(
+            context=context, plan=plan, check_verify_expected_token=check_token,
+            interpret=False), donate_argnums=0)
+        text = f.trace(ctx, _vplan(5000)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "kvcanary_verify" in text and "output_operand_alias" in text
+
+
+# --- the pure-jnp references against SGLang's ---------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_jnp_references_round_trips_and_corruptions(sgl, mode):
+    rng = np.random.default_rng(400 + mode)
+    for k in range(60):
+        trip = S.make_trip(rng, mode, k % len(S.BUCKETS))
+        st = S.run_trip(sgl, rng, trip, jnp_reference=True)
+        entries = S.verify_entries(rng, trip.chains)
+        kind = KINDS[k % len(KINDS)]
+        if any(trip.chains) and (trip.sources or kind != "real_kv_byte"):
+            entries = _corrupt(rng, kind, trip, st, entries) or entries
+        ours, ref = S.run_verify(sgl, st, **S.verify_plan(*entries), sources=trip.sources,
+                                 mode=mode, check_token=trip.check_token, jnp_reference=True)
+        S.assert_same(ours, ref, st, ordered=True)

@@ -1,0 +1,503 @@
+"""canary_write against SGLang's torch reference (``write_ref``), run on the same inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from kvcanary_jax import consts, hashing
+from kvcanary_jax.context import RealKvSource, VerifyOrWriteContext
+from kvcanary_jax.ops.write import BLOCK, canary_write
+from kvcanary_jax.plans import WritePlan
+
+import _canary_support as S
+
+ANCHOR = hashing.ANCHOR_HASH_I64
+
+
+def _w(sgl, st, *, offsets, ids, pos, ocl, seeds=None, num_valid=None, ordered=False, **kw):
+    n = len(offsets) - 1
+    seeds = [-1] * n if seeds is None else seeds
+    num_valid = n if num_valid is None else num_valid
+    ours, ref = S.run_write(sgl, st, offsets=offsets, seeds=seeds, num_valid=num_valid, ids=ids,
+                            pos=pos, ocl=ocl, **kw)
+    S.assert_same(ours, ref, st, ordered=ordered)
+    return ours, ref
+
+
+# --- the spec's write cases, rebuilt; expectations from the reference --------------------------
+
+
+def test_anchor_chain_single_request(sgl):
+    st = S.State.zeros(8, 4)
+    ours, _ = _w(sgl, st, offsets=[0, 3], ids=[100, 101, 102], pos=[0, 1, 2], ocl=[1, 2, 3])
+    # Hand-checked links (spec 2.5): the anchor hash, then mix3(anchor hash, 100, 0).
+    assert int(ours.canary_i64[1, 2]) == -2414019407054260458 == ANCHOR
+    assert int(ours.canary_i64[2, 2]) == -4923688959175860244
+    assert (ours.sctr, ours.kctr) == (3, 1)
+
+
+def _seeded_state():
+    st = S.State.zeros(8, 4)
+    st.canary_i64[3] = [77, 2, 12345, 0]
+    return st
+
+
+@pytest.mark.parametrize("positions,cpa", [([3, 4], 1), ([4, 5], 1), ([4, 5], 0), ([3, 3], 1)])
+def test_continue_from_seed_and_chain_position_assert(sgl, positions, cpa):
+    _w(sgl, _seeded_state(), offsets=[0, 2], seeds=[3], ids=[5, 6], pos=positions, ocl=[4, 5],
+       cpa=cpa, ordered=True)
+
+
+def test_write_input_assert_mismatches(sgl):
+    st = _seeded_state()
+    _, ref = _w(sgl, st, offsets=[0, 3], seeds=[3], ids=[5, 6, 7], pos=[3, 4, 9], ocl=[4, 5, 6],
+                assert_on=True, etok=[9, 6, 8], epos=[3, 5, 7], ordered=True)
+    assert [int(r[7]) for r in ref.ring[:ref.widx]] == [8, 16, 24, 16]
+
+
+def test_skip_negative_slots(sgl):
+    _w(sgl, _seeded_state(), offsets=[0, 4], seeds=[3], ids=[5, 6, 7, 8], pos=[3, 99, 4, 5],
+       ocl=[4, -1, 5, -7], ordered=True)
+
+
+def test_multi_request_with_padding_and_capacity(sgl):
+    _w(sgl, S.State.zeros(16, 4), offsets=[0, 2, 2, 5, 5], seeds=[-1, -1, -1, -1], num_valid=3,
+       ids=[1, 2, 3, 4, 5, 6, 7], pos=[0, 1, 0, 1, 2, 0, 0], ocl=[1, 2, 3, 4, 5, 6, 7])
+
+
+def _src(rng, num_slots, page, nbpt, read, extra=0, dtype="uint8", pad=0):
+    rows = -(-num_slots // page)
+    return S.Src(rng.integers(0, 256, (rows, page * nbpt + extra), dtype=np.uint8), page, nbpt,
+                 read, dtype, pad)
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_real_kv_sources(sgl, mode):
+    rng = np.random.default_rng(mode)
+    sources = [_src(rng, 6, 1, 32, 32), _src(rng, 6, 2, 16, 16, extra=16, dtype="bfloat16")]
+    ours, _ = _w(sgl, S.State.zeros(6, 3), offsets=[0, 3], ids=[5, 6, 7], pos=[0, 1, 2],
+                 ocl=[1, 2, 3], sources=sources, mode=mode)
+    assert (ours.canary_i64[1:4, 3] != 0).all() == (mode != 0)
+
+
+def test_real_kv_hash_of_bytes_0_to_15_is_the_hand_checked_value(sgl):
+    src = S.Src(np.arange(16, dtype=np.uint8).reshape(1, 16).repeat(4, 0), 1, 16, 16)
+    ours, _ = _w(sgl, S.State.zeros(4, 2), offsets=[0, 1], ids=[1], pos=[0], ocl=[2],
+                 sources=[src], mode=2)
+    assert int(ours.canary_i64[2, 3]) == -2965813710295743732
+
+
+def test_ring_overflow(sgl):
+    _w(sgl, _seeded_state().copy(), offsets=[0, 3], seeds=[3], ids=[5, 6, 7], pos=[9, 9, 9],
+       ocl=[4, 5, 6], ordered=True)
+    st = S.State.zeros(8, 1)
+    _, ref = _w(sgl, st, offsets=[0, 3], seeds=[0], ids=[5, 6, 7], pos=[5, 9, 9], ocl=[4, 5, 6],
+                ordered=True)
+    assert ref.widx == 3
+
+
+@pytest.mark.parametrize("num_valid", [0, -2])
+def test_no_valid_requests_only_bumps_kernel_counter(sgl, num_valid):
+    _, ref = _w(sgl, S.State.zeros(8, 2), offsets=[0, 2], num_valid=num_valid, ids=[1, 2],
+                pos=[0, 1], ocl=[1, 2])
+    assert (ref.sctr, ref.kctr) == (0, 1)
+
+
+def test_seed_slot_zero_is_a_real_seed(sgl):
+    _w(sgl, S.State.zeros(8, 2), offsets=[0, 2], seeds=[0], ids=[1, 2], pos=[0, 1], ocl=[1, 2],
+       ordered=True)
+
+
+def test_wide_slot_stride_keeps_trailing_bytes(sgl):
+    st = S.State.zeros(6, 2, stride=48)
+    st.canary[:, 32:] = 0xEE
+    _w(sgl, st, offsets=[0, 2], ids=[1, 2], pos=[0, 1], ocl=[1, 2])
+
+
+def test_empty_batch(sgl):
+    _w(sgl, S.State.zeros(8, 2), offsets=[0, 0], ids=[], pos=[], ocl=[])
+
+
+# --- sequential semantics inside a request ------------------------------------------------------
+
+
+def test_repeated_slots_within_a_request_last_write_wins(sgl):
+    rng = np.random.default_rng(7)
+    n = 3 * BLOCK + 17  # repeats inside one block and across blocks
+    ocl = rng.integers(1, 40, n)
+    ocl[rng.random(n) < 0.1] = -1
+    _w(sgl, S.State.zeros(64, 8), offsets=[0, n], seeds=[5], ids=rng.integers(0, 9, n),
+       pos=np.arange(n) + rng.integers(0, 2, n), ocl=ocl, ordered=True)
+
+
+def test_request_rewrites_its_own_seed(sgl):
+    st = _seeded_state()
+    _w(sgl, st, offsets=[0, 3], seeds=[3], ids=[5, 6, 7], pos=[3, 4, 5], ocl=[4, 3, 6],
+       ordered=True)
+
+
+@pytest.mark.slow
+def test_long_chain(sgl):
+    rng = np.random.default_rng(8)
+    n = 4096
+    _w(sgl, S.State.zeros(n + 1, 8), offsets=[0, n], seeds=[-1], ids=rng.integers(0, 9, n),
+       pos=np.arange(n), ocl=rng.permutation(np.arange(1, n + 1)),
+       sources=[_src(rng, n + 1, 2, 32, 32)], mode=2, ordered=True)
+
+
+# --- fuzz: random launches with violations, against the reference --------------------------------
+
+# (stride, input assert, mode, sources layout as in _canary_support.BUCKETS)
+WRITE_BUCKETS = (
+    (32, True, 0, ()),
+    (48, False, 2, S.BUCKETS[1][3]),
+    (32, True, 1, S.BUCKETS[2][3]),
+    (32, False, 2, S.BUCKETS[0][3]),
+)
+CASES_PER_BUCKET = 500
+
+
+def _random_launch(rng, st, assert_on, kind=2):
+    """Requests with disjoint slot pools (the order across requests is unspecified on the GPU),
+    slots repeating inside a request, seeds of every kind, noisy positions and expectations."""
+    nreq = int(rng.integers(1, S.REQ_CAP + 1))
+    pool = S.NUM_SLOTS // S.REQ_CAP
+    lens = rng.integers(0, S.NUM_TOKENS // nreq + 1, nreq)
+    offsets = np.zeros(S.REQ_CAP + 1, np.int64)
+    offsets[1:nreq + 1] = np.cumsum(lens)
+    offsets[nreq + 1:] = offsets[nreq]
+    n = S.NUM_TOKENS
+    ids = rng.integers(-3, 50, n)
+    pos = np.zeros(n, np.int64)
+    ocl = np.full(n, -1, np.int64)
+    seeds = np.full(S.REQ_CAP, -1, np.int64)
+    for r in range(S.REQ_CAP):
+        lo = r * pool
+        seeds[r] = int(rng.choice([-1, -5, lo, lo + int(rng.integers(pool))]))
+        a, b = int(offsets[r]), int(offsets[r + 1])
+        p0 = int(rng.integers(-2, 30))
+        pos[a:b] = p0 + np.cumsum(rng.choice([0, 1, 1, 1, 2], b - a))
+        ocl[a:b] = lo + rng.integers(0, pool, b - a)
+        ocl[a:b][rng.random(b - a) < 0.15] = -1
+    etok = np.where(rng.random(n) < 0.2, ids + 1, ids)
+    epos = np.where(rng.random(n) < 0.2, pos - 1, pos)
+    return dict(offsets=offsets, seeds=seeds,
+                num_valid=int(rng.choice([nreq, nreq, S.REQ_CAP, 0, -1])), ids=ids, pos=pos,
+                ocl=ocl, assert_on=assert_on, etok=etok if assert_on else None,
+                epos=epos if assert_on else None, cpa=int(rng.integers(0, 2)),
+                kind=kind)
+
+
+@pytest.mark.parametrize("bucket", range(len(WRITE_BUCKETS)))
+def test_write_fuzz(sgl, bucket):
+    stride, assert_on, mode, layout = WRITE_BUCKETS[bucket]
+    rng = np.random.default_rng(300 + bucket)
+    rows = 0
+    for _ in range(CASES_PER_BUCKET):
+        st = S.State.zeros(S.NUM_SLOTS, S.RING_CAP, stride)
+        st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape,
+                                        dtype=np.int64)
+        st.canary_i64[:, 1] = rng.integers(-2, 30, S.NUM_SLOTS)
+        st.widx = int(rng.integers(0, S.RING_CAP + 4))
+        st.ring[:min(st.widx, S.RING_CAP)] = rng.integers(-9, 9, (min(st.widx, S.RING_CAP), 8))
+        st.sctr, st.kctr = (int(x) for x in rng.integers(0, 100, 2))
+        # kernel_kind is static (one compile per tag): one tag per bucket.
+        launch = _random_launch(rng, st, assert_on, kind=(2, 8, 5, 11)[bucket])
+        ours, ref = S.run_write(sgl, st, **launch, sources=S.bucket_sources(rng, layout),
+                                mode=mode)
+        S.assert_same(ours, ref, st)
+        rows += ref.widx - st.widx
+    assert rows > CASES_PER_BUCKET // 2  # the fuzz does exercise the violation paths
+
+
+# --- out-of-range indices (documented choices; never an out-of-bounds access) ------------------
+
+
+def test_slot_past_the_buffer_is_skipped_like_a_negative_one(sgl):
+    st = _seeded_state()
+    ours, _ = S.run_write(sgl, st, offsets=[0, 3], seeds=[3], num_valid=1, ids=[5, 6, 7],
+                          pos=[3, 4, 5], ocl=[4, 8 + 3, 5], reference=False)
+    _, ref = S.run_write(sgl, st, offsets=[0, 3], seeds=[3], num_valid=1, ids=[5, 6, 7],
+                         pos=[3, 4, 5], ocl=[4, -1, 5])
+    S.assert_same(ours, ref, st)
+
+
+def test_seed_past_the_buffer_reads_as_a_zero_slot(sgl):
+    st = S.State.zeros(8, 4)
+    ours, _ = S.run_write(sgl, st, offsets=[0, 2], seeds=[100], num_valid=1, ids=[5, 6],
+                          pos=[1, 3], ocl=[4, 5], reference=False)
+    _, ref = S.run_write(sgl, st, offsets=[0, 2], seeds=[7], num_valid=1, ids=[5, 6],
+                         pos=[1, 3], ocl=[4, 5])
+    S.assert_same(ours, ref, st)
+
+
+def test_offsets_past_the_token_arrays_are_skipped(sgl):
+    st = S.State.zeros(8, 4)
+    ours, _ = S.run_write(sgl, st, offsets=[0, 2, 6], seeds=[-1, -1], num_valid=2, ids=[5, 6, 7],
+                          pos=[0, 1, 0], ocl=[1, 2, 3], reference=False)
+    # request 1 owns tokens [2, 6): only token 2 exists.
+    _, ref = S.run_write(sgl, st, offsets=[0, 2, 3], seeds=[-1, -1], num_valid=2, ids=[5, 6, 7],
+                         pos=[0, 1, 0], ocl=[1, 2, 3])
+    S.assert_same(ours, ref, st)
+
+
+# --- in place under jit with donation -----------------------------------------------------------
+
+
+def test_donated_jit_updates_in_place(sgl):
+    st = _seeded_state()
+    st.canary_i64[6] = [1, 2, 3, 4]
+    with jax.enable_x64(True):
+        ctx = S.jax_context(st)
+        plan = WritePlan(write_offsets=jnp.array([0, 2], jnp.int64),
+                         write_seed_slot_indices=jnp.array([3], jnp.int64),
+                         write_num_valid_reqs=jnp.array([1], jnp.int32))
+        f = jax.jit(lambda context, **kw: canary_write(context=context, **kw),
+                    donate_argnames="context", static_argnames="enable_write_input_assert")
+        out = f(ctx, plan=plan, input_ids=jnp.array([5, 6], jnp.int64),
+                positions=jnp.array([3, 9], jnp.int64),
+                out_cache_loc=jnp.array([4, 5], jnp.int64), enable_write_input_assert=False,
+                expected_input_tokens=None, expected_input_positions=None)
+        assert ctx.canary_buf.is_deleted()
+    _, ref = S.run_write(sgl, st, offsets=[0, 2], seeds=[3], num_valid=1, ids=[5, 6], pos=[3, 9],
+                         ocl=[4, 5])
+    S.assert_same(S.state_of(out), ref, st)
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+
+def _plan(c=1):
+    with jax.enable_x64(True):
+        return WritePlan(write_offsets=jnp.zeros((c + 1,), jnp.int64),
+                         write_seed_slot_indices=jnp.zeros((c,), jnp.int64),
+                         write_num_valid_reqs=jnp.zeros((1,), jnp.int32))
+
+
+def _call(ctx=None, plan=None, n=3, assert_on=False, etok=None, epos=None, **over):
+    with jax.enable_x64(True):
+        args = dict(input_ids=jnp.zeros((n,), jnp.int64), positions=jnp.zeros((n,), jnp.int64),
+                    out_cache_loc=jnp.zeros((n,), jnp.int64))
+        args.update(over)
+        return canary_write(context=ctx or S.jax_context(S.State.zeros(8, 4)),
+                            plan=plan or _plan(), enable_write_input_assert=assert_on,
+                            expected_input_tokens=etok, expected_input_positions=epos, **args)
+
+
+def _torch_call(sgl, *, sources=(), assert_on=False, etok=None, epos=None):
+    import torch
+
+    ctx = S.torch_context(sgl, S.State.zeros(8, 4), sources=sources)
+    plan = sgl.write.WritePlan(write_offsets=torch.tensor([0, 1]),
+                               write_seed_slot_indices=torch.tensor([-1]),
+                               write_num_valid_reqs=torch.tensor([1], dtype=torch.int32))
+    t = lambda x: None if x is None else torch.zeros(1, dtype=torch.int64)  # noqa: E731
+    sgl.write.launch_canary_write_kernel(
+        context=ctx, plan=plan, input_ids=torch.zeros(1, dtype=torch.int64),
+        positions=torch.zeros(1, dtype=torch.int64),
+        out_cache_loc=torch.ones(1, dtype=torch.int64), enable_write_input_assert=assert_on,
+        expected_input_tokens=t(etok), expected_input_positions=t(epos))
+
+
+@pytest.mark.parametrize("assert_on,has_tok,has_pos", [
+    (True, False, False), (True, True, False), (True, False, True),
+    (False, True, False), (False, False, True), (False, True, True)])
+def test_expected_tensor_presence(sgl, assert_on, has_tok, has_pos):
+    z = np.zeros(3)
+    with pytest.raises(ValueError) as ref:
+        _torch_call(sgl, assert_on=assert_on, etok=z if has_tok else None,
+                    epos=z if has_pos else None)
+    with jax.enable_x64(True):
+        z3 = jnp.zeros((3,), jnp.int64)
+        with pytest.raises(ValueError) as ours:
+            _call(assert_on=assert_on, etok=z3 if has_tok else None,
+                  epos=z3 if has_pos else None)
+    assert str(ours.value) == str(ref.value)
+
+
+def test_too_many_sources(sgl):
+    src = S.Src(np.zeros((8, 16), np.uint8), 1, 16, 16)
+    with pytest.raises(ValueError) as ref:
+        _torch_call(sgl, sources=[src] * 5)
+    with pytest.raises(ValueError) as ours:
+        _call(ctx=S.jax_context(S.State.zeros(8, 4), sources=[src] * 5))
+    assert str(ours.value) == str(ref.value)
+    assert str(ours.value).endswith("got 5")
+
+
+def test_canary_stride_too_small():
+    with jax.enable_x64(True):
+        ctx = S.jax_context(S.State.zeros(8, 4)).replace(canary_buf=jnp.zeros((8, 24), jnp.uint8))
+    with pytest.raises(ValueError) as e:
+        _call(ctx=ctx)
+    assert str(e.value) == ("kv-canary: canary_buf slot stride must hold at least 4 int64 "
+                            "fields, got 3")
+
+
+@pytest.mark.parametrize("over,msg", [
+    (dict(input_ids="i32"), "kv-canary: canary_write: input_ids must be int64, got int32"),
+    (dict(positions="short"),
+     "kv-canary: canary_write: positions must have the length of input_ids (3), got shape (2,)"),
+    (dict(out_cache_loc="2d"), "kv-canary: canary_write: out_cache_loc must be 1-D, got shape (3, 1)"),
+    (dict(plan="offsets"), "kv-canary: canary_write: write_offsets.size(0) must equal "
+                           "write_req_capacity + 1 (2), got 3"),
+    (dict(plan="nvalid"), "kv-canary: canary_write: plan.write_num_valid_reqs must be int32, "
+                          "got int64"),
+    (dict(ctx="cpa"), "kv-canary: canary_write: enable_chain_position_assert must be of shape "
+                      "(1,), got shape (2,)"),
+    (dict(ctx="canary"), "kv-canary: canary_write: canary_buf must be uint8, got int8"),
+])
+def test_guard_errors(over, msg):
+    with jax.enable_x64(True):
+        arrays = {"i32": jnp.zeros((3,), jnp.int32), "short": jnp.zeros((2,), jnp.int64),
+                  "2d": jnp.zeros((3, 1), jnp.int64)}
+        kw = {k: arrays[v] for k, v in over.items() if k not in ("plan", "ctx")}
+        plan = _plan()
+        if over.get("plan") == "offsets":
+            plan = WritePlan(write_offsets=jnp.zeros((3,), jnp.int64),
+                             write_seed_slot_indices=jnp.zeros((1,), jnp.int64),
+                             write_num_valid_reqs=jnp.zeros((1,), jnp.int32))
+        elif over.get("plan") == "nvalid":
+            plan = WritePlan(write_offsets=jnp.zeros((2,), jnp.int64),
+                             write_seed_slot_indices=jnp.zeros((1,), jnp.int64),
+                             write_num_valid_reqs=jnp.zeros((1,), jnp.int64))
+        ctx = S.jax_context(S.State.zeros(8, 4))
+        if over.get("ctx") == "cpa":
+            ctx = ctx.replace(enable_chain_position_assert=jnp.ones((2,), jnp.int32))
+        elif over.get("ctx") == "canary":
+            ctx = ctx.replace(canary_buf=jnp.zeros((8, 32), jnp.int8))
+        with pytest.raises(RuntimeError) as e:
+            _call(ctx=ctx, plan=plan, **kw)
+    assert str(e.value) == msg
+
+
+def test_int32_tokens_without_x64_get_the_hint():
+    with pytest.raises(RuntimeError) as e:
+        canary_write(context=S.jax_context(S.State.zeros(8, 4)), plan=_plan(),
+                     input_ids=np.zeros(3, np.int32), positions=np.zeros(3, np.int32),
+                     out_cache_loc=np.zeros(3, np.int32), enable_write_input_assert=False,
+                     expected_input_tokens=None, expected_input_positions=None)
+    assert "input_ids must be int64, got int32" in str(e.value)
+
+
+# --- RealKvSource construction: SGLang's checks, class and message --------------------------------
+
+
+@pytest.mark.parametrize("shape,dtype,page,nbpt,read", [
+    ((2, 32), "uint8", 0, 16, 16),
+    ((2, 32), "uint8", 1, 24, 16),
+    ((2, 32), "uint8", 1, 0, 16),
+    ((2, 64), "uint8", 1, 32, 48),
+    ((2, 64), "uint8", 1, 32, 8),
+    ((2, 64), "uint8", 1, 32, 0),
+    ((32,), "uint8", 1, 16, 16),
+    ((2, 24), "uint8", 1, 16, 16),
+    ((2, 12), "bfloat16", 1, 16, 16),
+    ((2, 32), "uint8", 2, 32, 16),
+    ((2, 8), "float32", 1, 48, 16),
+])
+def test_real_kv_source_checks(sgl, shape, dtype, page, nbpt, read):
+    import torch
+
+    tdt = {"uint8": torch.uint8, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    with pytest.raises(ValueError) as ref:
+        sgl.verify.RealKvSource(tensor=torch.zeros(shape, dtype=tdt), page_size=page,
+                                num_bytes_per_token=nbpt, read_bytes=read)
+    with jax.enable_x64(True):
+        with pytest.raises(ValueError) as ours:
+            RealKvSource(tensor=jnp.zeros(shape, jnp.dtype(dtype)), page_size=page,
+                         num_bytes_per_token=nbpt, read_bytes=read)
+    assert str(ours.value) == str(ref.value).replace("torch.", "")
+
+
+def test_real_kv_source_strided_view_checks_run_on_the_view(sgl):
+    import torch
+
+    from kvcanary_jax.contracts import meta_of
+
+    base = torch.zeros((4, 40), dtype=torch.uint8)
+    view = base[:, 8:40]  # row stride 40 bytes: not a multiple of 16
+    with pytest.raises(ValueError) as ref:
+        sgl.verify.RealKvSource(tensor=view, page_size=1, num_bytes_per_token=16, read_bytes=16)
+    with pytest.raises(ValueError) as ours:
+        RealKvSource(tensor=jnp.zeros((4, 40), jnp.uint8), page_size=1, num_bytes_per_token=16,
+                     read_bytes=16, view=meta_of(view), offset_bytes=8)
+    assert str(ours.value) == str(ref.value)
+
+
+def test_context_is_a_pytree_with_static_meta():
+    ctx = S.jax_context(S.State.zeros(8, 4), sources=[S.Src(np.zeros((8, 16), np.uint8), 1, 16,
+                                                             16)], mode=1)
+    leaves, tree = jax.tree_util.tree_flatten(ctx)
+    assert len(leaves) == 7
+    again = jax.tree_util.tree_unflatten(tree, leaves)
+    assert isinstance(again, VerifyOrWriteContext)
+    assert again.real_kv_hash_mode == consts.RealKvHashMode.PARTIAL
+    assert again.real_kv_sources[0].page_size == 1
+
+
+@pytest.mark.parametrize("assert_on,mode", [(True, 2), (False, 1)])
+def test_lowers_through_triton_for_the_gpu(assert_on, mode):
+    """The GPU (Triton) lowering runs on any machine: every primitive the kernel uses must have a
+    lowering rule there (a GPU run is still needed to compile and execute it)."""
+    src = S.Src(np.zeros((32, 64), np.uint8), 2, 32, 32, "bfloat16", 16)
+    with jax.enable_x64(True):
+        ctx = S.jax_context(S.State.zeros(64, 16), sources=[src], mode=mode)
+        n = 300
+        e = jnp.zeros((n,), jnp.int64) if assert_on else None
+        f = jax.jit(lambda context, plan, ids, e1, e2: canary_write(
+            context=context, plan=plan, input_ids=ids, positions=ids, out_cache_loc=ids,
+            enable_write_input_assert=assert_on, expected_input_tokens=e1,
+            expected_input_positions=e2, interpret=False), donate_argnums=0)
+        text = f.trace(ctx, _plan(4), jnp.zeros((n,), jnp.int64), e, e).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "kvcanary_write" in text and "output_operand_alias" in text
+
+
+def test_jnp_reference_write_fuzz(sgl):
+    rng = np.random.default_rng(500)
+    for k in range(60):
+        stride, assert_on, mode, layout = WRITE_BUCKETS[k % len(WRITE_BUCKETS)]
+        st = S.State.zeros(S.NUM_SLOTS, S.RING_CAP, stride)
+        st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape, dtype=np.int64)
+        st.widx = int(rng.integers(0, S.RING_CAP + 4))
+        launch = _random_launch(rng, st, assert_on)
+        ours, ref = S.run_write(sgl, st, **launch, sources=S.bucket_sources(rng, layout),
+                                mode=mode, jnp_reference=True)
+        S.assert_same(ours, ref, st, ordered=True)
+
+
+def test_source_addressing_errors():
+    from kvcanary_jax.context import SourceSpec, source_spec
+    from kvcanary_jax.contracts import TensorMeta
+    from kvcanary_jax.ops.write import write_impl
+
+    view = TensorMeta(shape=(4, 16), dtype="uint8", strides=(32, 1), device=None,
+                      framework="jax")
+    src = RealKvSource(tensor=jnp.zeros((4, 32), jnp.uint8), page_size=1,
+                       num_bytes_per_token=16, read_bytes=16, view=view, offset_bytes=4)
+    with pytest.raises(ValueError) as e:
+        source_spec(src)
+    assert str(e.value) == "kv-canary: RealKvSource.offset_bytes must be a multiple of 8, got 4"
+    # A buffer shorter than the rows it claims would be read out of bounds: refused.
+    st = S.State.zeros(8, 2)
+    with jax.enable_x64(True), pytest.raises(ValueError) as e:
+        write_impl(
+            canary_buf=jnp.asarray(st.canary), violation_ring=jnp.asarray(st.ring),
+            violation_write_index=jnp.zeros((1,), jnp.int32),
+            slot_run_counter=jnp.zeros((1,), jnp.int64),
+            kernel_run_counter=jnp.zeros((1,), jnp.int64),
+            enable_chain_position_assert=jnp.ones((1,), jnp.int32),
+            write_offsets=jnp.zeros((2,), jnp.int64),
+            write_seed_slot_indices=jnp.zeros((1,), jnp.int64),
+            write_num_valid_reqs=jnp.zeros((1,), jnp.int32), input_ids=jnp.zeros((1,), jnp.int64),
+            positions=jnp.zeros((1,), jnp.int64), out_cache_loc=jnp.zeros((1,), jnp.int64),
+            expected_input_tokens=None, expected_input_positions=None,
+            sources=((jnp.zeros((8, 16), jnp.uint8), SourceSpec(0, 2, 9, 1, 2, 2)),),
+            kernel_kind=0, real_kv_hash_mode=2, enable_write_input_assert=False)
+    assert str(e.value) == ("kv-canary: real_kv_sources[0] buffer holds 16 8-byte words but its "
+                            "rows span 18")
