@@ -18,13 +18,45 @@ from kvcanary_jax.context import RealKvSource, VerifyOrWriteContext
 from kvcanary_jax.hashing import mix3, splitmix64
 from kvcanary_jax.ops.plan import canary_plan, canary_plan_reference
 from kvcanary_jax.ops.scatter import scatter_req_token_ids, scatter_req_token_ids_reference
-from kvcanary_jax.ops.verify import canary_verify
-from kvcanary_jax.ops.write import canary_write
+from kvcanary_jax.ops.verify import canary_verify, canary_verify_reference
+from kvcanary_jax.ops.write import canary_write, canary_write_reference
 from kvcanary_jax.plans import VerifyPlan, WritePlan
+from kvcanary_jax.runtime import (
+    CanaryConfig,
+    CanaryState,
+    ForwardBatch,
+    Violation,
+    canary_step_head,
+    canary_step_tail,
+    canary_sweep,
+    init_state,
+    make_batch,
+    make_canary_step,
+    read_counters,
+    read_violations,
+    violation_count,
+)
+from kvcanary_jax.sharded import make_sharded_step
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CanaryConfig",
+    "CanaryState",
+    "ForwardBatch",
+    "Violation",
+    "canary_step_head",
+    "canary_step_tail",
+    "canary_sweep",
+    "canary_verify_reference",
+    "canary_write_reference",
+    "init_state",
+    "make_batch",
+    "make_canary_step",
+    "make_sharded_step",
+    "read_counters",
+    "read_violations",
+    "violation_count",
     "CANARY_CHAIN_ANCHOR",
     "CanaryLaunchTag",
     "FailReason",
