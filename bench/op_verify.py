@@ -36,7 +36,6 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
     import jax.numpy as jnp
 
     import kvcanary_jax as kc
-    from kvcanary_jax.consts import CanaryLaunchTag
 
     gpu = common.on_gpu()
     sgl = common.sglang(cuda_jit=gpu)
@@ -53,10 +52,7 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
         with jax.enable_x64(True):
             def fresh(seed):
                 d = _inputs(entries, seed)
-                ctx = kc.VerifyOrWriteContext.allocate(num_slots=d["canary_buf"].shape[0],
-                                                       kernel_kind=CanaryLaunchTag.HEAD_K_FULL,
-                                                       ring_capacity=RING)
-                ctx = ctx.replace(canary_buf=common.to_jax(d["canary_buf"]))
+                ctx = common.jax_context(d["canary_buf"], "HEAD_K_FULL", RING)
                 plan = kc.VerifyPlan(
                     verify_slot_indices=common.to_jax(d["slots"]),
                     verify_expected_tokens=common.to_jax(d["tokens"]),
@@ -88,15 +84,8 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
 
         def sgl_fresh(seed):
             d = _inputs(entries, seed)
-            t = lambda a: common.to_torch(a)  # noqa: E731
-            ctx = sgl.verify.VerifyOrWriteContext(
-                canary_buf=t(d["canary_buf"]), kernel_kind=sgl.verify.CanaryLaunchTag.HEAD_K_FULL,
-                violation_ring=torch.zeros(RING, 8, dtype=torch.int64, device=dev),
-                violation_write_index=torch.zeros(1, dtype=torch.int32, device=dev),
-                slot_run_counter=torch.zeros(1, dtype=torch.int64, device=dev),
-                kernel_run_counter=torch.zeros(1, dtype=torch.int64, device=dev),
-                real_kv_sources=(), real_kv_hash_mode=sgl.consts.RealKvHashMode.NONE,
-                enable_chain_position_assert=torch.ones(1, dtype=torch.int32, device=dev))
+            t = common.to_torch
+            ctx = common.sglang_context(sgl, d["canary_buf"], "HEAD_K_FULL", RING)
             plan = sgl.verify.VerifyPlan(
                 verify_slot_indices=t(d["slots"]), verify_expected_tokens=t(d["tokens"]),
                 verify_expected_positions=t(d["positions"]), verify_prev_slot_indices=t(d["prev"]),

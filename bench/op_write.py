@@ -37,7 +37,6 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
     import jax.numpy as jnp
 
     import kvcanary_jax as kc
-    from kvcanary_jax.consts import CanaryLaunchTag
 
     gpu = common.on_gpu()
     sgl = common.sglang(cuda_jit=gpu)
@@ -56,10 +55,7 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
         with jax.enable_x64(True):
             def fresh(seed):
                 d = _inputs(reqs, tokens, seed)
-                ctx = kc.VerifyOrWriteContext.allocate(num_slots=d["canary_buf"].shape[0],
-                                                       kernel_kind=CanaryLaunchTag.TAIL_K_FULL,
-                                                       ring_capacity=RING)
-                ctx = ctx.replace(canary_buf=common.to_jax(d["canary_buf"]))
+                ctx = common.jax_context(d["canary_buf"], "TAIL_K_FULL", RING)
                 plan = kc.WritePlan(write_offsets=common.to_jax(d["write_offsets"]),
                                     write_seed_slot_indices=common.to_jax(d["seeds"]),
                                     write_num_valid_reqs=jnp.array([reqs], jnp.int32))
@@ -91,14 +87,7 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
         def sgl_fresh(seed):
             d = _inputs(reqs, tokens, seed)
             t = common.to_torch
-            ctx = sgl.verify.VerifyOrWriteContext(
-                canary_buf=t(d["canary_buf"]), kernel_kind=sgl.verify.CanaryLaunchTag.TAIL_K_FULL,
-                violation_ring=torch.zeros(RING, 8, dtype=torch.int64, device=dev),
-                violation_write_index=torch.zeros(1, dtype=torch.int32, device=dev),
-                slot_run_counter=torch.zeros(1, dtype=torch.int64, device=dev),
-                kernel_run_counter=torch.zeros(1, dtype=torch.int64, device=dev),
-                real_kv_sources=(), real_kv_hash_mode=sgl.consts.RealKvHashMode.NONE,
-                enable_chain_position_assert=torch.ones(1, dtype=torch.int32, device=dev))
+            ctx = common.sglang_context(sgl, d["canary_buf"], "TAIL_K_FULL", RING)
             plan = sgl.write.WritePlan(write_offsets=t(d["write_offsets"]),
                                        write_seed_slot_indices=t(d["seeds"]),
                                        write_num_valid_reqs=torch.tensor([reqs], dtype=torch.int32, device=dev))
