@@ -7,7 +7,10 @@ kernels overlapping), and of synchronised single calls (``sync_us``). With ``--s
 inputs go through SGLang 0.5.23's launchers (its Triton / CUDA kernels on the GPU, its torch
 references on CPU) for the ratio the targets are stated in.
 
-    python -m bench.bridge_overhead --device cuda --bs 64 [--sglang]
+    python -m bench.bridge_overhead --device cuda --bs 64 [--sglang] [--out result.json]
+
+On CUDA the launchers are also timed under the other stream handshake (``bridge_event`` or
+``bridge_fence`` in the JSON, with their own ratios).
 """
 
 from __future__ import annotations
@@ -148,6 +151,21 @@ def measure(*, device="cpu", bs: int = 64, iters: int = 200, sglang: bool = Fals
     for name, fn in ops.items():
         out["bridge"][name] = _time(fn, c, iters=iters)
     out["bridge"]["step_fused"] = _time(run_step, c, iters=iters)
+    out["stream_sync"] = bridge.stream_sync()
+    if c["device"].type == "cuda":
+        # The other handshake on the same buffers (see bridge._interop): which one meets the
+        # targets, measured in the same process.
+        other = "event" if bridge.stream_sync() == "fence" else "fence"
+        old = bridge.stream_sync()
+        bridge.set_stream_sync(other)
+        try:
+            info = bridge._interop.device_info(c["pool"])
+            out["compute_stream_found"] = \
+                bridge._interop.gpu_sync(info).compute_stream is not None
+            out["bridge_" + other] = {name: _time(fn, c, iters=iters)
+                                      for name, fn in {**ops, "step_fused": run_step}.items()}
+        finally:
+            bridge.set_stream_sync(old)
     out["cache"] = {"entries": len(bridge._interop.CACHE), **bridge.stats()}
     if sglang:
         lib = _SglangLib(cuda_jit=c["device"].type == "cuda")
@@ -165,7 +183,38 @@ def measure(*, device="cpu", bs: int = 64, iters: int = 200, sglang: bool = Fals
             total = sum(out["sglang"][n]["launch_us"] for n in ops)
             out["ratio_launch"]["step_fused_vs_sum"] = round(
                 out["bridge"]["step_fused"]["launch_us"] / total, 2)
+        for key in ("bridge_event", "bridge_fence"):
+            if key in out and len(ok) == len(ops):
+                out["ratio_launch_" + key[7:]] = {
+                    n: round(out[key][n]["launch_us"] / out["sglang"][n]["launch_us"], 2)
+                    for n in ok}
+                out["ratio_launch_" + key[7:]]["step_fused_vs_sum"] = round(
+                    out[key]["step_fused"]["launch_us"] / total, 2)
     return out
+
+
+def table(out) -> str:
+    """Absolute microseconds per call (async launch), ours per handshake and SGLang's, ratios."""
+    names = ("scatter", "plan", "verify", "write", "step_fused")
+    cols = [("bridge[" + out.get("stream_sync", "?") + "]", out["bridge"])]
+    cols += [(f"bridge[{k[7:]}]", out[k]) for k in ("bridge_event", "bridge_fence") if k in out]
+    sg = out.get("sglang", {})
+    head = f"{'op':<11}" + "".join(f"{n:>16}" for n, _ in cols) + f"{'sglang':>10}" + \
+        "".join(f"{'ratio ' + n[7:-1]:>14}" for n, _ in cols)
+    lines = [f"device={out['device']} bs={out['bs']} iters={out['iters']} (us per call)", head]
+    total = (sum(sg[n]["launch_us"] for n in names[:4])
+             if sg and all("launch_us" in sg.get(n, {}) for n in names[:4]) else None)
+    for n in names:
+        row = f"{n:<11}" + "".join(f"{c[n]['launch_us']:>16.1f}" for _, c in cols)
+        ref = (sg.get(n, {}).get("launch_us") if n != "step_fused" else total) if sg else None
+        row += f"{ref:>10.1f}" if ref else f"{'-':>10}"
+        if ref:
+            row += "".join(f"{c[n]['launch_us'] / ref:>13.2f}x" for _, c in cols)
+        lines.append(row)
+    if sg:
+        lines.append("(step_fused's SGLang column is the sum of its four launches; targets: "
+                     "ops <= 3x, step <= 1x)")
+    return "\n".join(lines)
 
 
 def main(argv=None):
@@ -174,8 +223,15 @@ def main(argv=None):
     p.add_argument("--bs", type=int, default=64)
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--sglang", action="store_true")
+    p.add_argument("--out", help="write the full JSON here (printed otherwise)")
     a = p.parse_args(argv)
-    print(json.dumps(measure(device=a.device, bs=a.bs, iters=a.iters, sglang=a.sglang), indent=1))
+    out = measure(device=a.device, bs=a.bs, iters=a.iters, sglang=a.sglang)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+    else:
+        print(json.dumps(out, indent=1))
+    print(table(out))
 
 
 if __name__ == "__main__":

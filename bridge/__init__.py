@@ -24,6 +24,9 @@ Where the bridge differs from SGLang's launchers, on purpose:
   kernels write in place.
 * The launches are not capturable into a torch CUDA graph (XLA runs them on its own streams);
   the bridge refuses to run under capture.
+* Stream order on the GPU: a per-call fence import by default, or an event wait on XLA's
+  compute stream (:func:`set_stream_sync`, ``KVCANARY_BRIDGE_STREAM_SYNC=event``); see
+  :mod:`bridge._interop`.
 * :func:`launch_canary_step` (no SGLang counterpart) runs scatter + plan + verify + write of one
   endpoint in one compiled call.
 
@@ -44,7 +47,13 @@ from bridge._canary import (  # noqa: E402
     launch_canary_write_kernel,
 )
 from bridge._common import set_value_checks, value_checks  # noqa: E402
-from bridge._interop import BridgeError, clear_cache, stats  # noqa: E402
+from bridge._interop import (  # noqa: E402
+    BridgeError,
+    clear_cache,
+    set_stream_sync,
+    stats,
+    stream_sync,
+)
 from bridge._scatter import launch_scatter_req_token_ids_kernel  # noqa: E402
 from bridge._types import (  # noqa: E402
     CANARY_SLOT_BYTES,
@@ -74,6 +83,8 @@ __all__ = [
     "BridgeError",
     "clear_cache",
     "stats",
+    "set_stream_sync",
+    "stream_sync",
     "set_value_checks",
     "value_checks",
 ]

@@ -32,12 +32,16 @@ the entry (its pointer is checked first). The cache is bounded (oldest entries e
 by default); :func:`clear_cache` empties it and releases the storages it holds.
 
 Streams (GPU). A cached array carries no ordering with the caller's current torch stream, so each
-call imports one tiny fence tensor through ``__dlpack__(stream=...)`` (torch records an event on
-its current stream and makes JAX's stream wait on it) and passes it to the computation as an
-operand: the kernels start after all torch work queued before the call. On the way back
-``jax.Array.__dlpack__(stream=torch current stream)`` makes torch's stream wait for the outputs. No
-host synchronisation on the GPU path. On CPU JAX runs asynchronously on its own threads while torch
-runs synchronously, so the bridge blocks until the outputs are ready.
+call orders XLA's work after it (:func:`fence`): by default by importing one tiny fence tensor
+(torch's current stream -> an event -> JAX's external-ready-events stream -> the fence's ready
+event, which the computation waits on because it takes the fence as an operand); with
+``KVCANARY_BRIDGE_STREAM_SYNC=event`` (:func:`set_stream_sync`) by making XLA's compute stream wait
+on an event recorded on torch's stream, no import. On the way back
+``buffer_to_dlpack_managed_tensor(output, stream=torch current stream)`` makes torch's stream wait
+on the output's definition event (the runtime waits, on the host, for the execution to be enqueued
+first, so this holds whatever thread enqueues it). No host synchronisation on the GPU path. On CPU
+JAX runs asynchronously on its own threads while torch runs synchronously, so the bridge blocks
+until the outputs are ready.
 """
 
 from __future__ import annotations
@@ -73,6 +77,9 @@ __all__ = [
     "commit_output",
     "fence",
     "finish",
+    "set_stream_sync",
+    "stream_sync",
+    "probe_compute_stream",
 ]
 
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_ROCM = 1, 2, 3, 10
@@ -165,6 +172,7 @@ def _raw_import(t, info: DeviceInfo):
             )
         except TypeError:  # another jaxlib signature: use the public entry point from now on
             _FAST_IMPORT[0] = False
+    _STATS["slow_imports"] += 1
     return jax.dlpack.from_dlpack(t)
 
 
@@ -339,9 +347,92 @@ def commit_output(out: Output, result) -> None:
     out.tensor.copy_(src.reshape(out.tensor.shape))
 
 
+# How JAX's kernels are ordered after the caller's current torch stream (GPU):
+#   "fence": each call imports a tiny tensor whose DLPack ready event is recorded on JAX's
+#            external-ready-events stream after that stream waited on torch's current stream;
+#            the computation takes it as an operand, so XLA's compute stream waits on that event.
+#            Relies only on PJRT's documented DLPack semantics.
+#   "event": XLA's compute stream (learnt once per device from a buffer_callback's execution
+#            context) waits directly on an event recorded on torch's current stream: no import,
+#            ~5 us. Relies on the runtime launching every execution of the device on that one
+#            stream (true of the stream-executor GPU client: one compute stream per device); the
+#            probe checks the stream is the same over several executions and the fence is used
+#            where it is not, or where the probe fails.
+STREAM_SYNC = [os.environ.get("KVCANARY_BRIDGE_STREAM_SYNC", "fence").lower()]
+
+
+def set_stream_sync(mode: str) -> None:
+    """``"fence"`` (default) or ``"event"``: see the module docstring."""
+    if mode not in ("fence", "event"):
+        raise ValueError(
+            f"kv-canary bridge: stream sync mode must be 'fence' or 'event', got {mode!r}"
+        )
+    STREAM_SYNC[0] = mode
+
+
+def stream_sync() -> str:
+    return STREAM_SYNC[0]
+
+
+class _GpuSync:
+    """Per-device objects of the stream handshake, built once: torch wrappers of JAX's streams,
+    one reusable event (``cudaStreamWaitEvent`` takes the event's state when it is enqueued, so
+    re-recording it on the next call cannot disturb a wait already queued), the fence tensor."""
+
+    __slots__ = ("event", "ready_stream", "compute_stream", "fence", "torch_device")
+
+    def __init__(self, info: DeviceInfo):
+        import torch
+
+        self.torch_device = info.torch_device
+        self.event = torch.cuda.Event()
+        self.ready_stream = (None if info.stream is None else
+                             torch.cuda.ExternalStream(info.stream, device=info.torch_device))
+        self.fence = torch.zeros(16, dtype=torch.int32, device=info.torch_device)
+        handle = probe_compute_stream(info.jax_device)
+        self.compute_stream = (None if handle is None else
+                               torch.cuda.ExternalStream(handle, device=info.torch_device))
+
+
+def probe_compute_stream(jax_device, runs: int = 3):
+    """The raw stream XLA executes on for ``jax_device`` (seen from inside an execution), or None
+    where it cannot be learnt or differs between executions."""
+    try:
+        import numpy as np
+        from jax.experimental.buffer_callback import buffer_callback
+
+        seen = []
+
+        def record(ctx, out, x):
+            del out, x
+            seen.append(int(ctx.stream))
+
+        probe = jax.jit(buffer_callback(record, jax.ShapeDtypeStruct((1,), np.int32),
+                                        has_side_effect=True))
+        x = jax.device_put(np.zeros(1, np.int32), jax_device)
+        for _ in range(runs):
+            jax.block_until_ready(probe(x))
+    except Exception:  # noqa: BLE001  (no buffer_callback, no GPU FFI context, ...)
+        return None
+    if len(seen) != runs or len(set(seen)) != 1 or not seen[0]:
+        return None
+    return seen[0]
+
+
+_SYNCS: dict[Any, _GpuSync] = {}
+
+
+def gpu_sync(info: DeviceInfo) -> _GpuSync:
+    s = _SYNCS.get(info.torch_device)
+    if s is None:
+        s = _SYNCS[info.torch_device] = _GpuSync(info)
+    return s
+
+
 def fence(info: DeviceInfo):
-    """A fresh per-call import on the GPU whose ready event orders the computation after the
-    caller's current torch stream (None on CPU, where torch work is already complete)."""
+    """Order the computation after the caller's current torch stream (GPU); returns the operand
+    the computation must take (a fresh fence import, or None). None on CPU, where torch work is
+    already complete."""
     if not info.is_gpu:
         return None
     import torch
@@ -353,15 +444,27 @@ def fence(info: DeviceInfo):
             "kv-canary bridge: cannot launch inside a torch CUDA graph capture; call it outside "
             "the captured region"
         )
-    f = _FENCES.get(info.torch_device)
-    if f is None:
-        f = torch.zeros(16, dtype=torch.int32, device=info.torch_device)
-        _FENCES[info.torch_device] = f
+    s = _SYNCS.get(info.torch_device) or gpu_sync(info)
+    cur = torch.cuda.current_stream(info.torch_device)
+    if STREAM_SYNC[0] == "event" and s.compute_stream is not None:
+        s.event.record(cur)
+        s.compute_stream.wait_event(s.event)
+        _STATS["event_waits"] += 1
+        return None
     _STATS["fences"] += 1
-    return _raw_import(f, info)
-
-
-_FENCES: dict[Any, Any] = {}
+    if _FAST_IMPORT[0] and s.ready_stream is not None:
+        # What ``Tensor.__dlpack__(stream=...)`` does, with the event and stream objects reused.
+        s.event.record(cur)
+        s.ready_stream.wait_event(s.event)
+        cap = torch.utils.dlpack.to_dlpack(s.fence)
+        _STATS["imports"] += 1
+        try:
+            return _jaxlib.dlpack_managed_tensor_to_buffer(
+                cap, info.jax_device, info.stream, None, info.dl_type
+            )
+        except TypeError:
+            _FAST_IMPORT[0] = False
+    return _raw_import(s.fence, info)
 
 
 def finish(info: DeviceInfo, results) -> None:
@@ -383,6 +486,7 @@ def finish(info: DeviceInfo, results) -> None:
                 return
             except TypeError:
                 _FAST_EXPORT[0] = False
+        _STATS["slow_exports"] += 1
         results[0].__dlpack__(stream=stream)
     else:
         jax.block_until_ready(results)
