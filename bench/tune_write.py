@@ -1,6 +1,6 @@
-"""Sweep canary_write's launch parameters on the GPU (ours), next to SGLang 0.5.23's CUDA write.
+"""Sweep canary_write's launch parameters on the GPU, next to SGLang 0.5.23's CUDA write.
 
-``python -m bench.tune_write [out.json] [--quick]`` prints, per case (reqs x tokens, the bench's
+``python -m bench.tune_write [out.json] [--quick | --smoke]`` prints, per case (reqs x tokens, the bench's
 inputs: chains continued from seeded slots, chain-position assert on), the device time of every
 (block, unroll, num_warps) variant, the best one, the shipped defaults' time and SGLang's time, so
 one GPU run picks the constants of kvcanary_jax/ops/write.py. Every variant's result (canary,
@@ -25,7 +25,7 @@ import sys
 import numpy as np
 
 from bench import common, timing
-from bench.op_write import FULL_CASES, QUICK_CASES, RING, _inputs
+from bench.op_write import FULL_CASES, QUICK_CASES, RING, SMOKE_CASES, _inputs
 
 BLOCKS = (32, 64, 128, 256)
 UNROLLS = (4, 8, 16)
@@ -86,8 +86,9 @@ def main() -> int:
     from kvcanary_jax.consts import CanaryLaunchTag
 
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    cases = QUICK_CASES if "--quick" in sys.argv else FULL_CASES
-    iters = 30
+    smoke = "--smoke" in sys.argv  # CPU check of the script itself: tiny cases, 3 variants
+    cases = SMOKE_CASES if smoke else QUICK_CASES if "--quick" in sys.argv else FULL_CASES
+    iters = 3 if smoke else 30
     sgl = common.sglang(cuda_jit=common.on_gpu())
     out = []
     for reqs, tokens in cases:
@@ -110,7 +111,7 @@ def main() -> int:
             check_in = fresh(n + 1)
             sets = [fresh(s) for s in range(k)]
             expect = None
-            for block, unroll, warps in variants():
+            for block, unroll, warps in variants()[:3] if smoke else variants():
                 name = f"b{block}u{unroll}w{warps}"
                 fn = jax.jit(lambda ctx, plan, ids, pos, loc, b=block, u=unroll, w=warps:
                              kc.canary_write(context=ctx, plan=plan, input_ids=ids, positions=pos,

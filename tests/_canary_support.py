@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from kvcanary_jax import consts
+from kvcanary_jax._config import default_interpret
 from kvcanary_jax.context import RealKvSource, VerifyOrWriteContext
 from kvcanary_jax.contracts import TensorMeta
 from kvcanary_jax.plans import VerifyPlan, WritePlan
@@ -138,9 +139,10 @@ def _t64(x):
 
 
 def run_write(sgl, st: State, *, offsets, seeds, num_valid, ids, pos, ocl, assert_on=False,
-              etok=None, epos=None, reference=True, jnp_reference=False, **ctx_kw):
+              etok=None, epos=None, reference=True, jnp_reference=False, ours=True,
+              launch_kw=None, **ctx_kw):
     """Runs SGLang's write reference and ours on the same case; returns (ours, reference)
-    (reference None when not run)."""
+    (either None when not run)."""
     from kvcanary_jax.ops.write import canary_write, canary_write_reference
 
     if jnp_reference:
@@ -156,6 +158,8 @@ def run_write(sgl, st: State, *, offsets, seeds, num_valid, ids, pos, ocl, asser
         expected_input_tokens=None if etok is None else _t64(etok),
         expected_input_positions=None if epos is None else _t64(epos),
     )
+    if not ours:
+        return None, state_of(tctx)
     with jax.enable_x64(True):
         out = canary_write(
             context=jax_context(st, **ctx_kw),
@@ -165,12 +169,13 @@ def run_write(sgl, st: State, *, offsets, seeds, num_valid, ids, pos, ocl, asser
             enable_write_input_assert=assert_on,
             expected_input_tokens=None if etok is None else _i64(etok),
             expected_input_positions=None if epos is None else _i64(epos),
+            **(launch_kw or {}),
         )
     return state_of(out), (state_of(tctx) if reference else None)
 
 
 def run_verify(sgl, st: State, *, slots, etok, epos, prev, num_valid, enable=1, check_token=True,
-               jnp_reference=False, **ctx_kw):
+               jnp_reference=False, ours=True, **ctx_kw):
     from kvcanary_jax.ops.verify import canary_verify, canary_verify_reference
 
     if jnp_reference:
@@ -186,6 +191,8 @@ def run_verify(sgl, st: State, *, slots, etok, epos, prev, num_valid, enable=1, 
             enable=torch.tensor([enable], dtype=torch.int32)),
         check_verify_expected_token=check_token,
     )
+    if not ours:
+        return None, state_of(tctx)
     with jax.enable_x64(True):
         out = canary_verify(
             context=jax_context(st, **ctx_kw),
@@ -204,19 +211,55 @@ def new_rows(before: State, after: State) -> list[tuple]:
     return [tuple(int(v) for v in r) for r in after.ring[lo:hi]]
 
 
-def assert_same(ours: State, ref: State, before: State, *, ordered=False):
-    """Equal canary, counters and write index; the launch's ring rows equal as a multiset (the
-    kernel's order is atomic-dependent), every other ring row untouched."""
+def rows_dropped(before: State, ref: State) -> bool:
+    """Whether the launch recorded more rows than the ring had room for."""
+    return ref.widx > len(ref.ring) and ref.widx > before.widx
+
+
+def widened(st: State, extra: int) -> State:
+    """A copy of ``st`` whose ring has ``extra`` more (zero) rows: run the reference on it to get
+    every row a launch records, none dropped."""
+    w = st.copy()
+    w.ring = np.concatenate([st.ring, np.zeros((extra, st.ring.shape[1]), st.ring.dtype)])
+    return w
+
+
+def assert_same(ours: State, ref: State, before: State, *, ordered=False, uncapped=None):
+    """Equal canary, counters and write index, every ring row the launch did not write untouched,
+    and the launch's rows: equal in order (``ordered``), else equal as a multiset (the kernel's
+    order across programs is atomic-dependent).
+
+    ``uncapped`` (the reference's result on a ring too large to overflow) is for a launch that
+    overflowed the ring with rows of several concurrent programs: which rows land in the ring
+    is then the atomics' order, so ours must be as many rows as the reference kept, drawn from
+    the launch's full set (a sub-multiset of it)."""
     np.testing.assert_array_equal(ours.canary, ref.canary)
     assert (ours.widx, ours.sctr, ours.kctr) == (ref.widx, ref.sctr, ref.kctr)
     lo, hi = min(before.widx, len(ref.ring)), min(ref.widx, len(ref.ring))
     np.testing.assert_array_equal(ours.ring[:lo], ref.ring[:lo])
     np.testing.assert_array_equal(ours.ring[hi:], ref.ring[hi:])
     a, b = new_rows(before, ours), new_rows(before, ref)
-    if ordered:
+    if uncapped is not None:
+        assert uncapped.widx == ref.widx
+        full = collections.Counter(new_rows(before, uncapped))
+        assert len(full) and len(a) == len(b)
+        assert not collections.Counter(a) - full, (a, full)
+    elif ordered:
         assert a == b
     else:
         assert collections.Counter(a) == collections.Counter(b), (a, b)
+
+
+def check_verify(sgl, st: State, *, ordered=False, **kw):
+    """:func:`run_verify` and :func:`assert_same`. Where programs run concurrently (GPU), which
+    rows land in a ring that overflows is the atomics' order: such a launch is compared as a draw
+    from the reference's full set of rows (its run on a ring with room for every entry)."""
+    ours, ref = run_verify(sgl, st, **kw)
+    uncapped = None
+    if not default_interpret() and rows_dropped(st, ref):
+        _, uncapped = run_verify(sgl, widened(st, len(kw["slots"])), ours=False, **kw)
+    assert_same(ours, ref, st, ordered=ordered and uncapped is None, uncapped=uncapped)
+    return ours, ref
 
 
 # ---------------------------------------------------------------------------------------------

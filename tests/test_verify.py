@@ -59,8 +59,7 @@ def _check(sgl, st, *, cap=None, num_valid=None, ordered=False, expect_rows=None
     plan = S.verify_plan(e["slots"], e["etok"], e["epos"], e["prev"], cap=cap or n)
     if num_valid is not None:
         plan["num_valid"] = num_valid
-    ours, ref = S.run_verify(sgl, st, **plan, **kw)
-    S.assert_same(ours, ref, st, ordered=ordered)
+    ours, ref = S.check_verify(sgl, st, **plan, **kw, ordered=ordered)
     if expect_rows is not None:
         assert ref.widx - st.widx == expect_rows
     return ours, ref
@@ -209,8 +208,7 @@ def test_many_blocks_grid_stride(sgl):
     plan["num_valid"] = 1400
     from kvcanary_jax.ops import verify as V
 
-    ours, ref = S.run_verify(sgl, st, **plan, check_token=True)
-    S.assert_same(ours, ref, st)
+    ours, ref = S.check_verify(sgl, st, **plan, check_token=True)
     with jax.enable_x64(True):
         tight = canary_verify(
             context=S.jax_context(st),
@@ -296,9 +294,8 @@ def test_single_corruptions(sgl, mode):
         if got is None:
             continue
         plan = S.verify_plan(*got)
-        ours, ref = S.run_verify(sgl, st, **plan, sources=trip.sources, mode=mode,
-                                 check_token=trip.check_token)
-        S.assert_same(ours, ref, st)
+        ours, ref = S.check_verify(sgl, st, **plan, sources=trip.sources, mode=mode,
+                                   check_token=trip.check_token)
         detected[kind] += ref.widx > 0
     for kind, n in detected.items():
         if kind == "real_kv_byte" and mode == 0:

@@ -8,7 +8,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from kvcanary_jax import consts, hashing
+from kvcanary_jax import _config, consts, hashing
 from kvcanary_jax.context import RealKvSource, VerifyOrWriteContext
 from kvcanary_jax.ops.write import BLOCK, canary_write
 from kvcanary_jax.plans import WritePlan
@@ -140,6 +140,36 @@ def test_request_rewrites_its_own_seed(sgl):
        ordered=True)
 
 
+def test_small_blocks_remainders_and_violations_in_later_blocks(sgl):
+    """Block 8, unroll 3: requests of 0, 1, 2, 3, 7, 8, 9 and 29 tokens cover the peeled first
+    block, full and remainder trips, several blocks, and violation rows recorded from any block
+    (each request is one program, so within it the rows keep entry order)."""
+    rng = np.random.default_rng(9)
+    lens = [0, 1, 2, 3, 7, 8, 9, 29]
+    n = sum(lens)
+    offsets = np.concatenate([[0], np.cumsum(lens)])
+    st = S.State.zeros(256, 2 * 59)  # room for every row: exact on any backend
+    st.canary_i64[:, :3] = rng.integers(-5, 40, (256, 3))
+    pos = rng.integers(0, 40, n)
+    for r, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
+        pos[a:b] = np.arange(b - a) + int(rng.integers(0, 5)) + (rng.random(b - a) < 0.2)
+    ocl = np.concatenate([32 * r + 1 + rng.integers(0, 12, k) for r, k in enumerate(lens)])
+    ocl[rng.random(n) < 0.1] = -1
+    ids = rng.integers(0, 9, n)
+    ours, ref = S.run_write(
+        sgl, st, offsets=offsets, seeds=[32 * r for r in range(len(lens))], num_valid=len(lens),
+        ids=ids, pos=pos, ocl=ocl, assert_on=True, etok=np.where(rng.random(n) < 0.2, 0, ids),
+        epos=pos, launch_kw=dict(block=8, unroll=3))
+    S.assert_same(ours, ref, st, ordered=SEQUENTIAL)
+    assert ref.widx > 10
+
+
+def test_zero_capacity_still_bumps_kernel_counter(sgl):
+    _, ref = _w(sgl, S.State.zeros(8, 2), offsets=[0], seeds=[], num_valid=1, ids=[1, 2],
+                pos=[0, 1], ocl=[1, 2])
+    assert (ref.sctr, ref.kctr) == (0, 1)
+
+
 @pytest.mark.slow
 def test_long_chain(sgl):
     rng = np.random.default_rng(8)
@@ -161,9 +191,18 @@ WRITE_BUCKETS = (
 CASES_PER_BUCKET = 500
 
 
-def _random_launch(rng, st, assert_on, kind=2):
-    """Requests with disjoint slot pools (the order across requests is unspecified on the GPU),
-    slots repeating inside a request, seeds of every kind, noisy positions and expectations."""
+# Interpret mode runs the programs (requests) one after another, as SGLang's reference does, so
+# on CPU every result is compared exactly, cross-request hazards included. On the GPU requests
+# run concurrently: a slot written by two requests, a seed another request writes, and which
+# rows of several requests land in a full ring are unspecified there (as in SGLang's kernel).
+SEQUENTIAL = _config.default_interpret()
+
+
+def _random_launch(rng, st, assert_on, kind=2, hazards=None):
+    """Requests over their own slot pools, slots repeating inside a request, seeds of every kind,
+    noisy positions and expectations. With ``hazards`` some tokens write, and some seeds read,
+    slots of other requests' pools (only a sequential run makes that deterministic)."""
+    hazards = SEQUENTIAL if hazards is None else hazards
     nreq = int(rng.integers(1, S.REQ_CAP + 1))
     pool = S.NUM_SLOTS // S.REQ_CAP
     lens = rng.integers(0, S.NUM_TOKENS // nreq + 1, nreq)
@@ -177,11 +216,17 @@ def _random_launch(rng, st, assert_on, kind=2):
     seeds = np.full(S.REQ_CAP, -1, np.int64)
     for r in range(S.REQ_CAP):
         lo = r * pool
-        seeds[r] = int(rng.choice([-1, -5, lo, lo + int(rng.integers(pool))]))
+        choices = [-1, -5, lo, lo + int(rng.integers(pool))]
+        if hazards:
+            choices.append(int(rng.integers(S.NUM_SLOTS)))
+        seeds[r] = int(rng.choice(choices))
         a, b = int(offsets[r]), int(offsets[r + 1])
         p0 = int(rng.integers(-2, 30))
         pos[a:b] = p0 + np.cumsum(rng.choice([0, 1, 1, 1, 2], b - a))
         ocl[a:b] = lo + rng.integers(0, pool, b - a)
+        if hazards:
+            shared = rng.random(b - a) < 0.2
+            ocl[a:b][shared] = rng.integers(0, S.NUM_SLOTS, int(shared.sum()))
         ocl[a:b][rng.random(b - a) < 0.15] = -1
     etok = np.where(rng.random(n) < 0.2, ids + 1, ids)
     epos = np.where(rng.random(n) < 0.2, pos - 1, pos)
@@ -192,11 +237,27 @@ def _random_launch(rng, st, assert_on, kind=2):
                 kind=kind)
 
 
+def _check_launch(sgl, st, launch, sources, mode):
+    """Ours against the reference: exact (ring order included) when sequential; on the GPU the
+    ring rows as a multiset, and after an overflow with rows of several requests, as a draw from
+    the launch's full set of rows (see :func:`_canary_support.assert_same`)."""
+    ours, ref = S.run_write(sgl, st, **launch, sources=sources, mode=mode)
+    uncapped = None
+    if not SEQUENTIAL and S.rows_dropped(st, ref):
+        _, full = S.run_write(sgl, S.widened(st, 2 * S.NUM_TOKENS), **launch, sources=sources,
+                              mode=mode, ours=False)
+        pool = S.NUM_SLOTS // S.REQ_CAP
+        if len({row[1] // pool for row in S.new_rows(st, full)}) > 1:
+            uncapped = full
+    S.assert_same(ours, ref, st, ordered=SEQUENTIAL, uncapped=uncapped)
+    return ref
+
+
 @pytest.mark.parametrize("bucket", range(len(WRITE_BUCKETS)))
 def test_write_fuzz(sgl, bucket):
     stride, assert_on, mode, layout = WRITE_BUCKETS[bucket]
     rng = np.random.default_rng(300 + bucket)
-    rows = 0
+    rows = overflows = 0
     for _ in range(CASES_PER_BUCKET):
         st = S.State.zeros(S.NUM_SLOTS, S.RING_CAP, stride)
         st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape,
@@ -207,11 +268,11 @@ def test_write_fuzz(sgl, bucket):
         st.sctr, st.kctr = (int(x) for x in rng.integers(0, 100, 2))
         # kernel_kind is static (one compile per tag): one tag per bucket.
         launch = _random_launch(rng, st, assert_on, kind=(2, 8, 5, 11)[bucket])
-        ours, ref = S.run_write(sgl, st, **launch, sources=S.bucket_sources(rng, layout),
-                                mode=mode)
-        S.assert_same(ours, ref, st)
+        ref = _check_launch(sgl, st, launch, S.bucket_sources(rng, layout), mode)
         rows += ref.widx - st.widx
+        overflows += S.rows_dropped(st, ref)
     assert rows > CASES_PER_BUCKET // 2  # the fuzz does exercise the violation paths
+    assert overflows > CASES_PER_BUCKET // 20  # and the full ring
 
 
 # --- out-of-range indices (documented choices; never an out-of-bounds access) ------------------
@@ -465,7 +526,8 @@ def test_jnp_reference_write_fuzz(sgl):
         st = S.State.zeros(S.NUM_SLOTS, S.RING_CAP, stride)
         st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape, dtype=np.int64)
         st.widx = int(rng.integers(0, S.RING_CAP + 4))
-        launch = _random_launch(rng, st, assert_on)
+        # The jnp reference is sequential on every backend: cross-request hazards included.
+        launch = _random_launch(rng, st, assert_on, hazards=True)
         ours, ref = S.run_write(sgl, st, **launch, sources=S.bucket_sources(rng, layout),
                                 mode=mode, jnp_reference=True)
         S.assert_same(ours, ref, st, ordered=True)

@@ -13,19 +13,23 @@ Semantics (SGLang's ``launch_canary_write_kernel``, spec section 9)::
             h = mix3(h, token, position)
             slot_run_counter += 1
 
-Parallel shape: one program per request row (grid = write_req_capacity; rows past the valid count
-exit). A request's chain is serial, but only the ``mix3`` step is: each program takes its tokens
-in blocks of ``block`` lanes, loads ids / positions / slots as vectors, computes the block's
-real-KV fingerprints and input-assert bits vectorised, runs the chain hash through a scalar loop
-whose body is the mix3 step (collecting each slot's link into a vector), then stores the block's
-canary rows and violation rows with vector scatters, reserving the block's ring rows with one
-atomic add.
+Parallel shape: one program per request row (grid = write_req_capacity, at least 1; rows past
+the valid count do nothing), one warp each (``NUM_WARPS``): a request's chain is serial, and only
+its ``mix3`` step has to be. A program takes its tokens in blocks of ``block`` lanes: the block's
+slots / ids / positions are vector loads, its real-KV fingerprints (field 3) are folded and
+scattered vectorised, and the input assert is checked vectorised. The chain is a scalar loop in
+token order (``unroll`` steps per trip, then single steps for the remainder) whose body loads the
+token's slot, id and position (L1 hits), stores fields 0-2 with predicated scalar stores and
+advances the hash. A block with a violation to record (rare) runs its chain again to collect each
+lane's link and expected position, then reserves its rows with one atomic add and scatters them.
 
 Guarantees where SGLang's GPU kernel leaves things unspecified or out of bounds:
 
 * Within a request everything is sequential, as in SGLang's reference: when a slot repeats in a
-  request the last occurrence's row is stored (earlier duplicates in the same block are masked;
-  blocks are ordered by a barrier on the GPU). The seed slot is read once, before the request's
+  request the last occurrence's row is stored. Fields 0-2 are scalar stores in token order (Triton
+  issues a scalar store from one thread; with one warp every lane would store the same value in
+  the same instruction anyway), so the last one wins with no barrier; field 3 depends on the slot
+  only, so every duplicate stores the same value. The seed slot is read once, before the request's
   first store. Violation rows of one request are appended in entry order (input-assert row before
   the chain-position row of the same entry).
 * Across requests of one launch (a slot written by two requests, a seed written by another
@@ -86,14 +90,16 @@ __all__ = [
     "NUM_WARPS",
 ]
 
-# Tokens per block of one request. The serial part per token is one mix3 plus three scalar loads
-# that hit L1 after the block's vector loads; the vector part (loads, fingerprints, dedupe,
-# stores) is amortised over the block. Short requests (decode) pay for the dedupe tile only.
+# Tokens per block of one request: the vector part (loads, real-KV fingerprints, their store,
+# the input assert and the per-block violation check) is amortised over the block; the serial
+# part is one mix3 and three predicated scalar stores per token.
 BLOCK = 128
-# mix3 steps per trip of the chain loop (straight-line code lets the scalar loads of the next
-# steps issue while the current hash is computed).
+# mix3 steps per trip of the chain loop: straight-line code lets the next steps' scalar loads
+# (L1 hits after the block's vector loads) issue while the current hash is computed.
 CHAIN_UNROLL = 8
-NUM_WARPS = 4
+# A program is one serial chain: more warps would only repeat its scalar work and take residency
+# from other requests' programs.
+NUM_WARPS = 1
 
 _W = "canary_write"
 
@@ -178,124 +184,159 @@ CONTRACT = Contract(
 def _write_kernel(
     offsets_ref, seeds_ref, nvalid_ref, ids_ref, pos_ref, ocl_ref, etok_ref, epos_ref, cpa_ref,
     *refs, specs, mode, kind, check_input, num_tokens, num_slots, slot_words, ring_cap, block,
-    unroll, barrier,
+    unroll,
 ):
     nsrc = len(specs)
     src_refs = refs[:nsrc]
     canary, ring, widx, sctr, kctr = refs[nsrc + 5:]
     r = pl.program_id(0)
-    capacity = seeds_ref.shape[0]
     i64 = jnp.int64
+    zero = jnp.zeros((), i64)
+    # Masked-off scalar stores aim at slot 0's words: the GPU does not touch them, and interpret
+    # mode writes their current value back, so nothing changes there either.
+    idt = jnp.int32 if canary.shape[0] < 2**31 else i64
 
     @pl.when(r == 0)
     def _bump():
         kctr[0] = kctr[0] + 1
 
-    active = jnp.clip(nvalid_ref[0], 0, capacity)
+    # The request's scalars are loaded unconditionally (every index is in bounds) so that their
+    # latencies overlap; a program past the valid count simply gets n = 0.
+    nvalid = nvalid_ref[0]
+    start = offsets_ref[r]
+    end = offsets_ref[r + 1]
+    seed = seeds_ref[r]
+    cpa = cpa_ref[0]
+    n = jnp.where(r < nvalid, jnp.maximum(end - start, 0), zero)  # r < capacity: the clamp
+    seed_ok = (seed >= 0) & (seed < num_slots)
+    if num_slots:
+        base = jnp.where(seed_ok, seed, 0) * slot_words
+        s_tok, s_pos, s_ph = (jnp.where(seed_ok, canary[base + f], zero) for f in (
+            consts.CANARY_FIELD_TOKEN, consts.CANARY_FIELD_POSITION, consts.CANARY_FIELD_PREV_HASH))
+    else:
+        s_tok = s_pos = s_ph = zero
+    pos_check = (seed >= 0) & (cpa != 0)
+    last0 = jnp.where(pos_check, s_pos, zero)
+    lane = jnp.arange(block, dtype=i64)
 
-    @pl.when(r < active)
-    def _request():
-        start = offsets_ref[r]
-        n = offsets_ref[r + 1] - start
+    def token(j):
+        """Scalar loads of the request's token j (in-request offset); v: it is written."""
+        i = start + j
+        ok = (j < n) & (i >= 0) & (i < num_tokens)
+        ic = jnp.where(ok, i, 0).astype(jnp.int32)
+        s, t, p = ocl_ref[ic], ids_ref[ic], pos_ref[ic]
+        return s, t, p, ok & (s >= 0) & (s < num_slots)
 
-        @pl.when(n > 0)
-        def _chain():
-            seed = seeds_ref[r]
-            seed_ok = (seed >= 0) & (seed < num_slots)
-            base = jnp.where(seed_ok, seed, 0) * slot_words
-            zero = jnp.zeros((), i64)
-            s_tok = jnp.where(seed_ok, canary[base + consts.CANARY_FIELD_TOKEN], zero)
-            s_pos = jnp.where(seed_ok, canary[base + consts.CANARY_FIELD_POSITION], zero)
-            s_ph = jnp.where(seed_ok, canary[base + consts.CANARY_FIELD_PREV_HASH], zero)
-            h0 = jnp.where(seed < 0, jnp.asarray(hashing.ANCHOR_HASH_I64, i64),
-                           hashing.mix3(s_ph, s_tok, s_pos))
-            pos_check = (seed >= 0) & (cpa_ref[0] != 0)
-            last0 = jnp.where(pos_check, s_pos, zero)
-            lane = jnp.arange(block, dtype=i64)
+    def step(tk, h, last, bad):
+        # One link of the chain. Fields 0-2 are scalar stores issued in token order by one
+        # thread, so a slot repeated in the request ends with its last occurrence's values.
+        s, t, p, v = tk
+        row = jnp.where(v, s, 0) * slot_words
+        for f, val in ((consts.CANARY_FIELD_TOKEN, t), (consts.CANARY_FIELD_POSITION, p),
+                       (consts.CANARY_FIELD_PREV_HASH, h)):
+            plt.store(canary.at[(row + f).astype(idt)], val, mask=v)
+        bad = bad | (v & (p != last + 1))
+        return jnp.where(v, hashing.mix3(h, t, p), h), jnp.where(v, p, last), bad
 
-            def block_body(b, carry):
-                h, last, written = carry
-                j0 = b.astype(i64) * block
-                cnt = jnp.minimum(n - j0, block)
-                i = start + j0 + lane
-                inb = (lane < cnt) & (i >= 0) & (i < num_tokens)
-                ic = jnp.where(inb, i, 0).astype(jnp.int32)
-                slot = plt.load(ocl_ref.at[ic], mask=inb, other=-1)
-                tok = plt.load(ids_ref.at[ic], mask=inb, other=0)
-                pos = plt.load(pos_ref.at[ic], mask=inb, other=0)
-                valid = inb & (slot >= 0) & (slot < num_slots)
-                rkv = hashing.fold_real_kv(slot, valid, src_refs, specs, mode)
+    def chain(j0, cnt, h, last):
+        # Unrolled trips: the next steps' loads do not depend on h, so they issue while the
+        # current mix3 runs. The remainder runs one step per trip (a 1-token request pays for
+        # one mix3, not `unroll`).
+        full = cnt // unroll
 
-                def chunk(c, carry2):
-                    h, last, hvec, lp1vec = carry2
-                    for u in range(unroll):
-                        jl = c.astype(i64) * unroll + u
-                        ii = start + j0 + jl
-                        ok = (jl < cnt) & (ii >= 0) & (ii < num_tokens)
-                        iic = jnp.where(ok, ii, 0).astype(jnp.int32)
-                        s, t, p = ocl_ref[iic], ids_ref[iic], pos_ref[iic]
-                        v = ok & (s >= 0) & (s < num_slots)
-                        here = lane == jl
-                        hvec = jnp.where(here, h, hvec)
-                        lp1vec = jnp.where(here, last + 1, lp1vec)
-                        h = jnp.where(v, hashing.mix3(h, t, p), h)
-                        last = jnp.where(v, p, last)
-                    return h, last, hvec, lp1vec
+        def trip(c, carry):
+            j = j0 + c.astype(i64) * unroll
+            # Every load of the trip comes first in program order: placed after a store they
+            # could not be moved above it (the compiler cannot prove the buffers distinct), and
+            # in-order issue would then add an L1 latency to every link of the chain.
+            tks = [token(j + u) for u in range(unroll)]
+            for tk in tks:
+                carry = step(tk, *carry)
+            return carry
 
-                zeros = jnp.zeros((block,), i64)
-                h, last, hvec, lp1vec = jax.lax.fori_loop(
-                    0, (cnt + unroll - 1) // unroll, chunk, (h, last, zeros, zeros)
-                )
+        carry = jax.lax.fori_loop(zero, full, trip, (h, last, jnp.zeros((), jnp.bool_)))
+        return jax.lax.fori_loop(full * unroll, cnt, lambda jl, c: step(token(j0 + jl), *c),
+                                 carry)
 
-                # A slot repeated later in this block is stored by its last occurrence only.
-                later_same = (
-                    (slot[:, None] == slot[None, :]) & valid[None, :]
-                    & (lane[None, :] > lane[:, None])
-                )
-                keep = valid & (jnp.max(later_same.astype(jnp.int32), axis=1) == 0)
-                row = slot * slot_words
-                for f, vals in ((consts.CANARY_FIELD_TOKEN, tok),
-                                (consts.CANARY_FIELD_POSITION, pos),
-                                (consts.CANARY_FIELD_PREV_HASH, hvec),
-                                (consts.CANARY_FIELD_REAL_KV_HASH, rkv)):
-                    scatter(canary, row + f, vals, keep)
-                if barrier:
-                    # Orders this block's stores before a later block's store to the same slot.
-                    plt.debug_barrier()
+    def links(j0, cnt, h, last):
+        """Each lane's chain hash and expected position (last + 1) before its token: the chain
+        run again, only for a block that has a violation to record."""
+        def one(jl, carry):
+            h, last, hvec, lp1vec = carry
+            _, t, p, v = token(j0 + jl)
+            here = lane == jl
+            hvec = jnp.where(here, h, hvec)
+            lp1vec = jnp.where(here, last + 1, lp1vec)
+            return (jnp.where(v, hashing.mix3(h, t, p), h), jnp.where(v, p, last), hvec, lp1vec)
 
-                if check_input:
-                    etok = plt.load(etok_ref.at[ic], mask=inb, other=0)
-                    epos = plt.load(epos_ref.at[ic], mask=inb, other=0)
-                    F = consts.FailReason
-                    bits_in = (jnp.where(tok != etok, int(F.WRITE_TOKEN_MISMATCH), 0)
-                               | jnp.where(pos != epos, int(F.WRITE_POSITION_MISMATCH), 0))
-                    has_in = valid & (bits_in != 0)
-                else:
-                    etok = epos = bits_in = zeros
-                    has_in = jnp.zeros((block,), jnp.bool_)
-                has_ch = valid & pos_check & (pos != lp1vec)
-                nrows = has_in.astype(jnp.int32) + has_ch.astype(jnp.int32)
-                total = jnp.sum(nrows, dtype=jnp.int32)
+        zeros = jnp.zeros((block,), i64)
+        _, _, hvec, lp1vec = jax.lax.fori_loop(zero, cnt, one, (h, last, zeros, zeros))
+        return hvec, lp1vec
 
-                @pl.when(total > 0)
-                def _record():
-                    first = plt.atomic_add(widx, (jnp.int32(0),), total)
-                    rank = jnp.cumsum(nrows, dtype=jnp.int32) - nrows
-                    kind_v = jnp.full((block,), kind, i64)
-                    row_in = first + rank
-                    append_rows(ring, row_in, has_in, ring_cap, (
-                        kind_v, slot, pos, tok, etok, hvec, epos, bits_in.astype(i64)))
-                    wpm = jnp.full((block,), int(consts.FailReason.WRITE_POSITION_MISMATCH), i64)
-                    append_rows(ring, row_in + has_in.astype(jnp.int32), has_ch, ring_cap, (
-                        kind_v, slot, pos, tok, tok, hvec, lp1vec, wpm))
+    def do_block(j0, h, last, written):
+        cnt = jnp.clip(n - j0, 0, block)
+        i = start + j0 + lane
+        inb = (lane < cnt) & (i >= 0) & (i < num_tokens)
+        ic = jnp.where(inb, i, 0).astype(jnp.int32)
+        # Vector loads: the slots for the fingerprints, and they bring the block's lines into L1
+        # for the chain's scalar loads.
+        slot = plt.load(ocl_ref.at[ic], mask=inb, other=-1)
+        tok = plt.load(ids_ref.at[ic], mask=inb, other=0)
+        pos = plt.load(pos_ref.at[ic], mask=inb, other=0)
+        valid = inb & (slot >= 0) & (slot < num_slots)
+        # Field 3 depends on the slot only: duplicates of a slot store the same value, so this
+        # scatter needs no ordering against the block's other stores or another block's.
+        rkv = hashing.fold_real_kv(slot, valid, src_refs, specs, mode)
+        scatter(canary, slot * slot_words + consts.CANARY_FIELD_REAL_KV_HASH, rkv, valid)
+        if h is None:  # first block: the seed's hash, emitted after the block's loads issue
+            h = jnp.where(seed < 0, jnp.asarray(hashing.ANCHOR_HASH_I64, i64),
+                          hashing.mix3(s_ph, s_tok, s_pos))
+        h_out, last_out, bad = chain(j0, cnt, h, last)
 
-                return h, last, written + jnp.sum(valid.astype(i64))
+        F = consts.FailReason
+        if check_input:
+            etok = plt.load(etok_ref.at[ic], mask=inb, other=0)
+            epos = plt.load(epos_ref.at[ic], mask=inb, other=0)
+            bits_in = (jnp.where(tok != etok, int(F.WRITE_TOKEN_MISMATCH), 0)
+                       | jnp.where(pos != epos, int(F.WRITE_POSITION_MISMATCH), 0))
+            has_in = valid & (bits_in != 0)
+            need = (pos_check & bad) | (jnp.sum(has_in.astype(jnp.int32)) > 0)
+        else:
+            need = pos_check & bad
 
-            nblocks = (n + block - 1) // block
-            _, _, written = jax.lax.fori_loop(
-                0, nblocks, block_body, (h0, last0, jnp.zeros((), i64))
-            )
-            plt.atomic_add(sctr, (jnp.int32(0),), written)
+        @pl.when(need)
+        def _record():
+            hvec, lp1vec = links(j0, cnt, h, last)
+            if check_input:
+                hin, e_tok, e_pos, b_in = has_in, etok, epos, bits_in.astype(i64)
+            else:
+                hin = jnp.zeros((block,), jnp.bool_)
+                e_tok = e_pos = b_in = jnp.zeros((block,), i64)
+            has_ch = valid & pos_check & (pos != lp1vec)
+            nrows = hin.astype(jnp.int32) + has_ch.astype(jnp.int32)
+            first = plt.atomic_add(widx, (jnp.int32(0),), jnp.sum(nrows, dtype=jnp.int32))
+            # Entry order within the request: a lane's rows follow every earlier lane's, its
+            # input-assert row before its chain-position row.
+            row_in = first + jnp.cumsum(nrows, dtype=jnp.int32) - nrows
+            kind_v = jnp.full((block,), kind, i64)
+            append_rows(ring, row_in, hin, ring_cap,
+                        (kind_v, slot, pos, tok, e_tok, hvec, e_pos, b_in))
+            wpm = jnp.full((block,), int(F.WRITE_POSITION_MISMATCH), i64)
+            append_rows(ring, row_in + hin.astype(jnp.int32), has_ch, ring_cap,
+                        (kind_v, slot, pos, tok, tok, hvec, lp1vec, wpm))
+
+        return h_out, last_out, written + jnp.sum(valid.astype(i64))
+
+    # The first block is peeled out of the loop: straight-line code from the scalar loads to the
+    # first mix3, and a short request never enters the loop.
+    carry = do_block(zero, None, last0, zero)
+    nblocks = (n + block - 1) // block
+    _, _, written = jax.lax.fori_loop(
+        jnp.ones((), i64), nblocks, lambda b, c: do_block(b * block, *c), carry)
+
+    @pl.when(n > 0)
+    def _count():
+        plt.atomic_add(sctr, (jnp.int32(0),), written)
 
 
 @functools.partial(
@@ -319,6 +360,10 @@ def _write_jit(canary_buf, violation_ring, violation_write_index, slot_run_count
             expected_input_tokens, expected_input_positions = pad(0), pad(0)
     if not check_input:
         expected_input_tokens, expected_input_positions = input_ids, positions
+    if capacity == 0:  # one program still runs, to bump kernel_run_counter (SGLang: grid >= 1)
+        write_offsets = jnp.zeros((2,), jnp.int64)
+        write_seed_slot_indices = jnp.full((1,), -1, jnp.int64)
+        capacity = 1
     words = [as_words(b) for b in source_bufs]
     for i, (w, spec) in enumerate(zip(words, specs)):
         check_extent(w, spec, i)
@@ -327,7 +372,7 @@ def _write_jit(canary_buf, violation_ring, violation_write_index, slot_run_count
     kernel = functools.partial(
         _write_kernel, specs=specs, mode=mode, kind=kind, check_input=check_input,
         num_tokens=num_tokens, num_slots=num_slots, slot_words=stride_bytes // 8,
-        ring_cap=ring_cap, block=block, unroll=unroll, barrier=not interpret,
+        ring_cap=ring_cap, block=block, unroll=unroll,
     )
     ins = [write_offsets, write_seed_slot_indices, write_num_valid_reqs, input_ids, positions,
            out_cache_loc, expected_input_tokens, expected_input_positions,
@@ -385,7 +430,12 @@ def write_impl(
     """Array-level entry (no validation): each source is ``(buffer, SourceSpec)`` where the
     buffer is any compact array holding the source's bytes. Returns ``(canary_buf,
     violation_ring, violation_write_index, slot_run_counter, kernel_run_counter)``; donate the
-    first five arguments' buffers for an in-place update."""
+    first five arguments' buffers for an in-place update.
+
+    Launch parameters (GPU): ``block`` tokens per vector block (a power of two), ``unroll``
+    chain steps per loop trip, ``num_warps`` per program. Results do not depend on them; more
+    than one warp is correct only because Triton issues a scalar store from a single thread (the
+    in-request order of repeated slots), and is expected to be slower."""
     if interpret is None:
         interpret = _config.default_interpret()
     return _write_jit(
