@@ -27,6 +27,80 @@ def _inputs(entries: int, seed: int):
                 prev=c["prev"])
 
 
+_GATHER_KERNEL = None
+
+
+def _gather_kernel():
+    """A plain Triton kernel with the verify's memory traffic and nothing else: the four plan
+    fields of each entry (sequential) and its slot's 32-byte canary row (a random gather, one
+    [block, 4] int64 tile), XOR-folded to one word per program so no load is dead."""
+    global _GATHER_KERNEL
+    if _GATHER_KERNEL is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def gather_rows(slots, tokens, positions, prev, canary, out, n, BLOCK: tl.constexpr,
+                        PLAN: tl.constexpr):
+            k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            m = k < n
+            s = tl.load(slots + k, mask=m, other=0)
+            acc = tl.zeros((BLOCK,), tl.int64)
+            if PLAN:
+                acc ^= tl.load(tokens + k, mask=m, other=0)
+                acc ^= tl.load(positions + k, mask=m, other=0)
+                acc ^= tl.load(prev + k, mask=m, other=0)
+            row = tl.load(canary + (s * 4)[:, None] + tl.arange(0, 4)[None, :], mask=m[:, None],
+                          other=0)
+            acc ^= tl.xor_sum(row, axis=1)
+            tl.store(out + tl.program_id(0), tl.xor_sum(acc, axis=0))
+
+        _GATHER_KERNEL = gather_rows
+    return _GATHER_KERNEL
+
+
+def gather_floor(entries: int, *, iters: int) -> dict:
+    """Device time of the access pattern alone on this GPU, on the verify's inputs: ``triton``
+    (plan reads + row gathers, best of a few launch shapes, ``triton_shape``), ``gather_only``
+    (the slot reads and row gathers alone) and ``torch_index_select`` of the same canary rows
+    (which also writes them out)."""
+    import torch
+
+    kern = _gather_kernel()
+    probe = _inputs(entries, seed=entries)
+    k = timing.num_sets(probe["canary_buf"].nbytes + 32 * entries)
+    del probe
+    sets = []
+    for seed in range(k):
+        d = _inputs(entries, seed)
+        sets.append([common.to_torch(d[n]) for n in ("slots", "tokens", "positions", "prev")]
+                    + [common.to_torch(d["canary_buf"]).view(torch.int64).reshape(-1)])
+    res = {}
+    for with_plan, key in ((True, "triton"), (False, "gather_only")):
+        best = (float("inf"), "")
+        for block in (256, 1024):
+            for warps in (4, 8):
+                grid = (-(-entries // block),)
+                out = torch.empty(grid[0], dtype=torch.int64, device=sets[0][0].device)
+
+                def run(i, block=block, warps=warps, out=out, grid=grid, plan=with_plan):
+                    kern[grid](*sets[i % k], out, entries, BLOCK=block, PLAN=plan,
+                               num_warps=warps)
+
+                t = timing.device_time(run, torch.cuda.synchronize, iters=iters)["median_us"]
+                best = min(best, (t, f"{block}x{warps}"))
+        res[key], res[key + "_shape"] = best
+
+    def run_torch(i):
+        s = sets[i % k]
+        s[4].view(-1, 4).index_select(0, s[0])
+
+    res["torch_index_select"] = timing.device_time(run_torch, torch.cuda.synchronize,
+                                                   iters=iters)["median_us"]
+    del sets
+    return res
+
+
 def _rows(ring, n):
     return sorted(map(tuple, np.asarray(ring)[: min(n, RING)].tolist()))
 
@@ -111,6 +185,13 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
             row["sglang"] = timing.device_time(run_sgl, torch.cuda.synchronize, iters=iters)
             row["sglang_call"] = timing.call_time(run_sgl, torch.cuda.synchronize, iters=iters)
             del tsets
+            # What the access pattern itself costs here: the byte floor assumes streaming reads,
+            # the verify's slot rows are random 32-byte gathers.
+            g = gather_floor(entries, iters=iters)
+            row["gather_floor_us"] = g["triton"]
+            row["gather_floor_shape"] = g["triton_shape"]
+            row["gather_only_us"] = g["gather_only"]
+            row["index_select_us"] = g["torch_index_select"]
         rows_out.append(row)
         progress.update(1)
     return rows_out

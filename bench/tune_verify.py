@@ -1,0 +1,158 @@
+"""Sweep the verify kernel's variants and launch parameters on the GPU.
+
+``python -m bench.tune_verify [out.json [entries,entries,...]]`` times, per case of bench.op_verify (clean chains at
+random slots, three corrupted tokens, token check on), a coordinate descent over the keyword
+parameters of ``kvcanary_jax.ops.verify.canary_verify``:
+
+1. structure: ``group`` (column vectors that reuse the predecessor's fields) x ``vec`` (canary
+   words per gather instruction), plus the previous design (group 1, vec 1, no hoist);
+2. launch shape: ``block`` x ``num_warps``;
+3. grid: ``max_programs`` (persistent grid-stride ... one program per block);
+4. ``num_stages``, ``hoist``.
+
+Each stage keeps the best of the previous ones. A variant that fails to lower or compile is
+reported and skipped. Prints the best variant per case next to the module's defaults and the
+previous design, and writes every measurement to the JSON file after each case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+from bench import common, timing
+from bench.op_verify import RING, _inputs
+
+# Largest first: the byte-floor target is at 4M entries, and BUDGET_S may cut the tail.
+CASES = [1 << 22, 1 << 20, 1 << 10, 1 << 16]
+ITERS = 20
+OLD = dict(group=1, vec=1, hoist=False, block=512, num_warps=4, max_programs=264, num_stages=1)
+STRUCTURE = [(1, 1), (1, 4), (2, 4), (4, 2), (4, 4), (8, 4)]
+# Stop starting new variants after this many seconds (the device allows 600 s per command).
+BUDGET_S = float(os.environ.get("KVCANARY_TUNE_BUDGET_S", 500))
+SHAPES = [(256, 4), (512, 4), (512, 8), (1024, 4), (1024, 8), (2048, 8)]
+SMALL_SHAPES = [(128, 4), (256, 4), (256, 8), (512, 4), (1024, 4), (1024, 8)]
+PROGRAMS = [132, 264, 528, 1056, 2112, 1 << 30]
+EXTRAS = [dict(num_stages=2), dict(num_stages=3), dict(hoist=False)]
+
+
+def _key(kw: dict) -> str:
+    return " ".join(f"{k}={kw[k]}" for k in sorted(kw))
+
+
+def main() -> int:
+    import jax
+    import jax.numpy as jnp
+
+    import kvcanary_jax as kc
+    from kvcanary_jax.consts import CanaryLaunchTag
+    from kvcanary_jax.ops import verify as V
+
+    default = dict(group=V.GROUP, vec=V.VEC, hoist=V.HOIST, block=V.BLOCK, num_warps=V.NUM_WARPS,
+                   max_programs=V.MAX_PROGRAMS, num_stages=V.NUM_STAGES)
+    path = sys.argv[1] if len(sys.argv) > 1 else "tune_verify.json"
+    cases = [int(c) for c in sys.argv[2].split(",")] if len(sys.argv) > 2 else CASES
+    out = []
+    t_start = time.perf_counter()
+    for entries in cases:
+        probe = _inputs(entries, seed=entries)
+        k = timing.num_sets(probe["canary_buf"].nbytes + 32 * entries)
+        del probe
+        res = {"case": f"entries={entries}", "entries": entries, "times": {}, "errors": {}}
+        with jax.enable_x64(True):
+            sets = []
+            for seed in range(k):
+                d = _inputs(entries, seed)
+                ctx = kc.VerifyOrWriteContext.allocate(
+                    num_slots=d["canary_buf"].shape[0], kernel_kind=CanaryLaunchTag.HEAD_K_FULL,
+                    ring_capacity=RING)
+                ctx = ctx.replace(canary_buf=common.to_jax(d["canary_buf"]))
+                plan = kc.VerifyPlan(
+                    verify_slot_indices=common.to_jax(d["slots"]),
+                    verify_expected_tokens=common.to_jax(d["tokens"]),
+                    verify_expected_positions=common.to_jax(d["positions"]),
+                    verify_prev_slot_indices=common.to_jax(d["prev"]),
+                    verify_num_valid=jnp.array([entries], jnp.int32),
+                    enable=jnp.ones(1, jnp.int32))
+                sets.append([ctx, plan])
+            expect = None
+
+            def measure(kw: dict):
+                name = _key(kw)
+                if name in res["times"] or name in res["errors"]:
+                    return res["times"].get(name)
+                if time.perf_counter() - t_start > BUDGET_S:
+                    return None
+                nonlocal expect
+                fn = jax.jit(lambda ctx, plan, kw=kw: kc.canary_verify(
+                    context=ctx, plan=plan, check_verify_expected_token=True, **kw),
+                    donate_argnums=0)
+                try:
+                    # Correctness on set 0 against the reference (violation count, counters).
+                    s0 = sets[0]
+                    before = (int(s0[0].violation_write_index[0]), int(s0[0].slot_run_counter[0]))
+                    s0[0] = fn(s0[0], s0[1])
+                    got = (int(s0[0].violation_write_index[0]) - before[0],
+                           int(s0[0].slot_run_counter[0]) - before[1])
+                    if expect is None:
+                        expect = got
+                    if got != expect:
+                        raise AssertionError(f"counts {got} != {expect}")
+
+                    def run(i, fn=fn):
+                        s = sets[i % k]
+                        s[0] = fn(s[0], s[1])
+
+                    t = timing.device_time(
+                        run, lambda: common.jax_sync([s[0] for s in sets]), iters=ITERS)
+                    res["times"][name] = t["median_us"]
+                    return t["median_us"]
+                except Exception as e:  # noqa: BLE001 - a variant that does not build is data
+                    res["errors"][name] = f"{type(e).__name__}: {e}"[:300]
+                    traceback.print_exc(limit=1)
+                    return None
+
+            def best_of(cands):
+                scored = [(measure(c), i, c) for i, c in enumerate(cands)]
+                scored = [s for s in scored if s[0] is not None]
+                return min(scored)[2] if scored else cands[0]
+
+            # References first: the previous design and the module's defaults.
+            measure(dict(OLD))
+            measure(dict(default))
+            cur = dict(default)
+            cur = best_of([{**cur, "group": g, "vec": v} for g, v in STRUCTURE] + [dict(OLD)])
+            shapes = SMALL_SHAPES if entries <= 4096 else SHAPES
+            cur = best_of([{**cur, "block": b, "num_warps": w} for b, w in shapes])
+            if entries > 4096:
+                cur = best_of([{**cur, "max_programs": p} for p in PROGRAMS])
+            cur = best_of([cur] + [{**cur, **x} for x in EXTRAS])
+            # Second look at the structure under the chosen launch shape.
+            cur = best_of([cur] + [{**cur, "group": g} for g in (2, 4, 8)])
+            del sets
+
+        res["best"] = _key(cur)
+        res["best_us"] = res["times"].get(res["best"])
+        res["default_us"] = res["times"].get(_key(default))
+        res["old_us"] = res["times"].get(_key(OLD))
+        fmt = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
+        print(f"{res['case']:>16}: best {fmt(res['best_us'])} us [{res['best']}] | defaults "
+              f"{fmt(res['default_us'])} | previous design {fmt(res['old_us'])} | "
+              f"{len(res['times'])} variants, {len(res['errors'])} failed | "
+              f"{time.perf_counter() - t_start:.0f} s", flush=True)
+        out.append(res)
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+    for res in out:
+        top = sorted(res["times"].items(), key=lambda kv: kv[1])[:5]
+        print(res["case"], "top 5:", "; ".join(f"{t:.2f} [{n}]" for n, t in top))
+        for n, e in list(res["errors"].items())[:3]:
+            print("  failed:", n, "->", e)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
