@@ -70,11 +70,12 @@ __all__ = [
     "HOIST",
 ]
 
-# Entries per block (one grid-stride step of a program).
-BLOCK = 512
-# Persistent grid cap (SGLang: 64 blocks x 512 threads); the grid is smaller for small plans.
-MAX_PROGRAMS = 264
-NUM_WARPS = 4
+# Entries per block (one grid-stride step of a program), persistent grid cap (SGLang: 64 blocks x
+# 512 threads; the grid is smaller for small plans) and warps: the fastest of the H200 sweep
+# (bench/tune_verify.py, bench/NOTES.md): 187 us at 4M entries against 197 for 512 x 4 warps.
+BLOCK = 1024
+MAX_PROGRAMS = 528
+NUM_WARPS = 8
 NUM_STAGES = 1
 # A block is ``GROUP`` columns of ``BLOCK // GROUP`` entries, entry r * GROUP + g in column g: in
 # a chain-ordered plan an entry's predecessor is the previous entry's slot, whose fields column
