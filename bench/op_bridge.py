@@ -20,6 +20,15 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
         progress.set_postfix_str(f"bridge bs={bs}")
         out = bridge_overhead.measure(device=common.torch_device(), bs=bs,
                                       iters=max(iters, 20) if common.on_gpu() else 3, sglang=True)
+        rows += rows_from(out)
+        progress.update(1)
+    return rows
+
+
+def rows_from(out: dict) -> list[dict]:
+    """Table rows from one ``bench.bridge_overhead.measure`` result."""
+    rows, bs = [], out["bs"]
+    if True:
         sg = out.get("sglang", {})
         total = sum(sg[n]["launch_us"] for n in OPS[:4]) if all(
             "launch_us" in sg.get(n, {}) for n in OPS[:4]) else None
@@ -35,5 +44,4 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
                     row[f"ours_call_{mode}"] = {"median_us": out["bridge_" + mode][name]["launch_us"]}
             rows.append(row)
         rows[-1]["raw"] = out
-        progress.update(1)
     return rows

@@ -6,7 +6,7 @@ import os
 
 PEERS = ("sglang", "triton_2d")
 LABEL = {"ours": "ours (Pallas)", "sglang": "SGLang 0.5.23", "triton_2d": "Triton 2-D",
-         "floor": "byte floor"}
+         "floor": "byte floor", "gather_floor": "gather floor (random 32 B rows)"}
 
 
 def _med(row, key):
@@ -27,10 +27,12 @@ def markdown(result: dict) -> str:
         f"triton {env.get('triton')}; copy bandwidth {result['copy_bandwidth_gbs']:.0f} GB/s "
         f"(read + write). Device time per call (us, median over {result['iters']} iterations, "
         "torch.profiler/CUPTI for both sides, every kernel the call launches); inputs rotate among "
-        "enough sets to overflow the 60 MB L2.",
+        "enough sets to overflow the 60 MB L2. Byte floor: bytes the op must move / copy "
+        "bandwidth; gather floor (verify): a plain Triton kernel that only reads the plan and "
+        "gathers the same random 32-byte canary rows.",
         "",
-        "| op | case | ours | SGLang 0.5.23 | Triton 2-D | floor | ours/SGLang | ours/best Triton | ours/floor | correct |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| op | case | ours | SGLang 0.5.23 | Triton 2-D | byte floor | gather floor | ours/SGLang | ours/best Triton | ours/byte floor | correct |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for row in result["rows"]:
         if "ours" not in row:
@@ -43,6 +45,7 @@ def markdown(result: dict) -> str:
             k.endswith("_correct") for k in row) else None
         lines.append(
             f"| {row['op']} | {row['case']} | {_fmt(ours)} | {_fmt(sgl)} | {_fmt(t2d)} | {_fmt(floor)} | "
+            f"{_fmt(row.get('gather_floor_us'))} | "
             f"{_fmt(ratio(ours, sgl), 2)} | {_fmt(ratio(ours, best), 2)} | {_fmt(ratio(ours, floor), 2)} | "
             f"{'-' if correct is None else ('yes' if correct else 'NO')} |"
         )
@@ -74,7 +77,7 @@ def plots(result: dict, out_dir: str) -> None:
         if xkey is None:
             continue
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        series = {"ours": [], "sglang": [], "triton_2d": [], "floor": []}
+        series = {"ours": [], "sglang": [], "triton_2d": [], "floor": [], "gather_floor": []}
         for r in sorted(rows, key=lambda r: r[xkey]):
             x = r[xkey] / 1e6
             for key in ("ours", "sglang", "triton_2d"):
@@ -83,11 +86,22 @@ def plots(result: dict, out_dir: str) -> None:
                     series[key].append((x, v))
             if r.get("floor_us"):
                 series["floor"].append((x, r["floor_us"]))
-        styles = {"ours": "o-", "sglang": "s--", "triton_2d": "^--", "floor": "k:"}
+            if r.get("gather_floor_us"):
+                series["gather_floor"].append((x, r["gather_floor_us"]))
+        styles = {"ours": "o-", "sglang": "s--", "triton_2d": "^--", "floor": "k:", "gather_floor": "k-."}
+        # Write cases differ in chain length, not only in size: points, labelled, not a curve.
+        points_only = op == "write"
         for key, pts in series.items():
             if pts:
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, styles[key], label=LABEL[key], markersize=4)
+                style = styles[key][0] if points_only and key != "floor" else styles[key]
+                ax.plot(xs, ys, style, label=LABEL[key], markersize=5 if points_only else 4)
+        if points_only:
+            for r in rows:
+                v = _med(r, "ours")
+                if v is not None:
+                    ax.annotate(r["case"], (r[xkey] / 1e6, v), textcoords="offset points",
+                                xytext=(4, -10), fontsize=7)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("bytes the op must move (MB)")
@@ -98,3 +112,31 @@ def plots(result: dict, out_dir: str) -> None:
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, f"{op}.png"), dpi=120)
         plt.close(fig)
+
+
+def main(argv=None) -> int:
+    """``python -m bench.report results.json [bridge_overhead.json]``: rewrite the table and plots
+    next to ``results.json`` (merging a separate bridge_overhead run's rows when given)."""
+    import json
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    path = args[0]
+    with open(path) as f:
+        result = json.load(f)
+    if len(args) > 1:
+        from bench.op_bridge import rows_from
+
+        with open(args[1]) as f:
+            result["rows"] = [r for r in result["rows"] if r["op"] != "bridge"] + rows_from(json.load(f))
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+    out_dir = os.path.dirname(os.path.abspath(path))
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(markdown(result))
+    plots(result, out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
