@@ -209,18 +209,24 @@ _WRITE_OK = Validated()
 _STEP_OK = Validated()
 
 
+def _plan_key(vp_t, wp_t, rpi, prefix, extend, rtt, lut, pool, valid_lens, swa_window_size,
+              verify_capacity) -> tuple:
+    """Everything the plan's static checks depend on (shared by the plan launcher and the fused
+    step, which reuses its pieces for the other launchers' keys)."""
+    return (tuple(sig(v) for v in vp_t.values()), tuple(sig(v) for v in wp_t.values()),
+            isig(rpi), isig(prefix), isig(extend), isig(rtt), isig(lut), sig(pool),
+            isig(valid_lens), int(swa_window_size), int(verify_capacity))
+
+
 def _check_plan(*, verify_plan_out, write_plan_out, req_pool_indices, prefix_lens,
                 extend_seq_lens, req_to_token, swa_window_size, full_to_swa_index_mapping,
                 verify_capacity, req_to_verify_expected_tokens,
                 req_to_verify_expected_tokens_valid_lens):
     vp_t = _fields(verify_plan_out, _VP_FIELDS)
     wp_t = _fields(write_plan_out, _WP_FIELDS)
-    key = (tuple(sig(v) for v in vp_t.values()), tuple(sig(v) for v in wp_t.values()),
-           isig(req_pool_indices), isig(prefix_lens), isig(extend_seq_lens),
-           isig(req_to_token), isig(full_to_swa_index_mapping),
-           sig(req_to_verify_expected_tokens),
-           isig(req_to_verify_expected_tokens_valid_lens), int(swa_window_size),
-           int(verify_capacity))
+    key = _plan_key(vp_t, wp_t, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token,
+                    full_to_swa_index_mapping, req_to_verify_expected_tokens,
+                    req_to_verify_expected_tokens_valid_lens, swa_window_size, verify_capacity)
     if key not in _PLAN_OK:
         required = dict(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
                         extend_seq_lens=extend_seq_lens, req_to_token=req_to_token)
@@ -571,12 +577,9 @@ def launch_canary_step(
     wp_t = _fields(write_plan_out, _WP_FIELDS)
     # The static checks of all four launchers depend on these signatures only: a step repeated
     # on the same buffers (the serving loop) evaluates them once.
-    pk = (tuple(sig(v) for v in vp_t.values()), tuple(sig(v) for v in wp_t.values()),
-          isig(req_pool_indices), isig(prefix_lens), isig(extend_seq_lens),
-          isig(req_to_token), isig(full_to_swa_index_mapping),
-          sig(req_to_verify_expected_tokens),
-          isig(req_to_verify_expected_tokens_valid_lens), int(swa_window_size),
-          int(verify_capacity))
+    pk = _plan_key(vp_t, wp_t, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token,
+                   full_to_swa_index_mapping, req_to_verify_expected_tokens,
+                   req_to_verify_expected_tokens_valid_lens, swa_window_size, verify_capacity)
     wk = (_ctx_sig(context), pk[1], isig(input_ids), isig(positions), isig(out_cache_loc),
           bool(enable_write_input_assert), isig(expected_input_tokens),
           isig(expected_input_positions))
