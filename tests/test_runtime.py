@@ -20,13 +20,13 @@ import warnings
 import jax
 import numpy as np
 import pytest
+import torch  # the oracle (SGLang's references) runs on torch: a test dependency
 
 from kvcanary_jax import runtime as rt
 from kvcanary_jax import simulate as sm
 
 warnings.filterwarnings("ignore", message=".*donated buffers.*")
 
-torch = pytest.importorskip("torch")
 
 
 def _t(x, dtype=None):
