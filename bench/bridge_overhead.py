@@ -1,16 +1,16 @@
-"""Per-call host overhead of the torch bridge's launchers (the cache-hit path), and SGLang's.
+"""Per-call host overhead of the torch bridge's launchers (the hot path), and SGLang's.
 
 One decode-like step (``bs`` requests, ``prefix`` cached tokens each, one new token) on persistent
-buffers, as a CUDA-graph-style serving loop holds them. For each launcher: the wall time of
-``iters`` back-to-back calls divided by ``iters`` (``launch_us``: what the host pays per call, the
-kernels overlapping), and of synchronised single calls (``sync_us``). With ``--sglang`` the same
-inputs go through SGLang 0.5.23's launchers (its Triton / CUDA kernels on the GPU, its torch
-references on CPU) for the ratio the targets are stated in.
+buffers, as a CUDA-graph-style serving loop holds them. For each launcher and the fused step: the
+host wall time per call in bursts of back-to-back calls (``launch_us``: what the host pays per
+call, the kernels overlapping), in ``rounds`` rounds whose sides alternate (our launchers under
+each stream handshake, SGLang 0.5.23's launchers on a twin set of buffers), so a drift in the
+host's speed hits every side alike. Quoted: medians over the rounds, and ratios as medians of the
+per-round ratios.
 
     python -m bench.bridge_overhead --device cuda --bs 64 [--sglang] [--out result.json]
 
-On CUDA the launchers are also timed under the other stream handshake (``bridge_event`` or
-``bridge_fence`` in the JSON, with their own ratios).
+On the GPU SGLang's side is its Triton / CUDA kernels; on CPU its torch references.
 """
 
 from __future__ import annotations
@@ -105,27 +105,42 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _time(fn, c, *, iters: int, warmup: int = 5) -> dict:
-    dev = c["device"]
-    for _ in range(warmup):
+def _burst(fn, c, n: int) -> float:
+    """Mean host time per call of ``n`` back-to-back calls (us), the device drained before."""
+    _sync(c["device"])
+    t = time.perf_counter()
+    for _ in range(n):
         fn(c)
-    _sync(dev)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn(c)
-    t1 = time.perf_counter()
-    _sync(dev)
-    t2 = time.perf_counter()
-    singles = []
-    for _ in range(min(iters, 50)):
-        s = time.perf_counter()
-        fn(c)
-        _sync(dev)
-        singles.append(time.perf_counter() - s)
-    singles.sort()
-    return dict(launch_us=round((t1 - t0) / iters * 1e6, 2),
-                drain_us=round((t2 - t1) * 1e6, 2),
-                sync_us=round(singles[len(singles) // 2] * 1e6, 2))
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def _interleaved(sides: dict, ops, *, iters: int, rounds: int):
+    """Every (side, op) timed in ``rounds`` bursts of ``iters // rounds`` calls, the sides
+    alternating inside each round, so a drift in the host's speed hits all sides alike.
+    ``sides``: name -> (op -> call or None where the side lacks the op, case). Returns per side
+    and op the median burst and the spread, and the raw bursts (for per-round ratios)."""
+    n = max(1, iters // rounds)
+    plan = [(side, op, fn_of(op), c) for op in ops for side, (fn_of, c) in sides.items()]
+    plan = [p for p in plan if p[2] is not None]
+    raw = {side: {} for side in sides}
+    for side, op, f, c in plan:  # warm-up: compile, record the replays
+        raw[side][op] = []
+        for _ in range(5):
+            f(c)
+    for _ in range(rounds):
+        for side, op, f, c in plan:
+            raw[side][op].append(_burst(f, c, n))
+    for _, c in sides.values():
+        _sync(c["device"])
+    out = {side: {op: dict(launch_us=round(_median(v), 2), min_us=round(min(v), 2),
+                           max_us=round(max(v), 2), bursts=[round(x, 2) for x in v])
+                  for op, v in per_op.items()} for side, per_op in raw.items()}
+    return out, raw
 
 
 class _SglangLib:
@@ -136,80 +151,94 @@ class _SglangLib:
         from kvcanary_jax import oracle
 
         ns = oracle.load(cuda_jit=cuda_jit)
-        self.launch_scatter_req_token_ids_kernel = ns.scatter.launch_scatter_req_token_ids_kernel
+        # Its scatter launcher is Triton only; the torch reference stands in on CPU tensors.
+        self.launch_scatter_req_token_ids_kernel = (
+            ns.scatter.launch_scatter_req_token_ids_kernel if cuda_jit else
+            ns.scatter_ref.scatter_req_token_ids_torch_reference)
         self.launch_canary_plan_kernels = ns.plan_api.launch_canary_plan_kernels
         self.launch_canary_verify_kernel = ns.verify.launch_canary_verify_kernel
         self.launch_canary_write_kernel = ns.write.launch_canary_write_kernel
 
 
-def measure(*, device="cpu", bs: int = 64, iters: int = 200, sglang: bool = False) -> dict:
-    """Per-call times (microseconds) of every bridge launcher and the fused step; with
-    ``sglang`` also SGLang's launchers on the same buffers and the ratios."""
+def measure(*, device="cpu", bs: int = 64, iters: int = 200, sglang: bool = False,
+            rounds: int = 9) -> dict:
+    """Per-call host times (microseconds) of every bridge launcher and the fused step under both
+    stream handshakes (GPU), and with ``sglang`` SGLang's launchers on a twin set of buffers, all
+    interleaved in ``rounds`` rounds (see :func:`_interleaved`); ratios are medians of the
+    per-round ratios."""
     c = make_case(device=device, bs=bs)
-    out = {"device": str(c["device"]), "bs": bs, "iters": iters, "bridge": {}}
     ops = dict(scatter=run_scatter, plan=run_plan, verify=run_verify, write=run_write)
-    for name, fn in ops.items():
-        out["bridge"][name] = _time(fn, c, iters=iters)
-    out["bridge"]["step_fused"] = _time(run_step, c, iters=iters)
-    out["stream_sync"] = bridge.stream_sync()
-    if c["device"].type == "cuda":
-        # The other handshake on the same buffers (see bridge._interop): which one meets the
-        # targets, measured in the same process.
-        other = "event" if bridge.stream_sync() == "fence" else "fence"
-        old = bridge.stream_sync()
-        bridge.set_stream_sync(other)
-        try:
-            info = bridge._interop.device_info(c["pool"])
-            out["compute_stream_found"] = \
-                bridge._interop.gpu_sync(info).compute_stream is not None
-            out["bridge_" + other] = {name: _time(fn, c, iters=iters)
-                                      for name, fn in {**ops, "step_fused": run_step}.items()}
-        finally:
-            bridge.set_stream_sync(old)
+    is_gpu = c["device"].type == "cuda"
+    out = {"device": str(c["device"]), "bs": bs, "iters": iters, "rounds": rounds,
+           "method": "median over rounds of the mean host time per call in a burst of "
+                     "iters/rounds back-to-back calls; sides interleaved within each round"}
+    default = bridge.stream_sync()
+    other = "fence" if default == "event" else "event"
+
+    def ours(mode):
+        def fn_of(op):
+            f = run_step if op == "step_fused" else ops[op]
+
+            def call(cc):
+                if is_gpu:
+                    bridge.set_stream_sync(mode)
+                f(cc)
+            return call
+        return fn_of
+
+    sides = {"bridge": (ours(default), c)}
+    if is_gpu:
+        sides["bridge_" + other] = (ours(other), make_case(device=device, bs=bs))
+    if sglang:
+        lib = _SglangLib(cuda_jit=is_gpu)
+        sides["sglang"] = (
+            lambda op: (lambda cc, f=ops.get(op): f(cc, lib)) if op in ops else None,
+            make_case(device=device, bs=bs))
+    try:
+        timed, raw = _interleaved(sides, [*ops, "step_fused"], iters=iters, rounds=rounds)
+    finally:
+        bridge.set_stream_sync(default)
+    out.update(timed)
+    out["stream_sync"] = default
+    if is_gpu:
+        info = bridge._interop.device_info(c["pool"])
+        out["compute_stream_found"] = bridge._interop.gpu_sync(info).compute_stream is not None
     out["cache"] = {"entries": len(bridge._interop.CACHE), **bridge.stats()}
     if sglang:
-        lib = _SglangLib(cuda_jit=c["device"].type == "cuda")
-        ref = make_case(device=device, bs=bs)
-        out["sglang"] = {}
-        for name, fn in ops.items():
-            try:
-                out["sglang"][name] = _time(lambda cc, f=fn: f(cc, lib), ref, iters=iters)
-            except Exception as e:  # noqa: BLE001  (SGLang's CUDA JIT needs tvm-ffi + nvcc)
-                out["sglang"][name] = {"error": f"{type(e).__name__}: {e}"[:200]}
-        ok = [n for n in ops if "launch_us" in out["sglang"][n]]
-        out["ratio_launch"] = {n: round(out["bridge"][n]["launch_us"] /
-                                        out["sglang"][n]["launch_us"], 2) for n in ok}
-        if len(ok) == len(ops):
-            total = sum(out["sglang"][n]["launch_us"] for n in ops)
-            out["ratio_launch"]["step_fused_vs_sum"] = round(
-                out["bridge"]["step_fused"]["launch_us"] / total, 2)
-        for key in ("bridge_event", "bridge_fence"):
-            if key in out and len(ok) == len(ops):
-                out["ratio_launch_" + key[7:]] = {
-                    n: round(out[key][n]["launch_us"] / out["sglang"][n]["launch_us"], 2)
-                    for n in ok}
-                out["ratio_launch_" + key[7:]]["step_fused_vs_sum"] = round(
-                    out[key]["step_fused"]["launch_us"] / total, 2)
+        sg = raw["sglang"]
+        total = [sum(sg[n][r] for n in ops) for r in range(rounds)]
+        for side in [k for k in sides if k != "sglang"]:
+            mine = raw[side]
+            ratios = {n: round(_median([mine[n][r] / sg[n][r] for r in range(rounds)]), 2)
+                      for n in ops}
+            ratios["step_fused_vs_sum"] = round(_median(
+                [mine["step_fused"][r] / total[r] for r in range(rounds)]), 2)
+            out["ratio_launch" if side == "bridge" else "ratio_launch_" + side[7:]] = ratios
+        out["sglang"]["sum_of_four"] = {"launch_us": round(_median(total), 2)}
     return out
 
 
 def table(out) -> str:
-    """Absolute microseconds per call (async launch), ours per handshake and SGLang's, ratios."""
+    """Microseconds per call (median burst), ours per handshake and SGLang's, and the ratios
+    (medians of the per-round ratios)."""
     names = ("scatter", "plan", "verify", "write", "step_fused")
-    cols = [("bridge[" + out.get("stream_sync", "?") + "]", out["bridge"])]
-    cols += [(f"bridge[{k[7:]}]", out[k]) for k in ("bridge_event", "bridge_fence") if k in out]
+    sides = [k for k in ("bridge", "bridge_event", "bridge_fence") if k in out]
+    label = {k: "bridge[" + (out.get("stream_sync", "?") if k == "bridge" else k[7:]) + "]"
+             for k in sides}
+    ratio_key = {k: "ratio_launch" if k == "bridge" else "ratio_launch_" + k[7:] for k in sides}
     sg = out.get("sglang", {})
-    head = f"{'op':<11}" + "".join(f"{n:>16}" for n, _ in cols) + f"{'sglang':>10}" + \
-        "".join(f"{'ratio ' + n[7:-1]:>14}" for n, _ in cols)
-    lines = [f"device={out['device']} bs={out['bs']} iters={out['iters']} (us per call)", head]
-    total = (sum(sg[n]["launch_us"] for n in names[:4])
-             if sg and all("launch_us" in sg.get(n, {}) for n in names[:4]) else None)
+    head = f"{'op':<11}" + "".join(f"{label[k]:>16}" for k in sides) + f"{'sglang':>10}"
+    if sg:
+        head += "".join(f"{'ratio ' + label[k][7:-1]:>14}" for k in sides)
+    lines = [f"device={out['device']} bs={out['bs']} iters={out['iters']} rounds="
+             f"{out.get('rounds', 1)} (us per call)", head]
     for n in names:
-        row = f"{n:<11}" + "".join(f"{c[n]['launch_us']:>16.1f}" for _, c in cols)
-        ref = (sg.get(n, {}).get("launch_us") if n != "step_fused" else total) if sg else None
+        row = f"{n:<11}" + "".join(f"{out[k][n]['launch_us']:>16.1f}" for k in sides)
+        ref = sg.get("sum_of_four" if n == "step_fused" else n, {}).get("launch_us")
         row += f"{ref:>10.1f}" if ref else f"{'-':>10}"
         if ref:
-            row += "".join(f"{c[n]['launch_us'] / ref:>13.2f}x" for _, c in cols)
+            rk = "step_fused_vs_sum" if n == "step_fused" else n
+            row += "".join(f"{out[ratio_key[k]][rk]:>13.2f}x" for k in sides)
         lines.append(row)
     if sg:
         lines.append("(step_fused's SGLang column is the sum of its four launches; targets: "
@@ -221,11 +250,12 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--bs", type=int, default=64)
-    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--iters", type=int, default=270)
+    p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--sglang", action="store_true")
     p.add_argument("--out", help="write the full JSON here (printed otherwise)")
     a = p.parse_args(argv)
-    out = measure(device=a.device, bs=a.bs, iters=a.iters, sglang=a.sglang)
+    out = measure(device=a.device, bs=a.bs, iters=a.iters, sglang=a.sglang, rounds=a.rounds)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -1,6 +1,7 @@
 """The torch bridge end to end (torch tensors in, torch tensors out): per-call time of each
 SGLang-named launcher and of the fused step, against SGLang's own launchers on the same buffers
-(see bench/bridge_overhead.py; host wall time per call, async back to back)."""
+(see bench/bridge_overhead.py; host wall time per call in back-to-back bursts, the sides
+interleaved)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
     rows = []
     for bs in cases:
         progress.set_postfix_str(f"bridge bs={bs}")
+        gpu = common.on_gpu()
         out = bridge_overhead.measure(device=common.torch_device(), bs=bs,
-                                      iters=max(iters, 20) if common.on_gpu() else 3, sglang=True)
+                                      iters=max(iters, 27) * 5 if gpu else 2, sglang=True,
+                                      rounds=9 if gpu else 2)
         rows += rows_from(out)
         progress.update(1)
     return rows
@@ -30,8 +33,7 @@ def rows_from(out: dict) -> list[dict]:
     rows, bs = [], out["bs"]
     if True:
         sg = out.get("sglang", {})
-        total = sum(sg[n]["launch_us"] for n in OPS[:4]) if all(
-            "launch_us" in sg.get(n, {}) for n in OPS[:4]) else None
+        total = sg.get("sum_of_four", {}).get("launch_us")
         for name in OPS:
             row = {"op": "bridge", "case": f"{name} bs={bs}", "bs": bs,
                    "ours_call": {"median_us": out["bridge"][name]["launch_us"]},

@@ -15,6 +15,7 @@ import types
 import jax
 import torch
 
+from bridge import _fast
 from bridge import _interop as io
 from bridge._common import (
     Validated,
@@ -207,6 +208,19 @@ _PLAN_OK = Validated()
 _VERIFY_OK = Validated()
 _WRITE_OK = Validated()
 _STEP_OK = Validated()
+_PLAN_FAST = _fast.new_fast_path()
+_VERIFY_FAST = _fast.new_fast_path()
+_WRITE_FAST = _fast.new_fast_path()
+_STEP_FAST = _fast.new_fast_path()
+
+
+def _src_statics(context) -> tuple:
+    return tuple((int(s.page_size), int(s.num_bytes_per_token), int(s.read_bytes))
+                 for s in context.real_kv_sources)
+
+
+def _src_tensors(context) -> tuple:
+    return tuple(s.tensor for s in context.real_kv_sources)
 
 
 def _plan_key(vp_t, wp_t, rpi, prefix, extend, rtt, lut, pool, valid_lens, swa_window_size,
@@ -296,6 +310,16 @@ def launch_canary_plan_kernels(
     """Fill ``verify_plan_out`` and ``write_plan_out`` in place (SGLang's GPU-path semantics,
     checks and messages; no ``bs <= 4096`` cap). Plans may be the bridge's or SGLang's
     dataclasses."""
+    vp, wp = verify_plan_out, write_plan_out
+    tensors = (vp.verify_slot_indices, vp.verify_expected_tokens, vp.verify_expected_positions,
+               vp.verify_prev_slot_indices, vp.verify_num_valid, vp.enable, wp.write_offsets,
+               wp.write_seed_slot_indices, wp.write_num_valid_reqs, req_pool_indices,
+               prefix_lens, extend_seq_lens, req_to_token, full_to_swa_index_mapping,
+               req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens)
+    statics = (id(tensors[0]), swa_window_size, verify_capacity, kv_token_id_vs_position_offset)
+    b = _PLAN_FAST.get(statics, tensors)
+    if b is not None and not value_checks_enabled(b.info.torch_device) and b.run():
+        return
     vp_t, wp_t, key = _check_plan(
         verify_plan_out=verify_plan_out, write_plan_out=write_plan_out,
         req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
@@ -311,7 +335,7 @@ def launch_canary_plan_kernels(
         outs = _plan_outputs(vp_t, wp_t, key, info)
         vp = _plans.VerifyPlan(**{k: outs[k].array for k in _VP_FIELDS})
         wp = _plans.WritePlan(**{k: outs[k].array for k in _WP_FIELDS})
-        new_vp, new_wp = _plan_adapter(
+        args = (
             vp, wp,
             io.import_input(req_pool_indices, "req_pool_indices", info),
             io.import_input(prefix_lens, "prefix_lens", info),
@@ -321,15 +345,21 @@ def launch_canary_plan_kernels(
             _pool_input(req_to_verify_expected_tokens, info, key[7]),
             _opt_input(req_to_verify_expected_tokens_valid_lens,
                        "req_to_verify_expected_tokens_valid_lens", info),
-            fence,
-            swa_window_size=int(swa_window_size), verify_capacity=int(verify_capacity),
-            k=int(kv_token_id_vs_position_offset), interpret=info.interpret,
         )
+        static = dict(swa_window_size=int(swa_window_size), verify_capacity=int(verify_capacity),
+                      k=int(kv_token_id_vs_position_offset), interpret=info.interpret)
+        raw = _plan_adapter(*args, fence, **static)
+        new_vp, new_wp = raw
         results = {**{k: getattr(new_vp, k) for k in _VP_FIELDS},
                    **{k: getattr(new_wp, k) for k in _WP_FIELDS}}
         io.finish(info, list(results.values()))
         for k, out in outs.items():
             io.commit_output(out, results[k])
+        if _PLAN_FAST.seen_twice(statics, tensors):
+            _fast.record_call(_PLAN_FAST, statics, tensors, info, adapter=_plan_adapter,
+                              args=args, fence_pos=9, static=static, donate=(0, 1),
+                              outs=tuple(outs.values()), raw_results=raw,
+                              results=tuple(results[k] for k in outs))
 
 
 # --------------------------------------------------------------------------------------------
@@ -377,16 +407,34 @@ def _verify_launch(context, plan, check_verify_expected_token, info, key):
 def launch_canary_verify_kernel(*, context, plan, check_verify_expected_token: bool) -> None:
     """Verify one canary buffer against a VerifyPlan; updates the context's ring, write index
     and counters in place (``canary_buf`` is only read)."""
+    c, srcs = context, context.real_kv_sources
+    tensors = (c.canary_buf, c.violation_ring, c.violation_write_index, c.slot_run_counter,
+               c.kernel_run_counter, plan.verify_slot_indices, plan.verify_expected_tokens,
+               plan.verify_expected_positions, plan.verify_prev_slot_indices,
+               plan.verify_num_valid, plan.enable)
+    statics = (id(c.canary_buf), c.kernel_kind, c.real_kv_hash_mode,
+               check_verify_expected_token)
+    if srcs:
+        tensors += _src_tensors(c)
+        statics += _src_statics(c)
+    b = _VERIFY_FAST.get(statics, tensors)
+    if b is not None and not value_checks_enabled(b.info.torch_device) and b.run():
+        return
     key = _check_verify(context, plan)
     info = io.device_info(context.canary_buf)
     with io.x64_scope():
         fence = io.fence(info)
         outs, kw = _verify_launch(context, plan, check_verify_expected_token, info, key)
-        results = _verify_adapter(kw.pop("canary_buf"), kw.pop("outs"), kw.pop("vp"),
-                                  kw.pop("bufs"), fence, **kw)
+        args = (kw.pop("canary_buf"), kw.pop("outs"), kw.pop("vp"), kw.pop("bufs"))
+        results = _verify_adapter(*args, fence, **kw)
         io.finish(info, list(results))
         for out, res in zip(outs.values(), results):
             io.commit_output(out, res)
+        if _VERIFY_FAST.seen_twice(statics, tensors):
+            _fast.record_call(_VERIFY_FAST, statics, tensors, info, adapter=_verify_adapter,
+                              args=args, fence_pos=4, static=kw, donate=(1,),
+                              outs=tuple(outs.values()), raw_results=results,
+                              results=tuple(results))
 
 
 # --------------------------------------------------------------------------------------------
@@ -471,6 +519,18 @@ def launch_canary_write_kernel(
 ) -> None:
     """Stamp canary records for the batch's written tokens; updates ``canary_buf``, the ring,
     write index and counters in place."""
+    c, srcs = context, context.real_kv_sources
+    tensors = (c.canary_buf, c.violation_ring, c.violation_write_index, c.slot_run_counter,
+               c.kernel_run_counter, c.enable_chain_position_assert, plan.write_offsets,
+               plan.write_seed_slot_indices, plan.write_num_valid_reqs, input_ids, positions,
+               out_cache_loc, expected_input_tokens, expected_input_positions)
+    statics = (id(c.canary_buf), c.kernel_kind, c.real_kv_hash_mode, enable_write_input_assert)
+    if srcs:
+        tensors += _src_tensors(c)
+        statics += _src_statics(c)
+    b = _WRITE_FAST.get(statics, tensors)
+    if b is not None and not value_checks_enabled(b.info.torch_device) and b.run():
+        return
     key = _check_write(context, plan, input_ids, positions, out_cache_loc,
                        enable_write_input_assert, expected_input_tokens,
                        expected_input_positions)
@@ -480,12 +540,17 @@ def launch_canary_write_kernel(
         outs, kw = _write_launch(context, plan, input_ids, positions, out_cache_loc,
                                  enable_write_input_assert, expected_input_tokens,
                                  expected_input_positions, info, key)
-        results = _write_adapter(kw.pop("outs"), kw.pop("cpa"), kw.pop("wp"), kw.pop("ids"),
-                                 kw.pop("pos"), kw.pop("ocl"), kw.pop("etok"), kw.pop("epos"),
-                                 kw.pop("bufs"), fence, **kw)
+        args = (kw.pop("outs"), kw.pop("cpa"), kw.pop("wp"), kw.pop("ids"), kw.pop("pos"),
+                kw.pop("ocl"), kw.pop("etok"), kw.pop("epos"), kw.pop("bufs"))
+        results = _write_adapter(*args, fence, **kw)
         io.finish(info, list(results))
         for out, res in zip(outs.values(), results):
             io.commit_output(out, res)
+        if _WRITE_FAST.seen_twice(statics, tensors):
+            _fast.record_call(_WRITE_FAST, statics, tensors, info, adapter=_write_adapter,
+                              args=args, fence_pos=9, static=kw, donate=(0,),
+                              outs=tuple(outs.values()), raw_results=results,
+                              results=tuple(results))
 
 
 # --------------------------------------------------------------------------------------------
@@ -572,6 +637,27 @@ def launch_canary_step(
     """
     if verify_capacity is None:
         verify_capacity = int(verify_plan_out.verify_slot_indices.shape[0])
+    c, vp, wp, srcs = context, verify_plan_out, write_plan_out, context.real_kv_sources
+    tensors = (
+        c.canary_buf, c.violation_ring, c.violation_write_index, c.slot_run_counter,
+        c.kernel_run_counter, c.enable_chain_position_assert, vp.verify_slot_indices,
+        vp.verify_expected_tokens, vp.verify_expected_positions, vp.verify_prev_slot_indices,
+        vp.verify_num_valid, vp.enable, wp.write_offsets, wp.write_seed_slot_indices,
+        wp.write_num_valid_reqs, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token,
+        input_ids, positions, out_cache_loc, full_to_swa_index_mapping,
+        req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
+        expected_token_ids, expected_token_offsets, expected_input_tokens,
+        expected_input_positions,
+    )
+    statics = (id(c.canary_buf), c.kernel_kind, c.real_kv_hash_mode, swa_window_size,
+               verify_capacity, kv_token_id_vs_position_offset, check_verify_expected_token,
+               enable_write_input_assert)
+    if srcs:
+        tensors += _src_tensors(c)
+        statics += _src_statics(c)
+    b = _STEP_FAST.get(statics, tensors)
+    if b is not None and not value_checks_enabled(b.info.torch_device) and b.run():
+        return
     do_scatter = expected_token_ids is not None or expected_token_offsets is not None
     vp_t = _fields(verify_plan_out, _VP_FIELDS)
     wp_t = _fields(write_plan_out, _WP_FIELDS)
@@ -631,7 +717,7 @@ def launch_canary_step(
         ctx_outs.update({k: io.import_output(getattr(context, k), k, info, kk)
                          for k, kk in zip(_CTX_OUT, ck[1])})
         bufs, specs = io.import_sources(context.real_kv_sources, info)
-        new_pool, new_vp, new_wp, new_ctx = _step_adapter(
+        args = (
             None if pool is None else pool.array,
             _plans.VerifyPlan(**{k: plan_outs[k].array for k in _VP_FIELDS}),
             _plans.WritePlan(**{k: plan_outs[k].array for k in _WP_FIELDS}),
@@ -654,7 +740,9 @@ def launch_canary_step(
             io.import_input(out_cache_loc, "out_cache_loc", info),
             _opt_input(expected_input_tokens, "expected_input_tokens", info),
             _opt_input(expected_input_positions, "expected_input_positions", info),
-            bufs, fence,
+            bufs,
+        )
+        static = dict(
             scatter_cols=None if pool is None else pool.cols, do_scatter=do_scatter,
             swa_window_size=int(swa_window_size), verify_capacity=int(verify_capacity),
             k=int(kv_token_id_vs_position_offset), specs=specs, kind=int(context.kernel_kind),
@@ -662,6 +750,8 @@ def launch_canary_step(
             check_token=bool(check_verify_expected_token),
             check_input=bool(enable_write_input_assert), interpret=info.interpret,
         )
+        raw = _step_adapter(*args, fence, **static)
+        new_pool, new_vp, new_wp, new_ctx = raw
         results = {**{k: getattr(new_vp, k) for k in _VP_FIELDS},
                    **{k: getattr(new_wp, k) for k in _WP_FIELDS}}
         io.finish(info, [new_ctx[0]])
@@ -671,3 +761,10 @@ def launch_canary_step(
             io.commit_output(out, res)
         if pool is not None:
             io.commit_output(pool, new_pool)
+        if _STEP_FAST.seen_twice(statics, tensors):
+            outs = (*plan_outs.values(), *ctx_outs.values(), *(() if pool is None else (pool,)))
+            res = (*(results[k] for k in plan_outs), *new_ctx,
+                   *(() if pool is None else (new_pool,)))
+            _fast.record_call(_STEP_FAST, statics, tensors, info, adapter=_step_adapter,
+                              args=args, fence_pos=19, static=static, donate=(0, 1, 2, 3),
+                              outs=outs, raw_results=raw, results=res)

@@ -32,11 +32,15 @@ the entry (its pointer is checked first). The cache is bounded (oldest entries e
 by default); :func:`clear_cache` empties it and releases the storages it holds.
 
 Streams (GPU). A cached array carries no ordering with the caller's current torch stream, so each
-call orders XLA's work after it (:func:`fence`): by default by importing one tiny fence tensor
-(torch's current stream -> an event -> JAX's external-ready-events stream -> the fence's ready
-event, which the computation waits on because it takes the fence as an operand); with
-``KVCANARY_BRIDGE_STREAM_SYNC=event`` (:func:`set_stream_sync`) by making XLA's compute stream wait
-on an event recorded on torch's stream, no import. On the way back
+call orders XLA's work after it (:func:`fence`). By default (``event``) XLA's compute stream,
+learnt once per device from inside an execution, waits on an event recorded on torch's current
+stream: no import, ~2 us. Where that stream cannot be learnt, or with
+``KVCANARY_BRIDGE_STREAM_SYNC=fence`` (:func:`set_stream_sync`), each call imports one tiny fence
+tensor instead (torch's current stream -> an event -> JAX's external-ready-events stream -> the
+fence's ready event, which the computation waits on because it takes the fence as an operand);
+that relies only on PJRT's documented DLPack semantics and costs one import (~20 us on the H200).
+Both were checked on the H200 by a side-stream producer test, 1,000 trials each, 0 stale reads.
+On the way back
 ``buffer_to_dlpack_managed_tensor(output, stream=torch current stream)`` makes torch's stream wait
 on the output's definition event (the runtime waits, on the host, for the execution to be enqueued
 first, so this holds whatever thread enqueues it). No host synchronisation on the GPU path. On CPU
@@ -77,6 +81,9 @@ __all__ = [
     "commit_output",
     "fence",
     "finish",
+    "enter",
+    "write_back",
+    "reimport",
     "set_stream_sync",
     "stream_sync",
     "probe_compute_stream",
@@ -285,8 +292,12 @@ CACHE = ViewCache()
 
 
 def clear_cache() -> None:
-    """Forget every cached JAX view (and release the torch storages they keep alive)."""
+    """Forget every cached JAX view and recorded call (and release the torch storages they keep
+    alive)."""
     CACHE.clear()
+    from bridge import _fast
+
+    _fast.clear()
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,16 +346,26 @@ def commit_output(out: Output, result) -> None:
             e.array = result
             e.aliased += 1
         return
-    # Not aliased (JAX CPU does not donate DLPack-imported buffers; or an unaligned copy on
-    # import): copy the logical view back, never the columns outside it.
-    _STATS["write_backs"] += 1
     CACHE.drop(out.key)
+    write_back(out, result)
+
+
+def write_back(out: Output, result) -> None:
+    """Copy the logical view of ``result`` into the caller's tensor (never the columns of the
+    base outside the view): where the output does not alias it (JAX's CPU client does not donate
+    DLPack-imported buffers; an unaligned CPU import is a copy)."""
+    _STATS["write_backs"] += 1
     import torch
 
     src = torch.from_dlpack(result)
     if out.cols is not None:
         src = src[:, : out.cols]
     out.tensor.copy_(src.reshape(out.tensor.shape))
+
+
+def reimport(t, info: DeviceInfo):
+    """A fresh (uncached) import of compact tensor ``t``; caller holds the x64 scope."""
+    return _raw_import(t, info)
 
 
 # How JAX's kernels are ordered after the caller's current torch stream (GPU):
@@ -358,11 +379,11 @@ def commit_output(out: Output, result) -> None:
 #            stream (true of the stream-executor GPU client: one compute stream per device); the
 #            probe checks the stream is the same over several executions and the fence is used
 #            where it is not, or where the probe fails.
-STREAM_SYNC = [os.environ.get("KVCANARY_BRIDGE_STREAM_SYNC", "fence").lower()]
+STREAM_SYNC = [os.environ.get("KVCANARY_BRIDGE_STREAM_SYNC", "event").lower()]
 
 
 def set_stream_sync(mode: str) -> None:
-    """``"fence"`` (default) or ``"event"``: see the module docstring."""
+    """``"event"`` (default) or ``"fence"``: see the module docstring."""
     if mode not in ("fence", "event"):
         raise ValueError(
             f"kv-canary bridge: stream sync mode must be 'fence' or 'event', got {mode!r}"
@@ -379,12 +400,27 @@ class _GpuSync:
     one reusable event (``cudaStreamWaitEvent`` takes the event's state when it is enqueued, so
     re-recording it on the next call cannot disturb a wait already queued), the fence tensor."""
 
-    __slots__ = ("event", "ready_stream", "compute_stream", "fence", "torch_device")
+    __slots__ = ("event", "ready_stream", "compute_stream", "fence", "torch_device", "index",
+                 "streams", "raw_stream", "capturing", "record", "wait")
 
     def __init__(self, info: DeviceInfo):
         import torch
 
         self.torch_device = info.torch_device
+        self.index = info.torch_device.index
+        if self.index is None:
+            self.index = torch.cuda.current_device()
+        # The caller's current stream is looked up by its raw handle (one C call) and its torch
+        # wrapper kept per handle: a wrapper names its stream by that handle, so reusing it is
+        # exact. The torch C entry points are used where present (the Python wrappers around
+        # them cost more than the CUDA calls on a busy host).
+        self.streams: dict[int, Any] = {}
+        self.raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self.capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing",
+                                 torch.cuda.is_current_stream_capturing)
+        base = getattr(torch._C, "_CudaEventBase", None)
+        self.record = getattr(base, "record", None) or torch.cuda.Event.record
+        self.wait = getattr(base, "wait", None) or torch.cuda.Event.wait
         self.event = torch.cuda.Event()
         self.ready_stream = (None if info.stream is None else
                              torch.cuda.ExternalStream(info.stream, device=info.torch_device))
@@ -433,24 +469,40 @@ def fence(info: DeviceInfo):
     """Order the computation after the caller's current torch stream (GPU); returns the operand
     the computation must take (a fresh fence import, or None). None on CPU, where torch work is
     already complete."""
-    if not info.is_gpu:
-        return None
-    import torch
+    return enter(info)[0]
 
-    if torch.cuda.is_current_stream_capturing():
+
+def enter(info: DeviceInfo):
+    """:func:`fence`, and the caller's current raw stream handle for :func:`finish` (None on
+    CPU)."""
+    if not info.is_gpu:
+        return None, None
+    s = _SYNCS.get(info.torch_device) or gpu_sync(info)
+    if s.capturing():
         # XLA launches on its own streams, outside the capture: the graph would silently miss
         # the canary work (SGLang's kernels are capturable; these are not).
         raise BridgeError(
             "kv-canary bridge: cannot launch inside a torch CUDA graph capture; call it outside "
             "the captured region"
         )
-    s = _SYNCS.get(info.torch_device) or gpu_sync(info)
-    cur = torch.cuda.current_stream(info.torch_device)
+    import torch
+
+    raw = s.raw_stream(s.index) if s.raw_stream is not None else None
+    cur = s.streams.get(raw) if raw is not None else None
+    if cur is None:
+        cur = torch.cuda.current_stream(info.torch_device)
+        raw = cur.cuda_stream
+        if len(s.streams) > 64:
+            s.streams.clear()
+        s.streams[raw] = cur
+    # The legacy default stream is handle 0 to torch; DLPack reserves 0 and names it 1
+    # (cudaStreamLegacy, also a valid raw handle).
+    handle = raw or 1
     if STREAM_SYNC[0] == "event" and s.compute_stream is not None:
-        s.event.record(cur)
-        s.compute_stream.wait_event(s.event)
+        s.record(s.event, cur)
+        s.wait(s.event, s.compute_stream)
         _STATS["event_waits"] += 1
-        return None
+        return None, handle
     _STATS["fences"] += 1
     if _FAST_IMPORT[0] and s.ready_stream is not None:
         # What ``Tensor.__dlpack__(stream=...)`` does, with the event and stream objects reused.
@@ -461,23 +513,22 @@ def fence(info: DeviceInfo):
         try:
             return _jaxlib.dlpack_managed_tensor_to_buffer(
                 cap, info.jax_device, info.stream, None, info.dl_type
-            )
+            ), handle
         except TypeError:
             _FAST_IMPORT[0] = False
-    return _raw_import(s.fence, info)
+    return _raw_import(s.fence, info), handle
 
 
-def finish(info: DeviceInfo, results) -> None:
-    """Order the caller's later torch work after the kernels (GPU: stream wait; CPU: block)."""
+def finish(info: DeviceInfo, results, stream: int | None = None) -> None:
+    """Order the caller's later torch work after the kernels (GPU: stream wait; CPU: block).
+    ``stream``: the caller's raw stream handle from :func:`enter` (looked up when omitted)."""
     if not results:
         return
     if info.is_gpu:
-        import torch
+        if stream is None:
+            import torch
 
-        stream = torch.cuda.current_stream(info.torch_device).cuda_stream
-        # The legacy default stream is handle 0 to torch; DLPack reserves 0 and names it 1
-        # (cudaStreamLegacy, also a valid raw handle).
-        stream = stream or 1
+            stream = torch.cuda.current_stream(info.torch_device).cuda_stream or 1
         # All outputs of one execution become ready together: one wait suffices. The capsule is
         # dropped unconsumed at once, releasing its reference (the array stays donatable).
         if _FAST_EXPORT[0]:

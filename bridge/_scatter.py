@@ -7,6 +7,7 @@ import functools
 import jax
 import torch
 
+from bridge import _fast
 from bridge import _interop as io
 from bridge._common import (
     Validated,
@@ -42,6 +43,7 @@ def scatter_adapter(flat_in, offsets, req_pool_indices, pool_out, fence, *, max_
 
 
 _VALIDATED = Validated()
+_FAST = _fast.new_fast_path()
 
 
 def check_scatter(*, flat_in, offsets, req_pool_indices, pool_out):
@@ -80,6 +82,10 @@ def launch_scatter_req_token_ids_kernel(
     0.5.23's launcher, without its ``bs + 1 <= 512`` cap. ``pool_out`` may be a view whose rows
     are strided (``pool[:, :n]``); columns outside the view are never written.
     """
+    tensors = (flat_in, offsets, req_pool_indices, pool_out)
+    b = _FAST.get(id(pool_out), tensors)
+    if b is not None and not value_checks_enabled(b.info.torch_device) and b.run():
+        return
     key = check_scatter(flat_in=flat_in, offsets=offsets, req_pool_indices=req_pool_indices,
                         pool_out=pool_out)
     if key is None:
@@ -88,14 +94,15 @@ def launch_scatter_req_token_ids_kernel(
     with io.x64_scope():
         fence = io.fence(info)
         pool = io.import_output(pool_out, "pool_out", info, key[3])
-        result = scatter_adapter(
-            io.import_input(flat_in, "flat_in", info),
-            io.import_input(offsets, "offsets", info),
-            io.import_input(req_pool_indices, "req_pool_indices", info),
-            pool.array,
-            fence,
-            max_cols=pool.cols,
-            interpret=info.interpret,
-        )
+        args = (io.import_input(flat_in, "flat_in", info),
+                io.import_input(offsets, "offsets", info),
+                io.import_input(req_pool_indices, "req_pool_indices", info),
+                pool.array)
+        static = dict(max_cols=pool.cols, interpret=info.interpret)
+        result = scatter_adapter(*args, fence, **static)
         io.finish(info, [result])
         io.commit_output(pool, result)
+        if _FAST.seen_twice(id(pool_out), tensors):
+            _fast.record_call(_FAST, id(pool_out), tensors, info, adapter=scatter_adapter, args=args,
+                              fence_pos=4, static=static, donate=(3,), outs=(pool,),
+                              raw_results=result, results=(result,))

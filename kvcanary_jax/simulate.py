@@ -29,7 +29,8 @@ import numpy as np
 from kvcanary_jax import _config
 from kvcanary_jax import runtime as rt
 
-__all__ = ["SimConfig", "Server", "FAULT_KINDS", "run_clean", "run_campaign", "CampaignResult"]
+__all__ = ["SimConfig", "Server", "FAULT_KINDS", "run_clean", "run_trial", "run_campaign",
+           "CampaignResult"]
 
 _U64 = (1 << 64) - 1
 
@@ -592,6 +593,22 @@ class FaultReport:
     reasons: set = dataclasses.field(default_factory=set)
     missed: list = dataclasses.field(default_factory=list)
 
+    def add(self, rec: dict, found: int | None, start: int, violations=()):
+        """Record one placed fault (``rec`` from :func:`inject`, armed on the checkpoint of step
+        ``start``), detected by the poll after step ``found`` (None: missed); ``violations`` are
+        the decoded ring rows of the faulted canary."""
+        self.injected += 1
+        if found is None:
+            self.missed.append(rec)
+            return
+        self.detected += 1
+        self.latencies.append(found - rec.get("step", start))
+        if self.first_step is None:
+            self.first_step = found
+        for v in violations:
+            self.tags.add(v.tag)
+            self.reasons.update(v.reasons)
+
     def as_dict(self):
         return {
             "kind": self.kind, "injected": self.injected, "detected": self.detected,
@@ -642,16 +659,78 @@ def run_clean(sim: SimConfig, *, checkpoint_every: int = 0, warmup: int = 4, pro
     return server, infos, ckpts
 
 
+def fault_kinds(faults=None) -> list[str]:
+    """``faults`` (None: every kind of :data:`FAULT_KINDS`), checked."""
+    kinds = list(FAULT_KINDS) if faults is None else list(faults)
+    for k in kinds:
+        if k not in FAULT_KINDS:
+            raise ValueError(f"unknown fault kind {k!r}; known: {', '.join(FAULT_KINDS)}")
+    return kinds
+
+
+def default_window(sim: SimConfig) -> int:
+    """Steps a placed fault gets to show up in the host poll (two sweeps for sweep-only faults)."""
+    return max(4, 2 * sim.sweep_interval + 1)
+
+
+def hooks_armed(server: Server) -> bool:
+    return any((server.pre_step_hook, server.post_step_hook, server.post_sample_hook,
+                server.admit_hook))
+
+
+def disarm(server: Server) -> None:
+    server.pre_step_hook = server.post_step_hook = None
+    server.post_sample_hook = server.admit_hook = None
+
+
+def run_trial(server: Server, kind: str, rng: np.random.Generator, *, window: int,
+              step: Callable[[], object] | None = None, poll: Callable[[], int] | None = None,
+              tick: Callable[[int], object] | None = None) -> tuple[dict, int | None]:
+    """One fault trial on ``server`` (restored to a clean checkpoint by the caller).
+
+    Arms a fault of ``kind`` (:func:`inject`), steps until its hook has placed it (hooks fire
+    during a later step, and some wait for a sweep step), disarms, then steps until ``poll()``
+    sees a violation or ``window`` steps have run. ``step`` advances the server by one step
+    (default ``server.step``; a data-parallel driver steps every shard), ``poll`` returns the
+    violation count the host sees (default: ``server``'s). Returns the fault record and the
+    index of the step after which the poll saw the violation (None: not placed or missed).
+    """
+    step = server.step if step is None else step
+    poll = (lambda: rt.violation_count(server.state)) if poll is None else poll
+    rec = inject(server, kind, rng)
+    for _ in range(max(1, server.sim.sweep_interval)):
+        step()
+        if tick:
+            tick(1)
+        if rec["placed"] or not hooks_armed(server):
+            break
+    disarm(server)
+    if not rec["placed"]:
+        return rec, None
+    found = None
+    n_steps = 1
+    while True:
+        if poll() > 0:
+            found = server.step_idx - 1
+            break
+        if n_steps >= window:
+            break
+        step()
+        n_steps += 1
+        if tick:
+            tick(1)
+    if tick and n_steps < window:
+        tick(window - n_steps)
+    return rec, found
+
+
 def run_campaign(sim: SimConfig, *, faults=None, injections: int = 2, window: int | None = None,
                  progress_factory=None) -> CampaignResult:
     """Clean run (false positives = every violation it records), then for each fault kind
     ``injections`` trials, each restored from a different clean checkpoint: arm the fault, run
     until the host poll sees a violation or ``window`` steps pass."""
-    kinds = list(FAULT_KINDS) if faults is None else list(faults)
-    for k in kinds:
-        if k not in FAULT_KINDS:
-            raise ValueError(f"unknown fault kind {k!r}; known: {', '.join(FAULT_KINDS)}")
-    window = window or max(4, 2 * sim.sweep_interval + 1)
+    kinds = fault_kinds(faults)
+    window = window or default_window(sim)
     total = sim.steps + len(kinds) * injections * window
     bar = progress_factory(total) if progress_factory else None
     tick = (lambda n: bar.update(n)) if bar is not None else None
@@ -671,45 +750,11 @@ def run_campaign(sim: SimConfig, *, faults=None, injections: int = 2, window: in
                 break
             server.restore(ckpts[start])
             rng = np.random.default_rng((sim.seed, ki, ci))
-            rec = inject(server, kind, rng)
-            for _ in range(max(1, sim.sweep_interval)):
-                server.step()
-                if tick:
-                    tick(1)
-                if rec["placed"] or not any((server.pre_step_hook, server.post_step_hook,
-                                            server.post_sample_hook, server.admit_hook)):
-                    break
-            server.pre_step_hook = server.post_step_hook = None
-            server.post_sample_hook = server.admit_hook = None
+            rec, found = run_trial(server, kind, rng, window=window, tick=tick)
             if not rec["placed"]:
                 continue
             used += 1
-            rep.injected += 1
-            inj_step = rec.get("step", start)
-            found = None
-            n_steps = 1
-            while True:
-                if rt.violation_count(server.state) > 0:
-                    found = server.step_idx - 1
-                    break
-                if n_steps >= window:
-                    break
-                server.step()
-                n_steps += 1
-                if tick:
-                    tick(1)
-            if tick and n_steps < window:
-                tick(window - n_steps)
-            if found is None:
-                rep.missed.append(rec)
-                continue
-            rep.detected += 1
-            rep.latencies.append(found - inj_step)
-            if rep.first_step is None:
-                rep.first_step = found
-            for v in rt.read_violations(server.state):
-                rep.tags.add(v.tag)
-                rep.reasons.update(v.reasons)
+            rep.add(rec, found, start, rt.read_violations(server.state) if found is not None else ())
         reports.append(rep)
     if bar is not None:
         bar.close()

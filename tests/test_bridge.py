@@ -870,3 +870,144 @@ def test_value_checks_off_the_kernels_stay_in_bounds():
             req_pool_indices=torch.tensor([5, 1]), pool_out=pool)
     # The out-of-range row is skipped (SGLang's kernel would write past the pool).
     assert pool.tolist() == [[3, 3, 3, 3], [3, 4, 3, 3]]
+
+
+# --------------------------------------------------------------------------------------------
+# The hot path: a launcher called again on the same tensor objects replays the recorded call
+
+
+def _twin_cases(dev, bs=8):
+    import bench.bridge_overhead as bo
+
+    cases = [bo.make_case(device=dev, bs=bs, prefix=12, width=32, ring=256) for _ in range(3)]
+    for c in cases:  # plans are allocated uninitialised: give untouched elements one value
+        for p in (c["vp"], c["wp"]):
+            for f in p.__dataclass_fields__:
+                getattr(p, f).fill_(-7)
+    return bo, cases
+
+
+def _advance(c, step):
+    """One decode step in place: the same tensor objects, new contents."""
+    g = torch.Generator().manual_seed(step)
+    c["prefix_lens"].add_(1)
+    c["valid"].add_(1)
+    c["positions"].copy_(c["prefix_lens"])
+    c["ocl"].copy_(c["rtt"][c["rpi"], c["prefix_lens"]].to(torch.int64))
+    c["input_ids"].copy_(torch.randint(0, 50000, c["input_ids"].shape, generator=g))
+    c["flat"].copy_(torch.randint(0, 50000, c["flat"].shape, generator=g))
+
+
+def _ring_multiset(ctx):
+    n = min(int(ctx.violation_write_index[0]), ctx.violation_ring.shape[0])
+    return sorted(map(tuple, ctx.violation_ring[:n].tolist()))
+
+
+def _assert_same_state(a, r, label):
+    for k in ("pool",):
+        assert torch.equal(a[k], r[k]), (label, k)
+    for f in ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions",
+              "verify_prev_slot_indices", "verify_num_valid", "enable"):
+        assert torch.equal(getattr(a["vp"], f), getattr(r["vp"], f)), (label, f)
+    for f in ("write_offsets", "write_seed_slot_indices", "write_num_valid_reqs"):
+        assert torch.equal(getattr(a["wp"], f), getattr(r["wp"], f)), (label, f)
+    ca, cr = a["ctx"], r["ctx"]
+    assert torch.equal(ca.canary_buf, cr.canary_buf), label
+    for f in ("violation_write_index", "slot_run_counter", "kernel_run_counter"):
+        assert torch.equal(getattr(ca, f), getattr(cr, f)), (label, f)
+    assert _ring_multiset(ca) == _ring_multiset(cr), label
+
+
+class _RefLib:
+    """SGLang's torch references under its launchers' names (they run on CPU and CUDA tensors)."""
+
+    def __init__(self, sgl):
+        self.launch_scatter_req_token_ids_kernel = \
+            sgl.scatter_ref.scatter_req_token_ids_torch_reference
+        self.launch_canary_plan_kernels = sgl.plan_ref.launch_canary_plan_kernels_torch_reference
+        self.launch_canary_verify_kernel = \
+            sgl.verify_ref.launch_canary_verify_kernel_torch_reference
+        self.launch_canary_write_kernel = sgl.write_ref.launch_canary_write_kernel_torch_reference
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_replayed_calls_match_sglang_step_after_step(device, sgl):
+    """A decode loop on persistent buffers: from the third call on every launcher (and the fused
+    step) replays its recorded call; inputs are changed in place between steps, and each step's
+    outputs match SGLang's launchers on a twin set of buffers byte for byte (ring as a multiset:
+    its order across requests is unspecified on the GPU)."""
+    bo, (ours, fused, ref) = _twin_cases(device)
+    lib = _RefLib(sgl)
+    bridge.clear_cache()
+    replays = bridge.stats().get("replays", 0)
+    with bridge.value_checks(False):
+        for step in range(6):
+            for c in (ours, fused, ref):
+                _advance(c, step)
+            for fn in (bo.run_scatter, bo.run_plan, bo.run_verify, bo.run_write):
+                fn(ours)
+                fn(ref, lib)
+            bo.run_step(fused)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            _assert_same_state(ours, ref, f"launchers, step {step}")
+            _assert_same_state(fused, ref, f"fused step, step {step}")
+    # 4 launchers + the fused step, replayed from their third call on.
+    assert bridge.stats().get("replays", 0) - replays == 5 * 4
+    assert int(ref["ctx"].violation_write_index[0]) > 0  # the loop exercised the ring
+
+
+def test_replay_notices_a_swapped_or_moved_tensor(sgl):
+    """A new tensor object, or the same object moved to new memory (``set_``), takes the full path:
+    checks and imports again, never a stale array."""
+    bo, (c, r, _) = _twin_cases(CPU)
+    lib = _RefLib(sgl)
+    bridge.clear_cache()
+    with bridge.value_checks(False):
+        for _ in range(3):
+            bo.run_scatter(c)
+            bo.run_scatter(r, lib)
+        n = bridge.stats().get("replays", 0)
+        bo.run_scatter(c)
+        assert bridge.stats()["replays"] == n + 1
+        # The same object, pointed at new memory with new contents.
+        for case in (c, r):
+            case["flat"].set_(torch.randint(0, 9, case["flat"].shape,
+                                            generator=torch.Generator().manual_seed(5)))
+        bo.run_scatter(c)
+        bo.run_scatter(r, lib)
+        assert bridge.stats()["replays"] == n + 1
+        assert torch.equal(c["pool"], r["pool"])
+        # A new object for the offsets: the full path, including the checks.
+        c["offs"] = c["offs"].to(torch.int32)
+        with pytest.raises(TypeError):
+            bo.run_scatter(c)
+        assert bridge.stats()["replays"] == n + 1
+
+
+def test_clear_cache_drops_recorded_calls():
+    from bridge import _fast
+
+    bo, (c, _, _) = _twin_cases(CPU)
+    with bridge.value_checks(False):
+        for _ in range(3):
+            bo.run_verify(c)
+    assert any(fp._bound for fp in _fast._ALL)
+    bridge.clear_cache()
+    assert not any(fp._bound for fp in _fast._ALL)
+
+
+def test_two_buffer_sets_of_one_launcher_both_replay():
+    """One launcher serving several buffer sets (a canary buffer per endpoint) keeps a recorded
+    call for each: alternating between them replays both, neither evicts the other."""
+    bo, (a, b, _) = _twin_cases(CPU)
+    bridge.clear_cache()
+    with bridge.value_checks(False):
+        for _ in range(3):
+            bo.run_verify(a)
+            bo.run_verify(b)
+        n = bridge.stats().get("replays", 0)
+        for _ in range(4):
+            bo.run_verify(a)
+            bo.run_verify(b)
+    assert bridge.stats()["replays"] - n == 8

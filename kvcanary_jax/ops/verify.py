@@ -68,6 +68,7 @@ __all__ = [
     "GROUP",
     "VEC",
     "HOIST",
+    "MIN_PROGRAMS",
 ]
 
 # Entries per block (one grid-stride step of a program), persistent grid cap (SGLang: 64 blocks x
@@ -88,6 +89,11 @@ VEC = 4
 # When one block per program covers the plan, drop the grid-stride loop and issue the plan
 # loads before ``enable`` / ``verify_num_valid`` arrive (one dependent round trip fewer).
 HOIST = True
+# Small plans: a block is halved (and its warps with it, down to 128 entries on one warp) until
+# the plan spans at least this many programs, so a 1,024-entry plan runs as 8 programs over 8 SMs
+# rather than one 8-warp program on one SM.
+MIN_PROGRAMS = 64
+SMALL_BLOCK = 128
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,13 +381,13 @@ def _verify_kernel(
 @functools.partial(
     jax.jit,
     static_argnames=("specs", "mode", "kind", "check_token", "block", "max_programs", "num_warps",
-                     "num_stages", "group", "vec", "hoist", "interpret"),
+                     "num_stages", "group", "vec", "hoist", "interpret", "min_programs"),
 )
 def _verify_jit(canary_buf, violation_ring, violation_write_index, slot_run_counter,
                 kernel_run_counter, verify_slot_indices, verify_expected_tokens,
                 verify_expected_positions, verify_prev_slot_indices, verify_num_valid, enable,
                 source_bufs, *, specs, mode, kind, check_token, block, max_programs, num_warps,
-                num_stages, group, vec, hoist, interpret):
+                num_stages, group, vec, hoist, interpret, min_programs=MIN_PROGRAMS):
     num_slots, stride_bytes = canary_buf.shape
     ring_cap = violation_ring.shape[0]
     capacity = verify_slot_indices.shape[0]
@@ -389,6 +395,9 @@ def _verify_jit(canary_buf, violation_ring, violation_write_index, slot_run_coun
         raise ValueError(f"kv-canary: canary_verify: bad launch parameters block={block} "
                          f"group={group} vec={vec} (powers of two; vec 1, 2 or 4)")
     block = min(block, pl.next_power_of_2(max(capacity, 1)))
+    while block > SMALL_BLOCK and pl.cdiv(capacity, block) < min_programs:
+        block //= 2
+        num_warps = max(1, num_warps // 2)
     group = min(group, block)
     num_programs = max(1, min(max_programs, pl.cdiv(capacity, block)))
     # A single pass covers the plan: no grid-stride loop (see the kernel).
