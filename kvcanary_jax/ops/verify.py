@@ -435,7 +435,7 @@ def verify_impl(
     sources: tuple[tuple[jax.Array, SourceSpec], ...], kernel_kind: int, real_kv_hash_mode: int,
     check_verify_expected_token: bool, block: int = BLOCK, max_programs: int = MAX_PROGRAMS,
     num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, group: int = GROUP,
-    vec: int = VEC, hoist: bool = HOIST,
+    vec: int = VEC, hoist: bool = HOIST, min_programs: int = MIN_PROGRAMS,
     interpret: bool | None = None,
 ):
     """Array-level entry (no validation): each source is ``(buffer, SourceSpec)``. Returns
@@ -450,7 +450,7 @@ def verify_impl(
         specs=tuple(s for _, s in sources), mode=int(real_kv_hash_mode), kind=int(kernel_kind),
         check_token=bool(check_verify_expected_token), block=block, max_programs=max_programs,
         num_warps=num_warps, num_stages=num_stages, group=group, vec=vec, hoist=bool(hoist),
-        interpret=interpret,
+        interpret=interpret, min_programs=int(min_programs),
     )
 
 
@@ -486,6 +486,7 @@ def canary_verify(
     group: int = GROUP,
     vec: int = VEC,
     hoist: bool = HOIST,
+    min_programs: int = MIN_PROGRAMS,
     interpret: bool | None = None,
 ) -> VerifyOrWriteContext:
     """Verify the plan's entries against ``context.canary_buf``; returns the updated context.
@@ -512,7 +513,7 @@ def canary_verify(
         kernel_kind=int(context.kernel_kind), real_kv_hash_mode=int(context.real_kv_hash_mode),
         check_verify_expected_token=check_verify_expected_token, block=block,
         max_programs=max_programs, num_warps=num_warps, num_stages=num_stages, group=group,
-        vec=vec, hoist=hoist, interpret=interpret,
+        vec=vec, hoist=hoist, min_programs=min_programs, interpret=interpret,
     )
     return context.replace(violation_ring=ring, violation_write_index=widx,
                            slot_run_counter=sctr, kernel_run_counter=kctr)
