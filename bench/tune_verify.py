@@ -29,16 +29,14 @@ from bench.op_verify import RING, _inputs
 # Largest first: the byte-floor target is at 4M entries, and BUDGET_S may cut the tail.
 CASES = [1 << 22, 1 << 20, 1 << 10, 1 << 16]
 ITERS = 20
-OLD = dict(group=1, vec=1, hoist=False, block=512, num_warps=4, max_programs=264, num_stages=1,
-           min_programs=1)
+OLD = dict(group=1, vec=1, hoist=False, block=512, num_warps=4, max_programs=264, num_stages=1)
 STRUCTURE = [(1, 1), (1, 4), (2, 4), (4, 2), (4, 4), (8, 4)]
 # Stop starting new variants after this many seconds (the device allows 600 s per command).
 BUDGET_S = float(os.environ.get("KVCANARY_TUNE_BUDGET_S", 500))
 SHAPES = [(256, 4), (512, 4), (512, 8), (1024, 4), (1024, 8), (2048, 8)]
 SMALL_SHAPES = [(64, 1), (128, 1), (128, 2), (128, 4), (256, 2), (256, 4), (256, 8), (512, 4),
                 (1024, 4), (1024, 8)]
-# Small plans: the floor on the number of programs below which blocks are halved (1 = off).
-MIN_PROGRAMS = [1, 32, 64, 132, 264, 528]
+
 PROGRAMS = [132, 264, 528, 1056, 2112, 1 << 30]
 EXTRAS = [dict(num_stages=2), dict(num_stages=3), dict(hoist=False)]
 
@@ -55,9 +53,7 @@ def main() -> int:
     from kvcanary_jax.consts import CanaryLaunchTag
     from kvcanary_jax.ops import verify as V
 
-    default = dict(group=V.GROUP, vec=V.VEC, hoist=V.HOIST, block=V.BLOCK, num_warps=V.NUM_WARPS,
-                   max_programs=V.MAX_PROGRAMS, num_stages=V.NUM_STAGES,
-                   min_programs=V.MIN_PROGRAMS)
+    large = V.launch_config(1 << 30)
     path = sys.argv[1] if len(sys.argv) > 1 else "tune_verify.json"
     cases = [int(c) for c in sys.argv[2].split(",")] if len(sys.argv) > 2 else CASES
     out = []
@@ -67,6 +63,7 @@ def main() -> int:
         k = timing.num_sets(probe["canary_buf"].nbytes + 32 * entries)
         del probe
         res = {"case": f"entries={entries}", "entries": entries, "times": {}, "errors": {}}
+        default = V.launch_config(entries)  # what a call without launch parameters uses
         with jax.enable_x64(True):
             sets = []
             for seed in range(k):
@@ -127,17 +124,12 @@ def main() -> int:
 
             # References first: the previous design and the module's defaults.
             measure(dict(OLD))
+            measure(dict(large))
             measure(dict(default))
             cur = dict(default)
             cur = best_of([{**cur, "group": g, "vec": v} for g, v in STRUCTURE] + [dict(OLD)])
-            small = entries <= 65536
-            shapes = SMALL_SHAPES if small else SHAPES
-            if small:  # the launch shape as given first, then the automatic split
-                cur = best_of([{**cur, "block": b, "num_warps": w, "min_programs": 1}
-                               for b, w in shapes])
-                cur = best_of([{**default, "min_programs": m} for m in MIN_PROGRAMS] + [cur])
-            else:
-                cur = best_of([{**cur, "block": b, "num_warps": w} for b, w in shapes])
+            shapes = SMALL_SHAPES if entries <= 65536 else SHAPES
+            cur = best_of([{**cur, "block": b, "num_warps": w} for b, w in shapes])
             if entries > 4096:
                 cur = best_of([{**cur, "max_programs": p} for p in PROGRAMS])
             cur = best_of([cur] + [{**cur, **x} for x in EXTRAS])

@@ -175,7 +175,9 @@ def run_write(sgl, st: State, *, offsets, seeds, num_valid, ids, pos, ocl, asser
 
 
 def run_verify(sgl, st: State, *, slots, etok, epos, prev, num_valid, enable=1, check_token=True,
-               jnp_reference=False, ours=True, **ctx_kw):
+               jnp_reference=False, ours=True, launch=None, **ctx_kw):
+    """SGLang's torch reference and ours on the same state; ``launch``: explicit launch
+    parameters for our kernel (its capacity-dependent choice otherwise)."""
     from kvcanary_jax.ops.verify import canary_verify, canary_verify_reference
 
     if jnp_reference:
@@ -201,7 +203,7 @@ def run_verify(sgl, st: State, *, slots, etok, epos, prev, num_valid, enable=1, 
                 verify_expected_positions=_i64(epos), verify_prev_slot_indices=_i64(prev),
                 verify_num_valid=jnp.asarray([num_valid], jnp.int32),
                 enable=jnp.asarray([enable], jnp.int32)),
-            check_verify_expected_token=check_token,
+            check_verify_expected_token=check_token, **({} if jnp_reference else launch or {}),
         )
     return state_of(out), state_of(tctx)
 

@@ -196,7 +196,8 @@ def test_out_of_range_slot_and_prev_read_as_zero_rows():
 # --- many blocks and programs (grid-stride) ----------------------------------------------------
 
 
-def test_many_blocks_grid_stride(sgl):
+@pytest.mark.parametrize("structure", [dict(group=1, vec=1), dict(group=4, vec=4)])
+def test_many_blocks_grid_stride(sgl, structure):
     rng = np.random.default_rng(11)
     num_slots, n = 1024, 1500
     slots = rng.integers(1, num_slots, n)
@@ -217,9 +218,9 @@ def test_many_blocks_grid_stride(sgl):
                     plan["etok"]), verify_expected_positions=S._i64(plan["epos"]),
                 verify_prev_slot_indices=S._i64(plan["prev"]),
                 verify_num_valid=jnp.array([1400], jnp.int32), enable=jnp.array([1], jnp.int32)),
-            check_verify_expected_token=True, block=128, max_programs=3)
+            check_verify_expected_token=True, block=128, max_programs=3, **structure)
     S.assert_same(S.state_of(tight), ref, st)
-    assert V.BLOCK < 1400
+    assert V.launch_config(2048)["block"] < 1400
 
 
 # --- round trips: write then verify, clean, per hash mode --------------------------------------
@@ -279,8 +280,18 @@ def _corrupt(rng, kind, trip, st, entries):
     return slots, etok, epos, prev
 
 
+def _large_plan_launch():
+    from kvcanary_jax.ops import verify as V
+
+    return V.launch_config(1 << 30)
+
+
+# Small plans run the one-entry-per-lane structure, large ones the grouped / vectorised one
+# (``launch_config``): both are checked on the same corruptions.
+@pytest.mark.parametrize("launch", ["auto", "large"])
 @pytest.mark.parametrize("mode", [0, 1, 2])
-def test_single_corruptions(sgl, mode):
+def test_single_corruptions(sgl, mode, launch):
+    launch = _large_plan_launch() if launch == "large" else None
     rng = np.random.default_rng(200 + mode)
     detected = {k: 0 for k in KINDS}
     for k in range(60 * len(KINDS)):
@@ -295,7 +306,7 @@ def test_single_corruptions(sgl, mode):
             continue
         plan = S.verify_plan(*got)
         ours, ref = S.check_verify(sgl, st, **plan, sources=trip.sources, mode=mode,
-                                   check_token=trip.check_token)
+                                   check_token=trip.check_token, launch=launch)
         detected[kind] += ref.widx > 0
     for kind, n in detected.items():
         if kind == "real_kv_byte" and mode == 0:

@@ -68,7 +68,7 @@ __all__ = [
     "GROUP",
     "VEC",
     "HOIST",
-    "MIN_PROGRAMS",
+    "launch_config",
 ]
 
 # Entries per block (one grid-stride step of a program), persistent grid cap (SGLang: 64 blocks x
@@ -89,11 +89,24 @@ VEC = 4
 # When one block per program covers the plan, drop the grid-stride loop and issue the plan
 # loads before ``enable`` / ``verify_num_valid`` arrive (one dependent round trip fewer).
 HOIST = True
-# Small plans: a block is halved (and its warps with it, down to 128 entries on one warp) until
-# the plan spans at least this many programs, so a 1,024-entry plan runs as 8 programs over 8 SMs
-# rather than one 8-warp program on one SM.
-MIN_PROGRAMS = 64
-SMALL_BLOCK = 128
+# Small plans (the H200 sweep of bench/tune_verify.py, bench/NOTES.md): the large-plan shape
+# leaves most SMs idle (a 1,024-entry plan is one 8-warp program: 4.2 us), and at these sizes the
+# per-entry latency matters more than the load count, so the plain one-entry-per-lane structure
+# in small blocks wins: 2.4 us at 1k entries (128-entry blocks, 4 warps), 6.2 us at 64k
+# (256-entry blocks, 2 warps).
+SMALL_PLANS = ((4096, dict(block=128, num_warps=4, group=1, vec=1)),
+               (65536, dict(block=256, num_warps=2, group=1, vec=1, max_programs=264)))
+
+
+def launch_config(capacity: int) -> dict:
+    """The launch parameters used for a plan of ``capacity`` entries when none are given."""
+    cfg = dict(block=BLOCK, max_programs=MAX_PROGRAMS, num_warps=NUM_WARPS,
+               num_stages=NUM_STAGES, group=GROUP, vec=VEC, hoist=HOIST)
+    for limit, small in SMALL_PLANS:
+        if capacity <= limit:
+            return {**cfg, **small}
+    return cfg
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,13 +394,13 @@ def _verify_kernel(
 @functools.partial(
     jax.jit,
     static_argnames=("specs", "mode", "kind", "check_token", "block", "max_programs", "num_warps",
-                     "num_stages", "group", "vec", "hoist", "interpret", "min_programs"),
+                     "num_stages", "group", "vec", "hoist", "interpret"),
 )
 def _verify_jit(canary_buf, violation_ring, violation_write_index, slot_run_counter,
                 kernel_run_counter, verify_slot_indices, verify_expected_tokens,
                 verify_expected_positions, verify_prev_slot_indices, verify_num_valid, enable,
                 source_bufs, *, specs, mode, kind, check_token, block, max_programs, num_warps,
-                num_stages, group, vec, hoist, interpret, min_programs=MIN_PROGRAMS):
+                num_stages, group, vec, hoist, interpret):
     num_slots, stride_bytes = canary_buf.shape
     ring_cap = violation_ring.shape[0]
     capacity = verify_slot_indices.shape[0]
@@ -395,9 +408,6 @@ def _verify_jit(canary_buf, violation_ring, violation_write_index, slot_run_coun
         raise ValueError(f"kv-canary: canary_verify: bad launch parameters block={block} "
                          f"group={group} vec={vec} (powers of two; vec 1, 2 or 4)")
     block = min(block, pl.next_power_of_2(max(capacity, 1)))
-    while block > SMALL_BLOCK and pl.cdiv(capacity, block) < min_programs:
-        block //= 2
-        num_warps = max(1, num_warps // 2)
     group = min(group, block)
     num_programs = max(1, min(max_programs, pl.cdiv(capacity, block)))
     # A single pass covers the plan: no grid-stride loop (see the kernel).
@@ -433,16 +443,25 @@ def verify_impl(
     verify_slot_indices, verify_expected_tokens, verify_expected_positions,
     verify_prev_slot_indices, verify_num_valid, enable,
     sources: tuple[tuple[jax.Array, SourceSpec], ...], kernel_kind: int, real_kv_hash_mode: int,
-    check_verify_expected_token: bool, block: int = BLOCK, max_programs: int = MAX_PROGRAMS,
-    num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, group: int = GROUP,
-    vec: int = VEC, hoist: bool = HOIST, min_programs: int = MIN_PROGRAMS,
-    interpret: bool | None = None,
+    check_verify_expected_token: bool, block: int | None = None,
+    max_programs: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None, group: int | None = None, vec: int | None = None,
+    hoist: bool | None = None, interpret: bool | None = None,
 ):
     """Array-level entry (no validation): each source is ``(buffer, SourceSpec)``. Returns
     ``(violation_ring, violation_write_index, slot_run_counter, kernel_run_counter)``; donate
-    those four for an in-place update (``canary_buf`` is only read)."""
+    those four for an in-place update (``canary_buf`` is only read). Launch parameters left
+    ``None`` come from :func:`launch_config` for the plan's capacity."""
     if interpret is None:
         interpret = _config.default_interpret()
+    auto = launch_config(int(verify_slot_indices.shape[0]))
+    block = auto["block"] if block is None else block
+    max_programs = auto["max_programs"] if max_programs is None else max_programs
+    num_warps = auto["num_warps"] if num_warps is None else num_warps
+    num_stages = auto["num_stages"] if num_stages is None else num_stages
+    group = auto["group"] if group is None else group
+    vec = auto["vec"] if vec is None else vec
+    hoist = auto["hoist"] if hoist is None else hoist
     return _verify_jit(
         canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
         verify_slot_indices, verify_expected_tokens, verify_expected_positions,
@@ -450,7 +469,7 @@ def verify_impl(
         specs=tuple(s for _, s in sources), mode=int(real_kv_hash_mode), kind=int(kernel_kind),
         check_token=bool(check_verify_expected_token), block=block, max_programs=max_programs,
         num_warps=num_warps, num_stages=num_stages, group=group, vec=vec, hoist=bool(hoist),
-        interpret=interpret, min_programs=int(min_programs),
+        interpret=interpret,
     )
 
 
@@ -479,14 +498,13 @@ def canary_verify(
     context: VerifyOrWriteContext,
     plan: VerifyPlan,
     check_verify_expected_token: bool,
-    block: int = BLOCK,
-    max_programs: int = MAX_PROGRAMS,
-    num_warps: int = NUM_WARPS,
-    num_stages: int = NUM_STAGES,
-    group: int = GROUP,
-    vec: int = VEC,
-    hoist: bool = HOIST,
-    min_programs: int = MIN_PROGRAMS,
+    block: int | None = None,
+    max_programs: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    group: int | None = None,
+    vec: int | None = None,
+    hoist: bool | None = None,
     interpret: bool | None = None,
 ) -> VerifyOrWriteContext:
     """Verify the plan's entries against ``context.canary_buf``; returns the updated context.
@@ -513,7 +531,7 @@ def canary_verify(
         kernel_kind=int(context.kernel_kind), real_kv_hash_mode=int(context.real_kv_hash_mode),
         check_verify_expected_token=check_verify_expected_token, block=block,
         max_programs=max_programs, num_warps=num_warps, num_stages=num_stages, group=group,
-        vec=vec, hoist=hoist, min_programs=min_programs, interpret=interpret,
+        vec=vec, hoist=hoist, interpret=interpret,
     )
     return context.replace(violation_ring=ring, violation_write_index=widx,
                            slot_run_counter=sctr, kernel_run_counter=kctr)
