@@ -97,11 +97,15 @@ def plots(result: dict, out_dir: str) -> None:
                 style = styles[key][0] if points_only and key != "floor" else styles[key]
                 ax.plot(xs, ys, style, label=LABEL[key], markersize=5 if points_only else 4)
         if points_only:
+            xs_all = [r[xkey] / 1e6 for r in rows if _med(r, "ours") is not None]
             for r in rows:
                 v = _med(r, "ours")
                 if v is not None:
+                    # Labels of the right-most points go to their left, inside the axes.
+                    right = xs_all and r[xkey] / 1e6 >= max(xs_all) / 3
                     ax.annotate(r["case"], (r[xkey] / 1e6, v), textcoords="offset points",
-                                xytext=(4, -10), fontsize=7)
+                                xytext=(-6, 8) if right else (4, -10), fontsize=7,
+                                ha="right" if right else "left")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("bytes the op must move (MB)")

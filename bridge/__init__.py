@@ -24,9 +24,13 @@ Where the bridge differs from SGLang's launchers, on purpose:
   kernels write in place.
 * The launches are not capturable into a torch CUDA graph (XLA runs them on its own streams);
   the bridge refuses to run under capture.
-* Stream order on the GPU: a per-call fence import by default, or an event wait on XLA's
-  compute stream (:func:`set_stream_sync`, ``KVCANARY_BRIDGE_STREAM_SYNC=event``); see
+* Stream order on the GPU: an event wait of XLA's compute stream on torch's current stream by
+  default, or a per-call fence import (:func:`set_stream_sync`,
+  ``KVCANARY_BRIDGE_STREAM_SYNC=fence``); no host synchronisation either way; see
   :mod:`bridge._interop`.
+* Hot path: a launcher called again with the same tensor objects (a serving loop's persistent
+  buffers) replays its recorded call, skipping checks and imports (:mod:`bridge._fast`);
+  :func:`clear_cache` forgets recorded calls and cached views.
 * :func:`launch_canary_step` (no SGLang counterpart) runs scatter + plan + verify + write of one
   endpoint in one compiled call.
 
