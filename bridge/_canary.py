@@ -223,6 +223,17 @@ def _src_tensors(context) -> tuple:
     return tuple(s.tensor for s in context.real_kv_sources)
 
 
+def _try_replay(fp, context, statics: tuple, tensors: tuple):
+    """Complete a call's signature with its real-KV sources and replay the call where it was
+    recorded (:mod:`bridge._fast`); returns ``(replayed, statics, tensors)``."""
+    if context.real_kv_sources:
+        tensors += _src_tensors(context)
+        statics += _src_statics(context)
+    b = fp.get(statics, tensors)
+    done = b is not None and not value_checks_enabled(b.info.torch_device) and b.run()
+    return done, statics, tensors
+
+
 def _plan_key(vp_t, wp_t, rpi, prefix, extend, rtt, lut, pool, valid_lens, swa_window_size,
               verify_capacity) -> tuple:
     """Everything the plan's static checks depend on (shared by the plan launcher and the fused
@@ -407,18 +418,15 @@ def _verify_launch(context, plan, check_verify_expected_token, info, key):
 def launch_canary_verify_kernel(*, context, plan, check_verify_expected_token: bool) -> None:
     """Verify one canary buffer against a VerifyPlan; updates the context's ring, write index
     and counters in place (``canary_buf`` is only read)."""
-    c, srcs = context, context.real_kv_sources
+    c = context
     tensors = (c.canary_buf, c.violation_ring, c.violation_write_index, c.slot_run_counter,
                c.kernel_run_counter, plan.verify_slot_indices, plan.verify_expected_tokens,
                plan.verify_expected_positions, plan.verify_prev_slot_indices,
                plan.verify_num_valid, plan.enable)
     statics = (id(c.canary_buf), c.kernel_kind, c.real_kv_hash_mode,
                check_verify_expected_token)
-    if srcs:
-        tensors += _src_tensors(c)
-        statics += _src_statics(c)
-    b = _VERIFY_FAST.get(statics, tensors)
-    if b is not None and not value_checks_enabled(b.info.torch_device) and b.run():
+    done, statics, tensors = _try_replay(_VERIFY_FAST, c, statics, tensors)
+    if done:
         return
     key = _check_verify(context, plan)
     info = io.device_info(context.canary_buf)
@@ -519,17 +527,14 @@ def launch_canary_write_kernel(
 ) -> None:
     """Stamp canary records for the batch's written tokens; updates ``canary_buf``, the ring,
     write index and counters in place."""
-    c, srcs = context, context.real_kv_sources
+    c = context
     tensors = (c.canary_buf, c.violation_ring, c.violation_write_index, c.slot_run_counter,
                c.kernel_run_counter, c.enable_chain_position_assert, plan.write_offsets,
                plan.write_seed_slot_indices, plan.write_num_valid_reqs, input_ids, positions,
                out_cache_loc, expected_input_tokens, expected_input_positions)
     statics = (id(c.canary_buf), c.kernel_kind, c.real_kv_hash_mode, enable_write_input_assert)
-    if srcs:
-        tensors += _src_tensors(c)
-        statics += _src_statics(c)
-    b = _WRITE_FAST.get(statics, tensors)
-    if b is not None and not value_checks_enabled(b.info.torch_device) and b.run():
+    done, statics, tensors = _try_replay(_WRITE_FAST, c, statics, tensors)
+    if done:
         return
     key = _check_write(context, plan, input_ids, positions, out_cache_loc,
                        enable_write_input_assert, expected_input_tokens,
@@ -637,7 +642,7 @@ def launch_canary_step(
     """
     if verify_capacity is None:
         verify_capacity = int(verify_plan_out.verify_slot_indices.shape[0])
-    c, vp, wp, srcs = context, verify_plan_out, write_plan_out, context.real_kv_sources
+    c, vp, wp = context, verify_plan_out, write_plan_out
     tensors = (
         c.canary_buf, c.violation_ring, c.violation_write_index, c.slot_run_counter,
         c.kernel_run_counter, c.enable_chain_position_assert, vp.verify_slot_indices,
@@ -652,11 +657,8 @@ def launch_canary_step(
     statics = (id(c.canary_buf), c.kernel_kind, c.real_kv_hash_mode, swa_window_size,
                verify_capacity, kv_token_id_vs_position_offset, check_verify_expected_token,
                enable_write_input_assert)
-    if srcs:
-        tensors += _src_tensors(c)
-        statics += _src_statics(c)
-    b = _STEP_FAST.get(statics, tensors)
-    if b is not None and not value_checks_enabled(b.info.torch_device) and b.run():
+    done, statics, tensors = _try_replay(_STEP_FAST, c, statics, tensors)
+    if done:
         return
     do_scatter = expected_token_ids is not None or expected_token_offsets is not None
     vp_t = _fields(verify_plan_out, _VP_FIELDS)
