@@ -31,19 +31,18 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
 def rows_from(out: dict) -> list[dict]:
     """Table rows from one ``bench.bridge_overhead.measure`` result."""
     rows, bs = [], out["bs"]
-    if True:
-        sg = out.get("sglang", {})
-        total = sg.get("sum_of_four", {}).get("launch_us")
-        for name in OPS:
-            row = {"op": "bridge", "case": f"{name} bs={bs}", "bs": bs,
-                   "ours_call": {"median_us": out["bridge"][name]["launch_us"]},
-                   "stream_sync": out.get("stream_sync")}
-            ref = total if name == "step_fused" else sg.get(name, {}).get("launch_us")
-            if ref is not None:
-                row["sglang_call"] = {"median_us": ref}
-            for mode in ("event", "fence"):
-                if "bridge_" + mode in out:
-                    row[f"ours_call_{mode}"] = {"median_us": out["bridge_" + mode][name]["launch_us"]}
-            rows.append(row)
-        rows[-1]["raw"] = out
+    sg = out.get("sglang", {})
+    total = sg.get("sum_of_four", {}).get("launch_us")
+    for name in OPS:
+        row = {"op": "bridge", "case": f"{name} bs={bs}", "bs": bs,
+               "ours_call": {"median_us": out["bridge"][name]["launch_us"]},
+               "stream_sync": out.get("stream_sync")}
+        ref = total if name == "step_fused" else sg.get(name, {}).get("launch_us")
+        if ref is not None:
+            row["sglang_call"] = {"median_us": ref}
+        for mode in ("event", "fence"):
+            if "bridge_" + mode in out:
+                row[f"ours_call_{mode}"] = {"median_us": out["bridge_" + mode][name]["launch_us"]}
+        rows.append(row)
+    rows[-1]["raw"] = out
     return rows

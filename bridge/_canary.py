@@ -159,6 +159,11 @@ def _pool_input(t, info, key=None):
     return io.import_output(t, "req_to_verify_expected_tokens", info, key).array
 
 
+def _plan_results(vp, wp) -> tuple:
+    """A plan's result arrays in the order of ``_plan_outputs`` (verify fields, write fields)."""
+    return (*(getattr(vp, k) for k in _VP_FIELDS), *(getattr(wp, k) for k in _WP_FIELDS))
+
+
 def _fields(obj, names):
     return {n: getattr(obj, n) for n in names}
 
@@ -359,18 +364,9 @@ def launch_canary_plan_kernels(
         )
         static = dict(swa_window_size=int(swa_window_size), verify_capacity=int(verify_capacity),
                       k=int(kv_token_id_vs_position_offset), interpret=info.interpret)
-        raw = _plan_adapter(*args, fence, **static)
-        new_vp, new_wp = raw
-        results = {**{k: getattr(new_vp, k) for k in _VP_FIELDS},
-                   **{k: getattr(new_wp, k) for k in _WP_FIELDS}}
-        io.finish(info, list(results.values()))
-        for k, out in outs.items():
-            io.commit_output(out, results[k])
-        if _PLAN_FAST.seen_twice(statics, tensors):
-            _fast.record_call(_PLAN_FAST, statics, tensors, info, adapter=_plan_adapter,
-                              args=args, fence_pos=9, static=static, donate=(0, 1),
-                              outs=tuple(outs.values()), raw_results=raw,
-                              results=tuple(results[k] for k in outs))
+        _fast.full_call(_PLAN_FAST, statics, tensors, info, adapter=_plan_adapter, args=args,
+                        fence=fence, static=static, donate=(0, 1), outs=tuple(outs.values()),
+                        results_of=lambda r: _plan_results(*r))
 
 
 # --------------------------------------------------------------------------------------------
@@ -434,15 +430,9 @@ def launch_canary_verify_kernel(*, context, plan, check_verify_expected_token: b
         fence = io.fence(info)
         outs, kw = _verify_launch(context, plan, check_verify_expected_token, info, key)
         args = (kw.pop("canary_buf"), kw.pop("outs"), kw.pop("vp"), kw.pop("bufs"))
-        results = _verify_adapter(*args, fence, **kw)
-        io.finish(info, list(results))
-        for out, res in zip(outs.values(), results):
-            io.commit_output(out, res)
-        if _VERIFY_FAST.seen_twice(statics, tensors):
-            _fast.record_call(_VERIFY_FAST, statics, tensors, info, adapter=_verify_adapter,
-                              args=args, fence_pos=4, static=kw, donate=(1,),
-                              outs=tuple(outs.values()), raw_results=results,
-                              results=tuple(results))
+        _fast.full_call(_VERIFY_FAST, statics, tensors, info, adapter=_verify_adapter,
+                        args=args, fence=fence, static=kw, donate=(1,),
+                        outs=tuple(outs.values()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -547,15 +537,9 @@ def launch_canary_write_kernel(
                                  expected_input_positions, info, key)
         args = (kw.pop("outs"), kw.pop("cpa"), kw.pop("wp"), kw.pop("ids"), kw.pop("pos"),
                 kw.pop("ocl"), kw.pop("etok"), kw.pop("epos"), kw.pop("bufs"))
-        results = _write_adapter(*args, fence, **kw)
-        io.finish(info, list(results))
-        for out, res in zip(outs.values(), results):
-            io.commit_output(out, res)
-        if _WRITE_FAST.seen_twice(statics, tensors):
-            _fast.record_call(_WRITE_FAST, statics, tensors, info, adapter=_write_adapter,
-                              args=args, fence_pos=9, static=kw, donate=(0,),
-                              outs=tuple(outs.values()), raw_results=results,
-                              results=tuple(results))
+        _fast.full_call(_WRITE_FAST, statics, tensors, info, adapter=_write_adapter,
+                        args=args, fence=fence, static=kw, donate=(0,),
+                        outs=tuple(outs.values()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -752,21 +736,10 @@ def launch_canary_step(
             check_token=bool(check_verify_expected_token),
             check_input=bool(enable_write_input_assert), interpret=info.interpret,
         )
-        raw = _step_adapter(*args, fence, **static)
-        new_pool, new_vp, new_wp, new_ctx = raw
-        results = {**{k: getattr(new_vp, k) for k in _VP_FIELDS},
-                   **{k: getattr(new_wp, k) for k in _WP_FIELDS}}
-        io.finish(info, [new_ctx[0]])
-        for k, out in plan_outs.items():
-            io.commit_output(out, results[k])
-        for out, res in zip(ctx_outs.values(), new_ctx):
-            io.commit_output(out, res)
-        if pool is not None:
-            io.commit_output(pool, new_pool)
-        if _STEP_FAST.seen_twice(statics, tensors):
-            outs = (*plan_outs.values(), *ctx_outs.values(), *(() if pool is None else (pool,)))
-            res = (*(results[k] for k in plan_outs), *new_ctx,
-                   *(() if pool is None else (new_pool,)))
-            _fast.record_call(_STEP_FAST, statics, tensors, info, adapter=_step_adapter,
-                              args=args, fence_pos=19, static=static, donate=(0, 1, 2, 3),
-                              outs=outs, raw_results=raw, results=res)
+        # Results in the order of the outputs: plan fields, context buffers, expected pool.
+        _fast.full_call(
+            _STEP_FAST, statics, tensors, info, adapter=_step_adapter, args=args, fence=fence,
+            static=static, donate=(0, 1, 2, 3),
+            outs=(*plan_outs.values(), *ctx_outs.values(), *(() if pool is None else (pool,))),
+            results_of=lambda r: (*_plan_results(r[1], r[2]), *r[3],
+                                  *(() if pool is None else (r[0],))))

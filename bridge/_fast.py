@@ -27,14 +27,15 @@ import jax
 
 from bridge import _interop as io
 
-__all__ = ["FastPath", "Binding", "clear", "record_call"]
+__all__ = ["FastPath", "Binding", "clear", "full_call", "record_call"]
 
 _FLAT: dict[tuple, Any] = {}
 
 
-def _flat_fn(adapter, treedefs, fence_pos, static_items, donate_leaves):
-    """One jitted function per (adapter, argument structure, statics): ``fn(fence, *leaves)``."""
-    key = (adapter, treedefs, fence_pos, static_items, donate_leaves)
+def _flat_fn(adapter, treedefs, static_items, donate_leaves):
+    """One jitted function per (adapter, argument structure, statics): ``fn(fence, *leaves)``;
+    the adapter takes the fence after its other positional arguments."""
+    key = (adapter, treedefs, static_items, donate_leaves)
     fn = _FLAT.get(key)
     if fn is None:
         static = dict(static_items)
@@ -45,8 +46,7 @@ def _flat_fn(adapter, treedefs, fence_pos, static_items, donate_leaves):
             for td, n in zip(treedefs, counts):
                 args.append(jax.tree.unflatten(td, leaves[i:i + n]))
                 i += n
-            args.insert(fence_pos, fence)
-            return tuple(jax.tree.leaves(adapter(*args, **static)))
+            return tuple(jax.tree.leaves(adapter(*args, fence, **static)))
 
         fn = jax.jit(flat, donate_argnums=tuple(1 + j for j in donate_leaves), keep_unused=True)
         if len(_FLAT) > 256:
@@ -184,15 +184,31 @@ def clear() -> None:
         fp.clear()
 
 
-def record_call(fp: FastPath, statics, tensors, info, *, adapter, args, fence_pos, static,
-                donate, outs, raw_results, results) -> None:
-    """After a full call: bind ``tensors`` to a flat replay of ``adapter(*args, **static)``.
+def full_call(fp: FastPath, statics, tensors, info, *, adapter, args, fence, static, donate,
+              outs, results_of=tuple) -> None:
+    """A launcher's full path after its checks and imports: ``adapter(*args, fence, **static)``,
+    torch's stream ordered after it, each of ``outs`` (:class:`bridge._interop.Output`) given its
+    result (``results_of(raw)``, same order), and the call recorded for replay on the second
+    consecutive full call on the same tensors. ``donate``: indices of ``args`` the adapter
+    donates (the outputs)."""
+    raw = adapter(*args, fence, **static)
+    results = tuple(results_of(raw))
+    io.finish(info, results[:1])
+    for out, r in zip(outs, results):
+        io.commit_output(out, r)
+    if fp.seen_twice(statics, tensors):
+        record_call(fp, statics, tensors, info, adapter=adapter, args=args, static=static,
+                    donate=donate, outs=outs, raw_results=raw, results=results)
 
-    ``args`` excludes the fence (inserted at ``fence_pos``); ``donate`` are indices into
-    ``args``; ``outs`` are the call's :class:`bridge._interop.Output` objects and ``results``
-    their results (same order); ``raw_results`` is what the adapter returned. Nothing is
-    recorded where the call cannot be replayed as is: an input that does not alias its tensor
-    (a copying import), a donated argument that is not an output."""
+
+def record_call(fp: FastPath, statics, tensors, info, *, adapter, args, static, donate, outs,
+                raw_results, results) -> None:
+    """After a full call: bind ``tensors`` to a flat replay of ``adapter(*args, fence, **static)``.
+
+    ``donate`` are indices into ``args``; ``outs`` are the call's :class:`bridge._interop.Output`
+    objects and ``results`` their results (same order); ``raw_results`` is what the adapter
+    returned. Nothing is recorded where the call cannot be replayed as is: an input that does not
+    alias its tensor (a copying import), a donated argument that is not an output."""
     leaves_per_arg = [jax.tree.flatten(a) for a in args]
     treedefs = tuple(td for _, td in leaves_per_arg)
     leaves, donate_leaves = [], []
@@ -229,7 +245,6 @@ def record_call(fp: FastPath, statics, tensors, info, *, adapter, args, fence_po
         e = None if x is None else live.get(id(x))
         entries.append(e if e is not None and e.array is x else None)
     bound_outs = [(j, pos, out, entries[pos]) for j, pos, out, _ in bound_outs]
-    fn = _flat_fn(adapter, treedefs, fence_pos, tuple(sorted(static.items())),
-                  tuple(donate_leaves))
+    fn = _flat_fn(adapter, treedefs, tuple(sorted(static.items())), tuple(donate_leaves))
     fp.put(statics, Binding(tuple(tensors), fn, tuple(entries), leaves, tuple(bound_outs),
                             tuple(fresh), info))

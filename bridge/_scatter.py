@@ -99,10 +99,6 @@ def launch_scatter_req_token_ids_kernel(
                 io.import_input(req_pool_indices, "req_pool_indices", info),
                 pool.array)
         static = dict(max_cols=pool.cols, interpret=info.interpret)
-        result = scatter_adapter(*args, fence, **static)
-        io.finish(info, [result])
-        io.commit_output(pool, result)
-        if _FAST.seen_twice(id(pool_out), tensors):
-            _fast.record_call(_FAST, id(pool_out), tensors, info, adapter=scatter_adapter, args=args,
-                              fence_pos=4, static=static, donate=(3,), outs=(pool,),
-                              raw_results=result, results=(result,))
+        _fast.full_call(_FAST, id(pool_out), tensors, info, adapter=scatter_adapter, args=args,
+                        fence=fence, static=static, donate=(3,), outs=(pool,),
+                        results_of=lambda r: (r,))

@@ -207,8 +207,6 @@ def test_many_blocks_grid_stride(sgl, structure):
              prev=rng.integers(-2, num_slots, n))
     plan = S.verify_plan(**e, cap=2048)
     plan["num_valid"] = 1400
-    from kvcanary_jax.ops import verify as V
-
     ours, ref = S.check_verify(sgl, st, **plan, check_token=True)
     with jax.enable_x64(True):
         tight = canary_verify(
@@ -220,7 +218,6 @@ def test_many_blocks_grid_stride(sgl, structure):
                 verify_num_valid=jnp.array([1400], jnp.int32), enable=jnp.array([1], jnp.int32)),
             check_verify_expected_token=True, block=128, max_programs=3, **structure)
     S.assert_same(S.state_of(tight), ref, st)
-    assert V.launch_config(2048)["block"] < 1400
 
 
 # --- round trips: write then verify, clean, per hash mode --------------------------------------
