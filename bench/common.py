@@ -101,3 +101,15 @@ def jax_context(canary_buf: np.ndarray, kind_name: str, ring: int):
     ctx = kc.VerifyOrWriteContext.allocate(num_slots=canary_buf.shape[0],
                                            kernel_kind=kc.CanaryLaunchTag[kind_name], ring_capacity=ring)
     return ctx.replace(canary_buf=to_jax(canary_buf))
+
+
+def write_tuned_table(op: str, entries: list[dict], directory: str | None = None) -> str | None:
+    """Merge a sweep's best configs into ``kvcanary_jax/tuning/<op>.<device kind>.json`` (the
+    table the op's config resolution reads; ``directory`` to write elsewhere). GPU runs only: a
+    CPU sweep times interpret mode, which says nothing about launch parameters."""
+    if not on_gpu() or not entries:
+        return None
+    from kvcanary_jax.ops import _registry
+
+    return _registry.update_tuned_table(op, "pallas_triton", _registry.device_kind(), entries,
+                                        directory=directory)

@@ -6,7 +6,7 @@
 On CPU the shards are host devices forced by XLA: run with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N JAX_PLATFORMS=cpu``.
 
-Setup: ``N`` simulated servers (:class:`kvcanary_jax.simulate.Server`, seeds ``seed .. seed+N-1``,
+Setup: ``N`` simulated servers (:class:`kvcanary_jax.sim.Server`, seeds ``seed .. seed+N-1``,
 the demo's limits), one per data-parallel shard of :func:`kvcanary_jax.sharded.data_parallel_mesh`.
 Each step every server's host scheduler builds its batch (``prepare``); the batches,
 ``req_to_token`` tables and LUTs are stacked along the mesh axis; one call of
@@ -23,9 +23,9 @@ What is measured:
    nothing crosses shards.
 2. Fault phase: for each fault kind, ``--injections`` trials, the target shard rotating over the
    mesh. A trial restores every server from a checkpoint of the clean phase, arms the fault on
-   the target server only (:func:`kvcanary_jax.simulate.inject`) and steps the whole mesh until
+   the target server only (:func:`kvcanary_jax.sim.inject`) and steps the whole mesh until
    the host poll (violation counts of all shards) is non-zero or the window passes
-   (:func:`kvcanary_jax.simulate.run_trial`). Detected: violations on the faulted shard.
+   (:func:`kvcanary_jax.sim.run_trial`). Detected: violations on the faulted shard.
    Cross-shard leaks: violations on any other shard (must be 0).
    The sharded step is HEAD -> forward -> TAIL only: the SWEEP launch (``canary_sweep`` over the
    radix-cache walk) is not part of it, so the servers run with ``sweep_interval=0`` and fault
@@ -65,7 +65,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from kvcanary_jax import _config
 from kvcanary_jax import runtime as rt
 from kvcanary_jax import sharded
-from kvcanary_jax import simulate as sm
+from kvcanary_jax import sim as sm
 
 # Fault kinds the sharded step cannot catch, and why (they are listed in the output, not run).
 NEEDS_SWEEP = {
@@ -74,7 +74,7 @@ NEEDS_SWEEP = {
                             "only); the sharded servers run with sweep_interval=0",
 }
 
-# The clean run's checkpoints, as in simulate.run_campaign: every 2 steps from step 4 on.
+# The clean run's checkpoints, as in sim.run_campaign: every 2 steps from step 4 on.
 CHECKPOINT_EVERY, CHECKPOINT_WARMUP = 2, 4
 RATIO_TARGET = 1.1  # sharded / single-device step time on GPU
 
@@ -97,7 +97,7 @@ class ShardedFleet:
         self.mesh = mesh
         self.servers = [sm.Server(s) for s in sims]
         cfg = self.servers[0].cfg
-        self.step_fn = sharded.make_sharded_step(cfg, sm._make_forward(cfg, sims[0].kv_width), mesh)
+        self.step_fn = sharded.make_sharded_step(cfg, sm.make_forward(cfg, sims[0].kv_width), mesh)
         self.states = self.kvs = None
         self._views: list[tuple] = [(None, None)] * len(self.servers)
         self.staging_s: list[float] = []  # host: prepare on every server + stacking
@@ -307,7 +307,7 @@ def run_timing(fleet: ShardedFleet, solo: list[sm.Server], rec: dict, repeats: i
     mesh_sharding = NamedSharding(fleet.mesh, P(fleet.mesh.axis_names[0]))
     sh, end = _replay(fleet.step_fn, rec["start"], rec["inputs"], mesh_sharding, repeats)
     sh_viol = int(np.asarray(end.violation_write_index).sum())
-    solo_step = solo[0]._step  # compiled in the clean phase
+    solo_step = solo[0].device_step  # compiled in the clean phase
     per_shard, pooled, solo_viol = [], [], 0
     for j in range(len(fleet.servers)):
         start = jax.tree.map(lambda x: x[j], rec["start"])
@@ -339,9 +339,9 @@ def run_timing(fleet: ShardedFleet, solo: list[sm.Server], rec: dict, repeats: i
 def _select_devices(device: str, shards: int):
     """Pin JAX to the platform (before it initialises) and return the mesh over ``shards``
     devices; a clear exit when there are fewer."""
-    from kvcanary_jax.cli import _select_device
+    from kvcanary_jax.cli import select_device
 
-    interpret = _select_device(device)
+    select_device(device)
     platform_name = "cpu" if device == "cpu" else "gpu"
     devs = jax.devices(platform_name)
     if len(devs) < shards:
@@ -358,7 +358,7 @@ def _select_devices(device: str, shards: int):
     got = {d.platform for d in mesh.devices.flat}
     if got != {platform_name}:
         raise SystemExit(f"bench.sharded: the mesh is on {sorted(got)}, expected {platform_name}")
-    return mesh, interpret
+    return mesh
 
 
 def _environment(mesh) -> dict:
@@ -436,8 +436,8 @@ def _report(out: dict) -> str:
             f"/step; whole sharded step incl. host and poll {_ms(out['host']['step_median_s'])}"
             f"/step; first step incl. compile {out['host']['first_step_s']:.2f} s")
         if cfg["device"] == "cpu":
-            lines.append("  (CPU: the forced host devices share the host's cores and Pallas runs "
-                         "in interpret mode; the ratio is only meaningful on GPUs)")
+            lines.append("  (CPU: the forced host devices share the host's cores; the ratio is only "
+                         "meaningful on GPUs)")
     lines.append("")
     placed = sum(f["injected"] for f in out["faults"])
     caught = sum(f["detected"] for f in out["faults"])
@@ -452,8 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--shards", type=int, default=2, help="data-parallel shards = devices")
     ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
-                    help="cpu: forced host devices, Pallas interpret mode; "
-                         "gpu: the compiled kernels")
+                    help="cpu: forced host devices; gpu: the GPUs")
+    ap.add_argument("--implementation", default=None,
+                    help="what every op runs (default: the device's)")
     ap.add_argument("--steps", type=int, default=24, help="clean steps (default 24)")
     ap.add_argument("--seed", type=int, default=10, help="shard i runs seed + i (default 10)")
     ap.add_argument("--faults", default="all",
@@ -484,12 +485,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"bench.sharded: {e}", file=sys.stderr)
         return 2
-    mesh, interpret = _select_devices(args.device, args.shards)
+    mesh = _select_devices(args.device, args.shards)
     warnings.filterwarnings("ignore", message=".*donated buffers.*")
     t_start = time.perf_counter()
 
     sims = [sm.SimConfig(steps=args.steps, seed=args.seed + i, swa_window_size=args.swa_window,
-                         sweep_interval=0, interpret=interpret) for i in range(args.shards)]
+                         sweep_interval=0, implementation=args.implementation)
+            for i in range(args.shards)]
     window = args.window or sm.default_window(sims[0])
     skipped = [{"kind": k, "reason": NEEDS_SWEEP[k]} for k in kinds if k in NEEDS_SWEEP]
     run_kinds = [k for k in kinds if k not in NEEDS_SWEEP]
@@ -497,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     fleet = ShardedFleet(sims, mesh)
     solo = [sm.Server(s) for s in sims]
     for s in solo[1:]:
-        s._step = solo[0]._step  # one single-device compile for every twin
+        s.device_step = solo[0].device_step  # one single-device compile for every twin
 
     bar = _progress(not args.no_progress, args.steps + len(run_kinds) * args.injections * window)
     tick = (lambda k: bar.update(k)) if bar is not None else (lambda k: None)

@@ -1,16 +1,16 @@
 """Sweep the scatter's launch parameters on the GPU, for ours and for the Triton 2-D baseline.
 
-``python -m bench.tune_scatter`` prints, per case, the device time of every (block, warps)
-variant of both kernels, so the chosen constants (kvcanary_jax/ops/scatter.py) and the baseline's
-are both the best each design has; the outcome is recorded in bench/NOTES.md.
+``python -m bench.tune_scatter [out.json]`` prints, per case, the device time of every (block,
+warps) variant of both kernels, so the chosen constants (kvcanary_jax/ops/scatter/pallas_triton.py)
+and the baseline's are both the best each design has; the outcome is recorded in bench/NOTES.md.
+Each case's best variant of ours goes into the tuned table of the GPU's device kind
+(``kvcanary_jax/tuning/scatter.<device kind>.json``), which ``kc.scatter_req_token_ids`` reads.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-
-import numpy as np
 
 from bench import common, timing
 from bench.op_scatter import _inputs
@@ -27,6 +27,7 @@ def main() -> int:
 
     import kvcanary_jax as kc
     from bench import triton_scatter as ts
+    from kvcanary_jax.ops.scatter.pallas_triton import Config
 
     out = []
     for bs, seq in CASES:
@@ -37,9 +38,11 @@ def main() -> int:
             sets = [[common.to_jax(a) for a in _inputs(bs, seq, s)] for s in range(k)]
             for block in BLOCKS:
                 for warps in WARPS:
-                    fn = jax.jit(lambda f, o, r, p, b=block, w=warps: kc.scatter_req_token_ids(
-                        flat_in=f, offsets=o, req_pool_indices=r, pool_out=p, block_cols=b,
-                        num_warps=w), donate_argnums=3)
+                    fn = jax.jit(lambda f, o, r, p, c=Config(block, warps):
+                                 kc.scatter_req_token_ids(
+                                     flat_in=f, offsets=o, req_pool_indices=r, pool_out=p,
+                                     implementation="pallas_triton", config=c),
+                                 donate_argnums=3)
 
                     def run(i, fn=fn):
                         s = sets[i % k]
@@ -68,7 +71,20 @@ def main() -> int:
     path = sys.argv[1] if len(sys.argv) > 1 else "tune_scatter.json"
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
+    table = common.write_tuned_table("scatter", [_entry(r) for r in out])
+    if table:
+        print(f"tuned table: {table}")
     return 0
+
+
+def _entry(res: dict) -> dict:
+    """A tuned-table entry from one case's sweep (key: the op's static shapes)."""
+    bs, seq = (int(x.split("=")[1]) for x in res["case"].split())
+    name, us = min(res["ours"].items(), key=lambda kv: kv[1])
+    block, warps = (int(x) for x in name.split("x"))
+    return {"key": {"bs": bs, "num_tokens": bs * seq, "max_cols": seq},
+            "config": {"block_cols": block, "num_warps": warps}, "median_us": round(us, 3),
+            "source": "bench/tune_scatter.py"}
 
 
 if __name__ == "__main__":

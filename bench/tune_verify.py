@@ -1,8 +1,9 @@
 """Sweep the verify kernel's variants and launch parameters on the GPU.
 
-``python -m bench.tune_verify [out.json [entries,entries,...]]`` times, per case of bench.op_verify (clean chains at
-random slots, three corrupted tokens, token check on), a coordinate descent over the keyword
-parameters of ``kvcanary_jax.ops.verify.canary_verify``:
+``python -m bench.tune_verify [out.json [entries,entries,...]]`` times, per case of
+bench.op_verify (clean chains at random slots, three corrupted tokens, token check on), a
+coordinate descent over the fields of the Pallas kernel's launch config
+(``kvcanary_jax.ops.verify.pallas_triton.Config``):
 
 1. structure: ``group`` (column vectors that reuse the predecessor's fields) x ``vec`` (canary
    words per gather instruction), plus the previous design (group 1, vec 1, no hoist);
@@ -11,12 +12,15 @@ parameters of ``kvcanary_jax.ops.verify.canary_verify``:
 4. ``num_stages``, ``hoist``.
 
 Each stage keeps the best of the previous ones. A variant that fails to lower or compile is
-reported and skipped. Prints the best variant per case next to the module's defaults and the
-previous design, and writes every measurement to the JSON file after each case.
+reported and skipped. Prints the best variant per case next to the heuristics' choice and the
+previous design, and writes every measurement to the JSON file after each case. Each case's best
+variant goes into the tuned table of the GPU's device kind
+(``kvcanary_jax/tuning/verify.<device kind>.json``), which ``kc.canary_verify`` reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -51,9 +55,12 @@ def main() -> int:
 
     import kvcanary_jax as kc
     from kvcanary_jax.consts import CanaryLaunchTag
-    from kvcanary_jax.ops import verify as V
+    from kvcanary_jax.ops.verify import pallas_triton as V
 
-    large = V.launch_config(1 << 30)
+    def heuristic(capacity):
+        return dataclasses.asdict(V.heuristics({"capacity": capacity}))
+
+    large = heuristic(1 << 30)
     path = sys.argv[1] if len(sys.argv) > 1 else "tune_verify.json"
     cases = [int(c) for c in sys.argv[2].split(",")] if len(sys.argv) > 2 else CASES
     out = []
@@ -63,7 +70,7 @@ def main() -> int:
         k = timing.num_sets(probe["canary_buf"].nbytes + 32 * entries)
         del probe
         res = {"case": f"entries={entries}", "entries": entries, "times": {}, "errors": {}}
-        default = V.launch_config(entries)  # what a call without launch parameters uses
+        default = heuristic(entries)  # what a call without a tuned entry uses
         with jax.enable_x64(True):
             sets = []
             for seed in range(k):
@@ -89,9 +96,9 @@ def main() -> int:
                 if time.perf_counter() - t_start > BUDGET_S:
                     return None
                 nonlocal expect
-                fn = jax.jit(lambda ctx, plan, kw=kw: kc.canary_verify(
-                    context=ctx, plan=plan, check_verify_expected_token=True, **kw),
-                    donate_argnums=0)
+                fn = jax.jit(lambda ctx, plan, c=V.Config(**kw): kc.canary_verify(
+                    context=ctx, plan=plan, check_verify_expected_token=True,
+                    implementation="pallas_triton", config=c), donate_argnums=0)
                 try:
                     # Correctness on set 0 against the reference (violation count, counters).
                     s0 = sets[0]
@@ -138,6 +145,7 @@ def main() -> int:
             del sets
 
         res["best"] = _key(cur)
+        res["best_config"] = dict(cur)
         res["best_us"] = res["times"].get(res["best"])
         res["default_us"] = res["times"].get(_key(default))
         res["old_us"] = res["times"].get(_key(OLD))
@@ -149,6 +157,12 @@ def main() -> int:
         out.append(res)
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
+    table = common.write_tuned_table("verify", [
+        {"key": {"capacity": r["entries"]}, "config": r["best_config"],
+         "median_us": round(r["best_us"], 3), "source": "bench/tune_verify.py"}
+        for r in out if r["best_us"] is not None])
+    if table:
+        print(f"tuned table: {table}")
     for res in out:
         top = sorted(res["times"].items(), key=lambda kv: kv[1])[:5]
         print(res["case"], "top 5:", "; ".join(f"{t:.2f} [{n}]" for n, t in top))

@@ -3,9 +3,11 @@
 ``python -m bench.tune_write [out.json] [--quick | --smoke]`` prints, per case (reqs x tokens, the bench's
 inputs: chains continued from seeded slots, chain-position assert on), the device time of every
 (block, unroll, num_warps) variant, the best one, the shipped defaults' time and SGLang's time, so
-one GPU run picks the constants of kvcanary_jax/ops/write.py. Every variant's result (canary,
-ring, counters) is checked against the default variant's on fresh inputs; a mismatch is printed
-and the variant is excluded from "best".
+one GPU run picks the constants of kvcanary_jax/ops/write/pallas_triton.py. Every variant's result
+(canary, ring, counters) is checked against the default variant's on fresh inputs; a mismatch is
+printed and the variant is excluded from "best". Each case's best variant goes into the tuned
+table of the GPU's device kind (``kvcanary_jax/tuning/write.<device kind>.json``), which
+``kc.canary_write`` reads.
 
 Expected (per-token cost ~ one mix3 latency, ~85 ns on an H200, when the chain is the bottleneck):
 
@@ -34,7 +36,7 @@ WARPS = (1, 2, 4)
 
 def variants():
     """Full (block x unroll) grid at one warp, plus the warp counts at the default shape."""
-    from kvcanary_jax.ops import write as W
+    from kvcanary_jax.ops.write import pallas_triton as W
 
     out = [(b, u, 1) for b in BLOCKS for u in UNROLLS]
     out += [(W.BLOCK, W.CHAIN_UNROLL, w) for w in WARPS if w != 1]
@@ -84,11 +86,14 @@ def main() -> int:
 
     import kvcanary_jax as kc
     from kvcanary_jax.consts import CanaryLaunchTag
+    from kvcanary_jax.ops.write.pallas_triton import Config
 
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     smoke = "--smoke" in sys.argv  # CPU check of the script itself: tiny cases, 3 variants
     cases = SMOKE_CASES if smoke else QUICK_CASES if "--quick" in sys.argv else FULL_CASES
     iters = 3 if smoke else 30
+    # The smoke run checks the script on a CPU: the same kernel in interpret mode.
+    impl = "pallas_triton" if common.on_gpu() else "pallas_interpret"
     sgl = common.sglang(cuda_jit=common.on_gpu())
     out = []
     for reqs, tokens in cases:
@@ -113,12 +118,12 @@ def main() -> int:
             expect = None
             for block, unroll, warps in variants()[:3] if smoke else variants():
                 name = f"b{block}u{unroll}w{warps}"
-                fn = jax.jit(lambda ctx, plan, ids, pos, loc, b=block, u=unroll, w=warps:
+                fn = jax.jit(lambda ctx, plan, ids, pos, loc, c=Config(block, unroll, warps):
                              kc.canary_write(context=ctx, plan=plan, input_ids=ids, positions=pos,
                                              out_cache_loc=loc, enable_write_input_assert=False,
                                              expected_input_tokens=None,
-                                             expected_input_positions=None, block=b, unroll=u,
-                                             num_warps=w),
+                                             expected_input_positions=None,
+                                             implementation=impl, config=c),
                              donate_argnums=0)
                 ctx = fn(jax.tree_util.tree_map(jnp.copy, check_in[0]), *check_in[1:])
                 got = [np.asarray(x) for x in (ctx.canary_buf, ctx.violation_ring,
@@ -141,6 +146,10 @@ def main() -> int:
             res["sglang"] = _sglang_time(sgl, reqs, tokens, k, iters)
         ok = {kk: v for kk, v in res["ours"].items() if kk not in res["mismatch"]}
         best = min(ok.items(), key=lambda kv: kv[1])
+        b, u, w = (int(x) for x in best[0][1:].replace("u", " ").replace("w", " ").split())
+        res["table_entry"] = {"key": {"write_capacity": reqs, "num_tokens": n},
+                              "config": {"block": b, "unroll": u, "num_warps": w},
+                              "median_us": round(best[1], 3), "source": "bench/tune_write.py"}
         default = next(iter(res["ours"].items()))
         sg = res.get("sglang", float("nan"))
         print(f"{res['case']:>22}: best {best[0]} {best[1]:.1f} us | default {default[0]} "
@@ -151,6 +160,9 @@ def main() -> int:
     path = args[0] if args else "tune_write.json"
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
+    table = common.write_tuned_table("write", [r["table_entry"] for r in out])
+    if table:
+        print(f"tuned table: {table}")
     return 0
 
 

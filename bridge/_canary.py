@@ -29,10 +29,13 @@ from bridge._common import (
 from bridge._scatter import check_scatter
 from kvcanary_jax import plans as _plans
 from kvcanary_jax.contracts import Contract, SameDevice, meta_of
+from kvcanary_jax.ops import _registry
 from kvcanary_jax.ops import plan as _plan
 from kvcanary_jax.ops import scatter as _scatter
 from kvcanary_jax.ops import verify as _verify
 from kvcanary_jax.ops import write as _write
+from kvcanary_jax.ops.verify import base as _verify_base
+from kvcanary_jax.ops.write import base as _write_base
 
 __all__ = [
     "launch_canary_plan_kernels",
@@ -66,23 +69,28 @@ _CTX_OUT = ("violation_ring", "violation_write_index", "slot_run_counter", "kern
 # Jitted adapters: donate the outputs, take the fence as an operand, call the package's impls.
 
 
+def _impl(op: str, platform: str) -> str:
+    """What an op runs for tensors on ``platform`` (the tensors' device, not JAX's default)."""
+    return _registry.default_implementation(op, platform)
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("swa_window_size", "verify_capacity", "k", "interpret"),
+    static_argnames=("swa_window_size", "verify_capacity", "k", "platform"),
     donate_argnums=(0, 1), keep_unused=True,
 )
 def _plan_adapter(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, fence, *,
-                  swa_window_size, verify_capacity, k, interpret):
+                  swa_window_size, verify_capacity, k, platform):
     del fence
-    return _plan._plan_jit(
+    return _plan.run(
         vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, swa_window_size=swa_window_size,
         verify_capacity=verify_capacity, kv_token_id_vs_position_offset=k,
-        req_to_token_stride0=None, interpret=interpret,
+        implementation=_impl("plan", platform),
     )
 
 
-def _verify_call(ctx, vp, bufs, *, specs, kind, mode, check_token, interpret):
-    return _verify.verify_impl(
+def _verify_call(ctx, vp, bufs, *, specs, kind, mode, check_token, platform):
+    return _verify.run(
         canary_buf=ctx["canary_buf"], violation_ring=ctx["violation_ring"],
         violation_write_index=ctx["violation_write_index"],
         slot_run_counter=ctx["slot_run_counter"], kernel_run_counter=ctx["kernel_run_counter"],
@@ -92,13 +100,13 @@ def _verify_call(ctx, vp, bufs, *, specs, kind, mode, check_token, interpret):
         verify_prev_slot_indices=vp.verify_prev_slot_indices,
         verify_num_valid=vp.verify_num_valid, enable=vp.enable,
         sources=tuple(zip(bufs, specs)), kernel_kind=kind, real_kv_hash_mode=mode,
-        check_verify_expected_token=check_token, interpret=interpret,
+        check_verify_expected_token=check_token, implementation=_impl("verify", platform),
     )
 
 
 def _write_call(ctx, wp, ids, pos, ocl, etok, epos, bufs, *, specs, kind, mode, check_input,
-                interpret):
-    return _write.write_impl(
+                platform):
+    return _write.run(
         canary_buf=ctx["canary_buf"], violation_ring=ctx["violation_ring"],
         violation_write_index=ctx["violation_write_index"],
         slot_run_counter=ctx["slot_run_counter"], kernel_run_counter=ctx["kernel_run_counter"],
@@ -107,32 +115,32 @@ def _write_call(ctx, wp, ids, pos, ocl, etok, epos, bufs, *, specs, kind, mode, 
         write_num_valid_reqs=wp.write_num_valid_reqs, input_ids=ids, positions=pos,
         out_cache_loc=ocl, expected_input_tokens=etok, expected_input_positions=epos,
         sources=tuple(zip(bufs, specs)), kernel_kind=kind, real_kv_hash_mode=mode,
-        enable_write_input_assert=check_input, interpret=interpret,
+        enable_write_input_assert=check_input, implementation=_impl("write", platform),
     )
 
 
 @functools.partial(
-    jax.jit, static_argnames=("specs", "kind", "mode", "check_token", "interpret"),
+    jax.jit, static_argnames=("specs", "kind", "mode", "check_token", "platform"),
     donate_argnums=(1,), keep_unused=True,
 )
 def _verify_adapter(canary_buf, outs, vp, bufs, fence, *, specs, kind, mode, check_token,
-                    interpret):
+                    platform):
     del fence
     ctx = dict(zip(_CTX_OUT, outs), canary_buf=canary_buf)
     return _verify_call(ctx, vp, bufs, specs=specs, kind=kind, mode=mode,
-                        check_token=check_token, interpret=interpret)
+                        check_token=check_token, platform=platform)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("specs", "kind", "mode", "check_input", "interpret"),
+    jax.jit, static_argnames=("specs", "kind", "mode", "check_input", "platform"),
     donate_argnums=(0,), keep_unused=True,
 )
 def _write_adapter(outs, cpa, wp, ids, pos, ocl, etok, epos, bufs, fence, *, specs, kind, mode,
-                   check_input, interpret):
+                   check_input, platform):
     del fence
     ctx = dict(zip(("canary_buf",) + _CTX_OUT, outs), enable_chain_position_assert=cpa)
     return _write_call(ctx, wp, ids, pos, ocl, etok, epos, bufs, specs=specs, kind=kind,
-                       mode=mode, check_input=check_input, interpret=interpret)
+                       mode=mode, check_input=check_input, platform=platform)
 
 
 # --------------------------------------------------------------------------------------------
@@ -363,7 +371,7 @@ def launch_canary_plan_kernels(
                        "req_to_verify_expected_tokens_valid_lens", info),
         )
         static = dict(swa_window_size=int(swa_window_size), verify_capacity=int(verify_capacity),
-                      k=int(kv_token_id_vs_position_offset), interpret=info.interpret)
+                      k=int(kv_token_id_vs_position_offset), platform=info.platform)
         _fast.full_call(_PLAN_FAST, statics, tensors, info, adapter=_plan_adapter, args=args,
                         fence=fence, static=static, donate=(0, 1), outs=tuple(outs.values()),
                         results_of=lambda r: _plan_results(*r))
@@ -382,7 +390,7 @@ def _check_verify(context, plan, *, values=True):
         required.update({f"real_kv_sources[{i}].tensor": s.tensor
                          for i, s in enumerate(context.real_kv_sources)})
         require_tensors(_VERIFY_P, required)
-        _verify.validate(_ctx_for_checks(context), types.SimpleNamespace(**vp_t))
+        _verify_base.validate(_ctx_for_checks(context), types.SimpleNamespace(**vp_t))
         _same_device("canary_verify", "canary_buf", required)
         io.check_distinct_outputs(_fields(context, _CTX_OUT))
         _VERIFY_OK.add(key)
@@ -407,7 +415,7 @@ def _verify_launch(context, plan, check_verify_expected_token, info, key):
         canary_buf=io.import_input(context.canary_buf, "canary_buf", info, key[0][0]),
         outs=tuple(o.array for o in outs.values()), vp=vp, bufs=bufs, specs=specs,
         kind=int(context.kernel_kind), mode=int(context.real_kv_hash_mode),
-        check_token=bool(check_verify_expected_token), interpret=info.interpret,
+        check_token=bool(check_verify_expected_token), platform=info.platform,
     )
 
 
@@ -452,9 +460,9 @@ def _check_write(context, plan, input_ids, positions, out_cache_loc, enable_writ
         required.update({f"real_kv_sources[{i}].tensor": s.tensor
                          for i, s in enumerate(context.real_kv_sources)})
         require_tensors(_WRITE_P, required)
-        _write.validate(_ctx_for_checks(context), types.SimpleNamespace(**wp_t), input_ids,
-                        positions, out_cache_loc, enable_write_input_assert,
-                        expected_input_tokens, expected_input_positions)
+        _write_base.validate(_ctx_for_checks(context), types.SimpleNamespace(**wp_t), input_ids,
+                             positions, out_cache_loc, enable_write_input_assert,
+                             expected_input_tokens, expected_input_positions)
         _same_device("canary_write", "canary_buf",
                      {**required, "expected_input_tokens": expected_input_tokens,
                       "expected_input_positions": expected_input_positions})
@@ -500,7 +508,7 @@ def _write_launch(context, plan, input_ids, positions, out_cache_loc, enable_wri
         epos=_opt_input(expected_input_positions, "expected_input_positions", info),
         bufs=bufs, specs=specs, kind=int(context.kernel_kind),
         mode=int(context.real_kv_hash_mode), check_input=bool(enable_write_input_assert),
-        interpret=info.interpret,
+        platform=info.platform,
     )
 
 
@@ -549,30 +557,29 @@ def launch_canary_write_kernel(
 @functools.partial(
     jax.jit,
     static_argnames=("scatter_cols", "do_scatter", "swa_window_size", "verify_capacity", "k",
-                     "specs", "kind", "mode", "check_token", "check_input", "interpret"),
+                     "specs", "kind", "mode", "check_token", "check_input", "platform"),
     donate_argnums=(0, 1, 2, 3), keep_unused=True,
 )
 def _step_adapter(pool, vp, wp, outs, flat_in, flat_offsets, rpi, prefix, extend, rtt, lut,
                   valid_lens, cpa, ids, pos, ocl, etok, epos, bufs, fence, *, scatter_cols,
                   do_scatter, swa_window_size, verify_capacity, k, specs, kind, mode,
-                  check_token, check_input, interpret):
+                  check_token, check_input, platform):
     del fence
     if do_scatter:
-        pool = _scatter._scatter_jit(flat_in, flat_offsets, rpi, pool, max_cols=scatter_cols,
-                                     block_cols=_scatter.BLOCK_COLS,
-                                     num_warps=_scatter.NUM_WARPS, interpret=interpret)
-    vp, wp = _plan._plan_jit(
+        pool = _scatter.run(flat_in, flat_offsets, rpi, pool, max_cols=scatter_cols,
+                            implementation=_impl("scatter", platform))
+    vp, wp = _plan.run(
         vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens,
         swa_window_size=swa_window_size, verify_capacity=verify_capacity,
-        kv_token_id_vs_position_offset=k, req_to_token_stride0=None, interpret=interpret,
+        kv_token_id_vs_position_offset=k, implementation=_impl("plan", platform),
     )
     canary = outs[0]
     vouts = _verify_call(dict(zip(_CTX_OUT, outs[1:]), canary_buf=canary), vp, bufs, specs=specs,
-                         kind=kind, mode=mode, check_token=check_token, interpret=interpret)
+                         kind=kind, mode=mode, check_token=check_token, platform=platform)
     wouts = _write_call(dict(zip(_CTX_OUT, vouts), canary_buf=canary,
                              enable_chain_position_assert=cpa),
                         wp, ids, pos, ocl, etok, epos, bufs, specs=specs, kind=kind, mode=mode,
-                        check_input=check_input, interpret=interpret)
+                        check_input=check_input, platform=platform)
     return pool, vp, wp, tuple(wouts)
 
 
@@ -734,7 +741,7 @@ def launch_canary_step(
             k=int(kv_token_id_vs_position_offset), specs=specs, kind=int(context.kernel_kind),
             mode=int(context.real_kv_hash_mode),
             check_token=bool(check_verify_expected_token),
-            check_input=bool(enable_write_input_assert), interpret=info.interpret,
+            check_input=bool(enable_write_input_assert), platform=info.platform,
         )
         # Results in the order of the outputs: plan fields, context buffers, expected pool.
         _fast.full_call(

@@ -117,8 +117,9 @@ class DeviceInfo:
     stream: int | None  # JAX's stream for external ready events (GPU)
 
     @property
-    def interpret(self) -> bool:
-        return not self.is_gpu
+    def platform(self) -> str:
+        """JAX's platform of the tensors' device: what picks each op's implementation."""
+        return "gpu" if self.is_gpu else "cpu"
 
 
 _DEVICES: dict[Any, DeviceInfo] = {}

@@ -18,6 +18,7 @@ from bridge._common import (
     torch_checks,
     value_checks_enabled,
 )
+from kvcanary_jax.ops import _registry
 from kvcanary_jax.ops import scatter as _op
 
 __all__ = ["launch_scatter_req_token_ids_kernel", "scatter_adapter"]
@@ -32,14 +33,12 @@ _TORCH = torch_checks(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("max_cols", "interpret"), donate_argnums=(3,), keep_unused=True
+    jax.jit, static_argnames=("max_cols", "platform"), donate_argnums=(3,), keep_unused=True
 )
-def scatter_adapter(flat_in, offsets, req_pool_indices, pool_out, fence, *, max_cols, interpret):
+def scatter_adapter(flat_in, offsets, req_pool_indices, pool_out, fence, *, max_cols, platform):
     del fence  # an operand only so that the computation waits on its ready event
-    return _op._scatter_jit(
-        flat_in, offsets, req_pool_indices, pool_out, max_cols=max_cols,
-        block_cols=_op.BLOCK_COLS, num_warps=_op.NUM_WARPS, interpret=interpret,
-    )
+    return _op.run(flat_in, offsets, req_pool_indices, pool_out, max_cols=max_cols,
+                   implementation=_registry.default_implementation("scatter", platform))
 
 
 _VALIDATED = Validated()
@@ -98,7 +97,7 @@ def launch_scatter_req_token_ids_kernel(
                 io.import_input(offsets, "offsets", info),
                 io.import_input(req_pool_indices, "req_pool_indices", info),
                 pool.array)
-        static = dict(max_cols=pool.cols, interpret=info.interpret)
+        static = dict(max_cols=pool.cols, platform=info.platform)
         _fast.full_call(_FAST, id(pool_out), tensors, info, adapter=scatter_adapter, args=args,
                         fence=fence, static=static, donate=(3,), outs=(pool,),
                         results_of=lambda r: (r,))

@@ -6,7 +6,8 @@ minimal stand-ins with the same attribute names (sglang-jax itself is not needed
 takes ``req_to_token`` as the plan's slot table and one layer's K/V buffers, viewed as bytes, as
 the TAIL/SWEEP real-KV sources.
 
-Run: ``python examples/sglang_jax_pool.py`` (CPU: the kernels run in Pallas interpret mode).
+Run: ``python examples/sglang_jax_pool.py`` (on a CPU every op runs the host's default
+implementation, see ``kvcanary_jax.implementations_available()``).
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
-"""kvcanary-jax: SGLang's KV-cache canary (kv-canary) as JAX/Pallas kernels.
+"""kvcanary-jax: SGLang's KV-cache canary (kv-canary) for JAX: XLA and Pallas implementations.
 
 Ops (keyword arguments as SGLang's launchers; each returns its updated outputs and updates them
 in place under ``jax.jit`` with donation): :func:`scatter_req_token_ids`, :func:`canary_plan`,
-:func:`canary_write`, :func:`canary_verify`. Each has a pure-jnp ``*_reference``.
+:func:`canary_write`, :func:`canary_verify`. Each takes ``implementation=`` (see
+:func:`implementations_available`) and ``config=``, and has a pure-jnp ``*_reference``.
 Runtime for a serving loop: :class:`CanaryConfig`, :func:`init_state`, :func:`make_canary_step`,
 :func:`canary_sweep`, :func:`read_violations` (see :mod:`kvcanary_jax.runtime`).
 """
 
-from kvcanary_jax import _config  # noqa: F401  (filters the Triton-lowering notice first)
+from kvcanary_jax._config import quiet_triton_lowering
 from kvcanary_jax.consts import (
     CANARY_CHAIN_ANCHOR,
     CanaryLaunchTag,
@@ -16,6 +17,12 @@ from kvcanary_jax.consts import (
 )
 from kvcanary_jax.context import RealKvSource, VerifyOrWriteContext
 from kvcanary_jax.hashing import mix3, splitmix64
+from kvcanary_jax.ops._registry import (
+    IMPLEMENTATIONS,
+    FallbackWarning,
+    default_implementation,
+    implementations_available,
+)
 from kvcanary_jax.ops.plan import canary_plan, canary_plan_reference
 from kvcanary_jax.ops.scatter import scatter_req_token_ids, scatter_req_token_ids_reference
 from kvcanary_jax.ops.verify import canary_verify, canary_verify_reference
@@ -41,6 +48,11 @@ from kvcanary_jax.sharded import make_sharded_step
 __version__ = "0.1.0"
 
 __all__ = [
+    "IMPLEMENTATIONS",
+    "FallbackWarning",
+    "default_implementation",
+    "implementations_available",
+    "quiet_triton_lowering",
     "CanaryConfig",
     "CanaryState",
     "ForwardBatch",

@@ -1,4 +1,4 @@
-"""Backend selection, x64 scoping and Pallas/Triton imports shared by every kernel.
+"""x64 scoping and the scope that keeps the Triton-lowering notice to our own kernels.
 
 x64: the canary's fields are int64 (token ids, positions, 64-bit hashes). JAX keeps 64-bit types
 off by default and then silently narrows int64 to int32. Every public entry point of this package
@@ -6,6 +6,21 @@ runs its tracing under :func:`x64_scope` (``jax.enable_x64(True)``, thread-local
 exit), so the caller's global ``jax_enable_x64`` flag is never flipped. A caller who traces our
 ops inside their own ``jax.jit`` with x64 off will hand us int32 arrays where int64 is required:
 the contract then raises SGLang's dtype error with a hint that names the fix.
+
+The Triton notice: since jax 0.11, lowering a ``pallas_call`` through Triton emits a
+``DeprecationWarning`` ("The Pallas Triton backend is deprecated ...", id ``jax-pallas-triton``).
+The warning is raised when the enclosing ``jax.jit`` is *lowered*, not when our code traces the
+``pallas_call``: tracing is lazy, lowering happens at the first call of the jitted function (or at
+an explicit ``.lower()``). :func:`quiet_triton_lowering` ignores exactly that notice inside a
+``warnings.catch_warnings()`` block, and :func:`entry_point` puts that block around every public
+entry point that calls (and so lowers) our own jitted functions: the ops, the runtime's step
+functions, the bridge's launches. Nothing changes ``warnings.filters`` outside those blocks. When
+a caller traces our ops inside their own ``jax.jit``, the lowering happens in the caller's call,
+outside our scope: the notice then follows the caller's own filters (hidden by Python's default
+filters, which show ``DeprecationWarning`` only for ``__main__``); wrap that call in
+:func:`quiet_triton_lowering` (``kvcanary_jax.quiet_triton_lowering``) to silence it there. ``warnings.catch_warnings`` swaps the
+process-wide filter list while the block runs, so a warning raised by another thread during our
+lowering may be filtered by it too (Python offers no thread-local filters before 3.14).
 """
 
 from __future__ import annotations
@@ -17,19 +32,16 @@ import warnings
 
 import jax
 
-# The Triton lowering of Pallas is deprecated in jax 0.11 (still present in 0.12) but is the only
-# GPU lowering with gathers, masked scatters and cumsum; silence the notice for our kernels only.
-warnings.filterwarnings("ignore", message=".*[Tt]riton.*", category=DeprecationWarning)
-
-from jax.experimental import pallas as pl  # noqa: E402
-from jax.experimental.pallas import triton as plt  # noqa: E402
-
-__all__ = ["pl", "plt", "default_interpret", "x64_scope", "x64_enabled", "compiler_params"]
-
-
-def default_interpret() -> bool:
-    """Run Pallas kernels in interpret mode unless JAX's default backend is a GPU."""
-    return jax.default_backend() != "gpu"
+__all__ = [
+    "x64_scope",
+    "x64_enabled",
+    "with_x64",
+    "caller_had_x64",
+    "X64_HINT",
+    "TRITON_NOTICE",
+    "quiet_triton_lowering",
+    "entry_point",
+]
 
 
 def x64_enabled() -> bool:
@@ -72,5 +84,26 @@ def with_x64(fn):
     return wrapper
 
 
-def compiler_params(num_warps: int, num_stages: int = 1):
-    return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+# The start of the notice JAX's Triton lowering emits (jax >= 0.11; a regex matched at the start).
+TRITON_NOTICE = r"The Pallas Triton backend is deprecated"
+
+
+@contextlib.contextmanager
+def quiet_triton_lowering():
+    """Ignore the Triton-lowering deprecation notice inside the block, and nothing else; the
+    caller's warning filters are restored on exit."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=TRITON_NOTICE, category=DeprecationWarning)
+        yield
+
+
+def entry_point(fn):
+    """Decorator for public entry points that call (and so may lower) our jitted kernels:
+    :func:`with_x64` plus :func:`quiet_triton_lowering` around the call."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with quiet_triton_lowering():
+            return fn(*args, **kwargs)
+
+    return with_x64(wrapper)

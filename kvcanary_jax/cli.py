@@ -1,6 +1,7 @@
 """``kvcanary-jax``: command line.
 
-``kvcanary-jax [demo] [--steps N] [--seed S] [--faults a,b] [--device cpu|gpu] [--json]`` simulates
+``kvcanary-jax [demo] [--steps N] [--seed S] [--faults a,b] [--device cpu|gpu]
+[--implementation NAME] [--json]`` simulates
 a small server with the canary on, then runs the fault campaign and prints, per fault kind, how
 many faults were injected and detected, the first detecting step, and the clean run's false
 positives. ``demo`` is the default subcommand.
@@ -19,7 +20,7 @@ import time
 import warnings
 from typing import Callable
 
-__all__ = ["main", "register_command"]
+__all__ = ["main", "register_command", "select_device"]
 
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
 
@@ -33,7 +34,8 @@ def register_command(name: str, help: str, add_arguments: Callable, run: Callabl
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
-    from kvcanary_jax.simulate import FAULT_KINDS
+    from kvcanary_jax.ops._registry import IMPLEMENTATIONS
+    from kvcanary_jax.sim import FAULT_KINDS
 
     p.add_argument("--steps", type=int, default=40, help="clean serving steps (default 40)")
     p.add_argument("--seed", type=int, default=0)
@@ -41,7 +43,10 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
                    help="comma list of fault kinds, or 'all': " + ", ".join(FAULT_KINDS))
     p.add_argument("--injections", type=int, default=2, help="trials per fault kind (default 2)")
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
-                   help="cpu: Pallas interpret mode on the host; gpu: the compiled kernels")
+                   help="where the canary runs: the host's CPU, or JAX's GPU")
+    p.add_argument("--implementation", choices=IMPLEMENTATIONS, default=None,
+                   help="what every op runs (default: the device's, e.g. pallas_triton on a "
+                        "CUDA GPU)")
     p.add_argument("--swa-window", type=int, default=8,
                    help="sliding window of the SWA buffer group; 0 = FULL group only")
     p.add_argument("--v-half", action="store_true", help="also run the V-half endpoints")
@@ -61,17 +66,17 @@ def _progress_factory(enabled: bool):
                               leave=False, dynamic_ncols=True)
 
 
-def _select_device(device: str) -> bool:
-    """Returns the interpret flag; pins JAX to the host for ``cpu`` before it initialises."""
+def select_device(device: str) -> None:
+    """Pins JAX to the host for ``cpu`` (before JAX initialises its backends); for ``gpu``,
+    checks that JAX's default backend is a GPU."""
     import jax
 
     if device == "cpu":
         jax.config.update("jax_platforms", "cpu")
-        return True
+        return
     if jax.default_backend() != "gpu":
         raise SystemExit("kvcanary-jax: --device gpu needs a CUDA GPU (JAX sees "
                          f"{jax.default_backend()!r})")
-    return False
 
 
 def _table(res) -> str:
@@ -91,19 +96,23 @@ def _table(res) -> str:
 
 
 def _run_demo(args) -> int:
-    interpret = _select_device(args.device)
-    warnings.filterwarnings("ignore", message=".*donated buffers.*")
-    from kvcanary_jax import simulate
+    select_device(args.device)
+    from kvcanary_jax import sim as simulation
 
     faults = None if args.faults in ("all", "") else [f.strip() for f in args.faults.split(",") if f.strip()]
-    sim = simulate.SimConfig(
+    sim = simulation.SimConfig(
         steps=args.steps, seed=args.seed, swa_window_size=args.swa_window,
-        enable_v_half=args.v_half, sweep_interval=args.sweep_interval, interpret=interpret,
+        enable_v_half=args.v_half, sweep_interval=args.sweep_interval,
+        implementation=args.implementation,
     )
     t0 = time.perf_counter()
     try:
-        res = simulate.run_campaign(sim, faults=faults, injections=args.injections,
-                                    progress_factory=_progress_factory(not args.no_progress))
+        with warnings.catch_warnings():
+            # CPU backends cannot donate every buffer the step donates; that is expected here.
+            warnings.filterwarnings("ignore", message=".*donated buffers.*")
+            res = simulation.run_campaign(
+                sim, faults=faults, injections=args.injections,
+                progress_factory=_progress_factory(not args.no_progress))
     except ValueError as e:
         print(f"kvcanary-jax: {e}", file=sys.stderr)
         return 2

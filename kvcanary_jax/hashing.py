@@ -85,39 +85,30 @@ def mix3_int(a: int, b: int, c: int) -> int:
 ANCHOR_HASH_I64: int = splitmix64_int(consts.CANARY_CHAIN_ANCHOR)
 
 
-def _index_dtype(num_elements: int):
-    # Gather offsets share one dtype; int32 unless the buffer outgrows it.
-    return jnp.int32 if num_elements < 2**31 else jnp.int64
-
-
-def _kernel_gather(ref, idx, ok):
-    from kvcanary_jax._config import plt
-
-    return plt.load(ref.at[idx], mask=ok, other=0)
-
-
 def array_gather(arr, idx, ok):
     """:func:`fold_real_kv`'s gather for plain arrays (pure jnp, outside kernels)."""
     return jnp.where(ok, arr[jnp.where(ok, idx, 0)], 0)
 
 
-def fold_real_kv(slots, mask, source_refs: Sequence, specs: Sequence, mode: int,
-                 gather=_kernel_gather):
-    """Real-KV fingerprints of a vector of slots (inside a Pallas kernel by default).
+def fold_real_kv(slots, mask, source_refs: Sequence, specs: Sequence, mode: int, *,
+                 gather=array_gather, index_dtype=None):
+    """Real-KV fingerprints of a vector of slots.
 
     ``source_refs[i]`` is source i's bytes as a flat int64 word ref; ``specs[i]`` its static
     :class:`kvcanary_jax.context.SourceSpec`. Per source, words ``[0, E/8)`` of the slot's strip
     (E = 16 in PARTIAL mode, ``read_bytes`` in ALL) are folded ``h = splitmix64(h ^ w)``; sources
     are combined ``acc = splitmix64(acc ^ h)``. Lanes off ``mask``, and lanes whose row lies past
     the source's rows (SGLang reads out of bounds there), read zero words and are never loaded.
-    ``gather(ref, idx, ok)`` loads words (pass :func:`array_gather` for plain arrays).
+    ``gather(ref, idx, ok)`` loads words (:func:`array_gather` for plain arrays; kernels pass a
+    masked load, see :func:`kvcanary_jax.ops._kernel_lib.fold_real_kv`); ``index_dtype(n)`` is
+    the dtype of word offsets into a buffer of ``n`` words (default int64).
     """
     zero = jnp.zeros(slots.shape, jnp.int64)
     if mode == int(consts.RealKvHashMode.NONE) or not specs:
         return zero
     acc = zero
     for ref, spec in zip(source_refs, specs):
-        idt = _index_dtype(ref.shape[0])
+        idt = jnp.int64 if index_dtype is None else index_dtype(ref.shape[0])
         s = jnp.where(mask, slots, 0).astype(jnp.int64)
         row = s // spec.page_size
         col = s % spec.page_size

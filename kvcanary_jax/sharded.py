@@ -9,6 +9,7 @@ communication between shards (violation rings and counters are per shard, as in 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, Sequence
 
@@ -44,20 +45,21 @@ def unstack_shard(tree, i: int):
     return jax.tree.map(lambda x: x[i], tree)
 
 
-def make_sharded_step(cfg: rt.CanaryConfig, forward: Callable, mesh: Mesh, axis: str = "dp"):
+def make_sharded_step(cfg: rt.CanaryConfig, forward: Callable, mesh: Mesh, axis: str = "dp", *,
+                      implementation: str | None = None):
     """The combined step of :func:`runtime.make_canary_step`, run per shard under ``shard_map``.
 
     Returns ``step(states, kvs, batches, req_to_tokens, luts) -> (states, kvs)`` over stacked
-    pytrees (see :func:`stack_shards`); states and KV are donated.
+    pytrees (see :func:`stack_shards`); states and KV are donated. ``implementation`` overrides
+    ``cfg.implementation``.
     """
+    if implementation is not None:
+        cfg = dataclasses.replace(cfg, implementation=implementation)
+    one_shard = rt.step_fn(cfg, forward)
 
     def per_shard(state, kv, batch, req_to_token, lut):
         take = functools.partial(jax.tree.map, lambda x: x[0])
-        state, kv = take(state), take(kv)
-        batch, req_to_token, lut = take(batch), take(req_to_token), take(lut)
-        state = rt._head_impl(cfg, state, batch, req_to_token, lut)
-        kv = forward(kv, batch, req_to_token, lut)
-        state = rt._tail_impl(cfg, state, batch, lut, kv)
+        state, kv = one_shard(take(state), take(kv), take(batch), take(req_to_token), take(lut))
         put = functools.partial(jax.tree.map, lambda x: x[None])
         return put(state), put(kv)
 
@@ -66,9 +68,10 @@ def make_sharded_step(cfg: rt.CanaryConfig, forward: Callable, mesh: Mesh, axis:
                            check_vma=False)
     jitted = jax.jit(mapped, donate_argnums=(0, 1))
 
-    @_config.with_x64
+    @_config.entry_point
     def step(states, kvs, batches, req_to_tokens, luts):
         return jitted(states, kvs, batches, req_to_tokens, luts)
 
     step.jitted = jitted
+    step.cfg = cfg
     return step

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from kvcanary_jax import consts
-from kvcanary_jax._config import default_interpret
 from kvcanary_jax.context import RealKvSource, VerifyOrWriteContext
 from kvcanary_jax.contracts import TensorMeta
 from kvcanary_jax.plans import VerifyPlan, WritePlan
@@ -140,9 +139,10 @@ def _t64(x):
 
 def run_write(sgl, st: State, *, offsets, seeds, num_valid, ids, pos, ocl, assert_on=False,
               etok=None, epos=None, reference=True, jnp_reference=False, ours=True,
-              launch_kw=None, **ctx_kw):
-    """Runs SGLang's write reference and ours on the same case; returns (ours, reference)
-    (either None when not run)."""
+              implementation=None, config=None, **ctx_kw):
+    """Runs SGLang's write reference and ours (``implementation``, launch ``config``; or our
+    pure-jnp reference) on the same case; returns (ours, reference) (either None when not
+    run)."""
     from kvcanary_jax.ops.write import canary_write, canary_write_reference
 
     if jnp_reference:
@@ -169,15 +169,15 @@ def run_write(sgl, st: State, *, offsets, seeds, num_valid, ids, pos, ocl, asser
             enable_write_input_assert=assert_on,
             expected_input_tokens=None if etok is None else _i64(etok),
             expected_input_positions=None if epos is None else _i64(epos),
-            **(launch_kw or {}),
+            **({} if jnp_reference else dict(implementation=implementation, config=config)),
         )
     return state_of(out), (state_of(tctx) if reference else None)
 
 
 def run_verify(sgl, st: State, *, slots, etok, epos, prev, num_valid, enable=1, check_token=True,
-               jnp_reference=False, ours=True, launch=None, **ctx_kw):
-    """SGLang's torch reference and ours on the same state; ``launch``: explicit launch
-    parameters for our kernel (its capacity-dependent choice otherwise)."""
+               jnp_reference=False, ours=True, implementation=None, config=None, **ctx_kw):
+    """SGLang's torch reference and ours (``implementation`` with launch ``config``, by default
+    its heuristics'; or our pure-jnp reference) on the same state."""
     from kvcanary_jax.ops.verify import canary_verify, canary_verify_reference
 
     if jnp_reference:
@@ -203,7 +203,8 @@ def run_verify(sgl, st: State, *, slots, etok, epos, prev, num_valid, enable=1, 
                 verify_expected_positions=_i64(epos), verify_prev_slot_indices=_i64(prev),
                 verify_num_valid=jnp.asarray([num_valid], jnp.int32),
                 enable=jnp.asarray([enable], jnp.int32)),
-            check_verify_expected_token=check_token, **({} if jnp_reference else launch or {}),
+            check_verify_expected_token=check_token,
+            **({} if jnp_reference else dict(implementation=implementation, config=config)),
         )
     return state_of(out), state_of(tctx)
 
@@ -252,14 +253,17 @@ def assert_same(ours: State, ref: State, before: State, *, ordered=False, uncapp
         assert collections.Counter(a) == collections.Counter(b), (a, b)
 
 
-def check_verify(sgl, st: State, *, ordered=False, **kw):
-    """:func:`run_verify` and :func:`assert_same`. Where programs run concurrently (GPU), which
-    rows land in a ring that overflows is the atomics' order: such a launch is compared as a draw
-    from the reference's full set of rows (its run on a ring with room for every entry)."""
-    ours, ref = run_verify(sgl, st, **kw)
+def check_verify(sgl, st: State, *, implementation, ordered=False, **kw):
+    """:func:`run_verify` and :func:`assert_same` (rows in order when ``ordered`` and the
+    implementation keeps the reference's order). Where programs run concurrently
+    (``pallas_triton``), which rows land in a ring that overflows is the atomics' order: such a
+    launch is compared as a draw from the reference's full set of rows (its run on a ring with
+    room for every entry)."""
+    ours, ref = run_verify(sgl, st, implementation=implementation, **kw)
     uncapped = None
-    if not default_interpret() and rows_dropped(st, ref):
+    if implementation == "pallas_triton" and rows_dropped(st, ref):
         _, uncapped = run_verify(sgl, widened(st, len(kw["slots"])), ours=False, **kw)
+    ordered = ordered and implementation != "pallas_triton"
     assert_same(ours, ref, st, ordered=ordered and uncapped is None, uncapped=uncapped)
     return ours, ref
 
@@ -368,10 +372,12 @@ def garbage_state(rng, stride):
     return st
 
 
-def run_trip(sgl, rng, trip, jnp_reference=False):
-    """Both writes of a trip, each compared with the reference; returns the final state."""
+def run_trip(sgl, rng, trip, implementation=None, jnp_reference=False):
+    """Both writes of a trip (``implementation``, or our pure-jnp reference), each compared with
+    SGLang's reference; returns the final state."""
     st = garbage_state(rng, trip.stride)
-    kw = dict(sources=trip.sources, mode=trip.mode, jnp_reference=jnp_reference)
+    kw = dict(sources=trip.sources, mode=trip.mode, jnp_reference=jnp_reference,
+              implementation=implementation)
     for launch in trip.launches:
         ours, ref = run_write(sgl, st, **launch, **kw)
         assert_same(ours, ref, st)

@@ -6,7 +6,7 @@ import json
 import warnings
 
 from kvcanary_jax import cli
-from kvcanary_jax import simulate as sm
+from kvcanary_jax import sim as sm
 
 warnings.filterwarnings("ignore", message=".*donated buffers.*")
 

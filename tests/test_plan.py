@@ -17,18 +17,21 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from kvcanary_jax import _config
 from kvcanary_jax.contracts import Contract
-from kvcanary_jax.ops import plan_offsets
-from kvcanary_jax.ops.plan import (
-    CONTRACT,
-    PlanLaunch,
-    _plan_jit,
-    canary_plan,
-    canary_plan_reference,
-    plan_metas,
-)
+from kvcanary_jax.ops.plan import CONTRACT, canary_plan, canary_plan_reference, plan_metas
+from kvcanary_jax.ops.plan import base as plan_base
 from kvcanary_jax.plans import VerifyPlan, WritePlan
+from _impls import implementations, pallas
+
+IMPLS = implementations("plan")
+PALLAS = pallas("plan")
+
+
+def _launch(**kw):
+    """A launch config of the Pallas kernels (their module imported where they are tested)."""
+    from kvcanary_jax.ops.plan.pallas_triton import Config
+
+    return Config(**kw)
 
 M = -9999
 V_ARRAYS = ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions",
@@ -125,23 +128,17 @@ def as_dict(vp, wp) -> dict:
     return out
 
 
-def run_ours(c: Case, *, launch: PlanLaunch | None = None, reference: bool = False) -> dict:
+def run_ours(c: Case, impl: str | None = None, *, config=None,
+             reference: bool = False) -> dict:
+    """Our plan of case ``c`` with implementation ``impl`` (and launch ``config``), or the
+    pure-jnp reference."""
     with jax.enable_x64(True):
         vp, wp = marked_plans(c.vc, c.wc)
         kw = kwargs_of(c)
         if reference:
             return as_dict(*canary_plan_reference(verify_plan_out=vp, write_plan_out=wp, **kw))
-        if launch is None:
-            return as_dict(*canary_plan(verify_plan_out=vp, write_plan_out=wp, **kw))
-        args = [kw.pop(n) for n in ("req_pool_indices", "prefix_lens", "extend_seq_lens",
-                                     "req_to_token", "full_to_swa_index_mapping",
-                                     "req_to_verify_expected_tokens",
-                                     "req_to_verify_expected_tokens_valid_lens")]
-        return as_dict(*_plan_jit(
-            vp, wp, *args, swa_window_size=c.W, verify_capacity=c.vc,
-            kv_token_id_vs_position_offset=c.k, req_to_token_stride0=None,
-            interpret=_config.default_interpret(), launch=launch,
-        ))
+        return as_dict(*canary_plan(verify_plan_out=vp, write_plan_out=wp, **kw,
+                                    implementation=impl, config=config))
 
 
 def mismatches(got: dict, want: dict) -> list[str]:
@@ -192,18 +189,20 @@ HAND_CASES = {
 }
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", sorted(HAND_CASES))
-def test_hand_cases(sgl, name):
+def test_hand_cases(sgl, name, impl):
     c = HAND_CASES[name]
     want = run_oracle(sgl, c)
-    assert_same(run_ours(c), want, c)
+    assert_same(run_ours(c, impl), want, c)
     assert_same(run_ours(c, reference=True), want, c)
 
 
-def test_hand_case_values_spot_check(sgl):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_hand_case_values_spot_check(sgl, impl):
     # Hand-checked values of the SWA case (window 2 over prefix 5: positions 3, 4; the window's
     # first entry keeps its real predecessor; everything LUT-translated).
-    got = run_ours(HAND_CASES["swa_window_with_lut"])
+    got = run_ours(HAND_CASES["swa_window_with_lut"], impl)
     assert got["verify_slot_indices"].tolist() == [1014, 1015, 1021, M, M]
     assert got["verify_prev_slot_indices"].tolist() == [1013, 1014, -1, M, M]
     assert got["verify_expected_positions"].tolist() == [3, 4, 0, M, M]
@@ -278,7 +277,7 @@ FAMILIES = {
 CASES_PER_FAMILY = 2000
 
 
-def _fuzz(sgl, buckets, n_cases, seed, launch=None, check_reference=True):
+def _fuzz(sgl, buckets, n_cases, seed, impl, config=None, check_reference=True):
     rng = np.random.default_rng(seed)
     n_bad = n_overflow = 0
     first_bad = None
@@ -287,7 +286,7 @@ def _fuzz(sgl, buckets, n_cases, seed, launch=None, check_reference=True):
         c = gen_case(rng, b)
         want = run_oracle(sgl, c)
         n_overflow += int(want["enable"][0] == 0)
-        bad = mismatches(run_ours(c, launch=launch), want)
+        bad = mismatches(run_ours(c, impl, config=config), want)
         if check_reference:
             bad += ["reference " + s for s in mismatches(run_ours(c, reference=True), want)]
         if bad:
@@ -297,38 +296,43 @@ def _fuzz(sgl, buckets, n_cases, seed, launch=None, check_reference=True):
     return n_overflow
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_fuzz_family(sgl, family):
-    n_overflow = _fuzz(sgl, FAMILIES[family], CASES_PER_FAMILY, seed=zlib.crc32(family.encode()))
+def test_fuzz_family(sgl, family, impl):
+    n_overflow = _fuzz(sgl, FAMILIES[family], CASES_PER_FAMILY, seed=zlib.crc32(family.encode()),
+                       impl=impl)
     # The capacities are chosen so both outcomes occur.
     assert 0 < n_overflow < CASES_PER_FAMILY
 
 
-def test_fuzz_small_blocks_multi_block_and_looping_entries(sgl):
+@pytest.mark.parametrize("impl", PALLAS)
+def test_fuzz_small_blocks_multi_block_and_looping_entries(sgl, impl):
     """Tiny launch blocks send bs > 8 through the two-kernel offsets path and a capacity over
     2 x 16 entries through the looping entries grid."""
-    launch = PlanLaunch(single_block_max=8, multi_block=8, block_entries=16, max_programs=2)
+    config = _launch(single_block_max=8, multi_block=8, block_entries=16, max_programs=2)
     buckets = [Bucket(9, 12, 6, vc=40), Bucket(8, 10, 5, W=2, lut_len=64, pool_width=6, k=1,
                                                      vc=20, wc_extra=9),
                Bucket(33, 40, 4, W=3, lut_len=90, pool_width=5, vc=90, wc_extra=30),
                Bucket(17, 20, 7, pool_width=8, vc=64, wc_extra=16)]
-    _fuzz(sgl, buckets, 2000, seed=7, launch=launch)
+    _fuzz(sgl, buckets, 2000, seed=7, impl=impl, config=config)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("bs", [0, 1, 31, 32, 33, 4095, 4096, 4097, 5000])
-def test_fuzz_batch_sizes(sgl, bs):
+def test_fuzz_batch_sizes(sgl, bs, impl):
     """bs across the single-program path (<= 4096) and the multi-block path, no cap."""
     n = 3 if bs > 64 else 20
     b = Bucket(bs, max(bs + 1, 4), 4, lut_len=0 if bs % 2 else 50, W=0 if bs % 2 else 1 + bs % 3,
                pool_width=5 if bs % 2 else 0, k=bs % 2, vc=max(2 * bs, 4), wc_extra=bs % 5,
                max_prefix=3)
-    _fuzz(sgl, [b], n, seed=bs)
+    _fuzz(sgl, [b], n, seed=bs, impl=impl)
 
 
 @pytest.mark.slow
-def test_bs_16384(sgl):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bs_16384(sgl, impl):
     b = Bucket(16384, 16385, 3, W=2, lut_len=64, pool_width=4, k=1, vc=32768, wc_extra=100)
-    _fuzz(sgl, [b], 1, seed=16384)
+    _fuzz(sgl, [b], 1, seed=16384, impl=impl)
 
 
 @pytest.mark.gpu
@@ -343,7 +347,8 @@ def test_gpu_large_batch_and_capacity_against_reference():
               Bucket(300, 400, 9000, pool_width=9000, vc=3 << 20)]:
         for _ in range(2):
             c = gen_case(rng, b)
-            assert_same(run_ours(c), run_ours(c, reference=True), (b, "large case"))
+            assert_same(run_ours(c, "pallas_triton"), run_ours(c, reference=True),
+                        (b, "large case"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -352,29 +357,32 @@ def test_gpu_large_batch_and_capacity_against_reference():
 # ------------------------------------------------------------------------------------------------
 
 
-def _both(c):
-    got = run_ours(c)
+def _both(c, impl):
+    got = run_ours(c, impl)
     assert_same(run_ours(c, reference=True), got, c)
-    small = PlanLaunch(single_block_max=1, multi_block=1, block_entries=2, max_programs=1)
-    assert_same(run_ours(c, launch=small), got, c)
+    if impl in PALLAS:
+        small = _launch(single_block_max=1, multi_block=1, block_entries=2, max_programs=1)
+        assert_same(run_ours(c, impl, config=small), got, c)
     return got
 
 
-def test_lut_index_clamped_like_the_gpu(sgl):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_lut_index_clamped_like_the_gpu(sgl, impl):
     c = case([1], [1], [2], [[1, 2, 3], [9, 2, 3]], lut=[0, 500, 501, 502], vc=1, wc=1)
     with pytest.raises(ValueError, match="SWA slot 9 is outside"):
         run_oracle(sgl, c)
-    got = _both(c)
+    got = _both(c, impl)
     assert got["write_seed_slot_indices"].tolist() == [502]
     assert got["verify_slot_indices"].tolist() == [502]
     assert got["verify_prev_slot_indices"].tolist() == [-1]
 
 
-def test_prefix_past_row_width_reads_flat_like_the_gpu(sgl):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_prefix_past_row_width_reads_flat_like_the_gpu(sgl, impl):
     c = case([1], [5], [1], [[1, 2, 3], [11, 12, 13], [21, 22, 23]], vc=8, wc=1)
     with pytest.raises(IndexError):
         run_oracle(sgl, c)
-    got = _both(c)
+    got = _both(c, impl)
     # rp * 3 + pos: positions 3 and 4 of row 1 are cells (2, 0) and (2, 1), as on the GPU.
     assert got["verify_slot_indices"].tolist() == [11, 12, 13, 21, 22, M, M, M]
     assert got["verify_prev_slot_indices"].tolist() == [-1, 11, 12, 13, 21, M, M, M]
@@ -382,33 +390,36 @@ def test_prefix_past_row_width_reads_flat_like_the_gpu(sgl):
     assert got["verify_num_valid"].tolist() == [5]
 
 
-def test_rows_outside_the_table_read_as_unfilled():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rows_outside_the_table_read_as_unfilled(impl):
     rtt = [[1, 2, 3], [11, 12, 13], [21, 22, 23]]
     # rp = 5 >= rows: every cell outside the table reads 0; rp = -1: flat -3 + pos, so positions
     # 3 and 4 land on cells (0, 0) and (0, 1) inside the table, the rest read 0.
-    got = _both(case([5, -1], [2, 5], [1, 1], rtt, vc=8, wc=2))
+    got = _both(case([5, -1], [2, 5], [1, 1], rtt, vc=8, wc=2), impl)
     assert got["verify_slot_indices"].tolist() == [0, 0, 0, 0, 0, 1, 2, M]
     assert got["verify_expected_positions"].tolist() == [0, 1, 0, 1, 2, 3, 4, M]
     assert got["verify_prev_slot_indices"].tolist() == [-1, 0, -1, 0, 0, 0, 1, M]
     assert got["write_seed_slot_indices"].tolist() == [0, 2]
     lut = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28]
-    got = _both(case([5], [2], [1], rtt, lut=lut, vc=2, wc=1))
+    got = _both(case([5], [2], [1], rtt, lut=lut, vc=2, wc=1), impl)
     assert got["verify_slot_indices"].tolist() == [7, 7]  # unfilled 0 translated like any cell
     assert got["write_seed_slot_indices"].tolist() == [7]
 
 
-def test_expected_tokens_past_the_pool(sgl):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_expected_tokens_past_the_pool(sgl, impl):
     rtt = [[1, 2, 3, 4], [11, 12, 13, 14], [21, 22, 23, 24]]
     pool = [[0, 1, 2], [100, 101, 102], [200, 201, 202]]
     c = case([1, 2], [4, 4], [1, 1], rtt, pool=pool, vl=[9, 9], k=0, vc=8, wc=2)
     with pytest.raises(IndexError):
         run_oracle(sgl, c)
-    got = _both(c)
+    got = _both(c, impl)
     # Row 1 position 3 reads flat cell 6 = (2, 0) as the GPU; row 2 position 3 is past the pool.
     assert got["verify_expected_tokens"].tolist() == [100, 101, 102, 200, 200, 201, 202, -1]
 
 
-def test_base_with_row_pitch_wider_than_the_view(sgl):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_base_with_row_pitch_wider_than_the_view(sgl, impl):
     """A compact base [rows, pitch] standing for a view of width < pitch: reads go through
     rp * pitch + col, as SGLang's kernels address a strided view."""
     rng = np.random.default_rng(3)
@@ -419,10 +430,9 @@ def test_base_with_row_pitch_wider_than_the_view(sgl):
     with jax.enable_x64(True):
         vp, wp = marked_plans(c.vc, c.wc)
         kw = kwargs_of(c)
-        out = _plan_jit(vp, wp, kw["req_pool_indices"], kw["prefix_lens"], kw["extend_seq_lens"],
-                        jnp.asarray(base), None, None, None, swa_window_size=0, verify_capacity=16,
-                        kv_token_id_vs_position_offset=0, req_to_token_stride0=10,
-                        interpret=_config.default_interpret())
+        kw["req_to_token"] = jnp.asarray(base)
+        out = canary_plan(verify_plan_out=vp, write_plan_out=wp, **kw, req_to_token_stride0=10,
+                          implementation=impl)
     assert_same(as_dict(*out), want, c)
 
 
@@ -431,7 +441,8 @@ def test_base_with_row_pitch_wider_than_the_view(sgl):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_jit_with_donated_plans_updates_in_place(sgl):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_jit_with_donated_plans_updates_in_place(sgl, impl):
     c = HAND_CASES["swa_window_with_lut"]
     want = run_oracle(sgl, c)
     with jax.enable_x64(True):
@@ -444,7 +455,7 @@ def test_jit_with_donated_plans_updates_in_place(sgl):
                                swa_window_size=c.W, full_to_swa_index_mapping=lut,
                                verify_capacity=c.vc, req_to_verify_expected_tokens=None,
                                req_to_verify_expected_tokens_valid_lens=None,
-                               kv_token_id_vs_position_offset=0)
+                               kv_token_id_vs_position_offset=0, implementation=impl)
 
         donating = jax.jit(step.__wrapped__, donate_argnums=(0, 1))
         args = (kw["req_pool_indices"], kw["prefix_lens"], kw["extend_seq_lens"],
@@ -620,10 +631,11 @@ def test_bs_exceeds_write_req_capacity(sgl):
     _raises(ValueError, "kv-canary: bs=3 exceeds write_req_capacity=2", c=c)
 
 
-def test_no_cap_on_bs():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_no_cap_on_bs(impl):
     # SGLang's GPU path rejects bs > 4096; here the batch runs (checked in the fuzz above too).
     c = case(np.ones(4100), np.ones(4100), np.ones(4100), RTT, vc=4100, wc=4100)
-    got = run_ours(c)
+    got = run_ours(c, impl)
     assert got["verify_num_valid"].tolist() == [4100]
     assert got["write_offsets"][-1] == 4100
 
@@ -715,7 +727,7 @@ def test_contract_on_torch_tensors():
 def test_offsets_checks_unreachable_through_the_api():
     """Checks SGLang's offsets launcher runs that the API's earlier checks pre-empt: evaluated on
     the offsets checks alone."""
-    offsets_only = Contract("plan_offsets", plan_offsets.OFFSETS_CHECKS)
+    offsets_only = Contract("plan_offsets", plan_base.OFFSETS_CHECKS)
     with jax.enable_x64(True):
         c = _base()
         vp, wp = marked_plans(c.vc, c.wc)

@@ -23,7 +23,11 @@ import pytest
 import torch  # the oracle (SGLang's references) runs on torch: a test dependency
 
 from kvcanary_jax import runtime as rt
-from kvcanary_jax import simulate as sm
+from kvcanary_jax import sim as sm
+from _impls import implementations
+
+# The step runs one implementation for every op.
+IMPLS = implementations()
 
 warnings.filterwarnings("ignore", message=".*donated buffers.*")
 
@@ -148,7 +152,7 @@ def _run_against_oracle(sgl, sim: sm.SimConfig, steps: int, faults: dict[int, st
         if i in faults:
             sm.inject(server, faults[i], np.random.default_rng(i))
         sched, batch, rtt, lut = server.prepare()
-        server.state, server.kv = server._step(server.state, server.kv, batch, rtt, lut)
+        server.state, server.kv = server.device_step(server.state, server.kv, batch, rtt, lut)
         oracle.step(batch, np.asarray(rtt), np.asarray(lut), server.kv)
         server.complete(sched, 0.0, poll=False)  # sweep_interval 0: sweeps below
         if i % 3 == 2:
@@ -159,8 +163,9 @@ def _run_against_oracle(sgl, sim: sm.SimConfig, steps: int, faults: dict[int, st
     return server
 
 
-def test_steps_match_sglang_references(sgl):
-    sim = sm.SimConfig(steps=0, seed=3, sweep_interval=0, swa_window_size=6)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_steps_match_sglang_references(sgl, impl):
+    sim = sm.SimConfig(steps=0, seed=3, sweep_interval=0, swa_window_size=6, implementation=impl)
     faults = {9: "req_to_token", 13: "real_kv_used", 16: "next_token_swap", 19: "real_kv_post_forward"}
     server = _run_against_oracle(sgl, sim, 22, faults)
     assert rt.violation_count(server.state) > 0  # the faults above left records to compare
@@ -168,8 +173,10 @@ def test_steps_match_sglang_references(sgl):
     assert {"HEAD_K_FULL", "TAIL_K_FULL"} <= names
 
 
-def test_v_half_full_only_matches_sglang_references(sgl):
-    sim = sm.SimConfig(steps=0, seed=5, sweep_interval=0, swa_window_size=0, enable_v_half=True)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_v_half_full_only_matches_sglang_references(sgl, impl):
+    sim = sm.SimConfig(steps=0, seed=5, sweep_interval=0, swa_window_size=0, enable_v_half=True,
+                       implementation=impl)
     server = _run_against_oracle(sgl, sim, 10, {6: "real_kv_used"})
     assert "TAIL_V_FULL" in rt.read_counters(server.state)
 
@@ -202,13 +209,13 @@ _SHARDED = textwrap.dedent("""
     import warnings; warnings.filterwarnings("ignore")
     import jax, numpy as np, time
     assert len(jax.devices()) == 4, jax.devices()
-    from kvcanary_jax import runtime as rt, simulate as sm, sharded
+    from kvcanary_jax import runtime as rt, sim as sm, sharded
     mesh = sharded.data_parallel_mesh(4)
     sims = [sm.SimConfig(steps=0, seed=10 + i, sweep_interval=0, swa_window_size=6) for i in range(4)]
     servers = [sm.Server(s) for s in sims]          # one DP rank each
     solo = [sm.Server(s) for s in sims]             # the same ranks, one canary per process
     cfg = servers[0].cfg
-    step = sharded.make_sharded_step(cfg, sm._make_forward(cfg, sims[0].kv_width), mesh)
+    step = sharded.make_sharded_step(cfg, sm.make_forward(cfg, sims[0].kv_width), mesh)
     states = sharded.stack_shards([s.state for s in servers], mesh)
     kvs = sharded.stack_shards([s.kv for s in servers], mesh)
     for i in range(8):

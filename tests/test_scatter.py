@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 
 import kvcanary_jax as kc
-from kvcanary_jax.ops import scatter as scatter_op
+from _impls import implementations, pallas
 
 MARK = -9999
+IMPLS = implementations("scatter")
 
 
 def _oracle(sgl, flat, offsets, rpi, pool):
@@ -26,10 +27,9 @@ def _oracle(sgl, flat, offsets, rpi, pool):
     return out.numpy()
 
 
-def _ours(flat, offsets, rpi, pool, **kw):
-    return np.asarray(
-        kc.scatter_req_token_ids(flat_in=flat, offsets=offsets, req_pool_indices=rpi, pool_out=pool, **kw)
-    )
+def _ours(impl, flat, offsets, rpi, pool, **kw):
+    return np.asarray(kc.scatter_req_token_ids(flat_in=flat, offsets=offsets, req_pool_indices=rpi,
+                                               pool_out=pool, implementation=impl, **kw))
 
 
 def _i64(*v):
@@ -61,12 +61,13 @@ HAND_CASES = {
 }
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", sorted(HAND_CASES))
-def test_hand_cases_match_oracle(sgl, name):
+def test_hand_cases_match_oracle(sgl, name, impl):
     flat, offsets, rpi, shape = HAND_CASES[name]
     pool = np.full(shape, MARK, np.int32)
     expected = _oracle(sgl, flat, offsets, rpi, pool)
-    np.testing.assert_array_equal(_ours(flat, offsets, rpi, pool), expected)
+    np.testing.assert_array_equal(_ours(impl, flat, offsets, rpi, pool), expected)
     np.testing.assert_array_equal(
         np.asarray(
             kc.scatter_req_token_ids_reference(
@@ -77,10 +78,11 @@ def test_hand_cases_match_oracle(sgl, name):
     )
 
 
-def test_hand_values():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_hand_values(impl):
     """A case checked by hand, independent of the oracle."""
     flat = _i64(10, 11, 12, 2**32 + 5, 14)
-    out = _ours(flat, _i64(0, 2, 5), _i64(2, 0), np.full((3, 3), -1, np.int32))
+    out = _ours(impl, flat, _i64(0, 2, 5), _i64(2, 0), np.full((3, 3), -1, np.int32))
     np.testing.assert_array_equal(out, [[12, 5, 14], [-1, -1, -1], [10, 11, -1]])
 
 
@@ -122,15 +124,16 @@ def _pad(flat, offsets, rpi, bs_cap, tok_cap):
     return flat_p, off_p, rpi_p
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("bucket", range(len(BUCKETS)))
-def test_fuzz_against_oracle(sgl, bucket):
+def test_fuzz_against_oracle(sgl, bucket, impl):
     bs_cap, tok_cap, rows, cols = BUCKETS[bucket]
     rng = np.random.default_rng(1234 + bucket)
     compared = 0
     for _ in range(CASES_PER_BUCKET[bucket]):
         flat, offsets, rpi, pool = _draw(rng, bs_cap, tok_cap, rows, cols)
         expected = _oracle(sgl, flat, offsets, rpi, pool)
-        got = _ours(*_pad(flat, offsets, rpi, bs_cap, tok_cap), pool)
+        got = _ours(impl, *_pad(flat, offsets, rpi, bs_cap, tok_cap), pool)
         np.testing.assert_array_equal(got, expected)
         compared += 1
     assert compared == CASES_PER_BUCKET[bucket]
@@ -144,7 +147,8 @@ def test_fuzz_total_is_at_least_2000():
 GUARD = 2  # guard rows above and below the rows any request may address
 
 
-def test_malformed_offsets_stay_in_bounds():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_malformed_offsets_stay_in_bounds(impl):
     """Negative, decreasing and past-the-end offsets, out-of-range rows: the kernel agrees with
     the in-bounds semantics of the jnp reference and never touches guard rows."""
     rng = np.random.default_rng(7)
@@ -163,7 +167,7 @@ def test_malformed_offsets_stay_in_bounds():
         flat = rng.integers(-1000, 1000, n).astype(np.int64)
         pool = np.full((rows, cols), MARK, np.int32)
         rpi = np.where(keep, rpi, rows + 100)
-        got = _ours(flat, offsets_ok, rpi, pool)
+        got = _ours(impl, flat, offsets_ok, rpi, pool)
         ref = np.asarray(
             kc.scatter_req_token_ids_reference(
                 flat_in=flat, offsets=offsets_ok, req_pool_indices=rpi, pool_out=pool
@@ -180,18 +184,20 @@ def test_malformed_offsets_stay_in_bounds():
                     assert got[rpi[r], j] == np.int32(flat[src])
 
 
-def test_well_formed_reference_agrees_with_oracle_on_negative_start(sgl):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_well_formed_reference_agrees_with_oracle_on_negative_start(sgl, impl):
     """Documented difference: SGLang's torch reference slices flat_in[start:end] with Python
     semantics (a negative start wraps around); we never read before flat_in."""
     flat, offsets, rpi = _i64(1, 2, 3, 4), _i64(-2, 2), _i64(1)
     pool = np.full((2, 4), MARK, np.int32)
-    got = _ours(flat, offsets, rpi, pool)
+    got = _ours(impl, flat, offsets, rpi, pool)
     np.testing.assert_array_equal(got[1], [MARK, MARK, 1, 2])  # columns 2, 3 <- flat[0], flat[1]
     oracle = _oracle(sgl, flat, offsets, rpi, pool)
     np.testing.assert_array_equal(oracle[1], [MARK] * 4)  # flat[-2:2] is empty in Python
 
 
-def test_no_cap_on_requests(sgl):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_no_cap_on_requests(sgl, impl):
     bs = 4096
     rng = np.random.default_rng(3)
     lens = rng.integers(0, 5, bs)
@@ -199,7 +205,8 @@ def test_no_cap_on_requests(sgl):
     flat = rng.integers(0, 50000, offsets[-1]).astype(np.int64)
     rpi = rng.permutation(bs + 1)[:bs].astype(np.int64)
     pool = np.full((bs + 1, 4), MARK, np.int32)
-    np.testing.assert_array_equal(_ours(flat, offsets, rpi, pool), _oracle(sgl, flat, offsets, rpi, pool))
+    np.testing.assert_array_equal(_ours(impl, flat, offsets, rpi, pool),
+                                  _oracle(sgl, flat, offsets, rpi, pool))
 
 
 # --- validation: SGLang's classes and messages, in SGLang's order -----------------------------
@@ -280,19 +287,22 @@ def test_x64_off_gives_a_hint_not_a_silent_truncation():
     assert not jax.config.read("jax_enable_x64")  # the global flag is untouched
 
 
-def test_numpy_int64_inputs_keep_64_bits_without_global_x64():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_numpy_int64_inputs_keep_64_bits_without_global_x64(impl):
     assert not jax.config.read("jax_enable_x64")
     flat = _i64(2**40 + 3)
-    out = _ours(flat, _i64(0, 1), _i64(0), np.zeros((1, 2), np.int32))
+    out = _ours(impl, flat, _i64(0, 1), _i64(0), np.zeros((1, 2), np.int32))
     assert out[0, 0] == 3  # low 32 bits of the 64-bit id, not of a pre-narrowed value
 
 
 # --- jit + donation: in place -----------------------------------------------------------
-def test_jit_donation_updates_in_place():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_jit_donation_updates_in_place(impl):
     with jax.enable_x64(True):
         step = jax.jit(
             lambda flat, off, rpi, pool: kc.scatter_req_token_ids(
-                flat_in=flat, offsets=off, req_pool_indices=rpi, pool_out=pool
+                flat_in=flat, offsets=off, req_pool_indices=rpi, pool_out=pool,
+                implementation=impl,
             ),
             donate_argnames="pool",
         )
@@ -318,5 +328,18 @@ def test_gpu_matches_oracle(sgl):
         flat = rng.integers(-(2**62), 2**62, offsets[-1]).astype(np.int64)
         rpi = rng.permutation(bs + 1)[:bs].astype(np.int64)
         pool = rng.integers(-(2**31), 2**31 - 1, (bs + 1, seq), dtype=np.int32)
-        got = _ours(flat, offsets, rpi, pool, interpret=False)
+        got = _ours("pallas_triton", flat, offsets, rpi, pool)
         np.testing.assert_array_equal(got, _oracle(sgl, flat, offsets, rpi, pool))
+
+
+@pytest.mark.parametrize("impl", pallas("scatter"))
+def test_small_column_tiles(sgl, impl):
+    """A launch config of 8-column tiles: rows span many tiles, tiles past a row exit."""
+    from kvcanary_jax.ops.scatter.pallas_triton import Config
+
+    rng = np.random.default_rng(5)
+    flat, offsets, rpi, pool = _draw(rng, 8, 256, 12, 24)
+    while rpi is None or flat.shape[0] == 0:
+        flat, offsets, rpi, pool = _draw(rng, 8, 256, 12, 24)
+    got = _ours(impl, flat, offsets, rpi, pool, config=Config(block_cols=8, num_warps=2))
+    np.testing.assert_array_equal(got, _oracle(sgl, flat, offsets, rpi, pool))

@@ -15,8 +15,22 @@ from kvcanary_jax.ops.verify import canary_verify
 from kvcanary_jax.plans import VerifyPlan
 
 import _canary_support as S
+from _impls import implementations, pallas
 
 ANCHOR = hashing.ANCHOR_HASH_I64
+IMPLS = implementations("verify")
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request):
+    return request.param
+
+
+def _launch(**kw):
+    """A launch config of the Pallas kernel (its module imported where it is tested)."""
+    from kvcanary_jax.ops.verify.pallas_triton import Config
+
+    return Config(**kw)
 
 
 def _written(sgl, chains, *, sources=(), mode=0, stride=32, num_slots=8, ring_cap=4):
@@ -53,13 +67,13 @@ def _entries(chain=CHAIN):
                 prev=[-1] + slots[:-1])
 
 
-def _check(sgl, st, *, cap=None, num_valid=None, ordered=False, expect_rows=None, **kw):
+def _check(sgl, st, impl, *, cap=None, num_valid=None, ordered=False, expect_rows=None, **kw):
     e = {k: kw.pop(k) for k in ("slots", "etok", "epos", "prev")}
     n = len(e["slots"])
     plan = S.verify_plan(e["slots"], e["etok"], e["epos"], e["prev"], cap=cap or n)
     if num_valid is not None:
         plan["num_valid"] = num_valid
-    ours, ref = S.check_verify(sgl, st, **plan, **kw, ordered=ordered)
+    ours, ref = S.check_verify(sgl, st, implementation=impl, **plan, **kw, ordered=ordered)
     if expect_rows is not None:
         assert ref.widx - st.widx == expect_rows
     return ours, ref
@@ -68,66 +82,66 @@ def _check(sgl, st, *, cap=None, num_valid=None, ordered=False, expect_rows=None
 # --- the spec's verify cases, rebuilt; expectations from the reference ------------------------
 
 
-def test_clean_chain(sgl):
+def test_clean_chain(sgl, impl):
     st = _written(sgl, [CHAIN])
-    _, ref = _check(sgl, st, **_entries(), check_token=True, expect_rows=0)
+    _, ref = _check(sgl, st, impl, **_entries(), check_token=True, expect_rows=0)
     assert ref.sctr == 5 and ref.kctr == 1
 
 
 @pytest.mark.parametrize("check_token", [True, False])
-def test_corrupted_token(sgl, check_token):
+def test_corrupted_token(sgl, check_token, impl):
     st = _written(sgl, [CHAIN])
     st.canary_i64[2, 0] = 999
-    _, ref = _check(sgl, st, **_entries(), check_token=check_token,
+    _, ref = _check(sgl, st, impl, **_entries(), check_token=check_token,
                     expect_rows=2 if check_token else 1)
     bits = sorted(int(r[7]) for r in ref.ring[:ref.widx])
     assert bits == ([1, 32] if check_token else [1])
 
 
-def test_position_mismatch_records_stored_position(sgl):
+def test_position_mismatch_records_stored_position(sgl, impl):
     st = _written(sgl, [CHAIN])
     e = _entries()
     e["epos"] = [0, 2, 3, 3, 4]
-    _, ref = _check(sgl, st, **e, check_token=True, expect_rows=2)
+    _, ref = _check(sgl, st, impl, **e, check_token=True, expect_rows=2)
     assert sorted(int(r[2]) for r in ref.ring[:2]) == [1, 2]
 
 
-def test_chain_head_anchor_mismatch(sgl):
+def test_chain_head_anchor_mismatch(sgl, impl):
     st = _written(sgl, [CHAIN])
     st.canary_i64[1, 2] ^= 0x55
-    _, ref = _check(sgl, st, **_entries(), check_token=True, expect_rows=2)
+    _, ref = _check(sgl, st, impl, **_entries(), check_token=True, expect_rows=2)
     assert ANCHOR in [int(r[6]) for r in ref.ring[:2]]
 
 
-def test_slot_zero_skipped_but_counted_and_prev_zero(sgl):
+def test_slot_zero_skipped_but_counted_and_prev_zero(sgl, impl):
     st = _written(sgl, [CHAIN])
     st.canary_i64[3, 2] ^= 1  # would fail the chain check, which prev 0 disables
     e = dict(slots=[0, 1, 0, 3, 4], etok=[-1, 100, 7, 102, 103], epos=[9, 0, 9, 5, 3],
              prev=[-1, -1, 0, 0, 3])
-    _, ref = _check(sgl, st, **e, check_token=True)
+    _, ref = _check(sgl, st, impl, **e, check_token=True)
     assert ref.sctr == 5
 
 
-def test_enable_zero_only_bumps_kernel_counter(sgl):
+def test_enable_zero_only_bumps_kernel_counter(sgl, impl):
     st = _written(sgl, [CHAIN])
     st.canary_i64[2, 0] = 999
-    _, ref = _check(sgl, st, **_entries(), enable=0, check_token=True, expect_rows=0)
+    _, ref = _check(sgl, st, impl, **_entries(), enable=0, check_token=True, expect_rows=0)
     assert (ref.sctr, ref.kctr) == (0, 1)
 
 
 @pytest.mark.parametrize("num_valid", [9, 2, 0, -3])
-def test_num_valid_clamped(sgl, num_valid):
+def test_num_valid_clamped(sgl, num_valid, impl):
     st = _written(sgl, [CHAIN])
     e = _entries()
     e["epos"] = [0, 1, 7, 7, 7]  # entries past an active prefix of 2 would fail
-    _check(sgl, st, **e, num_valid=num_valid, check_token=True)
+    _check(sgl, st, impl, **e, num_valid=num_valid, check_token=True)
 
 
-def test_expected_token_sentinel_and_mismatch(sgl):
+def test_expected_token_sentinel_and_mismatch(sgl, impl):
     st = _written(sgl, [CHAIN])
     e = _entries()
     e["etok"] = [-1, 5, 102, -1, 104]
-    _check(sgl, st, **e, check_token=True, expect_rows=1)
+    _check(sgl, st, impl, **e, check_token=True, expect_rows=1)
 
 
 def _kv_source(rng, num_slots=8, page=1, nbpt=32, read=32, pad=0, dtype="uint8"):
@@ -137,45 +151,45 @@ def _kv_source(rng, num_slots=8, page=1, nbpt=32, read=32, pad=0, dtype="uint8")
 
 
 @pytest.mark.parametrize("mode", [1, 2])
-def test_real_kv_clean_then_bit_flip(sgl, mode):
+def test_real_kv_clean_then_bit_flip(sgl, mode, impl):
     rng = np.random.default_rng(3)
     src = _kv_source(rng)
     st = _written(sgl, [CHAIN], sources=[src], mode=mode)
-    _check(sgl, st, **_entries(), sources=[src], mode=mode, check_token=True, expect_rows=0)
+    _check(sgl, st, impl, **_entries(), sources=[src], mode=mode, check_token=True, expect_rows=0)
     flipped = S.Src(src.u8.copy(), 1, 32, 32)
     flipped.u8[2, 20 if mode == 2 else 5] ^= 0x10
-    _, ref = _check(sgl, st, **_entries(), sources=[flipped], mode=mode, check_token=True,
+    _, ref = _check(sgl, st, impl, **_entries(), sources=[flipped], mode=mode, check_token=True,
                     expect_rows=1)
     assert int(ref.ring[0, 1]) == 2 and int(ref.ring[0, 7]) == 4
 
 
-def test_real_kv_mode_mismatch_flags_every_slot(sgl):
+def test_real_kv_mode_mismatch_flags_every_slot(sgl, impl):
     src = _kv_source(np.random.default_rng(4))
     st = _written(sgl, [CHAIN], sources=[src], mode=2)
-    _check(sgl, st, **_entries(), sources=[src], mode=1, check_token=True, expect_rows=5)
+    _check(sgl, st, impl, **_entries(), sources=[src], mode=1, check_token=True, expect_rows=5)
 
 
-def test_ring_overflow_with_preexisting_index(sgl):
+def test_ring_overflow_with_preexisting_index(sgl, impl):
     st = _written(sgl, [CHAIN], ring_cap=2)
     st.widx = 1
     st.ring[0] = np.arange(8) + 7
     e = _entries()
     e["epos"] = [5, 5, 5, 3, 4]
-    _, ref = _check(sgl, st, **e, check_token=True)
+    _, ref = _check(sgl, st, impl, **e, check_token=True)
     assert ref.widx == 4
 
 
 # --- out-of-range indices (never read out of bounds) -------------------------------------------
 
 
-def test_negative_slot_reads_wrapped_row_like_the_reference(sgl):
+def test_negative_slot_reads_wrapped_row_like_the_reference(sgl, impl):
     st = _written(sgl, [CHAIN])
     e = dict(slots=[-3, -8, -7, 4], etok=[102, 1, 100, 103], epos=[2, 0, 0, 3],
              prev=[2, -1, -1, -9])
-    _check(sgl, st, **e, check_token=True)
+    _check(sgl, st, impl, **e, check_token=True)
 
 
-def test_out_of_range_slot_and_prev_read_as_zero_rows():
+def test_out_of_range_slot_and_prev_read_as_zero_rows(impl):
     st = S.State.zeros(8, 4)
     st.canary_i64[3] = [5, 6, 7, 0]
     with jax.enable_x64(True):
@@ -186,7 +200,8 @@ def test_out_of_range_slot_and_prev_read_as_zero_rows():
             verify_expected_positions=jnp.array([0, 1, 6, 6], jnp.int64),
             verify_prev_slot_indices=jnp.array([0, 0, 100, 0], jnp.int64),
             verify_num_valid=jnp.array([4], jnp.int32), enable=jnp.array([1], jnp.int32))
-        out = S.state_of(canary_verify(context=ctx, plan=plan, check_verify_expected_token=True))
+        out = S.state_of(canary_verify(context=ctx, plan=plan, check_verify_expected_token=True,
+                                       implementation=impl))
     # slot 8 (zero row, position 0 == 0): clean; slot -9: position 0 != 1; slot 3 with prev 100
     # (zero row): expected link mix3(0, 0, 0) = 0 != 7; slot 3 with prev 0: clean.
     rows = sorted(tuple(int(v) for v in r) for r in out.ring[:out.widx])
@@ -196,8 +211,9 @@ def test_out_of_range_slot_and_prev_read_as_zero_rows():
 # --- many blocks and programs (grid-stride) ----------------------------------------------------
 
 
+@pytest.mark.parametrize("impl", pallas("verify"))
 @pytest.mark.parametrize("structure", [dict(group=1, vec=1), dict(group=4, vec=4)])
-def test_many_blocks_grid_stride(sgl, structure):
+def test_many_blocks_grid_stride(sgl, structure, impl):
     rng = np.random.default_rng(11)
     num_slots, n = 1024, 1500
     slots = rng.integers(1, num_slots, n)
@@ -207,7 +223,7 @@ def test_many_blocks_grid_stride(sgl, structure):
              prev=rng.integers(-2, num_slots, n))
     plan = S.verify_plan(**e, cap=2048)
     plan["num_valid"] = 1400
-    ours, ref = S.check_verify(sgl, st, **plan, check_token=True)
+    ours, ref = S.check_verify(sgl, st, implementation=impl, **plan, check_token=True)
     with jax.enable_x64(True):
         tight = canary_verify(
             context=S.jax_context(st),
@@ -216,24 +232,28 @@ def test_many_blocks_grid_stride(sgl, structure):
                     plan["etok"]), verify_expected_positions=S._i64(plan["epos"]),
                 verify_prev_slot_indices=S._i64(plan["prev"]),
                 verify_num_valid=jnp.array([1400], jnp.int32), enable=jnp.array([1], jnp.int32)),
-            check_verify_expected_token=True, block=128, max_programs=3, **structure)
+            check_verify_expected_token=True, implementation=impl,
+            config=_launch(block=128, max_programs=3, **structure))
     S.assert_same(S.state_of(tight), ref, st)
 
 
 # --- round trips: write then verify, clean, per hash mode --------------------------------------
 
 TRIPS_PER_MODE = 1000
+# Round trips write and verify with one implementation.
+TRIP_IMPLS = tuple(i for i in IMPLS if i in implementations("write"))
 
 
+@pytest.mark.parametrize("impl", TRIP_IMPLS)
 @pytest.mark.parametrize("mode", [0, 1, 2])
-def test_round_trips_clean(sgl, mode):
+def test_round_trips_clean(sgl, mode, impl):
     rng = np.random.default_rng(100 + mode)
     for k in range(TRIPS_PER_MODE):
         trip = S.make_trip(rng, mode, k % len(S.BUCKETS))
-        st = S.run_trip(sgl, rng, trip)
+        st = S.run_trip(sgl, rng, trip, implementation=impl)
         plan = S.verify_plan(*S.verify_entries(rng, trip.chains))
         ours, ref = S.run_verify(sgl, st, **plan, sources=trip.sources, mode=mode,
-                                 check_token=trip.check_token)
+                                 check_token=trip.check_token, implementation=impl)
         S.assert_same(ours, ref, st)
         assert ref.widx == 0, (k, ref.ring)
 
@@ -277,18 +297,20 @@ def _corrupt(rng, kind, trip, st, entries):
     return slots, etok, epos, prev
 
 
-def _large_plan_launch():
-    from kvcanary_jax.ops import verify as V
+# Small plans run the Pallas kernel's one-entry-per-lane structure, large ones the grouped /
+# vectorised one (its ``heuristics``): both are checked on the same corruptions.
+CORRUPTION_RUNS = [(i, "auto") for i in TRIP_IMPLS] + [
+    (i, "large") for i in pallas("verify") if i in TRIP_IMPLS]
 
-    return V.launch_config(1 << 30)
 
-
-# Small plans run the one-entry-per-lane structure, large ones the grouped / vectorised one
-# (``launch_config``): both are checked on the same corruptions.
-@pytest.mark.parametrize("launch", ["auto", "large"])
+@pytest.mark.parametrize("impl,launch", CORRUPTION_RUNS)
 @pytest.mark.parametrize("mode", [0, 1, 2])
-def test_single_corruptions(sgl, mode, launch):
-    launch = _large_plan_launch() if launch == "large" else None
+def test_single_corruptions(sgl, mode, impl, launch):
+    config = None
+    if launch == "large":
+        from kvcanary_jax.ops.verify import pallas_triton
+
+        config = pallas_triton.heuristics({"capacity": 1 << 30})
     rng = np.random.default_rng(200 + mode)
     detected = {k: 0 for k in KINDS}
     for k in range(60 * len(KINDS)):
@@ -296,14 +318,14 @@ def test_single_corruptions(sgl, mode, launch):
         trip = S.make_trip(rng, mode, (k // len(KINDS)) % len(S.BUCKETS))
         if not any(trip.chains) or not trip.sources and kind == "real_kv_byte":
             continue
-        st = S.run_trip(sgl, rng, trip)
+        st = S.run_trip(sgl, rng, trip, implementation=impl)
         entries = S.verify_entries(rng, trip.chains)
         got = _corrupt(rng, kind, trip, st, entries)
         if got is None:
             continue
         plan = S.verify_plan(*got)
-        ours, ref = S.check_verify(sgl, st, **plan, sources=trip.sources, mode=mode,
-                                   check_token=trip.check_token, launch=launch)
+        ours, ref = S.check_verify(sgl, st, implementation=impl, **plan, sources=trip.sources,
+                                   mode=mode, check_token=trip.check_token, config=config)
         detected[kind] += ref.widx > 0
     for kind, n in detected.items():
         if kind == "real_kv_byte" and mode == 0:
@@ -452,7 +474,7 @@ def test_lowers_through_triton_for_the_gpu(check_token, mode):
         ctx = S.jax_context(S.State.zeros(64, 16), sources=[src], mode=mode)
         f = jax.jit(lambda context, plan: canary_verify(
             context=context, plan=plan, check_verify_expected_token=check_token,
-            interpret=False), donate_argnums=0)
+            implementation="pallas_triton"), donate_argnums=0)
         text = f.trace(ctx, _vplan(5000)).lower(lowering_platforms=("cuda",)).as_text()
     assert "kvcanary_verify" in text and "output_operand_alias" in text
 

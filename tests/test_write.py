@@ -8,22 +8,33 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from kvcanary_jax import _config, consts, hashing
+from kvcanary_jax import consts, hashing
 from kvcanary_jax.context import RealKvSource, VerifyOrWriteContext
-from kvcanary_jax.ops.write import BLOCK, canary_write
+from kvcanary_jax.ops.write import canary_write
 from kvcanary_jax.plans import WritePlan
 
 import _canary_support as S
+from _impls import implementations, in_reference_order, pallas
 
 ANCHOR = hashing.ANCHOR_HASH_I64
+IMPLS = implementations("write")
+# A request longer than the Pallas kernels' default token block spans several blocks.
+LONG = 128
 
 
-def _w(sgl, st, *, offsets, ids, pos, ocl, seeds=None, num_valid=None, ordered=False, **kw):
+@pytest.fixture(params=IMPLS)
+def impl(request):
+    return request.param
+
+
+def _w(sgl, st, impl, *, offsets, ids, pos, ocl, seeds=None, num_valid=None, ordered=False,
+       **kw):
     n = len(offsets) - 1
     seeds = [-1] * n if seeds is None else seeds
     num_valid = n if num_valid is None else num_valid
     ours, ref = S.run_write(sgl, st, offsets=offsets, seeds=seeds, num_valid=num_valid, ids=ids,
-                            pos=pos, ocl=ocl, **kw)
+                            pos=pos, ocl=ocl, implementation=impl, **kw)
+    # One request is one program: its rows keep entry order on every implementation.
     S.assert_same(ours, ref, st, ordered=ordered)
     return ours, ref
 
@@ -31,9 +42,9 @@ def _w(sgl, st, *, offsets, ids, pos, ocl, seeds=None, num_valid=None, ordered=F
 # --- the spec's write cases, rebuilt; expectations from the reference --------------------------
 
 
-def test_anchor_chain_single_request(sgl):
+def test_anchor_chain_single_request(sgl, impl):
     st = S.State.zeros(8, 4)
-    ours, _ = _w(sgl, st, offsets=[0, 3], ids=[100, 101, 102], pos=[0, 1, 2], ocl=[1, 2, 3])
+    ours, _ = _w(sgl, st, impl, offsets=[0, 3], ids=[100, 101, 102], pos=[0, 1, 2], ocl=[1, 2, 3])
     # Hand-checked links (spec 2.5): the anchor hash, then mix3(anchor hash, 100, 0).
     assert int(ours.canary_i64[1, 2]) == -2414019407054260458 == ANCHOR
     assert int(ours.canary_i64[2, 2]) == -4923688959175860244
@@ -47,25 +58,25 @@ def _seeded_state():
 
 
 @pytest.mark.parametrize("positions,cpa", [([3, 4], 1), ([4, 5], 1), ([4, 5], 0), ([3, 3], 1)])
-def test_continue_from_seed_and_chain_position_assert(sgl, positions, cpa):
-    _w(sgl, _seeded_state(), offsets=[0, 2], seeds=[3], ids=[5, 6], pos=positions, ocl=[4, 5],
+def test_continue_from_seed_and_chain_position_assert(sgl, positions, cpa, impl):
+    _w(sgl, _seeded_state(), impl, offsets=[0, 2], seeds=[3], ids=[5, 6], pos=positions, ocl=[4, 5],
        cpa=cpa, ordered=True)
 
 
-def test_write_input_assert_mismatches(sgl):
+def test_write_input_assert_mismatches(sgl, impl):
     st = _seeded_state()
-    _, ref = _w(sgl, st, offsets=[0, 3], seeds=[3], ids=[5, 6, 7], pos=[3, 4, 9], ocl=[4, 5, 6],
+    _, ref = _w(sgl, st, impl, offsets=[0, 3], seeds=[3], ids=[5, 6, 7], pos=[3, 4, 9], ocl=[4, 5, 6],
                 assert_on=True, etok=[9, 6, 8], epos=[3, 5, 7], ordered=True)
     assert [int(r[7]) for r in ref.ring[:ref.widx]] == [8, 16, 24, 16]
 
 
-def test_skip_negative_slots(sgl):
-    _w(sgl, _seeded_state(), offsets=[0, 4], seeds=[3], ids=[5, 6, 7, 8], pos=[3, 99, 4, 5],
+def test_skip_negative_slots(sgl, impl):
+    _w(sgl, _seeded_state(), impl, offsets=[0, 4], seeds=[3], ids=[5, 6, 7, 8], pos=[3, 99, 4, 5],
        ocl=[4, -1, 5, -7], ordered=True)
 
 
-def test_multi_request_with_padding_and_capacity(sgl):
-    _w(sgl, S.State.zeros(16, 4), offsets=[0, 2, 2, 5, 5], seeds=[-1, -1, -1, -1], num_valid=3,
+def test_multi_request_with_padding_and_capacity(sgl, impl):
+    _w(sgl, S.State.zeros(16, 4), impl, offsets=[0, 2, 2, 5, 5], seeds=[-1, -1, -1, -1], num_valid=3,
        ids=[1, 2, 3, 4, 5, 6, 7], pos=[0, 1, 0, 1, 2, 0, 0], ocl=[1, 2, 3, 4, 5, 6, 7])
 
 
@@ -76,71 +87,72 @@ def _src(rng, num_slots, page, nbpt, read, extra=0, dtype="uint8", pad=0):
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
-def test_real_kv_sources(sgl, mode):
+def test_real_kv_sources(sgl, mode, impl):
     rng = np.random.default_rng(mode)
     sources = [_src(rng, 6, 1, 32, 32), _src(rng, 6, 2, 16, 16, extra=16, dtype="bfloat16")]
-    ours, _ = _w(sgl, S.State.zeros(6, 3), offsets=[0, 3], ids=[5, 6, 7], pos=[0, 1, 2],
+    ours, _ = _w(sgl, S.State.zeros(6, 3), impl, offsets=[0, 3], ids=[5, 6, 7], pos=[0, 1, 2],
                  ocl=[1, 2, 3], sources=sources, mode=mode)
     assert (ours.canary_i64[1:4, 3] != 0).all() == (mode != 0)
 
 
-def test_real_kv_hash_of_bytes_0_to_15_is_the_hand_checked_value(sgl):
+def test_real_kv_hash_of_bytes_0_to_15_is_the_hand_checked_value(sgl, impl):
     src = S.Src(np.arange(16, dtype=np.uint8).reshape(1, 16).repeat(4, 0), 1, 16, 16)
-    ours, _ = _w(sgl, S.State.zeros(4, 2), offsets=[0, 1], ids=[1], pos=[0], ocl=[2],
+    ours, _ = _w(sgl, S.State.zeros(4, 2), impl, offsets=[0, 1], ids=[1], pos=[0], ocl=[2],
                  sources=[src], mode=2)
     assert int(ours.canary_i64[2, 3]) == -2965813710295743732
 
 
-def test_ring_overflow(sgl):
-    _w(sgl, _seeded_state().copy(), offsets=[0, 3], seeds=[3], ids=[5, 6, 7], pos=[9, 9, 9],
+def test_ring_overflow(sgl, impl):
+    _w(sgl, _seeded_state().copy(), impl, offsets=[0, 3], seeds=[3], ids=[5, 6, 7], pos=[9, 9, 9],
        ocl=[4, 5, 6], ordered=True)
     st = S.State.zeros(8, 1)
-    _, ref = _w(sgl, st, offsets=[0, 3], seeds=[0], ids=[5, 6, 7], pos=[5, 9, 9], ocl=[4, 5, 6],
+    _, ref = _w(sgl, st, impl, offsets=[0, 3], seeds=[0], ids=[5, 6, 7], pos=[5, 9, 9], ocl=[4, 5, 6],
                 ordered=True)
     assert ref.widx == 3
 
 
 @pytest.mark.parametrize("num_valid", [0, -2])
-def test_no_valid_requests_only_bumps_kernel_counter(sgl, num_valid):
-    _, ref = _w(sgl, S.State.zeros(8, 2), offsets=[0, 2], num_valid=num_valid, ids=[1, 2],
+def test_no_valid_requests_only_bumps_kernel_counter(sgl, num_valid, impl):
+    _, ref = _w(sgl, S.State.zeros(8, 2), impl, offsets=[0, 2], num_valid=num_valid, ids=[1, 2],
                 pos=[0, 1], ocl=[1, 2])
     assert (ref.sctr, ref.kctr) == (0, 1)
 
 
-def test_seed_slot_zero_is_a_real_seed(sgl):
-    _w(sgl, S.State.zeros(8, 2), offsets=[0, 2], seeds=[0], ids=[1, 2], pos=[0, 1], ocl=[1, 2],
+def test_seed_slot_zero_is_a_real_seed(sgl, impl):
+    _w(sgl, S.State.zeros(8, 2), impl, offsets=[0, 2], seeds=[0], ids=[1, 2], pos=[0, 1], ocl=[1, 2],
        ordered=True)
 
 
-def test_wide_slot_stride_keeps_trailing_bytes(sgl):
+def test_wide_slot_stride_keeps_trailing_bytes(sgl, impl):
     st = S.State.zeros(6, 2, stride=48)
     st.canary[:, 32:] = 0xEE
-    _w(sgl, st, offsets=[0, 2], ids=[1, 2], pos=[0, 1], ocl=[1, 2])
+    _w(sgl, st, impl, offsets=[0, 2], ids=[1, 2], pos=[0, 1], ocl=[1, 2])
 
 
-def test_empty_batch(sgl):
-    _w(sgl, S.State.zeros(8, 2), offsets=[0, 0], ids=[], pos=[], ocl=[])
+def test_empty_batch(sgl, impl):
+    _w(sgl, S.State.zeros(8, 2), impl, offsets=[0, 0], ids=[], pos=[], ocl=[])
 
 
 # --- sequential semantics inside a request ------------------------------------------------------
 
 
-def test_repeated_slots_within_a_request_last_write_wins(sgl):
+def test_repeated_slots_within_a_request_last_write_wins(sgl, impl):
     rng = np.random.default_rng(7)
-    n = 3 * BLOCK + 17  # repeats inside one block and across blocks
+    n = 3 * LONG + 17  # repeats inside one block and across blocks
     ocl = rng.integers(1, 40, n)
     ocl[rng.random(n) < 0.1] = -1
-    _w(sgl, S.State.zeros(64, 8), offsets=[0, n], seeds=[5], ids=rng.integers(0, 9, n),
+    _w(sgl, S.State.zeros(64, 8), impl, offsets=[0, n], seeds=[5], ids=rng.integers(0, 9, n),
        pos=np.arange(n) + rng.integers(0, 2, n), ocl=ocl, ordered=True)
 
 
-def test_request_rewrites_its_own_seed(sgl):
+def test_request_rewrites_its_own_seed(sgl, impl):
     st = _seeded_state()
-    _w(sgl, st, offsets=[0, 3], seeds=[3], ids=[5, 6, 7], pos=[3, 4, 5], ocl=[4, 3, 6],
+    _w(sgl, st, impl, offsets=[0, 3], seeds=[3], ids=[5, 6, 7], pos=[3, 4, 5], ocl=[4, 3, 6],
        ordered=True)
 
 
-def test_small_blocks_remainders_and_violations_in_later_blocks(sgl):
+@pytest.mark.parametrize("impl", pallas("write"))
+def test_small_blocks_remainders_and_violations_in_later_blocks(sgl, impl):
     """Block 8, unroll 3: requests of 0, 1, 2, 3, 7, 8, 9 and 29 tokens cover the peeled first
     block, full and remainder trips, several blocks, and violation rows recorded from any block
     (each request is one program, so within it the rows keep entry order)."""
@@ -159,22 +171,22 @@ def test_small_blocks_remainders_and_violations_in_later_blocks(sgl):
     ours, ref = S.run_write(
         sgl, st, offsets=offsets, seeds=[32 * r for r in range(len(lens))], num_valid=len(lens),
         ids=ids, pos=pos, ocl=ocl, assert_on=True, etok=np.where(rng.random(n) < 0.2, 0, ids),
-        epos=pos, launch_kw=dict(block=8, unroll=3))
-    S.assert_same(ours, ref, st, ordered=SEQUENTIAL)
+        epos=pos, implementation=impl, config=_launch(block=8, unroll=3))
+    S.assert_same(ours, ref, st, ordered=in_reference_order(impl))
     assert ref.widx > 10
 
 
-def test_zero_capacity_still_bumps_kernel_counter(sgl):
-    _, ref = _w(sgl, S.State.zeros(8, 2), offsets=[0], seeds=[], num_valid=1, ids=[1, 2],
+def test_zero_capacity_still_bumps_kernel_counter(sgl, impl):
+    _, ref = _w(sgl, S.State.zeros(8, 2), impl, offsets=[0], seeds=[], num_valid=1, ids=[1, 2],
                 pos=[0, 1], ocl=[1, 2])
     assert (ref.sctr, ref.kctr) == (0, 1)
 
 
 @pytest.mark.slow
-def test_long_chain(sgl):
+def test_long_chain(sgl, impl):
     rng = np.random.default_rng(8)
     n = 4096
-    _w(sgl, S.State.zeros(n + 1, 8), offsets=[0, n], seeds=[-1], ids=rng.integers(0, 9, n),
+    _w(sgl, S.State.zeros(n + 1, 8), impl, offsets=[0, n], seeds=[-1], ids=rng.integers(0, 9, n),
        pos=np.arange(n), ocl=rng.permutation(np.arange(1, n + 1)),
        sources=[_src(rng, n + 1, 2, 32, 32)], mode=2, ordered=True)
 
@@ -191,18 +203,24 @@ WRITE_BUCKETS = (
 CASES_PER_BUCKET = 500
 
 
-# Interpret mode runs the programs (requests) one after another, as SGLang's reference does, so
-# on CPU every result is compared exactly, cross-request hazards included. On the GPU requests
-# run concurrently: a slot written by two requests, a seed another request writes, and which
-# rows of several requests land in a full ring are unspecified there (as in SGLang's kernel).
-SEQUENTIAL = _config.default_interpret()
+def _launch(**kw):
+    """A launch config of the Pallas kernel (its module imported where it is tested)."""
+    from kvcanary_jax.ops.write.pallas_triton import Config
+
+    return Config(**kw)
 
 
-def _random_launch(rng, st, assert_on, kind=2, hazards=None):
+# The reference, xla and interpret mode run the requests one after another, as SGLang's
+# reference does, so their results are compared exactly, cross-request hazards included. On the
+# GPU (pallas_triton) requests run concurrently: a slot written by two requests, a seed another
+# request writes, and which rows of several requests land in a full ring are unspecified there
+# (as in SGLang's kernel).
+
+
+def _random_launch(rng, st, assert_on, kind=2, hazards=False):
     """Requests over their own slot pools, slots repeating inside a request, seeds of every kind,
     noisy positions and expectations. With ``hazards`` some tokens write, and some seeds read,
     slots of other requests' pools (only a sequential run makes that deterministic)."""
-    hazards = SEQUENTIAL if hazards is None else hazards
     nreq = int(rng.integers(1, S.REQ_CAP + 1))
     pool = S.NUM_SLOTS // S.REQ_CAP
     lens = rng.integers(0, S.NUM_TOKENS // nreq + 1, nreq)
@@ -237,24 +255,25 @@ def _random_launch(rng, st, assert_on, kind=2, hazards=None):
                 kind=kind)
 
 
-def _check_launch(sgl, st, launch, sources, mode):
+def _check_launch(sgl, st, launch, sources, mode, impl):
     """Ours against the reference: exact (ring order included) when sequential; on the GPU the
     ring rows as a multiset, and after an overflow with rows of several requests, as a draw from
     the launch's full set of rows (see :func:`_canary_support.assert_same`)."""
-    ours, ref = S.run_write(sgl, st, **launch, sources=sources, mode=mode)
+    sequential = in_reference_order(impl)
+    ours, ref = S.run_write(sgl, st, **launch, sources=sources, mode=mode, implementation=impl)
     uncapped = None
-    if not SEQUENTIAL and S.rows_dropped(st, ref):
+    if not sequential and S.rows_dropped(st, ref):
         _, full = S.run_write(sgl, S.widened(st, 2 * S.NUM_TOKENS), **launch, sources=sources,
                               mode=mode, ours=False)
         pool = S.NUM_SLOTS // S.REQ_CAP
         if len({row[1] // pool for row in S.new_rows(st, full)}) > 1:
             uncapped = full
-    S.assert_same(ours, ref, st, ordered=SEQUENTIAL, uncapped=uncapped)
+    S.assert_same(ours, ref, st, ordered=sequential, uncapped=uncapped)
     return ref
 
 
 @pytest.mark.parametrize("bucket", range(len(WRITE_BUCKETS)))
-def test_write_fuzz(sgl, bucket):
+def test_write_fuzz(sgl, bucket, impl):
     stride, assert_on, mode, layout = WRITE_BUCKETS[bucket]
     rng = np.random.default_rng(300 + bucket)
     rows = overflows = 0
@@ -267,8 +286,9 @@ def test_write_fuzz(sgl, bucket):
         st.ring[:min(st.widx, S.RING_CAP)] = rng.integers(-9, 9, (min(st.widx, S.RING_CAP), 8))
         st.sctr, st.kctr = (int(x) for x in rng.integers(0, 100, 2))
         # kernel_kind is static (one compile per tag): one tag per bucket.
-        launch = _random_launch(rng, st, assert_on, kind=(2, 8, 5, 11)[bucket])
-        ref = _check_launch(sgl, st, launch, S.bucket_sources(rng, layout), mode)
+        launch = _random_launch(rng, st, assert_on, kind=(2, 8, 5, 11)[bucket],
+                                hazards=in_reference_order(impl))
+        ref = _check_launch(sgl, st, launch, S.bucket_sources(rng, layout), mode, impl)
         rows += ref.widx - st.widx
         overflows += S.rows_dropped(st, ref)
     assert rows > CASES_PER_BUCKET // 2  # the fuzz does exercise the violation paths
@@ -278,28 +298,31 @@ def test_write_fuzz(sgl, bucket):
 # --- out-of-range indices (documented choices; never an out-of-bounds access) ------------------
 
 
-def test_slot_past_the_buffer_is_skipped_like_a_negative_one(sgl):
+def test_slot_past_the_buffer_is_skipped_like_a_negative_one(sgl, impl):
     st = _seeded_state()
     ours, _ = S.run_write(sgl, st, offsets=[0, 3], seeds=[3], num_valid=1, ids=[5, 6, 7],
-                          pos=[3, 4, 5], ocl=[4, 8 + 3, 5], reference=False)
+                          pos=[3, 4, 5], ocl=[4, 8 + 3, 5], reference=False,
+                          implementation=impl)
     _, ref = S.run_write(sgl, st, offsets=[0, 3], seeds=[3], num_valid=1, ids=[5, 6, 7],
                          pos=[3, 4, 5], ocl=[4, -1, 5])
     S.assert_same(ours, ref, st)
 
 
-def test_seed_past_the_buffer_reads_as_a_zero_slot(sgl):
+def test_seed_past_the_buffer_reads_as_a_zero_slot(sgl, impl):
     st = S.State.zeros(8, 4)
     ours, _ = S.run_write(sgl, st, offsets=[0, 2], seeds=[100], num_valid=1, ids=[5, 6],
-                          pos=[1, 3], ocl=[4, 5], reference=False)
+                          pos=[1, 3], ocl=[4, 5], reference=False,
+                          implementation=impl)
     _, ref = S.run_write(sgl, st, offsets=[0, 2], seeds=[7], num_valid=1, ids=[5, 6],
                          pos=[1, 3], ocl=[4, 5])
     S.assert_same(ours, ref, st)
 
 
-def test_offsets_past_the_token_arrays_are_skipped(sgl):
+def test_offsets_past_the_token_arrays_are_skipped(sgl, impl):
     st = S.State.zeros(8, 4)
     ours, _ = S.run_write(sgl, st, offsets=[0, 2, 6], seeds=[-1, -1], num_valid=2, ids=[5, 6, 7],
-                          pos=[0, 1, 0], ocl=[1, 2, 3], reference=False)
+                          pos=[0, 1, 0], ocl=[1, 2, 3], reference=False,
+                          implementation=impl)
     # request 1 owns tokens [2, 6): only token 2 exists.
     _, ref = S.run_write(sgl, st, offsets=[0, 2, 3], seeds=[-1, -1], num_valid=2, ids=[5, 6, 7],
                          pos=[0, 1, 0], ocl=[1, 2, 3])
@@ -309,7 +332,7 @@ def test_offsets_past_the_token_arrays_are_skipped(sgl):
 # --- in place under jit with donation -----------------------------------------------------------
 
 
-def test_donated_jit_updates_in_place(sgl):
+def test_donated_jit_updates_in_place(sgl, impl):
     st = _seeded_state()
     st.canary_i64[6] = [1, 2, 3, 4]
     with jax.enable_x64(True):
@@ -317,7 +340,8 @@ def test_donated_jit_updates_in_place(sgl):
         plan = WritePlan(write_offsets=jnp.array([0, 2], jnp.int64),
                          write_seed_slot_indices=jnp.array([3], jnp.int64),
                          write_num_valid_reqs=jnp.array([1], jnp.int32))
-        f = jax.jit(lambda context, **kw: canary_write(context=context, **kw),
+        f = jax.jit(lambda context, **kw: canary_write(context=context, implementation=impl,
+                                                       **kw),
                     donate_argnames="context", static_argnames="enable_write_input_assert")
         out = f(ctx, plan=plan, input_ids=jnp.array([5, 6], jnp.int64),
                 positions=jnp.array([3, 9], jnp.int64),
@@ -513,7 +537,7 @@ def test_lowers_through_triton_for_the_gpu(assert_on, mode):
         f = jax.jit(lambda context, plan, ids, e1, e2: canary_write(
             context=context, plan=plan, input_ids=ids, positions=ids, out_cache_loc=ids,
             enable_write_input_assert=assert_on, expected_input_tokens=e1,
-            expected_input_positions=e2, interpret=False), donate_argnums=0)
+            expected_input_positions=e2, implementation="pallas_triton"), donate_argnums=0)
         text = f.trace(ctx, _plan(4), jnp.zeros((n,), jnp.int64), e, e).lower(
             lowering_platforms=("cuda",)).as_text()
     assert "kvcanary_write" in text and "output_operand_alias" in text
@@ -536,7 +560,7 @@ def test_jnp_reference_write_fuzz(sgl):
 def test_source_addressing_errors():
     from kvcanary_jax.context import SourceSpec, source_spec
     from kvcanary_jax.contracts import TensorMeta
-    from kvcanary_jax.ops.write import write_impl
+    from kvcanary_jax.ops.write import run as write_run
 
     view = TensorMeta(shape=(4, 16), dtype="uint8", strides=(32, 1), device=None,
                       framework="jax")
@@ -548,7 +572,7 @@ def test_source_addressing_errors():
     # A buffer shorter than the rows it claims would be read out of bounds: refused.
     st = S.State.zeros(8, 2)
     with jax.enable_x64(True), pytest.raises(ValueError) as e:
-        write_impl(
+        write_run(
             canary_buf=jnp.asarray(st.canary), violation_ring=jnp.asarray(st.ring),
             violation_write_index=jnp.zeros((1,), jnp.int32),
             slot_run_counter=jnp.zeros((1,), jnp.int64),

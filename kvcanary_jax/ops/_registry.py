@@ -1,0 +1,350 @@
+"""Which implementation of an op runs, and with which launch configuration.
+
+Implementation names (the ``implementation=`` argument of every op):
+
+* ``"xla"``: a vectorised jnp/lax formulation; runs wherever XLA does (CPU, GPU, TPU).
+* ``"pallas_triton"``: the Pallas kernels through JAX's Triton lowering (CUDA GPUs).
+* ``"pallas_interpret"``: the same kernels in Pallas interpret mode (any backend; a test tool,
+  each grid program emulated by a loop of XLA ops).
+* ``"pallas_mosaic_tpu"``: Pallas kernels through the Mosaic TPU lowering.
+
+Each op package declares its implementations in its ``api.py``, one line each::
+
+    OP = _registry.Op("verify")
+    OP.register("pallas_triton", ".pallas_triton")
+    OP.register("pallas_interpret", ".pallas_triton", interpret=True)
+
+A registration names the backend module (relative to the op package, imported on first use) and
+keyword options its ``run`` receives. Every backend module exposes ``Config`` (a frozen, hashable
+dataclass: a static jit argument), ``heuristics(shapes) -> Config`` and ``run(<the op's array-level
+arguments>, *, <statics>, config)``.
+
+The default (``implementation=None``): ``pallas_triton`` when the platform is a CUDA GPU and the
+Triton lowering imports; ``pallas_mosaic_tpu`` on a TPU where the op registers it; ``xla``
+everywhere else. Until an op registers ``xla``, ``pallas_interpret`` stands in for it (on CPU this
+is the behaviour of the releases before ``xla``). An implementation that is asked for (or is the
+platform's default) but cannot be used here — not registered for the op, its lowering does not
+import, a future JAX refuses it — falls back to ``xla`` with one :class:`FallbackWarning` per
+process and reason, saying why.
+
+The launch configuration of a call, in order (as tokamax's ``op.py``): the ``config=`` argument;
+else the tuned table of the device kind (``kvcanary_jax/tuning/<op>.<device_kind>.json``, written
+by ``bench/tune_*.py``: the entry whose key matches the call's static shapes); else the backend's
+``heuristics(shapes)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.resources
+import json
+import os
+import re
+import warnings
+from types import ModuleType
+from typing import Any, Mapping
+
+import jax
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "FallbackWarning",
+    "Op",
+    "op",
+    "implementations_available",
+    "default_implementation",
+    "device_kind",
+    "table_name",
+    "load_table",
+    "tuned_config",
+    "update_tuned_table",
+]
+
+IMPLEMENTATIONS = ("xla", "pallas_triton", "pallas_interpret", "pallas_mosaic_tpu")
+
+# What an unusable implementation falls back to, in order of preference. ``pallas_interpret``
+# is only reached while an op has no ``xla`` registration.
+_FALLBACKS = ("xla", "pallas_interpret")
+
+
+class FallbackWarning(RuntimeWarning):
+    """The implementation asked for (or the platform's default) is unusable here; another ran."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Probes: can this implementation's lowering be produced in this process?
+
+
+def _imports(module: str) -> str | None:
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001  (any import failure means: not usable)
+        return f"{module} does not import ({type(e).__name__}: {e})"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_lowering() -> str | None:
+    """None when the Pallas Triton lowering is usable, else why not."""
+    try:
+        from jax.experimental.pallas import triton as plt
+    except Exception as e:  # noqa: BLE001  (any import failure means: not usable)
+        return f"the Pallas Triton lowering does not import ({type(e).__name__}: {e})"
+    if not hasattr(plt, "CompilerParams"):
+        return "this JAX's Pallas Triton module has no CompilerParams"
+    try:
+        from jax._src import deprecations
+
+        if deprecations.is_accelerated("jax-pallas-triton"):
+            return "this JAX refuses the Pallas Triton lowering (deprecation jax-pallas-triton)"
+    except Exception:  # noqa: BLE001  (older JAX: the deprecation is not registered)
+        pass
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _pallas_triton_module() -> str | None:
+    """The interpret-mode kernels use the Triton module's load/store/atomic primitives."""
+    return _imports("jax.experimental.pallas.triton")
+
+
+@functools.lru_cache(maxsize=None)
+def _mosaic_tpu() -> str | None:
+    return _imports("jax.experimental.pallas.tpu")
+
+
+_PROBES = {
+    "xla": lambda: None,
+    "pallas_triton": _triton_lowering,
+    "pallas_interpret": _pallas_triton_module,
+    "pallas_mosaic_tpu": _mosaic_tpu,
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _is_cuda(platform: str) -> bool:
+    if platform == "cuda":
+        return True
+    if platform != "gpu":
+        return False
+    try:
+        version = str(jax.devices("gpu")[0].client.platform_version).lower()
+    except Exception:  # noqa: BLE001  (JAX's "gpu" is CUDA unless its client says ROCm)
+        return True
+    return "rocm" not in version
+
+
+def _runs_on(implementation: str, platform: str) -> bool:
+    """Whether the implementation executes on devices of ``platform`` (not just lowers)."""
+    if implementation in ("xla", "pallas_interpret"):
+        return True
+    if implementation == "pallas_triton":
+        return _is_cuda(platform)
+    return platform == "tpu"
+
+
+def _platform(platform: str | None) -> str:
+    return jax.default_backend() if platform is None else platform
+
+
+# ---------------------------------------------------------------------------------------------
+# Ops and their registrations
+
+
+@dataclasses.dataclass(frozen=True)
+class _Registration:
+    module: str
+    options: Mapping[str, Any]
+
+
+_OPS: dict[str, "Op"] = {}
+_WARNED: set[tuple[str, str, str]] = set()
+
+
+class Op:
+    """One op's implementations (see the module docstring)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.package = f"kvcanary_jax.ops.{name}"
+        self._registered: dict[str, _Registration] = {}
+        _OPS[name] = self
+
+    def register(self, implementation: str, module: str, **options) -> None:
+        """``module``: dotted path, relative (``".xla"``) to the op's package; ``options``: extra
+        keyword arguments for the module's ``run``."""
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"kv-canary: unknown implementation {implementation!r}; known: "
+                             f"{', '.join(IMPLEMENTATIONS)}")
+        path = self.package + module if module.startswith(".") else module
+        self._registered[implementation] = _Registration(path, dict(options))
+
+    def registered(self) -> tuple[str, ...]:
+        return tuple(i for i in IMPLEMENTATIONS if i in self._registered)
+
+    def unusable(self, implementation: str) -> str | None:
+        """None when ``implementation`` can be traced and lowered here, else why not."""
+        if implementation not in self._registered:
+            return f"{self.name} has no {implementation!r} implementation"
+        return _PROBES[implementation]()
+
+    def available(self, platform: str | None = None) -> tuple[str, ...]:
+        """Implementations that are usable and execute on ``platform`` (default: JAX's)."""
+        p = _platform(platform)
+        return tuple(i for i in self.registered() if self.unusable(i) is None and _runs_on(i, p))
+
+    def default(self, platform: str | None = None) -> str:
+        return self.select(None, platform=platform)
+
+    def select(self, implementation: str | None = None, *, platform: str | None = None) -> str:
+        """The implementation a call runs: ``implementation`` when usable, else the fallback
+        (with one :class:`FallbackWarning` per reason); ``None``: the platform's default."""
+        if implementation is not None and implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"kv-canary: {self.name}: unknown implementation "
+                             f"{implementation!r}; known: {', '.join(IMPLEMENTATIONS)}")
+        p = _platform(platform)
+        asked = implementation
+        if asked is None:
+            if _is_cuda(p):
+                asked = "pallas_triton"
+            elif p == "tpu" and "pallas_mosaic_tpu" in self._registered:
+                asked = "pallas_mosaic_tpu"
+        if asked is not None:
+            why = self.unusable(asked)
+            if why is None:
+                return asked
+        for fallback in _FALLBACKS:
+            if self.unusable(fallback) is None:
+                # TODO(xla): once every op registers "xla", the CPU default is "xla" and
+                # "pallas_interpret" runs only when asked for.
+                if asked is not None and asked != fallback:
+                    self._warn(asked, fallback, why)
+                return fallback
+        raise RuntimeError(f"kv-canary: {self.name}: no usable implementation "
+                           f"(registered: {', '.join(self.registered()) or 'none'})")
+
+    def _warn(self, asked: str, used: str, why: str) -> None:
+        key = (asked, used, why)
+        if key in _WARNED:
+            return
+        _WARNED.add(key)
+        warnings.warn(f"kv-canary: implementation {asked!r} is unavailable: {why}; using "
+                      f"{used!r}", FallbackWarning, stacklevel=4)
+
+    def module(self, implementation: str) -> ModuleType:
+        return importlib.import_module(self._registered[implementation].module)
+
+    def config(self, implementation: str, shapes: Mapping[str, int], config=None, *,
+               kind: str | None = None):
+        """The launch configuration: ``config`` (checked against the backend's type), else the
+        tuned table's entry for ``shapes`` on device kind ``kind`` (default: the default
+        device's), else the backend's heuristics."""
+        mod = self.module(implementation)
+        if config is not None:
+            if not isinstance(config, mod.Config):
+                raise TypeError(f"kv-canary: {self.name}: implementation {implementation!r} "
+                                f"takes a {mod.__name__}.Config, got {type(config).__name__}")
+            return config
+        tuned = tuned_config(self.name, implementation, shapes, kind=kind)
+        if tuned is not None:
+            return mod.Config(**tuned)
+        return mod.heuristics(shapes)
+
+    def run(self, implementation: str, *args, config, **kwargs):
+        """``run`` of the implementation's module, with its registration's options."""
+        reg = self._registered[implementation]
+        return self.module(implementation).run(*args, config=config, **reg.options, **kwargs)
+
+
+def op(name: str) -> Op:
+    """The registered op ``name`` (``scatter``, ``plan``, ``write``, ``verify``)."""
+    try:
+        return _OPS[name]
+    except KeyError:
+        raise ValueError(f"kv-canary: unknown op {name!r}; known: {', '.join(_OPS)}") from None
+
+
+def implementations_available(op_name: str | None = None, *,
+                              platform: str | None = None) -> tuple[str, ...]:
+    """Implementations that run here (on ``platform``, default JAX's default backend): for one
+    op, or those every op has."""
+    ops = [op(op_name)] if op_name is not None else list(_OPS.values())
+    sets = [set(o.available(platform)) for o in ops]
+    common = set.intersection(*sets) if sets else set()
+    return tuple(i for i in IMPLEMENTATIONS if i in common)
+
+
+def default_implementation(op_name: str, platform: str | None = None) -> str:
+    """What ``implementation=None`` runs for ``op_name`` on ``platform`` (default: JAX's)."""
+    return op(op_name).default(platform)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tuned tables: kvcanary_jax/tuning/<op>.<device kind>.json
+#
+#   {"op": "verify", "device_kind": "NVIDIA H200",
+#    "implementations": {"pallas_triton": [
+#        {"key": {"capacity": 1024}, "config": {...}, "median_us": 2.43, "source": "..."}]}}
+#
+# An entry applies to a call whose static shapes contain every item of its key.
+
+
+@functools.lru_cache(maxsize=None)
+def device_kind(platform: str | None = None) -> str:
+    """The device kind of ``platform``'s first device (default: JAX's default backend)."""
+    return jax.devices(platform)[0].device_kind
+
+
+def table_name(op_name: str, kind: str) -> str:
+    return f"{op_name}.{re.sub(r'[^a-z0-9]+', '_', kind.lower()).strip('_')}.json"
+
+
+def _tuning_dir():
+    return importlib.resources.files("kvcanary_jax").joinpath("tuning")
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(op_name: str, kind: str) -> dict:
+    """The tuned table of ``op_name`` on device kind ``kind`` ({} when there is none)."""
+    f = _tuning_dir().joinpath(table_name(op_name, kind))
+    if not f.is_file():
+        return {}
+    return json.loads(f.read_text())
+
+
+def tuned_config(op_name: str, implementation: str, shapes: Mapping[str, int], *,
+                 kind: str | None = None) -> dict | None:
+    """The config fields of the tuned entry for ``shapes``, or None."""
+    table = load_table(op_name, device_kind() if kind is None else kind)
+    for entry in table.get("implementations", {}).get(implementation, ()):
+        if all(shapes.get(k) == v for k, v in entry["key"].items()):
+            return dict(entry["config"])
+    return None
+
+
+def update_tuned_table(op_name: str, implementation: str, kind: str, entries, *,
+                       directory: str | os.PathLike | None = None) -> str:
+    """Merge ``entries`` (dicts with ``key`` and ``config``, plus any measurements) into the
+    table of ``op_name`` on ``kind``; an entry replaces the one with the same key. Writes into
+    ``directory`` (default: the package's ``tuning/``, i.e. a source checkout) and returns the
+    file's path."""
+    directory = os.fspath(directory) if directory is not None else os.fspath(_tuning_dir())
+    path = os.path.join(directory, table_name(op_name, kind))
+    table = {"op": op_name, "device_kind": kind, "implementations": {}}
+    if os.path.exists(path):
+        with open(path) as f:
+            table = json.load(f)
+    rows = {json.dumps(e["key"], sort_keys=True): e
+            for e in table["implementations"].get(implementation, [])}
+    for e in entries:
+        rows[json.dumps(e["key"], sort_keys=True)] = dict(e)
+    table["implementations"][implementation] = sorted(
+        rows.values(), key=lambda e: sorted(e["key"].items()))
+    os.makedirs(directory, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=False)
+        f.write("\n")
+    load_table.cache_clear()
+    return path

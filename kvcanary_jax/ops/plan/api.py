@@ -1,0 +1,109 @@
+"""The public plan: validate once, pick the implementation and its launch config, run it."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kvcanary_jax import _config
+from kvcanary_jax.ops import _registry
+from kvcanary_jax.ops.plan import base
+from kvcanary_jax.plans import VerifyPlan, WritePlan
+
+__all__ = ["OP", "run", "canary_plan"]
+
+OP = _registry.Op("plan")
+OP.register("pallas_triton", ".pallas_triton")
+OP.register("pallas_interpret", ".pallas_triton", interpret=True)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("swa_window_size", "verify_capacity", "kv_token_id_vs_position_offset",
+                     "implementation", "config"),
+)
+def _run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, *, swa_window_size,
+         verify_capacity, kv_token_id_vs_position_offset, implementation, config):
+    if rpi.shape[0] == 0:
+        return base.empty_batch(vp, wp)
+    return OP.run(implementation, vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens,
+                  swa_window_size=swa_window_size, verify_capacity=verify_capacity,
+                  kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, config=config)
+
+
+@_config.entry_point
+def run(vp: VerifyPlan, wp: WritePlan, rpi, prefix, extend, rtt, lut, pool, valid_lens, *,
+        swa_window_size: int, verify_capacity: int, kv_token_id_vs_position_offset: int,
+        implementation: str | None = None, config=None) -> tuple[VerifyPlan, WritePlan]:
+    """Array-level plan, without the contract's checks (the torch bridge checks the same contract
+    on its tensors). ``rtt`` (and ``pool``) may be compact ``[rows, row_pitch]`` bases of strided
+    views (see :mod:`kvcanary_jax.ops.plan.base`); ``lut``, ``pool`` and ``valid_lens`` may be
+    None. Returns the filled plans, every array aliased to the input plans'.
+    ``implementation`` / ``config``: as :func:`canary_plan`."""
+    impl = OP.select(implementation)
+    cfg = OP.config(impl, base.shapes(vp, wp, rpi, rtt, lut, pool), config)
+    return _run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens,
+                swa_window_size=int(swa_window_size), verify_capacity=int(verify_capacity),
+                kv_token_id_vs_position_offset=int(kv_token_id_vs_position_offset),
+                implementation=impl, config=cfg)
+
+
+def _opt(x):
+    return None if x is None else jnp.asarray(x)
+
+
+@_config.entry_point
+def canary_plan(
+    *,
+    verify_plan_out: VerifyPlan,
+    write_plan_out: WritePlan,
+    req_pool_indices: jax.Array,
+    prefix_lens: jax.Array,
+    extend_seq_lens: jax.Array,
+    req_to_token: jax.Array,
+    swa_window_size: int,
+    full_to_swa_index_mapping: jax.Array | None,
+    verify_capacity: int,
+    req_to_verify_expected_tokens: jax.Array | None,
+    req_to_verify_expected_tokens_valid_lens: jax.Array | None,
+    kv_token_id_vs_position_offset: int,
+    req_to_token_stride0: int | None = None,
+    implementation: str | None = None,
+    config=None,
+) -> tuple[VerifyPlan, WritePlan]:
+    """Plan one step's verify entries and write ranges; returns the filled ``(VerifyPlan,
+    WritePlan)`` (semantics: :mod:`kvcanary_jax.ops.plan.base`).
+
+    Arguments are SGLang's ``launch_canary_plan_kernels``'s (int64 ``[bs]`` request vectors, int32
+    ``req_to_token [max_reqs, max_seq_len]``, optional int64 LUT, optional int32 expected-token
+    pool with int64 ``valid_lens [bs]``). ``swa_window_size``, ``verify_capacity`` and
+    ``kv_token_id_vs_position_offset`` are static (one compilation per value, as SGLang's Triton
+    constexprs).
+
+    ``req_to_token_stride0``: SGLang's stride contract. SGLang addresses ``req_to_token`` with
+    ``stride(0)`` and checks it; a JAX array is compact, so its row stride is ``shape[1]`` and a
+    given value must equal it (else SGLang's ValueError). The torch bridge evaluates the same
+    contract on the torch view, whose ``stride(0)`` may exceed ``shape[1]``, and passes the view's
+    compact base, whose row pitch is that stride.
+
+    ``implementation``: ``"xla"``, ``"pallas_triton"``, ``"pallas_interpret"``, ... (default: the
+    platform's, see :mod:`kvcanary_jax.ops._registry`); ``config``: that implementation's
+    ``Config`` (default: the device kind's tuned table, else heuristics).
+
+    Under ``jax.jit(..., donate_argnames=...)`` with both plans donated the plan buffers are
+    filled in place (every plan array is aliased input-to-output). Raises SGLang's errors (see
+    :data:`kvcanary_jax.ops.plan.base.CONTRACT`) at trace time.
+    """
+    args = (jnp.asarray(req_pool_indices), jnp.asarray(prefix_lens), jnp.asarray(extend_seq_lens),
+            jnp.asarray(req_to_token), _opt(full_to_swa_index_mapping),
+            _opt(req_to_verify_expected_tokens), _opt(req_to_verify_expected_tokens_valid_lens))
+    base.validate(verify_plan_out, write_plan_out, *args, swa_window_size=int(swa_window_size),
+                  verify_capacity=int(verify_capacity),
+                  req_to_token_stride0=None if req_to_token_stride0 is None
+                  else int(req_to_token_stride0))
+    return run(verify_plan_out, write_plan_out, *args, swa_window_size=swa_window_size,
+               verify_capacity=verify_capacity,
+               kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+               implementation=implementation, config=config)

@@ -1,0 +1,599 @@
+"""canary_plan: fill a VerifyPlan and a WritePlan for one forward step and one canary group.
+
+SGLang's ``launch_canary_plan_kernels`` (same keyword arguments): its offsets half
+(``launch_plan_offsets_kernel``) then its entries half (``launch_plan_entries_kernel``). For each
+request ``r`` (``W = swa_window_size``, ``P = prefix_lens[r]``, ``E = extend_seq_lens[r]``,
+``rp = req_pool_indices[r]``, ``active = rp != 0``)::
+
+    window_start = max(P - W, 0) if W > 0 else 0
+    verify_len   = max(P - window_start, 0) if active else 0
+    write_len    = max(E, 0)                 if active else 0
+    seed         = xlat(read(rp, P - 1))     if active and P > 0 and write_len > 0 else -1
+
+``verify_offsets`` are the exclusive prefix sums of ``verify_len`` (total at ``bs``). Then, for
+each flat entry ``t < total`` (requests in batch order, positions ascending)::
+
+    r    = largest r with verify_offsets[r] <= t         (empty ranges own nothing)
+    pos  = window_start(P) + (t - verify_offsets[r])
+    slot = xlat(read(rp, pos))
+    prev = xlat(read(rp, pos - 1)) if pos > 0 else -1      (no chain reset at an SWA window start)
+    tok  = pool(rp, pos + k) if pool given and 0 <= pos + k < valid_lens[r] else -1
+
+Results, on well-formed inputs equal to SGLang's GPU path and its torch reference:
+
+* verify arrays: entry ``t`` gets ``(slot, tok, pos, prev)`` for ``t < total`` when
+  ``total <= verify_capacity``; on overflow none of the four arrays is touched; entries
+  ``[total, capacity)`` are untouched;
+* ``verify_num_valid = min(total, verify_capacity)``, ``enable = total <= capacity``;
+* ``write_offsets[0..bs]`` prefix sums of the write lengths, 0 past ``bs``;
+  ``write_seed_slot_indices[0..bs)`` chain seeds, the rest untouched; ``write_num_valid_reqs = bs``
+  (padding rows included);
+* ``bs == 0``: ``verify_num_valid = 0``, ``enable = 1``, ``write_offsets`` all 0,
+  ``write_num_valid_reqs = 0``, seeds and verify arrays untouched.
+
+``read(rp, col)`` is SGLang's flat address ``rp * row_pitch + col`` into ``req_to_token`` with no
+column bound, so where SGLang's GPU kernels read inside the table we return exactly what they
+read (a position past the row width reads the next row, as on the GPU). A flat address outside
+the table ``[0, rows * row_pitch)``, which SGLang's kernels would read out of bounds, is never
+read: the cell reads as 0 (``TOKEN_TO_KV_SLOT_PADDING``, what SGLang's masked loads return).
+``xlat`` maps a value ``v >= 0`` through the SWA LUT at ``min(v, lut_len - 1)`` (SGLang's kernels
+clamp; its torch reference raises ValueError) and passes negative values through. The
+expected-token pool is addressed the same way (``rp * pool_pitch + pos + k``, bounded by
+``valid_lens`` only, as SGLang's kernel); an address outside the pool (SGLang's reference raises
+IndexError) yields -1, the "skip the token check" sentinel, rather than a made-up token id.
+
+``rtt`` (and ``pool``) may be compact ``[rows, row_pitch]`` bases whose pitch exceeds the logical
+width: a caller holding a strided view passes its base and gets the GPU's reads. No cap on ``bs``
+(SGLang's GPU path: 4096); ``bs > write_req_capacity`` raises SGLang's GPU error (the reference
+silently truncates). Validation happens at trace time, before anything is launched, so nothing is
+written on error (SGLang's GPU path raises the missing-``valid_lens`` error after its offsets
+kernel ran; we keep its wording and its place in the check order, but raise it before
+launching).
+
+This module holds the op's contract, its static shapes (the keys of tuned launch configs), the
+composition of the two halves that every implementation shares, and the pure-jnp reference, the
+test oracle of every implementation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from kvcanary_jax import _config, consts
+from kvcanary_jax.contracts import (
+    Check,
+    Contiguous,
+    Contract,
+    DType,
+    NDim,
+    Rule,
+    TensorMeta,
+    meta_of,
+)
+from kvcanary_jax.plans import VerifyPlan, WritePlan
+
+__all__ = [
+    "CONTRACT",
+    "OFFSETS_CHECKS",
+    "ENTRIES_CHECKS",
+    "plan_metas",
+    "row_stride",
+    "validate",
+    "shapes",
+    "window_start",
+    "lens",
+    "empty_batch",
+    "compose",
+    "offsets_reference",
+    "entries_reference",
+    "reference",
+    "canary_plan_reference",
+]
+
+_API = "kv-canary: launch_canary_plan_kernels"
+_ENTRIES = "kv-canary: launch_plan_entries_kernel"
+
+# --------------------------------------------------------------------------------------------
+# Contract. The offsets half: SGLang's offsets-kernel validation (spec §11.3), in its order and
+# words. The scratch tensor of SGLang's GPU path is internal here (and its 4097-entry minimum is
+# SGLang's bs cap), so its checks are left out; the bs <= 4096 check does not exist (no cap).
+# --------------------------------------------------------------------------------------------
+
+_ORDER = (
+    ("req_pool_indices", "int64"),
+    ("prefix_lens", "int64"),
+    ("extend_seq_lens", "int64"),
+    ("req_to_token", "int32"),
+    ("lut_tensor", "int64"),
+    ("out_write_offsets", "int64"),
+    ("out_write_seed_slot_indices", "int64"),
+    ("out_verify_num_valid", "int32"),
+    ("out_verify_enable", "int32"),
+    ("out_write_num_valid_reqs", "int32"),
+)
+
+_DTYPE_MSG = "kv-canary: {name} must have dtype {expected}, got {dtype}"
+_1D_MSG = "kv-canary: {name} must be 1-D, got shape {shape}"
+
+
+def _len0(m: TensorMeta | None) -> int | None:
+    return None if m is None or m.ndim < 1 else m.shape[0]
+
+
+def _bs(metas) -> int:
+    return _len0(metas.get("req_pool_indices")) or 0
+
+
+def row_stride(m: TensorMeta) -> int:
+    """``req_to_token.stride(0)`` as torch reports it; a compact JAX array's row pitch is its
+    width, and an empty dimension counts as 1 as in torch's stride convention."""
+    if m.framework == "jax" or m.strides is None:
+        return max(m.shape[1], 1) if m.ndim >= 2 else 1
+    return m.stride(0)
+
+
+def _stride0(metas, scalars) -> int | None:
+    s = scalars.get("req_to_token_stride0")
+    if s is not None:
+        return int(s)
+    m = metas.get("req_to_token")
+    return None if m is None or m.ndim < 2 else row_stride(m)
+
+
+def _rule_write_offsets_positive(metas, scalars):
+    n = _len0(metas.get("out_write_offsets"))
+    return None if n is None or n > 0 else {"n": n}
+
+
+def _rule_verify_capacity(metas, scalars):
+    c = scalars["verify_capacity"]
+    return None if c >= 0 else {"n": c}
+
+
+def _rule_stride_positive(metas, scalars):
+    s = _stride0(metas, scalars)
+    return None if s is None or s > 0 else {"n": s}
+
+
+def _rule_lut_nonempty(metas, scalars):
+    m = metas.get("full_to_swa_index_mapping")
+    return None if m is None or (m.shape[0] if m.ndim else 1) > 0 else {}
+
+
+def _len_rule(name, expected_fn):
+    def fails(metas, scalars):
+        m = metas.get(name)
+        if m is None:
+            return None
+        exp = expected_fn(metas, scalars)
+        return None if m.shape[0] == exp else {"name": name, "exp": exp, "n": m.shape[0]}
+
+    return fails
+
+
+def _rule_lut_min_len(metas, scalars):
+    m = metas.get("lut_tensor")
+    if m is None:
+        return None
+    lut = metas.get("full_to_swa_index_mapping")
+    lut_len = 0 if lut is None else (lut.shape[0] if lut.ndim else 1)
+    need = max(lut_len, 1)
+    return None if m.shape[0] >= need else {"need": need, "n": m.shape[0]}
+
+
+def _rule_write_offsets_len(metas, scalars):
+    wo, seeds = metas.get("out_write_offsets"), metas.get("out_write_seed_slot_indices")
+    if wo is None or seeds is None:
+        return None
+    n, c = wo.shape[0], seeds.shape[0]
+    return None if n == c + 1 else {"n": n, "c": c}
+
+
+def _rule_bs_capacity(metas, scalars):
+    seeds = metas.get("out_write_seed_slot_indices")
+    if seeds is None:
+        return None
+    bs, c = _bs(metas), seeds.shape[0]
+    return None if bs <= c else {"bs": bs, "c": c}
+
+
+def _rule_stride_match(metas, scalars):
+    a = scalars.get("req_to_token_stride0")
+    m = metas.get("req_to_token")
+    if a is None or m is None:
+        return None
+    b = row_stride(m)
+    return None if int(a) == b else {"a": int(a), "b": b}
+
+
+def _rule_same_device(metas, scalars):
+    # SGLang allocates its scratch on the verify plan's device and checks everything against it.
+    anchor = metas.get("out_verify_slot_indices")
+    if anchor is None or anchor.device is None:
+        return None
+    for name, _ in _ORDER:
+        m = metas.get(name)
+        if m is not None and m.device is not None and m.device != anchor.device:
+            return {"name": name, "dev": anchor.device, "dev2": m.device}
+    return None
+
+
+def _ndim_then_len(name: str, expected_fn) -> tuple[Check, ...]:
+    return (
+        NDim(name, 1, _1D_MSG),
+        Rule(_len_rule(name, expected_fn), "kv-canary: {name} length must be {exp}, got {n}"),
+    )
+
+
+OFFSETS_CHECKS: tuple[Check, ...] = (
+    *(Contiguous(name) for name, _ in _ORDER),
+    *(DType(name, dt, _DTYPE_MSG, exc=ValueError) for name, dt in _ORDER),
+    Rule(_rule_write_offsets_positive, "kv-canary: write_offsets_len must be positive, got {n}"),
+    Rule(_rule_verify_capacity, "kv-canary: verify_capacity must be non-negative, got {n}"),
+    Rule(_rule_stride_positive, "kv-canary: req_to_token_stride0 must be positive, got {n}"),
+    Rule(_rule_lut_nonempty, "kv-canary: lut_len must be positive when has_swa_lut is True"),
+    *_ndim_then_len("req_pool_indices", lambda m, s: _bs(m)),
+    *_ndim_then_len("prefix_lens", lambda m, s: _bs(m)),
+    *_ndim_then_len("extend_seq_lens", lambda m, s: _bs(m)),
+    NDim("req_to_token", 2, "kv-canary: {name} must be 2-D, got shape {shape}"),
+    NDim("lut_tensor", 1, _1D_MSG),
+    Rule(_rule_lut_min_len, "kv-canary: lut_tensor length must be >= {need}, got {n}"),
+    *_ndim_then_len("out_write_offsets", lambda m, s: m["out_write_offsets"].shape[0]),
+    *_ndim_then_len(
+        "out_write_seed_slot_indices", lambda m, s: m["out_write_seed_slot_indices"].shape[0]
+    ),
+    *_ndim_then_len("out_verify_num_valid", lambda m, s: 1),
+    *_ndim_then_len("out_verify_enable", lambda m, s: 1),
+    *_ndim_then_len("out_write_num_valid_reqs", lambda m, s: 1),
+    Rule(
+        _rule_write_offsets_len,
+        "kv-canary: write_offsets_len must equal write_req_capacity + 1, got {n} and {c}",
+    ),
+    Rule(_rule_bs_capacity, "kv-canary: bs={bs} exceeds write_req_capacity={c}"),
+    Rule(
+        _rule_stride_match,
+        "kv-canary: req_to_token_stride0={a} does not match req_to_token.stride(0)={b}",
+    ),
+    Rule(
+        _rule_same_device,
+        "kv-canary: {name} must be on out_verify_offsets_scratch's device {dev}, got {dev2}",
+    ),
+)
+
+
+# The entries half: the missing-valid_lens error, then SGLang's C++ guards.
+
+
+def _rule_valid_lens(metas, scalars):
+    if metas.get("req_to_verify_expected_tokens") is not None and metas.get(
+        "req_to_verify_expected_tokens_valid_lens"
+    ) is None:
+        return {}
+    return None
+
+
+def _guard(name, want_ndim, want_dtype, want_len=None):
+    """SGLang's C++ tensor-matcher guards (RuntimeError; their wording is not a contract)."""
+
+    def fails(metas, scalars):
+        m = metas.get(name)
+        if m is None:
+            return None
+        exp_len = None if want_len is None else want_len(metas, scalars)
+        bad = m.ndim != want_ndim or m.dtype != want_dtype or (
+            exp_len is not None and m.shape[0] != exp_len
+        )
+        if not bad:
+            return None
+        desc = f"{want_ndim}-D {m.fmt_dtype(want_dtype)}"
+        if exp_len is not None:
+            desc += f" of length {exp_len}"
+        return {"name": name, "desc": desc, "shape": m.shape, "dtype": m.fmt_dtype()}
+
+    return Rule(fails, _ENTRIES + " {name} must be {desc}, got shape {shape} dtype {dtype}",
+                exc=RuntimeError)
+
+
+def _entries_bs(metas, scalars):
+    return metas.get("req_pool_indices").shape[0]
+
+
+def _cap(metas, scalars):
+    return scalars["verify_capacity"]
+
+
+ENTRIES_CHECKS: tuple[Check, ...] = (
+    Rule(
+        _rule_valid_lens,
+        _ENTRIES + " requires req_to_verify_expected_tokens_valid_lens when "
+        "req_to_verify_expected_tokens is set",
+    ),
+    _guard("out_verify_slot_indices", 1, "int64", _cap),
+    _guard("out_verify_expected_tokens", 1, "int64", _cap),
+    _guard("out_verify_expected_positions", 1, "int64", _cap),
+    _guard("out_verify_prev_slot_indices", 1, "int64", _cap),
+    _guard("req_to_verify_expected_tokens", 2, "int32"),
+    _guard("req_to_verify_expected_tokens_valid_lens", 1, "int64", _entries_bs),
+)
+
+
+def _rule_swa_lut(metas, scalars):
+    if scalars["swa_window_size"] > 0 and metas.get("full_to_swa_index_mapping") is None:
+        return {}
+    return None
+
+
+def _rule_capacity(metas, scalars):
+    m = metas.get("out_verify_slot_indices")
+    n = m.shape[0] if m is not None and m.ndim else None
+    if n is None or scalars["verify_capacity"] == n:
+        return None
+    return {"n": n}
+
+
+# SGLang's GPU-path order (spec §8, §11.2/§11.3): SWA LUT presence, verify_capacity, the offsets
+# kernel's checks, then the entries launcher's (missing valid_lens, then its C++ guards).
+CONTRACT = Contract(
+    op="canary_plan",
+    checks=(
+        Rule(_rule_swa_lut, _API + " requires full_to_swa_index_mapping when swa_window_size > 0"),
+        Rule(
+            _rule_capacity,
+            _API + " verify_capacity={verify_capacity} does not match "
+            "verify_plan_out.verify_slot_indices.shape[0]={n}",
+        ),
+        *OFFSETS_CHECKS,
+        *ENTRIES_CHECKS,
+    ),
+)
+
+# SGLang validates a 1-element int64 placeholder under the name lut_tensor when there is no LUT.
+_LUT_PLACEHOLDER = TensorMeta(shape=(1,), dtype="int64", strides=(1,), device=None,
+                              framework="jax")
+
+
+def plan_metas(tensors: Mapping[str, Any]) -> dict[str, TensorMeta | None]:
+    """Metas for :data:`CONTRACT` from a mapping with keys ``req_pool_indices``, ``prefix_lens``,
+    ``extend_seq_lens``, ``req_to_token``, ``full_to_swa_index_mapping``,
+    ``req_to_verify_expected_tokens``, ``req_to_verify_expected_tokens_valid_lens`` and the plan
+    fields under SGLang's launcher names (``out_verify_slot_indices``,
+    ``out_verify_expected_tokens``, ``out_verify_expected_positions``,
+    ``out_verify_prev_slot_indices``, ``out_verify_num_valid``, ``out_verify_enable``,
+    ``out_write_offsets``, ``out_write_seed_slot_indices``, ``out_write_num_valid_reqs``); values
+    are JAX arrays or torch tensors (or None). Adds ``lut_tensor`` as SGLang does."""
+    metas = {k: (None if v is None else meta_of(v)) for k, v in tensors.items()}
+    lut = metas.get("full_to_swa_index_mapping")
+    if lut is None:
+        anchor = metas.get("out_verify_slot_indices")
+        lut = dataclasses.replace(_LUT_PLACEHOLDER, device=anchor.device if anchor else None,
+                                  framework=anchor.framework if anchor else "jax")
+    metas["lut_tensor"] = lut
+    return metas
+
+
+def validate(vp: VerifyPlan, wp: WritePlan, rpi, prefix, extend, rtt, lut, pool, valid_lens, *,
+             swa_window_size: int, verify_capacity: int,
+             req_to_token_stride0: int | None) -> None:
+    """:data:`CONTRACT` on the op's arrays (raises at trace time)."""
+    metas = plan_metas(dict(
+        req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend, req_to_token=rtt,
+        full_to_swa_index_mapping=lut, req_to_verify_expected_tokens=pool,
+        req_to_verify_expected_tokens_valid_lens=valid_lens,
+        out_verify_slot_indices=vp.verify_slot_indices,
+        out_verify_expected_tokens=vp.verify_expected_tokens,
+        out_verify_expected_positions=vp.verify_expected_positions,
+        out_verify_prev_slot_indices=vp.verify_prev_slot_indices,
+        out_verify_num_valid=vp.verify_num_valid,
+        out_verify_enable=vp.enable,
+        out_write_offsets=wp.write_offsets,
+        out_write_seed_slot_indices=wp.write_seed_slot_indices,
+        out_write_num_valid_reqs=wp.write_num_valid_reqs,
+    ))
+    CONTRACT.validate_metas(
+        metas, swa_window_size=swa_window_size, verify_capacity=verify_capacity,
+        req_to_token_stride0=req_to_token_stride0,
+    )
+
+
+def shapes(vp: VerifyPlan, wp: WritePlan, rpi, rtt, lut, pool) -> dict[str, int]:
+    """The static sizes a launch configuration may depend on."""
+    return {"bs": int(rpi.shape[0]), "verify_capacity": int(vp.verify_slot_indices.shape[0]),
+            "write_capacity": int(wp.write_seed_slot_indices.shape[0]),
+            "rows": int(rtt.shape[0]), "row_pitch": int(rtt.shape[1]),
+            "lut_len": 0 if lut is None else int(lut.shape[0]),
+            "pool_pitch": 0 if pool is None else int(pool.shape[1])}
+
+
+# --------------------------------------------------------------------------------------------
+# Shared by every implementation
+
+
+def window_start(prefix, swa_window_size: int):
+    if swa_window_size > 0:
+        return jnp.maximum(prefix - swa_window_size, 0)
+    return jnp.zeros_like(prefix)
+
+
+def lens(rpi, prefix, extend, in_bs, swa_window_size: int):
+    """``(active, verify_len, write_len)`` of each request (``in_bs``: lanes that are requests)."""
+    active = in_bs & (rpi != consts.REQ_POOL_IDX_PADDING)
+    vlen = jnp.where(active, jnp.maximum(prefix - window_start(prefix, swa_window_size), 0), 0)
+    wlen = jnp.where(active, jnp.maximum(extend, 0), 0)
+    return active, vlen, wlen
+
+
+def empty_batch(vp: VerifyPlan, wp: WritePlan) -> tuple[VerifyPlan, WritePlan]:
+    """The result of a ``bs == 0`` plan (see the module docstring)."""
+    return (
+        VerifyPlan(
+            verify_slot_indices=vp.verify_slot_indices,
+            verify_expected_tokens=vp.verify_expected_tokens,
+            verify_expected_positions=vp.verify_expected_positions,
+            verify_prev_slot_indices=vp.verify_prev_slot_indices,
+            verify_num_valid=jnp.zeros_like(vp.verify_num_valid),
+            enable=jnp.ones_like(vp.enable),
+        ),
+        WritePlan(
+            write_offsets=jnp.zeros_like(wp.write_offsets),
+            write_seed_slot_indices=wp.write_seed_slot_indices,
+            write_num_valid_reqs=jnp.zeros_like(wp.write_num_valid_reqs),
+        ),
+    )
+
+
+def compose(offsets_fn: Callable, entries_fn: Callable, vp: VerifyPlan, wp: WritePlan, rpi,
+            prefix, extend, rtt, lut, pool, valid_lens, *, swa_window_size: int,
+            verify_capacity: int, kv_token_id_vs_position_offset: int):
+    """The plan from its two halves (``bs >= 1``)::
+
+        offsets_fn(rpi, prefix, extend, rtt, lut, write_offsets, seeds, verify_num_valid, enable,
+                   write_num_valid_reqs, *, swa_window_size, verify_capacity)
+            -> (verify_offsets[bs + 1], write_offsets, seeds, verify_num_valid, enable,
+                write_num_valid_reqs)
+        entries_fn(rpi, prefix, rtt, lut, verify_offsets, enable, pool, valid_lens, slots,
+                   tokens, positions, prevs, *, swa_window_size, kv_token_id_vs_position_offset)
+            -> (slots, tokens, positions, prevs)
+    """
+    voff, wo, seeds, nv, en, wn = offsets_fn(
+        rpi, prefix, extend, rtt, lut, wp.write_offsets, wp.write_seed_slot_indices,
+        vp.verify_num_valid, vp.enable, wp.write_num_valid_reqs,
+        swa_window_size=swa_window_size, verify_capacity=verify_capacity,
+    )
+    slots, toks, poss, prevs = entries_fn(
+        rpi, prefix, rtt, lut, voff, en, pool, valid_lens, vp.verify_slot_indices,
+        vp.verify_expected_tokens, vp.verify_expected_positions, vp.verify_prev_slot_indices,
+        swa_window_size=swa_window_size,
+        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+    )
+    return (
+        VerifyPlan(verify_slot_indices=slots, verify_expected_tokens=toks,
+                   verify_expected_positions=poss, verify_prev_slot_indices=prevs,
+                   verify_num_valid=nv, enable=en),
+        WritePlan(write_offsets=wo, write_seed_slot_indices=seeds, write_num_valid_reqs=wn),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Pure-jnp reference
+
+
+def offsets_reference(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds,
+                      verify_num_valid, enable, write_num_valid_reqs, *, swa_window_size,
+                      verify_capacity):
+    """The offsets half (see :func:`compose`)."""
+    del verify_num_valid, enable, write_num_valid_reqs
+    bs = rpi.shape[0]
+    _, vlen, wlen = lens(rpi, prefix, extend, jnp.ones((bs,), bool), swa_window_size)
+    voff = jnp.concatenate([jnp.zeros((1,), jnp.int64), jnp.cumsum(vlen)])
+    wcum = jnp.concatenate([jnp.zeros((1,), jnp.int64), jnp.cumsum(wlen)])
+    new_wo = jnp.zeros_like(write_offsets).at[: bs + 1].set(wcum)
+    total_v = voff[bs]
+    rows, pitch = req_to_token.shape
+    has_prefix = (rpi != consts.REQ_POOL_IDX_PADDING) & (prefix > 0)
+    flat = rpi * pitch + (prefix - 1)
+    ok = has_prefix & (flat >= 0) & (flat < rows * pitch)
+    cells = req_to_token.reshape(-1)
+    raw = jnp.where(ok, cells[jnp.clip(flat, 0, max(rows * pitch - 1, 0))] if rows * pitch else 0,
+                    0).astype(jnp.int64)
+    if lut is not None:
+        raw = jnp.where(raw < 0, raw, lut[jnp.clip(raw, 0, lut.shape[0] - 1)])
+    seed = jnp.where(has_prefix & (wlen > 0), raw, -1)
+    new_seeds = seeds.at[:bs].set(seed) if bs else seeds
+    overflow = total_v > verify_capacity
+    nv = jnp.where(overflow, verify_capacity, total_v).astype(jnp.int32).reshape(1)
+    en = jnp.where(overflow, 0, 1).astype(jnp.int32).reshape(1)
+    wn = jnp.full((1,), bs, jnp.int32)
+    return voff, new_wo, new_seeds, nv, en, wn
+
+
+def entries_reference(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, valid_lens,
+                      slots, tokens, positions, prevs, *, swa_window_size,
+                      kv_token_id_vs_position_offset):
+    """The entries half (see :func:`compose`)."""
+    bs = rpi.shape[0]
+    capacity = slots.shape[0]
+    total = verify_offsets[bs]
+    live = jnp.where(enable[0] != 0, jnp.minimum(total, capacity), 0)
+    t = jnp.arange(capacity, dtype=jnp.int64)
+    r = jnp.clip(jnp.searchsorted(verify_offsets[:bs], t, side="right") - 1, 0, bs - 1)
+    rp = rpi[r]
+    pos = window_start(prefix[r], swa_window_size) + (t - verify_offsets[r])
+
+    def read(table, col, ok, other):
+        n = table.size
+        flat = rp * table.shape[1] + col
+        ok = ok & (flat >= 0) & (flat < n)
+        if n == 0:
+            return jnp.full(t.shape, other, jnp.int64)
+        v = table.reshape(-1)[jnp.clip(flat, 0, n - 1)].astype(jnp.int64)
+        return jnp.where(ok, v, other)
+
+    def xl(v):
+        if lut is None:
+            return v
+        return jnp.where(v < 0, v, lut[jnp.clip(v, 0, lut.shape[0] - 1)])
+
+    slot = xl(read(req_to_token, pos, True, 0))
+    prev = jnp.where(pos > 0, xl(read(req_to_token, pos - 1, pos > 0, 0)), -1)
+    if pool is not None:
+        sot = pos + int(kv_token_id_vs_position_offset)
+        tok = read(pool, sot, (sot >= 0) & (sot < valid_lens[r]), -1)
+    else:
+        tok = jnp.full(t.shape, -1, jnp.int64)
+    m = t < live
+    return (jnp.where(m, slot, slots), jnp.where(m, tok, tokens), jnp.where(m, pos, positions),
+            jnp.where(m, prev, prevs))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("swa_window_size", "verify_capacity", "kv_token_id_vs_position_offset"),
+)
+def reference(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, *, swa_window_size,
+              verify_capacity, kv_token_id_vs_position_offset):
+    """The array-level reference (no validation)."""
+    if rpi.shape[0] == 0:
+        return empty_batch(vp, wp)
+    return compose(offsets_reference, entries_reference, vp, wp, rpi, prefix, extend, rtt, lut,
+                   pool, valid_lens, swa_window_size=swa_window_size,
+                   verify_capacity=verify_capacity,
+                   kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
+
+
+def _opt(x):
+    return None if x is None else jnp.asarray(x)
+
+
+@_config.with_x64
+def canary_plan_reference(
+    *,
+    verify_plan_out: VerifyPlan,
+    write_plan_out: WritePlan,
+    req_pool_indices,
+    prefix_lens,
+    extend_seq_lens,
+    req_to_token,
+    swa_window_size: int,
+    full_to_swa_index_mapping,
+    verify_capacity: int,
+    req_to_verify_expected_tokens,
+    req_to_verify_expected_tokens_valid_lens,
+    kv_token_id_vs_position_offset: int,
+    req_to_token_stride0: int | None = None,
+) -> tuple[VerifyPlan, WritePlan]:
+    """Pure-jnp :func:`kvcanary_jax.canary_plan` (same validation, results and choices)."""
+    args = (jnp.asarray(req_pool_indices), jnp.asarray(prefix_lens), jnp.asarray(extend_seq_lens),
+            jnp.asarray(req_to_token), _opt(full_to_swa_index_mapping),
+            _opt(req_to_verify_expected_tokens), _opt(req_to_verify_expected_tokens_valid_lens))
+    validate(verify_plan_out, write_plan_out, *args, swa_window_size=int(swa_window_size),
+             verify_capacity=int(verify_capacity),
+             req_to_token_stride0=None if req_to_token_stride0 is None
+             else int(req_to_token_stride0))
+    return reference(verify_plan_out, write_plan_out, *args,
+                     swa_window_size=int(swa_window_size), verify_capacity=int(verify_capacity),
+                     kv_token_id_vs_position_offset=int(kv_token_id_vs_position_offset))

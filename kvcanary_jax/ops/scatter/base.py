@@ -1,0 +1,111 @@
+"""scatter_req_token_ids: copy each request's int64 token ids into its row of an int32 pool.
+
+For each request ``r`` with ``start, end = offsets[r], offsets[r + 1]`` and
+``write_len = min(end - start, max_context_len)``::
+
+    pool_out[req_pool_indices[r], j] = int32(flat_in[start + j])      for j in [0, write_len)
+
+``int32()`` keeps the low 32 bits (two's-complement wrap). Rows not addressed, and columns at or
+past ``write_len`` of addressed rows, keep their contents. Padding row 0 is written like any other.
+
+This is the semantics of SGLang's newer upstream scatter (2-D grid, no batch cap), which on
+well-formed offsets equals SGLang 0.5.23's ``launch_scatter_req_token_ids_kernel`` and its torch
+reference byte for byte. Where the inputs are malformed every implementation stays in bounds
+instead of mirroring undefined GPU behaviour:
+
+* a flat index outside ``[0, len(flat_in))`` is never read and its cell is left untouched
+  (a negative ``start`` does not wrap around as Python slicing would in SGLang's reference);
+* a target row outside ``[0, max_reqs)`` is skipped (SGLang's kernel writes out of bounds; its
+  reference wraps negative rows);
+* decreasing offsets give an empty range.
+
+Requests that name the same row are applied in request order by the reference (the later request
+wins, as in SGLang's torch reference); on the GPU their order is unspecified. Unlike SGLang
+0.5.23 (``bs + 1 <= 512``) there is no cap on the number of requests.
+
+This module holds the op's contract, its static shapes (the keys of tuned launch configs) and the
+pure-jnp sequential reference, the test oracle of every implementation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kvcanary_jax import _config
+from kvcanary_jax.contracts import Contract, DType, NDim, Rule
+
+__all__ = ["CONTRACT", "validate", "shapes", "reference", "scatter_req_token_ids_reference"]
+
+_P = "kv-canary: scatter_req_token_ids"
+
+
+def _offsets_length(metas, scalars):
+    n, bs = metas["offsets"].shape[0], metas["req_pool_indices"].shape[0]
+    return None if n == bs + 1 else {"n": n, "bs1": bs + 1}
+
+
+# SGLang's launcher checks, in its order and words: dims, then dtypes (TypeError), then length.
+CONTRACT = Contract(
+    op="scatter_req_token_ids",
+    checks=(
+        NDim("flat_in", 1, _P + " flat_in must be 1-D, got shape {shape}"),
+        NDim("offsets", 1, _P + " offsets must be 1-D, got shape {shape}"),
+        NDim("req_pool_indices", 1, _P + " req_pool_indices must be 1-D, got shape {shape}"),
+        NDim("pool_out", 2, _P + " pool_out must be 2-D, got shape {shape}"),
+        DType("flat_in", "int64", _P + " flat_in must be int64, got {dtype}"),
+        DType("offsets", "int64", _P + " offsets must be int64, got {dtype}"),
+        DType("req_pool_indices", "int64", _P + " req_pool_indices must be int64, got {dtype}"),
+        DType("pool_out", "int32", _P + " pool_out must be int32, got {dtype}"),
+        Rule(_offsets_length, _P + " offsets length {n} != bs+1 ({bs1})"),
+    ),
+)
+
+
+def validate(flat_in, offsets, req_pool_indices, pool_out) -> None:
+    """SGLang's checks on the four arrays (raises at trace time)."""
+    CONTRACT.validate(dict(flat_in=flat_in, offsets=offsets, req_pool_indices=req_pool_indices,
+                           pool_out=pool_out))
+
+
+def shapes(flat_in, offsets, req_pool_indices, pool_out, max_cols: int) -> dict[str, int]:
+    """The static sizes a launch configuration may depend on."""
+    return {"bs": int(req_pool_indices.shape[0]), "num_tokens": int(flat_in.shape[0]),
+            "rows": int(pool_out.shape[0]), "max_cols": int(max_cols)}
+
+
+@functools.partial(jax.jit, static_argnames=("max_cols",))
+def reference(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int | None = None):
+    """The array-level reference (the arguments and result of an implementation's ``run``):
+    requests applied one after another, no validation. ``max_cols``: columns a row may receive
+    (default: the pool's width)."""
+    num_tokens = flat_in.shape[0]
+    num_rows, width = pool_out.shape
+    max_cols = width if max_cols is None else max_cols
+    cols = jnp.arange(width, dtype=jnp.int64)
+
+    def one_request(r, pool):
+        start, end = offsets[r], offsets[r + 1]
+        write_len = jnp.minimum(end - start, max_cols)
+        src = start + cols
+        take = (cols < write_len) & (src >= 0) & (src < num_tokens)
+        rp = req_pool_indices[r]
+        row_ok = (rp >= 0) & (rp < num_rows)
+        row = jnp.where(row_ok, rp, 0)
+        vals = flat_in[jnp.clip(src, 0, max(num_tokens - 1, 0))].astype(jnp.int32)
+        new_row = jnp.where(take & row_ok, vals, pool[row])
+        return pool.at[row].set(new_row)
+
+    if num_tokens == 0:
+        return pool_out
+    return jax.lax.fori_loop(0, req_pool_indices.shape[0], one_request, pool_out)
+
+
+@_config.with_x64
+def scatter_req_token_ids_reference(*, flat_in, offsets, req_pool_indices, pool_out) -> jax.Array:
+    """Pure-jnp reference of :func:`kvcanary_jax.scatter_req_token_ids` (same validation)."""
+    args = tuple(jnp.asarray(x) for x in (flat_in, offsets, req_pool_indices, pool_out))
+    validate(*args)
+    return reference(*args)

@@ -1,0 +1,211 @@
+"""canary_verify: check that written slots still hold what the write op stamped.
+
+Semantics (SGLang's ``launch_canary_verify_kernel``, spec section 10)::
+
+    kernel_run_counter += 1                                   # always, even when enable == 0
+    if enable[0] == 0: return
+    A = clamp(verify_num_valid[0], 0, verify_capacity);  slot_run_counter += A
+    for k in [0, A):  (entries with slot 0 are skipped, still counted)
+        (tok, pos, ph, rkv) = canary_buf[s];  p = prev slot
+        exp_chain = anchor hash if p < 0, slot_hash(p) if p > 0, ph (check skipped) if p == 0
+        bits = 1 chain | 32 token (when asked, expected != -1) | 2 position | 4 real-KV
+        if bits: record(s, pos, tok, exp_tok, ph, exp_chain, bits)
+
+Records are appended in entry order by the reference, ``xla`` and ``pallas_interpret``; on the
+GPU (``pallas_triton``) the blocks of entries reserve their rows with atomics, so rows keep entry
+order within a block and the order across blocks is the atomics' (compare as a multiset).
+
+Out-of-range indices never cause an out-of-bounds access (SGLang's GPU reads outside the buffer):
+
+* a negative slot ``-num_slots <= s < 0`` reads row ``s + num_slots``, as SGLang's reference
+  does (Python indexing); its real-KV fingerprint is computed from zero words (the reference
+  raises there), i.e. expected 0;
+* a slot outside ``[-num_slots, num_slots)`` reads as an all-zero row (its record carries the raw
+  slot index);
+* a predecessor at or past ``num_slots`` reads as an all-zero row (expected link mix3(0,0,0) = 0);
+* a negative ``verify_num_valid`` means no entry (the reference's clamp).
+
+This module holds the op's contract, its static shapes (the keys of tuned launch configs) and
+:func:`reference`, the pure-jnp version of the op (entries in order), the test oracle of every
+implementation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kvcanary_jax import _config, consts, hashing
+from kvcanary_jax.context import (
+    SourceAbi,
+    SourceCount,
+    SourceSpec,
+    VerifyOrWriteContext,
+    as_words,
+    source_spec,
+)
+from kvcanary_jax.contracts import Contiguous, Contract, Rule, meta_of
+from kvcanary_jax.ops._kernel_lib import (
+    canary_checks,
+    canary_words,
+    context_guard_checks,
+    source_metas,
+    tensor_guard,
+)
+from kvcanary_jax.plans import VerifyPlan
+
+__all__ = ["CONTRACT", "validate", "shapes", "reference", "canary_verify_reference"]
+
+_V = "canary_verify"
+
+# SGLang's launcher order: source count (every path); contiguity (canary, plan, sinks);
+# per-source ABI checks; then its C++ guards (RuntimeError, wording ours) and the stride check.
+CONTRACT = Contract(
+    op=_V,
+    checks=(
+        SourceCount(),
+        *(Contiguous(n) for n in (
+            "canary_buf", "plan.verify_slot_indices", "plan.verify_expected_tokens",
+            "plan.verify_expected_positions", "plan.verify_prev_slot_indices",
+            "plan.verify_num_valid", "plan.enable", "violation_ring", "violation_write_index",
+            "slot_run_counter", "kernel_run_counter")),
+        SourceAbi(),
+        *tensor_guard(_V, "plan.verify_slot_indices", "int64", 1),
+        *(
+            c
+            for n in ("plan.verify_expected_tokens", "plan.verify_expected_positions",
+                      "plan.verify_prev_slot_indices")
+            for c in tensor_guard(_V, n, "int64", 1)
+        ),
+        Rule(
+            lambda metas, s: next(
+                ({"name": n, "shape": metas[n].shape, "c": metas["plan.verify_slot_indices"].shape}
+                 for n in ("plan.verify_expected_tokens", "plan.verify_expected_positions",
+                           "plan.verify_prev_slot_indices")
+                 if metas[n].shape != metas["plan.verify_slot_indices"].shape),
+                None,
+            ),
+            "kv-canary: canary_verify: {name} must have the shape of plan.verify_slot_indices "
+            "{c}, got {shape}",
+            RuntimeError,
+        ),
+        *tensor_guard(_V, "plan.verify_num_valid", "int32", (1,)),
+        *tensor_guard(_V, "plan.enable", "int32", (1,)),
+        *context_guard_checks(_V),
+        *canary_checks(),
+    ),
+)
+
+
+def validate(context: VerifyOrWriteContext, plan: VerifyPlan) -> None:
+    """:data:`CONTRACT` on a context and a plan (raises at trace time)."""
+    tensors = {
+        "canary_buf": context.canary_buf,
+        "plan.verify_slot_indices": plan.verify_slot_indices,
+        "plan.verify_expected_tokens": plan.verify_expected_tokens,
+        "plan.verify_expected_positions": plan.verify_expected_positions,
+        "plan.verify_prev_slot_indices": plan.verify_prev_slot_indices,
+        "plan.verify_num_valid": plan.verify_num_valid,
+        "plan.enable": plan.enable,
+        "violation_ring": context.violation_ring,
+        "violation_write_index": context.violation_write_index,
+        "slot_run_counter": context.slot_run_counter,
+        "kernel_run_counter": context.kernel_run_counter,
+    }
+    metas = {k: meta_of(v) for k, v in tensors.items()}
+    metas.update(source_metas(context.real_kv_sources))
+    CONTRACT.validate_metas(metas, num_sources=len(context.real_kv_sources))
+
+
+def shapes(canary_buf, verify_slot_indices) -> dict[str, int]:
+    """The static sizes a launch configuration may depend on."""
+    return {"num_slots": int(canary_buf.shape[0]),
+            "capacity": int(verify_slot_indices.shape[0])}
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure-jnp reference (entries in order, rows appended in entry order; same bounds choices).
+
+
+@functools.partial(jax.jit, static_argnames=("specs", "mode", "kind", "check_token"))
+def _reference(canary_buf, ring, widx, sctr, kctr, slots, etok, epos, prev, nvalid,
+                          enable, source_bufs, *, specs, mode, kind, check_token):
+    i64 = jnp.int64
+    num_slots = canary_buf.shape[0]
+    c = canary_words(canary_buf).reshape(num_slots, -1)
+    cap = slots.shape[0]
+    enabled = enable[0] != 0
+    active = jnp.where(enabled, jnp.clip(nvalid[0], 0, cap), 0).astype(i64)
+    k = jnp.arange(cap, dtype=i64)
+    checked = (k < active) & (slots != consts.TOKEN_TO_KV_SLOT_PADDING)
+
+    def row(idx, ok):
+        return jnp.where(ok[:, None], c[jnp.where(ok, idx, 0), :4], 0)
+
+    s_eff = jnp.where(slots < 0, slots + num_slots, slots)
+    tok, pos, ph, rkv = row(s_eff, checked & (s_eff >= 0) & (s_eff < num_slots)).T
+    p_tok, p_pos, p_ph, _ = row(prev, checked & (prev > 0) & (prev < num_slots)).T
+    chain_checked = prev != consts.TOKEN_TO_KV_SLOT_PADDING
+    exp_chain = jnp.where(prev < 0, jnp.asarray(hashing.ANCHOR_HASH_I64, i64),
+                          hashing.mix3(p_ph, p_tok, p_pos))
+    exp_tok = etok if check_token else jnp.full((cap,), -1, i64)
+    words = [as_words(b) for b in source_bufs]
+    exp_rkv = hashing.fold_real_kv(slots, checked & (slots >= 0), words, specs, mode,
+                                   gather=hashing.array_gather)
+    F = consts.FailReason
+    bits = (jnp.where(chain_checked & (ph != exp_chain), int(F.VERIFY_CHAIN_HASH_MISMATCH), 0)
+            | jnp.where(pos != epos, int(F.VERIFY_POSITION_MISMATCH), 0)
+            | jnp.where(rkv != exp_rkv, int(F.VERIFY_REAL_KV_HASH_MISMATCH), 0))
+    if check_token:
+        bits = bits | jnp.where((exp_tok != -1) & (tok != exp_tok), int(F.VERIFY_TOKEN_MISMATCH), 0)
+    viol = checked & (bits != 0)
+    n = viol.astype(i64)
+    rows = widx[0].astype(i64) + jnp.cumsum(n) - n
+    vals = jnp.stack([jnp.full((cap,), kind, i64), slots, pos, tok, exp_tok, ph,
+                      jnp.where(chain_checked, exp_chain, ph), bits.astype(i64)], axis=1)
+    ring = ring.at[jnp.where(viol, rows, ring.shape[0])].set(vals, mode="drop")
+    return (ring, widx + jnp.sum(n).astype(jnp.int32), sctr + active, kctr + 1)
+
+
+def reference(
+    *, canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
+    verify_slot_indices, verify_expected_tokens, verify_expected_positions,
+    verify_prev_slot_indices, verify_num_valid, enable,
+    sources: tuple[tuple[jax.Array, SourceSpec], ...], kernel_kind: int, real_kv_hash_mode: int,
+    check_verify_expected_token: bool,
+):
+    """The array-level reference: the arguments and results of an implementation's ``run``
+    (``(violation_ring, violation_write_index, slot_run_counter, kernel_run_counter)``), no
+    validation."""
+    return _reference(
+        canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
+        verify_slot_indices, verify_expected_tokens, verify_expected_positions,
+        verify_prev_slot_indices, verify_num_valid, enable, tuple(b for b, _ in sources),
+        specs=tuple(s for _, s in sources), mode=int(real_kv_hash_mode), kind=int(kernel_kind),
+        check_token=bool(check_verify_expected_token),
+    )
+
+
+@_config.with_x64
+def canary_verify_reference(*, context: VerifyOrWriteContext, plan: VerifyPlan,
+                            check_verify_expected_token: bool) -> VerifyOrWriteContext:
+    """Pure-jnp reference of :func:`kvcanary_jax.canary_verify` (rows in entry order; same
+    validation)."""
+    validate(context, plan)
+    ring, widx, sctr, kctr = reference(
+        canary_buf=context.canary_buf, violation_ring=context.violation_ring,
+        violation_write_index=context.violation_write_index,
+        slot_run_counter=context.slot_run_counter, kernel_run_counter=context.kernel_run_counter,
+        verify_slot_indices=plan.verify_slot_indices,
+        verify_expected_tokens=plan.verify_expected_tokens,
+        verify_expected_positions=plan.verify_expected_positions,
+        verify_prev_slot_indices=plan.verify_prev_slot_indices,
+        verify_num_valid=plan.verify_num_valid, enable=plan.enable,
+        sources=tuple((s.tensor, source_spec(s)) for s in context.real_kv_sources),
+        kernel_kind=int(context.kernel_kind), real_kv_hash_mode=int(context.real_kv_hash_mode),
+        check_verify_expected_token=bool(check_verify_expected_token),
+    )
+    return context.replace(violation_ring=ring, violation_write_index=widx,
+                           slot_run_counter=sctr, kernel_run_counter=kctr)

@@ -1,0 +1,277 @@
+"""canary_verify as a Pallas kernel (Triton lowering on CUDA GPUs; interpret mode too).
+
+Parallel shape: a persistent grid of at most ``max_programs`` programs, each taking blocks of
+``block`` entries (grid-stride over the active blocks; no loop when one pass covers the plan).
+A block is ``group`` column vectors (entry ``r * group + g`` in column g); per column the slot rows
+are masked gathers of ``vec`` words per load, and the predecessor's fields are taken from column
+g-1 when the plan says the predecessor is the previous entry's slot (chain order), gathered
+otherwise. Fingerprints are folded vectorised, and the block's violation rows are reserved with
+ONE atomic add on ``violation_write_index`` (an entry's row is that base plus the count of
+violations before it in the block), so rows keep entry order within a block; the order across
+blocks is the atomics' (as SGLang's GPU, compare as a multiset). Program 0 alone bumps the
+counters (both are known before any entry is read). Semantics and bounds:
+:mod:`kvcanary_jax.ops.verify.base`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from kvcanary_jax import consts, hashing
+from kvcanary_jax.context import SourceSpec, as_words
+from kvcanary_jax.ops import _kernel_lib
+from kvcanary_jax.ops._kernel_lib import append_rows, canary_words
+
+__all__ = ["Config", "heuristics", "run", "BLOCK", "MAX_PROGRAMS", "NUM_WARPS", "NUM_STAGES",
+           "GROUP", "VEC", "HOIST", "SMALL_PLANS"]
+
+# Entries per block (one grid-stride step of a program), persistent grid cap (SGLang: 64 blocks x
+# 512 threads; the grid is smaller for small plans) and warps: the fastest of the H200 sweep
+# (bench/tune_verify.py, bench/NOTES.md): 187 us at 4M entries against 197 for 512 x 4 warps.
+BLOCK = 1024
+MAX_PROGRAMS = 528
+NUM_WARPS = 8
+NUM_STAGES = 1
+# A block is ``GROUP`` columns of ``BLOCK // GROUP`` entries, entry r * GROUP + g in column g: in
+# a chain-ordered plan an entry's predecessor is the previous entry's slot, whose fields column
+# g-1 has just loaded, so only column 0 (and entries whose predecessor is elsewhere) gathers the
+# predecessor row. Triton has no lane shuffle; separate column vectors need none.
+GROUP = 4
+# Canary words per gather instruction (1, 2 or 4): a slot's 4 fields are one 32-byte row, so a
+# [rows, VEC] tile load becomes vector loads and one cache-line lookup per row instead of four.
+VEC = 4
+# When one block per program covers the plan, drop the grid-stride loop and issue the plan
+# loads before ``enable`` / ``verify_num_valid`` arrive (one dependent round trip fewer).
+HOIST = True
+# Small plans (the H200 sweep of bench/tune_verify.py, bench/NOTES.md): the large-plan shape
+# leaves most SMs idle (a 1,024-entry plan is one 8-warp program: 4.2 us), and at these sizes the
+# per-entry latency matters more than the load count, so the plain one-entry-per-lane structure
+# in small blocks wins: 2.4 us at 1k entries (128-entry blocks, 4 warps), 6.2 us at 64k
+# (256-entry blocks, 2 warps).
+SMALL_PLANS = ((4096, dict(block=128, num_warps=4, group=1, vec=1)),
+               (65536, dict(block=256, num_warps=2, group=1, vec=1, max_programs=264)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Launch parameters: ``block`` entries per block (a power of two), ``max_programs`` (the
+    persistent grid's cap), ``num_warps``, ``num_stages``, ``group`` column vectors per block (a
+    power of two), ``vec`` canary words per gather (1, 2 or 4), ``hoist`` (drop the grid-stride
+    loop and issue the plan loads early when one pass covers the plan). Results do not depend on
+    them."""
+
+    block: int = BLOCK
+    max_programs: int = MAX_PROGRAMS
+    num_warps: int = NUM_WARPS
+    num_stages: int = NUM_STAGES
+    group: int = GROUP
+    vec: int = VEC
+    hoist: bool = HOIST
+
+    def __post_init__(self):
+        pow2 = lambda n: n >= 1 and not n & (n - 1)  # noqa: E731
+        if self.vec not in (1, 2, 4) or not pow2(self.group) or not pow2(self.block) or \
+                self.max_programs < 1 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"kv-canary: canary_verify: bad launch parameters block={self.block} "
+                             f"group={self.group} vec={self.vec} (powers of two; vec 1, 2 or 4)")
+
+
+def heuristics(shapes) -> Config:
+    """The large-plan shape, or the small-plan one for plans of up to 4,096 / 65,536 entries."""
+    for limit, small in SMALL_PLANS:
+        if shapes["capacity"] <= limit:
+            return Config(**small)
+    return Config()
+
+
+def _verify_kernel(
+    slots_ref, etok_ref, epos_ref, prev_ref, nvalid_ref, enable_ref, canary, *refs, specs, mode,
+    kind, check_token, num_slots, slot_words, ring_cap, block, num_programs, group, vec, hoist,
+):
+    nsrc = len(specs)
+    src_refs = refs[:nsrc]
+    ring, widx, sctr, kctr = refs[nsrc + 4:]
+    p = pl.program_id(0)
+    capacity = slots_ref.shape[0]
+    i64 = jnp.int64
+    enabled = enable_ref[0] != 0
+    active = jnp.clip(nvalid_ref[0], 0, capacity).astype(i64)
+
+    @pl.when(p == 0)
+    def _counters():
+        kctr[0] = kctr[0] + 1
+        sctr[0] = sctr[0] + jnp.where(enabled, active, 0)
+
+    rows_per_col = block // group
+    lane = jnp.arange(rows_per_col, dtype=i64)
+    cdt = _kernel_lib.index_dtype(canary.shape[0])
+    # Row-aligned word index: the multiply by the static stride lets Triton prove the alignment
+    # that vector loads of ``vec`` words need.
+    def row_base(s, ok):
+        return jnp.where(ok, s, 0).astype(cdt) * slot_words
+
+    def gather(base, ok, nfields):
+        """Loads fields [0, nfields) of the rows at ``base``, ``vec`` words per load; returns
+        the raw loads (see ``fields``)."""
+        if vec == 1:
+            return [plt.load(canary.at[base + f], mask=ok, other=0) for f in range(nfields)]
+        col = jnp.arange(vec, dtype=cdt)[None, :]
+        m = jnp.broadcast_to(ok[:, None], (rows_per_col, vec))
+        return [plt.load(canary.at[base[:, None] + (col + f0)], mask=m, other=0)
+                for f0 in range(0, nfields, vec)]
+
+    def fields(loads, nfields):
+        if vec == 1:
+            return loads
+        out = []
+        for tile in loads:
+            out.extend(t.reshape(rows_per_col) for t in jax.lax.split(tile, (1,) * vec, axis=1))
+        return out[:nfields]
+
+    F = consts.FailReason
+    anchor = jnp.asarray(hashing.ANCHOR_HASH_I64, i64)
+
+    def block_body(b, act_limit):
+        # Entry k = b * block + r * group + g sits in column g: column g-1 holds its chain
+        # predecessor in plans laid out in chain order, so its fields are reused, not gathered.
+        # Warps issue in order and stall at a load's first use: every column's loads are issued
+        # (plan fields, then all gathers) before any loaded value is used, so one block costs
+        # two memory round trips whatever ``group`` is.
+        plan = []
+        for g in range(group):
+            k = b * block + lane * group + g
+            act = k < act_limit
+            in_plan = (k < capacity) if hoist else act
+            kc = jnp.where(in_plan, k, 0).astype(jnp.int32)
+            slot = plt.load(slots_ref.at[kc], mask=in_plan, other=0)
+            epos = plt.load(epos_ref.at[kc], mask=in_plan, other=0)
+            prev = plt.load(prev_ref.at[kc], mask=in_plan, other=0)
+            if check_token:
+                etok = plt.load(etok_ref.at[kc], mask=in_plan, other=-1)
+            else:
+                etok = jnp.full((rows_per_col,), -1, i64)
+            plan.append((act, slot, epos, prev, etok))
+
+        loads = []
+        for g, (act, slot, epos, prev, etok) in enumerate(plan):
+            checked = act & (slot != consts.TOKEN_TO_KV_SLOT_PADDING)
+            s_eff = jnp.where(slot < 0, slot + num_slots, slot)
+            s_ok = checked & (s_eff >= 0) & (s_eff < num_slots)
+            p_ok = checked & (prev > 0) & (prev < num_slots)
+            # The previous column's row is this entry's predecessor row exactly when the indices
+            # agree (that entry is active and its slot > 0 is in range, so it is loaded).
+            reuse = None if g == 0 else p_ok & (prev == plan[g - 1][1])
+            need = p_ok if reuse is None else p_ok & ~reuse
+            loads.append((checked, reuse, gather(row_base(s_eff, s_ok), s_ok, 4),
+                          gather(row_base(prev, need), need, 3)))
+
+        cols = []
+        prev_col = None
+        for (act, slot, epos, prev, etok), (checked, reuse, row, prow) in zip(plan, loads):
+            tok, pos, ph, rkv = fields(row, 4)
+            p_tok, p_pos, p_ph = fields(prow, 3)
+            if reuse is not None:
+                p_tok = jnp.where(reuse, prev_col[0], p_tok)
+                p_pos = jnp.where(reuse, prev_col[1], p_pos)
+                p_ph = jnp.where(reuse, prev_col[2], p_ph)
+            prev_col = (tok, pos, ph)
+
+            chain_checked = prev != consts.TOKEN_TO_KV_SLOT_PADDING
+            exp_chain = jnp.where(prev < 0, anchor, hashing.mix3(p_ph, p_tok, p_pos))
+            exp_aux = jnp.where(chain_checked, exp_chain, ph)
+            exp_rkv = _kernel_lib.fold_real_kv(slot, checked & (slot >= 0), src_refs, specs,
+                                               mode)
+            bits = (
+                jnp.where(chain_checked & (ph != exp_chain), int(F.VERIFY_CHAIN_HASH_MISMATCH), 0)
+                | jnp.where(pos != epos, int(F.VERIFY_POSITION_MISMATCH), 0)
+                | jnp.where(rkv != exp_rkv, int(F.VERIFY_REAL_KV_HASH_MISMATCH), 0)
+            )
+            if check_token:
+                bits = bits | jnp.where((etok != -1) & (tok != etok),
+                                        int(F.VERIFY_TOKEN_MISMATCH), 0)
+            viol = checked & (bits != 0)
+            cols.append((viol, (slot, pos, tok, etok, ph, exp_aux, bits.astype(i64))))
+
+        # Rows keep entry order within the block: entry (r, g) follows every entry of rows < r
+        # and the columns < g of row r.
+        counts = [c[0].astype(jnp.int32) for c in cols]
+        per_row = functools.reduce(jnp.add, counts)
+        total = jnp.sum(per_row, dtype=jnp.int32)
+
+        @pl.when(total > 0)
+        def _record():
+            first = plt.atomic_add(widx, (jnp.int32(0),), total)
+            row = first + jnp.cumsum(per_row, dtype=jnp.int32) - per_row
+            for (viol, fields), n in zip(cols, counts):
+                append_rows(ring, row, viol, ring_cap, (
+                    jnp.full((rows_per_col,), kind, i64), *fields))
+                row = row + n
+
+    limit = jnp.where(enabled, active, 0)
+    if hoist:
+        # One block per program covers the plan: no loop, and the plan loads need neither
+        # ``enable`` nor ``verify_num_valid``, so all three are in flight together.
+        block_body(p.astype(i64), limit)
+        return
+
+    nblocks = (limit + block - 1) // block
+    trips = jnp.maximum(nblocks - p + num_programs - 1, 0) // num_programs
+
+    def loop_body(t, carry):
+        block_body(p.astype(i64) + t.astype(i64) * num_programs, active)
+        return carry
+
+    jax.lax.fori_loop(0, trips, loop_body, 0)
+
+
+def run(
+    *, canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
+    verify_slot_indices, verify_expected_tokens, verify_expected_positions,
+    verify_prev_slot_indices, verify_num_valid, enable,
+    sources: tuple[tuple[jax.Array, SourceSpec], ...], kernel_kind: int, real_kv_hash_mode: int,
+    check_verify_expected_token: bool, config: Config, interpret: bool = False,
+):
+    """``(violation_ring, violation_write_index, slot_run_counter, kernel_run_counter)``, each
+    aliased to its input (``canary_buf`` is only read). ``interpret``: Pallas interpret mode
+    (``pallas_interpret``)."""
+    source_bufs = tuple(b for b, _ in sources)
+    specs = tuple(s for _, s in sources)
+    mode, kind = int(real_kv_hash_mode), int(kernel_kind)
+    check_token = bool(check_verify_expected_token)
+    block, max_programs, group, vec = config.block, config.max_programs, config.group, config.vec
+    num_slots, stride_bytes = canary_buf.shape
+    ring_cap = violation_ring.shape[0]
+    capacity = verify_slot_indices.shape[0]
+    block = min(block, pl.next_power_of_2(max(capacity, 1)))
+    group = min(group, block)
+    num_programs = max(1, min(max_programs, pl.cdiv(capacity, block)))
+    # A single pass covers the plan: no grid-stride loop (see the kernel).
+    hoist = config.hoist and num_programs * block >= capacity
+    words = [as_words(b) for b in source_bufs]
+    kernel = functools.partial(
+        _verify_kernel, specs=specs, mode=mode, kind=kind, check_token=check_token,
+        num_slots=num_slots, slot_words=stride_bytes // 8, ring_cap=ring_cap, block=block,
+        num_programs=num_programs, group=group, vec=vec, hoist=hoist,
+    )
+    ins = [verify_slot_indices, verify_expected_tokens, verify_expected_positions,
+           verify_prev_slot_indices, verify_num_valid, enable, canary_words(canary_buf), *words]
+    outs = [violation_ring.reshape(-1), violation_write_index, slot_run_counter,
+            kernel_run_counter]
+    k = len(ins)
+    ring, widx, sctr, kctr = pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs],
+        grid=(num_programs,),
+        input_output_aliases={k + j: j for j in range(len(outs))},
+        interpret=interpret,
+        compiler_params=None if interpret else _kernel_lib.compiler_params(
+            config.num_warps, config.num_stages),
+        name="kvcanary_verify",
+    )(*ins, *outs)
+    return ring.reshape(violation_ring.shape), widx, sctr, kctr

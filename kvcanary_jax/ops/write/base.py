@@ -1,0 +1,299 @@
+"""canary_write: stamp (token, position, chain link, real-KV fingerprint) into each written slot.
+
+Semantics (SGLang's ``launch_canary_write_kernel``, spec section 9)::
+
+    kernel_run_counter += 1                                  # always
+    for r in [0, clamp(write_num_valid_reqs, 0, write_req_capacity)):
+        h = slot_hash(seed)  (anchor hash if seed < 0);  last = seed.position (chain-position check)
+        for i in [write_offsets[r], write_offsets[r + 1]):
+            slot = out_cache_loc[i];  skip if slot < 0
+            input assert (token / position vs expected_*) -> record, chain still on actual values
+            chain-position assert (seed >= 0 and flag) -> record when position != last + 1
+            canary_buf[slot] = (token, position, h, real_kv_hash(slot))
+            h = mix3(h, token, position)
+            slot_run_counter += 1
+
+Guarantees where SGLang's GPU kernel leaves things unspecified or out of bounds (every
+implementation):
+
+* Within a request everything is sequential, as in SGLang's reference: when a slot repeats in a
+  request the last occurrence's row is stored; the seed slot is read once, before the request's
+  first store; violation rows of one request are appended in entry order (input-assert row
+  before the chain-position row of the same entry).
+* Across requests of one launch (a slot written by two requests, a seed written by another
+  request) the result follows request order in the reference, ``xla`` and ``pallas_interpret``;
+  on the GPU (``pallas_triton``) it is unspecified, as in SGLang, and the ring rows of different
+  requests are in the order their atomics ran.
+* Nothing is read or written out of bounds: a slot at or past ``num_slots`` is skipped like a
+  negative one (SGLang writes past the buffer; its reference raises IndexError); a seed at or past
+  ``num_slots`` reads as an all-zero slot; a token index outside ``input_ids`` is skipped; a
+  real-KV row past a source's rows reads as zero words.
+* A negative ``write_num_valid_reqs`` means no request (the reference's clamp; SGLang's GPU reads
+  it as huge). Requests are taken from their own ranges: the reference's early exit on
+  ``write_offsets[A] <= 0`` differs only for non-monotonic offsets.
+* All validation happens at trace time, before anything runs (SGLang's reference bumps
+  ``kernel_run_counter`` first and validates only when there is work).
+
+This module holds the op's contract, its static shapes (the keys of tuned launch configs) and
+:func:`reference`, a pure-jnp, fully sequential version of the op (requests and tokens in order)
+with the same bounds choices: the test oracle of every implementation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kvcanary_jax import _config, consts, hashing
+from kvcanary_jax.context import (
+    SourceAbi,
+    SourceCount,
+    SourceSpec,
+    VerifyOrWriteContext,
+    as_words,
+    source_spec,
+)
+from kvcanary_jax.contracts import Check, Contiguous, Contract, Rule, meta_of
+from kvcanary_jax.ops._kernel_lib import (
+    canary_checks,
+    canary_from_words,
+    canary_words,
+    context_guard_checks,
+    source_metas,
+    tensor_guard,
+)
+from kvcanary_jax.plans import WritePlan
+
+__all__ = ["CONTRACT", "validate", "shapes", "reference", "canary_write_reference"]
+
+_W = "canary_write"
+
+
+class _ExpectedPresence(Check):
+    """SGLang's flag / expected-tensor consistency (scalar ``enable_write_input_assert``)."""
+
+    def run(self, metas, scalars):
+        tok, pos = metas.get("expected_input_tokens"), metas.get("expected_input_positions")
+        if scalars["enable_write_input_assert"]:
+            if tok is None or pos is None:
+                raise ValueError(
+                    "kv-canary: expected input tensors are required when "
+                    "enable_write_input_assert=True"
+                )
+        elif tok is not None or pos is not None:
+            raise ValueError(
+                "kv-canary: expected input tensors must be None when enable_write_input_assert=False"
+            )
+
+
+def _same_length(metas, scalars):
+    n = metas["input_ids"].shape[0]
+    for name in ("positions", "out_cache_loc", "expected_input_tokens", "expected_input_positions"):
+        m = metas.get(name)
+        if m is not None and m.shape != (n,):
+            return {"name": name, "shape": m.shape, "n": n}
+    return None
+
+
+def _offsets_length(metas, scalars):
+    c = metas["plan.write_seed_slot_indices"].shape[0]
+    n = metas["plan.write_offsets"].shape[0]
+    return None if n == c + 1 else {"c1": c + 1, "n": n}
+
+
+# SGLang's launcher order: source count (every path); contiguity of the plan / token tensors;
+# flag consistency and the expected tensors' contiguity; contiguity of the sinks; per-source
+# ABI checks; then what SGLang's C++ guards check (dtypes, shapes: RuntimeError, wording ours)
+# and the canary stride (the reference's ValueError).
+CONTRACT = Contract(
+    op=_W,
+    checks=(
+        SourceCount(),
+        *(Contiguous(n) for n in (
+            "canary_buf", "plan.write_offsets", "plan.write_seed_slot_indices",
+            "plan.write_num_valid_reqs", "input_ids", "positions", "out_cache_loc")),
+        _ExpectedPresence(),
+        Contiguous("expected_input_tokens"),
+        Contiguous("expected_input_positions"),
+        *(Contiguous(n) for n in (
+            "violation_ring", "violation_write_index", "slot_run_counter",
+            "kernel_run_counter", "enable_chain_position_assert")),
+        SourceAbi(),
+        *tensor_guard(_W, "plan.write_offsets", "int64", 1),
+        *tensor_guard(_W, "plan.write_seed_slot_indices", "int64", 1),
+        *tensor_guard(_W, "plan.write_num_valid_reqs", "int32", (1,)),
+        Rule(
+            _offsets_length,
+            "kv-canary: canary_write: write_offsets.size(0) must equal write_req_capacity + 1 "
+            "({c1}), got {n}",
+            RuntimeError,
+        ),
+        *tensor_guard(_W, "input_ids", "int64", 1),
+        *tensor_guard(_W, "positions", "int64", 1),
+        *tensor_guard(_W, "out_cache_loc", "int64", 1),
+        *tensor_guard(_W, "expected_input_tokens", "int64", 1),
+        *tensor_guard(_W, "expected_input_positions", "int64", 1),
+        Rule(
+            _same_length,
+            "kv-canary: canary_write: {name} must have the length of input_ids ({n}), "
+            "got shape {shape}",
+            RuntimeError,
+        ),
+        *context_guard_checks(_W),
+        *tensor_guard(_W, "enable_chain_position_assert", "int32", (1,)),
+        *canary_checks(),
+    ),
+)
+
+
+def validate(context, plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
+             expected_input_tokens, expected_input_positions) -> None:
+    """:data:`CONTRACT` on the op's arguments (raises at trace time)."""
+    tensors = {
+        "canary_buf": context.canary_buf,
+        "plan.write_offsets": plan.write_offsets,
+        "plan.write_seed_slot_indices": plan.write_seed_slot_indices,
+        "plan.write_num_valid_reqs": plan.write_num_valid_reqs,
+        "input_ids": input_ids,
+        "positions": positions,
+        "out_cache_loc": out_cache_loc,
+        "expected_input_tokens": expected_input_tokens,
+        "expected_input_positions": expected_input_positions,
+        "violation_ring": context.violation_ring,
+        "violation_write_index": context.violation_write_index,
+        "slot_run_counter": context.slot_run_counter,
+        "kernel_run_counter": context.kernel_run_counter,
+        "enable_chain_position_assert": context.enable_chain_position_assert,
+    }
+    metas = {k: (None if v is None else meta_of(v)) for k, v in tensors.items()}
+    metas.update(source_metas(context.real_kv_sources))
+    CONTRACT.validate_metas(
+        metas, num_sources=len(context.real_kv_sources),
+        enable_write_input_assert=bool(enable_write_input_assert),
+    )
+
+
+def shapes(canary_buf, write_seed_slot_indices, input_ids) -> dict[str, int]:
+    """The static sizes a launch configuration may depend on."""
+    return {"num_slots": int(canary_buf.shape[0]),
+            "write_capacity": int(write_seed_slot_indices.shape[0]),
+            "num_tokens": int(input_ids.shape[0])}
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure-jnp reference: requests and tokens strictly in order (so cross-request hazards resolve as
+# in SGLang's reference), with the same bounds choices as the kernels.
+
+
+@functools.partial(jax.jit, static_argnames=("specs", "mode", "kind", "check_input"))
+def _reference(canary_buf, ring, widx, sctr, kctr, cpa, offsets, seeds, nvalid, ids,
+                         pos, ocl, etok, epos, source_bufs, *, specs, mode, kind, check_input):
+    i64 = jnp.int64
+    num_slots, stride = canary_buf.shape
+    num_tokens = ids.shape[0]
+    c = canary_words(canary_buf).reshape(num_slots, -1)
+    ring_cap = ring.shape[0]
+    words = [as_words(b) for b in source_bufs]
+    capacity = seeds.shape[0]
+    active = jnp.clip(nvalid[0], 0, capacity)
+    safe = lambda a, i: a[jnp.clip(i, 0, max(num_tokens - 1, 0))] if num_tokens else i * 0  # noqa
+
+    def append(ring, widx, fields, when):
+        at = jnp.where(when & (widx < ring_cap), widx, ring_cap)
+        return ring.at[at].set(jnp.stack(fields).astype(i64), mode="drop"), widx + when
+
+    def request(r, st):
+        c, ring, widx, written = st
+        start, end = offsets[r], offsets[r + 1]
+        seed = seeds[r]
+        seed_ok = (seed >= 0) & (seed < num_slots)
+        srow = jnp.where(seed_ok, c[jnp.where(seed_ok, seed, 0), :4], 0)
+        h0 = jnp.where(seed < 0, jnp.asarray(hashing.ANCHOR_HASH_I64, i64),
+                       hashing.mix3(srow[2], srow[0], srow[1]))
+        pos_check = (seed >= 0) & (cpa[0] != 0)
+
+        def token(i, st):
+            c, ring, widx, written, h, last = st
+            ok = (r < active) & (i >= 0) & (i < num_tokens)
+            slot, t, p = safe(ocl, i), safe(ids, i), safe(pos, i)
+            v = ok & (slot >= 0) & (slot < num_slots)
+            rkv = hashing.fold_real_kv(slot[None], v[None], words, specs, mode,
+                                       gather=hashing.array_gather)[0]
+            if check_input:
+                et, ep = safe(etok, i), safe(epos, i)
+                bits = (jnp.where(t != et, int(consts.FailReason.WRITE_TOKEN_MISMATCH), 0)
+                        | jnp.where(p != ep, int(consts.FailReason.WRITE_POSITION_MISMATCH), 0))
+                ring, widx = append(ring, widx, [kind, slot, p, t, et, h, ep, bits],
+                                    v & (bits != 0))
+            ring, widx = append(ring, widx, [kind, slot, p, t, t, h, last + 1,
+                                             int(consts.FailReason.WRITE_POSITION_MISMATCH)],
+                                v & pos_check & (p != last + 1))
+            c = c.at[jnp.where(v, slot, num_slots), :4].set(jnp.stack([t, p, h, rkv]),
+                                                             mode="drop")
+            return (c, ring, widx, written + v, jnp.where(v, hashing.mix3(h, t, p), h),
+                    jnp.where(v, p, last))
+
+        # Tokens outside the arrays are skipped, so the loop runs over the in-range part only.
+        lo = jnp.clip(start, 0, num_tokens)
+        hi = jnp.where(r < active, jnp.clip(end, 0, num_tokens), lo)
+        c, ring, widx, written, _, _ = jax.lax.fori_loop(
+            lo, hi, token, (c, ring, widx, written, h0, jnp.where(pos_check, srow[1], 0)))
+        return c, ring, widx, written
+
+    c, ring, widx1, written = jax.lax.fori_loop(
+        0, capacity, request, (c, ring, widx[0], jnp.zeros((), i64)))
+    return (canary_from_words(c.reshape(-1), canary_buf.shape), ring,
+            widx1.reshape(1).astype(jnp.int32), sctr + written, kctr + 1)
+
+
+def reference(
+    *, canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
+    enable_chain_position_assert, write_offsets, write_seed_slot_indices, write_num_valid_reqs,
+    input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions,
+    sources: tuple[tuple[jax.Array, SourceSpec], ...], kernel_kind: int, real_kv_hash_mode: int,
+    enable_write_input_assert: bool,
+):
+    """The array-level reference: the arguments and results of an implementation's ``run``
+    (``(canary_buf, violation_ring, violation_write_index, slot_run_counter,
+    kernel_run_counter)``), no validation."""
+    ids = input_ids
+    return _reference(
+        canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
+        enable_chain_position_assert, write_offsets, write_seed_slot_indices,
+        write_num_valid_reqs, ids, positions, out_cache_loc,
+        ids if expected_input_tokens is None else expected_input_tokens,
+        ids if expected_input_positions is None else expected_input_positions,
+        tuple(b for b, _ in sources), specs=tuple(s for _, s in sources),
+        mode=int(real_kv_hash_mode), kind=int(kernel_kind),
+        check_input=bool(enable_write_input_assert),
+    )
+
+
+@_config.with_x64
+def canary_write_reference(*, context: VerifyOrWriteContext, plan: WritePlan, input_ids,
+                           positions, out_cache_loc, enable_write_input_assert: bool,
+                           expected_input_tokens, expected_input_positions
+                           ) -> VerifyOrWriteContext:
+    """Pure-jnp reference of :func:`kvcanary_jax.canary_write` (fully sequential; same
+    validation)."""
+    validate(context, plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
+             expected_input_tokens, expected_input_positions)
+    opt = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
+    canary, ring, widx, sctr, kctr = reference(
+        canary_buf=context.canary_buf, violation_ring=context.violation_ring,
+        violation_write_index=context.violation_write_index,
+        slot_run_counter=context.slot_run_counter, kernel_run_counter=context.kernel_run_counter,
+        enable_chain_position_assert=context.enable_chain_position_assert,
+        write_offsets=plan.write_offsets, write_seed_slot_indices=plan.write_seed_slot_indices,
+        write_num_valid_reqs=plan.write_num_valid_reqs, input_ids=jnp.asarray(input_ids),
+        positions=jnp.asarray(positions), out_cache_loc=jnp.asarray(out_cache_loc),
+        expected_input_tokens=opt(expected_input_tokens),
+        expected_input_positions=opt(expected_input_positions),
+        sources=tuple((s.tensor, source_spec(s)) for s in context.real_kv_sources),
+        kernel_kind=int(context.kernel_kind), real_kv_hash_mode=int(context.real_kv_hash_mode),
+        enable_write_input_assert=bool(enable_write_input_assert),
+    )
+    return context.replace(canary_buf=canary, violation_ring=ring, violation_write_index=widx,
+                           slot_run_counter=sctr, kernel_run_counter=kctr)

@@ -1,0 +1,282 @@
+"""canary_write as a Pallas kernel (Triton lowering on CUDA GPUs; interpret mode too).
+
+Parallel shape: one program per request row (grid = write_req_capacity, at least 1; rows past
+the valid count do nothing), one warp each (``num_warps``): a request's chain is serial, and only
+its ``mix3`` step has to be. A program takes its tokens in blocks of ``block`` lanes: the block's
+slots / ids / positions are vector loads, its real-KV fingerprints (field 3) are folded and
+scattered vectorised, and the input assert is checked vectorised. The chain is a scalar loop in
+token order (``unroll`` steps per trip, then single steps for the remainder) whose body loads the
+token's slot, id and position (L1 hits), stores fields 0-2 with predicated scalar stores and
+advances the hash. A block with a violation to record (rare) runs its chain again to collect each
+lane's link and expected position, then reserves its rows with one atomic add and scatters them.
+
+In-request order: fields 0-2 are scalar stores in token order (Triton issues a scalar store from
+one thread; with one warp every lane would store the same value in the same instruction anyway),
+so the last occurrence of a repeated slot wins with no barrier; field 3 depends on the slot only,
+so every duplicate stores the same value. Across requests the programs run concurrently on the
+GPU; interpret mode runs them in order and so reproduces the reference. Semantics and bounds:
+:mod:`kvcanary_jax.ops.write.base`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from kvcanary_jax import consts, hashing
+from kvcanary_jax.context import SourceSpec, as_words
+from kvcanary_jax.ops import _kernel_lib
+from kvcanary_jax.ops._kernel_lib import append_rows, canary_from_words, canary_words, scatter
+
+__all__ = ["Config", "heuristics", "run", "BLOCK", "CHAIN_UNROLL", "NUM_WARPS"]
+
+# Tokens per block of one request: the vector part (loads, real-KV fingerprints, their store,
+# the input assert and the per-block violation check) is amortised over the block; the serial
+# part is one mix3 and three predicated scalar stores per token.
+BLOCK = 128
+# mix3 steps per trip of the chain loop: straight-line code lets the next steps' scalar loads
+# (L1 hits after the block's vector loads) issue while the current hash is computed.
+CHAIN_UNROLL = 8
+# A program is one serial chain: more warps would only repeat its scalar work and take residency
+# from other requests' programs.
+NUM_WARPS = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """``block``: tokens per vector block (a power of two); ``unroll``: chain steps per loop
+    trip; ``num_warps`` per program. Results do not depend on them; more than one warp is
+    correct only because Triton issues a scalar store from a single thread (the in-request order
+    of repeated slots), and is expected to be slower."""
+
+    block: int = BLOCK
+    unroll: int = CHAIN_UNROLL
+    num_warps: int = NUM_WARPS
+
+    def __post_init__(self):
+        if self.block < 1 or self.block & (self.block - 1) or self.unroll < 1 or \
+                self.num_warps < 1:
+            raise ValueError(f"kv-canary: canary_write: bad launch config {self} (block a power "
+                             "of two, unroll and num_warps >= 1)")
+
+
+def heuristics(shapes) -> Config:
+    return Config()
+
+
+def _write_kernel(
+    offsets_ref, seeds_ref, nvalid_ref, ids_ref, pos_ref, ocl_ref, etok_ref, epos_ref, cpa_ref,
+    *refs, specs, mode, kind, check_input, num_tokens, num_slots, slot_words, ring_cap, block,
+    unroll,
+):
+    nsrc = len(specs)
+    src_refs = refs[:nsrc]
+    canary, ring, widx, sctr, kctr = refs[nsrc + 5:]
+    r = pl.program_id(0)
+    i64 = jnp.int64
+    zero = jnp.zeros((), i64)
+    # Masked-off scalar stores aim at slot 0's words: the GPU does not touch them, and interpret
+    # mode writes their current value back, so nothing changes there either.
+    idt = _kernel_lib.index_dtype(canary.shape[0])
+
+    @pl.when(r == 0)
+    def _bump():
+        kctr[0] = kctr[0] + 1
+
+    # The request's scalars are loaded unconditionally (every index is in bounds) so that their
+    # latencies overlap; a program past the valid count simply gets n = 0.
+    nvalid = nvalid_ref[0]
+    start = offsets_ref[r]
+    end = offsets_ref[r + 1]
+    seed = seeds_ref[r]
+    cpa = cpa_ref[0]
+    n = jnp.where(r < nvalid, jnp.maximum(end - start, 0), zero)  # r < capacity: the clamp
+    seed_ok = (seed >= 0) & (seed < num_slots)
+    if num_slots:
+        base = jnp.where(seed_ok, seed, 0) * slot_words
+        s_tok, s_pos, s_ph = (jnp.where(seed_ok, canary[base + f], zero) for f in (
+            consts.CANARY_FIELD_TOKEN, consts.CANARY_FIELD_POSITION, consts.CANARY_FIELD_PREV_HASH))
+    else:
+        s_tok = s_pos = s_ph = zero
+    pos_check = (seed >= 0) & (cpa != 0)
+    last0 = jnp.where(pos_check, s_pos, zero)
+    lane = jnp.arange(block, dtype=i64)
+
+    def token(j):
+        """Scalar loads of the request's token j (in-request offset); v: it is written."""
+        i = start + j
+        ok = (j < n) & (i >= 0) & (i < num_tokens)
+        ic = jnp.where(ok, i, 0).astype(jnp.int32)
+        s, t, p = ocl_ref[ic], ids_ref[ic], pos_ref[ic]
+        return s, t, p, ok & (s >= 0) & (s < num_slots)
+
+    def step(tk, h, last, bad):
+        # One link of the chain. Fields 0-2 are scalar stores issued in token order by one
+        # thread, so a slot repeated in the request ends with its last occurrence's values.
+        s, t, p, v = tk
+        row = jnp.where(v, s, 0) * slot_words
+        for f, val in ((consts.CANARY_FIELD_TOKEN, t), (consts.CANARY_FIELD_POSITION, p),
+                       (consts.CANARY_FIELD_PREV_HASH, h)):
+            plt.store(canary.at[(row + f).astype(idt)], val, mask=v)
+        bad = bad | (v & (p != last + 1))
+        return jnp.where(v, hashing.mix3(h, t, p), h), jnp.where(v, p, last), bad
+
+    def chain(j0, cnt, h, last):
+        # Unrolled trips: the next steps' loads do not depend on h, so they issue while the
+        # current mix3 runs. The remainder runs one step per trip (a 1-token request pays for
+        # one mix3, not `unroll`).
+        full = cnt // unroll
+
+        def trip(c, carry):
+            j = j0 + c.astype(i64) * unroll
+            # Every load of the trip comes first in program order: placed after a store they
+            # could not be moved above it (the compiler cannot prove the buffers distinct), and
+            # in-order issue would then add an L1 latency to every link of the chain.
+            tks = [token(j + u) for u in range(unroll)]
+            for tk in tks:
+                carry = step(tk, *carry)
+            return carry
+
+        carry = jax.lax.fori_loop(zero, full, trip, (h, last, jnp.zeros((), jnp.bool_)))
+        return jax.lax.fori_loop(full * unroll, cnt, lambda jl, c: step(token(j0 + jl), *c),
+                                 carry)
+
+    def links(j0, cnt, h, last):
+        """Each lane's chain hash and expected position (last + 1) before its token: the chain
+        run again, only for a block that has a violation to record."""
+        def one(jl, carry):
+            h, last, hvec, lp1vec = carry
+            _, t, p, v = token(j0 + jl)
+            here = lane == jl
+            hvec = jnp.where(here, h, hvec)
+            lp1vec = jnp.where(here, last + 1, lp1vec)
+            return (jnp.where(v, hashing.mix3(h, t, p), h), jnp.where(v, p, last), hvec, lp1vec)
+
+        zeros = jnp.zeros((block,), i64)
+        _, _, hvec, lp1vec = jax.lax.fori_loop(zero, cnt, one, (h, last, zeros, zeros))
+        return hvec, lp1vec
+
+    def do_block(j0, h, last, written):
+        cnt = jnp.clip(n - j0, 0, block)
+        i = start + j0 + lane
+        inb = (lane < cnt) & (i >= 0) & (i < num_tokens)
+        ic = jnp.where(inb, i, 0).astype(jnp.int32)
+        # Vector loads: the slots for the fingerprints, and they bring the block's lines into L1
+        # for the chain's scalar loads.
+        slot = plt.load(ocl_ref.at[ic], mask=inb, other=-1)
+        tok = plt.load(ids_ref.at[ic], mask=inb, other=0)
+        pos = plt.load(pos_ref.at[ic], mask=inb, other=0)
+        valid = inb & (slot >= 0) & (slot < num_slots)
+        # Field 3 depends on the slot only: duplicates of a slot store the same value, so this
+        # scatter needs no ordering against the block's other stores or another block's.
+        rkv = _kernel_lib.fold_real_kv(slot, valid, src_refs, specs, mode)
+        scatter(canary, slot * slot_words + consts.CANARY_FIELD_REAL_KV_HASH, rkv, valid)
+        if h is None:  # first block: the seed's hash, emitted after the block's loads issue
+            h = jnp.where(seed < 0, jnp.asarray(hashing.ANCHOR_HASH_I64, i64),
+                          hashing.mix3(s_ph, s_tok, s_pos))
+        h_out, last_out, bad = chain(j0, cnt, h, last)
+
+        F = consts.FailReason
+        if check_input:
+            etok = plt.load(etok_ref.at[ic], mask=inb, other=0)
+            epos = plt.load(epos_ref.at[ic], mask=inb, other=0)
+            bits_in = (jnp.where(tok != etok, int(F.WRITE_TOKEN_MISMATCH), 0)
+                       | jnp.where(pos != epos, int(F.WRITE_POSITION_MISMATCH), 0))
+            has_in = valid & (bits_in != 0)
+            need = (pos_check & bad) | (jnp.sum(has_in.astype(jnp.int32)) > 0)
+        else:
+            need = pos_check & bad
+
+        @pl.when(need)
+        def _record():
+            hvec, lp1vec = links(j0, cnt, h, last)
+            if check_input:
+                hin, e_tok, e_pos, b_in = has_in, etok, epos, bits_in.astype(i64)
+            else:
+                hin = jnp.zeros((block,), jnp.bool_)
+                e_tok = e_pos = b_in = jnp.zeros((block,), i64)
+            has_ch = valid & pos_check & (pos != lp1vec)
+            nrows = hin.astype(jnp.int32) + has_ch.astype(jnp.int32)
+            first = plt.atomic_add(widx, (jnp.int32(0),), jnp.sum(nrows, dtype=jnp.int32))
+            # Entry order within the request: a lane's rows follow every earlier lane's, its
+            # input-assert row before its chain-position row.
+            row_in = first + jnp.cumsum(nrows, dtype=jnp.int32) - nrows
+            kind_v = jnp.full((block,), kind, i64)
+            append_rows(ring, row_in, hin, ring_cap,
+                        (kind_v, slot, pos, tok, e_tok, hvec, e_pos, b_in))
+            wpm = jnp.full((block,), int(F.WRITE_POSITION_MISMATCH), i64)
+            append_rows(ring, row_in + hin.astype(jnp.int32), has_ch, ring_cap,
+                        (kind_v, slot, pos, tok, tok, hvec, lp1vec, wpm))
+
+        return h_out, last_out, written + jnp.sum(valid.astype(i64))
+
+    # The first block is peeled out of the loop: straight-line code from the scalar loads to the
+    # first mix3, and a short request never enters the loop.
+    carry = do_block(zero, None, last0, zero)
+    nblocks = (n + block - 1) // block
+    _, _, written = jax.lax.fori_loop(
+        jnp.ones((), i64), nblocks, lambda b, c: do_block(b * block, *c), carry)
+
+    @pl.when(n > 0)
+    def _count():
+        plt.atomic_add(sctr, (jnp.int32(0),), written)
+
+
+def run(
+    *, canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
+    enable_chain_position_assert, write_offsets, write_seed_slot_indices, write_num_valid_reqs,
+    input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions,
+    sources: tuple[tuple[jax.Array, SourceSpec], ...], kernel_kind: int, real_kv_hash_mode: int,
+    enable_write_input_assert: bool, config: Config, interpret: bool = False,
+):
+    """``(canary_buf, violation_ring, violation_write_index, slot_run_counter,
+    kernel_run_counter)``, each aliased to its input. ``interpret``: Pallas interpret mode
+    (``pallas_interpret``)."""
+    source_bufs = tuple(b for b, _ in sources)
+    specs = tuple(s for _, s in sources)
+    mode, kind = int(real_kv_hash_mode), int(kernel_kind)
+    check_input = bool(enable_write_input_assert)
+    num_slots, stride_bytes = canary_buf.shape
+    ring_cap = violation_ring.shape[0]
+    num_tokens = input_ids.shape[0]
+    capacity = write_seed_slot_indices.shape[0]
+    if num_tokens == 0:  # keep every scalar load in bounds; the masks use the true length
+        pad = lambda x: jnp.zeros((1,), jnp.int64)  # noqa: E731
+        input_ids, positions, out_cache_loc = pad(0), pad(0), pad(0)
+        if check_input:
+            expected_input_tokens, expected_input_positions = pad(0), pad(0)
+    if not check_input:
+        expected_input_tokens, expected_input_positions = input_ids, positions
+    if capacity == 0:  # one program still runs, to bump kernel_run_counter (SGLang: grid >= 1)
+        write_offsets = jnp.zeros((2,), jnp.int64)
+        write_seed_slot_indices = jnp.full((1,), -1, jnp.int64)
+        capacity = 1
+    words = [as_words(b) for b in source_bufs]
+    canary = canary_words(canary_buf)
+    ring = violation_ring.reshape(-1)
+    kernel = functools.partial(
+        _write_kernel, specs=specs, mode=mode, kind=kind, check_input=check_input,
+        num_tokens=num_tokens, num_slots=num_slots, slot_words=stride_bytes // 8,
+        ring_cap=ring_cap, block=config.block, unroll=config.unroll,
+    )
+    ins = [write_offsets, write_seed_slot_indices, write_num_valid_reqs, input_ids, positions,
+           out_cache_loc, expected_input_tokens, expected_input_positions,
+           enable_chain_position_assert, *words]
+    outs = [canary, ring, violation_write_index, slot_run_counter, kernel_run_counter]
+    k = len(ins)
+    canary, ring, widx, sctr, kctr = pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs],
+        grid=(capacity,),
+        input_output_aliases={k + j: j for j in range(len(outs))},
+        interpret=interpret,
+        compiler_params=None if interpret else _kernel_lib.compiler_params(config.num_warps),
+        name="kvcanary_write",
+    )(*ins, *outs)
+    return canary_from_words(canary, canary_buf.shape), ring.reshape(violation_ring.shape), \
+        widx, sctr, kctr

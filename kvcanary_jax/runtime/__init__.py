@@ -1,0 +1,54 @@
+"""Serving runtime: the canary's device state and one jitted step per forward batch.
+
+:mod:`.state` (:class:`CanaryConfig`, :class:`CanaryState`, :class:`ForwardBatch`,
+:func:`init_state`), :mod:`.step` (the device step: HEAD -> forward -> TAIL, the sweep) and
+:mod:`.host` (batch padding, violation and counter decoding). Everything is importable from here.
+"""
+
+from kvcanary_jax.runtime.host import (
+    TAG_NAMES,
+    Violation,
+    decode_ring,
+    make_batch,
+    read_counters,
+    read_violations,
+    reason_names,
+    violation_count,
+)
+from kvcanary_jax.runtime.state import (
+    CanaryConfig,
+    CanaryState,
+    ForwardBatch,
+    enable_chain_assert,
+    init_state,
+)
+from kvcanary_jax.runtime.step import (
+    canary_step_head,
+    canary_step_tail,
+    canary_sweep,
+    kv_sources,
+    make_canary_step,
+    step_fn,
+)
+
+__all__ = [
+    "CanaryConfig",
+    "CanaryState",
+    "ForwardBatch",
+    "Violation",
+    "TAG_NAMES",
+    "init_state",
+    "enable_chain_assert",
+    "make_batch",
+    "kv_sources",
+    "canary_step_head",
+    "canary_step_tail",
+    "make_canary_step",
+    "step_fn",
+    "canary_sweep",
+    "read_violations",
+    "decode_ring",
+    "reason_names",
+    "read_counters",
+    "violation_count",
+]

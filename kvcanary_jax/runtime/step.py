@@ -1,0 +1,306 @@
+"""The device step: the four ops composed the way SGLang's serving loop runs them (spec §13).
+
+* **HEAD** (before the model forward): scatter the batch's token ids into the expected-token
+  pool, plan each buffer group, then verify the prefix slots and write the new slots into the
+  HEAD canary buffers. HEAD endpoints carry no real-KV sources (the KV is not written yet).
+* the model forward writes the real KV bytes;
+* **TAIL** (after the forward): verify and write again with the same plans into the TAIL canary
+  buffers, now fingerprinting the real KV bytes of every verified and written slot.
+* **SWEEP** (every few steps, outside the forward): verify every cached prefix (radix-cache rows or
+  live rows) against the TAIL buffers with the token check off.
+
+The jitted entry points donate the state, so XLA updates the canary buffers, ring and counters in
+place. Every op runs ``cfg.implementation`` (see :class:`~kvcanary_jax.runtime.state.CanaryConfig`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from kvcanary_jax import _config, consts
+from kvcanary_jax.context import RealKvSource, VerifyOrWriteContext
+from kvcanary_jax.ops.plan import canary_plan
+from kvcanary_jax.ops.scatter import scatter_req_token_ids
+from kvcanary_jax.ops.verify import canary_verify
+from kvcanary_jax.ops.write import canary_write
+from kvcanary_jax.plans import VerifyPlan, WritePlan
+from kvcanary_jax.runtime.state import CanaryConfig, CanaryState, ForwardBatch, tag
+
+__all__ = [
+    "kv_sources",
+    "head",
+    "tail",
+    "step_fn",
+    "canary_step_head",
+    "canary_step_tail",
+    "make_canary_step",
+    "canary_sweep",
+]
+
+
+def kv_sources(kv: Sequence[jax.Array] | None, *, read_bytes: int | None = None):
+    """Real-KV sources over 2-D KV arrays ``[slots, width]`` of any dtype (bf16 in the demo),
+    viewed as bytes: one slot per row, page size 1."""
+    if not kv:
+        return ()
+    out = []
+    for arr in kv:
+        b = arr if arr.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(arr, jnp.uint8)
+        b = b.reshape(arr.shape[0], -1)
+        nbytes = int(b.shape[1])
+        out.append(
+            RealKvSource(
+                tensor=b, page_size=1, num_bytes_per_token=nbytes,
+                read_bytes=nbytes if read_bytes is None else read_bytes,
+            )
+        )
+    return tuple(out)
+
+
+def _context(cfg, state, buf_key, t, sources):
+    return VerifyOrWriteContext(
+        canary_buf=state.bufs[buf_key],
+        kernel_kind=t,
+        violation_ring=state.violation_ring,
+        violation_write_index=state.violation_write_index,
+        slot_run_counter=state.slot_run_counters[t : t + 1],
+        kernel_run_counter=state.kernel_run_counters[t : t + 1],
+        real_kv_sources=tuple(sources),
+        real_kv_hash_mode=cfg.hash_mode if sources else consts.RealKvHashMode.NONE,
+        enable_chain_position_assert=state.enable_chain_position_assert,
+    )
+
+
+def _absorb(state, ctx, buf_key, t):
+    bufs = dict(state.bufs)
+    bufs[buf_key] = ctx.canary_buf
+    return dataclasses.replace(
+        state,
+        bufs=bufs,
+        violation_ring=ctx.violation_ring,
+        violation_write_index=ctx.violation_write_index,
+        slot_run_counters=state.slot_run_counters.at[t].set(ctx.slot_run_counter[0]),
+        kernel_run_counters=state.kernel_run_counters.at[t].set(ctx.kernel_run_counter[0]),
+    )
+
+
+def _translate(group, loc, lut):
+    """Full-pool slots -> the group's canary slots (negative = skip, passes through)."""
+    if group == "FULL":
+        return loc
+    safe = jnp.clip(loc, 0, lut.shape[0] - 1)
+    return jnp.where(loc < 0, loc, lut[safe])
+
+
+def _verify_then_write(cfg, state, batch, group, copy, sources_by_half, lut):
+    vplan, wplan = state.plans[group]
+    loc = _translate(group, batch.out_cache_loc, lut)
+    for half in cfg.halves:
+        key, t = f"{copy}_{half}_{group}", tag(copy, half, group)
+        srcs = sources_by_half.get(half, ())
+        ctx = canary_verify(
+            context=_context(cfg, state, key, t, srcs),
+            plan=vplan,
+            check_verify_expected_token=cfg.enable_verify_token_assert,
+            implementation=cfg.implementation,
+        )
+        state = _absorb(state, ctx, key, t)
+        assert_inputs = cfg.enable_write_input_assert
+        ctx = canary_write(
+            context=_context(cfg, state, key, t, srcs),
+            plan=wplan,
+            input_ids=batch.input_ids,
+            positions=batch.positions,
+            out_cache_loc=loc,
+            enable_write_input_assert=assert_inputs,
+            expected_input_tokens=batch.expected_input_tokens if assert_inputs else None,
+            expected_input_positions=batch.expected_input_positions if assert_inputs else None,
+            implementation=cfg.implementation,
+        )
+        state = _absorb(state, ctx, key, t)
+    return state
+
+
+def head(cfg: CanaryConfig, state: CanaryState, batch: ForwardBatch, req_to_token: jax.Array,
+         lut: jax.Array) -> CanaryState:
+    """The HEAD half of a step, traceable (call inside a jit): scatter the expected tokens, plan
+    every group, HEAD verify + write. ``lut``: the full->SWA LUT (any 1-element array without
+    an SWA group)."""
+    valid_lens = batch.all_ids_offsets[1:] - batch.all_ids_offsets[:-1]
+    pool = None
+    if cfg.enable_verify_token_assert:
+        pool = scatter_req_token_ids(
+            flat_in=batch.all_ids_flat,
+            offsets=batch.all_ids_offsets,
+            req_pool_indices=batch.req_pool_indices,
+            pool_out=state.expected_tokens,
+            implementation=cfg.implementation,
+        )
+        rows = batch.req_pool_indices
+        # Padding rows point at row 0 with length 0; keep row 0 at 0 whatever order they land.
+        lens = state.expected_valid_lens.at[rows].set(jnp.where(rows != 0, valid_lens, 0))
+        state = dataclasses.replace(state, expected_tokens=pool, expected_valid_lens=lens)
+    plans = dict(state.plans)
+    for group in cfg.groups:
+        vplan, wplan = canary_plan(
+            verify_plan_out=plans[group][0],
+            write_plan_out=plans[group][1],
+            req_pool_indices=batch.req_pool_indices,
+            prefix_lens=batch.prefix_lens,
+            extend_seq_lens=batch.extend_seq_lens,
+            req_to_token=req_to_token,
+            swa_window_size=cfg.window(group),
+            full_to_swa_index_mapping=lut if group == "SWA" else None,
+            verify_capacity=cfg.verify_cap,
+            req_to_verify_expected_tokens=pool,
+            req_to_verify_expected_tokens_valid_lens=valid_lens if pool is not None else None,
+            kv_token_id_vs_position_offset=cfg.kv_token_id_vs_position_offset,
+            implementation=cfg.implementation,
+        )
+        plans[group] = (vplan, wplan)
+    state = dataclasses.replace(state, plans=plans)
+    for group in cfg.groups:
+        state = _verify_then_write(cfg, state, batch, group, "HEAD", {}, lut)
+    return state
+
+
+def _as_kv_dict(cfg, kv):
+    """Accept ``{"FULL": {"K": [arrays], "V": [arrays]}, ...}`` or ``{"FULL": ([K], [V])}``."""
+    out = {}
+    for g in cfg.groups:
+        entry = kv[g]
+        if isinstance(entry, Mapping):
+            out[g] = {h: tuple(entry[h]) for h in cfg.halves}
+        else:
+            out[g] = {h: tuple(entry[i]) for i, h in enumerate(("K", "V")) if h in cfg.halves}
+    return out
+
+
+def tail(cfg: CanaryConfig, state: CanaryState, batch: ForwardBatch, lut: jax.Array,
+         kv) -> CanaryState:
+    """The TAIL half of a step, traceable: TAIL verify + write with the plans HEAD built,
+    fingerprinting ``kv``."""
+    kv = _as_kv_dict(cfg, kv)
+    for group in cfg.groups:
+        srcs = {h: kv_sources(kv[group][h]) for h in cfg.halves}
+        state = _verify_then_write(cfg, state, batch, group, "TAIL", srcs, lut)
+    return state
+
+
+def step_fn(cfg: CanaryConfig, forward: Callable):
+    """``fn(state, kv, batch, req_to_token, lut) -> (state, kv)``: HEAD -> ``forward`` -> TAIL,
+    traceable (what :func:`make_canary_step` jits, and what a sharded step maps per shard)."""
+
+    def fn(state, kv, batch, req_to_token, lut):
+        state = head(cfg, state, batch, req_to_token, lut)
+        kv = forward(kv, batch, req_to_token, lut)
+        return tail(cfg, state, batch, lut, kv), kv
+
+    return fn
+
+
+def _sweep(cfg, state, rows_table, row_indices, lengths, lut, kv):
+    kv = _as_kv_dict(cfg, kv)
+    n = row_indices.shape[0]
+    cap = max(1, n * rows_table.shape[1])
+    for group in cfg.groups:
+        vplan, _ = canary_plan(
+            verify_plan_out=VerifyPlan.allocate(verify_capacity=cap),
+            write_plan_out=WritePlan.allocate(write_req_capacity=n),
+            req_pool_indices=row_indices,
+            prefix_lens=lengths,
+            extend_seq_lens=jnp.zeros_like(lengths),
+            req_to_token=rows_table,
+            swa_window_size=cfg.window(group),
+            full_to_swa_index_mapping=lut if group == "SWA" else None,
+            verify_capacity=cap,
+            req_to_verify_expected_tokens=None,
+            req_to_verify_expected_tokens_valid_lens=None,
+            kv_token_id_vs_position_offset=0,
+            implementation=cfg.implementation,
+        )
+        for half in cfg.halves:
+            t = tag("SWEEP", half, group)
+            key = f"TAIL_{half}_{group}"  # SWEEP endpoints read the TAIL buffers
+            ctx = canary_verify(
+                context=_context(cfg, state, key, t, kv_sources(kv[group][half])),
+                plan=vplan,
+                check_verify_expected_token=False,
+                implementation=cfg.implementation,
+            )
+            state = _absorb(state, ctx, key, t)
+    return state
+
+
+def _lut_or_dummy(lut):
+    return jnp.zeros((1,), jnp.int64) if lut is None else lut
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+def _head_jit(state, batch, req_to_token, lut, *, cfg):
+    return head(cfg, state, batch, req_to_token, lut)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+def _tail_jit(state, batch, lut, kv, *, cfg):
+    return tail(cfg, state, batch, lut, kv)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+def _sweep_jit(state, rows_table, row_indices, lengths, lut, kv, *, cfg):
+    return _sweep(cfg, state, rows_table, row_indices, lengths, lut, kv)
+
+
+@_config.entry_point
+def canary_step_head(cfg: CanaryConfig, state: CanaryState, batch: ForwardBatch, *,
+                     req_to_token: jax.Array, lut: jax.Array | None = None) -> CanaryState:
+    """Before the model forward: scatter expected tokens, plan every group, HEAD verify + write.
+    ``state`` is donated (do not reuse the argument)."""
+    return _head_jit(state, batch, req_to_token, _lut_or_dummy(lut), cfg=cfg)
+
+
+@_config.entry_point
+def canary_step_tail(cfg: CanaryConfig, state: CanaryState, batch: ForwardBatch, *, kv,
+                     lut: jax.Array | None = None) -> CanaryState:
+    """After the model forward: TAIL verify + write with the plans HEAD built, fingerprinting
+    ``kv`` (``{"FULL": {"K": [arrays], "V": [arrays]}, "SWA": ...}``, rows = the group's slots)."""
+    return _tail_jit(state, batch, _lut_or_dummy(lut), kv, cfg=cfg)
+
+
+def make_canary_step(cfg: CanaryConfig, forward: Callable, *, implementation: str | None = None):
+    """One jitted function for HEAD -> ``forward`` -> TAIL.
+
+    ``forward(kv, batch, req_to_token, lut) -> kv`` is the model forward (it writes the real KV of
+    ``batch.out_cache_loc``). Returns ``step(state, kv, batch, req_to_token, lut) -> (state, kv)``
+    with the state and the KV donated. ``implementation`` overrides ``cfg.implementation``.
+    """
+    if implementation is not None:
+        cfg = dataclasses.replace(cfg, implementation=implementation)
+    jitted = jax.jit(step_fn(cfg, forward), donate_argnums=(0, 1))
+
+    @_config.entry_point
+    def step(state, kv, batch, req_to_token, lut=None):
+        return jitted(state, kv, batch, req_to_token, _lut_or_dummy(lut))
+
+    step.jitted = jitted
+    step.cfg = cfg
+    return step
+
+
+@_config.entry_point
+def canary_sweep(cfg: CanaryConfig, state: CanaryState, *, rows_table: jax.Array,
+                 row_indices: jax.Array, lengths: jax.Array, kv,
+                 lut: jax.Array | None = None) -> CanaryState:
+    """Verify every listed prefix against the TAIL buffers (SWEEP tags, token check off).
+
+    ``rows_table`` is an int32 slot table shaped like ``req_to_token`` (the live pool itself, or
+    rows built from a radix-cache walk); ``row_indices`` int64 ``[n]`` selects rows (0 = unused
+    entry) and ``lengths`` int64 ``[n]`` how many leading slots of each row are cached. Keep ``n``
+    fixed across calls so the sweep compiles once.
+    """
+    return _sweep_jit(state, rows_table, row_indices, lengths, _lut_or_dummy(lut), kv, cfg=cfg)

@@ -1,0 +1,195 @@
+"""The fault campaign: a clean run (its violations are false positives), then fault trials on
+checkpoints of it, each reporting which launch caught the fault and how many steps it took."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import numpy as np
+
+from kvcanary_jax import runtime as rt
+from kvcanary_jax.sim.faults import FAULT_KINDS, disarm, hooks_armed, inject
+from kvcanary_jax.sim.server import Server, SimConfig
+
+__all__ = ["FaultReport", "CampaignResult", "run_clean", "fault_kinds", "default_window",
+           "run_trial", "run_campaign"]
+
+
+@dataclasses.dataclass
+class FaultReport:
+    kind: str
+    injected: int = 0
+    detected: int = 0
+    first_step: int | None = None
+    latencies: list = dataclasses.field(default_factory=list)
+    tags: set = dataclasses.field(default_factory=set)
+    reasons: set = dataclasses.field(default_factory=set)
+    missed: list = dataclasses.field(default_factory=list)
+
+    def add(self, rec: dict, found: int | None, start: int, violations=()):
+        """Record one placed fault (``rec`` from :func:`inject`, armed on the checkpoint of step
+        ``start``), detected by the poll after step ``found`` (None: missed); ``violations`` are
+        the decoded ring rows of the faulted canary."""
+        self.injected += 1
+        if found is None:
+            self.missed.append(rec)
+            return
+        self.detected += 1
+        self.latencies.append(found - rec.get("step", start))
+        if self.first_step is None:
+            self.first_step = found
+        for v in violations:
+            self.tags.add(v.tag)
+            self.reasons.update(v.reasons)
+
+    def as_dict(self):
+        return {
+            "kind": self.kind, "injected": self.injected, "detected": self.detected,
+            "first_step": self.first_step, "latencies": self.latencies,
+            "tags": sorted(self.tags), "reasons": sorted(self.reasons),
+        }
+
+
+@dataclasses.dataclass
+class CampaignResult:
+    steps: int
+    false_positives: int
+    clean_violations: list
+    faults: list
+    step_seconds: list
+    first_step_seconds: float
+    campaign_seconds: float
+    counters: dict
+
+    def as_dict(self):
+        s = sorted(self.step_seconds[1:]) or [0.0]
+        return {
+            "steps": self.steps,
+            "false_positives": self.false_positives,
+            "faults": [f.as_dict() for f in self.faults],
+            "timing": {
+                "first_step_s": round(self.first_step_seconds, 4),
+                "step_median_s": round(s[len(s) // 2], 5),
+                "step_mean_s": round(sum(s) / len(s), 5),
+                "clean_total_s": round(sum(self.step_seconds), 3),
+                "campaign_s": round(self.campaign_seconds, 3),
+                "per_step_s": [round(x, 5) for x in self.step_seconds],
+            },
+            "counters": self.counters,
+        }
+
+
+def run_clean(sim: SimConfig, *, checkpoint_every: int = 0, warmup: int = 4, progress=None):
+    """Run ``sim.steps`` clean steps; returns (server, step infos, checkpoints {step: snapshot})."""
+    server = Server(sim)
+    infos, ckpts = [], {}
+    for i in range(sim.steps):
+        if checkpoint_every and i >= warmup and (i - warmup) % checkpoint_every == 0:
+            ckpts[i] = server.snapshot()
+        infos.append(server.step())
+        if progress is not None:
+            progress(1)
+    return server, infos, ckpts
+
+
+def fault_kinds(faults=None) -> list[str]:
+    """``faults`` (None: every kind of :data:`FAULT_KINDS`), checked."""
+    kinds = list(FAULT_KINDS) if faults is None else list(faults)
+    for k in kinds:
+        if k not in FAULT_KINDS:
+            raise ValueError(f"unknown fault kind {k!r}; known: {', '.join(FAULT_KINDS)}")
+    return kinds
+
+
+def default_window(sim: SimConfig) -> int:
+    """Steps a placed fault gets to show up in the host poll (two sweeps for sweep-only faults)."""
+    return max(4, 2 * sim.sweep_interval + 1)
+
+
+def run_trial(server: Server, kind: str, rng: np.random.Generator, *, window: int,
+              step: Callable[[], object] | None = None, poll: Callable[[], int] | None = None,
+              tick: Callable[[int], object] | None = None) -> tuple[dict, int | None]:
+    """One fault trial on ``server`` (restored to a clean checkpoint by the caller).
+
+    Arms a fault of ``kind`` (:func:`inject`), steps until its hook has placed it (hooks fire
+    during a later step, and some wait for a sweep step), disarms, then steps until ``poll()``
+    sees a violation or ``window`` steps have run. ``step`` advances the server by one step
+    (default ``server.step``; a data-parallel driver steps every shard), ``poll`` returns the
+    violation count the host sees (default: ``server``'s). Returns the fault record and the
+    index of the step after which the poll saw the violation (None: not placed or missed).
+    """
+    step = server.step if step is None else step
+    poll = (lambda: rt.violation_count(server.state)) if poll is None else poll
+    rec = inject(server, kind, rng)
+    for _ in range(max(1, server.sim.sweep_interval)):
+        step()
+        if tick:
+            tick(1)
+        if rec["placed"] or not hooks_armed(server):
+            break
+    disarm(server)
+    if not rec["placed"]:
+        return rec, None
+    found = None
+    n_steps = 1
+    while True:
+        if poll() > 0:
+            found = server.step_idx - 1
+            break
+        if n_steps >= window:
+            break
+        step()
+        n_steps += 1
+        if tick:
+            tick(1)
+    if tick and n_steps < window:
+        tick(window - n_steps)
+    return rec, found
+
+
+def run_campaign(sim: SimConfig, *, faults=None, injections: int = 2, window: int | None = None,
+                 progress_factory=None) -> CampaignResult:
+    """Clean run (false positives = every violation it records), then for each fault kind
+    ``injections`` trials, each restored from a different clean checkpoint: arm the fault, run
+    until the host poll sees a violation or ``window`` steps pass."""
+    kinds = fault_kinds(faults)
+    window = window or default_window(sim)
+    total = sim.steps + len(kinds) * injections * window
+    bar = progress_factory(total) if progress_factory else None
+    tick = (lambda n: bar.update(n)) if bar is not None else None
+
+    server, infos, ckpts = run_clean(sim, checkpoint_every=2, progress=tick)
+    clean_count = rt.violation_count(server.state)
+    clean_viol = rt.read_violations(server.state)
+    counters = rt.read_counters(server.state)
+    t_campaign = time.perf_counter()
+    reports = []
+    steps_order = sorted(ckpts)
+    for ki, kind in enumerate(kinds):
+        rep = FaultReport(kind=kind)
+        used = 0
+        for ci, start in enumerate(steps_order):
+            if used == injections:
+                break
+            server.restore(ckpts[start])
+            rng = np.random.default_rng((sim.seed, ki, ci))
+            rec, found = run_trial(server, kind, rng, window=window, tick=tick)
+            if not rec["placed"]:
+                continue
+            used += 1
+            rep.add(rec, found, start, rt.read_violations(server.state) if found is not None else ())
+        reports.append(rep)
+    if bar is not None:
+        bar.close()
+    return CampaignResult(
+        steps=sim.steps,
+        false_positives=clean_count,
+        clean_violations=clean_viol,
+        faults=reports,
+        step_seconds=[i.seconds for i in infos],
+        first_step_seconds=infos[0].seconds if infos else 0.0,
+        campaign_seconds=time.perf_counter() - t_campaign,
+        counters=counters,
+    )

@@ -1,0 +1,107 @@
+"""Every op and the whole canary step lower for the platforms an implementation targets, on any
+machine (``jax.jit(f).trace(*args).lower(lowering_platforms=...)``): every primitive has a
+lowering rule there, so no construct of another backend reaches that platform's program. (A run
+on the platform is still needed to compile and execute it.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import kvcanary_jax as kc
+from kvcanary_jax import runtime as rt
+from kvcanary_jax.sim import make_forward
+
+# (platform, implementation). ("tpu", "xla") and ("cuda", "xla") join with the xla backend.
+LOWERINGS = [("cuda", "pallas_triton")]
+
+
+def _context(num_slots=64, sources=0):
+    ctx = kc.VerifyOrWriteContext.allocate(num_slots=num_slots, ring_capacity=16)
+    if not sources:
+        return ctx
+    kv = jnp.zeros((num_slots, 64), jnp.uint8)
+    return ctx.replace(
+        real_kv_sources=(kc.RealKvSource(tensor=kv, page_size=1, num_bytes_per_token=64,
+                                         read_bytes=64),),
+        real_kv_hash_mode=kc.RealKvHashMode.ALL)
+
+
+def _i64(*shape):
+    return jnp.zeros(shape, jnp.int64)
+
+
+def _ops(impl):
+    """(name, jitted function, its arguments, the kernel or op name its program must contain)."""
+    scatter = jax.jit(lambda f, o, r, p: kc.scatter_req_token_ids(
+        flat_in=f, offsets=o, req_pool_indices=r, pool_out=p, implementation=impl),
+        donate_argnums=3)
+
+    def plan_fn(vp, wp, rpi, prefix, extend, rtt, lut, pool, vl):
+        return kc.canary_plan(
+            verify_plan_out=vp, write_plan_out=wp, req_pool_indices=rpi, prefix_lens=prefix,
+            extend_seq_lens=extend, req_to_token=rtt, swa_window_size=4,
+            full_to_swa_index_mapping=lut, verify_capacity=32, req_to_verify_expected_tokens=pool,
+            req_to_verify_expected_tokens_valid_lens=vl, kv_token_id_vs_position_offset=1,
+            implementation=impl)
+
+    def write_fn(ctx, wp, ids, pos, loc, etok, epos):
+        return kc.canary_write(context=ctx, plan=wp, input_ids=ids, positions=pos,
+                               out_cache_loc=loc, enable_write_input_assert=True,
+                               expected_input_tokens=etok, expected_input_positions=epos,
+                               implementation=impl)
+
+    def verify_fn(ctx, vp):
+        return kc.canary_verify(context=ctx, plan=vp, check_verify_expected_token=True,
+                                implementation=impl)
+
+    vp = kc.VerifyPlan.allocate(verify_capacity=32)
+    wp = kc.WritePlan.allocate(write_req_capacity=4)
+    return [
+        ("scatter", scatter, (_i64(40), _i64(4), _i64(3), jnp.zeros((5, 16), jnp.int32)),
+         "scatter"),
+        ("plan", jax.jit(plan_fn, donate_argnums=(0, 1)),
+         (vp, wp, _i64(3), _i64(3), _i64(3), jnp.zeros((5, 16), jnp.int32), _i64(64),
+          jnp.zeros((5, 16), jnp.int32), _i64(3)), "plan"),
+        ("write", jax.jit(write_fn, donate_argnums=0),
+         (_context(sources=1), wp, _i64(20), _i64(20), _i64(20), _i64(20), _i64(20)), "write"),
+        ("verify", jax.jit(verify_fn, donate_argnums=0), (_context(sources=1), vp), "verify"),
+    ]
+
+
+@pytest.mark.parametrize("platform,impl", LOWERINGS)
+def test_every_op_lowers(platform, impl):
+    with jax.enable_x64(True):
+        for name, fn, args, marker in _ops(impl):
+            text = fn.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+            assert marker in text, name
+            if impl == "pallas_triton":
+                assert "__gpu$xla.gpu.triton" in text, name
+
+
+@pytest.mark.parametrize("platform,impl", LOWERINGS)
+def test_canary_step_lowers(platform, impl):
+    """The whole step (scatter, plan, HEAD and TAIL verify + write, FULL and SWA groups, both
+    halves) around a forward that writes the KV."""
+    cfg = rt.CanaryConfig(max_reqs=4, context_len=16, num_slots=32, max_bs=2, max_tokens=8,
+                          swa_window_size=4, swa_num_slots=32, enable_v_half=True,
+                          implementation=impl)
+    step = rt.make_canary_step(cfg, make_forward(cfg, 16))
+    state = rt.init_state(cfg)
+    batch = rt.make_batch(cfg, req_pool_indices=[1], prefix_lens=[0], extend_seq_lens=[2],
+                          all_ids=[[5, 6]], input_ids=[5, 6], positions=[0, 1],
+                          out_cache_loc=[1, 2])
+    with jax.enable_x64(True):
+        kv = {g: {h: (jnp.zeros((cfg.group_slots(g), 16), jnp.bfloat16),) for h in cfg.halves}
+              for g in cfg.groups}
+        rtt = jnp.asarray(np.zeros((4, 16), np.int32))
+        lut = jnp.asarray(np.arange(32, dtype=np.int64))
+        text = step.jitted.trace(state, kv, batch, rtt, lut).lower(
+            lowering_platforms=(platform,)).as_text()
+    if impl == "pallas_triton":
+        for kernel in ("kvcanary_scatter_req_token_ids", "kvcanary_plan_offsets",
+                       "kvcanary_plan_entries", "kvcanary_verify", "kvcanary_write"):
+            assert kernel in text, kernel

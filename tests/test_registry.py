@@ -1,0 +1,179 @@
+"""Implementation choice, fallback, launch-config resolution and the tuned tables."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import jax
+
+import kvcanary_jax as kc
+from kvcanary_jax import runtime as rt
+from kvcanary_jax.ops import _registry
+
+OPS = ("scatter", "plan", "write", "verify")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(code: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_every_op_registers_the_pallas_kernels(name):
+    registered = _registry.op(name).registered()
+    assert {"pallas_triton", "pallas_interpret"} <= set(registered)
+    assert set(registered) <= set(kc.IMPLEMENTATIONS)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_defaults_per_platform(name):
+    op = _registry.op(name)
+    # The platform-independent fallback: xla where the op registers it.
+    fallback = "xla" if "xla" in op.registered() else "pallas_interpret"
+    assert kc.default_implementation(name, platform="cpu") == fallback
+    assert op.select(None, platform="cuda") == "pallas_triton"
+    want_tpu = "pallas_mosaic_tpu" if "pallas_mosaic_tpu" in op.registered() else fallback
+    assert op.select(None, platform="tpu") == want_tpu
+    # An explicit, usable implementation is taken as asked, whatever the platform.
+    assert op.select("pallas_interpret", platform="cuda") == "pallas_interpret"
+    assert op.select("pallas_triton", platform="cpu") == "pallas_triton"
+
+
+def test_available_here():
+    avail = kc.implementations_available()
+    assert "pallas_interpret" in avail
+    if jax.default_backend() == "cpu":
+        assert "pallas_triton" not in avail and "pallas_mosaic_tpu" not in avail
+
+
+def test_unknown_implementation():
+    with pytest.raises(ValueError, match="unknown implementation 'cuda'"):
+        _registry.op("verify").select("cuda")
+    with pytest.raises(ValueError, match="unknown implementation 'nope'"):
+        rt.CanaryConfig(max_reqs=2, context_len=4, num_slots=4, max_bs=1, max_tokens=2,
+                        implementation="nope")
+
+
+def test_fallback_warns_once_and_says_why():
+    """An implementation that is not usable runs the fallback, with one warning per reason."""
+    out = _run("""
+        import warnings
+        import jax, jax.numpy as jnp, numpy as np
+        import kvcanary_jax as kc
+
+        def scatter():
+            with jax.enable_x64(True):
+                return np.asarray(kc.scatter_req_token_ids(
+                    flat_in=jnp.arange(5, dtype=jnp.int64), offsets=jnp.array([0, 2, 5]),
+                    req_pool_indices=jnp.array([1, 2]), pool_out=jnp.zeros((3, 4), jnp.int32),
+                    implementation="pallas_mosaic_tpu"))
+
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            first, second = scatter(), scatter()
+        msgs = [str(x.message) for x in w if issubclass(x.category, kc.FallbackWarning)]
+        assert len(msgs) == 1, msgs
+        assert "'pallas_mosaic_tpu' is unavailable: scatter has no 'pallas_mosaic_tpu'" in msgs[0]
+        assert first.tolist() == second.tolist() == [[0] * 4, [0, 1, 0, 0], [2, 3, 4, 0]]
+        print("OK")
+    """)
+    assert "OK" in out
+
+
+def test_importing_and_running_leaves_warning_filters_alone():
+    """No filter is added or left behind by importing the package and running every op, the
+    runtime's step and the sweep (JAX's and the Pallas modules' own filters are in place first)."""
+    out = _run("""
+        import warnings
+        import jax, jax.numpy as jnp
+        from jax.experimental import pallas
+        from jax.experimental.pallas import triton
+        jax.jit(lambda x: x + 1)(1)
+        before = list(warnings.filters)
+
+        import kvcanary_jax as kc
+        from kvcanary_jax import sim
+        server = sim.Server(sim.SimConfig(steps=3, seed=1, sweep_interval=2))
+        for _ in range(3):
+            server.step()
+        with jax.enable_x64(True):
+            ctx = kc.VerifyOrWriteContext.allocate(num_slots=8)
+            plan = kc.VerifyPlan.allocate(verify_capacity=4)
+            kc.canary_verify(context=ctx, plan=plan, check_verify_expected_token=True)
+        assert warnings.filters == before, [f for f in warnings.filters if f not in before]
+        print("OK")
+    """)
+    assert "OK" in out
+
+
+def test_quiet_triton_lowering_is_scoped():
+    from kvcanary_jax import _config
+
+    before = list(__import__("warnings").filters)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with _config.quiet_triton_lowering():
+            warnings.warn("The Pallas Triton backend is deprecated and will be removed",
+                          DeprecationWarning)
+            warnings.warn("another deprecation", DeprecationWarning)
+        warnings.warn("The Pallas Triton backend is deprecated and will be removed",
+                      DeprecationWarning)
+    assert [str(x.message) for x in w] == [
+        "another deprecation", "The Pallas Triton backend is deprecated and will be removed"]
+    assert warnings.filters == before
+
+
+# --- launch configs -------------------------------------------------------------------------
+
+
+def _pallas_config(op):
+    return _registry.op(op).module("pallas_triton").Config
+
+
+def test_explicit_config_is_used_and_type_checked():
+    op = _registry.op("verify")
+    cfg = _pallas_config("verify")(block=64, group=2, vec=2)
+    assert op.config("pallas_interpret", {"capacity": 10, "num_slots": 4}, cfg) is cfg
+    with pytest.raises(TypeError, match="takes a kvcanary_jax.ops.verify.pallas_triton.Config"):
+        op.config("pallas_interpret", {"capacity": 10, "num_slots": 4},
+                  _pallas_config("write")())
+    with pytest.raises(ValueError, match="bad launch parameters block=48"):
+        _pallas_config("verify")(block=48)
+
+
+def test_update_tuned_table_merges_by_key(tmp_path):
+    Config = _pallas_config("write")
+    e1 = {"key": {"write_capacity": 4, "num_tokens": 8}, "config": {"block": 32, "unroll": 4,
+                                                                      "num_warps": 1}}
+    e2 = {"key": {"write_capacity": 1, "num_tokens": 8}, "config": {"block": 64, "unroll": 8,
+                                                                      "num_warps": 2}}
+    path = _registry.update_tuned_table("write", "pallas_triton", "Test GPU 9", [e1, e2],
+                                        directory=tmp_path)
+    e1b = dict(e1, config={"block": 16, "unroll": 2, "num_warps": 1})
+    _registry.update_tuned_table("write", "pallas_triton", "Test GPU 9", [e1b], directory=tmp_path)
+    table = json.loads(open(path).read())
+    assert os.path.basename(path) == "write.test_gpu_9.json"
+    assert table["device_kind"] == "Test GPU 9"
+    assert [e["config"] for e in table["implementations"]["pallas_triton"]] == [
+        e2["config"], e1b["config"]]
+    assert Config(**e1b["config"]) == Config(block=16, unroll=2)
+
+
+def test_step_takes_implementation():
+    cfg = rt.CanaryConfig(max_reqs=2, context_len=4, num_slots=4, max_bs=1, max_tokens=2)
+    step = rt.make_canary_step(cfg, lambda kv, *a: kv, implementation="pallas_interpret")
+    assert step.cfg == dataclasses.replace(cfg, implementation="pallas_interpret")
+    assert rt.make_canary_step(cfg, lambda kv, *a: kv).cfg.implementation is None
