@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import json
 import os
 import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 import jax
@@ -152,6 +154,59 @@ def test_explicit_config_is_used_and_type_checked():
                   _pallas_config("write")())
     with pytest.raises(ValueError, match="bad launch parameters block=48"):
         _pallas_config("verify")(block=48)
+
+
+def test_tuned_table_then_heuristics():
+    op = _registry.op("verify")
+    Config = _pallas_config("verify")
+    h200 = "NVIDIA H200"
+    # The H200 sweep's best at 64k entries (bench/results/tuning/tune_verify_small.json).
+    tuned = op.config("pallas_triton", {"capacity": 65536, "num_slots": 9}, kind=h200)
+    assert tuned == Config(block=256, max_programs=264, num_warps=2, num_stages=1, group=1,
+                           vec=1, hoist=False)
+    # No entry for this capacity: the heuristics' small-plan shape, then the large-plan one.
+    assert op.config("pallas_triton", {"capacity": 2048, "num_slots": 9}, kind=h200) == Config(
+        block=128, num_warps=4, group=1, vec=1)
+    assert op.config("pallas_triton", {"capacity": 1 << 21, "num_slots": 9}, kind=h200) == Config()
+    # No table for the device kind: heuristics.
+    assert op.config("pallas_triton", {"capacity": 65536, "num_slots": 9}, kind="cpu") == Config(
+        block=256, num_warps=2, group=1, vec=1, max_programs=264)
+    # The tables are per implementation: interpret mode is not tuned.
+    assert op.config("pallas_interpret", {"capacity": 65536, "num_slots": 9}, kind=h200) == \
+        op.config("pallas_interpret", {"capacity": 65536, "num_slots": 9}, kind="cpu")
+
+
+def test_shipped_tables_build_their_configs():
+    tables = [f for f in importlib.resources.files("kvcanary_jax").joinpath("tuning").iterdir()
+              if f.name.endswith(".json")]
+    assert {f.name for f in tables} >= {"scatter.nvidia_h200.json", "verify.nvidia_h200.json"}
+    for f in tables:
+        table = json.loads(f.read_text())
+        op = _registry.op(table["op"])
+        assert f.name == _registry.table_name(table["op"], table["device_kind"])
+        for impl, entries in table["implementations"].items():
+            Config = op.module(impl).Config
+            for e in entries:
+                Config(**e["config"])
+                assert set(e["key"]) <= set(_shapes_keys(table["op"])), (f.name, e["key"])
+
+
+def _shapes_keys(op):
+    """The keys of an op's static shapes (what a table entry's key may name)."""
+    from kvcanary_jax.ops.plan import base as plan_base
+    from kvcanary_jax.ops.scatter import base as scatter_base
+    from kvcanary_jax.ops.verify import base as verify_base
+    from kvcanary_jax.ops.write import base as write_base
+
+    z = lambda *shape: np.zeros(shape)  # noqa: E731
+    if op == "scatter":
+        return scatter_base.shapes(z(4), z(3), z(2), z(3, 5), 5)
+    if op == "verify":
+        return verify_base.shapes(z(8, 32), z(6))
+    if op == "write":
+        return write_base.shapes(z(8, 32), z(2), z(7))
+    vp, wp = kc.VerifyPlan.allocate(verify_capacity=4), kc.WritePlan.allocate(write_req_capacity=2)
+    return plan_base.shapes(vp, wp, z(2), z(3, 4), None, None)
 
 
 def test_update_tuned_table_merges_by_key(tmp_path):
