@@ -1,4 +1,10 @@
-"""Checks shared by the launchers: required tensors, torch-only checks, opt-in value checks."""
+"""Checks shared by the launchers: required tensors, torch-only checks, opt-in value checks.
+
+Value checks (negative / out-of-range indices, malformed offsets) read tensor contents, which on
+a GPU is a device-to-host synchronisation per call. The kernels stay in bounds whatever the
+values, so the checks are a diagnostic: on for CPU tensors by default, opt-in on the GPU
+(:func:`set_value_checks`, ``KVCANARY_BRIDGE_VALUE_CHECKS=1``), per thread.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ __all__ = [
     "value_checks_enabled",
     "value_checks",
     "set_value_checks",
+    "check_range",
 ]
 
 
@@ -35,9 +42,6 @@ def torch_checks(op: str, anchor: str, contiguous: tuple[str, ...],
     return Contract(op=op + "[torch]", checks=checks)
 
 
-# Value checks (negative / out-of-range indices, malformed offsets) read tensor contents, which on
-# a GPU is a device-to-host synchronisation per call. The kernels stay in bounds whatever the
-# values, so the checks are a diagnostic: on for CPU tensors by default, opt-in on the GPU.
 _mode = threading.local()
 _DEFAULT = os.environ.get("KVCANARY_BRIDGE_VALUE_CHECKS", "auto").lower()
 
@@ -80,40 +84,3 @@ def check_range(prefix: str, name: str, t: torch.Tensor, lo: int, hi: int, what:
         raise ValueError(
             f"{prefix} {name}[{i}]={int(t[i])} is outside [{lo}, {hi}) ({what})"
         )
-
-
-def sig(t):
-    """What the static checks of a tensor depend on (address included: the overlap check); the
-    same tuple is the view cache's key, so launchers compute it once per tensor per call."""
-    if t is None:
-        return None
-    if not isinstance(t, torch.Tensor):
-        return (type(t),)
-    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
-
-
-def isig(t):
-    """:func:`sig` of a read-only input, without its address: per-step temporaries (new tensors
-    every call) then hit the memo too. Never a cache key."""
-    if t is None:
-        return None
-    if not isinstance(t, torch.Tensor):
-        return (type(t),)
-    return (t.shape, t.stride(), t.dtype, t.device)
-
-
-class Validated:
-    """Signatures whose static checks passed: a launcher called again on the same tensors (the
-    serving loop's persistent buffers) skips re-evaluating its contract (~20-150 us of Python)."""
-
-    def __init__(self, max_entries: int = 4096):
-        self._ok: set = set()
-        self.max_entries = max_entries
-
-    def __contains__(self, key) -> bool:
-        return key in self._ok
-
-    def add(self, key) -> None:
-        if len(self._ok) >= self.max_entries:
-            self._ok.clear()
-        self._ok.add(key)

@@ -1,0 +1,333 @@
+"""One generic launcher: a :class:`~bridge.declarations.Declaration` run on torch tensors.
+
+For every call, in this order::
+
+    tensors  = declaration.tensors(kwargs)          # named, SGLang's names
+    signature (shapes, strides, dtypes, devices of every tensor; the non-tensor arguments)
+    static checks (SGLang's errors), skipped when the signature passed them before
+    nothing to launch (zero sizes)? -> return
+    value checks (CPU tensors by default; opt-in on the GPU)
+    args, static = declaration.arguments(...)       # the array function's arguments, bucketed
+    path: "triton_direct" (CUDA tensors, triton importable, the function lowers to kernels
+          only) or "dlpack" (CPU tensors, and wherever the direct path is unavailable)
+
+No call is recorded and replayed: every call recomputes its signature, so a tensor changed in
+place (``as_strided_``, ``set_``) is checked and laid out again, and nothing of a call outlives it
+but the bounded caches of :mod:`bridge.cache`, which hold no tensors (the DLPack path's view cache
+holds them weakly, :mod:`bridge.views`).
+
+Direct path: the program (lowered, extracted and compiled kernels) is looked up by
+:class:`ProgramKey` and its kernels launched with the tensors' pointers on torch's current stream
+(:mod:`bridge.triton_direct`): thread-safe without a lock (each thread launches on its own current
+stream) and capturable by ``torch.cuda.graph``. DLPack path: imports, one jitted call with the
+outputs donated, write-back where the outputs do not alias; serialised per device by a lock, so
+threads sharing buffers never lose an update or see a donated array (the same per-call work as
+one thread, in some order, as SGLang's own launchers on one stream).
+
+:func:`paths` reports, per launcher, the path its last call took and why the direct path was not
+taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from typing import Any, NamedTuple
+
+import jax
+import torch
+
+from bridge import streams, triton_direct, views
+from bridge.cache import CACHES
+from bridge.checks import value_checks_enabled
+from bridge.dlpack import STATS, BridgeError, device_info, import_tensor, write_back, x64_scope
+
+__all__ = ["Arg", "Signature", "ProgramKey", "Launcher", "paths", "set_direct", "direct_enabled"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Arg:
+    """One array argument of a declaration's function, and where its memory comes from.
+
+    ``tensor``: the caller's tensor (or a per-call temporary, ``persistent=False``).
+    ``shape``/``dtype``: the array the function is lowered for. ``layout``:
+      ``"dense"``   the tensor itself (compact); with ``shape[0]`` above the tensor's length it is
+                    a bucketed token array whose tail the op never reads (see the declaration);
+      ``"pitched"`` a 2-D view with packed rows, handed over as its base ``[rows, stride(0)]``
+                    starting at the view's first element; ``cols`` is the view's width;
+      ``"bytes"``   a real-KV source: ``shape[0]`` bytes from the view's first element.
+    ``out``: updated in place (donated on the DLPack path). ``name``: SGLang's name, for errors.
+    """
+
+    name: str
+    tensor: Any
+    shape: tuple
+    dtype: Any
+    layout: str = "dense"
+    out: bool = False
+    cols: int | None = None
+    persistent: bool = True
+
+
+class Signature(NamedTuple):
+    """What a call's static checks depend on: the launcher, every tensor's (shape, strides, dtype,
+    device) in declaration order (None where absent), the non-tensor arguments."""
+
+    launcher: str
+    tensors: tuple
+    statics: tuple
+
+
+class ProgramKey(NamedTuple):
+    """A compiled direct-path program: the launcher, its static arguments (sorted items), every
+    argument's lowered (shape, dtype, layout), and the CUDA device index."""
+
+    launcher: str
+    static: tuple
+    args: tuple
+    device: int
+
+
+# --------------------------------------------------------------------------------------------
+# Path report and switch
+
+_PATHS: dict[str, tuple[str, str]] = {}
+_DIRECT = {"on": os.environ.get("KVCANARY_BRIDGE_DIRECT", "1") not in ("0", "false", "off")}
+
+
+def set_direct(enabled: bool) -> None:
+    """Allow (default) or forbid the direct Triton path (``KVCANARY_BRIDGE_DIRECT=0``)."""
+    _DIRECT["on"] = bool(enabled)
+
+
+def direct_enabled() -> bool:
+    return _DIRECT["on"]
+
+
+def paths() -> dict[str, dict[str, str]]:
+    """Per launcher: the path its last call took (``"triton_direct"`` or ``"dlpack"``) and, for
+    ``"dlpack"`` on a CUDA tensor, why the direct path was not taken."""
+    return {k: {"path": p, "reason": r} for k, (p, r) in _PATHS.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# The launcher
+
+
+def _meta(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+class Launcher:
+    """Runs one declaration (see the module docstring)."""
+
+    def __init__(self, decl):
+        self.decl = decl
+        self._dlpack_locks: dict[Any, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
+
+    def __call__(self, **kwargs) -> None:
+        decl = self.decl
+        tensors = decl.tensors(kwargs)
+        statics = decl.statics(kwargs)
+        sig = Signature(decl.name, tuple(_meta(t) if isinstance(t, torch.Tensor) else
+                                         (type(t),) for t in tensors.values()), statics)
+        if CACHES.checked.get(sig) is None:
+            decl.validate(kwargs, tensors)
+            CACHES.checked.put(sig, True)
+        if decl.skip(kwargs, tensors):
+            return
+        anchor_name = decl.anchor
+        anchor = tensors[anchor_name]
+        device = anchor.device
+        if device.type == "meta":
+            device_info(anchor, anchor_name)  # raises the bridge's error for the meta device
+        if value_checks_enabled(device):
+            decl.check_values(kwargs, tensors)
+        reason = ""
+        if device.type == "cuda":
+            if not _DIRECT["on"]:
+                reason = "disabled (KVCANARY_BRIDGE_DIRECT=0 or bridge.set_direct(False))"
+            else:
+                ok, reason = triton_direct.available()
+                if ok:
+                    args, static, results = decl.arguments(kwargs, tensors, direct=True)
+                    reason = self._direct(args, static, results, device)
+                    if not reason:
+                        _PATHS[decl.name] = ("triton_direct", "")
+                        STATS["triton_direct"] += 1
+                        return
+        args, static, results = decl.arguments(kwargs, tensors, direct=False)
+        self._dlpack(args, static, results, anchor, anchor_name)
+        _PATHS[decl.name] = ("dlpack", reason)
+        STATS["dlpack"] += 1
+
+    # ---------------------------------------------------------------------------------------
+    # Direct path
+
+    def _direct(self, args, static, results, device) -> str:
+        """Launch on the direct path; returns "" or the reason it cannot run this call."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = ProgramKey(self.decl.name, tuple(sorted(static.items())),
+                         tuple((a.shape, a.dtype, a.layout) for a in args), index)
+        entry = CACHES.programs.get_or_build(key, lambda: _build_program(
+            self.decl, args, static, results, device, index))
+        if isinstance(entry, str):
+            return entry
+        ptrs = [a.tensor.data_ptr() for a in args]
+        for k in entry.program.kernels:
+            triton_direct.check_alignment(
+                k, [ptrs[b.index] if b.kind == "arg" else 0 for b in k.bufs],
+                [args[b.index].name if b.kind == "arg" else "" for b in k.bufs])
+        stream = torch.cuda.current_stream(device).cuda_stream
+
+        def arg_view(i):
+            a = args[i]
+            nbytes = int(torch.Size(a.shape).numel()) * torch.empty((), dtype=a.dtype).element_size()
+            u8 = a.tensor.detach()
+            return torch.empty(0, dtype=torch.uint8, device=device).set_(
+                u8.untyped_storage(), u8.storage_offset() * u8.element_size(), (nbytes,), (1,))
+
+        entry.launch(ptrs, stream, arg_view)
+        return ""
+
+    # ---------------------------------------------------------------------------------------
+    # DLPack path
+
+    def _lock(self, device) -> threading.Lock:
+        with self._locks_lock:
+            lock = self._dlpack_locks.get(device)
+            if lock is None:
+                lock = self._dlpack_locks[device] = threading.Lock()
+            return lock
+
+    def _dlpack(self, args, static, results, anchor, anchor_name) -> None:
+        info = device_info(anchor, anchor_name)
+        if info.is_gpu and streams.capturing(info.torch_device):
+            raise BridgeError(
+                f"kv-canary bridge: {self.decl.name} cannot run inside a torch CUDA graph "
+                "capture on the DLPack path (XLA launches outside the capture); the direct "
+                f"Triton path is unavailable here: {_PATHS.get(self.decl.name, ('', ''))[1]}"
+            )
+        donate = tuple(1 + i for i, a in enumerate(args) if a.out)
+        fn = CACHES.jitted.get_or_build(
+            (self.decl.name, tuple(sorted(static.items())), donate),
+            lambda: jax.jit(_positional(self.decl.fn, static), donate_argnums=donate,
+                            keep_unused=True))
+        cache = views.for_device(info.torch_device)
+        with self._lock(info.torch_device), x64_scope():
+            presented = [_present(a, info, cache) for a in args]
+            fence, stream = streams.enter(info)
+            outs = fn(fence, *(p.array for p in presented))
+            streams.finish(info, outs[:1], stream)
+            for r, i in zip(outs, results):
+                _commit(args[i], presented[i], r, cache)
+
+
+def _positional(fn, static):
+    def call(fence, *arrays):
+        del fence  # an operand only so that the computation waits on its ready event
+        return tuple(fn(*arrays, **static))
+    return call
+
+
+class _Presented(NamedTuple):
+    array: Any        # the JAX array handed to the function
+    alias: int | None  # the address it aliases (None: a copy)
+    back: Any         # the tensor a non-aliasing result is copied into (None: not an output)
+    cols: int | None  # write back only these columns (the base of a pitched view)
+
+
+def _present(a: Arg, info, cache) -> _Presented:
+    t = a.tensor
+    back = t if a.out else None
+    if a.layout == "dense":
+        if tuple(t.shape) != a.shape:
+            # A bucketed token array: the tensor's elements, then a tail the op never reads
+            # (the declaration clamps the offsets that index it).
+            staged = torch.full(a.shape, -7, dtype=t.dtype, device=t.device)
+            staged[: t.shape[0]].copy_(t)
+            STATS["bucket_copies"] += 1
+            return _Presented(_import(staged, info), None, None, None)
+        if not t.is_contiguous():
+            STATS["view_copies"] += 1
+            return _Presented(_import(t.contiguous(), info), None, back, None)
+        src, cols = t, None
+    elif a.layout == "pitched":
+        rows, pitch = a.shape
+        if t.is_contiguous() and pitch == t.shape[1]:
+            src, cols = t, None
+        elif (t.storage_offset() + rows * pitch) * t.element_size() <= \
+                t.untyped_storage().nbytes():
+            src, cols = t.detach().as_strided((rows, pitch), (pitch, 1)), a.cols
+        else:  # the base would run past the storage: a compact copy, written back after
+            STATS["view_copies"] += 1
+            return _Presented(_import(t.contiguous(), info), None, back, None)
+    else:  # "bytes": the source's bytes from its first element
+        u8 = t.detach()
+        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+            u8.untyped_storage(), u8.storage_offset() * u8.element_size(), a.shape, (1,))
+        cols = None
+    tag = (a.shape, a.layout)
+    if a.persistent:
+        arr = cache.get(t, tag)
+        if arr is not None:
+            STATS["view_hits"] += 1
+            return _Presented(arr, src.data_ptr(), back, cols)
+    arr = _import(src, info)
+    if arr.unsafe_buffer_pointer() != src.data_ptr() or src.numel() == 0:
+        return _Presented(arr, None, back, cols)  # a copying import: a snapshot, never cached
+    if a.persistent:
+        cache.put(t, arr, tag)
+    return _Presented(arr, src.data_ptr(), back, cols)
+
+
+def _import(t, info):
+    if t.numel() == 0:
+        return jax.numpy.zeros(tuple(t.shape), _JAX_DTYPES[t.dtype])
+    return import_tensor(t, info)
+
+
+_JAX_DTYPES = {torch.int64: "int64", torch.int32: "int32", torch.uint8: "uint8",
+               torch.int8: "int8", torch.int16: "int16", torch.bool: "bool",
+               torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _commit(a: Arg, p: _Presented, result, cache) -> None:
+    """Make ``result`` visible in the caller's tensor: in place already where it aliases the
+    imported memory (the result then stands in for the donated array), else a copy."""
+    if p.alias is not None and result.unsafe_buffer_pointer() == p.alias:
+        if a.persistent:
+            cache.put(a.tensor, result, (a.shape, a.layout))
+        return
+    if p.back is not None:
+        write_back(p.back, result, p.cols)
+
+
+def _build_program(decl, args, static, results, device, index):
+    """Lower, extract and compile; the reason (a string) where the direct path cannot run."""
+    specs = [jax.ShapeDtypeStruct(a.shape, _JAX_DTYPES[a.dtype]) for a in args]
+    try:
+        program = triton_direct.extract_program(decl.fn, specs, results_to_args=results,
+                                                static=static)
+    except triton_direct.Unsupported as e:
+        return f"{decl.name}: {e}"
+    STATS["direct_programs"] += 1
+    return triton_direct.Loaded(program, device, _compile_variant(index))
+
+
+def _compile_variant(index):
+    def compile_one(kernel, divisibility):
+        text = kernel.ttir
+        if divisibility != tuple(p.divisibility for p in kernel.params):
+            text = triton_direct.with_divisibility(text, divisibility)
+        key = (index, text, kernel.num_warps, kernel.num_stages)
+
+        def build():
+            STATS["direct_compiles"] += 1
+            with torch.cuda.device(index):
+                return triton_direct.compile_kernel(text, num_warps=kernel.num_warps,
+                                                    num_stages=kernel.num_stages)
+        return CACHES.variants.get_or_build(key, build)
+    return compile_one

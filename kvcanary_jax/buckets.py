@@ -1,0 +1,80 @@
+"""Shape buckets: a bounded number of compilations for a serving loop whose shapes change every step.
+
+JAX and Triton compile a kernel per shape. A server's token counts change every step (the token
+history that the expected-token scatter reads grows by the batch size every decode step; the
+tokens a write stamps vary with prefill and speculative decoding), so a loop that passes its
+arrays as they come compiles without bound. :func:`bucket` rounds a length up to a power of two
+above a floor: over lengths up to ``n`` a loop then compiles at most ``log2(n / FLOOR) + 1``
+shapes per op.
+
+Padding that the ops mask through their offsets and counts (so the results equal those of the
+unpadded arrays, untouched memory included):
+
+=========  =========================================  ========================================
+op         padded argument (to ``bucket(len)``)        what keeps the padding out
+=========  =========================================  ========================================
+scatter    ``flat_in`` (any fill)                      ``offsets`` clamped to the true length:
+                                                       ``min(offsets, len(flat_in))``
+write      ``input_ids``, ``positions``,               ``plan.write_offsets`` clamped to the
+           ``out_cache_loc``, ``expected_input_*``     true token count (tokens past it are
+           (any fill)                                  never read); or ``out_cache_loc`` padded
+                                                       with -1 (a skipped slot)
+=========  =========================================  ========================================
+
+The clamp is exact: the ops never read a token at or past the true length (scatter leaves its
+cell untouched; write skips it), and ``min(offset, n)`` removes exactly those indices from every
+range, in order. In a JAX serving loop::
+
+    n = flat.shape[0]
+    flat_b = kc.buckets.pad(flat, kc.buckets.bucket(n))
+    pool = kc.scatter_req_token_ids(flat_in=flat_b, offsets=jnp.minimum(offsets, n), ...)
+
+(``n`` a traced value or a Python int: neither changes the compiled shape.) The torch bridge
+applies the same rule to the same arguments (``bridge``; ``launch_canary_step`` buckets its
+scatter input only: its write offsets are computed inside the step).
+
+Batch sizes are not bucketed: the plan writes ``write_num_valid_reqs = bs`` and zeroes
+``write_offsets`` past ``bs``, so a padded batch gives a different plan (the canary it drives is
+the same when the padding rows use ``req_pool_indices == 0``, as SGLang's CUDA-graph padding
+does). A loop that wants one compilation per batch bucket pads its batch that way itself.
+"""
+
+from __future__ import annotations
+
+__all__ = ["FLOOR", "bucket", "pad", "num_buckets"]
+
+FLOOR = 64
+
+
+def bucket(n: int, floor: int = FLOOR) -> int:
+    """The smallest power of two ``>= n`` and ``>= floor``; 0 for 0 (zero sizes are no-ops)."""
+    n = int(n)
+    if n < 0:
+        raise ValueError(f"kv-canary: a length cannot be negative, got {n}")
+    if n == 0:
+        return 0
+    b = max(int(floor), 1)
+    b = 1 << (b - 1).bit_length()
+    return max(b, 1 << (n - 1).bit_length())
+
+
+def num_buckets(n_max: int, floor: int = FLOOR) -> int:
+    """How many distinct buckets lengths ``1..n_max`` fall into."""
+    if n_max <= 0:
+        return 0
+    return (bucket(n_max, floor).bit_length() - bucket(1, floor).bit_length()) + 1
+
+
+def pad(x, size: int, fill=0, axis: int = 0):
+    """``x`` padded with ``fill`` along ``axis`` to ``size`` (a JAX or numpy array)."""
+    import jax.numpy as jnp
+
+    x = jnp.asarray(x)
+    extra = int(size) - x.shape[axis]
+    if extra < 0:
+        raise ValueError(f"kv-canary: cannot pad length {x.shape[axis]} down to {size}")
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=fill)
