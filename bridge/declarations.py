@@ -328,7 +328,7 @@ def _plan_args(ts):
     return args, tuple(has)
 
 
-def _plan_call(arrays, has, *, swa, cap, k, interpret):
+def _plan_call(arrays, has, *, swa, cap, k, interpret, launch=None):
     vp = _plans.VerifyPlan(**dict(zip(_VP, arrays[:6])))
     wp = _plans.WritePlan(**dict(zip(_WP, arrays[6:9])))
     rpi, prefix, extend, rtt = arrays[9:13]
@@ -337,11 +337,12 @@ def _plan_call(arrays, has, *, swa, cap, k, interpret):
     return _plan._plan_jit(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid,
                            swa_window_size=swa, verify_capacity=cap,
                            kv_token_id_vs_position_offset=k, req_to_token_stride0=None,
-                           interpret=interpret)
+                           interpret=interpret, launch=launch or _plan.PlanLaunch())
 
 
-def plan_fn(*arrays, has, swa, cap, k, interpret):
-    vp, wp = _plan_call(arrays, has, swa=swa, cap=cap, k=k, interpret=interpret)
+def plan_fn(*arrays, has, swa, cap, k, interpret, launch=None):
+    """``launch``: the plan's launch parameters (tests shrink its blocks)."""
+    vp, wp = _plan_call(arrays, has, swa=swa, cap=cap, k=k, interpret=interpret, launch=launch)
     return tuple(getattr(vp, f) for f in _VP) + tuple(getattr(wp, f) for f in _WP)
 
 

@@ -43,7 +43,8 @@ from bridge.cache import CACHES
 from bridge.checks import value_checks_enabled
 from bridge.dlpack import STATS, BridgeError, device_info, import_tensor, write_back, x64_scope
 
-__all__ = ["Arg", "Signature", "ProgramKey", "Launcher", "paths", "set_direct", "direct_enabled"]
+__all__ = ["Arg", "Signature", "ProgramKey", "Launcher", "paths", "set_direct", "direct_enabled",
+           "lowered_specs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,10 +177,6 @@ class Launcher:
         if isinstance(entry, str):
             return entry
         ptrs = [a.tensor.data_ptr() for a in args]
-        for k in entry.program.kernels:
-            triton_direct.check_alignment(
-                k, [ptrs[b.index] if b.kind == "arg" else 0 for b in k.bufs],
-                [args[b.index].name if b.kind == "arg" else "" for b in k.bufs])
         stream = torch.cuda.current_stream(device).cuda_stream
 
         def arg_view(i):
@@ -305,16 +302,22 @@ def _commit(a: Arg, p: _Presented, result, cache) -> None:
         write_back(p.back, result, p.cols)
 
 
+def lowered_specs(args) -> list:
+    """The ``jax.ShapeDtypeStruct`` each argument is lowered as."""
+    return [jax.ShapeDtypeStruct(a.shape, _JAX_DTYPES[a.dtype]) for a in args]
+
+
 def _build_program(decl, args, static, results, device, index):
-    """Lower, extract and compile; the reason (a string) where the direct path cannot run."""
-    specs = [jax.ShapeDtypeStruct(a.shape, _JAX_DTYPES[a.dtype]) for a in args]
+    """Lower, extract and load; the reason (a string) where the direct path cannot run."""
     try:
-        program = triton_direct.extract_program(decl.fn, specs, results_to_args=results,
+        program = triton_direct.extract_program(decl.fn, lowered_specs(args),
+                                                results_to_args=results,
                                                 static=static)
     except triton_direct.Unsupported as e:
         return f"{decl.name}: {e}"
     STATS["direct_programs"] += 1
-    return triton_direct.Loaded(program, device, _compile_variant(index))
+    return triton_direct.Loaded(program, device, _compile_variant(index),
+                                [a.name for a in args])
 
 
 def _compile_variant(index):

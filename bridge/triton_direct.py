@@ -423,8 +423,10 @@ def compile_kernel(text: str, *, num_warps: int, num_stages: int, target=None):
     when None). Returns triton's compiled kernel."""
     import triton
 
+    # Integer kernels: fp fusion changes nothing; said explicitly so triton does not warn.
     return triton.compile(_source_file(text), target=target,
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages,
+                                       enable_fp_fusion=True))
 
 
 # --------------------------------------------------------------------------------------------
@@ -467,11 +469,12 @@ class Loaded:
     from torch's caching allocator (inside a graph capture, from the graph's pool), so two
     threads or streams never share it."""
 
-    def __init__(self, program: Program, device, compile: Callable):
+    def __init__(self, program: Program, device, compile: Callable, names: Sequence[str]):
         import torch
 
         self.program = program
         self.device = device
+        self.names = tuple(names)  # argument names, for errors
         self._compile = compile
         self.consts = [torch.from_numpy(np.ascontiguousarray(c).view(np.uint8).reshape(-1)
                                         .copy()).to(device) for c in program.consts]
@@ -485,19 +488,22 @@ class Loaded:
         # 0 = argument, 1 = scratch, 2 = constant.
         kinds = {"arg": 0, "scratch": 1, "const": 2}
         self.plans = [tuple((kinds[b.kind], b.index) for b in k.bufs) for k in program.kernels]
+        # The largest declared divisibility: pointers that all have it take the default kernel.
+        self.masks = [max([p.divisibility or 1 for p in k.params] + [1]) - 1
+                      for k in program.kernels]
         self._runners: dict[tuple, Callable] = {}
+        self._lock = threading.Lock()
 
-    def runner(self, i: int, divisibility: tuple):
+    def runner(self, i: int, divisibility: tuple | None):
         key = (i, divisibility)
         r = self._runners.get(key)
         if r is None:
-            k = self.program.kernels[i]
-            compiled = self._compile(k, divisibility)
             import torch
 
-            with torch.cuda.device(self.device):
-                r = compiled[k.grid]
-            self._runners[key] = r
+            k = self.program.kernels[i]
+            compiled = self._compile(k, divisibility or tuple(p.divisibility for p in k.params))
+            with self._lock, torch.cuda.device(self.device):
+                r = self._runners.setdefault(key, compiled[k.grid])
         return r
 
     def launch(self, ptrs: Sequence[int], stream: int, arg_views: Callable | None = None) -> None:
@@ -511,16 +517,25 @@ class Loaded:
             scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=self.device)
             base = scratch.data_ptr()
         const_ptrs = [c.data_ptr() for c in self.consts]
-        for i, (k, plan) in enumerate(zip(self.program.kernels, self.plans)):
-            args = [ptrs[j] if kind == 0 else base + self.scratch_offsets[j] if kind == 1
-                    else const_ptrs[j] for kind, j in plan]
-            div = divisibility_for(k, args)
+        offs = self.scratch_offsets
+        for i, plan in enumerate(self.plans):
+            args = [ptrs[j] if kind == 0 else base + offs[j] if kind == 1 else const_ptrs[j]
+                    for kind, j in plan]
+            low = 0
+            for p in args:
+                low |= p
+            div = None
+            if low & self.masks[i]:  # some pointer is less aligned than the kernel assumes
+                k = self.program.kernels[i]
+                check_alignment(k, args, [self.names[j] if kind == 0 else "scratch"
+                                          for kind, j in plan])
+                div = divisibility_for(k, args)
             self.runner(i, div)(*args, stream=stream)
         for c in self.program.copies:
             dst = arg_views(c.dst_arg)
             if c.src.kind == "const":
                 dst.copy_(self.consts[c.src.index][: dst.numel()])
             else:
-                off = self.scratch_offsets[c.src.index]
+                off = offs[c.src.index]
                 dst.copy_(scratch[off: off + dst.numel()])
-        del scratch  # returned to the caching allocator, ordered on the current stream
+        del scratch  # back to the caching allocator, ordered on the current stream

@@ -1,0 +1,251 @@
+"""The direct Triton path, everything but the launch (CPU): lowering for CUDA, extracting each
+kernel's TTIR, grid and launch parameters, mapping every kernel parameter to the launcher's
+arguments (pointer order, in-place aliases, scratch and constants), and compiling the TTIR with
+the installed ``triton`` for sm_90.
+
+The expected parameter lists are hand-written from the ops' ``pallas_call`` argument lists
+(inputs, then outputs; an output aliased to an input is that input's memory).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import bench.bridge_overhead as bo
+from bridge import declarations as D
+from bridge import triton_direct as td
+from bridge.launcher import lowered_specs
+from kvcanary_jax.ops import plan as _plan
+
+CPU = torch.device("cpu")
+CTX = ["violation_ring", "violation_write_index", "slot_run_counter", "kernel_run_counter"]
+VP = ["verify_slot_indices", "verify_expected_tokens", "verify_expected_positions",
+      "verify_prev_slot_indices"]
+
+
+@functools.lru_cache(maxsize=None)
+def _case():
+    return bo.make_case(device="cpu", bs=4, prefix=12, width=32, ring=64)
+
+
+def _calls():
+    import bridge
+
+    c = _case()
+    kv = torch.zeros(c["ctx"].canary_buf.shape[0], 80, dtype=torch.uint8)
+    ctx_src = bridge.VerifyOrWriteContext(**{
+        **{f: getattr(c["ctx"], f) for f in bridge.VerifyOrWriteContext.__dataclass_fields__},
+        "real_kv_sources": (bridge.RealKvSource(tensor=kv[:, 16:80], page_size=1,
+                                                num_bytes_per_token=64, read_bytes=32),),
+        "real_kv_hash_mode": bridge.RealKvHashMode.ALL})
+    write_kw = dict(context=c["ctx"], plan=c["wp"], input_ids=c["input_ids"],
+                    positions=c["positions"], out_cache_loc=c["ocl"],
+                    enable_write_input_assert=False, expected_input_tokens=None,
+                    expected_input_positions=None)
+    return {
+        "scatter": (D.SCATTER, dict(flat_in=c["flat"], offsets=c["offs"],
+                                    req_pool_indices=c["rpi"], pool_out=c["pool"])),
+        "plan": (D.PLAN, bo._plan_kw(c)),
+        "verify": (D.VERIFY, dict(context=c["ctx"], plan=c["vp"],
+                                  check_verify_expected_token=True)),
+        "verify_source": (D.VERIFY, dict(context=ctx_src, plan=c["vp"],
+                                         check_verify_expected_token=False)),
+        "write": (D.WRITE, write_kw),
+        "write_checked_source": (D.WRITE, {**write_kw, "context": ctx_src,
+                                           "enable_write_input_assert": True,
+                                           "expected_input_tokens": c["input_ids"],
+                                           "expected_input_positions": c["positions"]}),
+    }
+
+
+@functools.lru_cache(maxsize=None)
+def _program(name):
+    decl, kw = _calls()[name]
+    ts = decl.tensors(kw)
+    args, static, results = decl.arguments(kw, ts, direct=True)
+    static = dict(static, interpret=False)
+    return args, td.extract_program(decl.fn, lowered_specs(args), results_to_args=results,
+                                    static=static)
+
+
+def _mapping(name):
+    args, prog = _program(name)
+    return [(k.name, k.grid, [(args[b.index].name if b.kind == "arg" else b.kind, p.dtype)
+                              for b, p in zip(k.bufs, k.params)]) for k in prog.kernels]
+
+
+def test_scatter_kernel_parameters_are_its_operands_then_the_aliased_pool():
+    [(name, grid, params)] = _mapping("scatter")
+    assert name == "kvcanary_scatter_req_token_ids"
+    # bs = 4 requests; span = min(pool width 32, bucketed tokens 64) = 32 -> one 32-column tile.
+    assert grid == (4, 1, 1)
+    assert params == [("flat_in", "i64"), ("offsets", "i64"), ("req_pool_indices", "i64"),
+                      ("pool_out", "i32"), ("pool_out", "i32")]
+    args, prog = _program("scatter")
+    assert args[0].shape == (64,)  # 4 x 13 tokens, bucketed up to the floor
+    assert prog.scratch == () and prog.consts == () and prog.copies == ()
+
+
+def test_plan_kernels_share_the_verify_offsets_scratch_and_alias_the_plan_fields():
+    (n1, g1, p1), (n2, g2, p2) = _mapping("plan")
+    assert (n1, n2) == ("kvcanary_plan_offsets", "kvcanary_plan_entries")
+    assert g1 == (1, 1, 1) and g2 == (1, 1, 1)
+    wp = [("write_plan_out.write_offsets", "i64"), ("write_plan_out.write_seed_slot_indices", "i64"),
+          ("verify_plan_out.verify_num_valid", "i32"), ("verify_plan_out.enable", "i32"),
+          ("write_plan_out.write_num_valid_reqs", "i32")]
+    assert p1 == [("req_pool_indices", "i64"), ("prefix_lens", "i64"), ("extend_seq_lens", "i64"),
+                  ("req_to_token", "i32"), ("const", "i64"),  # no LUT: a 1-element dummy
+                  *wp, ("scratch", "i64"), *wp]
+    vp = [(f"verify_plan_out.{k}", "i64") for k in VP]
+    assert p2 == [("req_pool_indices", "i64"), ("prefix_lens", "i64"), ("req_to_token", "i32"),
+                  ("const", "i64"), ("scratch", "i64"), ("verify_plan_out.enable", "i32"),
+                  ("req_to_verify_expected_tokens", "i32"),
+                  ("req_to_verify_expected_tokens_valid_lens", "i64"), *vp, *vp]
+    args, prog = _program("plan")
+    # The verify offsets [bs + 1] are the one buffer no argument holds: written by the first
+    # kernel, read by the second.
+    assert [s.shape for s in prog.scratch] == [(5,)]
+    k1, k2 = prog.kernels
+    assert k1.bufs[10] == k2.bufs[4] == td.Buf("scratch", 0)
+    assert prog.copies == ()
+
+
+def test_plan_multi_block_path_is_three_kernels():
+    c = _case()
+    kw = bo._plan_kw(c)
+    ts = D.PLAN.tensors(kw)
+    args, static, results = D.PLAN.arguments(kw, ts, direct=True)
+    launch = _plan.PlanLaunch(single_block_max=2, multi_block=2)
+    prog = td.extract_program(
+        functools.partial(_multi_block_plan, launch=launch), lowered_specs(args),
+        results_to_args=results, static=dict(static, interpret=False))
+    names = [k.name for k in prog.kernels]
+    assert names == ["kvcanary_plan_offsets_block_sums", "kvcanary_plan_offsets",
+                     "kvcanary_plan_entries"]
+    sums, offsets, entries = prog.kernels
+    assert sums.grid == (2, 1, 1)  # 4 requests in blocks of 2
+    # The block sums (two scratch arrays) feed the offsets kernel, whose verify offsets feed the
+    # entries kernel.
+    assert sums.bufs[3:] == (td.Buf("scratch", 0), td.Buf("scratch", 1))
+    assert offsets.bufs[5:7] == (td.Buf("scratch", 0), td.Buf("scratch", 1))
+    assert entries.bufs[4] == td.Buf("scratch", 2)
+    compiled = td.compile_kernel(sums.ttir, num_warps=sums.num_warps, num_stages=sums.num_stages,
+                                 target=_target())
+    assert compiled.metadata.name == "kvcanary_plan_offsets_block_sums"
+
+
+def _multi_block_plan(*arrays, launch, **static):
+    """The plan launcher's function with blocks of 2 requests (the multi-block scan)."""
+    return D.plan_fn(*arrays, launch=launch, **static)
+
+
+def test_verify_kernel_reads_the_plan_and_the_canary_words_and_updates_the_context():
+    [(name, grid, params)] = _mapping("verify")
+    assert name == "kvcanary_verify"
+    plan = [(f"plan.{k}", "i64") for k in VP] + [("plan.verify_num_valid", "i32"),
+                                                  ("plan.enable", "i32")]
+    ctx = [("violation_ring", "i64"), ("violation_write_index", "i32"),
+           ("slot_run_counter", "i64"), ("kernel_run_counter", "i64")]
+    # canary_buf is uint8 [slots, 32] to torch and int64 words to the kernel (a bitcast view).
+    assert params == [*plan, ("canary_buf", "i64"), *ctx, *ctx]
+    [(_, _, with_src)] = _mapping("verify_source")
+    assert with_src[7] == ("real_kv_sources[0].tensor", "i64")
+    args, _ = _program("verify_source")
+    # The source's bytes from the view's first element: 160 rows of 80 bytes, the last one read
+    # for 64 (page_size 1 x num_bytes_per_token 64).
+    assert args[-1].shape == (160 * 80 + 64,) and args[-1].layout == "bytes"
+
+
+def test_write_kernel_parameters_and_its_bucketed_token_arrays():
+    [(name, grid, params)] = _mapping("write")
+    assert name == "kvcanary_write"
+    assert grid == (5, 1, 1)  # one program per request row of the plan's capacity
+    ctx = [("canary_buf", "i64"), ("violation_ring", "i64"), ("violation_write_index", "i32"),
+           ("slot_run_counter", "i64"), ("kernel_run_counter", "i64")]
+    toks = [("input_ids", "i64"), ("positions", "i64"), ("out_cache_loc", "i64")]
+    plan = [("plan.write_offsets", "i64"), ("plan.write_seed_slot_indices", "i64"),
+            ("plan.write_num_valid_reqs", "i32")]
+    # Without the input assert the kernel takes ids / positions again as its expected arrays.
+    assert params == [*plan, *toks, ("input_ids", "i64"), ("positions", "i64"),
+                      ("enable_chain_position_assert", "i32"), *ctx, *ctx]
+    args, _ = _program("write")
+    assert [a.shape for a in args if a.name in ("input_ids", "positions", "out_cache_loc")] == \
+        [(64,)] * 3  # 4 tokens, bucketed
+    offsets = next(a for a in args if a.name == "plan.write_offsets")
+    assert not offsets.persistent  # the per-call clamp to the true token count
+    [(_, _, checked)] = _mapping("write_checked_source")
+    assert checked[6:10] == [("expected_input_tokens", "i64"), ("expected_input_positions", "i64"),
+                             ("enable_chain_position_assert", "i32"),
+                             ("real_kv_sources[0].tensor", "i64")]
+
+
+def _target():
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", 90, 32)
+
+
+@pytest.mark.parametrize("name", ["scatter", "plan", "verify", "verify_source", "write"])
+def test_every_kernel_compiles_for_sm90_with_the_installed_triton(name):
+    _, prog = _program(name)
+    for k in prog.kernels:
+        compiled = td.compile_kernel(k.ttir, num_warps=k.num_warps, num_stages=k.num_stages,
+                                     target=_target())
+        assert compiled.metadata.name == k.name
+        assert compiled.metadata.num_warps == k.num_warps
+        assert compiled.metadata.global_scratch_size == 0  # the launcher passes no scratch
+        assert len(compiled.asm["cubin"]) > 0
+
+
+def test_a_misaligned_pointer_gets_a_kernel_with_the_divisibility_it_has():
+    _, prog = _program("verify")
+    k = prog.kernels[0]
+    assert {p.divisibility for p in k.params} == {32} or all(
+        p.divisibility for p in k.params)
+    ptrs = [0x7f0000000000] * len(k.params)
+    ptrs[8] += 8  # violation_write_index, a 1-element view 8 bytes into a counters array
+    div = td.divisibility_for(k, ptrs)
+    assert div[8] == 8 and div[0] == k.params[0].divisibility
+    text = td.with_divisibility(k.ttir, div)
+    _, params = td.kernel_params(text)
+    assert params[8].divisibility == 8 and params[0] == k.params[0]
+    compiled = td.compile_kernel(text, num_warps=k.num_warps, num_stages=k.num_stages,
+                                 target=_target())
+    assert compiled.metadata.name == k.name
+    ptrs[8] += 2  # an int32 at an odd address: refused, naming the tensor
+    with pytest.raises(ValueError, match="violation_write_index starts at an address that is "
+                                         "not 4-byte aligned"):
+        td.check_alignment(k, ptrs, [f"p{i}" if i != 8 else "violation_write_index"
+                                     for i in range(len(ptrs))])
+
+
+def test_fused_step_is_one_program_of_all_the_kernels():
+    c = _case()
+    kw = dict(context=c["ctx"], verify_plan_out=c["vp"], write_plan_out=c["wp"],
+              input_ids=c["input_ids"], positions=c["positions"], out_cache_loc=c["ocl"],
+              expected_token_ids=c["flat"], expected_token_offsets=c["offs"],
+              check_verify_expected_token=True, enable_write_input_assert=False,
+              expected_input_tokens=None, expected_input_positions=None,
+              **{k: v for k, v in bo._plan_kw(c).items()
+                 if k not in ("verify_plan_out", "write_plan_out")})
+    ts = D.STEP.tensors(kw)
+    args, static, results = D.STEP.arguments(kw, ts, direct=True)
+    prog = td.extract_program(D.STEP.fn, lowered_specs(args), results_to_args=results,
+                              static=dict(static, interpret=False))
+    assert [k.name for k in prog.kernels] == [
+        "kvcanary_scatter_req_token_ids", "kvcanary_plan_offsets", "kvcanary_plan_entries",
+        "kvcanary_verify", "kvcanary_write"]
+    names = [a.name for a in args]
+    pool = names.index("req_to_verify_expected_tokens")
+    scatter, _, entries, verify, write = prog.kernels
+    # The scatter's output pool is the buffer the entries kernel reads, with no copy between.
+    assert scatter.bufs[3] == scatter.bufs[4] == td.Buf("arg", pool)
+    assert entries.bufs[6] == td.Buf("arg", pool)
+    # Verify's updated ring is what write appends to.
+    ring = names.index("violation_ring")
+    assert verify.bufs[7] == verify.bufs[11] == td.Buf("arg", ring)
+    assert write.bufs[10] == td.Buf("arg", ring)
+    assert prog.copies == ()
