@@ -373,3 +373,61 @@ def test_meta_device_tensors_get_the_bridges_error():
             req_pool_indices=torch.zeros(1, dtype=torch.int64, device="meta"), pool_out=pool)
     assert str(e.value) == ("kv-canary bridge: pool_out is on the meta device, which holds no "
                             "data to run on; pass tensors on cpu or cuda")
+
+
+# --------------------------------------------------------------------------------------------
+# Buckets are exact, malformed offsets included
+
+
+def test_bucketed_scatter_equals_the_unbucketed_op_when_offsets_run_past_flat_in():
+    """With value checks off, offsets past ``flat_in``'s end: the bridge (``flat_in`` lowered at
+    its bucket, the offsets clamped to the true length, a garbage tail) writes exactly what the op
+    writes on the true-length array: cells past the end untouched."""
+    import kvcanary_jax as kc
+
+    flat = torch.arange(100, 170, dtype=torch.int64)  # 70 tokens -> bucket 128
+    offsets = torch.tensor([-5, 20, 90, 60, 65, 200])  # negative, past the end, decreasing
+    rpi = torch.tensor([0, 1, 2, 3, 4])
+    pool = torch.full((5, 64), -1, dtype=torch.int32)
+    with bridge.value_checks(False):
+        bridge.launch_scatter_req_token_ids_kernel(flat_in=flat, offsets=offsets,
+                                                   req_pool_indices=rpi, pool_out=pool)
+    import jax
+
+    with jax.enable_x64(True):
+        want = kc.scatter_req_token_ids(flat_in=flat.numpy(), offsets=offsets.numpy(),
+                                        req_pool_indices=rpi.numpy(),
+                                        pool_out=torch.full((5, 64), -1,
+                                                            dtype=torch.int32).numpy())
+    assert pool.tolist() == want.tolist()
+    assert pool[1, 50:].tolist() == [-1] * 14  # 90 - 20 = 70 wanted, only 50 exist past 20
+    assert bridge.stats()["bucket_copies"] > 0
+
+
+def test_bucketed_write_equals_the_unbucketed_op_when_offsets_run_past_the_tokens(helpers):
+    import jax
+
+    import kvcanary_jax as kc
+
+    n = 5  # tokens -> bucket 64; the plan's ranges reach index 9
+    ids, pos = torch.arange(11, 11 + n), torch.arange(n)
+    ocl = torch.tensor([3, 4, 5, 6, 7])
+    plan = helpers.make_write_plan(write_offsets=[0, 3, 9], seed_slot_indices=[-1, -1],
+                                   num_valid_reqs=2, req_capacity=2, device=CPU)
+    ctx = _context(bridge.VerifyOrWriteContext, num_slots=16)
+    with bridge.value_checks(False):
+        bridge.launch_canary_write_kernel(context=ctx, plan=plan, input_ids=ids, positions=pos,
+                                          out_cache_loc=ocl, enable_write_input_assert=False,
+                                          expected_input_tokens=None,
+                                          expected_input_positions=None)
+    with jax.enable_x64(True):
+        jctx = kc.VerifyOrWriteContext.allocate(num_slots=16, ring_capacity=256)
+        jplan = kc.WritePlan(write_offsets=plan.write_offsets.numpy(),
+                             write_seed_slot_indices=plan.write_seed_slot_indices.numpy(),
+                             write_num_valid_reqs=plan.write_num_valid_reqs.numpy())
+        want = kc.canary_write(context=jctx, plan=jplan, input_ids=ids.numpy(),
+                               positions=pos.numpy(), out_cache_loc=ocl.numpy(),
+                               enable_write_input_assert=False, expected_input_tokens=None,
+                               expected_input_positions=None)
+    assert ctx.canary_buf.numpy().tobytes() == bytes(want.canary_buf.tobytes())
+    assert int(ctx.slot_run_counter[0]) == int(want.slot_run_counter[0]) == 5
