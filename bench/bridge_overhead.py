@@ -3,12 +3,12 @@
 One decode-like step (``bs`` requests, ``prefix`` cached tokens each, one new token) on persistent
 buffers, as a CUDA-graph-style serving loop holds them. For each launcher and the fused step: the
 host wall time per call in bursts of back-to-back calls (``launch_us``: what the host pays per
-call, the kernels overlapping), in ``rounds`` rounds whose sides alternate (our launchers under
-each stream handshake, SGLang 0.5.23's launchers on a twin set of buffers), so a drift in the
-host's speed hits every side alike. Quoted: medians over the rounds, and ratios as medians of the
+call, the kernels overlapping), in ``rounds`` rounds whose sides alternate (our launchers on the
+direct Triton path and on the DLPack path, SGLang 0.5.23's launchers on a twin set of buffers), so
+a drift in the host's speed hits every side alike. Quoted: medians over the rounds, and ratios as medians of the
 per-round ratios.
 
-    python -m bench.bridge_overhead --device cuda --bs 64 [--sglang] [--out result.json]
+    python -m bench.bridge_overhead --device cuda --bs 64,256 [--sglang] [--out result.json]
 
 On the GPU SGLang's side is its Triton / CUDA kernels; on CPU its torch references.
 """
@@ -162,33 +162,32 @@ class _SglangLib:
 
 def measure(*, device="cpu", bs: int = 64, iters: int = 200, sglang: bool = False,
             rounds: int = 9) -> dict:
-    """Per-call host times (microseconds) of every bridge launcher and the fused step under both
-    stream handshakes (GPU), and with ``sglang`` SGLang's launchers on a twin set of buffers, all
-    interleaved in ``rounds`` rounds (see :func:`_interleaved`); ratios are medians of the
-    per-round ratios."""
+    """Per-call host times (microseconds) of every bridge launcher and the fused step on each
+    path (GPU: ``bridge`` = the direct Triton path, ``bridge_dlpack`` = XLA over DLPack with the
+    event handshake; CPU: the DLPack path only), and with ``sglang`` SGLang's launchers on a twin
+    set of buffers, all interleaved in ``rounds`` rounds (see :func:`_interleaved`); ratios are
+    medians of the per-round ratios."""
     c = make_case(device=device, bs=bs)
     ops = dict(scatter=run_scatter, plan=run_plan, verify=run_verify, write=run_write)
     is_gpu = c["device"].type == "cuda"
     out = {"device": str(c["device"]), "bs": bs, "iters": iters, "rounds": rounds,
            "method": "median over rounds of the mean host time per call in a burst of "
                      "iters/rounds back-to-back calls; sides interleaved within each round"}
-    default = bridge.stream_sync()
-    other = "fence" if default == "event" else "event"
+    default_direct = bridge.direct_enabled()
 
-    def ours(mode):
+    def ours(direct):
         def fn_of(op):
             f = run_step if op == "step_fused" else ops[op]
 
             def call(cc):
-                if is_gpu:
-                    bridge.set_stream_sync(mode)
+                bridge.set_direct(direct)
                 f(cc)
             return call
         return fn_of
 
-    sides = {"bridge": (ours(default), c)}
+    sides = {"bridge": (ours(True), c)}
     if is_gpu:
-        sides["bridge_" + other] = (ours(other), make_case(device=device, bs=bs))
+        sides["bridge_dlpack"] = (ours(False), make_case(device=device, bs=bs))
     if sglang:
         lib = _SglangLib(cuda_jit=is_gpu)
         sides["sglang"] = (
@@ -197,13 +196,10 @@ def measure(*, device="cpu", bs: int = 64, iters: int = 200, sglang: bool = Fals
     try:
         timed, raw = _interleaved(sides, [*ops, "step_fused"], iters=iters, rounds=rounds)
     finally:
-        bridge.set_stream_sync(default)
+        bridge.set_direct(default_direct)
     out.update(timed)
-    out["stream_sync"] = default
-    if is_gpu:
-        info = bridge._interop.device_info(c["pool"])
-        out["compute_stream_found"] = bridge._interop.gpu_sync(info).compute_stream is not None
-    out["cache"] = {"entries": len(bridge._interop.CACHE), **bridge.stats()}
+    out["paths"] = bridge.paths()
+    out["stats"] = bridge.stats()
     if sglang:
         sg = raw["sglang"]
         total = [sum(sg[n][r] for n in ops) for r in range(rounds)]
@@ -219,21 +215,21 @@ def measure(*, device="cpu", bs: int = 64, iters: int = 200, sglang: bool = Fals
 
 
 def table(out) -> str:
-    """Microseconds per call (median burst), ours per handshake and SGLang's, and the ratios
-    (medians of the per-round ratios)."""
+    """Microseconds per call (median burst) per side, SGLang's, and the ratios (medians of the
+    per-round ratios)."""
     names = ("scatter", "plan", "verify", "write", "step_fused")
-    sides = [k for k in ("bridge", "bridge_event", "bridge_fence") if k in out]
-    label = {k: "bridge[" + (out.get("stream_sync", "?") if k == "bridge" else k[7:]) + "]"
-             for k in sides}
-    ratio_key = {k: "ratio_launch" if k == "bridge" else "ratio_launch_" + k[7:] for k in sides}
+    sides = [k for k in ("bridge", "bridge_dlpack") if k in out]
+    label = {"bridge": "direct" if out["device"].startswith("cuda") else "dlpack",
+             "bridge_dlpack": "dlpack"}
+    ratio_key = {"bridge": "ratio_launch", "bridge_dlpack": "ratio_launch_dlpack"}
     sg = out.get("sglang", {})
-    head = f"{'op':<11}" + "".join(f"{label[k]:>16}" for k in sides) + f"{'sglang':>10}"
+    head = f"{'op':<11}" + "".join(f"{label[k]:>12}" for k in sides) + f"{'sglang':>10}"
     if sg:
-        head += "".join(f"{'ratio ' + label[k][7:-1]:>14}" for k in sides)
+        head += "".join(f"{'ratio ' + label[k]:>14}" for k in sides)
     lines = [f"device={out['device']} bs={out['bs']} iters={out['iters']} rounds="
              f"{out.get('rounds', 1)} (us per call)", head]
     for n in names:
-        row = f"{n:<11}" + "".join(f"{out[k][n]['launch_us']:>16.1f}" for k in sides)
+        row = f"{n:<11}" + "".join(f"{out[k][n]['launch_us']:>12.1f}" for k in sides)
         ref = sg.get("sum_of_four" if n == "step_fused" else n, {}).get("launch_us")
         row += f"{ref:>10.1f}" if ref else f"{'-':>10}"
         if ref:
@@ -241,27 +237,28 @@ def table(out) -> str:
             row += "".join(f"{out[ratio_key[k]][rk]:>13.2f}x" for k in sides)
         lines.append(row)
     if sg:
-        lines.append("(step_fused's SGLang column is the sum of its four launches; targets: "
-                     "ops <= 3x, step <= 1x)")
+        lines.append("(step_fused's SGLang column is the sum of its four launches; targets on "
+                     "the direct path: ops <= 1.0x, step <= 0.5x)")
     return "\n".join(lines)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--bs", type=int, default=64)
+    p.add_argument("--bs", default="64", help="batch sizes, comma-separated (e.g. 64,256)")
     p.add_argument("--iters", type=int, default=270)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--sglang", action="store_true")
     p.add_argument("--out", help="write the full JSON here (printed otherwise)")
     a = p.parse_args(argv)
-    out = measure(device=a.device, bs=a.bs, iters=a.iters, sglang=a.sglang, rounds=a.rounds)
+    results = []
+    for bs in (int(x) for x in a.bs.split(",")):
+        out = measure(device=a.device, bs=bs, iters=a.iters, sglang=a.sglang, rounds=a.rounds)
+        results.append(out)
+        print(table(out), flush=True)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
-    else:
-        print(json.dumps(out, indent=1))
-    print(table(out))
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ FULL_CASES = [64]
 QUICK_CASES = [64]
 SMOKE_CASES = [4]
 OPS = ("scatter", "plan", "verify", "write", "step_fused")
+_LAUNCHER = {"scatter": "launch_scatter_req_token_ids_kernel", "plan": "launch_canary_plan_kernels",
+             "verify": "launch_canary_verify_kernel", "write": "launch_canary_write_kernel"}
 
 
 def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
@@ -36,13 +38,13 @@ def rows_from(out: dict) -> list[dict]:
     for name in OPS:
         row = {"op": "bridge", "case": f"{name} bs={bs}", "bs": bs,
                "ours_call": {"median_us": out["bridge"][name]["launch_us"]},
-               "stream_sync": out.get("stream_sync")}
+               "path": out.get("paths", {}).get(
+                   "launch_canary_step" if name == "step_fused" else _LAUNCHER[name], {})}
         ref = total if name == "step_fused" else sg.get(name, {}).get("launch_us")
         if ref is not None:
             row["sglang_call"] = {"median_us": ref}
-        for mode in ("event", "fence"):
-            if "bridge_" + mode in out:
-                row[f"ours_call_{mode}"] = {"median_us": out["bridge_" + mode][name]["launch_us"]}
+        if "bridge_dlpack" in out:
+            row["ours_call_dlpack"] = {"median_us": out["bridge_dlpack"][name]["launch_us"]}
         rows.append(row)
     rows[-1]["raw"] = out
     return rows
