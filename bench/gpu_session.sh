@@ -31,13 +31,13 @@ for step in "$@"; do
       # Everything the torch bridge needs checked on the GPU, in one go (< 8 min on the H200).
       timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_bridge.py \
         tests/test_bridge_gpu.py 2>&1 | tee $OUT/bridge_tests.log | tail -25
-      timeout 150 compute-sanitizer --tool memcheck --print-limit 5 \
+      timeout 90 compute-sanitizer --tool memcheck --print-limit 5 \
         python3 bench/sanitize_cases.py --bridge-only 2>&1 | tee $OUT/bridge_sanitize.log | tail -8
-      timeout 120 python3 -m bench.bridge_overhead --device cuda --bs 64,256 --sglang \
+      timeout 70 python3 -m bench.bridge_overhead --device cuda --bs 64,256 --sglang \
         --iters 270 --rounds 9 --out $OUT/bridge_overhead.json 2>&1 | tail -20
-      timeout 60 python3 -m bench.bridge_direct --bs 64,256 --out $OUT/bridge_direct.json \
+      timeout 45 python3 -m bench.bridge_direct --bs 64,256 --out $OUT/bridge_direct.json \
         2>&1 | tail -25
-      timeout 30 python3 -m bench.bridge_profile --out $OUT/bridge_profile.json >/dev/null 2>&1
+      timeout 15 python3 -m bench.bridge_profile --out $OUT/bridge_profile.json >/dev/null 2>&1
       python3 -c "import json; print(json.load(open('$OUT/bridge_profile.json')))" ;;
     bench-full)
       python3 -m bench --ops $OPS --out $OUT/bench 2>&1 | tail -80 ;;

@@ -132,7 +132,10 @@ def main(argv=None) -> int:
         from bench.op_bridge import rows_from
 
         with open(args[1]) as f:
-            result["rows"] = [r for r in result["rows"] if r["op"] != "bridge"] + rows_from(json.load(f))
+            runs = json.load(f)
+        runs = runs if isinstance(runs, list) else [runs]  # one result per batch size
+        result["rows"] = [r for r in result["rows"] if r["op"] != "bridge"] + [
+            row for run in runs for row in rows_from(run)]
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
     out_dir = os.path.dirname(os.path.abspath(path))

@@ -51,7 +51,7 @@ class Declaration:
     validate: Callable[[dict, dict], None]
     skip: Callable[[dict, dict], bool]
     check_values: Callable[[dict, dict], None]
-    arguments: Callable[..., tuple]  # (kwargs, tensors, direct) -> (args, static, results)
+    arguments: Callable[..., tuple]  # (kwargs, tensors) -> (args, static, results)
     fn: Callable  # fn(*arrays, **static) -> outputs, in the order of ``results``
 
 
@@ -79,9 +79,9 @@ def _interpret(t) -> bool:
     return t.device.type != "cuda"
 
 
-def _dense(name, t, *, out=False, shape=None, persistent=True) -> Arg:
-    return Arg(name=name, tensor=t, shape=tuple(t.shape) if shape is None else shape,
-               dtype=t.dtype, out=out, persistent=persistent)
+def _dense(name, t, *, out=False, shape=None, clamp=None) -> Arg:
+    return Arg(name=name, shape=tuple(t.shape) if shape is None else shape, dtype=t.dtype,
+               out=out, clamp=clamp)
 
 
 def _pitched(name, t, *, out, check_fits: bool) -> Arg:
@@ -106,8 +106,8 @@ def _pitched(name, t, *, out, check_fits: bool) -> Arg:
             f"stepped by stride(0)={pitch}, runs past its storage, and the kernel reads whole "
             f"rows; pass {name}.contiguous(), or a slice starting at column 0"
         )
-    return Arg(name=name, tensor=t, shape=(rows, pitch), dtype=t.dtype, layout="pitched",
-               out=out, cols=cols)
+    return Arg(name=name, shape=(rows, pitch), dtype=t.dtype, layout="pitched", out=out,
+               cols=cols)
 
 
 def _source_arg(i, s) -> tuple[Arg, SourceSpec]:
@@ -121,8 +121,8 @@ def _source_arg(i, s) -> tuple[Arg, SourceSpec]:
     spec = SourceSpec(word_offset=0, row_stride_words=stride_bytes // 8, num_rows=rows,
                       page_size=int(s.page_size), nbpt_words=int(s.num_bytes_per_token) // 8,
                       read_words=int(s.read_bytes) // 8)
-    arg = Arg(name=f"real_kv_sources[{i}].tensor", tensor=t, shape=(max(need, 8),),
-              dtype=torch.uint8, layout="bytes")
+    arg = Arg(name=f"real_kv_sources[{i}].tensor", shape=(max(need, 8),), dtype=torch.uint8,
+              layout="bytes")
     return arg, spec
 
 
@@ -174,10 +174,11 @@ def check_distinct_outputs(outputs: dict) -> None:
         spans.append((name, (lo, hi)))
 
 
-def _clamped(offsets: torch.Tensor, n: int) -> torch.Tensor:
-    """``min(offsets, n)``: every range indexed by ``offsets`` loses exactly its indices at or
+def _offsets(name, t, n: int, b: int) -> Arg:
+    """Offsets indexing a token array of true length ``n`` lowered at bucket ``b``: clamped to
+    ``min(offsets, n)`` per call where ``b > n``, so every range loses exactly its indices at or
     past ``n``, which the ops never read (see :mod:`kvcanary_jax.buckets`)."""
-    return torch.clamp(offsets, max=n)
+    return _dense(name, t, clamp=n if b != n else None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,8 +221,7 @@ def _scatter_args(flat_in, offsets, rpi, pool_name, pool):
     b = buckets.bucket(n)
     args = [
         _dense("flat_in", flat_in, shape=(b,)),
-        _dense("offsets", _clamped(offsets, n), persistent=False) if b != n
-        else _dense("offsets", offsets),
+        _offsets("offsets", offsets, n, b),
         _dense("req_pool_indices", rpi),
         _pitched(pool_name, pool, out=True, check_fits=False),
     ]
@@ -234,7 +234,7 @@ def scatter_fn(flat_in, offsets, rpi, pool, *, max_cols, interpret):
                                   interpret=interpret),)
 
 
-def _scatter_arguments(kw, ts, direct):
+def _scatter_arguments(kw, ts):
     pool = ts["pool_out"]
     args = _scatter_args(ts["flat_in"], ts["offsets"], ts["req_pool_indices"], "pool_out", pool)
     return args, dict(max_cols=int(pool.shape[1]), interpret=_interpret(pool)), (3,)
@@ -346,7 +346,7 @@ def plan_fn(*arrays, has, swa, cap, k, interpret, launch=None):
     return tuple(getattr(vp, f) for f in _VP) + tuple(getattr(wp, f) for f in _WP)
 
 
-def _plan_arguments(kw, ts, direct):
+def _plan_arguments(kw, ts):
     args, has = _plan_args(ts)
     swa, cap, k = _plan_statics(kw)
     static = dict(has=has, swa=swa, cap=cap, k=k,
@@ -438,7 +438,7 @@ def verify_fn(*arrays, specs, kind, mode, check, interpret):
                               mode=mode, check=check, interpret=interpret))
 
 
-def _verify_arguments(kw, ts, direct):
+def _verify_arguments(kw, ts):
     context = kw["context"]
     args = _ctx_args(ts, canary_out=False, with_cpa=False)
     args += [_dense(f"plan.{k}", ts[f"plan.{k}"]) for k in _VP]
@@ -533,15 +533,14 @@ def _token_args(ts, names, b):
     return [_dense(k, ts[k], shape=(b,)) for k in names if ts[k] is not None]
 
 
-def _write_arguments(kw, ts, direct):
+def _write_arguments(kw, ts):
     context = kw["context"]
     check = bool(kw["enable_write_input_assert"])
     n = int(ts["input_ids"].shape[0])
     b = buckets.bucket(n)
     args = _ctx_args(ts, canary_out=True, with_cpa=True)
     wo = ts["plan.write_offsets"]
-    args.append(_dense("plan.write_offsets", _clamped(wo, n), persistent=False) if b != n
-                else _dense("plan.write_offsets", wo))
+    args.append(_offsets("plan.write_offsets", wo, n, b))
     args += [_dense(f"plan.{k}", ts[f"plan.{k}"]) for k in _WP[1:]]
     args += _token_args(ts, _TOKENS + (_EXPECTED if check else ()), b)
     src_args, specs = _source_args(context)
@@ -649,7 +648,7 @@ def step_fn(*arrays, scatter_cols, has, swa, cap, k, specs, kind, mode, check_to
     return vfields + wfields + tuple(outs) + pool_out
 
 
-def _step_arguments(kw, ts, direct):
+def _step_arguments(kw, ts):
     context = kw["context"]
     args = []
     do_scatter = _do_scatter(kw) and not _scatter_skip(kw, _step_scatter_tensors(kw))
@@ -660,8 +659,7 @@ def _step_arguments(kw, ts, direct):
         b = buckets.bucket(n)
         args.append(_dense("expected_token_ids", flat, shape=(b,)))
         offs = ts["expected_token_offsets"]
-        args.append(_dense("expected_token_offsets", _clamped(offs, n), persistent=False)
-                    if b != n else _dense("expected_token_offsets", offs))
+        args.append(_offsets("expected_token_offsets", offs, n, b))
     first_plan = len(args)
     plan_args, has = _plan_args(ts)
     if do_scatter:  # the pool is written by the scatter: an in-place output of the step

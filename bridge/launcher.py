@@ -49,31 +49,33 @@ __all__ = ["Arg", "Signature", "ProgramKey", "Launcher", "paths", "set_direct", 
 
 @dataclasses.dataclass(frozen=True)
 class Arg:
-    """One array argument of a declaration's function, and where its memory comes from.
+    """One array argument of a declaration's function: which tensor, and how it is lowered.
 
-    ``tensor``: the caller's tensor (or a per-call temporary, ``persistent=False``).
+    ``name``: the tensor's name in the declaration's tensors (SGLang's name, used in errors).
     ``shape``/``dtype``: the array the function is lowered for. ``layout``:
       ``"dense"``   the tensor itself (compact); with ``shape[0]`` above the tensor's length it is
-                    a bucketed token array whose tail the op never reads (see the declaration);
+                    a bucketed token array whose tail the op never reads;
       ``"pitched"`` a 2-D view with packed rows, handed over as its base ``[rows, stride(0)]``
                     starting at the view's first element; ``cols`` is the view's width;
       ``"bytes"``   a real-KV source: ``shape[0]`` bytes from the view's first element.
-    ``out``: updated in place (donated on the DLPack path). ``name``: SGLang's name, for errors.
+    ``out``: updated in place (donated on the DLPack path). ``clamp``: pass ``min(tensor,
+    clamp)`` (a per-call temporary) instead of the tensor: offsets into a bucketed token array.
+    Holds no tensor: arguments are cached per call signature.
     """
 
     name: str
-    tensor: Any
     shape: tuple
     dtype: Any
     layout: str = "dense"
     out: bool = False
     cols: int | None = None
-    persistent: bool = True
+    clamp: int | None = None
 
 
 class Signature(NamedTuple):
-    """What a call's static checks depend on: the launcher, every tensor's (shape, strides, dtype,
-    device) in declaration order (None where absent), the non-tensor arguments."""
+    """What a call's checks, arguments and program depend on: the launcher, every tensor's
+    (shape, strides, dtype, device) in declaration order (None where absent), the non-tensor
+    arguments. No addresses: a signature never keeps or names a tensor."""
 
     launcher: str
     tensors: tuple
@@ -88,6 +90,19 @@ class ProgramKey(NamedTuple):
     static: tuple
     args: tuple
     device: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """Everything a call with a given :class:`Signature` needs beyond its tensors: its checks
+    passed; whether there is nothing to launch; the function's arguments, static arguments and
+    which argument each result updates."""
+
+    skip: bool
+    args: tuple[Arg, ...] = ()
+    static: dict = dataclasses.field(default_factory=dict)
+    results: tuple[int, ...] = ()
+    program_key: Any = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -117,7 +132,14 @@ def paths() -> dict[str, dict[str, str]]:
 
 
 def _meta(t):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        return (type(t),)
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 class Launcher:
@@ -131,19 +153,14 @@ class Launcher:
     def __call__(self, **kwargs) -> None:
         decl = self.decl
         tensors = decl.tensors(kwargs)
-        statics = decl.statics(kwargs)
-        sig = Signature(decl.name, tuple(_meta(t) if isinstance(t, torch.Tensor) else
-                                         (type(t),) for t in tensors.values()), statics)
-        if CACHES.checked.get(sig) is None:
-            decl.validate(kwargs, tensors)
-            CACHES.checked.put(sig, True)
-        if decl.skip(kwargs, tensors):
+        sig = Signature(decl.name, tuple(map(_meta, tensors.values())), decl.statics(kwargs))
+        prep = CACHES.prepared.get(sig)
+        if prep is None:
+            prep = CACHES.prepared.put(sig, self._prepare(kwargs, tensors))
+        if prep.skip:
             return
-        anchor_name = decl.anchor
-        anchor = tensors[anchor_name]
+        anchor = tensors[decl.anchor]
         device = anchor.device
-        if device.type == "meta":
-            device_info(anchor, anchor_name)  # raises the bridge's error for the meta device
         if value_checks_enabled(device):
             decl.check_values(kwargs, tensors)
         reason = ""
@@ -151,42 +168,61 @@ class Launcher:
             if not _DIRECT["on"]:
                 reason = "disabled (KVCANARY_BRIDGE_DIRECT=0 or bridge.set_direct(False))"
             else:
-                ok, reason = triton_direct.available()
-                if ok:
-                    args, static, results = decl.arguments(kwargs, tensors, direct=True)
-                    reason = self._direct(args, static, results, device)
-                    if not reason:
-                        _PATHS[decl.name] = ("triton_direct", "")
-                        STATS["triton_direct"] += 1
-                        return
-        args, static, results = decl.arguments(kwargs, tensors, direct=False)
-        self._dlpack(args, static, results, anchor, anchor_name)
+                reason = self._direct(prep, tensors, device)
+                if not reason:
+                    _PATHS[decl.name] = ("triton_direct", "")
+                    STATS["triton_direct"] += 1
+                    return
+        self._dlpack(prep, tensors, anchor)
         _PATHS[decl.name] = ("dlpack", reason)
         STATS["dlpack"] += 1
+
+    def _prepare(self, kwargs, tensors) -> Prepared:
+        """First call of a signature: the static checks (SGLang's errors), then the arguments."""
+        decl = self.decl
+        decl.validate(kwargs, tensors)
+        anchor = tensors[decl.anchor]
+        if anchor.device.type == "meta":
+            device_info(anchor, decl.anchor)  # raises the bridge's error for the meta device
+        if decl.skip(kwargs, tensors):
+            return Prepared(skip=True)
+        args, static, results = decl.arguments(kwargs, tensors)
+        key = None
+        if anchor.device.type == "cuda":
+            index = anchor.device.index
+            key = ProgramKey(decl.name, tuple(sorted(static.items())),
+                             tuple((a.shape, a.dtype, a.layout) for a in args),
+                             torch.cuda.current_device() if index is None else index)
+        return Prepared(skip=False, args=tuple(args), static=static, results=tuple(results),
+                        program_key=key)
 
     # ---------------------------------------------------------------------------------------
     # Direct path
 
-    def _direct(self, args, static, results, device) -> str:
+    def _direct(self, prep: Prepared, tensors, device) -> str:
         """Launch on the direct path; returns "" or the reason it cannot run this call."""
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        key = ProgramKey(self.decl.name, tuple(sorted(static.items())),
-                         tuple((a.shape, a.dtype, a.layout) for a in args), index)
-        entry = CACHES.programs.get_or_build(key, lambda: _build_program(
-            self.decl, args, static, results, device, index))
+        ok, reason = triton_direct.available()
+        if not ok:
+            return reason
+        key = prep.program_key
+        entry = CACHES.programs.get(key)
+        if entry is None:
+            entry = CACHES.programs.put(key, _build_program(self.decl, prep, device, key.device))
         if isinstance(entry, str):
             return entry
-        ptrs = [a.tensor.data_ptr() for a in args]
-        stream = torch.cuda.current_stream(device).cuda_stream
-
-        def arg_view(i):
-            a = args[i]
-            nbytes = int(torch.Size(a.shape).numel()) * torch.empty((), dtype=a.dtype).element_size()
-            u8 = a.tensor.detach()
-            return torch.empty(0, dtype=torch.uint8, device=device).set_(
-                u8.untyped_storage(), u8.storage_offset() * u8.element_size(), (nbytes,), (1,))
-
-        entry.launch(ptrs, stream, arg_view)
+        keep = []  # per-call temporaries (clamped offsets) live until the launches are queued
+        ptrs = []
+        for a in prep.args:
+            t = tensors[a.name]
+            if a.clamp is not None:
+                t = torch.clamp(t, max=a.clamp)
+                keep.append(t)
+            ptrs.append(t.data_ptr())
+        stream = (_raw_stream(key.device) if _raw_stream is not None
+                  else torch.cuda.current_stream(device).cuda_stream)
+        entry.launch(ptrs, stream, lambda i: _byte_view(tensors[prep.args[i].name],
+                                                        prep.args[i]))
+        del keep
         return ""
 
     # ---------------------------------------------------------------------------------------
@@ -199,27 +235,37 @@ class Launcher:
                 lock = self._dlpack_locks[device] = threading.Lock()
             return lock
 
-    def _dlpack(self, args, static, results, anchor, anchor_name) -> None:
-        info = device_info(anchor, anchor_name)
+    def _dlpack(self, prep: Prepared, tensors, anchor) -> None:
+        decl = self.decl
+        info = device_info(anchor, decl.anchor)
         if info.is_gpu and streams.capturing(info.torch_device):
             raise BridgeError(
-                f"kv-canary bridge: {self.decl.name} cannot run inside a torch CUDA graph "
-                "capture on the DLPack path (XLA launches outside the capture); the direct "
-                f"Triton path is unavailable here: {_PATHS.get(self.decl.name, ('', ''))[1]}"
+                f"kv-canary bridge: {decl.name} cannot run inside a torch CUDA graph capture on "
+                "the DLPack path (XLA launches outside the capture); the direct Triton path is "
+                f"unavailable here: {_PATHS.get(decl.name, ('', ''))[1]}"
             )
-        donate = tuple(1 + i for i, a in enumerate(args) if a.out)
+        static = dict(prep.static, interpret=info.interpret)
+        donate = tuple(1 + i for i, a in enumerate(prep.args) if a.out)
         fn = CACHES.jitted.get_or_build(
-            (self.decl.name, tuple(sorted(static.items())), donate),
-            lambda: jax.jit(_positional(self.decl.fn, static), donate_argnums=donate,
+            (decl.name, tuple(sorted(static.items())), donate),
+            lambda: jax.jit(_positional(decl.fn, static), donate_argnums=donate,
                             keep_unused=True))
         cache = views.for_device(info.torch_device)
         with self._lock(info.torch_device), x64_scope():
-            presented = [_present(a, info, cache) for a in args]
+            presented = [_present(a, tensors[a.name], info, cache) for a in prep.args]
             fence, stream = streams.enter(info)
             outs = fn(fence, *(p.array for p in presented))
             streams.finish(info, outs[:1], stream)
-            for r, i in zip(outs, results):
-                _commit(args[i], presented[i], r, cache)
+            for r, i in zip(outs, prep.results):
+                _commit(prep.args[i], tensors[prep.args[i].name], presented[i], r, cache)
+
+
+def _byte_view(t, a: Arg):
+    """Argument ``a``'s memory (its lowered shape from ``t``'s first element) as flat bytes."""
+    nbytes = int(torch.Size(a.shape).numel()) * torch.empty((), dtype=a.dtype).element_size()
+    u8 = t.detach()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+        u8.untyped_storage(), u8.storage_offset() * u8.element_size(), (nbytes,), (1,))
 
 
 def _positional(fn, static):
@@ -236,9 +282,11 @@ class _Presented(NamedTuple):
     cols: int | None  # write back only these columns (the base of a pitched view)
 
 
-def _present(a: Arg, info, cache) -> _Presented:
-    t = a.tensor
+def _present(a: Arg, t, info, cache) -> _Presented:
     back = t if a.out else None
+    if a.clamp is not None:
+        t = torch.clamp(t, max=a.clamp)  # a per-call temporary, never cached
+        return _Presented(_import(t, info), None, None, None)
     if a.layout == "dense":
         if tuple(t.shape) != a.shape:
             # A bucketed token array: the tensor's elements, then a tail the op never reads
@@ -267,16 +315,14 @@ def _present(a: Arg, info, cache) -> _Presented:
             u8.untyped_storage(), u8.storage_offset() * u8.element_size(), a.shape, (1,))
         cols = None
     tag = (a.shape, a.layout)
-    if a.persistent:
-        arr = cache.get(t, tag)
-        if arr is not None:
-            STATS["view_hits"] += 1
-            return _Presented(arr, src.data_ptr(), back, cols)
+    arr = cache.get(t, tag)
+    if arr is not None:
+        STATS["view_hits"] += 1
+        return _Presented(arr, src.data_ptr(), back, cols)
     arr = _import(src, info)
     if arr.unsafe_buffer_pointer() != src.data_ptr() or src.numel() == 0:
         return _Presented(arr, None, back, cols)  # a copying import: a snapshot, never cached
-    if a.persistent:
-        cache.put(t, arr, tag)
+    cache.put(t, arr, tag)
     return _Presented(arr, src.data_ptr(), back, cols)
 
 
@@ -291,12 +337,11 @@ _JAX_DTYPES = {torch.int64: "int64", torch.int32: "int32", torch.uint8: "uint8",
                torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def _commit(a: Arg, p: _Presented, result, cache) -> None:
-    """Make ``result`` visible in the caller's tensor: in place already where it aliases the
-    imported memory (the result then stands in for the donated array), else a copy."""
+def _commit(a: Arg, t, p: _Presented, result, cache) -> None:
+    """Make ``result`` visible in the caller's tensor ``t``: in place already where it aliases
+    the imported memory (the result then stands in for the donated array), else a copy."""
     if p.alias is not None and result.unsafe_buffer_pointer() == p.alias:
-        if a.persistent:
-            cache.put(a.tensor, result, (a.shape, a.layout))
+        cache.put(t, result, (a.shape, a.layout))
         return
     if p.back is not None:
         write_back(p.back, result, p.cols)
@@ -307,17 +352,17 @@ def lowered_specs(args) -> list:
     return [jax.ShapeDtypeStruct(a.shape, _JAX_DTYPES[a.dtype]) for a in args]
 
 
-def _build_program(decl, args, static, results, device, index):
+def _build_program(decl, prep: Prepared, device, index):
     """Lower, extract and load; the reason (a string) where the direct path cannot run."""
     try:
-        program = triton_direct.extract_program(decl.fn, lowered_specs(args),
-                                                results_to_args=results,
-                                                static=static)
+        program = triton_direct.extract_program(decl.fn, lowered_specs(prep.args),
+                                                results_to_args=prep.results,
+                                                static=dict(prep.static, interpret=False))
     except triton_direct.Unsupported as e:
         return f"{decl.name}: {e}"
     STATS["direct_programs"] += 1
     return triton_direct.Loaded(program, device, _compile_variant(index),
-                                [a.name for a in args])
+                                [a.name for a in prep.args])
 
 
 def _compile_variant(index):

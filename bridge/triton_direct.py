@@ -48,6 +48,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from bridge.dlpack import BridgeError
+
 __all__ = [
     "Buf",
     "KernelCall",
@@ -452,8 +454,6 @@ def check_alignment(kernel: KernelCall, ptrs: Sequence[int], names: Sequence[str
     for p, ptr, name in zip(kernel.params, ptrs, names):
         size = _ELEM_BYTES.get(p.dtype, 1)
         if ptr % size:
-            from bridge.dlpack import BridgeError
-
             raise BridgeError(
                 f"kv-canary bridge: {name} starts at an address that is not {size}-byte aligned "
                 f"(the kernel reads it as {p.dtype}); pass a tensor whose data_ptr() is a "

@@ -996,7 +996,7 @@ def test_clear_cache_empties_every_cache():
     for _ in range(2):
         bo.run_verify(c)
         bo.run_scatter(c)
-    assert CACHES.sizes()["checked"] > 0 and CACHES.sizes()["jitted"] > 0
+    assert CACHES.sizes()["prepared"] > 0 and CACHES.sizes()["jitted"] > 0
     assert len(views.for_device(CPU)) > 0
     bridge.clear_cache()
     assert all(v == 0 for v in CACHES.sizes().values())

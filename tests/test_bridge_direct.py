@@ -65,7 +65,7 @@ def _calls():
 def _program(name):
     decl, kw = _calls()[name]
     ts = decl.tensors(kw)
-    args, static, results = decl.arguments(kw, ts, direct=True)
+    args, static, results = decl.arguments(kw, ts)
     static = dict(static, interpret=False)
     return args, td.extract_program(decl.fn, lowered_specs(args), results_to_args=results,
                                     static=static)
@@ -117,7 +117,7 @@ def test_plan_multi_block_path_is_three_kernels():
     c = _case()
     kw = bo._plan_kw(c)
     ts = D.PLAN.tensors(kw)
-    args, static, results = D.PLAN.arguments(kw, ts, direct=True)
+    args, static, results = D.PLAN.arguments(kw, ts)
     launch = _plan.PlanLaunch(single_block_max=2, multi_block=2)
     prog = td.extract_program(
         functools.partial(_multi_block_plan, launch=launch), lowered_specs(args),
@@ -175,7 +175,7 @@ def test_write_kernel_parameters_and_its_bucketed_token_arrays():
     assert [a.shape for a in args if a.name in ("input_ids", "positions", "out_cache_loc")] == \
         [(64,)] * 3  # 4 tokens, bucketed
     offsets = next(a for a in args if a.name == "plan.write_offsets")
-    assert not offsets.persistent  # the per-call clamp to the true token count
+    assert offsets.clamp == 4  # a per-call clamp to the true token count
     [(_, _, checked)] = _mapping("write_checked_source")
     assert checked[6:10] == [("expected_input_tokens", "i64"), ("expected_input_positions", "i64"),
                              ("enable_chain_position_assert", "i32"),
@@ -232,7 +232,7 @@ def test_fused_step_is_one_program_of_all_the_kernels():
               **{k: v for k, v in bo._plan_kw(c).items()
                  if k not in ("verify_plan_out", "write_plan_out")})
     ts = D.STEP.tensors(kw)
-    args, static, results = D.STEP.arguments(kw, ts, direct=True)
+    args, static, results = D.STEP.arguments(kw, ts)
     prog = td.extract_program(D.STEP.fn, lowered_specs(args), results_to_args=results,
                               static=dict(static, interpret=False))
     assert [k.name for k in prog.kernels] == [
