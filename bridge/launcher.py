@@ -220,8 +220,15 @@ class Launcher:
             ptrs.append(t.data_ptr())
         stream = (_raw_stream(key.device) if _raw_stream is not None
                   else torch.cuda.current_stream(device).cuda_stream)
-        entry.launch(ptrs, stream, lambda i: _byte_view(tensors[prep.args[i].name],
-                                                        prep.args[i]))
+
+        def views_of(i):
+            return _byte_view(tensors[prep.args[i].name], prep.args[i])
+
+        if torch.cuda.current_device() == key.device:
+            entry.launch(ptrs, stream, views_of)
+        else:  # a kernel runs in its device's context
+            with torch.cuda.device(key.device):
+                entry.launch(ptrs, stream, views_of)
         del keep
         return ""
 

@@ -144,15 +144,12 @@ def _attr_int(attr) -> int:
 
 
 def _np_dtype(element_type) -> np.dtype:
-    from jax._src.lib.mlir import ir
-
     s = str(element_type)
     table = {"i1": np.bool_, "i8": np.int8, "ui8": np.uint8, "i16": np.int16, "ui16": np.uint16,
              "i32": np.int32, "ui32": np.uint32, "i64": np.int64, "ui64": np.uint64,
              "f16": np.float16, "f32": np.float32, "f64": np.float64, "bf16": np.uint16}
     if s not in table:
         raise Unsupported(f"element type {s}")
-    del ir
     return np.dtype(table[s])
 
 
