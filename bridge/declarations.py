@@ -46,6 +46,7 @@ class Declaration:
 
     name: str
     anchor: str  # the tensor whose device the call runs on
+    outputs: tuple[str, ...]  # in-place outputs that must not share memory (checked per address)
     tensors: Callable[[dict], dict]
     statics: Callable[[dict], tuple]
     validate: Callable[[dict, dict], None]
@@ -87,7 +88,7 @@ def _dense(name, t, *, out=False, shape=None, clamp=None) -> Arg:
 def _pitched(name, t, *, out, check_fits: bool) -> Arg:
     """A 2-D view with packed rows, as its base ``[rows, stride(0)]`` from its first element.
     ``check_fits``: the op reads the base's full rows (not only the view's columns), so the base
-    must lie inside the storage."""
+    must lie inside the storage (checked on every call: it depends on the storage offset)."""
     rows, cols = int(t.shape[0]), int(t.shape[1])
     pitch = int(t.stride(0)) if rows > 1 else max(cols, int(t.stride(0)))
     if t.is_contiguous() or rows == 0:
@@ -98,16 +99,8 @@ def _pitched(name, t, *, out, check_fits: bool) -> Arg:
             f"strides={tuple(t.stride())}) the kernels cannot address (they step rows by "
             f"stride(0) over packed columns); pass {name}.contiguous() and copy the result back"
         )
-    if check_fits and (t.storage_offset() + rows * pitch) * t.element_size() > \
-            t.untyped_storage().nbytes():
-        raise BridgeError(
-            f"kv-canary bridge: {name} is a column slice (shape={tuple(t.shape)}, "
-            f"strides={tuple(t.stride())}, storage offset {t.storage_offset()}) whose last row, "
-            f"stepped by stride(0)={pitch}, runs past its storage, and the kernel reads whole "
-            f"rows; pass {name}.contiguous(), or a slice starting at column 0"
-        )
     return Arg(name=name, shape=(rows, pitch), dtype=t.dtype, layout="pitched", out=out,
-               cols=cols)
+               cols=cols, whole_rows=check_fits)
 
 
 def _source_arg(i, s) -> tuple[Arg, SourceSpec]:
@@ -241,7 +234,8 @@ def _scatter_arguments(kw, ts):
 
 
 SCATTER = Declaration(
-    name="launch_scatter_req_token_ids_kernel", anchor="pool_out", tensors=_scatter_tensors,
+    name="launch_scatter_req_token_ids_kernel", anchor="pool_out", outputs=("pool_out",),
+    tensors=_scatter_tensors,
     statics=lambda kw: (), validate=_scatter_validate, skip=_scatter_skip,
     check_values=_scatter_values, arguments=_scatter_arguments, fn=scatter_fn,
 )
@@ -356,6 +350,7 @@ def _plan_arguments(kw, ts):
 
 PLAN = Declaration(
     name="launch_canary_plan_kernels", anchor="verify_plan_out.verify_slot_indices",
+    outputs=tuple(f"verify_plan_out.{k}" for k in _VP) + tuple(f"write_plan_out.{k}" for k in _WP),
     tensors=_plan_tensors, statics=_plan_statics, validate=_plan_validate,
     skip=lambda kw, ts: False, check_values=_plan_values, arguments=_plan_arguments, fn=plan_fn,
 )
@@ -451,7 +446,8 @@ def _verify_arguments(kw, ts):
 
 
 VERIFY = Declaration(
-    name="launch_canary_verify_kernel", anchor="canary_buf", tensors=_verify_tensors,
+    name="launch_canary_verify_kernel", anchor="canary_buf", outputs=_CTX_OUT,
+    tensors=_verify_tensors,
     statics=_verify_statics, validate=_verify_validate, skip=lambda kw, ts: False,
     check_values=_verify_values, arguments=_verify_arguments, fn=verify_fn,
 )
@@ -551,7 +547,8 @@ def _write_arguments(kw, ts):
 
 
 WRITE = Declaration(
-    name="launch_canary_write_kernel", anchor="canary_buf", tensors=_write_tensors,
+    name="launch_canary_write_kernel", anchor="canary_buf", outputs=("canary_buf",) + _CTX_OUT,
+    tensors=_write_tensors,
     statics=_write_statics, validate=_write_validate, skip=lambda kw, ts: False,
     check_values=_write_values, arguments=_write_arguments, fn=write_fn,
 )
@@ -686,7 +683,8 @@ def _step_arguments(kw, ts):
 
 
 STEP = Declaration(
-    name="launch_canary_step", anchor="canary_buf", tensors=_step_tensors,
+    name="launch_canary_step", anchor="canary_buf",
+    outputs=("canary_buf",) + _CTX_OUT + PLAN.outputs, tensors=_step_tensors,
     statics=_step_statics, validate=_step_validate, skip=lambda kw, ts: False,
     check_values=_step_values, arguments=_step_arguments, fn=step_fn,
 )

@@ -60,7 +60,9 @@ class Arg:
       ``"bytes"``   a real-KV source: ``shape[0]`` bytes from the view's first element.
     ``out``: updated in place (donated on the DLPack path). ``clamp``: pass ``min(tensor,
     clamp)`` (a per-call temporary) instead of the tensor: offsets into a bucketed token array.
-    Holds no tensor: arguments are cached per call signature.
+    ``whole_rows``: the op reads a pitched base's whole rows, so the base must lie inside the
+    tensor's storage (checked on every call). Holds no tensor: arguments are cached per call
+    signature.
     """
 
     name: str
@@ -70,16 +72,19 @@ class Arg:
     out: bool = False
     cols: int | None = None
     clamp: int | None = None
+    whole_rows: bool = False
 
 
 class Signature(NamedTuple):
     """What a call's checks, arguments and program depend on: the launcher, every tensor's
     (shape, strides, dtype, device) in declaration order (None where absent), the non-tensor
-    arguments. No addresses: a signature never keeps or names a tensor."""
+    arguments, and the in-place outputs' addresses (two outputs must not share memory). A
+    signature never keeps a tensor."""
 
     launcher: str
     tensors: tuple
     statics: tuple
+    outputs: tuple
 
 
 class ProgramKey(NamedTuple):
@@ -103,6 +108,7 @@ class Prepared:
     static: dict = dataclasses.field(default_factory=dict)
     results: tuple[int, ...] = ()
     program_key: Any = None
+    whole_rows: tuple[Arg, ...] = ()  # arguments checked against their storage on every call
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,6 +145,23 @@ def _meta(t):
     return (t.shape, t.stride(), t.dtype, t.device)
 
 
+def _ptr(t):
+    return t.data_ptr() if isinstance(t, torch.Tensor) else None
+
+
+def check_whole_rows(a: Arg, t) -> None:
+    """A pitched base whose rows the op reads whole must lie inside ``t``'s storage."""
+    rows, pitch = a.shape
+    if rows and (t.storage_offset() + rows * pitch) * t.element_size() > \
+            t.untyped_storage().nbytes():
+        raise BridgeError(
+            f"kv-canary bridge: {a.name} is a column slice (shape={tuple(t.shape)}, "
+            f"strides={tuple(t.stride())}, storage offset {t.storage_offset()}) whose last row, "
+            f"stepped by stride(0)={pitch}, runs past its storage, and the kernel reads whole "
+            f"rows; pass {a.name}.contiguous(), or a slice starting at column 0"
+        )
+
+
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
@@ -153,12 +176,15 @@ class Launcher:
     def __call__(self, **kwargs) -> None:
         decl = self.decl
         tensors = decl.tensors(kwargs)
-        sig = Signature(decl.name, tuple(map(_meta, tensors.values())), decl.statics(kwargs))
+        sig = Signature(decl.name, tuple(map(_meta, tensors.values())), decl.statics(kwargs),
+                        tuple(_ptr(tensors[n]) for n in decl.outputs))
         prep = CACHES.prepared.get(sig)
         if prep is None:
             prep = CACHES.prepared.put(sig, self._prepare(kwargs, tensors))
         if prep.skip:
             return
+        for a in prep.whole_rows:
+            check_whole_rows(a, tensors[a.name])
         anchor = tensors[decl.anchor]
         device = anchor.device
         if value_checks_enabled(device):
@@ -194,7 +220,7 @@ class Launcher:
                              tuple((a.shape, a.dtype, a.layout) for a in args),
                              torch.cuda.current_device() if index is None else index)
         return Prepared(skip=False, args=tuple(args), static=static, results=tuple(results),
-                        program_key=key)
+                        program_key=key, whole_rows=tuple(a for a in args if a.whole_rows))
 
     # ---------------------------------------------------------------------------------------
     # Direct path

@@ -431,3 +431,33 @@ def test_bucketed_write_equals_the_unbucketed_op_when_offsets_run_past_the_token
                                expected_input_positions=None)
     assert ctx.canary_buf.numpy().tobytes() == bytes(want.canary_buf.tobytes())
     assert int(ctx.slot_run_counter[0]) == int(want.slot_run_counter[0]) == 5
+
+
+def test_per_call_layout_facts_are_checked_on_every_call(helpers):
+    """What a call's cached arguments cannot know: whether a pool slice's rows fit its storage
+    (the storage offset) and whether two outputs share memory (their addresses). A second call
+    with the same shapes and strides is checked again."""
+    kw = dict(req_pool_indices=torch.tensor([1, 2]), prefix_lens=torch.tensor([3, 1]),
+              extend_seq_lens=torch.tensor([1, 1]),
+              req_to_token=torch.arange(64, dtype=torch.int32).reshape(4, 16),
+              swa_window_size=0, full_to_swa_index_mapping=None, verify_capacity=16,
+              req_to_verify_expected_tokens_valid_lens=torch.tensor([3, 1]),
+              kv_token_id_vs_position_offset=0)
+    vp = bridge.VerifyPlan.allocate(verify_capacity=16, device=CPU).zero_for_testing_()
+    wp = bridge.WritePlan.allocate(write_req_capacity=4, device=CPU).zero_for_testing_()
+    store = torch.zeros(8, 16, dtype=torch.int32)
+    bridge.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp,
+                                      req_to_verify_expected_tokens=store[:4, 2:6], **kw)
+    with pytest.raises(bridge.BridgeError, match="runs past its storage"):
+        bridge.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp,
+                                          req_to_verify_expected_tokens=store[4:, 2:6], **kw)
+    ctx, plan = _verify_case(bridge.VerifyPlan, bridge.VerifyOrWriteContext, helpers)
+    bridge.launch_canary_verify_kernel(context=ctx, plan=plan, check_verify_expected_token=True)
+    import dataclasses
+
+    shared = dataclasses.replace(ctx, kernel_run_counter=ctx.slot_run_counter)
+    before = ctx.slot_run_counter.clone()
+    with pytest.raises(bridge.BridgeError, match="share memory"):
+        bridge.launch_canary_verify_kernel(context=shared, plan=plan,
+                                           check_verify_expected_token=True)
+    assert torch.equal(ctx.slot_run_counter, before)
