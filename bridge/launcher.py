@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -386,16 +387,29 @@ def lowered_specs(args) -> list:
 
 
 def _build_program(decl, prep: Prepared, device, index):
-    """Lower, extract and load; the reason (a string) where the direct path cannot run."""
+    """Lower, extract, compile and load every kernel; the reason (a string) where the direct path
+    cannot run this call, reported by :func:`paths` (and warned once) while the call takes the
+    DLPack path."""
     try:
         program = triton_direct.extract_program(decl.fn, lowered_specs(prep.args),
                                                 results_to_args=prep.results,
                                                 static=dict(prep.static, interpret=False))
     except triton_direct.Unsupported as e:
         return f"{decl.name}: {e}"
+    loaded = triton_direct.Loaded(program, device, _compile_variant(index),
+                                  [a.name for a in prep.args])
+    try:
+        # Every kernel compiled and loaded before the first launch: a failure here (a TTIR the
+        # installed triton cannot parse, ptxas) must not leave half a program launched.
+        for i in range(len(program.kernels)):
+            loaded.runner(i, None)
+    except Exception as e:  # noqa: BLE001  (reported: paths(), a warning, the DLPack path runs)
+        reason = f"{decl.name}: triton could not compile a kernel: {type(e).__name__}: {e}"
+        warnings.warn(f"kv-canary bridge: {reason}; using the DLPack path", RuntimeWarning,
+                      stacklevel=3)
+        return reason[:2000]
     STATS["direct_programs"] += 1
-    return triton_direct.Loaded(program, device, _compile_variant(index),
-                                [a.name for a in prep.args])
+    return loaded
 
 
 def _compile_variant(index):

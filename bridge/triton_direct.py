@@ -300,8 +300,9 @@ def extract_program(fn: Callable, specs: Sequence[Any], *, results_to_args: Sequ
     with _config.x64_scope(), warnings.catch_warnings():
         # The Triton lowering's deprecation notice (jax >= 0.11), for this lowering only.
         warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*[Tt]riton.*")
-        lowered = jax.jit(functools.partial(fn, **(static or {}))).trace(*specs).lower(
-            lowering_platforms=("cuda",))
+        # keep_unused: argument i of the lowered module must be argument i of the call.
+        lowered = jax.jit(functools.partial(fn, **(static or {})), keep_unused=True).trace(
+            *specs).lower(lowering_platforms=("cuda",))
         module = lowered.compiler_ir("stablehlo")
         with module.context:
             w = _Walker(module)
@@ -473,8 +474,12 @@ class Loaded:
         self.device = device
         self.names = tuple(names)  # argument names, for errors
         self._compile = compile
-        self.consts = [torch.from_numpy(np.ascontiguousarray(c).view(np.uint8).reshape(-1)
-                                        .copy()).to(device) for c in program.consts]
+        # torch's allocators align to at least 64 bytes: constants meet the kernels' 32.
+        self.consts = []
+        for c in program.consts:
+            host = torch.from_numpy(np.ascontiguousarray(c).view(np.uint8).reshape(-1).copy())
+            self.consts.append(torch.empty(host.shape, dtype=torch.uint8,
+                                           device=device).copy_(host))
         offs, total = [], 0
         for s in program.scratch:
             offs.append(total)

@@ -249,3 +249,100 @@ def test_fused_step_is_one_program_of_all_the_kernels():
     assert verify.bufs[7] == verify.bufs[11] == td.Buf("arg", ring)
     assert write.bufs[10] == td.Buf("arg", ring)
     assert prog.copies == ()
+
+
+class _Recorder:
+    """Stands in for triton's compiled kernel: records each launch (CPU, no driver)."""
+
+    def __init__(self, kernel, divisibility, log):
+        self.kernel, self.divisibility, self.log = kernel, divisibility, log
+
+    def __getitem__(self, grid):
+        def run(*args, stream):
+            self.log.append((self.kernel.name, grid, args, stream, self.divisibility))
+        return run
+
+
+def _loaded(prog, args, log, compiled):
+    def compile_one(kernel, divisibility):
+        compiled.append((kernel.name, divisibility))
+        return _Recorder(kernel, divisibility, log)
+
+    import contextlib
+    import unittest.mock as mock
+
+    patch = mock.patch.object(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    patch.start()
+    return td.Loaded(prog, CPU, compile_one, [a.name for a in args]), patch
+
+
+def test_launch_passes_each_kernel_its_pointers_in_parameter_order():
+    args, prog = _program("plan")
+    log, compiled = [], []
+    loaded, patch = _loaded(prog, args, log, compiled)
+    try:
+        ptrs = [0x10000 * (i + 1) for i in range(len(args))]  # 32-byte aligned
+        loaded.launch(ptrs, stream=77)
+        k1, k2 = prog.kernels
+        (n1, g1, a1, s1, d1), (n2, g2, a2, s2, d2) = log
+        assert (n1, g1, s1) == (k1.name, k1.grid, 77)
+        assert d1 == tuple(p.divisibility for p in k1.params)  # aligned: XLA's kernel as is
+        assert (n2, g2, s2) == (k2.name, k2.grid, 77)
+        by_name = {a.name: p for a, p in zip(args, ptrs)}
+        assert a1[:4] == tuple(by_name[n] for n in ("req_pool_indices", "prefix_lens",
+                                                   "extend_seq_lens", "req_to_token"))
+        assert a1[5] == a1[11] == by_name["write_plan_out.write_offsets"]  # the alias
+        assert a1[10] == a2[4]  # the verify offsets: one scratch buffer, written then read
+        assert a2[8:12] == a2[12:16] == tuple(by_name[f"verify_plan_out.{k}"] for k in VP)
+        # A pointer 8 bytes off: that kernel is compiled (once) for the alignment it has.
+        ptrs[args.index(next(a for a in args if a.name == "verify_plan_out.verify_num_valid"))] += 8
+        log.clear()
+        loaded.launch(ptrs, stream=5)
+        loaded.launch(ptrs, stream=5)
+        div = log[0][4]
+        assert div[7] == 8 and div[0] == 32  # verify_num_valid is the offsets kernel's 8th
+        assert sum(1 for name, d in compiled if d == div) == 1
+    finally:
+        patch.stop()
+
+
+def test_empty_batch_plan_is_copies_of_constants_and_matches_sglang(sgl):
+    """bs = 0: the lowered plan holds no kernel, only results that are constants (SGLang's
+    empty-batch plan); the launch copies them into the caller's tensors."""
+    import bridge
+    from bridge.launcher import _byte_view
+
+    rpi = torch.zeros(0, dtype=torch.int64)
+    plans = []
+    for VP_, WP_ in ((bridge.VerifyPlan, bridge.WritePlan),
+                     (sgl.verify.VerifyPlan, sgl.write.WritePlan)):
+        vp = VP_.allocate(verify_capacity=8, device=CPU).zero_for_testing_()
+        wp = WP_.allocate(write_req_capacity=3, device=CPU).zero_for_testing_()
+        wp.write_offsets.fill_(9)
+        vp.enable.zero_()
+        plans.append((vp, wp))
+    kw = dict(req_pool_indices=rpi, prefix_lens=rpi, extend_seq_lens=rpi,
+              req_to_token=torch.zeros(2, 4, dtype=torch.int32), swa_window_size=0,
+              full_to_swa_index_mapping=None, verify_capacity=8,
+              req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
+              kv_token_id_vs_position_offset=0)
+    ours = dict(kw, verify_plan_out=plans[0][0], write_plan_out=plans[0][1])
+    ts = D.PLAN.tensors(ours)
+    args, static, results = D.PLAN.arguments(ours, ts)
+    prog = td.extract_program(D.PLAN.fn, lowered_specs(args), results_to_args=results,
+                              static=dict(static, interpret=False))
+    assert prog.kernels == () and prog.copies
+    log, compiled = [], []
+    loaded, patch = _loaded(prog, args, log, compiled)
+    try:
+        loaded.launch([ts[a.name].data_ptr() for a in args], stream=0,
+                      arg_views=lambda i: _byte_view(ts[args[i].name], args[i]))
+    finally:
+        patch.stop()
+    assert log == []
+    sgl.plan_ref.launch_canary_plan_kernels_torch_reference(
+        verify_plan_out=plans[1][0], write_plan_out=plans[1][1], **kw)
+    for f in bridge.VerifyPlan.__dataclass_fields__:
+        assert torch.equal(getattr(plans[0][0], f), getattr(plans[1][0], f)), f
+    for f in bridge.WritePlan.__dataclass_fields__:
+        assert torch.equal(getattr(plans[0][1], f), getattr(plans[1][1], f)), f
