@@ -188,14 +188,16 @@ class Launcher:
             check_whole_rows(a, tensors[a.name])
         anchor = tensors[decl.anchor]
         device = anchor.device
-        if value_checks_enabled(device):
+        checked = value_checks_enabled(device)
+        if checked:
+            # Offsets then lie in [0, n]: a clamp to n would change nothing.
             decl.check_values(kwargs, tensors)
         reason = ""
         if device.type == "cuda":
             if not _DIRECT["on"]:
                 reason = "disabled (KVCANARY_BRIDGE_DIRECT=0 or bridge.set_direct(False))"
             else:
-                reason = self._direct(prep, tensors, device)
+                reason = self._direct(prep, tensors, device, clamp=not checked)
                 if not reason:
                     _PATHS[decl.name] = ("triton_direct", "")
                     STATS["triton_direct"] += 1
@@ -226,7 +228,7 @@ class Launcher:
     # ---------------------------------------------------------------------------------------
     # Direct path
 
-    def _direct(self, prep: Prepared, tensors, device) -> str:
+    def _direct(self, prep: Prepared, tensors, device, clamp: bool = True) -> str:
         """Launch on the direct path; returns "" or the reason it cannot run this call."""
         ok, reason = triton_direct.available()
         if not ok:
@@ -241,7 +243,7 @@ class Launcher:
         ptrs = []
         for a in prep.args:
             t = tensors[a.name]
-            if a.clamp is not None:
+            if a.clamp is not None and clamp:
                 t = torch.clamp(t, max=a.clamp)
                 keep.append(t)
             ptrs.append(t.data_ptr())
