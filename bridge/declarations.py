@@ -27,7 +27,7 @@ import torch
 from bridge.checks import check_range, require_tensors, torch_checks
 from bridge.dlpack import BridgeError
 from bridge.launcher import Arg
-from kvcanary_jax import buckets
+from kvcanary_jax import buckets, default_implementation
 from kvcanary_jax import plans as _plans
 from kvcanary_jax.context import SourceSpec
 from kvcanary_jax.contracts import Contract, SameDevice, meta_of
@@ -35,6 +35,8 @@ from kvcanary_jax.ops import plan as _plan
 from kvcanary_jax.ops import scatter as _scatter
 from kvcanary_jax.ops import verify as _verify
 from kvcanary_jax.ops import write as _write
+from kvcanary_jax.ops.verify import base as _verify_base
+from kvcanary_jax.ops.write import base as _write_base
 
 __all__ = ["Declaration", "SCATTER", "PLAN", "VERIFY", "WRITE", "STEP"]
 
@@ -76,8 +78,15 @@ _PLAN_OUT_NAMES = {  # SGLang's launcher names for the plan fields (its messages
 }
 
 
-def _interpret(t) -> bool:
-    return t.device.type != "cuda"
+def _platform(t) -> str:
+    """The JAX platform whose default implementation runs the op for tensor ``t``'s device
+    (the launcher replaces it by the DLPack path's device platform, or "cuda" on the direct
+    path, whose functions must lower to Pallas Triton kernels)."""
+    return "cuda" if t.device.type == "cuda" else "cpu"
+
+
+def _impl(op: str, platform: str) -> str:
+    return default_implementation(op, platform)
 
 
 def _dense(name, t, *, out=False, shape=None, clamp=None) -> Arg:
@@ -221,16 +230,15 @@ def _scatter_args(flat_in, offsets, rpi, pool_name, pool):
     return args
 
 
-def scatter_fn(flat_in, offsets, rpi, pool, *, max_cols, interpret):
-    return (_scatter._scatter_jit(flat_in, offsets, rpi, pool, max_cols=max_cols,
-                                  block_cols=_scatter.BLOCK_COLS, num_warps=_scatter.NUM_WARPS,
-                                  interpret=interpret),)
+def scatter_fn(flat_in, offsets, rpi, pool, *, max_cols, platform):
+    return (_scatter.run(flat_in, offsets, rpi, pool, max_cols=max_cols,
+                         implementation=_impl("scatter", platform)),)
 
 
 def _scatter_arguments(kw, ts):
     pool = ts["pool_out"]
     args = _scatter_args(ts["flat_in"], ts["offsets"], ts["req_pool_indices"], "pool_out", pool)
-    return args, dict(max_cols=int(pool.shape[1]), interpret=_interpret(pool)), (3,)
+    return args, dict(max_cols=int(pool.shape[1]), platform=_platform(pool)), (3,)
 
 
 SCATTER = Declaration(
@@ -322,21 +330,20 @@ def _plan_args(ts):
     return args, tuple(has)
 
 
-def _plan_call(arrays, has, *, swa, cap, k, interpret, launch=None):
+def _plan_call(arrays, has, *, swa, cap, k, platform, config=None):
     vp = _plans.VerifyPlan(**dict(zip(_VP, arrays[:6])))
     wp = _plans.WritePlan(**dict(zip(_WP, arrays[6:9])))
     rpi, prefix, extend, rtt = arrays[9:13]
     rest = iter(arrays[13:])
     lut, pool, valid = (next(rest) if h else None for h in has)
-    return _plan._plan_jit(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid,
-                           swa_window_size=swa, verify_capacity=cap,
-                           kv_token_id_vs_position_offset=k, req_to_token_stride0=None,
-                           interpret=interpret, launch=launch or _plan.PlanLaunch())
+    return _plan.run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid, swa_window_size=swa,
+                     verify_capacity=cap, kv_token_id_vs_position_offset=k,
+                     implementation=_impl("plan", platform), config=config)
 
 
-def plan_fn(*arrays, has, swa, cap, k, interpret, launch=None):
-    """``launch``: the plan's launch parameters (tests shrink its blocks)."""
-    vp, wp = _plan_call(arrays, has, swa=swa, cap=cap, k=k, interpret=interpret, launch=launch)
+def plan_fn(*arrays, has, swa, cap, k, platform, config=None):
+    """``config``: the implementation's launch configuration (tests shrink its blocks)."""
+    vp, wp = _plan_call(arrays, has, swa=swa, cap=cap, k=k, platform=platform, config=config)
     return tuple(getattr(vp, f) for f in _VP) + tuple(getattr(wp, f) for f in _WP)
 
 
@@ -344,7 +351,7 @@ def _plan_arguments(kw, ts):
     args, has = _plan_args(ts)
     swa, cap, k = _plan_statics(kw)
     static = dict(has=has, swa=swa, cap=cap, k=k,
-                  interpret=_interpret(ts["verify_plan_out.verify_slot_indices"]))
+                  platform=_platform(ts["verify_plan_out.verify_slot_indices"]))
     return args, static, tuple(range(9))
 
 
@@ -387,8 +394,8 @@ def _verify_statics(kw):
 def _verify_validate(kw, ts):
     require_tensors(_VERIFY_P, ts)
     plan = kw["plan"]
-    _verify.validate(_ctx_for_checks(kw["context"]),
-                     types.SimpleNamespace(**{k: getattr(plan, k) for k in _VP}))
+    _verify_base.validate(_ctx_for_checks(kw["context"]),
+                          types.SimpleNamespace(**{k: getattr(plan, k) for k in _VP}))
     _same_device("canary_verify", "canary_buf", ts)
     check_distinct_outputs({k: ts[k] for k in _CTX_OUT})
 
@@ -419,18 +426,19 @@ def _source_args(context):
     return [a for a, _ in pairs], tuple(s for _, s in pairs)
 
 
-def _verify_call(ctx, vp, srcs, *, specs, kind, mode, check, interpret):
-    return _verify.verify_impl(
+def _verify_call(ctx, vp, srcs, *, specs, kind, mode, check, platform):
+    return _verify.run(
         canary_buf=ctx[0], violation_ring=ctx[1], violation_write_index=ctx[2],
         slot_run_counter=ctx[3], kernel_run_counter=ctx[4],
         **dict(zip(_VP, vp)), sources=tuple(zip(srcs, specs)), kernel_kind=kind,
-        real_kv_hash_mode=mode, check_verify_expected_token=check, interpret=interpret,
+        real_kv_hash_mode=mode, check_verify_expected_token=check,
+        implementation=_impl("verify", platform),
     )
 
 
-def verify_fn(*arrays, specs, kind, mode, check, interpret):
+def verify_fn(*arrays, specs, kind, mode, check, platform):
     return tuple(_verify_call(arrays[:5], arrays[5:11], arrays[11:], specs=specs, kind=kind,
-                              mode=mode, check=check, interpret=interpret))
+                              mode=mode, check=check, platform=platform))
 
 
 def _verify_arguments(kw, ts):
@@ -441,7 +449,7 @@ def _verify_arguments(kw, ts):
     args += src_args
     static = dict(specs=specs, kind=int(context.kernel_kind), mode=int(context.real_kv_hash_mode),
                   check=bool(kw["check_verify_expected_token"]),
-                  interpret=_interpret(context.canary_buf))
+                  platform=_platform(context.canary_buf))
     return args, static, (1, 2, 3, 4)
 
 
@@ -478,11 +486,11 @@ def _write_validate(kw, ts):
     required = {k: v for k, v in ts.items() if k not in _EXPECTED}
     require_tensors(_WRITE_P, required)
     plan = kw["plan"]
-    _write.validate(_ctx_for_checks(kw["context"]),
-                    types.SimpleNamespace(**{k: getattr(plan, k) for k in _WP}),
-                    ts["input_ids"], ts["positions"], ts["out_cache_loc"],
-                    kw["enable_write_input_assert"], ts["expected_input_tokens"],
-                    ts["expected_input_positions"])
+    _write_base.validate(_ctx_for_checks(kw["context"]),
+                         types.SimpleNamespace(**{k: getattr(plan, k) for k in _WP}),
+                         ts["input_ids"], ts["positions"], ts["out_cache_loc"],
+                         kw["enable_write_input_assert"], ts["expected_input_tokens"],
+                         ts["expected_input_positions"])
     _same_device("canary_write", "canary_buf", ts)
     check_distinct_outputs({k: ts[k] for k in ("canary_buf",) + _CTX_OUT})
 
@@ -505,24 +513,24 @@ def _write_values(kw, ts):
                 "canary slots, negative = skip")
 
 
-def _write_call(ctx, cpa, wp, toks, expected, srcs, *, specs, kind, mode, check, interpret):
+def _write_call(ctx, cpa, wp, toks, expected, srcs, *, specs, kind, mode, check, platform):
     ids, pos, ocl = toks
     etok, epos = expected if check else (None, None)
-    return _write.write_impl(
+    return _write.run(
         canary_buf=ctx[0], violation_ring=ctx[1], violation_write_index=ctx[2],
         slot_run_counter=ctx[3], kernel_run_counter=ctx[4], enable_chain_position_assert=cpa,
         **dict(zip(_WP, wp)), input_ids=ids, positions=pos, out_cache_loc=ocl,
         expected_input_tokens=etok, expected_input_positions=epos,
         sources=tuple(zip(srcs, specs)), kernel_kind=kind, real_kv_hash_mode=mode,
-        enable_write_input_assert=check, interpret=interpret,
+        enable_write_input_assert=check, implementation=_impl("write", platform),
     )
 
 
-def write_fn(*arrays, specs, kind, mode, check, interpret):
+def write_fn(*arrays, specs, kind, mode, check, platform):
     n_exp = 2 if check else 0
     return tuple(_write_call(arrays[:5], arrays[5], arrays[6:9], arrays[9:12],
                              arrays[12:12 + n_exp], arrays[12 + n_exp:], specs=specs, kind=kind,
-                             mode=mode, check=check, interpret=interpret))
+                             mode=mode, check=check, platform=platform))
 
 
 def _token_args(ts, names, b):
@@ -542,7 +550,7 @@ def _write_arguments(kw, ts):
     src_args, specs = _source_args(context)
     args += src_args
     static = dict(specs=specs, kind=int(context.kernel_kind), mode=int(context.real_kv_hash_mode),
-                  check=check, interpret=_interpret(context.canary_buf))
+                  check=check, platform=_platform(context.canary_buf))
     return args, static, (0, 1, 2, 3, 4)
 
 
@@ -616,7 +624,7 @@ def _step_values(kw, ts):
 
 
 def step_fn(*arrays, scatter_cols, has, swa, cap, k, specs, kind, mode, check_token,
-            check_input, interpret):
+            check_input, platform):
     it = iter(arrays)
     take = lambda n: [next(it) for _ in range(n)]  # noqa: E731
     if scatter_cols is not None:
@@ -630,17 +638,16 @@ def step_fn(*arrays, scatter_cols, has, swa, cap, k, specs, kind, mode, check_to
     if scatter_cols is not None:
         # The scatter writes the expected-token pool, which the plan then reads.
         pool_pos = 13 + has[0]
-        pool = _scatter._scatter_jit(flat, offs, plan_arrays[9], plan_arrays[pool_pos],
-                                     max_cols=scatter_cols, block_cols=_scatter.BLOCK_COLS,
-                                     num_warps=_scatter.NUM_WARPS, interpret=interpret)
+        pool = _scatter.run(flat, offs, plan_arrays[9], plan_arrays[pool_pos],
+                            max_cols=scatter_cols, implementation=_impl("scatter", platform))
         plan_arrays[pool_pos] = pool
-    vp, wp = _plan_call(plan_arrays, has, swa=swa, cap=cap, k=k, interpret=interpret)
+    vp, wp = _plan_call(plan_arrays, has, swa=swa, cap=cap, k=k, platform=platform)
     vfields = tuple(getattr(vp, f) for f in _VP)
     wfields = tuple(getattr(wp, f) for f in _WP)
     ring, widx, sctr, kctr = _verify_call(ctx, vfields, srcs, specs=specs, kind=kind, mode=mode,
-                                          check=check_token, interpret=interpret)
+                                          check=check_token, platform=platform)
     outs = _write_call((ctx[0], ring, widx, sctr, kctr), cpa, wfields, toks, expected, srcs,
-                       specs=specs, kind=kind, mode=mode, check=check_input, interpret=interpret)
+                       specs=specs, kind=kind, mode=mode, check=check_input, platform=platform)
     pool_out = (plan_arrays[13 + has[0]],) if scatter_cols is not None else ()
     return vfields + wfields + tuple(outs) + pool_out
 
@@ -674,7 +681,7 @@ def _step_arguments(kw, ts):
                   cap=cap, k=k, specs=specs, kind=int(context.kernel_kind),
                   mode=int(context.real_kv_hash_mode),
                   check_token=bool(kw["check_verify_expected_token"]), check_input=check_input,
-                  interpret=_interpret(context.canary_buf))
+                  platform=_platform(context.canary_buf))
     ctx0 = first_plan + len(plan_args)
     results = tuple(range(first_plan, first_plan + 9)) + tuple(range(ctx0, ctx0 + 5))
     if do_scatter:

@@ -79,10 +79,6 @@ class DeviceInfo:
     is_gpu: bool
     stream: int | None  # JAX's stream for external ready events (GPU)
 
-    @property
-    def interpret(self) -> bool:
-        return not self.is_gpu
-
 
 _DEVICES: dict[Any, DeviceInfo] = {}
 

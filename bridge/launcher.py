@@ -280,7 +280,7 @@ class Launcher:
                 "the DLPack path (XLA launches outside the capture); the direct Triton path is "
                 f"unavailable here: {_PATHS.get(decl.name, ('', ''))[1]}"
             )
-        static = dict(prep.static, interpret=info.interpret)
+        static = dict(prep.static, platform=info.jax_device.platform)
         donate = tuple(1 + i for i, a in enumerate(prep.args) if a.out)
         fn = CACHES.jitted.get_or_build(
             (decl.name, tuple(sorted(static.items())), donate),
@@ -395,7 +395,7 @@ def _build_program(decl, prep: Prepared, device, index):
     try:
         program = triton_direct.extract_program(decl.fn, lowered_specs(prep.args),
                                                 results_to_args=prep.results,
-                                                static=dict(prep.static, interpret=False))
+                                                static=dict(prep.static, platform="cuda"))
     except triton_direct.Unsupported as e:
         return f"{decl.name}: {e}"
     loaded = triton_direct.Loaded(program, device, _compile_variant(index),

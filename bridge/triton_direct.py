@@ -43,7 +43,6 @@ import os
 import re
 import tempfile
 import threading
-import warnings
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -297,9 +296,7 @@ def extract_program(fn: Callable, specs: Sequence[Any], *, results_to_args: Sequ
 
     from kvcanary_jax import _config
 
-    with _config.x64_scope(), warnings.catch_warnings():
-        # The Triton lowering's deprecation notice (jax >= 0.11), for this lowering only.
-        warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*[Tt]riton.*")
+    with _config.x64_scope(), _config.quiet_triton_lowering():
         # keep_unused: argument i of the lowered module must be argument i of the call.
         lowered = jax.jit(functools.partial(fn, **(static or {})), keep_unused=True).trace(
             *specs).lower(lowering_platforms=("cuda",))

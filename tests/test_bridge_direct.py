@@ -18,7 +18,7 @@ import bench.bridge_overhead as bo
 from bridge import declarations as D
 from bridge import triton_direct as td
 from bridge.launcher import lowered_specs
-from kvcanary_jax.ops import plan as _plan
+from kvcanary_jax.ops.plan import pallas_triton as _plan_triton
 
 CPU = torch.device("cpu")
 CTX = ["violation_ring", "violation_write_index", "slot_run_counter", "kernel_run_counter"]
@@ -66,7 +66,7 @@ def _program(name):
     decl, kw = _calls()[name]
     ts = decl.tensors(kw)
     args, static, results = decl.arguments(kw, ts)
-    static = dict(static, interpret=False)
+    static = dict(static, platform="cuda")
     return args, td.extract_program(decl.fn, lowered_specs(args), results_to_args=results,
                                     static=static)
 
@@ -118,10 +118,9 @@ def test_plan_multi_block_path_is_three_kernels():
     kw = bo._plan_kw(c)
     ts = D.PLAN.tensors(kw)
     args, static, results = D.PLAN.arguments(kw, ts)
-    launch = _plan.PlanLaunch(single_block_max=2, multi_block=2)
-    prog = td.extract_program(
-        functools.partial(_multi_block_plan, launch=launch), lowered_specs(args),
-        results_to_args=results, static=dict(static, interpret=False))
+    config = _plan_triton.Config(single_block_max=2, multi_block=2)
+    prog = td.extract_program(D.plan_fn, lowered_specs(args), results_to_args=results,
+                              static=dict(static, platform="cuda", config=config))
     names = [k.name for k in prog.kernels]
     assert names == ["kvcanary_plan_offsets_block_sums", "kvcanary_plan_offsets",
                      "kvcanary_plan_entries"]
@@ -135,11 +134,6 @@ def test_plan_multi_block_path_is_three_kernels():
     compiled = td.compile_kernel(sums.ttir, num_warps=sums.num_warps, num_stages=sums.num_stages,
                                  target=_target())
     assert compiled.metadata.name == "kvcanary_plan_offsets_block_sums"
-
-
-def _multi_block_plan(*arrays, launch, **static):
-    """The plan launcher's function with blocks of 2 requests (the multi-block scan)."""
-    return D.plan_fn(*arrays, launch=launch, **static)
 
 
 def test_verify_kernel_reads_the_plan_and_the_canary_words_and_updates_the_context():
@@ -234,7 +228,7 @@ def test_fused_step_is_one_program_of_all_the_kernels():
     ts = D.STEP.tensors(kw)
     args, static, results = D.STEP.arguments(kw, ts)
     prog = td.extract_program(D.STEP.fn, lowered_specs(args), results_to_args=results,
-                              static=dict(static, interpret=False))
+                              static=dict(static, platform="cuda"))
     assert [k.name for k in prog.kernels] == [
         "kvcanary_scatter_req_token_ids", "kvcanary_plan_offsets", "kvcanary_plan_entries",
         "kvcanary_verify", "kvcanary_write"]
@@ -330,7 +324,7 @@ def test_empty_batch_plan_is_copies_of_constants_and_matches_sglang(sgl):
     ts = D.PLAN.tensors(ours)
     args, static, results = D.PLAN.arguments(ours, ts)
     prog = td.extract_program(D.PLAN.fn, lowered_specs(args), results_to_args=results,
-                              static=dict(static, interpret=False))
+                              static=dict(static, platform="cuda"))
     assert prog.kernels == () and prog.copies
     log, compiled = [], []
     loaded, patch = _loaded(prog, args, log, compiled)
