@@ -8,6 +8,7 @@ Runtime for a serving loop: :class:`CanaryConfig`, :func:`init_state`, :func:`ma
 :func:`canary_sweep`, :func:`read_violations` (see :mod:`kvcanary_jax.runtime`).
 """
 
+from kvcanary_jax import buckets
 from kvcanary_jax._config import quiet_triton_lowering
 from kvcanary_jax.consts import (
     CANARY_CHAIN_ANCHOR,
@@ -48,6 +49,7 @@ from kvcanary_jax.sharded import make_sharded_step
 __version__ = "0.1.0"
 
 __all__ = [
+    "buckets",
     "IMPLEMENTATIONS",
     "FallbackWarning",
     "default_implementation",
