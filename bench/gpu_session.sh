@@ -29,13 +29,13 @@ for step in "$@"; do
       python3 -m bench --quick --ops $OPS --out $OUT/bench 2>&1 | tail -60 ;;
     bridge)
       # Everything the torch bridge needs checked on the GPU, in one go (< 8 min on the H200).
-      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_bridge.py \
+      timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_bridge.py \
         tests/test_bridge_gpu.py 2>&1 | tee $OUT/bridge_tests.log | tail -25
-      timeout 90 compute-sanitizer --tool memcheck --print-limit 5 \
+      timeout 75 compute-sanitizer --tool memcheck --print-limit 5 \
         python3 bench/sanitize_cases.py --bridge-only 2>&1 | tee $OUT/bridge_sanitize.log | tail -8
-      timeout 70 python3 -m bench.bridge_overhead --device cuda --bs 64,256 --sglang \
+      timeout 60 python3 -m bench.bridge_overhead --device cuda --bs 64,256 --sglang \
         --iters 270 --rounds 9 --out $OUT/bridge_overhead.json 2>&1 | tail -20
-      timeout 45 python3 -m bench.bridge_direct --bs 64,256 --out $OUT/bridge_direct.json \
+      timeout 40 python3 -m bench.bridge_direct --bs 64,256 --out $OUT/bridge_direct.json \
         2>&1 | tail -25
       timeout 15 python3 -m bench.bridge_profile --out $OUT/bridge_profile.json >/dev/null 2>&1
       python3 -c "import json; print(json.load(open('$OUT/bridge_profile.json')))" ;;
