@@ -22,7 +22,8 @@ CUDA = torch.device("cuda")
 def _cases(bs=16):
     import bench.bridge_overhead as bo
 
-    cases = [bo.make_case(device=CUDA, bs=bs, prefix=12, width=64, ring=4096) for _ in range(2)]
+    # width 128: 100 steps of one token each from a 12-token prefix stay inside the rows.
+    cases = [bo.make_case(device=CUDA, bs=bs, prefix=12, width=128, ring=4096) for _ in range(2)]
     for c in cases:
         for p in (c["vp"], c["wp"]):
             for f in p.__dataclass_fields__:
