@@ -258,10 +258,16 @@ _PLAN_IN = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token"
             "req_to_verify_expected_tokens_valid_lens")
 
 
+_VP_OUT = tuple((f"verify_plan_out.{k}", k) for k in _VP)
+_WP_OUT = tuple((f"write_plan_out.{k}", k) for k in _WP)
+_VP_IN = tuple((f"plan.{k}", k) for k in _VP)
+_WP_IN = tuple((f"plan.{k}", k) for k in _WP)
+
+
 def _plan_tensors(kw):
     vp, wp = kw["verify_plan_out"], kw["write_plan_out"]
-    out = {f"verify_plan_out.{k}": getattr(vp, k) for k in _VP}
-    out.update({f"write_plan_out.{k}": getattr(wp, k) for k in _WP})
+    out = {name: getattr(vp, k) for name, k in _VP_OUT}
+    out.update({name: getattr(wp, k) for name, k in _WP_OUT})
     out.update({k: kw[k] for k in _PLAN_IN})
     return out
 
@@ -369,19 +375,26 @@ PLAN = Declaration(
 _VERIFY_P = "kv-canary: launch_canary_verify_kernel"
 
 
+_SOURCE_NAMES = tuple(f"real_kv_sources[{i}].tensor" for i in range(8))
+
+
 def _ctx_tensors(context, *, with_cpa: bool) -> dict:
     out = {"canary_buf": context.canary_buf}
     out.update({k: getattr(context, k) for k in _CTX_OUT})
     if with_cpa:
         out["enable_chain_position_assert"] = context.enable_chain_position_assert
-    out.update({f"real_kv_sources[{i}].tensor": s.tensor
-                for i, s in enumerate(context.real_kv_sources)})
+    sources = context.real_kv_sources
+    if sources:
+        # More than MAX_REAL_KV_SOURCES is refused by the contract, named like the others.
+        out.update({(_SOURCE_NAMES[i] if i < 8 else f"real_kv_sources[{i}].tensor"): s.tensor
+                    for i, s in enumerate(sources)})
     return out
 
 
 def _verify_tensors(kw):
     out = _ctx_tensors(kw["context"], with_cpa=False)
-    out.update({f"plan.{k}": getattr(kw["plan"], k) for k in _VP})
+    plan = kw["plan"]
+    out.update({name: getattr(plan, k) for name, k in _VP_IN})
     return out
 
 
@@ -471,7 +484,8 @@ _EXPECTED = ("expected_input_tokens", "expected_input_positions")
 
 def _write_tensors(kw):
     out = _ctx_tensors(kw["context"], with_cpa=True)
-    out.update({f"plan.{k}": getattr(kw["plan"], k) for k in _WP})
+    plan = kw["plan"]
+    out.update({name: getattr(plan, k) for name, k in _WP_IN})
     out.update({k: kw[k] for k in _TOKENS + _EXPECTED})
     return out
 
