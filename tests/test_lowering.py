@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 import kvcanary_jax as kc
 from kvcanary_jax import runtime as rt
+from kvcanary_jax.ops import _registry
 from kvcanary_jax.sim import make_forward
 
 # (platform, implementation). ("tpu", "xla") and ("cuda", "xla") join with the xla backend.
@@ -35,7 +36,7 @@ def _i64(*shape):
 
 
 def _ops(impl):
-    """(name, jitted function, its arguments, the kernel or op name its program must contain)."""
+    """(name, jitted function, its arguments, the Pallas kernels its program holds)."""
     scatter = jax.jit(lambda f, o, r, p: kc.scatter_req_token_ids(
         flat_in=f, offsets=o, req_pool_indices=r, pool_out=p, implementation=impl),
         donate_argnums=3)
@@ -62,30 +63,36 @@ def _ops(impl):
     wp = kc.WritePlan.allocate(write_req_capacity=4)
     return [
         ("scatter", scatter, (_i64(40), _i64(4), _i64(3), jnp.zeros((5, 16), jnp.int32)),
-         "scatter"),
+         ("kvcanary_scatter_req_token_ids",)),
         ("plan", jax.jit(plan_fn, donate_argnums=(0, 1)),
          (vp, wp, _i64(3), _i64(3), _i64(3), jnp.zeros((5, 16), jnp.int32), _i64(64),
-          jnp.zeros((5, 16), jnp.int32), _i64(3)), "plan"),
+          jnp.zeros((5, 16), jnp.int32), _i64(3)), ("kvcanary_plan_offsets",
+                                                     "kvcanary_plan_entries")),
         ("write", jax.jit(write_fn, donate_argnums=0),
-         (_context(sources=1), wp, _i64(20), _i64(20), _i64(20), _i64(20), _i64(20)), "write"),
-        ("verify", jax.jit(verify_fn, donate_argnums=0), (_context(sources=1), vp), "verify"),
+         (_context(sources=1), wp, _i64(20), _i64(20), _i64(20), _i64(20), _i64(20)),
+         ("kvcanary_write",)),
+        ("verify", jax.jit(verify_fn, donate_argnums=0), (_context(sources=1), vp),
+         ("kvcanary_verify",)),
     ]
 
 
 @pytest.mark.parametrize("platform,impl", LOWERINGS)
 def test_every_op_lowers(platform, impl):
     with jax.enable_x64(True):
-        for name, fn, args, marker in _ops(impl):
+        for name, fn, args, kernels in _ops(impl):
+            assert _registry.op(name).unusable(impl) is None, (name, impl)  # no fallback
             text = fn.trace(*args).lower(lowering_platforms=(platform,)).as_text()
-            assert marker in text, name
             if impl == "pallas_triton":
                 assert "__gpu$xla.gpu.triton" in text, name
+                assert all(k in text for k in kernels), name
 
 
 @pytest.mark.parametrize("platform,impl", LOWERINGS)
 def test_canary_step_lowers(platform, impl):
     """The whole step (scatter, plan, HEAD and TAIL verify + write, FULL and SWA groups, both
     halves) around a forward that writes the KV."""
+    assert all(_registry.op(o).unusable(impl) is None for o in ("scatter", "plan", "write",
+                                                                "verify"))
     cfg = rt.CanaryConfig(max_reqs=4, context_len=16, num_slots=32, max_bs=2, max_tokens=8,
                           swa_window_size=4, swa_num_slots=32, enable_v_half=True,
                           implementation=impl)

@@ -232,3 +232,30 @@ def test_step_takes_implementation():
     step = rt.make_canary_step(cfg, lambda kv, *a: kv, implementation="pallas_interpret")
     assert step.cfg == dataclasses.replace(cfg, implementation="pallas_interpret")
     assert rt.make_canary_step(cfg, lambda kv, *a: kv).cfg.implementation is None
+
+
+@pytest.mark.gpu
+def test_gpu_default_is_triton_and_its_notice_stays_inside():
+    """On a CUDA GPU every op defaults to pallas_triton, and the Triton lowering's deprecation
+    notice (jax >= 0.11) never reaches the caller of an op, even with that notice as an error;
+    the caller's own lowering of a traced op sees it unless it asks for quiet."""
+    notice_is_error = "error:The Pallas Triton backend is deprecated:DeprecationWarning"
+    out = subprocess.run([sys.executable, "-W", notice_is_error, "-c", textwrap.dedent("""
+        import warnings
+        import jax, jax.numpy as jnp
+        import kvcanary_jax as kc
+        assert [kc.default_implementation(o) for o in ("scatter", "plan", "write", "verify")] \\
+            == ["pallas_triton"] * 4
+        assert "pallas_triton" in kc.implementations_available()
+        with jax.enable_x64(True):
+            args = dict(flat_in=jnp.arange(5, dtype=jnp.int64), offsets=jnp.array([0, 2, 5]),
+                        req_pool_indices=jnp.array([1, 2]), pool_out=jnp.zeros((3, 4), jnp.int32))
+            out = kc.scatter_req_token_ids(**args)
+            assert out.tolist() == [[0] * 4, [0, 1, 0, 0], [2, 3, 4, 0]]
+            f = jax.jit(lambda a: kc.scatter_req_token_ids(**dict(args, flat_in=a)))
+            with kc.quiet_triton_lowering():
+                f(args["flat_in"])
+        print("OK", jax.devices()[0].device_kind)
+    """)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "OK" in out.stdout
