@@ -45,11 +45,15 @@ __all__ = [
 
 def kv_sources(kv: Sequence[jax.Array] | None, *, read_bytes: int | None = None):
     """Real-KV sources over 2-D KV arrays ``[slots, width]`` of any dtype (bf16 in the demo),
-    viewed as bytes: one slot per row, page size 1."""
+    viewed as bytes: one slot per row, page size 1. A :class:`~kvcanary_jax.RealKvSource` in the
+    list is taken as it is (a strip of a fused or paged buffer, addressed by the caller)."""
     if not kv:
         return ()
     out = []
     for arr in kv:
+        if isinstance(arr, RealKvSource):
+            out.append(arr)
+            continue
         b = arr if arr.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(arr, jnp.uint8)
         b = b.reshape(arr.shape[0], -1)
         nbytes = int(b.shape[1])

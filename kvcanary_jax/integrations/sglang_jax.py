@@ -1,0 +1,602 @@
+"""The canary around sglang-jax's model step, over sglang-jax's own pools, batches and KV layout.
+
+sglang-jax (``sgl_jax``, the JAX serving stack of SGLang) has no KV integrity check. This module
+takes its objects as they are (nothing here imports ``sgl_jax``; attributes are read by name) and
+runs kv-canary's HEAD -> model -> TAIL step around its jitted model step, exactly as SGLang's
+runtime does around its forward (``kvcanary_jax.runtime``).
+
+**The KV layout.** One fused, head-interleaved buffer per layer, ``[K0, V0, K1, V1, ...]``:
+
+* sglang-jax 0.0.2: ``[size + page_size, heads * 2, head_dim]``;
+* sglang-jax HEAD:  ``[pages, page_size, heads * 2 // packing, packing, head_dim]``.
+
+Both are row-major, so slot ``s`` (``page * page_size + offset`` at HEAD) is row ``s`` of a
+``[slots, 2 * heads * head_dim]`` view and head ``h``'s K strip is its elements
+``[2h * head_dim, (2h + 1) * head_dim)``. :func:`fused_kv_sources` describes the first ``k_heads``
+K strips (at most 4, the canary's source limit) as :class:`~kvcanary_jax.RealKvSource` strided
+views of the buffer itself (no copy, one code path for both layouts and every ``page_size``); the
+TAIL and SWEEP launches fingerprint exactly those bytes of the canary layer (``layer``, 0 by
+default, as SGLang fingerprints one layer). The V strips are not fingerprinted (SGLang's V half is
+off by default as well).
+
+**Plans from the batch.** The device sees, per step, ``cache_loc`` (every request's slots for
+positions ``[0, seq_len)``, each request's segment padded to a multiple of ``page_size`` and the
+segments concatenated in batch order, the rest padding), ``out_cache_loc`` (slots written this
+step, ``-1`` = padding token), ``positions``, ``input_ids``, ``seq_lens`` and, in extend mode,
+``extend_prefix_lens`` / ``extend_seq_lens`` (decode: prefix ``seq_len - 1``, one new token).
+:func:`canary_batch` turns them, on the device, into the runtime's batch and a slot table whose
+row ``r + 1`` holds request ``r``'s slots (row 0 is the canary's padding row; a request is padding
+when ``seq_len == 0``, whatever its ``req_pool_indices`` entry says, since sglang-jax pads with
+``-1`` and its row 0 is a real row). The plan therefore verifies the very slots the attention
+reads: a stale or wrong ``cache_loc`` entry is checked, not hidden. A caller who prefers the host
+``req_to_token`` passes ``table=host_table(...)`` (the batch's rows only, uploaded); that plan then
+checks what the table says, and a wrong ``cache_loc`` goes unseen.
+
+**Token ids.** sglang-jax's device batch has no token history. With ``token_checks`` (default),
+each step takes ``expected``, an int32 array parallel to ``cache_loc`` holding every request's
+token ids (:func:`expected_tokens`, from the requests' ``origin_input_ids + output_ids``). It
+feeds SGLang's verify token check and the write's input check (``input_ids`` / ``positions`` of
+the batch against the request's history). Without it (``token_checks=False``) the chain hash
+and positions still bind every slot to its request.
+
+**Slot 0 / page 0** is sglang-jax's padding (its allocators hand out slots, or pages, from 1;
+padding tokens carry ``out_cache_loc == -1`` and write nothing). As in SGLang, verify never checks
+canary slot 0. A real token written to slot 0 (or anywhere but the slot its table names) is
+reported the way SGLang reports it: the slot the request's table names was never stamped, so the
+next verify of that position flags that slot (its stored position and token are not the
+request's) and the next write seeded from it fails the chain-position check; the bytes written to
+slot 0 are never fingerprinted.
+
+**Sharding: one canary per KV shard.** sglang-jax 0.0.2 shards each layer buffer over its head
+dimension (``P(None, "tensor")``; HEAD: ``P("data", None, "tensor", None, None)``), so every
+device holds every slot but only its own heads. The canary runs once per shard, under
+``shard_map``: each shard keeps its own state (canary buffers, plans, ring, counters: stacked
+along a leading axis sharded over the KV's head-dimension mesh axes), reads the replicated batch,
+and fingerprints the first K strip(s) of *its own* heads. This is what SGLang does under tensor
+parallelism (each TP rank has its own canary over its own KV shard), and the alternative (one
+canary on replicated slot metadata with a sharded source) does not work here: the fingerprint
+chains the bytes of one slot through a non-linear hash, so a shard cannot hash its part alone and
+combine; a replicated kernel would make XLA gather the sharded buffer onto every device each step,
+and it would only ever fingerprint the heads of one shard. Per shard costs no communication and
+covers every device's KV. The price: the metadata checks run on every shard (in parallel, no
+wall-time cost), 32 bytes per slot per canary buffer per shard, and a metadata fault is reported
+once per shard (:func:`read_violations` says which shard reported what). A buffer whose slot
+dimension is sharded over a mesh axis of size > 1 (HEAD's data-parallel attention) is refused:
+there each rank owns its slots and its own batch segment; run one canary per rank
+(:func:`kvcanary_jax.make_sharded_step`).
+
+**The step.** :func:`guard_model_step` wraps a jitted model step: one ``jax.jit`` runs
+HEAD (scatter, plan, verify + write) -> the model -> TAIL (verify + write with the plans HEAD
+built, fingerprinting the model's new canary-layer buffer), with the canary state and the KV pool
+donated. The model is traced under the caller's own 64-bit setting; only the canary runs with
+64-bit types. :func:`sweep` re-verifies prefixes held by the radix cache (:func:`radix_prefixes`)
+against the TAIL buffers between steps.
+
+Shapes follow sglang-jax's buckets (``bs``, tokens, ``cache_loc`` length): one compilation per
+bucket, as the model step itself. Warm-up / precompile batches go through the unguarded step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import kvcanary_jax as kc
+from kvcanary_jax import _config
+from kvcanary_jax.consts import MAX_REAL_KV_SOURCES
+from kvcanary_jax.contracts import TensorMeta
+from kvcanary_jax.runtime import decode_ring
+
+__all__ = [
+    "SglangJaxCanary",
+    "ShardViolation",
+    "fused_kv_sources",
+    "canary_batch",
+    "expected_tokens",
+    "request_token_ids",
+    "host_table",
+    "guard_model_step",
+    "ModelRunnerHook",
+    "radix_prefixes",
+    "sweep",
+    "read_violations",
+    "violation_counts",
+]
+
+_LAYOUT_SLOT_DIMS = {3: 1, 5: 2}  # 0.0.2 [slots, 2H, D]; HEAD [pages, page_size, 2H/p, p, D]
+
+
+def _layout(shape: Sequence[int]) -> tuple[int, int, int]:
+    """(slots, elements per slot, head_dim) of a fused buffer of either layout."""
+    nd = len(shape)
+    if nd not in _LAYOUT_SLOT_DIMS:
+        raise ValueError(
+            "kv-canary sglang-jax: a fused KV buffer is [slots, heads*2, head_dim] (0.0.2) or "
+            f"[pages, page_size, heads*2/packing, packing, head_dim] (HEAD), got shape {tuple(shape)}"
+        )
+    k = _LAYOUT_SLOT_DIMS[nd]
+    return math.prod(shape[:k]), math.prod(shape[k:]), int(shape[-1])
+
+
+def fused_kv_sources(buffer: jax.Array, *, k_heads: int = 1) -> tuple[kc.RealKvSource, ...]:
+    """Real-KV sources over the K strips of heads ``0 .. k_heads - 1`` of a fused buffer.
+
+    ``buffer`` is one layer's fused buffer in either layout (under ``shard_map``: the local
+    block, whose heads are the shard's own). Source ``h`` addresses slot ``s``'s K strip of head
+    ``h``: ``head_dim`` elements at element ``s * (2 * heads * head_dim) + 2h * head_dim`` of the
+    buffer, as a strided view (page size 1, no copy).
+    """
+    slots, width, head_dim = _layout(buffer.shape)
+    heads = width // (2 * head_dim)
+    if not 1 <= k_heads <= min(MAX_REAL_KV_SOURCES, heads):
+        raise ValueError(
+            f"kv-canary sglang-jax: k_heads must be in [1, {min(MAX_REAL_KV_SOURCES, heads)}] "
+            f"(at most {MAX_REAL_KV_SOURCES} sources, {heads} K heads in this buffer), got {k_heads}"
+        )
+    itemsize = jnp.dtype(buffer.dtype).itemsize
+    strip = head_dim * itemsize
+    view = TensorMeta(shape=(slots, head_dim), dtype=jnp.dtype(buffer.dtype).name,
+                      strides=(width, 1), device=None, framework="jax")
+    return tuple(
+        kc.RealKvSource(tensor=buffer, page_size=1, num_bytes_per_token=strip, read_bytes=strip,
+                        view=view, offset_bytes=2 * h * strip)
+        for h in range(k_heads)
+    )
+
+
+def _mesh_axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SglangJaxCanary:
+    """Static description of one canary over an sglang-jax KV pool (hashable: a jit constant).
+
+    ``num_slots``: slots of the fused buffer (0.0.2: ``size + page_size``; HEAD: ``pages *
+    page_size``). ``context_len``: ``req_to_token`` columns (no request is longer). ``max_bs``:
+    the largest batch-size bucket. ``layer`` / ``k_heads``: which layer's K strips are
+    fingerprinted. ``mesh`` / ``kv_spec``: the pool's mesh and the buffers' PartitionSpec (None:
+    one device). ``token_checks``: every step takes the expected token ids (see the module
+    docstring). ``sweep_rows``: prefixes per :func:`sweep` launch. The rest is
+    :class:`kvcanary_jax.CanaryConfig`'s.
+    """
+
+    num_slots: int
+    page_size: int
+    context_len: int
+    max_bs: int
+    layer: int = 0
+    k_heads: int = 1
+    mesh: Mesh | None = None
+    kv_spec: P | None = None
+    token_checks: bool = True
+    sweep_rows: int = 16
+    ring_capacity: int = 1024
+    verify_capacity: int | None = None
+    real_kv_hash_mode: str = "all"
+
+    def __post_init__(self):
+        if self.mesh is not None and self.kv_spec is not None:
+            spec = tuple(self.kv_spec)
+            slot_axes = [a for entry in spec[:1] for a in _mesh_axes(entry)]
+            if math.prod(self.mesh.shape[a] for a in slot_axes) > 1:
+                raise NotImplementedError(
+                    f"kv-canary sglang-jax: the KV's slot dimension is sharded over {slot_axes} "
+                    "(data-parallel attention: each rank owns its slots and batch segment); run "
+                    "one canary per rank (kvcanary_jax.make_sharded_step)"
+                )
+
+    @classmethod
+    def from_pools(cls, req_to_token_pool, token_to_kv_pool, *, max_bs: int, **kwargs):
+        """Read sizes, mesh and sharding from sglang-jax's ``ReqToTokenPool`` and
+        ``MHATokenToKVPool`` (0.0.2 or HEAD)."""
+        buf = token_to_kv_pool.kv_buffer[0]
+        sharding = getattr(token_to_kv_pool, "kv_sharding", None) or getattr(buf, "sharding", None)
+        mesh = getattr(sharding, "mesh", None) if isinstance(sharding, NamedSharding) else None
+        return cls(
+            num_slots=_layout(buf.shape)[0],
+            page_size=int(token_to_kv_pool.page_size),
+            context_len=int(req_to_token_pool.max_context_len),
+            max_bs=max_bs,
+            mesh=mesh,
+            kv_spec=sharding.spec if mesh is not None else None,
+            **kwargs,
+        )
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Mesh axes the canary is stacked over: those sharding the buffer's head dimensions."""
+        if self.mesh is None or self.kv_spec is None:
+            return ()
+        return tuple(a for entry in tuple(self.kv_spec)[1:] for a in _mesh_axes(entry))
+
+    @property
+    def num_shards(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.axes) if self.axes else 1
+
+    @property
+    def config(self) -> kc.CanaryConfig:
+        # Canary rows are batch rows + 1 (row 0 = padding), so max_reqs = max_bs + 1.
+        return kc.CanaryConfig(
+            max_reqs=self.max_bs + 1,
+            context_len=self.context_len,
+            num_slots=self.num_slots,
+            max_bs=self.max_bs,
+            max_tokens=self.max_bs,
+            verify_capacity=self.verify_capacity,
+            ring_capacity=self.ring_capacity,
+            real_kv_hash_mode=self.real_kv_hash_mode,
+            enable_verify_token_assert=self.token_checks,
+            enable_write_input_assert=self.token_checks,
+        )
+
+    @_config.with_x64
+    def init_state(self):
+        """Zero-filled per-shard states, stacked on a leading axis and placed on the mesh."""
+        one = kc.init_state(self.config)
+        n = self.num_shards
+        stacked = jax.tree.map(lambda x: jnp.broadcast_to(x[None], (n,) + x.shape), one)
+        if not self.axes:
+            return jax.device_put(stacked)
+        return jax.device_put(stacked, NamedSharding(self.mesh, P(self.axes)))
+
+
+# --------------------------------------------------------------------------------------------
+# The batch, on the device
+# --------------------------------------------------------------------------------------------
+
+
+def _lengths(canary: SglangJaxCanary, fb):
+    seq = fb.seq_lens.astype(jnp.int64)
+    bs = seq.shape[0]
+    if bs > canary.max_bs:
+        raise ValueError(f"kv-canary sglang-jax: batch of {bs} rows exceeds max_bs={canary.max_bs}")
+    active = seq > 0
+    mode = fb.forward_mode
+    if mode.is_decode():
+        prefix, extend = seq - 1, jnp.ones_like(seq)
+    elif mode.is_extend():
+        prefix = fb.extend_prefix_lens.astype(jnp.int64)
+        extend = fb.extend_seq_lens.astype(jnp.int64)
+    else:
+        raise ValueError(f"kv-canary sglang-jax: no canary step for forward mode {mode!r}")
+    prefix = jnp.where(active, prefix, 0)
+    extend = jnp.where(active, extend, 0)
+    ps = canary.page_size
+    aligned = (seq + ps - 1) // ps * ps
+    seg = jnp.cumsum(aligned) - aligned  # each request's cache_loc segment start
+    rows = jnp.where(active, jnp.arange(1, bs + 1, dtype=jnp.int64), 0)
+    return seq, prefix, extend, seg, rows
+
+
+def _owner(offsets: jax.Array, idx: jax.Array, bs: int) -> jax.Array:
+    """For exclusive prefix sums ``offsets`` [bs + 1], the row whose range holds each index."""
+    return jnp.clip(jnp.searchsorted(offsets[1:], idx, side="right"), 0, max(bs - 1, 0))
+
+
+def _gather(values: jax.Array, idx: jax.Array) -> jax.Array:
+    # A clamped gather: masked lanes may compute any index; none reads out of bounds.
+    return values[jnp.clip(idx, 0, max(values.shape[0] - 1, 0))]
+
+
+def canary_batch(canary: SglangJaxCanary, forward_batch, *, expected: jax.Array | None = None):
+    """sglang-jax ``ForwardBatch`` -> (:class:`kvcanary_jax.ForwardBatch`, slot table), jittable.
+
+    The table is int32 ``[bs + 1, context_len]``: row ``r + 1`` holds ``cache_loc``'s segment of
+    request ``r`` up to its ``seq_len``, zeros after; row 0 is zeros. ``expected`` (int32,
+    parallel to ``cache_loc``) is required iff ``canary.token_checks``. Trace under 64-bit types.
+    """
+    fb = forward_batch
+    seq, prefix, extend, seg, rows = _lengths(canary, fb)
+    bs = seq.shape[0]
+    cache_loc = fb.cache_loc.astype(jnp.int32)
+    cols = jnp.arange(canary.context_len, dtype=jnp.int64)
+    table = jnp.where(cols[None, :] < seq[:, None], _gather(cache_loc, seg[:, None] + cols[None, :]), 0)
+    table = jnp.concatenate([jnp.zeros((1, canary.context_len), jnp.int32), table.astype(jnp.int32)])
+
+    zero = jnp.zeros((1,), jnp.int64)
+    coff = jnp.concatenate([zero, jnp.cumsum(seq)])  # compact offsets: valid_lens = seq_lens
+    woff = jnp.concatenate([zero, jnp.cumsum(extend)])
+    ntok = fb.input_ids.shape[0]
+    tok = jnp.arange(ntok, dtype=jnp.int64)
+    owner = _owner(woff, tok, bs)
+    exp_pos = prefix[owner] + tok - woff[owner]
+    if canary.token_checks:
+        if expected is None:
+            raise ValueError("kv-canary sglang-jax: token_checks needs `expected` every step "
+                             "(expected_tokens(...)), or build the canary with token_checks=False")
+        if expected.shape != cache_loc.shape:
+            raise ValueError(f"kv-canary sglang-jax: expected {expected.shape} must be parallel "
+                             f"to cache_loc {cache_loc.shape}")
+        ids = expected.astype(jnp.int64)
+        t = jnp.arange(ids.shape[0], dtype=jnp.int64)
+        r = _owner(coff, t, bs)
+        flat = jnp.where(t < coff[bs], _gather(ids, seg[r] + t - coff[r]), 0)
+        exp_tok = _gather(ids, seg[owner] + exp_pos)
+    else:
+        flat = jnp.zeros((1,), jnp.int64)
+        exp_tok = jnp.zeros((ntok,), jnp.int64)
+    batch = kc.ForwardBatch(
+        req_pool_indices=rows,
+        prefix_lens=prefix,
+        extend_seq_lens=extend,
+        all_ids_flat=flat,
+        all_ids_offsets=coff,
+        input_ids=fb.input_ids.astype(jnp.int64),
+        positions=fb.positions.astype(jnp.int64),
+        out_cache_loc=fb.out_cache_loc.astype(jnp.int64),
+        expected_input_tokens=exp_tok,
+        expected_input_positions=exp_pos,
+    )
+    return batch, table
+
+
+# --------------------------------------------------------------------------------------------
+# Host helpers (numpy; no device work)
+# --------------------------------------------------------------------------------------------
+
+
+def request_token_ids(reqs) -> list[list[int]]:
+    """Each sglang-jax ``Req``'s token history, prompt then output (batch order)."""
+    return [list(r.origin_input_ids) + list(r.output_ids) for r in reqs]
+
+
+def expected_tokens(token_ids: Sequence[Sequence[int]], seq_lens, cache_loc_len: int,
+                    page_size: int) -> np.ndarray:
+    """Token ids laid out like ``cache_loc``: request ``r``'s first ``seq_lens[r]`` ids at its
+    page-aligned segment, zeros elsewhere (int32 ``[cache_loc_len]``). Rows of ``seq_lens``
+    past ``len(token_ids)`` (batch padding) must be 0."""
+    out = np.zeros((cache_loc_len,), np.int32)
+    at = 0
+    for r, n in enumerate(np.asarray(seq_lens, np.int64).tolist()):
+        if n <= 0:
+            continue
+        ids = np.asarray(token_ids[r][:n], np.int64)
+        if ids.shape[0] != n:
+            raise ValueError(f"kv-canary sglang-jax: request {r} has {ids.shape[0]} token ids "
+                             f"for seq_len {n}")
+        out[at : at + n] = ids
+        at += -(-n // page_size) * page_size
+    if at > cache_loc_len:
+        raise ValueError(f"kv-canary sglang-jax: {at} cache_loc entries for a bucket of {cache_loc_len}")
+    return out
+
+
+def host_table(req_to_token: np.ndarray, req_pool_indices, seq_lens, context_len: int | None = None
+               ) -> np.ndarray:
+    """The slot table from sglang-jax's host ``req_to_token`` (the batch's rows only): int32
+    ``[bs + 1, context_len]``, row ``r + 1`` = request ``r``'s first ``seq_len`` slots."""
+    ctx = req_to_token.shape[1] if context_len is None else context_len
+    rp = np.asarray(req_pool_indices, np.int64)
+    seq = np.asarray(seq_lens, np.int64)
+    out = np.zeros((rp.shape[0] + 1, ctx), np.int32)
+    for r in np.nonzero(seq > 0)[0].tolist():
+        n = min(int(seq[r]), ctx)
+        out[r + 1, :n] = req_to_token[rp[r], :n]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Per-shard execution
+# --------------------------------------------------------------------------------------------
+
+
+def _first(tree):
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def _stack1(tree):
+    return jax.tree.map(lambda x: x[None], tree)
+
+
+def _per_shard(canary: SglangJaxCanary, fn, state, replicated, kv=None):
+    """Run ``fn(shard_state, replicated, local_kv)`` once per KV shard; returns stacked states."""
+    if not canary.axes:
+        return _stack1(fn(_first(state), replicated, kv))
+
+    def body(st, rep, local):
+        return _stack1(fn(_first(st), rep, local))
+
+    spec = P(canary.axes)
+    kv_spec = P() if kv is None else canary.kv_spec
+    return jax.shard_map(body, mesh=canary.mesh, in_specs=(spec, P(), kv_spec), out_specs=spec,
+                         check_vma=False)(state, replicated, kv)
+
+
+def _kv_dict(canary: SglangJaxCanary, local_buffer):
+    return {"FULL": {"K": list(fused_kv_sources(local_buffer, k_heads=canary.k_heads))}}
+
+
+def _head(canary: SglangJaxCanary, state, batch, table):
+    cfg = canary.config
+    return _per_shard(
+        canary, lambda st, rep, _: kc.canary_step_head(cfg, st, rep[0], req_to_token=rep[1]),
+        state, (batch, table))
+
+
+def _tail(canary: SglangJaxCanary, state, batch, kv_buffer):
+    cfg = canary.config
+    return _per_shard(
+        canary, lambda st, b, kv: kc.canary_step_tail(cfg, st, b, kv=_kv_dict(canary, kv)),
+        state, batch, kv_buffer)
+
+
+def guard_model_step(canary: SglangJaxCanary, model_step: Callable, *, batch_argnum: int,
+                     pool_argnum: int, fused_kv: Callable[[Any, Any], jax.Array],
+                     static_argnums: Sequence[int] = ()):
+    """Wrap sglang-jax's jitted model step with the canary: HEAD before it, TAIL after it.
+
+    ``model_step(*args)`` is the model call (sglang-jax 0.0.2: ``ModelRunner``'s
+    ``jitted_run_model(model_def, model_state_def, model_state_leaves, forward_batch,
+    token_to_kv_pool, logits_metadata)``), ``args[batch_argnum]`` its ``ForwardBatch`` and
+    ``args[pool_argnum]`` its KV pool; ``fused_kv(out, pool)`` picks the canary layer's new fused
+    buffer from the step's output (0.0.2: ``out[1][layer]``). Returns
+    ``step(state, *args, expected=None, table=None) -> (state, out)``, one ``jax.jit`` with the
+    canary state and the pool donated (use the buffers ``out`` returns, as sglang-jax does).
+    ``expected``: :func:`expected_tokens` (required with ``token_checks``); ``table``:
+    :func:`host_table` to plan from ``req_to_token`` instead of ``cache_loc``.
+    """
+    nfixed = 4  # state, expected, table, model_x64
+
+    def traced(state, expected, table, model_x64, *args):
+        batch, cache_table = canary_batch(canary, args[batch_argnum], expected=expected)
+        state = _head(canary, state, batch, cache_table if table is None else table)
+        with jax.enable_x64(model_x64):
+            out = model_step(*args)
+        state = _tail(canary, state, batch, fused_kv(out, args[pool_argnum]))
+        return state, out
+
+    jitted = jax.jit(
+        traced,
+        static_argnums=(3,) + tuple(nfixed + a for a in static_argnums),
+        donate_argnums=(0, nfixed + pool_argnum),
+    )
+
+    def step(state, *args, expected=None, table=None):
+        model_x64 = _config.x64_enabled()
+        with _config.x64_scope():
+            return jitted(state, expected, table, model_x64, *args)
+
+    step.jitted = jitted
+    return step
+
+
+def _run_model(model_def, model_state_def, model_state_leaves, forward_batch, token_to_kv_pool,
+               logits_metadata):
+    """sglang-jax 0.0.2's ``jitted_run_model`` body (``ModelRunner.initialize_jit``)."""
+    from flax import nnx
+
+    state = jax.tree_util.tree_unflatten(model_state_def, model_state_leaves)
+    return nnx.merge(model_def, state)(forward_batch, token_to_kv_pool, logits_metadata)
+
+
+class ModelRunnerHook:
+    """The canary installed in an sglang-jax 0.0.2 ``ModelRunner``.
+
+    Replaces the runner's ``jitted_run_model`` (the hook sglang-jax's ``_forward`` calls) with the
+    guarded step over the same model definition, weights and KV pool; the runner keeps storing
+    the KV buffers the step returns. Before each ``model_runner.forward``, give the step's expected
+    token ids with :meth:`expect` (with ``token_checks``). ``state`` is the canary's device state.
+    """
+
+    def __init__(self, canary: SglangJaxCanary, model_runner):
+        from flax import nnx
+
+        model_def, model_state = nnx.split(model_runner.model)
+        leaves, state_def = jax.tree_util.tree_flatten(model_state)
+        self.canary = canary
+        self.state = canary.init_state()
+        self._runner = model_runner
+        self._model = (model_def, state_def, leaves)
+        self._pending: dict = {}
+        self._unguarded = model_runner.jitted_run_model
+        self._step = guard_model_step(
+            canary, _run_model, batch_argnum=3, pool_argnum=4, static_argnums=(1,),
+            fused_kv=lambda out, pool: out[1][canary.layer - pool.start_layer])
+        model_runner.jitted_run_model = self._run
+
+    def expect(self, expected: np.ndarray | None = None, table: np.ndarray | None = None) -> None:
+        """The next step's :func:`expected_tokens` (and optional :func:`host_table`)."""
+        self._pending = {"expected": expected, "table": table}
+
+    def _run(self, forward_batch, logits_metadata):
+        model_def, state_def, leaves = self._model
+        pending, self._pending = self._pending, {}
+        self.state, out = self._step(self.state, model_def, state_def, leaves, forward_batch,
+                                     self._runner.token_to_kv_pool, logits_metadata, **pending)
+        return out
+
+    def uninstall(self) -> None:
+        """Give the runner its own ``jitted_run_model`` back."""
+        self._runner.jitted_run_model = self._unguarded
+
+
+# --------------------------------------------------------------------------------------------
+# Sweep of radix-cached prefixes
+# --------------------------------------------------------------------------------------------
+
+
+def radix_prefixes(tree_cache) -> list[np.ndarray]:
+    """Slot lists of every root-to-leaf path of sglang-jax's ``RadixCache`` (evicted subtrees
+    skipped): the cached prefixes a sweep re-verifies."""
+    out = []
+    stack = [(tree_cache.root_node, np.zeros((0,), np.int64))]
+    while stack:
+        node, prefix = stack.pop()
+        kids = [c for c in node.children.values() if c.value is not None]
+        if not kids and prefix.shape[0]:
+            out.append(prefix)
+        for child in kids:
+            stack.append((child, np.concatenate([prefix, np.asarray(child.value, np.int64)])))
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("canary",), donate_argnames=("state",))
+def _sweep_jit(state, rows_table, row_indices, lengths, kv_buffer, *, canary):
+    cfg = canary.config
+
+    def fn(st, rep, kv):
+        return kc.canary_sweep(cfg, st, rows_table=rep[0], row_indices=rep[1], lengths=rep[2],
+                               kv=_kv_dict(canary, kv))
+
+    return _per_shard(canary, fn, state, (rows_table, row_indices, lengths), kv_buffer)
+
+
+def sweep(canary: SglangJaxCanary, state, kv_buffer: jax.Array, prefixes: Sequence[Sequence[int]]):
+    """Verify cached prefixes (slot lists, position ``j`` at index ``j``) against the TAIL
+    buffers with the SWEEP tags (token check off), ``canary.sweep_rows`` prefixes per launch.
+    ``kv_buffer`` is the canary layer's current fused buffer. ``state`` is donated."""
+    n = canary.sweep_rows
+    for start in range(0, max(len(prefixes), 1), n):
+        chunk = prefixes[start : start + n]
+        table = np.zeros((n + 1, canary.context_len), np.int32)
+        rows = np.zeros((n,), np.int64)
+        lens = np.zeros((n,), np.int64)
+        for i, slots in enumerate(chunk):
+            k = min(len(slots), canary.context_len)
+            table[i + 1, :k] = np.asarray(slots[:k], np.int64)
+            rows[i], lens[i] = i + 1, k
+        with _config.x64_scope():
+            state = _sweep_jit(state, table, rows, lens, kv_buffer, canary=canary)
+    return state
+
+
+# --------------------------------------------------------------------------------------------
+# Host side: violations per shard
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardViolation:
+    """A decoded ring row and the shard (index along :attr:`SglangJaxCanary.axes`) that saw it."""
+
+    shard: int
+    violation: kc.Violation
+
+    def __str__(self) -> str:
+        return f"shard {self.shard}: {self.violation}"
+
+
+def violation_counts(state) -> np.ndarray:
+    """Violations ever recorded, per shard (negative: the ring guard's host-visible report)."""
+    return np.asarray(state.violation_write_index)[:, 0].astype(np.int64)
+
+
+def read_violations(state, *, start: int = 0) -> list[ShardViolation]:
+    """Every shard's ring rows from ``start`` on, shard by shard, in ring order."""
+    ring = np.asarray(state.violation_ring)
+    counts = violation_counts(state)
+    return [
+        ShardViolation(shard=i, violation=v)
+        for i in range(ring.shape[0])
+        for v in decode_ring(ring[i], int(counts[i]), start=start)
+    ]

@@ -1,0 +1,383 @@
+"""A scripted life of requests through sglang-jax 0.0.2's own pools, allocator, radix cache and
+batch builders, with the canary around every model step; then faults injected into the real pool
+arrays and batch fields. Run as a script (it needs its own process: the CPU mesh is set through
+XLA_FLAGS before JAX starts); prints one JSON document that tests/test_sglang_jax.py checks.
+
+    python tests/_sglang_jax_life.py --page-size 1
+
+What is sglang-jax's own code here: ``ReqToTokenPool``, ``MHATokenToKVPool`` (allocated on a
+("data", "tensor") mesh of 2 CPU devices, sharded ``P(None, "tensor")``), ``TokenToKVPoolAllocator``
+/ ``PagedTokenToKVPoolAllocator``, ``RadixCache``, ``Req``, ``SamplingParams``, ``ScheduleBatch``
+(``prepare_for_extend``, ``prepare_for_decode``, ``merge_batch``, ``filter_batch``,
+``get_model_worker_batch``: input_ids, positions, out_cache_loc, cache_loc, lengths), the
+scheduler's radix-cache calls (``init_next_round_input``, ``inc_lock_ref``,
+``cache_unfinished_req``, ``cache_finished_req``), ``MockModelConfig``, ``ForwardBatch.init_new``,
+and the KV write: ``MHATokenToKVPool.set_kv_buffer``, sglang-jax's TPU path (its Pallas
+``kv_cache_update`` kernel under ``shard_map``), run in TPU interpret mode on the CPU.
+
+What is not, and why:
+* jax 0.12 has no ``pltpu.TPUMemorySpace`` (the kernel's ``TPUMemorySpace.ANY`` is ``pl.ANY`` since
+  jax 0.9): without help the kernel fails at trace time with ``AttributeError: module
+  'jax.experimental.pallas.tpu' has no attribute 'TPUMemorySpace'``. This script gives the module
+  that one name (``TPUMemorySpace.ANY = pl.ANY``) and runs the kernel unchanged.
+* ``ForwardBatch.init_new(batch, model_runner)`` reads ``model_runner.mesh`` and
+  ``model_runner.attn_backend`` only; it gets a namespace with the mesh and no backend (the stand-in
+  model below does not attend). The real ``ModelRunner`` runs in tests/_sglang_jax_runner.py.
+* The model: a stand-in whose K/V are a fixed function of (token, position, head, lane), written
+  through the pool's own ``set_kv_buffer``; it returns ``(logits, layers_kv_fused, None)`` as
+  sglang-jax 0.0.2's model does. Its "sampler" picks next tokens by a fixed rule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import types
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=2").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import warnings  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+from jax.experimental.pallas import tpu as pltpu  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+from sgl_jax.srt.configs.model_config import MockModelConfig  # noqa: E402
+from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
+from sgl_jax.srt.mem_cache.allocator import (  # noqa: E402
+    PagedTokenToKVPoolAllocator,
+    TokenToKVPoolAllocator,
+)
+from sgl_jax.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+from sgl_jax.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
+from sgl_jax.srt.model_executor.forward_batch_info import ForwardBatch  # noqa: E402
+from sgl_jax.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+
+from kvcanary_jax.integrations import sglang_jax as ksj  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*donated buffers.*")
+
+HEADS, HEAD_DIM, LAYERS, CONTEXT = 2, 128, 2, 40
+MAX_BS, TOKENS, CACHE_LOC = 4, 32, 128
+
+
+def kv_of(ids, pos, layer):
+    """The stand-in model's K and V for tokens (ids, positions): [tokens, heads, head_dim] bf16."""
+    base = (ids.astype(jnp.float32)[:, None, None] * 0.37 + pos.astype(jnp.float32)[:, None, None]
+            * 1.31 + jnp.arange(HEADS, dtype=jnp.float32)[None, :, None] * 0.5
+            + jnp.arange(HEAD_DIM, dtype=jnp.float32)[None, None, :] * 0.011 + layer)
+    return jnp.sin(base).astype(jnp.bfloat16), jnp.cos(base).astype(jnp.bfloat16)
+
+
+def model_step(forward_batch, pool):
+    """sglang-jax 0.0.2's model contract: writes each layer's KV of ``out_cache_loc`` through the
+    pool and returns (output, layers_kv_fused, aux)."""
+    for layer in range(LAYERS):
+        k, v = kv_of(forward_batch.input_ids, forward_batch.positions, layer)
+        # sglang-jax's TPU kernel, simulated on the CPU (the canary's own kernels are not in this
+        # scope: they run as they would on this machine).
+        with pltpu.force_tpu_interpret_mode():
+            pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v,
+                               is_decode=forward_batch.forward_mode.is_decode())
+    logits = jnp.zeros((forward_batch.input_ids.shape[0], 8), jnp.float32)
+    return logits, list(pool.kv_buffer), None
+
+
+class World:
+    """sglang-jax's pools, allocator and radix cache, the canary, and one guarded model step."""
+
+    def __init__(self, page_size: int, pool_size: int):
+        self.page_size = page_size
+        devices = np.array(jax.devices()[:2]).reshape(1, 2)
+        self.mesh = Mesh(devices, ("data", "tensor"))
+        self.req_pool = ReqToTokenPool(size=6, max_context_len=CONTEXT)
+        self.kv_pool = MHATokenToKVPool(size=pool_size, page_size=page_size, dtype=jnp.bfloat16,
+                                        head_num=HEADS, head_dim=HEAD_DIM, layer_num=LAYERS,
+                                        mesh=self.mesh)
+        if page_size == 1:
+            self.allocator = TokenToKVPoolAllocator(size=pool_size, kvcache=self.kv_pool)
+        else:
+            self.allocator = PagedTokenToKVPoolAllocator(size=pool_size, page_size=page_size,
+                                                         kvcache=self.kv_pool, debug_mode=True)
+        self.tree = RadixCache(self.req_pool, self.allocator, page_size=page_size,
+                               kv_head_num=HEADS, head_dim=HEAD_DIM, layer_num=LAYERS,
+                               max_seq_len=CONTEXT, dtype=jnp.bfloat16)
+        self.model_config = MockModelConfig(num_heads=HEADS, head_dim=HEAD_DIM,
+                                            num_kv_heads=HEADS, context_len=CONTEXT - 4,
+                                            num_hidden_layers=LAYERS)
+        self.model_config.vocab_size = 1000
+        self.runner = types.SimpleNamespace(mesh=self.mesh, attn_backend=None)
+        self.canary = ksj.SglangJaxCanary.from_pools(self.req_pool, self.kv_pool, max_bs=MAX_BS,
+                                                     k_heads=1)
+        self.state = self.canary.init_state()
+        self.step_fn = ksj.guard_model_step(self.canary, model_step, batch_argnum=0, pool_argnum=1,
+                                            fused_kv=lambda out, pool: out[1][0])
+        self.log = []
+
+    # -- sglang-jax's scheduler, the parts that touch pools and batches -----------------------
+
+    def new_req(self, rid, prompt, max_new_tokens):
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+        params.normalize(None)  # as the tokenizer manager does (no stop strings here)
+        req = Req(rid=rid, origin_input_text="", origin_input_ids=list(prompt),
+                  sampling_params=params)
+        req.init_next_round_input(self.tree)
+        self.tree.inc_lock_ref(req.last_node)
+        return req
+
+    def extend_batch(self, reqs):
+        batch = ScheduleBatch.init_new(reqs=reqs, req_to_token_pool=self.req_pool,
+                                       token_to_kv_pool_allocator=self.allocator,
+                                       tree_cache=self.tree, model_config=self.model_config,
+                                       enable_overlap=False, mesh=self.mesh)
+        batch.prepare_for_extend()
+        return batch
+
+    def worker_batch(self, batch):
+        mwb = batch.get_model_worker_batch([TOKENS], [MAX_BS], [CACHE_LOC], self.page_size)
+        fb = ForwardBatch.init_new(mwb, self.runner)
+        ids = ksj.expected_tokens(ksj.request_token_ids(batch.reqs), mwb.seq_lens, CACHE_LOC,
+                                  self.page_size)
+        return mwb, fb, ids
+
+    @staticmethod
+    def next_tokens(batch):
+        return np.array([(7 * r.seqlen + 3 * int(r.rid)) % 997 + 1 for r in batch.reqs], np.int32)
+
+    def finish_step(self, batch, extend):
+        """The scheduler's bookkeeping after a step: outputs appended, radix cache updated."""
+        out = self.next_tokens(batch)
+        for req, tok in zip(batch.reqs, out.tolist()):
+            req.output_ids.append(tok)
+            req.check_finished()
+            if req.finished():
+                self.tree.cache_finished_req(req)
+            elif extend:
+                self.tree.cache_unfinished_req(req)
+        batch.output_ids = out
+
+    # -- the guarded step ---------------------------------------------------------------------
+
+    def run(self, fb, ids, *, state=None, kv=None, table=None):
+        """One guarded model step; returns (state, fused buffers). Defaults: the live world."""
+        state = self.state if state is None else state
+        pool = self.kv_pool if kv is None else _pool_with(self.kv_pool, kv)
+        with jax.set_mesh(self.mesh):
+            state, out = self.step_fn(state, fb, pool, expected=ids, table=table)
+        return state, out[1]
+
+    def live_step(self, name, batch, extend):
+        mwb, fb, ids = self.worker_batch(batch)
+        before = len(ksj.read_violations(self.state))
+        self.state, layers = self.run(fb, ids)
+        self.kv_pool.kv_buffer = layers
+        self.log.append({"step": name, "mode": "extend" if extend else "decode",
+                         "bs": int(mwb.real_bs), "seq_lens": mwb.seq_lens.tolist(),
+                         "out_cache_loc": mwb.out_cache_loc.tolist(),
+                         "new_violations": _dump(ksj.read_violations(self.state, start=before))})
+        print(f"{name}: seq_lens {mwb.seq_lens.tolist()} out_cache_loc "
+              f"{[x for x in mwb.out_cache_loc.tolist() if x >= 0]}", file=sys.stderr)
+        self.finish_step(batch, extend)
+        return mwb, fb, ids
+
+
+def _pool_with(pool, kv):
+    leaves, treedef = jax.tree.flatten(pool)
+    return jax.tree.unflatten(treedef, list(kv) + leaves[len(kv):])
+
+
+def _dump(violations):
+    return [{"shard": sv.shard, "tag": sv.violation.tag, "slot": sv.violation.slot,
+             "position": sv.violation.position, "token": sv.violation.stored_token,
+             "expected_token": sv.violation.expected_token,
+             "reasons": list(sv.violation.reasons)} for sv in violations]
+
+
+def _copy(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+def _flip_byte(buf, slot, head_row, byte):
+    """Flip one bit of byte ``byte`` of row ``head_row`` (a combined K/V head) of ``slot``."""
+    words = jax.lax.bitcast_convert_type(buf, jnp.uint16)
+    i, shift = byte // 2, 8 * (byte % 2)
+    flipped = words.at[slot, head_row, i].set(words[slot, head_row, i] ^ jnp.uint16(1 << shift))
+    return jax.device_put(jax.lax.bitcast_convert_type(flipped, jnp.bfloat16), buf.sharding)
+
+
+def main(page_size: int):
+    pool_size = 36 if page_size == 1 else 40
+    w = World(page_size, pool_size)
+    report = {"page_size": page_size, "num_shards": w.canary.num_shards,
+              "kv_shape": list(w.kv_pool.kv_buffer[0].shape),
+              "kv_spec": str(w.kv_pool.kv_buffer[0].sharding.spec)}
+
+    # R1, R2 prefill together, then three decode steps; R1 then finishes (its prompt and output
+    # stay in the radix cache).
+    r1 = w.new_req("1", [11, 12, 13, 14, 15, 16, 17, 18], max_new_tokens=4)
+    r2 = w.new_req("2", [21, 22, 23, 24, 25], max_new_tokens=7)
+    running = w.extend_batch([r1, r2])
+    w.live_step("prefill r1 r2", running, extend=True)
+    for i in range(3):
+        running.prepare_for_decode()
+        w.live_step(f"decode {i}", running, extend=False)
+    assert r1.finished() and not r2.finished()
+    running.filter_batch()
+
+    # R3 shares R1's first 8 tokens: a prefix-cache hit (its prefix slots are R1's).
+    r3 = w.new_req("3", [11, 12, 13, 14, 15, 16, 17, 18, 31, 32, 33], max_new_tokens=8)
+    report["r3_prefix_len"] = len(r3.prefix_indices)
+    new = w.extend_batch([r3])
+    w.live_step("prefill r3 (prefix hit)", new, extend=True)
+    running.merge_batch(new)
+    for i in range(3):
+        running.prepare_for_decode()
+        w.live_step(f"decode r2 r3 {i}", running, extend=False)
+    assert r2.finished()
+    running.filter_batch()
+
+    # R4 needs more slots than are free: the allocator evicts R2's cached tokens from the radix
+    # cache and hands their slots out again.
+    freed_before = set(np.asarray(w.req_pool.req_to_token[r2.req_pool_idx, :12]).tolist())
+    r4 = w.new_req("4", list(range(41, 41 + 13)), max_new_tokens=8)
+    new = w.extend_batch([r4])
+    w.live_step("prefill r4 (reused slots)", new, extend=True)
+    r4_slots = np.asarray(w.req_pool.req_to_token[r4.req_pool_idx, :13]).tolist()
+    report["r4_reused_slots"] = sorted(set(r4_slots) & freed_before)
+    running.merge_batch(new)
+    running.prepare_for_decode()
+    w.live_step("decode r3 r4 0", running, extend=False)
+
+    # Radix-cache sweep, clean.
+    before = len(ksj.read_violations(w.state))
+    prefixes = ksj.radix_prefixes(w.tree)
+    w.state = ksj.sweep(w.canary, w.state, w.kv_pool.kv_buffer[0], prefixes)
+    report["sweep_clean"] = _dump(ksj.read_violations(w.state, start=before))
+    report["sweep_prefixes"] = [p.tolist() for p in prefixes]
+
+    # The step every fault is replayed on (and the one after it, for faults seen a step late).
+    running.prepare_for_decode()
+    mwb_a, fb_a, ids_a = w.worker_batch(running)
+    a_tokens = w.next_tokens(running)
+    snapshot = (_copy(w.state), _copy(w.kv_pool.kv_buffer))
+    report["replay_step"] = {"seq_lens": mwb_a.seq_lens.tolist(),
+                             "out_cache_loc": mwb_a.out_cache_loc.tolist(),
+                             "positions": mwb_a.positions.tolist()}
+    table_r3 = w.req_pool.req_to_token[r3.req_pool_idx].tolist()
+    table_r4 = w.req_pool.req_to_token[r4.req_pool_idx].tolist()
+    report["r3_slots"] = table_r3[: int(mwb_a.seq_lens[0])]
+    report["r4_slots"] = table_r4[: int(mwb_a.seq_lens[1])]
+    w.live_step("decode r3 r4 1", running, extend=False)  # the live world goes on, clean
+    running.prepare_for_decode()
+    mwb_b, fb_b, ids_b = w.worker_batch(running)
+    del a_tokens
+
+    def replay(name, *, kv_fault=None, fb=fb_a, state_fault=None, then_next=False, table=None):
+        state, kv = _copy(snapshot[0]), _copy(snapshot[1])
+        if kv_fault is not None:
+            kv = kv_fault(kv)
+        state, kv = w.run(fb, ids_a, state=state, kv=kv, table=table)
+        found = _dump(ksj.read_violations(state))
+        entry = {"fault": name, "step": found}
+        if then_next:
+            before = len(ksj.read_violations(state))
+            state, kv = w.run(fb_b, ids_b, state=state, kv=kv)
+            entry["next_step"] = _dump(ksj.read_violations(state, start=before))
+        return entry
+
+    def with_field(fb, name, values):
+        arr = getattr(fb, name)
+        new = jax.device_put(jnp.asarray(np.asarray(values, np.asarray(arr).dtype)), arr.sharding)
+        leaves, treedef = jax.tree.flatten(fb)
+        out = jax.tree.unflatten(treedef, leaves)
+        setattr(out, name, new)
+        return out
+
+    faults = []
+    faults.append(replay("clean replay"))
+    faults.append(replay("clean replay, host req_to_token table",
+                         table=ksj.host_table(w.req_pool.req_to_token, mwb_a.req_pool_indices,
+                                              mwb_a.seq_lens, CONTEXT)))
+
+    # 1. A flipped K byte in a cached slot of R3, head 0 (shard 0) and head 1 (shard 1).
+    p = 3
+    s = report["r3_slots"][p]
+    report["flip"] = {"slot": s, "position": p}
+    faults.append(replay("flip K byte head 0",
+                         kv_fault=lambda kv: [_flip_byte(kv[0], s, 0, 5)] + kv[1:]))
+    faults.append(replay("flip K byte head 1",
+                         kv_fault=lambda kv: [_flip_byte(kv[0], s, 2, 100)] + kv[1:]))
+
+    # 2. A stale cache_loc entry: R3's position 5 points at a slot R2 used to hold (now R4's).
+    cache_loc = np.asarray(fb_a.cache_loc).copy()
+    stale_pos = 5
+    stale_slot = report["r4_reused_slots"][0]
+    cache_loc[stale_pos] = stale_slot  # R3's segment starts at 0
+    report["stale"] = {"position": stale_pos, "slot": stale_slot,
+                       "right_slot": report["r3_slots"][stale_pos]}
+    faults.append(replay("stale cache_loc entry", fb=with_field(fb_a, "cache_loc", cache_loc)))
+
+    # 3. Two cached slots of R3 swap their KV bytes (every head, every layer).
+    sa, sb = report["r3_slots"][1], report["r3_slots"][9]
+    report["swap"] = {"slots": [sa, sb], "positions": [1, 9]}
+
+    def swap(kv):
+        out = []
+        for buf in kv:
+            rows = buf[jnp.array([sb, sa])]
+            out.append(jax.device_put(buf.at[jnp.array([sa, sb])].set(rows), buf.sharding))
+        return out
+
+    faults.append(replay("swap two slots", kv_fault=swap))
+
+    # 4. R4's new token is written into a slot R3 still reads (R3's position 2).
+    out_loc = np.asarray(fb_a.out_cache_loc).copy()
+    victim = report["r3_slots"][2]
+    report["overwrite"] = {"slot": victim, "position": 2, "r4_position": int(mwb_a.positions[1]),
+                           "r4_slot": int(out_loc[1])}
+    out_loc[1] = victim
+    faults.append(replay("write into a slot another request reads",
+                         fb=with_field(fb_a, "out_cache_loc", out_loc)))
+
+    # 5. R4's new token is written to slot 0 (the padding slot): seen one step later.
+    out_loc = np.asarray(fb_a.out_cache_loc).copy()
+    report["slot0"] = {"r4_position": int(mwb_a.positions[1]), "r4_slot": int(out_loc[1]),
+                       "r4_next_slot": int(mwb_b.out_cache_loc[1])}
+    out_loc[1] = 0
+    faults.append(replay("write to slot 0", fb=with_field(fb_a, "out_cache_loc", out_loc),
+                         then_next=True))
+
+    # 6. A flipped K byte in a slot only the radix cache holds (R2's finished output, not
+    # evicted), found by the sweep between steps.
+    held = {int(x) for x in np.concatenate(prefixes)} if prefixes else set()
+    live = set(report["r3_slots"]) | set(report["r4_slots"])
+    only_cached = sorted(held - live)
+    report["sweep_fault"] = {"slot": only_cached[0] if only_cached else None}
+    if only_cached:
+        state, kv = _copy(w.state), _copy(w.kv_pool.kv_buffer)
+        kv0 = _flip_byte(kv[0], only_cached[0], 0, 0)
+        before = len(ksj.read_violations(state))
+        state = ksj.sweep(w.canary, state, kv0, ksj.radix_prefixes(w.tree))
+        pos = next(list(pr).index(only_cached[0]) for pr in prefixes if only_cached[0] in list(pr))
+        report["sweep_fault"]["position"] = pos
+        report["sweep_fault"]["found"] = _dump(ksj.read_violations(state, start=before))
+
+    report["faults"] = faults
+    report["life"] = w.log
+    report["total_violations_live"] = ksj.violation_counts(w.state).tolist()
+    json.dump(report, sys.stdout)
+
+
+if __name__ == "__main__":
+    if not hasattr(pltpu, "TPUMemorySpace"):
+        pltpu.TPUMemorySpace = types.SimpleNamespace(ANY=pl.ANY)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--page-size", type=int, default=1)
+    main(parser.parse_args().page_size)

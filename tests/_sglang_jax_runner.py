@@ -1,0 +1,178 @@
+"""A tiny random-weight Qwen2 through sglang-jax 0.0.2's own ``ModelRunner`` on CPU (native
+attention, tensor parallel over 2 CPU devices), with the canary installed in the runner
+(:class:`kvcanary_jax.integrations.sglang_jax.ModelRunnerHook`): prefill and decode steps with
+the model's own sampling, then one cached K byte flipped in the runner's pool. Run as a script
+(own process: XLA_FLAGS); prints one JSON document that tests/test_sglang_jax.py checks.
+
+Environment it needs, and why:
+* ``FLAX_PYTREE_MODULE=false``: flax >= 0.12.10 (the only flax releases that import with jax
+  0.12) registers every ``nnx.Module`` as a pytree, and sglang-jax 0.0.2 registers its attention
+  backends again (``@register_pytree_node_class``): importing
+  ``sgl_jax.srt.layers.attention.native_backend`` then fails with ``ValueError: Duplicate custom
+  PyTreeDef type registration for <class '...NativeAttention'>``. flax's own switch restores the
+  registration sglang-jax 0.0.2 was written against. flax <= 0.12.9 fails to import with jax 0.12
+  (``jax.core.Effect`` / ``jax.experimental.hijax.HiPrimitive`` are gone).
+* ``jax.set_mesh(mesh)`` around the runner: flax 0.12.12 creates sharded parameters eagerly and
+  needs the mesh in context (sglang-jax 0.0.2's loader enters ``with mesh:``, which jax 0.12 no
+  longer treats as one).
+* Next tokens are the argmax of the model's logits: sglang-jax 0.0.2's ``Sampler`` cannot be
+  traced off TPU with any jax (``_apply_min_p_filter`` unpacks two operands from the three-tuple
+  ``top_k_top_p_min_p_sampling_from_probs_jax_not_tpu_runtime`` passes: ``ValueError: too many
+  values to unpack (expected 2)``; ``lax.cond`` traces that branch even for greedy batches).
+* The weights are sglang-jax's dummy loader's (``load_format="dummy"``); the model config is a
+  local ``config.json`` (no download).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=2").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["FLAX_PYTREE_MODULE"] = "false"
+
+import warnings  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from sgl_jax.srt.configs.model_config import ModelConfig  # noqa: E402
+from sgl_jax.srt.layers.logits_processor import LogitsMetadata  # noqa: E402
+from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
+from sgl_jax.srt.model_executor.forward_batch_info import ForwardBatch  # noqa: E402
+from sgl_jax.srt.model_executor.model_runner import ModelRunner  # noqa: E402
+from sgl_jax.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sgl_jax.srt.server_args import ServerArgs  # noqa: E402
+from sgl_jax.srt.utils.mesh_utils import create_device_mesh  # noqa: E402
+
+from kvcanary_jax.integrations import sglang_jax as ksj  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*donated buffers.*")
+
+CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 512,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+    "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
+}
+MAX_BS, TOKENS, CACHE_LOC = 4, 32, 64
+
+
+def make_runner(model_dir, mesh):
+    args = ServerArgs(model_path=model_dir, device="cpu", load_format="dummy",
+                      attention_backend="native", page_size=1, max_running_requests=MAX_BS,
+                      max_total_tokens=64, tp_size=2, skip_server_warmup=True)
+    with jax.set_mesh(mesh):
+        return ModelRunner(model_config=ModelConfig(model_path=model_dir, dtype="bfloat16"),
+                           mem_fraction_static=0.5, tp_size=2, server_args=args, mesh=mesh,
+                           rngs=nnx.Rngs(0))
+
+
+class Life:
+    """Two requests, prefill then decode, through one runner (hooked or not)."""
+
+    def __init__(self, runner, mesh, hook=None):
+        self.runner, self.mesh, self.hook = runner, mesh, hook
+        self.steps = []
+        reqs = []
+        for rid, prompt in enumerate([[5, 17, 29, 41, 53, 65, 77], [9, 18, 27, 36, 45]]):
+            params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+            params.normalize(None)
+            req = Req(rid=str(rid), origin_input_text="", origin_input_ids=prompt,
+                      sampling_params=params)
+            req.fill_ids = list(prompt)
+            req.extend_input_len = len(prompt)
+            reqs.append(req)
+        self.reqs = reqs
+        self.batch = ScheduleBatch.init_new(
+            reqs=reqs, req_to_token_pool=runner.req_to_token_pool,
+            token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator, tree_cache=None,
+            model_config=runner.model_config, enable_overlap=False, mesh=mesh)
+        self.batch.prepare_for_extend()
+
+    def forward(self):
+        runner, batch, hook = self.runner, self.batch, self.hook
+        mwb = batch.get_model_worker_batch([TOKENS], [MAX_BS], [CACHE_LOC], 1)
+        runner.attn_backend.forward_metadata = runner.attn_backend.get_forward_metadata(mwb)
+        fb = ForwardBatch.init_new(mwb, runner)
+        before = 0
+        if hook is not None:
+            hook.expect(ksj.expected_tokens(ksj.request_token_ids(batch.reqs), mwb.seq_lens,
+                                            CACHE_LOC, 1))
+            before = len(ksj.read_violations(hook.state))
+        with jax.set_mesh(self.mesh):
+            logits, _ = runner.forward(fb, logits_metadata=LogitsMetadata.from_model_worker_batch(
+                mwb, self.mesh))
+        # Greedy choice from the model's logits (sglang-jax 0.0.2's sampler does not trace off
+        # TPU, see the module docstring).
+        next_ids = np.asarray(jnp.argmax(logits.next_token_logits, axis=-1))
+        next_ids = next_ids[: mwb.real_bs].astype(np.int32)
+        for req, tok in zip(batch.reqs, next_ids.tolist()):
+            req.output_ids.append(int(tok))
+        batch.output_ids = next_ids
+        found = []
+        if hook is not None:
+            found = [{"shard": v.shard, "tag": v.violation.tag, "slot": v.violation.slot,
+                      "position": v.violation.position, "reasons": list(v.violation.reasons)}
+                     for v in ksj.read_violations(hook.state, start=before)]
+        self.steps.append({"mode": mwb.forward_mode.name, "seq_lens": mwb.seq_lens.tolist(),
+                           "next_ids": next_ids.tolist(), "violations": found})
+
+    def decode(self):
+        self.batch.prepare_for_decode()
+        self.forward()
+
+    def kv_digest(self):
+        return [hashlib.sha256(np.asarray(jax.lax.bitcast_convert_type(b, jnp.uint16)).tobytes())
+                .hexdigest() for b in self.runner.token_to_kv_pool.kv_buffer]
+
+
+def main():
+    model_dir = tempfile.mkdtemp()
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(CONFIG, f)
+    mesh = create_device_mesh(ici_parallelism=[-1, 2, 1], dcn_parallelism=[1, 1, 1],
+                              devices=jax.devices()[:2])
+
+    # sglang-jax alone: the reference tokens and KV bytes.
+    plain = Life(make_runner(model_dir, mesh), mesh)
+    plain.forward()
+    for _ in range(3):
+        plain.decode()
+
+    runner = make_runner(model_dir, mesh)
+    pool = runner.token_to_kv_pool
+    canary = ksj.SglangJaxCanary.from_pools(runner.req_to_token_pool, pool, max_bs=MAX_BS)
+    hook = ksj.ModelRunnerHook(canary, runner)
+    guarded = Life(runner, mesh, hook)
+    guarded.forward()
+    for _ in range(3):
+        guarded.decode()
+    report = {"kv_shape": list(pool.kv_buffer[0].shape),
+              "kv_spec": str(pool.kv_buffer[0].sharding.spec), "num_shards": canary.num_shards,
+              "plain_steps": plain.steps, "plain_kv": plain.kv_digest(),
+              "guarded_kv": guarded.kv_digest()}
+
+    # Flip one K byte of the canary layer at request 0's position 2; the next step's TAIL verify
+    # of its prefix finds it, on the shard that holds head 0.
+    slot = int(runner.req_to_token_pool.req_to_token[guarded.reqs[0].req_pool_idx, 2])
+    buf = pool.kv_buffer[0]
+    words = jax.lax.bitcast_convert_type(buf, jnp.uint16)
+    words = words.at[slot, 0, 3].set(words[slot, 0, 3] ^ jnp.uint16(0x0100))
+    pool.kv_buffer[0] = jax.device_put(jax.lax.bitcast_convert_type(words, buf.dtype), buf.sharding)
+    report["flip"] = {"slot": slot, "position": 2}
+    guarded.decode()
+    report["guarded_steps"] = guarded.steps
+    json.dump(report, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
