@@ -76,31 +76,85 @@ def kv_of(ids, pos, layer):
     return jnp.sin(base).astype(jnp.bfloat16), jnp.cos(base).astype(jnp.bfloat16)
 
 
-def model_step(forward_batch, pool):
-    """sglang-jax 0.0.2's model contract: writes each layer's KV of ``out_cache_loc`` through the
-    pool and returns (output, layers_kv_fused, aux)."""
-    for layer in range(LAYERS):
-        k, v = kv_of(forward_batch.input_ids, forward_batch.positions, layer)
-        # sglang-jax's TPU kernel, simulated on the CPU (the canary's own kernels are not in this
-        # scope: they run as they would on this machine).
-        with pltpu.force_tpu_interpret_mode():
-            pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v,
-                               is_decode=forward_batch.forward_mode.is_decode())
-    logits = jnp.zeros((forward_batch.input_ids.shape[0], 8), jnp.float32)
-    return logits, list(pool.kv_buffer), None
+def make_model_step(kv_write: str):
+    """sglang-jax 0.0.2's model contract: write each layer's KV of ``out_cache_loc`` through the
+    pool, return (output, layers_kv_fused, aux). ``kv_write``: "kernel" = ``set_kv_buffer``, the
+    TPU path (its Pallas kernel, simulated in TPU interpret mode); "legacy" =
+    ``set_kv_buffer_legacy``, the path its native attention backend takes off TPU; "head" = the
+    HEAD-layout stand-in's write."""
+
+    def model_step(forward_batch, pool):
+        for layer in range(LAYERS):
+            k, v = kv_of(forward_batch.input_ids, forward_batch.positions, layer)
+            if kv_write == "legacy":
+                pool.kv_buffer[layer] = pool.set_kv_buffer_legacy(
+                    layer, forward_batch.out_cache_loc, k, v)
+                continue
+            if kv_write == "head":
+                pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+                continue
+            # Only sglang-jax's kernel runs in TPU interpret mode; the canary's kernels, outside
+            # this scope, run as they would on this machine.
+            with pltpu.force_tpu_interpret_mode():
+                pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v,
+                                   is_decode=forward_batch.forward_mode.is_decode())
+        logits = jnp.zeros((forward_batch.input_ids.shape[0], 8), jnp.float32)
+        return logits, list(pool.kv_buffer), None
+
+    return model_step
+
+
+@jax.tree_util.register_pytree_node_class
+class HeadLayoutPool:
+    """A KV pool in sglang-jax HEAD's layout, which cannot be installed here (it pins jax 0.10.2
+    and is not on the registry): per layer ``[pages, page_size, heads * 2 // packing, packing,
+    head_dim]``, sharded ``P("data", None, "tensor", None, None)``, written as HEAD's
+    ``merge_kv`` + ``update_fused_kv_cache`` do (K and V interleaved per head, one slot per token,
+    ``-1`` dropped). Only the layout and the write are HEAD's; everything else in the life is
+    sglang-jax 0.0.2's."""
+
+    def __init__(self, size, page_size, mesh, kv_buffer=None):
+        self.size, self.page_size, self.mesh = size, page_size, mesh
+        self.start_layer = 0
+        packing = 2  # bf16
+        shape = ((size + page_size) // page_size, page_size, HEADS * 2 // packing, packing,
+                 HEAD_DIM)
+        self.kv_sharding = jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec("data", None, "tensor", None, None))
+        if kv_buffer is None:
+            kv_buffer = [jax.device_put(jnp.zeros(shape, jnp.bfloat16), self.kv_sharding)
+                         for _ in range(LAYERS)]
+        self.kv_buffer = kv_buffer
+
+    def tree_flatten(self):
+        return (self.kv_buffer,), (self.size, self.page_size, self.mesh)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*aux, kv_buffer=children[0])
+
+    def set_kv_buffer(self, layer, loc, k, v, is_decode=False):
+        buf = self.kv_buffer[layer]
+        fused = jnp.stack([k, v], axis=2).reshape(k.shape[0], -1)  # [tokens, K0 V0 K1 V1 ...]
+        rows = buf.reshape(-1, fused.shape[1])
+        rows = rows.at[jnp.where(loc < 0, rows.shape[0], loc)].set(fused, mode="drop")
+        self.kv_buffer[layer] = rows.reshape(buf.shape)
 
 
 class World:
     """sglang-jax's pools, allocator and radix cache, the canary, and one guarded model step."""
 
-    def __init__(self, page_size: int, pool_size: int):
+    def __init__(self, page_size: int, pool_size: int, layout: str, kv_write: str):
         self.page_size = page_size
         devices = np.array(jax.devices()[:2]).reshape(1, 2)
         self.mesh = Mesh(devices, ("data", "tensor"))
         self.req_pool = ReqToTokenPool(size=6, max_context_len=CONTEXT)
-        self.kv_pool = MHATokenToKVPool(size=pool_size, page_size=page_size, dtype=jnp.bfloat16,
-                                        head_num=HEADS, head_dim=HEAD_DIM, layer_num=LAYERS,
-                                        mesh=self.mesh)
+        if layout == "0.0.2":
+            self.kv_pool = MHATokenToKVPool(size=pool_size, page_size=page_size,
+                                            dtype=jnp.bfloat16, head_num=HEADS, head_dim=HEAD_DIM,
+                                            layer_num=LAYERS, mesh=self.mesh)
+        else:
+            self.kv_pool = HeadLayoutPool(pool_size, page_size, self.mesh)
         if page_size == 1:
             self.allocator = TokenToKVPoolAllocator(size=pool_size, kvcache=self.kv_pool)
         else:
@@ -117,7 +171,8 @@ class World:
         self.canary = ksj.SglangJaxCanary.from_pools(self.req_pool, self.kv_pool, max_bs=MAX_BS,
                                                      k_heads=1)
         self.state = self.canary.init_state()
-        self.step_fn = ksj.guard_model_step(self.canary, model_step, batch_argnum=0, pool_argnum=1,
+        self.step_fn = ksj.guard_model_step(self.canary, make_model_step(kv_write),
+                                            batch_argnum=0, pool_argnum=1,
                                             fused_kv=lambda out, pool: out[1][0])
         self.log = []
 
@@ -204,18 +259,25 @@ def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
+def _slot_rows(buf):
+    """Either layout as [slots, heads * 2, head_dim] (both are row-major slot rows)."""
+    return buf.reshape(-1, 2 * HEADS, HEAD_DIM)
+
+
 def _flip_byte(buf, slot, head_row, byte):
     """Flip one bit of byte ``byte`` of row ``head_row`` (a combined K/V head) of ``slot``."""
-    words = jax.lax.bitcast_convert_type(buf, jnp.uint16)
+    words = jax.lax.bitcast_convert_type(_slot_rows(buf), jnp.uint16)
     i, shift = byte // 2, 8 * (byte % 2)
     flipped = words.at[slot, head_row, i].set(words[slot, head_row, i] ^ jnp.uint16(1 << shift))
-    return jax.device_put(jax.lax.bitcast_convert_type(flipped, jnp.bfloat16), buf.sharding)
+    out = jax.lax.bitcast_convert_type(flipped, jnp.bfloat16).reshape(buf.shape)
+    return jax.device_put(out, buf.sharding)
 
 
-def main(page_size: int):
+def main(page_size: int, layout: str, kv_write: str):
     pool_size = 36 if page_size == 1 else 40
-    w = World(page_size, pool_size)
-    report = {"page_size": page_size, "num_shards": w.canary.num_shards,
+    w = World(page_size, pool_size, layout, kv_write)
+    report = {"page_size": page_size, "layout": layout, "kv_write": kv_write,
+              "num_shards": w.canary.num_shards,
               "kv_shape": list(w.kv_pool.kv_buffer[0].shape),
               "kv_spec": str(w.kv_pool.kv_buffer[0].sharding.spec)}
 
@@ -331,8 +393,9 @@ def main(page_size: int):
     def swap(kv):
         out = []
         for buf in kv:
-            rows = buf[jnp.array([sb, sa])]
-            out.append(jax.device_put(buf.at[jnp.array([sa, sb])].set(rows), buf.sharding))
+            rows = _slot_rows(buf)
+            swapped = rows.at[jnp.array([sa, sb])].set(rows[jnp.array([sb, sa])])
+            out.append(jax.device_put(swapped.reshape(buf.shape), buf.sharding))
         return out
 
     faults.append(replay("swap two slots", kv_fault=swap))
@@ -354,20 +417,13 @@ def main(page_size: int):
     faults.append(replay("write to slot 0", fb=with_field(fb_a, "out_cache_loc", out_loc),
                          then_next=True))
 
-    # 6. A flipped K byte in a slot only the radix cache holds (R2's finished output, not
-    # evicted), found by the sweep between steps.
-    held = {int(x) for x in np.concatenate(prefixes)} if prefixes else set()
-    live = set(report["r3_slots"]) | set(report["r4_slots"])
-    only_cached = sorted(held - live)
-    report["sweep_fault"] = {"slot": only_cached[0] if only_cached else None}
-    if only_cached:
-        state, kv = _copy(w.state), _copy(w.kv_pool.kv_buffer)
-        kv0 = _flip_byte(kv[0], only_cached[0], 0, 0)
-        before = len(ksj.read_violations(state))
-        state = ksj.sweep(w.canary, state, kv0, ksj.radix_prefixes(w.tree))
-        pos = next(list(pr).index(only_cached[0]) for pr in prefixes if only_cached[0] in list(pr))
-        report["sweep_fault"]["position"] = pos
-        report["sweep_fault"]["found"] = _dump(ksj.read_violations(state, start=before))
+    # 6. A flipped K byte in a slot the radix cache holds, found by the sweep between steps.
+    target, pos = int(prefixes[0][4]), 4
+    state, kv = _copy(w.state), _copy(w.kv_pool.kv_buffer)
+    before = len(ksj.read_violations(state))
+    state = ksj.sweep(w.canary, state, _flip_byte(kv[0], target, 0, 9), prefixes)
+    report["sweep_fault"] = {"slot": target, "position": pos,
+                             "found": _dump(ksj.read_violations(state, start=before))}
 
     report["faults"] = faults
     report["life"] = w.log
@@ -380,4 +436,7 @@ if __name__ == "__main__":
         pltpu.TPUMemorySpace = types.SimpleNamespace(ANY=pl.ANY)
     parser = argparse.ArgumentParser()
     parser.add_argument("--page-size", type=int, default=1)
-    main(parser.parse_args().page_size)
+    parser.add_argument("--layout", choices=("0.0.2", "head"), default="0.0.2")
+    parser.add_argument("--kv-write", choices=("kernel", "legacy", "head"), default="kernel")
+    args = parser.parse_args()
+    main(args.page_size, args.layout, args.kv_write)

@@ -1,4 +1,7 @@
-"""The README's Python examples run as written and print what their comments say they print."""
+"""The README's Python examples run as written and print what their comments say they print.
+
+Examples that import sglang-jax (``sgl_jax``: Python >= 3.12) are marked ``sglang_jax``: they run
+in the Python 3.12 CI leg, which installs it, and are deselected where it is not installed."""
 
 from __future__ import annotations
 
@@ -31,7 +34,12 @@ def test_readme_has_examples():
     assert len(BLOCKS) >= 2
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def _param(index: int):
+    needs = ("sgl_jax" in BLOCKS[index]) * [pytest.mark.sglang_jax]
+    return pytest.param(index, marks=needs, id=str(index))
+
+
+@pytest.mark.parametrize("index", [_param(i) for i in range(len(BLOCKS))])
 def test_readme_example_runs_and_prints_what_it_says(index):
     code = BLOCKS[index]
     out = io.StringIO()

@@ -1,0 +1,180 @@
+"""The canary inside sglang-jax 0.0.2 (``pip install --no-deps sglang-jax==0.0.2``; Python 3.12).
+
+Each life runs in its own process (a mesh of 2 CPU devices needs XLA_FLAGS before JAX starts):
+``tests/_sglang_jax_life.py`` drives sglang-jax's own ``ReqToTokenPool``, ``MHATokenToKVPool``
+(sharded ``P(None, "tensor")`` over the 2 devices), token / paged allocators, ``RadixCache``,
+``Req`` and ``ScheduleBatch`` through prefill, decode steps, a finished request whose slots are
+evicted and handed out again, and a prefix-cache hit, with the canary around every model step;
+then replays one decode step with faults injected into the real pool arrays and batch fields.
+``tests/_sglang_jax_runner.py`` runs a tiny random-weight Qwen2 through sglang-jax's own
+``ModelRunner`` (native attention, tensor parallel 2) with the canary installed in it.
+
+What does not run as shipped with our JAX versions (jax 0.12; sglang-jax 0.0.2 pins 0.8), and
+what the scripts do instead (details in their docstrings):
+
+* ``MHATokenToKVPool.set_kv_buffer`` (its Pallas TPU kernel ``kv_cache_update``) fails at trace
+  time: ``AttributeError: module 'jax.experimental.pallas.tpu' has no attribute
+  'TPUMemorySpace'`` (now ``pl.ANY``). The life gives the module that name and runs the kernel
+  unchanged in TPU interpret mode; a second life writes through ``set_kv_buffer_legacy``, the
+  path sglang-jax's native attention takes off TPU.
+* ``sgl_jax.srt.layers.attention.native_backend`` fails to import with flax >= 0.12.10 (the only
+  flax that imports with jax 0.12): ``ValueError: Duplicate custom PyTreeDef type registration
+  for <class '...NativeAttention'>``. The runner sets flax's ``FLAX_PYTREE_MODULE=false``.
+* ``ModelRunner``'s dummy loader needs ``jax.set_mesh(mesh)`` around it with flax 0.12.12.
+* sglang-jax 0.0.2's ``Sampler`` cannot be traced off TPU with any jax (``ValueError: too many
+  values to unpack (expected 2)`` in ``_apply_min_p_filter``); next tokens are the argmax of the
+  model's logits.
+* ``ForwardBatch.init_new`` in the life gets a namespace with the mesh instead of a
+  ``ModelRunner`` (it reads only ``.mesh`` and ``.attn_backend``); the life's model is a
+  stand-in that writes KV through the pool's own write paths.
+* sglang-jax HEAD (layout ``[pages, page_size, heads*2/packing, packing, head_dim]``) pins jax
+  0.10.2 and is not on the registry: a third life keeps everything of 0.0.2 but the pool, a
+  stand-in with HEAD's layout, sharding and write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.sglang_jax
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+LIVES = {
+    "0.0.2-page1-tpu-kernel": ("--page-size", "1", "--kv-write", "kernel"),
+    "0.0.2-page4-native-path": ("--page-size", "4", "--kv-write", "legacy"),
+    "head-layout-page4": ("--page-size", "4", "--layout", "head", "--kv-write", "head"),
+}
+R3_TOKENS = [11, 12, 13, 14, 15, 16, 17, 18, 31, 32, 33]  # the life's third request's prompt
+
+
+def _run(script: str, *args: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True,
+                          text=True, env=env, timeout=1200, cwd=ROOT)
+    assert proc.returncode == 0, f"{script} {' '.join(args)} failed:\n{proc.stderr[-6000:]}"
+    return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module", params=list(LIVES))
+def life(request):
+    return _run("_sglang_jax_life.py", *LIVES[request.param])
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return _run("_sglang_jax_runner.py")
+
+
+def _rows(found):
+    return sorted((v["shard"], v["tag"], v["slot"], v["position"], tuple(v["reasons"]))
+              for v in found)
+
+
+def _fault(life, name):
+    (entry,) = [f for f in life["faults"] if f["fault"] == name]
+    return entry
+
+
+REAL_KV = ("VERIFY_REAL_KV_HASH_MISMATCH",)
+
+
+def test_the_life_is_sglang_jax_s(life):
+    assert life["num_shards"] == 2
+    assert life["kv_spec"] in ("P(None, 'tensor')", "P('data', None, 'tensor', None, None)")
+    assert life["r3_prefix_len"] == 8  # the radix cache served R1's prompt to R3
+    assert life["r4_reused_slots"]  # R4 got slots the allocator had handed out before
+    assert any(pre[:8] == life["r3_slots"][:8] for pre in life["sweep_prefixes"])
+    if life["page_size"] > 1:  # paged allocation: page-contiguous slots, pages from 1
+        for slots in (life["r3_slots"], life["r4_slots"]):
+            for i in range(0, len(slots) - 1):
+                if (i + 1) % life["page_size"]:
+                    assert slots[i + 1] == slots[i] + 1
+        assert min(life["r3_slots"] + life["r4_slots"]) >= life["page_size"]
+
+
+def test_clean_life_has_no_violations(life):
+    assert [step["new_violations"] for step in life["life"]] == [[]] * len(life["life"])
+    assert life["sweep_clean"] == []
+    assert life["total_violations_live"] == [0, 0]
+    assert _fault(life, "clean replay")["step"] == []
+    assert _fault(life, "clean replay, host req_to_token table")["step"] == []
+
+
+def test_flipped_k_byte_is_found_by_the_shard_that_holds_it(life):
+    s, p = life["flip"]["slot"], life["flip"]["position"]
+    assert _rows(_fault(life, "flip K byte head 0")["step"]) == [(0, "TAIL_K_FULL", s, p, REAL_KV)]
+    assert _rows(_fault(life, "flip K byte head 1")["step"]) == [(1, "TAIL_K_FULL", s, p, REAL_KV)]
+
+
+def test_stale_cache_loc_entry(life):
+    stale = life["stale"]
+    slot, pos = stale["slot"], stale["position"]
+    stored_pos = life["r4_slots"].index(slot)  # the slot now holds R4's token at that position
+    successor = life["r3_slots"][pos + 1]
+    want = []
+    for shard in (0, 1):
+        for tag in ("HEAD_K_FULL", "TAIL_K_FULL"):
+            want.append((shard, tag, slot, stored_pos, ("VERIFY_CHAIN_HASH_MISMATCH",
+                         "VERIFY_POSITION_MISMATCH", "VERIFY_TOKEN_MISMATCH")))
+            want.append((shard, tag, successor, pos + 1, ("VERIFY_CHAIN_HASH_MISMATCH",)))
+    found = _fault(life, "stale cache_loc entry")["step"]
+    assert _rows(found) == sorted(want)
+    assert {v["expected_token"] for v in found if v["slot"] == slot} == {R3_TOKENS[pos]}
+
+
+def test_swapped_slots(life):
+    (sa, sb), (pa, pb) = life["swap"]["slots"], life["swap"]["positions"]
+    want = [(sh, "TAIL_K_FULL", s, p, REAL_KV) for sh in (0, 1) for s, p in ((sa, pa), (sb, pb))]
+    assert _rows(_fault(life, "swap two slots")["step"]) == sorted(want)
+
+
+def test_write_into_a_slot_another_request_reads(life):
+    s, p = life["overwrite"]["slot"], life["overwrite"]["position"]
+    found = _fault(life, "write into a slot another request reads")["step"]
+    assert _rows(found) == [(sh, "TAIL_K_FULL", s, p, REAL_KV) for sh in (0, 1)]
+
+
+def test_write_to_slot_0_is_reported_as_sglang_reports_it(life):
+    info = life["slot0"]
+    entry = _fault(life, "write to slot 0")
+    assert entry["step"] == []  # slot 0 itself is never verified
+    # Next step: R4's slot for that position was never stamped (it holds a stale record), and
+    # the chain continued from it fails the position check at R4's next slot.
+    rows = _rows(entry["next_step"])
+    stale = [r for r in rows if r[2] == info["r4_slot"]]
+    seeded = [r for r in rows if r[2] == info["r4_next_slot"]]
+    assert len(stale) + len(seeded) == len(rows) == 8
+    assert {(r[0], r[1]) for r in stale} == {(sh, t) for sh in (0, 1)
+                                              for t in ("HEAD_K_FULL", "TAIL_K_FULL")}
+    assert all("VERIFY_POSITION_MISMATCH" in r[4] and r[3] != info["r4_position"] for r in stale)
+    assert seeded == sorted((sh, t, info["r4_next_slot"], info["r4_position"] + 1,
+                             ("WRITE_POSITION_MISMATCH",))
+                            for sh in (0, 1) for t in ("HEAD_K_FULL", "TAIL_K_FULL"))
+    assert 0 not in {r[2] for r in rows}
+
+
+def test_sweep_finds_a_flipped_byte_in_a_radix_cached_slot(life):
+    sf = life["sweep_fault"]
+    assert _rows(sf["found"]) == [(0, "SWEEP_K_FULL", sf["slot"], sf["position"], REAL_KV)]
+
+
+def test_model_runner_with_the_canary_installed(runner):
+    assert runner["num_shards"] == 2 and runner["kv_spec"] == "P(None, 'tensor')"
+    plain, guarded = runner["plain_steps"], runner["guarded_steps"]
+    assert [s["mode"] for s in guarded] == ["EXTEND"] + ["DECODE"] * 4
+    # The canary changes nothing the model computes: same tokens, byte-identical KV.
+    assert [s["next_ids"] for s in guarded[:4]] == [s["next_ids"] for s in plain]
+    assert runner["guarded_kv"] == runner["plain_kv"]
+    assert [s["violations"] for s in guarded[:4]] == [[]] * 4
+    flip = runner["flip"]
+    assert _rows(guarded[4]["violations"]) == [
+        (0, "TAIL_K_FULL", flip["slot"], flip["position"], REAL_KV)]
