@@ -4,6 +4,9 @@
 # (apache-tvm-ffi and msgspec for SGLang's CUDA JIT kernels, and the sglang wheel itself).
 #   usage: bash bench/gpu_session.sh [tests] [sanitize] [bench-quick|bench-full] [bench-ops=a,b]
 #                                    [bridge]   (the bridge's GPU tests, sanitizer run and bench)
+#                                    [sglang-jax]   (the canary next to sglang-jax's step; its
+#   wheels travel in .whl/sglang_jax/: on a machine with the registry and Python 3.12,
+#   pip download --no-deps -r bench/sglang_jax_requirements.txt -d .whl/sglang_jax)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -41,5 +44,11 @@ for step in "$@"; do
       python3 -c "import json; print(json.load(open('$OUT/bridge_profile.json')))" ;;
     bench-full)
       python3 -m bench --ops $OPS --out $OUT/bench 2>&1 | tail -80 ;;
+    sglang-jax)
+      # A venv over the image's packages (jax, torch) with sglang-jax 0.0.2 and what it imports.
+      python3 -m venv --system-site-packages /tmp/venv-sgljax
+      /tmp/venv-sgljax/bin/pip install -q --no-index --no-deps .whl/sglang_jax/*.whl 2>&1 | tail -2
+      JAX_PLATFORMS=cuda timeout 540 /tmp/venv-sgljax/bin/python -m bench.sglang_jax_step \
+        --out $OUT/sglang_jax 2>&1 | grep -v "^WARNING" | tail -20 ;;
   esac
 done

@@ -1,0 +1,346 @@
+"""Device time of the canary per step next to sglang-jax's own step, on the same pools.
+
+    python -m bench.sglang_jax_step [--what kv,runner] [--bs 8,64] [--ctx 512,2048]
+                                    [--iters 20] [--out DIR] [--smoke]
+
+Needs Python >= 3.12 and sglang-jax 0.0.2 with the dependencies of the modules imported
+(``bench/sglang_jax_requirements.txt``); set ``JAX_PLATFORMS`` (``cuda`` on the H200, ``cpu`` for
+``--smoke``). Both steps are sglang-jax's GPU/CPU paths: native attention, KV written by
+``MHATokenToKVPool.set_kv_buffer_legacy`` (its Pallas write kernel is TPU-only).
+
+What runs, per case (``what``, ``bs`` requests decoding with ``ctx`` cached tokens each):
+
+* ``kv``: "the pool update + attention alone": per layer (4), K/V/Q from an embedding table of the
+  batch's tokens, the write through the pool's ``set_kv_buffer_legacy`` and sglang-jax's
+  ``forward_attention`` over ``cache_loc`` (8 query heads, 8 KV heads, head_dim 128, bf16).
+* ``runner``: sglang-jax's ``ModelRunner`` on a random-weight Qwen2 (4 layers, hidden 1024, 8 heads,
+  8 KV heads, head_dim 128, vocab 32000; dummy loader), ``model_runner.forward``.
+
+The requests are built by sglang-jax's own ``Req`` / ``ScheduleBatch`` (token allocator, page
+size 1): each prefilled alone (through the guarded step, so the canary holds every slot), then
+``--iters`` decode batches prepared ahead (``prepare_for_decode``, ``get_model_worker_batch``,
+``ForwardBatch.init_new``; tokens fixed, not sampled). From one snapshot of the pools and the
+canary state, three timings over the same decode batches:
+
+1. ``sglang_jax``: sglang-jax's step alone;
+2. ``guarded``: the same step inside :func:`guard_model_step` (HEAD, model, TAIL in one jit) or,
+   for ``runner``, with :class:`ModelRunnerHook` installed;
+3. ``canary_only``: :func:`guard_model_step` around a model that writes nothing (the canary's own
+   kernels: scatter, plan, HEAD verify + write, TAIL verify + write over the K strip of layer 0).
+
+Device time per step from CUPTI (``bench.timing.device_time``: every kernel between two markers,
+idle gaps excluded; wall clock on CPU). Replaying a decode batch is idempotent for both the KV and
+the canary, so warm-up calls do not disturb the state; every guarded run must end with 0
+violations. Reported: the three medians, ``share_pct = (guarded - sglang_jax) / guarded`` and
+``canary_only / (sglang_jax + canary_only)``, both in percent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import warnings
+
+os.environ.setdefault("FLAX_PYTREE_MODULE", "false")  # see tests/test_sglang_jax.py
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench import common, timing  # noqa: E402
+from kvcanary_jax.integrations import sglang_jax as ksj  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*donated buffers.*")
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4, 8, 8, 128, 32000
+QWEN2 = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": VOCAB,
+    "hidden_size": HEADS * HEAD_DIM, "intermediate_size": 2816, "num_hidden_layers": LAYERS,
+    "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+    "max_position_embeddings": 32768, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def _copy(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+class Stack:
+    """sglang-jax's pools, allocator and batches for ``bs`` requests of ``ctx`` tokens."""
+
+    def __init__(self, what: str, bs: int, ctx: int, iters: int):
+        from jax.sharding import Mesh
+
+        self.what, self.bs, self.ctx, self.iters = what, bs, ctx, iters
+        self.context_len = ctx + iters + 8
+        total = bs * (ctx + iters) + 64
+        self.mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
+        self.cache_loc_bucket = bs * (ctx + iters)
+        if what == "runner":
+            self._init_runner(total)
+        else:
+            self._init_kv(total)
+        self.canary = ksj.SglangJaxCanary.from_pools(self.req_pool, self.kv_pool, max_bs=bs)
+
+    def _init_kv(self, total):
+        from sgl_jax.srt.configs.model_config import MockModelConfig
+        from sgl_jax.srt.mem_cache.allocator import TokenToKVPoolAllocator
+        from sgl_jax.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+        self.req_pool = ReqToTokenPool(size=self.bs + 1, max_context_len=self.context_len)
+        self.kv_pool = MHATokenToKVPool(size=total, page_size=1, dtype=jnp.bfloat16,
+                                        head_num=KV_HEADS, head_dim=HEAD_DIM, layer_num=LAYERS,
+                                        mesh=self.mesh)
+        self.allocator = TokenToKVPoolAllocator(size=total, kvcache=self.kv_pool)
+        self.model_config = MockModelConfig(num_heads=HEADS, head_dim=HEAD_DIM,
+                                            num_kv_heads=KV_HEADS, context_len=self.context_len - 4,
+                                            num_hidden_layers=LAYERS)
+        self.model_config.vocab_size = VOCAB
+        self.emb = jax.random.normal(jax.random.key(0), (VOCAB, HEADS * HEAD_DIM), jnp.bfloat16)
+
+    def _init_runner(self, total):
+        from flax import nnx
+        from sgl_jax.srt.configs.model_config import ModelConfig
+        from sgl_jax.srt.model_executor.model_runner import ModelRunner
+        from sgl_jax.srt.server_args import ServerArgs
+
+        model_dir = tempfile.mkdtemp()
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(QWEN2, f)
+        device = os.environ.get("JAX_PLATFORMS", "cpu")
+        args = ServerArgs(model_path=model_dir, device=device, load_format="dummy",
+                          attention_backend="native", page_size=1, max_running_requests=self.bs,
+                          max_total_tokens=total, tp_size=1, skip_server_warmup=True,
+                          context_length=self.context_len - 4)
+        with jax.set_mesh(self.mesh):
+            self.runner = ModelRunner(
+                model_config=ModelConfig(model_path=model_dir, dtype="bfloat16",
+                                         context_length=self.context_len - 4),
+                mem_fraction_static=0.8, tp_size=1, server_args=args, mesh=self.mesh,
+                rngs=nnx.Rngs(0))
+        self.req_pool = self.runner.req_to_token_pool
+        self.kv_pool = self.runner.token_to_kv_pool
+        self.allocator = self.runner.token_to_kv_pool_allocator
+        self.model_config = self.runner.model_config
+
+    # -- the model steps ------------------------------------------------------------------
+
+    def kv_model(self, fb, pool, emb):
+        """The pool update + native attention of every layer (sglang-jax's functions)."""
+        from sgl_jax.srt.layers.attention.native_backend import forward_attention
+        from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
+
+        x = emb[fb.input_ids]
+        q = x.reshape(-1, HEADS, HEAD_DIM)
+        out = None
+        for layer in range(LAYERS):
+            k = (x * (layer + 1)).reshape(-1, KV_HEADS, HEAD_DIM)
+            fused = pool.set_kv_buffer_legacy(layer, fb.out_cache_loc, k, -k)
+            pool.kv_buffer[layer] = fused
+            out = forward_attention(q, fused[:, ::2, :], fused[:, 1::2, :], fb.seq_lens,
+                                    fb.cache_loc, fb.extend_prefix_lens, fb.extend_seq_lens,
+                                    HEADS, KV_HEADS, HEAD_DIM ** -0.5,
+                                    fb.forward_mode != ForwardMode.DECODE, fb.forward_mode)
+            q = out.reshape(-1, HEADS, HEAD_DIM).astype(q.dtype)
+        return out, list(pool.kv_buffer), None
+
+    @staticmethod
+    def idle_model(fb, pool, *_):
+        return None, list(pool.kv_buffer), None
+
+    # -- batches --------------------------------------------------------------------------
+
+    def worker_batch(self, batch, bs_bucket, token_bucket, cache_bucket):
+        from sgl_jax.srt.model_executor.forward_batch_info import ForwardBatch
+
+        mwb = batch.get_model_worker_batch([token_bucket], [bs_bucket], [cache_bucket], 1)
+        runner = getattr(self, "runner", None) or _NoRunner(self.mesh)
+        fb = ForwardBatch.init_new(mwb, runner)
+        ids = ksj.expected_tokens(ksj.request_token_ids(batch.reqs), mwb.seq_lens, cache_bucket, 1)
+        return mwb, fb, ids
+
+    def build(self):
+        """Requests, their prefill batches and the decode batches (host state advanced ahead)."""
+        from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch
+        from sgl_jax.srt.sampling.sampling_params import SamplingParams
+
+        rng = np.random.default_rng(0)
+        self.prefills, running = [], None
+        for r in range(self.bs):
+            params = SamplingParams(max_new_tokens=self.iters + 4, temperature=0, ignore_eos=True)
+            params.normalize(None)
+            req = Req(rid=str(r), origin_input_text="", sampling_params=params,
+                      origin_input_ids=rng.integers(3, VOCAB, self.ctx).tolist())
+            req.fill_ids, req.extend_input_len = list(req.origin_input_ids), self.ctx
+            batch = ScheduleBatch.init_new(
+                reqs=[req], req_to_token_pool=self.req_pool,
+                token_to_kv_pool_allocator=self.allocator, tree_cache=None,
+                model_config=self.model_config, enable_overlap=False, mesh=self.mesh)
+            batch.prepare_for_extend()
+            self.prefills.append(self.worker_batch(batch, 1, self.ctx, self.ctx))
+            req.output_ids.append(int(rng.integers(3, VOCAB)))
+            batch.output_ids = np.array(req.output_ids[-1:], np.int32)
+            if running is None:
+                running = batch
+            else:
+                running.merge_batch(batch)
+        self.decodes = []
+        for _ in range(self.iters):
+            running.prepare_for_decode()
+            self.decodes.append(self.worker_batch(running, self.bs, self.bs, self.cache_loc_bucket))
+            out = rng.integers(3, VOCAB, self.bs).astype(np.int32)
+            for req, tok in zip(running.reqs, out.tolist()):
+                req.output_ids.append(tok)
+            running.output_ids = out
+
+
+class _NoRunner:
+    """What ``ForwardBatch.init_new`` reads of a model runner (kv mode has none)."""
+
+    def __init__(self, mesh):
+        self.mesh, self.attn_backend = mesh, None
+
+
+def _run_case(what: str, bs: int, ctx: int, iters: int) -> dict:
+    from sgl_jax.srt.layers.logits_processor import LogitsMetadata
+
+    st = Stack(what, bs, ctx, iters)
+    st.build()
+    mesh, canary = st.mesh, st.canary
+    state = canary.init_state()
+
+    if what == "runner":
+        hook = ksj.ModelRunnerHook(canary, st.runner)
+        hook.state = state
+
+        def runner_forward(mwb, fb, ids, guarded):
+            if guarded:
+                hook.expect(ids)
+            with jax.set_mesh(mesh):
+                out, _ = st.runner.forward(fb, LogitsMetadata.from_model_worker_batch(mwb, mesh))
+            return out
+
+        for mwb, fb, ids in st.prefills:
+            runner_forward(mwb, fb, ids, True)
+        state = hook.state
+    else:
+        guarded_kv = ksj.guard_model_step(canary, st.kv_model, batch_argnum=0, pool_argnum=1,
+                                          fused_kv=lambda out, pool: out[1][0])
+        plain_kv = jax.jit(st.kv_model, donate_argnums=1)
+        for _, fb, ids in st.prefills:
+            with jax.set_mesh(mesh):
+                state, out = guarded_kv(state, fb, st.kv_pool, st.emb, expected=ids)
+            st.kv_pool.kv_buffer = out[1]
+    if int(ksj.violation_counts(state).sum()):
+        raise RuntimeError("violations while filling the pools")
+    snap_kv, snap_state = _copy(st.kv_pool.kv_buffer), _copy(state)
+    result = {"what": what, "bs": bs, "ctx": ctx, "verify_entries_per_step": bs * ctx}
+
+    # 1. sglang-jax alone.
+    st.kv_pool.kv_buffer = _copy(snap_kv)
+    if what == "runner":
+        hook.uninstall()
+
+        def plain(i):
+            runner_forward(*st.decodes[i % iters], False)
+    else:
+        def plain(i):
+            _, fb, _ = st.decodes[i % iters]
+            with jax.set_mesh(mesh):
+                out = plain_kv(fb, st.kv_pool, st.emb)
+            st.kv_pool.kv_buffer = out[1]
+
+    sync = lambda: jax.block_until_ready(st.kv_pool.kv_buffer)  # noqa: E731
+    result["sglang_jax"] = timing.device_time(plain, sync, iters=iters)
+
+    # 2. The same step, guarded.
+    st.kv_pool.kv_buffer = _copy(snap_kv)
+    if what == "runner":
+        hook = ksj.ModelRunnerHook(canary, st.runner)
+        hook.state = _copy(snap_state)
+
+        def guarded(i):
+            runner_forward(*st.decodes[i % iters], True)
+
+        sync_g = lambda: jax.block_until_ready((st.kv_pool.kv_buffer, hook.state))  # noqa: E731
+    else:
+        holder = {"state": _copy(snap_state)}
+
+        def guarded(i):
+            _, fb, ids = st.decodes[i % iters]
+            with jax.set_mesh(mesh):
+                holder["state"], out = guarded_kv(holder["state"], fb, st.kv_pool, st.emb,
+                                                  expected=ids)
+            st.kv_pool.kv_buffer = out[1]
+
+        sync_g = lambda: jax.block_until_ready((st.kv_pool.kv_buffer, holder["state"]))  # noqa: E731
+    result["guarded"] = timing.device_time(guarded, sync_g, iters=iters)
+    end_state = hook.state if what == "runner" else holder["state"]
+    result["violations"] = int(ksj.violation_counts(end_state).sum())
+    if what == "runner":
+        hook.uninstall()
+
+    # 3. The canary alone, around a model that writes nothing.
+    st.kv_pool.kv_buffer = _copy(snap_kv)
+    idle = ksj.guard_model_step(canary, st.idle_model, batch_argnum=0, pool_argnum=1,
+                                fused_kv=lambda out, pool: out[1][0])
+    only = {"state": _copy(snap_state)}
+
+    def canary_only(i):
+        _, fb, ids = st.decodes[i % iters]
+        with jax.set_mesh(mesh):
+            only["state"], out = idle(only["state"], fb, st.kv_pool, expected=ids)
+        st.kv_pool.kv_buffer = out[1]
+
+    result["canary_only"] = timing.device_time(
+        canary_only, lambda: jax.block_until_ready(only["state"]), iters=iters)
+    base, g, c = (result[k]["median_us"] for k in ("sglang_jax", "guarded", "canary_only"))
+    result["share_pct"] = 100.0 * (g - base) / g
+    result["canary_only_share_pct"] = 100.0 * c / (base + c)
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--what", default="kv,runner")
+    p.add_argument("--bs", default="8,64")
+    p.add_argument("--ctx", default="512,2048")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the script)")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.bs, a.ctx, a.iters = "2", "16", 3
+    rows, errors = [], []
+    for what in a.what.split(","):
+        for bs in (int(x) for x in a.bs.split(",")):
+            for ctx in (int(x) for x in a.ctx.split(",")):
+                try:
+                    row = _run_case(what, bs, ctx, a.iters)
+                except Exception as e:  # one failing case must not hide the others
+                    errors.append(f"{what} bs={bs} ctx={ctx}: {type(e).__name__}: {e}")
+                    print(errors[-1], file=sys.stderr)
+                    continue
+                rows.append(row)
+                print(f"{what:6s} bs={bs:3d} ctx={ctx:5d}  sglang-jax "
+                      f"{row['sglang_jax']['median_us']:9.1f} us  guarded "
+                      f"{row['guarded']['median_us']:9.1f} us  canary alone "
+                      f"{row['canary_only']['median_us']:8.1f} us  share "
+                      f"{row['share_pct']:5.1f}% / {row['canary_only_share_pct']:5.1f}%  "
+                      f"violations {row['violations']}", flush=True)
+    result = {"environment": common.environment(), "rows": rows, "errors": errors}
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "sglang_jax_step.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    bad = errors or any(r["violations"] for r in rows)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
