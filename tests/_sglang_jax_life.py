@@ -3,7 +3,9 @@ batch builders, with the canary around every model step; then faults injected in
 arrays and batch fields. Run as a script (it needs its own process: the CPU mesh is set through
 XLA_FLAGS before JAX starts); prints one JSON document that tests/test_sglang_jax.py checks.
 
-    python tests/_sglang_jax_life.py --page-size 1
+    python tests/_sglang_jax_life.py --page-size 1 --kv-write kernel
+    python tests/_sglang_jax_life.py --page-size 4 --kv-write legacy --host-table
+    python tests/_sglang_jax_life.py --page-size 4 --layout head --kv-write head
 
 What is sglang-jax's own code here: ``ReqToTokenPool``, ``MHATokenToKVPool`` (allocated on a
 ("data", "tensor") mesh of 2 CPU devices, sharded ``P(None, "tensor")``), ``TokenToKVPoolAllocator``
@@ -12,20 +14,25 @@ What is sglang-jax's own code here: ``ReqToTokenPool``, ``MHATokenToKVPool`` (al
 ``get_model_worker_batch``: input_ids, positions, out_cache_loc, cache_loc, lengths), the
 scheduler's radix-cache calls (``init_next_round_input``, ``inc_lock_ref``,
 ``cache_unfinished_req``, ``cache_finished_req``), ``MockModelConfig``, ``ForwardBatch.init_new``,
-and the KV write: ``MHATokenToKVPool.set_kv_buffer``, sglang-jax's TPU path (its Pallas
-``kv_cache_update`` kernel under ``shard_map``), run in TPU interpret mode on the CPU.
+and the KV write: ``MHATokenToKVPool.set_kv_buffer`` (``--kv-write kernel``: sglang-jax's TPU path,
+its Pallas ``kv_cache_update`` kernel under ``shard_map``, run in TPU interpret mode on the CPU)
+or ``set_kv_buffer_legacy`` (``--kv-write legacy``: the path its native attention backend takes
+off TPU).
 
 What is not, and why:
-* jax 0.12 has no ``pltpu.TPUMemorySpace`` (the kernel's ``TPUMemorySpace.ANY`` is ``pl.ANY`` since
-  jax 0.9): without help the kernel fails at trace time with ``AttributeError: module
+* jax 0.12 has no ``pltpu.TPUMemorySpace`` (the kernel's ``TPUMemorySpace.ANY`` is ``pl.ANY`` now):
+  without help the kernel fails at trace time with ``AttributeError: module
   'jax.experimental.pallas.tpu' has no attribute 'TPUMemorySpace'``. This script gives the module
   that one name (``TPUMemorySpace.ANY = pl.ANY``) and runs the kernel unchanged.
 * ``ForwardBatch.init_new(batch, model_runner)`` reads ``model_runner.mesh`` and
   ``model_runner.attn_backend`` only; it gets a namespace with the mesh and no backend (the stand-in
   model below does not attend). The real ``ModelRunner`` runs in tests/_sglang_jax_runner.py.
 * The model: a stand-in whose K/V are a fixed function of (token, position, head, lane), written
-  through the pool's own ``set_kv_buffer``; it returns ``(logits, layers_kv_fused, None)`` as
-  sglang-jax 0.0.2's model does. Its "sampler" picks next tokens by a fixed rule.
+  through the pool's own write path; it returns ``(logits, layers_kv_fused, None)`` as sglang-jax
+  0.0.2's model does. Its "sampler" picks next tokens by a fixed rule.
+* ``--layout head``: sglang-jax HEAD (pins jax 0.10.2, not on the registry) cannot be installed;
+  the pool is a stand-in with HEAD's layout, sharding and write (:class:`HeadLayoutPool`), the rest
+  is 0.0.2's.
 """
 
 from __future__ import annotations
@@ -230,7 +237,7 @@ class World:
 
     def live_step(self, name, batch, extend):
         mwb, fb, ids = self.worker_batch(batch)
-        before = len(ksj.read_violations(self.state))
+        before = ksj.violation_counts(self.state)
         self.state, layers = self.run(fb, ids)
         self.kv_pool.kv_buffer = layers
         self.log.append({"step": name, "mode": "extend" if extend else "decode",
@@ -273,7 +280,7 @@ def _flip_byte(buf, slot, head_row, byte):
     return jax.device_put(out, buf.sharding)
 
 
-def main(page_size: int, layout: str, kv_write: str):
+def main(page_size: int, layout: str, kv_write: str, host_table: bool):
     pool_size = 36 if page_size == 1 else 40
     w = World(page_size, pool_size, layout, kv_write)
     report = {"page_size": page_size, "layout": layout, "kv_write": kv_write,
@@ -318,7 +325,7 @@ def main(page_size: int, layout: str, kv_write: str):
     w.live_step("decode r3 r4 0", running, extend=False)
 
     # Radix-cache sweep, clean.
-    before = len(ksj.read_violations(w.state))
+    before = ksj.violation_counts(w.state)
     prefixes = ksj.radix_prefixes(w.tree)
     w.state = ksj.sweep(w.canary, w.state, w.kv_pool.kv_buffer[0], prefixes)
     report["sweep_clean"] = _dump(ksj.read_violations(w.state, start=before))
@@ -327,7 +334,6 @@ def main(page_size: int, layout: str, kv_write: str):
     # The step every fault is replayed on (and the one after it, for faults seen a step late).
     running.prepare_for_decode()
     mwb_a, fb_a, ids_a = w.worker_batch(running)
-    a_tokens = w.next_tokens(running)
     snapshot = (_copy(w.state), _copy(w.kv_pool.kv_buffer))
     report["replay_step"] = {"seq_lens": mwb_a.seq_lens.tolist(),
                              "out_cache_loc": mwb_a.out_cache_loc.tolist(),
@@ -339,9 +345,8 @@ def main(page_size: int, layout: str, kv_write: str):
     w.live_step("decode r3 r4 1", running, extend=False)  # the live world goes on, clean
     running.prepare_for_decode()
     mwb_b, fb_b, ids_b = w.worker_batch(running)
-    del a_tokens
 
-    def replay(name, *, kv_fault=None, fb=fb_a, state_fault=None, then_next=False, table=None):
+    def replay(name, *, kv_fault=None, fb=fb_a, then_next=False, table=None):
         state, kv = _copy(snapshot[0]), _copy(snapshot[1])
         if kv_fault is not None:
             kv = kv_fault(kv)
@@ -349,7 +354,7 @@ def main(page_size: int, layout: str, kv_write: str):
         found = _dump(ksj.read_violations(state))
         entry = {"fault": name, "step": found}
         if then_next:
-            before = len(ksj.read_violations(state))
+            before = ksj.violation_counts(state)
             state, kv = w.run(fb_b, ids_b, state=state, kv=kv)
             entry["next_step"] = _dump(ksj.read_violations(state, start=before))
         return entry
@@ -364,9 +369,11 @@ def main(page_size: int, layout: str, kv_write: str):
 
     faults = []
     faults.append(replay("clean replay"))
-    faults.append(replay("clean replay, host req_to_token table",
-                         table=ksj.host_table(w.req_pool.req_to_token, mwb_a.req_pool_indices,
-                                              mwb_a.seq_lens, CONTEXT)))
+    if host_table:  # plans from the host req_to_token instead of cache_loc (one more compile)
+        faults.append(replay("clean replay, host req_to_token table",
+                             table=ksj.host_table(w.req_pool.req_to_token,
+                                                  mwb_a.req_pool_indices, mwb_a.seq_lens,
+                                                  CONTEXT)))
 
     # 1. A flipped K byte in a cached slot of R3, head 0 (shard 0) and head 1 (shard 1).
     p = 3
@@ -376,6 +383,12 @@ def main(page_size: int, layout: str, kv_write: str):
                          kv_fault=lambda kv: [_flip_byte(kv[0], s, 0, 5)] + kv[1:]))
     faults.append(replay("flip K byte head 1",
                          kv_fault=lambda kv: [_flip_byte(kv[0], s, 2, 100)] + kv[1:]))
+    if host_table:
+        faults.append(replay("flip K byte head 0, host req_to_token table",
+                             kv_fault=lambda kv: [_flip_byte(kv[0], s, 0, 5)] + kv[1:],
+                             table=ksj.host_table(w.req_pool.req_to_token,
+                                                  mwb_a.req_pool_indices, mwb_a.seq_lens,
+                                                  CONTEXT)))
 
     # 2. A stale cache_loc entry: R3's position 5 points at a slot R2 used to hold (now R4's).
     cache_loc = np.asarray(fb_a.cache_loc).copy()
@@ -420,7 +433,7 @@ def main(page_size: int, layout: str, kv_write: str):
     # 6. A flipped K byte in a slot the radix cache holds, found by the sweep between steps.
     target, pos = int(prefixes[0][4]), 4
     state, kv = _copy(w.state), _copy(w.kv_pool.kv_buffer)
-    before = len(ksj.read_violations(state))
+    before = ksj.violation_counts(state)
     state = ksj.sweep(w.canary, state, _flip_byte(kv[0], target, 0, 9), prefixes)
     report["sweep_fault"] = {"slot": target, "position": pos,
                              "found": _dump(ksj.read_violations(state, start=before))}
@@ -438,5 +451,6 @@ if __name__ == "__main__":
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--layout", choices=("0.0.2", "head"), default="0.0.2")
     parser.add_argument("--kv-write", choices=("kernel", "legacy", "head"), default="kernel")
+    parser.add_argument("--host-table", action="store_true")
     args = parser.parse_args()
-    main(args.page_size, args.layout, args.kv_write)
+    main(args.page_size, args.layout, args.kv_write, args.host_table)

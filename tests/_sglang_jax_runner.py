@@ -103,11 +103,11 @@ class Life:
         mwb = batch.get_model_worker_batch([TOKENS], [MAX_BS], [CACHE_LOC], 1)
         runner.attn_backend.forward_metadata = runner.attn_backend.get_forward_metadata(mwb)
         fb = ForwardBatch.init_new(mwb, runner)
-        before = 0
+        before = None
         if hook is not None:
             hook.expect(ksj.expected_tokens(ksj.request_token_ids(batch.reqs), mwb.seq_lens,
                                             CACHE_LOC, 1))
-            before = len(ksj.read_violations(hook.state))
+            before = ksj.violation_counts(hook.state)
         with jax.set_mesh(self.mesh):
             logits, _ = runner.forward(fb, logits_metadata=LogitsMetadata.from_model_worker_batch(
                 mwb, self.mesh))

@@ -74,6 +74,13 @@ against the TAIL buffers between steps.
 
 Shapes follow sglang-jax's buckets (``bs``, tokens, ``cache_loc`` length): one compilation per
 bucket, as the model step itself. Warm-up / precompile batches go through the unguarded step.
+
+**Cost per step**, besides the canary's own ops (SGLang's: HEAD and TAIL each verify every cached
+position of the batch and write every new one): the slot table, ``(bs + 1) * context_len`` int32
+gathered from ``cache_loc`` on the device (no host transfer), and the compaction of ``expected``
+(one gather over ``cache_loc``'s length). The expected ids cross from the host as one int32 array
+the size of ``cache_loc``. ``bench/sglang_jax_step.py`` measures the whole against sglang-jax's
+step.
 """
 
 from __future__ import annotations
@@ -591,12 +598,15 @@ def violation_counts(state) -> np.ndarray:
     return np.asarray(state.violation_write_index)[:, 0].astype(np.int64)
 
 
-def read_violations(state, *, start: int = 0) -> list[ShardViolation]:
-    """Every shard's ring rows from ``start`` on, shard by shard, in ring order."""
+def read_violations(state, *, start=0) -> list[ShardViolation]:
+    """Every shard's ring rows from ``start`` on, shard by shard, in ring order. ``start``: one
+    ring index for every shard, or one per shard (e.g. :func:`violation_counts` taken before a
+    step, to read what that step added)."""
     ring = np.asarray(state.violation_ring)
     counts = violation_counts(state)
+    starts = np.broadcast_to(np.asarray(start, np.int64), counts.shape)
     return [
         ShardViolation(shard=i, violation=v)
         for i in range(ring.shape[0])
-        for v in decode_ring(ring[i], int(counts[i]), start=start)
+        for v in decode_ring(ring[i], int(counts[i]), start=int(starts[i]))
     ]
