@@ -100,6 +100,7 @@ from kvcanary_jax import _config
 from kvcanary_jax.consts import MAX_REAL_KV_SOURCES
 from kvcanary_jax.contracts import TensorMeta
 from kvcanary_jax.runtime import decode_ring
+from kvcanary_jax.runtime.step import head, tail
 
 __all__ = [
     "SglangJaxCanary",
@@ -423,18 +424,20 @@ def _kv_dict(canary: SglangJaxCanary, local_buffer):
     return {"FULL": {"K": list(fused_kv_sources(local_buffer, k_heads=canary.k_heads))}}
 
 
+def _no_lut():
+    return jnp.zeros((1,), jnp.int64)  # the runtime's placeholder when there is no SWA group
+
+
 def _head(canary: SglangJaxCanary, state, batch, table):
     cfg = canary.config
-    return _per_shard(
-        canary, lambda st, rep, _: kc.canary_step_head(cfg, st, rep[0], req_to_token=rep[1]),
-        state, (batch, table))
+    return _per_shard(canary, lambda st, rep, _: head(cfg, st, rep[0], rep[1], _no_lut()),
+                      state, (batch, table))
 
 
 def _tail(canary: SglangJaxCanary, state, batch, kv_buffer):
     cfg = canary.config
-    return _per_shard(
-        canary, lambda st, b, kv: kc.canary_step_tail(cfg, st, b, kv=_kv_dict(canary, kv)),
-        state, batch, kv_buffer)
+    return _per_shard(canary, lambda st, b, kv: tail(cfg, st, b, _no_lut(), _kv_dict(canary, kv)),
+                      state, batch, kv_buffer)
 
 
 def guard_model_step(canary: SglangJaxCanary, model_step: Callable, *, batch_argnum: int,
@@ -468,10 +471,9 @@ def guard_model_step(canary: SglangJaxCanary, model_step: Callable, *, batch_arg
         donate_argnums=(0, nfixed + pool_argnum),
     )
 
+    @_config.entry_point
     def step(state, *args, expected=None, table=None):
-        model_x64 = _config.x64_enabled()
-        with _config.x64_scope():
-            return jitted(state, expected, table, model_x64, *args)
+        return jitted(state, expected, table, _config.caller_had_x64(), *args)
 
     step.jitted = jitted
     return step
@@ -558,6 +560,7 @@ def _sweep_jit(state, rows_table, row_indices, lengths, kv_buffer, *, canary):
     return _per_shard(canary, fn, state, (rows_table, row_indices, lengths), kv_buffer)
 
 
+@_config.entry_point
 def sweep(canary: SglangJaxCanary, state, kv_buffer: jax.Array, prefixes: Sequence[Sequence[int]]):
     """Verify cached prefixes (slot lists, position ``j`` at index ``j``) against the TAIL
     buffers with the SWEEP tags (token check off), ``canary.sweep_rows`` prefixes per launch.
@@ -572,8 +575,7 @@ def sweep(canary: SglangJaxCanary, state, kv_buffer: jax.Array, prefixes: Sequen
             k = min(len(slots), canary.context_len)
             table[i + 1, :k] = np.asarray(slots[:k], np.int64)
             rows[i], lens[i] = i + 1, k
-        with _config.x64_scope():
-            state = _sweep_jit(state, table, rows, lens, kv_buffer, canary=canary)
+        state = _sweep_jit(state, table, rows, lens, kv_buffer, canary=canary)
     return state
 
 
