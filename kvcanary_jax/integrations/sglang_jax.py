@@ -37,7 +37,9 @@ each step takes ``expected``, an int32 array parallel to ``cache_loc`` holding e
 token ids (:func:`expected_tokens`, from the requests' ``origin_input_ids + output_ids``). It
 feeds SGLang's verify token check and the write's input check (``input_ids`` / ``positions`` of
 the batch against the request's history). Without it (``token_checks=False``) the chain hash
-and positions still bind every slot to its request.
+and positions still bind every slot to its request. sglang-jax's overlap scheduler builds a
+decode batch before the previous step's token reaches the host (the device resolves it): run
+it with ``token_checks=False``.
 
 **Slot 0 / page 0** is sglang-jax's padding (its allocators hand out slots, or pages, from 1;
 padding tokens carry ``out_cache_loc == -1`` and write nothing). As in SGLang, verify never checks
@@ -175,7 +177,8 @@ class SglangJaxCanary:
     fingerprinted. ``mesh`` / ``kv_spec``: the pool's mesh and the buffers' PartitionSpec (None:
     one device). ``token_checks``: every step takes the expected token ids (see the module
     docstring). ``sweep_rows``: prefixes per :func:`sweep` launch. The rest is
-    :class:`kvcanary_jax.CanaryConfig`'s.
+    :class:`kvcanary_jax.CanaryConfig`'s (``implementation``: what every op runs; default: the
+    platform's).
     """
 
     num_slots: int
@@ -191,6 +194,7 @@ class SglangJaxCanary:
     ring_capacity: int = 1024
     verify_capacity: int | None = None
     real_kv_hash_mode: str = "all"
+    implementation: str | None = None
 
     def __post_init__(self):
         if self.mesh is not None and self.kv_spec is not None:
@@ -245,6 +249,7 @@ class SglangJaxCanary:
             real_kv_hash_mode=self.real_kv_hash_mode,
             enable_verify_token_assert=self.token_checks,
             enable_write_input_assert=self.token_checks,
+            implementation=self.implementation,
         )
 
     @_config.with_x64
