@@ -6,7 +6,7 @@
 #                                    [bridge]   (the bridge's GPU tests, sanitizer run and bench)
 #                                    [sglang-jax]   (the canary next to sglang-jax's step; its
 #   wheels travel in .whl/sglang_jax/: on a machine with the registry and Python 3.12,
-#   pip download --no-deps -r bench/sglang_jax_requirements.txt -d .whl/sglang_jax)
+#   pip download --no-deps -r requirements-sglang-jax.txt -d .whl/sglang_jax)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -4,7 +4,7 @@
                                     [--iters 20] [--out DIR] [--smoke]
 
 Needs Python >= 3.12 and sglang-jax 0.0.2 with the dependencies of the modules imported
-(``bench/sglang_jax_requirements.txt``); set ``JAX_PLATFORMS`` (``cuda`` on the H200, ``cpu`` for
+(``requirements-sglang-jax.txt``); set ``JAX_PLATFORMS`` (``cuda`` on the H200, ``cpu`` for
 ``--smoke``). Both steps are sglang-jax's GPU/CPU paths: native attention, KV written by
 ``MHATokenToKVPool.set_kv_buffer_legacy`` (its Pallas write kernel is TPU-only).
 

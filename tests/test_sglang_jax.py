@@ -1,4 +1,5 @@
-"""The canary inside sglang-jax 0.0.2 (``pip install --no-deps sglang-jax==0.0.2``; Python 3.12).
+"""The canary inside sglang-jax 0.0.2 (Python 3.12: ``pip install --no-deps -r
+requirements-sglang-jax.txt``, sglang-jax and exactly what its imported modules need).
 
 Each life runs in its own process (a mesh of 2 CPU devices needs XLA_FLAGS before JAX starts):
 ``tests/_sglang_jax_life.py`` drives sglang-jax's own ``ReqToTokenPool``, ``MHATokenToKVPool``
