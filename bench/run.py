@@ -1,6 +1,6 @@
 """``python -m bench``: one run that times every op on this GPU, ours against SGLang 0.5.23.
 
-Outputs (``--out``, default ``bench/results``): ``results.json`` (every raw figure plus the
+Outputs (``--out``, default ``bench/results`` under the current directory): ``results.json`` (every raw figure plus the
 environment), ``results.md`` (the table) and ``<op>.png`` plots (time vs size, log scales: ours,
 SGLang, the best Triton baseline and the byte floor). ``--quick`` runs a subset in under two
 minutes; ``--smoke`` runs tiny cases on the CPU in interpret mode (CI keeps the bench alive).
@@ -25,15 +25,18 @@ def _op_module(name):
     return importlib.import_module(f"bench.op_{name}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+def main(argv: list[str] | None = None, *, prog: str = "python -m bench") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="a subset of cases (< 2 min on the H200)")
     mode.add_argument("--smoke", action="store_true", help="tiny cases, CPU interpret mode")
     ap.add_argument("--ops", default=",".join(OPS), help="comma list of ops to run")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per case")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    # Relative to the current directory (in a checkout's root: the checkout's bench/results),
+    # never inside an installed package.
+    ap.add_argument("--out", default=os.path.join("bench", "results"),
+                    help="output directory (default: bench/results under the current directory)")
     args = ap.parse_args(argv)
 
     from tqdm import tqdm

@@ -29,7 +29,7 @@ from bridge.dlpack import BridgeError
 from bridge.launcher import Arg
 from kvcanary_jax import buckets, default_implementation
 from kvcanary_jax import plans as _plans
-from kvcanary_jax.context import SourceSpec
+from kvcanary_jax.context import SourceSpec, check_write_index
 from kvcanary_jax.contracts import Contract, SameDevice, meta_of
 from kvcanary_jax.ops import plan as _plan
 from kvcanary_jax.ops import scatter as _scatter
@@ -415,6 +415,7 @@ def _verify_validate(kw, ts):
 
 def _verify_values(kw, ts):
     plan, context = kw["plan"], kw["context"]
+    check_write_index(context.violation_write_index[0], _VERIFY_P)
     if int(plan.enable[0]) == 0:
         return
     n = max(0, min(int(plan.verify_num_valid[0]), int(plan.verify_slot_indices.shape[0])))
@@ -511,6 +512,7 @@ def _write_validate(kw, ts):
 
 def _write_values(kw, ts):
     plan, context = kw["plan"], kw["context"]
+    check_write_index(context.violation_write_index[0], _WRITE_P)
     num_slots = int(context.canary_buf.shape[0])
     cap = int(plan.write_seed_slot_indices.shape[0])
     a = max(0, min(int(plan.write_num_valid_reqs[0]), cap))
@@ -635,6 +637,7 @@ def _step_values(kw, ts):
         _scatter_values(kw, _step_scatter_tensors(kw))
     _plan_values(kw, ts)
     # The verify and write plans are produced by this very call: their values are not checked.
+    check_write_index(kw["context"].violation_write_index[0], "kv-canary: launch_canary_step")
 
 
 def step_fn(*arrays, scatter_cols, has, swa, cap, k, specs, kind, mode, check_token,

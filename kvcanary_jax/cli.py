@@ -4,30 +4,52 @@
 [--implementation NAME] [--json]`` simulates
 a small server with the canary on, then runs the fault campaign and prints, per fault kind, how
 many faults were injected and detected, the first detecting step, and the clean run's false
-positives. ``demo`` is the default subcommand.
+positives. ``demo`` is the default subcommand. Ctrl-C stops the demo before its next step: it
+prints the partial report and exits with status 130 (a second Ctrl-C aborts at once).
 
-Other subcommands register themselves through :func:`register_command` (``bench`` is looked up
-lazily from the ``bench`` package when it is installed).
+``kvcanary-jax bench [options]`` is ``python -m bench [options]`` (the benchmark of a source
+checkout; ``kvcanary-jax bench --help`` lists its options).
+
+Other subcommands register themselves through :func:`register_command`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import signal
 import sys
+import threading
 import time
 import warnings
 from typing import Callable
 
 __all__ = ["main", "register_command", "select_device"]
 
-_COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
+_COMMANDS: dict[str, tuple[str, Callable | None, Callable]] = {}
 
 
-def register_command(name: str, help: str, add_arguments: Callable, run: Callable) -> None:
-    """Add a subcommand: ``add_arguments(parser)`` declares its options, ``run(args) -> int``."""
+def register_command(name: str, help: str, add_arguments: Callable | None,
+                     run: Callable) -> None:
+    """Add a subcommand: ``add_arguments(parser)`` declares its options and ``run(args) -> int``
+    gets the parsed namespace; with ``add_arguments=None`` the command parses its own options:
+    ``run(argv) -> int`` gets the arguments after its name, as typed."""
     _COMMANDS[name] = (help, add_arguments, run)
+
+
+def _count(minimum: int):
+    """An argparse type: an integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 # ------------------------------------------------------------------------------------------ demo
@@ -37,20 +59,23 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     from kvcanary_jax.ops._registry import IMPLEMENTATIONS
     from kvcanary_jax.sim import FAULT_KINDS
 
-    p.add_argument("--steps", type=int, default=40, help="clean serving steps (default 40)")
+    p.add_argument("--steps", type=_count(1), default=40,
+                   help="clean serving steps (default 40)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--faults", default="all",
                    help="comma list of fault kinds, or 'all': " + ", ".join(FAULT_KINDS))
-    p.add_argument("--injections", type=int, default=2, help="trials per fault kind (default 2)")
+    p.add_argument("--injections", type=_count(0), default=2,
+                   help="trials per fault kind (default 2; 0: the clean run only)")
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                    help="where the canary runs: the host's CPU, or JAX's GPU")
     p.add_argument("--implementation", choices=IMPLEMENTATIONS, default=None,
                    help="what every op runs (default: the device's, e.g. pallas_triton on a "
                         "CUDA GPU)")
-    p.add_argument("--swa-window", type=int, default=8,
+    p.add_argument("--swa-window", type=_count(0), default=8,
                    help="sliding window of the SWA buffer group; 0 = FULL group only")
     p.add_argument("--v-half", action="store_true", help="also run the V-half endpoints")
-    p.add_argument("--sweep-interval", type=int, default=4)
+    p.add_argument("--sweep-interval", type=_count(0), default=4,
+                   help="steps between sweeps (default 4; 0: no sweep)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
@@ -95,51 +120,102 @@ def _table(res) -> str:
     return "\n".join(lines)
 
 
+# Exit status of a run stopped by SIGINT (128 + SIGINT, what shells report).
+EXIT_INTERRUPTED = 130
+
+
+class _StopOnInterrupt:
+    """While active: the first SIGINT only sets :attr:`requested` (the demo polls it between
+    steps, so an interrupt that arrives while JAX compiles or runs a step cannot be lost inside
+    JAX, nor break it halfway); a second one raises KeyboardInterrupt as usual. The handler that
+    was installed before is restored on exit. Signal handlers can only be set from the main
+    thread: elsewhere this does nothing and SIGINT keeps its handler."""
+
+    def __init__(self):
+        self.requested = False
+        self._installed = False
+        self._previous = None
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc):
+        if self._installed:
+            # None: the previous handler was not installed from Python; the default is all we
+            # can put back.
+            signal.signal(signal.SIGINT,
+                          signal.SIG_DFL if self._previous is None else self._previous)
+            self._installed = False
+        return False
+
+
 def _run_demo(args) -> int:
     select_device(args.device)
     from kvcanary_jax import sim as simulation
 
     faults = None if args.faults in ("all", "") else [f.strip() for f in args.faults.split(",") if f.strip()]
-    sim = simulation.SimConfig(
-        steps=args.steps, seed=args.seed, swa_window_size=args.swa_window,
-        enable_v_half=args.v_half, sweep_interval=args.sweep_interval,
-        implementation=args.implementation,
-    )
     t0 = time.perf_counter()
     try:
-        with warnings.catch_warnings():
+        sim = simulation.SimConfig(
+            steps=args.steps, seed=args.seed, swa_window_size=args.swa_window,
+            enable_v_half=args.v_half, sweep_interval=args.sweep_interval,
+            implementation=args.implementation,
+        )
+        with warnings.catch_warnings(), _StopOnInterrupt() as interrupt:
             # CPU backends cannot donate every buffer the step donates; that is expected here.
             warnings.filterwarnings("ignore", message=".*donated buffers.*")
             res = simulation.run_campaign(
                 sim, faults=faults, injections=args.injections,
-                progress_factory=_progress_factory(not args.no_progress))
+                progress_factory=_progress_factory(not args.no_progress),
+                should_stop=lambda: interrupt.requested)
     except ValueError as e:
         print(f"kvcanary-jax: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("kvcanary-jax: aborted (second Ctrl-C)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     wall = time.perf_counter() - t0
     out = res.as_dict()
     out["timing"]["wall_s"] = round(wall, 3)
     out["device"] = args.device
     out["seed"] = args.seed
-    ok = res.false_positives == 0 and all(f.detected == f.injected > 0 for f in res.faults)
+    # Every trial that ran caught its fault, and every kind got its trials (unless none asked).
+    ok = not res.interrupted and res.false_positives == 0 and all(
+        f.detected == f.injected and (f.injected > 0 or args.injections == 0)
+        for f in res.faults)
     out["ok"] = ok
+    rc = EXIT_INTERRUPTED if res.interrupted else 0 if ok else 1
+    if res.interrupted:
+        trials = sum(f.injected for f in res.faults)
+        print(f"kvcanary-jax: interrupted after {res.steps} of {args.steps} clean steps and "
+              f"{trials} fault trial(s); partial report below", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(out))
-        return 0 if ok else 1
+        return rc
     t = out["timing"]
     print(f"kv-canary demo: {res.steps} clean steps on {args.device} "
           f"(seed {args.seed}, SWA window {args.swa_window or 'off'}, "
-          f"sweep every {args.sweep_interval} steps)")
+          f"sweep every {args.sweep_interval} steps)"
+          + (" [interrupted: partial report]" if res.interrupted else ""))
     print(f"clean run: {res.false_positives} violation(s) (false positives); first step "
           f"{t['first_step_s']:.2f} s incl. compile, then median {1e3 * t['step_median_s']:.2f} ms/step")
     for v in res.clean_violations[:5]:
         print(f"  {v}")
     print()
-    print(_table(res))
+    print(_table(res) if res.faults else "(no fault trial ran)")
     print()
-    print(f"{'OK' if ok else 'FAILED'}: {sum(f.detected for f in res.faults)}/"
+    verdict = "INTERRUPTED" if res.interrupted else "OK" if ok else "FAILED"
+    print(f"{verdict}: {sum(f.detected for f in res.faults)}/"
           f"{sum(f.injected for f in res.faults)} injected faults detected; wall {wall:.1f} s")
-    return 0 if ok else 1
+    return rc
 
 
 register_command("demo", "simulate a server with the canary on, then a fault campaign",
@@ -149,22 +225,19 @@ register_command("demo", "simulate a server with the canary on, then a fault cam
 # ----------------------------------------------------------------------------------------- bench
 
 
-def _bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark runner")
-
-
-def _run_bench(args) -> int:
+def _run_bench(argv: list[str]) -> int:
     try:
         from bench import run as bench_run
     except ImportError:
         print("kvcanary-jax bench: the benchmark package is not installed (run from a checkout)",
               file=sys.stderr)
         return 2
-    return int(bench_run.main(list(args.rest)) or 0)
+    return int(bench_run.main(argv, prog="kvcanary-jax bench") or 0)
 
 
 if "bench" not in _COMMANDS:
-    register_command("bench", "benchmarks (kernels vs SGLang)", _bench_args, _run_bench)
+    register_command("bench", "benchmarks, ours vs SGLang (python -m bench; see "
+                     "kvcanary-jax bench --help)", None, _run_bench)
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -174,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvcanary-jax", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command")
     for name, (help_, add, _) in _COMMANDS.items():
-        add(sub.add_parser(name, help=help_))
+        p = sub.add_parser(name, help=help_, add_help=add is not None)
+        if add is not None:
+            add(p)
     return ap
 
 
@@ -182,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in _COMMANDS and argv[0] not in ("-h", "--help"):
         argv = ["demo"] + argv
+    help_, add, run = _COMMANDS.get(argv[0], (None, True, None))
+    if add is None:  # the command parses its own options
+        return run(argv[1:])
     args = build_parser().parse_args(argv)
     return _COMMANDS[args.command][2](args)
 

@@ -28,6 +28,7 @@ __all__ = [
     "VIOLATION_FIELD_STORED_CHAIN_HASH",
     "VIOLATION_FIELD_EXPECTED_AUX",
     "VIOLATION_FIELD_FAIL_REASON_BITS",
+    "VIOLATION_WRITE_INDEX_MAX",
     "MAX_REAL_KV_SOURCES",
     "REAL_KV_SOURCE_FIELDS_PER_ENTRY",
     "REAL_KV_SOURCE_FIELD_PAGE_SIZE",
@@ -61,6 +62,9 @@ VIOLATION_FIELD_EXPECTED_TOKEN: Final[int] = 4
 VIOLATION_FIELD_STORED_CHAIN_HASH: Final[int] = 5
 VIOLATION_FIELD_EXPECTED_AUX: Final[int] = 6
 VIOLATION_FIELD_FAIL_REASON_BITS: Final[int] = 7
+# The write index is int32: it saturates here instead of wrapping to a negative value (which
+# SGLang's kernels would then use as a row; see the ring guard in kvcanary_jax.ops._kernel_lib).
+VIOLATION_WRITE_INDEX_MAX: Final[int] = 2**31 - 1
 
 MAX_REAL_KV_SOURCES: Final[int] = 4
 REAL_KV_SOURCE_FIELDS_PER_ENTRY: Final[int] = 3

@@ -36,6 +36,7 @@ __all__ = [
     "source_spec",
     "as_words",
     "check_extent",
+    "check_write_index",
     "itemsize_of",
 ]
 
@@ -252,6 +253,19 @@ def as_words(x: jax.Array) -> jax.Array:
             f"got shape {tuple(x.shape)} dtype {x.dtype}"
         )
     return jax.lax.bitcast_convert_type(flat.reshape(-1, 8 // k), jnp.int64)
+
+
+def check_write_index(value: int, prefix: str = "kv-canary:") -> int:
+    """A host-side ``violation_write_index`` value, or RuntimeError when it is negative (SGLang's
+    torch reference raises RuntimeError on a negative index once it has a row to record; the
+    ring guard writes nothing then). ``prefix`` starts the message."""
+    value = int(value)
+    if value < 0:
+        raise RuntimeError(
+            f"{prefix} violation_write_index is {value}, negative: it only counts up from 0, so "
+            "something overwrote it; the ring's rows and the violation count cannot be trusted, "
+            "and no violation is recorded while it stays negative")
+    return value
 
 
 @jax.tree_util.register_dataclass

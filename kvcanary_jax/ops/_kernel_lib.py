@@ -1,8 +1,23 @@
 """Helpers the ops' implementations share: index dtypes, masked gathers and scatters, the
-canary's word view, the violation-ring append, the real-KV fold, and the contract checks write and
-verify share.
+canary's word view, the violation-ring append (with the ring guard), the real-KV fold, and the
+contract checks write and verify share.
 
-Kernel-side helpers (``gather``, ``scatter``, ``append_rows``, ``fold_real_kv``,
+The ring guard (every implementation and reference applies it). Let ``w0`` be
+``violation_write_index[0]`` when a launch starts and ``n`` the violations the launch finds:
+
+* ``w0 < 0``: no row is written and the index is left as it is (a negative index is the
+  host-visible report: :func:`kvcanary_jax.runtime.violation_count` raises on it);
+* otherwise the launch's ``j``-th violation (0-based, in the launch's order) goes to ring row
+  ``w0 + j`` iff ``w0 + j < ring_capacity``, computed without wraparound, and the new index is
+  ``min(w0 + n, VIOLATION_WRITE_INDEX_MAX)``: an index near 2**31 - 1 saturates instead of
+  wrapping to a negative value, so no launch ever writes before the ring or over row 0 again.
+
+SGLang's kernels take rows with an unchecked ``atomicAdd`` (a negative index writes before the
+ring; a wrapped one overwrites recorded rows), and its torch reference slices with the index
+(Python's negative indexing: it raises or overwrites the ring's last rows). On the GPU the claim is
+a compare-and-swap loop (:func:`claim_rows`), run only by blocks that have a violation to record.
+
+Kernel-side helpers (``gather``, ``scatter``, ``claim_rows``, ``append_rows``, ``fold_real_kv``,
 ``compiler_params``) run inside ``pallas_call`` bodies (Triton lowering or interpret mode) and
 import Pallas's Triton module when first traced, so that the contract checks and word views here
 serve every backend, also where that module does not import. The contract helpers are data
@@ -22,7 +37,9 @@ __all__ = [
     "index_dtype",
     "gather",
     "scatter",
+    "claim_rows",
     "append_rows",
+    "ring_append",
     "fold_real_kv",
     "canary_words",
     "canary_from_words",
@@ -30,6 +47,7 @@ __all__ = [
     "context_guard_checks",
     "canary_checks",
     "source_metas",
+    "nonempty_sources",
 ]
 
 
@@ -70,13 +88,55 @@ def scatter(ref, idx, vals, mask):
                  vals.astype(ref.dtype), mask=mask)
 
 
-def append_rows(ring, rows, mask, ring_cap, fields):
-    """Writes violation rows ``rows`` (lanes under ``mask``) of the flat ring; rows at or past the
-    capacity are dropped (they were counted by the reservation all the same)."""
-    ok = mask & (rows < ring_cap)
-    base = rows.astype(jnp.int64) * consts.VIOLATION_FIELDS
+def claim_rows(widx, count):
+    """The ring guard's claim of ``count`` (> 0, int32) rows on the scalar int32 ref ``widx``:
+    returns the index before the claim, ``w0`` (negative: refused, the launch writes no row and
+    the index is left as it is). The new index is ``w0 + count`` saturated at
+    ``VIOLATION_WRITE_INDEX_MAX``.
+
+    A compare-and-swap loop (an atomic add cannot refuse a negative index or saturate): the
+    first compare uses a plain load, every retry the value the failed swap returned. Interpret
+    mode runs programs one after another, so its first swap always succeeds."""
+    top = jnp.int32(consts.VIOLATION_WRITE_INDEX_MAX)
+
+    def retry(carry):
+        _, done = carry
+        return ~done
+
+    def attempt(carry):
+        seen, _ = carry
+        # seen >= 0 here, so top - seen cannot overflow.
+        got = _plt().atomic_cas(widx, seen, seen + jnp.minimum(count, top - seen))
+        return got, (got == seen) | (got < 0)
+
+    seen = widx[()]
+    w0, _ = jax.lax.while_loop(retry, attempt, (seen, seen < 0))
+    return w0
+
+
+def append_rows(ring, w0, rel, mask, ring_cap, fields):
+    """Writes violation rows of the flat ring: lane ``i`` under ``mask`` is the launch's violation
+    ``rel[i]`` past the claim ``w0`` (:func:`claim_rows`), so it goes to row ``w0 + rel[i]``
+    (int64: no wraparound) iff ``w0 >= 0`` and the row is below ``ring_cap``; the rest are
+    dropped (they were counted by the claim all the same)."""
+    rows = w0.astype(jnp.int64) + rel.astype(jnp.int64)
+    ok = mask & (w0 >= 0) & (rows < ring_cap)
+    base = rows * consts.VIOLATION_FIELDS
     for f, vals in enumerate(fields):
         scatter(ring, base + f, vals, ok)
+
+
+def ring_append(ring, widx, mask, rel, count, vals):
+    """The ring guard on plain arrays (the jnp references): rows ``vals [m, 8]`` of the lanes
+    under ``mask``, lane ``i`` being the launch's violation ``rel[i]`` (int64) of ``count``.
+    Returns the new ring and ``violation_write_index``."""
+    w0 = widx[0].astype(jnp.int64)
+    cap = ring.shape[0]
+    rows = w0 + rel
+    at = jnp.where(mask & (w0 >= 0) & (rows < cap), rows, cap)
+    new = jnp.minimum(w0 + count, consts.VIOLATION_WRITE_INDEX_MAX).astype(jnp.int32)
+    return (ring.at[at].set(vals.astype(jnp.int64), mode="drop"),
+            jnp.where(w0 < 0, widx, new.reshape(1)))
 
 
 def _word_gather(ref, idx, ok):
@@ -166,3 +226,10 @@ def canary_checks():
 
 def source_metas(sources) -> dict:
     return {f"real_kv_sources[{i}].tensor": s.meta for i, s in enumerate(sources)}
+
+
+def nonempty_sources(sources):
+    """``((buffer, SourceSpec), ...)`` with every 0-byte buffer replaced by one zero word: its
+    spec addresses no row (``num_rows == 0``), so nothing is read from it, but no implementation
+    has to trace a load from an empty array (the fold still takes its step for that source)."""
+    return tuple((jnp.zeros((1,), jnp.int64) if b.size == 0 else b, spec) for b, spec in sources)

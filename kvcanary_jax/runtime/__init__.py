@@ -19,6 +19,7 @@ from kvcanary_jax.runtime.state import (
     CanaryConfig,
     CanaryState,
     ForwardBatch,
+    check_state,
     enable_chain_assert,
     init_state,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "Violation",
     "TAG_NAMES",
     "init_state",
+    "check_state",
     "enable_chain_assert",
     "make_batch",
     "kv_sources",

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvcanary_jax import _config, consts
+from kvcanary_jax.context import check_write_index
 from kvcanary_jax.runtime.state import CanaryConfig, CanaryState, ForwardBatch
 
 __all__ = [
@@ -116,7 +117,17 @@ def reason_names(bits: int) -> tuple[str, ...]:
     return tuple(r.name for r in consts.FailReason if bits & r)
 
 
+def _check_write_index(write_index: int) -> int:
+    return check_write_index(write_index, "kv-canary runtime:")
+
+
 def decode_ring(ring: np.ndarray, write_index: int, *, start: int = 0) -> list[Violation]:
+    """Rows ``[start, min(write_index, ring capacity))`` of a violation ring, decoded. Raises
+    ValueError for a negative ``start`` and RuntimeError for a negative ``write_index`` (see
+    :func:`violation_count`)."""
+    if int(start) < 0:
+        raise ValueError(f"kv-canary runtime: start must be a ring row >= 0, got {start}")
+    write_index = _check_write_index(write_index)
     ring = np.asarray(ring)
     out = []
     for i in range(start, min(int(write_index), ring.shape[0])):
@@ -137,12 +148,20 @@ def decode_ring(ring: np.ndarray, write_index: int, *, start: int = 0) -> list[V
 
 
 def violation_count(state: CanaryState) -> int:
-    """Violations ever recorded (including ones dropped past the ring's capacity)."""
-    return int(np.asarray(state.violation_write_index)[0])
+    """Violations ever recorded (including ones dropped past the ring's capacity; the count
+    saturates at 2**31 - 1).
+
+    Raises RuntimeError when ``violation_write_index`` is negative: only something writing over
+    the canary's own state can make it so, and while it stays negative no launch records a
+    violation (the ring guard), so reading it as "no violation" would hide exactly that."""
+    return _check_write_index(np.asarray(state.violation_write_index)[0])
 
 
 def read_violations(state: CanaryState, *, start: int = 0) -> list[Violation]:
-    """Copy the ring to the host and decode the rows from ``start`` on."""
+    """Copy the ring to the host and decode the rows from ``start`` (a row index >= 0) on.
+    Raises as :func:`violation_count` and :func:`decode_ring`."""
+    if int(start) < 0:
+        raise ValueError(f"kv-canary runtime: start must be a ring row >= 0, got {start}")
     return decode_ring(np.asarray(state.violation_ring), violation_count(state), start=start)
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "CanaryState",
     "ForwardBatch",
     "init_state",
+    "check_state",
     "enable_chain_assert",
     "tag",
 ]
@@ -67,6 +68,23 @@ class CanaryConfig:
     implementation: str | None = None
 
     def __post_init__(self):
+        # SGLang's runtime refuses the same sizes when it allocates (CanaryLaunchCapacities,
+        # ViolationLog), in these words; the field is named where SGLang's name differs.
+        for sgl_name, field in (("req_to_token_pool_size", "max_reqs"),
+                                ("max_seq_len_per_req", "context_len"),
+                                ("pool_slot_count", "num_slots"),
+                                ("per_forward_verify_capacity", "verify_capacity"),
+                                ("per_forward_write_req_capacity", "write_req_capacity"),
+                                ("per_forward_write_entry_capacity", "max_tokens"),
+                                ("ViolationLog ring_capacity", "ring_capacity")):
+            value = getattr(self, field)
+            if value is not None and value <= 0:
+                where = "" if sgl_name.endswith(field) else f" (CanaryConfig.{field})"
+                raise ValueError(f"kv-canary: {sgl_name} must be positive, got {value}{where}")
+        for field in ("max_bs", "sweep_rows"):
+            value = getattr(self, field)
+            if value is not None and value <= 0:
+                raise ValueError(f"kv-canary runtime: {field} must be positive, got {value}")
         if self.swa_window_size > 0 and self.swa_num_slots <= 0:
             raise ValueError("kv-canary runtime: an SWA group needs swa_num_slots > 0")
         if self.real_kv_hash_mode not in _HASH_MODES:
@@ -169,6 +187,82 @@ def init_state(cfg: CanaryConfig, *, chain_position_assert: bool = True,
         expected_valid_lens=put(jnp.zeros((cfg.max_reqs,), jnp.int64)),
         enable_chain_position_assert=put(jnp.full((1,), int(chain_position_assert), jnp.int32)),
     )
+
+
+def _layout(cfg: CanaryConfig) -> dict:
+    """``{path: (shape, dtype, why)}`` of every buffer :func:`init_state` allocates for ``cfg``
+    (``why``: the config fields the shape comes from)."""
+    num_tags = len(consts.CanaryLaunchTag)
+    out = {}
+    for group in cfg.groups:
+        slots = "num_slots" if group == "FULL" else "swa_num_slots"
+        for copy in ("HEAD", "TAIL"):
+            for half in cfg.halves:
+                out[f"bufs[{copy}_{half}_{group}]"] = (
+                    (cfg.group_slots(group), consts.CANARY_SLOT_BYTES), "uint8",
+                    f"{slots}={cfg.group_slots(group)}")
+        vc = f"verify capacity {cfg.verify_cap}"
+        wc = f"write request capacity {cfg.write_cap}"
+        for f in ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions",
+                  "verify_prev_slot_indices"):
+            out[f"plans[{group}][0].{f}"] = ((cfg.verify_cap,), "int64", vc)
+        out[f"plans[{group}][0].verify_num_valid"] = ((1,), "int32", "one element")
+        out[f"plans[{group}][0].enable"] = ((1,), "int32", "one element")
+        out[f"plans[{group}][1].write_offsets"] = ((cfg.write_cap + 1,), "int64", wc + " + 1")
+        out[f"plans[{group}][1].write_seed_slot_indices"] = ((cfg.write_cap,), "int64", wc)
+        out[f"plans[{group}][1].write_num_valid_reqs"] = ((1,), "int32", "one element")
+    out["violation_ring"] = ((cfg.ring_capacity, consts.VIOLATION_FIELDS), "int64",
+                             f"ring_capacity={cfg.ring_capacity}")
+    out["violation_write_index"] = ((1,), "int32", "one element")
+    out["slot_run_counters"] = ((num_tags,), "int64", "one per launch tag")
+    out["kernel_run_counters"] = ((num_tags,), "int64", "one per launch tag")
+    out["expected_tokens"] = ((cfg.max_reqs, cfg.context_len), "int32",
+                              f"max_reqs={cfg.max_reqs}, context_len={cfg.context_len}")
+    out["expected_valid_lens"] = ((cfg.max_reqs,), "int64", f"max_reqs={cfg.max_reqs}")
+    out["enable_chain_position_assert"] = ((1,), "int32", "one element")
+    return out
+
+
+def _buffers(state: CanaryState) -> dict:
+    out = {}
+    for key, buf in state.bufs.items():
+        out[f"bufs[{key}]"] = buf
+    for group, (vp, wp) in state.plans.items():
+        for f in dataclasses.fields(vp):
+            out[f"plans[{group}][0].{f.name}"] = getattr(vp, f.name)
+        for f in dataclasses.fields(wp):
+            out[f"plans[{group}][1].{f.name}"] = getattr(wp, f.name)
+    for name in ("violation_ring", "violation_write_index", "slot_run_counters",
+                 "kernel_run_counters", "expected_tokens", "expected_valid_lens",
+                 "enable_chain_position_assert"):
+        out[name] = getattr(state, name)
+    return out
+
+
+def check_state(cfg: CanaryConfig, state: CanaryState) -> None:
+    """Refuse a state that does not fit ``cfg`` (ValueError naming the buffer, its size and the
+    size the config needs): a state built for another config would make the step skip writes
+    (slots past a smaller canary buffer) and report false corruption on the next step. Works on
+    arrays and on tracers (shapes only), so the step functions call it while tracing."""
+    want = _layout(cfg)
+    have = _buffers(state)
+    if set(have) != set(want):
+        missing = sorted(set(want) - set(have))
+        extra = sorted(set(have) - set(want))
+        raise ValueError(
+            "kv-canary runtime: the state does not fit its config: "
+            + "; ".join(filter(None, (missing and f"missing {', '.join(missing)}",
+                                      extra and f"unexpected {', '.join(extra)}")))
+            + " (groups and halves come from swa_window_size and enable_v_half); build it "
+            "with init_state(cfg)")
+    for path, (shape, dtype, why) in want.items():
+        arr = have[path]
+        got_shape, got_dtype = tuple(arr.shape), jnp.dtype(arr.dtype).name
+        if got_shape != shape or got_dtype != dtype:
+            raise ValueError(
+                f"kv-canary runtime: the state does not fit its config: {path} is "
+                f"{got_dtype} {got_shape}, the config needs {dtype} {shape} ({why}); build the "
+                "state with init_state(cfg)")
 
 
 def enable_chain_assert(state: CanaryState, on: bool = True) -> CanaryState:

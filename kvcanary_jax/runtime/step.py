@@ -29,7 +29,7 @@ from kvcanary_jax.ops.scatter import scatter_req_token_ids
 from kvcanary_jax.ops.verify import canary_verify
 from kvcanary_jax.ops.write import canary_write
 from kvcanary_jax.plans import VerifyPlan, WritePlan
-from kvcanary_jax.runtime.state import CanaryConfig, CanaryState, ForwardBatch, tag
+from kvcanary_jax.runtime.state import CanaryConfig, CanaryState, ForwardBatch, check_state, tag
 
 __all__ = [
     "kv_sources",
@@ -134,7 +134,8 @@ def head(cfg: CanaryConfig, state: CanaryState, batch: ForwardBatch, req_to_toke
          lut: jax.Array) -> CanaryState:
     """The HEAD half of a step, traceable (call inside a jit): scatter the expected tokens, plan
     every group, HEAD verify + write. ``lut``: the full->SWA LUT (any 1-element array without
-    an SWA group)."""
+    an SWA group). Raises ValueError (while tracing) for a state that does not fit ``cfg``."""
+    check_state(cfg, state)
     valid_lens = batch.all_ids_offsets[1:] - batch.all_ids_offsets[:-1]
     pool = None
     if cfg.enable_verify_token_assert:
@@ -188,7 +189,9 @@ def _as_kv_dict(cfg, kv):
 def tail(cfg: CanaryConfig, state: CanaryState, batch: ForwardBatch, lut: jax.Array,
          kv) -> CanaryState:
     """The TAIL half of a step, traceable: TAIL verify + write with the plans HEAD built,
-    fingerprinting ``kv``."""
+    fingerprinting ``kv``. Raises ValueError (while tracing) for a state that does not fit
+    ``cfg``."""
+    check_state(cfg, state)
     kv = _as_kv_dict(cfg, kv)
     for group in cfg.groups:
         srcs = {h: kv_sources(kv[group][h]) for h in cfg.halves}
@@ -209,13 +212,15 @@ def step_fn(cfg: CanaryConfig, forward: Callable):
 
 
 def _sweep(cfg, state, rows_table, row_indices, lengths, lut, kv):
+    check_state(cfg, state)
     kv = _as_kv_dict(cfg, kv)
     n = row_indices.shape[0]
     cap = max(1, n * rows_table.shape[1])
     for group in cfg.groups:
+        # SGLang's sweep plans hold max(1, n) rows; with no row the plan is an empty batch.
         vplan, _ = canary_plan(
             verify_plan_out=VerifyPlan.allocate(verify_capacity=cap),
-            write_plan_out=WritePlan.allocate(write_req_capacity=n),
+            write_plan_out=WritePlan.allocate(write_req_capacity=max(1, n)),
             req_pool_indices=row_indices,
             prefix_lens=lengths,
             extend_seq_lens=jnp.zeros_like(lengths),

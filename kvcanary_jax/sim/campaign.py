@@ -1,5 +1,9 @@
 """The fault campaign: a clean run (its violations are false positives), then fault trials on
-checkpoints of it, each reporting which launch caught the fault and how many steps it took."""
+checkpoints of it, each reporting which launch caught the fault and how many steps it took.
+
+A campaign can be stopped between steps (``should_stop``, polled before every step): it then
+returns what it has, marked ``interrupted``: the clean steps run so far and the fault trials that
+finished (a trial cut short is dropped)."""
 
 from __future__ import annotations
 
@@ -62,11 +66,13 @@ class CampaignResult:
     first_step_seconds: float
     campaign_seconds: float
     counters: dict
+    interrupted: bool = False
 
     def as_dict(self):
         s = sorted(self.step_seconds[1:]) or [0.0]
         return {
             "steps": self.steps,
+            "interrupted": self.interrupted,
             "false_positives": self.false_positives,
             "faults": [f.as_dict() for f in self.faults],
             "timing": {
@@ -81,11 +87,19 @@ class CampaignResult:
         }
 
 
-def run_clean(sim: SimConfig, *, checkpoint_every: int = 0, warmup: int = 4, progress=None):
-    """Run ``sim.steps`` clean steps; returns (server, step infos, checkpoints {step: snapshot})."""
+class _Stopped(Exception):
+    """``should_stop`` said so (raised between steps, caught by :func:`run_campaign`)."""
+
+
+def run_clean(sim: SimConfig, *, checkpoint_every: int = 0, warmup: int = 4, progress=None,
+              should_stop: Callable[[], bool] | None = None):
+    """Run ``sim.steps`` clean steps (fewer when ``should_stop()`` turns true before a step);
+    returns (server, step infos, checkpoints {step: snapshot})."""
     server = Server(sim)
     infos, ckpts = [], {}
     for i in range(sim.steps):
+        if should_stop is not None and should_stop():
+            break
         if checkpoint_every and i >= warmup and (i - warmup) % checkpoint_every == 0:
             ckpts[i] = server.snapshot()
         infos.append(server.step())
@@ -110,7 +124,8 @@ def default_window(sim: SimConfig) -> int:
 
 def run_trial(server: Server, kind: str, rng: np.random.Generator, *, window: int,
               step: Callable[[], object] | None = None, poll: Callable[[], int] | None = None,
-              tick: Callable[[int], object] | None = None) -> tuple[dict, int | None]:
+              tick: Callable[[int], object] | None = None,
+              should_stop: Callable[[], bool] | None = None) -> tuple[dict, int | None]:
     """One fault trial on ``server`` (restored to a clean checkpoint by the caller).
 
     Arms a fault of ``kind`` (:func:`inject`), steps until its hook has placed it (hooks fire
@@ -119,8 +134,16 @@ def run_trial(server: Server, kind: str, rng: np.random.Generator, *, window: in
     (default ``server.step``; a data-parallel driver steps every shard), ``poll`` returns the
     violation count the host sees (default: ``server``'s). Returns the fault record and the
     index of the step after which the poll saw the violation (None: not placed or missed).
+    ``should_stop`` is polled before every step; when it turns true the trial is abandoned
+    (an internal exception that :func:`run_campaign` catches).
     """
-    step = server.step if step is None else step
+    raw_step = server.step if step is None else step
+
+    def step():
+        if should_stop is not None and should_stop():
+            raise _Stopped
+        return raw_step()
+
     poll = (lambda: rt.violation_count(server.state)) if poll is None else poll
     rec = inject(server, kind, rng)
     for _ in range(max(1, server.sim.sweep_interval)):
@@ -150,41 +173,58 @@ def run_trial(server: Server, kind: str, rng: np.random.Generator, *, window: in
 
 
 def run_campaign(sim: SimConfig, *, faults=None, injections: int = 2, window: int | None = None,
-                 progress_factory=None) -> CampaignResult:
+                 progress_factory=None,
+                 should_stop: Callable[[], bool] | None = None) -> CampaignResult:
     """Clean run (false positives = every violation it records), then for each fault kind
     ``injections`` trials, each restored from a different clean checkpoint: arm the fault, run
-    until the host poll sees a violation or ``window`` steps pass."""
+    until the host poll sees a violation or ``window`` steps pass. ``should_stop`` (polled
+    before every step) ends the campaign early with a partial result (see the module
+    docstring)."""
     kinds = fault_kinds(faults)
+    if injections < 0:
+        raise ValueError(f"injections must be >= 0, got {injections}")
     window = window or default_window(sim)
     total = sim.steps + len(kinds) * injections * window
     bar = progress_factory(total) if progress_factory else None
     tick = (lambda n: bar.update(n)) if bar is not None else None
+    stopped = should_stop if should_stop is not None else (lambda: False)
 
-    server, infos, ckpts = run_clean(sim, checkpoint_every=2, progress=tick)
-    clean_count = rt.violation_count(server.state)
-    clean_viol = rt.read_violations(server.state)
-    counters = rt.read_counters(server.state)
-    t_campaign = time.perf_counter()
-    reports = []
-    steps_order = sorted(ckpts)
-    for ki, kind in enumerate(kinds):
-        rep = FaultReport(kind=kind)
-        used = 0
-        for ci, start in enumerate(steps_order):
-            if used == injections:
+    try:
+        server, infos, ckpts = run_clean(sim, checkpoint_every=2, progress=tick,
+                                         should_stop=stopped)
+        clean_count = rt.violation_count(server.state)
+        clean_viol = rt.read_violations(server.state)
+        counters = rt.read_counters(server.state)
+        t_campaign = time.perf_counter()
+        reports = []
+        steps_order = sorted(ckpts)
+        for ki, kind in enumerate(kinds):
+            if stopped():
                 break
-            server.restore(ckpts[start])
-            rng = np.random.default_rng((sim.seed, ki, ci))
-            rec, found = run_trial(server, kind, rng, window=window, tick=tick)
-            if not rec["placed"]:
-                continue
-            used += 1
-            rep.add(rec, found, start, rt.read_violations(server.state) if found is not None else ())
-        reports.append(rep)
-    if bar is not None:
-        bar.close()
+            rep = FaultReport(kind=kind)
+            used = 0
+            for ci, start in enumerate(steps_order):
+                if used == injections:
+                    break
+                server.restore(ckpts[start])
+                rng = np.random.default_rng((sim.seed, ki, ci))
+                try:
+                    rec, found = run_trial(server, kind, rng, window=window, tick=tick,
+                                           should_stop=stopped)
+                except _Stopped:
+                    break
+                if not rec["placed"]:
+                    continue
+                used += 1
+                rep.add(rec, found, start,
+                        rt.read_violations(server.state) if found is not None else ())
+            if rep.injected or not stopped():  # a kind cut short before its first trial: left out
+                reports.append(rep)
+    finally:
+        if bar is not None:
+            bar.close()
     return CampaignResult(
-        steps=sim.steps,
+        steps=len(infos),
         false_positives=clean_count,
         clean_violations=clean_viol,
         faults=reports,
@@ -192,4 +232,5 @@ def run_campaign(sim: SimConfig, *, faults=None, injections: int = 2, window: in
         first_step_seconds=infos[0].seconds if infos else 0.0,
         campaign_seconds=time.perf_counter() - t_campaign,
         counters=counters,
+        interrupted=len(infos) < sim.steps or stopped(),
     )

@@ -58,6 +58,10 @@ class SimConfig:
     kv_token_id_vs_position_offset: int = 0
     implementation: str | None = None
 
+    def __post_init__(self):
+        if self.steps < 0:
+            raise ValueError(f"steps must be >= 0, got {self.steps}")
+
     def canary_config(self) -> rt.CanaryConfig:
         return rt.CanaryConfig(
             max_reqs=self.max_reqs,

@@ -26,11 +26,11 @@ OP.register("pallas_interpret", ".pallas_triton", interpret=True)
 )
 def _run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, *, swa_window_size,
          verify_capacity, kv_token_id_vs_position_offset, implementation, config):
-    if rpi.shape[0] == 0:
-        return base.empty_batch(vp, wp)
-    return OP.run(implementation, vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens,
-                  swa_window_size=swa_window_size, verify_capacity=verify_capacity,
-                  kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, config=config)
+    return base.sized_call(functools.partial(OP.run, implementation), vp, wp, rpi, prefix,
+                           extend, rtt, lut, pool, valid_lens, swa_window_size=swa_window_size,
+                           verify_capacity=verify_capacity,
+                           kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+                           config=config)
 
 
 @_config.entry_point

@@ -29,7 +29,11 @@ Results, on well-formed inputs equal to SGLang's GPU path and its torch referenc
   ``write_seed_slot_indices[0..bs)`` chain seeds, the rest untouched; ``write_num_valid_reqs = bs``
   (padding rows included);
 * ``bs == 0``: ``verify_num_valid = 0``, ``enable = 1``, ``write_offsets`` all 0,
-  ``write_num_valid_reqs = 0``, seeds and verify arrays untouched.
+  ``write_num_valid_reqs = 0``, seeds and verify arrays untouched;
+* ``verify_capacity == 0`` (a 0-entry verify plan): ``verify_num_valid = 0``, ``enable = 1``
+  only when no request has a prefix to verify, and the write plan as usual (SGLang's reference
+  and its GPU launcher accept it alike). :func:`sized_call` handles both sizes once for every
+  implementation.
 
 ``read(rp, col)`` is SGLang's flat address ``rp * row_pitch + col`` into ``req_to_token`` with no
 column bound, so where SGLang's GPU kernels read inside the table we return exactly what they
@@ -88,6 +92,7 @@ __all__ = [
     "window_start",
     "lens",
     "empty_batch",
+    "sized_call",
     "compose",
     "offsets_reference",
     "entries_reference",
@@ -446,6 +451,27 @@ def empty_batch(vp: VerifyPlan, wp: WritePlan) -> tuple[VerifyPlan, WritePlan]:
     )
 
 
+_VERIFY_ARRAYS = ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions",
+                  "verify_prev_slot_indices")
+
+
+def sized_call(fn, vp: VerifyPlan, wp: WritePlan, rpi, *args, **kw):
+    """``fn(vp, wp, rpi, *args, **kw)`` (an implementation's ``run``, or the reference), with the
+    zero sizes of the module docstring handled first: no implementation gets an empty batch or
+    an empty verify plan. A 0-entry plan is run as a 1-entry scratch plan with the static
+    ``verify_capacity`` of 0, whose ``enable`` keeps that entry unwritten; the input's empty
+    arrays are returned with the computed ``verify_num_valid`` and ``enable``."""
+    if rpi.shape[0] == 0:
+        return empty_batch(vp, wp)
+    if vp.verify_slot_indices.shape[0] != 0:
+        return fn(vp, wp, rpi, *args, **kw)
+    scratch = VerifyPlan(
+        **{f: jnp.zeros((1,), getattr(vp, f).dtype) for f in _VERIFY_ARRAYS},
+        verify_num_valid=vp.verify_num_valid, enable=vp.enable)
+    out_vp, out_wp = fn(scratch, wp, rpi, *args, **kw)
+    return dataclasses.replace(out_vp, **{f: getattr(vp, f) for f in _VERIFY_ARRAYS}), out_wp
+
+
 def compose(offsets_fn: Callable, entries_fn: Callable, vp: VerifyPlan, wp: WritePlan, rpi,
             prefix, extend, rtt, lut, pool, valid_lens, *, swa_window_size: int,
             verify_capacity: int, kv_token_id_vs_position_offset: int):
@@ -557,12 +583,10 @@ def entries_reference(rpi, prefix, req_to_token, lut, verify_offsets, enable, po
 def reference(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, *, swa_window_size,
               verify_capacity, kv_token_id_vs_position_offset):
     """The array-level reference (no validation)."""
-    if rpi.shape[0] == 0:
-        return empty_batch(vp, wp)
-    return compose(offsets_reference, entries_reference, vp, wp, rpi, prefix, extend, rtt, lut,
-                   pool, valid_lens, swa_window_size=swa_window_size,
-                   verify_capacity=verify_capacity,
-                   kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
+    return sized_call(functools.partial(compose, offsets_reference, entries_reference), vp, wp,
+                      rpi, prefix, extend, rtt, lut, pool, valid_lens,
+                      swa_window_size=swa_window_size, verify_capacity=verify_capacity,
+                      kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
 
 
 def _opt(x):

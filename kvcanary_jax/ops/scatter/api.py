@@ -20,10 +20,8 @@ OP.register("pallas_interpret", ".pallas_triton", interpret=True)
 
 @functools.partial(jax.jit, static_argnames=("max_cols", "implementation", "config"))
 def _run(flat_in, offsets, req_pool_indices, pool_out, *, max_cols, implementation, config):
-    if req_pool_indices.shape[0] == 0 or min(max_cols, flat_in.shape[0]) == 0:
-        return pool_out  # nothing to copy (SGLang launches nothing either)
-    return OP.run(implementation, flat_in, offsets, req_pool_indices, pool_out, max_cols=max_cols,
-                  config=config)
+    return base.sized_call(functools.partial(OP.run, implementation), flat_in, offsets,
+                           req_pool_indices, pool_out, max_cols=max_cols, config=config)
 
 
 @_config.entry_point

@@ -19,6 +19,11 @@ instead of mirroring undefined GPU behaviour:
   reference wraps negative rows);
 * decreasing offsets give an empty range.
 
+Zero sizes (no request, no token, a pool of 0 rows or 0 columns) copy nothing and return the
+pool as it is, for every implementation (:func:`sized_call`): SGLang's launcher accepts them too
+(it returns early on 0 tokens; on a 0-row pool its kernel writes outside the pool and its
+reference raises IndexError once a request has tokens; here every target row is out of range).
+
 Requests that name the same row are applied in request order by the reference (the later request
 wins, as in SGLang's torch reference); on the GPU their order is unspecified. Unlike SGLang
 0.5.23 (``bs + 1 <= 512``) there is no cap on the number of requests.
@@ -37,7 +42,8 @@ import jax.numpy as jnp
 from kvcanary_jax import _config
 from kvcanary_jax.contracts import Contract, DType, NDim, Rule
 
-__all__ = ["CONTRACT", "validate", "shapes", "reference", "scatter_req_token_ids_reference"]
+__all__ = ["CONTRACT", "validate", "shapes", "sized_call", "reference",
+           "scatter_req_token_ids_reference"]
 
 _P = "kv-canary: scatter_req_token_ids"
 
@@ -76,14 +82,19 @@ def shapes(flat_in, offsets, req_pool_indices, pool_out, max_cols: int) -> dict[
             "rows": int(pool_out.shape[0]), "max_cols": int(max_cols)}
 
 
+def sized_call(fn, flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int, **kw):
+    """``fn(flat_in, offsets, req_pool_indices, pool_out, max_cols=max_cols, **kw)`` (an
+    implementation's ``run``, or the reference), or the pool as it is when a zero size leaves
+    nothing to copy (see the module docstring): no implementation gets an empty array."""
+    if 0 in (req_pool_indices.shape[0], flat_in.shape[0], *pool_out.shape, max_cols):
+        return pool_out
+    return fn(flat_in, offsets, req_pool_indices, pool_out, max_cols=max_cols, **kw)
+
+
 @functools.partial(jax.jit, static_argnames=("max_cols",))
-def reference(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int | None = None):
-    """The array-level reference (the arguments and result of an implementation's ``run``):
-    requests applied one after another, no validation. ``max_cols``: columns a row may receive
-    (default: the pool's width)."""
+def _reference(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int):
     num_tokens = flat_in.shape[0]
     num_rows, width = pool_out.shape
-    max_cols = width if max_cols is None else max_cols
     cols = jnp.arange(width, dtype=jnp.int64)
 
     def one_request(r, pool):
@@ -98,9 +109,16 @@ def reference(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int | N
         new_row = jnp.where(take & row_ok, vals, pool[row])
         return pool.at[row].set(new_row)
 
-    if num_tokens == 0:
-        return pool_out
     return jax.lax.fori_loop(0, req_pool_indices.shape[0], one_request, pool_out)
+
+
+def reference(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int | None = None):
+    """The array-level reference (the arguments and result of an implementation's ``run``):
+    requests applied one after another, no validation. ``max_cols``: columns a row may receive
+    (default: the pool's width)."""
+    max_cols = pool_out.shape[1] if max_cols is None else int(max_cols)
+    return sized_call(_reference, flat_in, offsets, req_pool_indices, pool_out,
+                      max_cols=max_cols)
 
 
 @_config.with_x64

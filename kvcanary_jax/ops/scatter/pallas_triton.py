@@ -81,9 +81,7 @@ def run(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int | None, c
     bs = req_pool_indices.shape[0]
     num_tokens = flat_in.shape[0]
     max_cols = pool_out.shape[1] if max_cols is None else max_cols
-    span = min(max_cols, num_tokens)
-    if bs == 0 or span == 0:
-        return pool_out
+    span = min(max_cols, num_tokens)  # >= 1: zero sizes never get here (base.sized_call)
     block = min(config.block_cols, pl.next_power_of_2(span))
     kernel = functools.partial(_scatter_kernel, block=block, max_cols=max_cols)
     return pl.pallas_call(

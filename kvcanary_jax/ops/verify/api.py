@@ -38,10 +38,12 @@ def _run(arrays, source_bufs, *, specs, kernel_kind, real_kv_hash_mode,
          check_verify_expected_token, implementation, config):
     for i, (b, spec) in enumerate(zip(source_bufs, specs)):
         check_extent(as_words(b), spec, i)
-    return OP.run(implementation, **dict(zip(_ARRAYS, arrays)),
-                  sources=tuple(zip(source_bufs, specs)), kernel_kind=kernel_kind,
-                  real_kv_hash_mode=real_kv_hash_mode,
-                  check_verify_expected_token=check_verify_expected_token, config=config)
+    impl = functools.partial(OP.run, implementation, kernel_kind=kernel_kind,
+                             real_kv_hash_mode=real_kv_hash_mode,
+                             check_verify_expected_token=check_verify_expected_token,
+                             config=config)
+    return base.sized_call(impl, **dict(zip(_ARRAYS, arrays)),
+                           sources=tuple(zip(source_bufs, specs)))
 
 
 @_config.entry_point

@@ -25,6 +25,17 @@ Out-of-range indices never cause an out-of-bounds access (SGLang's GPU reads out
 * a predecessor at or past ``num_slots`` reads as an all-zero row (expected link mix3(0,0,0) = 0);
 * a negative ``verify_num_valid`` means no entry (the reference's clamp).
 
+The violation ring is appended to under the ring guard of :mod:`kvcanary_jax.ops._kernel_lib`
+(a negative write index writes nothing and stays; the index saturates at 2**31 - 1).
+
+Zero sizes are handled here, once for every implementation (:func:`sized_call`), as SGLang does
+where it accepts them: a 0-entry plan only bumps ``kernel_run_counter`` (SGLang's reference returns
+before reading anything); a 0-row ring counts violations in ``violation_write_index`` and stores
+none (SGLang's reference does the same); a 0-slot canary buffer has every slot out of range, so it
+follows the rules above (SGLang's reference raises IndexError once an entry reads a slot, and its
+GPU kernel reads outside the buffer); a real-KV source of 0 rows reads as zero words (SGLang's
+reference raises from ``index_select`` once a slot is folded).
+
 This module holds the op's contract, its static shapes (the keys of tuned launch configs) and
 :func:`reference`, the pure-jnp version of the op (entries in order), the test oracle of every
 implementation.
@@ -51,12 +62,14 @@ from kvcanary_jax.ops._kernel_lib import (
     canary_checks,
     canary_words,
     context_guard_checks,
+    nonempty_sources,
+    ring_append,
     source_metas,
     tensor_guard,
 )
 from kvcanary_jax.plans import VerifyPlan
 
-__all__ = ["CONTRACT", "validate", "shapes", "reference", "canary_verify_reference"]
+__all__ = ["CONTRACT", "validate", "shapes", "sized_call", "reference", "canary_verify_reference"]
 
 _V = "canary_verify"
 
@@ -125,6 +138,31 @@ def shapes(canary_buf, verify_slot_indices) -> dict[str, int]:
             "capacity": int(verify_slot_indices.shape[0])}
 
 
+def sized_call(fn, *, canary_buf, violation_ring, violation_write_index, slot_run_counter,
+               kernel_run_counter, verify_slot_indices, sources, **rest):
+    """``fn(**arguments)`` (an implementation's ``run``, or the reference), with the zero sizes
+    of the module docstring handled before any implementation sees them: the implementations
+    never get an empty canary buffer, ring, plan or source buffer."""
+    if verify_slot_indices.shape[0] == 0:
+        return violation_ring, violation_write_index, slot_run_counter, kernel_run_counter + 1
+    ring = violation_ring
+    if ring.shape[0] == 0:
+        # Violations are counted, never stored: a scratch row takes what is written, the empty
+        # ring is returned (the guard's index update does not depend on the capacity).
+        ring = jnp.zeros((1, consts.VIOLATION_FIELDS), violation_ring.dtype)
+    if canary_buf.shape[0] == 0:
+        # Every slot is out of range and reads as an all-zero row. One zero row reads the same:
+        # slot 0 is never checked, a predecessor 0 is never read, and a slot -1 (which wraps to
+        # row 0 here) reads zeros like an out-of-range slot; its real-KV fingerprint does not
+        # depend on the canary.
+        canary_buf = jnp.zeros((1, canary_buf.shape[1]), canary_buf.dtype)
+    out = fn(canary_buf=canary_buf, violation_ring=ring,
+             violation_write_index=violation_write_index, slot_run_counter=slot_run_counter,
+             kernel_run_counter=kernel_run_counter, verify_slot_indices=verify_slot_indices,
+             sources=nonempty_sources(sources), **rest)
+    return (violation_ring if ring is not violation_ring else out[0],) + tuple(out[1:])
+
+
 # ---------------------------------------------------------------------------------------------
 # Pure-jnp reference (entries in order, rows appended in entry order; same bounds choices).
 
@@ -162,11 +200,10 @@ def _reference(canary_buf, ring, widx, sctr, kctr, slots, etok, epos, prev, nval
         bits = bits | jnp.where((exp_tok != -1) & (tok != exp_tok), int(F.VERIFY_TOKEN_MISMATCH), 0)
     viol = checked & (bits != 0)
     n = viol.astype(i64)
-    rows = widx[0].astype(i64) + jnp.cumsum(n) - n
     vals = jnp.stack([jnp.full((cap,), kind, i64), slots, pos, tok, exp_tok, ph,
                       jnp.where(chain_checked, exp_chain, ph), bits.astype(i64)], axis=1)
-    ring = ring.at[jnp.where(viol, rows, ring.shape[0])].set(vals, mode="drop")
-    return (ring, widx + jnp.sum(n).astype(jnp.int32), sctr + active, kctr + 1)
+    ring, widx = ring_append(ring, widx, viol, jnp.cumsum(n) - n, jnp.sum(n), vals)
+    return ring, widx, sctr + active, kctr + 1
 
 
 def reference(
@@ -179,13 +216,23 @@ def reference(
     """The array-level reference: the arguments and results of an implementation's ``run``
     (``(violation_ring, violation_write_index, slot_run_counter, kernel_run_counter)``), no
     validation."""
-    return _reference(
-        canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
-        verify_slot_indices, verify_expected_tokens, verify_expected_positions,
-        verify_prev_slot_indices, verify_num_valid, enable, tuple(b for b, _ in sources),
-        specs=tuple(s for _, s in sources), mode=int(real_kv_hash_mode), kind=int(kernel_kind),
-        check_token=bool(check_verify_expected_token),
-    )
+
+    def run(*, canary_buf, violation_ring, violation_write_index, slot_run_counter,
+            kernel_run_counter, verify_slot_indices, sources):
+        return _reference(
+            canary_buf, violation_ring, violation_write_index, slot_run_counter,
+            kernel_run_counter, verify_slot_indices, verify_expected_tokens,
+            verify_expected_positions, verify_prev_slot_indices, verify_num_valid, enable,
+            tuple(b for b, _ in sources), specs=tuple(s for _, s in sources),
+            mode=int(real_kv_hash_mode), kind=int(kernel_kind),
+            check_token=bool(check_verify_expected_token),
+        )
+
+    return sized_call(
+        run, canary_buf=canary_buf, violation_ring=violation_ring,
+        violation_write_index=violation_write_index, slot_run_counter=slot_run_counter,
+        kernel_run_counter=kernel_run_counter, verify_slot_indices=verify_slot_indices,
+        sources=sources)
 
 
 @_config.with_x64

@@ -6,7 +6,8 @@ A block is ``group`` column vectors (entry ``r * group + g`` in column g); per c
 are masked gathers of ``vec`` words per load, and the predecessor's fields are taken from column
 g-1 when the plan says the predecessor is the previous entry's slot (chain order), gathered
 otherwise. Fingerprints are folded vectorised, and the block's violation rows are reserved with
-ONE atomic add on ``violation_write_index`` (an entry's row is that base plus the count of
+ONE claim on ``violation_write_index`` (a compare-and-swap loop under the ring guard of
+:mod:`kvcanary_jax.ops._kernel_lib`; an entry's row is the claimed base plus the count of
 violations before it in the block), so rows keep entry order within a block; the order across
 blocks is the atomics' (as SGLang's GPU, compare as a multiset). Program 0 alone bumps the
 counters (both are known before any entry is read). Semantics and bounds:
@@ -26,7 +27,7 @@ from jax.experimental.pallas import triton as plt
 from kvcanary_jax import consts, hashing
 from kvcanary_jax.context import SourceSpec, as_words
 from kvcanary_jax.ops import _kernel_lib
-from kvcanary_jax.ops._kernel_lib import append_rows, canary_words
+from kvcanary_jax.ops._kernel_lib import append_rows, canary_words, claim_rows
 
 __all__ = ["Config", "heuristics", "run", "BLOCK", "MAX_PROGRAMS", "NUM_WARPS", "NUM_STAGES",
            "GROUP", "VEC", "HOIST", "SMALL_PLANS"]
@@ -206,12 +207,12 @@ def _verify_kernel(
 
         @pl.when(total > 0)
         def _record():
-            first = plt.atomic_add(widx, (jnp.int32(0),), total)
-            row = first + jnp.cumsum(per_row, dtype=jnp.int32) - per_row
+            w0 = claim_rows(widx, total)
+            rel = jnp.cumsum(per_row, dtype=jnp.int32) - per_row
             for (viol, fields), n in zip(cols, counts):
-                append_rows(ring, row, viol, ring_cap, (
+                append_rows(ring, w0, rel, viol, ring_cap, (
                     jnp.full((rows_per_col,), kind, i64), *fields))
-                row = row + n
+                rel = rel + n
 
     limit = jnp.where(enabled, active, 0)
     if hoist:
@@ -261,7 +262,9 @@ def run(
     )
     ins = [verify_slot_indices, verify_expected_tokens, verify_expected_positions,
            verify_prev_slot_indices, verify_num_valid, enable, canary_words(canary_buf), *words]
-    outs = [violation_ring.reshape(-1), violation_write_index, slot_run_counter,
+    # The write index is passed as a scalar: the compare-and-swap of the ring guard needs a
+    # scalar ref.
+    outs = [violation_ring.reshape(-1), violation_write_index.reshape(()), slot_run_counter,
             kernel_run_counter]
     k = len(ins)
     ring, widx, sctr, kctr = pl.pallas_call(
@@ -274,4 +277,4 @@ def run(
             config.num_warps, config.num_stages),
         name="kvcanary_verify",
     )(*ins, *outs)
-    return ring.reshape(violation_ring.shape), widx, sctr, kctr
+    return ring.reshape(violation_ring.shape), widx.reshape(1), sctr, kctr

@@ -39,10 +39,11 @@ def _run(arrays, source_bufs, *, specs, kernel_kind, real_kv_hash_mode,
          enable_write_input_assert, implementation, config):
     for i, (b, spec) in enumerate(zip(source_bufs, specs)):
         check_extent(as_words(b), spec, i)
-    return OP.run(implementation, **dict(zip(_ARRAYS, arrays)),
-                  sources=tuple(zip(source_bufs, specs)), kernel_kind=kernel_kind,
-                  real_kv_hash_mode=real_kv_hash_mode,
-                  enable_write_input_assert=enable_write_input_assert, config=config)
+    impl = functools.partial(OP.run, implementation, kernel_kind=kernel_kind,
+                             real_kv_hash_mode=real_kv_hash_mode,
+                             enable_write_input_assert=enable_write_input_assert, config=config)
+    return base.sized_call(impl, **dict(zip(_ARRAYS, arrays)),
+                           sources=tuple(zip(source_bufs, specs)))
 
 
 @_config.entry_point

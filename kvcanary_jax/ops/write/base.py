@@ -33,6 +33,16 @@ implementation):
   ``write_offsets[A] <= 0`` differs only for non-monotonic offsets.
 * All validation happens at trace time, before anything runs (SGLang's reference bumps
   ``kernel_run_counter`` first and validates only when there is work).
+* The violation ring is appended to under the ring guard of :mod:`kvcanary_jax.ops._kernel_lib`
+  (a negative write index writes nothing and stays; the index saturates at 2**31 - 1).
+
+Zero sizes are handled here, once for every implementation (:func:`sized_call`). A launch with no
+request rows, no tokens or a 0-slot canary buffer writes nothing (every token is skipped as out
+of range) and only bumps ``kernel_run_counter``: SGLang's reference does the same when there is no
+work (with work on a 0-slot buffer it raises IndexError, and its GPU kernel writes outside the
+buffer). A 0-row ring counts violations in ``violation_write_index`` and stores none (as SGLang's
+reference); a real-KV source of 0 rows reads as zero words (SGLang's reference raises from
+``index_select``).
 
 This module holds the op's contract, its static shapes (the keys of tuned launch configs) and
 :func:`reference`, a pure-jnp, fully sequential version of the op (requests and tokens in order)
@@ -61,12 +71,13 @@ from kvcanary_jax.ops._kernel_lib import (
     canary_from_words,
     canary_words,
     context_guard_checks,
+    nonempty_sources,
     source_metas,
     tensor_guard,
 )
 from kvcanary_jax.plans import WritePlan
 
-__all__ = ["CONTRACT", "validate", "shapes", "reference", "canary_write_reference"]
+__all__ = ["CONTRACT", "validate", "shapes", "sized_call", "reference", "canary_write_reference"]
 
 _W = "canary_write"
 
@@ -182,6 +193,27 @@ def shapes(canary_buf, write_seed_slot_indices, input_ids) -> dict[str, int]:
             "num_tokens": int(input_ids.shape[0])}
 
 
+def sized_call(fn, *, canary_buf, violation_ring, violation_write_index, slot_run_counter,
+               kernel_run_counter, write_seed_slot_indices, input_ids, sources, **rest):
+    """``fn(**arguments)`` (an implementation's ``run``, or the reference), with the zero sizes
+    of the module docstring handled before any implementation sees them: the implementations
+    never get an empty canary buffer, ring, request or token array, or source buffer."""
+    if 0 in (canary_buf.shape[0], write_seed_slot_indices.shape[0], input_ids.shape[0]):
+        return (canary_buf, violation_ring, violation_write_index, slot_run_counter,
+                kernel_run_counter + 1)
+    ring = violation_ring
+    if ring.shape[0] == 0:
+        # Violations are counted, never stored: a scratch row takes what is written, the empty
+        # ring is returned (the guard's index update does not depend on the capacity).
+        ring = jnp.zeros((1, consts.VIOLATION_FIELDS), violation_ring.dtype)
+    out = fn(canary_buf=canary_buf, violation_ring=ring,
+             violation_write_index=violation_write_index, slot_run_counter=slot_run_counter,
+             kernel_run_counter=kernel_run_counter,
+             write_seed_slot_indices=write_seed_slot_indices, input_ids=input_ids,
+             sources=nonempty_sources(sources), **rest)
+    return (out[0], violation_ring if ring is not violation_ring else out[1]) + tuple(out[2:])
+
+
 # ---------------------------------------------------------------------------------------------
 # Pure-jnp reference: requests and tokens strictly in order (so cross-request hazards resolve as
 # in SGLang's reference), with the same bounds choices as the kernels.
@@ -200,12 +232,16 @@ def _reference(canary_buf, ring, widx, sctr, kctr, cpa, offsets, seeds, nvalid, 
     active = jnp.clip(nvalid[0], 0, capacity)
     safe = lambda a, i: a[jnp.clip(i, 0, max(num_tokens - 1, 0))] if num_tokens else i * 0  # noqa
 
-    def append(ring, widx, fields, when):
-        at = jnp.where(when & (widx < ring_cap), widx, ring_cap)
-        return ring.at[at].set(jnp.stack(fields).astype(i64), mode="drop"), widx + when
+    # The ring guard (kvcanary_jax.ops._kernel_lib): ``w`` counts from the launch's first index
+    # in int64 (no wraparound); nothing is written, and the index is kept, when that is negative.
+    w0 = widx[0].astype(i64)
+
+    def append(ring, w, fields, when):
+        at = jnp.where(when & (w0 >= 0) & (w < ring_cap), w, ring_cap)
+        return ring.at[at].set(jnp.stack(fields).astype(i64), mode="drop"), w + when
 
     def request(r, st):
-        c, ring, widx, written = st
+        c, ring, w, written = st
         start, end = offsets[r], offsets[r + 1]
         seed = seeds[r]
         seed_ok = (seed >= 0) & (seed < num_slots)
@@ -215,7 +251,7 @@ def _reference(canary_buf, ring, widx, sctr, kctr, cpa, offsets, seeds, nvalid, 
         pos_check = (seed >= 0) & (cpa[0] != 0)
 
         def token(i, st):
-            c, ring, widx, written, h, last = st
+            c, ring, w, written, h, last = st
             ok = (r < active) & (i >= 0) & (i < num_tokens)
             slot, t, p = safe(ocl, i), safe(ids, i), safe(pos, i)
             v = ok & (slot >= 0) & (slot < num_slots)
@@ -225,27 +261,28 @@ def _reference(canary_buf, ring, widx, sctr, kctr, cpa, offsets, seeds, nvalid, 
                 et, ep = safe(etok, i), safe(epos, i)
                 bits = (jnp.where(t != et, int(consts.FailReason.WRITE_TOKEN_MISMATCH), 0)
                         | jnp.where(p != ep, int(consts.FailReason.WRITE_POSITION_MISMATCH), 0))
-                ring, widx = append(ring, widx, [kind, slot, p, t, et, h, ep, bits],
-                                    v & (bits != 0))
-            ring, widx = append(ring, widx, [kind, slot, p, t, t, h, last + 1,
-                                             int(consts.FailReason.WRITE_POSITION_MISMATCH)],
-                                v & pos_check & (p != last + 1))
+                ring, w = append(ring, w, [kind, slot, p, t, et, h, ep, bits],
+                                 v & (bits != 0))
+            ring, w = append(ring, w, [kind, slot, p, t, t, h, last + 1,
+                                       int(consts.FailReason.WRITE_POSITION_MISMATCH)],
+                             v & pos_check & (p != last + 1))
             c = c.at[jnp.where(v, slot, num_slots), :4].set(jnp.stack([t, p, h, rkv]),
                                                              mode="drop")
-            return (c, ring, widx, written + v, jnp.where(v, hashing.mix3(h, t, p), h),
+            return (c, ring, w, written + v, jnp.where(v, hashing.mix3(h, t, p), h),
                     jnp.where(v, p, last))
 
         # Tokens outside the arrays are skipped, so the loop runs over the in-range part only.
         lo = jnp.clip(start, 0, num_tokens)
         hi = jnp.where(r < active, jnp.clip(end, 0, num_tokens), lo)
-        c, ring, widx, written, _, _ = jax.lax.fori_loop(
-            lo, hi, token, (c, ring, widx, written, h0, jnp.where(pos_check, srow[1], 0)))
-        return c, ring, widx, written
+        c, ring, w, written, _, _ = jax.lax.fori_loop(
+            lo, hi, token, (c, ring, w, written, h0, jnp.where(pos_check, srow[1], 0)))
+        return c, ring, w, written
 
-    c, ring, widx1, written = jax.lax.fori_loop(
-        0, capacity, request, (c, ring, widx[0], jnp.zeros((), i64)))
+    c, ring, w, written = jax.lax.fori_loop(
+        0, capacity, request, (c, ring, w0, jnp.zeros((), i64)))
+    new = jnp.minimum(w, consts.VIOLATION_WRITE_INDEX_MAX).astype(jnp.int32).reshape(1)
     return (canary_from_words(c.reshape(-1), canary_buf.shape), ring,
-            widx1.reshape(1).astype(jnp.int32), sctr + written, kctr + 1)
+            jnp.where(w0 < 0, widx, new), sctr + written, kctr + 1)
 
 
 def reference(
@@ -258,17 +295,26 @@ def reference(
     """The array-level reference: the arguments and results of an implementation's ``run``
     (``(canary_buf, violation_ring, violation_write_index, slot_run_counter,
     kernel_run_counter)``), no validation."""
-    ids = input_ids
-    return _reference(
-        canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
-        enable_chain_position_assert, write_offsets, write_seed_slot_indices,
-        write_num_valid_reqs, ids, positions, out_cache_loc,
-        ids if expected_input_tokens is None else expected_input_tokens,
-        ids if expected_input_positions is None else expected_input_positions,
-        tuple(b for b, _ in sources), specs=tuple(s for _, s in sources),
-        mode=int(real_kv_hash_mode), kind=int(kernel_kind),
-        check_input=bool(enable_write_input_assert),
-    )
+
+    def run(*, canary_buf, violation_ring, violation_write_index, slot_run_counter,
+            kernel_run_counter, write_seed_slot_indices, input_ids, sources):
+        ids = input_ids
+        return _reference(
+            canary_buf, violation_ring, violation_write_index, slot_run_counter,
+            kernel_run_counter, enable_chain_position_assert, write_offsets,
+            write_seed_slot_indices, write_num_valid_reqs, ids, positions, out_cache_loc,
+            ids if expected_input_tokens is None else expected_input_tokens,
+            ids if expected_input_positions is None else expected_input_positions,
+            tuple(b for b, _ in sources), specs=tuple(s for _, s in sources),
+            mode=int(real_kv_hash_mode), kind=int(kernel_kind),
+            check_input=bool(enable_write_input_assert),
+        )
+
+    return sized_call(
+        run, canary_buf=canary_buf, violation_ring=violation_ring,
+        violation_write_index=violation_write_index, slot_run_counter=slot_run_counter,
+        kernel_run_counter=kernel_run_counter, write_seed_slot_indices=write_seed_slot_indices,
+        input_ids=input_ids, sources=sources)
 
 
 @_config.with_x64

@@ -1,14 +1,15 @@
 """canary_write as a Pallas kernel (Triton lowering on CUDA GPUs; interpret mode too).
 
-Parallel shape: one program per request row (grid = write_req_capacity, at least 1; rows past
-the valid count do nothing), one warp each (``num_warps``): a request's chain is serial, and only
+Parallel shape: one program per request row (grid = write_req_capacity; rows past the valid
+count do nothing), one warp each (``num_warps``): a request's chain is serial, and only
 its ``mix3`` step has to be. A program takes its tokens in blocks of ``block`` lanes: the block's
 slots / ids / positions are vector loads, its real-KV fingerprints (field 3) are folded and
 scattered vectorised, and the input assert is checked vectorised. The chain is a scalar loop in
 token order (``unroll`` steps per trip, then single steps for the remainder) whose body loads the
 token's slot, id and position (L1 hits), stores fields 0-2 with predicated scalar stores and
 advances the hash. A block with a violation to record (rare) runs its chain again to collect each
-lane's link and expected position, then reserves its rows with one atomic add and scatters them.
+lane's link and expected position, then claims its rows (one compare-and-swap loop under the ring
+guard of :mod:`kvcanary_jax.ops._kernel_lib`) and scatters them.
 
 In-request order: fields 0-2 are scalar stores in token order (Triton issues a scalar store from
 one thread; with one warp every lane would store the same value in the same instruction anyway),
@@ -31,7 +32,13 @@ from jax.experimental.pallas import triton as plt
 from kvcanary_jax import consts, hashing
 from kvcanary_jax.context import SourceSpec, as_words
 from kvcanary_jax.ops import _kernel_lib
-from kvcanary_jax.ops._kernel_lib import append_rows, canary_from_words, canary_words, scatter
+from kvcanary_jax.ops._kernel_lib import (
+    append_rows,
+    canary_from_words,
+    canary_words,
+    claim_rows,
+    scatter,
+)
 
 __all__ = ["Config", "heuristics", "run", "BLOCK", "CHAIN_UNROLL", "NUM_WARPS"]
 
@@ -97,12 +104,9 @@ def _write_kernel(
     cpa = cpa_ref[0]
     n = jnp.where(r < nvalid, jnp.maximum(end - start, 0), zero)  # r < capacity: the clamp
     seed_ok = (seed >= 0) & (seed < num_slots)
-    if num_slots:
-        base = jnp.where(seed_ok, seed, 0) * slot_words
-        s_tok, s_pos, s_ph = (jnp.where(seed_ok, canary[base + f], zero) for f in (
-            consts.CANARY_FIELD_TOKEN, consts.CANARY_FIELD_POSITION, consts.CANARY_FIELD_PREV_HASH))
-    else:
-        s_tok = s_pos = s_ph = zero
+    base = jnp.where(seed_ok, seed, 0) * slot_words
+    s_tok, s_pos, s_ph = (jnp.where(seed_ok, canary[base + f], zero) for f in (
+        consts.CANARY_FIELD_TOKEN, consts.CANARY_FIELD_POSITION, consts.CANARY_FIELD_PREV_HASH))
     pos_check = (seed >= 0) & (cpa != 0)
     last0 = jnp.where(pos_check, s_pos, zero)
     lane = jnp.arange(block, dtype=i64)
@@ -202,15 +206,15 @@ def _write_kernel(
                 e_tok = e_pos = b_in = jnp.zeros((block,), i64)
             has_ch = valid & pos_check & (pos != lp1vec)
             nrows = hin.astype(jnp.int32) + has_ch.astype(jnp.int32)
-            first = plt.atomic_add(widx, (jnp.int32(0),), jnp.sum(nrows, dtype=jnp.int32))
+            w0 = claim_rows(widx, jnp.sum(nrows, dtype=jnp.int32))
             # Entry order within the request: a lane's rows follow every earlier lane's, its
             # input-assert row before its chain-position row.
-            row_in = first + jnp.cumsum(nrows, dtype=jnp.int32) - nrows
+            rel = jnp.cumsum(nrows, dtype=jnp.int32) - nrows
             kind_v = jnp.full((block,), kind, i64)
-            append_rows(ring, row_in, hin, ring_cap,
+            append_rows(ring, w0, rel, hin, ring_cap,
                         (kind_v, slot, pos, tok, e_tok, hvec, e_pos, b_in))
             wpm = jnp.full((block,), int(F.WRITE_POSITION_MISMATCH), i64)
-            append_rows(ring, row_in + hin.astype(jnp.int32), has_ch, ring_cap,
+            append_rows(ring, w0, rel + hin.astype(jnp.int32), has_ch, ring_cap,
                         (kind_v, slot, pos, tok, tok, hvec, lp1vec, wpm))
 
         return h_out, last_out, written + jnp.sum(valid.astype(i64))
@@ -245,17 +249,10 @@ def run(
     ring_cap = violation_ring.shape[0]
     num_tokens = input_ids.shape[0]
     capacity = write_seed_slot_indices.shape[0]
-    if num_tokens == 0:  # keep every scalar load in bounds; the masks use the true length
-        pad = lambda x: jnp.zeros((1,), jnp.int64)  # noqa: E731
-        input_ids, positions, out_cache_loc = pad(0), pad(0), pad(0)
-        if check_input:
-            expected_input_tokens, expected_input_positions = pad(0), pad(0)
+    # No empty canary buffer, ring, request or token array gets here
+    # (kvcanary_jax.ops.write.base.sized_call).
     if not check_input:
         expected_input_tokens, expected_input_positions = input_ids, positions
-    if capacity == 0:  # one program still runs, to bump kernel_run_counter (SGLang: grid >= 1)
-        write_offsets = jnp.zeros((2,), jnp.int64)
-        write_seed_slot_indices = jnp.full((1,), -1, jnp.int64)
-        capacity = 1
     words = [as_words(b) for b in source_bufs]
     canary = canary_words(canary_buf)
     ring = violation_ring.reshape(-1)
@@ -267,7 +264,10 @@ def run(
     ins = [write_offsets, write_seed_slot_indices, write_num_valid_reqs, input_ids, positions,
            out_cache_loc, expected_input_tokens, expected_input_positions,
            enable_chain_position_assert, *words]
-    outs = [canary, ring, violation_write_index, slot_run_counter, kernel_run_counter]
+    # The write index is passed as a scalar: the compare-and-swap of the ring guard needs a
+    # scalar ref.
+    outs = [canary, ring, violation_write_index.reshape(()), slot_run_counter,
+            kernel_run_counter]
     k = len(ins)
     canary, ring, widx, sctr, kctr = pl.pallas_call(
         kernel,
@@ -279,4 +279,4 @@ def run(
         name="kvcanary_write",
     )(*ins, *outs)
     return canary_from_words(canary, canary_buf.shape), ring.reshape(violation_ring.shape), \
-        widx, sctr, kctr
+        widx.reshape(1), sctr, kctr
