@@ -1,17 +1,28 @@
-"""The benchmark itself, in its CPU smoke mode (interpret kernels, wall-clock timing), so it cannot
-rot between H200 runs: every op runs, and every result is checked against SGLang first."""
+"""The benchmark itself, run as the README types it (``kvcanary-jax bench --quick``) through the
+installed entry point on the CPU, where it falls back to its smoke mode (interpret kernels,
+wall-clock timing), so it cannot rot between H200 runs: every op runs, and every result is
+checked against SGLang first."""
 
 from __future__ import annotations
 
 import json
 
-from bench import run
+import _cli
+
+COMMAND = "kvcanary-jax bench --quick"
 
 
-def test_bench_smoke(tmp_path, capsys):
-    rc = run.main(["--smoke", "--out", str(tmp_path)])
-    result = json.loads((tmp_path / "results.json").read_text())
-    assert rc == 0, result["errors"]
+def test_readme_types_this_command():
+    assert f"`{COMMAND}`" in _cli.README.read_text()
+
+
+def test_bench_smoke(tmp_path):
+    proc = _cli.run(COMMAND, cwd=tmp_path)
+    assert "no GPU: running the smoke mode" in proc.stderr, proc.stderr[-3000:]
+    out = tmp_path / "bench" / "results"  # the default --out, under the current directory
+    result = json.loads((out / "results.json").read_text())
+    assert proc.returncode == 0, (result["errors"], proc.stderr[-3000:])
+    assert result["mode"] == "smoke"
     assert {r["op"] for r in result["rows"]} == {"scatter", "plan", "write", "verify", "bridge"}
     for row in result["rows"]:
         if row["op"] == "bridge":  # end-to-end call times through the torch bridge
@@ -19,5 +30,6 @@ def test_bench_smoke(tmp_path, capsys):
             continue
         assert row["ours_correct"] is True, row
         assert row["ours"]["median_us"] > 0
-    table = (tmp_path / "results.md").read_text()
+    table = (out / "results.md").read_text()
     assert "| scatter | bs=2 seq=16 |" in table
+    assert table in proc.stdout

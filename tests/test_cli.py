@@ -1,0 +1,201 @@
+"""``kvcanary-jax`` as a user types it: the installed entry point in a subprocess (tests/_cli.py).
+The README's commands run as written; bad counts are refused; Ctrl-C stops the demo between steps
+with the partial report and exit status 130, and the demo never leaves its SIGINT handler
+installed."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from kvcanary_jax import cli
+from kvcanary_jax import sim as sm
+
+import _cli
+
+
+def test_bench_help_lists_the_bench_options():
+    proc = _cli.run("kvcanary-jax bench --help", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"`kvcanary-jax bench --help`" in _cli.README.read_text()
+    assert proc.stdout.startswith("usage: kvcanary-jax bench ")
+    for option in ("--quick", "--smoke", "--ops", "--iters", "--out"):
+        assert option in proc.stdout, option
+
+
+def test_bench_smoke_option_through_the_entry_point(tmp_path):
+    proc = _cli.run(f"kvcanary-jax bench --smoke --ops scatter --iters 1 --out {tmp_path}",
+                    timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["mode"] == "smoke" and {r["op"] for r in result["rows"]} == {"scatter"}
+    assert all(r["ours_correct"] is True for r in result["rows"])
+
+
+def test_bench_refuses_unknown_options():
+    proc = _cli.run("kvcanary-jax bench --fast", timeout=120)
+    assert proc.returncode == 2
+    assert "kvcanary-jax bench: error: unrecognized arguments: --fast" in proc.stderr
+
+
+def test_top_level_help_lists_the_commands():
+    proc = _cli.run("kvcanary-jax --help", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "demo" in proc.stdout and "bench" in proc.stdout
+
+
+@pytest.mark.parametrize("typed,message", [
+    ("kvcanary-jax demo --steps -1", "argument --steps: must be >= 1, got -1"),
+    ("kvcanary-jax demo --steps 0", "argument --steps: must be >= 1, got 0"),
+    ("kvcanary-jax --steps -5", "argument --steps: must be >= 1, got -5"),
+    ("kvcanary-jax demo --injections -2", "argument --injections: must be >= 0, got -2"),
+    ("kvcanary-jax demo --sweep-interval -1", "argument --sweep-interval: must be >= 0, got -1"),
+    ("kvcanary-jax demo --steps two", "argument --steps: not an integer: 'two'"),
+])
+def test_bad_counts_are_refused(typed, message):
+    proc = _cli.run(typed, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.rstrip().endswith(f"kvcanary-jax demo: error: {message}"), proc.stderr
+
+
+def test_campaign_api_refuses_negative_counts():
+    with pytest.raises(ValueError, match="steps must be >= 0, got -1"):
+        sm.SimConfig(steps=-1)
+    with pytest.raises(ValueError, match="injections must be >= 0, got -1"):
+        sm.run_campaign(sm.SimConfig(steps=1), injections=-1)
+
+
+@pytest.mark.slow
+def test_readme_demo_command_as_typed():
+    typed = "kvcanary-jax demo"
+    assert f"pip install . && {typed}\n" in _cli.README.read_text()
+    proc = _cli.run(typed)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    m = re.match(r"OK: (\d+)/(\d+) injected faults detected", last)
+    assert m and m.group(1) == m.group(2) and int(m.group(1)) > 0, last
+
+
+# --- Ctrl-C --------------------------------------------------------------------------------------
+
+
+def _read_into(stream, chunks: list):
+    for chunk in iter(lambda: stream.read1(4096), b""):
+        chunks.append(chunk)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_demo_between_steps_with_a_partial_report():
+    """SIGINT once some clean steps have run (the progress bar on stderr counts them): the demo
+    must stop before its next step, print the partial report and exit with status 130, long
+    before the 400 steps it was asked for."""
+    proc = subprocess.Popen(_cli.command("kvcanary-jax demo --steps 400 --swa-window 0"),
+                            env=_cli.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    err: list = []
+    reader = threading.Thread(target=_read_into, args=(proc.stderr, err), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 420
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            done = re.findall(rb"(\d+)/\d+ \[", b"".join(err))
+            if done and int(done[-1]) >= 3:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, b"".join(err)[-3000:]
+        assert done and int(done[-1]) >= 3, "no step ran in time"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out = proc.stdout.read().decode()
+        proc.wait(timeout=120)
+        stopped_after = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=10)
+    stderr = b"".join(err).decode()
+    assert proc.returncode == cli.EXIT_INTERRUPTED, (out, stderr[-3000:])
+    assert stopped_after < 60, stopped_after
+    m = re.search(r"kvcanary-jax: interrupted after (\d+) of 400 clean steps and 0 fault "
+                  r"trial\(s\); partial report below", stderr)
+    assert m and 3 <= int(m.group(1)) < 400, stderr[-3000:]
+    lines = out.strip().splitlines()
+    assert lines[0] == (f"kv-canary demo: {m.group(1)} clean steps on cpu (seed 0, SWA window "
+                        "off, sweep every 4 steps) [interrupted: partial report]")
+    assert lines[1].startswith("clean run: 0 violation(s) (false positives)")
+    assert "(no fault trial ran)" in lines
+    assert lines[-1].startswith("INTERRUPTED: 0/0 injected faults detected")
+
+
+def _fake_campaign(result_for):
+    """A stand-in for :func:`sim.run_campaign` that delivers SIGINT to this process between
+    two of its steps and returns what the real one returns when stopped."""
+
+    def run_campaign(sim, *, faults=None, injections=2, progress_factory=None,
+                     should_stop=None):
+        assert not should_stop()
+        signal.raise_signal(signal.SIGINT)  # the first Ctrl-C only asks to stop
+        assert should_stop()
+        return result_for(sim)
+
+    return run_campaign
+
+
+def _stopped(sim):
+    return sm.CampaignResult(steps=2, false_positives=0, clean_violations=[], faults=[],
+                             step_seconds=[1.0, 0.01], first_step_seconds=1.0,
+                             campaign_seconds=0.0, counters={}, interrupted=True)
+
+
+def test_demo_restores_the_previous_sigint_handler(monkeypatch, capsys):
+    real = sm.run_campaign
+    calls = []
+    mine = lambda signum, frame: calls.append(signum)  # noqa: E731
+    previous = signal.signal(signal.SIGINT, mine)
+    try:
+        monkeypatch.setattr(sm, "run_campaign", _fake_campaign(_stopped))
+        rc = cli.main(["--steps", "5", "--no-progress", "--json"])
+        assert rc == cli.EXIT_INTERRUPTED
+        out = json.loads(capsys.readouterr().out)
+        assert out["interrupted"] is True and out["ok"] is False and out["steps"] == 2
+        assert signal.getsignal(signal.SIGINT) is mine
+        assert calls == []  # the demo's handler took the signal while it ran
+        # Every way out restores it: an error inside the (real) campaign ...
+        monkeypatch.setattr(sm, "run_campaign", real)
+        assert cli.main(["--faults", "nope", "--steps", "2", "--no-progress"]) == 2
+        assert signal.getsignal(signal.SIGINT) is mine
+
+        # ... and a second Ctrl-C, which aborts at once.
+        def twice(sim, **kw):
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+            raise AssertionError("not reached")
+
+        monkeypatch.setattr(sm, "run_campaign", twice)
+        assert cli.main(["--steps", "5", "--no-progress"]) == cli.EXIT_INTERRUPTED
+        assert "kvcanary-jax: aborted (second Ctrl-C)" in capsys.readouterr().err
+        assert signal.getsignal(signal.SIGINT) is mine
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_campaign_stops_between_steps_with_a_partial_result():
+    """``should_stop`` is polled before every step, the fault trials' included: a trial cut short
+    is dropped, finished ones are kept, and the result says it is partial."""
+    polls = []
+
+    def should_stop():
+        polls.append(1)
+        return len(polls) > 9
+
+    res = sm.run_campaign(sm.SimConfig(steps=6, seed=1, swa_window_size=0), injections=1,
+                          faults=["canary_token_flip", "req_to_token"], should_stop=should_stop)
+    assert res.interrupted and res.steps == 6
+    assert [(f.kind, f.injected, f.detected) for f in res.faults] == [
+        ("canary_token_flip", 1, 1)]
+    assert res.as_dict()["interrupted"] is True

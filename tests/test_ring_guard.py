@@ -1,0 +1,283 @@
+"""The violation ring's guard (kvcanary_jax.ops._kernel_lib): a negative write index writes no row
+and stays as it is, rows go to ``w0 + j`` only below the ring's capacity (no wraparound), and the
+index saturates at 2**31 - 1. Every implementation that runs here and both jnp references, on
+rings pre-filled with recorded rows that must survive; where the index is in range the result is
+SGLang's reference's. The bridge's value checks raise on a negative index (SGLang's reference
+raises RuntimeError there too), and the runtime's reader reports it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from kvcanary_jax import consts
+from kvcanary_jax import runtime as rt
+from kvcanary_jax.ops.verify import canary_verify, canary_verify_reference
+from kvcanary_jax.ops.write import canary_write, canary_write_reference
+from kvcanary_jax.plans import VerifyPlan, WritePlan
+
+import _canary_support as S
+from _impls import implementations
+
+CAP = 4
+MAX = consts.VIOLATION_WRITE_INDEX_MAX
+BAD_INDICES = (-1, -2, -CAP - 1, MAX, MAX - 1)
+VERIFY_RUNNERS = implementations("verify") + ("reference",)
+WRITE_RUNNERS = implementations("write") + ("reference",)
+
+
+def _recorded_ring(cap=CAP):
+    """A ring whose every row holds a recorded violation (distinct values)."""
+    return np.arange(cap * 8, dtype=np.int64).reshape(cap, 8) + 10_000
+
+
+def _state(num_slots, w0, cap=CAP):
+    st = S.State.zeros(num_slots, cap)
+    st.ring[:] = _recorded_ring(cap)
+    st.widx = w0
+    return st
+
+
+def _expected_index(w0, n):
+    return w0 if w0 < 0 else min(w0 + n, MAX)
+
+
+# --- verify -------------------------------------------------------------------------------------
+
+
+def _verify_entries(n):
+    """``n`` entries on zero slots 1..n, each a position mismatch (one row each), chain check off."""
+    slots = [1 + i for i in range(n)]
+    return dict(slots=slots, etok=[-1] * n, epos=[7] * n, prev=[0] * n, num_valid=n)
+
+
+def _run_verify_ours(st, runner, e):
+    fn = canary_verify_reference if runner == "reference" else canary_verify
+    kw = {} if runner == "reference" else dict(implementation=runner)
+    with jax.enable_x64(True):
+        plan = VerifyPlan(
+            verify_slot_indices=S._i64(e["slots"]), verify_expected_tokens=S._i64(e["etok"]),
+            verify_expected_positions=S._i64(e["epos"]),
+            verify_prev_slot_indices=S._i64(e["prev"]),
+            verify_num_valid=jnp.asarray([e["num_valid"]], jnp.int32),
+            enable=jnp.asarray([1], jnp.int32))
+        out = fn(context=S.jax_context(st), plan=plan, check_verify_expected_token=True, **kw)
+    return S.state_of(out)
+
+
+@pytest.mark.parametrize("runner", VERIFY_RUNNERS)
+@pytest.mark.parametrize("w0", BAD_INDICES)
+@pytest.mark.parametrize("n", [1, 3, 600])
+def test_verify_bad_index_writes_no_row(sgl, w0, n, runner):
+    """600 entries span several blocks (programs that each claim rows on the GPU)."""
+    e = _verify_entries(n)
+    st = _state(n + 1, w0)
+    ours = _run_verify_ours(st, runner, e)
+    # What the ring guard does not touch is SGLang's: its reference on the same launch from an
+    # index of 0 (the counters and the canary do not depend on the index).
+    _, ref = S.run_verify(sgl, _state(n + 1, 0, cap=n), ours=False, **e)
+    assert ref.widx == n
+    np.testing.assert_array_equal(ours.ring, _recorded_ring())
+    assert ours.widx == _expected_index(w0, n)
+    np.testing.assert_array_equal(ours.canary, st.canary)
+    assert (ours.sctr, ours.kctr) == (ref.sctr, ref.kctr)
+
+
+def test_sglang_reference_raises_or_writes_the_last_rows_on_a_negative_index(sgl):
+    """What the guard replaces: SGLang's reference slices the ring with the index."""
+    with pytest.raises(RuntimeError):
+        S.run_verify(sgl, _state(3, -1), ours=False, **_verify_entries(2))
+    _, ref = S.run_verify(sgl, _state(3, -2), ours=False, **_verify_entries(1))
+    assert ref.widx == -1 and not np.array_equal(ref.ring[CAP - 2], _recorded_ring()[CAP - 2])
+
+
+@pytest.mark.parametrize("runner", VERIFY_RUNNERS)
+@pytest.mark.parametrize("w0", [0, CAP - 1, CAP, CAP + 5])
+def test_verify_index_in_range_is_sglangs(sgl, w0, runner):
+    e = _verify_entries(3)
+    st = _state(4, w0)
+    st.ring[w0:] = 0  # rows not yet recorded
+    if runner == "reference":
+        ours, ref = S.run_verify(sgl, st, jnp_reference=True, **e)
+        S.assert_same(ours, ref, st, ordered=True)
+    else:
+        S.check_verify(sgl, st, implementation=runner, ordered=True, **e)
+
+
+@pytest.mark.parametrize("runner", VERIFY_RUNNERS)
+def test_verify_index_saturates_over_launches(runner):
+    e = _verify_entries(5)
+    st = _state(6, MAX - 2)
+    for _ in range(2):
+        st = _run_verify_ours(st, runner, e)
+        assert st.widx == MAX
+        np.testing.assert_array_equal(st.ring, _recorded_ring())
+
+
+# --- write --------------------------------------------------------------------------------------
+
+
+def _write_launch(nreq, per_req):
+    """``nreq`` requests of ``per_req`` tokens, each token an input-assert mismatch (one row)."""
+    n = nreq * per_req
+    ids = list(range(100, 100 + n))
+    return dict(offsets=[per_req * r for r in range(nreq + 1)], seeds=[-1] * nreq,
+                num_valid=nreq, ids=ids, pos=list(range(n)), ocl=[1 + i for i in range(n)],
+                assert_on=True, etok=[t + 1 for t in ids], epos=list(range(n)))
+
+
+@pytest.mark.parametrize("runner", WRITE_RUNNERS)
+@pytest.mark.parametrize("w0", BAD_INDICES)
+@pytest.mark.parametrize("nreq,per_req", [(1, 1), (1, 3), (5, 2)])
+def test_write_bad_index_writes_no_row(sgl, w0, nreq, per_req, runner):
+    """Five requests are five programs that each claim rows on the GPU."""
+    launch = _write_launch(nreq, per_req)
+    n = nreq * per_req
+    st = _state(n + 1, w0)
+    kw = dict(jnp_reference=True) if runner == "reference" else dict(implementation=runner)
+    ours, _ = S.run_write(sgl, st, reference=False, **launch, **kw)
+    _, ref = S.run_write(sgl, _state(n + 1, 0, cap=n), ours=False, **launch)
+    assert ref.widx == n
+    np.testing.assert_array_equal(ours.ring, _recorded_ring())
+    assert ours.widx == _expected_index(w0, n)
+    np.testing.assert_array_equal(ours.canary, ref.canary)
+    assert (ours.sctr, ours.kctr) == (ref.sctr, ref.kctr)
+
+
+@pytest.mark.parametrize("runner", WRITE_RUNNERS)
+@pytest.mark.parametrize("w0", [0, CAP - 1, CAP, CAP + 5])
+def test_write_index_in_range_is_sglangs(sgl, w0, runner):
+    st = _state(4, w0)
+    st.ring[w0:] = 0
+    kw = dict(jnp_reference=True) if runner == "reference" else dict(implementation=runner)
+    ours, ref = S.run_write(sgl, st, **_write_launch(1, 3), **kw)
+    S.assert_same(ours, ref, st, ordered=True)
+
+
+@pytest.mark.parametrize("runner", WRITE_RUNNERS)
+def test_write_index_saturates_over_launches(sgl, runner):
+    st = _state(4, MAX - 1)
+    kw = dict(jnp_reference=True) if runner == "reference" else dict(implementation=runner)
+    for _ in range(2):
+        st, _ = S.run_write(sgl, st, reference=False, **_write_launch(1, 3), **kw)
+        assert st.widx == MAX
+        np.testing.assert_array_equal(st.ring, _recorded_ring())
+
+
+# --- the bridge's value checks and the runtime's reader -----------------------------------------
+
+
+def _torch_verify(sgl, bridge, st, e):
+    import torch
+
+    ctx = S.torch_context(sgl, st)
+    plan = sgl.verify.VerifyPlan(
+        verify_slot_indices=S._t64(e["slots"]), verify_expected_tokens=S._t64(e["etok"]),
+        verify_expected_positions=S._t64(e["epos"]), verify_prev_slot_indices=S._t64(e["prev"]),
+        verify_num_valid=torch.tensor([e["num_valid"]], dtype=torch.int32),
+        enable=torch.tensor([1], dtype=torch.int32))
+    return ctx, lambda: bridge.launch_canary_verify_kernel(context=ctx, plan=plan,
+                                                           check_verify_expected_token=True)
+
+
+def _torch_write(sgl, bridge, st, launch):
+    import torch
+
+    ctx = S.torch_context(sgl, st)
+    plan = sgl.write.WritePlan(
+        write_offsets=S._t64(launch["offsets"]), write_seed_slot_indices=S._t64(launch["seeds"]),
+        write_num_valid_reqs=torch.tensor([launch["num_valid"]], dtype=torch.int32))
+    return ctx, lambda: bridge.launch_canary_write_kernel(
+        context=ctx, plan=plan, input_ids=S._t64(launch["ids"]),
+        positions=S._t64(launch["pos"]), out_cache_loc=S._t64(launch["ocl"]),
+        enable_write_input_assert=True, expected_input_tokens=S._t64(launch["etok"]),
+        expected_input_positions=S._t64(launch["epos"]))
+
+
+@pytest.mark.parametrize("op", ["verify", "write"])
+@pytest.mark.parametrize("w0", [-1, -CAP - 1])
+def test_bridge_value_checks_raise_on_a_negative_index(sgl, op, w0):
+    import bridge
+
+    st = _state(8, w0)
+    if op == "verify":
+        ctx, call = _torch_verify(sgl, bridge, st, _verify_entries(2))
+        name = "launch_canary_verify_kernel"
+    else:
+        ctx, call = _torch_write(sgl, bridge, st, _write_launch(1, 2))
+        name = "launch_canary_write_kernel"
+    with bridge.value_checks(True), pytest.raises(RuntimeError) as e:
+        call()
+    assert str(e.value) == (
+        f"kv-canary: {name} violation_write_index is {w0}, negative: it only counts up from 0, "
+        "so something overwrote it; the ring's rows and the violation count cannot be trusted, "
+        "and no violation is recorded while it stays negative")
+    after = S.state_of(ctx)  # raised before anything ran
+    np.testing.assert_array_equal(after.ring, st.ring)
+    assert (after.widx, after.sctr, after.kctr) == (w0, 0, 0)
+    with bridge.value_checks(False):  # the kernels keep the ring intact without the checks
+        call()
+    after = S.state_of(ctx)
+    np.testing.assert_array_equal(after.ring, st.ring)
+    assert (after.widx, after.kctr) == (w0, 1)
+
+
+def _runtime_state(w0):
+    cfg = rt.CanaryConfig(max_reqs=2, context_len=4, num_slots=8, max_bs=1, max_tokens=4,
+                          ring_capacity=2)
+    return dataclasses.replace(rt.init_state(cfg),
+                               violation_write_index=jnp.asarray([w0], jnp.int32))
+
+
+def test_runtime_reader_reports_a_negative_index():
+    state = _runtime_state(-3)
+    msg = ("kv-canary runtime: violation_write_index is -3, negative: it only counts up from 0, "
+           "so something overwrote it; the ring's rows and the violation count cannot be "
+           "trusted, and no violation is recorded while it stays negative")
+    for read in (rt.violation_count, rt.read_violations):
+        with pytest.raises(RuntimeError) as e:
+            read(state)
+        assert str(e.value) == msg
+    with pytest.raises(RuntimeError):
+        rt.decode_ring(np.zeros((2, 8), np.int64), -1)
+
+
+def test_read_violations_refuses_a_negative_start():
+    state = _runtime_state(2)
+    assert len(rt.read_violations(state)) == 2 and rt.read_violations(state, start=1)[0].index == 1
+    for call in (lambda: rt.read_violations(state, start=-1),
+                 lambda: rt.decode_ring(np.zeros((2, 8), np.int64), 2, start=-1)):
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value) == "kv-canary runtime: start must be a ring row >= 0, got -1"
+
+
+def test_runtime_reader_at_the_saturated_index():
+    state = _runtime_state(MAX)
+    assert rt.violation_count(state) == MAX
+    assert [v.index for v in rt.read_violations(state)] == [0, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w0", [-1, MAX - 1000, 0, 40])
+def test_gpu_many_programs_claim_under_the_guard(sgl, w0):
+    """Hundreds of programs claim rows at once (compare-and-swap loops contending): the index
+    ends exactly where the guard says, and the rows that land are distinct records of the launch
+    (which ones is the atomics' order), in the right place."""
+    n = 200_000
+    e = _verify_entries(n)
+    st = _state(n + 1, w0, cap=64)
+    ours = _run_verify_ours(st, "pallas_triton", e)
+    assert ours.widx == _expected_index(w0, n)
+    lo = min(max(w0, 0), 64) if w0 >= 0 else 64
+    np.testing.assert_array_equal(ours.ring[:lo], st.ring[:lo])
+    rows = ours.ring[lo:]
+    if w0 >= 0:
+        # record of entry k: slot k + 1, stored position 0, expected token -1, reason 2
+        assert len({int(r[1]) for r in rows}) == len(rows)
+        assert all(1 <= int(r[1]) <= n and int(r[7]) == 2 and int(r[4]) == -1 for r in rows)

@@ -1,0 +1,185 @@
+"""The runtime refuses what would fail silently later: a configuration with a zero or negative
+size (SGLang's runtime errors, in its words), and a state that does not fit its configuration
+(refused by every step builder before anything runs, naming the buffer and both sizes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import kvcanary_jax as kc
+from kvcanary_jax import runtime as rt
+from kvcanary_jax import sharded
+
+warnings.filterwarnings("ignore", message=".*donated buffers.*")
+
+@pytest.fixture(autouse=True)
+def _x64():
+    # int64 token ids, lengths and LUTs need 64-bit types where the tests build them.
+    with jax.enable_x64(True):
+        yield
+
+
+BASE = dict(max_reqs=4, context_len=8, num_slots=32, max_bs=2, max_tokens=8, ring_capacity=16)
+
+
+def _sglang_source(rel: str) -> str:
+    root = os.path.dirname(importlib.util.find_spec("sglang").origin)
+    with open(os.path.join(root, rel)) as f:
+        return f.read()
+
+
+# SGLang's runtime checks (sglang/srt/kv_canary/capacities.py and state.py, which import its
+# server and cannot be loaded here): our field, SGLang's name for it, and where SGLang says it.
+SGLANG_SIZES = [
+    ("max_reqs", "req_to_token_pool_size", "capacities.py"),
+    ("context_len", "max_seq_len_per_req", "capacities.py"),
+    ("num_slots", "pool_slot_count", "capacities.py"),
+    ("verify_capacity", "per_forward_verify_capacity", "capacities.py"),
+    ("write_req_capacity", "per_forward_write_req_capacity", "capacities.py"),
+    ("max_tokens", "per_forward_write_entry_capacity", "capacities.py"),
+    ("ring_capacity", "ViolationLog ring_capacity", "state.py"),
+]
+
+
+@pytest.mark.parametrize("field,sgl_name,where", SGLANG_SIZES)
+@pytest.mark.parametrize("value", [0, -3])
+def test_config_refuses_sizes_sglang_refuses(field, sgl_name, where, value):
+    with pytest.raises(ValueError) as e:
+        rt.CanaryConfig(**{**BASE, field: value})
+    msg = f"kv-canary: {sgl_name} must be positive, got {value}"
+    suffix = "" if sgl_name.endswith(field) else f" (CanaryConfig.{field})"
+    assert str(e.value) == msg + suffix
+    # SGLang's own wording, from its source: the message itself, or its generic form over a
+    # table of names.
+    src = _sglang_source(os.path.join("srt", "kv_canary", where))
+    assert f'"kv-canary: {sgl_name} must be positive, ' in src or (
+        f'"{sgl_name}"' in src and 'f"kv-canary: {name} must be positive, got {value}"' in src)
+
+
+@pytest.mark.parametrize("field", ["max_bs", "sweep_rows"])
+def test_config_refuses_empty_buckets(field):
+    with pytest.raises(ValueError) as e:
+        rt.CanaryConfig(**{**BASE, field: 0})
+    assert str(e.value) == f"kv-canary runtime: {field} must be positive, got 0"
+
+
+@pytest.mark.parametrize("extra", [{}, dict(swa_window_size=4, swa_num_slots=16),
+                                   dict(enable_v_half=True), dict(verify_capacity=7)])
+def test_a_state_from_init_state_fits(extra):
+    cfg = rt.CanaryConfig(**BASE, **extra)
+    rt.check_state(cfg, rt.init_state(cfg))
+
+
+# --- a state that does not fit its config --------------------------------------------------------
+
+CFG = rt.CanaryConfig(**BASE)
+
+
+def _inputs(cfg=CFG):
+    batch = rt.make_batch(cfg, req_pool_indices=[1], prefix_lens=[0], extend_seq_lens=[2],
+                          all_ids=[[5, 6]], input_ids=[5, 6], positions=[0, 1],
+                          out_cache_loc=[3, 4])
+    rtt = jnp.zeros((cfg.max_reqs, cfg.context_len), jnp.int32)
+    kv = {"FULL": {"K": [jnp.zeros((cfg.num_slots, 16), jnp.bfloat16)]}}
+    return batch, rtt, kv
+
+
+def _forward(kv, batch, req_to_token, lut):
+    return kv
+
+
+MISFITS = {
+    "fewer slots": (dict(num_slots=16),
+                    "bufs[HEAD_K_FULL] is uint8 (16, 32), the config needs uint8 (32, 32) "
+                    "(num_slots=32)"),
+    "smaller ring": (dict(ring_capacity=4),
+                     "violation_ring is int64 (4, 8), the config needs int64 (16, 8) "
+                     "(ring_capacity=16)"),
+    "smaller verify plan": (dict(verify_capacity=5),
+                            "plans[FULL][0].verify_slot_indices is int64 (5,), the config needs "
+                            "int64 (16,) (verify capacity 16)"),
+    "fewer request rows": (dict(max_reqs=2),
+                           "plans[FULL][1].write_offsets is int64 (3,), the config needs int64 "
+                           "(5,) (write request capacity 4 + 1)"),
+    "no SWA group": (None, "missing bufs[HEAD_K_SWA], bufs[TAIL_K_SWA], plans[SWA][0]."),
+}
+
+
+def _misfit(name):
+    change, _ = MISFITS[name]
+    if change is None:  # a state for FULL only, a config with an SWA group
+        return dataclasses.replace(CFG, swa_window_size=4, swa_num_slots=32), rt.init_state(CFG)
+    return CFG, rt.init_state(dataclasses.replace(CFG, **change))
+
+
+def _expect(name, call):
+    with pytest.raises(ValueError) as e:
+        call()
+    msg = str(e.value)
+    assert msg.startswith("kv-canary runtime: the state does not fit its config: "), msg
+    assert MISFITS[name][1] in msg, msg
+    assert "init_state(cfg)" in msg
+
+
+@pytest.mark.parametrize("name", sorted(MISFITS))
+def test_check_state_names_the_buffer_and_both_sizes(name):
+    cfg, state = _misfit(name)
+    _expect(name, lambda: rt.check_state(cfg, state))
+
+
+def _lut(cfg):
+    return jnp.zeros((cfg.swa_num_slots or 1,), jnp.int64) if cfg.swa_window_size else None
+
+
+def _kv(cfg, kv):
+    if cfg.swa_window_size:
+        kv = {**kv, "SWA": {"K": [jnp.zeros((cfg.swa_num_slots, 16), jnp.bfloat16)]}}
+    return kv
+
+
+@pytest.mark.parametrize("name", ["fewer slots", "smaller ring", "no SWA group"])
+@pytest.mark.parametrize("entry", ["make_canary_step", "canary_step_head", "canary_step_tail",
+                                   "canary_sweep", "make_sharded_step"])
+def test_every_step_builder_refuses_a_state_that_does_not_fit(name, entry):
+    cfg, state = _misfit(name)
+    batch, rtt, kv = _inputs(CFG)
+    kv, lut = _kv(cfg, kv), _lut(cfg)
+    if entry == "make_canary_step":
+        call = lambda: rt.make_canary_step(cfg, _forward)(state, kv, batch, rtt, lut)  # noqa
+    elif entry == "canary_step_head":
+        call = lambda: rt.canary_step_head(cfg, state, batch, req_to_token=rtt, lut=lut)  # noqa
+    elif entry == "canary_step_tail":
+        call = lambda: rt.canary_step_tail(cfg, state, batch, kv=kv, lut=lut)  # noqa
+    elif entry == "canary_sweep":
+        call = lambda: rt.canary_sweep(  # noqa
+            cfg, state, rows_table=rtt, row_indices=jnp.asarray([1], jnp.int64),
+            lengths=jnp.asarray([2], jnp.int64), kv=kv, lut=lut)
+    else:
+        mesh = sharded.data_parallel_mesh(1)
+        stack = lambda t: sharded.stack_shards([t], mesh)  # noqa
+        step = kc.make_sharded_step(cfg, _forward, mesh)
+        call = lambda: step(stack(state), stack(kv), stack(batch), stack(rtt),  # noqa
+                            stack(jnp.zeros((1,), jnp.int64) if lut is None else lut))
+    _expect(name, call)
+    # Refused while tracing: nothing ran, so the donated state is still there.
+    assert not state.violation_ring.is_deleted()
+    np.testing.assert_array_equal(np.asarray(state.violation_write_index), [0])
+
+
+def test_sweep_over_no_rows_runs():
+    """A sweep with no row to verify (n = 0) is an empty plan, not SGLang's WritePlan error."""
+    state = rt.init_state(CFG)
+    _, rtt, kv = _inputs()
+    state = rt.canary_sweep(CFG, state, rows_table=rtt, row_indices=jnp.zeros((0,), jnp.int64),
+                            lengths=jnp.zeros((0,), jnp.int64), kv=kv)
+    assert rt.violation_count(state) == 0
+    assert rt.read_counters(state) == {"SWEEP_K_FULL": {"kernel_runs": 1, "slot_runs": 0}}
