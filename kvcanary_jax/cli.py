@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -124,12 +125,21 @@ def _table(res) -> str:
 EXIT_INTERRUPTED = 130
 
 
+def _abort() -> None:
+    """A second Ctrl-C: leave now. ``os._exit`` skips the interpreter's shutdown, which can
+    crash (segfault) while a JAX compilation that a KeyboardInterrupt cut into is still running
+    in its threads; the message goes straight to the file descriptor (no buffer to re-enter from
+    a signal handler)."""
+    os.write(2, b"kvcanary-jax: aborted (second Ctrl-C)\n")
+    os._exit(EXIT_INTERRUPTED)
+
+
 class _StopOnInterrupt:
     """While active: the first SIGINT only sets :attr:`requested` (the demo polls it between
-    steps, so an interrupt that arrives while JAX compiles or runs a step cannot be lost inside
-    JAX, nor break it halfway); a second one raises KeyboardInterrupt as usual. The handler that
-    was installed before is restored on exit. Signal handlers can only be set from the main
-    thread: elsewhere this does nothing and SIGINT keeps its handler."""
+    steps, so an interrupt that arrives while JAX compiles or runs a step is neither lost inside
+    JAX nor raised into it); a second one aborts the process at once (:func:`_abort`). The
+    handler that was installed before is restored on exit. Signal handlers can only be set from
+    the main thread: elsewhere this does nothing and SIGINT keeps its handler."""
 
     def __init__(self):
         self.requested = False
@@ -138,7 +148,7 @@ class _StopOnInterrupt:
 
     def _handle(self, signum, frame):
         if self.requested:
-            raise KeyboardInterrupt
+            _abort()
         self.requested = True
 
     def __enter__(self):
@@ -158,18 +168,27 @@ class _StopOnInterrupt:
 
 
 def _run_demo(args) -> int:
+    # From here until the report is printed, a Ctrl-C is a request to stop before the next step
+    # (backend start-up and the server's set-up included: the campaign polls before its first
+    # step too), and a second one aborts.
+    with _StopOnInterrupt() as interrupt:
+        return _demo(args, interrupt)
+
+
+def _demo(args, interrupt: _StopOnInterrupt) -> int:
+    t0 = time.perf_counter()
     select_device(args.device)
     from kvcanary_jax import sim as simulation
 
-    faults = None if args.faults in ("all", "") else [f.strip() for f in args.faults.split(",") if f.strip()]
-    t0 = time.perf_counter()
+    faults = None if args.faults in ("all", "") else [
+        f.strip() for f in args.faults.split(",") if f.strip()]
     try:
         sim = simulation.SimConfig(
             steps=args.steps, seed=args.seed, swa_window_size=args.swa_window,
             enable_v_half=args.v_half, sweep_interval=args.sweep_interval,
             implementation=args.implementation,
         )
-        with warnings.catch_warnings(), _StopOnInterrupt() as interrupt:
+        with warnings.catch_warnings():
             # CPU backends cannot donate every buffer the step donates; that is expected here.
             warnings.filterwarnings("ignore", message=".*donated buffers.*")
             res = simulation.run_campaign(
@@ -179,9 +198,6 @@ def _run_demo(args) -> int:
     except ValueError as e:
         print(f"kvcanary-jax: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("kvcanary-jax: aborted (second Ctrl-C)", file=sys.stderr)
-        return EXIT_INTERRUPTED
     wall = time.perf_counter() - t0
     out = res.as_dict()
     out["timing"]["wall_s"] = round(wall, 3)
@@ -260,7 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     help_, add, run = _COMMANDS.get(argv[0], (None, True, None))
     if add is None:  # the command parses its own options
         return run(argv[1:])
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)  # imports JAX: a Ctrl-C may land here
+    except KeyboardInterrupt:
+        print("kvcanary-jax: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return _COMMANDS[args.command][2](args)
 
 

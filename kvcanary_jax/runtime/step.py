@@ -287,6 +287,8 @@ def make_canary_step(cfg: CanaryConfig, forward: Callable, *, implementation: st
     ``forward(kv, batch, req_to_token, lut) -> kv`` is the model forward (it writes the real KV of
     ``batch.out_cache_loc``). Returns ``step(state, kv, batch, req_to_token, lut) -> (state, kv)``
     with the state and the KV donated. ``implementation`` overrides ``cfg.implementation``.
+    A state that does not fit ``cfg`` (:func:`~kvcanary_jax.runtime.check_state`) is refused
+    with a ValueError when the step is traced, before anything runs or is donated.
     """
     if implementation is not None:
         cfg = dataclasses.replace(cfg, implementation=implementation)
