@@ -1,0 +1,219 @@
+"""canary_plan, vectorised XLA implementation (``implementation="xla"``: CPU, TPU, GPU).
+
+Same results as the Pallas kernels (:mod:`kvcanary_jax.ops.plan_offsets` and
+:mod:`kvcanary_jax.ops.plan_entries`, whose docstrings state the semantics and the in-bounds
+choices: SGLang's flat ``rp * row_pitch + col`` reads, out-of-table cells read as 0, the LUT index
+clamped to ``lut_len - 1``, expected tokens outside the pool read as -1), byte for byte.
+
+Shape of the computation, no per-request loop:
+
+* offsets: the per-request lengths are elementwise, their offsets two cumsums, the seeds one
+  gather of ``req_to_token`` (and one of the LUT);
+* entries: each entry's owner request from segment ids: the first entry of every non-empty
+  request is marked with the request's index (one scatter of ``bs`` marks) and a running maximum
+  carries it over the request's entries; then positions, slots, predecessors and expected tokens
+  are gathers.
+
+:class:`Config` ``block``: 0 fills the whole verify capacity in one pass (entries past the live
+total keep their contents through a select); a power of two walks only the live entries, in
+blocks of that many (a serving plan's capacity is 3x the KV pool, its live total much smaller).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from kvcanary_jax import _config
+from kvcanary_jax.ops import _xla_lib as X
+from kvcanary_jax.plans import VerifyPlan, WritePlan
+
+__all__ = ["Config", "heuristics", "plan_offsets", "plan_entries", "run"]
+
+REQ_POOL_IDX_PADDING = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """``block``: live entries per loop trip of the entries step; 0 = one pass over the
+    capacity."""
+
+    block: int = 0
+
+    def __post_init__(self):
+        if self.block < 0 or self.block & (self.block - 1):
+            raise ValueError(f"kv-canary: plan xla block must be 0 or a power of two, "
+                             f"got {self.block}")
+
+
+ONE_PASS_MAX = 1 << 16
+
+
+def heuristics(shapes: Mapping[str, int], backend: str | None = None) -> Config:
+    """One pass on GPUs (XLA reads a loop's predicate back to the host every trip there) and for
+    small plans; blocks of :data:`ONE_PASS_MAX` entries otherwise."""
+    backend = backend or jax.default_backend()
+    if backend == "gpu" or shapes["verify_capacity"] <= ONE_PASS_MAX:
+        return Config(block=0)
+    return Config(block=ONE_PASS_MAX)
+
+
+def _window_start(prefix, swa_window_size):
+    if swa_window_size > 0:
+        return jnp.maximum(prefix - swa_window_size, 0)
+    return jnp.zeros_like(prefix)
+
+
+def _read(table, rp, col, ok, other):
+    """``table`` cells at SGLang's flat address ``rp * row_pitch + col`` (int64); addresses
+    outside the table are never read and give ``other``."""
+    rows, pitch = table.shape
+    n = rows * pitch
+    flat = rp * pitch + col
+    ok = ok & (flat >= 0) & (flat < n)
+    return X.take(table.reshape(-1), flat, ok, other).astype(jnp.int64)
+
+
+def _xlat(v, lut):
+    """SWA LUT translation, index clamped to the LUT (SGLang's kernels); negatives pass."""
+    if lut is None:
+        return v
+    return jnp.where(v < 0, v, X.take(lut, jnp.clip(v, 0, lut.shape[0] - 1), True))
+
+
+def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, verify_num_valid,
+                 enable, write_num_valid_reqs, *, swa_window_size, verify_capacity):
+    """Offsets step (inside a jit, after validation, ``bs >= 1``): returns ``(verify_offsets[bs
+    + 1], write_offsets, seeds, verify_num_valid, enable, write_num_valid_reqs)``."""
+    bs = rpi.shape[0]
+    active = rpi != REQ_POOL_IDX_PADDING
+    vlen = jnp.where(active, jnp.maximum(prefix - _window_start(prefix, swa_window_size), 0), 0)
+    wlen = jnp.where(active, jnp.maximum(extend, 0), 0)
+    zero = jnp.zeros((1,), jnp.int64)
+    voff = jnp.concatenate([zero, jnp.cumsum(vlen)])
+    wcum = jnp.concatenate([zero, jnp.cumsum(wlen)])
+    wo = jax.lax.dynamic_update_slice(X.overwrite(write_offsets, 0), wcum, (0,))
+    has_prefix = active & (prefix > 0)
+    seed = _xlat(_read(req_to_token, rpi, prefix - 1, has_prefix, 0), lut)
+    seed = jnp.where(has_prefix & (wlen > 0), seed, -1)
+    seeds = jax.lax.dynamic_update_slice(seeds, seed, (0,))
+    total = voff[bs]
+    overflow = total > verify_capacity
+    nv = X.overwrite(verify_num_valid, jnp.where(overflow, verify_capacity, total))
+    en = X.overwrite(enable, jnp.where(overflow, 0, 1))
+    wn = X.overwrite(write_num_valid_reqs, bs)
+    return voff, wo, seeds, nv, en, wn
+
+
+def _owners(voff, t0, n):
+    """Owner request of entries ``t0 + [0, n)`` (valid below the total): the largest r with
+    ``voff[r] <= t``, i.e. the non-empty request whose range holds t. Segment ids: a mark at
+    each non-empty request's first entry, carried forward by a running maximum from the owner
+    of ``t0``."""
+    bs = voff.shape[0] - 1
+    r = jnp.arange(bs, dtype=jnp.int32)
+    start = voff[:bs] - t0
+    marked = (voff[1:] > voff[:bs]) & (start >= 0) & (start < n)
+    marks = jnp.full((n,), -1, jnp.int32).at[jnp.where(marked, start, n)].max(r, mode="drop")
+    first = X.count_below(voff[1:], jnp.asarray(t0, jnp.int64), inclusive=True).astype(jnp.int32)
+    return jnp.maximum(jax.lax.cummax(marks), jnp.minimum(first, bs - 1))
+
+
+def _entries_at(t, owner, rpi, prefix, req_to_token, lut, voff, pool, valid_lens, *,
+                swa_window_size, k, mask):
+    rp = rpi[owner]
+    pos = _window_start(prefix[owner], swa_window_size) + (t - voff[owner])
+    slot = _xlat(_read(req_to_token, rp, pos, mask, 0), lut)
+    prev = jnp.where(pos > 0, _xlat(_read(req_to_token, rp, pos - 1, mask & (pos > 0), 0), lut),
+                     -1)
+    if pool is None:
+        tok = jnp.full(t.shape, -1, jnp.int64)
+    else:
+        sot = pos + k
+        tok = _read(pool, rp, sot, mask & (sot >= 0) & (sot < valid_lens[owner]), -1)
+    return slot, tok, pos, prev
+
+
+def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, valid_lens,
+                 slots, tokens, positions, prevs, *, swa_window_size,
+                 kv_token_id_vs_position_offset, block=0):
+    """Entries step (inside a jit, after validation, ``bs >= 1``): returns the four verify
+    arrays, entries ``[0, live)`` filled and the rest as given."""
+    bs = rpi.shape[0]
+    cap = slots.shape[0]
+    outs = (slots, tokens, positions, prevs)
+    if cap == 0:
+        return outs
+    live = jnp.where(enable[0] != 0, jnp.minimum(verify_offsets[bs], cap), 0)
+    at = functools.partial(_entries_at, rpi=rpi, prefix=prefix, req_to_token=req_to_token,
+                           lut=lut, voff=verify_offsets, pool=pool, valid_lens=valid_lens,
+                           swa_window_size=swa_window_size, k=int(kv_token_id_vs_position_offset))
+    if block == 0 or block >= cap:
+        t = jnp.arange(cap, dtype=jnp.int64)
+        m = t < live
+        new = at(t, _owners(verify_offsets, 0, cap), mask=m)
+        return tuple(jnp.where(m, a, b) for a, b in zip(new, outs))
+
+    # Live blocks only. The last block's slice is clamped to the capacity and may start below
+    # the block boundary: entries there were written by the previous trip and are kept.
+    def trip(carry):
+        b, outs = carry
+        lo = b * block
+        start = jnp.minimum(lo, cap - block)
+        t = start + jnp.arange(block, dtype=jnp.int64)
+        m = (t >= lo) & (t < live)
+        new = at(t, _owners(verify_offsets, start, block), mask=m)
+        old = [jax.lax.dynamic_slice(o, (start,), (block,)) for o in outs]
+        return b + 1, tuple(jax.lax.dynamic_update_slice(o, jnp.where(m, a, c), (start,))
+                            for o, a, c in zip(outs, new, old))
+
+    nblocks = (live + block - 1) // block
+    _, outs = jax.lax.while_loop(lambda c: c[0] < nblocks, trip, (jnp.zeros((), jnp.int64), outs))
+    return outs
+
+
+@functools.partial(jax.jit, static_argnames=("swa_window_size", "verify_capacity",
+                                             "kv_token_id_vs_position_offset", "block"))
+def _plan(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, *, swa_window_size,
+          verify_capacity, kv_token_id_vs_position_offset, block):
+    if rpi.shape[0] == 0:  # SGLang: no entries, enable 1, write offsets all 0, nothing else
+        return (
+            dataclasses.replace(vp, verify_num_valid=X.overwrite(vp.verify_num_valid, 0),
+                                enable=X.overwrite(vp.enable, 1)),
+            dataclasses.replace(wp, write_offsets=X.overwrite(wp.write_offsets, 0),
+                                write_num_valid_reqs=X.overwrite(wp.write_num_valid_reqs, 0)),
+        )
+    voff, wo, seeds, nv, en, wn = plan_offsets(
+        rpi, prefix, extend, rtt, lut, wp.write_offsets, wp.write_seed_slot_indices,
+        vp.verify_num_valid, vp.enable, wp.write_num_valid_reqs,
+        swa_window_size=swa_window_size, verify_capacity=verify_capacity)
+    slots, toks, poss, prevs = plan_entries(
+        rpi, prefix, rtt, lut, voff, en, pool, valid_lens, vp.verify_slot_indices,
+        vp.verify_expected_tokens, vp.verify_expected_positions, vp.verify_prev_slot_indices,
+        swa_window_size=swa_window_size,
+        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, block=block)
+    return (
+        VerifyPlan(verify_slot_indices=slots, verify_expected_tokens=toks,
+                   verify_expected_positions=poss, verify_prev_slot_indices=prevs,
+                   verify_num_valid=nv, enable=en),
+        WritePlan(write_offsets=wo, write_seed_slot_indices=seeds, write_num_valid_reqs=wn),
+    )
+
+
+@_config.with_x64
+def run(vp: VerifyPlan, wp: WritePlan, rpi, prefix, extend, req_to_token, lut, pool, valid_lens,
+        *, swa_window_size: int, verify_capacity: int, kv_token_id_vs_position_offset: int,
+        config: Config | None = None) -> tuple[VerifyPlan, WritePlan]:
+    """The array-level plan (``_plan_jit``'s arguments; no validation). ``req_to_token`` and
+    ``pool`` are ``[rows, row_pitch]`` tables (compact bases whose pitch may exceed the logical
+    width). Returns the filled ``(VerifyPlan, WritePlan)``."""
+    if config is None:
+        config = heuristics({"verify_capacity": int(vp.verify_slot_indices.shape[0])})
+    return _plan(vp, wp, rpi, prefix, extend, req_to_token, lut, pool, valid_lens,
+                 swa_window_size=int(swa_window_size), verify_capacity=int(verify_capacity),
+                 kv_token_id_vs_position_offset=int(kv_token_id_vs_position_offset),
+                 block=config.block)

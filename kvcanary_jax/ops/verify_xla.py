@@ -1,0 +1,180 @@
+"""canary_verify, vectorised XLA implementation (``implementation="xla"``: CPU, TPU, GPU).
+
+Same results as :mod:`kvcanary_jax.ops.verify` (the Pallas kernel, whose docstring states the
+semantics and the out-of-range choices) with violation rows in SGLang's reference order, entry
+order, byte for byte; same out-of-range choices:
+
+* a negative slot ``-num_slots <= s < 0`` reads row ``s + num_slots`` (the reference's Python
+  indexing), with a real-KV fingerprint from zero words; a slot outside ``[-num_slots,
+  num_slots)`` and a predecessor at or past ``num_slots`` read as all-zero rows;
+* a negative ``verify_num_valid`` means no entry.
+
+Shape of the computation: every active entry at once. The slot rows and the predecessor rows are
+two gathers of the canary viewed as int64 ``[num_slots, words]``; the expected link, the
+fingerprint fold and the fail bits are elementwise. Violations are appended by cumsum
+compaction: an inclusive prefix sum of the violation flags, then each ring row that the launch
+may fill looks up its entry (a binary search of the prefix sum) and rebuilds that entry's record,
+so only ``ring_capacity`` records are ever materialised. The ring guard of
+:func:`kvcanary_jax.ops._xla_lib.ring_append` applies.
+
+:class:`Config` ``block``: 0 checks the whole plan capacity in one pass (fastest when the plan is
+mostly live, and on GPUs, where a loop costs a host round trip per trip); a power of two walks the
+live entries in blocks of that many, so the work follows ``verify_num_valid`` rather than the
+capacity (a serving plan's capacity is 3x the KV pool).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from kvcanary_jax import _config, consts, hashing
+from kvcanary_jax.context import SourceSpec
+from kvcanary_jax.ops import _xla_lib as X
+
+__all__ = ["Config", "heuristics", "run"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """``block``: entries per loop trip over the live entries; 0 = one pass over the capacity.
+    ``branch``: skip, behind a conditional, the work the data makes unnecessary (predecessor
+    rows when every predecessor is the previous entry's slot, the ring when nothing is
+    recorded)."""
+
+    block: int = 0
+    branch: bool = True
+
+    def __post_init__(self):
+        if self.block < 0 or self.block & (self.block - 1):
+            raise ValueError(f"kv-canary: verify xla block must be 0 or a power of two, "
+                             f"got {self.block}")
+
+
+# One pass up to this capacity; past it, blocks of this many entries (off GPUs).
+ONE_PASS_MAX = 1 << 16
+
+
+def heuristics(shapes: Mapping[str, int], backend: str | None = None) -> Config:
+    """On GPUs, one pass and no conditional: XLA reads the predicate of a loop trip or a
+    conditional back to the host there. Elsewhere, conditionals, and blocks of
+    :data:`ONE_PASS_MAX` entries past that capacity."""
+    if (backend or jax.default_backend()) == "gpu":
+        return Config(block=0, branch=False)
+    return Config(block=0 if shapes["capacity"] <= ONE_PASS_MAX else ONE_PASS_MAX)
+
+
+def _check(canary_buf, words, slots, etok, epos, prev, act, *, specs, mode, kind, check_token,
+           branch):
+    """Entries' violation flags and records (vectors over entries; ``act``: entries to check)."""
+    i64 = jnp.int64
+    num_slots = canary_buf.shape[0]
+    checked = act & (slots != consts.TOKEN_TO_KV_SLOT_PADDING)
+    s_eff = jnp.where(slots < 0, slots + num_slots, slots)
+    tok, pos, ph, rkv = X.canary_fields(canary_buf, s_eff,
+                                        checked & (s_eff >= 0) & (s_eff < num_slots))
+    p_ok = checked & (prev > 0) & (prev < num_slots)
+    # In a chain-ordered plan the predecessor is the previous entry's slot, whose row was just
+    # loaded (an active entry with a slot in (0, num_slots) always is): take it from there.
+    reuse = p_ok & (jnp.arange(slots.shape[0]) > 0) & (prev == jnp.roll(slots, 1))
+    need = p_ok & ~reuse
+    gathered = X.maybe(branch, jnp.any(need), lambda: X.canary_fields(canary_buf, prev, need),
+                       lambda: (jnp.zeros(slots.shape, i64),) * consts.CANARY_FIELDS_PER_SLOT)
+    p_tok, p_pos, p_ph, _ = (jnp.where(reuse, jnp.roll(f, 1), g)
+                             for f, g in zip((tok, pos, ph, rkv), gathered))
+    chain_checked = prev != consts.TOKEN_TO_KV_SLOT_PADDING
+    exp_chain = jnp.where(prev < 0, jnp.asarray(hashing.ANCHOR_HASH_I64, i64),
+                          hashing.mix3(p_ph, p_tok, p_pos))
+    exp_tok = etok if check_token else jnp.full(slots.shape, -1, i64)
+    exp_rkv = hashing.fold_real_kv(slots, checked & (slots >= 0), words, specs, mode,
+                                   gather=X.source_word)
+    F = consts.FailReason
+    bits = (jnp.where(chain_checked & (ph != exp_chain), int(F.VERIFY_CHAIN_HASH_MISMATCH), 0)
+            | jnp.where(pos != epos, int(F.VERIFY_POSITION_MISMATCH), 0)
+            | jnp.where(rkv != exp_rkv, int(F.VERIFY_REAL_KV_HASH_MISMATCH), 0))
+    if check_token:
+        bits = bits | jnp.where((exp_tok != -1) & (tok != exp_tok), int(F.VERIFY_TOKEN_MISMATCH),
+                                0)
+    viol = checked & (bits != 0)
+    record = jnp.stack([jnp.full(slots.shape, kind, i64), slots, pos, tok, exp_tok, ph,
+                        jnp.where(chain_checked, exp_chain, ph), bits.astype(i64)], axis=-1)
+    return viol, record
+
+
+@functools.partial(jax.jit, static_argnames=("specs", "mode", "kind", "check_token", "block",
+                                             "branch"))
+def _verify(canary_buf, ring, widx, sctr, kctr, slots, etok, epos, prev, nvalid, enable,
+            source_bufs, *, specs, mode, kind, check_token, block, branch):
+    i64 = jnp.int64
+    cap = slots.shape[0]
+    enabled = enable[0] != 0
+    active = jnp.where(enabled, jnp.clip(nvalid[0].astype(i64), 0, cap), 0)
+    kctr = kctr + 1
+    sctr = sctr + active
+    if cap == 0:
+        return ring, widx, sctr, kctr
+    words = X.source_arrays(source_bufs, specs)
+    check = functools.partial(_check, canary_buf, words, specs=specs, mode=mode, kind=kind,
+                              check_token=check_token, branch=branch)
+    plan = (slots, etok, epos, prev)
+
+    def records(k, ok):
+        return check(*(X.take(a, k, ok) for a in plan), ok)[1]
+
+    w0 = widx[0].astype(i64)
+    if block == 0 or block >= cap:
+        viol, _ = check(*plan, jnp.arange(cap, dtype=i64) < active)
+        incl = jnp.cumsum(viol.astype(i64))
+        ring, widx = X.ring_append(
+            ring, widx, incl[-1], lambda j, ok: records(X.record_of(incl, j)[0], ok),
+            branch=branch)
+        return ring, widx, sctr, kctr
+
+    # Blocks over the live entries. The last block's slice is clamped to the capacity, so it may
+    # start before the block boundary: entries below the boundary were done by the previous trip.
+    def trip(carry):
+        b, ring, done = carry
+        lo = b * block
+        start = jnp.minimum(lo, cap - block)
+        k = start + jnp.arange(block, dtype=i64)
+        part = tuple(jax.lax.dynamic_slice(a, (start,), (block,)) for a in plan)
+        viol, _ = check(*part, (k >= lo) & (k < active))
+        incl = jnp.cumsum(viol.astype(i64))
+        n = incl[-1]
+
+        def rows(j, ok):
+            rel = j - done
+            ok = ok & (rel >= 0) & (rel < n)
+            return records(start + X.record_of(incl, jnp.where(ok, rel, 0))[0], ok)
+
+        ring = X.ring_fill(ring, w0, done, n, rows, branch=branch)
+        return b + 1, ring, done + n
+
+    nblocks = (active + block - 1) // block
+    _, ring, total = jax.lax.while_loop(lambda c: c[0] < nblocks, trip,
+                                        (jnp.zeros((), i64), ring, jnp.zeros((), i64)))
+    return ring, X.ring_index(widx, total), sctr, kctr
+
+
+@_config.with_x64
+def run(*, canary_buf, violation_ring, violation_write_index, slot_run_counter,
+        kernel_run_counter, verify_slot_indices, verify_expected_tokens,
+        verify_expected_positions, verify_prev_slot_indices, verify_num_valid, enable,
+        sources: tuple[tuple[jax.Array, SourceSpec], ...], kernel_kind: int,
+        real_kv_hash_mode: int, check_verify_expected_token: bool, config: Config | None = None):
+    """The array-level verify (``verify_impl``'s arguments; no validation). Returns
+    ``(violation_ring, violation_write_index, slot_run_counter, kernel_run_counter)``."""
+    if config is None:
+        config = heuristics({"num_slots": int(canary_buf.shape[0]),
+                             "capacity": int(verify_slot_indices.shape[0])})
+    return _verify(
+        canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
+        verify_slot_indices, verify_expected_tokens, verify_expected_positions,
+        verify_prev_slot_indices, verify_num_valid, enable, tuple(b for b, _ in sources),
+        specs=tuple(s for _, s in sources), mode=int(real_kv_hash_mode), kind=int(kernel_kind),
+        check_token=bool(check_verify_expected_token), block=config.block, branch=config.branch,
+    )
