@@ -1,7 +1,8 @@
 """Builds matching JAX and SGLang-oracle inputs for the write / verify tests and compares results.
 
 A case is plain numpy data; each side gets its own copy (torch tensors for SGLang's reference,
-JAX arrays for ours), so the two never share memory.
+JAX arrays for ours), so the two never share memory. torch is imported only where SGLang's side
+is built, so the case builders and our side also serve runs without torch.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
 
 from kvcanary_jax import consts
 from kvcanary_jax.context import RealKvSource, VerifyOrWriteContext
@@ -84,6 +84,8 @@ def jax_source(s: Src) -> RealKvSource:
 
 
 def torch_source(sgl, s: Src):
+    import torch
+
     base = torch.from_numpy(s.base().copy())
     t = base[:, s.pad:s.pad + s.u8.shape[1]] if s.pad else base
     return sgl.verify.RealKvSource(tensor=t, page_size=s.page_size,
@@ -106,6 +108,8 @@ def jax_context(st: State, *, kind=2, sources=(), mode=0, cpa=1) -> VerifyOrWrit
 
 
 def torch_context(sgl, st: State, *, kind=2, sources=(), mode=0, cpa=1):
+    import torch
+
     return sgl.verify.VerifyOrWriteContext(
         canary_buf=torch.from_numpy(st.canary.copy()),
         kernel_kind=sgl.verify.CanaryLaunchTag(kind),
@@ -134,6 +138,8 @@ def _i64(x):
 
 
 def _t64(x):
+    import torch
+
     return torch.tensor(np.asarray(x, np.int64), dtype=torch.int64)
 
 
@@ -148,16 +154,20 @@ def run_write(sgl, st: State, *, offsets, seeds, num_valid, ids, pos, ocl, asser
     if jnp_reference:
         canary_write = canary_write_reference  # noqa: F811
 
-    tctx = torch_context(sgl, st, **ctx_kw)
-    reference and sgl.write_ref.launch_canary_write_kernel_torch_reference(
-        context=tctx,
-        plan=sgl.write.WritePlan(write_offsets=_t64(offsets), write_seed_slot_indices=_t64(seeds),
-                                 write_num_valid_reqs=torch.tensor([num_valid], dtype=torch.int32)),
-        input_ids=_t64(ids), positions=_t64(pos), out_cache_loc=_t64(ocl),
-        enable_write_input_assert=assert_on,
-        expected_input_tokens=None if etok is None else _t64(etok),
-        expected_input_positions=None if epos is None else _t64(epos),
-    )
+    if reference:
+        import torch
+
+        tctx = torch_context(sgl, st, **ctx_kw)
+        sgl.write_ref.launch_canary_write_kernel_torch_reference(
+            context=tctx,
+            plan=sgl.write.WritePlan(
+                write_offsets=_t64(offsets), write_seed_slot_indices=_t64(seeds),
+                write_num_valid_reqs=torch.tensor([num_valid], dtype=torch.int32)),
+            input_ids=_t64(ids), positions=_t64(pos), out_cache_loc=_t64(ocl),
+            enable_write_input_assert=assert_on,
+            expected_input_tokens=None if etok is None else _t64(etok),
+            expected_input_positions=None if epos is None else _t64(epos),
+        )
     if not ours:
         return None, state_of(tctx)
     with jax.enable_x64(True):
@@ -175,24 +185,29 @@ def run_write(sgl, st: State, *, offsets, seeds, num_valid, ids, pos, ocl, asser
 
 
 def run_verify(sgl, st: State, *, slots, etok, epos, prev, num_valid, enable=1, check_token=True,
-               jnp_reference=False, ours=True, implementation=None, config=None, **ctx_kw):
+               reference=True, jnp_reference=False, ours=True, implementation=None, config=None,
+               **ctx_kw):
     """SGLang's torch reference and ours (``implementation`` with launch ``config``, by default
-    its heuristics'; or our pure-jnp reference) on the same state."""
+    its heuristics'; or our pure-jnp reference) on the same state; returns (ours, reference)
+    (either None when not run)."""
     from kvcanary_jax.ops.verify import canary_verify, canary_verify_reference
 
     if jnp_reference:
         canary_verify = canary_verify_reference  # noqa: F811
 
-    tctx = torch_context(sgl, st, **ctx_kw)
-    sgl.verify_ref.launch_canary_verify_kernel_torch_reference(
-        context=tctx,
-        plan=sgl.verify.VerifyPlan(
-            verify_slot_indices=_t64(slots), verify_expected_tokens=_t64(etok),
-            verify_expected_positions=_t64(epos), verify_prev_slot_indices=_t64(prev),
-            verify_num_valid=torch.tensor([num_valid], dtype=torch.int32),
-            enable=torch.tensor([enable], dtype=torch.int32)),
-        check_verify_expected_token=check_token,
-    )
+    if reference:
+        import torch
+
+        tctx = torch_context(sgl, st, **ctx_kw)
+        sgl.verify_ref.launch_canary_verify_kernel_torch_reference(
+            context=tctx,
+            plan=sgl.verify.VerifyPlan(
+                verify_slot_indices=_t64(slots), verify_expected_tokens=_t64(etok),
+                verify_expected_positions=_t64(epos), verify_prev_slot_indices=_t64(prev),
+                verify_num_valid=torch.tensor([num_valid], dtype=torch.int32),
+                enable=torch.tensor([enable], dtype=torch.int32)),
+            check_verify_expected_token=check_token,
+        )
     if not ours:
         return None, state_of(tctx)
     with jax.enable_x64(True):
@@ -206,7 +221,7 @@ def run_verify(sgl, st: State, *, slots, etok, epos, prev, num_valid, enable=1, 
             check_verify_expected_token=check_token,
             **({} if jnp_reference else dict(implementation=implementation, config=config)),
         )
-    return state_of(out), state_of(tctx)
+    return state_of(out), (state_of(tctx) if reference else None)
 
 
 def new_rows(before: State, after: State) -> list[tuple]:
@@ -225,6 +240,20 @@ def widened(st: State, extra: int) -> State:
     w = st.copy()
     w.ring = np.concatenate([st.ring, np.zeros((extra, st.ring.shape[1]), st.ring.dtype)])
     return w
+
+
+def guarded(before: State, records: list[tuple], w0: int):
+    """The ring and write index a launch that records ``records`` (in order) leaves when it
+    starts at write index ``w0``, under the ring guard: nothing written and the index kept when
+    ``w0 < 0``; else record j in row ``w0 + j`` while that row exists, and the index
+    ``min(w0 + len(records), 2**31 - 1)``."""
+    ring = before.ring.copy()
+    if w0 < 0:
+        return ring, w0
+    for j, row in enumerate(records):
+        if w0 + j < len(ring):
+            ring[w0 + j] = row
+    return ring, min(w0 + len(records), 2**31 - 1)
 
 
 def assert_same(ours: State, ref: State, before: State, *, ordered=False, uncapped=None):
@@ -372,14 +401,16 @@ def garbage_state(rng, stride):
     return st
 
 
-def run_trip(sgl, rng, trip, implementation=None, jnp_reference=False):
+def run_trip(sgl, rng, trip, implementation=None, jnp_reference=False, reference=True):
     """Both writes of a trip (``implementation``, or our pure-jnp reference), each compared with
-    SGLang's reference; returns the final state."""
+    SGLang's reference (``reference``; else each write's result is taken as it is); returns the
+    final state."""
     st = garbage_state(rng, trip.stride)
     kw = dict(sources=trip.sources, mode=trip.mode, jnp_reference=jnp_reference,
-              implementation=implementation)
+              implementation=implementation, reference=reference)
     for launch in trip.launches:
         ours, ref = run_write(sgl, st, **launch, **kw)
-        assert_same(ours, ref, st)
-        st = ref
+        if reference:
+            assert_same(ours, ref, st)
+        st = ref if reference else ours
     return st

@@ -16,8 +16,17 @@ from kvcanary_jax import runtime as rt
 from kvcanary_jax.ops import _registry
 from kvcanary_jax.sim import make_forward
 
-# (platform, implementation). ("tpu", "xla") and ("cuda", "xla") join with the xla backend.
-LOWERINGS = [("cuda", "pallas_triton")]
+# (platform, implementation): the Triton kernels for CUDA; the plain XLA implementation for TPU
+# (the fallback where an op has no Mosaic kernel) and for CUDA (the fallback when the Triton
+# lowering is unavailable).
+LOWERINGS = [("cuda", "pallas_triton"), ("tpu", "xla"), ("cuda", "xla")]
+
+
+def _check_program(text, impl, name):
+    if impl == "pallas_triton":
+        assert "__gpu$xla.gpu.triton" in text, name
+    if impl == "xla":  # plain HLO: no kernel of any backend, no custom call at all
+        assert "custom_call" not in text, name
 
 
 def _context(num_slots=64, sources=0):
@@ -82,8 +91,8 @@ def test_every_op_lowers(platform, impl):
         for name, fn, args, kernels in _ops(impl):
             assert _registry.op(name).unusable(impl) is None, (name, impl)  # no fallback
             text = fn.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+            _check_program(text, impl, name)
             if impl == "pallas_triton":
-                assert "__gpu$xla.gpu.triton" in text, name
                 assert all(k in text for k in kernels), name
 
 
@@ -108,6 +117,7 @@ def test_canary_step_lowers(platform, impl):
         lut = jnp.asarray(np.arange(32, dtype=np.int64))
         text = step.jitted.trace(state, kv, batch, rtt, lut).lower(
             lowering_platforms=(platform,)).as_text()
+    _check_program(text, impl, "step")
     if impl == "pallas_triton":
         for kernel in ("kvcanary_scatter_req_token_ids", "kvcanary_plan_offsets",
                        "kvcanary_plan_entries", "kvcanary_verify", "kvcanary_write"):

@@ -318,6 +318,46 @@ def test_fuzz_small_blocks_multi_block_and_looping_entries(sgl, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_fuzz_against_jnp_reference(impl):
+    """Every implementation against the pure-jnp reference (no SGLang needed), every family."""
+    for family, buckets in sorted(FAMILIES.items()):
+        rng = np.random.default_rng(zlib.crc32(family.encode()) + 1)
+        for i in range(120):
+            c = gen_case(rng, buckets[i % len(buckets)])
+            assert_same(run_ours(c, impl), run_ours(c, reference=True), c)
+
+
+def _xla_config(**kw):
+    from kvcanary_jax.ops.plan.xla import Config
+
+    return Config(**kw)
+
+
+def test_fuzz_xla_live_blocks(sgl):
+    """The xla entries step walking the live entries in blocks of 16 and 4 (the last block
+    clamped to the capacity, starting below its boundary), not one pass over the capacity."""
+    buckets = [Bucket(9, 12, 6, vc=40), Bucket(8, 10, 5, W=2, lut_len=64, pool_width=6, k=1,
+                                                     vc=20, wc_extra=9),
+               Bucket(33, 40, 4, W=3, lut_len=90, pool_width=5, vc=90, wc_extra=30),
+               Bucket(17, 20, 7, pool_width=8, vc=64, wc_extra=16)]
+    _fuzz(sgl, buckets, 1000, seed=8, impl="xla", config=_xla_config(block=16))
+    _fuzz(sgl, buckets[:2], 200, seed=9, impl="xla", config=_xla_config(block=4))
+
+
+def test_xla_zero_sizes(sgl):
+    """A verify capacity of 0 (every non-empty plan overflows; SGLang's reference agrees) and a
+    0-row ``req_to_token`` (every cell outside the table reads 0, the unfilled slot) run without
+    an error inside JAX."""
+    c = case([1, 2], [2, 0], [1, 1], RTT, vc=0, wc=2)
+    assert_same(run_ours(c, "xla"), run_oracle(sgl, c), c)
+    c = case([1, 0], [3, 2], [2, 1], np.zeros((0, 4), np.int32), vc=4, wc=2)
+    got = run_ours(c, "xla")
+    assert_same(run_ours(c, reference=True), got, c)
+    assert got["verify_slot_indices"].tolist() == [0, 0, 0, M]
+    assert got["write_seed_slot_indices"].tolist() == [0, -1]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("bs", [0, 1, 31, 32, 33, 4095, 4096, 4097, 5000])
 def test_fuzz_batch_sizes(sgl, bs, impl):
     """bs across the single-program path (<= 4096) and the multi-block path, no cap."""
@@ -675,6 +715,7 @@ def test_entries_guards_are_runtime_errors(what):
     _raises(RuntimeError, msg, c=c, vp=vp, **kw)
 
 
+@pytest.mark.torch
 def test_contract_on_torch_tensors():
     """The bridge evaluates the same contract on torch tensors: contiguity, torch dtype names,
     the stride contract on views, devices."""

@@ -263,7 +263,7 @@ def test_round_trips_clean(sgl, mode, impl):
 KINDS = ("token", "position", "prev_hash", "real_kv_byte", "swapped_slot", "stale_entry")
 
 
-def _corrupt(rng, kind, trip, st, entries):
+def corrupt(rng, kind, trip, st, entries):
     slots, etok, epos, prev = (list(x) for x in entries)
     live = [i for i, s in enumerate(slots) if s != 0]
     i = live[int(rng.integers(len(live)))]
@@ -320,7 +320,7 @@ def test_single_corruptions(sgl, mode, impl, launch):
             continue
         st = S.run_trip(sgl, rng, trip, implementation=impl)
         entries = S.verify_entries(rng, trip.chains)
-        got = _corrupt(rng, kind, trip, st, entries)
+        got = corrupt(rng, kind, trip, st, entries)
         if got is None:
             continue
         plan = S.verify_plan(*got)
@@ -479,6 +479,98 @@ def test_lowers_through_triton_for_the_gpu(check_token, mode):
     assert "kvcanary_verify" in text and "output_operand_alias" in text
 
 
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_round_trips_and_corruptions_against_jnp_reference(mode, impl):
+    """Every implementation against the pure-jnp reference (no SGLang needed): canaries written
+    by the jnp reference, then corrupted."""
+    rng = np.random.default_rng(900 + mode)
+    for k in range(60):
+        trip = S.make_trip(rng, mode, k % len(S.BUCKETS))
+        st = S.run_trip(None, rng, trip, jnp_reference=True, reference=False)
+        entries = S.verify_entries(rng, trip.chains)
+        kind = KINDS[k % len(KINDS)]
+        if any(trip.chains) and (trip.sources or kind != "real_kv_byte"):
+            entries = corrupt(rng, kind, trip, st, entries) or entries
+        kw = dict(**S.verify_plan(*entries), sources=trip.sources, mode=mode,
+                  check_token=trip.check_token, reference=False)
+        want, _ = S.run_verify(None, st, jnp_reference=True, **kw)
+        got, _ = S.run_verify(None, st, implementation=impl, **kw)
+        S.assert_same(got, want, st, ordered=impl != "pallas_triton")
+
+
+# --- the xla implementation: its launch configurations, the ring guard, zero sizes -------------
+
+
+def _xla_config(**kw):
+    from kvcanary_jax.ops.verify.xla import Config
+
+    return Config(**kw)
+
+
+@pytest.mark.parametrize("config", [dict(block=0, branch=False), dict(block=0, branch=True),
+                                    dict(block=128), dict(block=256, branch=False)])
+def test_xla_blocks_and_branches(sgl, config):
+    """One pass or blocks over the live entries (the last one clamped to the capacity), with or
+    without the conditionals; predecessors in chain order (taken from the previous entry) and
+    elsewhere (gathered); many violations, the ring overflowing."""
+    rng = np.random.default_rng(12)
+    num_slots, n = 1024, 1500
+    slots = rng.integers(1, num_slots, n)
+    st = S.State.zeros(num_slots, 96)
+    st.widx = 5
+    st.canary_i64[:, :4] = rng.integers(-5, 5, (num_slots, 4))
+    prev = np.where(rng.random(n) < 0.6, np.roll(slots, 1), rng.integers(-2, num_slots, n))
+    e = dict(slots=slots, etok=rng.integers(-5, 5, n), epos=rng.integers(-5, 5, n), prev=prev)
+    for cap, num_valid in ((1500, 1500), (2000, 1399), (2000, 77)):
+        plan = S.verify_plan(**{k: v[:cap] for k, v in e.items()}, cap=cap)
+        plan["num_valid"] = num_valid
+        S.check_verify(sgl, st, implementation="xla", config=_xla_config(**config), **plan,
+                       check_token=True, ordered=True)
+
+
+GUARD_W0 = (-2, -1, 0, 3, 4, 5, 2**31 - 4, 2**31 - 1)
+
+
+@pytest.mark.parametrize("w0", GUARD_W0)
+def test_xla_ring_guard(sgl, w0):
+    """A negative write index writes no row and stays; rows go to ``w0 + j`` only inside the
+    ring; the index saturates at 2**31 - 1 instead of wrapping (expected: SGLang's records of
+    the same launch, placed by that rule)."""
+    st = _written(sgl, [CHAIN], ring_cap=5)
+    st.ring[:] = np.arange(40).reshape(5, 8) + 1000
+    e = _entries()
+    e["epos"] = [9, 1, 9, 3, 9]  # three position mismatches
+    plan = S.verify_plan(**e)
+    _, full = S.run_verify(sgl, S.widened(st, 8), ours=False, **plan, check_token=True)
+    records = S.new_rows(st, full)
+    assert len(records) == 3
+    st.widx = w0
+    ours, _ = S.run_verify(sgl, st, reference=False, implementation="xla", **plan,
+                           check_token=True)
+    ring, widx = S.guarded(st, records, w0)
+    np.testing.assert_array_equal(ours.ring, ring)
+    assert (ours.widx, ours.sctr, ours.kctr) == (widx, full.sctr, full.kctr)
+
+
+def test_xla_zero_sizes(sgl):
+    """Zero-sized plans, rings and canary buffers run (no error inside JAX) and do what SGLang's
+    reference does where it runs: count, and drop the records a 0-row ring has no room for."""
+    st = _written(sgl, [CHAIN], ring_cap=0)
+    e = _entries()
+    e["epos"] = [9] * 5
+    S.check_verify(sgl, st, implementation="xla", **S.verify_plan(**e), check_token=True)
+    S.check_verify(sgl, _written(sgl, [CHAIN]), implementation="xla",
+                   **S.verify_plan([], [], [], [], cap=0), check_token=True)
+    # No slot to read: every slot is out of range and reads as an all-zero row (SGLang's
+    # reference indexes past its empty buffer).
+    st = S.State.zeros(0, 4)
+    ours, _ = S.run_verify(sgl, st, reference=False, implementation="xla",
+                           **S.verify_plan([3, 0], [-1, -1], [0, 4], [-1, 0]), check_token=True)
+    assert (ours.widx, ours.sctr, ours.kctr) == (1, 2, 1)
+    anchor_row = (2, 3, 0, 0, -1, 0, ANCHOR, 1)
+    assert [tuple(r) for r in ours.ring[:1].tolist()] == [anchor_row]
+
+
 # --- the pure-jnp references against SGLang's ---------------------------------------------------
 
 
@@ -491,7 +583,7 @@ def test_jnp_references_round_trips_and_corruptions(sgl, mode):
         entries = S.verify_entries(rng, trip.chains)
         kind = KINDS[k % len(KINDS)]
         if any(trip.chains) and (trip.sources or kind != "real_kv_byte"):
-            entries = _corrupt(rng, kind, trip, st, entries) or entries
+            entries = corrupt(rng, kind, trip, st, entries) or entries
         ours, ref = S.run_verify(sgl, st, **S.verify_plan(*entries), sources=trip.sources,
                                  mode=mode, check_token=trip.check_token, jnp_reference=True)
         S.assert_same(ours, ref, st, ordered=True)

@@ -217,7 +217,7 @@ def _launch(**kw):
 # (as in SGLang's kernel).
 
 
-def _random_launch(rng, st, assert_on, kind=2, hazards=False):
+def random_launch(rng, st, assert_on, kind=2, hazards=False):
     """Requests over their own slot pools, slots repeating inside a request, seeds of every kind,
     noisy positions and expectations. With ``hazards`` some tokens write, and some seeds read,
     slots of other requests' pools (only a sequential run makes that deterministic)."""
@@ -286,13 +286,134 @@ def test_write_fuzz(sgl, bucket, impl):
         st.ring[:min(st.widx, S.RING_CAP)] = rng.integers(-9, 9, (min(st.widx, S.RING_CAP), 8))
         st.sctr, st.kctr = (int(x) for x in rng.integers(0, 100, 2))
         # kernel_kind is static (one compile per tag): one tag per bucket.
-        launch = _random_launch(rng, st, assert_on, kind=(2, 8, 5, 11)[bucket],
+        launch = random_launch(rng, st, assert_on, kind=(2, 8, 5, 11)[bucket],
                                 hazards=in_reference_order(impl))
         ref = _check_launch(sgl, st, launch, S.bucket_sources(rng, layout), mode, impl)
         rows += ref.widx - st.widx
         overflows += S.rows_dropped(st, ref)
     assert rows > CASES_PER_BUCKET // 2  # the fuzz does exercise the violation paths
     assert overflows > CASES_PER_BUCKET // 20  # and the full ring
+
+
+def test_write_fuzz_against_jnp_reference(impl):
+    """Every implementation against the pure-jnp reference (no SGLang needed); cross-request
+    hazards where the implementation keeps the reference's order."""
+    rng = np.random.default_rng(800)
+    for k in range(160):
+        stride, assert_on, mode, layout = WRITE_BUCKETS[k % len(WRITE_BUCKETS)]
+        st = S.State.zeros(S.NUM_SLOTS, S.RING_CAP, stride)
+        st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape, dtype=np.int64)
+        st.canary_i64[:, 1] = rng.integers(-2, 30, S.NUM_SLOTS)
+        st.widx = int(rng.integers(0, S.RING_CAP + 4))
+        launch = random_launch(rng, st, assert_on, kind=(2, 8, 5, 11)[k % 4],
+                                hazards=in_reference_order(impl))
+        sources = S.bucket_sources(rng, layout)
+        want, _ = S.run_write(None, st, **launch, sources=sources, mode=mode, reference=False,
+                              jnp_reference=True)
+        got, _ = S.run_write(None, st, **launch, sources=sources, mode=mode, reference=False,
+                             implementation=impl)
+        S.assert_same(got, want, st, ordered=in_reference_order(impl))
+
+
+# --- the xla implementation: windows of requests, cross-request order, ring guard, zero sizes ----
+
+
+def _xla_config(**kw):
+    from kvcanary_jax.ops.write.xla import Config
+
+    return Config(**kw)
+
+
+XLA_CONFIGS = [dict(lanes=1, unroll=1), dict(lanes=2, unroll=3), dict(lanes=4, unroll=8),
+               dict(lanes=256, unroll=2, branch=False)]
+
+
+@pytest.mark.parametrize("config", XLA_CONFIGS)
+def test_xla_windows_and_hazards(sgl, config):
+    """Requests walked one, two or four at a time, several links per trip or one, against the
+    reference on launches with cross-request hazards: slots written by several requests, seeds
+    read from slots earlier requests of the launch write."""
+    rng = np.random.default_rng(600 + config["lanes"])
+    stride, assert_on, mode, layout = WRITE_BUCKETS[2]
+    for _ in range(80):
+        st = S.State.zeros(S.NUM_SLOTS, S.RING_CAP, stride)
+        st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape,
+                                        dtype=np.int64)
+        st.canary_i64[:, 1] = rng.integers(-2, 30, S.NUM_SLOTS)
+        st.widx = int(rng.integers(0, S.RING_CAP + 4))
+        launch = random_launch(rng, st, assert_on, hazards=True)
+        ours, ref = S.run_write(sgl, st, **launch, sources=S.bucket_sources(rng, layout),
+                                mode=mode, implementation="xla", config=_xla_config(**config))
+        S.assert_same(ours, ref, st, ordered=True)
+
+
+@pytest.mark.parametrize("config", XLA_CONFIGS[:2])
+def test_xla_seeds_written_earlier_in_the_launch(sgl, config):
+    """Request 1 continues from a slot request 0 writes, request 2 from one request 1 writes,
+    request 3 from one request 2 rewrites after request 0 wrote it: each seed's link is the one
+    the earlier request left, three levels deep."""
+    st = S.State.zeros(16, 8)
+    st.canary_i64[:, :3] = np.random.default_rng(5).integers(-9, 9, (16, 3))
+    _, ref = _w(sgl, st, "xla", offsets=[0, 5, 8, 10, 12], seeds=[2, 3, 7, 11], num_valid=4,
+                ids=np.arange(12) + 100, pos=[0, 1, 2, 3, 4, 4, 5, 6, 7, 8, 9, 10],
+                ocl=[1, 3, 4, 5, 3, 6, 7, 8, 9, 11, 12, 7], ordered=True,
+                config=_xla_config(**config))
+    assert ref.widx > 0
+
+
+def test_xla_overlapping_and_unsorted_ranges_match_the_sequential_reference(sgl):
+    """Malformed offsets (request ranges that overlap or come out of order): each request takes
+    its own range, as the sequential jnp reference does (SGLang's reference stops early on
+    ``write_offsets[A] <= 0`` there, the only place they differ)."""
+    rng = np.random.default_rng(700)
+    for k in range(60):
+        stride, assert_on, mode, layout = WRITE_BUCKETS[k % len(WRITE_BUCKETS)]
+        st = S.State.zeros(S.NUM_SLOTS, S.RING_CAP, stride)
+        st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape,
+                                        dtype=np.int64)
+        st.widx = int(rng.integers(0, S.RING_CAP + 4))
+        launch = random_launch(rng, st, assert_on, hazards=True)
+        launch["offsets"] = rng.integers(-3, S.NUM_TOKENS + 3, S.REQ_CAP + 1)
+        sources = S.bucket_sources(rng, layout)
+        want, _ = S.run_write(sgl, st, **launch, sources=sources, mode=mode, reference=False,
+                              jnp_reference=True)
+        for config in XLA_CONFIGS[:3]:
+            got, _ = S.run_write(sgl, st, **launch, sources=sources, mode=mode, reference=False,
+                                 implementation="xla", config=_xla_config(**config))
+            S.assert_same(got, want, st, ordered=True)
+
+
+@pytest.mark.parametrize("w0", (-2, -1, 0, 2, 3, 4, 2**31 - 3, 2**31 - 1))
+def test_xla_ring_guard(sgl, w0):
+    """A negative write index writes no row and stays; rows go to ``w0 + j`` only inside the
+    ring; the index saturates at 2**31 - 1 instead of wrapping. The canary and counters are
+    written as always (expected: SGLang's run of the same launch, its records placed by that
+    rule)."""
+    st = _seeded_state()
+    st.ring = np.arange(32).reshape(4, 8) + 1000
+    launch = dict(offsets=[0, 4], seeds=[3], num_valid=1, ids=[5, 6, 7, 8], pos=[3, 9, 4, 4],
+                  ocl=[4, 5, 6, 7], assert_on=True, etok=[5, 0, 7, 8], epos=[3, 9, 9, 4])
+    _, full = S.run_write(sgl, S.widened(st, 8), **launch, ours=False)
+    records = S.new_rows(st, full)
+    assert len(records) >= 4
+    st.widx = w0
+    ours, _ = S.run_write(sgl, st, **launch, reference=False, implementation="xla")
+    ring, widx = S.guarded(st, records, w0)
+    np.testing.assert_array_equal(ours.canary, full.canary)
+    np.testing.assert_array_equal(ours.ring, ring)
+    assert (ours.widx, ours.sctr, ours.kctr) == (widx, full.sctr, full.kctr)
+
+
+def test_xla_zero_sizes(sgl):
+    """A 0-row ring (records counted and dropped, as SGLang's reference does) and a 0-slot
+    canary buffer (every slot out of range: nothing written, nothing recorded) run without an
+    error inside JAX."""
+    _w(sgl, S.State.zeros(8, 0), "xla", offsets=[0, 3], seeds=[-1],
+       ids=[5, 6, 7], pos=[0, 2, 2], ocl=[4, 5, 6], ordered=True)
+    st = S.State.zeros(0, 4)
+    ours, _ = S.run_write(sgl, st, offsets=[0, 2], seeds=[-1], num_valid=1, ids=[5, 6],
+                          pos=[0, 9], ocl=[1, 2], reference=False, implementation="xla")
+    assert (ours.canary.shape, ours.widx, ours.sctr, ours.kctr) == ((0, 32), 0, 0, 1)
 
 
 # --- out-of-range indices (documented choices; never an out-of-bounds access) ------------------
@@ -551,7 +672,7 @@ def test_jnp_reference_write_fuzz(sgl):
         st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape, dtype=np.int64)
         st.widx = int(rng.integers(0, S.RING_CAP + 4))
         # The jnp reference is sequential on every backend: cross-request hazards included.
-        launch = _random_launch(rng, st, assert_on, hazards=True)
+        launch = random_launch(rng, st, assert_on, hazards=True)
         ours, ref = S.run_write(sgl, st, **launch, sources=S.bucket_sources(rng, layout),
                                 mode=mode, jnp_reference=True)
         S.assert_same(ours, ref, st, ordered=True)

@@ -21,9 +21,8 @@ arguments>, *, <statics>, config)``.
 
 The default (``implementation=None``): ``pallas_triton`` when the platform is a CUDA GPU and the
 Triton lowering imports; ``pallas_mosaic_tpu`` on a TPU where the op registers it; ``xla``
-everywhere else. Until an op registers ``xla``, ``pallas_interpret`` stands in for it (on CPU this
-is the behaviour of the releases before ``xla``). An implementation that is asked for (or is the
-platform's default) but cannot be used here — not registered for the op, its lowering does not
+everywhere else (CPU, TPU without a Mosaic kernel, ROCm; ``pallas_interpret`` runs only when asked
+for). An implementation that is asked for (or is the platform's default) but cannot be used here — not registered for the op, its lowering does not
 import, a future JAX refuses it — falls back to ``xla`` with one :class:`FallbackWarning` per
 process and reason, saying why.
 
@@ -64,9 +63,8 @@ __all__ = [
 
 IMPLEMENTATIONS = ("xla", "pallas_triton", "pallas_interpret", "pallas_mosaic_tpu")
 
-# What an unusable implementation falls back to, in order of preference. ``pallas_interpret``
-# is only reached while an op has no ``xla`` registration.
-_FALLBACKS = ("xla", "pallas_interpret")
+# What the default, and an unusable implementation, falls back to: every op registers ``xla``.
+_FALLBACKS = ("xla",)
 
 
 class FallbackWarning(RuntimeWarning):
@@ -217,8 +215,6 @@ class Op:
                 return asked
         for fallback in _FALLBACKS:
             if self.unusable(fallback) is None:
-                # TODO(xla): once every op registers "xla", the CPU default is "xla" and
-                # "pallas_interpret" runs only when asked for.
                 if asked is not None and asked != fallback:
                     self._warn(asked, fallback, why)
                 return fallback

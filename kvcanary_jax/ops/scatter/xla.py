@@ -1,6 +1,6 @@
-"""scatter_req_token_ids, vectorised XLA implementation (``implementation="xla"``).
+"""scatter_req_token_ids as plain XLA (``implementation="xla"``: CPU, TPU, GPU).
 
-The semantics of :mod:`kvcanary_jax.ops.scatter` (its docstring), byte for byte::
+The semantics of :mod:`kvcanary_jax.ops.scatter.base`, byte for byte::
 
     pool_out[req_pool_indices[r], j] = int32(flat_in[offsets[r] + j])    for j in [0, write_len)
 
@@ -21,12 +21,10 @@ rank.
 from __future__ import annotations
 
 import dataclasses
-import functools
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
-
-from kvcanary_jax import _config
 
 __all__ = ["Config", "heuristics", "run"]
 
@@ -36,12 +34,14 @@ class Config:
     """The scatter has no tunable parameter."""
 
 
-def heuristics(*_shapes) -> Config:
+def heuristics(shapes: Mapping[str, int]) -> Config:
+    del shapes
     return Config()
 
 
-@functools.partial(jax.jit, static_argnames=("max_cols",))
-def _scatter(flat_in, offsets, req_pool_indices, pool_out, *, max_cols):
+def run(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int, config: Config):
+    """The updated pool (no validation; ``max_cols``: columns a row may receive)."""
+    del config
     i64 = jnp.int64
     bs = req_pool_indices.shape[0]
     n = flat_in.shape[0]
@@ -83,13 +83,3 @@ def _scatter(flat_in, offsets, req_pool_indices, pool_out, *, max_cols):
     _, flat_pool = jax.lax.while_loop(lambda c: c[0] < rounds, lambda c: (c[0] + 1, store(*c)),
                                       (jnp.ones((), i64), flat_pool))
     return flat_pool.reshape(rows, width)
-
-
-@_config.with_x64
-def run(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int | None = None,
-        config: Config | None = None) -> jax.Array:
-    """The array-level scatter (``_scatter_jit``'s arguments; no validation): returns the new
-    pool. ``max_cols``: columns a row may receive (default: the pool's width)."""
-    del config
-    return _scatter(flat_in, offsets, req_pool_indices, pool_out,
-                    max_cols=int(pool_out.shape[1] if max_cols is None else max_cols))

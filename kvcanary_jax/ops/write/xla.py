@@ -1,9 +1,9 @@
-"""canary_write, vectorised XLA implementation (``implementation="xla"``: CPU, TPU, GPU).
+"""canary_write as plain XLA (``implementation="xla"``: CPU, TPU, GPU).
 
-The semantics of :mod:`kvcanary_jax.ops.write` (its docstring states them and the out-of-range
-choices: slots outside ``[0, num_slots)`` skipped, a seed past the buffer read as an all-zero
-slot, tokens outside ``input_ids`` skipped, a negative ``write_num_valid_reqs`` meaning no
-request), with SGLang's reference order everywhere: requests one after another, tokens in order.
+The semantics and out-of-range choices of :mod:`kvcanary_jax.ops.write.base` (slots outside
+``[0, num_slots)`` skipped, a seed past the buffer read as an all-zero slot, tokens outside
+``input_ids`` skipped, a negative ``write_num_valid_reqs`` meaning no request), with SGLang's
+reference order everywhere: requests one after another, tokens in order.
 So, byte for byte as the sequential reference, including across requests of one launch: a slot
 written by several requests (or repeated in one) ends with the last write's row, a seed slot that
 an earlier request of the launch wrote is read as that request left it, and violation rows are in
@@ -41,7 +41,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
-from kvcanary_jax import _config, consts, hashing
+from kvcanary_jax import consts, hashing
 from kvcanary_jax.context import SourceSpec
 from kvcanary_jax.ops import _xla_lib as X
 
@@ -81,10 +81,24 @@ def _first(mask, default):
     return jnp.min(jnp.where(mask, i, default))
 
 
-@functools.partial(jax.jit, static_argnames=("specs", "mode", "kind", "check_input", "lanes",
-                                             "unroll", "branch"))
-def _write(canary_buf, ring, widx, sctr, kctr, cpa, offsets, seeds, nvalid, ids, pos, ocl, etok,
-           epos, source_bufs, *, specs, mode, kind, check_input, lanes, unroll, branch):
+def run(*, canary_buf, violation_ring, violation_write_index, slot_run_counter,
+        kernel_run_counter, enable_chain_position_assert, write_offsets, write_seed_slot_indices,
+        write_num_valid_reqs, input_ids, positions, out_cache_loc, expected_input_tokens,
+        expected_input_positions, sources: tuple[tuple[jax.Array, SourceSpec], ...],
+        kernel_kind: int, real_kv_hash_mode: int, enable_write_input_assert: bool,
+        config: Config):
+    """``(canary_buf, violation_ring, violation_write_index, slot_run_counter,
+    kernel_run_counter)`` (no validation)."""
+    ring, widx, sctr, kctr = (violation_ring, violation_write_index, slot_run_counter,
+                              kernel_run_counter)
+    cpa, offsets, seeds, nvalid = (enable_chain_position_assert, write_offsets,
+                                   write_seed_slot_indices, write_num_valid_reqs)
+    ids, pos, ocl = input_ids, positions, out_cache_loc
+    check_input = bool(enable_write_input_assert)
+    etok, epos = (expected_input_tokens, expected_input_positions) if check_input else (None, None)
+    source_bufs, specs = tuple(b for b, _ in sources), tuple(s for _, s in sources)
+    mode, kind = int(real_kv_hash_mode), int(kernel_kind)
+    lanes, unroll, branch = config.lanes, config.unroll, config.branch
     i64 = jnp.int64
     num_slots = canary_buf.shape[0]
     n = ids.shape[0]
@@ -219,29 +233,3 @@ def _write(canary_buf, ring, widx, sctr, kctr, cpa, offsets, seeds, nvalid, ids,
     init = (_first(busy, cap), canary_buf, ring, jnp.zeros((), i64), jnp.zeros((), i64))
     _, canary_buf, ring, done, written = jax.lax.while_loop(lambda c: c[0] < cap, window, init)
     return canary_buf, ring, X.ring_index(widx, done), sctr + written, kctr
-
-
-@_config.with_x64
-def run(*, canary_buf, violation_ring, violation_write_index, slot_run_counter,
-        kernel_run_counter, enable_chain_position_assert, write_offsets, write_seed_slot_indices,
-        write_num_valid_reqs, input_ids, positions, out_cache_loc, expected_input_tokens,
-        expected_input_positions, sources: tuple[tuple[jax.Array, SourceSpec], ...],
-        kernel_kind: int, real_kv_hash_mode: int, enable_write_input_assert: bool,
-        config: Config | None = None):
-    """The array-level write (``write_impl``'s arguments; no validation). Returns
-    ``(canary_buf, violation_ring, violation_write_index, slot_run_counter,
-    kernel_run_counter)``."""
-    if config is None:
-        config = heuristics({"num_slots": int(canary_buf.shape[0]),
-                             "write_capacity": int(write_seed_slot_indices.shape[0]),
-                             "num_tokens": int(input_ids.shape[0])})
-    check = bool(enable_write_input_assert)
-    return _write(
-        canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
-        enable_chain_position_assert, write_offsets, write_seed_slot_indices,
-        write_num_valid_reqs, input_ids, positions, out_cache_loc,
-        expected_input_tokens if check else None, expected_input_positions if check else None,
-        tuple(b for b, _ in sources), specs=tuple(s for _, s in sources),
-        mode=int(real_kv_hash_mode), kind=int(kernel_kind), check_input=check,
-        lanes=config.lanes, unroll=config.unroll, branch=config.branch,
-    )

@@ -1,13 +1,7 @@
-"""canary_verify, vectorised XLA implementation (``implementation="xla"``: CPU, TPU, GPU).
+"""canary_verify as plain XLA (``implementation="xla"``: CPU, TPU, GPU).
 
-Same results as :mod:`kvcanary_jax.ops.verify` (the Pallas kernel, whose docstring states the
-semantics and the out-of-range choices) with violation rows in SGLang's reference order, entry
-order, byte for byte; same out-of-range choices:
-
-* a negative slot ``-num_slots <= s < 0`` reads row ``s + num_slots`` (the reference's Python
-  indexing), with a real-KV fingerprint from zero words; a slot outside ``[-num_slots,
-  num_slots)`` and a predecessor at or past ``num_slots`` read as all-zero rows;
-* a negative ``verify_num_valid`` means no entry.
+The semantics and out-of-range choices of :mod:`kvcanary_jax.ops.verify.base`, byte for byte,
+violation rows in SGLang's reference order (entry order).
 
 Shape of the computation: every active entry at once. The slot rows and the predecessor rows are
 two gathers of the canary viewed as int64 ``[num_slots, words]``; the expected link, the
@@ -32,7 +26,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
-from kvcanary_jax import _config, consts, hashing
+from kvcanary_jax import consts, hashing
 from kvcanary_jax.context import SourceSpec
 from kvcanary_jax.ops import _xla_lib as X
 
@@ -105,10 +99,22 @@ def _check(canary_buf, words, slots, etok, epos, prev, act, *, specs, mode, kind
     return viol, record
 
 
-@functools.partial(jax.jit, static_argnames=("specs", "mode", "kind", "check_token", "block",
-                                             "branch"))
-def _verify(canary_buf, ring, widx, sctr, kctr, slots, etok, epos, prev, nvalid, enable,
-            source_bufs, *, specs, mode, kind, check_token, block, branch):
+def run(*, canary_buf, violation_ring, violation_write_index, slot_run_counter,
+        kernel_run_counter, verify_slot_indices, verify_expected_tokens,
+        verify_expected_positions, verify_prev_slot_indices, verify_num_valid, enable,
+        sources: tuple[tuple[jax.Array, SourceSpec], ...], kernel_kind: int,
+        real_kv_hash_mode: int, check_verify_expected_token: bool, config: Config):
+    """``(violation_ring, violation_write_index, slot_run_counter, kernel_run_counter)`` (no
+    validation; ``canary_buf`` is only read)."""
+    ring, widx, sctr, kctr = (violation_ring, violation_write_index, slot_run_counter,
+                              kernel_run_counter)
+    slots, etok, epos, prev = (verify_slot_indices, verify_expected_tokens,
+                               verify_expected_positions, verify_prev_slot_indices)
+    nvalid = verify_num_valid
+    source_bufs, specs = tuple(b for b, _ in sources), tuple(s for _, s in sources)
+    mode, kind = int(real_kv_hash_mode), int(kernel_kind)
+    check_token = bool(check_verify_expected_token)
+    block, branch = config.block, config.branch
     i64 = jnp.int64
     cap = slots.shape[0]
     enabled = enable[0] != 0
@@ -158,23 +164,3 @@ def _verify(canary_buf, ring, widx, sctr, kctr, slots, etok, epos, prev, nvalid,
     _, ring, total = jax.lax.while_loop(lambda c: c[0] < nblocks, trip,
                                         (jnp.zeros((), i64), ring, jnp.zeros((), i64)))
     return ring, X.ring_index(widx, total), sctr, kctr
-
-
-@_config.with_x64
-def run(*, canary_buf, violation_ring, violation_write_index, slot_run_counter,
-        kernel_run_counter, verify_slot_indices, verify_expected_tokens,
-        verify_expected_positions, verify_prev_slot_indices, verify_num_valid, enable,
-        sources: tuple[tuple[jax.Array, SourceSpec], ...], kernel_kind: int,
-        real_kv_hash_mode: int, check_verify_expected_token: bool, config: Config | None = None):
-    """The array-level verify (``verify_impl``'s arguments; no validation). Returns
-    ``(violation_ring, violation_write_index, slot_run_counter, kernel_run_counter)``."""
-    if config is None:
-        config = heuristics({"num_slots": int(canary_buf.shape[0]),
-                             "capacity": int(verify_slot_indices.shape[0])})
-    return _verify(
-        canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
-        verify_slot_indices, verify_expected_tokens, verify_expected_positions,
-        verify_prev_slot_indices, verify_num_valid, enable, tuple(b for b, _ in sources),
-        specs=tuple(s for _, s in sources), mode=int(real_kv_hash_mode), kind=int(kernel_kind),
-        check_token=bool(check_verify_expected_token), block=config.block, branch=config.branch,
-    )

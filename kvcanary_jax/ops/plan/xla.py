@@ -1,9 +1,8 @@
-"""canary_plan, vectorised XLA implementation (``implementation="xla"``: CPU, TPU, GPU).
+"""canary_plan as plain XLA (``implementation="xla"``: CPU, TPU, GPU).
 
-Same results as the Pallas kernels (:mod:`kvcanary_jax.ops.plan_offsets` and
-:mod:`kvcanary_jax.ops.plan_entries`, whose docstrings state the semantics and the in-bounds
-choices: SGLang's flat ``rp * row_pitch + col`` reads, out-of-table cells read as 0, the LUT index
-clamped to ``lut_len - 1``, expected tokens outside the pool read as -1), byte for byte.
+The semantics of :mod:`kvcanary_jax.ops.plan.base`, byte for byte, with its in-bounds choices
+(SGLang's flat ``rp * row_pitch + col`` reads, out-of-table cells read as 0, the LUT index
+clamped to ``lut_len - 1``, expected tokens outside the pool read as -1).
 
 Shape of the computation, no per-request loop:
 
@@ -28,13 +27,10 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
-from kvcanary_jax import _config
 from kvcanary_jax.ops import _xla_lib as X
-from kvcanary_jax.plans import VerifyPlan, WritePlan
+from kvcanary_jax.ops.plan import base
 
 __all__ = ["Config", "heuristics", "plan_offsets", "plan_entries", "run"]
-
-REQ_POOL_IDX_PADDING = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,12 +58,6 @@ def heuristics(shapes: Mapping[str, int], backend: str | None = None) -> Config:
     return Config(block=ONE_PASS_MAX)
 
 
-def _window_start(prefix, swa_window_size):
-    if swa_window_size > 0:
-        return jnp.maximum(prefix - swa_window_size, 0)
-    return jnp.zeros_like(prefix)
-
-
 def _read(table, rp, col, ok, other):
     """``table`` cells at SGLang's flat address ``rp * row_pitch + col`` (int64); addresses
     outside the table are never read and give ``other``."""
@@ -87,12 +77,9 @@ def _xlat(v, lut):
 
 def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, verify_num_valid,
                  enable, write_num_valid_reqs, *, swa_window_size, verify_capacity):
-    """Offsets step (inside a jit, after validation, ``bs >= 1``): returns ``(verify_offsets[bs
-    + 1], write_offsets, seeds, verify_num_valid, enable, write_num_valid_reqs)``."""
+    """The offsets half (:func:`kvcanary_jax.ops.plan.base.compose`, ``bs >= 1``)."""
     bs = rpi.shape[0]
-    active = rpi != REQ_POOL_IDX_PADDING
-    vlen = jnp.where(active, jnp.maximum(prefix - _window_start(prefix, swa_window_size), 0), 0)
-    wlen = jnp.where(active, jnp.maximum(extend, 0), 0)
+    active, vlen, wlen = base.lens(rpi, prefix, extend, True, swa_window_size)
     zero = jnp.zeros((1,), jnp.int64)
     voff = jnp.concatenate([zero, jnp.cumsum(vlen)])
     wcum = jnp.concatenate([zero, jnp.cumsum(wlen)])
@@ -126,7 +113,7 @@ def _owners(voff, t0, n):
 def _entries_at(t, owner, rpi, prefix, req_to_token, lut, voff, pool, valid_lens, *,
                 swa_window_size, k, mask):
     rp = rpi[owner]
-    pos = _window_start(prefix[owner], swa_window_size) + (t - voff[owner])
+    pos = base.window_start(prefix[owner], swa_window_size) + (t - voff[owner])
     slot = _xlat(_read(req_to_token, rp, pos, mask, 0), lut)
     prev = jnp.where(pos > 0, _xlat(_read(req_to_token, rp, pos - 1, mask & (pos > 0), 0), lut),
                      -1)
@@ -141,8 +128,8 @@ def _entries_at(t, owner, rpi, prefix, req_to_token, lut, voff, pool, valid_lens
 def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, valid_lens,
                  slots, tokens, positions, prevs, *, swa_window_size,
                  kv_token_id_vs_position_offset, block=0):
-    """Entries step (inside a jit, after validation, ``bs >= 1``): returns the four verify
-    arrays, entries ``[0, live)`` filled and the rest as given."""
+    """The entries half (:func:`kvcanary_jax.ops.plan.base.compose`, ``bs >= 1``): the four
+    verify arrays, entries ``[0, live)`` filled and the rest as given."""
     bs = rpi.shape[0]
     cap = slots.shape[0]
     outs = (slots, tokens, positions, prevs)
@@ -176,44 +163,11 @@ def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, v
     return outs
 
 
-@functools.partial(jax.jit, static_argnames=("swa_window_size", "verify_capacity",
-                                             "kv_token_id_vs_position_offset", "block"))
-def _plan(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, *, swa_window_size,
-          verify_capacity, kv_token_id_vs_position_offset, block):
-    if rpi.shape[0] == 0:  # SGLang: no entries, enable 1, write offsets all 0, nothing else
-        return (
-            dataclasses.replace(vp, verify_num_valid=X.overwrite(vp.verify_num_valid, 0),
-                                enable=X.overwrite(vp.enable, 1)),
-            dataclasses.replace(wp, write_offsets=X.overwrite(wp.write_offsets, 0),
-                                write_num_valid_reqs=X.overwrite(wp.write_num_valid_reqs, 0)),
-        )
-    voff, wo, seeds, nv, en, wn = plan_offsets(
-        rpi, prefix, extend, rtt, lut, wp.write_offsets, wp.write_seed_slot_indices,
-        vp.verify_num_valid, vp.enable, wp.write_num_valid_reqs,
-        swa_window_size=swa_window_size, verify_capacity=verify_capacity)
-    slots, toks, poss, prevs = plan_entries(
-        rpi, prefix, rtt, lut, voff, en, pool, valid_lens, vp.verify_slot_indices,
-        vp.verify_expected_tokens, vp.verify_expected_positions, vp.verify_prev_slot_indices,
-        swa_window_size=swa_window_size,
-        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, block=block)
-    return (
-        VerifyPlan(verify_slot_indices=slots, verify_expected_tokens=toks,
-                   verify_expected_positions=poss, verify_prev_slot_indices=prevs,
-                   verify_num_valid=nv, enable=en),
-        WritePlan(write_offsets=wo, write_seed_slot_indices=seeds, write_num_valid_reqs=wn),
-    )
-
-
-@_config.with_x64
-def run(vp: VerifyPlan, wp: WritePlan, rpi, prefix, extend, req_to_token, lut, pool, valid_lens,
-        *, swa_window_size: int, verify_capacity: int, kv_token_id_vs_position_offset: int,
-        config: Config | None = None) -> tuple[VerifyPlan, WritePlan]:
-    """The array-level plan (``_plan_jit``'s arguments; no validation). ``req_to_token`` and
-    ``pool`` are ``[rows, row_pitch]`` tables (compact bases whose pitch may exceed the logical
-    width). Returns the filled ``(VerifyPlan, WritePlan)``."""
-    if config is None:
-        config = heuristics({"verify_capacity": int(vp.verify_slot_indices.shape[0])})
-    return _plan(vp, wp, rpi, prefix, extend, req_to_token, lut, pool, valid_lens,
-                 swa_window_size=int(swa_window_size), verify_capacity=int(verify_capacity),
-                 kv_token_id_vs_position_offset=int(kv_token_id_vs_position_offset),
-                 block=config.block)
+def run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, *, swa_window_size: int,
+        verify_capacity: int, kv_token_id_vs_position_offset: int, config: Config):
+    """``(VerifyPlan, WritePlan)`` filled (``bs >= 1``; no validation). ``rtt`` and ``pool``
+    are ``[rows, row_pitch]`` tables (compact bases whose pitch may exceed the logical width)."""
+    return base.compose(plan_offsets, functools.partial(plan_entries, block=config.block), vp, wp,
+                        rpi, prefix, extend, rtt, lut, pool, valid_lens,
+                        swa_window_size=swa_window_size, verify_capacity=verify_capacity,
+                        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)

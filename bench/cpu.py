@@ -1,0 +1,239 @@
+"""``python -m bench.cpu``: every op's ``xla`` implementation against ``pallas_interpret`` on the
+CPU, in one run, plus the demo's median step.
+
+Cases: verify 64k and 1M entries (clean chains, three corrupted tokens), write 64 x 128 and
+1 x 2,048 tokens (seeded chains, chain-position assert on), plan bs 256 and 4,096 (decode
+batches, prefixes up to 2,048, the expected-token pool on), scatter 256 x 2,048, and the demo's
+clean run (``kvcanary-jax demo`` settings; median step, first step excluded). Inputs are the GPU
+bench's (``bench/op_*.py``).
+
+Method: wall time per call on the host clock, a jitted call then ``block_until_ready``, inputs
+built once and not donated (each call writes fresh outputs); the implementations alternate
+round by round, so the load of a shared machine weighs on both alike. Medians and minima over
+the rounds; the ratio is interpret / xla of the medians. Before timing, the two implementations'
+outputs are compared byte for byte (``equal``).
+
+Writes ``results.json`` and ``results.md`` under ``--out`` (default
+``bench/results/cpu``) and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+from bench import op_plan, op_scatter, op_verify, op_write
+
+IMPLEMENTATIONS = ("xla", "pallas_interpret")
+RING = 1024
+PLAN_MAX_PREFIX = op_plan.MAX_PREFIX  # the GPU bench's decode prefixes
+
+
+def _verify(entries):
+    import jax.numpy as jnp
+
+    import kvcanary_jax as kc
+    from bench import common
+
+    d = op_verify._inputs(entries, seed=entries)
+    ctx = common.jax_context(d["canary_buf"], "HEAD_K_FULL", RING)
+    plan = kc.VerifyPlan(
+        verify_slot_indices=common.to_jax(d["slots"]),
+        verify_expected_tokens=common.to_jax(d["tokens"]),
+        verify_expected_positions=common.to_jax(d["positions"]),
+        verify_prev_slot_indices=common.to_jax(d["prev"]),
+        verify_num_valid=jnp.array([entries], jnp.int32), enable=jnp.ones(1, jnp.int32))
+
+    def fn(impl):
+        return lambda c, p: kc.canary_verify(context=c, plan=p, check_verify_expected_token=True,
+                                             implementation=impl)
+
+    return fn, (ctx, plan)
+
+
+def _write(reqs, tokens):
+    import jax.numpy as jnp
+
+    import kvcanary_jax as kc
+    from bench import common
+
+    d = op_write._inputs(reqs, tokens, seed=reqs * tokens)
+    ctx = common.jax_context(d["canary_buf"], "TAIL_K_FULL", RING)
+    plan = kc.WritePlan(write_offsets=common.to_jax(d["write_offsets"]),
+                        write_seed_slot_indices=common.to_jax(d["seeds"]),
+                        write_num_valid_reqs=jnp.array([reqs], jnp.int32))
+    arrays = [common.to_jax(d[k]) for k in ("input_ids", "positions", "out_cache_loc")]
+
+    def fn(impl):
+        return lambda c, p, ids, pos, loc: kc.canary_write(
+            context=c, plan=p, input_ids=ids, positions=pos, out_cache_loc=loc,
+            enable_write_input_assert=False, expected_input_tokens=None,
+            expected_input_positions=None, implementation=impl)
+
+    return fn, (ctx, plan, *arrays)
+
+
+def _plan(bs):
+    import kvcanary_jax as kc
+    from bench import common
+
+    d = op_plan._inputs(bs, seed=bs, max_prefix=PLAN_MAX_PREFIX)
+    cap = bs * PLAN_MAX_PREFIX
+    vp = kc.VerifyPlan.allocate(verify_capacity=cap)
+    wp = kc.WritePlan.allocate(write_req_capacity=bs)
+    args = {k: common.to_jax(v) for k, v in d.items()}
+
+    def fn(impl):
+        return lambda vp, wp, a: kc.canary_plan(
+            verify_plan_out=vp, write_plan_out=wp, **a, swa_window_size=0,
+            full_to_swa_index_mapping=None, verify_capacity=cap,
+            kv_token_id_vs_position_offset=0, implementation=impl)
+
+    return fn, (vp, wp, args)
+
+
+def _scatter(bs, seq):
+    import kvcanary_jax as kc
+    from bench import common
+
+    arrays = [common.to_jax(a) for a in op_scatter._inputs(bs, seq, seed=bs * 7 + seq)]
+
+    def fn(impl):
+        return lambda f, o, r, p: kc.scatter_req_token_ids(
+            flat_in=f, offsets=o, req_pool_indices=r, pool_out=p, implementation=impl)
+
+    return fn, tuple(arrays)
+
+
+CASES = (
+    ("verify", "64k entries", lambda: _verify(1 << 16)),
+    ("verify", "1M entries", lambda: _verify(1 << 20)),
+    ("write", "64 x 128 tokens", lambda: _write(64, 128)),
+    ("write", "1 x 2,048 tokens", lambda: _write(1, 2048)),
+    ("plan", "bs 256", lambda: _plan(256)),
+    ("plan", "bs 4,096", lambda: _plan(4096)),
+    ("scatter", "256 x 2,048", lambda: _scatter(256, 2048)),
+)
+
+
+def _leaves(tree):
+    import jax
+
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def _time_op(build, rounds, impls):
+    import jax
+
+    with jax.enable_x64(True):
+        fn, args = build()
+        jitted = {i: jax.jit(fn(i)) for i in impls}
+        out, compile_s = {}, {}
+        for i in impls:
+            t0 = time.perf_counter()
+            out[i] = _leaves(jax.block_until_ready(jitted[i](*args)))
+            compile_s[i] = time.perf_counter() - t0
+        first = out[impls[0]]
+        equal = all(len(o) == len(first) and all(np.array_equal(a, b) for a, b in zip(o, first))
+                    for o in out.values())
+        times = {i: [] for i in impls}
+        for _ in range(rounds):
+            for i in impls:
+                t0 = time.perf_counter()
+                jax.block_until_ready(jitted[i](*args))
+                times[i].append(time.perf_counter() - t0)
+    return equal, compile_s, times
+
+
+def _time_demo(steps, impls):
+    """Median step of the demo's clean run (first step, which compiles, excluded)."""
+    from kvcanary_jax import sim
+
+    times, ok = {}, True
+    for i in impls:
+        cfg = sim.SimConfig(steps=steps, implementation=i)
+        server, infos, _ = sim.run_clean(cfg)
+        times[i] = [s.seconds for s in infos[1:]]
+        from kvcanary_jax import runtime as rt
+
+        ok = ok and rt.violation_count(server.state) == 0
+    return ok, times
+
+
+def _summary(times):
+    return {"median_ms": 1e3 * float(np.median(times)), "min_ms": 1e3 * float(np.min(times)),
+            "rounds": len(times)}
+
+
+def markdown(result) -> str:
+    impls = result["implementations"]
+    head = ["op", "case"] + [f"{i} median ms (min)" for i in impls] + [
+        f"{impls[1]} / {impls[0]}", "equal"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * 2 + " ---: |" * (len(impls) + 1)
+             + " --- |"]
+    for r in result["rows"]:
+        cells = [r["op"], r["case"]]
+        for i in impls:
+            s = r[i]
+            cells.append(f"{s['median_ms']:.2f} ({s['min_ms']:.2f})")
+        cells.append(f"{r[impls[1]]['median_ms'] / r[impls[0]]['median_ms']:.0f}x")
+        cells.append("yes" if r["equal"] else "NO")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.cpu", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5, help="timed calls per implementation")
+    ap.add_argument("--demo-steps", type=int, default=12, help="clean demo steps per impl.")
+    ap.add_argument("--only", default="", help="comma list of ops (verify,write,plan,scatter,"
+                    "demo); default all")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu"))
+    args = ap.parse_args(argv)
+
+    from kvcanary_jax.cli import select_device
+
+    select_device("cpu")
+    import jax
+
+    only = {o for o in args.only.split(",") if o}
+    rows = []
+    for op, case, build in CASES:
+        if only and op not in only:
+            continue
+        print(f"bench.cpu: {op} {case} ...", file=sys.stderr, flush=True)
+        equal, compile_s, times = _time_op(build, args.rounds, IMPLEMENTATIONS)
+        rows.append({"op": op, "case": case, "equal": equal, "compile_s": compile_s,
+                     **{i: _summary(t) for i, t in times.items()}})
+    if not only or "demo" in only:
+        print("bench.cpu: demo ...", file=sys.stderr, flush=True)
+        ok, times = _time_demo(args.demo_steps, IMPLEMENTATIONS)
+        rows.append({"op": "demo", "case": f"median step ({args.demo_steps} clean steps)",
+                     "equal": ok, **{i: _summary(t) for i, t in times.items()}})
+    result = {
+        "implementations": list(IMPLEMENTATIONS),
+        "environment": {"python": platform.python_version(), "jax": jax.__version__,
+                        "cpu": platform.processor() or platform.machine(),
+                        "cpu_count": os.cpu_count(), "load_avg": os.getloadavg()},
+        "rounds": args.rounds,
+        "rows": rows,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    table = markdown(result)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(table)
+    print(table)
+    return 0 if all(r["equal"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,260 @@
+"""Golden cases: inputs and SGLang 0.5.23's outputs for each op, committed as
+``tests/golden/<op>.npz``.
+
+They let a run without torch and SGLang (the newest-JAX CI leg) check every implementation
+against SGLang's results, not only against our own references. The cases come from the suites'
+case builders with fixed seeds (cross-request hazards, ring overflows, real-KV sources of every
+layout, SWA LUTs, expected-token pools, corrupted canaries); the torch leg rebuilds them and
+reruns SGLang on them (``tests/test_golden.py``), so the files cannot drift from SGLang.
+
+Rewrite the files after changing a case builder: ``python tests/_golden.py`` (needs torch and
+``sglang==0.5.23``, as the torch leg).
+
+File layout: one ``.npz`` per op; case ``i`` stores its arrays under ``"{i:03d}.<name>"`` and its
+scalars as JSON under ``"{i:03d}.meta"`` (no pickles). Loading needs numpy only; running a case
+needs JAX.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+
+import numpy as np
+
+import _canary_support as S
+
+DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
+OPS = ("scatter", "plan", "write", "verify")
+
+
+# ---------------------------------------------------------------------------------------------
+# Storage
+
+
+def path(op: str) -> str:
+    return os.path.join(DIR, f"{op}.npz")
+
+
+def save(op: str, cases: list[dict]) -> str:
+    """Cases are dicts of numpy arrays plus one ``"meta"`` dict of JSON scalars."""
+    out = {}
+    for i, case in enumerate(cases):
+        for k, v in case.items():
+            if k == "meta":
+                out[f"{i:03d}.meta"] = np.array(json.dumps(v, sort_keys=True))
+            else:
+                out[f"{i:03d}.{k}"] = np.asarray(v)
+    os.makedirs(DIR, exist_ok=True)
+    np.savez_compressed(path(op), **out)
+    return path(op)
+
+
+def load(op: str) -> list[dict]:
+    with np.load(path(op), allow_pickle=False) as f:
+        cases: dict[int, dict] = {}
+        for key in f.files:
+            i, name = key.split(".", 1)
+            v = f[key]
+            cases.setdefault(int(i), {})[name] = json.loads(str(v)) if name == "meta" else v
+    return [cases[i] for i in sorted(cases)]
+
+
+def same(a: list[dict], b: list[dict]) -> list[str]:
+    """Where two case lists differ (empty when equal, dtypes and shapes included)."""
+    if len(a) != len(b):
+        return [f"{len(a)} cases vs {len(b)}"]
+    bad = []
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x.keys() != y.keys():
+            bad.append(f"case {i}: keys {sorted(x)} vs {sorted(y)}")
+            continue
+        for k in x:
+            if k == "meta":
+                if x[k] != y[k]:
+                    bad.append(f"case {i}: meta {x[k]} vs {y[k]}")
+            elif x[k].dtype != y[k].dtype or not np.array_equal(x[k], y[k]):
+                bad.append(f"case {i}: {k}")
+    return bad
+
+
+# ---------------------------------------------------------------------------------------------
+# Canary state, sources, launches <-> flat case fields
+
+
+def _put_state(case, prefix, st: S.State):
+    case[prefix + "canary"], case[prefix + "ring"] = st.canary, st.ring
+    case["meta"].update({prefix + "widx": st.widx, prefix + "sctr": st.sctr,
+                         prefix + "kctr": st.kctr})
+
+
+def state(case, prefix) -> S.State:
+    m = case["meta"]
+    return S.State(case[prefix + "canary"].copy(), case[prefix + "ring"].copy(),
+                   m[prefix + "widx"], m[prefix + "sctr"], m[prefix + "kctr"])
+
+
+def _put_sources(case, sources):
+    case["meta"]["sources"] = [dict(page_size=s.page_size, nbpt=s.nbpt, read_bytes=s.read_bytes,
+                                    dtype=s.dtype, pad=s.pad) for s in sources]
+    for j, s in enumerate(sources):
+        case[f"src{j}"] = s.u8
+
+
+def _get_sources(case):
+    return [S.Src(case[f"src{j}"].copy(), d["page_size"], d["nbpt"], d["read_bytes"], d["dtype"],
+                  d["pad"]) for j, d in enumerate(case["meta"]["sources"])]
+
+
+_WRITE_ARRAYS = ("offsets", "seeds", "ids", "pos", "ocl", "etok", "epos")
+_VERIFY_ARRAYS = ("slots", "etok", "epos", "prev")
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the cases (torch and SGLang)
+
+
+def _scatter_cases(sgl):
+    import test_scatter as T
+
+    cases = []
+    for bucket, n in ((0, 24),):
+        bs_cap, tok_cap, rows, cols = T.BUCKETS[bucket]
+        rng = np.random.default_rng(5000 + bucket)
+        for _ in range(n):
+            flat, offsets, rpi, pool = T.draw_case(rng, bs_cap, tok_cap, rows, cols)
+            args = T.pad_case(flat, offsets, rpi, bs_cap, tok_cap)
+            cases.append({"meta": {}, "flat_in": args[0], "offsets": args[1],
+                          "req_pool_indices": args[2], "pool_in": pool,
+                          "pool_out": T.oracle(sgl, flat, offsets, rpi, pool)})
+    return cases
+
+
+_PLAN_FIELDS = ("rpi", "prefix", "extend", "rtt", "lut", "pool", "vl")
+
+
+def _plan_cases(sgl):
+    import test_plan as T
+
+    cases = []
+    for family, buckets in sorted(T.FAMILIES.items()):
+        rng = np.random.default_rng(zlib.crc32(b"golden " + family.encode()))
+        for i in range(10):
+            c = T.gen_case(rng, buckets[i % len(buckets)])
+            case = {"meta": {"W": c.W, "vc": c.vc, "wc": c.wc, "k": c.k}}
+            case.update({f: getattr(c, f) for f in _PLAN_FIELDS if getattr(c, f) is not None})
+            case.update({"out." + k: v for k, v in T.run_oracle(sgl, c).items()})
+            cases.append(case)
+    return cases
+
+
+def _write_cases(sgl):
+    import test_write as T
+
+    cases = []
+    rng = np.random.default_rng(5100)
+    for k in range(24):
+        stride, assert_on, mode, layout = T.WRITE_BUCKETS[k % len(T.WRITE_BUCKETS)]
+        st = S.State.zeros(S.NUM_SLOTS, S.RING_CAP, stride)
+        st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape, dtype=np.int64)
+        st.canary_i64[:, 1] = rng.integers(-2, 30, S.NUM_SLOTS)
+        st.widx = int(rng.integers(0, S.RING_CAP + 4))
+        st.ring[:min(st.widx, S.RING_CAP)] = rng.integers(-9, 9, (min(st.widx, S.RING_CAP), 8))
+        launch = T.random_launch(rng, st, assert_on, kind=(2, 8, 5, 11)[k % 4], hazards=True)
+        sources = S.bucket_sources(rng, layout)
+        _, ref = S.run_write(sgl, st, **launch, sources=sources, mode=mode, ours=False)
+        case = {"meta": {"mode": mode, **{k: launch[k] for k in
+                                          ("num_valid", "assert_on", "cpa", "kind")}}}
+        case.update({k: np.asarray(launch[k], np.int64) for k in _WRITE_ARRAYS
+                     if launch[k] is not None})
+        _put_state(case, "in.", st)
+        _put_state(case, "out.", ref)
+        _put_sources(case, sources)
+        cases.append(case)
+    return cases
+
+
+def _verify_cases(sgl):
+    import test_verify as T
+
+    cases = []
+    for mode in (0, 1, 2):
+        rng = np.random.default_rng(5200 + mode)
+        for k in range(8):
+            trip = S.make_trip(rng, mode, k % len(S.BUCKETS))
+            st = S.run_trip(sgl, rng, trip)
+            entries = S.verify_entries(rng, trip.chains)
+            kind = T.KINDS[k % len(T.KINDS)]
+            if any(trip.chains) and (trip.sources or kind != "real_kv_byte"):
+                entries = T.corrupt(rng, kind, trip, st, entries) or entries
+            plan = S.verify_plan(*entries)
+            _, ref = S.run_verify(sgl, st, **plan, sources=trip.sources, mode=mode,
+                                  check_token=trip.check_token, ours=False)
+            case = {"meta": {"mode": mode, "check_token": trip.check_token,
+                             "num_valid": plan["num_valid"]}}
+            case.update({k: plan[k] for k in _VERIFY_ARRAYS})
+            _put_state(case, "in.", st)
+            _put_state(case, "out.", ref)
+            _put_sources(case, trip.sources)
+            cases.append(case)
+    return cases
+
+
+BUILDERS = {"scatter": _scatter_cases, "plan": _plan_cases, "write": _write_cases,
+            "verify": _verify_cases}
+
+
+def build(op: str, sgl) -> list[dict]:
+    """The golden cases of ``op``, inputs from the suites' builders, outputs from SGLang."""
+    return BUILDERS[op](sgl)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a case (numpy and JAX only)
+
+
+def run(op: str, case: dict, implementation: str) -> tuple[dict, dict]:
+    """``(ours, expected)``: the outputs of ``implementation`` on the case and SGLang's, as
+    dicts of numpy arrays / ints with the same keys."""
+    import jax
+
+    import kvcanary_jax as kc
+
+    m = case["meta"]
+    if op == "scatter":
+        with jax.enable_x64(True):
+            got = kc.scatter_req_token_ids(
+                flat_in=case["flat_in"], offsets=case["offsets"],
+                req_pool_indices=case["req_pool_indices"], pool_out=case["pool_in"],
+                implementation=implementation)
+        return {"pool_out": np.asarray(got)}, {"pool_out": case["pool_out"]}
+    if op == "plan":
+        import test_plan as T
+
+        c = T.Case(*(case.get(f) for f in ("rpi", "prefix", "extend", "rtt")), W=m["W"],
+                   lut=case.get("lut"), vc=m["vc"], wc=m["wc"], pool=case.get("pool"),
+                   vl=case.get("vl"), k=m["k"])
+        want = {k.removeprefix("out."): v for k, v in case.items() if k.startswith("out.")}
+        return T.run_ours(c, implementation), want
+    sources = _get_sources(case)
+    st = state(case, "in.")
+    if op == "write":
+        launch = {k: case.get(k) for k in _WRITE_ARRAYS}
+        launch.update({k: m[k] for k in ("num_valid", "assert_on", "cpa", "kind")})
+        got, _ = S.run_write(None, st, **launch, sources=sources, mode=m["mode"],
+                             reference=False, implementation=implementation)
+    else:
+        got, _ = S.run_verify(None, st, **{k: case[k] for k in _VERIFY_ARRAYS},
+                              num_valid=m["num_valid"], check_token=m["check_token"],
+                              sources=sources, mode=m["mode"], reference=False,
+                              implementation=implementation)
+    return got, state(case, "out.")
+
+
+if __name__ == "__main__":
+    from kvcanary_jax import oracle
+
+    sgl = oracle.load()
+    for op in OPS:
+        print("wrote", save(op, build(op, sgl)))
