@@ -207,8 +207,8 @@ def test_well_formed_reference_agrees_with_oracle_on_negative_start(sgl, impl):
     pool = np.full((2, 4), MARK, np.int32)
     got = _ours(impl, flat, offsets, rpi, pool)
     np.testing.assert_array_equal(got[1], [MARK, MARK, 1, 2])  # columns 2, 3 <- flat[0], flat[1]
-    oracle = oracle(sgl, flat, offsets, rpi, pool)
-    np.testing.assert_array_equal(oracle[1], [MARK] * 4)  # flat[-2:2] is empty in Python
+    want = oracle(sgl, flat, offsets, rpi, pool)
+    np.testing.assert_array_equal(want[1], [MARK] * 4)  # flat[-2:2] is empty in Python
 
 
 @pytest.mark.parametrize("impl", IMPLS)
