@@ -15,6 +15,20 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+# What the op modules measure as "ours": the implementation (None: the platform's default) and
+# whether they also time SGLang and the other peers (the runner does that once, with its first
+# implementation, when it runs several: ``python -m bench --implementations pallas_triton,xla``).
+RUN = {"implementation": None, "peers": True}
+
+
+def implementation():
+    return RUN["implementation"]
+
+
+def time_peers() -> bool:
+    return on_gpu() and RUN["peers"]
+
+
 def torch_device() -> str:
     import torch
 

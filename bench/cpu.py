@@ -13,8 +13,8 @@ round by round, so the load of a shared machine weighs on both alike. Medians an
 the rounds; the ratio is interpret / xla of the medians. Before timing, the two implementations'
 outputs are compared byte for byte (``equal``).
 
-Writes ``results.json`` and ``results.md`` under ``--out`` (default
-``bench/results/cpu``) and prints the table.
+Writes ``results.json`` and ``results.md`` under ``--out`` (default ``bench/results/cpu`` under
+the current directory) and prints the table.
 """
 
 from __future__ import annotations
@@ -79,12 +79,12 @@ def _write(reqs, tokens):
     return fn, (ctx, plan, *arrays)
 
 
-def _plan(bs):
+def _plan(bs, max_prefix=PLAN_MAX_PREFIX):
     import kvcanary_jax as kc
     from bench import common
 
-    d = op_plan._inputs(bs, seed=bs, max_prefix=PLAN_MAX_PREFIX)
-    cap = bs * PLAN_MAX_PREFIX
+    d = op_plan._inputs(bs, seed=bs, max_prefix=max_prefix)
+    cap = bs * max_prefix
     vp = kc.VerifyPlan.allocate(verify_capacity=cap)
     wp = kc.WritePlan.allocate(write_req_capacity=bs)
     args = {k: common.to_jax(v) for k, v in d.items()}
@@ -119,6 +119,13 @@ CASES = (
     ("plan", "bs 256", lambda: _plan(256)),
     ("plan", "bs 4,096", lambda: _plan(4096)),
     ("scatter", "256 x 2,048", lambda: _scatter(256, 2048)),
+)
+# Tiny cases for the smoke test (tests/test_bench_smoke.py): the bench cannot rot unseen.
+SMOKE_CASES = (
+    ("verify", "256 entries", lambda: _verify(256)),
+    ("write", "3 x 17 tokens", lambda: _write(3, 17)),
+    ("plan", "bs 5", lambda: _plan(5, max_prefix=16)),
+    ("scatter", "5 x 40", lambda: _scatter(5, 40)),
 )
 
 
@@ -191,11 +198,15 @@ def markdown(result) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cpu", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny cases, one round, 3 demo steps")
     ap.add_argument("--rounds", type=int, default=5, help="timed calls per implementation")
     ap.add_argument("--demo-steps", type=int, default=12, help="clean demo steps per impl.")
     ap.add_argument("--only", default="", help="comma list of ops (verify,write,plan,scatter,"
                     "demo); default all")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu"))
+    # Relative to the current directory (a checkout's root), never inside an installed package.
+    ap.add_argument("--out", default=os.path.join("bench", "results", "cpu"),
+                    help="output directory (default: bench/results/cpu under the current "
+                    "directory)")
     args = ap.parse_args(argv)
 
     from kvcanary_jax.cli import select_device
@@ -204,8 +215,10 @@ def main(argv=None) -> int:
     import jax
 
     only = {o for o in args.only.split(",") if o}
+    if args.smoke:
+        args.rounds, args.demo_steps = 1, 3
     rows = []
-    for op, case, build in CASES:
+    for op, case, build in SMOKE_CASES if args.smoke else CASES:
         if only and op not in only:
             continue
         print(f"bench.cpu: {op} {case} ...", file=sys.stderr, flush=True)

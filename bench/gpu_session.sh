@@ -3,10 +3,13 @@
 # the GPU machine (which has no network): wheels that its image lacks travel in .whl/
 # (apache-tvm-ffi and msgspec for SGLang's CUDA JIT kernels, and the sglang wheel itself).
 #   usage: bash bench/gpu_session.sh [tests] [sanitize] [bench-quick|bench-full] [bench-ops=a,b]
+#                                    [bench-impls]
 #                                    [bridge]   (the bridge's GPU tests, sanitizer run and bench)
 #                                    [sglang-jax]   (the canary next to sglang-jax's step; its
 #   wheels travel in .whl/sglang_jax/: on a machine with the registry and Python 3.12,
 #   pip download --no-deps -r requirements-sglang-jax.txt -d .whl/sglang_jax)
+# bench-impls: the full case list with every op's pallas_triton and xla implementations side by
+# side (SGLang and the peers timed once, with pallas_triton), into $OUT/bench-impls.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -50,5 +53,8 @@ for step in "$@"; do
       /tmp/venv-sgljax/bin/pip install -q --no-index --no-deps .whl/sglang_jax/*.whl 2>&1 | tail -2
       JAX_PLATFORMS=cuda timeout 540 /tmp/venv-sgljax/bin/python -m bench.sglang_jax_step \
         --out $OUT/sglang_jax 2>&1 | grep -v "^WARNING" | tail -20 ;;
+    bench-impls)
+      python3 -m bench --iters 40 --ops "${OPS/,bridge/}" --implementations pallas_triton,xla \
+        --out $OUT/bench-impls 2>&1 | tail -80 ;;
   esac
 done

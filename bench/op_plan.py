@@ -52,7 +52,9 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
         kw = dict(swa_window_size=0, full_to_swa_index_mapping=None, verify_capacity=cap,
                   kv_token_id_vs_position_offset=0)
         with jax.enable_x64(True):
-            fn = jax.jit(lambda vp, wp, a: kc.canary_plan(verify_plan_out=vp, write_plan_out=wp, **a, **kw),
+            fn = jax.jit(lambda vp, wp, a: kc.canary_plan(
+                verify_plan_out=vp, write_plan_out=wp, **a, **kw,
+                implementation=common.implementation()),
                          donate_argnums=(0, 1))
 
             def fresh(seed):
@@ -99,7 +101,7 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
                    "nv": vp_t.verify_num_valid, "en": vp_t.enable, "wo": wp_t.write_offsets,
                    "seed": wp_t.write_seed_slot_indices, "nr": wp_t.write_num_valid_reqs}
             row["ours_correct"] = all(np.array_equal(ours[n], ref[n].cpu().numpy()) for n in ours)
-        if use_kernel:
+        if use_kernel and common.time_peers():
             tsets = [sgl_fresh(s) for s in range(k)]
 
             def run_sgl(i):

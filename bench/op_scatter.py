@@ -42,6 +42,7 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
         # Ours: the documented in-place call (jit + donation), rotating among k input sets.
         with jax.enable_x64(True):
             fn = jax.jit(lambda f, o, r, p: kc.scatter_req_token_ids(
+                implementation=common.implementation(),
                 flat_in=f, offsets=o, req_pool_indices=r, pool_out=p), donate_argnums=3)
             sets = [[common.to_jax(a) for a in _inputs(bs, seq, seed=s)] for s in range(k)]
             # Correctness first, against SGLang's torch reference: a fast wrong kernel is no result.
@@ -63,7 +64,7 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
             row["ours_call"] = timing.call_time(run_ours, sync_ours, iters=iters)
             del sets
 
-        if gpu:
+        if common.time_peers():
             import torch
             from bench.triton_scatter import scatter_2d
 

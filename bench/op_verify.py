@@ -135,7 +135,8 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
                     verify_num_valid=jnp.array([entries], jnp.int32), enable=jnp.ones(1, jnp.int32))
                 return [ctx, plan]
 
-            fn = jax.jit(lambda ctx, plan: kc.canary_verify(context=ctx, plan=plan,
+            fn = jax.jit(lambda ctx, plan: kc.canary_verify(implementation=common.implementation(),
+                                                            context=ctx, plan=plan,
                                                             check_verify_expected_token=True),
                          donate_argnums=0)
             ctx = fn(*fresh(entries))
@@ -175,7 +176,7 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
                    int(c_t.kernel_run_counter[0]), _rows(c_t.violation_ring.cpu(), int(c_t.violation_write_index[0])))
             row["ours_correct"] = ours == ref
             row["violations"] = ref[0]
-        if gpu:
+        if common.time_peers():
             tsets = [sgl_fresh(s) for s in range(k)]
 
             def run_sgl(i):

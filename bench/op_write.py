@@ -63,6 +63,7 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
                         common.to_jax(d["out_cache_loc"])]
 
             fn = jax.jit(lambda ctx, plan, ids, pos, loc: kc.canary_write(
+                implementation=common.implementation(),
                 context=ctx, plan=plan, input_ids=ids, positions=pos, out_cache_loc=loc, **call_kw),
                 donate_argnums=0)
             ctx = fn(*fresh(n))
@@ -100,7 +101,7 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
             ref = [c_t.canary_buf.cpu().numpy(), c_t.violation_ring.cpu().numpy(),
                    int(c_t.violation_write_index[0]), int(c_t.slot_run_counter[0]), int(c_t.kernel_run_counter[0])]
             row["ours_correct"] = all(np.array_equal(a, b) for a, b in zip(ours, ref))
-        if gpu:
+        if common.time_peers():
             tsets = [sgl_fresh(s) for s in range(k)]
 
             def run_sgl(i):

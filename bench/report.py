@@ -18,6 +18,41 @@ def _fmt(x, nd=1):
     return "-" if x is None else f"{x:.{nd}f}"
 
 
+def _first_impl_rows(result: dict) -> list[dict]:
+    """The rows of the run's first implementation (all rows of a run before the axis existed):
+    the ones compared with SGLang and the peers."""
+    rows = result["rows"]
+    impls = {r.get("implementation") for r in rows if r["op"] != "bridge"}
+    if len(impls) <= 1:
+        return rows
+    first = next(r["implementation"] for r in rows if r["op"] != "bridge")
+    return [r for r in rows if r["op"] == "bridge" or r.get("implementation") == first]
+
+
+def implementations_table(result: dict) -> list[str]:
+    """Device time per call of every implementation the run timed, case by case, and each
+    one's ratio to the first (empty when the run timed one)."""
+    rows = [r for r in result["rows"] if r["op"] != "bridge" and "implementation" in r]
+    impls = list(dict.fromkeys(r["implementation"] for r in rows))
+    if len(impls) < 2:
+        return []
+    by_case = {}
+    for r in rows:
+        by_case.setdefault((r["op"], r["case"]), {})[r["implementation"]] = r
+    head = ["op", "case"] + impls + [f"{i}/{impls[0]}" for i in impls[1:]] + ["correct"]
+    lines = ["", "Implementations (device time per call, us; correct: equal to SGLang):", "",
+             "| " + " | ".join(head) + " |",
+             "| --- | --- |" + " ---: |" * (2 * len(impls) - 1) + " --- |"]
+    for (op, case), got in by_case.items():
+        t = [_med(got[i], "ours") if i in got else None for i in impls]
+        ratios = [None if a is None or not t[0] else a / t[0] for a in t[1:]]
+        ok = [got[i].get("ours_correct") for i in impls if i in got]
+        correct = "-" if any(v is None for v in ok) else ("yes" if all(ok) else "NO")
+        lines.append(f"| {op} | {case} | " + " | ".join(_fmt(x) for x in t) + " | "
+                     + " | ".join(_fmt(x, 2) for x in ratios) + f" | {correct} |")
+    return lines
+
+
 def markdown(result: dict) -> str:
     env = result["environment"]
     lines = [
@@ -34,7 +69,8 @@ def markdown(result: dict) -> str:
         "| op | case | ours | SGLang 0.5.23 | Triton 2-D | byte floor | gather floor | ours/SGLang | ours/best Triton | ours/byte floor | correct |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
-    for row in result["rows"]:
+    first_rows = _first_impl_rows(result)
+    for row in first_rows:
         if "ours" not in row:
             continue
         ours, sgl, t2d = _med(row, "ours"), _med(row, "sglang"), _med(row, "triton_2d")
@@ -49,7 +85,8 @@ def markdown(result: dict) -> str:
             f"{_fmt(ratio(ours, sgl), 2)} | {_fmt(ratio(ours, best), 2)} | {_fmt(ratio(ours, floor), 2)} | "
             f"{'-' if correct is None else ('yes' if correct else 'NO')} |"
         )
-    calls = [r for r in result["rows"] if "ours_call" in r]
+    lines += implementations_table(result)
+    calls = [r for r in first_rows if "ours_call" in r]
     if calls:
         lines += ["", "Call time from Python (us per call, async launches back to back; bridge rows: "
                   "torch tensors in and out through the bridge, the fused step against the sum of "
@@ -70,9 +107,10 @@ def plots(result: dict, out_dir: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ops = sorted({r["op"] for r in result["rows"]})
+    first_rows = _first_impl_rows(result)
+    ops = sorted({r["op"] for r in first_rows})
     for op in ops:
-        rows = [r for r in result["rows"] if r["op"] == op]
+        rows = [r for r in first_rows if r["op"] == op]
         xkey = "bytes" if all("bytes" in r for r in rows) else None
         if xkey is None:
             continue

@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m bench") -> int
     mode.add_argument("--smoke", action="store_true", help="tiny cases, CPU interpret mode")
     ap.add_argument("--ops", default=",".join(OPS), help="comma list of ops to run")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per case")
+    ap.add_argument("--implementations", default="",
+                    help="comma list of implementations to time as 'ours' (default: the "
+                    "platform's); SGLang and the other peers are timed with the first")
     # Relative to the current directory (in a checkout's root: the checkout's bench/results),
     # never inside an installed package.
     ap.add_argument("--out", default=os.path.join("bench", "results"),
@@ -51,25 +54,41 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m bench") -> int
         print("no GPU: running the smoke mode (use --smoke to silence this)", file=sys.stderr)
         kind, iters = "smoke", min(iters, 3)
 
+    import kvcanary_jax as kc
+
+    impls = [i for i in args.implementations.split(",") if i] or [None]
+    unknown = [i for i in impls if i not in kc.IMPLEMENTATIONS]
+    if unknown:
+        ap.error(f"unknown implementations {unknown}; choose from {kc.IMPLEMENTATIONS}")
+
     bw = timing.copy_bandwidth_gbs()
     plan = []
-    for op in ops:
-        mod = _op_module(op)
-        cases = {"smoke": mod.SMOKE_CASES, "quick": mod.QUICK_CASES, "full": mod.FULL_CASES}[kind]
-        plan.append((op, mod, cases))
-    total = sum(len(c) for _, _, c in plan)
+    for n, impl in enumerate(impls):
+        for op in ops:
+            if n and op == "bridge":  # the bridge picks its implementation from the device
+                continue
+            mod = _op_module(op)
+            cases = {"smoke": mod.SMOKE_CASES, "quick": mod.QUICK_CASES,
+                     "full": mod.FULL_CASES}[kind]
+            plan.append((impl, n == 0, op, mod, cases))
+    total = sum(len(c) for *_, c in plan)
     rows, errors = [], {}
     t0 = time.time()
     with tqdm(total=total, desc="bench", file=sys.stderr, dynamic_ncols=True) as progress:
-        for op, mod, cases in plan:
+        for impl, first, op, mod, cases in plan:
+            common.RUN.update(implementation=impl, peers=first)
+            name = impl or (kc.default_implementation(op) if op != "bridge" else "bridge")
             try:
-                rows += mod.measure(cases, iters=iters, bw_gbs=bw, progress=progress)
+                got = mod.measure(cases, iters=iters, bw_gbs=bw, progress=progress)
+                rows += [dict(r, implementation=name) for r in got]
             except Exception as exc:  # noqa: BLE001 - keep the other ops' figures
                 import traceback
 
-                errors[op] = traceback.format_exc()
-                print(f"bench: {op} failed: {exc!r}", file=sys.stderr)
+                errors[f"{op}[{name}]" if len(impls) > 1 else op] = traceback.format_exc()
+                print(f"bench: {op} ({name}) failed: {exc!r}", file=sys.stderr)
+    common.RUN.update(implementation=None, peers=True)
     result = {
+        "implementations": [i or "default" for i in impls],
         "mode": kind,
         "iters": iters,
         "environment": common.environment(),

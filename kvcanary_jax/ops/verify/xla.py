@@ -3,18 +3,21 @@
 The semantics and out-of-range choices of :mod:`kvcanary_jax.ops.verify.base`, byte for byte,
 violation rows in SGLang's reference order (entry order).
 
-Shape of the computation: every active entry at once. The slot rows and the predecessor rows are
-two gathers of the canary viewed as int64 ``[num_slots, words]``; the expected link, the
-fingerprint fold and the fail bits are elementwise. Violations are appended by cumsum
-compaction: an inclusive prefix sum of the violation flags, then each ring row that the launch
-may fill looks up its entry (a binary search of the prefix sum) and rebuilds that entry's record,
-so only ``ring_capacity`` records are ever materialised. The ring guard of
-:func:`kvcanary_jax.ops._xla_lib.ring_append` applies.
+Shape of the computation: every active entry at once. The slots' canary rows are one gather of
+the uint8 buffer (only the gathered rows are reinterpreted as int64 fields). A predecessor that
+is the previous entry's slot (a plan in chain order) takes that entry's fields; the others are a
+second gather. The expected link, the real-KV fold and the fail bits are elementwise. Violations
+are appended by cumsum compaction: an inclusive prefix sum of the violation flags, then each
+ring row the launch may fill finds its entry (a binary search of the prefix sum) and rebuilds
+that entry's record, so no more than ``ring_capacity`` records are ever materialised. The ring
+guard of :mod:`kvcanary_jax.ops._xla_lib` applies.
 
 :class:`Config` ``block``: 0 checks the whole plan capacity in one pass (fastest when the plan is
-mostly live, and on GPUs, where a loop costs a host round trip per trip); a power of two walks the
-live entries in blocks of that many, so the work follows ``verify_num_valid`` rather than the
-capacity (a serving plan's capacity is 3x the KV pool).
+mostly live); a power of two walks the live entries in blocks of that many, so the work follows
+``verify_num_valid`` rather than the capacity (a serving plan's capacity is 3x the KV pool).
+``branch``: conditionals skip the predecessor gather when no entry needs it and the ring update
+when nothing lands in the ring. Both off on GPUs, where XLA reads a loop's or a conditional's
+predicate back to the host.
 """
 
 from __future__ import annotations

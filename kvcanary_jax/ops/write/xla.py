@@ -2,34 +2,34 @@
 
 The semantics and out-of-range choices of :mod:`kvcanary_jax.ops.write.base` (slots outside
 ``[0, num_slots)`` skipped, a seed past the buffer read as an all-zero slot, tokens outside
-``input_ids`` skipped, a negative ``write_num_valid_reqs`` meaning no request), with SGLang's
-reference order everywhere: requests one after another, tokens in order.
-So, byte for byte as the sequential reference, including across requests of one launch: a slot
-written by several requests (or repeated in one) ends with the last write's row, a seed slot that
-an earlier request of the launch wrote is read as that request left it, and violation rows are in
-(request, token) order, the input-assert row before the chain-position row of a token. The ring
-guard of :func:`kvcanary_jax.ops._xla_lib.ring_append` applies.
+``input_ids`` skipped, a negative ``write_num_valid_reqs`` meaning no request), in SGLang's
+reference order: requests one after another, tokens in order. So the result is the sequential
+reference's byte for byte, across the requests of one launch too: a slot written by several
+requests (or repeated in one) ends with the last write's row, a seed slot that an earlier request
+of the launch wrote is read as that request left it, and violation rows come in (request, token)
+order, a token's input-assert row before its chain-position row. The ring guard of
+:mod:`kvcanary_jax.ops._xla_lib` applies.
 
-Shape of the computation. Field 3 (the real-KV fingerprint), the input assert and the
+Shape of the computation. The real-KV fingerprints (field 3), the input assert and the
 chain-position check are elementwise over tokens. Only the hash chain is serial: requests are
 lanes, and a ``while`` loop walks the token index of every lane at once, ``unroll`` links per
-trip, writing each token's link (the hash stored into its slot) into a per-token vector. Then:
+trip, recording each token's link (the hash stored into its slot) in a per-token vector. Then:
 
-* stores: the tokens are sorted by (slot, token); the last token of each slot is the last write
-  (below), and one scatter stores fields 0-3 of every such token;
-* a seed slot written earlier in the launch: the same sorted keys give, by binary search, the
-  last earlier write of each request's seed slot. Its link feeds that request's chain, so the
-  chain pass is repeated until the seeds' links stop changing (one pass when no request seeds
-  from a slot the launch writes; one more per level of such dependencies otherwise);
+* stores: the tokens are sorted by (slot, token); the last token of each slot group makes the
+  last write to that slot, and one scatter stores fields 0-3 of those tokens;
+* seeds written earlier in the launch: a binary search of the same sorted keys finds the last
+  write to a request's seed slot before the request's first token. That write's link feeds the
+  request's chain, so the chain pass repeats until the seeds' links stop changing: one pass when
+  no request seeds from a slot the launch writes, one more per level of such dependencies;
 * violation rows: a token's position check needs the position of the previous written token of
-  its request (a running maximum of token indices), its row index is a cumsum over tokens, and
-  the ring rows the launch may fill look their records up by binary search (cumsum compaction).
+  its request (a running maximum of token indices); rows are numbered by a cumsum over tokens,
+  and each ring row the launch may fill finds its record by binary search (cumsum compaction).
 
-This needs the requests' token ranges sorted and disjoint (offsets non-decreasing over the
-requests that have tokens), so that token order is request order. Requests are taken in windows
-of at most ``lanes`` requests whose ranges are: a well-formed launch of up to ``lanes`` requests
-is one window, and overlapping or unsorted ranges (malformed offsets) start new windows, applied
-one after another.
+Token order is request order when the requests' token ranges follow one another (offsets
+non-decreasing over the requests that have tokens, as a well-formed plan's are). Requests are
+therefore taken in windows: up to ``lanes`` consecutive requests whose ranges follow one another.
+A well-formed launch of up to ``lanes`` requests is one window; a range that overlaps or precedes
+an earlier one (malformed offsets) starts a new window, and windows apply one after another.
 """
 
 from __future__ import annotations
