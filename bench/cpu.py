@@ -9,9 +9,11 @@ bench's (``bench/op_*.py``).
 
 Method: wall time per call on the host clock, a jitted call then ``block_until_ready``, inputs
 built once and not donated (each call writes fresh outputs); the implementations alternate
-round by round, so the load of a shared machine weighs on both alike. Medians and minima over
-the rounds; the ratio is interpret / xla of the medians. Before timing, the two implementations'
-outputs are compared byte for byte (``equal``).
+round by round, so the load of a shared machine weighs on both alike (past two rounds an
+implementation whose calls of a case took ``--budget-s`` in all stops: the interpreter on the
+large cases). Medians and minima over the rounds; the ratio is interpret / xla of the medians.
+Before timing, the two implementations' outputs are compared byte for byte (``equal``); the
+demo's row says whether both clean runs recorded no violation.
 
 Writes ``results.json`` and ``results.md`` under ``--out`` (default ``bench/results/cpu`` under
 the current directory) and prints the table.
@@ -135,7 +137,7 @@ def _leaves(tree):
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
 
 
-def _time_op(build, rounds, impls):
+def _time_op(build, rounds, impls, budget_s):
     import jax
 
     with jax.enable_x64(True):
@@ -150,8 +152,10 @@ def _time_op(build, rounds, impls):
         equal = all(len(o) == len(first) and all(np.array_equal(a, b) for a, b in zip(o, first))
                     for o in out.values())
         times = {i: [] for i in impls}
-        for _ in range(rounds):
+        for r in range(rounds):
             for i in impls:
+                if r >= 2 and sum(times[i]) > budget_s:  # the interpreter on large cases
+                    continue
                 t0 = time.perf_counter()
                 jax.block_until_ready(jitted[i](*args))
                 times[i].append(time.perf_counter() - t0)
@@ -200,6 +204,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny cases, one round, 3 demo steps")
     ap.add_argument("--rounds", type=int, default=5, help="timed calls per implementation")
+    ap.add_argument("--budget-s", type=float, default=60.0,
+                    help="past two rounds, an implementation stops once its calls of a case "
+                    "took this long")
     ap.add_argument("--demo-steps", type=int, default=12, help="clean demo steps per impl.")
     ap.add_argument("--only", default="", help="comma list of ops (verify,write,plan,scatter,"
                     "demo); default all")
@@ -212,8 +219,6 @@ def main(argv=None) -> int:
     from kvcanary_jax.cli import select_device
 
     select_device("cpu")
-    import jax
-
     only = {o for o in args.only.split(",") if o}
     if args.smoke:
         args.rounds, args.demo_steps = 1, 3
@@ -222,30 +227,42 @@ def main(argv=None) -> int:
         if only and op not in only:
             continue
         print(f"bench.cpu: {op} {case} ...", file=sys.stderr, flush=True)
-        equal, compile_s, times = _time_op(build, args.rounds, IMPLEMENTATIONS)
+        equal, compile_s, times = _time_op(build, args.rounds, IMPLEMENTATIONS, args.budget_s)
         rows.append({"op": op, "case": case, "equal": equal, "compile_s": compile_s,
                      **{i: _summary(t) for i, t in times.items()}})
+        _write(args.out, _result(rows, args))
     if not only or "demo" in only:
         print("bench.cpu: demo ...", file=sys.stderr, flush=True)
         ok, times = _time_demo(args.demo_steps, IMPLEMENTATIONS)
         rows.append({"op": "demo", "case": f"median step ({args.demo_steps} clean steps)",
                      "equal": ok, **{i: _summary(t) for i, t in times.items()}})
-    result = {
+    result = _result(rows, args)
+    _write(args.out, result)
+    print(markdown(result))
+    return 0 if all(r["equal"] for r in rows) else 1
+
+
+def _result(rows, args) -> dict:
+    import jax
+
+    return {
         "implementations": list(IMPLEMENTATIONS),
         "environment": {"python": platform.python_version(), "jax": jax.__version__,
                         "cpu": platform.processor() or platform.machine(),
                         "cpu_count": os.cpu_count(), "load_avg": os.getloadavg()},
         "rounds": args.rounds,
+        "budget_s": args.budget_s,
         "rows": rows,
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
+
+
+def _write(out: str, result: dict) -> None:
+    """results.json and results.md (rewritten after every case: a long run keeps what it has)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(result, f, indent=1)
-    table = markdown(result)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(table)
-    print(table)
-    return 0 if all(r["equal"] for r in rows) else 1
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(markdown(result))
 
 
 if __name__ == "__main__":
