@@ -7,13 +7,15 @@ batches, prefixes up to 2,048, the expected-token pool on), scatter 256 x 2,048,
 clean run (``kvcanary-jax demo`` settings; median step, first step excluded). Inputs are the GPU
 bench's (``bench/op_*.py``).
 
-Method: wall time per call on the host clock, a jitted call then ``block_until_ready``, inputs
-built once and not donated (each call writes fresh outputs); the implementations alternate
+Method: wall time per call on the host clock, a jitted call then ``block_until_ready``, the
+outputs donated as in serving (updated in place; each call gets fresh copies, made outside the
+timed region); the implementations alternate
 round by round, so the load of a shared machine weighs on both alike (past two rounds an
 implementation whose calls of a case took ``--budget-s`` in all stops: the interpreter on the
 large cases). Medians and minima over the rounds; the ratio is interpret / xla of the medians.
-Before timing, the two implementations' outputs are compared byte for byte (``equal``); the
-demo's row says whether both clean runs recorded no violation.
+Before timing, the two implementations' outputs are compared byte for byte (``equal``; violation
+rows as a multiset, see :func:`_same`); the demo's row says whether both clean runs recorded no
+violation.
 
 Writes ``results.json`` and ``results.md`` under ``--out`` (default ``bench/results/cpu`` under
 the current directory) and prints the table.
@@ -56,7 +58,25 @@ def _verify(entries):
         return lambda c, p: kc.canary_verify(context=c, plan=p, check_verify_expected_token=True,
                                              implementation=impl)
 
-    return fn, (ctx, plan)
+    return fn, (ctx, plan), (0,)
+
+
+def _verify_floor(entries):
+    """The gather every verify implementation makes: each entry's canary row, read from the
+    uint8 buffer as four int64 fields (folded to one word so that nothing is dead)."""
+    import jax.numpy as jnp
+
+    from bench import common
+    from kvcanary_jax.ops import _xla_lib
+
+    d = op_verify._inputs(entries, seed=entries)
+    cb, slots = common.to_jax(d["canary_buf"]), common.to_jax(d["slots"])
+
+    def floor(cb, slots):
+        f = _xla_lib.canary_fields(cb, slots, slots > 0)
+        return jnp.bitwise_xor.reduce(f[0] ^ f[1] ^ f[2] ^ f[3])
+
+    return floor, (cb, slots)
 
 
 def _write(reqs, tokens):
@@ -78,7 +98,7 @@ def _write(reqs, tokens):
             enable_write_input_assert=False, expected_input_tokens=None,
             expected_input_positions=None, implementation=impl)
 
-    return fn, (ctx, plan, *arrays)
+    return fn, (ctx, plan, *arrays), (0,)
 
 
 def _plan(bs, max_prefix=PLAN_MAX_PREFIX):
@@ -97,7 +117,7 @@ def _plan(bs, max_prefix=PLAN_MAX_PREFIX):
             full_to_swa_index_mapping=None, verify_capacity=cap,
             kv_token_id_vs_position_offset=0, implementation=impl)
 
-    return fn, (vp, wp, args)
+    return fn, (vp, wp, args), (0, 1)
 
 
 def _scatter(bs, seq):
@@ -110,7 +130,7 @@ def _scatter(bs, seq):
         return lambda f, o, r, p: kc.scatter_req_token_ids(
             flat_in=f, offsets=o, req_pool_indices=r, pool_out=p, implementation=impl)
 
-    return fn, tuple(arrays)
+    return fn, tuple(arrays), (3,)
 
 
 CASES = (
@@ -122,6 +142,7 @@ CASES = (
     ("plan", "bs 4,096", lambda: _plan(4096)),
     ("scatter", "256 x 2,048", lambda: _scatter(256, 2048)),
 )
+ENTRIES = {"64k entries": 1 << 16, "1M entries": 1 << 20, "256 entries": 256}
 # Tiny cases for the smoke test (tests/test_bench_smoke.py): the bench cannot rot unseen.
 SMOKE_CASES = (
     ("verify", "256 entries", lambda: _verify(256)),
@@ -139,27 +160,64 @@ def _leaves(tree):
 
 def _time_op(build, rounds, impls, budget_s):
     import jax
+    import jax.numpy as jnp
 
     with jax.enable_x64(True):
-        fn, args = build()
-        jitted = {i: jax.jit(fn(i)) for i in impls}
+        fn, args, donate = build()
+        jitted = {i: jax.jit(fn(i), donate_argnums=donate) for i in impls}
+
+        def fresh():
+            """The arguments, the donated ones copied (a call consumes them)."""
+            out = [jax.tree_util.tree_map(jnp.copy, a) if n in donate else a
+                   for n, a in enumerate(args)]
+            return jax.block_until_ready(out)
+
         out, compile_s = {}, {}
         for i in impls:
+            a = fresh()
             t0 = time.perf_counter()
-            out[i] = _leaves(jax.block_until_ready(jitted[i](*args)))
+            out[i] = _leaves(jax.block_until_ready(jitted[i](*a)))
             compile_s[i] = time.perf_counter() - t0
-        first = out[impls[0]]
-        equal = all(len(o) == len(first) and all(np.array_equal(a, b) for a, b in zip(o, first))
-                    for o in out.values())
+        equal = _same(out[impls[0]], out[impls[1]])
         times = {i: [] for i in impls}
         for r in range(rounds):
             for i in impls:
                 if r >= 2 and sum(times[i]) > budget_s:  # the interpreter on large cases
                     continue
+                a = fresh()
                 t0 = time.perf_counter()
-                jax.block_until_ready(jitted[i](*args))
+                jax.block_until_ready(jitted[i](*a))
                 times[i].append(time.perf_counter() - t0)
     return equal, compile_s, times
+
+
+def _time_floor(fn, args, rounds):
+    import jax
+
+    with jax.enable_x64(True):
+        f = jax.jit(fn)
+        jax.block_until_ready(f(*args))
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _same(a, b) -> bool:
+    """Outputs equal byte for byte, violation rings as multisets of rows: the interpreter runs
+    the verify kernel's persistent grid program after program, so on plans of more blocks than
+    programs its rows come in program order, not entry order (the xla rows are in entry order,
+    as the reference's)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x.ndim == 2 and x.shape[1:] == (8,) and x.dtype == np.int64:  # a violation ring
+            x, y = np.sort(x.view("V64"), axis=0), np.sort(y.view("V64"), axis=0)
+        if x.shape != y.shape or x.dtype != y.dtype or not np.array_equal(x, y):
+            return False
+    return True
 
 
 def _time_demo(steps, impls):
@@ -185,15 +243,19 @@ def _summary(times):
 def markdown(result) -> str:
     impls = result["implementations"]
     head = ["op", "case"] + [f"{i} median ms (min)" for i in impls] + [
-        f"{impls[1]} / {impls[0]}", "equal"]
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * 2 + " ---: |" * (len(impls) + 1)
+        f"{impls[1]} / {impls[0]}", "gather floor ms", f"{impls[0]} / floor", "equal"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * 2 + " ---: |" * (len(impls) + 3)
              + " --- |"]
     for r in result["rows"]:
         cells = [r["op"], r["case"]]
         for i in impls:
             s = r[i]
             cells.append(f"{s['median_ms']:.2f} ({s['min_ms']:.2f})")
-        cells.append(f"{r[impls[1]]['median_ms'] / r[impls[0]]['median_ms']:.0f}x")
+        ratio = r[impls[1]]["median_ms"] / r[impls[0]]["median_ms"]
+        cells.append(f"{ratio:.1f}x" if ratio < 10 else f"{ratio:.0f}x")
+        floor = r.get("gather_floor")
+        cells += ([f"{floor['median_ms']:.2f}", f"{r[impls[0]]['median_ms'] / floor['median_ms']:.1f}"]
+                  if floor else ["-", "-"])
         cells.append("yes" if r["equal"] else "NO")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -228,16 +290,20 @@ def main(argv=None) -> int:
             continue
         print(f"bench.cpu: {op} {case} ...", file=sys.stderr, flush=True)
         equal, compile_s, times = _time_op(build, args.rounds, IMPLEMENTATIONS, args.budget_s)
-        rows.append({"op": op, "case": case, "equal": equal, "compile_s": compile_s,
-                     **{i: _summary(t) for i, t in times.items()}})
-        _write(args.out, _result(rows, args))
+        row = {"op": op, "case": case, "equal": equal, "compile_s": compile_s,
+               **{i: _summary(t) for i, t in times.items()}}
+        if op == "verify":
+            row["gather_floor"] = _summary(_time_floor(*_verify_floor(ENTRIES[case]),
+                                                       args.rounds))
+        rows.append(row)
+        _save(args.out, _result(rows, args))
     if not only or "demo" in only:
         print("bench.cpu: demo ...", file=sys.stderr, flush=True)
         ok, times = _time_demo(args.demo_steps, IMPLEMENTATIONS)
         rows.append({"op": "demo", "case": f"median step ({args.demo_steps} clean steps)",
                      "equal": ok, **{i: _summary(t) for i, t in times.items()}})
     result = _result(rows, args)
-    _write(args.out, result)
+    _save(args.out, result)
     print(markdown(result))
     return 0 if all(r["equal"] for r in rows) else 1
 
@@ -256,7 +322,7 @@ def _result(rows, args) -> dict:
     }
 
 
-def _write(out: str, result: dict) -> None:
+def _save(out: str, result: dict) -> None:
     """results.json and results.md (rewritten after every case: a long run keeps what it has)."""
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "results.json"), "w") as f:

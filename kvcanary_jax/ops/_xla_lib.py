@@ -6,11 +6,14 @@ Everything here runs on any XLA backend (CPU, GPU, TPU) and is jittable; nothing
   (XLA refuses a gather from a zero-sized operand at trace time, so that case is static).
 * :func:`canary_fields` / :func:`canary_store` — fields 0-3 of canary slots, read from and
   written to the uint8 buffer row by row;
-* :func:`source_words` / :func:`source_word` — 8-byte words of a real-KV source, gathered from
-  its own dtype.
+* :func:`source_words` / :func:`source_word` / :func:`source_arrays` — 8-byte words of a
+  real-KV source, gathered from its own dtype (no conversion of the whole buffer either);
 * :func:`count_below` — ``searchsorted`` without a loop;
-* :func:`record_of` — cumsum compaction: which item, and which of its records, a record index is.
-* :func:`ring_append` — the violation ring's append with the ring guard every backend shares:
+* :func:`record_of` — cumsum compaction: which item, and which of its records, a record index is;
+* :func:`overwrite` — an output replacing every element of an input, in the input's buffer;
+* :func:`maybe` — work behind a conditional, or unconditionally (GPUs);
+* :func:`ring_fill` / :func:`ring_append` / :func:`ring_index` — the violation ring's append
+  with the ring guard every backend shares:
   with ``w0 = violation_write_index[0]`` at the start of a launch and ``n`` records found, a
   negative ``w0`` writes no row and leaves the index as it is; otherwise record ``j`` (launch
   order) lands in row ``w0 + j`` iff ``w0 + j < ring_capacity`` (computed in int64, no
@@ -28,8 +31,8 @@ from kvcanary_jax import consts
 from kvcanary_jax.context import check_extent
 
 __all__ = ["INT32_MAX", "take", "canary_fields", "canary_store", "source_words", "source_word",
-           "source_arrays",            "count_below", "record_of", "ring_index", "ring_fill",
-           "ring_append", "overwrite", "maybe"]
+           "source_arrays", "count_below", "record_of", "ring_index", "ring_fill", "ring_append",
+           "overwrite", "maybe"]
 
 INT32_MAX = 2**31 - 1
 
@@ -49,7 +52,7 @@ def take(arr: jax.Array, idx: jax.Array, ok: jax.Array | bool, fill=0) -> jax.Ar
 def canary_fields(canary_buf: jax.Array, slot: jax.Array, ok: jax.Array):
     """(token, position, prev_hash, real_kv_hash) of canary slots: int64 vectors shaped like
     ``slot``, zero where ``ok`` is off. Gathers the slots' uint8 rows and reinterprets only
-    those (a bitcast of the whole buffer would cost a pass over it on CPU)."""
+    those (reinterpreting the whole buffer would cost a pass over it on CPU)."""
     rows = take(canary_buf, slot, ok)[..., : consts.CANARY_SLOT_BYTES]
     words = jax.lax.bitcast_convert_type(
         rows.reshape(slot.shape + (consts.CANARY_FIELDS_PER_SLOT, 8)), jnp.int64)
