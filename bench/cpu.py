@@ -254,8 +254,11 @@ def markdown(result) -> str:
         ratio = r[impls[1]]["median_ms"] / r[impls[0]]["median_ms"]
         cells.append(f"{ratio:.1f}x" if ratio < 10 else f"{ratio:.0f}x")
         floor = r.get("gather_floor")
-        cells += ([f"{floor['median_ms']:.2f}", f"{r[impls[0]]['median_ms'] / floor['median_ms']:.1f}"]
-                  if floor else ["-", "-"])
+        if floor:
+            over = r[impls[0]]["median_ms"] / floor["median_ms"]
+            cells += [f"{floor['median_ms']:.2f}", f"{over:.1f}"]
+        else:
+            cells += ["-", "-"]
         cells.append("yes" if r["equal"] else "NO")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -242,20 +242,6 @@ def widened(st: State, extra: int) -> State:
     return w
 
 
-def guarded(before: State, records: list[tuple], w0: int):
-    """The ring and write index a launch that records ``records`` (in order) leaves when it
-    starts at write index ``w0``, under the ring guard: nothing written and the index kept when
-    ``w0 < 0``; else record j in row ``w0 + j`` while that row exists, and the index
-    ``min(w0 + len(records), 2**31 - 1)``."""
-    ring = before.ring.copy()
-    if w0 < 0:
-        return ring, w0
-    for j, row in enumerate(records):
-        if w0 + j < len(ring):
-            ring[w0 + j] = row
-    return ring, min(w0 + len(records), 2**31 - 1)
-
-
 def assert_same(ours: State, ref: State, before: State, *, ordered=False, uncapped=None):
     """Equal canary, counters and write index, every ring row the launch did not write untouched,
     and the launch's rows: equal in order (``ordered``), else equal as a multiset (the kernel's

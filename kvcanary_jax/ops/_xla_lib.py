@@ -17,7 +17,9 @@ Everything here runs on any XLA backend (CPU, GPU, TPU) and is jittable; nothing
   with ``w0 = violation_write_index[0]`` at the start of a launch and ``n`` records found, a
   negative ``w0`` writes no row and leaves the index as it is; otherwise record ``j`` (launch
   order) lands in row ``w0 + j`` iff ``w0 + j < ring_capacity`` (computed in int64, no
-  wraparound), and the new index is ``min(w0 + n, 2**31 - 1)``.
+  wraparound), and the new index is ``min(w0 + n, VIOLATION_WRITE_INDEX_MAX)`` (2**31 - 1:
+  saturating). The Pallas kernels and the jnp references apply the same guard
+  (:mod:`kvcanary_jax.ops._kernel_lib`).
 """
 
 from __future__ import annotations
@@ -30,11 +32,9 @@ import jax.numpy as jnp
 from kvcanary_jax import consts
 from kvcanary_jax.context import check_extent
 
-__all__ = ["INT32_MAX", "take", "canary_fields", "canary_store", "source_words", "source_word",
+__all__ = ["take", "canary_fields", "canary_store", "source_words", "source_word",
            "source_arrays", "count_below", "record_of", "ring_index", "ring_fill", "ring_append",
            "overwrite", "maybe"]
-
-INT32_MAX = 2**31 - 1
 
 
 def take(arr: jax.Array, idx: jax.Array, ok: jax.Array | bool, fill=0) -> jax.Array:
@@ -138,7 +138,8 @@ def record_of(incl: jax.Array, j: jax.Array):
 def ring_index(widx: jax.Array, count: jax.Array) -> jax.Array:
     """The write index after a launch that found ``count`` records (the ring guard)."""
     w0 = widx[0].astype(jnp.int64)
-    new = jnp.minimum(w0 + count.astype(jnp.int64), INT32_MAX).astype(jnp.int32)
+    top = consts.VIOLATION_WRITE_INDEX_MAX
+    new = jnp.minimum(w0 + count.astype(jnp.int64), top).astype(jnp.int32)
     return jnp.where(w0 < 0, widx[0], new).reshape(1)
 
 
