@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import os
 
+import contextlib
+
+import jax
+
 from kvcanary_jax import implementations_available
 
 
@@ -32,3 +36,19 @@ def pallas(op: str) -> tuple[str, ...]:
 def in_reference_order(implementation: str) -> bool:
     """Whether ring rows come in the reference's order (else: as a multiset, GPU atomics)."""
     return implementation != "pallas_triton"
+
+
+def lower(fn, args, platform: str):
+    """``fn.trace(*args).lower(lowering_platforms=(platform,))`` (``fn`` jitted) on any machine.
+    Since jax 0.12 Pallas's Triton lowering reads the GPU's kind from the device, which a machine
+    without a GPU lacks: for CUDA an abstract mesh names one (an H200, the GPU this project runs
+    on) while the function traces and lowers."""
+    context = contextlib.nullcontext()
+    if platform == "cuda":
+        from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+        h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+        context = jax.sharding.use_abstract_mesh(AbstractMesh(
+            (1,), ("x",), axis_types=(AxisType.Auto,), abstract_device=h200))
+    with context:
+        return fn.trace(*args).lower(lowering_platforms=(platform,))

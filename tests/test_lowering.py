@@ -16,6 +16,8 @@ from kvcanary_jax import runtime as rt
 from kvcanary_jax.ops import _registry
 from kvcanary_jax.sim import make_forward
 
+from _impls import lower
+
 # (platform, implementation): the Triton kernels for CUDA; the plain XLA implementation for TPU
 # (the fallback where an op has no Mosaic kernel) and for CUDA (the fallback when the Triton
 # lowering is unavailable).
@@ -90,7 +92,7 @@ def test_every_op_lowers(platform, impl):
     with jax.enable_x64(True):
         for name, fn, args, kernels in _ops(impl):
             assert _registry.op(name).unusable(impl) is None, (name, impl)  # no fallback
-            text = fn.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+            text = lower(fn, args, platform).as_text()
             _check_program(text, impl, name)
             if impl == "pallas_triton":
                 assert all(k in text for k in kernels), name
@@ -115,8 +117,7 @@ def test_canary_step_lowers(platform, impl):
               for g in cfg.groups}
         rtt = jnp.asarray(np.zeros((4, 16), np.int32))
         lut = jnp.asarray(np.arange(32, dtype=np.int64))
-        text = step.jitted.trace(state, kv, batch, rtt, lut).lower(
-            lowering_platforms=(platform,)).as_text()
+        text = lower(step.jitted, (state, kv, batch, rtt, lut), platform).as_text()
     _check_program(text, impl, "step")
     if impl == "pallas_triton":
         for kernel in ("kvcanary_scatter_req_token_ids", "kvcanary_plan_offsets",

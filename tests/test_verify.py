@@ -15,7 +15,7 @@ from kvcanary_jax.ops.verify import canary_verify
 from kvcanary_jax.plans import VerifyPlan
 
 import _canary_support as S
-from _impls import implementations, pallas
+from _impls import implementations, lower, pallas
 
 ANCHOR = hashing.ANCHOR_HASH_I64
 IMPLS = implementations("verify")
@@ -475,7 +475,7 @@ def test_lowers_through_triton_for_the_gpu(check_token, mode):
         f = jax.jit(lambda context, plan: canary_verify(
             context=context, plan=plan, check_verify_expected_token=check_token,
             implementation="pallas_triton"), donate_argnums=0)
-        text = f.trace(ctx, _vplan(5000)).lower(lowering_platforms=("cuda",)).as_text()
+        text = lower(f, (ctx, _vplan(5000)), "cuda").as_text()
     assert "kvcanary_verify" in text and "output_operand_alias" in text
 
 

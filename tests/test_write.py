@@ -14,7 +14,7 @@ from kvcanary_jax.ops.write import canary_write
 from kvcanary_jax.plans import WritePlan
 
 import _canary_support as S
-from _impls import implementations, in_reference_order, pallas
+from _impls import implementations, in_reference_order, lower, pallas
 
 ANCHOR = hashing.ANCHOR_HASH_I64
 IMPLS = implementations("write")
@@ -626,8 +626,7 @@ def test_lowers_through_triton_for_the_gpu(assert_on, mode):
             context=context, plan=plan, input_ids=ids, positions=ids, out_cache_loc=ids,
             enable_write_input_assert=assert_on, expected_input_tokens=e1,
             expected_input_positions=e2, implementation="pallas_triton"), donate_argnums=0)
-        text = f.trace(ctx, _plan(4), jnp.zeros((n,), jnp.int64), e, e).lower(
-            lowering_platforms=("cuda",)).as_text()
+        text = lower(f, (ctx, _plan(4), jnp.zeros((n,), jnp.int64), e, e), "cuda").as_text()
     assert "kvcanary_write" in text and "output_operand_alias" in text
 
 
