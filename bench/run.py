@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m bench") -> int
     import kvcanary_jax as kc
 
     impls = [i for i in args.implementations.split(",") if i] or [None]
-    unknown = [i for i in impls if i not in kc.IMPLEMENTATIONS]
+    unknown = [i for i in impls if i is not None and i not in kc.IMPLEMENTATIONS]
     if unknown:
         ap.error(f"unknown implementations {unknown}; choose from {kc.IMPLEMENTATIONS}")
 
