@@ -50,6 +50,7 @@ SGLANG_SIZES = [
 ]
 
 
+@pytest.mark.torch  # reads SGLang's installed sources (the torch leg installs SGLang)
 @pytest.mark.parametrize("field,sgl_name,where", SGLANG_SIZES)
 @pytest.mark.parametrize("value", [0, -3])
 def test_config_refuses_sizes_sglang_refuses(field, sgl_name, where, value):
