@@ -29,6 +29,7 @@ def test_bench_help_lists_the_bench_options():
         assert option in proc.stdout, option
 
 
+@pytest.mark.torch  # the bench checks every result against SGLang's references first
 def test_bench_smoke_option_through_the_entry_point(tmp_path):
     proc = _cli.run(f"kvcanary-jax bench --smoke --ops scatter --iters 1 --out {tmp_path}",
                     timeout=300)
