@@ -9,7 +9,7 @@ The kernel walks blocks of entries: the block's slots are DMA'd into SMEM, the s
 one row DMA per (entry, source) from the source's strips (see
 :func:`kvcanary_jax.ops._tpu_lib.source_strips`), and the vector unit folds the block's words,
 64-bit words as 32-bit pairs, while the next block's DMAs are in flight. The result is two
-lane-dense planes (high and low words) per entry, ``[2, n_pad / 128, 128]``.
+pair rows ``[n_pad / 64, 128]``, as the slots.
 """
 
 from __future__ import annotations
@@ -106,15 +106,14 @@ def _fold_kernel(n_ref, slots_hbm, *refs, nsrc, strips, widths, block):
             acc = H.splitmix64(H.xor(acc, h))
         pending = misc[0]
         out_copy = pltpu.make_async_copy(
-            out_v.at[slot], out_hbm.at[:, pl.ds(pl.multiple_of(b * r, 8), r), :],
-            sems.at[2 + slot])
+            out_v.at[slot], out_hbm.at[pl.ds(pl.multiple_of(b * pr, 8), pr)], sems.at[2 + slot])
 
         @pl.when((pending >> slot) & 1 == 1)
         def _():
             out_copy.wait()  # the copy of block b - 2 out of this buffer
 
-        out_v[slot, 0] = T.i32(jnp.where(live, acc[0], zero))
-        out_v[slot, 1] = T.i32(jnp.where(live, acc[1], zero))
+        T.store_planes(out_v.at[slot], jnp.where(live, acc[0], zero),
+                       jnp.where(live, acc[1], zero))
         out_copy.start()
         misc[0] = pending | (1 << slot)
 
@@ -122,7 +121,7 @@ def _fold_kernel(n_ref, slots_hbm, *refs, nsrc, strips, widths, block):
     for slot in (0, 1):
         @pl.when((misc[0] >> slot) & 1 == 1)
         def _(slot=slot):
-            pltpu.make_async_copy(out_v.at[slot], out_hbm.at[:, pl.ds(0, r), :],
+            pltpu.make_async_copy(out_v.at[slot], out_hbm.at[pl.ds(0, pr)],
                                   sems.at[2 + slot]).wait()
 
 
@@ -130,9 +129,9 @@ def fingerprints_from_pair_rows(slot_rows, n_live, sources, *, mode: int, block:
                                 interpret=False):
     """Fingerprints of the slots in ``slot_rows`` (pair rows ``[n_pad / 64, 128]``, ``n_pad`` a
     multiple of ``block``) for entries below ``n_live`` (an int32 ``[1]`` array). ``sources``:
-    ``((buffer, SourceSpec), ...)``. Returns int32 planes ``[2, n_pad / 128, 128]`` (high words,
-    low words); entries at or past ``n_live`` are 0 within the blocks that hold live entries (the
-    others are not written)."""
+    ``((buffer, SourceSpec), ...)``. Returns the fingerprints as pair rows shaped as ``slot_rows``;
+    entries at or past ``n_live`` are 0 within the blocks that hold live entries (the others are
+    not written)."""
     n_pad = slot_rows.shape[0] * 64
     r = block // T.LANES
     strips = [T.source_strips(b, spec, mode) for b, spec in sources]
@@ -155,11 +154,11 @@ def fingerprints_from_pair_rows(slot_rows, n_live, sources, *, mode: int, block:
                 pltpu.VMEM((2, 2 * r, T.LANES), jnp.int32),
                 *(pltpu.VMEM((2, r, T.LANES, w), jnp.int32) for w in widths),
                 *(pltpu.VMEM((w, r, T.LANES), jnp.int32) for w in widths),
-                pltpu.VMEM((2, 2, r, T.LANES), jnp.int32),
+                pltpu.VMEM((2, 2 * r, T.LANES), jnp.int32),
                 pltpu.SMEM((2 + 2 * nsrc,), jnp.int32),
                 pltpu.SemaphoreType.DMA((4 + 2 * nsrc,)),
             ]),
-        out_shape=jax.ShapeDtypeStruct((2, n_pad // T.LANES, T.LANES), jnp.int32),
+        out_shape=jax.ShapeDtypeStruct(slot_rows.shape, jnp.int32),
         compiler_params=T.compiler_params(),
         cost_estimate=T.cost(bytes_accessed=n_pad * per_entry,
                              ops=n_pad * 60 * (1 + sum(w // 2 + 1 for w in widths))),

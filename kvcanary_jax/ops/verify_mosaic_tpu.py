@@ -90,9 +90,7 @@ def _verify_kernel(st_in, plan_hbm, canary_hbm, rkv_hbm, _ring_in, ring_hbm, st_
                pltpu.make_async_copy(plan_hbm.at[pl.ds(0, 2), rows_b, :], plan_s.at[slot],
                                      sems.at[slot])]
         if has_rkv:
-            cps.append(pltpu.make_async_copy(
-                rkv_hbm.at[:, pl.ds(pl.multiple_of(b * r, 8), r), :], rkv_v.at[slot],
-                sems.at[slot]))
+            cps.append(pltpu.make_async_copy(rkv_hbm.at[rows_b], rkv_v.at[slot], sems.at[slot]))
         return cps
 
     def row_copy(row, buf, e, slot):
@@ -164,9 +162,9 @@ def _verify_kernel(st_in, plan_hbm, canary_hbm, rkv_hbm, _ring_in, ring_hbm, st_
         chain_checked = jnp.logical_not(T.pair_is_zero(prev_p))
         exp_aux = tuple(jnp.where(chain_checked, e, l_) for e, l_ in zip(exp_chain, link))
         if has_rkv:
-            k = rkv_v.at[slot]
+            k = T.planes(rkv_v.at[slot])
             ok = checked & jnp.logical_not(H.is_neg(slot_p))
-            exp_rkv = (jnp.where(ok, T.u32(k[0]), zero), jnp.where(ok, T.u32(k[1]), zero))
+            exp_rkv = (jnp.where(ok, k[0], zero), jnp.where(ok, k[1], zero))
         else:
             exp_rkv = (zero, zero)
         bits = (jnp.where(chain_checked & H.ne(link, exp_chain),
@@ -239,7 +237,7 @@ def run(
         rkv = fp.fingerprints_from_pair_rows(plan[0], live, sources, mode=mode, block=block,
                                              interpret=interpret)
     else:
-        rkv = jnp.zeros((2, 8, T.LANES), jnp.int32)
+        rkv = jnp.zeros((8, T.LANES), jnp.int32)
     r = block // T.LANES
     kernel = functools.partial(
         _verify_kernel, capacity=capacity, block=block, num_slots=num_slots,
@@ -259,7 +257,7 @@ def run(
                 pltpu.SMEM((2, 2, 2 * r, T.LANES), jnp.int32),
                 pltpu.VMEM((2, r, T.LANES, 8), jnp.int32),
                 pltpu.VMEM((2, r, T.LANES, 8), jnp.int32),
-                pltpu.VMEM((2, 2, r, T.LANES), jnp.int32),
+                pltpu.VMEM((2, 2 * r, T.LANES), jnp.int32),
                 pltpu.SMEM((8,), jnp.int32),
                 pltpu.SMEM((1, T.LANES), jnp.int32),
                 pltpu.SemaphoreType.DMA((5,)),
