@@ -38,6 +38,8 @@ __all__ = [
     "shr",
     "add",
     "add_u32",
+    "neg",
+    "sub",
     "mul_const",
     "eq",
     "ne",
@@ -102,6 +104,16 @@ def add(a: Pair, b: Pair) -> Pair:
     lo = a[1] + b[1]
     carry = (lo < a[1]).astype(jnp.uint32)
     return a[0] + b[0] + carry, lo
+
+
+def neg(a: Pair) -> Pair:
+    """``-a mod 2**64``."""
+    return add_u32((~a[0], ~a[1]), jnp.uint32(1))
+
+
+def sub(a: Pair, b: Pair) -> Pair:
+    """``a - b mod 2**64``."""
+    return add(a, neg(b))
 
 
 def add_u32(a: Pair, b) -> Pair:

@@ -73,6 +73,7 @@ __all__ = [
     "pair_in_range",
     "pair_neg_in_range",
     "pair_is_zero",
+    "pair_clamp",
     "Ring",
     "record_words",
     "pipeline",
@@ -263,6 +264,12 @@ def pair_neg_in_range(p, n: int):
     if n == 0:
         return jnp.zeros(jnp.shape(p[0]), jnp.bool_)
     return (p[0] == jnp.uint32(0xFFFFFFFF)) & (p[1] >= jnp.uint32(2**32 - n))
+
+
+def pair_clamp(p, n: int):
+    """A pair read as int64, clamped to ``[0, n]`` (static ``0 <= n < 2**31``), as int32."""
+    return i32(jnp.where(H.is_neg(p), jnp.uint32(0),
+                         jnp.where(pair_in_range(p, n + 1), p[1], jnp.uint32(n))))
 
 
 def pair_is_zero(p):
