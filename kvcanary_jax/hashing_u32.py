@@ -44,6 +44,8 @@ __all__ = [
     "eq",
     "ne",
     "is_neg",
+    "lt",
+    "from_i32",
     "splitmix64",
     "mix3",
     "ANCHOR_HASH",
@@ -149,6 +151,20 @@ def eq(a: Pair, b: Pair):
 
 def ne(a: Pair, b: Pair):
     return (a[0] != b[0]) | (a[1] != b[1])
+
+
+def lt(a: Pair, b: Pair):
+    """``a < b`` for pairs read as int64 (signed)."""
+    ha = a[0].astype(jnp.int32)
+    hb = b[0].astype(jnp.int32)
+    return (ha < hb) | ((a[0] == b[0]) & (a[1] < b[1]))
+
+
+def from_i32(x) -> Pair:
+    """An int32 (scalar or array) sign-extended to a pair."""
+    x = jnp.asarray(x, jnp.int32)
+    lo = x.astype(jnp.uint32)
+    return jnp.where(x < 0, jnp.uint32(0xFFFFFFFF), jnp.uint32(0)), lo
 
 
 def is_neg(a: Pair):
