@@ -19,6 +19,8 @@ from kvcanary_jax.context import RealKvSource, VerifyOrWriteContext
 from kvcanary_jax.contracts import TensorMeta
 from kvcanary_jax.plans import VerifyPlan, WritePlan
 
+import _impls
+
 
 @dataclasses.dataclass
 class State:
@@ -145,6 +147,8 @@ def run_write(sgl, st: State, *, offsets, seeds, num_valid, ids, pos, ocl, asser
     run)."""
     from kvcanary_jax.ops.write import canary_write, canary_write_reference
 
+    if config is None:
+        config = _impls.config("write", implementation)
     if jnp_reference:
         canary_write = canary_write_reference  # noqa: F811
 
@@ -175,16 +179,20 @@ def run_write(sgl, st: State, *, offsets, seeds, num_valid, ids, pos, ocl, asser
 
 
 def run_verify(sgl, st: State, *, slots, etok, epos, prev, num_valid, enable=1, check_token=True,
-               jnp_reference=False, ours=True, implementation=None, config=None, **ctx_kw):
+               jnp_reference=False, ours=True, reference=True, implementation=None, config=None,
+               **ctx_kw):
     """SGLang's torch reference and ours (``implementation`` with launch ``config``, by default
-    its heuristics'; or our pure-jnp reference) on the same state."""
+    its heuristics'; or our pure-jnp reference) on the same state; returns (ours, reference)
+    (either None when not run)."""
     from kvcanary_jax.ops.verify import canary_verify, canary_verify_reference
 
+    if config is None:
+        config = _impls.config("verify", implementation)
     if jnp_reference:
         canary_verify = canary_verify_reference  # noqa: F811
 
     tctx = torch_context(sgl, st, **ctx_kw)
-    sgl.verify_ref.launch_canary_verify_kernel_torch_reference(
+    reference and sgl.verify_ref.launch_canary_verify_kernel_torch_reference(
         context=tctx,
         plan=sgl.verify.VerifyPlan(
             verify_slot_indices=_t64(slots), verify_expected_tokens=_t64(etok),
@@ -206,7 +214,7 @@ def run_verify(sgl, st: State, *, slots, etok, epos, prev, num_valid, enable=1, 
             check_verify_expected_token=check_token,
             **({} if jnp_reference else dict(implementation=implementation, config=config)),
         )
-    return state_of(out), state_of(tctx)
+    return state_of(out), (state_of(tctx) if reference else None)
 
 
 def new_rows(before: State, after: State) -> list[tuple]:
@@ -369,6 +377,33 @@ def garbage_state(rng, stride):
     st = State.zeros(NUM_SLOTS, RING_CAP, stride)
     st.canary[0] = rng.integers(0, 256, stride, dtype=np.uint8)
     st.canary[:, 32:] = rng.integers(0, 256, (NUM_SLOTS, stride - 32), dtype=np.uint8)
+    return st
+
+
+def guarded(before: State, full: State, w0: int) -> State:
+    """The ring guard of DESIGN.md applied to a launch: ``full`` is a reference run of the launch
+    from ``before`` with write index 0 on a ring with room for every row; the result is what the
+    launch gives from write index ``w0``: ``w0 < 0``: no row written, index unchanged; else row j
+    at ``w0 + j`` below the capacity, index ``min(w0 + n, 2**31 - 1)``."""
+    out = full.copy()
+    cap = len(before.ring)
+    out.ring = before.ring.copy()
+    n = full.widx
+    if w0 < 0:
+        out.widx = w0
+        return out
+    for j in range(n):
+        if w0 + j < cap:
+            out.ring[w0 + j] = full.ring[j]
+    out.widx = min(w0 + n, 2**31 - 1)
+    return out
+
+
+def reference_trip_state(sgl, rng, trip) -> State:
+    """The state after a trip's writes, by SGLang's reference alone."""
+    st = garbage_state(rng, trip.stride)
+    for launch in trip.launches:
+        _, st = run_write(sgl, st, **launch, sources=trip.sources, mode=trip.mode, ours=False)
     return st
 
 

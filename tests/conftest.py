@@ -33,3 +33,27 @@ def pytest_collection_modifyitems(config, items):
 def sgl():
     """SGLang 0.5.23's kv-canary modules (references, consts, dataclasses)."""
     return _oracle.load()
+
+
+@pytest.fixture(autouse=True)
+def tpu_interpret_races(monkeypatch):
+    """TPU interpret mode's race detector: every kernel the test interprets gets a fresh detector
+    (JAX keeps only the last one, and before jax 0.11 it reports races by printing); a race in
+    any of them fails the test. (JAX has no public API for this; it is test-only.)"""
+    try:
+        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+    except ImportError:  # no TPU interpret mode in this JAX
+        yield
+        return
+    seen = []
+    base = ipc.RaceDetectionState
+
+    class Recorded(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen.append(self)
+
+    monkeypatch.setattr(ipc, "RaceDetectionState", Recorded)
+    yield
+    found = [s for s in seen if s.races_found]
+    assert not found, f"TPU interpret mode found races in {len(found)} of {len(seen)} kernels"

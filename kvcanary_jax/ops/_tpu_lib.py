@@ -57,6 +57,7 @@ __all__ = [
     "from_words32",
     "i64_words",
     "source_strips",
+    "flat_words32",
     "strip_words",
     "idiv",
     "irem",
@@ -133,6 +134,24 @@ def i64_words(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x.astype(jnp.int64), jnp.int32).reshape(2)
 
 
+def flat_words32(x: jax.Array) -> jax.Array:
+    """``x``'s bytes as a flat int32 array (bitcasts only; never through int64, which XLA's CPU
+    simplifier folds into an invalid narrowing bitcast)."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    k = x.dtype.itemsize
+    flat = x.reshape(-1)
+    if k == 4:
+        return lax.bitcast_convert_type(flat, jnp.int32)
+    if k == 8:
+        return lax.bitcast_convert_type(flat, jnp.int32).reshape(-1)
+    if flat.shape[0] % (4 // k):
+        raise ValueError(f"kv-canary: a real-KV source buffer must hold a whole number of 4-byte "
+                         f"words, got shape {tuple(x.shape)} dtype {x.dtype}")
+    return lax.bitcast_convert_type(flat.reshape(-1, 4 // k), jnp.int32)
+
+
 def strip_words(spec, mode: int) -> int:
     """int32 words of a slot's strip the fingerprint reads (16 bytes in PARTIAL mode)."""
     nbytes = 16 if mode == int(consts.RealKvHashMode.PARTIAL) else 8 * spec.read_words
@@ -143,9 +162,7 @@ def source_strips(buf: jax.Array, spec, mode: int) -> jax.Array:
     """A source's bytes (any compact array; its addressing in ``spec``, a
     :class:`~kvcanary_jax.context.SourceSpec`) -> int32 ``[rows * page_size, E / 4]``, row ``s``
     the words slot ``s``'s fingerprint folds. Bytes outside the strips are never read."""
-    from kvcanary_jax.context import as_words
-
-    words = lax.bitcast_convert_type(as_words(buf), jnp.int32).reshape(-1)  # int32 pairs
+    words = flat_words32(buf)
     rows, page = spec.num_rows, spec.page_size
     stride, nbpt = 2 * spec.row_stride_words, 2 * spec.nbpt_words
     ew = strip_words(spec, mode)

@@ -17,6 +17,7 @@ __all__ = ["OP", "run", "canary_plan"]
 OP = _registry.Op("plan")
 OP.register("pallas_triton", ".pallas_triton")
 OP.register("pallas_interpret", ".pallas_triton", interpret=True)
+OP.register("pallas_mosaic_tpu", ".pallas_mosaic_tpu")
 
 
 @functools.partial(

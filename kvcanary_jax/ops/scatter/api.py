@@ -16,6 +16,7 @@ __all__ = ["OP", "run", "scatter_req_token_ids"]
 OP = _registry.Op("scatter")
 OP.register("pallas_triton", ".pallas_triton")
 OP.register("pallas_interpret", ".pallas_triton", interpret=True)
+OP.register("pallas_mosaic_tpu", ".pallas_mosaic_tpu")
 
 
 @functools.partial(jax.jit, static_argnames=("max_cols", "implementation", "config"))

@@ -23,6 +23,7 @@ __all__ = ["OP", "run", "canary_verify"]
 OP = _registry.Op("verify")
 OP.register("pallas_triton", ".pallas_triton")
 OP.register("pallas_interpret", ".pallas_triton", interpret=True)
+OP.register("pallas_mosaic_tpu", ".pallas_mosaic_tpu")
 
 _ARRAYS = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter",
            "kernel_run_counter", "verify_slot_indices", "verify_expected_tokens",

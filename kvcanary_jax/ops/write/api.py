@@ -23,6 +23,7 @@ __all__ = ["OP", "run", "canary_write"]
 OP = _registry.Op("write")
 OP.register("pallas_triton", ".pallas_triton")
 OP.register("pallas_interpret", ".pallas_triton", interpret=True)
+OP.register("pallas_mosaic_tpu", ".pallas_mosaic_tpu")
 
 _ARRAYS = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter",
            "kernel_run_counter", "enable_chain_position_assert", "write_offsets",

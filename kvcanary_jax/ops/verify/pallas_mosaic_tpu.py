@@ -16,7 +16,7 @@ Shape: one kernel instance (grid ``(1,)``) walks the active entries in blocks of
 
 Block ``b + 1``'s plan is already in SMEM and its row DMAs are in flight while block ``b`` is
 checked, and block ``b + 2``'s plan DMA overlaps both. Real-KV fingerprints come from
-:func:`kvcanary_jax.ops.fingerprint_mosaic_tpu.fingerprints` (a separate kernel with the same
+:mod:`kvcanary_jax.ops._tpu_fingerprint` (a separate kernel with the same
 gather structure), as planes the check reads per block.
 
 Per entry the kernel moves 32 B of plan (+ 16 B of it again into SMEM), 32 B of canary row (one
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,7 @@ from jax.experimental.pallas import tpu as pltpu
 from kvcanary_jax import consts
 from kvcanary_jax import hashing_u32 as H
 from kvcanary_jax.context import SourceSpec
+from kvcanary_jax.ops import _tpu_fingerprint as fp
 from kvcanary_jax.ops import _tpu_lib as T
 
 __all__ = ["Config", "heuristics", "run", "BLOCK"]
@@ -50,10 +52,14 @@ BLOCK = 1024
 @dataclasses.dataclass(frozen=True)
 class Config:
     """``block``: entries per block, a multiple of 512 (whole 8 x 128 tiles of pair rows).
-    ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (None: the compiler's default)."""
+    ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (None: the compiler's default).
+    ``interpret``: None to compile for TPU; a ``pltpu.InterpretParams`` runs the kernels in TPU
+    interpret mode instead (any backend; the CPU test suites use
+    :func:`kvcanary_jax.ops._tpu_lib.interpret_params`)."""
 
     block: int = BLOCK
     vmem_limit_bytes: int | None = None
+    interpret: Any = None
 
     def __post_init__(self):
         if self.block < T.PAIR_TILE or self.block % T.PAIR_TILE:
@@ -207,13 +213,10 @@ def run(
     verify_slot_indices, verify_expected_tokens, verify_expected_positions,
     verify_prev_slot_indices, verify_num_valid, enable,
     sources: tuple[tuple[jax.Array, SourceSpec], ...], kernel_kind: int, real_kv_hash_mode: int,
-    check_verify_expected_token: bool, config: Config, interpret=False,
+    check_verify_expected_token: bool, config: Config,
 ):
     """``(violation_ring, violation_write_index, slot_run_counter, kernel_run_counter)``; the ring
-    is aliased to its input (``canary_buf`` is only read). ``interpret``: False to compile for
-    TPU, or a ``pltpu.InterpretParams`` to run in TPU interpret mode."""
-    from kvcanary_jax.ops import fingerprint_mosaic_tpu as fp
-
+    is aliased to its input (``canary_buf`` is only read)."""
     mode, kind = int(real_kv_hash_mode), int(kernel_kind)
     capacity = int(verify_slot_indices.shape[0])
     block = config.block
@@ -235,7 +238,7 @@ def run(
         live = jnp.where(enable.reshape(()) != 0,
                          jnp.clip(verify_num_valid.reshape(()), 0, capacity), 0)
         rkv = fp.fingerprints_from_pair_rows(plan[0], live, sources, mode=mode, block=block,
-                                             interpret=interpret)
+                                             interpret=config.interpret or False)
     else:
         rkv = jnp.zeros((8, T.LANES), jnp.int32)
     r = block // T.LANES
@@ -267,7 +270,7 @@ def run(
         input_output_aliases={4: 0},
         compiler_params=T.compiler_params(config.vmem_limit_bytes),
         cost_estimate=T.cost(bytes_accessed=nbytes, ops=capacity * 1500),
-        interpret=interpret,
+        interpret=config.interpret or False,
         name="kvcanary_verify_tpu",
     )
     new_ring = T.from_words32(ring32, violation_ring) if ring_cap else violation_ring

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kvcanary_jax import hashing_u32 as H
 from kvcanary_jax.ops import _tpu_lib as T
-from kvcanary_jax.plans import VerifyPlan, WritePlan
+from kvcanary_jax.ops.plan import base
 
 __all__ = ["Config", "heuristics", "run", "plan_offsets", "plan_entries", "SEED_BATCH", "BLOCK",
            "SMEM_BUDGET"]
@@ -57,10 +58,14 @@ _I32_MAX = 2**31 - 1
 @dataclasses.dataclass(frozen=True)
 class Config:
     """``block``: plan entries per output block (a multiple of 512). ``vmem_limit_bytes``:
-    Mosaic's scoped VMEM limit (None: the compiler's default)."""
+    Mosaic's scoped VMEM limit (None: the compiler's default).
+    ``interpret``: None to compile for TPU; a ``pltpu.InterpretParams`` runs the kernels in TPU
+    interpret mode instead (any backend; the CPU test suites use
+    :func:`kvcanary_jax.ops._tpu_lib.interpret_params`)."""
 
     block: int = BLOCK
     vmem_limit_bytes: int | None = None
+    interpret: Any = None
 
     def __post_init__(self):
         if self.block < T.PAIR_TILE or self.block % T.PAIR_TILE:
@@ -109,8 +114,8 @@ def _flat(rp, col, pitch: int, n_cells: int):
 # Offsets
 
 
-def _offsets_kernel(rpi_s, pre_s, ext_s, rtt_hbm, lut_hbm, _wo_in, _seed_in, voff_s, st_out,
-                    wo_hbm, seed_hbm, wo_s, seed_s, seed_at, cells, lutrows, misc, sems, *, bs,
+def _offsets_kernel(rpi_s, pre_s, ext_s, rtt_hbm, lut_hbm, _wo_in, _seed_in, _nv_in, _en_in,
+                    _wn_in, voff_s, wo_hbm, seed_hbm, nv_out, en_out, wn_out, wo_s, seed_s, seed_at, cells, lutrows, misc, sems, *, bs,
                     cap_w, cap_v, window, rows, pitch, has_lut, lut_len):
     n_cells = rows * pitch
     tail_w = pitch % T.LANES
@@ -145,10 +150,9 @@ def _offsets_kernel(rpi_s, pre_s, ext_s, rtt_hbm, lut_hbm, _wo_in, _seed_in, vof
 
     lax.fori_loop(bs + 1, cap_w + 1, clear, 0)
     over = H.lt(H.const(cap_v), vtot)
-    st_out[0] = jnp.where(over, jnp.int32(cap_v), T.i32(vtot[1]))
-    st_out[1] = jnp.where(over, 0, 1).astype(jnp.int32)
-    st_out[2] = jnp.int32(bs)
-    st_out[3] = jnp.int32(0)
+    nv_out[0] = jnp.where(over, jnp.int32(cap_v), T.i32(vtot[1]))
+    en_out[0] = jnp.where(over, 0, 1).astype(jnp.int32)
+    wn_out[0] = jnp.int32(bs)
 
     # Pass 2: seeds, a batch of cells then a batch of LUT entries at a time.
     def cell_copy(flat, j, *, tail):
@@ -258,11 +262,9 @@ def offsets_smem_bytes(bs: int, cap_w: int) -> int:
 
 def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, verify_num_valid,
                  enable, write_num_valid_reqs, *, swa_window_size, verify_capacity,
-                 interpret=False, config: Config | None = None):
+                 config: Config):
     """Today's array-level offsets half (``bs >= 1``): returns ``(verify_offsets[bs + 1],
     write_offsets, seeds, verify_num_valid, enable, write_num_valid_reqs)``."""
-    del verify_num_valid, enable, write_num_valid_reqs
-    config = config or Config()
     bs = int(rpi.shape[0])
     cap_w = int(seeds.shape[0])
     rows, pitch = (int(d) for d in req_to_token.shape)
@@ -289,12 +291,13 @@ def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, v
         pitch=int(rtt.shape[1]), has_lut=has_lut, lut_len=int(lut.shape[0]) if has_lut else 1)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
-    voff, st, wo_new, seed_new = T.call(
-        kernel, rpi_r, pre_r, ext_r, rtt, lut2, wo_r, seed_r,
+    voff, wo_new, seed_new, nv, en, wn = T.call(
+        kernel, rpi_r, pre_r, ext_r, rtt, lut2, wo_r, seed_r, verify_num_valid, enable,
+        write_num_valid_reqs,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3, grid=(1,),
-            in_specs=[any_spec] * 4,
-            out_specs=[smem, smem, any_spec, any_spec],
+            in_specs=[any_spec] * 4 + [smem] * 3,
+            out_specs=[smem, any_spec, any_spec, smem, smem, smem],
             scratch_shapes=[
                 pltpu.SMEM(wo_r.shape, jnp.int32),
                 pltpu.SMEM(seed_r.shape, jnp.int32),
@@ -305,18 +308,19 @@ def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, v
                 pltpu.SemaphoreType.DMA((5,)),
             ]),
         out_shape=[jax.ShapeDtypeStruct(voff_shape, jnp.int32),
-                   jax.ShapeDtypeStruct((4,), jnp.int32),
                    jax.ShapeDtypeStruct(wo_r.shape, jnp.int32),
-                   jax.ShapeDtypeStruct(seed_r.shape, jnp.int32)],
-        input_output_aliases={5: 2, 6: 3},
+                   jax.ShapeDtypeStruct(seed_r.shape, jnp.int32),
+                   *(jax.ShapeDtypeStruct((1,), jnp.int32),) * 3],
+        # the plan's arrays are updated in place (the scalars too)
+        input_output_aliases={5: 1, 6: 2, 7: 3, 8: 4, 9: 5},
         compiler_params=T.compiler_params(config.vmem_limit_bytes),
         cost_estimate=T.cost(bytes_accessed=bs * (24 + 16 + 512 + 16) + cap_w * 16,
                              ops=bs * 150),
-        interpret=interpret,
+        interpret=config.interpret or False,
         name="kvcanary_plan_offsets_tpu",
     )
     return (T.from_pair_rows(voff, bs + 1), T.from_pair_rows(wo_new, cap_w + 1),
-            T.from_pair_rows(seed_new, cap_w), st[0:1], st[1:2], st[2:3])
+            T.from_pair_rows(seed_new, cap_w), nv, en, wn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -710,10 +714,9 @@ def _entries_kernel(voff_s, rpi_s, pre_s, vl_s, st_s, rtt_hbm, lut_hbm, pool_hbm
 
 def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, valid_lens, slots,
                  tokens, positions, prevs, *, swa_window_size, kv_token_id_vs_position_offset,
-                 interpret=False, config: Config | None = None):
+                 config: Config):
     """Today's array-level entries half (``bs >= 1``): returns the four verify arrays (aliased
     to their inputs; entries past the live count untouched)."""
-    config = config or heuristics({"verify_capacity": int(slots.shape[0])})
     bs = int(rpi.shape[0])
     cap = int(slots.shape[0])
     block = config.block
@@ -766,45 +769,19 @@ def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, v
         compiler_params=T.compiler_params(config.vmem_limit_bytes),
         cost_estimate=T.cost(bytes_accessed=cap * (4 + 4 * has_pool + 32 + 8 * has_lut),
                              ops=cap * 60),
-        interpret=interpret,
+        interpret=config.interpret or False,
         name="kvcanary_plan_entries_tpu",
     )
     return tuple(T.from_pair_rows(o, cap) for o in new)
 
 
-def _empty_batch(vp: VerifyPlan, wp: WritePlan):
-    return (
-        VerifyPlan(verify_slot_indices=vp.verify_slot_indices,
-                   verify_expected_tokens=vp.verify_expected_tokens,
-                   verify_expected_positions=vp.verify_expected_positions,
-                   verify_prev_slot_indices=vp.verify_prev_slot_indices,
-                   verify_num_valid=jnp.zeros_like(vp.verify_num_valid),
-                   enable=jnp.ones_like(vp.enable)),
-        WritePlan(write_offsets=jnp.zeros_like(wp.write_offsets),
-                  write_seed_slot_indices=wp.write_seed_slot_indices,
-                  write_num_valid_reqs=jnp.zeros_like(wp.write_num_valid_reqs)),
-    )
-
-
 def run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, *, swa_window_size: int,
-        verify_capacity: int, kv_token_id_vs_position_offset: int, config: Config,
-        interpret=False):
-    """``(VerifyPlan, WritePlan)`` filled; every plan array is aliased to its input."""
-    if rpi.shape[0] == 0:
-        return _empty_batch(vp, wp)
-    voff, wo, seeds, nv, en, wn = plan_offsets(
-        rpi, prefix, extend, rtt, lut, wp.write_offsets, wp.write_seed_slot_indices,
-        vp.verify_num_valid, vp.enable, wp.write_num_valid_reqs,
-        swa_window_size=swa_window_size, verify_capacity=verify_capacity, interpret=interpret,
-        config=config)
-    slots, toks, poss, prevs = plan_entries(
-        rpi, prefix, rtt, lut, voff, en, pool, valid_lens, vp.verify_slot_indices,
-        vp.verify_expected_tokens, vp.verify_expected_positions, vp.verify_prev_slot_indices,
-        swa_window_size=swa_window_size, kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-        interpret=interpret, config=config)
-    return (
-        VerifyPlan(verify_slot_indices=slots, verify_expected_tokens=toks,
-                   verify_expected_positions=poss, verify_prev_slot_indices=prevs,
-                   verify_num_valid=nv, enable=en),
-        WritePlan(write_offsets=wo, write_seed_slot_indices=seeds, write_num_valid_reqs=wn),
-    )
+        verify_capacity: int, kv_token_id_vs_position_offset: int, config: Config):
+    """``(VerifyPlan, WritePlan)`` filled (``bs >= 1``; the caller handles an empty batch);
+    every plan array is aliased to its input."""
+    return base.compose(
+        functools.partial(plan_offsets, config=config),
+        functools.partial(plan_entries, config=config),
+        vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens,
+        swa_window_size=swa_window_size, verify_capacity=verify_capacity,
+        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,10 +52,14 @@ _PEND_ROW, _PEND_N, _PEND_TAIL, _RD_N, _RD_TAIL = 0, 2, 4, 6, 8
 @dataclasses.dataclass(frozen=True)
 class Config:
     """``group``: 128-column segments per item (1-64). ``vmem_limit_bytes``: Mosaic's scoped
-    VMEM limit (None: the compiler's default)."""
+    VMEM limit (None: the compiler's default).
+    ``interpret``: None to compile for TPU; a ``pltpu.InterpretParams`` runs the kernels in TPU
+    interpret mode instead (any backend; the CPU test suites use
+    :func:`kvcanary_jax.ops._tpu_lib.interpret_params`)."""
 
     group: int = GROUP
     vmem_limit_bytes: int | None = None
+    interpret: Any = None
 
     def __post_init__(self):
         if not 1 <= self.group <= 64:
@@ -63,7 +68,7 @@ class Config:
 
 
 def heuristics(shapes) -> Config:
-    cols = int(shapes.get("max_context_len", GROUP * T.LANES))
+    cols = int(shapes.get("max_cols", GROUP * T.LANES))
     return Config(group=max(1, min(GROUP, -(-cols // T.LANES))))
 
 
@@ -184,8 +189,15 @@ def _scatter_kernel(off_s, rpi_s, src_hbm, _pool_in, pool_hbm, srcbuf, outbuf, o
         new = jnp.where(lane < T.LANES - d, a, b)[:G]
         col = g * W + T.entry_index(G)
         keep = (col >= jlo) & (col < jhi)
-        # The writes of the item two back (same buffer) have drained before the buffer is reused.
+        # The writes of the item two back (same buffer) have drained before the buffer is reused,
+        # and the previous item's have landed when they went to this row (a later write to a
+        # segment must land last).
         wait_writes(slot)
+
+        @pl.when(misc[_PEND_ROW + 1 - slot] == rp)
+        def _():
+            wait_writes(1 - slot)
+
         outbuf[slot] = jnp.where(keep, new, oldbuf[slot])
         n_full = jnp.int32(0)
         n_tail = jnp.int32(0)
@@ -247,11 +259,9 @@ def _scatter_kernel(off_s, rpi_s, src_hbm, _pool_in, pool_hbm, srcbuf, outbuf, o
         wait_writes(slot)
 
 
-def run(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int | None, config: Config,
-        interpret=False):
+def run(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int | None, config: Config):
     """The updated pool (aliased to ``pool_out``). ``max_cols``: columns a row may receive
-    (default: ``pool_out.shape[1]``). ``interpret``: False to compile for TPU, or a
-    ``pltpu.InterpretParams``."""
+    (default: ``pool_out.shape[1]``)."""
     bs = int(req_pool_indices.shape[0])
     num_tokens = int(flat_in.shape[0])
     rows, width = (int(d) for d in pool_out.shape)
@@ -288,7 +298,7 @@ def run(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int | None, c
         compiler_params=T.compiler_params(config.vmem_limit_bytes),
         cost_estimate=T.cost(bytes_accessed=num_tokens * 12 + bs * (W * 8 + 32),
                              ops=num_tokens * 4 + bs * 200),
-        interpret=interpret,
+        interpret=config.interpret or False,
         name="kvcanary_scatter_tpu",
     )
     return out

@@ -11,7 +11,7 @@ the previous one), so the chain runs on the scalar unit with 64-bit values as 32
 rest is batched:
 
 1. *fingerprints* of every token's slot (independent per slot) come from
-   :mod:`kvcanary_jax.ops.fingerprint_mosaic_tpu`, vectorised;
+   :mod:`kvcanary_jax.ops._tpu_fingerprint`, vectorised;
 2. *seed hazards*, vectorised: request ``r``'s seed slot is "hazardous" when a token of an earlier
    request writes it in this launch; the other seeds' rows are gathered up front by row DMAs and
    their first links (``mix3`` of the seed row, or the anchor) and last positions computed on the
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,7 @@ from jax.experimental.pallas import tpu as pltpu
 from kvcanary_jax import consts
 from kvcanary_jax import hashing_u32 as H
 from kvcanary_jax.context import SourceSpec
+from kvcanary_jax.ops import _tpu_fingerprint as fp
 from kvcanary_jax.ops import _tpu_lib as T
 
 __all__ = ["Config", "heuristics", "run", "CHUNK", "WRITES_IN_FLIGHT", "SMEM_BUDGET"]
@@ -64,10 +66,14 @@ _CUR, _ID0, _FLY0, _CNT, _RING, _WRITTEN = 0, 1, 3, 5, 6, 8
 @dataclasses.dataclass(frozen=True)
 class Config:
     """``block``: entries per block of the fingerprint kernel (a multiple of 512).
-    ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (None: the compiler's default)."""
+    ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (None: the compiler's default).
+    ``interpret``: None to compile for TPU; a ``pltpu.InterpretParams`` runs the kernels in TPU
+    interpret mode instead (any backend; the CPU test suites use
+    :func:`kvcanary_jax.ops._tpu_lib.interpret_params`)."""
 
     block: int = 1024
     vmem_limit_bytes: int | None = None
+    interpret: Any = None
 
     def __post_init__(self):
         if self.block < T.PAIR_TILE or self.block % T.PAIR_TILE:
@@ -358,13 +364,10 @@ def run(
     enable_chain_position_assert, write_offsets, write_seed_slot_indices, write_num_valid_reqs,
     input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions,
     sources: tuple[tuple[jax.Array, SourceSpec], ...], kernel_kind: int, real_kv_hash_mode: int,
-    enable_write_input_assert: bool, config: Config, interpret=False,
+    enable_write_input_assert: bool, config: Config,
 ):
     """``(canary_buf, violation_ring, violation_write_index, slot_run_counter,
-    kernel_run_counter)``; the canary buffer and the ring are aliased to their inputs.
-    ``interpret``: False to compile for TPU, or a ``pltpu.InterpretParams``."""
-    from kvcanary_jax.ops import fingerprint_mosaic_tpu as fp
-
+    kernel_run_counter)``; the canary buffer and the ring are aliased to their inputs."""
     mode, kind = int(real_kv_hash_mode), int(kernel_kind)
     check_input = bool(enable_write_input_assert)
     cap = int(write_seed_slot_indices.shape[0])
@@ -387,7 +390,7 @@ def run(
     if has_rkv:
         rkv = fp.fingerprints_from_pair_rows(
             ocl, jnp.asarray([num_tokens], jnp.int32), sources, mode=mode, block=config.block,
-            interpret=interpret)
+            interpret=config.interpret or False)
     else:
         rkv = jnp.zeros_like(ocl)
     fields = [ocl, rows(input_ids), rows(positions), rkv]
@@ -436,7 +439,7 @@ def run(
         input_output_aliases={6: 0, 7: 1},
         compiler_params=T.compiler_params(config.vmem_limit_bytes),
         cost_estimate=T.cost(bytes_accessed=nbytes, ops=num_tokens * 400 + cap * 300),
-        interpret=interpret,
+        interpret=config.interpret or False,
         name="kvcanary_write_tpu",
     )
     new_canary = T.from_words32(canary32, canary_buf) if num_slots else canary_buf
