@@ -5,6 +5,8 @@ on the platform is still needed to compile and execute it.)"""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -17,7 +19,22 @@ from kvcanary_jax.ops import _registry
 from kvcanary_jax.sim import make_forward
 
 # (platform, implementation). ("tpu", "xla") and ("cuda", "xla") join with the xla backend.
-LOWERINGS = [("cuda", "pallas_triton")]
+LOWERINGS = [("cuda", "pallas_triton"), ("tpu", "pallas_mosaic_tpu")]
+# The Mosaic TPU lowering asks the TPU generation it targets; off a TPU it is given one.
+TPU_KINDS = ("TPU v5 lite", "TPU v6 lite")
+# The Mosaic kernels of each op (pallas_mosaic_tpu); fingerprints run with real-KV sources.
+TPU_KERNELS = {"scatter": ("kvcanary_scatter_tpu",),
+               "plan": ("kvcanary_plan_offsets_tpu", "kvcanary_plan_entries_tpu"),
+               "write": ("kvcanary_fingerprints_tpu", "kvcanary_write_tpu"),
+               "verify": ("kvcanary_fingerprints_tpu", "kvcanary_verify_tpu")}
+
+
+def _lowering(platform, device_kind=TPU_KINDS[-1]):
+    if platform != "tpu":
+        return contextlib.nullcontext()
+    from kvcanary_jax.ops import _tpu_lib
+
+    return _tpu_lib.tpu_lowering(device_kind)
 
 
 def _context(num_slots=64, sources=0):
@@ -78,13 +95,16 @@ def _ops(impl):
 
 @pytest.mark.parametrize("platform,impl", LOWERINGS)
 def test_every_op_lowers(platform, impl):
-    with jax.enable_x64(True):
+    with jax.enable_x64(True), _lowering(platform):
         for name, fn, args, kernels in _ops(impl):
             assert _registry.op(name).unusable(impl) is None, (name, impl)  # no fallback
             text = fn.trace(*args).lower(lowering_platforms=(platform,)).as_text()
             if impl == "pallas_triton":
                 assert "__gpu$xla.gpu.triton" in text, name
                 assert all(k in text for k in kernels), name
+            if impl == "pallas_mosaic_tpu":
+                assert "tpu_custom_call" in text, name
+                assert all(k in text for k in TPU_KERNELS[name]), name
 
 
 @pytest.mark.parametrize("platform,impl", LOWERINGS)
@@ -106,9 +126,33 @@ def test_canary_step_lowers(platform, impl):
               for g in cfg.groups}
         rtt = jnp.asarray(np.zeros((4, 16), np.int32))
         lut = jnp.asarray(np.arange(32, dtype=np.int64))
-        text = step.jitted.trace(state, kv, batch, rtt, lut).lower(
-            lowering_platforms=(platform,)).as_text()
+        with _lowering(platform):
+            text = step.jitted.trace(state, kv, batch, rtt, lut).lower(
+                lowering_platforms=(platform,)).as_text()
     if impl == "pallas_triton":
         for kernel in ("kvcanary_scatter_req_token_ids", "kvcanary_plan_offsets",
                        "kvcanary_plan_entries", "kvcanary_verify", "kvcanary_write"):
             assert kernel in text, kernel
+    if impl == "pallas_mosaic_tpu":
+        for kernel in sorted(set(sum(TPU_KERNELS.values(), ()))):
+            assert kernel in text, kernel
+
+
+@pytest.mark.parametrize("device_kind", TPU_KINDS)
+def test_canary_step_lowers_for_each_tpu_generation(device_kind):
+    """The TPU kernels lower for v5e and v6e alike (the Mosaic lowering reads the generation)."""
+    cfg = rt.CanaryConfig(max_reqs=4, context_len=16, num_slots=32, max_bs=2, max_tokens=8,
+                          swa_window_size=4, swa_num_slots=32, implementation="pallas_mosaic_tpu")
+    step = rt.make_canary_step(cfg, make_forward(cfg, 16))
+    state = rt.init_state(cfg)
+    batch = rt.make_batch(cfg, req_pool_indices=[1], prefix_lens=[0], extend_seq_lens=[2],
+                          all_ids=[[5, 6]], input_ids=[5, 6], positions=[0, 1],
+                          out_cache_loc=[1, 2])
+    with jax.enable_x64(True):
+        kv = {g: {h: (jnp.zeros((cfg.group_slots(g), 16), jnp.bfloat16),) for h in cfg.halves}
+              for g in cfg.groups}
+        with _lowering("tpu", device_kind):
+            text = step.jitted.trace(state, kv, batch, jnp.zeros((4, 16), jnp.int32),
+                                     jnp.arange(32, dtype=jnp.int64)).lower(
+                lowering_platforms=("tpu",)).as_text()
+    assert all(k in text for k in sorted(set(sum(TPU_KERNELS.values(), ()))))
