@@ -315,13 +315,16 @@ def bucket_sources(rng, layout, num_slots=NUM_SLOTS):
     return out
 
 
-def make_trip(rng, mode, bucket):
+def make_trip(rng, mode, bucket, contiguous=False):
     """Two write launches (new chains, then continuations seeded from their last slots) over
-    distinct slots, with skipped tokens (slot -1), empty requests and padding request rows."""
+    distinct slots, with skipped tokens (slot -1), empty requests and padding request rows.
+    ``contiguous``: slots are handed out in increasing order (runs of consecutive slots, as a
+    paged allocator gives), else in random order."""
     stride, assert_on, check_token, layout = BUCKETS[bucket]
     sources = bucket_sources(rng, layout)
     nreq = int(rng.integers(1, REQ_CAP + 1))
-    free = list(rng.permutation(np.arange(1, NUM_SLOTS)))
+    free = list(np.arange(NUM_SLOTS - 1, 0, -1) if contiguous
+                else rng.permutation(np.arange(1, NUM_SLOTS)))  # handed out from the end
     chains = [[] for _ in range(nreq)]
     launches = []
     for phase in range(2):

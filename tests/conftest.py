@@ -19,6 +19,12 @@ def _deselect(config, items, marker):
         items[:] = kept
 
 
+def pytest_addoption(parser):
+    parser.addoption("--tpu-long", action="store_true", default=False,
+                     help="also run the long TPU interpret-mode fuzz (tests marked both "
+                          "tpu_interpret and slow; an hour or more on two cores)")
+
+
 def pytest_collection_modifyitems(config, items):
     # GPU tests run on the H200 only; on CPU machines they are deselected, not skipped.
     if jax.default_backend() != "gpu":
@@ -27,6 +33,12 @@ def pytest_collection_modifyitems(config, items):
     # (and fails on "no tests ran" if it did not); elsewhere they are deselected.
     if importlib.util.find_spec("sgl_jax") is None:
         _deselect(config, items, "sglang_jax")
+    # The long TPU interpret-mode fuzz runs on request (the CI runs its short part).
+    if not config.getoption("--tpu-long"):
+        long = [it for it in items if "tpu_interpret" in it.keywords and "slow" in it.keywords]
+        if long:
+            config.hook.pytest_deselected(items=long)
+            items[:] = [it for it in items if it not in long]
 
 
 @pytest.fixture(scope="session")

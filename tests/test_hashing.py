@@ -186,7 +186,7 @@ def test_pair_arithmetic_against_int64():
     assert H.join_int(*H.ANCHOR_HASH) == hashing.ANCHOR_HASH_I64
 
 
-def _pair_hash_kernel(n_ref, x_ref, o_ref, m_ref, s_ref):
+def _pair_hash_kernel(n_ref, x_ref, s_in, o_ref, m_ref, s_ref):
     """splitmix64 and mix3 on the vector unit (lane-dense planes), and splitmix64 of the first
     n entries on the scalar unit (a loop over SMEM), as the TPU kernels run them."""
     from kvcanary_jax import hashing_u32 as H
@@ -198,7 +198,7 @@ def _pair_hash_kernel(n_ref, x_ref, o_ref, m_ref, s_ref):
     m_ref[0], m_ref[1] = m[0].astype(jnp.int32), m[1].astype(jnp.int32)
 
     def one(i, c):
-        p = H.splitmix64((s_ref[0, i].astype(jnp.uint32), s_ref[1, i].astype(jnp.uint32)))
+        p = H.splitmix64((s_in[0, i].astype(jnp.uint32), s_in[1, i].astype(jnp.uint32)))
         s_ref[0, i] = p[0].astype(jnp.int32)
         s_ref[1, i] = p[1].astype(jnp.int32)
         return c
@@ -224,7 +224,6 @@ def _run_pair_kernel(xs, n_scalar, interpret):
             [pl.BlockSpec(memory_space=pltpu.SMEM)]),
         out_shape=[jax.ShapeDtypeStruct(planes.shape, jnp.int32)] * 2 +
         [jax.ShapeDtypeStruct(scalars.shape, jnp.int32)],
-        input_output_aliases={2: 2},
         interpret=interpret)
     join = lambda hi, lo: jax.lax.bitcast_convert_type(  # noqa: E731
         jnp.stack([lo.reshape(-1), hi.reshape(-1)], -1), jnp.int64)

@@ -95,10 +95,11 @@ def _ops(impl):
 
 @pytest.mark.parametrize("platform,impl", LOWERINGS)
 def test_every_op_lowers(platform, impl):
-    with jax.enable_x64(True), _lowering(platform):
+    with jax.enable_x64(True):
         for name, fn, args, kernels in _ops(impl):
-            assert _registry.op(name).unusable(impl) is None, (name, impl)  # no fallback
-            text = fn.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+            assert _registry.op(name).unusable(impl, platform=platform) is None, (name, impl)  # no fallback
+            with _lowering(platform):
+                text = fn.trace(*args).lower(lowering_platforms=(platform,)).as_text()
             if impl == "pallas_triton":
                 assert "__gpu$xla.gpu.triton" in text, name
                 assert all(k in text for k in kernels), name
@@ -111,8 +112,8 @@ def test_every_op_lowers(platform, impl):
 def test_canary_step_lowers(platform, impl):
     """The whole step (scatter, plan, HEAD and TAIL verify + write, FULL and SWA groups, both
     halves) around a forward that writes the KV."""
-    assert all(_registry.op(o).unusable(impl) is None for o in ("scatter", "plan", "write",
-                                                                "verify"))
+    assert all(_registry.op(o).unusable(impl, platform=platform) is None
+               for o in ("scatter", "plan", "write", "verify"))
     cfg = rt.CanaryConfig(max_reqs=4, context_len=16, num_slots=32, max_bs=2, max_tokens=8,
                           swa_window_size=4, swa_num_slots=32, enable_v_half=True,
                           implementation=impl)
@@ -151,8 +152,8 @@ def test_canary_step_lowers_for_each_tpu_generation(device_kind):
     with jax.enable_x64(True):
         kv = {g: {h: (jnp.zeros((cfg.group_slots(g), 16), jnp.bfloat16),) for h in cfg.halves}
               for g in cfg.groups}
-        with _lowering("tpu", device_kind):
-            text = step.jitted.trace(state, kv, batch, jnp.zeros((4, 16), jnp.int32),
-                                     jnp.arange(32, dtype=jnp.int64)).lower(
+        rtt, lut = jnp.zeros((4, 16), jnp.int32), jnp.arange(32, dtype=jnp.int64)
+        with _lowering("tpu", device_kind):  # arrays are made outside: it has no devices
+            text = step.jitted.trace(state, kv, batch, rtt, lut).lower(
                 lowering_platforms=("tpu",)).as_text()
     assert all(k in text for k in sorted(set(sum(TPU_KERNELS.values(), ()))))

@@ -513,7 +513,7 @@ TPU_FUZZ_SLOW = 960
 
 def _tpu_fuzz_case(sgl, rng, k):
     mode = k % 3
-    trip = S.make_trip(rng, mode, (k // 3) % len(S.BUCKETS))
+    trip = S.make_trip(rng, mode, (k // 3) % len(S.BUCKETS), contiguous=k % 2 == 1)
     st = S.reference_trip_state(sgl, rng, trip)
     entries = S.verify_entries(rng, trip.chains)
     kind = KINDS[int(rng.integers(len(KINDS)))]
@@ -578,6 +578,26 @@ def test_tpu_fuzz(sgl):
 @pytest.mark.tpu_interpret
 def test_tpu_fuzz_long(sgl):
     _tpu_fuzz(sgl, TPU_FUZZ_SLOW, seed=901)
+
+
+@pytest.mark.tpu_interpret
+def test_tpu_long_runs_across_slabs_and_blocks(sgl):
+    """A chain of 1,100 consecutive slots verified in 512-entry blocks: row runs of the gather
+    cross 128-entry slabs and blocks, corruptions anywhere in them are found in order."""
+    n = 1100
+    chain = [(s, 1000 + s, s - 1) for s in range(1, n + 1)]
+    st = _written(sgl, [chain], num_slots=n + 8, ring_cap=16)
+    for s in (1, 127, 128, 129, 511, 512, 700, 1024, 1099):
+        st.canary_i64[s, int(s % 3)] ^= 1 << int(s % 50)
+    e = _entries(chain)
+    _, ref = S.run_verify(sgl, st, **S.verify_plan(e["slots"], e["etok"], e["epos"], e["prev"],
+                                                   cap=n), check_token=True, ours=False)
+    ours, _ = S.run_verify(sgl, st, **S.verify_plan(e["slots"], e["etok"], e["epos"], e["prev"],
+                                                    cap=n), check_token=True, reference=False,
+                           implementation=_impls.TPU, config=_impls.config("verify", _impls.TPU,
+                                                                           block=512))
+    S.assert_same(ours, ref, st, ordered=True)
+    assert ref.widx >= 9
 
 
 def test_tpu_fuzz_total_is_at_least_1000():

@@ -6,10 +6,10 @@ For each entry ``e < n_live`` with slot ``s``: per source ``i``, the words of sl
 :func:`kvcanary_jax.hashing.fold_real_kv` does on int64. Entries past ``n_live`` get 0.
 
 The kernel walks blocks of entries: the block's slots are DMA'd into SMEM, the scalar unit issues
-one row DMA per (entry, source) from the source's strips (see
-:func:`kvcanary_jax.ops._tpu_lib.source_strips`), and the vector unit folds the block's words,
-64-bit words as 32-bit pairs, while the next block's DMAs are in flight. The result is two
-pair rows ``[n_pad / 64, 128]``, as the slots.
+the strip DMAs from each source's strips (see :func:`kvcanary_jax.ops._tpu_lib.source_strips`:
+slot ``s``'s strip is row ``s``), one per run of consecutive slots within a 128-entry slab, and
+the vector unit folds the block's words, 64-bit words as 32-bit pairs, while the next block's
+DMAs are in flight. The result: pair rows ``[n_pad / 64, 128]``, as the slots.
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ def _fold_kernel(n_ref, slots_hbm, *refs, nsrc, strips, widths, block):
     slots_s, slots_v = refs[nsrc + 1:nsrc + 3]
     bufs = refs[nsrc + 3:2 * nsrc + 3]
     words = refs[2 * nsrc + 3:3 * nsrc + 3]
-    out_v, misc, sems = refs[3 * nsrc + 3:]
+    out_v, misc, lens, sems = refs[3 * nsrc + 3:]
     r = block // T.LANES
     pr = 2 * r
     n_live = n_ref[0]
     nblocks = T.idiv(n_live + block - 1, block)
-    # misc: [0] out-copy pending on buffer 0 / 1 (bits 0 / 1); [2 + 2 i + slot] strip copies of
-    # source i in flight for buffer slot. sems: [slot] slot fetch, [2 + slot] out copy,
+    # misc: [0] out-copy pending on buffer 0 / 1 (bits 0 / 1); [2 + 2 i + slot] strip-run copies
+    # of source i in flight for buffer slot (their lengths in lens[i, slot]). sems: [slot] slot fetch, [2 + slot] out copy,
     # [4 + 2 i + slot] strips of source i.
     misc[0] = jnp.int32(0)
 
@@ -52,34 +52,54 @@ def _fold_kernel(n_ref, slots_hbm, *refs, nsrc, strips, widths, block):
         return [pltpu.make_async_copy(slots_hbm.at[rows_b], slots_s.at[slot], sems.at[slot]),
                 pltpu.make_async_copy(slots_hbm.at[rows_b], slots_v.at[slot], sems.at[slot])]
 
-    def strip_copy(i, row, e, slot):
+    def strips_copy(i, row, m, e, slot):
+        """Strips [row, row + m) of source i into entries [e, e + m) (one 128-entry slab)."""
         return pltpu.make_async_copy(
-            srcs[i].at[pl.ds(row, 1)], bufs[i].at[slot, T.idiv(e, T.LANES), pl.ds(T.irem(e, T.LANES), 1)],
+            srcs[i].at[pl.ds(row, m)],
+            bufs[i].at[slot, T.idiv(e, T.LANES), pl.ds(T.irem(e, T.LANES), m)],
             sems.at[4 + 2 * i + slot])
 
     def issue(b, slot):
+        """Per source, one DMA per run of consecutive strips (consecutive slots in range, in
+        one 128-entry slab)."""
         n = jnp.minimum(block, n_live - b * block)
+        zero = jnp.int32(0)
 
-        def one(e, counts):
-            s = T.smem_pair(slots_s.at[slot], e)
+        def flush(i, start, first, length, runs):
+            @pl.when(length > 0)
+            def _():
+                strips_copy(i, start, length, first, slot).start()
+                lens[i, slot, runs] = length
+
+            return runs + (length > 0).astype(jnp.int32)
+
+        def one(e, carry):
+            row_, col = T.idiv(e, 64), 2 * T.irem(e, 64)
+            s_lo, s_hi = T.u32(slots_s[slot, row_, col]), T.u32(slots_s[slot, row_, col + 1])
             out = []
             for i in range(nsrc):
-                ok = T.pair_in_range(s, strips[i])
-
-                @pl.when(ok)
-                def _(i=i):
-                    strip_copy(i, T.i32(s[1]), e, slot).start()
-
-                out.append(counts[i] + ok.astype(jnp.int32))
+                start, first, length, runs = carry[i]
+                ok = T.pair_in_range((s_hi, s_lo), strips[i])
+                row = T.i32(s_lo)
+                extend = ok & (length > 0) & (row == start + length) & \
+                    (T.irem(e, T.LANES) != 0)
+                runs = flush(i, start, first, jnp.where(extend, 0, length), runs)
+                out.append((jnp.where(extend, start, jnp.where(ok, row, zero)),
+                            jnp.where(extend, first, e),
+                            jnp.where(extend, length + 1, ok.astype(jnp.int32)), runs))
             return tuple(out)
 
-        counts = lax.fori_loop(0, n, one, (jnp.int32(0),) * nsrc)
+        carry = lax.fori_loop(0, n, one, ((zero, zero, zero, zero),) * nsrc)
         for i in range(nsrc):
-            misc[2 + 2 * i + slot] = counts[i]
+            misc[2 + 2 * i + slot] = flush(i, *carry[i])
 
     def wait(slot):
         for i in range(nsrc):
-            T.wait_n(strip_copy(i, 0, 0, slot), misc[2 + 2 * i + slot])
+            def one(k, c, i=i):
+                strips_copy(i, 0, lens[i, slot, k], 0, slot).wait()
+                return c
+
+            lax.fori_loop(0, misc[2 + 2 * i + slot], one, 0)
 
     def body(b, slot):
         s = T.planes(slots_v.at[slot])
@@ -156,6 +176,7 @@ def fingerprints_from_pair_rows(slot_rows, n_live, sources, *, mode: int, block:
                 *(pltpu.VMEM((w, r, T.LANES), jnp.int32) for w in widths),
                 pltpu.VMEM((2, 2 * r, T.LANES), jnp.int32),
                 pltpu.SMEM((2 + 2 * nsrc,), jnp.int32),
+                pltpu.SMEM((max(nsrc, 1), 2, block), jnp.int32),
                 pltpu.SemaphoreType.DMA((4 + 2 * nsrc,)),
             ]),
         out_shape=jax.ShapeDtypeStruct(slot_rows.shape, jnp.int32),

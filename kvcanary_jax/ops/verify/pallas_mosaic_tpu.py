@@ -8,9 +8,11 @@ Shape: one kernel instance (grid ``(1,)``) walks the active entries in blocks of
 
 1. the block's plan words (four int64 fields as pair rows) are DMA'd into VMEM and its slot and
    predecessor words into SMEM;
-2. the scalar unit issues one row DMA per entry for its slot's canary row, and one for its
-   predecessor's row unless the predecessor is the previous entry's slot (chain order: that row
-   is already in the block);
+2. the scalar unit walks the block's slots and issues the canary-row DMAs: one per *run* of
+   consecutive rows (entries whose slots follow each other, within one 128-entry slab of the
+   block: a dynamic-length row window), so a paged allocator's contiguous slots cost one DMA per
+   run, scattered slots one per entry; and one per predecessor row unless the predecessor is the
+   previous entry's slot (chain order: that row is in the block already);
 3. the vector unit checks the block: rows -> lane-dense planes, chain link (mix3 on 32-bit
    pairs), position, token, fingerprint; violations are appended in entry order.
 
@@ -20,7 +22,8 @@ checked, and block ``b + 2``'s plan DMA overlaps both. Real-KV fingerprints come
 gather structure), as planes the check reads per block.
 
 Per entry the kernel moves 32 B of plan (+ 16 B of it again into SMEM), 32 B of canary row (one
-DMA), 32 B more for a predecessor outside the block's chain (one DMA), and 8 B of fingerprint.
+DMA per run of consecutive slots), 32 B more for a predecessor outside the block's chain (one
+DMA), and 8 B of fingerprint.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ _F = consts.FailReason
 
 
 def _verify_kernel(st_in, plan_hbm, canary_hbm, rkv_hbm, _ring_in, ring_hbm, st_out,
-                   plan_v, plan_s, rows, prow, rkv_v, misc, stage, sems, *, capacity, block,
+                   plan_v, plan_s, rows, prow, rkv_v, misc, lens, stage, sems, *, capacity, block,
                    num_slots, canary_words, ring_cap, kind, check_token, has_rkv):
     r = block // T.LANES  # plane rows per block
     pr = 2 * r  # pair rows per block
@@ -99,44 +102,65 @@ def _verify_kernel(st_in, plan_hbm, canary_hbm, rkv_hbm, _ring_in, ring_hbm, st_
             cps.append(pltpu.make_async_copy(rkv_hbm.at[rows_b], rkv_v.at[slot], sems.at[slot]))
         return cps
 
-    def row_copy(row, buf, e, slot):
-        src = canary_hbm.at[pl.ds(row, 1)] if canary_words == 8 else \
-            canary_hbm.at[pl.ds(row, 1), pl.ds(0, 8)]
-        return pltpu.make_async_copy(src, buf.at[slot, T.idiv(e, T.LANES), pl.ds(T.irem(e, T.LANES), 1)],
-                                     sems.at[2 + slot])
+    def rows_copy(row, m, buf, e, slot, sem):
+        """Canary rows [row, row + m) into entries [e, e + m) of ``buf`` (one 128-entry slab)."""
+        src = canary_hbm.at[pl.ds(row, m)] if canary_words == 8 else \
+            canary_hbm.at[pl.ds(row, m), pl.ds(0, 8)]
+        return pltpu.make_async_copy(
+            src, buf.at[slot, T.idiv(e, T.LANES), pl.ds(T.irem(e, T.LANES), m)], sem)
 
     def issue(b, slot):
-        """Row DMAs of block b's entries (slots, and predecessors outside the chain)."""
+        """Row DMAs of block b's entries: the slots' rows, a run of consecutive rows (in one
+        128-entry slab) per DMA; the predecessors' rows, one DMA each, unless the predecessor
+        is the previous entry's slot (chain order: that row is in the block already)."""
         n = jnp.minimum(block, active - b * block)
         ss, ps = plan_s.at[slot, 0], plan_s.at[slot, 1]
+        zero = jnp.int32(0)
 
-        def one(e, count):
-            s = T.smem_pair(ss, e)
-            p = T.smem_pair(ps, e)
-            checked = jnp.logical_not(T.pair_is_zero(s))
-            pos_ok = T.pair_in_range(s, num_slots)
-            fetch_s = checked & (pos_ok | T.pair_neg_in_range(s, num_slots))
-            row = T.i32(jnp.where(pos_ok, s[1], s[1] + jnp.uint32(num_slots)))
-
-            @pl.when(fetch_s)
+        def flush(start, first, length, runs):
+            @pl.when(length > 0)
             def _():
-                row_copy(row, rows, e, slot).start()
+                rows_copy(start, length, rows, first, slot, sems.at[2 + slot]).start()
+                lens[slot, runs] = length
 
-            prev_slot = T.smem_pair(ss, jnp.maximum(e - 1, 0))
-            reuse = (e > 0) & H.eq(p, prev_slot)
-            fetch_p = checked & T.pair_in_range(p, num_slots) & \
-                jnp.logical_not(T.pair_is_zero(p)) & jnp.logical_not(reuse)
+            return runs + (length > 0).astype(jnp.int32)
+
+        def one(e, carry):
+            start, first, length, runs, nprev, last_hi, last_lo = carry
+            row_, col = T.idiv(e, 64), 2 * T.irem(e, 64)
+            s_lo, s_hi = T.u32(ss[row_, col]), T.u32(ss[row_, col + 1])
+            checked = (s_hi | s_lo) != jnp.uint32(0)
+            pos_ok = T.pair_in_range((s_hi, s_lo), num_slots)
+            fetch = checked & (pos_ok | T.pair_neg_in_range((s_hi, s_lo), num_slots))
+            row = T.i32(jnp.where(pos_ok, s_lo, s_lo + jnp.uint32(num_slots)))
+            extend = fetch & (length > 0) & (row == start + length) & (T.irem(e, T.LANES) != 0)
+            runs = flush(start, first, jnp.where(extend, 0, length), runs)
+            start = jnp.where(extend, start, jnp.where(fetch, row, zero))
+            first = jnp.where(extend, first, e)
+            length = jnp.where(extend, length + 1, fetch.astype(jnp.int32))
+            p_lo, p_hi = T.u32(ps[row_, col]), T.u32(ps[row_, col + 1])
+            reuse = (e > 0) & (p_hi == last_hi) & (p_lo == last_lo)
+            fetch_p = checked & (p_hi == jnp.uint32(0)) & (p_lo != jnp.uint32(0)) & \
+                (p_lo < jnp.uint32(num_slots)) & jnp.logical_not(reuse)
 
             @pl.when(fetch_p)
             def _():
-                row_copy(T.i32(p[1]), prow, e, slot).start()
+                rows_copy(T.i32(p_lo), 1, prow, e, slot, sems.at[5 + slot]).start()
 
-            return count + fetch_s.astype(jnp.int32) + fetch_p.astype(jnp.int32)
+            return (start, first, length, runs, nprev + fetch_p.astype(jnp.int32), s_hi, s_lo)
 
-        misc[slot] = lax.fori_loop(0, n, one, jnp.int32(0))
+        start, first, length, runs, nprev, _, _ = lax.fori_loop(
+            0, n, one, (zero, zero, zero, zero, zero, jnp.uint32(0), jnp.uint32(0)))
+        misc[slot] = flush(start, first, length, runs)
+        misc[5 + slot] = nprev
 
     def wait(slot):
-        T.wait_n(row_copy(0, rows, 0, slot), misc[slot])
+        def one(k, c):
+            rows_copy(0, lens[slot, k], rows, 0, slot, sems.at[2 + slot]).wait()
+            return c
+
+        lax.fori_loop(0, misc[slot], one, 0)
+        T.wait_n(rows_copy(0, 1, prow, 0, slot, sems.at[5 + slot]), misc[5 + slot])
 
     def check(b, slot):
         slot_p = T.planes(plan_v.at[slot, 0])
@@ -262,8 +286,9 @@ def run(
                 pltpu.VMEM((2, r, T.LANES, 8), jnp.int32),
                 pltpu.VMEM((2, 2 * r, T.LANES), jnp.int32),
                 pltpu.SMEM((8,), jnp.int32),
+                pltpu.SMEM((2, block), jnp.int32),
                 pltpu.SMEM((1, T.LANES), jnp.int32),
-                pltpu.SemaphoreType.DMA((5,)),
+                pltpu.SemaphoreType.DMA((7,)),
             ]),
         out_shape=[jax.ShapeDtypeStruct(ring.shape, jnp.int32),
                    jax.ShapeDtypeStruct((8,), jnp.int32)],
