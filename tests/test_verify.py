@@ -276,7 +276,7 @@ def _corrupt(rng, kind, trip, st, entries):
     elif kind == "position":
         c[s, 1] += 1
     elif kind == "prev_hash":
-        c[s, 2] ^= 1 << int(rng.integers(64))
+        c[s, 2] ^= np.int64(1) << np.int64(rng.integers(64))  # bit 63 included
     elif kind == "real_kv_byte":
         src = trip.sources[int(rng.integers(len(trip.sources)))]
         nbytes = 16 if trip.mode == 1 else src.read_bytes
