@@ -43,8 +43,8 @@ def _fold_kernel(n_ref, slots_hbm, *refs, nsrc, strips, widths, block):
     n_live = n_ref[0]
     nblocks = T.idiv(n_live + block - 1, block)
     # misc: [0] out-copy pending on buffer 0 / 1 (bits 0 / 1); [2 + 2 i + slot] strip-run copies
-    # of source i in flight for buffer slot (their lengths in lens[i, slot]). sems: [slot] slot fetch, [2 + slot] out copy,
-    # [4 + 2 i + slot] strips of source i.
+    # of source i in flight for buffer slot (their lengths in lens[i, slot]).
+    # sems: [slot] slot fetch, [2 + slot] out copy, [4 + 2 i + slot] strips of source i.
     misc[0] = jnp.int32(0)
 
     def fetch(b, slot):

@@ -35,7 +35,6 @@ min-reductions, so no prefix sum is needed.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import jax
 import jax.numpy as jnp
@@ -422,15 +421,6 @@ def tpu_lowering(device_kind: str = "TPU v6 lite"):
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)
     with jax.sharding.use_abstract_mesh(mesh):
         yield
-
-
-def vmem_bytes(*shapes_words) -> int:
-    """Bytes of int32 VMEM buffers, lanes padded to 128."""
-    total = 0
-    for shape in shapes_words:
-        *lead, last = shape
-        total += 4 * math.prod(lead) * pad_to(last, LANES)
-    return total
 
 
 def pipeline(nblocks, *, fetch, issue, wait, body) -> None:

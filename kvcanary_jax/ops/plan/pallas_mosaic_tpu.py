@@ -115,8 +115,9 @@ def _flat(rp, col, pitch: int, n_cells: int):
 
 
 def _offsets_kernel(rpi_s, pre_s, ext_s, rtt_hbm, lut_hbm, _wo_in, _seed_in, _nv_in, _en_in,
-                    _wn_in, voff_s, wo_hbm, seed_hbm, nv_out, en_out, wn_out, wo_s, seed_s, seed_at, cells, lutrows, misc, sems, *, bs,
-                    cap_w, cap_v, window, rows, pitch, has_lut, lut_len):
+                    _wn_in, voff_s, wo_hbm, seed_hbm, nv_out, en_out, wn_out, wo_s, seed_s,
+                    seed_at, cells, lutrows, misc, sems, *, bs, cap_w, cap_v, window, rows, pitch,
+                    has_lut, lut_len):
     n_cells = rows * pitch
     tail_w = pitch % T.LANES
     tail_base = pitch - tail_w

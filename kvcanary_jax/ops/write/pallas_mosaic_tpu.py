@@ -93,7 +93,7 @@ def _write_kernel(st_in, off_s, seed_s, toks_hbm, seed_v, ocl_v, canary_in, ring
                   canary_hbm, ring_hbm, st_out, init_hbm,
                   seed_rows, init_v, init_s, hz, chunk, stage, pend, misc, rstage, sems, *,
                   cap, num_tokens, num_slots, canary_words, ring_cap, kind, check_input,
-                  nfields, nchunks):
+                  nchunks):
     del canary_in, ring_in
     K = WRITES_IN_FLIGHT
     rc = seed_rows.shape[0]  # request plane rows
@@ -108,15 +108,9 @@ def _write_kernel(st_in, off_s, seed_s, toks_hbm, seed_v, ocl_v, canary_in, ring
         row, col = _pair_lanes(r)
         return T.u32(off_s[row, col + 1]), T.u32(off_s[row, col])
 
-    def clamp_tokens(p):
-        """An int64 token index as an int32 in [0, num_tokens]."""
-        return T.i32(jnp.where(H.is_neg(p), zero32,
-                               jnp.where(T.pair_in_range(p, num_tokens + 1), p[1],
-                                         jnp.uint32(num_tokens))))
-
     def token_range(r):
-        lo = clamp_tokens(offset(r))
-        hi = clamp_tokens(offset(r + 1))
+        lo = T.pair_clamp(offset(r), num_tokens)
+        hi = T.pair_clamp(offset(r + 1), num_tokens)
         return lo, jnp.maximum(hi, lo)
 
     def seed(r):
@@ -410,7 +404,7 @@ def run(
     kernel = functools.partial(
         _write_kernel, cap=cap, num_tokens=num_tokens, num_slots=num_slots,
         canary_words=int(canary.shape[1]), ring_cap=ring_cap, kind=kind,
-        check_input=check_input, nfields=len(fields), nchunks=t_pad // CHUNK)
+        check_input=check_input, nchunks=t_pad // CHUNK)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     vmem_spec = pl.BlockSpec(memory_space=pltpu.VMEM)
     nbytes = num_tokens * (8 * len(fields) + 8 + 32) + cap * 48
