@@ -88,7 +88,7 @@ __all__ = [
 LANES = 128
 # Entries per whole 8 x 128 tile of pair rows (64 pairs per row, 8 rows).
 PAIR_TILE = 512
-INT32_MAX = 2**31 - 1
+INT32_MAX = consts.VIOLATION_WRITE_INDEX_MAX  # where the write index saturates
 
 
 def pad_to(n: int, multiple: int) -> int:
