@@ -25,6 +25,7 @@ __all__ = [
     "splitmix64",
     "mix3",
     "splitmix64_int",
+    "SPLITMIX64_MULTIPLIERS",
     "mix3_int",
     "ANCHOR_HASH_I64",
     "fold_real_kv",
@@ -44,8 +45,10 @@ def to_u64(value: int) -> int:
     return value & _U64
 
 
-_M1 = np.int64(to_i64(0xBF58476D1CE4E5B9))
-_M2 = np.int64(to_i64(0x94D049BB133111EB))
+# SplitMix64's two finaliser multipliers (also used by the 32-bit-pair hash, hashing_u32).
+SPLITMIX64_MULTIPLIERS: tuple[int, int] = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+_M1 = np.int64(to_i64(SPLITMIX64_MULTIPLIERS[0]))
+_M2 = np.int64(to_i64(SPLITMIX64_MULTIPLIERS[1]))
 
 
 def _srl(x, n: int):
@@ -70,8 +73,8 @@ def mix3(a, b, c):
 def splitmix64_int(value: int) -> int:
     """Python-int splitmix64 returning the int64 reading."""
     x = value & _U64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
+    x = ((x ^ (x >> 30)) * SPLITMIX64_MULTIPLIERS[0]) & _U64
+    x = ((x ^ (x >> 27)) * SPLITMIX64_MULTIPLIERS[1]) & _U64
     return to_i64(x ^ (x >> 31))
 
 

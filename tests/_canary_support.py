@@ -19,6 +19,8 @@ from kvcanary_jax.context import RealKvSource, VerifyOrWriteContext
 from kvcanary_jax.contracts import TensorMeta
 from kvcanary_jax.plans import VerifyPlan, WritePlan
 
+import _impls
+
 
 @dataclasses.dataclass
 class State:
@@ -151,6 +153,8 @@ def run_write(sgl, st: State, *, offsets, seeds, num_valid, ids, pos, ocl, asser
     run)."""
     from kvcanary_jax.ops.write import canary_write, canary_write_reference
 
+    if config is None:
+        config = _impls.config("write", implementation)
     if jnp_reference:
         canary_write = canary_write_reference  # noqa: F811
 
@@ -192,6 +196,8 @@ def run_verify(sgl, st: State, *, slots, etok, epos, prev, num_valid, enable=1, 
     (either None when not run)."""
     from kvcanary_jax.ops.verify import canary_verify, canary_verify_reference
 
+    if config is None:
+        config = _impls.config("verify", implementation)
     if jnp_reference:
         canary_verify = canary_verify_reference  # noqa: F811
 
@@ -322,13 +328,16 @@ def bucket_sources(rng, layout, num_slots=NUM_SLOTS):
     return out
 
 
-def make_trip(rng, mode, bucket):
+def make_trip(rng, mode, bucket, contiguous=False):
     """Two write launches (new chains, then continuations seeded from their last slots) over
-    distinct slots, with skipped tokens (slot -1), empty requests and padding request rows."""
+    distinct slots, with skipped tokens (slot -1), empty requests and padding request rows.
+    ``contiguous``: slots are handed out in increasing order (runs of consecutive slots, as a
+    paged allocator gives), else in random order."""
     stride, assert_on, check_token, layout = BUCKETS[bucket]
     sources = bucket_sources(rng, layout)
     nreq = int(rng.integers(1, REQ_CAP + 1))
-    free = list(rng.permutation(np.arange(1, NUM_SLOTS)))
+    free = list(np.arange(NUM_SLOTS - 1, 0, -1) if contiguous
+                else rng.permutation(np.arange(1, NUM_SLOTS)))  # handed out from the end
     chains = [[] for _ in range(nreq)]
     launches = []
     for phase in range(2):
@@ -384,6 +393,33 @@ def garbage_state(rng, stride):
     st = State.zeros(NUM_SLOTS, RING_CAP, stride)
     st.canary[0] = rng.integers(0, 256, stride, dtype=np.uint8)
     st.canary[:, 32:] = rng.integers(0, 256, (NUM_SLOTS, stride - 32), dtype=np.uint8)
+    return st
+
+
+def guarded(before: State, full: State, w0: int) -> State:
+    """The ring guard of DESIGN.md applied to a launch: ``full`` is a reference run of the launch
+    from ``before`` with write index 0 on a ring with room for every row; the result is what the
+    launch gives from write index ``w0``: ``w0 < 0``: no row written, index unchanged; else row j
+    at ``w0 + j`` below the capacity, index ``min(w0 + n, 2**31 - 1)``."""
+    out = full.copy()
+    cap = len(before.ring)
+    out.ring = before.ring.copy()
+    n = full.widx
+    if w0 < 0:
+        out.widx = w0
+        return out
+    for j in range(n):
+        if w0 + j < cap:
+            out.ring[w0 + j] = full.ring[j]
+    out.widx = min(w0 + n, 2**31 - 1)
+    return out
+
+
+def reference_trip_state(sgl, rng, trip) -> State:
+    """The state after a trip's writes, by SGLang's reference alone."""
+    st = garbage_state(rng, trip.stride)
+    for launch in trip.launches:
+        _, st = run_write(sgl, st, **launch, sources=trip.sources, mode=trip.mode, ours=False)
     return st
 
 

@@ -1,7 +1,11 @@
 """The implementations each op's suite runs: every one that runs on this machine
 (:func:`kvcanary_jax.implementations_available`: ``pallas_interpret`` and ``xla`` on a CPU,
 ``pallas_triton`` too on a CUDA GPU), narrowed by ``KVCANARY_TEST_IMPLEMENTATIONS=a,b`` when set
-(e.g. ``pallas_triton,xla`` on the GPU machine, to leave the interpreter to the CPU runs)."""
+(e.g. ``pallas_triton,xla`` on the GPU machine, to leave the interpreter to the CPU runs).
+
+``pallas_mosaic_tpu`` runs on a TPU; elsewhere the suites run its kernels in TPU interpret mode
+(:func:`config`: its ``Config`` with ``interpret`` set), as the ``tpu_interpret`` parameter of
+:func:`with_tpu`."""
 
 from __future__ import annotations
 
@@ -28,6 +32,41 @@ def implementations(op: str | None = None) -> tuple[str, ...]:
     return asked
 
 
+TPU = "pallas_mosaic_tpu"
+
+
+def _tpu_wanted() -> bool:
+    only = os.environ.get("KVCANARY_TEST_IMPLEMENTATIONS")
+    return not only or TPU in (i.strip() for i in only.split(","))
+
+
+def with_tpu(op: str | None = None) -> list:
+    """:func:`implementations` plus ``pallas_mosaic_tpu`` (in TPU interpret mode off a TPU, marked
+    ``tpu_interpret``), as pytest parameters."""
+    import pytest
+
+    impls = [i for i in implementations(op) if i != TPU]
+    tpu = [pytest.param(TPU, marks=pytest.mark.tpu_interpret)] if _tpu_wanted() else []
+    return impls + tpu
+
+
+def config(op: str, implementation: str | None, **kw):
+    """The launch config a test passes with ``implementation``: None (the op's choice), except
+    ``pallas_mosaic_tpu`` off a TPU: its ``Config`` in TPU interpret mode."""
+    if implementation != TPU:
+        return None
+    import importlib
+
+    import jax
+
+    from kvcanary_jax.ops import _tpu_lib
+
+    mod = importlib.import_module(f"kvcanary_jax.ops.{op}.pallas_mosaic_tpu")
+    if jax.default_backend() == "tpu":
+        return mod.Config(**kw) if kw else None
+    return mod.Config(interpret=_tpu_lib.interpret_params(), **kw)
+
+
 def pallas(op: str) -> tuple[str, ...]:
     """The Pallas implementations of ``op`` to test (they share one launch ``Config``)."""
     return tuple(i for i in implementations(op) if i in ("pallas_triton", "pallas_interpret"))
@@ -38,11 +77,12 @@ def in_reference_order(implementation: str) -> bool:
     return implementation != "pallas_triton"
 
 
-def lower(fn, args, platform: str):
+def lower(fn, args, platform: str, device_kind: str = "TPU v6 lite"):
     """``fn.trace(*args).lower(lowering_platforms=(platform,))`` (``fn`` jitted) on any machine.
     Since jax 0.12 Pallas's Triton lowering reads the GPU's kind from the device, which a machine
     without a GPU lacks: for CUDA an abstract mesh names one (an H200, the GPU this project runs
-    on) while the function traces and lowers."""
+    on) while the function traces and lowers. The Mosaic TPU lowering reads the TPU generation
+    the same way: for TPU one of ``device_kind`` is named."""
     context = contextlib.nullcontext()
     if platform == "cuda":
         from jax.sharding import AbstractDevice, AbstractMesh, AxisType
@@ -50,5 +90,9 @@ def lower(fn, args, platform: str):
         h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
         context = jax.sharding.use_abstract_mesh(AbstractMesh(
             (1,), ("x",), axis_types=(AxisType.Auto,), abstract_device=h200))
+    elif platform == "tpu":
+        from kvcanary_jax.ops import _tpu_lib
+
+        context = _tpu_lib.tpu_lowering(device_kind)
     with context:
         return fn.trace(*args).lower(lowering_platforms=(platform,))

@@ -19,6 +19,12 @@ def _deselect(config, items, marker):
         items[:] = kept
 
 
+def pytest_addoption(parser):
+    parser.addoption("--tpu-long", action="store_true", default=False,
+                     help="also run the long TPU interpret-mode fuzz (tests marked both "
+                          "tpu_interpret and slow; an hour or more on two cores)")
+
+
 def pytest_collection_modifyitems(config, items):
     # Tests that compare with SGLang's torch references need torch: the marker lets a run without
     # torch (the newest-JAX CI leg) select the rest with -m "not torch".
@@ -32,9 +38,39 @@ def pytest_collection_modifyitems(config, items):
     # (and fails on "no tests ran" if it did not); elsewhere they are deselected.
     if importlib.util.find_spec("sgl_jax") is None:
         _deselect(config, items, "sglang_jax")
+    # The long TPU interpret-mode fuzz runs on request (the CI runs its short part).
+    if not config.getoption("--tpu-long"):
+        long = [it for it in items if "tpu_interpret" in it.keywords and "slow" in it.keywords]
+        if long:
+            config.hook.pytest_deselected(items=long)
+            items[:] = [it for it in items if it not in long]
 
 
 @pytest.fixture(scope="session")
 def sgl():
     """SGLang 0.5.23's kv-canary modules (references, consts, dataclasses)."""
     return _oracle.load()
+
+
+@pytest.fixture(autouse=True)
+def tpu_interpret_races(monkeypatch):
+    """TPU interpret mode's race detector: every kernel the test interprets gets a fresh detector
+    (JAX keeps only the last one, and before jax 0.11 it reports races by printing); a race in
+    any of them fails the test. (JAX has no public API for this; it is test-only.)"""
+    try:
+        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+    except ImportError:  # no TPU interpret mode in this JAX
+        yield
+        return
+    seen = []
+    base = ipc.RaceDetectionState
+
+    class Recorded(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen.append(self)
+
+    monkeypatch.setattr(ipc, "RaceDetectionState", Recorded)
+    yield
+    found = [s for s in seen if s.races_found]
+    assert not found, f"TPU interpret mode found races in {len(found)} of {len(seen)} kernels"

@@ -124,3 +124,142 @@ def test_real_kv_fold_hand_checked(mode, label, want):
         )(jnp.array([0, 3, -1, 7], jnp.int64), jnp.asarray(words))
     # slot -1 and slot 7 (row past the source) read zero words: fingerprint 0.
     assert np.asarray(out).tolist() == [want, want, 0, 0]
+
+
+# --- the 32-bit-pair hash (hashing_u32): what the Mosaic TPU kernels compute --------------------
+
+
+def _pairs(xs):
+    from kvcanary_jax import hashing_u32 as H
+
+    return H.from_i64(jnp.asarray(xs, jnp.int64))
+
+
+def test_pair_hash_splitmix64_edges_and_100k_random(sgl):
+    from kvcanary_jax import hashing_u32 as H
+
+    rng = np.random.default_rng(10)
+    xs = np.concatenate([np.array(EDGES, np.int64), _random_i64(rng, 100_000)])
+    with jax.enable_x64(True):
+        got = np.asarray(H.to_i64(jax.jit(H.splitmix64)(_pairs(xs))))
+    want = np.array([_ref_i64(sgl, sgl.consts.splitmix64, int(x)) for x in xs], np.int64)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_pair_hash_mix3_random(sgl):
+    from kvcanary_jax import hashing_u32 as H
+
+    rng = np.random.default_rng(11)
+    a, b, c = (np.concatenate([np.array(EDGES, np.int64), _random_i64(rng, 20_000)])
+               for _ in range(3))
+    with jax.enable_x64(True):
+        got = np.asarray(H.to_i64(jax.jit(H.mix3)(_pairs(a), _pairs(b), _pairs(c))))
+    want = np.array([_ref_i64(sgl, sgl.consts.splitmix64_mix3, int(x), int(y), int(z))
+                     for x, y, z in zip(a, b, c)], np.int64)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_pair_arithmetic_against_int64():
+    """Additions, subtractions, negation, comparisons, shifts and constant products on pairs
+    equal int64 arithmetic (two's complement, wrapping) on edges and random values."""
+    from kvcanary_jax import hashing_u32 as H
+
+    rng = np.random.default_rng(12)
+    x = np.concatenate([np.array(EDGES * 2, np.int64), _random_i64(rng, 5000)])
+    y = np.concatenate([np.array(EDGES[::-1] * 2, np.int64), _random_i64(rng, 5000)])
+    c = int(rng.integers(-(2**63), 2**63 - 1))
+    with jax.enable_x64(True):
+        px, py = _pairs(x), _pairs(y)
+        i64 = lambda p: np.asarray(H.to_i64(p))  # noqa: E731
+        np.testing.assert_array_equal(i64(H.add(px, py)), x + y)
+        np.testing.assert_array_equal(i64(H.sub(px, py)), x - y)
+        np.testing.assert_array_equal(i64(H.neg(px)), -x)
+        np.testing.assert_array_equal(i64(H.mul_const(px, c)), x * np.int64(c))
+        np.testing.assert_array_equal(np.asarray(H.lt(px, py)), x < y)
+        np.testing.assert_array_equal(np.asarray(H.is_neg(px)), x < 0)
+        np.testing.assert_array_equal(np.asarray(H.eq(px, py)), x == y)
+        for n in (1, 27, 30, 31):
+            np.testing.assert_array_equal(i64(H.shr(px, n)),
+                                          (x.view(np.uint64) >> np.uint64(n)).view(np.int64))
+        lo = x.astype(np.int32)
+        np.testing.assert_array_equal(i64(H.from_i32(jnp.asarray(lo))), lo.astype(np.int64))
+    assert H.join_int(*H.ANCHOR_HASH) == hashing.ANCHOR_HASH_I64
+
+
+def _pair_hash_kernel(n_ref, x_ref, s_in, o_ref, m_ref, s_ref):
+    """splitmix64 and mix3 on the vector unit (lane-dense planes), and splitmix64 of the first
+    n entries on the scalar unit (a loop over SMEM), as the TPU kernels run them."""
+    from kvcanary_jax import hashing_u32 as H
+
+    hi, lo = x_ref[0].astype(jnp.uint32), x_ref[1].astype(jnp.uint32)
+    h = H.splitmix64((hi, lo))
+    o_ref[0], o_ref[1] = h[0].astype(jnp.int32), h[1].astype(jnp.int32)
+    m = H.mix3((hi, lo), (hi ^ jnp.uint32(0x5555), lo), H.neg((hi, lo)))
+    m_ref[0], m_ref[1] = m[0].astype(jnp.int32), m[1].astype(jnp.int32)
+
+    def one(i, c):
+        p = H.splitmix64((s_in[0, i].astype(jnp.uint32), s_in[1, i].astype(jnp.uint32)))
+        s_ref[0, i] = p[0].astype(jnp.int32)
+        s_ref[1, i] = p[1].astype(jnp.int32)
+        return c
+
+    jax.lax.fori_loop(0, n_ref[0], one, 0)
+
+
+def _run_pair_kernel(xs, n_scalar, interpret):
+    from jax.experimental.pallas import tpu as pltpu
+
+    from kvcanary_jax.ops import _tpu_lib
+
+    w = jax.lax.bitcast_convert_type(jnp.asarray(xs, jnp.int64), jnp.int32)  # [n, 2]: lo, hi
+    planes = jnp.stack([w[:, 1], w[:, 0]]).reshape(2, -1, 128)
+    scalars = jnp.stack([w[:n_scalar, 1], w[:n_scalar, 0]])
+    o, m, s = _tpu_lib.call(
+        _pair_hash_kernel, jnp.array([n_scalar], jnp.int32), planes, scalars,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(1,),
+            in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM),
+                      pl.BlockSpec(memory_space=pltpu.SMEM)],
+            out_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)] * 2 +
+            [pl.BlockSpec(memory_space=pltpu.SMEM)]),
+        out_shape=[jax.ShapeDtypeStruct(planes.shape, jnp.int32)] * 2 +
+        [jax.ShapeDtypeStruct(scalars.shape, jnp.int32)],
+        interpret=interpret)
+    join = lambda hi, lo: jax.lax.bitcast_convert_type(  # noqa: E731
+        jnp.stack([lo.reshape(-1), hi.reshape(-1)], -1), jnp.int64)
+    return join(o[0], o[1]), join(m[0], m[1]), join(s[0], s[1])
+
+
+@pytest.mark.tpu_interpret
+def test_pair_hash_in_a_tpu_kernel_vector_and_scalar_units(sgl):
+    """The 100,000 random values of the test above (and the edges) through a Mosaic TPU kernel in
+    TPU interpret mode: vector splitmix64 / mix3 on all, scalar splitmix64 on the first 512."""
+    from kvcanary_jax.ops import _tpu_lib
+
+    rng = np.random.default_rng(10)
+    xs = np.concatenate([np.array(EDGES, np.int64), _random_i64(rng, 100_000)])
+    xs = np.concatenate([xs, np.zeros(-len(xs) % 1024, np.int64)])
+    with jax.enable_x64(True):
+        o, m, s = (np.asarray(v) for v in _run_pair_kernel(xs, 512,
+                                                           _tpu_lib.interpret_params()))
+    np.testing.assert_array_equal(
+        o, [_ref_i64(sgl, sgl.consts.splitmix64, int(x)) for x in xs])
+    np.testing.assert_array_equal(s, o[:512])
+    np.testing.assert_array_equal(
+        m[:5000], [_ref_i64(sgl, sgl.consts.splitmix64_mix3, int(x), int(x) ^ (0x5555 << 32),
+                            -int(x)) for x in xs[:5000]])
+
+
+@pytest.mark.parametrize("device_kind", ["TPU v5 lite", "TPU v6 lite"])
+def test_pair_hash_kernel_lowers_for_tpu(device_kind):
+    xs = jax.ShapeDtypeStruct((1024,), jnp.int64)
+    with jax.enable_x64(True), _tpu_lowering(device_kind):
+        text = jax.jit(lambda x: _run_pair_kernel(x, 512, False)).trace(xs).lower(
+            lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text
+
+
+def _tpu_lowering(kind):
+    from kvcanary_jax.ops import _tpu_lib
+
+    return _tpu_lib.tpu_lowering(kind)

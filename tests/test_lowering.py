@@ -5,6 +5,7 @@ on the platform is still needed to compile and execute it.)"""
 
 from __future__ import annotations
 
+
 import numpy as np
 import pytest
 
@@ -18,15 +19,26 @@ from kvcanary_jax.sim import make_forward
 
 from _impls import lower
 
-# (platform, implementation): the Triton kernels for CUDA; the plain XLA implementation for TPU
-# (the fallback where an op has no Mosaic kernel) and for CUDA (the fallback when the Triton
-# lowering is unavailable).
-LOWERINGS = [("cuda", "pallas_triton"), ("tpu", "xla"), ("cuda", "xla")]
+# (platform, implementation): the Triton kernels for CUDA and the Mosaic kernels for TPU; the plain
+# XLA implementation for TPU and for CUDA (the fallback when a kernel backend is unavailable).
+LOWERINGS = [("cuda", "pallas_triton"), ("tpu", "pallas_mosaic_tpu"), ("tpu", "xla"),
+             ("cuda", "xla")]
+# The Mosaic TPU lowering asks the TPU generation it targets; off a TPU it is given one.
+TPU_KINDS = ("TPU v5 lite", "TPU v6 lite")
+# The Mosaic kernels of each op (pallas_mosaic_tpu); fingerprints run with real-KV sources.
+TPU_KERNELS = {"scatter": ("kvcanary_scatter_tpu",),
+               "plan": ("kvcanary_plan_offsets_tpu", "kvcanary_plan_entries_tpu"),
+               "write": ("kvcanary_fingerprints_tpu", "kvcanary_write_tpu"),
+               "verify": ("kvcanary_fingerprints_tpu", "kvcanary_verify_tpu")}
 
 
 def _check_program(text, impl, name):
     if impl == "pallas_triton":
         assert "__gpu$xla.gpu.triton" in text, name
+    if impl == "pallas_mosaic_tpu":
+        assert "tpu_custom_call" in text, name
+        kernels = sorted(set(sum(TPU_KERNELS.values(), ()))) if name == "step" else TPU_KERNELS[name]
+        assert all(k in text for k in kernels), name
     if impl == "xla":  # plain HLO: no kernel of any backend, no custom call at all
         assert "custom_call" not in text, name
 
@@ -91,7 +103,7 @@ def _ops(impl):
 def test_every_op_lowers(platform, impl):
     with jax.enable_x64(True):
         for name, fn, args, kernels in _ops(impl):
-            assert _registry.op(name).unusable(impl) is None, (name, impl)  # no fallback
+            assert _registry.op(name).unusable(impl, platform=platform) is None, (name, impl)
             text = lower(fn, args, platform).as_text()
             _check_program(text, impl, name)
             if impl == "pallas_triton":
@@ -102,8 +114,8 @@ def test_every_op_lowers(platform, impl):
 def test_canary_step_lowers(platform, impl):
     """The whole step (scatter, plan, HEAD and TAIL verify + write, FULL and SWA groups, both
     halves) around a forward that writes the KV."""
-    assert all(_registry.op(o).unusable(impl) is None for o in ("scatter", "plan", "write",
-                                                                "verify"))
+    assert all(_registry.op(o).unusable(impl, platform=platform) is None
+               for o in ("scatter", "plan", "write", "verify"))
     cfg = rt.CanaryConfig(max_reqs=4, context_len=16, num_slots=32, max_bs=2, max_tokens=8,
                           swa_window_size=4, swa_num_slots=32, enable_v_half=True,
                           implementation=impl)
@@ -123,3 +135,21 @@ def test_canary_step_lowers(platform, impl):
         for kernel in ("kvcanary_scatter_req_token_ids", "kvcanary_plan_offsets",
                        "kvcanary_plan_entries", "kvcanary_verify", "kvcanary_write"):
             assert kernel in text, kernel
+
+
+@pytest.mark.parametrize("device_kind", TPU_KINDS)
+def test_canary_step_lowers_for_each_tpu_generation(device_kind):
+    """The TPU kernels lower for v5e and v6e alike (the Mosaic lowering reads the generation)."""
+    cfg = rt.CanaryConfig(max_reqs=4, context_len=16, num_slots=32, max_bs=2, max_tokens=8,
+                          swa_window_size=4, swa_num_slots=32, implementation="pallas_mosaic_tpu")
+    step = rt.make_canary_step(cfg, make_forward(cfg, 16))
+    state = rt.init_state(cfg)
+    batch = rt.make_batch(cfg, req_pool_indices=[1], prefix_lens=[0], extend_seq_lens=[2],
+                          all_ids=[[5, 6]], input_ids=[5, 6], positions=[0, 1],
+                          out_cache_loc=[1, 2])
+    with jax.enable_x64(True):
+        kv = {g: {h: (jnp.zeros((cfg.group_slots(g), 16), jnp.bfloat16),) for h in cfg.halves}
+              for g in cfg.groups}
+        rtt, lut = jnp.zeros((4, 16), jnp.int32), jnp.arange(32, dtype=jnp.int64)
+        text = lower(step.jitted, (state, kv, batch, rtt, lut), "tpu", device_kind).as_text()
+    _check_program(text, "pallas_mosaic_tpu", "step")

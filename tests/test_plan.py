@@ -21,9 +21,11 @@ from kvcanary_jax.contracts import Contract
 from kvcanary_jax.ops.plan import CONTRACT, canary_plan, canary_plan_reference, plan_metas
 from kvcanary_jax.ops.plan import base as plan_base
 from kvcanary_jax.plans import VerifyPlan, WritePlan
-from _impls import implementations, pallas
+import _impls
+from _impls import implementations, pallas, with_tpu
 
 IMPLS = implementations("plan")
+IMPLS_TPU = with_tpu("plan")
 PALLAS = pallas("plan")
 
 
@@ -137,6 +139,8 @@ def run_ours(c: Case, impl: str | None = None, *, config=None,
         kw = kwargs_of(c)
         if reference:
             return as_dict(*canary_plan_reference(verify_plan_out=vp, write_plan_out=wp, **kw))
+        if config is None:
+            config = _impls.config("plan", impl)
         return as_dict(*canary_plan(verify_plan_out=vp, write_plan_out=wp, **kw,
                                     implementation=impl, config=config))
 
@@ -189,7 +193,7 @@ HAND_CASES = {
 }
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS_TPU)
 @pytest.mark.parametrize("name", sorted(HAND_CASES))
 def test_hand_cases(sgl, name, impl):
     c = HAND_CASES[name]
@@ -198,7 +202,7 @@ def test_hand_cases(sgl, name, impl):
     assert_same(run_ours(c, reference=True), want, c)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS_TPU)
 def test_hand_case_values_spot_check(sgl, impl):
     # Hand-checked values of the SWA case (window 2 over prefix 5: positions 3, 4; the window's
     # first entry keeps its real predecessor; everything LUT-translated).
@@ -393,7 +397,7 @@ def _both(c, impl):
     return got
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS_TPU)
 def test_lut_index_clamped_like_the_gpu(sgl, impl):
     c = case([1], [1], [2], [[1, 2, 3], [9, 2, 3]], lut=[0, 500, 501, 502], vc=1, wc=1)
     with pytest.raises(ValueError, match="SWA slot 9 is outside"):
@@ -404,7 +408,7 @@ def test_lut_index_clamped_like_the_gpu(sgl, impl):
     assert got["verify_prev_slot_indices"].tolist() == [-1]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS_TPU)
 def test_prefix_past_row_width_reads_flat_like_the_gpu(sgl, impl):
     c = case([1], [5], [1], [[1, 2, 3], [11, 12, 13], [21, 22, 23]], vc=8, wc=1)
     with pytest.raises(IndexError):
@@ -417,7 +421,7 @@ def test_prefix_past_row_width_reads_flat_like_the_gpu(sgl, impl):
     assert got["verify_num_valid"].tolist() == [5]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS_TPU)
 def test_rows_outside_the_table_read_as_unfilled(impl):
     rtt = [[1, 2, 3], [11, 12, 13], [21, 22, 23]]
     # rp = 5 >= rows: every cell outside the table reads 0; rp = -1: flat -3 + pos, so positions
@@ -433,7 +437,7 @@ def test_rows_outside_the_table_read_as_unfilled(impl):
     assert got["write_seed_slot_indices"].tolist() == [7]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS_TPU)
 def test_expected_tokens_past_the_pool(sgl, impl):
     rtt = [[1, 2, 3, 4], [11, 12, 13, 14], [21, 22, 23, 24]]
     pool = [[0, 1, 2], [100, 101, 102], [200, 201, 202]]
@@ -445,7 +449,7 @@ def test_expected_tokens_past_the_pool(sgl, impl):
     assert got["verify_expected_tokens"].tolist() == [100, 101, 102, 200, 200, 201, 202, -1]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS_TPU)
 def test_base_with_row_pitch_wider_than_the_view(sgl, impl):
     """A compact base [rows, pitch] standing for a view of width < pitch: reads go through
     rp * pitch + col, as SGLang's kernels address a strided view."""
@@ -459,7 +463,7 @@ def test_base_with_row_pitch_wider_than_the_view(sgl, impl):
         kw = kwargs_of(c)
         kw["req_to_token"] = jnp.asarray(base)
         out = canary_plan(verify_plan_out=vp, write_plan_out=wp, **kw, req_to_token_stride0=10,
-                          implementation=impl)
+                          implementation=impl, config=_impls.config("plan", impl))
     assert_same(as_dict(*out), want, c)
 
 
@@ -468,7 +472,7 @@ def test_base_with_row_pitch_wider_than_the_view(sgl, impl):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS_TPU)
 def test_jit_with_donated_plans_updates_in_place(sgl, impl):
     c = HAND_CASES["swa_window_with_lut"]
     want = run_oracle(sgl, c)
@@ -482,7 +486,8 @@ def test_jit_with_donated_plans_updates_in_place(sgl, impl):
                                swa_window_size=c.W, full_to_swa_index_mapping=lut,
                                verify_capacity=c.vc, req_to_verify_expected_tokens=None,
                                req_to_verify_expected_tokens_valid_lens=None,
-                               kv_token_id_vs_position_offset=0, implementation=impl)
+                               kv_token_id_vs_position_offset=0, implementation=impl,
+                               config=_impls.config("plan", impl))
 
         donating = jax.jit(step.__wrapped__, donate_argnums=(0, 1))
         args = (kw["req_pool_indices"], kw["prefix_lens"], kw["extend_seq_lens"],
@@ -775,3 +780,96 @@ def test_offsets_checks_unreachable_through_the_api():
     with pytest.raises(ValueError) as e:
         offsets_only.validate_metas(metas, verify_capacity=6, swa_window_size=0)
     assert str(e.value) == "kv-canary: lut_tensor length must be >= 41, got 3"
+
+
+# ------------------------------------------------------------------------------------------------
+# pallas_mosaic_tpu in TPU interpret mode: fuzz with hostile plans
+# ------------------------------------------------------------------------------------------------
+# The families' cases against SGLang's reference, and hostile ones against the jnp reference
+# (SGLang's reference raises, or reads differently, there): prefixes past the row width (the flat
+# address reads the next rows), rows outside the table or negative, valid_lens past the pool width,
+# cells past the LUT (clamped), huge prefixes and extends. Every plan array is compared, untouched
+# tails included. CI runs the first bucket of each family; the long run all of them.
+TPU_CI_PER_FAMILY = 12
+TPU_SLOW_PER_FAMILY = 240
+
+
+def _hostile(rng, c: Case) -> Case:
+    bs = c.rpi.shape[0]
+    rows, width = c.rtt.shape
+    rpi, prefix, extend = c.rpi.copy(), c.prefix.copy(), c.extend.copy()
+    u = rng.random(bs)
+    prefix[u < 0.3] = rng.integers(width, 3 * width + 2, bs)[u < 0.3]
+    prefix[u > 0.95] = 2**40
+    bad = rng.random(bs) < 0.2
+    rpi[bad] = rng.choice([rows, rows + 2, -1, -3], int(bad.sum()))
+    extend[rng.random(bs) < 0.1] = 2**40
+    rtt = c.rtt.copy()
+    if c.lut is not None:
+        rtt[rng.random(rtt.shape) < 0.1] = c.lut.shape[0] + 5  # past the LUT: clamped
+    vl = None if c.vl is None else c.vl.copy()
+    if vl is not None:
+        vl[rng.random(bs) < 0.4] = c.pool.shape[1] + int(rng.integers(1, 12))
+    return dataclasses.replace(c, rpi=rpi, prefix=prefix, extend=extend, rtt=rtt, vl=vl)
+
+
+def _tpu_fuzz(sgl, buckets, n_cases, seed):
+    rng = np.random.default_rng(seed)
+    n_hostile = 0
+    for i in range(n_cases):
+        c = gen_case(rng, buckets[i % len(buckets)])
+        if rng.random() < 0.4:
+            c = _hostile(rng, c)
+            n_hostile += 1
+            want = run_ours(c, reference=True)
+        else:
+            want = run_oracle(sgl, c)
+        assert_same(run_ours(c, _impls.TPU), want, c)
+    assert 0 < n_hostile < n_cases
+
+
+@pytest.mark.tpu_interpret
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tpu_fuzz(sgl, family):
+    _tpu_fuzz(sgl, FAMILIES[family][:1], TPU_CI_PER_FAMILY, seed=zlib.crc32(family.encode()) + 1)
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_interpret
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tpu_fuzz_long(sgl, family):
+    _tpu_fuzz(sgl, FAMILIES[family], TPU_SLOW_PER_FAMILY, seed=zlib.crc32(family.encode()) + 2)
+
+
+@pytest.mark.tpu_interpret
+@pytest.mark.parametrize("bs", [1, 31, 32, 33, 130])
+def test_tpu_batch_sizes(sgl, bs):
+    b = Bucket(bs, max(bs + 1, 4), 4, lut_len=0 if bs % 2 else 50, W=0 if bs % 2 else 1 + bs % 3,
+               pool_width=5 if bs % 2 else 0, k=bs % 2, vc=max(2 * bs, 4), wc_extra=bs % 5,
+               max_prefix=3)
+    rng = np.random.default_rng(bs)
+    for _ in range(2):
+        c = gen_case(rng, b)
+        assert_same(run_ours(c, _impls.TPU), run_oracle(sgl, c), c)
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_interpret
+@pytest.mark.parametrize("bs", [4096, 4097])
+def test_tpu_batch_sizes_past_sglang_cap(sgl, bs):
+    b = Bucket(bs, bs + 1, 4, lut_len=0 if bs % 2 else 50, W=0 if bs % 2 else 2,
+               pool_width=5 if bs % 2 else 0, k=1, vc=2 * bs, wc_extra=3, max_prefix=3)
+    c = gen_case(np.random.default_rng(bs), b)
+    assert_same(run_ours(c, _impls.TPU), run_oracle(sgl, c), c)
+
+
+def test_tpu_batch_past_the_smem_budget_is_refused_with_a_clear_error():
+    """The TPU offsets kernel holds the batch in SMEM: past its budget, a clear error that names
+    the alternative (never a compile failure or a silent truncation)."""
+    c = case(np.ones(40000), np.ones(40000), np.ones(40000), RTT, vc=8, wc=40000)
+    with pytest.raises(ValueError, match="implementation='xla'"):
+        run_ours(c, _impls.TPU)
+
+
+def test_tpu_fuzz_total_is_at_least_1000():
+    assert len(FAMILIES) * (TPU_CI_PER_FAMILY + TPU_SLOW_PER_FAMILY) >= 1000

@@ -22,13 +22,14 @@ from kvcanary_jax.ops.write import canary_write, canary_write_reference
 from kvcanary_jax.plans import VerifyPlan, WritePlan
 
 import _canary_support as S
-from _impls import implementations
+import _impls
+from _impls import with_tpu
 
 CAP = 4
 MAX = consts.VIOLATION_WRITE_INDEX_MAX
 BAD_INDICES = (-1, -2, -CAP - 1, MAX, MAX - 1)
-VERIFY_RUNNERS = implementations("verify") + ("reference",)
-WRITE_RUNNERS = implementations("write") + ("reference",)
+VERIFY_RUNNERS = with_tpu("verify") + ["reference"]
+WRITE_RUNNERS = with_tpu("write") + ["reference"]
 
 
 def _recorded_ring(cap=CAP):
@@ -58,7 +59,8 @@ def _verify_entries(n):
 
 def _run_verify_ours(st, runner, e):
     fn = canary_verify_reference if runner == "reference" else canary_verify
-    kw = {} if runner == "reference" else dict(implementation=runner)
+    kw = {} if runner == "reference" else dict(implementation=runner,
+                                                config=_impls.config("verify", runner))
     with jax.enable_x64(True):
         plan = VerifyPlan(
             verify_slot_indices=S._i64(e["slots"]), verify_expected_tokens=S._i64(e["etok"]),

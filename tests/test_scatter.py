@@ -9,10 +9,12 @@ import jax
 import jax.numpy as jnp
 
 import kvcanary_jax as kc
-from _impls import implementations, pallas
+import _impls
+from _impls import implementations, pallas, with_tpu
 
 MARK = -9999
 IMPLS = implementations("scatter")
+IMPLS_TPU = with_tpu("scatter")
 
 
 def oracle(sgl, flat, offsets, rpi, pool):
@@ -29,6 +31,7 @@ def oracle(sgl, flat, offsets, rpi, pool):
 
 
 def _ours(impl, flat, offsets, rpi, pool, **kw):
+    kw.setdefault("config", _impls.config("scatter", impl))
     return np.asarray(kc.scatter_req_token_ids(flat_in=flat, offsets=offsets, req_pool_indices=rpi,
                                                pool_out=pool, implementation=impl, **kw))
 
@@ -62,7 +65,7 @@ HAND_CASES = {
 }
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS_TPU)
 @pytest.mark.parametrize("name", sorted(HAND_CASES))
 def test_hand_cases_match_oracle(sgl, name, impl):
     flat, offsets, rpi, shape = HAND_CASES[name]
@@ -79,7 +82,7 @@ def test_hand_cases_match_oracle(sgl, name, impl):
     )
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS_TPU)
 def test_hand_values(impl):
     """A case checked by hand, independent of the oracle."""
     flat = _i64(10, 11, 12, 2**32 + 5, 14)
@@ -162,13 +165,13 @@ def test_fuzz_against_jnp_reference(impl):
 GUARD = 2  # guard rows above and below the rows any request may address
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS_TPU)
 def test_malformed_offsets_stay_in_bounds(impl):
     """Negative, decreasing and past-the-end offsets, out-of-range rows: the kernel agrees with
     the in-bounds semantics of the jnp reference and never touches guard rows."""
     rng = np.random.default_rng(7)
     bs, n, rows, cols = 32, 300, 20, 16
-    for _ in range(300):
+    for _ in range(300 if impl != _impls.TPU else 60):
         offsets = rng.integers(-50, n + 60, bs + 1).astype(np.int64)
         if rng.random() < 0.5:
             offsets = np.sort(offsets)
@@ -199,7 +202,7 @@ def test_malformed_offsets_stay_in_bounds(impl):
                     assert got[rpi[r], j] == np.int32(flat[src])
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS_TPU)
 def test_well_formed_reference_agrees_with_oracle_on_negative_start(sgl, impl):
     """Documented difference: SGLang's torch reference slices flat_in[start:end] with Python
     semantics (a negative start wraps around); we never read before flat_in."""
@@ -320,7 +323,7 @@ def test_x64_off_gives_a_hint_not_a_silent_truncation():
     assert not jax.config.read("jax_enable_x64")  # the global flag is untouched
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS_TPU)
 def test_numpy_int64_inputs_keep_64_bits_without_global_x64(impl):
     assert not jax.config.read("jax_enable_x64")
     flat = _i64(2**40 + 3)
@@ -329,13 +332,13 @@ def test_numpy_int64_inputs_keep_64_bits_without_global_x64(impl):
 
 
 # --- jit + donation: in place -----------------------------------------------------------
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS_TPU)
 def test_jit_donation_updates_in_place(impl):
     with jax.enable_x64(True):
         step = jax.jit(
             lambda flat, off, rpi, pool: kc.scatter_req_token_ids(
                 flat_in=flat, offsets=off, req_pool_indices=rpi, pool_out=pool,
-                implementation=impl,
+                implementation=impl, config=_impls.config("scatter", impl),
             ),
             donate_argnames="pool",
         )
@@ -376,3 +379,101 @@ def test_small_column_tiles(sgl, impl):
         flat, offsets, rpi, pool = draw_case(rng, 8, 256, 12, 24)
     got = _ours(impl, flat, offsets, rpi, pool, config=Config(block_cols=8, num_warps=2))
     np.testing.assert_array_equal(got, oracle(sgl, flat, offsets, rpi, pool))
+
+
+# --- pallas_mosaic_tpu in TPU interpret mode: fuzz with hostile inputs ---------------------------
+# Pools 5 to 2,100 columns wide (one short segment, whole 128-column segments, several 2,048-column
+# items per row), duplicate target rows (applied in order, as the reference), and hostile inputs:
+# offsets negative, decreasing and past the tokens, rows outside the pool, a max_context_len below
+# the pool's width (the bridge's column-sliced views). Well-formed cases are checked against
+# SGLang's reference; hostile ones against the jnp reference (SGLang's slicing wraps negative
+# starts and writes outside the pool). Every case also checks the guard rows stay untouched.
+TPU_BUCKETS = [  # (bs, num_tokens, rows, cols)
+    (6, 600, 8, 130),
+    (12, 3000, 16, 300),
+    (4, 5000, 6, 2100),
+    (20, 700, 24, 5),
+]
+TPU_CASES_CI = 20  # per bucket
+TPU_CASES_SLOW = 240  # per bucket, with other seeds
+
+
+def _tpu_case(rng, bs, n, rows, cols):
+    hostile = rng.random() < 0.4
+    lens = rng.integers(0, 2 * cols + 3, bs)
+    lens[rng.random(bs) < 0.2] = 0
+    while lens.sum() > n:
+        lens = lens // 2
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    rpi = rng.integers(GUARD, rows - GUARD, bs).astype(np.int64)  # duplicates included
+    max_cols = None
+    if hostile:
+        k = rng.random(bs + 1)
+        offsets[k < 0.2] = rng.integers(-2 * cols, 0, int((k < 0.2).sum()))
+        offsets[k > 0.8] = rng.integers(n - cols, n + 2 * cols, int((k > 0.8).sum()))
+        if rng.random() < 0.3:
+            offsets = offsets[::-1].copy()
+        bad = rng.random(bs) < 0.15
+        rpi[bad] = rng.choice([-1, -(2**40), rows, rows + 7, 2**40], int(bad.sum()))
+        if rng.random() < 0.3:
+            max_cols = int(rng.integers(1, cols + 1))
+    flat = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64, endpoint=True)
+    pool = rng.integers(-(2**31), 2**31 - 1, (rows, cols), dtype=np.int32)
+    pool[:GUARD] = pool[-GUARD:] = MARK
+    return hostile, flat, offsets, rpi, pool, max_cols
+
+
+def _tpu_fuzz(sgl, bucket, n_cases, seed):
+    from kvcanary_jax.ops.scatter import base
+
+    bs, n, rows, cols = TPU_BUCKETS[bucket]
+    rng = np.random.default_rng(seed)
+    n_hostile = 0
+    for _ in range(n_cases):
+        hostile, flat, offsets, rpi, pool, max_cols = _tpu_case(rng, bs, n, rows, cols)
+        got = _ours(_impls.TPU, flat, offsets, rpi, pool, max_context_len=max_cols)
+        if hostile:
+            n_hostile += 1
+            with jax.enable_x64(True):
+                want = np.asarray(base.reference(
+                    jnp.asarray(flat), jnp.asarray(offsets), jnp.asarray(rpi),
+                    jnp.asarray(pool), max_cols=max_cols))
+        else:
+            want = oracle(sgl, flat, offsets, rpi, pool)
+        np.testing.assert_array_equal(got, want)
+        assert (got[:GUARD] == MARK).all() and (got[-GUARD:] == MARK).all()
+    assert 0 < n_hostile < n_cases
+    return n_cases
+
+
+@pytest.mark.tpu_interpret
+@pytest.mark.parametrize("bucket", range(len(TPU_BUCKETS)))
+def test_tpu_fuzz(sgl, bucket):
+    _tpu_fuzz(sgl, bucket, TPU_CASES_CI, seed=500 + bucket)
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_interpret
+@pytest.mark.parametrize("bucket", range(len(TPU_BUCKETS)))
+def test_tpu_fuzz_long(sgl, bucket):
+    _tpu_fuzz(sgl, bucket, TPU_CASES_SLOW, seed=600 + bucket)
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_interpret
+def test_tpu_more_requests_than_sglang_allows(sgl):
+    """SGLang 0.5.23 refuses bs > 511; the TPU kernel keeps a batch's offsets in SMEM (16 bytes a
+    request) and takes thousands."""
+    rng = np.random.default_rng(4)
+    bs = 600
+    lens = rng.integers(0, 5, bs)
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    flat = rng.integers(0, 50000, offsets[-1]).astype(np.int64)
+    rpi = rng.permutation(bs + 1)[:bs].astype(np.int64)
+    pool = np.full((bs + 1, 4), MARK, np.int32)
+    np.testing.assert_array_equal(_ours(_impls.TPU, flat, offsets, rpi, pool),
+                                  oracle(sgl, flat, offsets, rpi, pool))
+
+
+def test_tpu_fuzz_total_is_at_least_1000():
+    assert len(TPU_BUCKETS) * (TPU_CASES_CI + TPU_CASES_SLOW) >= 1000

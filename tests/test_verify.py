@@ -15,13 +15,14 @@ from kvcanary_jax.ops.verify import canary_verify
 from kvcanary_jax.plans import VerifyPlan
 
 import _canary_support as S
-from _impls import implementations, lower, pallas
+import _impls
+from _impls import implementations, lower, pallas, with_tpu
 
 ANCHOR = hashing.ANCHOR_HASH_I64
 IMPLS = implementations("verify")
 
 
-@pytest.fixture(params=IMPLS)
+@pytest.fixture(params=with_tpu("verify"))
 def impl(request):
     return request.param
 
@@ -201,7 +202,8 @@ def test_out_of_range_slot_and_prev_read_as_zero_rows(impl):
             verify_prev_slot_indices=jnp.array([0, 0, 100, 0], jnp.int64),
             verify_num_valid=jnp.array([4], jnp.int32), enable=jnp.array([1], jnp.int32))
         out = S.state_of(canary_verify(context=ctx, plan=plan, check_verify_expected_token=True,
-                                       implementation=impl))
+                                       implementation=impl,
+                                       config=_impls.config("verify", impl)))
     # slot 8 (zero row, position 0 == 0): clean; slot -9: position 0 != 1; slot 3 with prev 100
     # (zero row): expected link mix3(0, 0, 0) = 0 != 7; slot 3 with prev 0: clean.
     rows = sorted(tuple(int(v) for v in r) for r in out.ring[:out.widx])
@@ -544,3 +546,108 @@ def test_jnp_references_round_trips_and_corruptions(sgl, mode):
         ours, ref = S.run_verify(sgl, st, **S.verify_plan(*entries), sources=trip.sources,
                                  mode=mode, check_token=trip.check_token, jnp_reference=True)
         S.assert_same(ours, ref, st, ordered=True)
+
+
+# --- pallas_mosaic_tpu in TPU interpret mode: fuzz with hostile entries -------------------------
+# Written chains (SGLang's write reference), then verify plans with corruptions of every kind, and
+# hostile plans: slots past the buffer or below -num_slots, predecessors past the buffer or
+# negative, huge values, active counts past the capacity or negative, enable 0; and write indices
+# where the ring guard acts (negative: nothing written; near 2**31 - 1: saturating). Expected:
+# the reference run from write index 0 on a ring with room for every row, placed by the ring
+# guard (S.guarded): SGLang's reference where it is defined, else the jnp reference (SGLang
+# raises on slots past the buffer). Rows come in the reference's order.
+TPU_FUZZ_CI = 60
+TPU_FUZZ_SLOW = 960
+
+
+def _tpu_fuzz_case(sgl, rng, k):
+    mode = k % 3
+    trip = S.make_trip(rng, mode, (k // 3) % len(S.BUCKETS), contiguous=k % 2 == 1)
+    st = S.reference_trip_state(sgl, rng, trip)
+    entries = S.verify_entries(rng, trip.chains)
+    kind = KINDS[int(rng.integers(len(KINDS)))]
+    if any(trip.chains) and (trip.sources or kind != "real_kv_byte") and rng.random() < 0.6:
+        entries = _corrupt(rng, kind, trip, st, entries) or entries
+    slots, etok, epos, prev = (list(x) for x in entries)
+    n = S.NUM_SLOTS
+    hostile = rng.random() < 0.35 and len(slots) > 0
+    if hostile:
+        for i in range(len(slots)):
+            if rng.random() < 0.2:
+                slots[i] = int(rng.choice([-1, -n, -n - 1, n, n + 5, 2**40, -(2**40)]))
+            if rng.random() < 0.2:
+                prev[i] = int(rng.choice([n, n + 3, -7, 2**40, -(2**40), 0]))
+    plan = S.verify_plan(slots, etok, epos, prev)
+    u = rng.random()
+    if u < 0.1:
+        plan["num_valid"] = int(rng.integers(-3, 0))
+    elif u < 0.2:
+        plan["num_valid"] = S.VERIFY_CAP + int(rng.integers(0, 9))
+    enable = int(rng.random() > 0.05)
+    u = rng.random()
+    w0 = int(rng.integers(0, S.RING_CAP + 4))
+    if u < 0.1:
+        w0 = int(rng.choice([-1, -5, -(2**31)]))
+    elif u < 0.2:
+        w0 = 2**31 - 1 - int(rng.integers(0, 3))
+    st.widx = 0
+    st.sctr, st.kctr = (int(x) for x in rng.integers(0, 2**40, 2))
+    kw = dict(**plan, enable=enable, sources=trip.sources, mode=mode, kind=2 + mode % 2,
+              check_token=trip.check_token)
+    wide = S.widened(st, 2 * S.VERIFY_CAP)
+    if hostile:  # the jnp reference (SGLang raises on slots past the buffer)
+        full, _ = S.run_verify(sgl, wide, **kw, reference=False, jnp_reference=True)
+    else:
+        _, full = S.run_verify(sgl, wide, **kw, ours=False)
+    start = st.copy()
+    start.widx = w0
+    start.ring[:] = rng.integers(-9, 9, start.ring.shape)
+    ours, _ = S.run_verify(sgl, start, **kw, reference=False, implementation=_impls.TPU)
+    want = S.guarded(start, full, w0)
+    S.assert_same(ours, want, start, ordered=True)
+    return full.widx, hostile
+
+
+def _tpu_fuzz(sgl, n_cases, seed):
+    rng = np.random.default_rng(seed)
+    rows = hostile = 0
+    for k in range(n_cases):
+        r, h = _tpu_fuzz_case(sgl, rng, k)
+        rows += r > 0
+        hostile += h
+    assert rows > n_cases // 4 and 0 < hostile < n_cases
+
+
+@pytest.mark.tpu_interpret
+def test_tpu_fuzz(sgl):
+    _tpu_fuzz(sgl, TPU_FUZZ_CI, seed=900)
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_interpret
+def test_tpu_fuzz_long(sgl):
+    _tpu_fuzz(sgl, TPU_FUZZ_SLOW, seed=901)
+
+
+@pytest.mark.tpu_interpret
+def test_tpu_long_runs_across_slabs_and_blocks(sgl):
+    """A chain of 1,100 consecutive slots verified in 512-entry blocks: row runs of the gather
+    cross 128-entry slabs and blocks, corruptions anywhere in them are found in order."""
+    n = 1100
+    chain = [(s, 1000 + s, s - 1) for s in range(1, n + 1)]
+    st = _written(sgl, [chain], num_slots=n + 8, ring_cap=16)
+    for s in (1, 127, 128, 129, 511, 512, 700, 1024, 1099):
+        st.canary_i64[s, int(s % 3)] ^= 1 << int(s % 50)
+    e = _entries(chain)
+    _, ref = S.run_verify(sgl, st, **S.verify_plan(e["slots"], e["etok"], e["epos"], e["prev"],
+                                                   cap=n), check_token=True, ours=False)
+    ours, _ = S.run_verify(sgl, st, **S.verify_plan(e["slots"], e["etok"], e["epos"], e["prev"],
+                                                    cap=n), check_token=True, reference=False,
+                           implementation=_impls.TPU, config=_impls.config("verify", _impls.TPU,
+                                                                           block=512))
+    S.assert_same(ours, ref, st, ordered=True)
+    assert ref.widx >= 9
+
+
+def test_tpu_fuzz_total_is_at_least_1000():
+    assert TPU_FUZZ_CI + TPU_FUZZ_SLOW >= 1000

@@ -14,7 +14,8 @@ from kvcanary_jax.ops.write import canary_write
 from kvcanary_jax.plans import WritePlan
 
 import _canary_support as S
-from _impls import implementations, in_reference_order, lower, pallas
+import _impls
+from _impls import implementations, in_reference_order, lower, pallas, with_tpu
 
 ANCHOR = hashing.ANCHOR_HASH_I64
 IMPLS = implementations("write")
@@ -22,7 +23,7 @@ IMPLS = implementations("write")
 LONG = 128
 
 
-@pytest.fixture(params=IMPLS)
+@pytest.fixture(params=with_tpu("write"))
 def impl(request):
     return request.param
 
@@ -138,7 +139,9 @@ def test_empty_batch(sgl, impl):
 
 def test_repeated_slots_within_a_request_last_write_wins(sgl, impl):
     rng = np.random.default_rng(7)
-    n = 3 * LONG + 17  # repeats inside one block and across blocks
+    # repeats inside one block and across blocks (pallas: LONG-token blocks; pallas_mosaic_tpu:
+    # repeats inside and beyond its window of row writes in flight, in TPU interpret mode)
+    n = 3 * LONG + 17 if impl != _impls.TPU else 97
     ocl = rng.integers(1, 40, n)
     ocl[rng.random(n) < 0.1] = -1
     _w(sgl, S.State.zeros(64, 8), impl, offsets=[0, n], seeds=[5], ids=rng.integers(0, 9, n),
@@ -272,6 +275,7 @@ def _check_launch(sgl, st, launch, sources, mode, impl):
     return ref
 
 
+@pytest.mark.parametrize("impl", IMPLS)  # pallas_mosaic_tpu: test_tpu_fuzz below
 @pytest.mark.parametrize("bucket", range(len(WRITE_BUCKETS)))
 def test_write_fuzz(sgl, bucket, impl):
     stride, assert_on, mode, layout = WRITE_BUCKETS[bucket]
@@ -428,8 +432,8 @@ def test_donated_jit_updates_in_place(sgl, impl):
         plan = WritePlan(write_offsets=jnp.array([0, 2], jnp.int64),
                          write_seed_slot_indices=jnp.array([3], jnp.int64),
                          write_num_valid_reqs=jnp.array([1], jnp.int32))
-        f = jax.jit(lambda context, **kw: canary_write(context=context, implementation=impl,
-                                                       **kw),
+        f = jax.jit(lambda context, **kw: canary_write(
+            context=context, implementation=impl, config=_impls.config("write", impl), **kw),
                     donate_argnames="context", static_argnames="enable_write_input_assert")
         out = f(ctx, plan=plan, input_ids=jnp.array([5, 6], jnp.int64),
                 positions=jnp.array([3, 9], jnp.int64),
@@ -674,3 +678,86 @@ def test_source_addressing_errors():
             kernel_kind=0, real_kv_hash_mode=2, enable_write_input_assert=False)
     assert str(e.value) == ("kv-canary: real_kv_sources[0] buffer holds 16 8-byte words but its "
                             "rows span 18")
+
+
+# --- pallas_mosaic_tpu in TPU interpret mode: fuzz with hostile inputs ----------------------------
+# The launches above (cross-request hazards included: a slot written by two requests, a seed an
+# earlier request writes, slots repeating inside a request) plus hostile ones: slots past the
+# buffer, seeds past the buffer or far below zero, offsets past the token arrays, negative or
+# decreasing, request counts past the capacity; and write indices where the ring guard acts.
+# Expected: the reference run from write index 0 on a ring with room for every row, placed by the
+# ring guard (S.guarded): SGLang's reference where it is defined, else the jnp reference (SGLang
+# raises on slots past the buffer). Exact, ring order included.
+TPU_FUZZ_CI = 15  # per bucket
+TPU_FUZZ_SLOW = 240  # per bucket
+
+
+def _tpu_fuzz_launch(sgl, rng, bucket):
+    stride, assert_on, mode, layout = WRITE_BUCKETS[bucket]
+    st = S.State.zeros(S.NUM_SLOTS, S.RING_CAP, stride)
+    st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape, dtype=np.int64)
+    st.canary_i64[:, 1] = rng.integers(-2, 30, S.NUM_SLOTS)
+    st.sctr, st.kctr = (int(x) for x in rng.integers(0, 2**40, 2))
+    launch = _random_launch(rng, st, assert_on, kind=(2, 8, 5, 11)[bucket], hazards=True)
+    hostile = rng.random() < 0.35
+    if hostile:
+        n = S.NUM_SLOTS
+        ocl, seeds, offsets = launch["ocl"], launch["seeds"], launch["offsets"]
+        bad = rng.random(ocl.shape[0]) < 0.1
+        ocl[bad] = rng.choice([n, n + 3, 2**40], int(bad.sum()))
+        bad = rng.random(seeds.shape[0]) < 0.3
+        seeds[bad] = rng.choice([n, n + 9, 2**40, -(2**40)], int(bad.sum()))
+        u = rng.random()
+        if u < 0.3:
+            offsets[int(rng.integers(1, offsets.shape[0]))] += int(rng.integers(1, 40))
+        elif u < 0.5:
+            offsets[:] = rng.integers(-10, S.NUM_TOKENS + 10, offsets.shape[0])
+        if rng.random() < 0.2:
+            launch["num_valid"] = S.REQ_CAP + int(rng.integers(1, 5))
+    u = rng.random()
+    w0 = int(rng.integers(0, S.RING_CAP + 4))
+    if u < 0.1:
+        w0 = int(rng.choice([-1, -3, -(2**31)]))
+    elif u < 0.2:
+        w0 = 2**31 - 1 - int(rng.integers(0, 3))
+    sources = S.bucket_sources(rng, layout)
+    wide = S.widened(st, 4 * S.NUM_TOKENS)
+    if hostile:
+        full, _ = S.run_write(sgl, wide, **launch, sources=sources, mode=mode, reference=False,
+                              jnp_reference=True)
+    else:
+        _, full = S.run_write(sgl, wide, **launch, sources=sources, mode=mode, ours=False)
+    start = st.copy()
+    start.widx = w0
+    start.ring[:] = rng.integers(-9, 9, start.ring.shape)
+    ours, _ = S.run_write(sgl, start, **launch, sources=sources, mode=mode, reference=False,
+                          implementation=_impls.TPU)
+    S.assert_same(ours, S.guarded(start, full, w0), start, ordered=True)
+    return full.widx, hostile
+
+
+def _tpu_fuzz(sgl, bucket, n_cases, seed):
+    rng = np.random.default_rng(seed)
+    rows = hostile = 0
+    for _ in range(n_cases):
+        r, h = _tpu_fuzz_launch(sgl, rng, bucket)
+        rows += r > 0
+        hostile += h
+    assert rows > 0 and 0 < hostile < n_cases  # violations recorded; hostile and clean cases
+
+
+@pytest.mark.tpu_interpret
+@pytest.mark.parametrize("bucket", range(len(WRITE_BUCKETS)))
+def test_tpu_fuzz(sgl, bucket):
+    _tpu_fuzz(sgl, bucket, TPU_FUZZ_CI, seed=700 + bucket)
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_interpret
+@pytest.mark.parametrize("bucket", range(len(WRITE_BUCKETS)))
+def test_tpu_fuzz_long(sgl, bucket):
+    _tpu_fuzz(sgl, bucket, TPU_FUZZ_SLOW, seed=800 + bucket)
+
+
+def test_tpu_fuzz_total_is_at_least_1000():
+    assert len(WRITE_BUCKETS) * (TPU_FUZZ_CI + TPU_FUZZ_SLOW) >= 1000

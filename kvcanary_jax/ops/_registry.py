@@ -144,7 +144,20 @@ def _runs_on(implementation: str, platform: str) -> bool:
 
 
 def _platform(platform: str | None) -> str:
-    return jax.default_backend() if platform is None else platform
+    """``platform``, else the platform being targeted: that of the abstract device in scope (a
+    lowering for another platform than this machine's, e.g. TPU on a CPU machine), else JAX's
+    default backend."""
+    if platform is not None:
+        return platform
+    try:
+        device = jax.sharding.get_abstract_mesh().abstract_device
+    except Exception:  # noqa: BLE001  (no abstract mesh API, or none in scope)
+        device = None
+    return device.platform if device is not None else jax.default_backend()
+
+
+def _interpret_requested(config) -> bool:
+    return getattr(config, "interpret", None) not in (None, False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,23 +195,35 @@ class Op:
     def registered(self) -> tuple[str, ...]:
         return tuple(i for i in IMPLEMENTATIONS if i in self._registered)
 
-    def unusable(self, implementation: str) -> str | None:
-        """None when ``implementation`` can be traced and lowered here, else why not."""
+    def unusable(self, implementation: str, *, platform: str | None = None,
+                 config=None) -> str | None:
+        """None when ``implementation`` can be traced and lowered here, else why not. The Mosaic
+        TPU kernels compile for TPUs only: elsewhere they are usable in TPU interpret mode (a
+        ``config`` with ``interpret`` set)."""
         if implementation not in self._registered:
             return f"{self.name} has no {implementation!r} implementation"
-        return _PROBES[implementation]()
+        why = _PROBES[implementation]()
+        if why is None and implementation == "pallas_mosaic_tpu":
+            p = _platform(platform)
+            if p != "tpu" and not _interpret_requested(config):
+                return (f"its kernels compile for TPUs and the platform is {p!r} (TPU interpret "
+                        f"mode: pass its Config(interpret=pltpu.InterpretParams()))")
+        return why
 
     def available(self, platform: str | None = None) -> tuple[str, ...]:
         """Implementations that are usable and execute on ``platform`` (default: JAX's)."""
         p = _platform(platform)
-        return tuple(i for i in self.registered() if self.unusable(i) is None and _runs_on(i, p))
+        return tuple(i for i in self.registered()
+                     if self.unusable(i, platform=p) is None and _runs_on(i, p))
 
     def default(self, platform: str | None = None) -> str:
         return self.select(None, platform=platform)
 
-    def select(self, implementation: str | None = None, *, platform: str | None = None) -> str:
-        """The implementation a call runs: ``implementation`` when usable, else the fallback
-        (with one :class:`FallbackWarning` per reason); ``None``: the platform's default."""
+    def select(self, implementation: str | None = None, *, platform: str | None = None,
+               config=None) -> str:
+        """The implementation a call runs: ``implementation`` when usable (with ``config``, the
+        call's launch config if given), else the fallback (with one :class:`FallbackWarning` per
+        reason); ``None``: the platform's default."""
         if implementation is not None and implementation not in IMPLEMENTATIONS:
             raise ValueError(f"kv-canary: {self.name}: unknown implementation "
                              f"{implementation!r}; known: {', '.join(IMPLEMENTATIONS)}")
@@ -210,7 +235,7 @@ class Op:
             elif p == "tpu" and "pallas_mosaic_tpu" in self._registered:
                 asked = "pallas_mosaic_tpu"
         if asked is not None:
-            why = self.unusable(asked)
+            why = self.unusable(asked, platform=p, config=config)
             if why is None:
                 return asked
         for fallback in _FALLBACKS:

@@ -18,6 +18,7 @@ OP = _registry.Op("plan")
 OP.register("pallas_triton", ".pallas_triton")
 OP.register("pallas_interpret", ".pallas_triton", interpret=True)
 OP.register("xla", ".xla")
+OP.register("pallas_mosaic_tpu", ".pallas_mosaic_tpu")
 
 
 @functools.partial(
@@ -43,7 +44,7 @@ def run(vp: VerifyPlan, wp: WritePlan, rpi, prefix, extend, rtt, lut, pool, vali
     views (see :mod:`kvcanary_jax.ops.plan.base`); ``lut``, ``pool`` and ``valid_lens`` may be
     None. Returns the filled plans, every array aliased to the input plans'.
     ``implementation`` / ``config``: as :func:`canary_plan`."""
-    impl = OP.select(implementation)
+    impl = OP.select(implementation, config=config)
     cfg = OP.config(impl, base.shapes(vp, wp, rpi, rtt, lut, pool), config)
     return _run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens,
                 swa_window_size=int(swa_window_size), verify_capacity=int(verify_capacity),

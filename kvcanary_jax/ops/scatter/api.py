@@ -17,6 +17,7 @@ OP = _registry.Op("scatter")
 OP.register("pallas_triton", ".pallas_triton")
 OP.register("pallas_interpret", ".pallas_triton", interpret=True)
 OP.register("xla", ".xla")
+OP.register("pallas_mosaic_tpu", ".pallas_mosaic_tpu")
 
 
 @functools.partial(jax.jit, static_argnames=("max_cols", "implementation", "config"))
@@ -35,7 +36,7 @@ def run(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int | None = 
     view's width when ``pool_out`` is the compact base of a column-sliced view).
     ``implementation``: see :mod:`kvcanary_jax.ops._registry` (default: the platform's);
     ``config``: the implementation's ``Config`` (default: tuned table, else heuristics)."""
-    impl = OP.select(implementation)
+    impl = OP.select(implementation, config=config)
     max_cols = int(pool_out.shape[1] if max_cols is None else max_cols)
     cfg = OP.config(impl, base.shapes(flat_in, offsets, req_pool_indices, pool_out, max_cols),
                     config)

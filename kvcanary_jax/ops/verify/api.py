@@ -24,6 +24,7 @@ OP = _registry.Op("verify")
 OP.register("pallas_triton", ".pallas_triton")
 OP.register("pallas_interpret", ".pallas_triton", interpret=True)
 OP.register("xla", ".xla")
+OP.register("pallas_mosaic_tpu", ".pallas_mosaic_tpu")
 
 _ARRAYS = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter",
            "kernel_run_counter", "verify_slot_indices", "verify_expected_tokens",
@@ -61,7 +62,7 @@ def run(
     Returns ``(violation_ring, violation_write_index, slot_run_counter, kernel_run_counter)``;
     donate those four for an in-place update (``canary_buf`` is only read).
     ``implementation`` / ``config``: as :func:`canary_verify`."""
-    impl = OP.select(implementation)
+    impl = OP.select(implementation, config=config)
     cfg = OP.config(impl, base.shapes(canary_buf, verify_slot_indices), config)
     arrays = (canary_buf, violation_ring, violation_write_index, slot_run_counter,
               kernel_run_counter, verify_slot_indices, verify_expected_tokens,

@@ -24,6 +24,7 @@ OP = _registry.Op("write")
 OP.register("pallas_triton", ".pallas_triton")
 OP.register("pallas_interpret", ".pallas_triton", interpret=True)
 OP.register("xla", ".xla")
+OP.register("pallas_mosaic_tpu", ".pallas_mosaic_tpu")
 
 _ARRAYS = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter",
            "kernel_run_counter", "enable_chain_position_assert", "write_offsets",
@@ -61,7 +62,7 @@ def run(
     Returns ``(canary_buf, violation_ring, violation_write_index, slot_run_counter,
     kernel_run_counter)``; donate those five for an in-place update.
     ``implementation`` / ``config``: as :func:`canary_write`."""
-    impl = OP.select(implementation)
+    impl = OP.select(implementation, config=config)
     cfg = OP.config(impl, base.shapes(canary_buf, write_seed_slot_indices, input_ids), config)
     arrays = (canary_buf, violation_ring, violation_write_index, slot_run_counter,
               kernel_run_counter, enable_chain_position_assert, write_offsets,

@@ -1,0 +1,196 @@
+"""Real-KV fingerprints of a vector of slots, as a Mosaic TPU kernel (shared by verify and write).
+
+For each entry ``e < n_live`` with slot ``s``: per source ``i``, the words of slot ``s``'s strip
+(zero words when ``s < 0`` or ``s`` is past the source's rows) are folded
+``h = splitmix64(h ^ w)``, and the sources ``acc = splitmix64(acc ^ h)`` (spec section 2.4), as
+:func:`kvcanary_jax.hashing.fold_real_kv` does on int64. Entries past ``n_live`` get 0.
+
+The kernel walks blocks of entries: the block's slots are DMA'd into SMEM, the scalar unit issues
+the strip DMAs from each source's strips (see :func:`kvcanary_jax.ops._tpu_lib.source_strips`:
+slot ``s``'s strip is row ``s``), one per run of consecutive slots within a 128-entry slab, and
+the vector unit folds the block's words, 64-bit words as 32-bit pairs, while the next block's
+DMAs are in flight. The result: pair rows ``[n_pad / 64, 128]``, as the slots.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kvcanary_jax import hashing_u32 as H
+from kvcanary_jax.ops import _tpu_lib as T
+
+__all__ = ["fingerprints", "fingerprints_from_pair_rows"]
+
+# Words of a strip above which the fold loops over words instead of unrolling them.
+_UNROLL_WORDS = 16
+
+
+def _fold_kernel(n_ref, slots_hbm, *refs, nsrc, strips, widths, block):
+    srcs = refs[:nsrc]
+    out_hbm = refs[nsrc]
+    slots_s, slots_v = refs[nsrc + 1:nsrc + 3]
+    bufs = refs[nsrc + 3:2 * nsrc + 3]
+    words = refs[2 * nsrc + 3:3 * nsrc + 3]
+    out_v, misc, lens, sems = refs[3 * nsrc + 3:]
+    r = block // T.LANES
+    pr = 2 * r
+    n_live = n_ref[0]
+    nblocks = T.idiv(n_live + block - 1, block)
+    # misc: [0] out-copy pending on buffer 0 / 1 (bits 0 / 1); [2 + 2 i + slot] strip-run copies
+    # of source i in flight for buffer slot (their lengths in lens[i, slot]).
+    # sems: [slot] slot fetch, [2 + slot] out copy, [4 + 2 i + slot] strips of source i.
+    misc[0] = jnp.int32(0)
+
+    def fetch(b, slot):
+        rows_b = pl.ds(pl.multiple_of(b * pr, 8), pr)
+        return [pltpu.make_async_copy(slots_hbm.at[rows_b], slots_s.at[slot], sems.at[slot]),
+                pltpu.make_async_copy(slots_hbm.at[rows_b], slots_v.at[slot], sems.at[slot])]
+
+    def strips_copy(i, row, m, e, slot):
+        """Strips [row, row + m) of source i into entries [e, e + m) (one 128-entry slab)."""
+        return pltpu.make_async_copy(
+            srcs[i].at[pl.ds(row, m)],
+            bufs[i].at[slot, T.idiv(e, T.LANES), pl.ds(T.irem(e, T.LANES), m)],
+            sems.at[4 + 2 * i + slot])
+
+    def issue(b, slot):
+        """Per source, one DMA per run of consecutive strips (consecutive slots in range, in
+        one 128-entry slab)."""
+        n = jnp.minimum(block, n_live - b * block)
+        zero = jnp.int32(0)
+
+        def flush(i, start, first, length, runs):
+            @pl.when(length > 0)
+            def _():
+                strips_copy(i, start, length, first, slot).start()
+                lens[i, slot, runs] = length
+
+            return runs + (length > 0).astype(jnp.int32)
+
+        def one(e, carry):
+            row_, col = T.idiv(e, 64), 2 * T.irem(e, 64)
+            s_lo, s_hi = T.u32(slots_s[slot, row_, col]), T.u32(slots_s[slot, row_, col + 1])
+            out = []
+            for i in range(nsrc):
+                start, first, length, runs = carry[i]
+                ok = T.pair_in_range((s_hi, s_lo), strips[i])
+                row = T.i32(s_lo)
+                extend = ok & (length > 0) & (row == start + length) & \
+                    (T.irem(e, T.LANES) != 0)
+                runs = flush(i, start, first, jnp.where(extend, 0, length), runs)
+                out.append((jnp.where(extend, start, jnp.where(ok, row, zero)),
+                            jnp.where(extend, first, e),
+                            jnp.where(extend, length + 1, ok.astype(jnp.int32)), runs))
+            return tuple(out)
+
+        carry = lax.fori_loop(0, n, one, ((zero, zero, zero, zero),) * nsrc)
+        for i in range(nsrc):
+            misc[2 + 2 * i + slot] = flush(i, *carry[i])
+
+    def wait(slot):
+        for i in range(nsrc):
+            def one(k, c, i=i):
+                strips_copy(i, 0, lens[i, slot, k], 0, slot).wait()
+                return c
+
+            lax.fori_loop(0, misc[2 + 2 * i + slot], one, 0)
+
+    def body(b, slot):
+        s = T.planes(slots_v.at[slot])
+        idx = T.entry_index(r, b * block)
+        live = idx < n_live
+        zero = jnp.zeros((r, T.LANES), jnp.uint32)
+        acc = (zero, zero)
+        for i in range(nsrc):
+            ok = live & T.pair_in_range(s, strips[i])
+            t = jnp.transpose(bufs[i][slot], (0, 2, 1))
+            words[i][...] = jnp.transpose(t, (1, 0, 2))  # [E/4, R, 128]
+
+            def word(w, i=i, ok=ok):
+                return (jnp.where(ok, T.u32(words[i][2 * w + 1]), zero),
+                        jnp.where(ok, T.u32(words[i][2 * w]), zero))
+
+            nw = widths[i] // 2
+            h = (zero, zero)
+            if nw <= _UNROLL_WORDS:
+                for w in range(nw):
+                    h = H.splitmix64(H.xor(h, word(w)))
+            else:
+                h = lax.fori_loop(0, nw, lambda w, h: H.splitmix64(H.xor(h, word(w))), h)
+            acc = H.splitmix64(H.xor(acc, h))
+        pending = misc[0]
+        out_copy = pltpu.make_async_copy(
+            out_v.at[slot], out_hbm.at[pl.ds(pl.multiple_of(b * pr, 8), pr)], sems.at[2 + slot])
+
+        @pl.when((pending >> slot) & 1 == 1)
+        def _():
+            out_copy.wait()  # the copy of block b - 2 out of this buffer
+
+        T.store_planes(out_v.at[slot], jnp.where(live, acc[0], zero),
+                       jnp.where(live, acc[1], zero))
+        out_copy.start()
+        misc[0] = pending | (1 << slot)
+
+    T.pipeline(nblocks, fetch=fetch, issue=issue, wait=wait, body=body)
+    for slot in (0, 1):
+        @pl.when((misc[0] >> slot) & 1 == 1)
+        def _(slot=slot):
+            pltpu.make_async_copy(out_v.at[slot], out_hbm.at[pl.ds(0, pr)],
+                                  sems.at[2 + slot]).wait()
+
+
+def fingerprints_from_pair_rows(slot_rows, n_live, sources, *, mode: int, block: int,
+                                interpret=False):
+    """Fingerprints of the slots in ``slot_rows`` (pair rows ``[n_pad / 64, 128]``, ``n_pad`` a
+    multiple of ``block``) for entries below ``n_live`` (an int32 ``[1]`` array). ``sources``:
+    ``((buffer, SourceSpec), ...)``. Returns the fingerprints as pair rows shaped as ``slot_rows``;
+    entries at or past ``n_live`` are 0 within the blocks that hold live entries (the others are
+    not written)."""
+    n_pad = slot_rows.shape[0] * 64
+    r = block // T.LANES
+    strips = [T.source_strips(b, spec, mode) for b, spec in sources]
+    counts = tuple(int(s.shape[0]) for s in strips)
+    widths = tuple(int(s.shape[1]) for s in strips)
+    strips = [s if s.shape[0] else jnp.zeros((1, s.shape[1]), jnp.int32) for s in strips]
+    nsrc = len(strips)
+    kernel = functools.partial(_fold_kernel, nsrc=nsrc, strips=counts, widths=widths,
+                               block=block)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    per_entry = 16 + 8 + sum(4 * w for w in widths)
+    out = T.call(
+        kernel, n_live.astype(jnp.int32).reshape(1), slot_rows, *strips,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(1,),
+            in_specs=[any_spec] * (1 + nsrc),
+            out_specs=any_spec,
+            scratch_shapes=[
+                pltpu.SMEM((2, 2 * r, T.LANES), jnp.int32),
+                pltpu.VMEM((2, 2 * r, T.LANES), jnp.int32),
+                *(pltpu.VMEM((2, r, T.LANES, w), jnp.int32) for w in widths),
+                *(pltpu.VMEM((w, r, T.LANES), jnp.int32) for w in widths),
+                pltpu.VMEM((2, 2 * r, T.LANES), jnp.int32),
+                pltpu.SMEM((2 + 2 * nsrc,), jnp.int32),
+                pltpu.SMEM((max(nsrc, 1), 2, block), jnp.int32),
+                pltpu.SemaphoreType.DMA((4 + 2 * nsrc,)),
+            ]),
+        out_shape=jax.ShapeDtypeStruct(slot_rows.shape, jnp.int32),
+        compiler_params=T.compiler_params(),
+        cost_estimate=T.cost(bytes_accessed=n_pad * per_entry,
+                             ops=n_pad * 60 * (1 + sum(w // 2 + 1 for w in widths))),
+        interpret=interpret,
+        name="kvcanary_fingerprints_tpu",
+    )
+    return out
+
+
+def fingerprints(slots, n_live, sources, *, mode: int, block: int, interpret=False):
+    """:func:`fingerprints_from_pair_rows` of an int64 slot vector."""
+    n_pad = T.pad_to(int(slots.shape[0]), block)
+    return fingerprints_from_pair_rows(T.to_pair_rows(slots, n_pad), n_live, sources, mode=mode,
+                                       block=block, interpret=interpret)

@@ -1,0 +1,476 @@
+"""Building blocks of the Mosaic TPU kernels (implementation ``"pallas_mosaic_tpu"``).
+
+Mosaic TPU has no 64-bit types, no atomics, no general gather and no cumsum. The kernels work
+around each with the pieces below.
+
+**Formats at the kernel boundary** (built by the wrappers with ``lax.bitcast_convert_type``,
+reshapes and zero padding; the kernels see int32 arrays only):
+
+* an int64 vector of ``n`` entries -> *pair rows*, int32 ``[n_pad // 64, 128]``: entry ``e``'s low
+  word at ``[e // 64, 2 * (e % 64)]``, its high word in the next lane. ``n_pad`` is a multiple of
+  :data:`PAIR_TILE` (whole 8 x 128 tiles). A block of pair rows is DMA'd into SMEM (scalar reads,
+  e.g. the slots that address row DMAs) and into VMEM, where :func:`planes` splits it into
+  lane-dense *planes* ``[R, 128]`` (entry ``e`` of the block at ``[e // 128, e % 128]``) of high
+  and low words with two strided sublane loads and two in-register lane gathers;
+* ``canary_buf`` uint8 ``[N, S]`` -> int32 ``[N, S / 4]``: a slot's fields are words 0-7 of its row
+  (token lo/hi, position lo/hi, link lo/hi, fingerprint lo/hi);
+* ``violation_ring`` int64 ``[C, 8]`` -> int32 ``[C, 16]``;
+* a real-KV source -> its *strips* int32 ``[rows * page_size, E / 4]``: row ``s`` holds the ``E``
+  bytes of slot ``s``'s strip that the fingerprint reads (``E`` = 16 in PARTIAL mode, else
+  ``read_bytes``), so a slot's strip is one row DMA.
+
+**Gathers by slot**: the scalar unit reads a block's slots from SMEM and issues one row DMA per
+entry (``[1, W]`` windows at a dynamic row, the layout every TPU DMA engine takes) into a VMEM
+block ``[R, 128, W]``; :func:`rows_to_planes` turns it into ``W`` lane-dense planes with two
+transposes (minor, then major-minor). The DMAs of block ``b + 1`` are in flight while block ``b``
+is checked (double buffering).
+
+**No atomics**: a kernel runs its blocks in order on one core and appends violations with
+:class:`Ring`: rows in launch order starting at the launch's write index ``w0``, the ring guard of
+DESIGN.md (``w0 < 0``: nothing written, index unchanged; rows only below capacity; the new index
+saturates at ``2**31 - 1``). A block's violating entries are found in entry order by repeated
+min-reductions, so no prefix sum is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kvcanary_jax import consts
+from kvcanary_jax import hashing_u32 as H
+
+__all__ = [
+    "PAIR_TILE",
+    "LANES",
+    "INT32_MAX",
+    "pad_to",
+    "to_pair_rows",
+    "from_pair_rows",
+    "words32",
+    "from_words32",
+    "i64_words",
+    "source_strips",
+    "flat_words32",
+    "strip_words",
+    "idiv",
+    "irem",
+    "u32",
+    "i32",
+    "planes",
+    "store_planes",
+    "smem_pair",
+    "rows_to_planes",
+    "shift_one",
+    "entry_index",
+    "sum_scalar",
+    "min_scalar",
+    "pair_in_range",
+    "pair_neg_in_range",
+    "pair_is_zero",
+    "pair_clamp",
+    "Ring",
+    "record_words",
+    "pipeline",
+    "wait_n",
+    "call",
+    "compiler_params",
+    "cost",
+    "interpret_params",
+    "tpu_lowering",
+]
+
+LANES = 128
+# Entries per whole 8 x 128 tile of pair rows (64 pairs per row, 8 rows).
+PAIR_TILE = 512
+INT32_MAX = consts.VIOLATION_WRITE_INDEX_MAX  # where the write index saturates
+
+
+def pad_to(n: int, multiple: int) -> int:
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+# ---------------------------------------------------------------------------------------------
+# Boundary formats (plain jnp, outside kernels; int64 needs x64).
+
+
+def to_pair_rows(x: jax.Array, n_pad: int) -> jax.Array:
+    """int64 ``[n]`` -> int32 pair rows ``[n_pad // 64, 128]`` (zero padded)."""
+    w = lax.bitcast_convert_type(x.astype(jnp.int64), jnp.int32).reshape(-1)
+    w = jnp.pad(w, (0, 2 * n_pad - w.shape[0]))
+    return w.reshape(-1, LANES)
+
+
+def from_pair_rows(rows: jax.Array, n: int) -> jax.Array:
+    """Pair rows -> int64 ``[n]``."""
+    w = rows.reshape(-1)[: 2 * n].reshape(n, 2)
+    return lax.bitcast_convert_type(w, jnp.int64)
+
+
+def words32(buf: jax.Array) -> jax.Array:
+    """uint8 ``[n, b]`` (or int64 ``[n, k]``) -> int32 ``[n, b / 4]`` (a bitcast)."""
+    n = buf.shape[0]
+    if buf.dtype == jnp.int64:
+        return lax.bitcast_convert_type(buf, jnp.int32).reshape(n, -1)
+    return lax.bitcast_convert_type(buf.reshape(n, -1, 4), jnp.int32)
+
+
+def from_words32(words: jax.Array, like: jax.Array) -> jax.Array:
+    """Inverse of :func:`words32` for an array shaped and typed as ``like``."""
+    n = like.shape[0]
+    if like.dtype == jnp.int64:
+        return lax.bitcast_convert_type(words.reshape(n, -1, 2), jnp.int64)
+    return lax.bitcast_convert_type(words, jnp.uint8).reshape(like.shape)
+
+
+def i64_words(x: jax.Array) -> jax.Array:
+    """int64 ``[1]`` -> int32 ``[2]`` (low, high)."""
+    return lax.bitcast_convert_type(x.astype(jnp.int64), jnp.int32).reshape(2)
+
+
+def flat_words32(x: jax.Array) -> jax.Array:
+    """``x``'s bytes as a flat int32 array (bitcasts only; never through int64, which XLA's CPU
+    simplifier folds into an invalid narrowing bitcast)."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    k = x.dtype.itemsize
+    flat = x.reshape(-1)
+    if k == 4:
+        return lax.bitcast_convert_type(flat, jnp.int32)
+    if k == 8:
+        return lax.bitcast_convert_type(flat, jnp.int32).reshape(-1)
+    if flat.shape[0] % (4 // k):
+        raise ValueError(f"kv-canary: a real-KV source buffer must hold a whole number of 4-byte "
+                         f"words, got shape {tuple(x.shape)} dtype {x.dtype}")
+    return lax.bitcast_convert_type(flat.reshape(-1, 4 // k), jnp.int32)
+
+
+def strip_words(spec, mode: int) -> int:
+    """int32 words of a slot's strip the fingerprint reads (16 bytes in PARTIAL mode)."""
+    nbytes = 16 if mode == int(consts.RealKvHashMode.PARTIAL) else 8 * spec.read_words
+    return nbytes // 4
+
+
+def source_strips(buf: jax.Array, spec, mode: int) -> jax.Array:
+    """A source's bytes (any compact array; its addressing in ``spec``, a
+    :class:`~kvcanary_jax.context.SourceSpec`) -> int32 ``[rows * page_size, E / 4]``, row ``s``
+    the words slot ``s``'s fingerprint folds. Bytes outside the strips are never read."""
+    words = flat_words32(buf)
+    rows, page = spec.num_rows, spec.page_size
+    stride, nbpt = 2 * spec.row_stride_words, 2 * spec.nbpt_words
+    ew = strip_words(spec, mode)
+    off = 2 * spec.word_offset
+    need = off + rows * stride
+    if words.shape[0] < need:  # the last row may end before a whole stride (its strips fit)
+        words = jnp.pad(words, (0, need - words.shape[0]))
+    body = words[off:need].reshape(rows, stride)[:, : page * nbpt]
+    return body.reshape(rows * page, nbpt)[:, :ew]
+
+
+# ---------------------------------------------------------------------------------------------
+# In-kernel values.
+
+
+def idiv(x, d: int):
+    """``x // d`` for a non-negative int32 ``x`` and a static ``d > 0``. In kernels use this, not
+    ``//`` / ``%``: jnp's floor division goes through ``lax.sign``, whose Mosaic lowering builds
+    int64 values when 64-bit types are on."""
+    return lax.div(x, jnp.asarray(d, jnp.int32).astype(x.dtype) if hasattr(x, "dtype")
+                   else jnp.int32(d))
+
+
+def irem(x, d: int):
+    """``x % d`` for a non-negative int32 ``x`` and a static ``d > 0`` (see :func:`idiv`)."""
+    return lax.rem(x, jnp.asarray(d, jnp.int32).astype(x.dtype) if hasattr(x, "dtype")
+                   else jnp.int32(d))
+
+
+def u32(x):
+    return x.astype(jnp.uint32)
+
+
+def i32(x):
+    return x.astype(jnp.int32)
+
+
+def planes(ref) -> tuple[jax.Array, jax.Array]:
+    """Pair rows ``[2R, 128]`` (a VMEM ref or view) -> ``(hi, lo)`` uint32 planes ``[R, 128]``."""
+    r2 = ref.shape[0]
+    even = ref[pl.ds(0, r2 // 2, stride=2), :]  # entries 128 i + 0..63
+    odd = ref[pl.ds(1, r2 // 2, stride=2), :]  # entries 128 i + 64..127
+    lane = lax.broadcasted_iota(jnp.int32, even.shape, 1)
+    # lanes 0..63 <- even lanes (low words), 64..127 <- odd lanes (high words)
+    perm = jnp.where(lane < 64, 2 * lane, 2 * (lane - 64) + 1)
+    eg = jnp.take_along_axis(even, perm, axis=1)
+    og = jnp.take_along_axis(odd, perm, axis=1)
+    lo = jnp.where(lane < 64, eg, pltpu.roll(og, 64, 1))
+    hi = jnp.where(lane < 64, pltpu.roll(eg, 64, 1), og)
+    return u32(hi), u32(lo)
+
+
+def store_planes(ref, hi, lo) -> None:
+    """Inverse of :func:`planes`: writes planes ``[R, 128]`` as pair rows ``[2R, 128]``."""
+    hi, lo = i32(hi), i32(lo)
+    lane = lax.broadcasted_iota(jnp.int32, hi.shape, 1)
+    # even rows: lanes 0..63 of lo and hi interleaved; odd rows: lanes 64..127
+    eg = jnp.where(lane < 64, lo, pltpu.roll(hi, 64, 1))
+    og = jnp.where(lane < 64, pltpu.roll(lo, 64, 1), hi)
+    half = lax.shift_right_logical(lane, 1)
+    inv = jnp.where((lane & 1) == 0, half, 64 + half)
+    r = hi.shape[0]
+    ref[pl.ds(0, r, stride=2), :] = jnp.take_along_axis(eg, inv, axis=1)
+    ref[pl.ds(1, r, stride=2), :] = jnp.take_along_axis(og, inv, axis=1)
+
+
+def smem_pair(ref, e):
+    """Entry ``e`` of pair rows held in SMEM (a ``[k, 128]`` ref or view): ``(hi, lo)`` uint32
+    scalars."""
+    row = idiv(e, 64)
+    col = 2 * irem(e, 64)
+    return u32(ref[row, col + 1]), u32(ref[row, col])
+
+
+def rows_to_planes(rows) -> list:
+    """A gathered block ``[R, 128, W]`` (entry ``e`` at ``[e // 128, e % 128]``) -> ``W`` uint32
+    planes ``[R, 128]``, one per word."""
+    t = jnp.transpose(rows, (0, 2, 1))  # [R, W, 128]
+    t = jnp.transpose(t, (1, 0, 2))  # [W, R, 128]
+    return [u32(t[w]) for w in range(rows.shape[2])]
+
+
+def shift_one(x):
+    """Planes shifted by one entry: ``out[e] = x[e - 1]`` (``out[0]`` is ``x``'s last entry)."""
+    a = pltpu.roll(x, 1, 1)
+    b = pltpu.roll(a, 1, 0)
+    lane = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    return jnp.where(lane == 0, b, a)
+
+
+def entry_index(r: int, base=0):
+    """int32 planes ``[r, 128]`` holding ``base + e``."""
+    return base + lax.broadcasted_iota(jnp.int32, (r, LANES), 0) * LANES + \
+        lax.broadcasted_iota(jnp.int32, (r, LANES), 1)
+
+
+def sum_scalar(x):
+    """Sum of an int32 ``[R, 128]`` value as an int32 scalar. (Mosaic lowers a reduction to a
+    scalar through ``jnp.sum`` at lowering time, which yields int64 when the caller has 64-bit
+    types on; reducing to a ``[1]`` vector first keeps everything 32-bit.)"""
+    return jnp.sum(jnp.sum(x, axis=0)[None, :], axis=1)[0]
+
+
+def min_scalar(x):
+    """Minimum of an int32 ``[R, 128]`` value as an int32 scalar (see :func:`sum_scalar`)."""
+    return jnp.min(jnp.min(x, axis=0)[None, :], axis=1)[0]
+
+
+def pair_in_range(p, n):
+    """``0 <= v < n`` for a pair ``v`` and an int ``0 <= n < 2**31``."""
+    return (p[0] == jnp.uint32(0)) & (p[1] < jnp.asarray(n, jnp.uint32))
+
+
+def pair_neg_in_range(p, n: int):
+    """``-n <= v < 0`` for a pair ``v`` and a static ``0 <= n < 2**31``."""
+    if n == 0:
+        return jnp.zeros(jnp.shape(p[0]), jnp.bool_)
+    return (p[0] == jnp.uint32(0xFFFFFFFF)) & (p[1] >= jnp.uint32(2**32 - n))
+
+
+def pair_clamp(p, n: int):
+    """A pair read as int64, clamped to ``[0, n]`` (static ``0 <= n < 2**31``), as int32."""
+    return i32(jnp.where(H.is_neg(p), jnp.uint32(0),
+                         jnp.where(pair_in_range(p, n + 1), p[1], jnp.uint32(n))))
+
+
+def pair_is_zero(p):
+    return (p[0] == jnp.uint32(0)) & (p[1] == jnp.uint32(0))
+
+
+# ---------------------------------------------------------------------------------------------
+# The ordered violation append.
+
+
+class Ring:
+    """Appends violation records (8 int64 fields = 16 int32 words) to the ring, in launch order.
+
+    ``state``: an SMEM int32 ref with two words at ``base`` reserved for the ring: the launch's
+    start index ``w0`` and the number of violations found so far. ``ring``: the ring's int32
+    ``[C, 16]`` HBM ref; ``stage``: an SMEM ``[1, 128]`` scratch; ``sem``: a DMA semaphore.
+    """
+
+    def __init__(self, ring, capacity: int, state, base: int, stage, sem):
+        self.ring, self.cap, self.state, self.base = ring, capacity, state, base
+        self.stage, self.sem = stage, sem
+
+    def start(self, w0) -> None:
+        self.state[self.base] = w0
+        self.state[self.base + 1] = jnp.int32(0)
+
+    def _room(self):
+        """Rows this launch may still write (0 when ``w0 < 0`` or the ring is full)."""
+        w0 = self.state[self.base]
+        count = self.state[self.base + 1]
+        free = jnp.where(w0 >= 0, jnp.maximum(self.cap - w0, 0), 0)  # cap - w0: no overflow
+        return jnp.maximum(free - count, 0)
+
+    def _write(self, k, words) -> None:
+        """Writes ``words`` (16 int32 scalars) as row ``w0 + count + k``."""
+        for i, w in enumerate(words):
+            self.stage[0, i] = w
+        row = self.state[self.base] + self.state[self.base + 1] + k
+        copy = pltpu.make_async_copy(self.stage.at[:, pl.ds(0, 16)],
+                                     self.ring.at[pl.ds(row, 1)], self.sem)
+        copy.start()
+        copy.wait()
+
+    def append(self, words, when) -> None:
+        """Appends one record (16 int32 scalars) when ``when`` (a scalar bool)."""
+
+        @pl.when(when)
+        def _():
+            @pl.when(self._room() > 0)
+            def _row():
+                self._write(0, words)
+
+            self.state[self.base + 1] = self.state[self.base + 1] + 1
+
+    def append_block(self, viol, fields, index) -> None:
+        """Appends the violating entries of a block in entry order. ``viol``: bool planes;
+        ``fields``: 16 int32 planes (the record words); ``index``: int32 planes of distinct
+        entry indices, increasing in entry order."""
+        n = sum_scalar(viol.astype(jnp.int32))
+        big = jnp.int32(INT32_MAX)
+
+        @pl.when(n > 0)
+        def _():
+            todo = jnp.minimum(n, self._room())
+
+            def one(k, last):
+                j = min_scalar(jnp.where(viol & (index > last), index, big))
+                at = index == j
+                words = [sum_scalar(jnp.where(at, f, 0)) for f in fields]
+                self._write(k, words)
+                return j
+
+            lax.fori_loop(0, todo, one, jnp.int32(-1))
+            self.state[self.base + 1] = self.state[self.base + 1] + n
+
+    def new_index(self):
+        """The write index after the launch (unchanged when ``w0 < 0``; saturating)."""
+        w0 = self.state[self.base]
+        n = self.state[self.base + 1]
+        return jnp.where(w0 < 0, w0, jnp.where(n > INT32_MAX - w0, INT32_MAX, w0 + n))
+
+
+def record_words(kind, fields) -> list:
+    """The 16 int32 words of a record (low word first): ``kind`` (an int32 value, non-negative)
+    then seven ``(hi, lo)`` pairs: slot, position, stored token, expected token, stored link,
+    expected aux, fail bits."""
+    out = [i32(kind), jnp.zeros_like(i32(kind))]
+    for hi, lo in fields:
+        out += [i32(lo), i32(hi)]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# pallas_call plumbing.
+
+
+def call(kernel, *args, **pallas_kwargs):
+    """``pl.pallas_call(kernel, **pallas_kwargs)(*args)`` traced with 64-bit types off: every
+    kernel operand is 32-bit, and Python ints in the kernel (indices, constants) must become
+    int32, which Mosaic requires, even when the caller traces under ``jax.enable_x64``."""
+    with jax.enable_x64(False):
+        return pl.pallas_call(kernel, **pallas_kwargs)(*args)
+
+
+def compiler_params(vmem_limit_bytes: int | None = None):
+    return pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                                vmem_limit_bytes=vmem_limit_bytes)
+
+
+def cost(*, bytes_accessed: int, ops: int = 0) -> pl.CostEstimate:
+    """Integer work is reported as ``flops`` (XLA's scheduler only compares magnitudes)."""
+    return pl.CostEstimate(flops=int(ops), transcendentals=0, bytes_accessed=int(bytes_accessed))
+
+
+def interpret_params():
+    """TPU interpret mode as the tests run it: out-of-bounds reads raise, the race detector is
+    on, fresh memory is poisoned."""
+    return pltpu.InterpretParams(out_of_bounds_reads="raise", detect_races=True,
+                                 uninitialized_memory="nan")
+
+
+@contextlib.contextmanager
+def tpu_lowering(device_kind: str = "TPU v6 lite"):
+    """Context in which ``jax.jit(f).trace(...).lower(lowering_platforms=("tpu",))`` lowers for a
+    TPU of ``device_kind`` on a machine without one (the Mosaic lowering asks the device kind)."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    try:
+        from jax.sharding import AbstractDevice
+    except ImportError:  # jax < 0.11
+        from jax._src.mesh import AbstractDevice
+    dev = AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)
+    with jax.sharding.use_abstract_mesh(mesh):
+        yield
+
+
+def pipeline(nblocks, *, fetch, issue, wait, body) -> None:
+    """Runs ``body(b, slot)`` for blocks ``b < nblocks`` with two buffers (``slot = b % 2``).
+
+    ``fetch(b, slot)`` returns the block's bulk copies (started here, waited before ``issue``);
+    ``issue(b, slot)`` starts the block's gathers; ``wait(slot)`` waits for them. Block ``b + 1``
+    is fetched and its gathers are in flight while block ``b``'s body runs; block ``b + 2``'s
+    fetch starts as soon as block ``b``'s buffers are free."""
+
+    @pl.when(nblocks > 0)
+    def _prologue():
+        for c in fetch(0, 0):
+            c.start()
+        for c in fetch(0, 0):
+            c.wait()
+        issue(0, 0)
+
+        @pl.when(nblocks > 1)
+        def _():
+            for c in fetch(1, 1):
+                c.start()
+
+    def step(b, carry):
+        slot = irem(b, 2)
+
+        @pl.when(b + 1 < nblocks)
+        def _():
+            for c in fetch(b + 1, 1 - slot):
+                c.wait()
+            issue(b + 1, 1 - slot)
+
+        wait(slot)
+        body(b, slot)
+
+        @pl.when(b + 2 < nblocks)
+        def _():
+            for c in fetch(b + 2, slot):
+                c.start()
+
+        return carry
+
+    lax.fori_loop(0, nblocks, step, 0)
+
+
+def wait_n(copy, n) -> None:
+    """Waits ``n`` times on ``copy``'s semaphore (``n`` same-sized copies signalled it)."""
+
+    def one(i, c):
+        copy.wait()
+        return c
+
+    lax.fori_loop(0, n, one, 0)

@@ -1,0 +1,304 @@
+"""scatter_req_token_ids as a Mosaic TPU kernel (implementation ``"pallas_mosaic_tpu"``).
+
+Semantics and bounds choices: those of the scatter op (SGLang's newer upstream scatter: request
+``r`` writes ``pool[req_pool_indices[r], j] = int32(flat_in[offsets[r] + j])`` for ``j <
+min(offsets[r+1] - offsets[r], max_context_len)``; flat indices outside ``flat_in`` and rows
+outside the pool are skipped). Requests are applied in order, so for duplicate target rows the
+later request wins, as in SGLang's reference.
+
+Shape: one kernel instance walks *items*, a request's columns in groups of ``group`` 128-column
+segments. Per item:
+
+* the source: the low words of ``flat_in`` (a lane-dense ``[rows, 128]`` copy made at the kernel
+  boundary, zero padded), one DMA of the ``group + 8`` rows that hold the item's tokens, realigned
+  to the pool's columns with a lane rotation and a one-row carry;
+* the destination: the pool row's 128-column segments, each one DMA (``[1, 128]`` windows at
+  128-aligned offsets; a partial last segment of the row is a ``[1, C % 128]`` window). Segments
+  the request covers in part (at most its first and last) are read first and merged, the others
+  are written blind.
+
+The next item's reads are in flight while an item is merged and its writes drain; a read of a row
+with writes in flight waits for them first (duplicate rows), so the result is the sequential one.
+
+Per copied token the kernel moves 4 B of source (plus the boundary copy: 8 B read, 4 B written)
+and 4 B of pool; DMAs: one per 128 pool columns, one per item of source, and at most two reads
+per request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kvcanary_jax import hashing_u32 as H
+from kvcanary_jax.ops import _tpu_lib as T
+
+__all__ = ["Config", "heuristics", "run", "GROUP"]
+
+# 128-column segments per item: 2,048 columns, i.e. one item for most requests' histories.
+GROUP = 16
+
+# misc words
+_PEND_ROW, _PEND_N, _PEND_TAIL, _RD_N, _RD_TAIL = 0, 2, 4, 6, 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """``group``: 128-column segments per item (1-64). ``vmem_limit_bytes``: Mosaic's scoped
+    VMEM limit (None: the compiler's default).
+    ``interpret``: None to compile for TPU; a ``pltpu.InterpretParams`` runs the kernels in TPU
+    interpret mode instead (any backend; the CPU test suites use
+    :func:`kvcanary_jax.ops._tpu_lib.interpret_params`)."""
+
+    group: int = GROUP
+    vmem_limit_bytes: int | None = None
+    interpret: Any = None
+
+    def __post_init__(self):
+        if not 1 <= self.group <= 64:
+            raise ValueError(f"kv-canary: scatter_req_token_ids (pallas_mosaic_tpu): group must "
+                             f"be in [1, 64], got {self.group}")
+
+
+def heuristics(shapes) -> Config:
+    cols = int(shapes.get("max_cols", GROUP * T.LANES))
+    return Config(group=max(1, min(GROUP, -(-cols // T.LANES))))
+
+
+def _scatter_kernel(off_s, rpi_s, src_hbm, _pool_in, pool_hbm, srcbuf, outbuf, oldbuf, misc,
+                    sems, *, bs, num_tokens, rows, cols, width, group, front):
+    G = group
+    W = G * T.LANES
+    nsb = G + 8  # source rows per item
+    tail_w = width % T.LANES
+    tail_base = width - tail_w  # start of the row's short last segment (if tail_w)
+
+    def pair(ref, e):
+        row, col = T.idiv(e, 64), 2 * T.irem(e, 64)
+        return T.u32(ref[row, col + 1]), T.u32(ref[row, col])
+
+    def req(r):
+        """(ok, rp, jlo, jhi, start) of request r; columns [jlo, jhi) are written."""
+        start, end = pair(off_s, r), pair(off_s, r + 1)
+        rp = pair(rpi_s, r)
+        length = T.pair_clamp(H.sub(end, start), cols)
+        jlo = T.pair_clamp(H.neg(start), cols)
+        jhi = jnp.minimum(length, T.pair_clamp(H.sub(H.const(num_tokens), start), cols))
+        ok = T.pair_in_range(rp, rows) & (jhi > jlo)
+        return ok, T.i32(rp[1]), jlo, jhi, start
+
+    def first_item(r):
+        """The first request >= r with columns to write (bs if none) and its first group."""
+
+        def cond(r):
+            return (r < bs) & jnp.logical_not(req(jnp.minimum(r, bs - 1))[0])
+
+        r = lax.while_loop(cond, lambda r: r + 1, r)
+        _, _, jlo, _, _ = req(jnp.minimum(r, bs - 1))
+        return r, T.idiv(jlo, W)
+
+    def next_item(r, g):
+        _, _, _, jhi, _ = req(r)
+        last = T.idiv(jhi - 1, W)
+        return lax.cond(g < last, lambda: (r, g + 1), lambda: first_item(r + 1))
+
+    # -- copies
+    def src_copy(q0, slot):
+        return pltpu.make_async_copy(src_hbm.at[pl.ds(q0, nsb)], srcbuf.at[slot], sems.at[slot])
+
+    def seg_copy(rp, base, i, slot, *, read, tail):
+        buf = oldbuf if read else outbuf
+        if tail:
+            hbm = pool_hbm.at[pl.ds(rp, 1), pl.ds(tail_base, tail_w)]
+            vm = buf.at[slot, pl.ds(i, 1), pl.ds(0, tail_w)]
+            sem = sems.at[(4 if read else 8) + slot]
+        else:
+            hbm = pool_hbm.at[pl.ds(rp, 1), pl.ds(pl.multiple_of(base, T.LANES), T.LANES)]
+            vm = buf.at[slot, pl.ds(i, 1)]
+            sem = sems.at[(2 if read else 6) + slot]
+        return pltpu.make_async_copy(hbm, vm, sem) if read else pltpu.make_async_copy(vm, hbm, sem)
+
+    def segments(g, jlo, jhi):
+        """Per segment i (static): (base, lo, hi, is_tail) of its written columns [lo, hi)."""
+        out = []
+        for i in range(G):
+            base = g * W + i * T.LANES
+            end = jnp.minimum(base + T.LANES, width)  # the segment's extent in the row
+            lo = jnp.maximum(jlo, base)
+            hi = jnp.minimum(jhi, end)
+            is_tail = (base == tail_base) if tail_w else jnp.bool_(False)
+            out.append((base, lo, hi, end, is_tail))
+        return out
+
+    def wait_writes(slot):
+        T.wait_n(seg_copy(0, 0, 0, slot, read=False, tail=False), misc[_PEND_N + slot])
+        if tail_w:
+            T.wait_n(seg_copy(0, 0, 0, slot, read=False, tail=True), misc[_PEND_TAIL + slot])
+        misc[_PEND_N + slot] = jnp.int32(0)
+        misc[_PEND_TAIL + slot] = jnp.int32(0)
+        misc[_PEND_ROW + slot] = jnp.int32(-1)
+
+    def issue_reads(r, g, slot):
+        _, rp, jlo, jhi, start = req(r)
+        u0 = T.i32(H.add_u32(start, jnp.uint32(front))[1]) + g * W
+        src_copy(T.idiv(u0, T.LANES), slot).start()
+        segs = segments(g, jlo, jhi)
+        partial = [(hi > lo) & ((lo > base) | (hi < end)) for base, lo, hi, end, _ in segs]
+        any_partial = functools.reduce(jnp.logical_or, partial)
+        for s_ in (0, 1):  # segments read back from a row with writes in flight: those land first
+            @pl.when(any_partial & (misc[_PEND_ROW + s_] == rp))
+            def _(s_=s_):
+                wait_writes(s_)
+
+        n_full = jnp.int32(0)
+        n_tail = jnp.int32(0)
+        for i, ((base, lo, hi, end, is_tail), part) in enumerate(zip(segs, partial)):
+            @pl.when(part & jnp.logical_not(is_tail))
+            def _(i=i, base=base):
+                seg_copy(rp, base, i, slot, read=True, tail=False).start()
+
+            n_full = n_full + (part & jnp.logical_not(is_tail)).astype(jnp.int32)
+            if tail_w:
+                @pl.when(part & is_tail)
+                def _(i=i, base=base):
+                    seg_copy(rp, base, i, slot, read=True, tail=True).start()
+
+                n_tail = n_tail + (part & is_tail).astype(jnp.int32)
+        misc[_RD_N + slot] = n_full
+        misc[_RD_TAIL + slot] = n_tail
+
+    def merge_and_write(r, g, slot):
+        _, rp, jlo, jhi, start = req(r)
+        u0 = T.i32(H.add_u32(start, jnp.uint32(front))[1]) + g * W
+        d = T.irem(u0, T.LANES)
+        src_copy(0, slot).wait()
+        T.wait_n(seg_copy(0, 0, 0, slot, read=True, tail=False), misc[_RD_N + slot])
+        if tail_w:
+            T.wait_n(seg_copy(0, 0, 0, slot, read=True, tail=True), misc[_RD_TAIL + slot])
+        buf = srcbuf[slot]
+        a = pltpu.roll(buf, T.irem(T.LANES - d, T.LANES), 1)  # a[i, l] = buf[i, (l + d) % 128]
+        b = pltpu.roll(a, nsb - 1, 0)  # b[i] = a[i + 1]
+        lane = lax.broadcasted_iota(jnp.int32, buf.shape, 1)
+        new = jnp.where(lane < T.LANES - d, a, b)[:G]
+        col = g * W + T.entry_index(G)
+        keep = (col >= jlo) & (col < jhi)
+        # The writes of the item two back (same buffer) have drained before the buffer is reused,
+        # and the previous item's have landed when they went to this row (a later write to a
+        # segment must land last).
+        wait_writes(slot)
+
+        @pl.when(misc[_PEND_ROW + 1 - slot] == rp)
+        def _():
+            wait_writes(1 - slot)
+
+        outbuf[slot] = jnp.where(keep, new, oldbuf[slot])
+        n_full = jnp.int32(0)
+        n_tail = jnp.int32(0)
+        for i, (base, lo, hi, end, is_tail) in enumerate(segments(g, jlo, jhi)):
+            write = hi > lo
+
+            @pl.when(write & jnp.logical_not(is_tail))
+            def _(i=i, base=base):
+                seg_copy(rp, base, i, slot, read=False, tail=False).start()
+
+            n_full = n_full + (write & jnp.logical_not(is_tail)).astype(jnp.int32)
+            if tail_w:
+                @pl.when(write & is_tail)
+                def _(i=i, base=base):
+                    seg_copy(rp, base, i, slot, read=False, tail=True).start()
+
+                n_tail = n_tail + (write & is_tail).astype(jnp.int32)
+        misc[_PEND_N + slot] = n_full
+        misc[_PEND_TAIL + slot] = n_tail
+        misc[_PEND_ROW + slot] = rp
+
+    for slot in (0, 1):
+        misc[_PEND_ROW + slot] = jnp.int32(-1)
+        misc[_PEND_N + slot] = jnp.int32(0)
+        misc[_PEND_TAIL + slot] = jnp.int32(0)
+    r0, g0 = first_item(jnp.int32(0))
+
+    @pl.when(r0 < bs)
+    def _():
+        issue_reads(r0, g0, 0)
+
+    def body(carry):
+        r, g, slot = carry
+        nr, ng = next_item(r, g)
+        # Item k + 1's reads go out before item k's merge (different buffers); a read of a row
+        # that item k or k - 1 writes waits for those writes inside issue_reads.
+        nxt = 1 - slot
+        _, rp, _, _, _ = req(r)
+        _, rp_next, _, _, _ = req(jnp.minimum(nr, bs - 1))
+        # The next item's reads go out before this item's merge unless they read a row this item
+        # writes (another request on the same row); the next group of the same request touches
+        # other segments. issue_reads waits for writes in flight on its row.
+        early = (nr < bs) & ((nr == r) | (rp_next != rp))
+
+        @pl.when(early)
+        def _():
+            issue_reads(nr, ng, nxt)
+
+        merge_and_write(r, g, slot)
+
+        @pl.when((nr < bs) & jnp.logical_not(early))
+        def _():
+            issue_reads(nr, ng, nxt)
+
+        return nr, ng, nxt
+
+    lax.while_loop(lambda c: c[0] < bs, body, (r0, g0, jnp.int32(0)))
+    for slot in (0, 1):
+        wait_writes(slot)
+
+
+def run(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int | None, config: Config):
+    """The updated pool (aliased to ``pool_out``). ``max_cols``: columns a row may receive
+    (default: ``pool_out.shape[1]``)."""
+    bs = int(req_pool_indices.shape[0])
+    num_tokens = int(flat_in.shape[0])
+    rows, width = (int(d) for d in pool_out.shape)
+    cols = width if max_cols is None else min(int(max_cols), width)
+    if bs == 0 or num_tokens == 0 or rows == 0 or cols == 0:
+        return pool_out
+    G = min(config.group, -(-cols // T.LANES))
+    W = G * T.LANES
+    front = W
+    lo = lax.bitcast_convert_type(flat_in.astype(jnp.int64), jnp.int32)[:, 0]
+    back = W + 8 * T.LANES + (-(num_tokens + front) % T.LANES)
+    src = jnp.pad(lo, (front, back)).reshape(-1, T.LANES)
+    n_pad = T.pad_to(bs + 1, T.PAIR_TILE)
+    off = T.to_pair_rows(offsets, n_pad)
+    rpi = T.to_pair_rows(req_pool_indices, n_pad)
+    kernel = functools.partial(_scatter_kernel, bs=bs, num_tokens=num_tokens, rows=rows,
+                               cols=cols, width=width, group=G, front=front)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    out = T.call(
+        kernel, off, rpi, src, pool_out,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(1,),
+            in_specs=[any_spec, any_spec],
+            out_specs=any_spec,
+            scratch_shapes=[
+                pltpu.VMEM((2, G + 8, T.LANES), jnp.int32),
+                pltpu.VMEM((2, G, T.LANES), jnp.int32),
+                pltpu.VMEM((2, G, T.LANES), jnp.int32),
+                pltpu.SMEM((10,), jnp.int32),
+                pltpu.SemaphoreType.DMA((10,)),
+            ]),
+        out_shape=jax.ShapeDtypeStruct(pool_out.shape, pool_out.dtype),
+        input_output_aliases={3: 0},
+        compiler_params=T.compiler_params(config.vmem_limit_bytes),
+        cost_estimate=T.cost(bytes_accessed=num_tokens * 12 + bs * (W * 8 + 32),
+                             ops=num_tokens * 4 + bs * 200),
+        interpret=config.interpret or False,
+        name="kvcanary_scatter_tpu",
+    )
+    return out

@@ -1,0 +1,305 @@
+"""canary_verify as a Mosaic TPU kernel (implementation ``"pallas_mosaic_tpu"``).
+
+Semantics and bounds choices: those of the verify op (SGLang's ``launch_canary_verify_kernel``,
+spec section 10; out-of-range slots as documented in the op's base module). Rows are appended in
+entry order, i.e. in SGLang's reference order, with the ring guard of DESIGN.md.
+
+Shape: one kernel instance (grid ``(1,)``) walks the active entries in blocks of ``block``:
+
+1. the block's plan words (four int64 fields as pair rows) are DMA'd into VMEM and its slot and
+   predecessor words into SMEM;
+2. the scalar unit walks the block's slots and issues the canary-row DMAs: one per *run* of
+   consecutive rows (entries whose slots follow each other, within one 128-entry slab of the
+   block: a dynamic-length row window), so a paged allocator's contiguous slots cost one DMA per
+   run, scattered slots one per entry; and one per predecessor row unless the predecessor is the
+   previous entry's slot (chain order: that row is in the block already);
+3. the vector unit checks the block: rows -> lane-dense planes, chain link (mix3 on 32-bit
+   pairs), position, token, fingerprint; violations are appended in entry order.
+
+Block ``b + 1``'s plan is already in SMEM and its row DMAs are in flight while block ``b`` is
+checked, and block ``b + 2``'s plan DMA overlaps both. Real-KV fingerprints come from
+:mod:`kvcanary_jax.ops._tpu_fingerprint` (a separate kernel with the same
+gather structure), as planes the check reads per block.
+
+Per entry the kernel moves 32 B of plan (+ 16 B of it again into SMEM), 32 B of canary row (one
+DMA per run of consecutive slots), 32 B more for a predecessor outside the block's chain (one
+DMA), and 8 B of fingerprint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kvcanary_jax import consts
+from kvcanary_jax import hashing_u32 as H
+from kvcanary_jax.context import SourceSpec
+from kvcanary_jax.ops import _tpu_fingerprint as fp
+from kvcanary_jax.ops import _tpu_lib as T
+
+__all__ = ["Config", "heuristics", "run", "BLOCK"]
+
+# Entries per block: 16 pair rows of each plan field (8 KiB of SMEM per field and buffer), two
+# [8, 128, 8] row buffers, and a check over 8 x 128-lane planes. Larger blocks amortise the
+# per-block DMA waits; smaller ones shorten the pipeline's fill for small plans.
+BLOCK = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """``block``: entries per block, a multiple of 512 (whole 8 x 128 tiles of pair rows).
+    ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (None: the compiler's default).
+    ``interpret``: None to compile for TPU; a ``pltpu.InterpretParams`` runs the kernels in TPU
+    interpret mode instead (any backend; the CPU test suites use
+    :func:`kvcanary_jax.ops._tpu_lib.interpret_params`)."""
+
+    block: int = BLOCK
+    vmem_limit_bytes: int | None = None
+    interpret: Any = None
+
+    def __post_init__(self):
+        if self.block < T.PAIR_TILE or self.block % T.PAIR_TILE:
+            raise ValueError(f"kv-canary: canary_verify (pallas_mosaic_tpu): block must be a "
+                             f"positive multiple of {T.PAIR_TILE}, got {self.block}")
+
+
+def heuristics(shapes) -> Config:
+    """Full blocks, smaller for plans below one block."""
+    cap = int(shapes.get("capacity", BLOCK))
+    return Config(block=min(BLOCK, T.pad_to(cap, T.PAIR_TILE)))
+
+
+# st words: inputs then outputs share one SMEM vector.
+_NVALID, _ENABLE, _WIDX, _SCTR, _KCTR = 0, 1, 2, 3, 5
+_F = consts.FailReason
+
+
+def _verify_kernel(st_in, plan_hbm, canary_hbm, rkv_hbm, _ring_in, ring_hbm, st_out,
+                   plan_v, plan_s, rows, prow, rkv_v, misc, lens, stage, sems, *, capacity, block,
+                   num_slots, canary_words, ring_cap, kind, check_token, has_rkv):
+    r = block // T.LANES  # plane rows per block
+    pr = 2 * r  # pair rows per block
+    nvalid = st_in[_NVALID]
+    enabled = st_in[_ENABLE] != 0
+    active = jnp.where(enabled, jnp.clip(nvalid, 0, capacity), 0)
+    nblocks = T.idiv(active + block - 1, block)
+    ring = T.Ring(ring_hbm, ring_cap, misc, 2, stage, sems.at[4])
+    ring.start(st_in[_WIDX])
+
+    def fetch(b, slot):
+        rows_b = pl.ds(pl.multiple_of(b * pr, 8), pr)
+        cps = [pltpu.make_async_copy(plan_hbm.at[:, rows_b, :], plan_v.at[slot], sems.at[slot]),
+               pltpu.make_async_copy(plan_hbm.at[pl.ds(0, 2), rows_b, :], plan_s.at[slot],
+                                     sems.at[slot])]
+        if has_rkv:
+            cps.append(pltpu.make_async_copy(rkv_hbm.at[rows_b], rkv_v.at[slot], sems.at[slot]))
+        return cps
+
+    def rows_copy(row, m, buf, e, slot, sem):
+        """Canary rows [row, row + m) into entries [e, e + m) of ``buf`` (one 128-entry slab)."""
+        src = canary_hbm.at[pl.ds(row, m)] if canary_words == 8 else \
+            canary_hbm.at[pl.ds(row, m), pl.ds(0, 8)]
+        return pltpu.make_async_copy(
+            src, buf.at[slot, T.idiv(e, T.LANES), pl.ds(T.irem(e, T.LANES), m)], sem)
+
+    def issue(b, slot):
+        """Row DMAs of block b's entries: the slots' rows, a run of consecutive rows (in one
+        128-entry slab) per DMA; the predecessors' rows, one DMA each, unless the predecessor
+        is the previous entry's slot (chain order: that row is in the block already)."""
+        n = jnp.minimum(block, active - b * block)
+        ss, ps = plan_s.at[slot, 0], plan_s.at[slot, 1]
+        zero = jnp.int32(0)
+
+        def flush(start, first, length, runs):
+            @pl.when(length > 0)
+            def _():
+                rows_copy(start, length, rows, first, slot, sems.at[2 + slot]).start()
+                lens[slot, runs] = length
+
+            return runs + (length > 0).astype(jnp.int32)
+
+        def one(e, carry):
+            start, first, length, runs, nprev, last_hi, last_lo = carry
+            row_, col = T.idiv(e, 64), 2 * T.irem(e, 64)
+            s_lo, s_hi = T.u32(ss[row_, col]), T.u32(ss[row_, col + 1])
+            checked = (s_hi | s_lo) != jnp.uint32(0)
+            pos_ok = T.pair_in_range((s_hi, s_lo), num_slots)
+            fetch = checked & (pos_ok | T.pair_neg_in_range((s_hi, s_lo), num_slots))
+            row = T.i32(jnp.where(pos_ok, s_lo, s_lo + jnp.uint32(num_slots)))
+            extend = fetch & (length > 0) & (row == start + length) & (T.irem(e, T.LANES) != 0)
+            runs = flush(start, first, jnp.where(extend, 0, length), runs)
+            start = jnp.where(extend, start, jnp.where(fetch, row, zero))
+            first = jnp.where(extend, first, e)
+            length = jnp.where(extend, length + 1, fetch.astype(jnp.int32))
+            p_lo, p_hi = T.u32(ps[row_, col]), T.u32(ps[row_, col + 1])
+            reuse = (e > 0) & (p_hi == last_hi) & (p_lo == last_lo)
+            fetch_p = checked & (p_hi == jnp.uint32(0)) & (p_lo != jnp.uint32(0)) & \
+                (p_lo < jnp.uint32(num_slots)) & jnp.logical_not(reuse)
+
+            @pl.when(fetch_p)
+            def _():
+                rows_copy(T.i32(p_lo), 1, prow, e, slot, sems.at[5 + slot]).start()
+
+            return (start, first, length, runs, nprev + fetch_p.astype(jnp.int32), s_hi, s_lo)
+
+        start, first, length, runs, nprev, _, _ = lax.fori_loop(
+            0, n, one, (zero, zero, zero, zero, zero, jnp.uint32(0), jnp.uint32(0)))
+        misc[slot] = flush(start, first, length, runs)
+        misc[5 + slot] = nprev
+
+    def wait(slot):
+        def one(k, c):
+            rows_copy(0, lens[slot, k], rows, 0, slot, sems.at[2 + slot]).wait()
+            return c
+
+        lax.fori_loop(0, misc[slot], one, 0)
+        T.wait_n(rows_copy(0, 1, prow, 0, slot, sems.at[5 + slot]), misc[5 + slot])
+
+    def check(b, slot):
+        slot_p = T.planes(plan_v.at[slot, 0])
+        prev_p = T.planes(plan_v.at[slot, 1])
+        etok_p = T.planes(plan_v.at[slot, 2])
+        epos_p = T.planes(plan_v.at[slot, 3])
+        idx = T.entry_index(r, b * block)
+        first = T.entry_index(r) == 0
+        checked = (idx < active) & jnp.logical_not(T.pair_is_zero(slot_p))
+        s_ok = checked & (T.pair_in_range(slot_p, num_slots) |
+                          T.pair_neg_in_range(slot_p, num_slots))
+        zero = jnp.zeros((r, T.LANES), jnp.uint32)
+
+        def masked(words, ok):
+            return [jnp.where(ok, w, zero) for w in words]
+
+        f = masked(T.rows_to_planes(rows[slot]), s_ok)
+        tok, pos, link, rkv = (f[1], f[0]), (f[3], f[2]), (f[5], f[4]), (f[7], f[6])
+        p_ok = checked & T.pair_in_range(prev_p, num_slots) & \
+            jnp.logical_not(T.pair_is_zero(prev_p))
+        reuse = p_ok & jnp.logical_not(first) & H.eq(prev_p, tuple(map(T.shift_one, slot_p)))
+        pf = masked(T.rows_to_planes(prow[slot]), p_ok)
+        pf = [jnp.where(reuse, T.shift_one(cur), other) for cur, other in zip(f[:6], pf[:6])]
+        p_tok, p_pos, p_link = (pf[1], pf[0]), (pf[3], pf[2]), (pf[5], pf[4])
+        anchor = H.const(H.join_int(*H.ANCHOR_HASH), zero)
+        linked = H.mix3(p_link, p_tok, p_pos)
+        neg = H.is_neg(prev_p)
+        exp_chain = (jnp.where(neg, anchor[0], linked[0]), jnp.where(neg, anchor[1], linked[1]))
+        chain_checked = jnp.logical_not(T.pair_is_zero(prev_p))
+        exp_aux = tuple(jnp.where(chain_checked, e, l_) for e, l_ in zip(exp_chain, link))
+        if has_rkv:
+            k = T.planes(rkv_v.at[slot])
+            ok = checked & jnp.logical_not(H.is_neg(slot_p))
+            exp_rkv = (jnp.where(ok, k[0], zero), jnp.where(ok, k[1], zero))
+        else:
+            exp_rkv = (zero, zero)
+        bits = (jnp.where(chain_checked & H.ne(link, exp_chain),
+                          int(_F.VERIFY_CHAIN_HASH_MISMATCH), 0)
+                | jnp.where(H.ne(pos, epos_p), int(_F.VERIFY_POSITION_MISMATCH), 0)
+                | jnp.where(H.ne(rkv, exp_rkv), int(_F.VERIFY_REAL_KV_HASH_MISMATCH), 0))
+        minus1 = H.const(-1, zero)
+        if check_token:
+            exp_tok = etok_p
+            bits = bits | jnp.where(H.ne(exp_tok, minus1) & H.ne(tok, exp_tok),
+                                    int(_F.VERIFY_TOKEN_MISMATCH), 0)
+        else:
+            exp_tok = minus1
+        viol = checked & (bits != 0)
+        bits_p = (zero, T.u32(bits))
+        words = T.record_words(jnp.full((r, T.LANES), kind, jnp.int32),
+                               [slot_p, pos, tok, exp_tok, link, exp_aux, bits_p])
+        ring.append_block(viol, words, idx)
+
+    T.pipeline(nblocks, fetch=fetch, issue=issue, wait=wait, body=check)
+
+    # Counters: kernel_run_counter + 1 always; slot_run_counter + the active entries.
+    def add64(at, v):
+        lo = T.u32(st_in[at])
+        hi = T.u32(st_in[at + 1])
+        new_hi, new_lo = H.add_u32((hi, lo), T.u32(v))
+        st_out[at] = T.i32(new_lo)
+        st_out[at + 1] = T.i32(new_hi)
+
+    st_out[_NVALID] = nvalid
+    st_out[_ENABLE] = st_in[_ENABLE]
+    st_out[_WIDX] = ring.new_index()
+    add64(_SCTR, active)
+    add64(_KCTR, jnp.int32(1))
+    st_out[7] = jnp.int32(0)
+
+
+def run(
+    *, canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
+    verify_slot_indices, verify_expected_tokens, verify_expected_positions,
+    verify_prev_slot_indices, verify_num_valid, enable,
+    sources: tuple[tuple[jax.Array, SourceSpec], ...], kernel_kind: int, real_kv_hash_mode: int,
+    check_verify_expected_token: bool, config: Config,
+):
+    """``(violation_ring, violation_write_index, slot_run_counter, kernel_run_counter)``; the ring
+    is aliased to its input (``canary_buf`` is only read)."""
+    mode, kind = int(real_kv_hash_mode), int(kernel_kind)
+    capacity = int(verify_slot_indices.shape[0])
+    block = config.block
+    cap_pad = T.pad_to(capacity, block)
+    num_slots = int(canary_buf.shape[0])
+    ring_cap = int(violation_ring.shape[0])
+
+    plan = jnp.stack([T.to_pair_rows(x, cap_pad) for x in (
+        verify_slot_indices, verify_prev_slot_indices, verify_expected_tokens,
+        verify_expected_positions)])
+    canary = T.words32(canary_buf) if num_slots else jnp.zeros((1, 8), jnp.int32)
+    ring = T.words32(violation_ring) if ring_cap else jnp.zeros((1, 16), jnp.int32)
+    st = jnp.concatenate([
+        verify_num_valid.astype(jnp.int32).reshape(1), enable.astype(jnp.int32).reshape(1),
+        violation_write_index.astype(jnp.int32).reshape(1), T.i64_words(slot_run_counter),
+        T.i64_words(kernel_run_counter), jnp.zeros((1,), jnp.int32)])
+    has_rkv = bool(sources) and mode != int(consts.RealKvHashMode.NONE)
+    if has_rkv:
+        live = jnp.where(enable.reshape(()) != 0,
+                         jnp.clip(verify_num_valid.reshape(()), 0, capacity), 0)
+        rkv = fp.fingerprints_from_pair_rows(plan[0], live, sources, mode=mode, block=block,
+                                             interpret=config.interpret or False)
+    else:
+        rkv = jnp.zeros((8, T.LANES), jnp.int32)
+    r = block // T.LANES
+    kernel = functools.partial(
+        _verify_kernel, capacity=capacity, block=block, num_slots=num_slots,
+        canary_words=int(canary.shape[1]), ring_cap=ring_cap, kind=kind,
+        check_token=bool(check_verify_expected_token), has_rkv=has_rkv)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    # Bytes: plan (32 B + 16 B into SMEM per entry), two canary rows, a fingerprint (8 B).
+    nbytes = capacity * (48 + 64 + (8 if has_rkv else 0)) + ring_cap * 0
+    ring32, st_out = T.call(
+        kernel, st, plan, canary, rkv, ring,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(1,),
+            in_specs=[any_spec, any_spec, any_spec, any_spec],
+            out_specs=[any_spec, pl.BlockSpec(memory_space=pltpu.SMEM)],
+            scratch_shapes=[
+                pltpu.VMEM((2, 4, 2 * r, T.LANES), jnp.int32),
+                pltpu.SMEM((2, 2, 2 * r, T.LANES), jnp.int32),
+                pltpu.VMEM((2, r, T.LANES, 8), jnp.int32),
+                pltpu.VMEM((2, r, T.LANES, 8), jnp.int32),
+                pltpu.VMEM((2, 2 * r, T.LANES), jnp.int32),
+                pltpu.SMEM((8,), jnp.int32),
+                pltpu.SMEM((2, block), jnp.int32),
+                pltpu.SMEM((1, T.LANES), jnp.int32),
+                pltpu.SemaphoreType.DMA((7,)),
+            ]),
+        out_shape=[jax.ShapeDtypeStruct(ring.shape, jnp.int32),
+                   jax.ShapeDtypeStruct((8,), jnp.int32)],
+        input_output_aliases={4: 0},
+        compiler_params=T.compiler_params(config.vmem_limit_bytes),
+        cost_estimate=T.cost(bytes_accessed=nbytes, ops=capacity * 1500),
+        interpret=config.interpret or False,
+        name="kvcanary_verify_tpu",
+    )
+    new_ring = T.from_words32(ring32, violation_ring) if ring_cap else violation_ring
+    widx = st_out[_WIDX:_WIDX + 1].astype(violation_write_index.dtype)
+    sctr = lax.bitcast_convert_type(st_out[_SCTR:_SCTR + 2], jnp.int64).reshape(1)
+    kctr = lax.bitcast_convert_type(st_out[_KCTR:_KCTR + 2], jnp.int64).reshape(1)
+    return new_ring, widx, sctr, kctr

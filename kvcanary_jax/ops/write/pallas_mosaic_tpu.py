@@ -1,0 +1,444 @@
+"""canary_write as a Mosaic TPU kernel (implementation ``"pallas_mosaic_tpu"``).
+
+Semantics and bounds choices: those of the write op (SGLang's ``launch_canary_write_kernel``,
+spec section 9). Requests and tokens are processed strictly in order, as SGLang's reference does:
+a slot written twice ends with the later record, a seed written by an earlier request of the
+launch is read after that write, and violation rows are appended in reference order (within an
+entry: the input-assert row, then the chain-position row), with the ring guard of DESIGN.md.
+
+Shape: one kernel instance. A request's chain is serial (each link is a non-linear function of
+the previous one), so the chain runs on the scalar unit with 64-bit values as 32-bit pairs; the
+rest is batched:
+
+1. *fingerprints* of every token's slot (independent per slot) come from
+   :mod:`kvcanary_jax.ops._tpu_fingerprint`, vectorised;
+2. *seed hazards*, vectorised: request ``r``'s seed slot is "hazardous" when a token of an earlier
+   request writes it in this launch; the other seeds' rows are gathered up front by row DMAs and
+   their first links (``mix3`` of the seed row, or the anchor) and last positions computed on the
+   vector unit;
+3. the *chain*: per token, its fields come from SMEM (token arrays are paged into SMEM in
+   1,024-token chunks, the next chunk in flight), the record ``(token, position, link,
+   fingerprint)`` is staged in SMEM and written to the slot's canary row by one DMA. Up to
+   ``WRITES_IN_FLIGHT`` row DMAs are in flight; a write to a slot with a write still in flight
+   waits for that one first, so a slot's last record wins. A hazardous seed drains the writes in
+   flight and reads its row then.
+
+Per written token the kernel moves 32 B of canary row (one DMA), 24-40 B of token fields and 8 B
+of fingerprint, plus the fingerprint kernel's strip reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kvcanary_jax import consts
+from kvcanary_jax import hashing_u32 as H
+from kvcanary_jax.context import SourceSpec
+from kvcanary_jax.ops import _tpu_fingerprint as fp
+from kvcanary_jax.ops import _tpu_lib as T
+
+__all__ = ["Config", "heuristics", "run", "CHUNK", "WRITES_IN_FLIGHT", "SMEM_BUDGET"]
+
+# Tokens per SMEM chunk of the token arrays (pair rows: 16 rows per field).
+CHUNK = 1024
+# Canary-row DMAs in flight (staging rows in SMEM, one semaphore each).
+WRITES_IN_FLIGHT = 8
+# SMEM this kernel may use (of 1 MiB per core on v5e / v6e); the request capacity is bounded by it.
+SMEM_BUDGET = 768 * 1024
+
+_F = consts.FailReason
+# st words (SMEM, in and out)
+_NVALID, _CPA, _WIDX, _SCTR, _KCTR = 0, 1, 2, 3, 5
+# token fields (pair rows), in this order in the stacked token array
+_SLOT, _TOK, _POS, _RKV, _ETOK, _EPOS = range(6)
+# misc words
+_CUR, _ID0, _FLY0, _CNT, _RING, _WRITTEN = 0, 1, 3, 5, 6, 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """``block``: entries per block of the fingerprint kernel (a multiple of 512).
+    ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (None: the compiler's default).
+    ``interpret``: None to compile for TPU; a ``pltpu.InterpretParams`` runs the kernels in TPU
+    interpret mode instead (any backend; the CPU test suites use
+    :func:`kvcanary_jax.ops._tpu_lib.interpret_params`)."""
+
+    block: int = 1024
+    vmem_limit_bytes: int | None = None
+    interpret: Any = None
+
+    def __post_init__(self):
+        if self.block < T.PAIR_TILE or self.block % T.PAIR_TILE:
+            raise ValueError(f"kv-canary: canary_write (pallas_mosaic_tpu): block must be a "
+                             f"positive multiple of {T.PAIR_TILE}, got {self.block}")
+
+
+def heuristics(shapes) -> Config:
+    return Config()
+
+
+def _pair_lanes(e):
+    return T.idiv(e, 64), 2 * T.irem(e, 64)
+
+
+def _write_kernel(st_in, off_s, seed_s, toks_hbm, seed_v, ocl_v, canary_in, ring_in,
+                  canary_hbm, ring_hbm, st_out, init_hbm,
+                  seed_rows, init_v, init_s, hz, chunk, stage, pend, misc, rstage, sems, *,
+                  cap, num_tokens, num_slots, canary_words, ring_cap, kind, check_input,
+                  nchunks):
+    del canary_in, ring_in
+    K = WRITES_IN_FLIGHT
+    rc = seed_rows.shape[0]  # request plane rows
+    rt = ocl_v.shape[0] // 2  # token plane rows
+    ring = T.Ring(ring_hbm, ring_cap, misc, _RING, rstage, sems.at[4])
+    ring.start(st_in[_WIDX])
+    active = jnp.clip(st_in[_NVALID], 0, cap)
+    cpa_on = st_in[_CPA] != 0
+    zero32 = jnp.uint32(0)
+
+    def offset(r):
+        row, col = _pair_lanes(r)
+        return T.u32(off_s[row, col + 1]), T.u32(off_s[row, col])
+
+    def token_range(r):
+        lo = T.pair_clamp(offset(r), num_tokens)
+        hi = T.pair_clamp(offset(r + 1), num_tokens)
+        return lo, jnp.maximum(hi, lo)
+
+    def seed(r):
+        row, col = _pair_lanes(r)
+        return T.u32(seed_s[row, col + 1]), T.u32(seed_s[row, col])
+
+    # -- 1. seed hazards (vector): hz[r] = 1 when an earlier request writes request r's seed.
+    ocl = T.planes(ocl_v)
+    tok_idx = T.entry_index(rt)
+    writes = T.pair_in_range(ocl, num_slots) & (tok_idx < num_tokens)
+
+    def hazard(r, mask):
+        lo, hi = token_range(r)
+        s = seed(r)
+        hit = T.sum_scalar((mask & H.eq(ocl, (jnp.full_like(ocl[0], s[0]),
+                                               jnp.full_like(ocl[1], s[1])))).astype(jnp.int32))
+        hz[r] = jnp.where(T.pair_in_range(s, num_slots) & (hit > 0), 1, 0)
+        return mask | ((tok_idx >= lo) & (tok_idx < hi) & writes)
+
+    lax.fori_loop(0, active, hazard, jnp.zeros((rt, T.LANES), jnp.bool_))
+
+    # -- 2. seed rows of the other requests, first links and last positions (vector).
+    def row_copy(row, dst):
+        src = canary_hbm.at[pl.ds(row, 1)] if canary_words == 8 else \
+            canary_hbm.at[pl.ds(row, 1), pl.ds(0, 8)]
+        return pltpu.make_async_copy(src, dst, sems.at[2])
+
+    def fetch_seed(r, count):
+        lo, hi = token_range(r)
+        s = seed(r)
+        ok = (hi > lo) & T.pair_in_range(s, num_slots) & (hz[r] == 0)
+
+        @pl.when(ok)
+        def _():
+            row_copy(T.i32(s[1]), seed_rows.at[T.idiv(r, T.LANES),
+                                               pl.ds(T.irem(r, T.LANES), 1)]).start()
+
+        return count + ok.astype(jnp.int32)
+
+    n_seed = lax.fori_loop(0, active, fetch_seed, jnp.int32(0))
+    T.wait_n(row_copy(0, seed_rows.at[0, pl.ds(0, 1)]), n_seed)
+    seeds = T.planes(seed_v)
+    req = T.entry_index(rc)
+    fetched = (req < active) & T.pair_in_range(seeds, num_slots)
+    zero = jnp.zeros((rc, T.LANES), jnp.uint32)
+    f = [jnp.where(fetched, w, zero) for w in T.rows_to_planes(seed_rows[...])]
+    s_tok, s_pos, s_link = (f[1], f[0]), (f[3], f[2]), (f[5], f[4])
+    h0 = H.mix3(s_link, s_tok, s_pos)
+    anchor = H.const(H.join_int(*H.ANCHOR_HASH), zero)
+    neg = H.is_neg(seeds)
+    h0 = (jnp.where(neg, anchor[0], h0[0]), jnp.where(neg, anchor[1], h0[1]))
+    pos_check = jnp.logical_not(neg) & cpa_on
+    last0 = (jnp.where(pos_check, s_pos[0], zero), jnp.where(pos_check, s_pos[1], zero))
+    T.store_planes(init_v.at[0], *h0)
+    T.store_planes(init_v.at[1], *last0)
+    # VMEM -> HBM -> SMEM: the chain reads them as scalars.
+    out = pltpu.make_async_copy(init_v, init_hbm, sems.at[3])
+    out.start()
+    out.wait()
+    back = pltpu.make_async_copy(init_hbm, init_s, sems.at[3])
+    back.start()
+    back.wait()
+
+    # -- 3. the chain (scalar).
+    def chunk_copy(k, slot):
+        rows = pl.ds(pl.multiple_of(k * (CHUNK // 64), 8), CHUNK // 64)
+        return pltpu.make_async_copy(toks_hbm.at[:, rows, :], chunk.at[slot], sems.at[slot])
+
+    misc[_CUR] = jnp.int32(-1)
+    for slot in (0, 1):
+        misc[_ID0 + slot] = jnp.int32(-1)
+        misc[_FLY0 + slot] = jnp.int32(0)
+    misc[_CNT] = jnp.int32(0)
+    misc[_WRITTEN] = jnp.int32(0)
+    for j in range(K):
+        pend[j] = jnp.int32(-1)
+
+    def switch_chunk(k):
+        """Makes chunk k resident (buffer k % 2) and starts fetching chunk k + 1."""
+        slot = T.irem(k, 2)
+
+        @pl.when(misc[_ID0 + slot] != k)
+        def _():
+            @pl.when(misc[_FLY0 + slot] == 1)
+            def _():
+                chunk_copy(0, slot).wait()
+
+            chunk_copy(k, slot).start()
+            misc[_ID0 + slot] = k
+            misc[_FLY0 + slot] = jnp.int32(1)
+
+        @pl.when(misc[_FLY0 + slot] == 1)
+        def _():
+            chunk_copy(k, slot).wait()
+            misc[_FLY0 + slot] = jnp.int32(0)
+
+        nxt = 1 - slot
+
+        @pl.when((k + 1 < nchunks) & (misc[_ID0 + nxt] != k + 1))
+        def _():
+            @pl.when(misc[_FLY0 + nxt] == 1)
+            def _():
+                chunk_copy(0, nxt).wait()
+
+            chunk_copy(k + 1, nxt).start()
+            misc[_ID0 + nxt] = k + 1
+            misc[_FLY0 + nxt] = jnp.int32(1)
+
+        misc[_CUR] = k
+
+    def field(i, f):
+        k = T.idiv(i, CHUNK)
+
+        @pl.when(misc[_CUR] != k)
+        def _():
+            switch_chunk(k)
+
+        row, col = _pair_lanes(i - k * CHUNK)
+        slot = T.irem(k, 2)
+        return T.u32(chunk[slot, f, row, col + 1]), T.u32(chunk[slot, f, row, col])
+
+    def write_copy(q, row):
+        src = stage.at[pl.ds(q, 1), pl.ds(0, 8)]
+        dst = canary_hbm.at[pl.ds(row, 1)] if canary_words == 8 else \
+            canary_hbm.at[pl.ds(row, 1), pl.ds(0, 8)]
+        return pltpu.make_async_copy(src, dst, sems.at[5 + q])
+
+    def settle(j):
+        @pl.when(pend[j] != -1)
+        def _():
+            write_copy(j, 0).wait()
+            pend[j] = jnp.int32(-1)
+
+    def drain():
+        for j in range(K):
+            settle(j)
+
+    def store(slot32, words):
+        for j in range(K):  # a write to this slot still in flight lands first
+            @pl.when(pend[j] == slot32)
+            def _(j=j):
+                settle(j)
+
+        q = T.irem(misc[_CNT], K)
+        settle(q)
+        for w, v in enumerate(words):
+            stage[q, w] = v
+        write_copy(q, slot32).start()
+        pend[q] = slot32
+        misc[_CNT] = misc[_CNT] + 1
+
+    def request(r, carry):
+        lo, hi = token_range(r)
+        s = seed(r)
+
+        @pl.when((hi > lo) & (hz[r] == 1))
+        def _():
+            # The seed was written earlier in this launch: read it now.
+            drain()
+            c = pltpu.make_async_copy(
+                canary_hbm.at[pl.ds(T.i32(s[1]), 1)] if canary_words == 8 else
+                canary_hbm.at[pl.ds(T.i32(s[1]), 1), pl.ds(0, 8)],
+                rstage.at[:, pl.ds(16, 8)], sems.at[3])
+            c.start()
+            c.wait()
+            w = [T.u32(rstage[0, 16 + i]) for i in range(6)]
+            h = H.mix3((w[5], w[4]), (w[1], w[0]), (w[3], w[2]))
+            last = (jnp.where(cpa_on, w[3], zero32), jnp.where(cpa_on, w[2], zero32))
+            for i, v in enumerate((*h, *last)):
+                rstage[0, 24 + i] = T.i32(v)
+
+        row, col = _pair_lanes(r)
+        hazardous = hz[r] == 1
+        h = tuple(jnp.where(hazardous, T.u32(rstage[0, 24 + i]), T.u32(init_s[0, row, col + 1 - i]))
+                  for i in range(2))
+        last = tuple(jnp.where(hazardous, T.u32(rstage[0, 26 + i]),
+                               T.u32(init_s[1, row, col + 1 - i])) for i in range(2))
+        pos_check = jnp.logical_not(H.is_neg(s)) & cpa_on
+
+        def token(i, carry):
+            h, last = carry
+            slot = field(i, _SLOT)
+            ok = T.pair_in_range(slot, num_slots)
+            tok = field(i, _TOK)
+            pos = field(i, _POS)
+            if check_input:
+                etok, epos = field(i, _ETOK), field(i, _EPOS)
+                bits = (jnp.where(H.ne(tok, etok), int(_F.WRITE_TOKEN_MISMATCH), 0)
+                        | jnp.where(H.ne(pos, epos), int(_F.WRITE_POSITION_MISMATCH), 0))
+                ring.append(T.record_words(jnp.int32(kind), [
+                    slot, pos, tok, etok, h, epos, (zero32, T.u32(bits))]), ok & (bits != 0))
+            expected = H.add_u32(last, jnp.uint32(1))
+            ring.append(T.record_words(jnp.int32(kind), [
+                slot, pos, tok, tok, h, expected,
+                (zero32, jnp.uint32(int(_F.WRITE_POSITION_MISMATCH)))]),
+                ok & pos_check & H.ne(pos, expected))
+
+            @pl.when(ok)
+            def _():
+                rkv = field(i, _RKV)
+                store(T.i32(slot[1]), [T.i32(v) for v in (
+                    tok[1], tok[0], pos[1], pos[0], h[1], h[0], rkv[1], rkv[0])])
+                misc[_WRITTEN] = misc[_WRITTEN] + 1
+
+            nh = H.mix3(h, tok, pos)
+            h = tuple(jnp.where(ok, a, b) for a, b in zip(nh, h))
+            last = tuple(jnp.where(ok, a, b) for a, b in zip(pos, last))
+            return h, last
+
+        lax.fori_loop(lo, hi, token, (h, last))
+        return carry
+
+    lax.fori_loop(0, active, request, 0)
+    drain()
+    for slot in (0, 1):
+        @pl.when(misc[_FLY0 + slot] == 1)
+        def _(slot=slot):
+            chunk_copy(0, slot).wait()
+
+    def add64(at, v):
+        new_hi, new_lo = H.add_u32((T.u32(st_in[at + 1]), T.u32(st_in[at])), T.u32(v))
+        st_out[at] = T.i32(new_lo)
+        st_out[at + 1] = T.i32(new_hi)
+
+    st_out[_NVALID] = st_in[_NVALID]
+    st_out[_CPA] = st_in[_CPA]
+    st_out[_WIDX] = ring.new_index()
+    add64(_SCTR, misc[_WRITTEN])
+    add64(_KCTR, jnp.int32(1))
+    st_out[7] = jnp.int32(0)
+
+
+def smem_bytes(capacity: int, check_input: bool) -> int:
+    cap_pad = T.pad_to(capacity + 1, T.PAIR_TILE)
+    nfields = 6 if check_input else 4
+    return (8 * cap_pad * 2  # offsets, seeds (scalar prefetch)
+            + 8 * cap_pad * 2  # first links, last positions
+            + 4 * cap_pad  # hazards
+            + 2 * nfields * CHUNK * 8  # token chunks
+            + 4 * T.LANES * (WRITES_IN_FLIGHT + 1) + 64)
+
+
+def run(
+    *, canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
+    enable_chain_position_assert, write_offsets, write_seed_slot_indices, write_num_valid_reqs,
+    input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions,
+    sources: tuple[tuple[jax.Array, SourceSpec], ...], kernel_kind: int, real_kv_hash_mode: int,
+    enable_write_input_assert: bool, config: Config,
+):
+    """``(canary_buf, violation_ring, violation_write_index, slot_run_counter,
+    kernel_run_counter)``; the canary buffer and the ring are aliased to their inputs."""
+    mode, kind = int(real_kv_hash_mode), int(kernel_kind)
+    check_input = bool(enable_write_input_assert)
+    cap = int(write_seed_slot_indices.shape[0])
+    num_tokens = int(input_ids.shape[0])
+    num_slots = int(canary_buf.shape[0])
+    ring_cap = int(violation_ring.shape[0])
+    need = smem_bytes(cap, check_input)
+    if need > SMEM_BUDGET:
+        raise ValueError(
+            f"kv-canary: canary_write (pallas_mosaic_tpu): a write plan of {cap} requests needs "
+            f"{need} bytes of SMEM, more than the kernel's budget of {SMEM_BUDGET}; use "
+            f"implementation='xla' for plans this large")
+    cap_pad = T.pad_to(cap + 1, T.PAIR_TILE)
+    t_pad = T.pad_to(num_tokens, CHUNK)
+    t_pad = T.pad_to(t_pad, config.block)
+    zeros = jnp.zeros((1,), jnp.int64)
+    rows = lambda x: T.to_pair_rows(x if x.shape[0] else zeros, t_pad)  # noqa: E731
+    ocl = rows(out_cache_loc)
+    has_rkv = bool(sources) and mode != int(consts.RealKvHashMode.NONE)
+    if has_rkv:
+        rkv = fp.fingerprints_from_pair_rows(
+            ocl, jnp.asarray([num_tokens], jnp.int32), sources, mode=mode, block=config.block,
+            interpret=config.interpret or False)
+    else:
+        rkv = jnp.zeros_like(ocl)
+    fields = [ocl, rows(input_ids), rows(positions), rkv]
+    if check_input:
+        fields += [rows(expected_input_tokens), rows(expected_input_positions)]
+    toks = jnp.stack(fields)
+    off = T.to_pair_rows(write_offsets, cap_pad)
+    seeds = T.to_pair_rows(write_seed_slot_indices if cap else zeros, cap_pad)
+    canary = T.words32(canary_buf) if num_slots else jnp.zeros((1, 8), jnp.int32)
+    ring = T.words32(violation_ring) if ring_cap else jnp.zeros((1, 16), jnp.int32)
+    st = jnp.concatenate([
+        write_num_valid_reqs.astype(jnp.int32).reshape(1),
+        enable_chain_position_assert.astype(jnp.int32).reshape(1),
+        violation_write_index.astype(jnp.int32).reshape(1), T.i64_words(slot_run_counter),
+        T.i64_words(kernel_run_counter), jnp.zeros((1,), jnp.int32)])
+    rc = cap_pad // T.LANES
+    kernel = functools.partial(
+        _write_kernel, cap=cap, num_tokens=num_tokens, num_slots=num_slots,
+        canary_words=int(canary.shape[1]), ring_cap=ring_cap, kind=kind,
+        check_input=check_input, nchunks=t_pad // CHUNK)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    vmem_spec = pl.BlockSpec(memory_space=pltpu.VMEM)
+    nbytes = num_tokens * (8 * len(fields) + 8 + 32) + cap * 48
+    canary32, ring32, st_out, _ = T.call(
+        kernel, st, off, seeds, toks, seeds, ocl, canary, ring,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3, grid=(1,),
+            in_specs=[any_spec, vmem_spec, vmem_spec, any_spec, any_spec],
+            out_specs=[any_spec, any_spec, pl.BlockSpec(memory_space=pltpu.SMEM), any_spec],
+            scratch_shapes=[
+                pltpu.VMEM((rc, T.LANES, 8), jnp.int32),
+                pltpu.VMEM((2, 2 * rc, T.LANES), jnp.int32),
+                pltpu.SMEM((2, 2 * rc, T.LANES), jnp.int32),
+                pltpu.SMEM((cap_pad,), jnp.int32),
+                pltpu.SMEM((2, len(fields), CHUNK // 64, T.LANES), jnp.int32),
+                pltpu.SMEM((WRITES_IN_FLIGHT, T.LANES), jnp.int32),
+                pltpu.SMEM((WRITES_IN_FLIGHT,), jnp.int32),
+                pltpu.SMEM((16,), jnp.int32),
+                pltpu.SMEM((1, T.LANES), jnp.int32),
+                pltpu.SemaphoreType.DMA((5 + WRITES_IN_FLIGHT,)),
+            ]),
+        out_shape=[jax.ShapeDtypeStruct(canary.shape, jnp.int32),
+                   jax.ShapeDtypeStruct(ring.shape, jnp.int32),
+                   jax.ShapeDtypeStruct((8,), jnp.int32),
+                   jax.ShapeDtypeStruct((2, 2 * rc, T.LANES), jnp.int32)],
+        input_output_aliases={6: 0, 7: 1},
+        compiler_params=T.compiler_params(config.vmem_limit_bytes),
+        cost_estimate=T.cost(bytes_accessed=nbytes, ops=num_tokens * 400 + cap * 300),
+        interpret=config.interpret or False,
+        name="kvcanary_write_tpu",
+    )
+    new_canary = T.from_words32(canary32, canary_buf) if num_slots else canary_buf
+    new_ring = T.from_words32(ring32, violation_ring) if ring_cap else violation_ring
+    widx = st_out[_WIDX:_WIDX + 1].astype(violation_write_index.dtype)
+    sctr = lax.bitcast_convert_type(st_out[_SCTR:_SCTR + 2], jnp.int64).reshape(1)
+    kctr = lax.bitcast_convert_type(st_out[_KCTR:_KCTR + 2], jnp.int64).reshape(1)
+    return new_canary, new_ring, widx, sctr, kctr
