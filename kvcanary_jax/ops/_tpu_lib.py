@@ -418,7 +418,7 @@ def tpu_lowering(device_kind: str = "TPU v6 lite"):
     except ImportError:  # jax < 0.11
         from jax._src.mesh import AbstractDevice
     dev = AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
-    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=dev)
     with jax.sharding.use_abstract_mesh(mesh):
         yield
 
