@@ -3,7 +3,8 @@
 # the GPU machine (which has no network): wheels that its image lacks travel in .whl/
 # (apache-tvm-ffi and msgspec for SGLang's CUDA JIT kernels, and the sglang wheel itself).
 #   usage: bash bench/gpu_session.sh [tests] [sanitize] [bench-quick|bench-full] [bench-ops=a,b]
-#                                    [bench-impls]
+#                                    [bench-impls] [bench-quick-impls]
+#                                    [checks]   (the GPU-only suites that matter most, < 9 min)
 #                                    [bridge]   (the bridge's GPU tests, sanitizer run and bench)
 #                                    [sglang-jax]   (the canary next to sglang-jax's step; its
 #   wheels travel in .whl/sglang_jax/: on a machine with the registry and Python 3.12,
@@ -18,7 +19,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE \
     .whl/apache_tvm_ffi-*.whl .whl/msgspec-*.whl 2>&1 | tail -2
   # sglang's wheel is tagged cp311 but is pure Python for what we use: unpack it.
-  [ -d $SITE/sglang ] || python3 -c "import zipfile,glob; zipfile.ZipFile(glob.glob('.whl/sglang-*.whl')[0]).extractall('$SITE')"
+  [ -f $SITE/sglang/srt/environ.py ] || python3 -c "import zipfile,glob; zipfile.ZipFile(glob.glob('.whl/sglang-*.whl')[0]).extractall('$SITE')"
 fi
 export PYTHONPATH=$PWD:$SITE
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
@@ -31,6 +32,25 @@ for step in "$@"; do
       python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tee $OUT/tests.log | tail -25 ;;
     sanitize)
       compute-sanitizer --tool memcheck --print-limit 5 python3 bench/sanitize_cases.py 2>&1 | tee $OUT/sanitize.log | tail -15 ;;
+    checks)
+      python3 -c "import kvcanary_jax as kc; from kvcanary_jax.ops import _registry as r; print('available', kc.implementations_available(), 'default', {o: r.op(o).default() for o in ('scatter', 'plan', 'write', 'verify')})"
+      timeout 260 python3 -m pytest -v -p no:cacheprovider --durations=8 tests/test_bridge_gpu.py \
+        tests/test_bridge.py::test_gpu_stream_order_side_stream_producer_no_stale_reads 2>&1 |
+        tee $OUT/bridge_gpu.log | grep -E "PASS|FAIL|ERROR|passed|failed|s call" | tail -25
+      KVCANARY_TEST_IMPLEMENTATIONS=pallas_triton,xla timeout 200 python3 -m pytest -q \
+        -p no:cacheprovider --durations=5 tests/test_golden.py tests/test_ring_guard.py \
+        tests/test_zero_sizes.py 2>&1 | tee $OUT/impl_tests.log | tail -15
+      timeout 170 compute-sanitizer --tool memcheck --print-limit 5 \
+        python3 bench/sanitize_cases.py --bridge-only --launches 4 2>&1 |
+        tee $OUT/bridge_sanitize.log | tail -8 ;;
+    bench-quick-impls)
+      timeout 260 python3 -m bench --quick --ops "${OPS/,bridge/}" \
+        --implementations pallas_triton,xla --out $OUT/bench-quick-impls 2>&1 | tail -70 ;;
+    bridge-bench)
+      timeout 60 python3 -m bench.bridge_overhead --device cuda --bs 64,256 --sglang \
+        --iters 270 --rounds 9 --out $OUT/bridge_overhead.json 2>&1 | tail -20
+      timeout 40 python3 -m bench.bridge_direct --bs 64,256 --out $OUT/bridge_direct.json \
+        2>&1 | tail -25 ;;
     bench-quick)
       python3 -m bench --quick --ops $OPS --out $OUT/bench 2>&1 | tail -60 ;;
     bridge)
@@ -48,11 +68,13 @@ for step in "$@"; do
     bench-full)
       python3 -m bench --ops $OPS --out $OUT/bench 2>&1 | tail -80 ;;
     sglang-jax)
-      # A venv over the image's packages (jax, torch) with sglang-jax 0.0.2 and what it imports.
-      python3 -m venv --system-site-packages /tmp/venv-sgljax
-      /tmp/venv-sgljax/bin/pip install -q --no-index --no-deps .whl/sglang_jax/*.whl 2>&1 | tail -2
-      JAX_PLATFORMS=cuda timeout 540 /tmp/venv-sgljax/bin/python -m bench.sglang_jax_step \
-        --out $OUT/sglang_jax 2>&1 | grep -v "^WARNING" | tail -20 ;;
+      # sglang-jax 0.0.2 and what it imports, behind the image's packages (jax, torch, numpy):
+      # a .pth in the image's site-packages appends the target after them.
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sgljax \
+        .whl/sglang_jax/*.whl 2>&1 | grep -v "^WARNING" | tail -2
+      echo /tmp/sgljax > "$(python3 -c 'import site; print(site.getsitepackages()[0])')/zz-sgljax.pth"
+      JAX_PLATFORMS=cuda timeout ${SGLJAX_TIMEOUT:-540} python3 -m bench.sglang_jax_step \
+        ${SGLJAX_ARGS:-} --out $OUT/sglang_jax 2>&1 | grep -v "^WARNING" | tail -20 ;;
     bench-impls)
       python3 -m bench --iters 40 --ops "${OPS/,bridge/}" --implementations pallas_triton,xla \
         --out $OUT/bench-impls 2>&1 | tail -80 ;;

@@ -90,7 +90,7 @@ def write_verify_cases(rng):
     print("write + verify: 20 hostile launches each done")
 
 
-def bridge_direct_cases(rng):
+def bridge_direct_cases(rng, launches=20):
     """The torch bridge's direct Triton path (kernels launched with torch's pointers, no XLA) on
     hostile values, value checks off: offsets past bucketed token arrays (the clamp), rows and
     slots out of range, negative and saturating ring indices, column slices with offsets, views
@@ -102,7 +102,7 @@ def bridge_direct_cases(rng):
     dev = torch.device("cuda")
     t = lambda a, dt=torch.int64: torch.as_tensor(np.asarray(a), dtype=dt, device=dev)  # noqa
     bridge.set_value_checks(False)
-    for i in range(20):
+    for i in range(launches):
         big = torch.zeros(48, 300, dtype=torch.int32, device=dev)
         pool = big[:, 7:263] if i % 2 else big[:40]  # a column slice at an offset, or rows
         n = int(rng.integers(1, 3000))
@@ -118,7 +118,7 @@ def bridge_direct_cases(rng):
     kv = torch.randint(0, 255, (num_slots // 2, 96), dtype=torch.uint8, device=dev)
     src = bridge.RealKvSource(tensor=kv[:, 16:80], page_size=2, num_bytes_per_token=32,
                               read_bytes=32)
-    for i in range(20):
+    for i in range(launches):
         vp = bridge.VerifyPlan.allocate(verify_capacity=cap, device=dev)
         wp = bridge.WritePlan.allocate(write_req_capacity=bs, device=dev)
         swa = int(rng.choice([0, 16]))
@@ -163,7 +163,7 @@ def bridge_direct_cases(rng):
         bridge.launch_canary_verify_kernel(context=ctx, plan=vplan, check_verify_expected_token=True)
     torch.cuda.synchronize()
     print("bridge plan/write/verify:", {k: v["path"] for k, v in bridge.paths().items()})
-    print("bridge direct: 20 hostile launches of each launcher done")
+    print(f"bridge direct: {launches} hostile launches of each launcher done")
 
 
 def main(argv=None):
@@ -171,11 +171,14 @@ def main(argv=None):
 
     argv = sys.argv[1:] if argv is None else argv
     rng = np.random.default_rng(0)
+    # --launches N: hostile launches per launcher on the bridge's direct path (default 20; every
+    # fourth one a new shape, each compiled under the sanitizer, which is slow).
+    launches = int(argv[argv.index("--launches") + 1]) if "--launches" in argv else 20
     if "--bridge-only" not in argv:
         scatter_cases(rng)
         for name in ("plan", "write_verify"):
             globals()[f"{name}_cases"](rng)
-    bridge_direct_cases(rng)
+    bridge_direct_cases(rng, launches)
 
 
 if __name__ == "__main__":

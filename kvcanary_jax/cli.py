@@ -137,7 +137,10 @@ def _abort() -> None:
 class _StopOnInterrupt:
     """While active: the first SIGINT only sets :attr:`requested` (the demo polls it between
     steps, so an interrupt that arrives while JAX compiles or runs a step is neither lost inside
-    JAX nor raised into it); a second one aborts the process at once (:func:`_abort`). The
+    JAX nor raised into it) and says so; a second one aborts the process at once
+    (:func:`_abort`). Python runs a signal handler on the main thread between bytecodes, so
+    Ctrl-Cs that all arrive during one long call into XLA (a compilation) count as one: the
+    second must follow the acknowledgement. The
     handler that was installed before is restored on exit. Signal handlers can only be set from
     the main thread: elsewhere this does nothing and SIGINT keeps its handler."""
 
@@ -150,6 +153,7 @@ class _StopOnInterrupt:
         if self.requested:
             _abort()
         self.requested = True
+        os.write(2, b"\nkvcanary-jax: stopping after the current step (Ctrl-C again to abort)\n")
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():

@@ -46,6 +46,19 @@ def pytest_collection_modifyitems(config, items):
             items[:] = [it for it in items if it not in long]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_executables():
+    """Drops JAX's compiled executables after each test module. Every XLA CPU executable holds
+    hundreds of memory maps, and one process running the whole suite compiles thousands of
+    them: past the kernel's map limit (vm.max_map_count, 65,530 by default) LLVM fails to
+    allocate and the process dies with SIGSEGV inside a compilation."""
+    yield
+    jax.clear_caches()
+    if os.environ.get("KVCANARY_TEST_MAPS"):  # diagnostics: the process's map count
+        with open("/proc/self/maps") as f:
+            print(f"\n[maps after module: {sum(1 for _ in f)}]")
+
+
 @pytest.fixture(scope="session")
 def sgl():
     """SGLang 0.5.23's kv-canary modules (references, consts, dataclasses)."""

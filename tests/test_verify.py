@@ -497,7 +497,12 @@ def test_round_trips_and_corruptions_against_jnp_reference(mode, impl):
                   check_token=trip.check_token, reference=False)
         want, _ = S.run_verify(None, st, jnp_reference=True, **kw)
         got, _ = S.run_verify(None, st, implementation=impl, **kw)
-        S.assert_same(got, want, st, ordered=impl != "pallas_triton")
+        uncapped = None
+        if impl == "pallas_triton" and S.rows_dropped(st, want):  # see S.check_verify
+            room = max(st.widx - len(st.ring), 0) + len(kw["slots"])
+            uncapped, _ = S.run_verify(None, S.widened(st, room), jnp_reference=True, **kw)
+        S.assert_same(got, want, st, ordered=impl != "pallas_triton" and uncapped is None,
+                      uncapped=uncapped)
 
 
 # --- the xla implementation: its launch configurations ----------------------------------------

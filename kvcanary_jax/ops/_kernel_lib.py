@@ -26,6 +26,8 @@ serve every backend, also where that module does not import. The contract helper
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -88,15 +90,20 @@ def scatter(ref, idx, vals, mask):
                  vals.astype(ref.dtype), mask=mask)
 
 
-def claim_rows(widx, count):
+def claim_rows(widx, count, most: int):
     """The ring guard's claim of ``count`` (> 0, int32) rows on the scalar int32 ref ``widx``:
     returns the index before the claim, ``w0`` (negative: refused, the launch writes no row and
     the index is left as it is). The new index is ``w0 + count`` saturated at
-    ``VIOLATION_WRITE_INDEX_MAX``.
+    ``VIOLATION_WRITE_INDEX_MAX``. ``most`` (static) bounds the rows the whole launch can claim.
 
-    A compare-and-swap loop (an atomic add cannot refuse a negative index or saturate): the
-    first compare uses a plain load, every retry the value the failed swap returned. Interpret
-    mode runs programs one after another, so its first swap always succeeds."""
+    Fast path, SGLang's: one atomic add, taken when a plain load of the index shows it in
+    ``[0, MAX - most]``. The index only grows during a launch, and by at most ``most``, so the add
+    can neither meet a negative index nor pass the maximum. Otherwise (a hostile or nearly
+    saturated index) a compare-and-swap loop, since an atomic add cannot refuse a negative index
+    or saturate: the first compare uses the plain load, every retry the value the failed swap
+    returned. (The loop alone serialises contending programs: a launch that records a violation
+    in each of 256 programs took 137 us in it on the H200, against a few us with the add.)
+    Interpret mode runs programs one after another, so its first swap always succeeds."""
     top = jnp.int32(consts.VIOLATION_WRITE_INDEX_MAX)
 
     def retry(carry):
@@ -110,8 +117,38 @@ def claim_rows(widx, count):
         return got, (got == seen) | (got < 0)
 
     seen = widx[()]
-    w0, _ = jax.lax.while_loop(retry, attempt, (seen, seen < 0))
-    return w0
+    add = _scalar_atomic_add()
+    if add is None or most > consts.VIOLATION_WRITE_INDEX_MAX:  # the loop alone
+        w0, _ = jax.lax.while_loop(retry, attempt, (seen, seen < 0))
+        return w0
+    fast = (seen >= 0) & (seen <= consts.VIOLATION_WRITE_INDEX_MAX - most)
+    # Unmasked (interpret mode has no masked atomics): the slow path adds 0.
+    added = add(widx, jnp.where(fast, count, 0))
+    w0, _ = jax.lax.while_loop(retry, attempt, (seen, fast | (seen < 0)))
+    return jnp.where(fast, added, w0)
+
+
+@functools.cache
+def _scalar_atomic_add():
+    """``add(ref, val) -> old``: an atomic add on a 0-d ref, or None where this JAX lacks the
+    pieces. ``plt.atomic_add`` wants an index, which a 0-d ref cannot take, and the compare-and-
+    swap above wants the 0-d ref: the primitive is bound with the empty indexer of a 0-d ref,
+    which both Triton lowering and interpret mode accept (jax 0.10.2 to 0.12)."""
+    try:
+        from jax import tree_util
+        from jax._src.pallas.triton import primitives as tp
+        from jax._src.state import indexing
+
+        whole = indexing.NDIndexer.from_indices_shape((), ())
+        rmw, kind = tp.atomic_rmw_p, tp.AtomicOpType.ADD
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover (a future JAX)
+        return None
+
+    def add(ref, val):
+        flat, tree = tree_util.tree_flatten((ref, (whole,), val, None))
+        return rmw.bind(*flat, args_tree=tree, atomic_type=kind)
+
+    return add
 
 
 def append_rows(ring, w0, rel, mask, ring_cap, fields):

@@ -207,7 +207,7 @@ def _verify_kernel(
 
         @pl.when(total > 0)
         def _record():
-            w0 = claim_rows(widx, total)
+            w0 = claim_rows(widx, total, capacity)  # at most a row an entry
             rel = jnp.cumsum(per_row, dtype=jnp.int32) - per_row
             for (viol, fields), n in zip(cols, counts):
                 append_rows(ring, w0, rel, viol, ring_cap, (

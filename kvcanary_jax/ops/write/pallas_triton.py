@@ -206,7 +206,8 @@ def _write_kernel(
                 e_tok = e_pos = b_in = jnp.zeros((block,), i64)
             has_ch = valid & pos_check & (pos != lp1vec)
             nrows = hin.astype(jnp.int32) + has_ch.astype(jnp.int32)
-            w0 = claim_rows(widx, jnp.sum(nrows, dtype=jnp.int32))
+            # At most two rows a token: its input assert and its chain position.
+            w0 = claim_rows(widx, jnp.sum(nrows, dtype=jnp.int32), 2 * num_tokens)
             # Entry order within the request: a lane's rows follow every earlier lane's, its
             # input-assert row before its chain-position row.
             rel = jnp.cumsum(nrows, dtype=jnp.int32) - nrows
