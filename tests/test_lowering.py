@@ -5,8 +5,6 @@ on the platform is still needed to compile and execute it.)"""
 
 from __future__ import annotations
 
-
-import numpy as np
 import pytest
 
 import jax
@@ -110,14 +108,10 @@ def test_every_op_lowers(platform, impl):
                 assert all(k in text for k in kernels), name
 
 
-@pytest.mark.parametrize("platform,impl", LOWERINGS)
-def test_canary_step_lowers(platform, impl):
-    """The whole step (scatter, plan, HEAD and TAIL verify + write, FULL and SWA groups, both
-    halves) around a forward that writes the KV."""
-    assert all(_registry.op(o).unusable(impl, platform=platform) is None
-               for o in ("scatter", "plan", "write", "verify"))
+def _step_program(impl, platform, device_kind=TPU_KINDS[-1], enable_v_half=True):
+    """The lowered text of the whole step for ``platform``."""
     cfg = rt.CanaryConfig(max_reqs=4, context_len=16, num_slots=32, max_bs=2, max_tokens=8,
-                          swa_window_size=4, swa_num_slots=32, enable_v_half=True,
+                          swa_window_size=4, swa_num_slots=32, enable_v_half=enable_v_half,
                           implementation=impl)
     step = rt.make_canary_step(cfg, make_forward(cfg, 16))
     state = rt.init_state(cfg)
@@ -127,9 +121,17 @@ def test_canary_step_lowers(platform, impl):
     with jax.enable_x64(True):
         kv = {g: {h: (jnp.zeros((cfg.group_slots(g), 16), jnp.bfloat16),) for h in cfg.halves}
               for g in cfg.groups}
-        rtt = jnp.asarray(np.zeros((4, 16), np.int32))
-        lut = jnp.asarray(np.arange(32, dtype=np.int64))
-        text = lower(step.jitted, (state, kv, batch, rtt, lut), platform).as_text()
+        rtt, lut = jnp.zeros((4, 16), jnp.int32), jnp.arange(32, dtype=jnp.int64)
+        return lower(step.jitted, (state, kv, batch, rtt, lut), platform, device_kind).as_text()
+
+
+@pytest.mark.parametrize("platform,impl", LOWERINGS)
+def test_canary_step_lowers(platform, impl):
+    """The whole step (scatter, plan, HEAD and TAIL verify + write, FULL and SWA groups, both
+    halves) around a forward that writes the KV."""
+    assert all(_registry.op(o).unusable(impl, platform=platform) is None
+               for o in ("scatter", "plan", "write", "verify"))
+    text = _step_program(impl, platform)
     _check_program(text, impl, "step")
     if impl == "pallas_triton":
         for kernel in ("kvcanary_scatter_req_token_ids", "kvcanary_plan_offsets",
@@ -140,16 +142,5 @@ def test_canary_step_lowers(platform, impl):
 @pytest.mark.parametrize("device_kind", TPU_KINDS)
 def test_canary_step_lowers_for_each_tpu_generation(device_kind):
     """The TPU kernels lower for v5e and v6e alike (the Mosaic lowering reads the generation)."""
-    cfg = rt.CanaryConfig(max_reqs=4, context_len=16, num_slots=32, max_bs=2, max_tokens=8,
-                          swa_window_size=4, swa_num_slots=32, implementation="pallas_mosaic_tpu")
-    step = rt.make_canary_step(cfg, make_forward(cfg, 16))
-    state = rt.init_state(cfg)
-    batch = rt.make_batch(cfg, req_pool_indices=[1], prefix_lens=[0], extend_seq_lens=[2],
-                          all_ids=[[5, 6]], input_ids=[5, 6], positions=[0, 1],
-                          out_cache_loc=[1, 2])
-    with jax.enable_x64(True):
-        kv = {g: {h: (jnp.zeros((cfg.group_slots(g), 16), jnp.bfloat16),) for h in cfg.halves}
-              for g in cfg.groups}
-        rtt, lut = jnp.zeros((4, 16), jnp.int32), jnp.arange(32, dtype=jnp.int64)
-        text = lower(step.jitted, (state, kv, batch, rtt, lut), "tpu", device_kind).as_text()
+    text = _step_program("pallas_mosaic_tpu", "tpu", device_kind, enable_v_half=False)
     _check_program(text, "pallas_mosaic_tpu", "step")

@@ -260,3 +260,29 @@ def test_gpu_default_is_triton_and_its_notice_stays_inside():
     """)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "OK" in out.stdout
+
+
+_MULTIPLE = "block must be a positive multiple of 512, got"
+
+
+@pytest.mark.parametrize("op,field,bad,text", [
+    ("scatter", "group", 0, "scatter_req_token_ids (pallas_mosaic_tpu): group must be in [1, 64], "
+                            "got 0"),
+    ("plan", "block", 100, f"canary_plan (pallas_mosaic_tpu): {_MULTIPLE} 100"),
+    ("write", "block", 0, f"canary_write (pallas_mosaic_tpu): {_MULTIPLE} 0"),
+    ("verify", "block", 1000, f"canary_verify (pallas_mosaic_tpu): {_MULTIPLE} 1000"),
+])
+def test_tpu_configs_refuse_bad_values_and_share_their_fields(op, field, bad, text):
+    """The Mosaic TPU configs: a bad value is refused naming the op; every one takes the shared
+    ``vmem_limit_bytes`` and ``interpret`` fields; the defaults pass their own checks."""
+    import importlib
+
+    from kvcanary_jax.ops import _tpu_lib
+
+    mod = importlib.import_module(f"kvcanary_jax.ops.{op}.pallas_mosaic_tpu")
+    with pytest.raises(ValueError) as e:
+        mod.Config(**{field: bad})
+    assert str(e.value) == "kv-canary: " + text
+    cfg = mod.Config(vmem_limit_bytes=1 << 20)
+    assert isinstance(cfg, _tpu_lib.Config) and cfg.interpret is None
+    assert dataclasses.replace(cfg, interpret=True).vmem_limit_bytes == 1 << 20

@@ -35,6 +35,8 @@ min-reductions, so no prefix sum is needed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +48,8 @@ from kvcanary_jax import consts
 from kvcanary_jax import hashing_u32 as H
 
 __all__ = [
+    "Config",
+    "BlockConfig",
     "PAIR_TILE",
     "LANES",
     "INT32_MAX",
@@ -398,6 +402,32 @@ def compiler_params(vmem_limit_bytes: int | None = None):
 def cost(*, bytes_accessed: int, ops: int = 0) -> pl.CostEstimate:
     """Integer work is reported as ``flops`` (XLA's scheduler only compares magnitudes)."""
     return pl.CostEstimate(flops=int(ops), transcendentals=0, bytes_accessed=int(bytes_accessed))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What every op's Mosaic TPU launch config has. ``vmem_limit_bytes``: Mosaic's scoped VMEM
+    limit (None: the compiler's default). ``interpret``: None to compile for TPU; a
+    ``pltpu.InterpretParams`` runs the kernels in TPU interpret mode instead (any backend; the
+    CPU test suites use :func:`interpret_params`)."""
+
+    vmem_limit_bytes: int | None = None
+    interpret: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig(Config):
+    """A config whose kernels work in blocks of ``block`` entries, a positive multiple of
+    ``PAIR_TILE`` (whole 8 x 128 tiles of pair rows). Subclasses name their op in ``OP`` (for
+    the error) and set ``block``'s default."""
+
+    OP: ClassVar[str] = ""
+    block: int = 1024
+
+    def __post_init__(self):
+        if self.block < PAIR_TILE or self.block % PAIR_TILE:
+            raise ValueError(f"kv-canary: {self.OP} (pallas_mosaic_tpu): block must be a "
+                             f"positive multiple of {PAIR_TILE}, got {self.block}")
 
 
 def interpret_params():

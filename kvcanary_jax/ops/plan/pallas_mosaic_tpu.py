@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -56,21 +56,13 @@ _I32_MAX = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-    """``block``: plan entries per output block (a multiple of 512). ``vmem_limit_bytes``:
-    Mosaic's scoped VMEM limit (None: the compiler's default).
-    ``interpret``: None to compile for TPU; a ``pltpu.InterpretParams`` runs the kernels in TPU
-    interpret mode instead (any backend; the CPU test suites use
-    :func:`kvcanary_jax.ops._tpu_lib.interpret_params`)."""
+class Config(T.BlockConfig):
+    """``block``: plan entries per output block (a multiple of 512); the rest:
+    :class:`kvcanary_jax.ops._tpu_lib.Config`."""
 
+    OP: ClassVar[str] = "canary_plan"
     block: int = BLOCK
-    vmem_limit_bytes: int | None = None
-    interpret: Any = None
 
-    def __post_init__(self):
-        if self.block < T.PAIR_TILE or self.block % T.PAIR_TILE:
-            raise ValueError(f"kv-canary: canary_plan (pallas_mosaic_tpu): block must be a "
-                             f"positive multiple of {T.PAIR_TILE}, got {self.block}")
 
 
 def heuristics(shapes) -> Config:

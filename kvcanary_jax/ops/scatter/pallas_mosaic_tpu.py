@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -50,21 +49,17 @@ _PEND_ROW, _PEND_N, _PEND_TAIL, _RD_N, _RD_TAIL = 0, 2, 4, 6, 8
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-    """``group``: 128-column segments per item (1-64). ``vmem_limit_bytes``: Mosaic's scoped
-    VMEM limit (None: the compiler's default).
-    ``interpret``: None to compile for TPU; a ``pltpu.InterpretParams`` runs the kernels in TPU
-    interpret mode instead (any backend; the CPU test suites use
-    :func:`kvcanary_jax.ops._tpu_lib.interpret_params`)."""
+class Config(T.Config):
+    """``group``: 128-column segments per item (1-64); the rest:
+    :class:`kvcanary_jax.ops._tpu_lib.Config`."""
 
     group: int = GROUP
-    vmem_limit_bytes: int | None = None
-    interpret: Any = None
 
     def __post_init__(self):
         if not 1 <= self.group <= 64:
             raise ValueError(f"kv-canary: scatter_req_token_ids (pallas_mosaic_tpu): group must "
                              f"be in [1, 64], got {self.group}")
+
 
 
 def heuristics(shapes) -> Config:
