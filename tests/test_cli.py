@@ -23,7 +23,7 @@ import _cli
 def test_bench_help_lists_the_bench_options():
     proc = _cli.run("kvcanary-jax bench --help", timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert f"`kvcanary-jax bench --help`" in _cli.README.read_text()
+    assert "`kvcanary-jax bench --help`" in _cli.README.read_text()
     assert proc.stdout.startswith("usage: kvcanary-jax bench ")
     for option in ("--quick", "--smoke", "--ops", "--iters", "--out"):
         assert option in proc.stdout, option

@@ -572,7 +572,7 @@ def _tpu_fuzz_case(sgl, rng, k):
     entries = S.verify_entries(rng, trip.chains)
     kind = KINDS[int(rng.integers(len(KINDS)))]
     if any(trip.chains) and (trip.sources or kind != "real_kv_byte") and rng.random() < 0.6:
-        entries = _corrupt(rng, kind, trip, st, entries) or entries
+        entries = corrupt(rng, kind, trip, st, entries) or entries
     slots, etok, epos, prev = (list(x) for x in entries)
     n = S.NUM_SLOTS
     hostile = rng.random() < 0.35 and len(slots) > 0

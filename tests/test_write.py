@@ -713,7 +713,7 @@ def _tpu_fuzz_launch(sgl, rng, bucket):
     st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape, dtype=np.int64)
     st.canary_i64[:, 1] = rng.integers(-2, 30, S.NUM_SLOTS)
     st.sctr, st.kctr = (int(x) for x in rng.integers(0, 2**40, 2))
-    launch = _random_launch(rng, st, assert_on, kind=(2, 8, 5, 11)[bucket], hazards=True)
+    launch = random_launch(rng, st, assert_on, kind=(2, 8, 5, 11)[bucket], hazards=True)
     hostile = rng.random() < 0.35
     if hostile:
         n = S.NUM_SLOTS
