@@ -18,8 +18,7 @@ import jax.numpy as jnp
 from kvcanary_jax import consts
 from kvcanary_jax import runtime as rt
 from kvcanary_jax.ops.verify import canary_verify, canary_verify_reference
-from kvcanary_jax.ops.write import canary_write, canary_write_reference
-from kvcanary_jax.plans import VerifyPlan, WritePlan
+from kvcanary_jax.plans import VerifyPlan
 
 import _canary_support as S
 import _impls

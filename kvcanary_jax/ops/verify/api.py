@@ -12,7 +12,6 @@ from kvcanary_jax.context import (
     VerifyOrWriteContext,
     as_words,
     check_extent,
-    source_spec,
 )
 from kvcanary_jax.ops import _registry
 from kvcanary_jax.ops.verify import base
@@ -99,18 +98,7 @@ def canary_verify(
     """
     base.validate(context, plan)
     ring, widx, sctr, kctr = run(
-        canary_buf=context.canary_buf, violation_ring=context.violation_ring,
-        violation_write_index=context.violation_write_index,
-        slot_run_counter=context.slot_run_counter, kernel_run_counter=context.kernel_run_counter,
-        verify_slot_indices=plan.verify_slot_indices,
-        verify_expected_tokens=plan.verify_expected_tokens,
-        verify_expected_positions=plan.verify_expected_positions,
-        verify_prev_slot_indices=plan.verify_prev_slot_indices,
-        verify_num_valid=plan.verify_num_valid, enable=plan.enable,
-        sources=tuple((s.tensor, source_spec(s)) for s in context.real_kv_sources),
-        kernel_kind=int(context.kernel_kind), real_kv_hash_mode=int(context.real_kv_hash_mode),
-        check_verify_expected_token=check_verify_expected_token, implementation=implementation,
-        config=config,
-    )
+        **base.arguments(context, plan), check_verify_expected_token=check_verify_expected_token,
+        implementation=implementation, config=config)
     return context.replace(violation_ring=ring, violation_write_index=widx,
                            slot_run_counter=sctr, kernel_run_counter=kctr)

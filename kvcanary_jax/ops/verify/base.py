@@ -235,13 +235,10 @@ def reference(
         sources=sources)
 
 
-@_config.with_x64
-def canary_verify_reference(*, context: VerifyOrWriteContext, plan: VerifyPlan,
-                            check_verify_expected_token: bool) -> VerifyOrWriteContext:
-    """Pure-jnp reference of :func:`kvcanary_jax.canary_verify` (rows in entry order; same
-    validation)."""
-    validate(context, plan)
-    ring, widx, sctr, kctr = reference(
+def arguments(context: VerifyOrWriteContext, plan: VerifyPlan) -> dict:
+    """The array-level arguments of a launch (those of :func:`reference` and of each
+    implementation's ``run``) from its context and plan."""
+    return dict(
         canary_buf=context.canary_buf, violation_ring=context.violation_ring,
         violation_write_index=context.violation_write_index,
         slot_run_counter=context.slot_run_counter, kernel_run_counter=context.kernel_run_counter,
@@ -251,8 +248,16 @@ def canary_verify_reference(*, context: VerifyOrWriteContext, plan: VerifyPlan,
         verify_prev_slot_indices=plan.verify_prev_slot_indices,
         verify_num_valid=plan.verify_num_valid, enable=plan.enable,
         sources=tuple((s.tensor, source_spec(s)) for s in context.real_kv_sources),
-        kernel_kind=int(context.kernel_kind), real_kv_hash_mode=int(context.real_kv_hash_mode),
-        check_verify_expected_token=bool(check_verify_expected_token),
-    )
+        kernel_kind=int(context.kernel_kind), real_kv_hash_mode=int(context.real_kv_hash_mode))
+
+
+@_config.with_x64
+def canary_verify_reference(*, context: VerifyOrWriteContext, plan: VerifyPlan,
+                            check_verify_expected_token: bool) -> VerifyOrWriteContext:
+    """Pure-jnp reference of :func:`kvcanary_jax.canary_verify` (rows in entry order; same
+    validation)."""
+    validate(context, plan)
+    ring, widx, sctr, kctr = reference(
+        **arguments(context, plan), check_verify_expected_token=bool(check_verify_expected_token))
     return context.replace(violation_ring=ring, violation_write_index=widx,
                            slot_run_counter=sctr, kernel_run_counter=kctr)

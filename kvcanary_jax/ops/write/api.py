@@ -12,7 +12,6 @@ from kvcanary_jax.context import (
     VerifyOrWriteContext,
     as_words,
     check_extent,
-    source_spec,
 )
 from kvcanary_jax.ops import _registry
 from kvcanary_jax.ops.write import base
@@ -109,18 +108,9 @@ def canary_write(
     base.validate(context, plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
                   expected_input_tokens, expected_input_positions)
     canary, ring, widx, sctr, kctr = run(
-        canary_buf=context.canary_buf, violation_ring=context.violation_ring,
-        violation_write_index=context.violation_write_index,
-        slot_run_counter=context.slot_run_counter, kernel_run_counter=context.kernel_run_counter,
-        enable_chain_position_assert=context.enable_chain_position_assert,
-        write_offsets=plan.write_offsets, write_seed_slot_indices=plan.write_seed_slot_indices,
-        write_num_valid_reqs=plan.write_num_valid_reqs, input_ids=input_ids, positions=positions,
-        out_cache_loc=out_cache_loc, expected_input_tokens=expected_input_tokens,
-        expected_input_positions=expected_input_positions,
-        sources=tuple((s.tensor, source_spec(s)) for s in context.real_kv_sources),
-        kernel_kind=int(context.kernel_kind), real_kv_hash_mode=int(context.real_kv_hash_mode),
+        **base.arguments(context, plan, input_ids, positions, out_cache_loc,
+                         expected_input_tokens, expected_input_positions),
         enable_write_input_assert=enable_write_input_assert, implementation=implementation,
-        config=config,
-    )
+        config=config)
     return context.replace(canary_buf=canary, violation_ring=ring, violation_write_index=widx,
                            slot_run_counter=sctr, kernel_run_counter=kctr)

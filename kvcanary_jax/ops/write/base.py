@@ -317,6 +317,23 @@ def reference(
         input_ids=input_ids, sources=sources)
 
 
+def arguments(context: VerifyOrWriteContext, plan: WritePlan, input_ids, positions,
+              out_cache_loc, expected_input_tokens, expected_input_positions) -> dict:
+    """The array-level arguments of a launch (those of :func:`reference` and of each
+    implementation's ``run``) from its context, plan and token arrays."""
+    return dict(
+        canary_buf=context.canary_buf, violation_ring=context.violation_ring,
+        violation_write_index=context.violation_write_index,
+        slot_run_counter=context.slot_run_counter, kernel_run_counter=context.kernel_run_counter,
+        enable_chain_position_assert=context.enable_chain_position_assert,
+        write_offsets=plan.write_offsets, write_seed_slot_indices=plan.write_seed_slot_indices,
+        write_num_valid_reqs=plan.write_num_valid_reqs, input_ids=input_ids, positions=positions,
+        out_cache_loc=out_cache_loc, expected_input_tokens=expected_input_tokens,
+        expected_input_positions=expected_input_positions,
+        sources=tuple((s.tensor, source_spec(s)) for s in context.real_kv_sources),
+        kernel_kind=int(context.kernel_kind), real_kv_hash_mode=int(context.real_kv_hash_mode))
+
+
 @_config.with_x64
 def canary_write_reference(*, context: VerifyOrWriteContext, plan: WritePlan, input_ids,
                            positions, out_cache_loc, enable_write_input_assert: bool,
@@ -328,18 +345,9 @@ def canary_write_reference(*, context: VerifyOrWriteContext, plan: WritePlan, in
              expected_input_tokens, expected_input_positions)
     opt = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
     canary, ring, widx, sctr, kctr = reference(
-        canary_buf=context.canary_buf, violation_ring=context.violation_ring,
-        violation_write_index=context.violation_write_index,
-        slot_run_counter=context.slot_run_counter, kernel_run_counter=context.kernel_run_counter,
-        enable_chain_position_assert=context.enable_chain_position_assert,
-        write_offsets=plan.write_offsets, write_seed_slot_indices=plan.write_seed_slot_indices,
-        write_num_valid_reqs=plan.write_num_valid_reqs, input_ids=jnp.asarray(input_ids),
-        positions=jnp.asarray(positions), out_cache_loc=jnp.asarray(out_cache_loc),
-        expected_input_tokens=opt(expected_input_tokens),
-        expected_input_positions=opt(expected_input_positions),
-        sources=tuple((s.tensor, source_spec(s)) for s in context.real_kv_sources),
-        kernel_kind=int(context.kernel_kind), real_kv_hash_mode=int(context.real_kv_hash_mode),
-        enable_write_input_assert=bool(enable_write_input_assert),
-    )
+        **arguments(context, plan, jnp.asarray(input_ids), jnp.asarray(positions),
+                    jnp.asarray(out_cache_loc), opt(expected_input_tokens),
+                    opt(expected_input_positions)),
+        enable_write_input_assert=bool(enable_write_input_assert))
     return context.replace(canary_buf=canary, violation_ring=ring, violation_write_index=widx,
                            slot_run_counter=sctr, kernel_run_counter=kctr)

@@ -35,7 +35,6 @@ an earlier one (malformed offsets) starts a new window, and windows apply one af
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Mapping
 
 import jax
