@@ -141,11 +141,16 @@ class _StopOnInterrupt:
     (:func:`_abort`). Python runs a signal handler on the main thread between bytecodes, so
     Ctrl-Cs that all arrive during one long call into XLA (a compilation) count as one: the
     second must follow the acknowledgement. The
-    handler that was installed before is restored on exit. Signal handlers can only be set from
-    the main thread: elsewhere this does nothing and SIGINT keeps its handler."""
+    handler that was installed before is restored on exit, unless ``keep_after_stop`` and a stop
+    was requested: then the process is about to exit (the console script), and a further Ctrl-C
+    while the report prints or the interpreter shuts down (JAX's exit hooks can wait on its
+    compilation threads) still aborts at once instead of raising KeyboardInterrupt into an exit
+    hook. Signal handlers can only be set from the main thread: elsewhere this does nothing and
+    SIGINT keeps its handler."""
 
-    def __init__(self):
+    def __init__(self, keep_after_stop: bool = False):
         self.requested = False
+        self.keep_after_stop = keep_after_stop
         self._installed = False
         self._previous = None
 
@@ -162,7 +167,7 @@ class _StopOnInterrupt:
         return self
 
     def __exit__(self, *exc):
-        if self._installed:
+        if self._installed and not (self.requested and self.keep_after_stop):
             # None: the previous handler was not installed from Python; the default is all we
             # can put back.
             signal.signal(signal.SIGINT,
@@ -175,7 +180,7 @@ def _run_demo(args) -> int:
     # From here until the report is printed, a Ctrl-C is a request to stop before the next step
     # (backend start-up and the server's set-up included: the campaign polls before its first
     # step too), and a second one aborts.
-    with _StopOnInterrupt() as interrupt:
+    with _StopOnInterrupt(keep_after_stop=getattr(args, "exiting", False)) as interrupt:
         return _demo(args, interrupt)
 
 
@@ -273,7 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
+    """Runs one command and returns its exit status. ``exiting``: the caller ends the process
+    right after (the console script, ``python -m kvcanary_jax.cli``), so an interrupted demo
+    leaves its abort-on-Ctrl-C handler in place through the interpreter's shutdown."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in _COMMANDS and argv[0] not in ("-h", "--help"):
         argv = ["demo"] + argv
@@ -285,8 +293,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvcanary-jax: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    args.exiting = exiting
     return _COMMANDS[args.command][2](args)
 
 
+def run() -> None:
+    """The console script ``kvcanary-jax``."""
+    sys.exit(main(exiting=True))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
