@@ -416,6 +416,27 @@ def guarded(before: State, full: State, w0: int) -> State:
     return out
 
 
+def assert_guarded(ours: State, before: State, full: State, w0: int, *, ordered: bool) -> None:
+    """``ours`` (a launch from ``before``, whose write index is ``w0``) against :func:`guarded`.
+    Where programs claim ring rows concurrently (not ``ordered``) and the ring fills, which of the
+    launch's rows land is the atomics' order: every row from ``w0`` to the capacity is then
+    written, each one of the reference's rows (a sub-multiset of ``full``'s), and nothing below
+    ``w0`` changes."""
+    want = guarded(before, full, w0)
+    cap = len(before.ring)
+    if ordered or w0 < 0 or w0 + full.widx <= cap:
+        assert_same(ours, want, before, ordered=ordered)
+        return
+    np.testing.assert_array_equal(ours.canary, want.canary)
+    assert (ours.widx, ours.sctr, ours.kctr) == (want.widx, want.sctr, want.kctr)
+    lo = min(w0, cap)
+    np.testing.assert_array_equal(ours.ring[:lo], before.ring[:lo])
+    assert full.widx <= len(full.ring)  # a reference run that dropped no row
+    landed = collections.Counter(tuple(int(v) for v in r) for r in ours.ring[lo:])
+    assert not landed - collections.Counter(
+        tuple(int(v) for v in r) for r in full.ring[:full.widx]), landed
+
+
 def reference_trip_state(sgl, rng, trip) -> State:
     """The state after a trip's writes, by SGLang's reference alone."""
     st = garbage_state(rng, trip.stride)

@@ -50,6 +50,12 @@ def with_tpu(op: str | None = None) -> list:
     return impls + tpu
 
 
+def tpu_interpreted(implementation: str | None) -> bool:
+    """``pallas_mosaic_tpu`` off a TPU: its kernels run in TPU interpret mode, hundreds of times
+    slower than the others here (long tests then run a short part, the rest on request)."""
+    return implementation == TPU and jax.default_backend() != "tpu"
+
+
 def config(op: str, implementation: str | None, **kw):
     """The launch config a test passes with ``implementation``: None (the op's choice), except
     ``pallas_mosaic_tpu`` off a TPU: its ``Config`` in TPU interpret mode."""

@@ -783,15 +783,17 @@ def test_offsets_checks_unreachable_through_the_api():
 
 
 # ------------------------------------------------------------------------------------------------
-# pallas_mosaic_tpu in TPU interpret mode: fuzz with hostile plans
+# every implementation: fuzz with hostile plans
 # ------------------------------------------------------------------------------------------------
 # The families' cases against SGLang's reference, and hostile ones against the jnp reference
 # (SGLang's reference raises, or reads differently, there): prefixes past the row width (the flat
 # address reads the next rows), rows outside the table or negative, valid_lens past the pool width,
 # cells past the LUT (clamped), huge prefixes and extends. Every plan array is compared, untouched
-# tails included. CI runs the first bucket of each family; the long run all of them.
-TPU_CI_PER_FAMILY = 12
-TPU_SLOW_PER_FAMILY = 240
+# tails included. Every implementation runs FUZZ_PER_FAMILY cases a family over all its buckets
+# in CI; pallas_mosaic_tpu in TPU interpret mode FUZZ_TPU_INTERPRETED of the first bucket (the long
+# run, all of them, with --tpu-long).
+FUZZ_PER_FAMILY = 250
+FUZZ_TPU_INTERPRETED = 12
 
 
 def _hostile(rng, c: Case) -> Case:
@@ -813,7 +815,7 @@ def _hostile(rng, c: Case) -> Case:
     return dataclasses.replace(c, rpi=rpi, prefix=prefix, extend=extend, rtt=rtt, vl=vl)
 
 
-def _tpu_fuzz(sgl, buckets, n_cases, seed):
+def _hostile_fuzz(sgl, buckets, n_cases, seed, implementation):
     rng = np.random.default_rng(seed)
     n_hostile = 0
     for i in range(n_cases):
@@ -824,21 +826,26 @@ def _tpu_fuzz(sgl, buckets, n_cases, seed):
             want = run_ours(c, reference=True)
         else:
             want = run_oracle(sgl, c)
-        assert_same(run_ours(c, _impls.TPU), want, c)
+        assert_same(run_ours(c, implementation), want, c)
     assert 0 < n_hostile < n_cases
 
 
-@pytest.mark.tpu_interpret
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_tpu_fuzz(sgl, family):
-    _tpu_fuzz(sgl, FAMILIES[family][:1], TPU_CI_PER_FAMILY, seed=zlib.crc32(family.encode()) + 1)
+@pytest.mark.parametrize("impl", _impls.with_tpu("plan"))
+def test_hostile_fuzz(sgl, impl, family):
+    seed = zlib.crc32(family.encode()) + 1
+    if _impls.tpu_interpreted(impl):
+        _hostile_fuzz(sgl, FAMILIES[family][:1], FUZZ_TPU_INTERPRETED, seed, impl)
+    else:
+        _hostile_fuzz(sgl, FAMILIES[family], FUZZ_PER_FAMILY, seed, impl)
 
 
 @pytest.mark.slow
 @pytest.mark.tpu_interpret
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_tpu_fuzz_long(sgl, family):
-    _tpu_fuzz(sgl, FAMILIES[family], TPU_SLOW_PER_FAMILY, seed=zlib.crc32(family.encode()) + 2)
+def test_hostile_fuzz_tpu_interpreted_long(sgl, family):
+    _hostile_fuzz(sgl, FAMILIES[family], FUZZ_PER_FAMILY, zlib.crc32(family.encode()) + 2,
+                  _impls.TPU)
 
 
 @pytest.mark.tpu_interpret
@@ -871,5 +878,5 @@ def test_tpu_batch_past_the_smem_budget_is_refused_with_a_clear_error():
         run_ours(c, _impls.TPU)
 
 
-def test_tpu_fuzz_total_is_at_least_1000():
-    assert len(FAMILIES) * (TPU_CI_PER_FAMILY + TPU_SLOW_PER_FAMILY) >= 1000
+def test_hostile_fuzz_runs_at_least_1000_cases():
+    assert len(FAMILIES) * FUZZ_PER_FAMILY >= 1000

@@ -381,24 +381,27 @@ def test_small_column_tiles(sgl, impl):
     np.testing.assert_array_equal(got, oracle(sgl, flat, offsets, rpi, pool))
 
 
-# --- pallas_mosaic_tpu in TPU interpret mode: fuzz with hostile inputs ---------------------------
+# --- every implementation: fuzz with hostile inputs -----------------------------------------------
 # Pools 5 to 2,100 columns wide (one short segment, whole 128-column segments, several 2,048-column
 # items per row), duplicate target rows (applied in order, as the reference), and hostile inputs:
 # offsets negative, decreasing and past the tokens, rows outside the pool, a max_context_len below
 # the pool's width (the bridge's column-sliced views). Well-formed cases are checked against
 # SGLang's reference; hostile ones against the jnp reference (SGLang's slicing wraps negative
 # starts and writes outside the pool). Every case also checks the guard rows stay untouched.
-TPU_BUCKETS = [  # (bs, num_tokens, rows, cols)
+# pallas_mosaic_tpu runs in TPU interpret mode off a TPU.
+FUZZ_BUCKETS = [  # (bs, num_tokens, rows, cols)
     (6, 600, 8, 130),
     (12, 3000, 16, 300),
     (4, 5000, 6, 2100),
     (20, 700, 24, 5),
 ]
-TPU_CASES_CI = 20  # per bucket
-TPU_CASES_SLOW = 240  # per bucket, with other seeds
+# Every implementation runs FUZZ_CASES a bucket in CI; pallas_mosaic_tpu in TPU interpret mode
+# its first FUZZ_TPU_INTERPRETED (the long run with --tpu-long).
+FUZZ_CASES = 250  # per bucket
+FUZZ_TPU_INTERPRETED = 20  # per bucket
 
 
-def _tpu_case(rng, bs, n, rows, cols):
+def _hostile_case(rng, bs, n, rows, cols):
     hostile = rng.random() < 0.4
     lens = rng.integers(0, 2 * cols + 3, bs)
     lens[rng.random(bs) < 0.2] = 0
@@ -423,15 +426,15 @@ def _tpu_case(rng, bs, n, rows, cols):
     return hostile, flat, offsets, rpi, pool, max_cols
 
 
-def _tpu_fuzz(sgl, bucket, n_cases, seed):
+def _hostile_fuzz(sgl, bucket, n_cases, seed, implementation):
     from kvcanary_jax.ops.scatter import base
 
-    bs, n, rows, cols = TPU_BUCKETS[bucket]
+    bs, n, rows, cols = FUZZ_BUCKETS[bucket]
     rng = np.random.default_rng(seed)
     n_hostile = 0
     for _ in range(n_cases):
-        hostile, flat, offsets, rpi, pool, max_cols = _tpu_case(rng, bs, n, rows, cols)
-        got = _ours(_impls.TPU, flat, offsets, rpi, pool, max_context_len=max_cols)
+        hostile, flat, offsets, rpi, pool, max_cols = _hostile_case(rng, bs, n, rows, cols)
+        got = _ours(implementation, flat, offsets, rpi, pool, max_context_len=max_cols)
         if hostile:
             n_hostile += 1
             with jax.enable_x64(True):
@@ -446,17 +449,18 @@ def _tpu_fuzz(sgl, bucket, n_cases, seed):
     return n_cases
 
 
-@pytest.mark.tpu_interpret
-@pytest.mark.parametrize("bucket", range(len(TPU_BUCKETS)))
-def test_tpu_fuzz(sgl, bucket):
-    _tpu_fuzz(sgl, bucket, TPU_CASES_CI, seed=500 + bucket)
+@pytest.mark.parametrize("bucket", range(len(FUZZ_BUCKETS)))
+@pytest.mark.parametrize("impl", _impls.with_tpu("scatter"))
+def test_hostile_fuzz(sgl, impl, bucket):
+    n = FUZZ_TPU_INTERPRETED if _impls.tpu_interpreted(impl) else FUZZ_CASES
+    _hostile_fuzz(sgl, bucket, n, 500 + bucket, impl)
 
 
 @pytest.mark.slow
 @pytest.mark.tpu_interpret
-@pytest.mark.parametrize("bucket", range(len(TPU_BUCKETS)))
-def test_tpu_fuzz_long(sgl, bucket):
-    _tpu_fuzz(sgl, bucket, TPU_CASES_SLOW, seed=600 + bucket)
+@pytest.mark.parametrize("bucket", range(len(FUZZ_BUCKETS)))
+def test_hostile_fuzz_tpu_interpreted_long(sgl, bucket):
+    _hostile_fuzz(sgl, bucket, FUZZ_CASES, 600 + bucket, _impls.TPU)
 
 
 @pytest.mark.slow
@@ -475,5 +479,5 @@ def test_tpu_more_requests_than_sglang_allows(sgl):
                                   oracle(sgl, flat, offsets, rpi, pool))
 
 
-def test_tpu_fuzz_total_is_at_least_1000():
-    assert len(TPU_BUCKETS) * (TPU_CASES_CI + TPU_CASES_SLOW) >= 1000
+def test_hostile_fuzz_runs_at_least_1000_cases():
+    assert len(FUZZ_BUCKETS) * FUZZ_CASES >= 1000

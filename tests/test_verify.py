@@ -553,19 +553,22 @@ def test_jnp_references_round_trips_and_corruptions(sgl, mode):
         S.assert_same(ours, ref, st, ordered=True)
 
 
-# --- pallas_mosaic_tpu in TPU interpret mode: fuzz with hostile entries -------------------------
+# --- every implementation: fuzz with hostile entries ---------------------------------------------
 # Written chains (SGLang's write reference), then verify plans with corruptions of every kind, and
 # hostile plans: slots past the buffer or below -num_slots, predecessors past the buffer or
 # negative, huge values, active counts past the capacity or negative, enable 0; and write indices
 # where the ring guard acts (negative: nothing written; near 2**31 - 1: saturating). Expected:
 # the reference run from write index 0 on a ring with room for every row, placed by the ring
 # guard (S.guarded): SGLang's reference where it is defined, else the jnp reference (SGLang
-# raises on slots past the buffer). Rows come in the reference's order.
-TPU_FUZZ_CI = 60
-TPU_FUZZ_SLOW = 960
+# raises on slots past the buffer). Rows come in the reference's order (pallas_triton: as the
+# atomics claim them, S.assert_guarded). pallas_mosaic_tpu runs in TPU interpret mode off a TPU.
+# Every implementation runs FUZZ_CASES in CI; pallas_mosaic_tpu in TPU interpret mode its first
+# FUZZ_TPU_INTERPRETED (the long run with --tpu-long).
+FUZZ_CASES = 1000
+FUZZ_TPU_INTERPRETED = 60
 
 
-def _tpu_fuzz_case(sgl, rng, k):
+def _hostile_case(sgl, rng, k, implementation):
     mode = k % 3
     trip = S.make_trip(rng, mode, (k // 3) % len(S.BUCKETS), contiguous=k % 2 == 1)
     st = S.reference_trip_state(sgl, rng, trip)
@@ -607,31 +610,31 @@ def _tpu_fuzz_case(sgl, rng, k):
     start = st.copy()
     start.widx = w0
     start.ring[:] = rng.integers(-9, 9, start.ring.shape)
-    ours, _ = S.run_verify(sgl, start, **kw, reference=False, implementation=_impls.TPU)
-    want = S.guarded(start, full, w0)
-    S.assert_same(ours, want, start, ordered=True)
+    ours, _ = S.run_verify(sgl, start, **kw, reference=False, implementation=implementation)
+    S.assert_guarded(ours, start, full, w0, ordered=_impls.in_reference_order(implementation))
     return full.widx, hostile
 
 
-def _tpu_fuzz(sgl, n_cases, seed):
+def _hostile_fuzz(sgl, n_cases, seed, implementation):
     rng = np.random.default_rng(seed)
     rows = hostile = 0
     for k in range(n_cases):
-        r, h = _tpu_fuzz_case(sgl, rng, k)
+        r, h = _hostile_case(sgl, rng, k, implementation)
         rows += r > 0
         hostile += h
     assert rows > n_cases // 4 and 0 < hostile < n_cases
 
 
-@pytest.mark.tpu_interpret
-def test_tpu_fuzz(sgl):
-    _tpu_fuzz(sgl, TPU_FUZZ_CI, seed=900)
+@pytest.mark.parametrize("impl", _impls.with_tpu("verify"))
+def test_hostile_fuzz(sgl, impl):
+    n = FUZZ_TPU_INTERPRETED if _impls.tpu_interpreted(impl) else FUZZ_CASES
+    _hostile_fuzz(sgl, n, 900, impl)
 
 
 @pytest.mark.slow
 @pytest.mark.tpu_interpret
-def test_tpu_fuzz_long(sgl):
-    _tpu_fuzz(sgl, TPU_FUZZ_SLOW, seed=901)
+def test_hostile_fuzz_tpu_interpreted_long(sgl):
+    _hostile_fuzz(sgl, FUZZ_CASES, 901, _impls.TPU)
 
 
 @pytest.mark.tpu_interpret
@@ -654,5 +657,5 @@ def test_tpu_long_runs_across_slabs_and_blocks(sgl):
     assert ref.widx >= 9
 
 
-def test_tpu_fuzz_total_is_at_least_1000():
-    assert TPU_FUZZ_CI + TPU_FUZZ_SLOW >= 1000
+def test_hostile_fuzz_runs_at_least_1000_cases():
+    assert FUZZ_CASES >= 1000
