@@ -1,7 +1,7 @@
 """Device time of the canary per step next to sglang-jax's own step, on the same pools.
 
     python -m bench.sglang_jax_step [--what kv,runner] [--bs 8,64] [--ctx 512,2048]
-                                    [--iters 20] [--out DIR] [--smoke]
+                                    [--iters 20] [--out DIR] [--smoke] [--glue]
 
 Needs Python >= 3.12 and sglang-jax 0.0.2 with the dependencies of the modules imported
 (``requirements-sglang-jax.txt``); set ``JAX_PLATFORMS`` (``cuda`` on the H200, ``cpu`` for
@@ -52,8 +52,6 @@ import numpy as np  # noqa: E402
 
 from bench import common, timing  # noqa: E402
 from kvcanary_jax.integrations import sglang_jax as ksj  # noqa: E402
-
-warnings.filterwarnings("ignore", message=".*donated buffers.*")
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4, 8, 8, 128, 32000
 QWEN2 = {
@@ -305,7 +303,47 @@ def _run_case(what: str, bs: int, ctx: int, iters: int) -> dict:
     return result
 
 
+def glue(bs: int, ctx: int) -> dict:
+    """The canary-only step (the ``kv`` stack, the idle model) lowered for CUDA with
+    ``pallas_triton`` on any machine (an abstract H200 mesh): StableHLO op counts before XLA's
+    passes. The custom calls are the canary's kernels; everything else is glue XLA launches
+    around them (fused on the GPU, but each fusion, copy and loop trip is a launch)."""
+    import collections
+    import dataclasses
+    import re
+
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    st = Stack("kv", bs, ctx, 2)
+    st.canary = dataclasses.replace(st.canary, implementation="pallas_triton")
+    st.build()
+    _, fb, ids = st.decodes[0]
+    state = st.canary.init_state()
+    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    mesh = AbstractMesh((1, 1), ("data", "tensor"), axis_types=(AxisType.Auto, AxisType.Auto),
+                        abstract_device=h200)
+    with jax.sharding.use_abstract_mesh(mesh), jax.enable_x64(True):
+        canary = dataclasses.replace(st.canary, mesh=jax.sharding.get_abstract_mesh())
+        idle = ksj.guard_model_step(canary, st.idle_model, batch_argnum=0, pool_argnum=1,
+                                    fused_kv=lambda out, pool: out[1][0])
+        specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+                             if isinstance(x, jax.Array) else x,
+                             (state, ids, None, False, fb, st.kv_pool))
+        text = idle.jitted.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    ops = collections.Counter(re.findall(r"= \"?((?:stablehlo|chlo)\.[a-z_]+)", text))
+    return {"bs": bs, "ctx": ctx, "kernels": ops.pop("stablehlo.custom_call", 0),
+            "while_loops": ops.get("stablehlo.while", 0), "ops": dict(ops.most_common())}
+
+
 def main(argv=None) -> int:
+    with warnings.catch_warnings():
+        # CPU backends cannot donate every buffer the steps donate; expected (the caller's
+        # filters are restored on return).
+        warnings.filterwarnings("ignore", message=".*donated buffers.*")
+        return _main(argv)
+
+
+def _main(argv) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--what", default="kv,runner")
     p.add_argument("--bs", default="8,64")
@@ -313,9 +351,15 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the script)")
+    p.add_argument("--glue", action="store_true",
+                   help="print the canary-only step's op counts, lowered for CUDA (any machine; "
+                        "first --bs / --ctx), as JSON, and time nothing")
     a = p.parse_args(argv)
     if a.smoke:
         a.bs, a.ctx, a.iters = "2", "16", 3
+    if a.glue:
+        print(json.dumps(glue(int(a.bs.split(",")[0]), int(a.ctx.split(",")[0]))))
+        return 0
     rows, errors = [], []
     for what in a.what.split(","):
         for bs in (int(x) for x in a.bs.split(",")):

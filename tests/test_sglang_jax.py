@@ -183,3 +183,18 @@ def test_model_runner_with_the_canary_installed(runner):
     flip = runner["flip"]
     assert _rows(guarded[4]["violations"]) == [
         (0, "TAIL_K_FULL", flip["slot"], flip["position"], REAL_KV)]
+
+
+def test_the_guarded_step_lowered_for_cuda_has_no_loop_around_its_kernels():
+    """The canary-only step over sglang-jax's real pools and batches, lowered for CUDA
+    (``pallas_triton``, any machine): its seven kernels (scatter, the plan's two, verify and
+    write at HEAD and TAIL) and glue with no ``while`` loop, whose every trip would be launches
+    on the GPU (``python -m bench.sglang_jax_step --glue``)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-m", "bench.sglang_jax_step", "--glue", "--smoke"],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts["kernels"] == 7, counts
+    assert counts["while_loops"] == 0, counts

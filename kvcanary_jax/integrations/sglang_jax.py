@@ -101,6 +101,7 @@ import kvcanary_jax as kc
 from kvcanary_jax import _config
 from kvcanary_jax.consts import MAX_REAL_KV_SOURCES
 from kvcanary_jax.contracts import TensorMeta
+from kvcanary_jax.ops._xla_lib import count_below
 from kvcanary_jax.runtime import decode_ring
 from kvcanary_jax.runtime.step import head, tail
 
@@ -292,8 +293,9 @@ def _lengths(canary: SglangJaxCanary, fb):
 
 
 def _owner(offsets: jax.Array, idx: jax.Array, bs: int) -> jax.Array:
-    """For exclusive prefix sums ``offsets`` [bs + 1], the row whose range holds each index."""
-    return jnp.clip(jnp.searchsorted(offsets[1:], idx, side="right"), 0, max(bs - 1, 0))
+    """For exclusive prefix sums ``offsets`` [bs + 1], the row whose range holds each index
+    (``searchsorted`` right, unrolled: no loop in the step's program)."""
+    return jnp.clip(count_below(offsets[1:], idx, inclusive=True), 0, max(bs - 1, 0))
 
 
 def _gather(values: jax.Array, idx: jax.Array) -> jax.Array:

@@ -107,16 +107,17 @@ def _verify_then_write(cfg, state, batch, group, copy, sources_by_half, lut):
     for half in cfg.halves:
         key, t = f"{copy}_{half}_{group}", tag(copy, half, group)
         srcs = sources_by_half.get(half, ())
+        # One context through both launches (verify returns the ring, write index and counters
+        # write takes): the state's counter rows are read and written back once per tag.
         ctx = canary_verify(
             context=_context(cfg, state, key, t, srcs),
             plan=vplan,
             check_verify_expected_token=cfg.enable_verify_token_assert,
             implementation=cfg.implementation,
         )
-        state = _absorb(state, ctx, key, t)
         assert_inputs = cfg.enable_write_input_assert
         ctx = canary_write(
-            context=_context(cfg, state, key, t, srcs),
+            context=ctx,
             plan=wplan,
             input_ids=batch.input_ids,
             positions=batch.positions,
