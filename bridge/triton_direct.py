@@ -386,14 +386,20 @@ def triton_version() -> str | None:
     return triton.__version__
 
 
+_AVAILABLE: list = []  # the probe's answer, once per process (asked on every launch)
+
+
 def available() -> tuple[bool, str]:
     """(usable, reason): triton importable and its CUDA backend present."""
-    try:
-        import triton  # noqa: F401
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-    except ImportError as e:
-        return False, f"triton is not importable ({e})"
-    return True, ""
+    if not _AVAILABLE:
+        try:
+            import triton  # noqa: F401
+            from triton.backends.compiler import GPUTarget  # noqa: F401
+        except ImportError as e:
+            _AVAILABLE.append((False, f"triton is not importable ({e})"))
+        else:
+            _AVAILABLE.append((True, ""))
+    return _AVAILABLE[0]
 
 
 _SRC_DIR = None

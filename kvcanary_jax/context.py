@@ -36,6 +36,7 @@ __all__ = [
     "source_spec",
     "as_words",
     "check_extent",
+    "check_extents",
     "check_write_index",
     "itemsize_of",
 ]
@@ -236,6 +237,12 @@ def check_extent(words: jax.Array, spec: SourceSpec, i: int) -> None:
             f"kv-canary: real_kv_sources[{i}] buffer holds {words.shape[0]} 8-byte words but its "
             f"rows span {need}"
         )
+
+
+def check_extents(bufs, specs) -> None:
+    """:func:`check_extent` for every source buffer (any dtype) and its spec."""
+    for i, (b, spec) in enumerate(zip(bufs, specs)):
+        check_extent(as_words(b), spec, i)
 
 
 def as_words(x: jax.Array) -> jax.Array:

@@ -51,6 +51,7 @@ __all__ = [
     "IMPLEMENTATIONS",
     "FallbackWarning",
     "Op",
+    "standard_op",
     "op",
     "implementations_available",
     "default_implementation",
@@ -369,3 +370,14 @@ def update_tuned_table(op_name: str, implementation: str, kind: str, entries, *,
         f.write("\n")
     load_table.cache_clear()
     return path
+
+
+def standard_op(name: str) -> Op:
+    """The op ``name`` with the implementations every op has, each in the op package's module of
+    that name (``pallas_interpret``: the ``pallas_triton`` kernels in Pallas interpret mode)."""
+    op = Op(name)
+    op.register("pallas_triton", ".pallas_triton")
+    op.register("pallas_interpret", ".pallas_triton", interpret=True)
+    op.register("xla", ".xla")
+    op.register("pallas_mosaic_tpu", ".pallas_mosaic_tpu")
+    return op

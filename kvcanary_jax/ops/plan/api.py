@@ -14,11 +14,7 @@ from kvcanary_jax.plans import VerifyPlan, WritePlan
 
 __all__ = ["OP", "run", "canary_plan"]
 
-OP = _registry.Op("plan")
-OP.register("pallas_triton", ".pallas_triton")
-OP.register("pallas_interpret", ".pallas_triton", interpret=True)
-OP.register("xla", ".xla")
-OP.register("pallas_mosaic_tpu", ".pallas_mosaic_tpu")
+OP = _registry.standard_op("plan")
 
 
 @functools.partial(

@@ -13,11 +13,7 @@ from kvcanary_jax.ops.scatter import base
 
 __all__ = ["OP", "run", "scatter_req_token_ids"]
 
-OP = _registry.Op("scatter")
-OP.register("pallas_triton", ".pallas_triton")
-OP.register("pallas_interpret", ".pallas_triton", interpret=True)
-OP.register("xla", ".xla")
-OP.register("pallas_mosaic_tpu", ".pallas_mosaic_tpu")
+OP = _registry.standard_op("scatter")
 
 
 @functools.partial(jax.jit, static_argnames=("max_cols", "implementation", "config"))

@@ -7,23 +7,14 @@ import functools
 import jax
 
 from kvcanary_jax import _config
-from kvcanary_jax.context import (
-    SourceSpec,
-    VerifyOrWriteContext,
-    as_words,
-    check_extent,
-)
+from kvcanary_jax.context import SourceSpec, VerifyOrWriteContext, check_extents
 from kvcanary_jax.ops import _registry
 from kvcanary_jax.ops.verify import base
 from kvcanary_jax.plans import VerifyPlan
 
 __all__ = ["OP", "run", "canary_verify"]
 
-OP = _registry.Op("verify")
-OP.register("pallas_triton", ".pallas_triton")
-OP.register("pallas_interpret", ".pallas_triton", interpret=True)
-OP.register("xla", ".xla")
-OP.register("pallas_mosaic_tpu", ".pallas_mosaic_tpu")
+OP = _registry.standard_op("verify")
 
 _ARRAYS = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter",
            "kernel_run_counter", "verify_slot_indices", "verify_expected_tokens",
@@ -37,8 +28,7 @@ _ARRAYS = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_co
 )
 def _run(arrays, source_bufs, *, specs, kernel_kind, real_kv_hash_mode,
          check_verify_expected_token, implementation, config):
-    for i, (b, spec) in enumerate(zip(source_bufs, specs)):
-        check_extent(as_words(b), spec, i)
+    check_extents(source_bufs, specs)
     impl = functools.partial(OP.run, implementation, kernel_kind=kernel_kind,
                              real_kv_hash_mode=real_kv_hash_mode,
                              check_verify_expected_token=check_verify_expected_token,

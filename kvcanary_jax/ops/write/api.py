@@ -7,23 +7,14 @@ import functools
 import jax
 
 from kvcanary_jax import _config
-from kvcanary_jax.context import (
-    SourceSpec,
-    VerifyOrWriteContext,
-    as_words,
-    check_extent,
-)
+from kvcanary_jax.context import SourceSpec, VerifyOrWriteContext, check_extents
 from kvcanary_jax.ops import _registry
 from kvcanary_jax.ops.write import base
 from kvcanary_jax.plans import WritePlan
 
 __all__ = ["OP", "run", "canary_write"]
 
-OP = _registry.Op("write")
-OP.register("pallas_triton", ".pallas_triton")
-OP.register("pallas_interpret", ".pallas_triton", interpret=True)
-OP.register("xla", ".xla")
-OP.register("pallas_mosaic_tpu", ".pallas_mosaic_tpu")
+OP = _registry.standard_op("write")
 
 _ARRAYS = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter",
            "kernel_run_counter", "enable_chain_position_assert", "write_offsets",
@@ -38,8 +29,7 @@ _ARRAYS = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_co
 )
 def _run(arrays, source_bufs, *, specs, kernel_kind, real_kv_hash_mode,
          enable_write_input_assert, implementation, config):
-    for i, (b, spec) in enumerate(zip(source_bufs, specs)):
-        check_extent(as_words(b), spec, i)
+    check_extents(source_bufs, specs)
     impl = functools.partial(OP.run, implementation, kernel_kind=kernel_kind,
                              real_kv_hash_mode=real_kv_hash_mode,
                              enable_write_input_assert=enable_write_input_assert, config=config)
