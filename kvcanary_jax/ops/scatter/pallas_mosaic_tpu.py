@@ -140,6 +140,26 @@ def _scatter_kernel(off_s, rpi_s, src_hbm, _pool_in, pool_hbm, srcbuf, outbuf, o
         misc[_PEND_TAIL + slot] = jnp.int32(0)
         misc[_PEND_ROW + slot] = jnp.int32(-1)
 
+    def start_segments(rp, segs, wanted, slot, *, read):
+        """Start the DMA of every segment whose ``wanted`` flag is set, between ``rp``'s row and
+        the slot's buffer (``read``: row to buffer), whole segments and the row's tail segment
+        each by its own copy shape; returns how many of each were started (to wait for)."""
+        n_full = jnp.int32(0)
+        n_tail = jnp.int32(0)
+        for i, ((base, _, _, _, is_tail), want) in enumerate(zip(segs, wanted)):
+            @pl.when(want & jnp.logical_not(is_tail))
+            def _(i=i, base=base):
+                seg_copy(rp, base, i, slot, read=read, tail=False).start()
+
+            n_full = n_full + (want & jnp.logical_not(is_tail)).astype(jnp.int32)
+            if tail_w:
+                @pl.when(want & is_tail)
+                def _(i=i, base=base):
+                    seg_copy(rp, base, i, slot, read=read, tail=True).start()
+
+                n_tail = n_tail + (want & is_tail).astype(jnp.int32)
+        return n_full, n_tail
+
     def issue_reads(r, g, slot):
         _, rp, jlo, jhi, start = req(r)
         u0 = T.i32(H.add_u32(start, jnp.uint32(front))[1]) + g * W
@@ -152,20 +172,7 @@ def _scatter_kernel(off_s, rpi_s, src_hbm, _pool_in, pool_hbm, srcbuf, outbuf, o
             def _(s_=s_):
                 wait_writes(s_)
 
-        n_full = jnp.int32(0)
-        n_tail = jnp.int32(0)
-        for i, ((base, lo, hi, end, is_tail), part) in enumerate(zip(segs, partial)):
-            @pl.when(part & jnp.logical_not(is_tail))
-            def _(i=i, base=base):
-                seg_copy(rp, base, i, slot, read=True, tail=False).start()
-
-            n_full = n_full + (part & jnp.logical_not(is_tail)).astype(jnp.int32)
-            if tail_w:
-                @pl.when(part & is_tail)
-                def _(i=i, base=base):
-                    seg_copy(rp, base, i, slot, read=True, tail=True).start()
-
-                n_tail = n_tail + (part & is_tail).astype(jnp.int32)
+        n_full, n_tail = start_segments(rp, segs, partial, slot, read=True)
         misc[_RD_N + slot] = n_full
         misc[_RD_TAIL + slot] = n_tail
 
@@ -194,22 +201,9 @@ def _scatter_kernel(off_s, rpi_s, src_hbm, _pool_in, pool_hbm, srcbuf, outbuf, o
             wait_writes(1 - slot)
 
         outbuf[slot] = jnp.where(keep, new, oldbuf[slot])
-        n_full = jnp.int32(0)
-        n_tail = jnp.int32(0)
-        for i, (base, lo, hi, end, is_tail) in enumerate(segments(g, jlo, jhi)):
-            write = hi > lo
-
-            @pl.when(write & jnp.logical_not(is_tail))
-            def _(i=i, base=base):
-                seg_copy(rp, base, i, slot, read=False, tail=False).start()
-
-            n_full = n_full + (write & jnp.logical_not(is_tail)).astype(jnp.int32)
-            if tail_w:
-                @pl.when(write & is_tail)
-                def _(i=i, base=base):
-                    seg_copy(rp, base, i, slot, read=False, tail=True).start()
-
-                n_tail = n_tail + (write & is_tail).astype(jnp.int32)
+        segs = segments(g, jlo, jhi)
+        n_full, n_tail = start_segments(rp, segs, [hi > lo for _, lo, hi, _, _ in segs], slot,
+                                        read=False)
         misc[_PEND_N + slot] = n_full
         misc[_PEND_TAIL + slot] = n_tail
         misc[_PEND_ROW + slot] = rp
