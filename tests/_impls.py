@@ -63,12 +63,10 @@ def config(op: str, implementation: str | None, **kw):
         return None
     import importlib
 
-    import jax
-
     from kvcanary_jax.ops import _tpu_lib
 
     mod = importlib.import_module(f"kvcanary_jax.ops.{op}.pallas_mosaic_tpu")
-    if jax.default_backend() == "tpu":
+    if not tpu_interpreted(implementation):
         return mod.Config(**kw) if kw else None
     return mod.Config(interpret=_tpu_lib.interpret_params(), **kw)
 
