@@ -2,7 +2,15 @@
 # One H200 session: environment, GPU tests, memory checker, benchmark. Run from the repo root on
 # the GPU machine (which has no network): wheels that its image lacks travel in .whl/
 # (apache-tvm-ffi and msgspec for SGLang's CUDA JIT kernels, and the sglang wheel itself).
-#   usage: bash bench/gpu_session.sh [tests] [sanitize] [bench-quick|bench-full] [bench-ops=a,b]
+#   usage: bash bench/gpu_session.sh [gate] [tests] [sanitize] [bench-quick|bench-full] [bench-ops=a,b]
+#
+# gate: the GPU gate, run with every change to a GPU path (pallas_triton kernels, the direct
+# bridge), under 5 minutes: each op's suite at the fast tier's counts on pallas_triton (hostile
+# fuzz and race tests included), the golden files, the ring-guard and zero-size suites, every
+# test marked gpu (the bridge's direct path, the four-op step captured in a CUDA graph), and the
+# memory checker over the hostile launches, side by side; then a dated summary
+# (bench/gate_summary.py) into $OUT/gpu-gate/, to commit under bench/results/gpu-gate/, and the
+# logs in $OUT/gate-logs.tar.gz. GATE_COMMIT names the commit in the summary.
 #                                    [bench-impls] [bench-quick-impls]
 #                                    [checks]   (the GPU-only suites that matter most, < 9 min)
 #                                    [bridge]   (the bridge's GPU tests, sanitizer run and bench)
@@ -28,6 +36,38 @@ OPS=scatter,plan,write,verify,bridge
 for a in "$@"; do case $a in bench-ops=*) OPS=${a#bench-ops=};; esac; done
 for step in "$@"; do
   case $step in
+    gate)
+      G=/tmp/gate; rm -rf $G; mkdir -p $G; t0=$SECONDS
+      python3 -c "import jax, torch, triton, platform; print(f'python {platform.python_version()}, jax {jax.__version__}, torch {torch.__version__}, triton {triton.__version__}'); print('device:', jax.devices()[0].device_kind)" > $G/env.txt 2>&1
+      nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | sed 's/^/gpu: /' >> $G/env.txt
+      P="timeout 290 python3 -m pytest -q -p no:cacheprovider --durations=5"
+      I="env KVCANARY_TEST_IMPLEMENTATIONS=pallas_triton"
+      parts=(
+        "scatter_plan|$I $P tests/test_scatter.py tests/test_plan.py"
+        "write|$I $P tests/test_write.py"
+        "verify|$I $P tests/test_verify.py"
+        "golden_guard_zero|$I $P tests/test_golden.py tests/test_ring_guard.py tests/test_zero_sizes.py"
+        "gpu_marked|$P -m gpu tests"
+        "memcheck|timeout 290 compute-sanitizer --tool memcheck --print-limit 5 python3 bench/sanitize_cases.py"
+      )
+      pids=()
+      for part in "${parts[@]}"; do
+        ( s=$SECONDS; bash -c "${part#*|}" > "$G/${part%%|*}.log" 2>&1; echo $((SECONDS - s)) > "$G/${part%%|*}.wall" ) &
+        pids+=($!)
+      done
+      wait "${pids[@]}"
+      python3 - "$G" "${parts[@]}" <<'PY'
+import json, sys
+g, parts = sys.argv[1], sys.argv[2:]
+out = []
+for p in parts:
+    name, cmd = p.split("|", 1)
+    out.append({"name": name, "command": cmd, "wall": open(f"{g}/{name}.wall").read().strip()})
+json.dump(out, open(f"{g}/parts.json", "w"))
+PY
+      python3 -m bench.gate_summary --logs $G --out $OUT/gpu-gate --commit "${GATE_COMMIT:-unknown}" \
+        --wall $((SECONDS - t0)) | tail -30
+      tar czf $OUT/gate-logs.tar.gz -C /tmp gate ;;
     tests)
       python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tee $OUT/tests.log | tail -25 ;;
     sanitize)

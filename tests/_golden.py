@@ -214,6 +214,13 @@ def build(op: str, sgl) -> list[dict]:
 # Running a case (numpy and JAX only)
 
 
+def write_launch(case: dict) -> dict:
+    """A write case's launch (``_canary_support.run_write``'s keyword arguments)."""
+    launch = {k: case.get(k) for k in _WRITE_ARRAYS}
+    launch.update({k: case["meta"][k] for k in ("num_valid", "assert_on", "cpa", "kind")})
+    return launch
+
+
 def run(op: str, case: dict, implementation: str) -> tuple[dict, dict]:
     """``(ours, expected)``: the outputs of ``implementation`` on the case and SGLang's, as
     dicts of numpy arrays / ints with the same keys."""
@@ -240,9 +247,7 @@ def run(op: str, case: dict, implementation: str) -> tuple[dict, dict]:
     sources = _get_sources(case)
     st = state(case, "in.")
     if op == "write":
-        launch = {k: case.get(k) for k in _WRITE_ARRAYS}
-        launch.update({k: m[k] for k in ("num_valid", "assert_on", "cpa", "kind")})
-        got, _ = S.run_write(None, st, **launch, sources=sources, mode=m["mode"],
+        got, _ = S.run_write(None, st, **write_launch(case), sources=sources, mode=m["mode"],
                              reference=False, implementation=implementation)
     else:
         got, _ = S.run_verify(None, st, **{k: case[k] for k in _VERIFY_ARRAYS},

@@ -11,6 +11,8 @@ import jax
 
 from kvcanary_jax import oracle as _oracle
 
+import _tier
+
 
 def _deselect(config, items, marker):
     kept = [it for it in items if marker not in it.keywords]
@@ -23,6 +25,14 @@ def pytest_addoption(parser):
     parser.addoption("--tpu-long", action="store_true", default=False,
                      help="also run the long TPU interpret-mode fuzz (tests marked both "
                           "tpu_interpret and slow; an hour or more on two cores)")
+    parser.addoption("--long", action="store_true", default=False,
+                     help="the long tier: every fuzz test (marked fuzz) draws its full count of "
+                          "cases, with the fast tier's seeds (the README lists the counts)")
+
+
+def pytest_configure(config):
+    # Before collection: the test modules read their case counts when they are imported.
+    _tier.LONG = bool(config.getoption("--long"))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -46,17 +56,32 @@ def pytest_collection_modifyitems(config, items):
             items[:] = [it for it in items if it not in long]
 
 
+# Compiled executables are kept across test modules (recompiling them is most of a module's time)
+# until the process holds this many memory maps: every XLA CPU executable holds hundreds of them,
+# and past the kernel's limit (vm.max_map_count, 65,530 by default) LLVM fails to allocate and the
+# process dies with SIGSEGV inside a compilation. The whole fast tier peaks near 20,000 maps
+# without any clearing (KVCANARY_TEST_MAPS=1 prints the count after each module).
+MAP_BUDGET = 40_000
+
+
+def _map_count() -> int | None:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # no procfs: no way to watch the limit, so clear after every module
+        return None
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_executables():
-    """Drops JAX's compiled executables after each test module. Every XLA CPU executable holds
-    hundreds of memory maps, and one process running the whole suite compiles thousands of
-    them: past the kernel's map limit (vm.max_map_count, 65,530 by default) LLVM fails to
-    allocate and the process dies with SIGSEGV inside a compilation."""
+    """Drops JAX's compiled executables after a test module once the process's memory maps
+    approach the kernel's limit (:data:`MAP_BUDGET`)."""
     yield
-    jax.clear_caches()
+    maps = _map_count()
+    if maps is None or maps > MAP_BUDGET:
+        jax.clear_caches()
     if os.environ.get("KVCANARY_TEST_MAPS"):  # diagnostics: the process's map count
-        with open("/proc/self/maps") as f:
-            print(f"\n[maps after module: {sum(1 for _ in f)}]")
+        print(f"\n[maps after module: {maps} -> {_map_count()}]")
 
 
 @pytest.fixture(scope="session")

@@ -275,10 +275,12 @@ def test_gpu_many_programs_claim_under_the_guard(sgl, w0):
     st = _state(n + 1, w0, cap=64)
     ours = _run_verify_ours(st, "pallas_triton", e)
     assert ours.widx == _expected_index(w0, n)
-    lo = min(max(w0, 0), 64) if w0 >= 0 else 64
-    np.testing.assert_array_equal(ours.ring[:lo], st.ring[:lo])
-    rows = ours.ring[lo:]
-    if w0 >= 0:
-        # record of entry k: slot k + 1, stored position 0, expected token -1, reason 2
-        assert len({int(r[1]) for r in rows}) == len(rows)
-        assert all(1 <= int(r[1]) <= n and int(r[7]) == 2 and int(r[4]) == -1 for r in rows)
+    if not 0 <= w0 < 64:  # a negative index, or one past the capacity: no row is written
+        np.testing.assert_array_equal(ours.ring, st.ring)
+        return
+    np.testing.assert_array_equal(ours.ring[:w0], st.ring[:w0])
+    rows = ours.ring[w0:]
+    assert len(rows) == 64 - w0 > 0  # every row from w0 to the capacity is claimed
+    # record of entry k: slot k + 1, stored position 0, expected token -1, reason 2
+    assert len({int(r[1]) for r in rows}) == len(rows)
+    assert all(1 <= int(r[1]) <= n and int(r[7]) == 2 and int(r[4]) == -1 for r in rows)

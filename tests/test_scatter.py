@@ -10,6 +10,8 @@ import jax.numpy as jnp
 
 import kvcanary_jax as kc
 import _impls
+import _races
+import _tier
 from _impls import implementations, pallas, with_tpu
 
 MARK = -9999
@@ -100,7 +102,7 @@ BUCKETS = [  # (bs, num_tokens, rows, cols)
     (512, 8192, 520, 24),
     (2000, 16384, 2004, 12),
 ]
-CASES_PER_BUCKET = [1400, 450, 120, 40]
+CASES_PER_BUCKET = _tier.counts([40, 20, 8, 4], [1400, 450, 120, 40])
 
 
 def draw_case(rng, bs_cap, tok_cap, rows, cols):
@@ -128,50 +130,52 @@ def pad_case(flat, offsets, rpi, bs_cap, tok_cap):
     return flat_p, off_p, rpi_p
 
 
+@pytest.mark.fuzz
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("bucket", range(len(BUCKETS)))
 def test_fuzz_against_oracle(sgl, bucket, impl):
     bs_cap, tok_cap, rows, cols = BUCKETS[bucket]
-    rng = np.random.default_rng(1234 + bucket)
-    compared = 0
-    for _ in range(CASES_PER_BUCKET[bucket]):
-        flat, offsets, rpi, pool = draw_case(rng, bs_cap, tok_cap, rows, cols)
-        expected = oracle(sgl, flat, offsets, rpi, pool)
-        got = _ours(impl, *pad_case(flat, offsets, rpi, bs_cap, tok_cap), pool)
-        np.testing.assert_array_equal(got, expected)
-        compared += 1
-    assert compared == CASES_PER_BUCKET[bucket]
+    seed = 1234 + bucket
+    rng = np.random.default_rng(seed)
+    for i in _tier.cases("scatter fuzz", seed, CASES_PER_BUCKET[bucket]):
+        with _tier.case("scatter fuzz", seed, i, bucket=bucket):
+            flat, offsets, rpi, pool = draw_case(rng, bs_cap, tok_cap, rows, cols)
+            expected = oracle(sgl, flat, offsets, rpi, pool)
+            got = _ours(impl, *pad_case(flat, offsets, rpi, bs_cap, tok_cap), pool)
+            np.testing.assert_array_equal(got, expected)
 
 
-def test_fuzz_total_is_at_least_2000():
-    assert sum(CASES_PER_BUCKET) >= 2000
-
-
+@pytest.mark.fuzz
 @pytest.mark.parametrize("impl", IMPLS)
 def test_fuzz_against_jnp_reference(impl):
     """Every implementation against the pure-jnp reference (no SGLang needed)."""
-    rng = np.random.default_rng(4321)
-    for bucket, n in ((0, 200), (1, 60)):
+    seed = 4321
+    rng = np.random.default_rng(seed)
+    for bucket, n in ((0, _tier.n(30, 200)), (1, _tier.n(10, 60))):
         bs_cap, tok_cap, rows, cols = BUCKETS[bucket]
-        for _ in range(n):
-            flat, offsets, rpi, pool = draw_case(rng, bs_cap, tok_cap, rows, cols)
-            args = pad_case(flat, offsets, rpi, bs_cap, tok_cap)
-            want = np.asarray(kc.scatter_req_token_ids_reference(
-                flat_in=args[0], offsets=args[1], req_pool_indices=args[2], pool_out=pool))
-            np.testing.assert_array_equal(_ours(impl, *args, pool), want)
+        for i in _tier.cases(f"scatter vs jnp reference, bucket {bucket}", seed, n):
+            with _tier.case("scatter vs jnp reference", seed, i, bucket=bucket):
+                flat, offsets, rpi, pool = draw_case(rng, bs_cap, tok_cap, rows, cols)
+                args = pad_case(flat, offsets, rpi, bs_cap, tok_cap)
+                want = np.asarray(kc.scatter_req_token_ids_reference(
+                    flat_in=args[0], offsets=args[1], req_pool_indices=args[2], pool_out=pool))
+                np.testing.assert_array_equal(_ours(impl, *args, pool), want)
 
 
 # --- malformed inputs: never out of bounds ------------------------------------------------
 GUARD = 2  # guard rows above and below the rows any request may address
 
 
+@pytest.mark.fuzz
 @pytest.mark.parametrize("impl", IMPLS_TPU)
 def test_malformed_offsets_stay_in_bounds(impl):
     """Negative, decreasing and past-the-end offsets, out-of-range rows: the kernel agrees with
     the in-bounds semantics of the jnp reference and never touches guard rows."""
     rng = np.random.default_rng(7)
     bs, n, rows, cols = 32, 300, 20, 16
-    for _ in range(300 if impl != _impls.TPU else 60):
+    count = _tier.n(8, 60) if _impls.tpu_interpreted(impl) else _tier.n(40, 300)
+    _tier.seeded("scatter malformed offsets", 7, count)
+    for _ in range(count):
         offsets = rng.integers(-50, n + 60, bs + 1).astype(np.int64)
         if rng.random() < 0.5:
             offsets = np.sort(offsets)
@@ -203,7 +207,7 @@ def test_malformed_offsets_stay_in_bounds(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS_TPU)
-def test_well_formed_reference_agrees_with_oracle_on_negative_start(sgl, impl):
+def test_negative_start_differs_from_sglangs_reference_by_design(sgl, impl):
     """Documented difference: SGLang's torch reference slices flat_in[start:end] with Python
     semantics (a negative start wraps around); we never read before flat_in."""
     flat, offsets, rpi = _i64(1, 2, 3, 4), _i64(-2, 2), _i64(1)
@@ -227,20 +231,83 @@ def test_no_cap_on_requests(sgl, impl):
                                   oracle(sgl, flat, offsets, rpi, pool))
 
 
+@pytest.mark.fuzz
 def test_xla_duplicate_rows_apply_in_request_order(sgl):
     """Several requests writing one row, with and without padding requests (empty ranges) and
     out-of-range rows between them: later requests win on the columns they write, as in
-    SGLang's reference (the xla scatter stores rank by rank)."""
-    rng = np.random.default_rng(21)
-    for _ in range(200):
+    SGLang's reference (the xla scatter stores rank by rank). Each case is padded into one
+    launch shape (12 requests, 120 tokens, a [3, 8] pool): padding requests have empty ranges
+    and rows past the case's pool, and ``max_context_len`` keeps writes inside the case's
+    columns, so the cases share a handful of compiles (one per width)."""
+    seed = 21
+    rng = np.random.default_rng(seed)
+    for i in _tier.cases("xla duplicate rows", seed, _tier.n(40, 200)):
         bs, rows, cols = int(rng.integers(1, 12)), int(rng.integers(1, 4)), int(rng.integers(1, 9))
         lens = rng.integers(0, cols + 3, bs)
         offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         flat = rng.integers(-(2**40), 2**40, offsets[-1]).astype(np.int64)
         rpi = rng.integers(0, rows, bs).astype(np.int64)
         pool = rng.integers(-99, 99, (rows, cols)).astype(np.int32)
-        np.testing.assert_array_equal(_ours("xla", flat, offsets, rpi, pool),
-                                      oracle(sgl, flat, offsets, rpi, pool))
+        want = oracle(sgl, flat, offsets, rpi, pool)
+        flat_p = np.concatenate([flat, np.zeros(120 - len(flat), np.int64)])
+        off_p = np.concatenate([offsets, np.full(12 - bs, offsets[-1], np.int64)])
+        rpi_p = np.concatenate([rpi, np.full(12 - bs, 3, np.int64)])  # past the case's rows
+        pool_p = np.full((3, 8), MARK, np.int32)
+        pool_p[:rows, :cols] = pool
+        with _tier.case("xla duplicate rows", seed, i, bs=bs, rows=rows, cols=cols):
+            got = _ours("xla", flat_p, off_p, rpi_p, pool_p, max_context_len=cols)
+            np.testing.assert_array_equal(got[:rows, :cols], want)
+            assert (got[rows:] == MARK).all() and (got[:, cols:] == MARK).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS_TPU)
+def test_duplicate_rows_hold_one_writers_value(sgl, impl):
+    """The scatter's race, drawn on purpose: requests that target one row. Every cell that two
+    or more requests write holds one of their values (the GPU promises no order of requests, nor
+    does SGLang's kernel), every other cell is exact; the implementations that keep request
+    order give the reference's result exactly."""
+    rng = np.random.default_rng(22)
+    bs, n, rows, cols = 16, 400, 6, 40
+    races = 0
+    count = 3 if _impls.tpu_interpreted(impl) else 8
+    for i in range(count):
+        lens = rng.integers(0, cols + 8, bs)
+        offsets = np.concatenate([[0], np.cumsum(lens)])
+        offsets = np.minimum(offsets, n).astype(np.int64)
+        rpi = rng.integers(1, 3, bs).astype(np.int64)  # 16 requests on 2 rows
+        flat = rng.integers(-(2**40), 2**40, n).astype(np.int64)
+        pool = np.full((rows, cols), MARK, np.int32)
+        writes = _races.scatter_writes(flat, offsets, rpi, pool.shape)
+        races += _races.contested_cells(writes, pool.shape)
+        with _tier.case("scatter duplicate rows", 22, i):
+            got = _ours(impl, flat, offsets, rpi, pool)
+            _races.assert_scatter_outcome(got, pool, writes)
+            want = oracle(sgl, flat, offsets, rpi, pool)
+            _races.assert_scatter_outcome(want, pool, writes)  # SGLang's order is one outcome
+            if _impls.in_reference_order(impl):
+                np.testing.assert_array_equal(got, want)
+    assert races > 40 * count
+
+
+def test_scatter_race_check_accepts_every_order_and_nothing_else():
+    """The candidate check itself: every order of the requests passes; a contested cell given a
+    value none of its writers has, an uncontested cell changed, or a cell no request writes
+    changed, each fails."""
+    rng = np.random.default_rng(23)
+    flat = rng.integers(-(2**40), 2**40, 60).astype(np.int64)
+    offsets = np.array([0, 10, 25, 25, 40, 60], np.int64)
+    rpi = np.array([1, 1, 2, 1, 3], np.int64)
+    pool = np.full((5, 16), MARK, np.int32)
+    writes = _races.scatter_writes(flat, offsets, rpi, pool.shape)
+    assert _races.contested_cells(writes, pool.shape) == 15  # row 1: 10 cells x 3, 5 x 2 writers
+    for order in ([0, 1, 2, 3, 4], [4, 3, 2, 1, 0], [3, 0, 1, 4, 2]):
+        _races.assert_scatter_outcome(_races.apply_scatter(pool, writes, order), pool, writes)
+    good = _races.apply_scatter(pool, writes, range(5))
+    for cell, value in (((1, 0), 12345), ((3, 5), 7), ((0, 0), 1), ((1, 15), 0)):
+        bad = good.copy()
+        bad[cell] = value
+        with pytest.raises(AssertionError):
+            _races.assert_scatter_outcome(bad, pool, writes)
 
 
 # --- validation: SGLang's classes and messages, in SGLang's order -----------------------------
@@ -395,10 +462,11 @@ FUZZ_BUCKETS = [  # (bs, num_tokens, rows, cols)
     (4, 5000, 6, 2100),
     (20, 700, 24, 5),
 ]
-# Every implementation runs FUZZ_CASES a bucket in CI; pallas_mosaic_tpu in TPU interpret mode
-# its first FUZZ_TPU_INTERPRETED (the long run with --tpu-long).
-FUZZ_CASES = 250  # per bucket
-FUZZ_TPU_INTERPRETED = 20  # per bucket
+# Every implementation runs FUZZ_CASES a bucket (250 with --long); pallas_mosaic_tpu in TPU
+# interpret mode its first FUZZ_TPU_INTERPRETED (250 with --tpu-long).
+FUZZ_CASES = _tier.n(12, 250)  # per bucket
+FUZZ_TPU_INTERPRETED = _tier.n(3, 20)  # per bucket
+LONG_CASES = 250
 
 
 def _hostile_case(rng, bs, n, rows, cols):
@@ -420,35 +488,66 @@ def _hostile_case(rng, bs, n, rows, cols):
         rpi[bad] = rng.choice([-1, -(2**40), rows, rows + 7, 2**40], int(bad.sum()))
         if rng.random() < 0.3:
             max_cols = int(rng.integers(1, cols + 1))
+            if not _tier.LONG:
+                # max_context_len is static (one compile each): the fast tier keeps three
+                # widths per bucket (one column, half the row, all but one), the long tier every
+                # width drawn.
+                max_cols = min((1, max(cols // 2, 1), max(cols - 1, 1)),
+                               key=lambda w: abs(w - max_cols))
     flat = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64, endpoint=True)
     pool = rng.integers(-(2**31), 2**31 - 1, (rows, cols), dtype=np.int32)
     pool[:GUARD] = pool[-GUARD:] = MARK
     return hostile, flat, offsets, rpi, pool, max_cols
 
 
+def _sglang_defined(flat, offsets, rpi, rows):
+    """Whether SGLang's reference is defined on a case: offsets non-decreasing inside the
+    tokens (its slicing wraps a negative start) and every row inside the pool (its kernel writes
+    outside it)."""
+    return bool((offsets[0] >= 0) and (np.diff(offsets) >= 0).all() and offsets[-1] <= len(flat)
+                and ((rpi >= 0) & (rpi < rows)).all())
+
+
 def _hostile_fuzz(sgl, bucket, n_cases, seed, implementation):
+    """Ours against the jnp reference on every case, and against SGLang's reference wherever it
+    is defined (a ``max_context_len`` below the width given to SGLang as the column-sliced
+    pool, as the bridge does), exact where the implementation keeps request order; and on every
+    implementation, every cell against its candidate writers (:mod:`_races`): cells that two or
+    more requests write (duplicate rows are drawn on purpose) hold one writer's value, all
+    others are exact."""
     from kvcanary_jax.ops.scatter import base
 
     bs, n, rows, cols = FUZZ_BUCKETS[bucket]
     rng = np.random.default_rng(seed)
-    n_hostile = 0
-    for _ in range(n_cases):
+    n_hostile = n_sglang = races = 0
+    for i in _tier.cases(f"scatter hostile fuzz, bucket {bucket}", seed, n_cases):
         hostile, flat, offsets, rpi, pool, max_cols = _hostile_case(rng, bs, n, rows, cols)
-        got = _ours(implementation, flat, offsets, rpi, pool, max_context_len=max_cols)
-        if hostile:
-            n_hostile += 1
+        with _tier.case("scatter hostile fuzz", seed, i, bucket=bucket,
+                        implementation=implementation, hostile=hostile, max_cols=max_cols):
+            got = _ours(implementation, flat, offsets, rpi, pool, max_context_len=max_cols)
             with jax.enable_x64(True):
                 want = np.asarray(base.reference(
                     jnp.asarray(flat), jnp.asarray(offsets), jnp.asarray(rpi),
                     jnp.asarray(pool), max_cols=max_cols))
-        else:
-            want = oracle(sgl, flat, offsets, rpi, pool)
-        np.testing.assert_array_equal(got, want)
-        assert (got[:GUARD] == MARK).all() and (got[-GUARD:] == MARK).all()
-    assert 0 < n_hostile < n_cases
+            if _sglang_defined(flat, offsets, rpi, rows):
+                n_sglang += 1
+                w = cols if max_cols is None else max_cols
+                sg = pool.copy()
+                sg[:, :w] = oracle(sgl, flat, offsets, rpi, np.ascontiguousarray(pool[:, :w]))
+                np.testing.assert_array_equal(want, sg)
+            writes = _races.scatter_writes(flat, offsets, rpi, pool.shape, max_cols)
+            races += _races.contested_cells(writes, pool.shape) > 0
+            _races.assert_scatter_outcome(got, pool, writes)
+            if _impls.in_reference_order(implementation):
+                np.testing.assert_array_equal(got, want)
+            assert (got[:GUARD] == MARK).all() and (got[-GUARD:] == MARK).all()
+        n_hostile += hostile
+    if n_cases >= 10:  # the draw covers each kind of case
+        assert 0 < n_hostile < n_cases and 0 < n_sglang and 0 < races
     return n_cases
 
 
+@pytest.mark.fuzz
 @pytest.mark.parametrize("bucket", range(len(FUZZ_BUCKETS)))
 @pytest.mark.parametrize("impl", _impls.with_tpu("scatter"))
 def test_hostile_fuzz(sgl, impl, bucket):
@@ -460,7 +559,7 @@ def test_hostile_fuzz(sgl, impl, bucket):
 @pytest.mark.tpu_interpret
 @pytest.mark.parametrize("bucket", range(len(FUZZ_BUCKETS)))
 def test_hostile_fuzz_tpu_interpreted_long(sgl, bucket):
-    _hostile_fuzz(sgl, bucket, FUZZ_CASES, 600 + bucket, _impls.TPU)
+    _hostile_fuzz(sgl, bucket, LONG_CASES, 600 + bucket, _impls.TPU)
 
 
 @pytest.mark.slow

@@ -20,12 +20,13 @@ from kvcanary_jax import consts
 from kvcanary_jax.ops.scatter import base as scatter_base
 
 import _impls
+import _tier
 
-pytestmark = pytest.mark.tpu_interpret
+pytestmark = [pytest.mark.tpu_interpret, pytest.mark.fuzz]
 
 TPU = _impls.TPU
 N, RING, TOKENS, REQS, CAP = 48, 8, 40, 4, 64
-CASES = 12
+CASES = _tier.n(4, 12)  # --long: 12
 MAX = consts.VIOLATION_WRITE_INDEX_MAX
 
 
