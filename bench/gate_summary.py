@@ -25,7 +25,7 @@ def part_result(log: str) -> dict:
     checker's ERROR SUMMARY)."""
     if "ERROR SUMMARY:" in log:
         n = int(re.search(r"ERROR SUMMARY: (\d+) error", log).group(1))
-        done = len(re.findall(r"hostile launches done|launches done", log))
+        done = len(re.findall(r"launches.* done$", log, re.M))
         return {"ok": n == 0 and done > 0, "tally": f"{n} errors, {done} op runs done",
                 "seconds": None}
     m = None

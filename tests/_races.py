@@ -175,31 +175,34 @@ class WriteOutcomes:
         return [tuple(int(v) for v in self.run(k, seed_row, end=i + 1).canary_i64[slot, :4])
                 for i in at]
 
-    def seed_candidates(self, max_rounds=8):
-        """Per request: the rows its seed may read (None: no seed slot in the buffer). The
-        pre-launch row, and every row another request stores there under any of its own
-        candidates, to a fixed point."""
-        pre = {r: (None if self.seed_slot(r) is None
-                   else tuple(int(v) for v in self.before.canary_i64[self.seed_slot(r), :4]))
-               for r in range(self.capacity)}
-        cands = {r: [pre[r]] for r in range(self.capacity)}
-        for _ in range(max_rounds):
-            grown = False
-            for r in range(self.capacity):
-                slot = self.seed_slot(r)
-                if slot is None or not _token_range(self.launch, r, len(self.launch["ocl"])):
-                    continue  # no seed read, or one that nothing uses
-                for k in range(self.capacity):
-                    if k == r:
-                        continue
-                    for c in list(cands[k]):
-                        for row in self.rows_stored_at(k, c, slot):
-                            if row not in cands[r]:
-                                cands[r].append(row)
-                                grown = True
-            if not grown:
-                return cands
-        raise AssertionError("seed candidates did not settle")
+    def seed_candidates(self):
+        """Per request: the rows its seed may read. The pre-launch row, and every row another
+        request stores there, under any seed that request may itself have read first: a seed
+        read comes before the request's own stores, so no chain of reads and stores leads back
+        to the request (each request at most once along a chain)."""
+        return {r: self._candidates(r, frozenset()) for r in range(self.capacity)}
+
+    def _candidates(self, r, banned):
+        key = ("candidates", r, banned)
+        if key not in self._runs:
+            self._runs[key] = self._candidates_uncached(r, banned)
+        return self._runs[key]
+
+    def _candidates_uncached(self, r, banned):
+        slot = self.seed_slot(r)
+        if slot is None:
+            return [None]
+        rows = [tuple(int(v) for v in self.before.canary_i64[slot, :4])]
+        if not _token_range(self.launch, r, len(self.launch["ocl"])):
+            return rows  # a seed that nothing uses
+        for k in range(self.capacity):
+            if k == r or k in banned:
+                continue
+            for c in self._candidates(k, banned | {r}):
+                for row in self.rows_stored_at(k, c, slot):
+                    if row not in rows:
+                        rows.append(row)
+        return rows
 
 
 def _mismatch_write(ours: S.State, before: S.State, outcomes: WriteOutcomes, choice):

@@ -316,8 +316,11 @@ def _fuzz(sgl, buckets, n_cases, seed, impl, config=None, check_reference=True):
 def test_fuzz_family(sgl, family, impl):
     n_overflow = _fuzz(sgl, FAMILIES[family], CASES_PER_FAMILY, seed=zlib.crc32(family.encode()),
                        impl=impl)
-    # The capacities are chosen so both outcomes occur.
-    assert 0 < n_overflow < CASES_PER_FAMILY
+    # The capacities are chosen so both outcomes occur (over the long tier's draws; the fast
+    # tier's first few cases may all fit).
+    assert n_overflow < CASES_PER_FAMILY
+    if CASES_PER_FAMILY >= 100:
+        assert n_overflow > 0
 
 
 @pytest.mark.fuzz

@@ -787,13 +787,21 @@ FUZZ_TPU_INTERPRETED = _tier.n(3, 15)  # per bucket (--tpu-long: 250)
 LONG_CASES = 250
 
 
-def _hostile_launch(sgl, rng, bucket, implementation):
+def _hostile_launch(sgl, rng, bucket, implementation, aux=None):
     stride, assert_on, mode, layout = WRITE_BUCKETS[bucket]
     st = S.State.zeros(S.NUM_SLOTS, S.RING_CAP, stride)
     st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape, dtype=np.int64)
     st.canary_i64[:, 1] = rng.integers(-2, 30, S.NUM_SLOTS)
     st.sctr, st.kctr = (int(x) for x in rng.integers(0, 2**40, 2))
     launch = random_launch(rng, st, assert_on, kind=(2, 8, 5, 11)[bucket], hazards=True)
+    if aux is not None and aux.random() < 0.4:
+        # Races on purpose (``aux``, a stream of its own: the main draws stay as they were):
+        # two slots that many tokens of every request write, seeds on them.
+        hot = aux.integers(1, S.NUM_SLOTS, 2)
+        tokens = aux.random(S.NUM_TOKENS) < 0.3
+        launch["ocl"][tokens] = aux.choice(hot, int(tokens.sum()))
+        seeds = aux.random(S.REQ_CAP) < 0.5
+        launch["seeds"][seeds] = aux.choice(hot, int(seeds.sum()))
     hostile = rng.random() < 0.35
     if hostile:
         n = S.NUM_SLOTS
@@ -850,12 +858,12 @@ def _hostile_fuzz(sgl, bucket, n_cases, seed, implementation):
     outcome of some order of the requests (:mod:`_races`), the races drawn on purpose. The
     reference is the jnp one, checked against SGLang's wherever SGLang's is defined. (The race
     check accepts the sequential result too: test_cross_request_races_give_one_order.)"""
-    rng = np.random.default_rng(seed)
+    rng, aux = np.random.default_rng(seed), np.random.default_rng(seed + 10_000)
     rows = hostile = races = 0
     for i in _tier.cases(f"write hostile fuzz, bucket {bucket}", seed, n_cases):
         with _tier.case("write hostile fuzz", seed, i, bucket=bucket,
                         implementation=implementation):
-            r, h, x = _hostile_launch(sgl, rng, bucket, implementation)
+            r, h, x = _hostile_launch(sgl, rng, bucket, implementation, aux)
         rows += r > 0
         hostile += h
         races += x > 0
