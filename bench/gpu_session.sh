@@ -47,7 +47,8 @@ for step in "$@"; do
         "write|$I $P tests/test_write.py"
         "verify|$I $P tests/test_verify.py"
         "golden_guard_zero|$I $P tests/test_golden.py tests/test_ring_guard.py tests/test_zero_sizes.py"
-        "gpu_bridge|$P -m gpu tests/test_bridge.py tests/test_bridge_gpu.py"
+        "gpu_bridge|$P -m gpu tests/test_bridge.py"
+        "gpu_bridge_direct|$P -m gpu tests/test_bridge_gpu.py"
         "gpu_ops|$P -m gpu tests --ignore=tests/test_bridge.py --ignore=tests/test_bridge_gpu.py"
         "memcheck|timeout 290 compute-sanitizer --tool memcheck --print-limit 5 python3 bench/sanitize_cases.py"
       )
