@@ -575,7 +575,7 @@ FUZZ_TPU_INTERPRETED = _tier.n(8, 60)  # --tpu-long: 1,000
 LONG_CASES = 1000
 
 
-def _hostile_case(sgl, rng, k, implementation):
+def _hostile_case(sgl, rng, k, implementation, ordered=None):
     mode = k % 3
     trip = S.make_trip(rng, mode, (k // 3) % len(S.BUCKETS), contiguous=k % 2 == 1)
     st = S.reference_trip_state(sgl, rng, trip)
@@ -621,8 +621,10 @@ def _hostile_case(sgl, rng, k, implementation):
     start.widx = w0
     start.ring[:] = rng.integers(-9, 9, start.ring.shape)
     ours, _ = S.run_verify(sgl, start, **kw, reference=False, implementation=implementation)
-    S.assert_guarded(ours, start, full, w0, ordered=_impls.in_reference_order(implementation))
-    return full.widx, hostile
+    if ordered is None:
+        ordered = _impls.in_reference_order(implementation)
+    S.assert_guarded(ours, start, full, w0, ordered=ordered)
+    return full.widx, hostile, w0 >= 0 and w0 + full.widx > len(start.ring)
 
 
 def _hostile_fuzz(sgl, n_cases, seed, implementation):
@@ -630,7 +632,7 @@ def _hostile_fuzz(sgl, n_cases, seed, implementation):
     rows = hostile = 0
     for k in _tier.cases("verify hostile fuzz", seed, n_cases):
         with _tier.case("verify hostile fuzz", seed, k, implementation=implementation):
-            r, h = _hostile_case(sgl, rng, k, implementation)
+            r, h, _ = _hostile_case(sgl, rng, k, implementation)
         rows += r > 0
         hostile += h
     if n_cases >= 10:
@@ -642,6 +644,18 @@ def _hostile_fuzz(sgl, n_cases, seed, implementation):
 def test_hostile_fuzz(sgl, impl):
     n = FUZZ_TPU_INTERPRETED if _impls.tpu_interpreted(impl) else FUZZ_CASES
     _hostile_fuzz(sgl, n, 900, impl)
+
+
+def test_gpu_ring_comparison_accepts_request_order(sgl):
+    """The GPU's ring comparison (rows as a multiset, and a draw from the launch's rows where the
+    ring overflows: S.assert_guarded's unordered branch) runs on the CPU too, over xla's results
+    on hostile launches: request order is one of the orders it must accept."""
+    rng = np.random.default_rng(905)
+    overflowed = 0
+    for k in range(24):
+        with _tier.case("verify ring comparison", 905, k):
+            overflowed += _hostile_case(sgl, rng, k, "xla", ordered=False)[2]
+    assert overflowed > 0
 
 
 @pytest.mark.slow
