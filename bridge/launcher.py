@@ -129,9 +129,16 @@ def direct_enabled() -> bool:
 
 
 def paths() -> dict[str, dict[str, str]]:
-    """Per launcher: the path its last call took (``"triton_direct"`` or ``"dlpack"``) and, for
-    ``"dlpack"`` on a CUDA tensor, why the direct path was not taken."""
-    return {k: {"path": p, "reason": r} for k, (p, r) in _PATHS.items()}
+    """Per launcher: the path its last call took (``"triton_direct"`` or ``"dlpack"``; ``""``
+    before its first call) and, for ``"dlpack"`` on a CUDA tensor, why the direct path was not
+    taken; while :func:`bridge.install_into_sglang` is active, ``"sglang"`` names the SGLang
+    runtime names each installed launcher replaces (comma-separated)."""
+    from bridge.sglang_install import installed
+
+    out = {k: {"path": p, "reason": r} for k, (p, r) in _PATHS.items()}
+    for name, dotted in installed().items():
+        out.setdefault(name, {"path": "", "reason": "not called yet"})["sglang"] = ", ".join(dotted)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
