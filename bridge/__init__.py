@@ -36,7 +36,9 @@ Where the bridge differs from SGLang's launchers, on purpose:
   with an error saying what to pass. A real-KV source may require grad and may be any row-strided
   view (``kv[:, 16:48]``). Other non-compact layouts are refused with an error naming the tensor.
 * Shapes: token counts are bucketed (:mod:`kvcanary_jax.buckets`), so a serving loop whose token
-  history grows every step compiles a logarithmic number of kernels; batch sizes are exact.
+  history grows every step compiles a logarithmic number of kernels; the plan's batch size is
+  an operand of its kernels (:func:`kvcanary_jax.ops.plan.base.batch_lanes`), so its request
+  vectors are bucketed too (``launch_canary_step``'s batch size is exact).
 * :func:`launch_canary_step` (no SGLang counterpart) runs scatter + plan + verify + write of one
   endpoint in one call (one program of kernels).
 

@@ -309,9 +309,11 @@ def _entries_kernel(rpi_ref, prefix_ref, rtt_ref, lut_ref, voff_ref, en_ref, poo
         t = t32.astype(jnp.int64)
         mask = t < live
         r = _owner(voff_ref, t, bs=bs)
-        rstart = plt.load(voff_ref.at[r])
-        rp = plt.load(rpi_ref.at[r])
-        prefix = plt.load(prefix_ref.at[r])
+        # A lane past the live total may find a request lane at or past num_reqs, which a
+        # caller need not have allocated (module docstring): only live lanes load.
+        rstart = plt.load(voff_ref.at[r], mask=mask, other=0)
+        rp = plt.load(rpi_ref.at[r], mask=mask, other=0)
+        prefix = plt.load(prefix_ref.at[r], mask=mask, other=0)
         pos = window_start(prefix, swa_window_size) + (t - rstart)
         slot = _read_cells(rtt_ref, rp, pos, mask, pitch=pitch, n_cells=n_cells)
         has_prev = mask & (pos > 0)
@@ -322,7 +324,7 @@ def _entries_kernel(rpi_ref, prefix_ref, rtt_ref, lut_ref, voff_ref, en_ref, poo
         prev = jnp.where(pos > 0, prev, -1)
         if has_pool:
             sot = pos + k
-            vl = plt.load(vl_ref.at[r])
+            vl = plt.load(vl_ref.at[r], mask=mask, other=0)
             flat = rp * pool_pitch + sot
             ok = mask & (sot >= 0) & (sot < vl) & (flat >= 0) & (flat < n_pool)
             idx_t = _kernel_lib.index_dtype(n_pool)
