@@ -98,12 +98,15 @@ class Counts:
         self._lock = threading.Lock()
 
     def view(self, device, n: int):
+        """The count ``n`` on ``device``; None for 0 or a device without kernels."""
         key = (device, n)
-        v = self._views.get(key)
-        if v is not None:
+        v = self._views.get(key, _MISSING)
+        if v is not _MISSING:
             return v
         import torch
 
+        if n == 0 or device.type not in ("cpu", "cuda"):
+            return self._views.setdefault(key, None)
         with self._lock:
             tables = self._tables.setdefault(device, [])
             if not tables or tables[-1].shape[0] <= n:

@@ -281,10 +281,9 @@ def _plan_tensors(kw):
 def _num_reqs(rpi):
     """The batch size as the plan's operand, on the batch's device (None where there is no
     batch to plan, or a device without kernels: the checks report those)."""
-    if not isinstance(rpi, torch.Tensor) or rpi.ndim != 1 or rpi.shape[0] == 0 or \
-            rpi.device.type not in ("cpu", "cuda"):
+    if not isinstance(rpi, torch.Tensor) or rpi.ndim != 1:
         return None
-    return CACHES.counts.view(rpi.device, int(rpi.shape[0]))
+    return CACHES.counts.view(rpi.device, rpi.shape[0])
 
 
 def _plan_statics(kw):

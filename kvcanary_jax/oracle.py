@@ -290,10 +290,10 @@ def _phase_checker_import():
             os.environ["TRITON_INTERPRET"] = before
 
 
-_runtime: dict[str, types.SimpleNamespace] = {}
+_runtime: dict[bool, types.SimpleNamespace] = {}
 
 
-def load_runtime() -> types.SimpleNamespace:
+def load_runtime(*, cuda_jit: bool = False) -> types.SimpleNamespace:
     """Import SGLang 0.5.23's canary runtime (``sglang.srt.kv_canary``: CanaryManager, the
     single-forward manager, the kernel launcher, the endpoints, the perturbers) without its
     server, for driving it over a toy pool in tests and benchmarks.
@@ -305,12 +305,13 @@ def load_runtime() -> types.SimpleNamespace:
     its phase checker runs in Triton's interpreter, and device-to-host staging is unpinned.
     Returns a namespace of the runtime's modules (``manager``, ``config``, ``capacities``,
     ``buffer_group``, ``perturb_config``, ``kernel_launcher``, ``endpoint``, ``expected_tokens``,
-    ``future_tensor``, ``radix_walker``) plus ``kernels`` (:func:`load`'s namespace)."""
-    if "cpu" in _runtime:
-        return _runtime["cpu"]
+    ``future_tensor``, ``radix_walker``) plus ``kernels`` (:func:`load`'s namespace).
+    ``cuda_jit``: as :func:`load` (SGLang's CUDA kernels for its launchers on a GPU)."""
+    if cuda_jit in _runtime:
+        return _runtime[cuda_jit]
     import torch
 
-    kernels = load()
+    kernels = load(cuda_jit=cuda_jit)
     _stub_server_modules()
     _phase_checker_import()
     ns = types.SimpleNamespace(kernels=kernels)
@@ -319,5 +320,5 @@ def load_runtime() -> types.SimpleNamespace:
     if not torch.cuda.is_available():
         for module in (ns.future_tensor, ns.expected_tokens):
             module.torch = _TorchWithoutPinnedMemory(torch)
-    _runtime["cpu"] = ns
+    _runtime[cuda_jit] = ns
     return ns

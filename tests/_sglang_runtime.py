@@ -185,6 +185,103 @@ class ToyServer:
                 on_step(step, manager)
         return out
 
+    def run_graphed(self, decode_steps: int, *, bs: int = 4, prompt: int = 6,
+                    graph: bool = True) -> list[dict]:
+        """``bs`` requests prefilled eagerly, then decoded ``decode_steps`` times through one
+        CUDA graph captured as SGLang's decode graph runner captures it: the patched
+        ``model.forward`` (``pre_ops_maybe_inside_graph``, the model, ``post_ops_...``) under
+        ``torch.cuda.graph`` with static batch tensors (warmed up first on padding rows, before
+        ``mark_init_finished``), each replay inside ``with_ops_outside_graph``.
+        ``graph=False``: the same steps eagerly (the baseline). Returns :meth:`run`'s records."""
+        torch.manual_seed(self.seed)
+        random.seed(self.seed)
+        rng = random.Random(2000 + self.seed)
+        dev = self.device
+        manager = self.rt.manager.CanaryManager(
+            config=self.config, perturb_config=self.perturb, buffer_groups=(self.group,),
+            device=dev, req_to_token_pool=self.req_to_token_pool, launch_capacities=self.caps)
+        self.manager = manager
+        state = manager._device_state
+        if state.req_to_verify_expected_tokens is not None:
+            state.req_to_verify_expected_tokens.zero_()
+        i64 = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
+        # The graph's inputs: padding rows (req_pool_indices 0, slot 0) while warming up.
+        static = types.SimpleNamespace(
+            forward_mode=_Mode("decode"), spec_info=None, batch_size=bs,
+            req_pool_indices=i64([0] * bs), seq_lens=i64([1] * bs), positions=i64([0] * bs),
+            input_ids=i64([0] * bs), out_cache_loc=i64([0] * bs), extend_prefix_lens=None,
+            extend_seq_lens=None, req_all_ids_flat=None, req_all_ids_lens=None,
+            global_num_token_non_padded_cpu=None)
+
+        def forward_in_graph():
+            pre = manager.pre_ops_maybe_inside_graph(static)
+            self._model_forward(static)
+            manager.post_ops_maybe_inside_graph(static, pre)
+
+        g = None
+        if graph:
+            with manager.with_active_single_forward_manager(0):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):  # first calls compile; nothing is captured yet
+                        forward_in_graph()
+                torch.cuda.current_stream().wait_stream(side)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    forward_in_graph()
+        manager.mark_init_finished()
+        for t in (self.k_pool, self.v_pool, self.req_to_token_pool.req_to_token):
+            t.zero_()
+        for name in ("k_head", "k_tail", "v_head", "v_tail"):
+            if getattr(self.group, name) is not None:
+                getattr(self.group, name).zero_()
+        for t in (state.violation_log.violation_ring, state.violation_log.violation_write_index,
+                  state.kernel_run_counters, state.slot_run_counters):
+            t.zero_()
+        radix = _Radix(self.rt.radix_walker.UnifiedRadixCache, self.req_to_token_pool, dev)
+        manager.attach_radix_cache(radix.obj)
+        free_slots = list(range(1, self.num_slots))
+        reqs = [_Req(row=1 + i, tokens=[rng.randint(1, 30000) for _ in range(self.context_len)])
+                for i in range(bs)]
+        out, seen = [], 0
+        for step in range(decode_steps + 1):
+            if step == 0:
+                batch = self._extend([(r, prompt) for r in reqs], free_slots)
+                self._forward(manager, batch)
+            else:
+                batch = self._decode(reqs, free_slots)
+                if g is None:
+                    self._forward(manager, batch)
+                else:
+                    for f in ("req_pool_indices", "seq_lens", "positions", "input_ids",
+                              "out_cache_loc"):
+                        getattr(static, f).copy_(getattr(batch, f))
+                    static.req_all_ids_flat = batch.req_all_ids_flat
+                    static.req_all_ids_lens = batch.req_all_ids_lens
+                    with manager.with_ops_outside_graph(
+                            single_forward_indices=[0], maybe_inaccurate_forward_batch=static), \
+                            manager.with_active_single_forward_manager(0):
+                        g.replay()
+            torch.cuda.synchronize(dev) if dev.type == "cuda" else None
+            n = int(state.violation_log.violation_write_index[0])
+            ring = state.violation_log.violation_ring
+            out.append({
+                "step": step, "mode": batch.forward_mode.name,
+                "violations": ring[seen:min(n, ring.shape[0])].tolist(), "write_index": n,
+                "kernel_run_counters": state.kernel_run_counters.tolist(),
+                "slot_run_counters": state.slot_run_counters.tolist(),
+                "canary": {name: getattr(self.group, name).clone()
+                           for name in ("k_head", "k_tail", "v_head", "v_tail")
+                           if getattr(self.group, name) is not None},
+                "expected_tokens": (None if state.req_to_verify_expected_tokens is None else
+                                    state.req_to_verify_expected_tokens.clone()),
+            })
+            seen = min(n, ring.shape[0])
+            if step % 5 == 4:  # the requests' finished prefixes, for the sweep to walk
+                radix.chains = [list(r.slots[:-1]) for r in reqs]
+        return out
+
     def _schedule(self, rng, running, free_rows, free_slots, radix):
         """The next batch: admit (prefill, possibly the first chunk of two), continue a chunked
         prefill, or decode every running request; finish and evict as it goes."""
@@ -281,13 +378,18 @@ class ToyServer:
                 manager.post_ops_maybe_inside_graph(batch, pre)
 
 
-def compare_runs(a: list[dict], b: list[dict]) -> None:
-    """Assert two runs equal step by step: violations, counters, canary buffers, expected pool."""
+def compare_runs(a: list[dict], b: list[dict], *, ordered: bool = True) -> None:
+    """Assert two runs equal step by step: violations, counters, canary buffers, expected pool.
+    ``ordered=False``: each step's violation rows as multisets (GPU kernels append them in the
+    order their atomics run)."""
     assert len(a) == len(b)
     for x, y in zip(a, b):
         step = x["step"]
         assert x["mode"] == y["mode"], step
-        assert x["violations"] == y["violations"], f"step {step}: violations differ"
+        vx, vy = x["violations"], y["violations"]
+        if not ordered:
+            vx, vy = sorted(map(tuple, vx)), sorted(map(tuple, vy))
+        assert vx == vy, f"step {step}: violations differ"
         assert x["write_index"] == y["write_index"], step
         assert x["kernel_run_counters"] == y["kernel_run_counters"], step
         assert x["slot_run_counters"] == y["slot_run_counters"], step
@@ -295,6 +397,32 @@ def compare_runs(a: list[dict], b: list[dict]) -> None:
             assert torch.equal(x["canary"][name], y["canary"][name]), f"step {step}: {name}"
         if x["expected_tokens"] is not None:
             assert torch.equal(x["expected_tokens"], y["expected_tokens"]), step
+
+
+@contextlib.contextmanager
+def sglang_references():
+    """SGLang's runtime launching SGLang's own torch references of its four kernels (any device;
+    the GPU baseline where SGLang's CUDA kernels are not compiled in the process)."""
+    rt = oracle.load_runtime()
+    k = rt.kernels
+    names = {
+        (rt.expected_tokens, "launch_scatter_req_token_ids_kernel"):
+            k.scatter_ref.scatter_req_token_ids_torch_reference,
+        (rt.kernel_launcher, "launch_canary_plan_kernels"):
+            k.plan_ref.launch_canary_plan_kernels_torch_reference,
+        (rt.endpoint, "launch_canary_verify_kernel"):
+            k.verify_ref.launch_canary_verify_kernel_torch_reference,
+        (rt.endpoint, "launch_canary_write_kernel"):
+            k.write_ref.launch_canary_write_kernel_torch_reference,
+    }
+    saved = {key: getattr(*key) for key in names}
+    for (module, name), fn in names.items():
+        setattr(module, name, fn)
+    try:
+        yield
+    finally:
+        for (module, name), fn in saved.items():
+            setattr(module, name, fn)
 
 
 @contextlib.contextmanager

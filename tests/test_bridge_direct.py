@@ -289,8 +289,9 @@ def test_launch_passes_each_kernel_its_pointers_in_parameter_order():
         by_name = {a.name: p for a, p in zip(args, ptrs)}
         assert a1[:4] == tuple(by_name[n] for n in ("req_pool_indices", "prefix_lens",
                                                    "extend_seq_lens", "req_to_token"))
-        assert a1[5] == a1[11] == by_name["write_plan_out.write_offsets"]  # the alias
-        assert a1[10] == a2[4]  # the verify offsets: one scratch buffer, written then read
+        assert a1[5] == by_name["num_reqs"]  # the batch size operand
+        assert a1[6] == a1[12] == by_name["write_plan_out.write_offsets"]  # the alias
+        assert a1[11] == a2[4]  # the verify offsets: one scratch buffer, written then read
         assert a2[8:12] == a2[12:16] == tuple(by_name[f"verify_plan_out.{k}"] for k in VP)
         # A pointer 8 bytes off: that kernel is compiled (once) for the alignment it has.
         ptrs[args.index(next(a for a in args if a.name == "verify_plan_out.verify_num_valid"))] += 8
@@ -298,7 +299,7 @@ def test_launch_passes_each_kernel_its_pointers_in_parameter_order():
         loaded.launch(ptrs, stream=5)
         loaded.launch(ptrs, stream=5)
         div = log[0][4]
-        assert div[7] == 8 and div[0] == 32  # verify_num_valid is the offsets kernel's 8th
+        assert div[8] == 8 and div[0] == 32  # verify_num_valid is the offsets kernel's 9th
         assert sum(1 for name, d in compiled if d == div) == 1
     finally:
         patch.stop()

@@ -164,3 +164,25 @@ def test_uninstall_leaves_a_name_rebound_after_it(rt):
         assert not handle.active
     finally:
         rt.endpoint.launch_canary_write_kernel = rt.kernels.write.launch_canary_write_kernel
+
+
+@pytest.mark.gpu
+def test_dropin_matches_sglang_runtime_in_a_cuda_graph(monkeypatch):
+    """On a CUDA GPU: SGLang's runtime serves 4 requests (a prefill, then 24 decode steps) with
+    its perturbers and sweep on, once eagerly launching SGLang's own torch references, once with
+    the bridge installed and every decode step replayed from one CUDA graph captured as SGLang's
+    decode graph runner captures it; every step's violations (as multisets: GPU atomics order
+    them), counters, canary buffers and expected-token pool equal."""
+    from _sglang_runtime import sglang_references
+
+    monkeypatch.setenv("SGLANG_KV_CANARY_ENABLE_MHA_V", "1")
+    server = ToyServer(device="cuda", seed=1, num_slots=256, max_reqs=6, context_len=48,
+                       perturb_prob=0.1, warmup_steps=2, sweep_interval=5)
+    with sglang_references():
+        want = server.run_graphed(24, graph=False)
+    with bridge.install_into_sglang():
+        got = server.run_graphed(24, graph=True)
+        used = bridge.paths()
+    assert {used[t.name]["path"] for t in sglang_install.TARGETS} == {"triton_direct"}, used
+    compare_runs(want, got, ordered=False)
+    assert sum(len(s["violations"]) for s in want) > 0
