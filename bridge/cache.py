@@ -19,7 +19,9 @@ that refers to tensors, weakly):
 ``counts``    the plan's batch-size operand: per device, one int32 tensor per count ``n``
               holding ``n`` (:class:`Counts`). Never freed, not even by :func:`clear_cache`: a
               CUDA graph captured with a count's address reads it at every replay. Its size is
-              that of the largest batch seen (32 bytes a count).
+              that of the largest batch seen, at least 4,096 (32 bytes a count); it is made
+              outside graph captures (a first plan call inside one is refused, asking for a
+              warm-up call).
 
 Lifetime: process-wide, from first use until evicted (oldest entry first, once a cache is full)
 or :func:`clear_cache`. A lookup is one dict read (atomic in CPython, no lock on the hot path);
@@ -110,7 +112,17 @@ class Counts:
         with self._lock:
             tables = self._tables.setdefault(device, [])
             if not tables or tables[-1].shape[0] <= n:
-                size = 1 << max(n, 63).bit_length()
+                if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    # A table made now would be filled only when the graph first replays.
+                    from bridge.dlpack import BridgeError
+
+                    raise BridgeError(
+                        f"kv-canary bridge: launch_canary_plan_kernels with {n} requests needs "
+                        "a device scalar for its batch size, which cannot be made during a CUDA "
+                        "graph capture; call it once with as many requests (or more) before "
+                        "capturing (as a warm-up run does)")
+                # SGLang's own batch cap (4,096) on first use: 128 KiB.
+                size = 1 << max(n, 4095).bit_length()
                 table = torch.arange(size, dtype=torch.int32, device=device)
                 tables.append(table[:, None].repeat(1, self.ROW))
             v = self._views.setdefault(key, tables[-1][n, :1])

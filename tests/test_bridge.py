@@ -1074,3 +1074,19 @@ def test_plan_serving_loop_compiles_once_per_batch_bucket(sgl):
     plan_fns = {k: v for k, v in CACHES.jitted._d.items() if k[0] == "launch_canary_plan_kernels"}
     compiled = sum(v._cache_size() - compiled_before.get(k, 0) for k, v in plan_fns.items())
     assert compiled == 2 * 2  # two buckets, for each kv_token_id_vs_position_offset (a static)
+
+
+def test_plan_batch_size_scalars_are_shared_aligned_and_never_freed():
+    """The plan's num_reqs operand: one read-only tensor per (device, count), holding the count,
+    32-byte aligned (the kernels keep their aligned variant), still valid after its table grows
+    (a captured graph may hold its address), and none for an empty batch."""
+    from bridge.cache import Counts
+
+    counts = Counts()
+    a = counts.view(CPU, 7)
+    assert a is counts.view(CPU, 7) and a.tolist() == [7] and a.dtype == torch.int32
+    assert a.data_ptr() % 32 == 0 and counts.view(CPU, 8).data_ptr() - a.data_ptr() == 32
+    big = counts.view(CPU, 5000)  # past the first table (4,096 counts): a second one
+    assert big.tolist() == [5000] and big.data_ptr() % 32 == 0
+    assert counts.view(CPU, 7) is a and a.tolist() == [7]  # the first table's views stay
+    assert counts.view(CPU, 0) is None
