@@ -3,4 +3,5 @@
 from kvcanary_jax.ops.plan.api import canary_plan, run, takes_num_reqs
 from kvcanary_jax.ops.plan.base import CONTRACT, canary_plan_reference, plan_metas
 
-__all__ = ["CONTRACT", "canary_plan", "canary_plan_reference", "plan_metas", "run", "takes_num_reqs"]
+__all__ = ["CONTRACT", "canary_plan", "canary_plan_reference", "plan_metas", "run",
+           "takes_num_reqs"]
