@@ -186,13 +186,16 @@ class ToyServer:
         return out
 
     def run_graphed(self, decode_steps: int, *, bs: int = 4, prompt: int = 6,
-                    graph: bool = True) -> list[dict]:
+                    graph: bool = True, capture=None) -> list[dict]:
         """``bs`` requests prefilled eagerly, then decoded ``decode_steps`` times through one
         CUDA graph captured as SGLang's decode graph runner captures it: the patched
         ``model.forward`` (``pre_ops_maybe_inside_graph``, the model, ``post_ops_...``) under
         ``torch.cuda.graph`` with static batch tensors (warmed up first on padding rows, before
         ``mark_init_finished``), each replay inside ``with_ops_outside_graph``.
-        ``graph=False``: the same steps eagerly (the baseline). Returns :meth:`run`'s records."""
+        ``graph=False``: the same steps eagerly (the baseline). ``capture(fn)``: what captures
+        ``fn`` and returns an object whose ``replay()`` replays it (default: the CUDA graph
+        above; a CPU test passes one that reruns ``fn`` on the static tensors). Returns
+        :meth:`run`'s records."""
         torch.manual_seed(self.seed)
         random.seed(self.seed)
         rng = random.Random(2000 + self.seed)
@@ -205,12 +208,14 @@ class ToyServer:
         if state.req_to_verify_expected_tokens is not None:
             state.req_to_verify_expected_tokens.zero_()
         i64 = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
-        # The graph's inputs: padding rows (req_pool_indices 0, slot 0) while warming up.
+        # The graph's inputs: padding rows (req_pool_indices 0, slot 0) while warming up. The
+        # snapshot lengths are a device tensor the captured plan input copies from (the
+        # expected-token scatter outside the graph reads them too).
         static = types.SimpleNamespace(
             forward_mode=_Mode("decode"), spec_info=None, batch_size=bs,
             req_pool_indices=i64([0] * bs), seq_lens=i64([1] * bs), positions=i64([0] * bs),
             input_ids=i64([0] * bs), out_cache_loc=i64([0] * bs), extend_prefix_lens=None,
-            extend_seq_lens=None, req_all_ids_flat=None, req_all_ids_lens=None,
+            extend_seq_lens=None, req_all_ids_flat=None, req_all_ids_lens=i64([0] * bs),
             global_num_token_non_padded_cpu=None)
 
         def forward_in_graph():
@@ -219,7 +224,10 @@ class ToyServer:
             manager.post_ops_maybe_inside_graph(static, pre)
 
         g = None
-        if graph:
+        if graph and capture is not None:
+            with manager.with_active_single_forward_manager(0):
+                g = capture(forward_in_graph)
+        elif graph:
             with manager.with_active_single_forward_manager(0):
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
@@ -258,12 +266,13 @@ class ToyServer:
                               "out_cache_loc"):
                         getattr(static, f).copy_(getattr(batch, f))
                     static.req_all_ids_flat = batch.req_all_ids_flat
-                    static.req_all_ids_lens = batch.req_all_ids_lens
+                    static.req_all_ids_lens.copy_(batch.req_all_ids_lens)
                     with manager.with_ops_outside_graph(
                             single_forward_indices=[0], maybe_inaccurate_forward_batch=static), \
                             manager.with_active_single_forward_manager(0):
                         g.replay()
-            torch.cuda.synchronize(dev) if dev.type == "cuda" else None
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
             n = int(state.violation_log.violation_write_index[0])
             ring = state.violation_log.violation_ring
             out.append({

@@ -166,6 +166,33 @@ def test_uninstall_leaves_a_name_rebound_after_it(rt):
         rt.endpoint.launch_canary_write_kernel = rt.kernels.write.launch_canary_write_kernel
 
 
+class _Rerun:
+    """A stand-in for a CUDA graph on the CPU: warmed up twice, then "replayed" by running the
+    same Python again on the same static batch tensors."""
+
+    def __init__(self, fn):
+        fn()
+        fn()
+        self.replay = fn
+
+
+def test_dropin_matches_sglang_runtime_with_static_decode_batches(monkeypatch):
+    """The CUDA-graph test's flow on the CPU: decode steps fed through static batch tensors
+    (warm-up on padding rows before mark_init_finished, each step's inputs copied in, the
+    forward inside with_ops_outside_graph), installed, against SGLang's references eagerly."""
+    from _sglang_runtime import sglang_references
+
+    monkeypatch.setenv("SGLANG_KV_CANARY_ENABLE_MHA_V", "1")
+    server = ToyServer(seed=1, num_slots=256, max_reqs=6, context_len=48, perturb_prob=0.1,
+                       warmup_steps=2, sweep_interval=5)
+    with sglang_references():
+        want = server.run_graphed(12, graph=False)
+    with bridge.install_into_sglang():
+        got = server.run_graphed(12, graph=True, capture=_Rerun)
+    compare_runs(want, got)
+    assert sum(len(s["violations"]) for s in want) > 0
+
+
 @pytest.mark.gpu
 def test_dropin_matches_sglang_runtime_in_a_cuda_graph(monkeypatch):
     """On a CUDA GPU: SGLang's runtime serves 4 requests (a prefill, then 24 decode steps) with
