@@ -16,6 +16,10 @@ arguments, contract) and run by one generic launcher (:mod:`bridge.launcher`) on
 
 :func:`paths` says which path each launcher's last call took, and why not the direct one.
 
+:func:`install_into_sglang` makes SGLang 0.5.23's own canary runtime (``sglang.srt.kv_canary``)
+launch these kernels: it rebinds the four launcher names that runtime calls, checked against
+SGLang's version and signatures first, and its handle restores them (:mod:`bridge.sglang_install`).
+
 Where the bridge differs from SGLang's launchers, on purpose:
 
 * Checks: every launcher raises SGLang's GPU-path errors (class and words, in SGLang's order)
@@ -32,7 +36,9 @@ Where the bridge differs from SGLang's launchers, on purpose:
   with an error saying what to pass. A real-KV source may require grad and may be any row-strided
   view (``kv[:, 16:48]``). Other non-compact layouts are refused with an error naming the tensor.
 * Shapes: token counts are bucketed (:mod:`kvcanary_jax.buckets`), so a serving loop whose token
-  history grows every step compiles a logarithmic number of kernels; batch sizes are exact.
+  history grows every step compiles a logarithmic number of kernels; the plan's batch size is
+  an operand of its kernels (:func:`kvcanary_jax.ops.plan.base.batch_lanes`), so its request
+  vectors are bucketed too (``launch_canary_step``'s batch size is exact).
 * :func:`launch_canary_step` (no SGLang counterpart) runs scatter + plan + verify + write of one
   endpoint in one call (one program of kernels).
 
@@ -52,6 +58,7 @@ from bridge.checks import set_value_checks, value_checks  # noqa: E402
 from bridge.dlpack import BridgeError, stats  # noqa: E402
 from bridge.launcher import Launcher as _Launcher  # noqa: E402
 from bridge.launcher import direct_enabled, paths, set_direct  # noqa: E402
+from bridge.sglang_install import SglangInstall, install_into_sglang  # noqa: E402
 from bridge.streams import set_stream_sync, stream_sync  # noqa: E402
 from bridge.types import (  # noqa: E402
     CANARY_SLOT_BYTES,
@@ -82,6 +89,8 @@ __all__ = [
     "clear_cache",
     "stats",
     "paths",
+    "install_into_sglang",
+    "SglangInstall",
     "set_direct",
     "direct_enabled",
     "set_stream_sync",

@@ -16,6 +16,12 @@ that refers to tensors, weakly):
 ``jitted``    DLPack path: one jitted array function per (launcher, static arguments, donated
               positions); XLA keeps one executable per shape under each. 256 entries.
 ``views``     DLPack path: JAX arrays aliasing live torch tensors, per device (:mod:`bridge.views`).
+``counts``    the plan's batch-size operand: per device, one int32 tensor per count ``n``
+              holding ``n`` (:class:`Counts`). Never freed, not even by :func:`clear_cache`: a
+              CUDA graph captured with a count's address reads it at every replay. Its size is
+              that of the largest batch seen, at least 4,096 (32 bytes a count); it is made
+              outside graph captures (a first plan call inside one is refused, asking for a
+              warm-up call).
 
 Lifetime: process-wide, from first use until evicted (oldest entry first, once a cache is full)
 or :func:`clear_cache`. A lookup is one dict read (atomic in CPython, no lock on the hot path);
@@ -80,6 +86,49 @@ class Bounded:
 _MISSING = object()
 
 
+class Counts:
+    """Read-only device scalars: ``view(device, n)`` is a one-element int32 tensor holding ``n``,
+    the same tensor for every call with ``(device, n)``, at a 32-byte aligned address (so a
+    kernel taking it keeps its aligned variant). Tables grow by doubling; an outgrown table is
+    kept alive, as its addresses may be in a captured CUDA graph."""
+
+    ROW = 8  # int32 per count: 32 bytes
+
+    def __init__(self):
+        self._views: dict[tuple, Any] = {}
+        self._tables: dict[Any, list] = {}
+        self._lock = threading.Lock()
+
+    def view(self, device, n: int):
+        """The count ``n`` on ``device``; None for 0 or a device without kernels."""
+        key = (device, n)
+        v = self._views.get(key, _MISSING)
+        if v is not _MISSING:
+            return v
+        import torch
+
+        if n == 0 or device.type not in ("cpu", "cuda"):
+            return self._views.setdefault(key, None)
+        with self._lock:
+            tables = self._tables.setdefault(device, [])
+            if not tables or tables[-1].shape[0] <= n:
+                if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    # A table made now would be filled only when the graph first replays.
+                    from bridge.dlpack import BridgeError
+
+                    raise BridgeError(
+                        f"kv-canary bridge: launch_canary_plan_kernels with {n} requests needs "
+                        "a device scalar for its batch size, which cannot be made during a CUDA "
+                        "graph capture; call it once with as many requests (or more) before "
+                        "capturing (as a warm-up run does)")
+                # SGLang's own batch cap (4,096) on first use: 128 KiB.
+                size = 1 << max(n, 4095).bit_length()
+                table = torch.arange(size, dtype=torch.int32, device=device)
+                tables.append(table[:, None].repeat(1, self.ROW))
+            v = self._views.setdefault(key, tables[-1][n, :1])
+        return v
+
+
 class Caches:
     """The bridge's caches (see the module docstring)."""
 
@@ -88,6 +137,7 @@ class Caches:
         self.programs = Bounded("programs", 256)
         self.variants = Bounded("variants", 512)
         self.jitted = Bounded("jitted", 256)
+        self.counts = Counts()
         self._extra: list[Callable[[], None]] = []
 
     def on_clear(self, fn: Callable[[], None]) -> None:

@@ -13,7 +13,11 @@ Buckets (:mod:`kvcanary_jax.buckets`): scatter's ``flat_in`` and write's token a
 at ``bucket(length)``; the offsets that index them are clamped to the true length by a torch op
 on the call's stream (a per-call temporary), which keeps every read below the true length on
 both paths. ``launch_canary_step`` buckets its scatter input only (its write offsets are computed
-inside the step). Batch sizes are exact (see :mod:`kvcanary_jax.buckets`).
+inside the step). The plan's request vectors are lowered at ``min(bucket(bs),
+write_req_capacity)`` with the batch size as an operand (``num_reqs``: a device scalar from
+:class:`bridge.cache.Counts`): its kernels never read a request lane at or past it, so the
+caller's shorter vectors are passed as they are on the direct path (staged on the DLPack path)
+and the plan equals the unpadded one (:func:`kvcanary_jax.ops.plan.base.batch_lanes`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from bridge.cache import CACHES
 from bridge.checks import check_range, require_tensors, torch_checks
 from bridge.dlpack import BridgeError
 from bridge.launcher import Arg
@@ -269,7 +274,16 @@ def _plan_tensors(kw):
     out = {name: getattr(vp, k) for name, k in _VP_OUT}
     out.update({name: getattr(wp, k) for name, k in _WP_OUT})
     out.update({k: kw[k] for k in _PLAN_IN})
+    out["num_reqs"] = _num_reqs(out["req_pool_indices"])
     return out
+
+
+def _num_reqs(rpi):
+    """The batch size as the plan's operand, on the batch's device (None where there is no
+    batch to plan, or a device without kernels: the checks report those)."""
+    if not isinstance(rpi, torch.Tensor) or rpi.ndim != 1:
+        return None
+    return CACHES.counts.view(rpi.device, rpi.shape[0])
 
 
 def _plan_statics(kw):
@@ -317,13 +331,27 @@ def _plan_values(kw, ts):
                          f"width {width}")
 
 
-def _plan_args(ts):
+def plan_lanes(ts, platform: str) -> tuple[int, bool]:
+    """The request lanes the plan is lowered for, and whether the batch size is an operand:
+    ``min(bucket(bs), write_req_capacity)`` and True where the implementation takes it, else
+    ``bs`` and False."""
+    bs = int(ts["req_pool_indices"].shape[0])
+    if bs == 0 or ts.get("num_reqs") is None or \
+            not _plan.takes_num_reqs(_impl("plan", platform)):
+        return bs, False
+    cap = int(ts["write_plan_out.write_seed_slot_indices"].shape[0])
+    return min(buckets.bucket(bs), cap), True
+
+
+def _plan_args(ts, lanes: int, has_n: bool):
     """The plan's arguments in :func:`plan_fn`'s order; absent optionals are left out (the
-    static ``has`` says which are present)."""
+    static ``has`` says which are present). Request vectors at ``lanes``, with the ``num_reqs``
+    operand last when ``has_n`` (see :func:`plan_lanes`)."""
     args = [_dense(f"verify_plan_out.{k}", ts[f"verify_plan_out.{k}"], out=True) for k in _VP]
     args += [_dense(f"write_plan_out.{k}", ts[f"write_plan_out.{k}"], out=True) for k in _WP]
-    args += [_dense(k, ts[k]) for k in ("req_pool_indices", "prefix_lens", "extend_seq_lens",
-                                        "req_to_token")]
+    args += [_dense(k, ts[k], shape=(lanes,)) for k in ("req_pool_indices", "prefix_lens",
+                                                         "extend_seq_lens")]
+    args.append(_dense("req_to_token", ts["req_to_token"]))
     has = []
     for k in ("full_to_swa_index_mapping", "req_to_verify_expected_tokens",
               "req_to_verify_expected_tokens_valid_lens"):
@@ -331,33 +359,41 @@ def _plan_args(ts):
         has.append(t is not None)
         if t is None:
             continue
-        args.append(_pitched(k, t, out=False, check_fits=True)
-                    if k == "req_to_verify_expected_tokens" else _dense(k, t))
+        if k == "req_to_verify_expected_tokens":
+            args.append(_pitched(k, t, out=False, check_fits=True))
+        else:
+            args.append(_dense(k, t, shape=(lanes,) if k.endswith("valid_lens") else None))
+    if has_n:
+        args.append(_dense("num_reqs", ts["num_reqs"]))
     return args, tuple(has)
 
 
-def _plan_call(arrays, has, *, swa, cap, k, platform, config=None):
+def _plan_call(arrays, has, *, swa, cap, k, platform, config=None, has_n=False):
     vp = _plans.VerifyPlan(**dict(zip(_VP, arrays[:6])))
     wp = _plans.WritePlan(**dict(zip(_WP, arrays[6:9])))
     rpi, prefix, extend, rtt = arrays[9:13]
     rest = iter(arrays[13:])
     lut, pool, valid = (next(rest) if h else None for h in has)
+    num_reqs = next(rest) if has_n else None
     return _plan.run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid, swa_window_size=swa,
                      verify_capacity=cap, kv_token_id_vs_position_offset=k,
-                     implementation=_impl("plan", platform), config=config)
+                     implementation=_impl("plan", platform), config=config, num_reqs=num_reqs)
 
 
-def plan_fn(*arrays, has, swa, cap, k, platform, config=None):
-    """``config``: the implementation's launch configuration (tests shrink its blocks)."""
-    vp, wp = _plan_call(arrays, has, swa=swa, cap=cap, k=k, platform=platform, config=config)
+def plan_fn(*arrays, has, swa, cap, k, platform, config=None, has_n=False):
+    """``config``: the implementation's launch configuration (tests shrink its blocks);
+    ``has_n``: the last array is the ``num_reqs`` operand."""
+    vp, wp = _plan_call(arrays, has, swa=swa, cap=cap, k=k, platform=platform, config=config,
+                        has_n=has_n)
     return tuple(getattr(vp, f) for f in _VP) + tuple(getattr(wp, f) for f in _WP)
 
 
 def _plan_arguments(kw, ts):
-    args, has = _plan_args(ts)
+    platform = _platform(ts["verify_plan_out.verify_slot_indices"])
+    lanes, has_n = plan_lanes(ts, platform)
+    args, has = _plan_args(ts, lanes, has_n)
     swa, cap, k = _plan_statics(kw)
-    static = dict(has=has, swa=swa, cap=cap, k=k,
-                  platform=_platform(ts["verify_plan_out.verify_slot_indices"]))
+    static = dict(has=has, swa=swa, cap=cap, k=k, platform=platform, has_n=has_n)
     return args, static, tuple(range(9))
 
 
@@ -682,7 +718,8 @@ def _step_arguments(kw, ts):
         offs = ts["expected_token_offsets"]
         args.append(_offsets("expected_token_offsets", offs, n, b))
     first_plan = len(args)
-    plan_args, has = _plan_args(ts)
+    # The step's batch size stays exact: its write plan feeds write in the same program.
+    plan_args, has = _plan_args(ts, int(ts["req_pool_indices"].shape[0]), False)
     if do_scatter:  # the pool is written by the scatter: an in-place output of the step
         i = first_plan + 13 + has[0]
         plan_args[i - first_plan] = _pitched("req_to_verify_expected_tokens", pool, out=True,

@@ -34,6 +34,7 @@ import dataclasses
 import os
 import threading
 import warnings
+import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -98,11 +99,32 @@ class ProgramKey(NamedTuple):
     device: int
 
 
+class _ProgramSlot:
+    """A prepared call's direct-path program, found once by its :class:`ProgramKey` and then
+    kept here (weakly: the ``programs`` cache stays the one bound on live programs; an evicted
+    program is looked up again), so a call does not hash its key."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self):
+        self.ref = None
+
+    def get(self):
+        ref = self.ref
+        if ref is None:
+            return None
+        return ref if isinstance(ref, str) else ref()
+
+    def set(self, entry) -> None:
+        self.ref = entry if isinstance(entry, str) else weakref.ref(entry)
+
+
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """Everything a call with a given :class:`Signature` needs beyond its tensors: its checks
     passed; whether there is nothing to launch; the function's arguments, static arguments and
-    which argument each result updates."""
+    which argument each result updates. ``arg_names`` and ``clamped`` (the positions of the
+    arguments clamped per call) let the direct path read the pointers in one pass."""
 
     skip: bool
     args: tuple[Arg, ...] = ()
@@ -110,6 +132,9 @@ class Prepared:
     results: tuple[int, ...] = ()
     program_key: Any = None
     whole_rows: tuple[Arg, ...] = ()  # arguments checked against their storage on every call
+    arg_names: tuple[str, ...] = ()
+    clamped: tuple[int, ...] = ()
+    program: _ProgramSlot = dataclasses.field(default_factory=_ProgramSlot)
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,9 +154,16 @@ def direct_enabled() -> bool:
 
 
 def paths() -> dict[str, dict[str, str]]:
-    """Per launcher: the path its last call took (``"triton_direct"`` or ``"dlpack"``) and, for
-    ``"dlpack"`` on a CUDA tensor, why the direct path was not taken."""
-    return {k: {"path": p, "reason": r} for k, (p, r) in _PATHS.items()}
+    """Per launcher: the path its last call took (``"triton_direct"`` or ``"dlpack"``; ``""``
+    before its first call) and, for ``"dlpack"`` on a CUDA tensor, why the direct path was not
+    taken; while :func:`bridge.install_into_sglang` is active, ``"sglang"`` names the SGLang
+    runtime names each installed launcher replaces (comma-separated)."""
+    from bridge.sglang_install import installed
+
+    out = {k: {"path": p, "reason": r} for k, (p, r) in _PATHS.items()}
+    for name, dotted in installed().items():
+        out.setdefault(name, {"path": "", "reason": "not called yet"})["sglang"] = ", ".join(dotted)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,6 +180,16 @@ def _meta(t):
 
 def _ptr(t):
     return t.data_ptr() if isinstance(t, torch.Tensor) else None
+
+
+_Tensor = torch.Tensor
+
+
+def _metas(values) -> tuple:
+    """``_meta`` of each value; a plain ``torch.Tensor`` (the usual case) read inline, without a
+    call per tensor (a launcher reads 10-20 of them per call)."""
+    return tuple([(t.shape, t.stride(), t.dtype, t.device) if type(t) is _Tensor else _meta(t)
+                  for t in values])
 
 
 def check_whole_rows(a: Arg, t) -> None:
@@ -177,8 +219,9 @@ class Launcher:
     def __call__(self, **kwargs) -> None:
         decl = self.decl
         tensors = decl.tensors(kwargs)
-        sig = Signature(decl.name, tuple(map(_meta, tensors.values())), decl.statics(kwargs),
-                        tuple(_ptr(tensors[n]) for n in decl.outputs))
+        sig = Signature(decl.name, _metas(tensors.values()), decl.statics(kwargs),
+                        tuple([t.data_ptr() if type(t) is _Tensor else _ptr(t)
+                               for t in map(tensors.__getitem__, decl.outputs)]))
         prep = CACHES.prepared.get(sig)
         if prep is None:
             prep = CACHES.prepared.put(sig, self._prepare(kwargs, tensors))
@@ -223,7 +266,9 @@ class Launcher:
                              tuple((a.shape, a.dtype, a.layout) for a in args),
                              torch.cuda.current_device() if index is None else index)
         return Prepared(skip=False, args=tuple(args), static=static, results=tuple(results),
-                        program_key=key, whole_rows=tuple(a for a in args if a.whole_rows))
+                        program_key=key, whole_rows=tuple(a for a in args if a.whole_rows),
+                        arg_names=tuple(a.name for a in args),
+                        clamped=tuple(i for i, a in enumerate(args) if a.clamp is not None))
 
     # ---------------------------------------------------------------------------------------
     # Direct path
@@ -234,19 +279,17 @@ class Launcher:
         if not ok:
             return reason
         key = prep.program_key
-        entry = CACHES.programs.get(key)
+        entry = prep.program.get()
         if entry is None:
-            entry = CACHES.programs.put(key, _build_program(self.decl, prep, device, key.device))
+            entry = CACHES.programs.get(key)
+            if entry is None:
+                entry = CACHES.programs.put(key, _build_program(self.decl, prep, device,
+                                                                key.device))
+            prep.program.set(entry)
         if isinstance(entry, str):
             return entry
-        keep = []  # per-call temporaries (clamped offsets) live until the launches are queued
-        ptrs = []
-        for a in prep.args:
-            t = tensors[a.name]
-            if a.clamp is not None and clamp:
-                t = torch.clamp(t, max=a.clamp)
-                keep.append(t)
-            ptrs.append(t.data_ptr())
+        # Per-call temporaries (clamped offsets) live until the launches are queued.
+        ptrs, keep = self.pointers(prep, tensors, clamp)
         stream = (_raw_stream(key.device) if _raw_stream is not None
                   else torch.cuda.current_stream(device).cuda_stream)
 
@@ -260,6 +303,19 @@ class Launcher:
                 entry.launch(ptrs, stream, views_of)
         del keep
         return ""
+
+    @staticmethod
+    def pointers(prep: Prepared, tensors, clamp: bool = True) -> tuple[list, list]:
+        """Each argument's address, and the per-call temporaries behind them (offsets clamped to
+        a bucketed token array's true length, a torch op on the tensors' stream)."""
+        ptrs = [tensors[n].data_ptr() for n in prep.arg_names]
+        keep = []
+        if clamp:
+            for i in prep.clamped:
+                t = torch.clamp(tensors[prep.arg_names[i]], max=prep.args[i].clamp)
+                keep.append(t)
+                ptrs[i] = t.data_ptr()
+        return ptrs, keep
 
     # ---------------------------------------------------------------------------------------
     # DLPack path

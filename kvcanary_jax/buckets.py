@@ -33,10 +33,12 @@ range, in order. In a JAX serving loop::
 applies the same rule to the same arguments (``bridge``; ``launch_canary_step`` buckets its
 scatter input only: its write offsets are computed inside the step).
 
-Batch sizes are not bucketed: the plan writes ``write_num_valid_reqs = bs`` and zeroes
-``write_offsets`` past ``bs``, so a padded batch gives a different plan (the canary it drives is
-the same when the padding rows use ``req_pool_indices == 0``, as SGLang's CUDA-graph padding
-does). A loop that wants one compilation per batch bucket pads its batch that way itself.
+Batch sizes: the plan writes ``write_num_valid_reqs = bs`` and zeroes ``write_offsets`` past
+``bs``, so a padded batch alone gives a different plan. Pass the true batch size as the plan's
+``num_reqs`` operand (``kc.canary_plan(..., num_reqs=n)`` with the request vectors padded to
+``bucket(n)``, any fill): lanes at or past it are never read and the plan equals the unpadded
+one (``xla`` and the Pallas kernels; ``pallas_mosaic_tpu`` compiles per batch size). The torch
+bridge does this for the plan launcher.
 """
 
 from __future__ import annotations

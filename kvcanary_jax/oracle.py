@@ -27,7 +27,7 @@ import os
 import sys
 import types
 
-__all__ = ["load", "available"]
+__all__ = ["load", "load_runtime", "available"]
 
 # Bare modules for packages whose __init__ imports the server; packages with light __init__ files
 # (kv_canary.plan, whose __init__ re-exports the plan launcher) are imported normally.
@@ -145,4 +145,180 @@ def load(*, cuda_jit: bool = False) -> types.SimpleNamespace:
         except ImportError:  # triton missing: the references still work
             setattr(ns, key, None)
     _loaded[cuda_jit] = ns
+    return ns
+
+
+# --------------------------------------------------------------------------------------------
+# SGLang's canary runtime (``sglang.srt.kv_canary``) without its server
+
+# The runtime modules import a few server modules for one or two names each; without the server
+# these stand-ins answer them (and nothing else). Everything else the runtime imports is SGLang's
+# own code: its launchers' modules, ``sglang.srt.environ`` (standard library only), the runtime
+# itself, its perturbers and its phase checker.
+_RUNTIME_MODULES = {
+    "manager": "sglang.srt.kv_canary.runner.canary_manager",
+    "config": "sglang.srt.kv_canary.config",
+    "capacities": "sglang.srt.kv_canary.capacities",
+    "buffer_group": "sglang.srt.kv_canary.buffer_group",
+    "perturb_config": "sglang.srt.kv_canary.perturb.config",
+    "kernel_launcher": "sglang.srt.kv_canary.runner.kernel_launcher",
+    "endpoint": "sglang.srt.kv_canary.endpoint",
+    "expected_tokens": "sglang.srt.kv_canary.req_to_expected_token_ids_manager",
+    "future_tensor": "sglang.srt.kv_canary.runner.future_tensor",
+    "radix_walker": "sglang.srt.kv_canary.radix_cache_walker",
+}
+
+
+class _NoServer(RuntimeError):
+    pass
+
+
+def _server_only(name):
+    def call(*args, **kwargs):
+        raise _NoServer(
+            f"{name}() needs SGLang's server (sglang.srt.runtime_context); build the runtime's "
+            "CanaryConfig and CanaryLaunchCapacities directly instead"
+        )
+    call.__name__ = name
+    return call
+
+
+def _stub_server_modules() -> None:
+    import torch
+
+    # sglang.srt.utils: the two stream helpers the runtime imports from it (its __init__ imports
+    # the whole of sglang.srt.utils.common, i.e. the server). A CPU stream takes no device.
+    utils = sys.modules["sglang.srt.utils"]
+
+    def create_device_stream(device):
+        device = torch.device(device)
+        module = torch.get_device_module(device)
+        return module.Stream() if device.type == "cpu" else module.Stream(device=device)
+
+    def is_device_stream_capturing(device) -> bool:
+        device = torch.device(device)
+        return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    utils.create_device_stream = create_device_stream
+    utils.is_device_stream_capturing = is_device_stream_capturing
+
+    # The expected-token manager's snapshot helper (compute_req_all_ids_info, called by the
+    # scheduler; a caller without one fills ForwardBatch.req_all_ids_flat itself).
+    def flatten_arrays_to_int64_tensor(parts, device, pin):
+        flat = [int(x) for part in parts for x in part]
+        return torch.tensor(flat, dtype=torch.int64).to(device)
+
+    sys.modules["sglang.srt.utils.common"].flatten_arrays_to_int64_tensor = \
+        flatten_arrays_to_int64_tensor
+
+    # The server's argument bags: only CanaryConfig.from_env / CanaryLaunchCapacities.from_args
+    # read them; a caller without a server constructs both directly.
+    ctx = types.ModuleType("sglang.srt.runtime_context")
+    for name in ("get_observability", "get_exec", "get_schedule", "get_spec"):
+        setattr(ctx, name, _server_only(name))
+    sys.modules["sglang.srt.runtime_context"] = ctx
+
+    # The radix-cache walker imports the unified radix cache (the scheduler) to check the cache's
+    # type, and its walk result's type for annotations: a stand-in class a caller can subclass
+    # to hand the sweep its own walk (``tree_core.walk_for_kv_canary``).
+    for name in ("sglang.srt.mem_cache", "sglang.srt.mem_cache.unified_cache"):
+        if name not in sys.modules:
+            module = types.ModuleType(name)
+            module.__path__ = []
+            sys.modules[name] = module
+    radix = types.ModuleType("sglang.srt.mem_cache.unified_radix_cache")
+
+    class UnifiedRadixCache:
+        """Stand-in for SGLang's radix cache: ``tree_core.walk_for_kv_canary(unlocked_only=,
+        swa_resident_only=)`` returns the slots, positions and previous slots it holds, and
+        ``req_to_token_pool`` is the request-to-token pool."""
+
+    radix.UnifiedRadixCache = UnifiedRadixCache
+    sys.modules[radix.__name__] = radix
+    iface = types.ModuleType("sglang.srt.mem_cache.unified_cache.unified_tree_core_interface")
+    iface.RadixCacheWalkResult = types.SimpleNamespace
+    sys.modules[iface.__name__] = iface
+
+
+class _TorchWithoutPinnedMemory:
+    """``torch`` as the runtime's device-to-host staging sees it on a machine without an
+    accelerator: ``pin_memory=True`` (a transfer-speed hint, which the CPU build refuses) is
+    dropped; every other name is torch's own."""
+
+    def __init__(self, torch):
+        self._torch = torch
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+    def _unpinned(self, fn):
+        def call(*args, pin_memory=False, **kwargs):
+            return fn(*args, **kwargs)
+        return call
+
+    @property
+    def empty(self):
+        return self._unpinned(self._torch.empty)
+
+    @property
+    def zeros(self):
+        return self._unpinned(self._torch.zeros)
+
+    @property
+    def tensor(self):
+        return self._unpinned(self._torch.tensor)
+
+
+def _phase_checker_import():
+    """Import SGLang's phase checker. Its Triton kernel keeps the forward's pre/post phases in
+    order on the device; without a GPU, Triton's interpreter runs the same kernel on CPU tensors
+    (``TRITON_INTERPRET`` is read when the kernel is decorated, so it is set for this import
+    only)."""
+    import torch
+
+    name = "sglang.srt.utils.phase_checker"
+    if name in sys.modules or torch.cuda.is_available():
+        return importlib.import_module(name)
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        return importlib.import_module(name)
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+_runtime: dict[bool, types.SimpleNamespace] = {}
+
+
+def load_runtime(*, cuda_jit: bool = False) -> types.SimpleNamespace:
+    """Import SGLang 0.5.23's canary runtime (``sglang.srt.kv_canary``: CanaryManager, the
+    single-forward manager, the kernel launcher, the endpoints, the perturbers) without its
+    server, for driving it over a toy pool in tests and benchmarks.
+
+    The server modules the runtime names are replaced by stand-ins (see ``_stub_server_modules``):
+    build ``CanaryConfig``, ``PerturbConfig`` and ``CanaryLaunchCapacities`` directly, pass a
+    request-to-token pool with ``req_to_token`` and ``max_context_len``, and forward batches with
+    the fields the runtime reads. On CPU tensors SGLang's launchers run their torch references,
+    its phase checker runs in Triton's interpreter, and device-to-host staging is unpinned.
+    Returns a namespace of the runtime's modules (``manager``, ``config``, ``capacities``,
+    ``buffer_group``, ``perturb_config``, ``kernel_launcher``, ``endpoint``, ``expected_tokens``,
+    ``future_tensor``, ``radix_walker``) plus ``kernels`` (:func:`load`'s namespace).
+    ``cuda_jit``: as :func:`load` (SGLang's CUDA kernels for its launchers on a GPU)."""
+    if cuda_jit in _runtime:
+        return _runtime[cuda_jit]
+    import torch
+
+    kernels = load(cuda_jit=cuda_jit)
+    _stub_server_modules()
+    _phase_checker_import()
+    ns = types.SimpleNamespace(kernels=kernels)
+    for key, name in _RUNTIME_MODULES.items():
+        setattr(ns, key, importlib.import_module(name))
+    if not torch.cuda.is_available():
+        for module in (ns.future_tensor, ns.expected_tokens):
+            module.torch = _TorchWithoutPinnedMemory(torch)
+    _runtime[cuda_jit] = ns
     return ns

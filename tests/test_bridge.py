@@ -1040,3 +1040,57 @@ def test_real_kv_sources_step_after_step_see_new_kv_bytes(device, sgl):
                 torch.cuda.synchronize()
             _assert_same_state(ours, ref, f"step {step}")
     assert _ring_multiset(ref["ctx"])  # violations were recorded, and ours match them
+
+
+def test_plan_serving_loop_compiles_once_per_batch_bucket(sgl):
+    """Batch sizes 1..70 through the bridge's plan: the request vectors are lowered at
+    min(bucket(bs), write_req_capacity) with the batch size as an operand, so the loop compiles
+    2 programs (buckets 64 and 72 = the capacity), and every plan equals SGLang's."""
+    from bridge.cache import CACHES
+
+    rng = random.Random(3)
+    rtt = torch.randint(0, 500, (80, 12), dtype=torch.int32)
+    pool = torch.randint(0, 1000, (80, 12), dtype=torch.int32)
+    compiled_before = {k: v._cache_size() for k, v in CACHES.jitted._d.items()}
+    for bs in list(range(1, 71)):
+        rpi = torch.tensor([rng.randint(0, 79) for _ in range(bs)], dtype=torch.int64)
+        prefix = torch.tensor([rng.randint(0, 10) for _ in range(bs)], dtype=torch.int64)
+        extend = torch.tensor([rng.randint(0, 2) for _ in range(bs)], dtype=torch.int64)
+        valid = torch.tensor([rng.randint(0, 12) for _ in range(bs)], dtype=torch.int64)
+        kw = dict(req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend,
+                  req_to_token=rtt, swa_window_size=0, full_to_swa_index_mapping=None,
+                  verify_capacity=256, req_to_verify_expected_tokens=pool,
+                  req_to_verify_expected_tokens_valid_lens=valid,
+                  kv_token_id_vs_position_offset=bs % 2)
+        ours = (bridge.VerifyPlan.allocate(verify_capacity=256, device=CPU).zero_for_testing_(),
+                bridge.WritePlan.allocate(write_req_capacity=72, device=CPU).zero_for_testing_())
+        ref = (sgl.verify.VerifyPlan.allocate(verify_capacity=256,
+                                              device=CPU).zero_for_testing_(),
+               sgl.write.WritePlan.allocate(write_req_capacity=72,
+                                            device=CPU).zero_for_testing_())
+        bridge.launch_canary_plan_kernels(verify_plan_out=ours[0], write_plan_out=ours[1], **kw)
+        sgl.plan_ref.launch_canary_plan_kernels_torch_reference(
+            verify_plan_out=ref[0], write_plan_out=ref[1], **kw)
+        for f in bridge.VerifyPlan.__dataclass_fields__:
+            assert torch.equal(getattr(ours[0], f), getattr(ref[0], f)), (bs, f)
+        for f in bridge.WritePlan.__dataclass_fields__:
+            assert torch.equal(getattr(ours[1], f), getattr(ref[1], f)), (bs, f)
+    plan_fns = {k: v for k, v in CACHES.jitted._d.items() if k[0] == "launch_canary_plan_kernels"}
+    compiled = sum(v._cache_size() - compiled_before.get(k, 0) for k, v in plan_fns.items())
+    assert compiled == 2 * 2  # two buckets, for each kv_token_id_vs_position_offset (a static)
+
+
+def test_plan_batch_size_scalars_are_shared_aligned_and_never_freed():
+    """The plan's num_reqs operand: one read-only tensor per (device, count), holding the count,
+    32-byte aligned (the kernels keep their aligned variant), still valid after its table grows
+    (a captured graph may hold its address), and none for an empty batch."""
+    from bridge.cache import Counts
+
+    counts = Counts()
+    a = counts.view(CPU, 7)
+    assert a is counts.view(CPU, 7) and a.tolist() == [7] and a.dtype == torch.int32
+    assert a.data_ptr() % 32 == 0 and counts.view(CPU, 8).data_ptr() - a.data_ptr() == 32
+    big = counts.view(CPU, 5000)  # past the first table (4,096 counts): a second one
+    assert big.tolist() == [5000] and big.data_ptr() % 32 == 0
+    assert counts.view(CPU, 7) is a and a.tolist() == [7]  # the first table's views stay
+    assert counts.view(CPU, 0) is None

@@ -96,20 +96,23 @@ def test_plan_kernels_share_the_verify_offsets_scratch_and_alias_the_plan_fields
     wp = [("write_plan_out.write_offsets", "i64"), ("write_plan_out.write_seed_slot_indices", "i64"),
           ("verify_plan_out.verify_num_valid", "i32"), ("verify_plan_out.enable", "i32"),
           ("write_plan_out.write_num_valid_reqs", "i32")]
+    # The batch size is an operand (num_reqs): 4 requests lowered as min(bucket(4), the write
+    # request capacity 5) = 5 lanes.
     assert p1 == [("req_pool_indices", "i64"), ("prefix_lens", "i64"), ("extend_seq_lens", "i64"),
                   ("req_to_token", "i32"), ("const", "i64"),  # no LUT: a 1-element dummy
-                  *wp, ("scratch", "i64"), *wp]
+                  ("num_reqs", "i32"), *wp, ("scratch", "i64"), *wp]
     vp = [(f"verify_plan_out.{k}", "i64") for k in VP]
     assert p2 == [("req_pool_indices", "i64"), ("prefix_lens", "i64"), ("req_to_token", "i32"),
                   ("const", "i64"), ("scratch", "i64"), ("verify_plan_out.enable", "i32"),
                   ("req_to_verify_expected_tokens", "i32"),
                   ("req_to_verify_expected_tokens_valid_lens", "i64"), *vp, *vp]
     args, prog = _program("plan")
-    # The verify offsets [bs + 1] are the one buffer no argument holds: written by the first
+    assert [a.shape for a in args if a.name in ("req_pool_indices", "num_reqs")] == [(5,), (1,)]
+    # The verify offsets [lanes + 1] are the one buffer no argument holds: written by the first
     # kernel, read by the second.
-    assert [s.shape for s in prog.scratch] == [(5,)]
+    assert [s.shape for s in prog.scratch] == [(6,)]
     k1, k2 = prog.kernels
-    assert k1.bufs[10] == k2.bufs[4] == td.Buf("scratch", 0)
+    assert k1.bufs[11] == k2.bufs[4] == td.Buf("scratch", 0)
     assert prog.copies == ()
 
 
@@ -125,11 +128,12 @@ def test_plan_multi_block_path_is_three_kernels():
     assert names == ["kvcanary_plan_offsets_block_sums", "kvcanary_plan_offsets",
                      "kvcanary_plan_entries"]
     sums, offsets, entries = prog.kernels
-    assert sums.grid == (2, 1, 1)  # 4 requests in blocks of 2
+    assert sums.grid == (3, 1, 1)  # 4 requests lowered as 5 lanes, in blocks of 2
     # The block sums (two scratch arrays) feed the offsets kernel, whose verify offsets feed the
-    # entries kernel.
-    assert sums.bufs[3:] == (td.Buf("scratch", 0), td.Buf("scratch", 1))
-    assert offsets.bufs[5:7] == (td.Buf("scratch", 0), td.Buf("scratch", 1))
+    # entries kernel; both read the batch size (num_reqs, the last argument).
+    n = len(args) - 1
+    assert sums.bufs[3:] == (td.Buf("arg", n), td.Buf("scratch", 0), td.Buf("scratch", 1))
+    assert offsets.bufs[5:8] == (td.Buf("scratch", 0), td.Buf("scratch", 1), td.Buf("arg", n))
     assert entries.bufs[4] == td.Buf("scratch", 2)
     compiled = td.compile_kernel(sums.ttir, num_warps=sums.num_warps, num_stages=sums.num_stages,
                                  target=_target())
@@ -285,8 +289,9 @@ def test_launch_passes_each_kernel_its_pointers_in_parameter_order():
         by_name = {a.name: p for a, p in zip(args, ptrs)}
         assert a1[:4] == tuple(by_name[n] for n in ("req_pool_indices", "prefix_lens",
                                                    "extend_seq_lens", "req_to_token"))
-        assert a1[5] == a1[11] == by_name["write_plan_out.write_offsets"]  # the alias
-        assert a1[10] == a2[4]  # the verify offsets: one scratch buffer, written then read
+        assert a1[5] == by_name["num_reqs"]  # the batch size operand
+        assert a1[6] == a1[12] == by_name["write_plan_out.write_offsets"]  # the alias
+        assert a1[11] == a2[4]  # the verify offsets: one scratch buffer, written then read
         assert a2[8:12] == a2[12:16] == tuple(by_name[f"verify_plan_out.{k}"] for k in VP)
         # A pointer 8 bytes off: that kernel is compiled (once) for the alignment it has.
         ptrs[args.index(next(a for a in args if a.name == "verify_plan_out.verify_num_valid"))] += 8
@@ -294,7 +299,7 @@ def test_launch_passes_each_kernel_its_pointers_in_parameter_order():
         loaded.launch(ptrs, stream=5)
         loaded.launch(ptrs, stream=5)
         div = log[0][4]
-        assert div[7] == 8 and div[0] == 32  # verify_num_valid is the offsets kernel's 8th
+        assert div[8] == 8 and div[0] == 32  # verify_num_valid is the offsets kernel's 9th
         assert sum(1 for name, d in compiled if d == div) == 1
     finally:
         patch.stop()

@@ -903,3 +903,135 @@ def test_tpu_batch_past_the_smem_budget_is_refused_with_a_clear_error():
     c = case(np.ones(40000), np.ones(40000), np.ones(40000), RTT, vc=8, wc=40000)
     with pytest.raises(ValueError, match="implementation='xla'"):
         run_ours(c, _impls.TPU)
+
+
+# ------------------------------------------------------------------------------------------------
+# The batch size as an operand: request vectors padded to a bucket, num_reqs the true count
+# ------------------------------------------------------------------------------------------------
+
+
+def run_padded(c: Case, impl: str | None, padded_bs: int, rng, *, config=None,
+               reference: bool = False) -> dict:
+    """Case ``c`` planned with its request vectors padded to ``padded_bs`` lanes of garbage
+    (live-looking rows, prefixes, lengths) and ``num_reqs = bs``."""
+    bs = c.rpi.shape[0]
+    extra = padded_bs - bs
+    rows = c.rtt.shape[0]
+    pad = lambda x, fill: np.concatenate([x, fill]).astype(np.int64)  # noqa: E731
+    kw_pad = dict(
+        req_pool_indices=pad(c.rpi, rng.integers(1, max(rows, 2), extra)),
+        prefix_lens=pad(c.prefix, rng.integers(1, 9, extra)),
+        extend_seq_lens=pad(c.extend, rng.integers(1, 9, extra)))
+    with jax.enable_x64(True):
+        vp, wp = marked_plans(c.vc, c.wc)
+        kw = kwargs_of(c)
+        kw.update({k: jnp.asarray(v) for k, v in kw_pad.items()})
+        if c.vl is not None:
+            kw["req_to_verify_expected_tokens_valid_lens"] = jnp.asarray(
+                pad(c.vl, rng.integers(0, 9, extra)))
+        if reference:
+            return as_dict(*plan_base.reference(
+                vp, wp, *(kw[k] for k in ("req_pool_indices", "prefix_lens", "extend_seq_lens",
+                                          "req_to_token", "full_to_swa_index_mapping",
+                                          "req_to_verify_expected_tokens",
+                                          "req_to_verify_expected_tokens_valid_lens")),
+                swa_window_size=c.W, verify_capacity=c.vc, kv_token_id_vs_position_offset=c.k,
+                num_reqs=jnp.asarray([bs], jnp.int32)))
+        return as_dict(*canary_plan(verify_plan_out=vp, write_plan_out=wp, **kw,
+                                    implementation=impl, config=config, num_reqs=bs))
+
+
+def _fuzz_padded(sgl, buckets, n_cases, seed, impl, config=None):
+    rng = np.random.default_rng(seed)
+    n_bad, first_bad, n_overflow = 0, None, 0
+    for i in range(n_cases):
+        b = buckets[i % len(buckets)]
+        c = gen_case(rng, b)
+        padded_bs = max(2 * b.bs, b.bs + 3)  # a bucket above the case's bs
+        c.wc = max(c.wc, padded_bs)
+        want = run_oracle(sgl, c)
+        n_overflow += int(want["enable"][0] == 0)
+        bad = mismatches(run_padded(c, impl, padded_bs, rng, config=config), want)
+        bad += ["reference " + s for s in
+                mismatches(run_padded(c, None, padded_bs, rng, reference=True), want)]
+        if bad:
+            n_bad += 1
+            first_bad = first_bad or (c, bad)
+    assert n_bad == 0, f"{n_bad} of {n_cases} cases differ; first: {first_bad}"
+    return n_overflow
+
+
+PADDED_IMPLS = [i for i in IMPLS if i != "pallas_mosaic_tpu"]
+
+
+@pytest.mark.parametrize("impl", PADDED_IMPLS)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_padded_batch_with_num_reqs_equals_sglang(sgl, family, impl):
+    """Request vectors padded with live-looking garbage to a bucket, ``num_reqs`` the true batch
+    size: every output element equals SGLang's plan of the unpadded batch (write_offsets zero
+    past bs, seeds untouched past bs, write_num_valid_reqs = bs), and so does the reference."""
+    n_overflow = _fuzz_padded(sgl, FAMILIES[family], 150, seed=zlib.crc32(family.encode()) + 2,
+                              impl=impl)
+    assert 0 < n_overflow < 150
+
+
+@pytest.mark.parametrize("impl", PALLAS)
+def test_padded_batch_multi_block_offsets(sgl, impl):
+    """num_reqs through the two-kernel offsets path (block sums over padded lanes) and the
+    looping entries grid."""
+    config = _launch(single_block_max=8, multi_block=8, block_entries=16, max_programs=2)
+    buckets = [Bucket(9, 12, 6, vc=40), Bucket(17, 20, 7, pool_width=8, k=1, vc=64,
+                                                    wc_extra=16),
+               Bucket(1, 3, 5, W=2, lut_len=64, pool_width=6, vc=20)]
+    _fuzz_padded(sgl, buckets, 150, seed=11, impl=impl, config=config)
+
+
+@pytest.mark.parametrize("impl", PADDED_IMPLS)
+def test_num_reqs_zero_and_clamped(sgl, impl):
+    """num_reqs = 0 plans an empty batch (SGLang's bs == 0 plan); a count past the lanes is
+    clamped to them."""
+    c = HAND_CASES["full_basic"]
+    with jax.enable_x64(True):
+        vp, wp = marked_plans(c.vc, c.wc)
+        got0 = as_dict(*canary_plan(verify_plan_out=vp, write_plan_out=wp, **kwargs_of(c),
+                                    implementation=impl, num_reqs=0))
+        vp, wp = marked_plans(c.vc, c.wc)
+        got9 = as_dict(*canary_plan(verify_plan_out=vp, write_plan_out=wp, **kwargs_of(c),
+                                    implementation=impl, num_reqs=9))
+    empty = dataclasses.replace(c, rpi=c.rpi[:0], prefix=c.prefix[:0], extend=c.extend[:0])
+    assert_same(got0, run_oracle(sgl, empty))
+    assert_same(got9, run_oracle(sgl, c))
+
+
+def _tpu_interpret_config():
+    from jax.experimental.pallas import tpu as pltpu
+
+    from kvcanary_jax.ops.plan.pallas_mosaic_tpu import Config
+
+    return Config(interpret=pltpu.InterpretParams())
+
+
+def test_num_reqs_refused_by_the_per_bs_implementation():
+    c = HAND_CASES["full_basic"]
+    with jax.enable_x64(True), pytest.raises(ValueError, match="'pallas_mosaic_tpu' compiles per "
+                                             "batch size and takes no num_reqs"):
+        vp, wp = marked_plans(c.vc, c.wc)
+        canary_plan(verify_plan_out=vp, write_plan_out=wp, **kwargs_of(c),
+                    implementation="pallas_mosaic_tpu", num_reqs=2,
+                    config=_tpu_interpret_config())
+
+
+@pytest.mark.parametrize("impl", PADDED_IMPLS)
+def test_serving_loop_compiles_once_per_bucket(sgl, impl):
+    """Batch sizes 1..40 padded to kvcanary_jax.buckets with floor 8: 4 buckets (8, 16, 32, 64),
+    so 4 compilations of the plan, each result equal to SGLang's unpadded plan."""
+    from kvcanary_jax import buckets
+    from kvcanary_jax.ops.plan import api
+
+    rng = np.random.default_rng(5)
+    before = api._run._cache_size()
+    for bs in range(1, 41):
+        c = gen_case(rng, Bucket(bs, 41, 6, pool_width=7, vc=48, wc_extra=64 - bs))
+        want = run_oracle(sgl, c)
+        assert_same(run_padded(c, impl, buckets.bucket(bs, floor=8), rng), want, c)
+    assert api._run._cache_size() - before == 4

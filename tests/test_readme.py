@@ -1,7 +1,8 @@
 """The README's Python examples run as written and print what their comments say they print.
 
 Examples that import sglang-jax (``sgl_jax``: Python >= 3.12) are marked ``sglang_jax``: they run
-in the Python 3.12 CI leg, which installs it, and are deselected where it is not installed."""
+in the Python 3.12 CI leg, which installs it, and are deselected where it is not installed.
+Examples that import the torch bridge are marked ``torch``: they run in the Python 3.11 leg."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def test_readme_has_examples():
 
 def _param(index: int):
     needs = ("sgl_jax" in BLOCKS[index]) * [pytest.mark.sglang_jax]
+    # The torch bridge's examples need torch and SGLang 0.5.23 (the Python 3.11 leg).
+    needs += ("import bridge" in BLOCKS[index]) * [pytest.mark.torch]
     return pytest.param(index, marks=needs, id=str(index))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -22,27 +23,42 @@ OP = _registry.standard_op("plan")
     static_argnames=("swa_window_size", "verify_capacity", "kv_token_id_vs_position_offset",
                      "implementation", "config"),
 )
-def _run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, *, swa_window_size,
+def _run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, num_reqs, *, swa_window_size,
          verify_capacity, kv_token_id_vs_position_offset, implementation, config):
     return base.sized_call(functools.partial(OP.run, implementation), vp, wp, rpi, prefix,
                            extend, rtt, lut, pool, valid_lens, swa_window_size=swa_window_size,
                            verify_capacity=verify_capacity,
                            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-                           config=config)
+                           config=config,
+                           **({} if num_reqs is None else {"num_reqs": num_reqs}))
+
+
+def takes_num_reqs(implementation: str) -> bool:
+    """Whether ``implementation``'s kernels take the batch size as an operand (``num_reqs``):
+    ``xla``, ``pallas_triton`` and ``pallas_interpret`` do; ``pallas_mosaic_tpu`` compiles per
+    batch size."""
+    return "num_reqs" in inspect.signature(OP.module(implementation).run).parameters
 
 
 @_config.entry_point
 def run(vp: VerifyPlan, wp: WritePlan, rpi, prefix, extend, rtt, lut, pool, valid_lens, *,
         swa_window_size: int, verify_capacity: int, kv_token_id_vs_position_offset: int,
-        implementation: str | None = None, config=None) -> tuple[VerifyPlan, WritePlan]:
+        implementation: str | None = None, config=None,
+        num_reqs=None) -> tuple[VerifyPlan, WritePlan]:
     """Array-level plan, without the contract's checks (the torch bridge checks the same contract
     on its tensors). ``rtt`` (and ``pool``) may be compact ``[rows, row_pitch]`` bases of strided
     views (see :mod:`kvcanary_jax.ops.plan.base`); ``lut``, ``pool`` and ``valid_lens`` may be
     None. Returns the filled plans, every array aliased to the input plans'.
-    ``implementation`` / ``config``: as :func:`canary_plan`."""
+    ``implementation`` / ``config`` / ``num_reqs``: as :func:`canary_plan`."""
     impl = OP.select(implementation, config=config)
+    if num_reqs is not None:
+        if not takes_num_reqs(impl):
+            raise ValueError(
+                f"kv-canary: canary_plan: implementation {impl!r} compiles per batch size and "
+                "takes no num_reqs; pass the unpadded request vectors")
+        num_reqs = jnp.asarray(num_reqs, jnp.int32).reshape(1)
     cfg = OP.config(impl, base.shapes(vp, wp, rpi, rtt, lut, pool), config)
-    return _run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens,
+    return _run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, num_reqs,
                 swa_window_size=int(swa_window_size), verify_capacity=int(verify_capacity),
                 kv_token_id_vs_position_offset=int(kv_token_id_vs_position_offset),
                 implementation=impl, config=cfg)
@@ -70,6 +86,7 @@ def canary_plan(
     req_to_token_stride0: int | None = None,
     implementation: str | None = None,
     config=None,
+    num_reqs=None,
 ) -> tuple[VerifyPlan, WritePlan]:
     """Plan one step's verify entries and write ranges; returns the filled ``(VerifyPlan,
     WritePlan)`` (semantics: :mod:`kvcanary_jax.ops.plan.base`).
@@ -90,6 +107,13 @@ def canary_plan(
     platform's, see :mod:`kvcanary_jax.ops._registry`); ``config``: that implementation's
     ``Config`` (default: the device kind's tuned table, else heuristics).
 
+    ``num_reqs``: the batch size as a runtime operand (an int or a one-element integer array,
+    traced or not) when the request vectors (``req_pool_indices``, ``prefix_lens``,
+    ``extend_seq_lens``, ``valid_lens``) are padded to a bucket: requests at or past it are
+    never read and the plans equal those of the unpadded batch, so a serving loop compiles once
+    per bucket (:func:`kvcanary_jax.ops.plan.base.batch_lanes`; ``pallas_mosaic_tpu`` compiles
+    per batch size and refuses it). The checks use the padded vectors' length as ``bs``.
+
     Under ``jax.jit(..., donate_argnames=...)`` with both plans donated the plan buffers are
     filled in place (every plan array is aliased input-to-output). Raises SGLang's errors (see
     :data:`kvcanary_jax.ops.plan.base.CONTRACT`) at trace time.
@@ -104,4 +128,4 @@ def canary_plan(
     return run(verify_plan_out, write_plan_out, *args, swa_window_size=swa_window_size,
                verify_capacity=verify_capacity,
                kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-               implementation=implementation, config=config)
+               implementation=implementation, config=config, num_reqs=num_reqs)

@@ -91,6 +91,7 @@ __all__ = [
     "shapes",
     "window_start",
     "lens",
+    "batch_lanes",
     "empty_batch",
     "sized_call",
     "compose",
@@ -432,6 +433,19 @@ def lens(rpi, prefix, extend, in_bs, swa_window_size: int):
     return active, vlen, wlen
 
 
+def batch_lanes(num_reqs, bs: int):
+    """How many of the ``bs`` request lanes are the batch: ``bs`` (a Python int) without
+    ``num_reqs``, else ``num_reqs[0]`` clamped to ``[0, bs]`` (a traced int64; the clamp keeps a
+    bad count in bounds). With ``num_reqs``, lanes at or past it are padding that the plan never
+    reads: their verify and write lengths are 0, ``write_offsets`` is 0 from index
+    ``num_reqs + 1`` on, their seeds are untouched and ``write_num_valid_reqs = num_reqs``, so
+    a batch padded to a bucket plans exactly as the unpadded batch (one compilation per bucket
+    instead of per batch size)."""
+    if num_reqs is None:
+        return bs
+    return jnp.clip(jnp.asarray(num_reqs).reshape(-1)[0].astype(jnp.int64), 0, bs)
+
+
 def empty_batch(vp: VerifyPlan, wp: WritePlan) -> tuple[VerifyPlan, WritePlan]:
     """The result of a ``bs == 0`` plan (see the module docstring)."""
     return (
@@ -474,21 +488,26 @@ def sized_call(fn, vp: VerifyPlan, wp: WritePlan, rpi, *args, **kw):
 
 def compose(offsets_fn: Callable, entries_fn: Callable, vp: VerifyPlan, wp: WritePlan, rpi,
             prefix, extend, rtt, lut, pool, valid_lens, *, swa_window_size: int,
-            verify_capacity: int, kv_token_id_vs_position_offset: int):
+            verify_capacity: int, kv_token_id_vs_position_offset: int, num_reqs=None):
     """The plan from its two halves (``bs >= 1``)::
 
         offsets_fn(rpi, prefix, extend, rtt, lut, write_offsets, seeds, verify_num_valid, enable,
-                   write_num_valid_reqs, *, swa_window_size, verify_capacity)
+                   write_num_valid_reqs, *, swa_window_size, verify_capacity[, num_reqs])
             -> (verify_offsets[bs + 1], write_offsets, seeds, verify_num_valid, enable,
                 write_num_valid_reqs)
         entries_fn(rpi, prefix, rtt, lut, verify_offsets, enable, pool, valid_lens, slots,
                    tokens, positions, prevs, *, swa_window_size, kv_token_id_vs_position_offset)
             -> (slots, tokens, positions, prevs)
+
+    ``num_reqs`` (see :func:`batch_lanes`) reaches the offsets half only: requests at or past it
+    get empty ranges there, so ``verify_offsets`` is flat from ``num_reqs`` on and the entries
+    half, which finds each entry's request in it, never picks one of them.
     """
     voff, wo, seeds, nv, en, wn = offsets_fn(
         rpi, prefix, extend, rtt, lut, wp.write_offsets, wp.write_seed_slot_indices,
         vp.verify_num_valid, vp.enable, wp.write_num_valid_reqs,
         swa_window_size=swa_window_size, verify_capacity=verify_capacity,
+        **({} if num_reqs is None else {"num_reqs": num_reqs}),
     )
     slots, toks, poss, prevs = entries_fn(
         rpi, prefix, rtt, lut, voff, en, pool, valid_lens, vp.verify_slot_indices,
@@ -510,17 +529,20 @@ def compose(offsets_fn: Callable, entries_fn: Callable, vp: VerifyPlan, wp: Writ
 
 def offsets_reference(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds,
                       verify_num_valid, enable, write_num_valid_reqs, *, swa_window_size,
-                      verify_capacity):
+                      verify_capacity, num_reqs=None):
     """The offsets half (see :func:`compose`)."""
     del verify_num_valid, enable, write_num_valid_reqs
     bs = rpi.shape[0]
-    _, vlen, wlen = lens(rpi, prefix, extend, jnp.ones((bs,), bool), swa_window_size)
+    n = batch_lanes(num_reqs, bs)
+    in_bs = jnp.arange(bs) < n
+    _, vlen, wlen = lens(rpi, prefix, extend, in_bs, swa_window_size)
     voff = jnp.concatenate([jnp.zeros((1,), jnp.int64), jnp.cumsum(vlen)])
     wcum = jnp.concatenate([jnp.zeros((1,), jnp.int64), jnp.cumsum(wlen)])
+    wcum = jnp.where(jnp.arange(bs + 1) <= n, wcum, 0)
     new_wo = jnp.zeros_like(write_offsets).at[: bs + 1].set(wcum)
     total_v = voff[bs]
     rows, pitch = req_to_token.shape
-    has_prefix = (rpi != consts.REQ_POOL_IDX_PADDING) & (prefix > 0)
+    has_prefix = in_bs & (rpi != consts.REQ_POOL_IDX_PADDING) & (prefix > 0)
     flat = rpi * pitch + (prefix - 1)
     ok = has_prefix & (flat >= 0) & (flat < rows * pitch)
     cells = req_to_token.reshape(-1)
@@ -529,11 +551,11 @@ def offsets_reference(rpi, prefix, extend, req_to_token, lut, write_offsets, see
     if lut is not None:
         raw = jnp.where(raw < 0, raw, lut[jnp.clip(raw, 0, lut.shape[0] - 1)])
     seed = jnp.where(has_prefix & (wlen > 0), raw, -1)
-    new_seeds = seeds.at[:bs].set(seed) if bs else seeds
+    new_seeds = seeds.at[:bs].set(jnp.where(in_bs, seed, seeds[:bs])) if bs else seeds
     overflow = total_v > verify_capacity
     nv = jnp.where(overflow, verify_capacity, total_v).astype(jnp.int32).reshape(1)
     en = jnp.where(overflow, 0, 1).astype(jnp.int32).reshape(1)
-    wn = jnp.full((1,), bs, jnp.int32)
+    wn = jnp.full((1,), n, jnp.int32)
     return voff, new_wo, new_seeds, nv, en, wn
 
 
@@ -581,12 +603,13 @@ def entries_reference(rpi, prefix, req_to_token, lut, verify_offsets, enable, po
     static_argnames=("swa_window_size", "verify_capacity", "kv_token_id_vs_position_offset"),
 )
 def reference(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, *, swa_window_size,
-              verify_capacity, kv_token_id_vs_position_offset):
+              verify_capacity, kv_token_id_vs_position_offset, num_reqs=None):
     """The array-level reference (no validation)."""
     return sized_call(functools.partial(compose, offsets_reference, entries_reference), vp, wp,
                       rpi, prefix, extend, rtt, lut, pool, valid_lens,
                       swa_window_size=swa_window_size, verify_capacity=verify_capacity,
-                      kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
+                      kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+                      num_reqs=num_reqs)
 
 
 def _opt(x):

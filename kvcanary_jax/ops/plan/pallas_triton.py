@@ -43,9 +43,10 @@ def heuristics(shapes) -> Config:
 
 def run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, *, swa_window_size: int,
         verify_capacity: int, kv_token_id_vs_position_offset: int, config: Config,
-        interpret: bool = False):
+        interpret: bool = False, num_reqs=None):
     """``(VerifyPlan, WritePlan)`` filled (``bs >= 1``; the caller handles an empty batch).
-    ``interpret``: Pallas interpret mode (``pallas_interpret``)."""
+    ``interpret``: Pallas interpret mode (``pallas_interpret``); ``num_reqs``:
+    :func:`kvcanary_jax.ops.plan.base.batch_lanes`."""
     offsets = functools.partial(
         kernel.plan_offsets, interpret=interpret, num_warps=config.offsets_num_warps,
         single_block_max=config.single_block_max, multi_block=config.multi_block)
@@ -55,4 +56,5 @@ def run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, *, swa_window_s
     return base.compose(offsets, entries, vp, wp, rpi, prefix, extend, rtt, lut, pool,
                         valid_lens, swa_window_size=swa_window_size,
                         verify_capacity=verify_capacity,
-                        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
+                        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+                        num_reqs=num_reqs)

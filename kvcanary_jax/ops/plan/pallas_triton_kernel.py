@@ -13,6 +13,12 @@ data). The grid is sized from the (static) capacity, since the live total is onl
 device: up to ``max_programs`` programs each take one block and exit when it lies past the total;
 beyond that the programs loop over blocks with a stride of the grid size.
 
+Batch size as an operand (``num_reqs``, :func:`kvcanary_jax.ops.plan.base.batch_lanes`): the
+request vectors may be padded to a bucket ``bs``; the offsets kernels then read the true count
+from a one-element array and treat lanes at or past it as outside the batch (their loads are
+masked, so a caller may hand over vectors shorter than ``bs`` whose tail is never read). The
+entries kernel needs nothing: the offsets are flat from the count on.
+
 Every data-dependent access is masked (see :mod:`kvcanary_jax.ops.plan.base` for the values
 out-of-table reads take). Semantics: :mod:`kvcanary_jax.ops.plan.base`.
 """
@@ -66,9 +72,11 @@ MAX_PROGRAMS = 1024
 # --------------------------------------------------------------------------------------------
 
 
-def _load_block(rpi_ref, prefix_ref, extend_ref, start, block, bs):
+def _load_block(rpi_ref, prefix_ref, extend_ref, start, block, n):
+    """Requests ``[start, start + block)``; lanes at or past ``n`` (the batch's request count:
+    static ``bs``, or the ``num_reqs`` operand) are masked, never loaded."""
     idx = start + jnp.arange(block, dtype=jnp.int32)
-    in_bs = idx < bs
+    in_bs = idx < n
     rpi = plt.load(rpi_ref.at[pl.ds(start, block)], mask=in_bs, other=consts.REQ_POOL_IDX_PADDING)
     prefix = plt.load(prefix_ref.at[pl.ds(start, block)], mask=in_bs, other=0)
     extend = plt.load(extend_ref.at[pl.ds(start, block)], mask=in_bs, other=0)
@@ -92,30 +100,45 @@ def _read_cells(flat_ref, rp, col, ok, *, pitch, n_cells):
     return vals.astype(jnp.int64)
 
 
-def _block_sums_kernel(rpi_ref, prefix_ref, extend_ref, vsum_ref, wsum_ref, *, block, bs,
-                       swa_window_size):
+def _num_reqs(n_ref, bs):
+    """The batch's request count: ``n_ref[0]`` clamped to ``[0, bs]``, or the static ``bs``."""
+    if n_ref is None:
+        return bs
+    return jnp.clip(n_ref[0], 0, bs).astype(jnp.int32)
+
+
+def _block_sums_kernel(*refs, block, bs, swa_window_size, has_n):
+    if has_n:
+        rpi_ref, prefix_ref, extend_ref, n_ref, vsum_ref, wsum_ref = refs
+    else:
+        (rpi_ref, prefix_ref, extend_ref, vsum_ref, wsum_ref), n_ref = refs, None
     pid = pl.program_id(0)
     _, in_bs, rpi, prefix, extend = _load_block(rpi_ref, prefix_ref, extend_ref, pid * block,
-                                                 block, bs)
+                                                 block, _num_reqs(n_ref, bs))
     _, vlen, wlen = lens(rpi, prefix, extend, in_bs, swa_window_size)
     vsum_ref[pid] = jnp.sum(vlen)
     wsum_ref[pid] = jnp.sum(wlen)
 
 
 def _offsets_kernel(*refs, block, bs, num_sum_blocks, swa_window_size, has_lut, lut_len, pitch,
-                    n_cells, verify_capacity, write_capacity):
+                    n_cells, verify_capacity, write_capacity, has_n):
     """Program p owns request indices ``[p*block, (p+1)*block)``: it computes its requests'
     offsets and seeds (when any fall below bs) and zero-fills its part of ``write_offsets`` past
-    bs. Program 0 also stores the totals and the scalars."""
+    bs. Program 0 also stores the totals and the scalars. With ``has_n``, lanes at or past the
+    ``num_reqs`` operand are outside the batch (module docstring)."""
     multi = num_sum_blocks > 1
+    refs = list(refs)
+    rpi_ref, prefix_ref, extend_ref, rtt_ref, lut_ref = refs[:5]
+    del refs[:5]
+    vsum_ref = wsum_ref = n_ref = None
     if multi:
-        (rpi_ref, prefix_ref, extend_ref, rtt_ref, lut_ref, vsum_ref, wsum_ref,
-         _wo_in, _seed_in, _nv_in, _en_in, _wn_in,
-         voff_ref, wo_ref, seed_ref, nv_ref, en_ref, wn_ref) = refs
-    else:
-        (rpi_ref, prefix_ref, extend_ref, rtt_ref, lut_ref,
-         _wo_in, _seed_in, _nv_in, _en_in, _wn_in,
-         voff_ref, wo_ref, seed_ref, nv_ref, en_ref, wn_ref) = refs
+        vsum_ref, wsum_ref = refs[:2]
+        del refs[:2]
+    if has_n:
+        n_ref = refs.pop(0)
+    _wo_in, _seed_in, _nv_in, _en_in, _wn_in, voff_ref, wo_ref, seed_ref, nv_ref, en_ref, \
+        wn_ref = refs
+    n = _num_reqs(n_ref, bs)
     pid = pl.program_id(0)
     start = pid * block
 
@@ -135,24 +158,30 @@ def _offsets_kernel(*refs, block, bs, num_sum_blocks, swa_window_size, has_lut, 
 
     def store_scalars(total_v, total_w):
         voff_ref[bs] = total_v
-        wo_ref[bs] = total_w
+        # write_offsets[bs] is the total when the batch fills every lane, else past the count.
+        wo_ref[bs] = total_w if not has_n else jnp.where(n == bs, total_w, 0)
         overflow = total_v > verify_capacity
         nv_ref[0] = jnp.where(overflow, verify_capacity, total_v).astype(jnp.int32)
         en_ref[0] = jnp.where(overflow, 0, 1).astype(jnp.int32)
-        wn_ref[0] = jnp.int32(bs)
+        wn_ref[0] = jnp.int32(bs) if not has_n else n
 
     @pl.when(start < bs)
     def _requests():
         idx, in_bs, rpi, prefix, extend = _load_block(rpi_ref, prefix_ref, extend_ref, start,
-                                                      block, bs)
+                                                      block, n)
         active, vlen, wlen = lens(rpi, prefix, extend, in_bs, swa_window_size)
         vinc = jnp.cumsum(vlen)
         winc = jnp.cumsum(wlen)
         vexcl, wexcl = vinc - vlen, winc - wlen
         if multi:
             vexcl, wexcl = vexcl + base_v, wexcl + base_w
-        plt.store(voff_ref.at[pl.ds(start, block)], vexcl, mask=in_bs)
-        plt.store(wo_ref.at[pl.ds(start, block)], wexcl, mask=in_bs)
+        # Every lane below bs: verify_offsets is flat from the count on (the entries kernel's
+        # search needs it so); write_offsets holds the total at the count and 0 past it.
+        lanes = idx < bs
+        plt.store(voff_ref.at[pl.ds(start, block)], vexcl, mask=lanes)
+        if has_n:
+            wexcl = jnp.where(idx <= n, wexcl, 0)
+        plt.store(wo_ref.at[pl.ds(start, block)], wexcl, mask=lanes)
 
         has_prefix = active & (prefix > 0)
         raw = _read_cells(rtt_ref, rpi, prefix - 1, has_prefix, pitch=pitch, n_cells=n_cells)
@@ -184,9 +213,10 @@ def _dummy(dtype):
 def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, verify_num_valid,
                  enable, write_num_valid_reqs, *, swa_window_size, verify_capacity, interpret,
                  num_warps=OFFSETS_NUM_WARPS, single_block_max=SINGLE_BLOCK_MAX,
-                 multi_block=MULTI_BLOCK):
+                 multi_block=MULTI_BLOCK, num_reqs=None):
     """Launch the offsets kernel(s) (call inside a jit, after validation). ``req_to_token`` is the
-    ``[rows, row_pitch]`` table (a compact base whose pitch may exceed the logical width).
+    ``[rows, row_pitch]`` table (a compact base whose pitch may exceed the logical width);
+    ``num_reqs``: a one-element int32 array, the batch's request count (module docstring).
 
     Returns ``(verify_offsets[bs + 1], write_offsets, seeds, verify_num_valid, enable,
     write_num_valid_reqs)``; the last five alias their inputs."""
@@ -199,6 +229,8 @@ def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, v
     lut_len = lut.shape[0] if has_lut else 0
     lut_arr = lut if has_lut else _dummy(jnp.int64)
     params = None if interpret else _kernel_lib.compiler_params(num_warps)
+    has_n = num_reqs is not None
+    n_inputs = (num_reqs.reshape(1).astype(jnp.int32),) if has_n else ()
 
     if bs <= single_block_max:
         block = max(MIN_BLOCK, pl.next_power_of_2(max(bs, 1)))
@@ -209,21 +241,22 @@ def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, v
         num_sum_blocks = pl.cdiv(bs, block)
         sum_inputs = pl.pallas_call(
             functools.partial(_block_sums_kernel, block=block, bs=bs,
-                              swa_window_size=swa_window_size),
+                              swa_window_size=swa_window_size, has_n=has_n),
             out_shape=(jax.ShapeDtypeStruct((num_sum_blocks,), jnp.int64),) * 2,
             grid=(num_sum_blocks,),
             interpret=interpret,
             compiler_params=params,
             name="kvcanary_plan_offsets_block_sums",
-        )(rpi, prefix, extend)
+        )(rpi, prefix, extend, *n_inputs)
 
     grid = pl.cdiv(write_capacity + 1, block)
     kernel = functools.partial(
         _offsets_kernel, block=block, bs=bs, num_sum_blocks=num_sum_blocks,
         swa_window_size=swa_window_size, has_lut=has_lut, lut_len=max(lut_len, 1), pitch=pitch,
         n_cells=n_cells, verify_capacity=verify_capacity, write_capacity=write_capacity,
+        has_n=has_n,
     )
-    inputs = (rpi, prefix, extend, rtt_flat, lut_arr, *sum_inputs,
+    inputs = (rpi, prefix, extend, rtt_flat, lut_arr, *sum_inputs, *n_inputs,
               write_offsets, seeds, verify_num_valid, enable, write_num_valid_reqs)
     first_alias = len(inputs) - 5
     out_shape = (
@@ -276,9 +309,11 @@ def _entries_kernel(rpi_ref, prefix_ref, rtt_ref, lut_ref, voff_ref, en_ref, poo
         t = t32.astype(jnp.int64)
         mask = t < live
         r = _owner(voff_ref, t, bs=bs)
-        rstart = plt.load(voff_ref.at[r])
-        rp = plt.load(rpi_ref.at[r])
-        prefix = plt.load(prefix_ref.at[r])
+        # A lane past the live total may find a request lane at or past num_reqs, which a
+        # caller need not have allocated (module docstring): only live lanes load.
+        rstart = plt.load(voff_ref.at[r], mask=mask, other=0)
+        rp = plt.load(rpi_ref.at[r], mask=mask, other=0)
+        prefix = plt.load(prefix_ref.at[r], mask=mask, other=0)
         pos = window_start(prefix, swa_window_size) + (t - rstart)
         slot = _read_cells(rtt_ref, rp, pos, mask, pitch=pitch, n_cells=n_cells)
         has_prev = mask & (pos > 0)
@@ -289,7 +324,7 @@ def _entries_kernel(rpi_ref, prefix_ref, rtt_ref, lut_ref, voff_ref, en_ref, poo
         prev = jnp.where(pos > 0, prev, -1)
         if has_pool:
             sot = pos + k
-            vl = plt.load(vl_ref.at[r])
+            vl = plt.load(vl_ref.at[r], mask=mask, other=0)
             flat = rp * pool_pitch + sot
             ok = mask & (sot >= 0) & (sot < vl) & (flat >= 0) & (flat < n_pool)
             idx_t = _kernel_lib.index_dtype(n_pool)

@@ -76,23 +76,31 @@ def _xlat(v, lut):
 
 
 def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, verify_num_valid,
-                 enable, write_num_valid_reqs, *, swa_window_size, verify_capacity):
-    """The offsets half (:func:`kvcanary_jax.ops.plan.base.compose`, ``bs >= 1``)."""
+                 enable, write_num_valid_reqs, *, swa_window_size, verify_capacity,
+                 num_reqs=None):
+    """The offsets half (:func:`kvcanary_jax.ops.plan.base.compose`, ``bs >= 1``); lanes at or
+    past ``num_reqs`` are padding (:func:`kvcanary_jax.ops.plan.base.batch_lanes`)."""
     bs = rpi.shape[0]
-    active, vlen, wlen = base.lens(rpi, prefix, extend, True, swa_window_size)
+    n = base.batch_lanes(num_reqs, bs)
+    in_bs = True if num_reqs is None else jnp.arange(bs) < n
+    active, vlen, wlen = base.lens(rpi, prefix, extend, in_bs, swa_window_size)
     zero = jnp.zeros((1,), jnp.int64)
     voff = jnp.concatenate([zero, jnp.cumsum(vlen)])
     wcum = jnp.concatenate([zero, jnp.cumsum(wlen)])
+    if num_reqs is not None:
+        wcum = jnp.where(jnp.arange(bs + 1) <= n, wcum, 0)
     wo = jax.lax.dynamic_update_slice(X.overwrite(write_offsets, 0), wcum, (0,))
     has_prefix = active & (prefix > 0)
     seed = _xlat(_read(req_to_token, rpi, prefix - 1, has_prefix, 0), lut)
     seed = jnp.where(has_prefix & (wlen > 0), seed, -1)
+    if num_reqs is not None:
+        seed = jnp.where(in_bs, seed, seeds[:bs])
     seeds = jax.lax.dynamic_update_slice(seeds, seed, (0,))
     total = voff[bs]
     overflow = total > verify_capacity
     nv = X.overwrite(verify_num_valid, jnp.where(overflow, verify_capacity, total))
     en = X.overwrite(enable, jnp.where(overflow, 0, 1))
-    wn = X.overwrite(write_num_valid_reqs, bs)
+    wn = X.overwrite(write_num_valid_reqs, n)
     return voff, wo, seeds, nv, en, wn
 
 
@@ -164,10 +172,13 @@ def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, v
 
 
 def run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, *, swa_window_size: int,
-        verify_capacity: int, kv_token_id_vs_position_offset: int, config: Config):
+        verify_capacity: int, kv_token_id_vs_position_offset: int, config: Config,
+        num_reqs=None):
     """``(VerifyPlan, WritePlan)`` filled (``bs >= 1``; no validation). ``rtt`` and ``pool``
-    are ``[rows, row_pitch]`` tables (compact bases whose pitch may exceed the logical width)."""
+    are ``[rows, row_pitch]`` tables (compact bases whose pitch may exceed the logical width);
+    ``num_reqs``: :func:`kvcanary_jax.ops.plan.base.batch_lanes`."""
     return base.compose(plan_offsets, functools.partial(plan_entries, block=config.block), vp, wp,
                         rpi, prefix, extend, rtt, lut, pool, valid_lens,
                         swa_window_size=swa_window_size, verify_capacity=verify_capacity,
-                        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
+                        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+                        num_reqs=num_reqs)

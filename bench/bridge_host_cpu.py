@@ -1,0 +1,71 @@
+"""The torch bridge's per-call Python before a launch, measured on CPU tensors (no GPU needed).
+
+The direct Triton path's host time is this Python plus triton's launcher per kernel. Here every
+launcher of :mod:`bench.bridge_overhead`'s decode-like case is called back to back on CPU tensors
+with value checks off (the GPU default) and the launch itself replaced by what the direct path
+does per call besides triton's launcher: read each argument's pointer (and clamp the offsets
+that index a bucketed token array, as a torch op on the tensors' device). So the time per call
+is: the tensors and the signature, the prepared-call lookup, the per-call storage checks, the
+path decision and the pointers. Minimum over ``--repeat`` runs of ``--iters`` calls, in CPU time
+of the calling thread (``time.thread_time``: on a shared machine, wall time mostly measures the
+other processes).
+
+    python -m bench.bridge_host_cpu [--bs 64,256] [--iters 2000] [--repeat 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import bridge
+from bench import bridge_overhead as bo
+from bridge import launcher as L
+
+
+def _pointers_only(self, prep, tensors, anchor):
+    """The direct path's per-call work besides triton's launcher: clamps and pointers."""
+    return self.pointers(prep, tensors, True)
+
+
+def measure(bs: int, iters: int, repeat: int) -> dict:
+    c = bo.make_case(device="cpu", bs=bs)
+    ops = dict(scatter=bo.run_scatter, plan=bo.run_plan, verify=bo.run_verify,
+               write=bo.run_write, step_fused=bo.run_step)
+    out = {}
+    bridge.set_value_checks(False)
+    original = L.Launcher._dlpack
+    L.Launcher._dlpack = _pointers_only
+    try:
+        for name, fn in ops.items():
+            fn(c)  # the first call checks and prepares
+            best = float("inf")
+            for _ in range(repeat):
+                t0 = time.thread_time()
+                for _ in range(iters):
+                    fn(c)
+                best = min(best, (time.thread_time() - t0) / iters)
+            out[name] = round(best * 1e6, 2)
+    finally:
+        L.Launcher._dlpack = original
+        bridge.set_value_checks("auto")
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--bs", default="64,256")
+    p.add_argument("--iters", type=int, default=2000)
+    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    res = {f"bs{bs}": measure(int(bs), a.iters, a.repeat) for bs in a.bs.split(",")}
+    print(json.dumps(res, indent=1))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
