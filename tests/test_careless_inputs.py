@@ -1,0 +1,121 @@
+"""Hostile and careless inputs, round 2: every public entry point refuses what would make the
+detector silently blind or raise false alarms, with an error that names the argument, the value
+and the rule, raised before anything runs (or gives SGLang's reference result, with
+sentinel-filled buffers showing that nothing outside was touched)."""
+
+from __future__ import annotations
+
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvcanary_jax as kc
+from kvcanary_jax.integrations import sglang_jax as ksj
+
+
+def _raises(cls, message):
+    """pytest.raises on the exact message (not a pattern)."""
+    return pytest.raises(cls, match="^" + re.escape(message) + "$")
+
+
+# --------------------------------------------------------------------------------------------
+# sglang-jax: the canary's sizes and the host helpers
+# --------------------------------------------------------------------------------------------
+
+_SJ = dict(num_slots=64, page_size=4, context_len=10, max_bs=4)
+
+
+@pytest.mark.parametrize("field,value,cls,message", [
+    # page size 0: every cache_loc segment would start at 0 (request 1 checked against request
+    # 0's slots: a corrupted slot unseen); negative: every segment misplaced (false alarms).
+    ("page_size", 0, ValueError, "page_size must be positive, got 0"),
+    ("page_size", -4, ValueError, "page_size must be positive, got -4"),
+    ("page_size", 2.0, TypeError, "page_size must be an int, got float 2.0"),
+    ("page_size", True, TypeError, "page_size must be an int, got bool True"),
+    ("num_slots", 0, ValueError, "num_slots must be positive, got 0"),
+    ("context_len", -1, ValueError, "context_len must be positive, got -1"),
+    ("max_bs", 0, ValueError, "max_bs must be positive, got 0"),
+    ("k_heads", 0, ValueError, "k_heads must be positive, got 0"),
+    ("k_heads", 5, ValueError, "k_heads must be in [1, 4] (the canary's source limit), got 5"),
+    ("sweep_rows", 0, ValueError, "sweep_rows must be positive, got 0"),
+    ("layer", -1, ValueError, "layer must be >= 0, got -1"),
+])
+def test_sglang_jax_canary_refuses_bad_sizes(field, value, cls, message):
+    with _raises(cls, "kv-canary sglang-jax: " + message):
+        ksj.SglangJaxCanary(**{**_SJ, field: value})
+
+
+def _pools(buffer_shape, page_size):
+    req = types.SimpleNamespace(max_context_len=16)
+    kv = types.SimpleNamespace(kv_buffer=[np.zeros(buffer_shape, np.float32)], page_size=page_size)
+    return req, kv
+
+
+def test_from_pools_refuses_a_page_size_its_buffer_contradicts():
+    # HEAD's layout [pages, page_size, heads*2/packing, packing, head_dim] carries the page size.
+    with _raises(ValueError, "kv-canary sglang-jax: token_to_kv_pool.page_size is 2 but its fused "
+                             "buffer (3, 4, 1, 2, 8) has pages of 4 slots (dimension 1)"):
+        ksj.SglangJaxCanary.from_pools(*_pools((3, 4, 1, 2, 8), 2), max_bs=2)
+    with _raises(ValueError, "kv-canary sglang-jax: token_to_kv_pool.page_size must be positive, got 0"):
+        ksj.SglangJaxCanary.from_pools(*_pools((12, 2, 8), 0), max_bs=2)
+    canary = ksj.SglangJaxCanary.from_pools(*_pools((3, 4, 1, 2, 8), 4), max_bs=2)
+    assert (canary.num_slots, canary.page_size, canary.context_len) == (12, 4, 16)
+
+
+@pytest.mark.parametrize("args,cls,message", [
+    (([[1, 2]], [2], 8, 0), ValueError, "page_size must be positive, got 0"),
+    (([[1, 2]], [2], -1, 4), ValueError, "cache_loc_len must be >= 0, got -1"),
+    (([[1, 2]], [-2], 8, 4), ValueError, "seq_lens[0] must be >= 0, got -2"),
+    (([[1, 2]], [2, 1], 8, 4), ValueError,
+     "seq_lens[1] is 1 but token_ids has 1 requests (padding rows must have seq_len 0)"),
+    (([[1, 2], [3]], [2, 1], 6, 4), ValueError, "8 cache_loc entries for a bucket of 6"),
+    (([[1, 2]], [[2]], 8, 4), ValueError,
+     "seq_lens must be a 1-D sequence of ints, got shape (1, 1) dtype int64"),
+])
+def test_expected_tokens_refuses_inconsistent_input(args, cls, message):
+    with _raises(cls, "kv-canary sglang-jax: " + message):
+        ksj.expected_tokens(*args)
+
+
+@pytest.mark.parametrize("args,message", [
+    # numpy would read row -1 as the pool's last row: a wrong table, checked without a word.
+    (([-1, 0], [3, 1]), "req_pool_indices[0] must be a row of req_to_token, in [0, 4), got -1"),
+    (([4], [1]), "req_pool_indices[0] must be a row of req_to_token, in [0, 4), got 4"),
+    (([0, 1], [1]), "req_pool_indices (2) and seq_lens (1) must have one entry per request"),
+    (([0], [9]), "seq_lens[0] must be in [0, 6] (context_len), got 9"),
+    (([0], [-1]), "seq_lens[0] must be in [0, 6] (context_len), got -1"),
+])
+def test_host_table_refuses_inconsistent_input(args, message):
+    req_to_token = np.arange(24, dtype=np.int32).reshape(4, 6)
+    with _raises(ValueError, "kv-canary sglang-jax: " + message):
+        ksj.host_table(req_to_token, *args)
+    # Padding rows (seq_len 0) may carry any row index, as sglang-jax pads with -1.
+    assert ksj.host_table(req_to_token, [2, -1], [2, 0]).tolist() == [
+        [0] * 6, [12, 13, 0, 0, 0, 0], [0] * 6]
+
+
+def test_host_table_and_request_ids_refuse_wrong_objects():
+    with _raises(ValueError, "kv-canary sglang-jax: req_to_token must be 2-D [rows, context_len], "
+                             "got shape (4,)"):
+        ksj.host_table([1, 2, 3, 4], [0], [1])
+    with _raises(ValueError, "kv-canary sglang-jax: context_len must be in [1, 6] (req_to_token's "
+                             "columns), got 0"):
+        ksj.host_table(np.zeros((2, 6), np.int32), [0], [1], 0)
+    with pytest.raises(TypeError, match=r"^kv-canary sglang-jax: reqs\[1\] must be an sglang-jax "
+                                        r"Req \(with origin_input_ids and output_ids\), got int"):
+        ksj.request_token_ids([types.SimpleNamespace(origin_input_ids=[1], output_ids=[2]), 7])
+
+
+@pytest.mark.parametrize("prefixes,message", [
+    ([[1, 2], list(range(1, 12))], "prefixes[1] has 11 slots, more than context_len=10"),
+    ([[1, 64]], "prefixes[0][1] must be a slot in [0, 64), got 64"),
+    ([[-1]], "prefixes[0][0] must be a slot in [0, 64), got -1"),
+])
+def test_sweep_refuses_prefixes_it_could_not_check(prefixes, message):
+    # Raised before the state is touched (None here: nothing reads it).
+    with _raises(ValueError, "kv-canary sglang-jax: " + message):
+        ksj.sweep(ksj.SglangJaxCanary(**_SJ), None, None, prefixes)
