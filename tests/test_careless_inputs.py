@@ -119,3 +119,53 @@ def test_sweep_refuses_prefixes_it_could_not_check(prefixes, message):
     # Raised before the state is touched (None here: nothing reads it).
     with _raises(ValueError, "kv-canary sglang-jax: " + message):
         ksj.sweep(ksj.SglangJaxCanary(**_SJ), None, None, prefixes)
+
+
+# --------------------------------------------------------------------------------------------
+# runtime.make_batch: lists that disagree are refused, not padded
+# --------------------------------------------------------------------------------------------
+
+_CFG = dict(max_reqs=4, context_len=8, num_slots=16, max_bs=2, max_tokens=8)
+_GOOD = dict(req_pool_indices=[1, 2], prefix_lens=[0, 2], extend_seq_lens=[2, 1],
+             all_ids=[[5, 6], [7, 8, 9]], input_ids=[5, 6, 9], positions=[0, 1, 2],
+             out_cache_loc=[3, 4, 7])
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(positions=[0, 1]), "positions has 2 entries, input_ids has 3: one entry per token"),
+    (dict(out_cache_loc=[3, 4]), "out_cache_loc has 2 entries, input_ids has 3: one entry per token"),
+    (dict(expected_input_tokens=[5]),
+     "expected_input_tokens has 1 entries, input_ids has 3: one entry per token"),
+    (dict(all_ids=[[5, 6]]), "all_ids has 1 entries, req_pool_indices has 2: one entry per request"),
+    (dict(prefix_lens=[0]), "prefix_lens has 1 entries, req_pool_indices has 2: one entry per request"),
+    # extend_seq_lens summing to 2 for 3 tokens: the next correct step would see false violations.
+    (dict(extend_seq_lens=[1, 1]), "extend_seq_lens sum to 2, input_ids has 3 tokens"),
+    (dict(extend_seq_lens=[4, -1]), "extend_seq_lens[1] must be >= 0, got -1"),
+    (dict(prefix_lens=[-1, 2]), "prefix_lens[0] must be >= 0, got -1"),
+    # A history shorter than the prefix turns that request's token check off without a word.
+    (dict(all_ids=[[5, 6], [7, 8]]), "all_ids[1] has 2 token ids; a request's history covers its "
+                                     "prefix_lens + extend_seq_lens (3) and at most context_len (8)"),
+    (dict(all_ids=[[5, 6], list(range(9))]), "all_ids[1] has 9 token ids; a request's history "
+     "covers its prefix_lens + extend_seq_lens (3) and at most context_len (8)"),
+    (dict(req_pool_indices=[0, 2]),
+     "req_pool_indices[0] must be a row in [1, 4) (row 0 is the padding row), got 0"),
+    (dict(req_pool_indices=[1, 4]),
+     "req_pool_indices[1] must be a row in [1, 4) (row 0 is the padding row), got 4"),
+    (dict(req_pool_indices=[2, 2]), "req_pool_indices must be distinct, row 2 appears twice or more"),
+    (dict(out_cache_loc=[3, 16, 7]), "out_cache_loc[1] must be a slot in [0, 16), got 16"),
+    (dict(out_cache_loc=[3, -1, 7]), "out_cache_loc[1] must be a slot in [0, 16), got -1"),
+    (dict(input_ids=[5, 6, 9.5]), "input_ids must be a 1-D list of ints, got shape (3,) dtype float64"),
+])
+def test_make_batch_refuses_lists_that_disagree(change, message):
+    cfg = kc.CanaryConfig(**_CFG)
+    with _raises(ValueError, "kv-canary runtime: make_batch " + message):
+        kc.make_batch(cfg, **{**_GOOD, **change})
+
+
+def test_make_batch_pads_a_consistent_batch():
+    cfg = kc.CanaryConfig(**_CFG)
+    b = kc.make_batch(cfg, **_GOOD, as_numpy=True)
+    assert b.all_ids_offsets.tolist() == [0, 2, 5]
+    assert b.all_ids_flat[:5].tolist() == [5, 6, 7, 8, 9] and not b.all_ids_flat[5:].any()
+    assert b.out_cache_loc.tolist() == [3, 4, 7] + [-1] * 5
+    assert b.expected_input_tokens.tolist() == [5, 6, 9] + [0] * 5
