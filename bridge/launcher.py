@@ -42,7 +42,7 @@ import torch
 
 from bridge import streams, triton_direct, views
 from bridge.cache import CACHES
-from bridge.checks import value_checks_enabled
+from bridge.checks import check_outputs_apart_from_inputs, value_checks_enabled
 from bridge.dlpack import STATS, BridgeError, device_info, import_tensor, write_back, x64_scope
 
 __all__ = ["Arg", "Signature", "ProgramKey", "Launcher", "paths", "set_direct", "direct_enabled",
@@ -205,6 +205,9 @@ class Launcher:
         device = anchor.device
         checked = value_checks_enabled(device)
         if checked:
+            # Addresses of the inputs are not part of the signature: checked again here.
+            check_outputs_apart_from_inputs(decl.name, decl.outputs + decl.also_written(kwargs),
+                                            tensors)
             # Offsets then lie in [0, n]: a clamp to n would change nothing.
             decl.check_values(kwargs, tensors)
         reason = ""
@@ -225,6 +228,9 @@ class Launcher:
         """First call of a signature: the static checks (SGLang's errors), then the arguments."""
         decl = self.decl
         decl.validate(kwargs, tensors)
+        # Once per signature (with value checks on, on every call: see __call__).
+        check_outputs_apart_from_inputs(decl.name, decl.outputs + decl.also_written(kwargs),
+                                        tensors)
         anchor = tensors[decl.anchor]
         if anchor.device.type == "meta":
             device_info(anchor, decl.anchor)  # raises the bridge's error for the meta device
