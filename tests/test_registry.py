@@ -49,7 +49,42 @@ def test_defaults_per_platform(name):
     assert op.select(None, platform="tpu") == want_tpu
     # An explicit, usable implementation is taken as asked, whatever the platform.
     assert op.select("pallas_interpret", platform="cuda") == "pallas_interpret"
-    assert op.select("pallas_triton", platform="cpu") == "pallas_triton"
+    # The Triton kernels compile for CUDA only: elsewhere the fallback runs (with a warning),
+    # except when lowering for CUDA (the bridge's direct path, on any host).
+    assert op.unusable("pallas_triton", platform="cpu") == (
+        "its kernels compile for CUDA GPUs and the platform is 'cpu' (pallas_interpret runs the "
+        "same kernels anywhere, as a test tool)")
+    with _registry.lowering_for("cuda"):
+        assert op.select("pallas_triton") == "pallas_triton"
+
+
+def test_pallas_triton_on_a_cpu_falls_back_to_xla_with_one_warning_saying_why():
+    """Asked on a CPU backend (the API, and the demo's --implementation pallas_triton), the
+    Triton kernels cannot compile (JAX: "Only interpret mode is supported on CPU backend"): the
+    call runs xla, equal to it, with one FallbackWarning that says why."""
+    out = _run("""
+        import warnings
+        import jax, jax.numpy as jnp, numpy as np
+        import kvcanary_jax as kc
+
+        def scatter(impl):
+            with jax.enable_x64(True):
+                return np.asarray(kc.scatter_req_token_ids(
+                    flat_in=jnp.arange(5, dtype=jnp.int64), offsets=jnp.array([0, 2, 5]),
+                    req_pool_indices=jnp.array([1, 2]), pool_out=jnp.zeros((3, 4), jnp.int32),
+                    implementation=impl))
+
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            first, second = scatter("pallas_triton"), scatter("pallas_triton")
+        msgs = [str(x.message) for x in w if issubclass(x.category, kc.FallbackWarning)]
+        assert msgs == ["kv-canary: implementation 'pallas_triton' is unavailable: its kernels "
+                        "compile for CUDA GPUs and the platform is 'cpu' (pallas_interpret runs "
+                        "the same kernels anywhere, as a test tool); using 'xla'"], msgs
+        assert first.tolist() == second.tolist() == scatter("xla").tolist()
+        print("OK")
+    """)
+    assert "OK" in out
 
 
 def test_available_here():

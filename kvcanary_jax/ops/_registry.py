@@ -23,7 +23,8 @@ The default (``implementation=None``): ``pallas_triton`` when the platform is a 
 Triton lowering imports; ``pallas_mosaic_tpu`` on a TPU where the op registers it; ``xla``
 everywhere else (CPU, TPU without a Mosaic kernel, ROCm; ``pallas_interpret`` runs only when asked
 for). An implementation that is asked for (or is the platform's default) but cannot be used here — not registered for the op, its lowering does not
-import, a future JAX refuses it — falls back to ``xla`` with one :class:`FallbackWarning` per
+import, a future JAX refuses it, ``pallas_triton`` on a platform other than a CUDA GPU (lowering
+for CUDA from a CPU host, under :func:`lowering_for` or an abstract CUDA device, keeps it) — falls back to ``xla`` with one :class:`FallbackWarning` per
 process and reason, saying why.
 
 The launch configuration of a call, in order (as tokamax's ``op.py``): the ``config=`` argument;
@@ -34,6 +35,7 @@ by ``bench/tune_*.py``: the entry whose key matches the call's static shapes); e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -41,6 +43,7 @@ import importlib.resources
 import json
 import os
 import re
+import threading
 import warnings
 from types import ModuleType
 from typing import Any, Mapping
@@ -60,6 +63,7 @@ __all__ = [
     "load_table",
     "tuned_config",
     "update_tuned_table",
+    "lowering_for",
 ]
 
 IMPLEMENTATIONS = ("xla", "pallas_triton", "pallas_interpret", "pallas_mosaic_tpu")
@@ -144,12 +148,32 @@ def _runs_on(implementation: str, platform: str) -> bool:
     return platform == "tpu"
 
 
+_TARGET = threading.local()
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str):
+    """Trace for ``platform`` whatever this machine's backend: around
+    ``jax.jit(f).trace(...).lower(lowering_platforms=(platform,))`` (the torch bridge's direct
+    path lowers for CUDA this way, also on a CPU host), so that the selection follows the
+    compile target, not the host."""
+    old = getattr(_TARGET, "platform", None)
+    _TARGET.platform = platform
+    try:
+        yield
+    finally:
+        _TARGET.platform = old
+
+
 def _platform(platform: str | None) -> str:
-    """``platform``, else the platform being targeted: that of the abstract device in scope (a
-    lowering for another platform than this machine's, e.g. TPU on a CPU machine), else JAX's
-    default backend."""
+    """``platform``, else the platform being targeted: that of :func:`lowering_for` in scope,
+    else that of the abstract device in scope (a lowering for another platform than this
+    machine's, e.g. TPU on a CPU machine), else JAX's default backend."""
     if platform is not None:
         return platform
+    target = getattr(_TARGET, "platform", None)
+    if target is not None:
+        return target
     try:
         device = jax.sharding.get_abstract_mesh().abstract_device
     except Exception:  # noqa: BLE001  (no abstract mesh API, or none in scope)
@@ -204,6 +228,13 @@ class Op:
         if implementation not in self._registered:
             return f"{self.name} has no {implementation!r} implementation"
         why = _PROBES[implementation]()
+        if why is None and implementation == "pallas_triton":
+            p = _platform(platform)
+            if not _is_cuda(p):
+                # Pallas compiles its Triton kernels for CUDA only; on a CPU backend JAX would
+                # fail at compile time with "Only interpret mode is supported on CPU backend".
+                return (f"its kernels compile for CUDA GPUs and the platform is {p!r} "
+                        "(pallas_interpret runs the same kernels anywhere, as a test tool)")
         if why is None and implementation == "pallas_mosaic_tpu":
             p = _platform(platform)
             if p != "tpu" and not _interpret_requested(config):
