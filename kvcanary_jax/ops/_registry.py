@@ -43,6 +43,7 @@ import importlib.resources
 import json
 import os
 import re
+import tempfile
 import threading
 import warnings
 from types import ModuleType
@@ -63,6 +64,8 @@ __all__ = [
     "load_table",
     "tuned_config",
     "update_tuned_table",
+    "tuned_table_path",
+    "TuningTableError",
     "lowering_for",
 ]
 
@@ -302,7 +305,12 @@ class Op:
             return config
         tuned = tuned_config(self.name, implementation, shapes, kind=kind)
         if tuned is not None:
-            return mod.Config(**tuned)
+            try:
+                return mod.Config(**tuned)
+            except (TypeError, ValueError) as e:  # an unknown field, a missing or bad value
+                raise _malformed(tuned_table_path(self.name, kind),
+                                 f"its {implementation!r} entry for {dict(shapes)} is not a "
+                                 f"{mod.__name__}.Config ({e})") from None
         return mod.heuristics(shapes)
 
     def run(self, implementation: str, *args, config, **kwargs):
@@ -358,13 +366,54 @@ def _tuning_dir():
     return importlib.resources.files("kvcanary_jax").joinpath("tuning")
 
 
+class TuningTableError(ValueError):
+    """A tuned table that cannot be read as one (the message names the file and what is
+    wrong)."""
+
+
+def _malformed(path, what: str) -> TuningTableError:
+    return TuningTableError(f"kv-canary: tuned table {path} is malformed: {what} (rerun the "
+                            "tuning script that wrote it, or delete the file)")
+
+
+def _checked_table(path, text: str) -> dict:
+    """The table in ``text``, its structure checked (our rule: what :func:`tuned_config` and
+    :func:`update_tuned_table` read, so that neither fails later with a raw KeyError)."""
+    try:
+        table = json.loads(text)
+    except ValueError as e:  # JSONDecodeError, and an empty or truncated file
+        raise _malformed(path, f"not JSON ({e})") from None
+    if not isinstance(table, dict):
+        raise _malformed(path, f"the top level is a {type(table).__name__}, not an object")
+    impls = table.get("implementations")
+    if not isinstance(impls, dict):
+        raise _malformed(path, "'implementations' must be an object of implementation -> list")
+    for impl, entries in impls.items():
+        if not isinstance(entries, list):
+            raise _malformed(path, f"implementations[{impl!r}] must be a list of entries")
+        for i, e in enumerate(entries):
+            if not (isinstance(e, dict) and isinstance(e.get("key"), dict)
+                    and isinstance(e.get("config"), dict)):
+                raise _malformed(path, f"implementations[{impl!r}][{i}] must be an object with "
+                                       "a 'key' object and a 'config' object")
+    return table
+
+
 @functools.lru_cache(maxsize=None)
-def load_table(op_name: str, kind: str) -> dict:
-    """The tuned table of ``op_name`` on device kind ``kind`` ({} when there is none)."""
+def _table_and_path(op_name: str, kind: str) -> tuple[dict, str]:
     f = _tuning_dir().joinpath(table_name(op_name, kind))
     if not f.is_file():
-        return {}
-    return json.loads(f.read_text())
+        return {}, str(f)
+    return _checked_table(f, f.read_text()), str(f)
+
+
+def load_table(op_name: str, kind: str) -> dict:
+    """The tuned table of ``op_name`` on device kind ``kind`` ({} when there is none). Raises
+    :class:`TuningTableError` (a ValueError naming the file) for one that is not a table."""
+    return _table_and_path(op_name, kind)[0]
+
+
+load_table.cache_clear = _table_and_path.cache_clear
 
 
 def tuned_config(op_name: str, implementation: str, shapes: Mapping[str, int], *,
@@ -377,18 +426,25 @@ def tuned_config(op_name: str, implementation: str, shapes: Mapping[str, int], *
     return None
 
 
+def tuned_table_path(op_name: str, kind: str | None = None) -> str:
+    """Where the tuned table of ``op_name`` on ``kind`` (default: the default device's) lives."""
+    return _table_and_path(op_name, device_kind() if kind is None else kind)[1]
+
+
 def update_tuned_table(op_name: str, implementation: str, kind: str, entries, *,
                        directory: str | os.PathLike | None = None) -> str:
     """Merge ``entries`` (dicts with ``key`` and ``config``, plus any measurements) into the
     table of ``op_name`` on ``kind``; an entry replaces the one with the same key. Writes into
     ``directory`` (default: the package's ``tuning/``, i.e. a source checkout) and returns the
-    file's path."""
+    file's path. The file is replaced atomically (a temporary file in the same directory, then
+    a rename): an interrupted run leaves the old table or the new one, never half of one. An
+    existing file that is not a table is refused (:class:`TuningTableError`), not overwritten."""
     directory = os.fspath(directory) if directory is not None else os.fspath(_tuning_dir())
     path = os.path.join(directory, table_name(op_name, kind))
     table = {"op": op_name, "device_kind": kind, "implementations": {}}
     if os.path.exists(path):
         with open(path) as f:
-            table = json.load(f)
+            table = _checked_table(path, f.read())
     rows = {json.dumps(e["key"], sort_keys=True): e
             for e in table["implementations"].get(implementation, [])}
     for e in entries:
@@ -396,9 +452,19 @@ def update_tuned_table(op_name: str, implementation: str, kind: str, entries, *,
     table["implementations"][implementation] = sorted(
         rows.values(), key=lambda e: sorted(e["key"].items()))
     os.makedirs(directory, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(table, f, indent=1, sort_keys=False)
-        f.write("\n")
+    fd, tmp = tempfile.mkstemp(prefix=f".{table_name(op_name, kind)}.", suffix=".tmp",
+                               dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     load_table.cache_clear()
     return path
 
