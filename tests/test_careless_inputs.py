@@ -169,3 +169,31 @@ def test_make_batch_pads_a_consistent_batch():
     assert b.all_ids_flat[:5].tolist() == [5, 6, 7, 8, 9] and not b.all_ids_flat[5:].any()
     assert b.out_cache_loc.tolist() == [3, 4, 7] + [-1] * 5
     assert b.expected_input_tokens.tolist() == [5, 6, 9] + [0] * 5
+
+
+# --------------------------------------------------------------------------------------------
+# Mosaic TPU launch configs: interpret is None or pltpu.InterpretParams
+# --------------------------------------------------------------------------------------------
+
+_TPU_OPS = [("scatter", "scatter_req_token_ids"), ("plan", "canary_plan"),
+            ("write", "canary_write"), ("verify", "canary_verify")]
+
+
+@pytest.mark.parametrize("op,name", _TPU_OPS)
+@pytest.mark.parametrize("value", [True, 1, "yes"])
+def test_tpu_config_refuses_an_interpret_that_is_not_interpret_params(op, name, value):
+    import importlib
+
+    mod = importlib.import_module(f"kvcanary_jax.ops.{op}.pallas_mosaic_tpu")
+    with _raises(TypeError, f"kv-canary: {name} (pallas_mosaic_tpu): interpret must be None "
+                            "(compile for TPU) or a jax.experimental.pallas.tpu.InterpretParams "
+                            "(TPU interpret mode, e.g. kvcanary_jax.ops._tpu_lib."
+                            f"interpret_params()), got {type(value).__name__} {value!r}"):
+        mod.Config(interpret=value)
+    with _raises(TypeError, f"kv-canary: {name} (pallas_mosaic_tpu): vmem_limit_bytes must be "
+                            "None or a positive int, got int 0"):
+        mod.Config(vmem_limit_bytes=0)
+    from kvcanary_jax.ops import _tpu_lib
+
+    assert mod.Config(interpret=_tpu_lib.interpret_params()).interpret is not None
+    assert mod.Config().interpret is None
