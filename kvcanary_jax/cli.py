@@ -5,7 +5,8 @@
 a small server with the canary on, then runs the fault campaign and prints, per fault kind, how
 many faults were injected and detected, the first detecting step, and the clean run's false
 positives. ``demo`` is the default subcommand. Ctrl-C stops the demo before its next step: it
-prints the partial report and exits with status 130 (a second Ctrl-C aborts at once).
+prints the partial report and exits with status 130 (a second Ctrl-C aborts at once); the console
+script takes Ctrl-C from its first line, while JAX imports (:mod:`kvcanary_jax._interrupt`).
 
 ``kvcanary-jax bench [options]`` is ``python -m bench [options]`` (the benchmark of a source
 checkout; ``kvcanary-jax bench --help`` lists its options).
@@ -24,6 +25,8 @@ import threading
 import time
 import warnings
 from typing import Callable
+
+from kvcanary_jax import _interrupt
 
 __all__ = ["main", "register_command", "select_device"]
 
@@ -122,7 +125,7 @@ def _table(res) -> str:
 
 
 # Exit status of a run stopped by SIGINT (128 + SIGINT, what shells report).
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = _interrupt.EXIT_INTERRUPTED
 
 
 def _abort() -> None:
@@ -162,7 +165,15 @@ class _StopOnInterrupt:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            if _interrupt.installed():
+                # The console script's early handler (kvcanary_jax._interrupt) took SIGINT
+                # while JAX imported: a Ctrl-C it recorded is this demo's stop request, and the
+                # handler to put back is the one it replaced.
+                self.requested = _interrupt.requested()
+                self._previous = _interrupt.previous()
+                signal.signal(signal.SIGINT, self._handle)
+            else:
+                self._previous = signal.signal(signal.SIGINT, self._handle)
             self._installed = True
         return self
 
@@ -286,7 +297,11 @@ def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
     if not argv or argv[0] not in _COMMANDS and argv[0] not in ("-h", "--help"):
         argv = ["demo"] + argv
     help_, add, run = _COMMANDS.get(argv[0], (None, True, None))
-    if add is None:  # the command parses its own options
+    if add is None:  # the command parses its own options, and handles Ctrl-C its own way
+        if _interrupt.requested():
+            print("kvcanary-jax: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        _interrupt.uninstall()
         return run(argv[1:])
     try:
         args = build_parser().parse_args(argv)  # imports JAX: a Ctrl-C may land here
@@ -294,6 +309,11 @@ def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
         print("kvcanary-jax: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     args.exiting = exiting
+    if args.command != "demo":
+        if _interrupt.requested():
+            print("kvcanary-jax: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        _interrupt.uninstall()
     return _COMMANDS[args.command][2](args)
 
 

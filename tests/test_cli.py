@@ -184,6 +184,49 @@ def test_ctrl_c_while_jax_compiles(times):
         assert out.strip().splitlines()[-1].startswith("INTERRUPTED: 0/0")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("after", [0.2, 0.8])
+@pytest.mark.parametrize("times", [1, 2])
+def test_ctrl_c_while_jax_imports(after, times):
+    """SIGINT within the first second, while the console script imports JAX (before the demo's
+    own handler exists): it was lost (JAX printed a KeyboardInterrupt from one of its callbacks
+    and the demo ran on) or ended in a traceback from inside JAX's import. Now once: the demo
+    stops before its first step with its partial report, status 130; twice: it aborts."""
+    proc = subprocess.Popen(_cli.command("kvcanary-jax demo --steps 400 --no-progress"),
+                            env=_cli.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        time.sleep(after)
+        proc.send_signal(signal.SIGINT)
+        if times == 2:
+            time.sleep(0.1)
+            proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out, err = out.decode(), err.decode()
+    assert proc.returncode == cli.EXIT_INTERRUPTED, (proc.returncode, out, err[-3000:])
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
+    if times == 2:
+        assert err.rstrip().endswith("kvcanary-jax: aborted (second Ctrl-C)"), err[-3000:]
+        assert out == ""
+    else:
+        assert "interrupted after 0 of 400 clean steps" in err, err[-3000:]
+        assert out.strip().splitlines()[-1].startswith("INTERRUPTED: 0/0")
+
+
+def test_the_early_handler_is_for_the_console_script_only():
+    from kvcanary_jax import _interrupt
+
+    assert _interrupt.is_console_script(["/usr/bin/kvcanary-jax", "demo"], [])
+    assert _interrupt.is_console_script(["C:/venv/Scripts/kvcanary-jax.exe"], [])
+    assert _interrupt.is_console_script(["-m"], ["python", "-m", "kvcanary_jax.cli", "demo"])
+    assert not _interrupt.is_console_script(["-m"], ["python", "-m", "pytest"])
+    assert not _interrupt.is_console_script(["app.py"], ["python", "app.py"])
+    # Importing the library anywhere else leaves SIGINT alone (this test process).
+    assert not _interrupt.installed()
+
+
 def _fake_campaign(result_for):
     """A stand-in for :func:`sim.run_campaign` that delivers SIGINT to this process between
     two of its steps and returns what the real one returns when stopped."""
