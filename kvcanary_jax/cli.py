@@ -59,14 +59,32 @@ def _count(minimum: int):
 # ------------------------------------------------------------------------------------------ demo
 
 
+def _fault_list(text: str):
+    """An argparse type: ``'all'`` (None: every kind) or a comma list of known kinds. An empty
+    list is refused: ``''`` meant every kind and ``','`` none."""
+    from kvcanary_jax.sim import FAULT_KINDS
+
+    if text.strip() == "all":
+        return None
+    kinds = [f.strip() for f in text.split(",") if f.strip()]
+    if not kinds:
+        raise argparse.ArgumentTypeError(
+            f"no fault kind in {text!r}: name kinds (a comma list) or 'all'")
+    unknown = [k for k in kinds if k not in FAULT_KINDS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown fault kind(s) {', '.join(map(repr, unknown))}; known: {', '.join(FAULT_KINDS)}")
+    return kinds
+
+
 def _demo_args(p: argparse.ArgumentParser) -> None:
     from kvcanary_jax.ops._registry import IMPLEMENTATIONS
     from kvcanary_jax.sim import FAULT_KINDS
 
     p.add_argument("--steps", type=_count(1), default=40,
                    help="clean serving steps (default 40)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--faults", default="all",
+    p.add_argument("--seed", type=_count(0), default=0, help="the simulation's seed (>= 0)")
+    p.add_argument("--faults", type=_fault_list, default="all",
                    help="comma list of fault kinds, or 'all': " + ", ".join(FAULT_KINDS))
     p.add_argument("--injections", type=_count(0), default=2,
                    help="trials per fault kind (default 2; 0: the clean run only)")
@@ -200,9 +218,17 @@ def _demo(args, interrupt: _StopOnInterrupt) -> int:
     select_device(args.device)
     from kvcanary_jax import sim as simulation
 
-    faults = None if args.faults in ("all", "") else [
-        f.strip() for f in args.faults.split(",") if f.strip()]
+    faults = args.faults
+    from kvcanary_jax.sim import campaign
+
     try:
+        if args.injections and campaign.checkpoint_count(args.steps) == 0:
+            # Our rule: without a checkpoint no trial can run, and the demo ended "FAILED: 0/0"
+            # without a reason.
+            raise ValueError(
+                f"--steps {args.steps} leaves no clean checkpoint to inject faults on (the first "
+                f"is taken at step {campaign.CHECKPOINT_WARMUP}): pass --steps "
+                f"{campaign.CHECKPOINT_WARMUP + 1} or more, or --injections 0 for the clean run only")
         sim = simulation.SimConfig(
             steps=args.steps, seed=args.seed, swa_window_size=args.swa_window,
             enable_v_half=args.v_half, sweep_interval=args.sweep_interval,
@@ -228,6 +254,7 @@ def _demo(args, interrupt: _StopOnInterrupt) -> int:
         f.detected == f.injected and (f.injected > 0 or args.injections == 0)
         for f in res.faults)
     out["ok"] = ok
+    out["failures"] = [] if ok or res.interrupted else _failures(res, args)
     rc = EXIT_INTERRUPTED if res.interrupted else 0 if ok else 1
     if res.interrupted:
         trials = sum(f.injected for f in res.faults)
@@ -251,7 +278,30 @@ def _demo(args, interrupt: _StopOnInterrupt) -> int:
     verdict = "INTERRUPTED" if res.interrupted else "OK" if ok else "FAILED"
     print(f"{verdict}: {sum(f.detected for f in res.faults)}/"
           f"{sum(f.injected for f in res.faults)} injected faults detected; wall {wall:.1f} s")
+    for line in out["failures"]:
+        print(f"  - {line}")
     return rc
+
+
+def _failures(res, args) -> list[str]:
+    """Why a finished run is FAILED, one line per reason."""
+    from kvcanary_jax.sim import campaign
+
+    out = []
+    if res.false_positives:
+        out.append(f"{res.false_positives} false positive(s) in the clean run")
+    short = [f for f in res.faults if f.injected < args.injections]
+    for f in res.faults:
+        if f.detected < f.injected:
+            out.append(f"{f.kind}: {f.injected - f.detected} of {f.injected} injected fault(s) "
+                       "missed")
+    if short:
+        out.append(
+            f"{', '.join(f'{f.kind} ({f.injected} of {args.injections})' for f in short)}: "
+            f"fewer trials placed than asked; the {res.steps} clean steps left "
+            f"{campaign.checkpoint_count(res.steps)} checkpoint(s) to place them on: run more "
+            "--steps")
+    return out
 
 
 register_command("demo", "simulate a server with the canary on, then a fault campaign",
