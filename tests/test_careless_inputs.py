@@ -197,3 +197,23 @@ def test_tpu_config_refuses_an_interpret_that_is_not_interpret_params(op, name, 
 
     assert mod.Config(interpret=_tpu_lib.interpret_params()).interpret is not None
     assert mod.Config().interpret is None
+
+
+# --------------------------------------------------------------------------------------------
+# buckets: lengths are integers
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,shown", [(64.5, "float 64.5"), ("65", "str '65'"), (True, "bool True"),
+                                     (65.0, "float 65.0")])
+def test_bucket_refuses_a_length_that_is_not_an_int(n, shown):
+    # 64.5 gave 64, a bucket below the length; "65" was parsed.
+    from kvcanary_jax import buckets
+
+    with _raises(TypeError, f"kv-canary: a length must be an int, got {shown}"):
+        buckets.bucket(n)
+    with _raises(TypeError, f"kv-canary: size must be an int, got {shown}"):
+        buckets.pad(np.arange(3), n)
+    assert buckets.bucket(np.int64(65)) == 128 and buckets.bucket(65) == 128
+    with _raises(TypeError, "kv-canary: floor must be an int, got float 8.5"):
+        buckets.bucket(3, floor=8.5)
