@@ -227,7 +227,14 @@ class Launcher:
     def _prepare(self, kwargs, tensors) -> Prepared:
         """First call of a signature: the static checks (SGLang's errors), then the arguments."""
         decl = self.decl
-        decl.validate(kwargs, tensors)
+        try:
+            decl.validate(kwargs, tensors)
+        except (TypeError, ValueError) as e:
+            # Some of SGLang's messages (contiguity, device) name the tensor but not the
+            # launcher; they stay word for word, and a note names the launcher in the traceback.
+            if decl.name not in str(e):
+                e.add_note(f"kv-canary bridge: raised by {decl.name}")
+            raise
         # Once per signature (with value checks on, on every call: see __call__).
         check_outputs_apart_from_inputs(decl.name, decl.outputs + decl.also_written(kwargs),
                                         tensors)

@@ -146,3 +146,27 @@ def test_fused_step_refuses_to_scatter_into_req_to_token():
             expected_token_ids=torch.tensor([5, 6]), expected_token_offsets=torch.tensor([0, 2]),
             check_verify_expected_token=True)
     assert _unchanged(kw, before)
+
+
+@pytest.mark.parametrize("launcher,kw,message", [
+    ("launch_scatter_req_token_ids_kernel",
+     dict(flat_in=torch.arange(8)[::2], offsets=torch.tensor([0, 4]),
+          req_pool_indices=torch.tensor([1]), pool_out=torch.zeros(2, 8, dtype=torch.int32)),
+     "kv-canary: flat_in must be contiguous"),
+    ("launch_canary_write_kernel",
+     dict(context=_ctx(), plan=bridge.WritePlan(write_offsets=torch.tensor([0, 2]),
+                                                write_seed_slot_indices=torch.tensor([-1]),
+                                                write_num_valid_reqs=torch.tensor(
+                                                    [1], dtype=torch.int32)),
+          input_ids=torch.tensor([5, 0, 6, 0])[::2], positions=torch.arange(2),
+          out_cache_loc=torch.tensor([3, 4]), enable_write_input_assert=False,
+          expected_input_tokens=None, expected_input_positions=None),
+     "kv-canary: input_ids must be contiguous"),
+])
+def test_contiguity_errors_name_the_launcher(launcher, kw, message):
+    """SGLang's contiguity message names the tensor only; it stays word for word (the tests
+    against SGLang compare it) and a note names the launcher wherever the traceback shows."""
+    with pytest.raises(ValueError) as e:
+        getattr(bridge, launcher)(**kw)
+    assert str(e.value) == message
+    assert e.value.__notes__ == [f"kv-canary bridge: raised by {launcher}"]
