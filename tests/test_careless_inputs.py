@@ -217,3 +217,28 @@ def test_bucket_refuses_a_length_that_is_not_an_int(n, shown):
     assert buckets.bucket(np.int64(65)) == 128 and buckets.bucket(65) == 128
     with _raises(TypeError, "kv-canary: floor must be an int, got float 8.5"):
         buckets.bucket(3, floor=8.5)
+
+
+def test_radix_prefixes_refuses_what_is_not_a_radix_cache():
+    with _raises(TypeError, "kv-canary sglang-jax: tree_cache must be an sglang-jax RadixCache "
+                            "(with root_node.children), got dict"):
+        ksj.radix_prefixes({})
+    leaf = types.SimpleNamespace(children={}, value=[5, 6])
+    root = types.SimpleNamespace(children={"a": leaf}, value=None)
+    got = ksj.radix_prefixes(types.SimpleNamespace(root_node=root))
+    assert [p.tolist() for p in got] == [[5, 6]]
+
+
+@pytest.mark.parametrize("kw,cls,message", [
+    (dict(batch_argnum=-1, pool_argnum=1), ValueError, "batch_argnum must be >= 0 (an index into "
+     "the model step's positional arguments), got -1"),
+    (dict(batch_argnum=1, pool_argnum=1), ValueError,
+     "batch_argnum and pool_argnum are both 1; the batch and the KV pool are different arguments"),
+    (dict(batch_argnum=0, pool_argnum=1, static_argnums=(1,)), ValueError,
+     "the batch and the KV pool cannot be static arguments (static_argnums=(1,))"),
+    (dict(batch_argnum="0", pool_argnum=1), TypeError, "batch_argnum must be an int, got str '0'"),
+])
+def test_guard_model_step_refuses_argument_numbers_that_cannot_work(kw, cls, message):
+    with _raises(cls, "kv-canary sglang-jax: " + message):
+        ksj.guard_model_step(ksj.SglangJaxCanary(**_SJ), lambda *a: a,
+                             fused_kv=lambda out, pool: pool, **kw)

@@ -548,6 +548,19 @@ def guard_model_step(canary: SglangJaxCanary, model_step: Callable, *, batch_arg
     ``expected``: :func:`expected_tokens` (required with ``token_checks``); ``table``:
     :func:`host_table` to plan from ``req_to_token`` instead of ``cache_loc``.
     """
+    for name, value in (("batch_argnum", batch_argnum), ("pool_argnum", pool_argnum)):
+        _int_arg(name, value)
+        if value < 0:
+            raise ValueError(f"kv-canary sglang-jax: {name} must be >= 0 (an index into the "
+                             f"model step's positional arguments), got {value}")
+    if batch_argnum == pool_argnum:
+        raise ValueError(f"kv-canary sglang-jax: batch_argnum and pool_argnum are both "
+                         f"{batch_argnum}; the batch and the KV pool are different arguments")
+    if batch_argnum in static_argnums or pool_argnum in static_argnums:
+        raise ValueError("kv-canary sglang-jax: the batch and the KV pool cannot be static "
+                         f"arguments (static_argnums={tuple(static_argnums)})")
+    if not callable(model_step) or not callable(fused_kv):
+        raise TypeError("kv-canary sglang-jax: model_step and fused_kv must be callables")
     nfixed = 4  # state, expected, table, model_x64
 
     def traced(state, expected, table, model_x64, *args):
@@ -630,8 +643,12 @@ class ModelRunnerHook:
 def radix_prefixes(tree_cache) -> list[np.ndarray]:
     """Slot lists of every root-to-leaf path of sglang-jax's ``RadixCache`` (evicted subtrees
     skipped): the cached prefixes a sweep re-verifies."""
+    root = getattr(tree_cache, "root_node", None)
+    if root is None or not hasattr(root, "children"):
+        raise TypeError("kv-canary sglang-jax: tree_cache must be an sglang-jax RadixCache (with "
+                        f"root_node.children), got {type(tree_cache).__name__}")
     out = []
-    stack = [(tree_cache.root_node, np.zeros((0,), np.int64))]
+    stack = [(root, np.zeros((0,), np.int64))]
     while stack:
         node, prefix = stack.pop()
         kids = [c for c in node.children.values() if c.value is not None]
