@@ -242,3 +242,37 @@ def test_guard_model_step_refuses_argument_numbers_that_cannot_work(kw, cls, mes
     with _raises(cls, "kv-canary sglang-jax: " + message):
         ksj.guard_model_step(ksj.SglangJaxCanary(**_SJ), lambda *a: a,
                              fused_kv=lambda out, pool: pool, **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# runtime: sizes are integers, ring rows are integers
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,value,cls,message", [
+    ("max_reqs", 4.5, TypeError, "CanaryConfig.max_reqs must be an int, got float 4.5"),
+    ("num_slots", "16", TypeError, "CanaryConfig.num_slots must be an int, got str '16'"),
+    ("max_bs", True, TypeError, "CanaryConfig.max_bs must be an int, got bool True"),
+    ("verify_capacity", 8.0, TypeError, "CanaryConfig.verify_capacity must be an int, got "
+     "float 8.0"),
+    ("kv_token_id_vs_position_offset", 1.5, TypeError,
+     "CanaryConfig.kv_token_id_vs_position_offset must be an int, got float 1.5"),
+    ("swa_window_size", -1, ValueError, "swa_window_size must be >= 0 (0: no SWA group), got -1"),
+])
+def test_canary_config_refuses_sizes_that_are_not_ints(field, value, cls, message):
+    with _raises(cls, "kv-canary runtime: " + message):
+        kc.CanaryConfig(**{**_CFG, field: value})
+    assert kc.CanaryConfig(**{**_CFG, "max_reqs": np.int64(4)}).max_reqs == 4
+
+
+@pytest.mark.parametrize("start,cls,message", [
+    ("3", TypeError, "start must be an int (a ring row), got str '3'"),
+    (1.5, TypeError, "start must be an int (a ring row), got float 1.5"),
+    (-1, ValueError, "start must be a ring row >= 0, got -1"),
+])
+def test_reading_the_ring_refuses_a_start_that_is_not_a_row(start, cls, message):
+    state = kc.init_state(kc.CanaryConfig(**_CFG))
+    with _raises(cls, "kv-canary runtime: " + message):
+        kc.read_violations(state, start=start)
+    with _raises(cls, "kv-canary runtime: " + message):
+        kc.runtime.decode_ring(np.zeros((4, 8), np.int64), 0, start=start)

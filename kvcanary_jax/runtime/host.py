@@ -4,6 +4,7 @@ counters. Nothing here traces or launches a device op."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Sequence
 
 import jax.numpy as jnp
@@ -194,6 +195,14 @@ def reason_names(bits: int) -> tuple[str, ...]:
     return tuple(r.name for r in consts.FailReason if bits & r)
 
 
+def _check_start(start) -> None:
+    if isinstance(start, bool) or not isinstance(start, numbers.Integral):
+        raise TypeError(f"kv-canary runtime: start must be an int (a ring row), got "
+                        f"{type(start).__name__} {start!r}")
+    if start < 0:
+        raise ValueError(f"kv-canary runtime: start must be a ring row >= 0, got {start}")
+
+
 def _check_write_index(write_index: int) -> int:
     return check_write_index(write_index, "kv-canary runtime:")
 
@@ -202,8 +211,7 @@ def decode_ring(ring: np.ndarray, write_index: int, *, start: int = 0) -> list[V
     """Rows ``[start, min(write_index, ring capacity))`` of a violation ring, decoded. Raises
     ValueError for a negative ``start`` and RuntimeError for a negative ``write_index`` (see
     :func:`violation_count`)."""
-    if int(start) < 0:
-        raise ValueError(f"kv-canary runtime: start must be a ring row >= 0, got {start}")
+    _check_start(start)
     write_index = _check_write_index(write_index)
     ring = np.asarray(ring)
     out = []
@@ -237,8 +245,7 @@ def violation_count(state: CanaryState) -> int:
 def read_violations(state: CanaryState, *, start: int = 0) -> list[Violation]:
     """Copy the ring to the host and decode the rows from ``start`` (a row index >= 0) on.
     Raises as :func:`violation_count` and :func:`decode_ring`."""
-    if int(start) < 0:
-        raise ValueError(f"kv-canary runtime: start must be a ring row >= 0, got {start}")
+    _check_start(start)
     return decode_ring(np.asarray(state.violation_ring), violation_count(state), start=start)
 
 
