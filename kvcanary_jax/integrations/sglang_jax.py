@@ -192,6 +192,13 @@ class SglangJaxCanary:
     docstring). ``sweep_rows``: prefixes per :func:`sweep` launch. The rest is
     :class:`kvcanary_jax.CanaryConfig`'s (``implementation``: what every op runs; default: the
     platform's).
+
+    Sizes are checked when the canary is built (our rules, sglang-jax has none to follow):
+    ``num_slots``, ``page_size``, ``context_len``, ``max_bs``, ``k_heads`` (at most 4) and
+    ``sweep_rows`` positive ints, ``layer >= 0``; a TypeError or ValueError names the field.
+    A page size that is not the pool's would misplace every request's ``cache_loc`` segment:
+    0 checked request ``r`` against request 0's slots (a corrupted slot unseen), a negative one
+    raised false alarms on clean steps.
     """
 
     num_slots: int
