@@ -666,7 +666,7 @@ def test_write_too_many_sources_and_int32_ids(helpers):
                                          "real_kv_sources": srcs})
     before = _snapshot(ctx)
     with pytest.raises(ValueError, match="^kv-canary: at most 4 RealKvSource entries supported by "
-                                         "the CUDA ABI, got 5$"):
+                                         "the CUDA ABI, got 5\n"):
         bridge.launch_canary_write_kernel(**{**args, "context": ctx})
     with pytest.raises(RuntimeError, match="input_ids must be torch.int64, got torch.int32"):
         bridge.launch_canary_write_kernel(**{**args, "input_ids": torch.tensor([5, 6],
