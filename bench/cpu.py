@@ -33,6 +33,7 @@ import time
 import numpy as np
 
 from bench import op_plan, op_scatter, op_verify, op_write
+from bench.run import positive_int, unwritable
 
 IMPLEMENTATIONS = ("xla", "pallas_interpret")
 RING = 1024
@@ -268,11 +269,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cpu", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny cases, one round, 3 demo steps")
-    ap.add_argument("--rounds", type=int, default=5, help="timed calls per implementation")
+    ap.add_argument("--rounds", type=positive_int, default=5,
+                    help="timed calls per implementation (>= 1)")
     ap.add_argument("--budget-s", type=float, default=60.0,
                     help="past two rounds, an implementation stops once its calls of a case "
                     "took this long")
-    ap.add_argument("--demo-steps", type=int, default=12, help="clean demo steps per impl.")
+    ap.add_argument("--demo-steps", type=positive_int, default=12,
+                    help="clean demo steps per impl. (>= 1)")
     ap.add_argument("--only", default="", help="comma list of ops (verify,write,plan,scatter,"
                     "demo); default all")
     # Relative to the current directory (a checkout's root), never inside an installed package.
@@ -280,6 +283,11 @@ def main(argv=None) -> int:
                     help="output directory (default: bench/results/cpu under the current "
                     "directory)")
     args = ap.parse_args(argv)
+    if not args.budget_s > 0:
+        ap.error(f"argument --budget-s: must be > 0, got {args.budget_s}")
+    why = unwritable(args.out)
+    if why:  # before the run, not after it (its figures would be lost)
+        ap.error(f"argument --out: {args.out!r} is not a writable directory ({why})")
 
     from kvcanary_jax.cli import select_device
 

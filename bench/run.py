@@ -25,6 +25,31 @@ def _op_module(name):
     return importlib.import_module(f"bench.op_{name}")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (``--iters 0`` used to mean the default, ``-5`` failed
+    inside numpy after the run)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def unwritable(directory: str) -> str:
+    """"" when ``directory`` can be created and written, else why not."""
+    import tempfile
+
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror or e}"
+    return ""
+
+
 def main(argv: list[str] | None = None, *, prog: str = "python -m bench") -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -32,7 +57,8 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m bench") -> int
     mode.add_argument("--quick", action="store_true", help="a subset of cases (< 2 min on the H200)")
     mode.add_argument("--smoke", action="store_true", help="tiny cases, CPU interpret mode")
     ap.add_argument("--ops", default=",".join(OPS), help="comma list of ops to run")
-    ap.add_argument("--iters", type=int, default=None, help="timed iterations per case")
+    ap.add_argument("--iters", type=positive_int, default=None,
+                    help="timed iterations per case (>= 1; default: 3 smoke, 30 quick, 50 full)")
     ap.add_argument("--implementations", default="",
                     help="comma list of implementations to time as 'ours' (default: the "
                     "platform's); SGLang and the other peers are timed with the first")
@@ -42,14 +68,22 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m bench") -> int
                     help="output directory (default: bench/results under the current directory)")
     args = ap.parse_args(argv)
 
-    from tqdm import tqdm
-
-    ops = [o for o in args.ops.split(",") if o]
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     unknown = set(ops) - set(OPS)
     if unknown:
         ap.error(f"unknown ops {sorted(unknown)}; choose from {OPS}")
+    if not ops:
+        ap.error(f"argument --ops: no op given ({args.ops!r}); choose from {OPS}")
+    # Before any case runs: an unwritable --out used to fail with a traceback after the whole
+    # run, its figures lost.
+    why = unwritable(args.out)
+    if why:
+        ap.error(f"argument --out: {args.out!r} is not a writable directory ({why})")
+
+    from tqdm import tqdm
+
     kind = "smoke" if args.smoke else "quick" if args.quick else "full"
-    iters = args.iters or (3 if args.smoke else 30 if args.quick else 50)
+    iters = args.iters if args.iters is not None else (3 if args.smoke else 30 if args.quick else 50)
     if not args.smoke and not common.on_gpu():
         print("no GPU: running the smoke mode (use --smoke to silence this)", file=sys.stderr)
         kind, iters = "smoke", min(iters, 3)

@@ -178,7 +178,12 @@ def launch_canary_step(*, context, verify_plan_out, write_plan_out, req_pool_ind
             expected_input_tokens=..., expected_input_positions=...)
 
     with every launcher's static checks run first (nothing runs if one fails). Value checks of
-    the verify / write plans are skipped: the plan is produced by this very call. All outputs
+    the verify / write plans are skipped: the plan is produced by this very call; the caller's
+    token arrays are checked as the write launcher checks them (``out_cache_loc`` inside the
+    canary buffer, the active requests' ``extend_seq_lens`` within ``input_ids``). Unlike the
+    sequence, the step refuses an expected-token pool that shares memory with
+    ``req_to_token`` (or any other input) when it scatters: our rule, see
+    :func:`bridge.checks.check_outputs_apart_from_inputs`. All outputs
     (expected pool, both plans, canary buffer, ring, write index, counters) are updated in place.
     ``verify_capacity`` defaults to the verify plan's capacity.
     """

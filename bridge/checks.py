@@ -1,4 +1,5 @@
-"""Checks shared by the launchers: required tensors, torch-only checks, opt-in value checks.
+"""Checks shared by the launchers: required tensors, torch-only checks, outputs apart from
+inputs, opt-in value checks.
 
 Value checks (negative / out-of-range indices, malformed offsets) read tensor contents, which on
 a GPU is a device-to-host synchronisation per call. The kernels stay in bounds whatever the
@@ -14,6 +15,7 @@ import threading
 
 import torch
 
+from bridge.dlpack import BridgeError
 from kvcanary_jax.contracts import Contiguous, Contract, SameDevice
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "value_checks",
     "set_value_checks",
     "check_range",
+    "check_outputs_apart_from_inputs",
 ]
 
 
@@ -84,3 +87,38 @@ def check_range(prefix: str, name: str, t: torch.Tensor, lo: int, hi: int, what:
         raise ValueError(
             f"{prefix} {name}[{i}]={int(t[i])} is outside [{lo}, {hi}) ({what})"
         )
+
+
+def _span(t) -> tuple[int, int]:
+    lo = t.data_ptr()
+    last = sum((int(n) - 1) * int(st) for n, st in zip(t.shape, t.stride()))
+    return lo, lo + (last + 1) * t.element_size()
+
+
+def check_outputs_apart_from_inputs(launcher: str, written: tuple, tensors: dict) -> None:
+    """Our rule (SGLang checks nothing of the kind): a tensor a launcher writes must not share
+    memory with one it reads (scatter's ``pool_out`` over ``flat_in``, a plan's ``prefix_lens``
+    inside ``write_plan_out``, the step's expected-token pool over ``req_to_token``): the
+    kernels would read what they are writing, a result neither SGLang's reference nor any
+    defined one. Refused naming both; spans are compared by address (a strided output whose
+    span encloses an input is refused even where their elements interleave)."""
+    def has_memory(t):  # meta tensors (address 0) hold none: the launcher refuses them itself
+        return isinstance(t, torch.Tensor) and t.numel() and t.device.type != "meta"
+
+    outs = []
+    for name in written:
+        t = tensors.get(name)
+        if has_memory(t):
+            outs.append((name, t.device, *_span(t)))
+    if not outs:
+        return
+    for name, t in tensors.items():
+        if name in written or not has_memory(t):
+            continue
+        lo, hi = _span(t)
+        for out, device, a, b in outs:
+            if lo < b and a < hi and t.device == device:
+                raise BridgeError(
+                    f"kv-canary bridge: {launcher} {out} shares memory with {name}; a tensor "
+                    "the launcher writes must not overlap one it reads (pass distinct tensors)"
+                )

@@ -61,6 +61,9 @@ class Declaration:
     check_values: Callable[[dict, dict], None]
     arguments: Callable[..., tuple]  # (kwargs, tensors) -> (args, static, results)
     fn: Callable  # fn(*arrays, **static) -> outputs, in the order of ``results``
+    # Tensors this call writes besides ``outputs`` (the step's expected-token pool when it
+    # scatters): they must not share memory with any input either.
+    also_written: Callable[[dict], tuple] = lambda kw: ()
 
 
 # --------------------------------------------------------------------------------------------
@@ -672,8 +675,20 @@ def _step_values(kw, ts):
     if _do_scatter(kw) and not _scatter_skip(kw, _step_scatter_tensors(kw)):
         _scatter_values(kw, _step_scatter_tensors(kw))
     _plan_values(kw, ts)
-    # The verify and write plans are produced by this very call: their values are not checked.
-    check_write_index(kw["context"].violation_write_index[0], "kv-canary: launch_canary_step")
+    # The verify and write plans are produced by this very call: their values are not checked,
+    # but the caller's token arrays are, as the write launcher checks them (the write offsets
+    # the plan derives from extend_seq_lens index input_ids; out_cache_loc holds canary slots):
+    # a token past input_ids or a slot past the buffer would be skipped without a word.
+    step = "kv-canary: launch_canary_step"
+    rpi, extend = ts["req_pool_indices"], ts["extend_seq_lens"]
+    total = int(torch.where(rpi != 0, extend.clamp(min=0), 0).sum()) if rpi.numel() else 0
+    n = int(ts["input_ids"].shape[0])
+    if total > n:
+        raise ValueError(f"{step} extend_seq_lens of the active requests (req_pool_indices != 0) "
+                         f"sum to {total}, more than the {n} tokens of input_ids")
+    check_range(step, "out_cache_loc", ts["out_cache_loc"].clamp(min=-1), -1,
+                int(kw["context"].canary_buf.shape[0]), "canary slots, negative = skip")
+    check_write_index(kw["context"].violation_write_index[0], step)
 
 
 def step_fn(*arrays, scatter_cols, has, swa, cap, k, specs, kind, mode, check_token,
@@ -748,5 +763,6 @@ STEP = Declaration(
     outputs=("canary_buf",) + _CTX_OUT + PLAN.outputs, tensors=_step_tensors,
     statics=_step_statics, validate=_step_validate, skip=lambda kw, ts: False,
     check_values=_step_values, arguments=_step_arguments, fn=step_fn,
+    also_written=lambda kw: ("req_to_verify_expected_tokens",) if _do_scatter(kw) else (),
 )
 

@@ -20,8 +20,9 @@ Direct path: the program (lowered, extracted and compiled kernels) is looked up 
 :class:`ProgramKey` and its kernels launched with the tensors' pointers on torch's current stream
 (:mod:`bridge.triton_direct`): thread-safe without a lock (each thread launches on its own current
 stream) and capturable by ``torch.cuda.graph``. DLPack path: imports, one jitted call with the
-outputs donated, write-back where the outputs do not alias; serialised per device by a lock, so
-threads sharing buffers never lose an update or see a donated array (the same per-call work as
+outputs donated, write-back where the outputs do not alias; serialised per device by one lock
+that every launcher shares, so threads sharing buffers, through one launcher or several, never
+lose an update or see a donated array (the same per-call work as
 one thread, in some order, as SGLang's own launchers on one stream).
 
 :func:`paths` reports, per launcher, the path its last call took and why the direct path was not
@@ -42,7 +43,7 @@ import torch
 
 from bridge import streams, triton_direct, views
 from bridge.cache import CACHES
-from bridge.checks import value_checks_enabled
+from bridge.checks import check_outputs_apart_from_inputs, value_checks_enabled
 from bridge.dlpack import STATS, BridgeError, device_info, import_tensor, write_back, x64_scope
 
 __all__ = ["Arg", "Signature", "ProgramKey", "Launcher", "paths", "set_direct", "direct_enabled",
@@ -208,13 +209,27 @@ def check_whole_rows(a: Arg, t) -> None:
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+# One lock per device for the DLPack path, shared by every launcher: two launchers over one
+# context (verify in one thread, write in another) donate and replace the same imported buffers,
+# so a lock per launcher let one thread read an array the other had just donated ("Array has
+# been deleted") and lose the other's counter updates.
+_DLPACK_LOCKS: dict[Any, threading.Lock] = {}
+_DLPACK_LOCKS_LOCK = threading.Lock()
+
+
+def _dlpack_lock(device) -> threading.Lock:
+    with _DLPACK_LOCKS_LOCK:
+        lock = _DLPACK_LOCKS.get(device)
+        if lock is None:
+            lock = _DLPACK_LOCKS[device] = threading.Lock()
+        return lock
+
+
 class Launcher:
     """Runs one declaration (see the module docstring)."""
 
     def __init__(self, decl):
         self.decl = decl
-        self._dlpack_locks: dict[Any, threading.Lock] = {}
-        self._locks_lock = threading.Lock()
 
     def __call__(self, **kwargs) -> None:
         decl = self.decl
@@ -233,6 +248,9 @@ class Launcher:
         device = anchor.device
         checked = value_checks_enabled(device)
         if checked:
+            # Addresses of the inputs are not part of the signature: checked again here.
+            check_outputs_apart_from_inputs(decl.name, decl.outputs + decl.also_written(kwargs),
+                                            tensors)
             # Offsets then lie in [0, n]: a clamp to n would change nothing.
             decl.check_values(kwargs, tensors)
         reason = ""
@@ -252,7 +270,17 @@ class Launcher:
     def _prepare(self, kwargs, tensors) -> Prepared:
         """First call of a signature: the static checks (SGLang's errors), then the arguments."""
         decl = self.decl
-        decl.validate(kwargs, tensors)
+        try:
+            decl.validate(kwargs, tensors)
+        except (TypeError, ValueError) as e:
+            # Some of SGLang's messages (contiguity, device) name the tensor but not the
+            # launcher; they stay word for word, and a note names the launcher in the traceback.
+            if decl.name not in str(e):
+                e.add_note(f"kv-canary bridge: raised by {decl.name}")
+            raise
+        # Once per signature (with value checks on, on every call: see __call__).
+        check_outputs_apart_from_inputs(decl.name, decl.outputs + decl.also_written(kwargs),
+                                        tensors)
         anchor = tensors[decl.anchor]
         if anchor.device.type == "meta":
             device_info(anchor, decl.anchor)  # raises the bridge's error for the meta device
@@ -320,13 +348,6 @@ class Launcher:
     # ---------------------------------------------------------------------------------------
     # DLPack path
 
-    def _lock(self, device) -> threading.Lock:
-        with self._locks_lock:
-            lock = self._dlpack_locks.get(device)
-            if lock is None:
-                lock = self._dlpack_locks[device] = threading.Lock()
-            return lock
-
     def _dlpack(self, prep: Prepared, tensors, anchor) -> None:
         decl = self.decl
         info = device_info(anchor, decl.anchor)
@@ -343,7 +364,7 @@ class Launcher:
             lambda: jax.jit(_positional(decl.fn, static), donate_argnums=donate,
                             keep_unused=True))
         cache = views.for_device(info.torch_device)
-        with self._lock(info.torch_device), x64_scope():
+        with _dlpack_lock(info.torch_device), x64_scope():
             presented = [_present(a, tensors[a.name], info, cache) for a in prep.args]
             fence, stream = streams.enter(info)
             outs = fn(fence, *(p.array for p in presented))

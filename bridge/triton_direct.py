@@ -296,7 +296,10 @@ def extract_program(fn: Callable, specs: Sequence[Any], *, results_to_args: Sequ
 
     from kvcanary_jax import _config
 
-    with _config.x64_scope(), _config.quiet_triton_lowering():
+    from kvcanary_jax.ops._registry import lowering_for
+
+    # lowering_for: the ops select their CUDA kernels even where this host's backend is a CPU.
+    with _config.x64_scope(), _config.quiet_triton_lowering(), lowering_for("cuda"):
         # keep_unused: argument i of the lowered module must be argument i of the call.
         lowered = jax.jit(functools.partial(fn, **(static or {})), keep_unused=True).trace(
             *specs).lower(lowering_platforms=("cuda",))

@@ -8,7 +8,13 @@ Runtime for a serving loop: :class:`CanaryConfig`, :func:`init_state`, :func:`ma
 :func:`canary_sweep`, :func:`read_violations` (see :mod:`kvcanary_jax.runtime`).
 """
 
-from kvcanary_jax import buckets
+# The console script's Ctrl-C handling starts here, before JAX is imported (kvcanary_jax._interrupt).
+from kvcanary_jax import _interrupt
+
+if _interrupt.is_console_script():
+    _interrupt.install()
+
+from kvcanary_jax import buckets  # noqa: E402  (after the interrupt handler, on purpose)
 from kvcanary_jax._config import quiet_triton_lowering
 from kvcanary_jax.consts import (
     CANARY_CHAIN_ANCHOR,

@@ -48,20 +48,33 @@ __all__ = ["FLOOR", "bucket", "pad", "num_buckets"]
 FLOOR = 64
 
 
+def _length(name: str, value) -> int:
+    """An integer (Python or numpy, not bool): ``int()`` would round 64.5 down (a bucket below
+    the length) and parse "65"."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"kv-canary: {name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
 def bucket(n: int, floor: int = FLOOR) -> int:
-    """The smallest power of two ``>= n`` and ``>= floor``; 0 for 0 (zero sizes are no-ops)."""
-    n = int(n)
+    """The smallest power of two ``>= n`` and ``>= floor``; 0 for 0 (zero sizes are no-ops).
+    Raises TypeError for a length that is not an integer, ValueError for a negative one."""
+    n = _length("a length", n)
+    floor = _length("floor", floor)
     if n < 0:
         raise ValueError(f"kv-canary: a length cannot be negative, got {n}")
     if n == 0:
         return 0
-    b = max(int(floor), 1)
+    b = max(floor, 1)
     b = 1 << (b - 1).bit_length()
     return max(b, 1 << (n - 1).bit_length())
 
 
 def num_buckets(n_max: int, floor: int = FLOOR) -> int:
     """How many distinct buckets lengths ``1..n_max`` fall into."""
+    n_max = _length("n_max", n_max)
     if n_max <= 0:
         return 0
     return (bucket(n_max, floor).bit_length() - bucket(1, floor).bit_length()) + 1
@@ -72,7 +85,7 @@ def pad(x, size: int, fill=0, axis: int = 0):
     import jax.numpy as jnp
 
     x = jnp.asarray(x)
-    extra = int(size) - x.shape[axis]
+    extra = _length("size", size) - x.shape[axis]
     if extra < 0:
         raise ValueError(f"kv-canary: cannot pad length {x.shape[axis]} down to {size}")
     if extra == 0:

@@ -5,7 +5,8 @@
 a small server with the canary on, then runs the fault campaign and prints, per fault kind, how
 many faults were injected and detected, the first detecting step, and the clean run's false
 positives. ``demo`` is the default subcommand. Ctrl-C stops the demo before its next step: it
-prints the partial report and exits with status 130 (a second Ctrl-C aborts at once).
+prints the partial report and exits with status 130 (a second Ctrl-C aborts at once); the console
+script takes Ctrl-C from its first line, while JAX imports (:mod:`kvcanary_jax._interrupt`).
 
 ``kvcanary-jax bench [options]`` is ``python -m bench [options]`` (the benchmark of a source
 checkout; ``kvcanary-jax bench --help`` lists its options).
@@ -24,6 +25,8 @@ import threading
 import time
 import warnings
 from typing import Callable
+
+from kvcanary_jax import _interrupt
 
 __all__ = ["main", "register_command", "select_device"]
 
@@ -56,14 +59,32 @@ def _count(minimum: int):
 # ------------------------------------------------------------------------------------------ demo
 
 
+def _fault_list(text: str):
+    """An argparse type: ``'all'`` (None: every kind) or a comma list of known kinds. An empty
+    list is refused: ``''`` meant every kind and ``','`` none."""
+    from kvcanary_jax.sim import FAULT_KINDS
+
+    if text.strip() == "all":
+        return None
+    kinds = [f.strip() for f in text.split(",") if f.strip()]
+    if not kinds:
+        raise argparse.ArgumentTypeError(
+            f"no fault kind in {text!r}: name kinds (a comma list) or 'all'")
+    unknown = [k for k in kinds if k not in FAULT_KINDS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown fault kind(s) {', '.join(map(repr, unknown))}; known: {', '.join(FAULT_KINDS)}")
+    return kinds
+
+
 def _demo_args(p: argparse.ArgumentParser) -> None:
     from kvcanary_jax.ops._registry import IMPLEMENTATIONS
     from kvcanary_jax.sim import FAULT_KINDS
 
     p.add_argument("--steps", type=_count(1), default=40,
                    help="clean serving steps (default 40)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--faults", default="all",
+    p.add_argument("--seed", type=_count(0), default=0, help="the simulation's seed (>= 0)")
+    p.add_argument("--faults", type=_fault_list, default="all",
                    help="comma list of fault kinds, or 'all': " + ", ".join(FAULT_KINDS))
     p.add_argument("--injections", type=_count(0), default=2,
                    help="trials per fault kind (default 2; 0: the clean run only)")
@@ -122,7 +143,7 @@ def _table(res) -> str:
 
 
 # Exit status of a run stopped by SIGINT (128 + SIGINT, what shells report).
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = _interrupt.EXIT_INTERRUPTED
 
 
 def _abort() -> None:
@@ -162,7 +183,15 @@ class _StopOnInterrupt:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            if _interrupt.installed():
+                # The console script's early handler (kvcanary_jax._interrupt) took SIGINT
+                # while JAX imported: a Ctrl-C it recorded is this demo's stop request, and the
+                # handler to put back is the one it replaced.
+                self.requested = _interrupt.requested()
+                self._previous = _interrupt.previous()
+                signal.signal(signal.SIGINT, self._handle)
+            else:
+                self._previous = signal.signal(signal.SIGINT, self._handle)
             self._installed = True
         return self
 
@@ -189,9 +218,17 @@ def _demo(args, interrupt: _StopOnInterrupt) -> int:
     select_device(args.device)
     from kvcanary_jax import sim as simulation
 
-    faults = None if args.faults in ("all", "") else [
-        f.strip() for f in args.faults.split(",") if f.strip()]
+    faults = args.faults
+    from kvcanary_jax.sim import campaign
+
     try:
+        if args.injections and campaign.checkpoint_count(args.steps) == 0:
+            # Our rule: without a checkpoint no trial can run, and the demo ended "FAILED: 0/0"
+            # without a reason.
+            raise ValueError(
+                f"--steps {args.steps} leaves no clean checkpoint to inject faults on (the first "
+                f"is taken at step {campaign.CHECKPOINT_WARMUP}): pass --steps "
+                f"{campaign.CHECKPOINT_WARMUP + 1} or more, or --injections 0 for the clean run only")
         sim = simulation.SimConfig(
             steps=args.steps, seed=args.seed, swa_window_size=args.swa_window,
             enable_v_half=args.v_half, sweep_interval=args.sweep_interval,
@@ -217,6 +254,7 @@ def _demo(args, interrupt: _StopOnInterrupt) -> int:
         f.detected == f.injected and (f.injected > 0 or args.injections == 0)
         for f in res.faults)
     out["ok"] = ok
+    out["failures"] = [] if ok or res.interrupted else _failures(res, args)
     rc = EXIT_INTERRUPTED if res.interrupted else 0 if ok else 1
     if res.interrupted:
         trials = sum(f.injected for f in res.faults)
@@ -240,7 +278,30 @@ def _demo(args, interrupt: _StopOnInterrupt) -> int:
     verdict = "INTERRUPTED" if res.interrupted else "OK" if ok else "FAILED"
     print(f"{verdict}: {sum(f.detected for f in res.faults)}/"
           f"{sum(f.injected for f in res.faults)} injected faults detected; wall {wall:.1f} s")
+    for line in out["failures"]:
+        print(f"  - {line}")
     return rc
+
+
+def _failures(res, args) -> list[str]:
+    """Why a finished run is FAILED, one line per reason."""
+    from kvcanary_jax.sim import campaign
+
+    out = []
+    if res.false_positives:
+        out.append(f"{res.false_positives} false positive(s) in the clean run")
+    short = [f for f in res.faults if f.injected < args.injections]
+    for f in res.faults:
+        if f.detected < f.injected:
+            out.append(f"{f.kind}: {f.injected - f.detected} of {f.injected} injected fault(s) "
+                       "missed")
+    if short:
+        out.append(
+            f"{', '.join(f'{f.kind} ({f.injected} of {args.injections})' for f in short)}: "
+            f"fewer trials placed than asked; the {res.steps} clean steps left "
+            f"{campaign.checkpoint_count(res.steps)} checkpoint(s) to place them on: run more "
+            "--steps")
+    return out
 
 
 register_command("demo", "simulate a server with the canary on, then a fault campaign",
@@ -286,7 +347,11 @@ def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
     if not argv or argv[0] not in _COMMANDS and argv[0] not in ("-h", "--help"):
         argv = ["demo"] + argv
     help_, add, run = _COMMANDS.get(argv[0], (None, True, None))
-    if add is None:  # the command parses its own options
+    if add is None:  # the command parses its own options, and handles Ctrl-C its own way
+        if _interrupt.requested():
+            print("kvcanary-jax: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        _interrupt.uninstall()
         return run(argv[1:])
     try:
         args = build_parser().parse_args(argv)  # imports JAX: a Ctrl-C may land here
@@ -294,6 +359,11 @@ def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
         print("kvcanary-jax: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     args.exiting = exiting
+    if args.command != "demo":
+        if _interrupt.requested():
+            print("kvcanary-jax: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        _interrupt.uninstall()
     return _COMMANDS[args.command][2](args)
 
 

@@ -49,3 +49,49 @@ def test_cpu_bench_smoke(tmp_path):
         assert row["equal"] is True, row
         assert all(row[i]["median_ms"] > 0 for i in cpu.IMPLEMENTATIONS)
     assert "| demo |" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--iters", "-5"], "argument --iters: must be >= 1, got -5"),
+    # 0 silently meant the default.
+    (["--iters", "0"], "argument --iters: must be >= 1, got 0"),
+    (["--ops", ","], "argument --ops: no op given (','); choose from ('scatter', 'plan', "
+                     "'write', 'verify', 'bridge')"),
+])
+def test_bench_refuses_values_that_make_no_sense(argv, message, capsys):
+    from bench import run
+
+    with pytest.raises(SystemExit) as e:
+        run.main(argv, prog="kvcanary-jax bench")
+    assert e.value.code == 2
+    assert capsys.readouterr().err.rstrip().endswith(f"kvcanary-jax bench: error: {message}")
+
+
+@pytest.mark.parametrize("main", ["run", "cpu"])
+def test_bench_refuses_an_unwritable_out_before_running(main, tmp_path, capsys):
+    """An unwritable --out ran the whole bench, then ended in a traceback."""
+    import importlib
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = str(blocker / "results")
+    mod = importlib.import_module(f"bench.{main}")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--smoke", "--out", out])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.rstrip()
+    assert err.endswith(f"error: argument --out: {out!r} is not a writable directory "
+                        "(NotADirectoryError: Not a directory)"), err
+    assert err.startswith("usage: "), err  # the usage and the error only: no case ran before
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--rounds", "0"], "argument --rounds: must be >= 1, got 0"),
+    (["--demo-steps", "-1"], "argument --demo-steps: must be >= 1, got -1"),
+    (["--budget-s", "0"], "argument --budget-s: must be > 0, got 0.0"),
+])
+def test_cpu_bench_refuses_values_that_make_no_sense(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cpu.main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.rstrip().endswith(f"error: {message}")

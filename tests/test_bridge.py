@@ -503,7 +503,7 @@ def test_row_range_slice_of_req_to_token_works_and_column_slice_is_sglangs_error
     assert vp.verify_slot_indices[:6].tolist() == [
         int(shard[1, p]) for p in range(4)] + [int(shard[3, p]) for p in range(2)]
     before = _snapshot(vp, wp)
-    with pytest.raises(ValueError, match="^kv-canary: req_to_token must be contiguous$"):
+    with pytest.raises(ValueError, match="^kv-canary: req_to_token must be contiguous\n"):
         bridge.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp,
                                           req_to_token=big[:, :16], **args)
     assert _same(before, _snapshot(vp, wp))
@@ -670,7 +670,7 @@ def test_write_too_many_sources_and_int32_ids(helpers):
                                          "real_kv_sources": srcs})
     before = _snapshot(ctx)
     with pytest.raises(ValueError, match="^kv-canary: at most 4 RealKvSource entries supported by "
-                                         "the CUDA ABI, got 5$"):
+                                         "the CUDA ABI, got 5\n"):
         bridge.launch_canary_write_kernel(**{**args, "context": ctx})
     with pytest.raises(RuntimeError, match="input_ids must be torch.int64, got torch.int32"):
         bridge.launch_canary_write_kernel(**{**args, "input_ids": torch.tensor([5, 6],
@@ -693,7 +693,7 @@ def test_verify_bad_input(helpers):
     bad_ctx = bridge.VerifyOrWriteContext(**{**{f: getattr(ctx, f) for f in
                                                 bridge.VerifyOrWriteContext.__dataclass_fields__},
                                              "violation_ring": ring})
-    with pytest.raises(ValueError, match="^kv-canary: violation_ring must be contiguous$"):
+    with pytest.raises(ValueError, match="^kv-canary: violation_ring must be contiguous\n"):
         bridge.launch_canary_verify_kernel(context=bad_ctx, plan=plan,
                                            check_verify_expected_token=False)
     assert _same(before, _snapshot(ctx, plan))
@@ -855,7 +855,7 @@ def test_fused_step_checks_everything_before_running_anything(helpers):
     kw = {k: v for k, v in plan_args.items()
           if k not in ("req_to_verify_expected_tokens",
                        "req_to_verify_expected_tokens_valid_lens")}
-    with pytest.raises(ValueError, match="^kv-canary: input_ids must be contiguous$"):
+    with pytest.raises(ValueError, match="^kv-canary: input_ids must be contiguous\n"):
         launch_canary_step(
             context=w["context"], **kw, input_ids=torch.tensor([5, 0, 6, 0])[::2],
             positions=w["positions"], out_cache_loc=w["out_cache_loc"],

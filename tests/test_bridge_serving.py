@@ -278,6 +278,53 @@ def test_threads_count_every_call_and_get_sglangs_results(sgl, helpers, shared):
         assert pool[i + 1].tolist() == [calls - 1] * 64
 
 
+def _write_case(WP):
+    """One new chain over slots 10..13 (disjoint from _verify_case's verified slots 1..6)."""
+    plan = WP(write_offsets=torch.tensor([0, 4]), write_seed_slot_indices=torch.tensor([-1]),
+              write_num_valid_reqs=torch.tensor([1], dtype=torch.int32))
+    toks = dict(input_ids=torch.tensor([21, 22, 23, 24]), positions=torch.arange(4),
+                out_cache_loc=torch.tensor([10, 11, 12, 13]))
+    return plan, toks
+
+
+def test_two_launchers_on_one_context_from_two_threads_match_sglang(sgl, helpers):
+    """Verify in one thread and write in another, 25 calls each, on one context: every call
+    counted, nothing read after donation (a lock per launcher, not per device, crashed with
+    "Array has been deleted" and lost counter updates in 3 of 3 trials), and SGLang's
+    reference state for the 50 calls run one after the other."""
+    calls = 25
+    ctx, vplan = _verify_case(bridge.VerifyPlan, bridge.VerifyOrWriteContext, helpers)
+    wplan, toks = _write_case(bridge.WritePlan)
+
+    def verifier():
+        for _ in range(calls):
+            bridge.launch_canary_verify_kernel(context=ctx, plan=vplan,
+                                               check_verify_expected_token=True)
+
+    def writer():
+        for _ in range(calls):
+            bridge.launch_canary_write_kernel(context=ctx, plan=wplan, **toks,
+                                              enable_write_input_assert=False,
+                                              expected_input_tokens=None,
+                                              expected_input_positions=None)
+
+    _run_threads([verifier, writer])
+    rctx, rvplan = _verify_case(sgl.verify.VerifyPlan, sgl.verify.VerifyOrWriteContext, helpers)
+    rwplan, rtoks = _write_case(sgl.write.WritePlan)
+    for _ in range(calls):
+        sgl.verify_ref.launch_canary_verify_kernel_torch_reference(
+            context=rctx, plan=rvplan, check_verify_expected_token=True)
+        sgl.write_ref.launch_canary_write_kernel_torch_reference(
+            context=rctx, plan=rwplan, **rtoks, enable_write_input_assert=False,
+            expected_input_tokens=None, expected_input_positions=None)
+    for f in ("canary_buf", "violation_write_index", "slot_run_counter", "kernel_run_counter"):
+        assert torch.equal(getattr(ctx, f), getattr(rctx, f)), f
+    assert int(ctx.kernel_run_counter[0]) == 2 * calls
+    n = int(rctx.violation_write_index[0])
+    assert sorted(map(tuple, ctx.violation_ring[:n].tolist())) == \
+        sorted(map(tuple, rctx.violation_ring[:n].tolist()))
+
+
 # --------------------------------------------------------------------------------------------
 # Dropped buffers
 

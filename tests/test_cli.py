@@ -59,11 +59,60 @@ def test_top_level_help_lists_the_commands():
     ("kvcanary-jax demo --injections -2", "argument --injections: must be >= 0, got -2"),
     ("kvcanary-jax demo --sweep-interval -1", "argument --sweep-interval: must be >= 0, got -1"),
     ("kvcanary-jax demo --steps two", "argument --steps: not an integer: 'two'"),
+    ("kvcanary-jax demo --seed -1", "argument --seed: must be >= 0, got -1"),
 ])
 def test_bad_counts_are_refused(typed, message):
     proc = _cli.run(typed, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.rstrip().endswith(f"kvcanary-jax demo: error: {message}"), proc.stderr
+
+
+@pytest.mark.parametrize("faults,message", [
+    # '' meant every kind and ',' none: both are refused now, as any list without a kind.
+    ("", "argument --faults: no fault kind in '': name kinds (a comma list) or 'all'"),
+    (",", "argument --faults: no fault kind in ',': name kinds (a comma list) or 'all'"),
+    ("req_to_token,nope", "argument --faults: unknown fault kind(s) 'nope'; known: "
+     + ", ".join(sm.FAULT_KINDS)),
+])
+def test_fault_lists_without_a_kind_are_refused(faults, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(["demo", "--faults", faults])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.rstrip().endswith(f"kvcanary-jax demo: error: {message}")
+    assert cli.build_parser().parse_args(["demo", "--faults", " all"]).faults is None
+    assert cli.build_parser().parse_args(["demo", "--faults", "req_to_token, stale_row_reuse,"]
+                                         ).faults == ["req_to_token", "stale_row_reuse"]
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_demo_with_too_few_steps_for_a_fault_trial_says_so(steps, capsys, monkeypatch):
+    """--steps 1..4 left no checkpoint to inject on and ended "FAILED: 0/0" with no reason."""
+    monkeypatch.setattr(sm, "run_campaign", lambda *a, **k: pytest.fail("ran"))
+    assert cli.main(["--steps", str(steps), "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        f"kvcanary-jax: --steps {steps} leaves no clean checkpoint to inject faults on (the "
+        "first is taken at step 4): pass --steps 5 or more, or --injections 0 for the clean "
+        "run only\n")
+    assert [sm.campaign.checkpoint_count(n) for n in (1, 4, 5, 6, 7, 40)] == [0, 0, 1, 1, 2, 18]
+
+
+def test_a_failed_demo_says_why(capsys, monkeypatch):
+    def run_campaign(sim, **kw):
+        return sm.CampaignResult(
+            steps=6, false_positives=1, clean_violations=[], step_seconds=[1.0] * 6,
+            first_step_seconds=1.0, campaign_seconds=0.0, counters={},
+            faults=[sm.campaign.FaultReport(kind="req_to_token", injected=2, detected=1),
+                    sm.campaign.FaultReport(kind="stale_row_reuse", injected=0)])
+
+    monkeypatch.setattr(sm, "run_campaign", run_campaign)
+    assert cli.main(["--steps", "6", "--no-progress"]) == 1
+    lines = capsys.readouterr().out.rstrip().splitlines()
+    assert lines[-4].startswith("FAILED: 1/2 injected faults detected")
+    assert lines[-3:] == [
+        "  - 1 false positive(s) in the clean run",
+        "  - req_to_token: 1 of 2 injected fault(s) missed",
+        "  - stale_row_reuse (0 of 2): fewer trials placed than asked; the 6 clean steps left 1 "
+        "checkpoint(s) to place them on: run more --steps"]
 
 
 def test_campaign_api_refuses_negative_counts():
@@ -184,6 +233,49 @@ def test_ctrl_c_while_jax_compiles(times):
         assert out.strip().splitlines()[-1].startswith("INTERRUPTED: 0/0")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("after", [0.2, 0.8])
+@pytest.mark.parametrize("times", [1, 2])
+def test_ctrl_c_while_jax_imports(after, times):
+    """SIGINT within the first second, while the console script imports JAX (before the demo's
+    own handler exists): it was lost (JAX printed a KeyboardInterrupt from one of its callbacks
+    and the demo ran on) or ended in a traceback from inside JAX's import. Now once: the demo
+    stops before its first step with its partial report, status 130; twice: it aborts."""
+    proc = subprocess.Popen(_cli.command("kvcanary-jax demo --steps 400 --no-progress"),
+                            env=_cli.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        time.sleep(after)
+        proc.send_signal(signal.SIGINT)
+        if times == 2:
+            time.sleep(0.1)
+            proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out, err = out.decode(), err.decode()
+    assert proc.returncode == cli.EXIT_INTERRUPTED, (proc.returncode, out, err[-3000:])
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
+    if times == 2:
+        assert err.rstrip().endswith("kvcanary-jax: aborted (second Ctrl-C)"), err[-3000:]
+        assert out == ""
+    else:
+        assert "interrupted after 0 of 400 clean steps" in err, err[-3000:]
+        assert out.strip().splitlines()[-1].startswith("INTERRUPTED: 0/0")
+
+
+def test_the_early_handler_is_for_the_console_script_only():
+    from kvcanary_jax import _interrupt
+
+    assert _interrupt.is_console_script(["/usr/bin/kvcanary-jax", "demo"], [])
+    assert _interrupt.is_console_script(["C:/venv/Scripts/kvcanary-jax.exe"], [])
+    assert _interrupt.is_console_script(["-m"], ["python", "-m", "kvcanary_jax.cli", "demo"])
+    assert not _interrupt.is_console_script(["-m"], ["python", "-m", "pytest"])
+    assert not _interrupt.is_console_script(["app.py"], ["python", "app.py"])
+    # Importing the library anywhere else leaves SIGINT alone (this test process).
+    assert not _interrupt.installed()
+
+
 def _fake_campaign(result_for):
     """A stand-in for :func:`sim.run_campaign` that delivers SIGINT to this process between
     two of its steps and returns what the real one returns when stopped."""
@@ -205,7 +297,6 @@ def _stopped(sim):
 
 
 def test_demo_restores_the_previous_sigint_handler(monkeypatch, capsys):
-    real = sm.run_campaign
     calls = []
     mine = lambda signum, frame: calls.append(signum)  # noqa: E731
     previous = signal.signal(signal.SIGINT, mine)
@@ -217,9 +308,12 @@ def test_demo_restores_the_previous_sigint_handler(monkeypatch, capsys):
         assert out["interrupted"] is True and out["ok"] is False and out["steps"] == 2
         assert signal.getsignal(signal.SIGINT) is mine
         assert calls == []  # the demo's handler took the signal while it ran
-        # Every way out restores it: an error inside the (real) campaign ...
-        monkeypatch.setattr(sm, "run_campaign", real)
-        assert cli.main(["--faults", "nope", "--steps", "2", "--no-progress"]) == 2
+        # Every way out restores it: an error inside the campaign ...
+        def fails(sim, **kw):
+            raise ValueError("no trial")
+
+        monkeypatch.setattr(sm, "run_campaign", fails)
+        assert cli.main(["--steps", "5", "--no-progress"]) == 2
         assert signal.getsignal(signal.SIGINT) is mine
 
         # ... and a second Ctrl-C, which aborts at once (os._exit, stood in for here).

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import warnings
 
+import pytest
+
 from kvcanary_jax import cli
 from kvcanary_jax import sim as sm
 
@@ -47,5 +49,8 @@ def test_cli_json_shape(capsys):
 
 
 def test_cli_rejects_unknown_fault(capsys):
-    assert cli.main(["demo", "--faults", "nope", "--steps", "2", "--no-progress"]) == 2
-    assert "unknown fault kind 'nope'" in capsys.readouterr().err
+    # Refused while parsing, before anything runs (argparse's exit status 2).
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--faults", "nope", "--steps", "2", "--no-progress"])
+    assert e.value.code == 2
+    assert "argument --faults: unknown fault kind(s) 'nope'" in capsys.readouterr().err

@@ -49,7 +49,42 @@ def test_defaults_per_platform(name):
     assert op.select(None, platform="tpu") == want_tpu
     # An explicit, usable implementation is taken as asked, whatever the platform.
     assert op.select("pallas_interpret", platform="cuda") == "pallas_interpret"
-    assert op.select("pallas_triton", platform="cpu") == "pallas_triton"
+    # The Triton kernels compile for CUDA only: elsewhere the fallback runs (with a warning),
+    # except when lowering for CUDA (the bridge's direct path, on any host).
+    assert op.unusable("pallas_triton", platform="cpu") == (
+        "its kernels compile for CUDA GPUs and the platform is 'cpu' (pallas_interpret runs the "
+        "same kernels anywhere, as a test tool)")
+    with _registry.lowering_for("cuda"):
+        assert op.select("pallas_triton") == "pallas_triton"
+
+
+def test_pallas_triton_on_a_cpu_falls_back_to_xla_with_one_warning_saying_why():
+    """Asked on a CPU backend (the API, and the demo's --implementation pallas_triton), the
+    Triton kernels cannot compile (JAX: "Only interpret mode is supported on CPU backend"): the
+    call runs xla, equal to it, with one FallbackWarning that says why."""
+    out = _run("""
+        import warnings
+        import jax, jax.numpy as jnp, numpy as np
+        import kvcanary_jax as kc
+
+        def scatter(impl):
+            with jax.enable_x64(True):
+                return np.asarray(kc.scatter_req_token_ids(
+                    flat_in=jnp.arange(5, dtype=jnp.int64), offsets=jnp.array([0, 2, 5]),
+                    req_pool_indices=jnp.array([1, 2]), pool_out=jnp.zeros((3, 4), jnp.int32),
+                    implementation=impl))
+
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            first, second = scatter("pallas_triton"), scatter("pallas_triton")
+        msgs = [str(x.message) for x in w if issubclass(x.category, kc.FallbackWarning)]
+        assert msgs == ["kv-canary: implementation 'pallas_triton' is unavailable: its kernels "
+                        "compile for CUDA GPUs and the platform is 'cpu' (pallas_interpret runs "
+                        "the same kernels anywhere, as a test tool); using 'xla'"], msgs
+        assert first.tolist() == second.tolist() == scatter("xla").tolist()
+        print("OK")
+    """)
+    assert "OK" in out
 
 
 def test_available_here():
@@ -286,3 +321,82 @@ def test_tpu_configs_refuse_bad_values_and_share_their_fields(op, field, bad, te
     cfg = mod.Config(vmem_limit_bytes=1 << 20)
     assert isinstance(cfg, _tpu_lib.Config) and cfg.interpret is None
     assert dataclasses.replace(cfg, interpret=True).vmem_limit_bytes == 1 << 20
+
+
+# A corrupt or malformed tuned table: refused with the file named (a raw JSONDecodeError,
+# KeyError, TypeError or AttributeError before), and written atomically.
+
+_KIND = "Test GPU 7"
+
+
+def _table_file(tmp_path, monkeypatch, text):
+    monkeypatch.setattr(_registry, "_tuning_dir", lambda: tmp_path)
+    _registry.load_table.cache_clear()
+    path = tmp_path / _registry.table_name("verify", _KIND)
+    path.write_text(text)
+    return path
+
+
+_ENTRY = {"key": {"capacity": 6}, "config": {"block": 64}}
+
+
+@pytest.mark.parametrize("text,what", [
+    ("", "not JSON (Expecting value: line 1 column 1 (char 0))"),
+    ('{"op": "verify", "implementations": {"pallas_tri',
+     "not JSON (Unterminated string starting at: line 1 column 38 (char 37))"),
+    ("[1, 2]", "the top level is a list, not an object"),
+    ('{"op": "verify"}', "'implementations' must be an object of implementation -> list"),
+    ('{"implementations": {"pallas_triton": {"key": {}}}}',
+     "implementations['pallas_triton'] must be a list of entries"),
+    ('{"implementations": {"pallas_triton": [{"config": {}}]}}',
+     "implementations['pallas_triton'][0] must be an object with a 'key' object and a 'config' "
+     "object"),
+])
+def test_a_malformed_tuned_table_is_refused_naming_the_file(tmp_path, monkeypatch, text, what):
+    path = _table_file(tmp_path, monkeypatch, text)
+    msg = (f"kv-canary: tuned table {path} is malformed: {what} (rerun the tuning script that "
+           "wrote it, or delete the file)")
+    with pytest.raises(_registry.TuningTableError) as e:
+        _registry.tuned_config("verify", "pallas_triton", {"capacity": 6}, kind=_KIND)
+    assert str(e.value) == msg and isinstance(e.value, ValueError)
+    # update_tuned_table refuses it too, and leaves it as it was (not overwritten).
+    with pytest.raises(_registry.TuningTableError) as e:
+        _registry.update_tuned_table("verify", "pallas_triton", _KIND, [_ENTRY], directory=tmp_path)
+    assert str(e.value) == msg and path.read_text() == text
+
+
+@pytest.mark.parametrize("config,cause", [
+    ({"blok": 64}, "unexpected keyword argument 'blok'"),  # an unknown field
+    ({"block": "64"}, "'>=' not supported between instances of 'str' and 'int'"),  # a wrong type
+    ({"block": 48}, "bad launch parameters block=48"),  # a value the Config refuses
+])
+def test_a_tuned_entry_that_is_not_a_config_is_refused_naming_the_file(tmp_path, monkeypatch,
+                                                                       config, cause):
+    table = {"op": "verify", "implementations": {"pallas_triton": [
+        {"key": {"capacity": 6}, "config": config}]}}
+    path = _table_file(tmp_path, monkeypatch, json.dumps(table))
+    with pytest.raises(_registry.TuningTableError) as e:
+        _registry.op("verify").config("pallas_triton", {"capacity": 6}, kind=_KIND)
+    prefix = (f"kv-canary: tuned table {path} is malformed: its 'pallas_triton' entry for "
+              "{'capacity': 6} is not a kvcanary_jax.ops.verify.pallas_triton.Config (")
+    msg = str(e.value)
+    assert msg.startswith(prefix) and cause in msg[len(prefix):], msg
+    assert msg.endswith(") (rerun the tuning script that wrote it, or delete the file)")
+
+
+def test_update_tuned_table_replaces_the_file_atomically(tmp_path, monkeypatch):
+    path = _registry.update_tuned_table("verify", "pallas_triton", _KIND, [_ENTRY],
+                                        directory=tmp_path)
+    before = open(path).read()
+
+    def interrupted(obj, f, **kw):
+        f.write('{"op": "verify", "implementa')  # half a table, then the run dies
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(json, "dump", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _registry.update_tuned_table("verify", "pallas_triton", _KIND,
+                                     [{"key": {"capacity": 7}, "config": {"block": 32}}],
+                                     directory=tmp_path)
+    assert open(path).read() == before
+    assert os.listdir(tmp_path) == [os.path.basename(path)]  # no temporary file left

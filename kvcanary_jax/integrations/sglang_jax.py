@@ -162,6 +162,18 @@ def fused_kv_sources(buffer: jax.Array, *, k_heads: int = 1) -> tuple[kc.RealKvS
     )
 
 
+def _int_arg(name: str, value, where: str | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"kv-canary sglang-jax: {where or name} must be an int, got "
+                        f"{type(value).__name__} {value!r}")
+
+
+def _positive_int(name: str, value, where: str | None = None) -> None:
+    _int_arg(name, value, where)
+    if value <= 0:
+        raise ValueError(f"kv-canary sglang-jax: {where or name} must be positive, got {value}")
+
+
 def _mesh_axes(entry) -> tuple[str, ...]:
     if entry is None:
         return ()
@@ -180,6 +192,13 @@ class SglangJaxCanary:
     docstring). ``sweep_rows``: prefixes per :func:`sweep` launch. The rest is
     :class:`kvcanary_jax.CanaryConfig`'s (``implementation``: what every op runs; default: the
     platform's).
+
+    Sizes are checked when the canary is built (our rules, sglang-jax has none to follow):
+    ``num_slots``, ``page_size``, ``context_len``, ``max_bs``, ``k_heads`` (at most 4) and
+    ``sweep_rows`` positive ints, ``layer >= 0``; a TypeError or ValueError names the field.
+    A page size that is not the pool's would misplace every request's ``cache_loc`` segment:
+    0 checked request ``r`` against request 0's slots (a corrupted slot unseen), a negative one
+    raised false alarms on clean steps.
     """
 
     num_slots: int
@@ -198,6 +217,17 @@ class SglangJaxCanary:
     implementation: str | None = None
 
     def __post_init__(self):
+        # Our rules (sglang-jax has no canary): a page size of 0 would start every request's
+        # cache_loc segment at 0 (request r checked against request 0's slots: a corrupted slot
+        # goes unseen), a negative one misplaces every segment (false alarms on clean steps).
+        for name in ("num_slots", "page_size", "context_len", "max_bs", "k_heads", "sweep_rows"):
+            _positive_int(name, getattr(self, name))
+        _int_arg("layer", self.layer)
+        if self.layer < 0:
+            raise ValueError(f"kv-canary sglang-jax: layer must be >= 0, got {self.layer}")
+        if self.k_heads > MAX_REAL_KV_SOURCES:
+            raise ValueError(f"kv-canary sglang-jax: k_heads must be in [1, {MAX_REAL_KV_SOURCES}] "
+                             f"(the canary's source limit), got {self.k_heads}")
         if self.mesh is not None and self.kv_spec is not None:
             spec = tuple(self.kv_spec)
             slot_axes = [a for entry in spec[:1] for a in _mesh_axes(entry)]
@@ -213,11 +243,19 @@ class SglangJaxCanary:
         """Read sizes, mesh and sharding from sglang-jax's ``ReqToTokenPool`` and
         ``MHATokenToKVPool`` (0.0.2 or HEAD)."""
         buf = token_to_kv_pool.kv_buffer[0]
+        page_size = token_to_kv_pool.page_size
+        _positive_int("page_size", page_size, where="token_to_kv_pool.page_size")
+        if len(buf.shape) == 5 and int(buf.shape[1]) != int(page_size):
+            # HEAD's layout carries the page size in its shape: a pool whose attribute disagrees
+            # would segment cache_loc with one page size while the slots follow the other.
+            raise ValueError(
+                f"kv-canary sglang-jax: token_to_kv_pool.page_size is {page_size} but its fused "
+                f"buffer {tuple(buf.shape)} has pages of {buf.shape[1]} slots (dimension 1)")
         sharding = getattr(token_to_kv_pool, "kv_sharding", None) or getattr(buf, "sharding", None)
         mesh = getattr(sharding, "mesh", None) if isinstance(sharding, NamedSharding) else None
         return cls(
             num_slots=_layout(buf.shape)[0],
-            page_size=int(token_to_kv_pool.page_size),
+            page_size=int(page_size),
             context_len=int(req_to_token_pool.max_context_len),
             max_bs=max_bs,
             mesh=mesh,
@@ -362,41 +400,96 @@ def canary_batch(canary: SglangJaxCanary, forward_batch, *, expected: jax.Array 
 
 def request_token_ids(reqs) -> list[list[int]]:
     """Each sglang-jax ``Req``'s token history, prompt then output (batch order)."""
-    return [list(r.origin_input_ids) + list(r.output_ids) for r in reqs]
+    out = []
+    for i, r in enumerate(reqs):
+        try:
+            out.append(list(r.origin_input_ids) + list(r.output_ids))
+        except (AttributeError, TypeError) as e:
+            raise TypeError(f"kv-canary sglang-jax: reqs[{i}] must be an sglang-jax Req (with "
+                            f"origin_input_ids and output_ids), got {type(r).__name__}: {e}") from None
+    return out
+
+
+def _host_ints(name: str, values) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"kv-canary sglang-jax: {name} must be a 1-D sequence of ints, got "
+                         f"shape {arr.shape} dtype {arr.dtype}")
+    return arr.astype(np.int64)
 
 
 def expected_tokens(token_ids: Sequence[Sequence[int]], seq_lens, cache_loc_len: int,
                     page_size: int) -> np.ndarray:
     """Token ids laid out like ``cache_loc``: request ``r``'s first ``seq_lens[r]`` ids at its
     page-aligned segment, zeros elsewhere (int32 ``[cache_loc_len]``). Rows of ``seq_lens``
-    past ``len(token_ids)`` (batch padding) must be 0."""
+    past ``len(token_ids)`` (batch padding) must be 0.
+
+    Raises (our rules, checked before anything is laid out) TypeError / ValueError for a
+    ``page_size`` that is not a positive int, a negative ``cache_loc_len`` or ``seq_lens``
+    entry, a padding row with a length, a request with fewer ids than its ``seq_len``, and
+    segments that do not fit ``cache_loc_len``."""
+    _positive_int("page_size", page_size)
+    _int_arg("cache_loc_len", cache_loc_len)
+    if cache_loc_len < 0:
+        raise ValueError(f"kv-canary sglang-jax: cache_loc_len must be >= 0, got {cache_loc_len}")
+    seq = _host_ints("seq_lens", seq_lens)
+    if (seq < 0).any():
+        r = int(np.nonzero(seq < 0)[0][0])
+        raise ValueError(f"kv-canary sglang-jax: seq_lens[{r}] must be >= 0, got {seq[r]}")
+    need = sum(-(-n // page_size) * page_size for n in seq.tolist() if n > 0)
+    if need > cache_loc_len:
+        raise ValueError(f"kv-canary sglang-jax: {need} cache_loc entries for a bucket of {cache_loc_len}")
     out = np.zeros((cache_loc_len,), np.int32)
     at = 0
-    for r, n in enumerate(np.asarray(seq_lens, np.int64).tolist()):
+    for r, n in enumerate(seq.tolist()):
         if n <= 0:
             continue
+        if r >= len(token_ids):
+            raise ValueError(f"kv-canary sglang-jax: seq_lens[{r}] is {n} but token_ids has "
+                             f"{len(token_ids)} requests (padding rows must have seq_len 0)")
         ids = np.asarray(token_ids[r][:n], np.int64)
         if ids.shape[0] != n:
             raise ValueError(f"kv-canary sglang-jax: request {r} has {ids.shape[0]} token ids "
                              f"for seq_len {n}")
         out[at : at + n] = ids
         at += -(-n // page_size) * page_size
-    if at > cache_loc_len:
-        raise ValueError(f"kv-canary sglang-jax: {at} cache_loc entries for a bucket of {cache_loc_len}")
     return out
 
 
 def host_table(req_to_token: np.ndarray, req_pool_indices, seq_lens, context_len: int | None = None
                ) -> np.ndarray:
     """The slot table from sglang-jax's host ``req_to_token`` (the batch's rows only): int32
-    ``[bs + 1, context_len]``, row ``r + 1`` = request ``r``'s first ``seq_len`` slots."""
-    ctx = req_to_token.shape[1] if context_len is None else context_len
-    rp = np.asarray(req_pool_indices, np.int64)
-    seq = np.asarray(seq_lens, np.int64)
+    ``[bs + 1, context_len]``, row ``r + 1`` = request ``r``'s first ``seq_len`` slots.
+
+    Raises ValueError (our rules) for a ``req_to_token`` that is not 2-D, lists of different
+    lengths, a negative ``seq_len``, an active request (``seq_len > 0``) whose row is outside
+    ``[0, req_to_token rows)`` (numpy would read row -1 as the last row: a wrong table, checked
+    silently) or whose ``seq_len`` exceeds ``context_len`` (its tail would go unchecked)."""
+    table = np.asarray(req_to_token)
+    if table.ndim != 2:
+        raise ValueError(f"kv-canary sglang-jax: req_to_token must be 2-D [rows, context_len], "
+                         f"got shape {table.shape}")
+    ctx = table.shape[1] if context_len is None else context_len
+    _int_arg("context_len", ctx)
+    if not 0 < ctx <= table.shape[1]:
+        raise ValueError(f"kv-canary sglang-jax: context_len must be in [1, {table.shape[1]}] "
+                         f"(req_to_token's columns), got {ctx}")
+    rp = _host_ints("req_pool_indices", req_pool_indices)
+    seq = _host_ints("seq_lens", seq_lens)
+    if rp.shape != seq.shape:
+        raise ValueError(f"kv-canary sglang-jax: req_pool_indices ({rp.shape[0]}) and seq_lens "
+                         f"({seq.shape[0]}) must have one entry per request")
+    for r in range(seq.shape[0]):
+        if seq[r] < 0 or seq[r] > ctx:
+            raise ValueError(f"kv-canary sglang-jax: seq_lens[{r}] must be in [0, {ctx}] "
+                             f"(context_len), got {seq[r]}")
+        if seq[r] > 0 and not 0 <= rp[r] < table.shape[0]:
+            raise ValueError(f"kv-canary sglang-jax: req_pool_indices[{r}] must be a row of "
+                             f"req_to_token, in [0, {table.shape[0]}), got {rp[r]}")
     out = np.zeros((rp.shape[0] + 1, ctx), np.int32)
     for r in np.nonzero(seq > 0)[0].tolist():
-        n = min(int(seq[r]), ctx)
-        out[r + 1, :n] = req_to_token[rp[r], :n]
+        n = int(seq[r])
+        out[r + 1, :n] = table[rp[r], :n]
     return out
 
 
@@ -462,6 +555,19 @@ def guard_model_step(canary: SglangJaxCanary, model_step: Callable, *, batch_arg
     ``expected``: :func:`expected_tokens` (required with ``token_checks``); ``table``:
     :func:`host_table` to plan from ``req_to_token`` instead of ``cache_loc``.
     """
+    for name, value in (("batch_argnum", batch_argnum), ("pool_argnum", pool_argnum)):
+        _int_arg(name, value)
+        if value < 0:
+            raise ValueError(f"kv-canary sglang-jax: {name} must be >= 0 (an index into the "
+                             f"model step's positional arguments), got {value}")
+    if batch_argnum == pool_argnum:
+        raise ValueError(f"kv-canary sglang-jax: batch_argnum and pool_argnum are both "
+                         f"{batch_argnum}; the batch and the KV pool are different arguments")
+    if batch_argnum in static_argnums or pool_argnum in static_argnums:
+        raise ValueError("kv-canary sglang-jax: the batch and the KV pool cannot be static "
+                         f"arguments (static_argnums={tuple(static_argnums)})")
+    if not callable(model_step) or not callable(fused_kv):
+        raise TypeError("kv-canary sglang-jax: model_step and fused_kv must be callables")
     nfixed = 4  # state, expected, table, model_x64
 
     def traced(state, expected, table, model_x64, *args):
@@ -544,8 +650,12 @@ class ModelRunnerHook:
 def radix_prefixes(tree_cache) -> list[np.ndarray]:
     """Slot lists of every root-to-leaf path of sglang-jax's ``RadixCache`` (evicted subtrees
     skipped): the cached prefixes a sweep re-verifies."""
+    root = getattr(tree_cache, "root_node", None)
+    if root is None or not hasattr(root, "children"):
+        raise TypeError("kv-canary sglang-jax: tree_cache must be an sglang-jax RadixCache (with "
+                        f"root_node.children), got {type(tree_cache).__name__}")
     out = []
-    stack = [(tree_cache.root_node, np.zeros((0,), np.int64))]
+    stack = [(root, np.zeros((0,), np.int64))]
     while stack:
         node, prefix = stack.pop()
         kids = [c for c in node.children.values() if c.value is not None]
@@ -571,16 +681,29 @@ def _sweep_jit(state, rows_table, row_indices, lengths, kv_buffer, *, canary):
 def sweep(canary: SglangJaxCanary, state, kv_buffer: jax.Array, prefixes: Sequence[Sequence[int]]):
     """Verify cached prefixes (slot lists, position ``j`` at index ``j``) against the TAIL
     buffers with the SWEEP tags (token check off), ``canary.sweep_rows`` prefixes per launch.
-    ``kv_buffer`` is the canary layer's current fused buffer. ``state`` is donated."""
+    ``kv_buffer`` is the canary layer's current fused buffer. ``state`` is donated.
+
+    Raises ValueError (our rule, before anything runs or is donated) for a prefix longer than
+    ``canary.context_len`` (its tail would go unchecked) or holding a slot outside
+    ``[0, canary.num_slots)`` (never verified)."""
     n = canary.sweep_rows
+    prefixes = [_host_ints(f"prefixes[{i}]", p) for i, p in enumerate(prefixes)]
+    for i, p in enumerate(prefixes):
+        if p.shape[0] > canary.context_len:
+            raise ValueError(f"kv-canary sglang-jax: prefixes[{i}] has {p.shape[0]} slots, more "
+                             f"than context_len={canary.context_len}")
+        bad = np.nonzero((p < 0) | (p >= canary.num_slots))[0]
+        if bad.size:
+            raise ValueError(f"kv-canary sglang-jax: prefixes[{i}][{bad[0]}] must be a slot in "
+                             f"[0, {canary.num_slots}), got {p[bad[0]]}")
     for start in range(0, max(len(prefixes), 1), n):
         chunk = prefixes[start : start + n]
         table = np.zeros((n + 1, canary.context_len), np.int32)
         rows = np.zeros((n,), np.int64)
         lens = np.zeros((n,), np.int64)
         for i, slots in enumerate(chunk):
-            k = min(len(slots), canary.context_len)
-            table[i + 1, :k] = np.asarray(slots[:k], np.int64)
+            k = slots.shape[0]
+            table[i + 1, :k] = slots
             rows[i], lens[i] = i + 1, k
         state = _sweep_jit(state, table, rows, lens, kv_buffer, canary=canary)
     return state

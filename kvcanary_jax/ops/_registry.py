@@ -23,7 +23,8 @@ The default (``implementation=None``): ``pallas_triton`` when the platform is a 
 Triton lowering imports; ``pallas_mosaic_tpu`` on a TPU where the op registers it; ``xla``
 everywhere else (CPU, TPU without a Mosaic kernel, ROCm; ``pallas_interpret`` runs only when asked
 for). An implementation that is asked for (or is the platform's default) but cannot be used here — not registered for the op, its lowering does not
-import, a future JAX refuses it — falls back to ``xla`` with one :class:`FallbackWarning` per
+import, a future JAX refuses it, ``pallas_triton`` on a platform other than a CUDA GPU (lowering
+for CUDA from a CPU host, under :func:`lowering_for` or an abstract CUDA device, keeps it) — falls back to ``xla`` with one :class:`FallbackWarning` per
 process and reason, saying why.
 
 The launch configuration of a call, in order (as tokamax's ``op.py``): the ``config=`` argument;
@@ -34,6 +35,7 @@ by ``bench/tune_*.py``: the entry whose key matches the call's static shapes); e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -41,6 +43,8 @@ import importlib.resources
 import json
 import os
 import re
+import tempfile
+import threading
 import warnings
 from types import ModuleType
 from typing import Any, Mapping
@@ -60,6 +64,9 @@ __all__ = [
     "load_table",
     "tuned_config",
     "update_tuned_table",
+    "tuned_table_path",
+    "TuningTableError",
+    "lowering_for",
 ]
 
 IMPLEMENTATIONS = ("xla", "pallas_triton", "pallas_interpret", "pallas_mosaic_tpu")
@@ -144,12 +151,32 @@ def _runs_on(implementation: str, platform: str) -> bool:
     return platform == "tpu"
 
 
+_TARGET = threading.local()
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str):
+    """Trace for ``platform`` whatever this machine's backend: around
+    ``jax.jit(f).trace(...).lower(lowering_platforms=(platform,))`` (the torch bridge's direct
+    path lowers for CUDA this way, also on a CPU host), so that the selection follows the
+    compile target, not the host."""
+    old = getattr(_TARGET, "platform", None)
+    _TARGET.platform = platform
+    try:
+        yield
+    finally:
+        _TARGET.platform = old
+
+
 def _platform(platform: str | None) -> str:
-    """``platform``, else the platform being targeted: that of the abstract device in scope (a
-    lowering for another platform than this machine's, e.g. TPU on a CPU machine), else JAX's
-    default backend."""
+    """``platform``, else the platform being targeted: that of :func:`lowering_for` in scope,
+    else that of the abstract device in scope (a lowering for another platform than this
+    machine's, e.g. TPU on a CPU machine), else JAX's default backend."""
     if platform is not None:
         return platform
+    target = getattr(_TARGET, "platform", None)
+    if target is not None:
+        return target
     try:
         device = jax.sharding.get_abstract_mesh().abstract_device
     except Exception:  # noqa: BLE001  (no abstract mesh API, or none in scope)
@@ -204,6 +231,13 @@ class Op:
         if implementation not in self._registered:
             return f"{self.name} has no {implementation!r} implementation"
         why = _PROBES[implementation]()
+        if why is None and implementation == "pallas_triton":
+            p = _platform(platform)
+            if not _is_cuda(p):
+                # Pallas compiles its Triton kernels for CUDA only; on a CPU backend JAX would
+                # fail at compile time with "Only interpret mode is supported on CPU backend".
+                return (f"its kernels compile for CUDA GPUs and the platform is {p!r} "
+                        "(pallas_interpret runs the same kernels anywhere, as a test tool)")
         if why is None and implementation == "pallas_mosaic_tpu":
             p = _platform(platform)
             if p != "tpu" and not _interpret_requested(config):
@@ -271,7 +305,12 @@ class Op:
             return config
         tuned = tuned_config(self.name, implementation, shapes, kind=kind)
         if tuned is not None:
-            return mod.Config(**tuned)
+            try:
+                return mod.Config(**tuned)
+            except (TypeError, ValueError) as e:  # an unknown field, a missing or bad value
+                raise _malformed(tuned_table_path(self.name, kind),
+                                 f"its {implementation!r} entry for {dict(shapes)} is not a "
+                                 f"{mod.__name__}.Config ({e})") from None
         return mod.heuristics(shapes)
 
     def run(self, implementation: str, *args, config, **kwargs):
@@ -327,13 +366,54 @@ def _tuning_dir():
     return importlib.resources.files("kvcanary_jax").joinpath("tuning")
 
 
+class TuningTableError(ValueError):
+    """A tuned table that cannot be read as one (the message names the file and what is
+    wrong)."""
+
+
+def _malformed(path, what: str) -> TuningTableError:
+    return TuningTableError(f"kv-canary: tuned table {path} is malformed: {what} (rerun the "
+                            "tuning script that wrote it, or delete the file)")
+
+
+def _checked_table(path, text: str) -> dict:
+    """The table in ``text``, its structure checked (our rule: what :func:`tuned_config` and
+    :func:`update_tuned_table` read, so that neither fails later with a raw KeyError)."""
+    try:
+        table = json.loads(text)
+    except ValueError as e:  # JSONDecodeError, and an empty or truncated file
+        raise _malformed(path, f"not JSON ({e})") from None
+    if not isinstance(table, dict):
+        raise _malformed(path, f"the top level is a {type(table).__name__}, not an object")
+    impls = table.get("implementations")
+    if not isinstance(impls, dict):
+        raise _malformed(path, "'implementations' must be an object of implementation -> list")
+    for impl, entries in impls.items():
+        if not isinstance(entries, list):
+            raise _malformed(path, f"implementations[{impl!r}] must be a list of entries")
+        for i, e in enumerate(entries):
+            if not (isinstance(e, dict) and isinstance(e.get("key"), dict)
+                    and isinstance(e.get("config"), dict)):
+                raise _malformed(path, f"implementations[{impl!r}][{i}] must be an object with "
+                                       "a 'key' object and a 'config' object")
+    return table
+
+
 @functools.lru_cache(maxsize=None)
-def load_table(op_name: str, kind: str) -> dict:
-    """The tuned table of ``op_name`` on device kind ``kind`` ({} when there is none)."""
+def _table_and_path(op_name: str, kind: str) -> tuple[dict, str]:
     f = _tuning_dir().joinpath(table_name(op_name, kind))
     if not f.is_file():
-        return {}
-    return json.loads(f.read_text())
+        return {}, str(f)
+    return _checked_table(f, f.read_text()), str(f)
+
+
+def load_table(op_name: str, kind: str) -> dict:
+    """The tuned table of ``op_name`` on device kind ``kind`` ({} when there is none). Raises
+    :class:`TuningTableError` (a ValueError naming the file) for one that is not a table."""
+    return _table_and_path(op_name, kind)[0]
+
+
+load_table.cache_clear = _table_and_path.cache_clear
 
 
 def tuned_config(op_name: str, implementation: str, shapes: Mapping[str, int], *,
@@ -346,18 +426,25 @@ def tuned_config(op_name: str, implementation: str, shapes: Mapping[str, int], *
     return None
 
 
+def tuned_table_path(op_name: str, kind: str | None = None) -> str:
+    """Where the tuned table of ``op_name`` on ``kind`` (default: the default device's) lives."""
+    return _table_and_path(op_name, device_kind() if kind is None else kind)[1]
+
+
 def update_tuned_table(op_name: str, implementation: str, kind: str, entries, *,
                        directory: str | os.PathLike | None = None) -> str:
     """Merge ``entries`` (dicts with ``key`` and ``config``, plus any measurements) into the
     table of ``op_name`` on ``kind``; an entry replaces the one with the same key. Writes into
     ``directory`` (default: the package's ``tuning/``, i.e. a source checkout) and returns the
-    file's path."""
+    file's path. The file is replaced atomically (a temporary file in the same directory, then
+    a rename): an interrupted run leaves the old table or the new one, never half of one. An
+    existing file that is not a table is refused (:class:`TuningTableError`), not overwritten."""
     directory = os.fspath(directory) if directory is not None else os.fspath(_tuning_dir())
     path = os.path.join(directory, table_name(op_name, kind))
     table = {"op": op_name, "device_kind": kind, "implementations": {}}
     if os.path.exists(path):
         with open(path) as f:
-            table = json.load(f)
+            table = _checked_table(path, f.read())
     rows = {json.dumps(e["key"], sort_keys=True): e
             for e in table["implementations"].get(implementation, [])}
     for e in entries:
@@ -365,9 +452,19 @@ def update_tuned_table(op_name: str, implementation: str, kind: str, entries, *,
     table["implementations"][implementation] = sorted(
         rows.values(), key=lambda e: sorted(e["key"].items()))
     os.makedirs(directory, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(table, f, indent=1, sort_keys=False)
-        f.write("\n")
+    fd, tmp = tempfile.mkstemp(prefix=f".{table_name(op_name, kind)}.", suffix=".tmp",
+                               dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     load_table.cache_clear()
     return path
 

@@ -409,10 +409,27 @@ class Config:
     """What every op's Mosaic TPU launch config has. ``vmem_limit_bytes``: Mosaic's scoped VMEM
     limit (None: the compiler's default). ``interpret``: None to compile for TPU; a
     ``pltpu.InterpretParams`` runs the kernels in TPU interpret mode instead (any backend; the
-    CPU test suites use :func:`interpret_params`)."""
+    CPU test suites use :func:`interpret_params`). Anything else (``True``, ``1``, ``"yes"``)
+    is refused with a TypeError when the config is built (our rule: Pallas would take it as
+    generic interpret mode and fail inside XLA with an unrelated slice TypeError). Subclasses
+    name their op in ``OP`` (for the errors) and call ``super().__post_init__()``."""
 
+    OP: ClassVar[str] = ""
     vmem_limit_bytes: int | None = None
     interpret: Any = None
+
+    def __post_init__(self):
+        where = f"kv-canary: {self.OP or 'Config'} (pallas_mosaic_tpu)"
+        if self.interpret is not None and not isinstance(self.interpret, pltpu.InterpretParams):
+            raise TypeError(
+                f"{where}: interpret must be None (compile for TPU) or a "
+                "jax.experimental.pallas.tpu.InterpretParams (TPU interpret mode, e.g. "
+                "kvcanary_jax.ops._tpu_lib.interpret_params()), got "
+                f"{type(self.interpret).__name__} {self.interpret!r}")
+        v = self.vmem_limit_bytes
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise TypeError(f"{where}: vmem_limit_bytes must be None or a positive int, got "
+                            f"{type(v).__name__} {v!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,10 +438,10 @@ class BlockConfig(Config):
     ``PAIR_TILE`` (whole 8 x 128 tiles of pair rows). Subclasses name their op in ``OP`` (for
     the error) and set ``block``'s default."""
 
-    OP: ClassVar[str] = ""
     block: int = 1024
 
     def __post_init__(self):
+        super().__post_init__()
         if self.block < PAIR_TILE or self.block % PAIR_TILE:
             raise ValueError(f"kv-canary: {self.OP} (pallas_mosaic_tpu): block must be a "
                              f"positive multiple of {PAIR_TILE}, got {self.block}")

@@ -4,6 +4,7 @@ counters. Nothing here traces or launches a device op."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Sequence
 
 import jax.numpy as jnp
@@ -45,13 +46,34 @@ def make_batch(
     as_numpy: bool = False,
 ) -> ForwardBatch:
     """Pad host lists to the config's bucket (requests in batch order, tokens concatenated in the
-    same order, as SGLang's ForwardBatch)."""
+    same order, as SGLang's ForwardBatch).
+
+    Raises ValueError, before anything is built, for lists that disagree (padding them would
+    make the next correct step report false violations, or turn a request's token check off
+    without a word). These rules are ours, SGLang's scheduler holds them by construction:
+
+    * ``prefix_lens``, ``extend_seq_lens`` and ``all_ids`` have one entry per request, and
+      ``positions``, ``out_cache_loc`` (and the ``expected_input_*`` lists when given) one per
+      token of ``input_ids``; ``extend_seq_lens`` sum to the number of tokens;
+    * ``req_pool_indices`` are distinct rows in ``[1, max_reqs)`` (row 0 is the padding row,
+      whose token check is always off);
+    * lengths are >= 0, every request's history ``all_ids[r]`` covers at least its
+      ``prefix_lens[r] + extend_seq_lens[r]`` tokens (the positions verified now and next
+      step), and at most ``context_len``;
+    * ``out_cache_loc`` entries are slots in ``[0, num_slots)`` (a slot outside is never
+      written, so never checked).
+    """
     bs, nt = len(req_pool_indices), len(input_ids)
     if bs > cfg.max_bs or nt > cfg.max_tokens:
         raise ValueError(
             f"kv-canary runtime: batch of {bs} requests / {nt} tokens exceeds the bucket "
             f"({cfg.max_bs} / {cfg.max_tokens})"
         )
+    _check_batch_lists(cfg, req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
+                       extend_seq_lens=extend_seq_lens, all_ids=all_ids, input_ids=input_ids,
+                       positions=positions, out_cache_loc=out_cache_loc,
+                       expected_input_tokens=expected_input_tokens,
+                       expected_input_positions=expected_input_positions)
 
     def pad(vals, n, fill=0):
         out = np.full((n,), fill, np.int64)
@@ -86,6 +108,62 @@ def make_batch(
         return ForwardBatch(**{k: jnp.asarray(v) for k, v in fields.items()})
 
 
+def _ints(name: str, values) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"kv-canary runtime: make_batch {name} must be a 1-D list of ints, got shape "
+                         f"{arr.shape} dtype {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+def _check_batch_lists(cfg: CanaryConfig, **lists) -> None:
+    """make_batch's rules (see its docstring)."""
+    msg = "kv-canary runtime: make_batch"
+    bs, nt = len(lists["req_pool_indices"]), len(lists["input_ids"])
+    per_req = ("prefix_lens", "extend_seq_lens", "all_ids")
+    per_tok = ("positions", "out_cache_loc", "expected_input_tokens", "expected_input_positions")
+    for name in per_req + per_tok:
+        if lists[name] is None:
+            continue
+        want, what = (bs, "req_pool_indices") if name in per_req else (nt, "input_ids")
+        if len(lists[name]) != want:
+            raise ValueError(f"{msg} {name} has {len(lists[name])} entries, {what} has {want}: "
+                             "one entry per " + ("request" if name in per_req else "token"))
+    arr = {n: _ints(n, lists[n]) for n in ("req_pool_indices", "prefix_lens", "extend_seq_lens",
+                                           "input_ids", "positions", "out_cache_loc")}
+    for n in ("expected_input_tokens", "expected_input_positions"):
+        if lists[n] is not None:
+            _ints(n, lists[n])
+    rows = arr["req_pool_indices"]
+    for r in range(bs):
+        if not 1 <= rows[r] < cfg.max_reqs:
+            raise ValueError(f"{msg} req_pool_indices[{r}] must be a row in [1, {cfg.max_reqs}) "
+                             f"(row 0 is the padding row), got {rows[r]}")
+    if np.unique(rows).shape[0] != bs:
+        dup = next(int(x) for x in rows if (rows == x).sum() > 1)
+        raise ValueError(f"{msg} req_pool_indices must be distinct, row {dup} appears twice or more")
+    for name in ("prefix_lens", "extend_seq_lens"):
+        neg = np.nonzero(arr[name] < 0)[0]
+        if neg.size:
+            raise ValueError(f"{msg} {name}[{neg[0]}] must be >= 0, got {arr[name][neg[0]]}")
+    total = int(arr["extend_seq_lens"].sum())
+    if total != nt:
+        raise ValueError(f"{msg} extend_seq_lens sum to {total}, input_ids has {nt} tokens")
+    for r, ids in enumerate(lists["all_ids"]):
+        n = _ints(f"all_ids[{r}]", ids).shape[0]
+        need = int(arr["prefix_lens"][r] + arr["extend_seq_lens"][r])
+        if not need <= n <= cfg.context_len:
+            raise ValueError(
+                f"{msg} all_ids[{r}] has {n} token ids; a request's history covers its "
+                f"prefix_lens + extend_seq_lens ({need}) and at most context_len "
+                f"({cfg.context_len})")
+    loc = arr["out_cache_loc"]
+    bad = np.nonzero((loc < 0) | (loc >= cfg.num_slots))[0]
+    if bad.size:
+        raise ValueError(f"{msg} out_cache_loc[{bad[0]}] must be a slot in [0, {cfg.num_slots}), "
+                         f"got {loc[bad[0]]}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Violation:
     """One decoded ring row (spec §3.2)."""
@@ -117,6 +195,14 @@ def reason_names(bits: int) -> tuple[str, ...]:
     return tuple(r.name for r in consts.FailReason if bits & r)
 
 
+def _check_start(start) -> None:
+    if isinstance(start, bool) or not isinstance(start, numbers.Integral):
+        raise TypeError(f"kv-canary runtime: start must be an int (a ring row), got "
+                        f"{type(start).__name__} {start!r}")
+    if start < 0:
+        raise ValueError(f"kv-canary runtime: start must be a ring row >= 0, got {start}")
+
+
 def _check_write_index(write_index: int) -> int:
     return check_write_index(write_index, "kv-canary runtime:")
 
@@ -125,8 +211,7 @@ def decode_ring(ring: np.ndarray, write_index: int, *, start: int = 0) -> list[V
     """Rows ``[start, min(write_index, ring capacity))`` of a violation ring, decoded. Raises
     ValueError for a negative ``start`` and RuntimeError for a negative ``write_index`` (see
     :func:`violation_count`)."""
-    if int(start) < 0:
-        raise ValueError(f"kv-canary runtime: start must be a ring row >= 0, got {start}")
+    _check_start(start)
     write_index = _check_write_index(write_index)
     ring = np.asarray(ring)
     out = []
@@ -160,8 +245,7 @@ def violation_count(state: CanaryState) -> int:
 def read_violations(state: CanaryState, *, start: int = 0) -> list[Violation]:
     """Copy the ring to the host and decode the rows from ``start`` (a row index >= 0) on.
     Raises as :func:`violation_count` and :func:`decode_ring`."""
-    if int(start) < 0:
-        raise ValueError(f"kv-canary runtime: start must be a ring row >= 0, got {start}")
+    _check_start(start)
     return decode_ring(np.asarray(state.violation_ring), violation_count(state), start=start)
 
 

@@ -13,6 +13,7 @@ group has a K half and, if ``enable_v_half``, a V half, each in a HEAD and a TAI
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +69,21 @@ class CanaryConfig:
     implementation: str | None = None
 
     def __post_init__(self):
+        # Our rule, first: sizes are integers (4.5 or True was taken and failed, or was
+        # truncated, far from here; "16" failed with an unrelated comparison TypeError).
+        for field in ("max_reqs", "context_len", "num_slots", "max_bs", "max_tokens",
+                      "verify_capacity", "write_req_capacity", "sweep_rows", "ring_capacity",
+                      "swa_window_size", "swa_num_slots", "kv_token_id_vs_position_offset"):
+            value = getattr(self, field)
+            if value is None and field in ("verify_capacity", "write_req_capacity", "sweep_rows"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"kv-canary runtime: CanaryConfig.{field} must be an int, got "
+                                f"{type(value).__name__} {value!r}")
+        for field in ("swa_window_size", "swa_num_slots"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"kv-canary runtime: {field} must be >= 0 (0: no SWA group), "
+                                 f"got {getattr(self, field)}")
         # SGLang's runtime refuses the same sizes when it allocates (CanaryLaunchCapacities,
         # ViolationLog), in these words; the field is named where SGLang's name differs.
         for sgl_name, field in (("req_to_token_pool_size", "max_reqs"),

@@ -18,7 +18,8 @@ from kvcanary_jax.sim.faults import FAULT_KINDS, disarm, hooks_armed, inject
 from kvcanary_jax.sim.server import Server, SimConfig
 
 __all__ = ["FaultReport", "CampaignResult", "run_clean", "fault_kinds", "default_window",
-           "run_trial", "run_campaign"]
+           "run_trial", "run_campaign", "checkpoint_count", "CHECKPOINT_WARMUP",
+           "CHECKPOINT_EVERY"]
 
 
 @dataclasses.dataclass
@@ -87,11 +88,24 @@ class CampaignResult:
         }
 
 
+# Fault trials start from checkpoints of the clean run: one every CHECKPOINT_EVERY steps from
+# step CHECKPOINT_WARMUP on (the first steps fill the pool and compile).
+CHECKPOINT_WARMUP = 4
+CHECKPOINT_EVERY = 2
+
+
+def checkpoint_count(steps: int) -> int:
+    """Clean checkpoints a run of ``steps`` steps leaves to place fault trials on (each trial
+    takes one; a kind whose fault finds no target on a checkpoint tries the next)."""
+    return max(0, -(-(steps - CHECKPOINT_WARMUP) // CHECKPOINT_EVERY))
+
+
 class _Stopped(Exception):
     """``should_stop`` said so (raised between steps, caught by :func:`run_campaign`)."""
 
 
-def run_clean(sim: SimConfig, *, checkpoint_every: int = 0, warmup: int = 4, progress=None,
+def run_clean(sim: SimConfig, *, checkpoint_every: int = 0, warmup: int = CHECKPOINT_WARMUP,
+              progress=None,
               should_stop: Callable[[], bool] | None = None):
     """Run ``sim.steps`` clean steps (fewer when ``should_stop()`` turns true before a step);
     returns (server, step infos, checkpoints {step: snapshot})."""
@@ -190,7 +204,7 @@ def run_campaign(sim: SimConfig, *, faults=None, injections: int = 2, window: in
     stopped = should_stop if should_stop is not None else (lambda: False)
 
     try:
-        server, infos, ckpts = run_clean(sim, checkpoint_every=2, progress=tick,
+        server, infos, ckpts = run_clean(sim, checkpoint_every=CHECKPOINT_EVERY, progress=tick,
                                          should_stop=stopped)
         clean_count = rt.violation_count(server.state)
         clean_viol = rt.read_violations(server.state)

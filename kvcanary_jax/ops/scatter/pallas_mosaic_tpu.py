@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -53,9 +54,11 @@ class Config(T.Config):
     """``group``: 128-column segments per item (1-64); the rest:
     :class:`kvcanary_jax.ops._tpu_lib.Config`."""
 
+    OP: ClassVar[str] = "scatter_req_token_ids"
     group: int = GROUP
 
     def __post_init__(self):
+        super().__post_init__()
         if not 1 <= self.group <= 64:
             raise ValueError(f"kv-canary: scatter_req_token_ids (pallas_mosaic_tpu): group must "
                              f"be in [1, 64], got {self.group}")

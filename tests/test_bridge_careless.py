@@ -1,0 +1,172 @@
+"""The torch bridge against careless inputs (CPU): the fused step checks the caller's token
+arrays as the four launchers do, and a tensor a launcher writes may not share memory with one it
+reads. Every refusal is checked to leave every buffer as it was (sentinel-filled)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+import bridge
+
+pytestmark = pytest.mark.torch
+
+
+def _raises(cls, message):
+    return pytest.raises(cls, match="^" + re.escape(message) + "$")
+
+
+def _ctx(num_slots=16):
+    return bridge.VerifyOrWriteContext(
+        canary_buf=torch.full((num_slots, 32), 0xA5, dtype=torch.uint8),
+        kernel_kind=bridge.CanaryLaunchTag.HEAD_K_FULL,
+        violation_ring=torch.full((8, 8), -9, dtype=torch.int64),
+        violation_write_index=torch.zeros(1, dtype=torch.int32),
+        slot_run_counter=torch.zeros(1, dtype=torch.int64),
+        kernel_run_counter=torch.zeros(1, dtype=torch.int64),
+        real_kv_sources=(), real_kv_hash_mode=bridge.RealKvHashMode.NONE,
+        enable_chain_position_assert=torch.ones(1, dtype=torch.int32),
+    )
+
+
+def _step_kw(**change):
+    rtt = torch.zeros(4, 8, dtype=torch.int32)
+    rtt[1, :4] = torch.tensor([3, 4, 5, 6])
+    vp = bridge.VerifyPlan.allocate(verify_capacity=16, device=torch.device("cpu"))
+    wp = bridge.WritePlan.allocate(write_req_capacity=2, device=torch.device("cpu"))
+    for t in _tensors(vp) + _tensors(wp):
+        t.fill_(-3)  # sentinels: a refused call leaves them
+    kw = dict(context=_ctx(), verify_plan_out=vp, write_plan_out=wp,
+              req_pool_indices=torch.tensor([1]), prefix_lens=torch.tensor([0]),
+              extend_seq_lens=torch.tensor([2]), req_to_token=rtt,
+              input_ids=torch.tensor([5, 6]), positions=torch.tensor([0, 1]),
+              out_cache_loc=torch.tensor([3, 4]))
+    kw.update(change)
+    return kw
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if dataclasses.is_dataclass(obj):
+        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
+    if isinstance(obj, (tuple, list)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _snapshot(kw):
+    return [t.clone() for v in kw.values() for t in _tensors(v)]
+
+
+def _unchanged(kw, before):
+    after = [t for v in kw.values() for t in _tensors(v)]
+    return all(torch.equal(a, b) for a, b in zip(after, before))
+
+
+@pytest.mark.parametrize("change,message", [
+    # A slot past the canary buffer: the write would skip the token without a word.
+    (dict(out_cache_loc=torch.tensor([3, 21])),
+     "out_cache_loc[1]=21 is outside [-1, 16) (canary slots, negative = skip)"),
+    # 3 extend tokens for 2 input_ids: the third token would be skipped.
+    (dict(extend_seq_lens=torch.tensor([3])),
+     "extend_seq_lens of the active requests (req_pool_indices != 0) sum to 3, more than the "
+     "2 tokens of input_ids"),
+])
+def test_fused_step_checks_the_token_arrays_as_the_write_launcher_does(change, message):
+    kw = _step_kw(**change)
+    before = _snapshot(kw)
+    with _raises(ValueError, "kv-canary: launch_canary_step " + message):
+        bridge.launch_canary_step(**kw)
+    assert _unchanged(kw, before)
+    # The four launchers in sequence refuse the same call at the write.
+    bridge.launch_canary_plan_kernels(**{k: kw[k] for k in (
+        "verify_plan_out", "write_plan_out", "req_pool_indices", "prefix_lens",
+        "extend_seq_lens", "req_to_token")}, swa_window_size=0, full_to_swa_index_mapping=None,
+        verify_capacity=16, req_to_verify_expected_tokens=None,
+        req_to_verify_expected_tokens_valid_lens=None, kv_token_id_vs_position_offset=0)
+    with pytest.raises(ValueError, match="^kv-canary: launch_canary_write_kernel "):
+        bridge.launch_canary_write_kernel(
+            context=kw["context"], plan=kw["write_plan_out"], input_ids=kw["input_ids"],
+            positions=kw["positions"], out_cache_loc=kw["out_cache_loc"],
+            enable_write_input_assert=False, expected_input_tokens=None,
+            expected_input_positions=None)
+
+
+def test_fused_step_runs_the_well_formed_call():
+    kw = _step_kw()
+    bridge.launch_canary_step(**kw)
+    assert int(kw["context"].kernel_run_counter[0]) == 2
+    assert kw["write_plan_out"].write_offsets[:2].tolist() == [0, 2]
+
+
+def _shared(msg):
+    return _raises(bridge.BridgeError, "kv-canary bridge: " + msg + "; a tensor the launcher "
+                   "writes must not overlap one it reads (pass distinct tensors)")
+
+
+@pytest.mark.parametrize("checks", [True, False], ids=["value_checks", "no_value_checks"])
+def test_scatter_refuses_a_pool_over_its_input(checks):
+    buf = torch.arange(64, dtype=torch.int64)
+    kw = dict(flat_in=buf[:8], offsets=torch.tensor([0, 8]), req_pool_indices=torch.tensor([1]),
+              pool_out=buf.view(torch.int32).view(8, 16))
+    with bridge.value_checks(checks), _shared(
+            "launch_scatter_req_token_ids_kernel pool_out shares memory with flat_in"):
+        bridge.launch_scatter_req_token_ids_kernel(**kw)
+    assert buf.tolist() == list(range(64))
+
+
+def test_plan_refuses_an_input_inside_its_output():
+    kw = _step_kw()
+    wp = kw["write_plan_out"]
+    before = _snapshot(kw)
+    with _shared("launch_canary_plan_kernels write_plan_out.write_offsets shares memory with "
+                 "prefix_lens"):
+        bridge.launch_canary_plan_kernels(
+            verify_plan_out=kw["verify_plan_out"], write_plan_out=wp,
+            req_pool_indices=kw["req_pool_indices"], prefix_lens=wp.write_offsets[:1],
+            extend_seq_lens=kw["extend_seq_lens"], req_to_token=kw["req_to_token"],
+            swa_window_size=0, full_to_swa_index_mapping=None, verify_capacity=16,
+            req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
+            kv_token_id_vs_position_offset=0)
+    assert _unchanged(kw, before)
+
+
+def test_fused_step_refuses_to_scatter_into_req_to_token():
+    kw = _step_kw()
+    before = _snapshot(kw)
+    with _shared("launch_canary_step req_to_verify_expected_tokens shares memory with "
+                 "req_to_token"):
+        bridge.launch_canary_step(
+            **kw, req_to_verify_expected_tokens=kw["req_to_token"],
+            req_to_verify_expected_tokens_valid_lens=torch.tensor([2]),
+            expected_token_ids=torch.tensor([5, 6]), expected_token_offsets=torch.tensor([0, 2]),
+            check_verify_expected_token=True)
+    assert _unchanged(kw, before)
+
+
+@pytest.mark.parametrize("launcher,kw,message", [
+    ("launch_scatter_req_token_ids_kernel",
+     dict(flat_in=torch.arange(8)[::2], offsets=torch.tensor([0, 4]),
+          req_pool_indices=torch.tensor([1]), pool_out=torch.zeros(2, 8, dtype=torch.int32)),
+     "kv-canary: flat_in must be contiguous"),
+    ("launch_canary_write_kernel",
+     dict(context=_ctx(), plan=bridge.WritePlan(write_offsets=torch.tensor([0, 2]),
+                                                write_seed_slot_indices=torch.tensor([-1]),
+                                                write_num_valid_reqs=torch.tensor(
+                                                    [1], dtype=torch.int32)),
+          input_ids=torch.tensor([5, 0, 6, 0])[::2], positions=torch.arange(2),
+          out_cache_loc=torch.tensor([3, 4]), enable_write_input_assert=False,
+          expected_input_tokens=None, expected_input_positions=None),
+     "kv-canary: input_ids must be contiguous"),
+])
+def test_contiguity_errors_name_the_launcher(launcher, kw, message):
+    """SGLang's contiguity message names the tensor only; it stays word for word (the tests
+    against SGLang compare it) and a note names the launcher wherever the traceback shows."""
+    with pytest.raises(ValueError) as e:
+        getattr(bridge, launcher)(**kw)
+    assert str(e.value) == message
+    assert e.value.__notes__ == [f"kv-canary bridge: raised by {launcher}"]
