@@ -169,6 +169,7 @@ def step_case(**kw):
 CASES = (
     Case("scatter 256x8192", "scatter", scatter_case(256, 8192, 512)),
     Case("scatter 1x5", "scatter", scatter_case(1, 5, 4)),
+    Case("scatter 3x200", "scatter", scatter_case(3, 200, 8)),  # a row's short last segment
     Case("plan 4096 reqs", "plan", plan_case(4096, 1024)),
     Case("plan 1 req", "plan", plan_case(1, 1024)),
     Case("write 1x8192", "write", write_case(1, 8192, None)),

@@ -40,7 +40,7 @@ def run(vp: VerifyPlan, wp: WritePlan, rpi, prefix, extend, rtt, lut, pool, vali
     views (see :mod:`kvcanary_jax.ops.plan.base`); ``lut``, ``pool`` and ``valid_lens`` may be
     None. Returns the filled plans, every array aliased to the input plans'.
     ``implementation`` / ``config``: as :func:`canary_plan`."""
-    impl = OP.select(implementation, config=config)
+    impl = OP.select(implementation, config=config, args=(rpi, rtt))  # the target: see select
     cfg = OP.config(impl, base.shapes(vp, wp, rpi, rtt, lut, pool), config)
     return _run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens,
                 swa_window_size=int(swa_window_size), verify_capacity=int(verify_capacity),
