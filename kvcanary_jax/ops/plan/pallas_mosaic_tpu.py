@@ -108,7 +108,7 @@ def _flat(rp, col, pitch: int, n_cells: int):
 
 def _offsets_kernel(rpi_s, pre_s, ext_s, rtt_hbm, lut_hbm, _wo_in, _seed_in, _nv_in, _en_in,
                     _wn_in, voff_s, wo_hbm, seed_hbm, nv_out, en_out, wn_out, wo_s, seed_s,
-                    seed_at, cells, lutrows, misc, sems, *, bs, cap_w, cap_v, window, rows, pitch,
+                    seed_at, cells, lutrows, misc, sems, cells_tail, *, bs, cap_w, cap_v, window, rows, pitch,
                     has_lut, lut_len):
     n_cells = rows * pitch
     tail_w = pitch % T.LANES
@@ -152,9 +152,10 @@ def _offsets_kernel(rpi_s, pre_s, ext_s, rtt_hbm, lut_hbm, _wo_in, _seed_in, _nv
         row = T.idiv(flat, pitch)
         col = T.irem(flat, pitch)
         if tail:
+            # into rows of the tail's own width: Mosaic refuses a DMA into a window of a wider
+            # buffer row unless it is a multiple of 512 bytes
             src = rtt_hbm.at[pl.ds(row, 1), pl.ds(tail_base, tail_w)]
-            return pltpu.make_async_copy(src, cells.at[pl.ds(j, 1), pl.ds(0, tail_w)],
-                                         sems.at[1])
+            return pltpu.make_async_copy(src, cells_tail.at[pl.ds(j, 1)], sems.at[1])
         base = pl.multiple_of(col - T.irem(col, T.LANES), T.LANES)
         return pltpu.make_async_copy(rtt_hbm.at[pl.ds(row, 1), pl.ds(base, T.LANES)],
                                      cells.at[pl.ds(j, 1)], sems.at[0])
@@ -165,8 +166,8 @@ def _offsets_kernel(rpi_s, pre_s, ext_s, rtt_hbm, lut_hbm, _wo_in, _seed_in, _nv
         return T.irem(flat, pitch) >= tail_base
 
     def lut_copy(idx, j):
-        return pltpu.make_async_copy(lut_hbm.at[pl.ds(idx, 1)],
-                                     lutrows.at[pl.ds(j, 1), pl.ds(0, 2)], sems.at[2])
+        return pltpu.make_async_copy(lut_hbm.at[pl.ds(idx, 1)], lutrows.at[pl.ds(j, 1)],
+                                     sems.at[2])
 
     def batch(k, c):
         b0 = k * SEED_BATCH
@@ -197,8 +198,11 @@ def _offsets_kernel(rpi_s, pre_s, ext_s, rtt_hbm, lut_hbm, _wo_in, _seed_in, _nv
         def cell(j):
             at = seed_at[b0 + j]
             col = T.irem(jnp.maximum(at, 0), pitch)
-            lane = jnp.where(is_tail(jnp.maximum(at, 0)), col - tail_base, T.irem(col, T.LANES))
-            return jnp.where(at >= 0, cells[j, lane], 0)
+            v = cells[j, T.irem(col, T.LANES)]
+            if tail_w:
+                v = jnp.where(is_tail(jnp.maximum(at, 0)),
+                              cells_tail[j, jnp.clip(col - tail_base, 0, tail_w - 1)], v)
+            return jnp.where(at >= 0, v, 0)
 
         if has_lut:
             def lookup(j, count):
@@ -296,9 +300,10 @@ def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, v
                 pltpu.SMEM(seed_r.shape, jnp.int32),
                 pltpu.SMEM((bp,), jnp.int32),
                 pltpu.SMEM((SEED_BATCH, T.LANES), jnp.int32),
-                pltpu.SMEM((SEED_BATCH, T.LANES), jnp.int32),
+                pltpu.SMEM((SEED_BATCH, 2), jnp.int32),
                 pltpu.SMEM((8,), jnp.int32),
                 pltpu.SemaphoreType.DMA((5,)),
+                pltpu.SMEM((SEED_BATCH, max(int(rtt.shape[1]) % T.LANES, 1)), jnp.int32),
             ]),
         out_shape=[jax.ShapeDtypeStruct(voff_shape, jnp.int32),
                    jax.ShapeDtypeStruct(wo_r.shape, jnp.int32),
