@@ -1,7 +1,8 @@
 """Compile every op and the whole step for TPU topologies with libtpu, on a machine without a TPU.
 
     JAX_PLATFORMS=cpu python -m bench.tpu_compile [--topology v5e:2x2,v6e:2x2] [--case NAME,...]
-                                                 [--xla-step] [--out FILE.json]
+                                                 [--implementation xla] [--xla-step]
+                                                 [--out FILE.json]
 
 Needs ``jax[tpu]`` (libtpu) at the installed jax's version (Python >= 3.11 with jax 0.12:
 ``pip install "jax[tpu]==0.12.0.1"``). libtpu's compiler, Mosaic included, compiles ahead of time
@@ -39,7 +40,7 @@ import jax.numpy as jnp
 import kvcanary_jax as kc
 from kvcanary_jax import runtime as rt
 
-TOPOLOGIES = ("v5e:2x2", "v6e:2x2")
+TOPOLOGIES = ("v5e:2x2", "v6e:2x2")  # --topology also takes e.g. v5p:2x2x1, v4:2x2x1
 SLOTS = 1 << 20  # the serving canary: 1M slots
 KV_BYTES_PER_TOKEN = 256  # one K strip per slot (a head of 128 bf16)
 TPU = "pallas_mosaic_tpu"
@@ -265,6 +266,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--topology", default=",".join(TOPOLOGIES))
     ap.add_argument("--case", default="", help="comma-separated case names (default: all)")
+    ap.add_argument("--implementation", default=TPU,
+                    help="what the cases compile (default pallas_mosaic_tpu; xla for comparison)")
     ap.add_argument("--xla-step", action="store_true",
                     help="also compile the step with implementation='xla' (minutes)")
     ap.add_argument("--out", default="", help="write the rows as JSON here")
@@ -279,7 +282,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown case(s) {sorted(unknown)}; known: {[c.name for c in CASES]}")
     rows = []
     for topology in args.topology.split(","):
-        plan = [(c, TPU) for c in cases]
+        plan = [(c, args.implementation) for c in cases]
         if args.xla_step:
             plan += [(c, "xla") for c in CASES if c.op == "step"]
         for case, impl in plan:

@@ -21,9 +21,8 @@ pytestmark = pytest.mark.tpu_compile
 
 TOPOLOGIES = ("v5e:2x2", "v6e:2x2")
 
-# Small cases of the harness: a request row pitch that is a multiple of 128 for the plan (the
-# entries kernel's short-last-segment DMA is not yet accepted by Mosaic: see bench/NOTES.md), a
-# short row (5 columns) and a row with a short last segment (200) for the scatter.
+# Small cases of the harness: a short row (5 columns) and a row with a short last segment (200)
+# for the scatter, a request row pitch of 128 for the plan, and a small step.
 SMALL = (
     tc.Case("scatter 1x5", "scatter", tc.scatter_case(1, 5, 4)),
     tc.Case("scatter 3x200", "scatter", tc.scatter_case(3, 200, 8)),
@@ -40,11 +39,12 @@ def _compiled_text(fn, args, topology):
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
-def test_write_verify_scatter_compile(topology):
-    """The lowering tests' write (a real-KV source of page size 1, the fingerprint kernel too),
-    verify (the same) and scatter (a 16-column pool: a row shorter than one segment)."""
+def test_every_op_compiles(topology):
+    """The lowering tests' ops: scatter (a 16-column pool: a row shorter than one segment), plan
+    (16-column request rows, with an SWA window and LUT), write and verify (a real-KV source of
+    page size 1: the fingerprint kernel too)."""
     with jax.enable_x64(True):
-        ops = [o for o in _ops(tc.TPU) if o[0] != "plan"]
+        ops = _ops(tc.TPU)
     for name, fn, args, _ in ops:
         text = _compiled_text(fn, args, topology)
         assert all(k in text for k in TPU_KERNELS[name]), (name, topology)
