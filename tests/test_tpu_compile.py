@@ -56,3 +56,31 @@ def test_small_cases_compile(case, topology):
     row = tc.measure(case, topology)
     assert row["ok"], row.get("error")
     assert row["generated_code_size_in_bytes"] > 0
+
+
+def test_default_implementation_follows_tpu_placed_arguments():
+    """``implementation=None`` with arguments placed on a TPU topology's device (a one-device
+    mesh of it) on this CPU host: the registry picks pallas_mosaic_tpu (no FallbackWarning) and
+    libtpu compiles it. Without an abstract mesh in scope, as here, JAX's Mosaic lowering reads
+    the TPU generation from the arguments where it can; plan's lowering asks for it elsewhere
+    ("Unsupported TPU device kind: cpu" unless inside ``jax.sharding.use_abstract_mesh``), so the
+    plan is left out here (``tests/test_lowering.py`` and the tests above lower it in one)."""
+    import warnings
+
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    import kvcanary_jax as kc
+
+    devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices
+    sharding = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), PartitionSpec())
+    with jax.enable_x64(True), warnings.catch_warnings():
+        warnings.simplefilter("error", kc.FallbackWarning)
+        for name, fn, args, _ in _ops(None):
+            if name == "plan":
+                continue
+            specs = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), args)
+            text = fn.trace(*specs).lower(lowering_platforms=("tpu",)).compile().as_text()
+            assert all(k in text for k in TPU_KERNELS[name]), name
