@@ -48,6 +48,10 @@ def pytest_collection_modifyitems(config, items):
     # (and fails on "no tests ran" if it did not); elsewhere they are deselected.
     if importlib.util.find_spec("sgl_jax") is None:
         _deselect(config, items, "sglang_jax")
+    # Compiling for TPU topologies needs libtpu (jax[tpu]); where it is not installed these tests
+    # are deselected (the Python 3.12 CI leg installs it).
+    if importlib.util.find_spec("libtpu") is None:
+        _deselect(config, items, "tpu_compile")
     # The long TPU interpret-mode fuzz runs on request (the CI runs its short part).
     if not config.getoption("--tpu-long"):
         long = [it for it in items if "tpu_interpret" in it.keywords and "slow" in it.keywords]

@@ -400,3 +400,39 @@ def test_update_tuned_table_replaces_the_file_atomically(tmp_path, monkeypatch):
                                      directory=tmp_path)
     assert open(path).read() == before
     assert os.listdir(tmp_path) == [os.path.basename(path)]  # no temporary file left
+
+
+def _tpu_sharded(tree):
+    """``tree``'s arrays as ShapeDtypeStructs sharded over an abstract one-TPU mesh (what a jit
+    sees when its arguments live on a TPU topology's devices, e.g. compiling on a CPU host)."""
+    from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
+
+    try:
+        from jax.sharding import AbstractDevice
+    except ImportError:  # jax < 0.11
+        from jax._src.mesh import AbstractDevice
+    dev = AbstractDevice(device_kind="TPU v6 lite", num_cores=1, platform="tpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=dev)
+    sharding = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def test_registry_follows_tpu_sharded_arguments():
+    """On a CPU host, a jit traced with arguments placed on TPU devices takes the Mosaic TPU
+    kernels (the platform's default), with no FallbackWarning; the same jit traced with
+    unplaced arguments takes xla."""
+    import warnings
+
+    from test_lowering import TPU_KERNELS, _ops
+
+    if jax.default_backend() == "tpu":
+        pytest.skip("on a TPU the default is pallas_mosaic_tpu anyway")
+    with jax.enable_x64(True), warnings.catch_warnings():
+        warnings.simplefilter("error", kc.FallbackWarning)
+        for name, fn, args, _ in _ops(None):
+            text = str(fn.trace(*_tpu_sharded(args)).jaxpr)
+            assert all(k in text for k in TPU_KERNELS[name]), name
+            assert _registry.op(name).select(None, args=_tpu_sharded(args)) == "pallas_mosaic_tpu"
+            plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+            text = str(fn.trace(*plain).jaxpr)
+            assert "pallas_call" not in text, name

@@ -168,10 +168,41 @@ def lowering_for(platform: str):
         _TARGET.platform = old
 
 
-def _platform(platform: str | None) -> str:
+def _args_platform(args) -> str | None:
+    """The platform ``args`` are placed on, when their avals or shardings name one: a jit traced
+    with arguments sharded over a mesh of another platform's devices (e.g. a TPU topology's, on a
+    CPU host) carries that mesh, with its device kind and platform, in every aval; concrete
+    arrays and ``ShapeDtypeStruct`` s carry their sharding's devices. None when none says."""
+    if args is None:
+        return None
+    for leaf in jax.tree.leaves(args):
+        for sharding in (getattr(_typeof(leaf), "sharding", None), getattr(leaf, "sharding", None)):
+            device = getattr(getattr(sharding, "mesh", None), "abstract_device", None)
+            if device is not None and getattr(device, "platform", None):
+                return device.platform
+            try:
+                devices = sharding.device_set if sharding is not None else ()
+            except Exception:  # noqa: BLE001  (an abstract sharding has no concrete devices)
+                devices = ()
+            for d in devices:
+                return d.platform
+    return None
+
+
+def _typeof(x):
+    try:
+        return jax.typeof(x)
+    except Exception:  # noqa: BLE001  (not an array: no aval)
+        return None
+
+
+def _platform(platform: str | None, args=None) -> str:
     """``platform``, else the platform being targeted: that of :func:`lowering_for` in scope,
     else that of the abstract device in scope (a lowering for another platform than this
-    machine's, e.g. TPU on a CPU machine), else JAX's default backend."""
+    machine's, e.g. TPU on a CPU machine), else that of the devices ``args`` are placed on
+    (:func:`_args_platform`), else JAX's default backend. (A bare
+    ``.lower(lowering_platforms=...)`` is not seen: the choice is made while tracing, before the
+    lowering names its platform.)"""
     if platform is not None:
         return platform
     target = getattr(_TARGET, "platform", None)
@@ -181,7 +212,9 @@ def _platform(platform: str | None) -> str:
         device = jax.sharding.get_abstract_mesh().abstract_device
     except Exception:  # noqa: BLE001  (no abstract mesh API, or none in scope)
         device = None
-    return device.platform if device is not None else jax.default_backend()
+    if device is not None:
+        return device.platform
+    return _args_platform(args) or jax.default_backend()
 
 
 def _interpret_requested(config) -> bool:
@@ -255,14 +288,16 @@ class Op:
         return self.select(None, platform=platform)
 
     def select(self, implementation: str | None = None, *, platform: str | None = None,
-               config=None) -> str:
+               config=None, args=None) -> str:
         """The implementation a call runs: ``implementation`` when usable (with ``config``, the
         call's launch config if given), else the fallback (with one :class:`FallbackWarning` per
-        reason); ``None``: the platform's default."""
+        reason); ``None``: the platform's default. The platform: ``platform``, else the target
+        of the trace (an abstract TPU device in scope, or ``args``, the call's arrays, placed on
+        another platform's devices), else JAX's default backend."""
         if implementation is not None and implementation not in IMPLEMENTATIONS:
             raise ValueError(f"kv-canary: {self.name}: unknown implementation "
                              f"{implementation!r}; known: {', '.join(IMPLEMENTATIONS)}")
-        p = _platform(platform)
+        p = _platform(platform, args)
         asked = implementation
         if asked is None:
             if _is_cuda(p):

@@ -53,6 +53,7 @@ __all__ = [
     "PAIR_TILE",
     "LANES",
     "INT32_MAX",
+    "RING_STAGE",
     "pad_to",
     "to_pair_rows",
     "from_pair_rows",
@@ -93,6 +94,8 @@ LANES = 128
 # Entries per whole 8 x 128 tile of pair rows (64 pairs per row, 8 rows).
 PAIR_TILE = 512
 INT32_MAX = consts.VIOLATION_WRITE_INDEX_MAX  # where the write index saturates
+# The scratch :class:`Ring` stages a record in: one ring row (16 int32 words), exactly.
+RING_STAGE = (1, 16)
 
 
 def pad_to(n: int, multiple: int) -> int:
@@ -305,7 +308,13 @@ class Ring:
 
     ``state``: an SMEM int32 ref with two words at ``base`` reserved for the ring: the launch's
     start index ``w0`` and the number of violations found so far. ``ring``: the ring's int32
-    ``[C, 16]`` HBM ref; ``stage``: an SMEM ``[1, 128]`` scratch; ``sem``: a DMA semaphore.
+    ``[C, 16]`` ref (HBM, or VMEM where XLA places a small ring); ``stage``: an SMEM ``[1, 16]``
+    scratch (:data:`RING_STAGE`); ``sem``: a DMA semaphore.
+
+    A record is one DMA of the whole stage into one ring row. The stage is exactly one row wide:
+    Mosaic refuses a DMA of a window narrower than its buffer's rows unless that window is a
+    multiple of 512 bytes ("The contiguous inner slice in the DMA transfer must be divisible by
+    512 bytes"), and a record is 64 bytes; whole 16-word rows copy between any memories.
     """
 
     def __init__(self, ring, capacity: int, state, base: int, stage, sem):
@@ -328,8 +337,7 @@ class Ring:
         for i, w in enumerate(words):
             self.stage[0, i] = w
         row = self.state[self.base] + self.state[self.base + 1] + k
-        copy = pltpu.make_async_copy(self.stage.at[:, pl.ds(0, 16)],
-                                     self.ring.at[pl.ds(row, 1)], self.sem)
+        copy = pltpu.make_async_copy(self.stage, self.ring.at[pl.ds(row, 1)], self.sem)
         copy.start()
         copy.wait()
 

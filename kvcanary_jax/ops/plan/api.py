@@ -50,7 +50,7 @@ def run(vp: VerifyPlan, wp: WritePlan, rpi, prefix, extend, rtt, lut, pool, vali
     views (see :mod:`kvcanary_jax.ops.plan.base`); ``lut``, ``pool`` and ``valid_lens`` may be
     None. Returns the filled plans, every array aliased to the input plans'.
     ``implementation`` / ``config`` / ``num_reqs``: as :func:`canary_plan`."""
-    impl = OP.select(implementation, config=config)
+    impl = OP.select(implementation, config=config, args=(rpi, rtt))  # the target: see select
     if num_reqs is not None:
         if not takes_num_reqs(impl):
             raise ValueError(

@@ -108,7 +108,7 @@ def _flat(rp, col, pitch: int, n_cells: int):
 
 def _offsets_kernel(rpi_s, pre_s, ext_s, rtt_hbm, lut_hbm, _wo_in, _seed_in, _nv_in, _en_in,
                     _wn_in, voff_s, wo_hbm, seed_hbm, nv_out, en_out, wn_out, wo_s, seed_s,
-                    seed_at, cells, lutrows, misc, sems, *, bs, cap_w, cap_v, window, rows, pitch,
+                    seed_at, cells, lutrows, misc, sems, cells_tail, *, bs, cap_w, cap_v, window, rows, pitch,
                     has_lut, lut_len):
     n_cells = rows * pitch
     tail_w = pitch % T.LANES
@@ -152,9 +152,10 @@ def _offsets_kernel(rpi_s, pre_s, ext_s, rtt_hbm, lut_hbm, _wo_in, _seed_in, _nv
         row = T.idiv(flat, pitch)
         col = T.irem(flat, pitch)
         if tail:
+            # into rows of the tail's own width: Mosaic refuses a DMA into a window of a wider
+            # buffer row unless it is a multiple of 512 bytes
             src = rtt_hbm.at[pl.ds(row, 1), pl.ds(tail_base, tail_w)]
-            return pltpu.make_async_copy(src, cells.at[pl.ds(j, 1), pl.ds(0, tail_w)],
-                                         sems.at[1])
+            return pltpu.make_async_copy(src, cells_tail.at[pl.ds(j, 1)], sems.at[1])
         base = pl.multiple_of(col - T.irem(col, T.LANES), T.LANES)
         return pltpu.make_async_copy(rtt_hbm.at[pl.ds(row, 1), pl.ds(base, T.LANES)],
                                      cells.at[pl.ds(j, 1)], sems.at[0])
@@ -165,8 +166,8 @@ def _offsets_kernel(rpi_s, pre_s, ext_s, rtt_hbm, lut_hbm, _wo_in, _seed_in, _nv
         return T.irem(flat, pitch) >= tail_base
 
     def lut_copy(idx, j):
-        return pltpu.make_async_copy(lut_hbm.at[pl.ds(idx, 1)],
-                                     lutrows.at[pl.ds(j, 1), pl.ds(0, 2)], sems.at[2])
+        return pltpu.make_async_copy(lut_hbm.at[pl.ds(idx, 1)], lutrows.at[pl.ds(j, 1)],
+                                     sems.at[2])
 
     def batch(k, c):
         b0 = k * SEED_BATCH
@@ -197,8 +198,11 @@ def _offsets_kernel(rpi_s, pre_s, ext_s, rtt_hbm, lut_hbm, _wo_in, _seed_in, _nv
         def cell(j):
             at = seed_at[b0 + j]
             col = T.irem(jnp.maximum(at, 0), pitch)
-            lane = jnp.where(is_tail(jnp.maximum(at, 0)), col - tail_base, T.irem(col, T.LANES))
-            return jnp.where(at >= 0, cells[j, lane], 0)
+            v = cells[j, T.irem(col, T.LANES)]
+            if tail_w:
+                v = jnp.where(is_tail(jnp.maximum(at, 0)),
+                              cells_tail[j, jnp.clip(col - tail_base, 0, tail_w - 1)], v)
+            return jnp.where(at >= 0, v, 0)
 
         if has_lut:
             def lookup(j, count):
@@ -296,9 +300,10 @@ def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, v
                 pltpu.SMEM(seed_r.shape, jnp.int32),
                 pltpu.SMEM((bp,), jnp.int32),
                 pltpu.SMEM((SEED_BATCH, T.LANES), jnp.int32),
-                pltpu.SMEM((SEED_BATCH, T.LANES), jnp.int32),
+                pltpu.SMEM((SEED_BATCH, 2), jnp.int32),
                 pltpu.SMEM((8,), jnp.int32),
                 pltpu.SemaphoreType.DMA((5,)),
+                pltpu.SMEM((SEED_BATCH, max(int(rtt.shape[1]) % T.LANES, 1)), jnp.int32),
             ]),
         out_shape=[jax.ShapeDtypeStruct(voff_shape, jnp.int32),
                    jax.ShapeDtypeStruct(wo_r.shape, jnp.int32),
@@ -322,7 +327,7 @@ def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, v
 
 def _entries_kernel(voff_s, rpi_s, pre_s, vl_s, st_s, rtt_hbm, lut_hbm, pool_hbm, _o0, _o1, _o2,
                     _o3, out0, out1, out2, out3, seg_v, seg_s, tok_v, lutrows, cell_s, acc, blk,
-                    misc, sems, *, bs, cap, block, window, rows, pitch, has_lut, lut_len,
+                    misc, sems, tail_v, tail_s, tail_tok, cell_tail_r, cell_tail_p, lut_s, *, bs, cap, block, window, rows, pitch, has_lut, lut_len,
                     has_pool, prows, ppitch, k_off):
     outs = (out0, out1, out2, out3)  # slots, expected tokens, positions, previous slots
     R = block // T.LANES
@@ -379,13 +384,19 @@ def _entries_kernel(voff_s, rpi_s, pre_s, vl_s, st_s, rtt_hbm, lut_hbm, pool_hbm
         return lax.cond(same, lambda: (b, nr),
                         lambda: (nb, owner(jnp.minimum(nb * block, jnp.maximum(live - 1, 0)))))
 
+    # A row's short last segment (when the pitch is not a multiple of 128) is DMA'd into a
+    # buffer of its own width, then copied into its staging row once landed: Mosaic refuses a DMA
+    # into a window of a wider row unless it is a multiple of 512 bytes. misc[16 + at] holds the
+    # staging row it goes to (at: the fetch's counter words, see fetch).
+    tails = {id(seg_v): tail_v, id(seg_s): tail_s, id(tok_v): tail_tok}
+
     # -- 128-column segments of a table row. Staging row j holds segment j - 1 + (delta >> 7),
     # so that out[e] = column e + delta for e in [0, block) (see realign).
     def seg_copy(tab, tpitch, row, s, j, dst, slot, sem, *, tail):
         tw = tpitch % T.LANES
         if tail:
             return pltpu.make_async_copy(tab.at[pl.ds(row, 1), pl.ds(tpitch - tw, tw)],
-                                         dst.at[slot, pl.ds(j, 1), pl.ds(0, tw)], sem)
+                                         tails[id(dst)].at[slot], sem)
         return pltpu.make_async_copy(
             tab.at[pl.ds(row, 1), pl.ds(pl.multiple_of(s * T.LANES, T.LANES), T.LANES)],
             dst.at[slot, pl.ds(j, 1)], sem)
@@ -409,6 +420,7 @@ def _entries_kernel(voff_s, rpi_s, pre_s, vl_s, st_s, rtt_hbm, lut_hbm, pool_hbm
                     def _(dst=dst):
                         seg_copy(tab, tpitch, row, s, s - a + 1, dst, slot, sem_tail,
                                  tail=True).start()
+                        misc[16 + at] = s - a + 1
             k = len(dsts)
             return (counts[0] + k * jnp.logical_not(tail).astype(jnp.int32),
                     counts[1] + k * tail.astype(jnp.int32))
@@ -419,11 +431,33 @@ def _entries_kernel(voff_s, rpi_s, pre_s, vl_s, st_s, rtt_hbm, lut_hbm, pool_hbm
         misc[at] = nf
         misc[at + 1] = nt
 
-    def wait_fetched(tab, tpitch, dst, slot, sem_full, sem_tail, at):
-        T.wait_n(seg_copy(tab, tpitch, 0, 0, 0, dst, slot, sem_full, tail=False), misc[at])
-        if tpitch % T.LANES:
-            T.wait_n(seg_copy(tab, tpitch, 0, 0, 0, dst, slot, sem_tail, tail=True),
-                     misc[at + 1])
+    def wait_fetched(tab, tpitch, dsts, slot, sem_full, sem_tail, at):
+        """Waits for ``fetch``'s copies into ``dsts`` and puts a short last segment in place."""
+        tw = tpitch % T.LANES
+        for dst in dsts:
+            T.wait_n(seg_copy(tab, tpitch, 0, 0, 0, dst, slot, sem_full, tail=False),
+                     misc[at] // len(dsts))
+            if tw:
+                T.wait_n(seg_copy(tab, tpitch, 0, 0, 0, dst, slot, sem_tail, tail=True),
+                         misc[at + 1] // len(dsts))
+        if tw:
+            j = misc[16 + at]
+
+            @pl.when(misc[at + 1] > 0)
+            def _():
+                for dst in dsts:
+                    tail = tails[id(dst)]
+                    if dst is seg_s:  # SMEM: word by word
+                        def word(k, c):
+                            seg_s[slot, j, k] = tail_s[slot, 0, k]
+                            return c
+
+                        lax.fori_loop(0, tw, word, 0)
+                        continue
+                    for jj in range(NS):  # VMEM: the staging row, statically indexed
+                        @pl.when(j == jj)
+                        def _(jj=jj, dst=dst, tail=tail):
+                            dst[slot, pl.ds(jj, 1), pl.ds(0, tw)] = tail[slot]
         misc[at] = jnp.int32(0)
         misc[at + 1] = jnp.int32(0)
 
@@ -481,9 +515,10 @@ def _entries_kernel(voff_s, rpi_s, pre_s, vl_s, st_s, rtt_hbm, lut_hbm, pool_hbm
         misc[8] = flags
 
     def wait_item(slot):
-        wait_fetched(rtt_hbm, pitch, seg_v, slot, sems.at[slot], sems.at[2 + slot], 2 * slot)
+        wait_fetched(rtt_hbm, pitch, (seg_v, seg_s) if has_lut else (seg_v,), slot,
+                     sems.at[slot], sems.at[2 + slot], 2 * slot)
         if has_pool:
-            wait_fetched(pool_hbm, ppitch, tok_v, slot, sems.at[4 + slot], sems.at[6 + slot],
+            wait_fetched(pool_hbm, ppitch, (tok_v,), slot, sems.at[4 + slot], sems.at[6 + slot],
                          4 + 2 * slot)
 
     def read_cell(tab, tpitch, flat, j):
@@ -502,16 +537,18 @@ def _entries_kernel(voff_s, rpi_s, pre_s, vl_s, st_s, rtt_hbm, lut_hbm, pool_hbm
             c.start()
             c.wait()
 
+        cell_tail = cell_tail_r if tab is rtt_hbm else cell_tail_p
         if tw:
             @pl.when(tail)
             def _():
                 c = pltpu.make_async_copy(tab.at[pl.ds(row, 1), pl.ds(tpitch - tw, tw)],
-                                          cell_s.at[pl.ds(j, 1), pl.ds(0, tw)], sems.at[8])
+                                          cell_tail.at[pl.ds(j, 1)], sems.at[8])
                 c.start()
                 c.wait()
 
-        lane = jnp.where(tail, col - (tpitch - tw), col & 127) if tw else col & 127
-        return cell_s[j, lane]
+            return jnp.where(tail, cell_tail[j, jnp.clip(col - (tpitch - tw), 0, tw - 1)],
+                             cell_s[j, col & 127])
+        return cell_s[j, col & 127]
 
     def set_entry(plane, i, v):
         """acc[plane][entry i] = v (one row read-modify-write)."""
@@ -531,14 +568,14 @@ def _entries_kernel(voff_s, rpi_s, pre_s, vl_s, st_s, rtt_hbm, lut_hbm, pool_hbm
             return H.from_i32(v)
         c = pltpu.make_async_copy(lut_hbm.at[pl.ds(jnp.minimum(jnp.maximum(v, 0),
                                                                lut_len - 1), 1)],
-                                  cell_s.at[pl.ds(2, 1), pl.ds(0, 2)], sems.at[8])
+                                  lut_s, sems.at[8])
 
         @pl.when(v >= 0)
         def _():
             c.start()
             c.wait()
 
-        lut = (T.u32(cell_s[2, 1]), T.u32(cell_s[2, 0]))
+        lut = (T.u32(lut_s[0, 1]), T.u32(lut_s[0, 0]))
         return tuple(jnp.where(v >= 0, x, y) for x, y in zip(lut, H.from_i32(v)))
 
     def merge(b, r, slot):
@@ -733,6 +770,8 @@ def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, v
     outs = [T.to_pair_rows(x, cap_pad) for x in (slots, tokens, positions, prevs)]
     R = block // T.LANES
     NS = R + 8
+    # widths of the short last segments of the tables as the kernel sees them
+    tw_r, tw_p = (max(int(t.shape[1]) % T.LANES, 1) for t in (rtt, pool_))
     kernel = functools.partial(
         _entries_kernel, bs=bs, cap=cap, block=block, window=int(swa_window_size),
         rows=rows if rows * pitch else 0, pitch=int(rtt.shape[1]), has_lut=has_lut,
@@ -754,8 +793,16 @@ def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, v
                 pltpu.SMEM((4, T.LANES), jnp.int32),
                 pltpu.VMEM((10, R, T.LANES), jnp.int32),
                 pltpu.VMEM((2, 4, 2 * R, T.LANES), jnp.int32),
-                pltpu.SMEM((16,), jnp.int32),
+                pltpu.SMEM((24,), jnp.int32),
                 pltpu.SemaphoreType.DMA((13,)),
+                # a short last segment of a req_to_token / pool row, and a LUT entry: buffers
+                # of exactly the copied width (see _entries_kernel)
+                pltpu.VMEM((2, 1, tw_r), jnp.int32),
+                pltpu.SMEM((2, 1, tw_r) if has_lut else (1, 1, 1), jnp.int32),
+                pltpu.VMEM((2, 1, tw_p), jnp.int32),
+                pltpu.SMEM((4, tw_r), jnp.int32),
+                pltpu.SMEM((4, tw_p), jnp.int32),
+                pltpu.SMEM((1, 2), jnp.int32),
             ]),
         out_shape=[jax.ShapeDtypeStruct(o.shape, jnp.int32) for o in outs],
         input_output_aliases={8 + i: i for i in range(4)},

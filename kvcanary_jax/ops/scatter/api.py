@@ -32,7 +32,7 @@ def run(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int | None = 
     view's width when ``pool_out`` is the compact base of a column-sliced view).
     ``implementation``: see :mod:`kvcanary_jax.ops._registry` (default: the platform's);
     ``config``: the implementation's ``Config`` (default: tuned table, else heuristics)."""
-    impl = OP.select(implementation, config=config)
+    impl = OP.select(implementation, config=config, args=(pool_out, flat_in))  # the target: see select
     max_cols = int(pool_out.shape[1] if max_cols is None else max_cols)
     cfg = OP.config(impl, base.shapes(flat_in, offsets, req_pool_indices, pool_out, max_cols),
                     config)

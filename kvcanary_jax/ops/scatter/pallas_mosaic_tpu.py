@@ -71,7 +71,7 @@ def heuristics(shapes) -> Config:
 
 
 def _scatter_kernel(off_s, rpi_s, src_hbm, _pool_in, pool_hbm, srcbuf, outbuf, oldbuf, misc,
-                    sems, *, bs, num_tokens, rows, cols, width, group, front):
+                    sems, oldtail, outtail, *, bs, num_tokens, rows, cols, width, group, front):
     G = group
     W = G * T.LANES
     nsb = G + 8  # source rows per item
@@ -114,8 +114,11 @@ def _scatter_kernel(off_s, rpi_s, src_hbm, _pool_in, pool_hbm, srcbuf, outbuf, o
     def seg_copy(rp, base, i, slot, *, read, tail):
         buf = oldbuf if read else outbuf
         if tail:
+            # The short last segment goes through a buffer of its own width: Mosaic refuses a
+            # DMA into (or from) a window of a wider VMEM row unless it is a multiple of 512
+            # bytes ("Tile size must be divisible by 512 bytes").
             hbm = pool_hbm.at[pl.ds(rp, 1), pl.ds(tail_base, tail_w)]
-            vm = buf.at[slot, pl.ds(i, 1), pl.ds(0, tail_w)]
+            vm = (oldtail if read else outtail).at[slot]
             sem = sems.at[(4 if read else 8) + slot]
         else:
             hbm = pool_hbm.at[pl.ds(rp, 1), pl.ds(pl.multiple_of(base, T.LANES), T.LANES)]
@@ -158,6 +161,8 @@ def _scatter_kernel(off_s, rpi_s, src_hbm, _pool_in, pool_hbm, srcbuf, outbuf, o
             if tail_w:
                 @pl.when(want & is_tail)
                 def _(i=i, base=base):
+                    if not read:  # the merged segment i is the row's tail: stage it
+                        outtail[slot] = outbuf[slot, pl.ds(i, 1), pl.ds(0, tail_w)]
                     seg_copy(rp, base, i, slot, read=read, tail=True).start()
 
                 n_tail = n_tail + (want & is_tail).astype(jnp.int32)
@@ -187,6 +192,11 @@ def _scatter_kernel(off_s, rpi_s, src_hbm, _pool_in, pool_hbm, srcbuf, outbuf, o
         T.wait_n(seg_copy(0, 0, 0, slot, read=True, tail=False), misc[_RD_N + slot])
         if tail_w:
             T.wait_n(seg_copy(0, 0, 0, slot, read=True, tail=True), misc[_RD_TAIL + slot])
+            # a tail read back lands in its own buffer: put it in its segment's row
+            for i, (base, lo, hi, end, is_tail) in enumerate(segments(g, jlo, jhi)):
+                @pl.when((hi > lo) & ((lo > base) | (hi < end)) & is_tail)
+                def _(i=i):
+                    oldbuf[slot, pl.ds(i, 1), pl.ds(0, tail_w)] = oldtail[slot]
         buf = srcbuf[slot]
         a = pltpu.roll(buf, T.irem(T.LANES - d, T.LANES), 1)  # a[i, l] = buf[i, (l + d) % 128]
         b = pltpu.roll(a, nsb - 1, 0)  # b[i] = a[i + 1]
@@ -284,6 +294,8 @@ def run(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int | None, c
                 pltpu.VMEM((2, G, T.LANES), jnp.int32),
                 pltpu.SMEM((10,), jnp.int32),
                 pltpu.SemaphoreType.DMA((10,)),
+                pltpu.VMEM((2, 1, max(width % T.LANES, 1)), jnp.int32),
+                pltpu.VMEM((2, 1, max(width % T.LANES, 1)), jnp.int32),
             ]),
         out_shape=jax.ShapeDtypeStruct(pool_out.shape, pool_out.dtype),
         input_output_aliases={3: 0},

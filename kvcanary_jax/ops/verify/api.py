@@ -51,7 +51,7 @@ def run(
     Returns ``(violation_ring, violation_write_index, slot_run_counter, kernel_run_counter)``;
     donate those four for an in-place update (``canary_buf`` is only read).
     ``implementation`` / ``config``: as :func:`canary_verify`."""
-    impl = OP.select(implementation, config=config)
+    impl = OP.select(implementation, config=config, args=(canary_buf, verify_slot_indices))  # the target: see select
     cfg = OP.config(impl, base.shapes(canary_buf, verify_slot_indices), config)
     arrays = (canary_buf, violation_ring, violation_write_index, slot_run_counter,
               kernel_run_counter, verify_slot_indices, verify_expected_tokens,

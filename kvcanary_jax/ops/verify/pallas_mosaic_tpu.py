@@ -279,7 +279,7 @@ def run(
                 pltpu.VMEM((2, 2 * r, T.LANES), jnp.int32),
                 pltpu.SMEM((8,), jnp.int32),
                 pltpu.SMEM((2, block), jnp.int32),
-                pltpu.SMEM((1, T.LANES), jnp.int32),
+                pltpu.SMEM(T.RING_STAGE, jnp.int32),
                 pltpu.SemaphoreType.DMA((7,)),
             ]),
         out_shape=[jax.ShapeDtypeStruct(ring.shape, jnp.int32),

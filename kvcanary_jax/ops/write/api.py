@@ -51,7 +51,7 @@ def run(
     Returns ``(canary_buf, violation_ring, violation_write_index, slot_run_counter,
     kernel_run_counter)``; donate those five for an in-place update.
     ``implementation`` / ``config``: as :func:`canary_write`."""
-    impl = OP.select(implementation, config=config)
+    impl = OP.select(implementation, config=config, args=(canary_buf, input_ids))  # the target: see select
     cfg = OP.config(impl, base.shapes(canary_buf, write_seed_slot_indices, input_ids), config)
     arrays = (canary_buf, violation_ring, violation_write_index, slot_run_counter,
               kernel_run_counter, enable_chain_position_assert, write_offsets,

@@ -30,8 +30,9 @@ of fingerprint, plus the fingerprint kernel's strip reads.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
-from typing import ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,20 +78,69 @@ def heuristics(shapes) -> Config:
     return Config()
 
 
+class _Scratch(NamedTuple):
+    """The kernel's scratch refs, in ``scratch_shapes`` order (:func:`_scratch_shapes`)."""
+
+    seed_rows: Any  # VMEM [rc, 128, 8]: the gathered seed rows
+    init_v: Any  # VMEM [2, 2 rc, 128]: first links, last positions (pair rows)
+    init_s: Any  # SMEM, the same, read back as scalars by the chain
+    hz: Any  # SMEM [cap_pad]: 1 where an earlier request writes the seed
+    chunk: Any  # SMEM [2, fields, CHUNK / 64, 128]: token chunks, double-buffered
+    stage: Any  # SMEM [WRITES_IN_FLIGHT, 8]: canary records in flight, one row each
+    pend: Any  # SMEM [WRITES_IN_FLIGHT]: the slot each staged record goes to (-1: none)
+    misc: Any  # SMEM [16]: the _CUR ... _WRITTEN words and the ring's two
+    ring_stage: Any  # SMEM RING_STAGE: the violation record being appended
+    seed_row: Any  # SMEM [1, 8]: a hazardous seed's canary row, read after the writes land
+    seed_chain: Any  # SMEM [4]: its first link (hi, lo) and last position (hi, lo)
+    sems: Any  # DMA semaphores, indexed by _Sem
+
+
+class _Sem(enum.IntEnum):
+    """DMA semaphores (the record writes take WRITE0 + q, q < WRITES_IN_FLIGHT)."""
+
+    CHUNK0 = 0  # token chunk, buffer 0 (CHUNK0 + 1: buffer 1)
+    SEED = 2  # seed-row gathers
+    ROW = 3  # the init round trip and a hazardous seed's row
+    RING = 4
+    WRITE0 = 5
+
+
+def _scratch_shapes(rc: int, cap_pad: int, nfields: int) -> list:
+    """``_Scratch``'s shapes. Every buffer a DMA fills or drains whole is exactly as wide as the
+    rows it copies: Mosaic refuses a DMA of a window narrower than its buffer's rows unless it
+    is a multiple of 512 bytes (a canary row is 32)."""
+    return [
+        pltpu.VMEM((rc, T.LANES, 8), jnp.int32),
+        pltpu.VMEM((2, 2 * rc, T.LANES), jnp.int32),
+        pltpu.SMEM((2, 2 * rc, T.LANES), jnp.int32),
+        pltpu.SMEM((cap_pad,), jnp.int32),
+        pltpu.SMEM((2, nfields, CHUNK // 64, T.LANES), jnp.int32),
+        pltpu.SMEM((WRITES_IN_FLIGHT, 8), jnp.int32),
+        pltpu.SMEM((WRITES_IN_FLIGHT,), jnp.int32),
+        pltpu.SMEM((16,), jnp.int32),
+        pltpu.SMEM(T.RING_STAGE, jnp.int32),
+        pltpu.SMEM((1, 8), jnp.int32),
+        pltpu.SMEM((4,), jnp.int32),
+        pltpu.SemaphoreType.DMA((_Sem.WRITE0 + WRITES_IN_FLIGHT,)),
+    ]
+
+
 def _pair_lanes(e):
     return T.idiv(e, 64), 2 * T.irem(e, 64)
 
 
 def _write_kernel(st_in, off_s, seed_s, toks_hbm, seed_v, ocl_v, canary_in, ring_in,
-                  canary_hbm, ring_hbm, st_out, init_hbm,
-                  seed_rows, init_v, init_s, hz, chunk, stage, pend, misc, rstage, sems, *,
+                  canary_hbm, ring_hbm, st_out, init_hbm, *scratch,
                   cap, num_tokens, num_slots, canary_words, ring_cap, kind, check_input,
                   nchunks):
     del canary_in, ring_in
+    s_ = _Scratch(*scratch)
+    seed_rows, init_v, init_s, hz, chunk = s_.seed_rows, s_.init_v, s_.init_s, s_.hz, s_.chunk
+    stage, pend, misc, sems = s_.stage, s_.pend, s_.misc, s_.sems
     K = WRITES_IN_FLIGHT
     rc = seed_rows.shape[0]  # request plane rows
     rt = ocl_v.shape[0] // 2  # token plane rows
-    ring = T.Ring(ring_hbm, ring_cap, misc, _RING, rstage, sems.at[4])
+    ring = T.Ring(ring_hbm, ring_cap, misc, _RING, s_.ring_stage, sems.at[_Sem.RING])
     ring.start(st_in[_WIDX])
     active = jnp.clip(st_in[_NVALID], 0, cap)
     cpa_on = st_in[_CPA] != 0
@@ -110,25 +160,27 @@ def _write_kernel(st_in, off_s, seed_s, toks_hbm, seed_v, ocl_v, canary_in, ring
         return T.u32(seed_s[row, col + 1]), T.u32(seed_s[row, col])
 
     # -- 1. seed hazards (vector): hz[r] = 1 when an earlier request writes request r's seed.
+    # The tokens written so far are carried as int32 0 / 1, not bool: Mosaic cannot carry a
+    # mask vector through a loop ("failed to legalize operation 'scf.for'").
     ocl = T.planes(ocl_v)
     tok_idx = T.entry_index(rt)
     writes = T.pair_in_range(ocl, num_slots) & (tok_idx < num_tokens)
 
-    def hazard(r, mask):
+    def hazard(r, written):
         lo, hi = token_range(r)
         s = seed(r)
-        hit = T.sum_scalar((mask & H.eq(ocl, (jnp.full_like(ocl[0], s[0]),
-                                               jnp.full_like(ocl[1], s[1])))).astype(jnp.int32))
+        hit = T.sum_scalar(jnp.where(H.eq(ocl, (jnp.full_like(ocl[0], s[0]),
+                                                jnp.full_like(ocl[1], s[1]))), written, 0))
         hz[r] = jnp.where(T.pair_in_range(s, num_slots) & (hit > 0), 1, 0)
-        return mask | ((tok_idx >= lo) & (tok_idx < hi) & writes)
+        return jnp.where((tok_idx >= lo) & (tok_idx < hi) & writes, 1, written)
 
-    lax.fori_loop(0, active, hazard, jnp.zeros((rt, T.LANES), jnp.bool_))
+    lax.fori_loop(0, active, hazard, jnp.zeros((rt, T.LANES), jnp.int32))
 
     # -- 2. seed rows of the other requests, first links and last positions (vector).
     def row_copy(row, dst):
         src = canary_hbm.at[pl.ds(row, 1)] if canary_words == 8 else \
             canary_hbm.at[pl.ds(row, 1), pl.ds(0, 8)]
-        return pltpu.make_async_copy(src, dst, sems.at[2])
+        return pltpu.make_async_copy(src, dst, sems.at[_Sem.SEED])
 
     def fetch_seed(r, count):
         lo, hi = token_range(r)
@@ -159,17 +211,18 @@ def _write_kernel(st_in, off_s, seed_s, toks_hbm, seed_v, ocl_v, canary_in, ring
     T.store_planes(init_v.at[0], *h0)
     T.store_planes(init_v.at[1], *last0)
     # VMEM -> HBM -> SMEM: the chain reads them as scalars.
-    out = pltpu.make_async_copy(init_v, init_hbm, sems.at[3])
+    out = pltpu.make_async_copy(init_v, init_hbm, sems.at[_Sem.ROW])
     out.start()
     out.wait()
-    back = pltpu.make_async_copy(init_hbm, init_s, sems.at[3])
+    back = pltpu.make_async_copy(init_hbm, init_s, sems.at[_Sem.ROW])
     back.start()
     back.wait()
 
     # -- 3. the chain (scalar).
     def chunk_copy(k, slot):
         rows = pl.ds(pl.multiple_of(k * (CHUNK // 64), 8), CHUNK // 64)
-        return pltpu.make_async_copy(toks_hbm.at[:, rows, :], chunk.at[slot], sems.at[slot])
+        return pltpu.make_async_copy(toks_hbm.at[:, rows, :], chunk.at[slot],
+                                     sems.at[_Sem.CHUNK0 + slot])
 
     misc[_CUR] = jnp.int32(-1)
     for slot in (0, 1):
@@ -225,10 +278,10 @@ def _write_kernel(st_in, off_s, seed_s, toks_hbm, seed_v, ocl_v, canary_in, ring
         return T.u32(chunk[slot, f, row, col + 1]), T.u32(chunk[slot, f, row, col])
 
     def write_copy(q, row):
-        src = stage.at[pl.ds(q, 1), pl.ds(0, 8)]
+        src = stage.at[pl.ds(q, 1)]
         dst = canary_hbm.at[pl.ds(row, 1)] if canary_words == 8 else \
             canary_hbm.at[pl.ds(row, 1), pl.ds(0, 8)]
-        return pltpu.make_async_copy(src, dst, sems.at[5 + q])
+        return pltpu.make_async_copy(src, dst, sems.at[_Sem.WRITE0 + q])
 
     def settle(j):
         @pl.when(pend[j] != -1)
@@ -265,20 +318,20 @@ def _write_kernel(st_in, off_s, seed_s, toks_hbm, seed_v, ocl_v, canary_in, ring
             c = pltpu.make_async_copy(
                 canary_hbm.at[pl.ds(T.i32(s[1]), 1)] if canary_words == 8 else
                 canary_hbm.at[pl.ds(T.i32(s[1]), 1), pl.ds(0, 8)],
-                rstage.at[:, pl.ds(16, 8)], sems.at[3])
+                s_.seed_row, sems.at[_Sem.ROW])
             c.start()
             c.wait()
-            w = [T.u32(rstage[0, 16 + i]) for i in range(6)]
+            w = [T.u32(s_.seed_row[0, i]) for i in range(6)]
             h = H.mix3((w[5], w[4]), (w[1], w[0]), (w[3], w[2]))
             last = (jnp.where(cpa_on, w[3], zero32), jnp.where(cpa_on, w[2], zero32))
             for i, v in enumerate((*h, *last)):
-                rstage[0, 24 + i] = T.i32(v)
+                s_.seed_chain[i] = T.i32(v)
 
         row, col = _pair_lanes(r)
         hazardous = hz[r] == 1
-        h = tuple(jnp.where(hazardous, T.u32(rstage[0, 24 + i]), T.u32(init_s[0, row, col + 1 - i]))
-                  for i in range(2))
-        last = tuple(jnp.where(hazardous, T.u32(rstage[0, 26 + i]),
+        h = tuple(jnp.where(hazardous, T.u32(s_.seed_chain[i]),
+                            T.u32(init_s[0, row, col + 1 - i])) for i in range(2))
+        last = tuple(jnp.where(hazardous, T.u32(s_.seed_chain[2 + i]),
                                T.u32(init_s[1, row, col + 1 - i])) for i in range(2))
         pos_check = jnp.logical_not(H.is_neg(s)) & cpa_on
 
@@ -406,18 +459,7 @@ def run(
             num_scalar_prefetch=3, grid=(1,),
             in_specs=[any_spec, vmem_spec, vmem_spec, any_spec, any_spec],
             out_specs=[any_spec, any_spec, pl.BlockSpec(memory_space=pltpu.SMEM), any_spec],
-            scratch_shapes=[
-                pltpu.VMEM((rc, T.LANES, 8), jnp.int32),
-                pltpu.VMEM((2, 2 * rc, T.LANES), jnp.int32),
-                pltpu.SMEM((2, 2 * rc, T.LANES), jnp.int32),
-                pltpu.SMEM((cap_pad,), jnp.int32),
-                pltpu.SMEM((2, len(fields), CHUNK // 64, T.LANES), jnp.int32),
-                pltpu.SMEM((WRITES_IN_FLIGHT, T.LANES), jnp.int32),
-                pltpu.SMEM((WRITES_IN_FLIGHT,), jnp.int32),
-                pltpu.SMEM((16,), jnp.int32),
-                pltpu.SMEM((1, T.LANES), jnp.int32),
-                pltpu.SemaphoreType.DMA((5 + WRITES_IN_FLIGHT,)),
-            ]),
+            scratch_shapes=_scratch_shapes(rc, cap_pad, len(fields))),
         out_shape=[jax.ShapeDtypeStruct(canary.shape, jnp.int32),
                    jax.ShapeDtypeStruct(ring.shape, jnp.int32),
                    jax.ShapeDtypeStruct((8,), jnp.int32),

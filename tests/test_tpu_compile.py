@@ -1,0 +1,86 @@
+"""The Mosaic TPU kernels compile with libtpu for TPU topologies, on a CPU host (marked
+``tpu_compile``; deselected where libtpu is not installed: ``pip install "jax[tpu]==<jax>"``).
+
+Lowering (``tests/test_lowering.py``) and TPU interpret mode do not check Mosaic's own rules (DMA
+granularity, tiling, loop carries); libtpu's compiler does. Nothing runs: correctness comes from
+the TPU interpret suites. Every compile refuses a fallback (a FallbackWarning is an error), so
+what compiles is the Mosaic kernels. Sizes are small to keep compile time low (about 10 s a
+compile on two cores); ``python -m bench.tpu_compile`` compiles the serving sizes."""
+
+from __future__ import annotations
+
+import pytest
+
+import jax
+
+from bench import tpu_compile as tc
+
+from test_lowering import TPU_KERNELS, _ops
+
+pytestmark = pytest.mark.tpu_compile
+
+TOPOLOGIES = ("v5e:2x2", "v6e:2x2")
+
+# Small cases of the harness: a short row (5 columns) and a row with a short last segment (200)
+# for the scatter, a request row pitch of 128 for the plan, and a small step.
+SMALL = (
+    tc.Case("scatter 1x5", "scatter", tc.scatter_case(1, 5, 4)),
+    tc.Case("scatter 3x200", "scatter", tc.scatter_case(3, 200, 8)),
+    tc.Case("plan 4x128", "plan", tc.plan_case(4, 128)),
+    tc.Case("step small", "step", tc.step_case(
+        max_reqs=8, context_len=128, num_slots=1024, max_bs=4, max_tokens=64,
+        verify_capacity=512, ring_capacity=64)),
+)
+
+
+def _compiled_text(fn, args, topology):
+    compiled = tc.compile_for(fn, args, tc.topology_device(topology))
+    return compiled.as_text()
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_every_op_compiles(topology):
+    """The lowering tests' ops: scatter (a 16-column pool: a row shorter than one segment), plan
+    (16-column request rows, with an SWA window and LUT), write and verify (a real-KV source of
+    page size 1: the fingerprint kernel too)."""
+    with jax.enable_x64(True):
+        ops = _ops(tc.TPU)
+    for name, fn, args, _ in ops:
+        text = _compiled_text(fn, args, topology)
+        assert all(k in text for k in TPU_KERNELS[name]), (name, topology)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("case", SMALL, ids=lambda c: c.name)
+def test_small_cases_compile(case, topology):
+    row = tc.measure(case, topology)
+    assert row["ok"], row.get("error")
+    assert row["generated_code_size_in_bytes"] > 0
+
+
+def test_default_implementation_follows_tpu_placed_arguments():
+    """``implementation=None`` with arguments placed on a TPU topology's device (a one-device
+    mesh of it) on this CPU host: the registry picks pallas_mosaic_tpu (no FallbackWarning) and
+    libtpu compiles it. Without an abstract mesh in scope, as here, JAX's Mosaic lowering reads
+    the TPU generation from the arguments where it can; plan's lowering asks for it elsewhere
+    ("Unsupported TPU device kind: cpu" unless inside ``jax.sharding.use_abstract_mesh``), so the
+    plan is left out here (``tests/test_lowering.py`` and the tests above lower it in one)."""
+    import warnings
+
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    import kvcanary_jax as kc
+
+    devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices
+    sharding = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), PartitionSpec())
+    with jax.enable_x64(True), warnings.catch_warnings():
+        warnings.simplefilter("error", kc.FallbackWarning)
+        for name, fn, args, _ in _ops(None):
+            if name == "plan":
+                continue
+            specs = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), args)
+            text = fn.trace(*specs).lower(lowering_platforms=("tpu",)).compile().as_text()
+            assert all(k in text for k in TPU_KERNELS[name]), name
