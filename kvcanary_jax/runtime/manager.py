@@ -80,7 +80,7 @@ logger = logging.getLogger(__name__)
 
 # Ours: the padding slot 0 of the real KV is not all zero (a ring row with slot 0, position -1,
 # ``stored_token`` = how many of its bytes are nonzero). Not one of SGLang's FailReason bits.
-PADDING_SLOT_NOT_ZERO = 1 << 16
+PADDING_SLOT_NOT_ZERO = consts.PADDING_SLOT_NOT_ZERO
 
 _IDLE, _AFTER_HEAD = 0, 1
 _NUM_TAGS = len(consts.CanaryLaunchTag)
@@ -94,11 +94,14 @@ class CanaryViolationError(RuntimeError):
     """Raised in ``raise`` mode (and, in every mode, by the health and phase checks). SGLang
     raises ``RuntimeError``; this subclass also carries what was found: ``step``, ``reports``
     (this process's :class:`ViolationReport` list) and ``ranks`` (``{rank: (new violations,
-    first slot, first launch tag)}`` over every process that found something)."""
+    first slot, first launch tag)}`` over every process that found something). Raised from
+    :meth:`CanaryManager.step`, it also carries ``kv``: that step's new KV (the KV passed in was
+    donated), for a server that remediates and keeps serving."""
 
     def __init__(self, message: str, *, step: int, reports=(), ranks=None):
         super().__init__(message)
         self.step = step
+        self.kv = None  # set by CanaryManager.step: the KV of the step that raised
         self.reports = tuple(reports)
         self.ranks = dict(ranks or {})
 
@@ -491,14 +494,23 @@ class CanaryManager:
         if not self.enabled:
             if self._forward_jit is None:
                 raise ValueError("kv-canary: step() needs the manager built with forward=")
-            return self._forward_jit(kv, batch, req_to_token, self._lut(lut))
+            # Under the same 64-bit scope as the canary modes, so the forward traces alike.
+            with _config.x64_scope():
+                return self._forward_jit(kv, batch, req_to_token, self._lut(lut))
         if self._fused_jit is None:
             raise ValueError("kv-canary: step() needs the manager built with forward=; use "
                              "head()/tail() around a forward you run yourself")
         with _config.x64_scope():
             self.state, self._phase, kv, rb = self._fused_jit(
                 self.state, self._phase, kv, batch, req_to_token, self._lut(lut))
-            self._after_step(rb, kv, lut, _StepContext(batch, req_to_token, lut, requests, resolve))
+            try:
+                self._after_step(rb, kv, lut,
+                                 _StepContext(batch, req_to_token, lut, requests, resolve))
+            except CanaryViolationError as e:
+                # The KV passed in was donated: the error carries the step's new KV, so a server
+                # that survives the raise (remediation) keeps serving from it.
+                e.kv = kv
+                raise
         return kv
 
     def head(self, batch, req_to_token, lut=None) -> None:
