@@ -354,6 +354,13 @@ class CanaryManager:
         if mesh is not None and axis not in mesh.shape:
             raise ValueError(f"kv-canary: axis {axis!r} is not an axis of the mesh "
                              f"(axes: {', '.join(mesh.axis_names)})")
+        if mesh is not None and any(d.process_index != jax.process_index()
+                                    for d in mesh.devices.flat):
+            # Each process reads back its own shards; across processes the host agreement
+            # (agree_across_processes) is the one that decides.
+            raise ValueError("kv-canary: the mesh spans devices of other processes; build one "
+                             "manager per process over its local devices (processes agree "
+                             "through agree_across_processes)")
         agree = config.agree_across_processes
         self._agree = jax.process_count() > 1 if agree is None else agree
         self._rank = jax.process_index()
@@ -611,7 +618,7 @@ class CanaryManager:
             self._overflow_reported = [0] * shards
             self._prev_kernel_runs = np.zeros((shards, _NUM_TAGS), np.int64)
         # Phase check.
-        phase_errors = int(host["phase"][1])
+        phase_errors = int(np.max(np.asarray(host["phase"]).reshape(-1, 3)[:, 1]))
         # Overflow warner (one warning per shard and group whose plan was skipped).
         for s, row in enumerate(np.asarray(host["verify_enable"]).reshape(shards, -1)):
             for g, enable in zip(cfg.groups, row):
@@ -621,8 +628,10 @@ class CanaryManager:
                         "kv-canary: per-forward verify skipped this step due to overflow "
                         "(total=%d, capacity=%d); check ServerArgs / pool sizing",
                         self.overflow_count_total, cfg.verify_cap)
-        # Violations, from the last reported row on, per shard.
+        # Violations, from the last reported row on, per shard. Over a mesh, the flag the step
+        # max-reduced over the mesh axis says whether any shard has any: none, no ring to scan.
         reports, negative = [], []
+        any_errored = "errored" not in host or bool(np.max(host["errored"]))
         for s in range(shards):
             wi = int(write_index[s])
             try:
@@ -630,7 +639,7 @@ class CanaryManager:
             except RuntimeError as e:
                 negative.append(str(e))
                 continue
-            if self._raised:
+            if self._raised or not any_errored:
                 continue
             valid = min(wi, cap)
             start = min(self._reported[s], valid)
@@ -640,7 +649,7 @@ class CanaryManager:
                                "violations recorded, the ring keeps the first %d "
                                "(SGLANG_KV_CANARY_RING_CAPACITY)", self._rank, s, wi, cap)
                 self._overflow_reported[s] = wi
-            ring = np.asarray(host["ring"][s])
+            ring = np.asarray(host["ring"]).reshape(shards, cap, -1)[s]
             for v in _host.decode_ring(ring, wi, start=start):
                 msg = format_violation(ring[v.index].tolist(), total=wi, ring_overflow=overflow,
                                        step_when_pumped=step_no)
@@ -691,27 +700,32 @@ class CanaryManager:
             for r in reports:
                 logger.warning(r.message)
         first = reports[0] if reports else None
-        local = np.array([
-            len(reports) if raise_mode else 0,
-            first.violation.slot if first else -1,
-            int(consts.CanaryLaunchTag[first.violation.tag]) if first and
-            first.violation.tag in consts.CanaryLaunchTag.__members__ else -1,
-            len(stalled), phase_errors, len(negative)], np.int64)
+        kind = (int(consts.CanaryLaunchTag[first.violation.tag])
+                if first and first.violation.tag in consts.CanaryLaunchTag.__members__ else -1)
+        local = np.array([len(reports) if raise_mode else 0,
+                          first.violation.slot if first else -1, kind,
+                          first.shard if first else -1,
+                          len(stalled), phase_errors, len(negative)], np.int64)
         if self._agree:
             from jax.experimental import multihost_utils
+            # Every process calls this at every step (servers step in lockstep), so every
+            # process sees every summary and takes the same decision: none raises alone and
+            # leaves the others waiting in a collective.
             everyone = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, local.size)
         else:
             everyone = local.reshape(1, -1)
-        if not np.any(everyone[:, [0, 3, 4, 5]]):
+        if not np.any(everyone[:, [0, 4, 5, 6]]):
             return
         ranks = {}
         lines = []
-        for rank, (n_new, slot, kind, n_stalled, n_phase, n_neg) in enumerate(everyone.tolist()):
+        for rank, (n_new, slot, kind, shard, n_stalled, n_phase, n_neg) in enumerate(
+                everyone.tolist()):
             rank = rank if self._agree else self._rank
+            where = f"rank {rank}" + (f" shard {shard}" if self._mesh is not None else "")
             if n_new:
                 tag_name = consts.CanaryLaunchTag(kind).name if kind >= 0 else "?"
                 ranks[rank] = (n_new, slot, tag_name)
-                lines.append(f"kv-canary: rank {rank}: {n_new} new violation(s) at step "
+                lines.append(f"kv-canary: {where}: {n_new} new violation(s) at step "
                              f"{step_no}, first slot_idx={slot} launch_tag={tag_name}")
             if n_stalled:
                 lines.append(f"kv-canary: rank {rank}: {n_stalled} launch tag(s) stopped running")
