@@ -472,8 +472,9 @@ class CanaryManager:
         if not self.enabled:
             return
         with _config.x64_scope():
-            on = jnp.ones_like(self.state.enable_chain_position_assert)
-            self.state = dataclasses.replace(self.state, enable_chain_position_assert=on)
+            if self.state is not None:  # observe mode without a state yet: the server's own
+                on = jnp.ones_like(self.state.enable_chain_position_assert)
+                self.state = dataclasses.replace(self.state, enable_chain_position_assert=on)
             self._phase = jnp.array([_IDLE, 0, 1], jnp.int32)
 
     def attach_radix_cache(self, walk: Callable[[], tuple]) -> None:
