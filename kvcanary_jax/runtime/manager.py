@@ -550,6 +550,32 @@ class CanaryManager:
             self._after_step(rb, None, None, _StepContext(requests=requests, resolve=resolve),
                              sweep=False)
 
+    def sweep(self, rows_table, row_indices, lengths, *, kv, lut=None) -> None:
+        """Run the sweep now over the given rows (the same arrays the attached walk returns),
+        for a server that keeps its own sweep schedule (``attach_radix_cache`` runs it every
+        ``sweep_interval`` steps instead). Counts as a sweep pass."""
+        self._require_enabled("sweep")
+        if self.config.sweep_interval == 0:
+            raise ValueError("kv-canary: sweep() with --kv-canary-sweep-interval 0")
+        walk, self._radix_walk = self._radix_walk, (lambda: (rows_table, row_indices, lengths))
+        try:
+            self._run_sweep(kv, lut)
+        finally:
+            self._radix_walk = walk
+
+    def resync(self) -> None:
+        """After the state was replaced (a checkpoint restored): drop the pending readback and
+        resume reporting from the state's current write index (a host read: not for the hot
+        path). The raise-once latch is reset."""
+        self._require_enabled("resync")
+        self._pending = None
+        self._raised = False
+        wi = np.asarray(jax.device_get(self.state.violation_write_index)).reshape(-1)
+        self._reported = [max(0, min(int(w), self.cfg.ring_capacity)) for w in wi]
+        self._overflow_reported = [max(0, int(w)) for w in wi]
+        self._prev_kernel_runs = np.asarray(
+            jax.device_get(self.state.kernel_run_counters)).reshape(-1, _NUM_TAGS).copy()
+
     def flush(self) -> None:
         """Consume the pending readback now (end of serving, tests): waits for the last step."""
         if self.enabled and self._pending is not None:
