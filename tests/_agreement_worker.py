@@ -31,6 +31,8 @@ def main() -> int:
     p.add_argument("--victim", type=int, default=0)
     p.add_argument("--inject-step", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--log-on-rank", type=int, default=-1,
+                   help="this rank runs log mode (the others raise): a settings mismatch")
     a = p.parse_args()
     if a.nproc > 1:
         jax.distributed.initialize(f"127.0.0.1:{a.port}", num_processes=a.nproc,
@@ -42,8 +44,17 @@ def main() -> int:
     config = rt.ManagerConfig(mode="raise", real_data="all", enable_verify_token_assert=True,
                               enable_write_input_assert=True)
     out = {"rank": jax.process_index(), "raised_at": None, "loop_step": None}
+    if a.rank == a.log_on_rank:
+        config = dataclasses.replace(config, mode="log")
     if a.shards == 1:
-        h = Harness(config)
+        try:
+            h = Harness(config)
+        except ValueError as e:
+            out["config_error"] = str(e)
+            print(json.dumps(out), flush=True)
+            if a.nproc > 1:
+                jax.distributed.shutdown()
+            return 0
         h.mgr.mark_init_finished()
         step = -1
         try:

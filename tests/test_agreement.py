@@ -22,19 +22,11 @@ WORKER = os.path.join(HERE, "_agreement_worker.py")
 TIMEOUT = 480
 
 
-@pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    """One persistent compilation cache for every process of this module: the processes run the
-    same step, so after the first test the others load it instead of compiling (two cores)."""
-    return str(tmp_path_factory.mktemp("jax_cache"))
-
-
-def _env(cache: str, devices: int = 1) -> dict:
+def _env(devices: int = 1) -> dict:
+    # No persistent compilation cache: in a multi-process run JAX reads it on process 0 only,
+    # which then reaches the first collective long before the others.
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
-    env["JAX_COMPILATION_CACHE_DIR"] = cache
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     if devices > 1:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
                             + f" --xla_force_host_platform_device_count={devices}").strip()
@@ -53,11 +45,11 @@ def _result(proc_out: str) -> dict:
     return json.loads(lines[-1])
 
 
-def _run_processes(n: int, victim: int, cache: str) -> list[dict]:
+def _run_processes(n: int, victim: int, extra=()) -> list[dict]:
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, WORKER, "--nproc", str(n), "--rank", str(r),
-                               "--port", str(port), "--victim", str(victim)], cwd=ROOT,
-                              env=_env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               "--port", str(port), "--victim", str(victim), *extra],
+                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for r in range(n)]
     outs = []
     try:
@@ -74,8 +66,8 @@ def _run_processes(n: int, victim: int, cache: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("n, victim", [(2, 1), (4, 2)])
-def test_every_process_raises_on_the_same_step(n, victim, compile_cache):
-    outs = _run_processes(n, victim, compile_cache)
+def test_every_process_raises_on_the_same_step(n, victim):
+    outs = _run_processes(n, victim)
     assert sorted(o["rank"] for o in outs) == list(range(n))
     slot = next(o["slot"] for o in outs if o["rank"] == victim)
     # The fault is written before step 3's forward, found by step 3's TAIL, read back (and
@@ -89,9 +81,21 @@ def test_every_process_raises_on_the_same_step(n, victim, compile_cache):
         assert o["local_slots"] == ([slot] if o["rank"] == victim else [])
 
 
-def test_mesh_shards_agree_inside_the_step(compile_cache):
+def test_processes_with_different_settings_are_refused():
+    # Rank 1 runs log mode: nobody could agree with it on a raise; every process is told so
+    # when its manager is built.
+    outs = _run_processes(2, 0, extra=("--log-on-rank", "1"))
+    for o in outs:
+        assert o["config_error"] == ("kv-canary: the processes run different canary settings, "
+                                     "so they cannot agree on when to raise: rank 0: mode=raise "
+                                     "sweep_interval=0 ring_capacity=1024 padding_guard=False; "
+                                     "rank 1: mode=log sweep_interval=0 ring_capacity=1024 "
+                                     "padding_guard=False")
+
+
+def test_mesh_shards_agree_inside_the_step():
     proc = subprocess.run([sys.executable, WORKER, "--shards", "2", "--victim", "1"], cwd=ROOT,
-                          env=_env(compile_cache, devices=2), capture_output=True, text=True,
+                          env=_env(devices=2), capture_output=True, text=True,
                           timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     o = _result(proc.stdout)

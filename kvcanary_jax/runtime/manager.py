@@ -364,6 +364,8 @@ class CanaryManager:
         agree = config.agree_across_processes
         self._agree = jax.process_count() > 1 if agree is None else agree
         self._rank = jax.process_index()
+        if self._agree and config.enabled:
+            self._agree_on_config()
         if not config.enabled:
             self._forward_jit = jax.jit(forward, donate_argnums=(0,)) if forward else None
             return
@@ -387,6 +389,26 @@ class CanaryManager:
         self._build()
 
     # ------------------------------------------------------------------ construction helpers
+    def _agree_on_config(self):
+        """The first agreement collective, at construction: every process must run the same
+        mode, sweep and ring (a process in ``log`` never raises with one in ``raise``), and the
+        collective's context is set up here, while the processes are still close in time (CPU
+        collectives give a late peer 30 s to join the first one; after it, any delay waits)."""
+        from jax.experimental import multihost_utils
+
+        from kvcanary_jax.runtime.config import MODES
+        c = self.config
+        mine = np.array([MODES.index(c.mode), c.sweep_interval, c.ring_capacity,
+                         int(c.padding_guard)], np.int64)
+        every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size)
+        if np.any(every != every[0]):
+            rows = "; ".join(f"rank {r}: mode={MODES[int(m)]} sweep_interval={s} "
+                             f"ring_capacity={k} padding_guard={bool(g)}"
+                             for r, (m, s, k, g) in enumerate(every.tolist()))
+            raise ValueError("kv-canary: the processes run different canary settings, so they "
+                             f"cannot agree on when to raise: {rows}")
+
+
     def _init_state(self):
         # Chain-position assert off until mark_init_finished (SGLang: warm-up steps and graph
         # capture feed synthetic positions that trip it).
