@@ -142,6 +142,8 @@ def test_manager_refuses_bad_construction():
     mgr = rt.CanaryManager(rt.ManagerConfig(mode="log", draft_worker=True, sweep_interval=2),
                            sizes, allocate=False)
     assert mgr.cfg.kv_token_id_vs_position_offset == 1  # SGLang's draft-worker offset
+    # SGLang's health check leaves the sweep tags out on a draft worker (it never sweeps).
+    assert [t.name for t in mgr._active_tags()] == ["HEAD_K_FULL", "TAIL_K_FULL"]
     with pytest.raises(ValueError, match="draft worker's manager runs no sweep"):
         mgr.attach_radix_cache(lambda: None)
     mgr = rt.CanaryManager(rt.ManagerConfig(mode="log"), sizes, allocate=False)
