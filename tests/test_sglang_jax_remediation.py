@@ -54,3 +54,18 @@ def test_sweep_finding_drops_the_cached_node_at_once(remediated):
     # allocator, and r1's prompt no longer matches anything cached.
     assert r["r1_match_before"] == 8 and r["r1_match_after"] == 0
     assert r["freed_by_sweep_drop"] == r["dropped_final"][str(slot)] == 11
+
+
+def test_model_runner_with_the_managed_hook():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_sglang_jax_managed_runner.py")],
+                          capture_output=True, text=True, env=env, timeout=900,
+                          cwd=os.path.dirname(HERE))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["clean_reports"] == [] and r["steps_before_flip"] == 4
+    assert r["reports_after_finding_step"] == []  # readback one step late
+    # Step 5 found it on the shard holding head 0; step 6 reported it, with request "0".
+    assert r["reports"] == [{"step": 5, "shard": 0, "tag": "TAIL_K_FULL", "slot": r["slot"],
+                             "request": "0"}]
+    assert r["to_abort"] == [True, False]
