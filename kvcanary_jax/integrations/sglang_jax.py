@@ -756,6 +756,9 @@ class ManagedModelRunnerHook(ModelRunnerHook):
     ``expect(..., reqs=batch.reqs)`` so violations reach ``on_violation`` with their request."""
 
     def __init__(self, canary: SglangJaxCanary, model_runner, manager):
+        if not getattr(manager, "enabled", False):
+            raise ValueError("kv-canary sglang-jax: the manager runs --kv-canary none: install no "
+                             "hook at all (the canary is off)")
         super().__init__(canary, model_runner)
         self.manager = manager
         self._reqs = None

@@ -409,7 +409,6 @@ class CanaryManager:
             raise ValueError("kv-canary: the processes run different canary settings, so they "
                              f"cannot agree on when to raise: {rows}")
 
-
     def _init_state(self):
         # Chain-position assert off until mark_init_finished (SGLang: warm-up steps and graph
         # capture feed synthetic positions that trip it).
