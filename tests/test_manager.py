@@ -412,3 +412,18 @@ def test_format_matches_sglangs_reporter(sgl):
         for overflow in (False, True):
             ours = rm.format_violation(row, total=7, ring_overflow=overflow, step_when_pumped=12)
             assert ours == theirs(row=row, total=7, ring_overflow=overflow, step_when_pumped=12)
+
+
+def test_sglang_jax_manager_takes_the_canarys_settings():
+    from kvcanary_jax.integrations import sglang_jax as ksj
+
+    canary = ksj.SglangJaxCanary(num_slots=32, page_size=1, context_len=16, max_bs=2,
+                                 ring_capacity=64, real_kv_hash_mode="partial")
+    mgr = ksj.canary_manager(canary, "raise", stats_print_every_n_steps=0)
+    assert mgr.cfg == canary.config and mgr.state is None  # observe mode: the hook's state
+    with pytest.raises(ValueError, match="takes no sweep_interval"):
+        ksj.canary_manager(canary, "log", sweep_interval=3)
+    with pytest.raises(ValueError, match="must be one of none/log/raise, got 'loud'"):
+        ksj.canary_manager(canary, "loud")
+    with pytest.raises(ValueError, match="runs --kv-canary none: install no hook"):
+        ksj.ManagedModelRunnerHook(canary, object(), ksj.canary_manager(canary, "none"))
