@@ -418,7 +418,7 @@ class CanaryManager:
         from kvcanary_jax.sharded import stack_shards
         return stack_shards([one] * self._shards, self._mesh, self._axis)
 
-    def _wrap_shards(self, fn, n_in, n_out, reduce_flag):
+    def _wrap_shards(self, fn, n_in, reduce_flag):
         """``fn`` per shard under ``shard_map`` over stacked inputs (identity without a mesh)."""
         if self._mesh is None:
             return fn
@@ -465,7 +465,7 @@ class CanaryManager:
         self._tail_jit = jax.jit(self._shard_phase(functools.partial(_tail_only, cfg=cfg), 5,
                                                    True), donate_argnums=(0, 1))
         self._sweep_jit = jax.jit(self._wrap_shards(
-            functools.partial(_sweep_fn, cfg=cfg, guard=guard), 6, 1, False), donate_argnums=(0,))
+            functools.partial(_sweep_fn, cfg=cfg, guard=guard), 6, False), donate_argnums=(0,))
         self._observe_jit = jax.jit(functools.partial(_observe_fn, cfg=cfg))
 
     def _shard_phase(self, fn, n_in, has_readback):
@@ -473,7 +473,7 @@ class CanaryManager:
         (stacked inside), and shard 0's copy comes back."""
         if self._mesh is None:
             return fn
-        wrapped = self._wrap_shards(fn, n_in, None, has_readback)
+        wrapped = self._wrap_shards(fn, n_in, has_readback)
         n = self._shards
 
         def outer(state, phase, *rest):
