@@ -530,6 +530,9 @@ class CanaryManager:
         if self._fused_jit is None:
             raise ValueError("kv-canary: step() needs the manager built with forward=; use "
                              "head()/tail() around a forward you run yourself")
+        if requests is not None and self._mesh is not None:
+            raise ValueError("kv-canary: requests= maps slots through one batch; over a mesh "
+                             "(stacked batches) pass resolve=(slot, violation) -> request")
         with _config.x64_scope():
             self.state, self._phase, kv, rb = self._fused_jit(
                 self.state, self._phase, kv, batch, req_to_token, self._lut(lut))
