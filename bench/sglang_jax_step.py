@@ -1,7 +1,7 @@
 """Device time of the canary per step next to sglang-jax's own step, on the same pools.
 
     python -m bench.sglang_jax_step [--what kv,runner] [--bs 8,64] [--ctx 512,2048]
-                                    [--iters 20] [--out DIR] [--smoke] [--glue]
+                                    [--iters 20] [--out DIR] [--smoke] [--glue] [--manager]
 
 Needs Python >= 3.12 and sglang-jax 0.0.2 with the dependencies of the modules imported
 (``requirements-sglang-jax.txt``); set ``JAX_PLATFORMS`` (``cuda`` on the H200, ``cpu`` for
@@ -204,7 +204,7 @@ class _NoRunner:
         self.mesh, self.attn_backend = mesh, None
 
 
-def _run_case(what: str, bs: int, ctx: int, iters: int) -> dict:
+def _run_case(what: str, bs: int, ctx: int, iters: int, manager: bool = False) -> dict:
     from sgl_jax.srt.layers.logits_processor import LogitsMetadata
 
     st = Stack(what, bs, ctx, iters)
@@ -256,10 +256,13 @@ def _run_case(what: str, bs: int, ctx: int, iters: int) -> dict:
     sync = lambda: jax.block_until_ready(st.kv_pool.kv_buffer)  # noqa: E731
     result["sglang_jax"] = timing.device_time(plain, sync, iters=iters)
 
-    # 2. The same step, guarded.
+    # 2. The same step, guarded (with --manager: the runtime manager's host side after each
+    # step, log mode: its readback staged with copy_to_host_async and read one step late).
     st.kv_pool.kv_buffer = _copy(snap_kv)
+    mgr = ksj.canary_manager(canary, "log", stats_print_every_n_steps=0) if manager else None
     if what == "runner":
-        hook = ksj.ModelRunnerHook(canary, st.runner)
+        hook = (ksj.ManagedModelRunnerHook(canary, st.runner, mgr) if mgr is not None
+                else ksj.ModelRunnerHook(canary, st.runner))
         hook.state = _copy(snap_state)
 
         def guarded(i):
@@ -275,11 +278,16 @@ def _run_case(what: str, bs: int, ctx: int, iters: int) -> dict:
                 holder["state"], out = guarded_kv(holder["state"], fb, st.kv_pool, st.emb,
                                                   expected=ids)
             st.kv_pool.kv_buffer = out[1]
+            if mgr is not None:
+                mgr.observe(holder["state"])
 
         sync_g = lambda: jax.block_until_ready((st.kv_pool.kv_buffer, holder["state"]))  # noqa: E731
     result["guarded"] = timing.device_time(guarded, sync_g, iters=iters)
     end_state = hook.state if what == "runner" else holder["state"]
     result["violations"] = int(ksj.violation_counts(end_state).sum())
+    result["manager"] = manager
+    if mgr is not None:
+        mgr.flush()
     if what == "runner":
         hook.uninstall()
 
@@ -351,6 +359,8 @@ def _main(argv) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the script)")
+    p.add_argument("--manager", action="store_true",
+                   help="run the guarded step with the runtime manager (log mode) after it")
     p.add_argument("--glue", action="store_true",
                    help="print the canary-only step's op counts, lowered for CUDA (any machine; "
                         "first --bs / --ctx), as JSON, and time nothing")
@@ -365,7 +375,7 @@ def _main(argv) -> int:
         for bs in (int(x) for x in a.bs.split(",")):
             for ctx in (int(x) for x in a.ctx.split(",")):
                 try:
-                    row = _run_case(what, bs, ctx, a.iters)
+                    row = _run_case(what, bs, ctx, a.iters, manager=a.manager)
                 except Exception as e:  # one failing case must not hide the others
                     errors.append(f"{what} bs={bs} ctx={ctx}: {type(e).__name__}: {e}")
                     print(errors[-1], file=sys.stderr)

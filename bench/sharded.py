@@ -93,11 +93,25 @@ class ShardedFleet:
     replaced on the host is restaged into the stacked arrays before the next step or poll.
     """
 
-    def __init__(self, sims: list[sm.SimConfig], mesh):
+    def __init__(self, sims: list[sm.SimConfig], mesh, *, manager: bool = False):
         self.mesh = mesh
         self.servers = [sm.Server(s) for s in sims]
         cfg = self.servers[0].cfg
         self.step_fn = sharded.make_sharded_step(cfg, sm.make_forward(cfg, sims[0].kv_width), mesh)
+        # With ``manager``: the steps run through the runtime manager over the mesh (log mode:
+        # its host side one step late, the error flag max-reduced over the shards inside the
+        # step); the timing replays keep the plain sharded step.
+        self.manager = None
+        if manager:
+            config = rt.ManagerConfig(
+                mode="log", real_data=cfg.real_kv_hash_mode, ring_capacity=cfg.ring_capacity,
+                enable_verify_token_assert=cfg.enable_verify_token_assert,
+                enable_write_input_assert=cfg.enable_write_input_assert,
+                stats_print_every_n_steps=0)
+            self.manager = rt.CanaryManager(
+                config, cfg, forward=sm.make_forward(cfg, sims[0].kv_width), mesh=mesh,
+                allocate=False)
+            self.manager.mark_init_finished()
         self.states = self.kvs = None
         self._views: list[tuple] = [(None, None)] * len(self.servers)
         self.staging_s: list[float] = []  # host: prepare on every server + stacking
@@ -133,7 +147,12 @@ class ShardedFleet:
     def step(self):
         """One step of every shard; returns what it ran (per-server preps, stacked inputs)."""
         preps, inputs = self.stage()
-        self.states, self.kvs = self.step_fn(self.states, self.kvs, *inputs)
+        if self.manager is not None:
+            self.manager.state = self.states
+            self.kvs = self.manager.step(self.kvs, *inputs)
+            self.states = self.manager.state
+        else:
+            self.states, self.kvs = self.step_fn(self.states, self.kvs, *inputs)
         self._hand_views()
         for s, p in zip(self.servers, preps):
             s.complete(p[0], 0.0, poll=False)  # post-sample / post-step fault hooks run here
@@ -151,6 +170,9 @@ class ShardedFleet:
         for s, one in zip(self.servers, snap):
             s.restore(one)
         self._restage()
+        if self.manager is not None:
+            self.manager.state = self.states
+            self.manager.resync()  # reporting resumes from the restored rings
 
 
 @jax.jit
@@ -467,6 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timing-steps", type=int, default=16,
                     help="clean steps recorded for the timing replay (default 16)")
     ap.add_argument("--timing-repeats", type=int, default=5, help="timing replays (default 5)")
+    ap.add_argument("--manager", action="store_true",
+                    help="step the fleet through the runtime manager (log mode, one canary per "
+                         "shard, the error flag max-reduced over the mesh inside the step)")
     ap.add_argument("--out", help="directory for sharded.json")
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -503,7 +528,7 @@ def _main(argv) -> int:
     skipped = [{"kind": k, "reason": NEEDS_SWEEP[k]} for k in kinds if k in NEEDS_SWEEP]
     run_kinds = [k for k in kinds if k not in NEEDS_SWEEP]
 
-    fleet = ShardedFleet(sims, mesh)
+    fleet = ShardedFleet(sims, mesh, manager=args.manager)
     solo = [sm.Server(s) for s in sims]
     for s in solo[1:]:
         s.device_step = solo[0].device_step  # one single-device compile for every twin
@@ -548,7 +573,7 @@ def _main(argv) -> int:
         "environment": _environment(mesh),
         "config": {
             "shards": args.shards, "device": args.device, "seeds": [s.seed for s in sims],
-            "injections": args.injections, "window": window,
+            "injections": args.injections, "window": window, "manager": args.manager,
             "sim": {k: v for k, v in dataclasses.asdict(sims[0]).items() if k != "seed"},
         },
         "clean": clean,

@@ -37,6 +37,9 @@ from kvcanary_jax.ops.write import canary_write, canary_write_reference
 from kvcanary_jax.plans import VerifyPlan, WritePlan
 from kvcanary_jax.runtime import (
     CanaryConfig,
+    CanaryManager,
+    CanaryViolationError,
+    ManagerConfig,
     CanaryState,
     ForwardBatch,
     Violation,
@@ -62,6 +65,9 @@ __all__ = [
     "implementations_available",
     "quiet_triton_lowering",
     "CanaryConfig",
+    "CanaryManager",
+    "CanaryViolationError",
+    "ManagerConfig",
     "CanaryState",
     "ForwardBatch",
     "Violation",

@@ -1,8 +1,10 @@
 """``kvcanary-jax``: command line.
 
 ``kvcanary-jax [demo] [--steps N] [--seed S] [--faults a,b] [--device cpu|gpu]
-[--implementation NAME] [--json]`` simulates
-a small server with the canary on, then runs the fault campaign and prints, per fault kind, how
+[--implementation NAME] [--kv-canary log|raise] [--real-data none|partial|all]
+[--sweep-interval N] [--json]`` simulates
+a small server with the canary on (run by :class:`kvcanary_jax.runtime.CanaryManager`), then runs
+the fault campaign and prints, per fault kind, how
 many faults were injected and detected, the first detecting step, and the clean run's false
 positives. ``demo`` is the default subcommand. Ctrl-C stops the demo before its next step: it
 prints the partial report and exits with status 130 (a second Ctrl-C aborts at once); the console
@@ -98,6 +100,15 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--v-half", action="store_true", help="also run the V-half endpoints")
     p.add_argument("--sweep-interval", type=_count(0), default=4,
                    help="steps between sweeps (default 4; 0: no sweep)")
+    p.add_argument("--kv-canary", choices=("log", "raise"), default="log",
+                   help="the runtime manager's mode (SGLang's --kv-canary): 'log' logs each "
+                        "violation and keeps serving; 'raise' fails on the first one, so a false "
+                        "positive of the clean run ends the demo (fault trials count the raise "
+                        "as the detection). Default log")
+    p.add_argument("--real-data", choices=("none", "partial", "all"), default="all",
+                   help="check the real KV bytes (SGLang's --kv-canary-real-data): none, the "
+                        "first 16 bytes of each slot, or all of them (default all; with none the "
+                        "faults that only touch KV bytes go undetected)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
@@ -232,7 +243,8 @@ def _demo(args, interrupt: _StopOnInterrupt) -> int:
         sim = simulation.SimConfig(
             steps=args.steps, seed=args.seed, swa_window_size=args.swa_window,
             enable_v_half=args.v_half, sweep_interval=args.sweep_interval,
-            implementation=args.implementation,
+            implementation=args.implementation, kv_canary=args.kv_canary,
+            real_kv_hash_mode=args.real_data,
         )
         with warnings.catch_warnings():
             # CPU backends cannot donate every buffer the step donates; that is expected here.
@@ -244,6 +256,13 @@ def _demo(args, interrupt: _StopOnInterrupt) -> int:
     except ValueError as e:
         print(f"kvcanary-jax: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from kvcanary_jax.runtime import CanaryViolationError
+        if not isinstance(e, CanaryViolationError):
+            raise
+        # --kv-canary raise: a violation in the clean run is a false positive; it ends the demo.
+        print(f"kvcanary-jax: the clean run raised (--kv-canary raise):\n{e}", file=sys.stderr)
+        return 1
     wall = time.perf_counter() - t0
     out = res.as_dict()
     out["timing"]["wall_s"] = round(wall, 3)

@@ -10,6 +10,7 @@ from enum import IntEnum, IntFlag
 from typing import Final
 
 __all__ = [
+    "PADDING_SLOT_NOT_ZERO",
     "CANARY_CHAIN_ANCHOR",
     "REQ_POOL_IDX_PADDING",
     "TOKEN_TO_KV_SLOT_PADDING",
@@ -71,6 +72,13 @@ REAL_KV_SOURCE_FIELDS_PER_ENTRY: Final[int] = 3
 REAL_KV_SOURCE_FIELD_PAGE_SIZE: Final[int] = 0
 REAL_KV_SOURCE_FIELD_NUM_BYTES_PER_TOKEN: Final[int] = 1
 REAL_KV_SOURCE_FIELD_READ_BYTES: Final[int] = 2
+
+
+# Ours, not SGLang's (so not a FailReason member, which mirrors SGLang's enum exactly): the
+# runtime's padding-slot guard (kvcanary_jax.runtime.manager) found a nonzero byte in slot 0 of
+# the real KV. Its ring row: the SWEEP tag of the half and group, slot 0, position -1, and the
+# count of nonzero bytes in the stored-token field.
+PADDING_SLOT_NOT_ZERO: Final[int] = 1 << 16
 
 
 class FailReason(IntFlag):

@@ -119,6 +119,12 @@ __all__ = [
     "sweep",
     "read_violations",
     "violation_counts",
+    "canary_manager",
+    "request_resolver",
+    "abort_request",
+    "drop_radix_slot",
+    "Remediator",
+    "ManagedModelRunnerHook",
 ]
 
 _LAYOUT_SLOT_DIMS = {3: 1, 5: 2}  # 0.0.2 [slots, 2H, D]; HEAD [pages, page_size, 2H/p, p, D]
@@ -742,3 +748,153 @@ def read_violations(state, *, start=0) -> list[ShardViolation]:
         for i in range(ring.shape[0])
         for v in decode_ring(ring[i], int(counts[i]), start=int(starts[i]))
     ]
+
+
+# --------------------------------------------------------------------------------------------
+# The runtime manager and remediation
+# --------------------------------------------------------------------------------------------
+
+
+def canary_manager(canary: SglangJaxCanary, mode: str = "log", *, on_violation=None,
+                   **fields):
+    """A :class:`kvcanary_jax.runtime.CanaryManager` over the canary's state (observe mode: the
+    guarded step runs in :func:`guard_model_step`, the manager runs the host side after it:
+    readback one step late, reporting, health, stats, remediation). Its ring capacity, real-KV
+    mode and token checks are the canary's; ``fields`` are the other
+    :class:`~kvcanary_jax.runtime.ManagerConfig` fields (``stats_print_every_n_steps``, ...).
+    The sweep stays :func:`sweep`'s: a ``sweep_interval`` here is refused."""
+    from kvcanary_jax.runtime import CanaryManager, ManagerConfig
+
+    if fields.get("sweep_interval", 0):
+        raise ValueError("kv-canary sglang-jax: run the radix sweep with sglang_jax.sweep(); the "
+                         "observe-mode manager takes no sweep_interval")
+    cfg = canary.config
+    config = ManagerConfig(mode=mode, ring_capacity=cfg.ring_capacity,
+                           real_data=cfg.real_kv_hash_mode if mode != "none" else "none",
+                           enable_verify_token_assert=cfg.enable_verify_token_assert,
+                           enable_write_input_assert=cfg.enable_write_input_assert, **fields)
+    return CanaryManager(config, cfg, on_violation=on_violation, allocate=False)
+
+
+def request_resolver(reqs, req_to_token_pool):
+    """``resolve(slot, violation) -> Req | None`` for one step's requests (sglang-jax ``Req``:
+    ``req_pool_idx``, ``origin_input_ids``, ``output_ids``): the request whose
+    ``req_to_token`` row holds ``slot`` among its first ``len(origin_input_ids) +
+    len(output_ids)`` entries. Reads the pool's table only when called (a violation)."""
+    reqs = list(reqs)
+
+    def resolve(slot, violation=None):
+        table = np.asarray(req_to_token_pool.req_to_token)
+        for req in reqs:
+            row = getattr(req, "req_pool_idx", None)
+            if row is None:
+                continue
+            n = len(req.origin_input_ids) + len(req.output_ids)
+            if int(slot) in set(np.asarray(table[int(row), :n]).tolist()):
+                return req
+        return None
+
+    return resolve
+
+
+def abort_request(req, message: str) -> None:
+    """sglang-jax's own abort: ``to_abort`` is turned into ``FINISH_ABORT(message)`` by
+    ``Req.check_finished`` at the end of the step, and the scheduler releases the request."""
+    req.to_abort = True
+    req.to_abort_message = message
+
+
+def _subtree(node):
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack.extend(n.children.values())
+    return out
+
+
+def drop_radix_slot(tree_cache, slot: int) -> tuple[int, bool]:
+    """Drop from sglang-jax's ``RadixCache`` the node holding ``slot`` and every node below it
+    (their KV extends the bad one), freeing their slots through the cache's allocator, as its
+    ``evict`` does, so no later request matches the corrupted prefix. Nodes a running request
+    still locks (``lock_ref > 0``) cannot be freed yet. Returns ``(tokens dropped, whether
+    locked nodes remain)``; a slot no node holds drops nothing."""
+    target = None
+    for node in _subtree(tree_cache.root_node):
+        if node is tree_cache.root_node or node.value is None:
+            continue
+        if int(slot) in set(np.asarray(node.value).reshape(-1).tolist()):
+            target = node
+            break
+    if target is None:
+        return 0, False
+    dropped, locked = 0, False
+    # Leaves first: a node is deleted once its children are gone.
+    for node in reversed(_subtree(target)):
+        if node.lock_ref > 0 or node.children:
+            locked = locked or node.lock_ref > 0
+            continue
+        tree_cache.token_to_kv_pool_allocator.free(node.value)
+        dropped += len(node.value)
+        tree_cache._delete_leaf(node)
+    return dropped, locked
+
+
+class Remediator:
+    """The ``on_violation`` callback of a :func:`canary_manager`: aborts the request a violation
+    belongs to (:func:`abort_request`) and drops the radix-cache node holding the slot
+    (:func:`drop_radix_slot`). Slots whose nodes were still locked are kept in ``pending`` and
+    retried at every later violation and by :meth:`retry` (call it after the scheduler released
+    the aborted requests). ``aborted`` / ``dropped`` record what was done."""
+
+    def __init__(self, tree_cache, *, message: str = "kv-canary: KV cache corruption detected"):
+        self.tree_cache = tree_cache
+        self.message = message
+        self.pending: set[int] = set()
+        self.aborted: list = []
+        self.dropped: dict[int, int] = {}
+
+    def __call__(self, report) -> None:
+        v = report.violation
+        if report.request is not None and not getattr(report.request, "to_abort", False):
+            abort_request(report.request, f"{self.message} (slot {v.slot}, {v.tag}, "
+                                          f"{'|'.join(v.reasons)})")
+            self.aborted.append(report.request)
+        if v.slot > 0:  # slot 0 is the padding slot: no node holds it
+            self.pending.add(int(v.slot))
+        self.retry()
+
+    def retry(self) -> None:
+        for slot in sorted(self.pending):
+            n, locked = drop_radix_slot(self.tree_cache, slot)
+            if n:
+                self.dropped[slot] = self.dropped.get(slot, 0) + n
+            if not locked:
+                self.pending.discard(slot)
+
+
+class ManagedModelRunnerHook(ModelRunnerHook):
+    """:class:`ModelRunnerHook` with a :func:`canary_manager` running the host side after every
+    guarded step (``manager.observe``). Give each step's requests with
+    ``expect(..., reqs=batch.reqs)`` so violations reach ``on_violation`` with their request."""
+
+    def __init__(self, canary: SglangJaxCanary, model_runner, manager):
+        if not getattr(manager, "enabled", False):
+            raise ValueError("kv-canary sglang-jax: the manager runs --kv-canary none: install no "
+                             "hook at all (the canary is off)")
+        super().__init__(canary, model_runner)
+        self.manager = manager
+        self._reqs = None
+
+    def expect(self, expected: np.ndarray | None = None, table: np.ndarray | None = None, *,
+               reqs=None) -> None:
+        super().expect(expected, table)
+        self._reqs = reqs
+
+    def _run(self, forward_batch, logits_metadata):
+        out = super()._run(forward_batch, logits_metadata)
+        reqs, self._reqs = self._reqs, None
+        resolve = (request_resolver(reqs, self._runner.req_to_token_pool)
+                   if reqs is not None else None)
+        self.manager.observe(self.state, resolve=resolve)
+        return out

@@ -2,7 +2,9 @@
 
 :mod:`.state` (:class:`CanaryConfig`, :class:`CanaryState`, :class:`ForwardBatch`,
 :func:`init_state`), :mod:`.step` (the device step: HEAD -> forward -> TAIL, the sweep) and
-:mod:`.host` (batch padding, violation and counter decoding). Everything is importable from here.
+:mod:`.host` (batch padding, violation and counter decoding), :mod:`.config` and :mod:`.manager`
+(:class:`CanaryManager`, the runtime a server holds: SGLang's modes, reporting, guards, readback
+one step late, agreement across ranks, remediation). Everything is importable from here.
 """
 
 from kvcanary_jax.runtime.host import (
@@ -14,6 +16,14 @@ from kvcanary_jax.runtime.host import (
     read_violations,
     reason_names,
     violation_count,
+)
+from kvcanary_jax.runtime.config import ManagerConfig
+from kvcanary_jax.runtime.manager import (
+    PADDING_SLOT_NOT_ZERO,
+    CanaryManager,
+    CanaryViolationError,
+    ViolationReport,
+    format_violation,
 )
 from kvcanary_jax.runtime.state import (
     CanaryConfig,
@@ -33,6 +43,12 @@ from kvcanary_jax.runtime.step import (
 )
 
 __all__ = [
+    "CanaryManager",
+    "ManagerConfig",
+    "CanaryViolationError",
+    "ViolationReport",
+    "PADDING_SLOT_NOT_ZERO",
+    "format_violation",
     "CanaryConfig",
     "CanaryState",
     "ForwardBatch",

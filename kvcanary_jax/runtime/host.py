@@ -192,7 +192,11 @@ class Violation:
 
 
 def reason_names(bits: int) -> tuple[str, ...]:
-    return tuple(r.name for r in consts.FailReason if bits & r)
+    """SGLang's FailReason names of ``bits``, then ours (``PADDING_SLOT_NOT_ZERO``)."""
+    names = tuple(r.name for r in consts.FailReason if bits & r)
+    if bits & consts.PADDING_SLOT_NOT_ZERO:
+        names += ("PADDING_SLOT_NOT_ZERO",)
+    return names
 
 
 def _check_start(start) -> None:

@@ -57,10 +57,28 @@ class SimConfig:
     real_kv_hash_mode: str = "all"
     kv_token_id_vs_position_offset: int = 0
     implementation: str | None = None
+    # The runtime manager's mode ("log" / "raise"): the server runs its steps, sweeps and
+    # reporting through kvcanary_jax.runtime.CanaryManager. None: the bare jitted step.
+    kv_canary: str | None = None
 
     def __post_init__(self):
         if self.steps < 0:
             raise ValueError(f"steps must be >= 0, got {self.steps}")
+        if self.kv_canary is not None:
+            self.manager_config()  # every bad setting refused here, before a server is built
+
+    def manager_config(self) -> rt.ManagerConfig:
+        """The manager's configuration: the mode, the real-KV mode and sweep interval as the
+        flags give them; the ring and both token asserts as the simulator needs them (its fault
+        kinds include wrong input tokens); no periodic stats (the demo prints its own report)."""
+        if self.kv_canary not in ("log", "raise"):
+            raise ValueError(f"kv-canary: the simulated server runs --kv-canary log or raise, "
+                             f"got {self.kv_canary!r}")
+        return rt.ManagerConfig(
+            mode=self.kv_canary, real_data=self.real_kv_hash_mode,
+            sweep_interval=self.sweep_interval, ring_capacity=self.ring_capacity,
+            enable_verify_token_assert=True, enable_write_input_assert=True,
+            stats_print_every_n_steps=0, draft_worker=self.kv_token_id_vs_position_offset == 1)
 
     def canary_config(self) -> rt.CanaryConfig:
         return rt.CanaryConfig(
@@ -165,14 +183,23 @@ class Server:
             [int(t) for t in self.rng.integers(1, sim.vocab, size=int(self.rng.integers(8, 16)))]
             for _ in range(3)
         ]
-        self.state = rt.init_state(self.cfg)
+        self.manager = None
+        if sim.kv_canary is not None:
+            self.manager = rt.CanaryManager(sim.manager_config(), self.cfg,
+                                            forward=make_forward(self.cfg, sim.kv_width))
+            self.manager.mark_init_finished()
+            # The manager's ring capacity and real-KV mode are the flags'; the step's sizes too.
+            self.cfg = self.manager.cfg
+        else:
+            self.state = rt.init_state(self.cfg)
         with _config.x64_scope():
             self.kv = {
                 g: {h: (jnp.zeros((self.cfg.group_slots(g), sim.kv_width), jnp.bfloat16),)
                     for h in self.cfg.halves}
                 for g in self.cfg.groups
             }
-        self.device_step = rt.make_canary_step(self.cfg, make_forward(self.cfg, sim.kv_width))
+        if self.manager is None:
+            self.device_step = rt.make_canary_step(self.cfg, make_forward(self.cfg, sim.kv_width))
         # Fault hooks, set by the campaign for one step.
         self.pre_step_hook: Callable[[Server, list], None] | None = None
         self.post_sample_hook: Callable[[Server, list], None] | None = None
@@ -372,10 +399,32 @@ class Server:
         self.step_idx += 1
         return info
 
+    @property
+    def state(self):
+        """The canary's device state (the manager's, when one runs the canary)."""
+        return self.manager.state if self.manager is not None else self._state
+
+    @state.setter
+    def state(self, value):
+        if self.manager is not None:
+            self.manager.state = value
+        else:
+            self._state = value
+
     def step(self) -> StepInfo:
         t0 = time.perf_counter()
         sched, batch, rtt, lut = self.prepare()
-        self.state, self.kv = self.device_step(self.state, self.kv, batch, rtt, lut)
+        if self.manager is None:
+            self.state, self.kv = self.device_step(self.state, self.kv, batch, rtt, lut)
+            return self.complete(sched, t0)
+        try:
+            self.kv = self.manager.step(self.kv, batch, rtt, lut,
+                                        requests=[r for r, _ in sched])
+        except rt.CanaryViolationError as e:
+            # Raise mode: finish the step's bookkeeping with the step's KV, then raise.
+            self.kv = e.kv
+            self.complete(sched, t0)
+            raise
         return self.complete(sched, t0)
 
     def finish(self, req: Request):
@@ -399,6 +448,9 @@ class Server:
 
     def sweep(self):
         table, rows, lengths = self.sweep_inputs()
+        if self.manager is not None:
+            self.manager.sweep(table, rows, lengths, kv=self.kv, lut=self.lut)
+            return
         with _config.x64_scope():
             self.state = rt.canary_sweep(
                 self.cfg, self.state, rows_table=jnp.asarray(table), row_indices=jnp.asarray(rows),
@@ -408,7 +460,7 @@ class Server:
     # ---------------------------------------------------------------- checkpoints
     def snapshot(self):
         host = {k: copy.deepcopy(v) for k, v in self.__dict__.items()
-                if k not in ("state", "kv", "device_step", "cfg", "sim")}
+                if k not in ("state", "_state", "manager", "kv", "device_step", "cfg", "sim")}
         dev = jax.tree.map(np.array, (self.state, self.kv))
         return host, dev
 
@@ -418,3 +470,5 @@ class Server:
             setattr(self, k, copy.deepcopy(v))
         with _config.x64_scope():
             self.state, self.kv = jax.tree.map(jnp.asarray, dev)
+        if self.manager is not None:
+            self.manager.resync()  # the restored state's ring is where reporting resumes

@@ -1,0 +1,209 @@
+"""The canary runtime's configuration: SGLang 0.5.23's flags and environment variables.
+
+SGLang configures its runtime (``sglang/srt/kv_canary/config.py``) from three server flags and
+a few ``SGLANG_KV_CANARY_*`` environment variables; :class:`ManagerConfig` has the same knobs,
+names and defaults, plus the few this port adds (marked "ours"):
+
+====================================  ===============================================  =========
+SGLang                                :class:`ManagerConfig` field                     default
+====================================  ===============================================  =========
+``--kv-canary {none,log,raise}``      ``mode``                                         ``none``
+``--kv-canary-real-data``             ``real_data`` (``none``, ``partial``, ``all``)   ``none``
+``--kv-canary-sweep-interval N``      ``sweep_interval``                               ``0``
+``SGLANG_KV_CANARY_RING_CAPACITY``    ``ring_capacity``                                ``1024``
+``SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS``  ``stats_print_every_n_steps``          ``100``
+``SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT``  ``enable_write_input_assert``          ``False``
+``SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT`` ``enable_verify_token_assert``         ``False``
+(``model_runner.is_draft_worker``)    ``draft_worker`` (token/position offset 1)       ``False``
+(health checker constants)            ``health_check_warmup_steps`` / ``_every_n_steps``  ``100``
+ours: ``--kv-canary-padding-guard``   ``padding_guard`` (the sweep checks slot 0)      ``False``
+ours                                  ``agree_across_processes`` (``None``: when       ``None``
+                                      ``jax.process_count() > 1``)
+====================================  ===============================================  =========
+
+Every value is checked when the config is built (``ValueError`` naming the flag or variable, the
+value and the rule), never mid-serving; so are the contradictory settings SGLang refuses (a sweep
+interval with mode ``none``) and ours (a padding guard without a sweep, real-KV checks with mode
+``none``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Mapping
+
+__all__ = ["ManagerConfig", "MODES", "REAL_DATA", "ENV_VARS", "add_arguments"]
+
+MODES = ("none", "log", "raise")
+REAL_DATA = ("none", "partial", "all")
+
+# field -> SGLang's environment variable (sglang/srt/environ.py).
+ENV_VARS = {
+    "ring_capacity": "SGLANG_KV_CANARY_RING_CAPACITY",
+    "stats_print_every_n_steps": "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS",
+    "enable_write_input_assert": "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT",
+    "enable_verify_token_assert": "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT",
+}
+
+# field -> the flag that sets it (named in errors).
+_FLAGS = {
+    "mode": "--kv-canary",
+    "real_data": "--kv-canary-real-data",
+    "sweep_interval": "--kv-canary-sweep-interval",
+    "padding_guard": "--kv-canary-padding-guard",
+}
+
+# Integer fields and their minimum.
+_INTS = {
+    "sweep_interval": 0,
+    "ring_capacity": 1,
+    "stats_print_every_n_steps": 0,
+    "health_check_warmup_steps": 0,
+    "health_check_every_n_steps": 1,
+}
+_BOOLS = ("enable_write_input_assert", "enable_verify_token_assert", "draft_worker",
+          "padding_guard")
+
+
+def _origin(field: str) -> str:
+    names = [n for n in (_FLAGS.get(field), ENV_VARS.get(field)) if n]
+    return f"{field} ({' / '.join(names)})" if names else field
+
+
+def _parse_env_bool(name: str, text: str) -> bool:
+    # SGLang's EnvBool.parse, with the variable named.
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "y"):
+        return True
+    if value in ("false", "0", "no", "n"):
+        return False
+    raise ValueError(f'kv-canary: {name}="{text}" is not a valid boolean value '
+                     "(true/1/yes/y or false/0/no/n)")
+
+
+def _parse_env_int(name: str, text: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f'kv-canary: {name}="{text}" is not a valid integer value') from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ManagerConfig:
+    """What :class:`~kvcanary_jax.runtime.CanaryManager` runs (see the module docstring for
+    SGLang's name of each field). Strings are matched case-insensitively, as SGLang does."""
+
+    mode: str = "none"
+    real_data: str = "none"
+    sweep_interval: int = 0
+    ring_capacity: int = 1024
+    stats_print_every_n_steps: int = 100
+    enable_write_input_assert: bool = False
+    enable_verify_token_assert: bool = False
+    draft_worker: bool = False
+    health_check_warmup_steps: int = 100
+    health_check_every_n_steps: int = 100
+    padding_guard: bool = False
+    agree_across_processes: bool | None = None
+
+    def __post_init__(self):
+        for field, choices in (("mode", MODES), ("real_data", REAL_DATA)):
+            value = getattr(self, field)
+            if not isinstance(value, str) or value.strip().lower() not in choices:
+                raise ValueError(f"kv-canary: {_origin(field)} must be one of "
+                                 f"{'/'.join(choices)}, got {value!r}")
+            object.__setattr__(self, field, value.strip().lower())
+        for field, minimum in _INTS.items():
+            value = getattr(self, field)
+            # bool is an int to Python; a flag given True here is a slip, not a count.
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"kv-canary: {_origin(field)} must be an integer, got "
+                                 f"{value!r} ({type(value).__name__})")
+            if value < minimum:
+                raise ValueError(f"kv-canary: {_origin(field)} must be >= {minimum}, got {value}")
+        for field in _BOOLS:
+            value = getattr(self, field)
+            if not isinstance(value, bool):
+                raise ValueError(f"kv-canary: {_origin(field)} must be True or False, got "
+                                 f"{value!r} ({type(value).__name__})")
+        if self.agree_across_processes not in (None, True, False):
+            raise ValueError("kv-canary: agree_across_processes must be None, True or False, "
+                             f"got {self.agree_across_processes!r}")
+        # SGLang's validation hook refuses this one, in these words.
+        if self.sweep_interval > 0 and self.mode == "none":
+            raise ValueError("--kv-canary-sweep-interval requires --kv-canary in {log, raise}")
+        # Ours: settings that would silently never act.
+        if self.real_data != "none" and self.mode == "none":
+            raise ValueError("--kv-canary-real-data requires --kv-canary in {log, raise} "
+                             f"(got --kv-canary-real-data {self.real_data} with --kv-canary none)")
+        if self.padding_guard and self.sweep_interval == 0:
+            raise ValueError("--kv-canary-padding-guard runs with the sweep: it requires "
+                             "--kv-canary-sweep-interval > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    @property
+    def kv_token_id_vs_position_offset(self) -> int:
+        """SGLang's ``1 if model_runner.is_draft_worker else 0``."""
+        return 1 if self.draft_worker else 0
+
+    @classmethod
+    def from_env(cls, *, kv_canary: str = "none", kv_canary_real_data: str = "none",
+                 kv_canary_sweep_interval: int = 0, environ: Mapping[str, str] | None = None,
+                 **fields) -> "ManagerConfig":
+        """SGLang's ``CanaryConfig.from_env``: the three flags as arguments, the rest from the
+        ``SGLANG_KV_CANARY_*`` variables of ``environ`` (default ``os.environ``) where set, and
+        ``fields`` last (they override both). A variable that does not parse, or parses to a
+        value out of range, is refused naming the variable."""
+        environ = os.environ if environ is None else environ
+        values = dict(mode=kv_canary, real_data=kv_canary_real_data,
+                      sweep_interval=kv_canary_sweep_interval)
+        for field, name in ENV_VARS.items():
+            if name not in environ:
+                continue
+            text = environ[name]
+            if field in _BOOLS:
+                values[field] = _parse_env_bool(name, text)
+            else:
+                value = _parse_env_int(name, text)
+                if value < _INTS[field]:
+                    raise ValueError(f'kv-canary: {name}="{text}" must be >= {_INTS[field]}')
+                values[field] = value
+        values.update(fields)
+        return cls(**values)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, *, environ: Mapping[str, str] | None = None,
+                  **fields) -> "ManagerConfig":
+        """From a namespace parsed with :func:`add_arguments` (and the environment)."""
+        if getattr(args, "kv_canary_padding_guard", False):
+            fields.setdefault("padding_guard", True)
+        return cls.from_env(kv_canary=args.kv_canary, kv_canary_real_data=args.kv_canary_real_data,
+                            kv_canary_sweep_interval=args.kv_canary_sweep_interval,
+                            environ=environ, **fields)
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, prefix: str = "--kv-canary",
+                  default_mode: str = "none", default_sweep_interval: int = 0) -> None:
+    """SGLang's three flags (and our padding guard) on an argparse parser. ``prefix`` renames
+    them (``--kv-canary``, ``--kv-canary-real-data``, ...)."""
+    parser.add_argument(prefix, dest="kv_canary", choices=MODES, default=default_mode,
+                        help="KV cache canary mode. 'none' disables the canary. 'log' logs "
+                             "violations while serving continues. 'raise' fails on the first "
+                             f"detected mismatch (default {default_mode})")
+    parser.add_argument(f"{prefix}-real-data", dest="kv_canary_real_data", choices=REAL_DATA,
+                        default="none",
+                        help="check the real KV cache: 'partial' the first 16 bytes of each "
+                             "slot, 'all' the whole slot (default none)")
+    parser.add_argument(f"{prefix}-sweep-interval", dest="kv_canary_sweep_interval", type=int,
+                        default=default_sweep_interval,
+                        help="every N forward steps, re-verify every cached prefix (0: never; "
+                             f"default {default_sweep_interval})")
+    parser.add_argument(f"{prefix}-padding-guard", dest="kv_canary_padding_guard",
+                        action="store_true",
+                        help="the sweep also checks that the padding slot 0 of the real KV stays "
+                             "all zero (not an SGLang check)")
