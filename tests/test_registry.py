@@ -320,7 +320,8 @@ def test_tpu_configs_refuse_bad_values_and_share_their_fields(op, field, bad, te
     assert str(e.value) == "kv-canary: " + text
     cfg = mod.Config(vmem_limit_bytes=1 << 20)
     assert isinstance(cfg, _tpu_lib.Config) and cfg.interpret is None
-    assert dataclasses.replace(cfg, interpret=True).vmem_limit_bytes == 1 << 20
+    interpreted = dataclasses.replace(cfg, interpret=_tpu_lib.interpret_params())
+    assert interpreted.vmem_limit_bytes == 1 << 20
 
 
 # A corrupt or malformed tuned table: refused with the file named (a raw JSONDecodeError,
