@@ -812,7 +812,7 @@ def test_offsets_checks_unreachable_through_the_api():
 # in CI; pallas_mosaic_tpu in TPU interpret mode FUZZ_TPU_INTERPRETED of the first bucket (the long
 # run, all of them, with --tpu-long).
 FUZZ_PER_FAMILY = _tier.n(12, 250)  # --long: 250
-FUZZ_TPU_INTERPRETED = _tier.n(3, 12)  # --tpu-long: 250 over every bucket
+FUZZ_TPU_INTERPRETED = _tier.n(1, 12)  # --tpu-long: 250 over every bucket
 LONG_CASES = 250
 
 

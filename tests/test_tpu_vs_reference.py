@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.tpu_interpret, pytest.mark.fuzz]
 
 TPU = _impls.TPU
 N, RING, TOKENS, REQS, CAP = 48, 8, 40, 4, 64
-CASES = _tier.n(4, 12)  # --long: 12
+CASES = _tier.n(1, 12)  # --long: 12
 MAX = consts.VIOLATION_WRITE_INDEX_MAX
 
 

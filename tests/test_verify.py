@@ -490,7 +490,7 @@ def test_round_trips_and_corruptions_against_jnp_reference(mode, impl):
     """Every implementation against the pure-jnp reference (no SGLang needed): canaries written
     by the jnp reference, then corrupted."""
     rng = np.random.default_rng(900 + mode)
-    count = _tier.n(3, 60) if _impls.tpu_interpreted(impl) else _tier.n(12, 60)
+    count = _tier.n(1, 60) if _impls.tpu_interpreted(impl) else _tier.n(12, 60)
     for k in _tier.cases("verify vs jnp reference", 900 + mode, count):
         trip = S.make_trip(rng, mode, k % len(S.BUCKETS))
         st = S.run_trip(None, rng, trip, jnp_reference=True, reference=False)
@@ -571,7 +571,7 @@ def test_jnp_references_round_trips_and_corruptions(sgl, mode):
 # Every implementation runs FUZZ_CASES in CI; pallas_mosaic_tpu in TPU interpret mode its first
 # FUZZ_TPU_INTERPRETED (the long run with --tpu-long).
 FUZZ_CASES = _tier.n(48, 1000)  # --long: 1,000
-FUZZ_TPU_INTERPRETED = _tier.n(8, 60)  # --tpu-long: 1,000
+FUZZ_TPU_INTERPRETED = _tier.n(2, 60)  # --tpu-long: 1,000
 LONG_CASES = 1000
 
 

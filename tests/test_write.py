@@ -316,7 +316,7 @@ def test_write_fuzz_against_jnp_reference(impl):
     hazards included: exact where the implementation keeps request order, else as one of the
     outcomes some order of the requests gives."""
     rng = np.random.default_rng(800)
-    count = _tier.n(4, 160) if _impls.tpu_interpreted(impl) else _tier.n(20, 160)
+    count = _tier.n(2, 160) if _impls.tpu_interpreted(impl) else _tier.n(20, 160)
     for k in _tier.cases("write vs jnp reference", 800, count):
         stride, assert_on, mode, layout = WRITE_BUCKETS[k % len(WRITE_BUCKETS)]
         st = S.State.zeros(S.NUM_SLOTS, S.RING_CAP, stride)
@@ -400,6 +400,7 @@ def _racy_launch(rng, bucket):
     return st, launch, S.bucket_sources(rng, layout), mode
 
 
+@pytest.mark.fuzz
 def test_cross_request_races_give_one_order(sgl, impl):
     """The write's races, drawn on purpose (slots every request writes, seeds other requests
     store): the result is an outcome of some order of the requests (each slot, field by field,
@@ -407,7 +408,7 @@ def test_cross_request_races_give_one_order(sgl, impl):
     rows as a multiset), exact wherever no race reaches; SGLang's request order is one of them,
     and the implementations that keep request order give it exactly."""
     rng = np.random.default_rng(31)
-    count = 2 if _impls.tpu_interpreted(impl) else 8
+    count = _tier.n(1, 2) if _impls.tpu_interpreted(impl) else 8
     races = 0
     for i in range(count):
         st, launch, sources, mode = _racy_launch(rng, i % len(WRITE_BUCKETS))
@@ -783,7 +784,7 @@ def test_source_addressing_errors():
 # Every implementation runs FUZZ_CASES a bucket in CI; pallas_mosaic_tpu in TPU interpret mode
 # its first FUZZ_TPU_INTERPRETED (the long run with --tpu-long).
 FUZZ_CASES = _tier.n(12, 250)  # per bucket (--long: 250)
-FUZZ_TPU_INTERPRETED = _tier.n(3, 15)  # per bucket (--tpu-long: 250)
+FUZZ_TPU_INTERPRETED = _tier.n(1, 15)  # per bucket (--tpu-long: 250)
 LONG_CASES = 250
 
 
