@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import threading
+import os
 import time
 
 import pytest
@@ -233,18 +234,39 @@ def test_ctrl_c_while_jax_compiles(times):
         assert out.strip().splitlines()[-1].startswith("INTERRUPTED: 0/0")
 
 
+def _wait_until_jax_loads(proc, timeout: float = 120.0) -> None:
+    """Until the child has mapped jaxlib, i.e. JAX's import has begun (the demo's early handler is
+    installed before it). A fixed delay alone sent the SIGINT, on a loaded machine, while Python
+    itself was still starting (importing ``site``), where only Python's own startup sees it and
+    dies with "Fatal Python error". Without /proc this falls back to the delay alone."""
+    maps = f"/proc/{proc.pid}/maps"
+    if not os.path.exists(maps):
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with open(maps) as f:
+                if "jaxlib" in f.read():
+                    return
+        except OSError:  # the process just ended
+            return
+        time.sleep(0.002)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("after", [0.2, 0.8])
 @pytest.mark.parametrize("times", [1, 2])
 def test_ctrl_c_while_jax_imports(after, times):
-    """SIGINT within the first second, while the console script imports JAX (before the demo's
-    own handler exists): it was lost (JAX printed a KeyboardInterrupt from one of its callbacks
+    """SIGINT within the first second (``after`` seconds, and not before JAX's import begins),
+    while the console script imports JAX (before the demo's own handler exists): it was lost (JAX printed a KeyboardInterrupt from one of its callbacks
     and the demo ran on) or ended in a traceback from inside JAX's import. Now once: the demo
     stops before its first step with its partial report, status 130; twice: it aborts."""
+    start = time.monotonic()
     proc = subprocess.Popen(_cli.command("kvcanary-jax demo --steps 400 --no-progress"),
                             env=_cli.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        time.sleep(after)
+        _wait_until_jax_loads(proc)
+        time.sleep(max(0.0, after - (time.monotonic() - start)))
         proc.send_signal(signal.SIGINT)
         if times == 2:
             time.sleep(0.1)
