@@ -48,7 +48,7 @@ def _w(sgl, st, impl, *, offsets, ids, pos, ocl, seeds=None, num_valid=None, ord
 def test_anchor_chain_single_request(sgl, impl):
     st = S.State.zeros(8, 4)
     ours, _ = _w(sgl, st, impl, offsets=[0, 3], ids=[100, 101, 102], pos=[0, 1, 2], ocl=[1, 2, 3])
-    # Hand-checked links (spec 2.5): the anchor hash, then mix3(anchor hash, 100, 0).
+    # Hand-checked links (docs/spec.md §2.5): the anchor hash, then mix3(anchor hash, 100, 0).
     assert int(ours.canary_i64[1, 2]) == -2414019407054260458 == ANCHOR
     assert int(ours.canary_i64[2, 2]) == -4923688959175860244
     assert (ours.sctr, ours.kctr) == (3, 1)

@@ -27,9 +27,9 @@ is checked (double buffering).
 
 **No atomics**: a kernel runs its blocks in order on one core and appends violations with
 :class:`Ring`: rows in launch order starting at the launch's write index ``w0``, the ring guard of
-DESIGN.md (``w0 < 0``: nothing written, index unchanged; rows only below capacity; the new index
-saturates at ``2**31 - 1``). A block's violating entries are found in entry order by repeated
-min-reductions, so no prefix sum is needed.
+docs/spec.md §14.1 (``w0 < 0``: nothing written, index unchanged; rows only below capacity; the
+new index saturates at ``2**31 - 1``). A block's violating entries are found in entry order by
+repeated min-reductions, so no prefix sum is needed.
 """
 
 from __future__ import annotations

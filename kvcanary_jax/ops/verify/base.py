@@ -1,6 +1,6 @@
 """canary_verify: check that written slots still hold what the write op stamped.
 
-Semantics (SGLang's ``launch_canary_verify_kernel``, spec section 10)::
+Semantics (SGLang's ``launch_canary_verify_kernel``, docs/spec.md §10)::
 
     kernel_run_counter += 1                                   # always, even when enable == 0
     if enable[0] == 0: return

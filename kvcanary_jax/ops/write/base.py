@@ -1,6 +1,6 @@
 """canary_write: stamp (token, position, chain link, real-KV fingerprint) into each written slot.
 
-Semantics (SGLang's ``launch_canary_write_kernel``, spec section 9)::
+Semantics (SGLang's ``launch_canary_write_kernel``, docs/spec.md §9)::
 
     kernel_run_counter += 1                                  # always
     for r in [0, clamp(write_num_valid_reqs, 0, write_req_capacity)):
