@@ -58,15 +58,13 @@ from kvcanary_jax.context import (
     source_spec,
 )
 from kvcanary_jax.contracts import Contiguous, Contract, Rule, meta_of
-from kvcanary_jax.ops._kernel_lib import (
+from kvcanary_jax.ops._contract_lib import (
     canary_checks,
-    canary_words,
     context_guard_checks,
-    nonempty_sources,
-    ring_append,
     source_metas,
     tensor_guard,
 )
+from kvcanary_jax.ops._kernel_lib import canary_words, nonempty_sources, ring_append
 from kvcanary_jax.plans import VerifyPlan
 
 __all__ = ["CONTRACT", "validate", "shapes", "sized_call", "reference", "canary_verify_reference"]

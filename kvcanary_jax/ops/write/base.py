@@ -66,15 +66,13 @@ from kvcanary_jax.context import (
     source_spec,
 )
 from kvcanary_jax.contracts import Check, Contiguous, Contract, Rule, meta_of
-from kvcanary_jax.ops._kernel_lib import (
+from kvcanary_jax.ops._contract_lib import (
     canary_checks,
-    canary_from_words,
-    canary_words,
     context_guard_checks,
-    nonempty_sources,
     source_metas,
     tensor_guard,
 )
+from kvcanary_jax.ops._kernel_lib import canary_from_words, canary_words, nonempty_sources
 from kvcanary_jax.plans import WritePlan
 
 __all__ = ["CONTRACT", "validate", "shapes", "sized_call", "reference", "canary_write_reference"]
