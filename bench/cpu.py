@@ -289,7 +289,7 @@ def main(argv=None) -> int:
     if why:  # before the run, not after it (its figures would be lost)
         ap.error(f"argument --out: {args.out!r} is not a writable directory ({why})")
 
-    from kvcanary_jax.cli import select_device
+    from kvcanary_jax._devices import select_device
 
     select_device("cpu")
     only = {o for o in args.only.split(",") if o}
