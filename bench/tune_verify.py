@@ -55,10 +55,10 @@ def main() -> int:
 
     import kvcanary_jax as kc
     from kvcanary_jax.consts import CanaryLaunchTag
-    from kvcanary_jax.ops.verify import pallas_triton as V
+    from kvcanary_jax.ops.verify import pallas_triton
 
     def heuristic(capacity):
-        return dataclasses.asdict(V.heuristics({"capacity": capacity}))
+        return dataclasses.asdict(pallas_triton.heuristics({"capacity": capacity}))
 
     large = heuristic(1 << 30)
     path = sys.argv[1] if len(sys.argv) > 1 else "tune_verify.json"
@@ -96,7 +96,7 @@ def main() -> int:
                 if time.perf_counter() - t_start > BUDGET_S:
                     return None
                 nonlocal expect
-                fn = jax.jit(lambda ctx, plan, c=V.Config(**kw): kc.canary_verify(
+                fn = jax.jit(lambda ctx, plan, c=pallas_triton.Config(**kw): kc.canary_verify(
                     context=ctx, plan=plan, check_verify_expected_token=True,
                     implementation="pallas_triton", config=c), donate_argnums=0)
                 try:

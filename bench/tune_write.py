@@ -36,11 +36,11 @@ WARPS = (1, 2, 4)
 
 def variants():
     """Full (block x unroll) grid at one warp, plus the warp counts at the default shape."""
-    from kvcanary_jax.ops.write import pallas_triton as W
+    from kvcanary_jax.ops.write import pallas_triton
 
     out = [(b, u, 1) for b in BLOCKS for u in UNROLLS]
-    out += [(W.BLOCK, W.CHAIN_UNROLL, w) for w in WARPS if w != 1]
-    default = (W.BLOCK, W.CHAIN_UNROLL, W.NUM_WARPS)
+    out += [(pallas_triton.BLOCK, pallas_triton.CHAIN_UNROLL, w) for w in WARPS if w != 1]
+    default = (pallas_triton.BLOCK, pallas_triton.CHAIN_UNROLL, pallas_triton.NUM_WARPS)
     if default not in out:
         out.append(default)
     out.remove(default)

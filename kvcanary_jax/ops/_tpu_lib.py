@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kvcanary_jax import consts
-from kvcanary_jax import hashing_u32 as H
+from kvcanary_jax import hashing_u32
 
 __all__ = [
     "Config",
@@ -291,7 +291,7 @@ def pair_neg_in_range(p, n: int):
 
 def pair_clamp(p, n: int):
     """A pair read as int64, clamped to ``[0, n]`` (static ``0 <= n < 2**31``), as int32."""
-    return i32(jnp.where(H.is_neg(p), jnp.uint32(0),
+    return i32(jnp.where(hashing_u32.is_neg(p), jnp.uint32(0),
                          jnp.where(pair_in_range(p, n + 1), p[1], jnp.uint32(n))))
 
 
