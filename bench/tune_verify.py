@@ -27,7 +27,7 @@ import sys
 import time
 import traceback
 
-from bench import common, timing
+from bench import builders, common, timing
 from bench.op_verify import RING, _inputs
 
 # Largest first: the byte-floor target is at 4M entries, and BUDGET_S may cut the tail.
@@ -51,7 +51,6 @@ def _key(kw: dict) -> str:
 
 def main() -> int:
     import jax
-    import jax.numpy as jnp
 
     import kvcanary_jax as kc
     from kvcanary_jax.consts import CanaryLaunchTag
@@ -79,13 +78,8 @@ def main() -> int:
                     num_slots=d["canary_buf"].shape[0], kernel_kind=CanaryLaunchTag.HEAD_K_FULL,
                     ring_capacity=RING)
                 ctx = ctx.replace(canary_buf=common.to_jax(d["canary_buf"]))
-                plan = kc.VerifyPlan(
-                    verify_slot_indices=common.to_jax(d["slots"]),
-                    verify_expected_tokens=common.to_jax(d["tokens"]),
-                    verify_expected_positions=common.to_jax(d["positions"]),
-                    verify_prev_slot_indices=common.to_jax(d["prev"]),
-                    verify_num_valid=jnp.array([entries], jnp.int32),
-                    enable=jnp.ones(1, jnp.int32))
+                plan = builders.jax_verify_plan(d["slots"], d["tokens"], d["positions"],
+                                                d["prev"], entries)
                 sets.append([ctx, plan])
             expect = None
 

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from kvcanary_jax import consts
 from kvcanary_jax import runtime as rt
 from kvcanary_jax.ops.verify import canary_verify, canary_verify_reference
-from kvcanary_jax.plans import VerifyPlan
 
 import _canary_support as support
+from bench import builders
 import _impls
 from _impls import with_tpu
 
@@ -61,13 +61,7 @@ def _run_verify_ours(st, runner, e):
     kw = {} if runner == "reference" else dict(implementation=runner,
                                                 config=_impls.config("verify", runner))
     with jax.enable_x64(True):
-        plan = VerifyPlan(
-            verify_slot_indices=support._i64(e["slots"]),
-            verify_expected_tokens=support._i64(e["etok"]),
-            verify_expected_positions=support._i64(e["epos"]),
-            verify_prev_slot_indices=support._i64(e["prev"]),
-            verify_num_valid=jnp.asarray([e["num_valid"]], jnp.int32),
-            enable=jnp.asarray([1], jnp.int32))
+        plan = builders.jax_verify_plan(e["slots"], e["etok"], e["epos"], e["prev"], e["num_valid"])
         out = fn(context=support.jax_context(st), plan=plan, check_verify_expected_token=True, **kw)
     return support.state_of(out)
 

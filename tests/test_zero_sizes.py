@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import jax
-import jax.numpy as jnp
 
 import kvcanary_jax as kc
 
 import _canary_support as support
+from bench import builders
 import test_plan
 from _impls import implementations
 
@@ -100,16 +100,8 @@ def test_verify_zero_slot_canary_reads_zero_rows(sgl, runner):
 
 
 def _verify_ours(st, runner, e, **ctx_kw):
-    from kvcanary_jax.plans import VerifyPlan
-
     fn = kc.canary_verify_reference if runner == "reference" else kc.canary_verify
-    plan = VerifyPlan(
-        verify_slot_indices=support._i64(e["slots"]),
-        verify_expected_tokens=support._i64(e["etok"]),
-        verify_expected_positions=support._i64(e["epos"]),
-        verify_prev_slot_indices=support._i64(e["prev"]),
-        verify_num_valid=jnp.asarray([e["num_valid"]], jnp.int32),
-        enable=jnp.asarray([1], jnp.int32))
+    plan = builders.jax_verify_plan(e["slots"], e["etok"], e["epos"], e["prev"], e["num_valid"])
     out = fn(context=support.jax_context(st, **ctx_kw), plan=plan, check_verify_expected_token=True,
              **({} if runner == "reference" else dict(implementation=runner)))
     return support.state_of(out)
