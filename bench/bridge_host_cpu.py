@@ -21,7 +21,7 @@ import time
 
 import bridge
 from bench import bridge_overhead as bo
-from bridge import launcher as L
+from bridge import launcher
 
 
 def _pointers_only(self, prep, tensors, anchor):
@@ -35,8 +35,8 @@ def measure(bs: int, iters: int, repeat: int) -> dict:
                write=bo.run_write, step_fused=bo.run_step)
     out = {}
     bridge.set_value_checks(False)
-    original = L.Launcher._dlpack
-    L.Launcher._dlpack = _pointers_only
+    original = launcher.Launcher._dlpack
+    launcher.Launcher._dlpack = _pointers_only
     try:
         for name, fn in ops.items():
             fn(c)  # the first call checks and prepares
@@ -48,7 +48,7 @@ def measure(bs: int, iters: int, repeat: int) -> dict:
                 best = min(best, (time.thread_time() - t0) / iters)
             out[name] = round(best * 1e6, 2)
     finally:
-        L.Launcher._dlpack = original
+        launcher.Launcher._dlpack = original
         bridge.set_value_checks("auto")
     return out
 

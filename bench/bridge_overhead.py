@@ -22,6 +22,7 @@ import time
 import torch
 
 import bridge
+from bench import builders
 
 
 def make_case(*, device, bs: int = 64, prefix: int = 100, width: int = 256, ring: int = 1024):
@@ -42,16 +43,11 @@ def make_case(*, device, bs: int = 64, prefix: int = 100, width: int = 256, ring
         device=device,
         vp=bridge.VerifyPlan.allocate(verify_capacity=3 * bs * (prefix + 1), device=device),
         wp=bridge.WritePlan.allocate(write_req_capacity=max_reqs, device=device),
-        ctx=bridge.VerifyOrWriteContext(
+        ctx=builders.torch_context(
+            bridge.VerifyOrWriteContext,
             canary_buf=torch.zeros(num_slots, 32, dtype=torch.uint8, device=device),
             kernel_kind=bridge.CanaryLaunchTag.HEAD_K_FULL,
-            violation_ring=torch.zeros(ring, 8, dtype=torch.int64, device=device),
-            violation_write_index=torch.zeros(1, dtype=torch.int32, device=device),
-            slot_run_counter=torch.zeros(1, dtype=torch.int64, device=device),
-            kernel_run_counter=torch.zeros(1, dtype=torch.int64, device=device),
-            real_kv_sources=(), real_kv_hash_mode=bridge.RealKvHashMode.NONE,
-            enable_chain_position_assert=torch.ones(1, dtype=torch.int32, device=device),
-        ),
+            real_kv_hash_mode=bridge.RealKvHashMode.NONE, ring=ring),
         rtt=rtt, rpi=rpi, prefix_lens=prefix_lens, extend=extend,
         pool=torch.zeros(max_reqs, width, dtype=torch.int32, device=device),
         valid=prefix_lens + 1, flat=hist, offs=offs,

@@ -96,16 +96,12 @@ def sglang(cuda_jit: bool):
 
 def sglang_context(sgl, canary_buf: np.ndarray, kind_name: str, ring: int):
     """SGLang's torch VerifyOrWriteContext over a copy of ``canary_buf`` (fresh ring, counters)."""
-    import torch
+    from bench import builders
 
-    dev = torch_device()
-    z = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
-    return sgl.verify.VerifyOrWriteContext(
-        canary_buf=to_torch(canary_buf), kernel_kind=sgl.verify.CanaryLaunchTag[kind_name],
-        violation_ring=z(ring, 8, dtype=torch.int64), violation_write_index=z(1, dtype=torch.int32),
-        slot_run_counter=z(1, dtype=torch.int64), kernel_run_counter=z(1, dtype=torch.int64),
-        real_kv_sources=(), real_kv_hash_mode=sgl.consts.RealKvHashMode.NONE,
-        enable_chain_position_assert=torch.ones(1, dtype=torch.int32, device=dev))
+    return builders.torch_context(sgl.verify.VerifyOrWriteContext, canary_buf=to_torch(canary_buf),
+                                  kernel_kind=sgl.verify.CanaryLaunchTag[kind_name],
+                                  real_kv_hash_mode=sgl.consts.RealKvHashMode.NONE, ring=ring,
+                                  device=torch_device())
 
 
 def jax_context(canary_buf: np.ndarray, kind_name: str, ring: int):

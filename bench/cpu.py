@@ -41,19 +41,12 @@ PLAN_MAX_PREFIX = op_plan.MAX_PREFIX  # the GPU bench's decode prefixes
 
 
 def _verify(entries):
-    import jax.numpy as jnp
-
     import kvcanary_jax as kc
-    from bench import common
+    from bench import builders, common
 
     d = op_verify._inputs(entries, seed=entries)
     ctx = common.jax_context(d["canary_buf"], "HEAD_K_FULL", RING)
-    plan = kc.VerifyPlan(
-        verify_slot_indices=common.to_jax(d["slots"]),
-        verify_expected_tokens=common.to_jax(d["tokens"]),
-        verify_expected_positions=common.to_jax(d["positions"]),
-        verify_prev_slot_indices=common.to_jax(d["prev"]),
-        verify_num_valid=jnp.array([entries], jnp.int32), enable=jnp.ones(1, jnp.int32))
+    plan = builders.jax_verify_plan(d["slots"], d["tokens"], d["positions"], d["prev"], entries)
 
     def fn(impl):
         return lambda c, p: kc.canary_verify(context=c, plan=p, check_verify_expected_token=True,
@@ -289,7 +282,7 @@ def main(argv=None) -> int:
     if why:  # before the run, not after it (its figures would be lost)
         ap.error(f"argument --out: {args.out!r} is not a writable directory ({why})")
 
-    from kvcanary_jax.cli import select_device
+    from kvcanary_jax._devices import select_device
 
     select_device("cpu")
     only = {o for o in args.only.split(",") if o}

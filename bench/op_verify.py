@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench import chains, common, timing
+from bench import builders, chains, common, timing
 
 FULL_CASES = [1 << 10, 1 << 16, 1 << 20, 1 << 22]
 QUICK_CASES = [1 << 10, 1 << 20, 1 << 22]
@@ -107,7 +107,6 @@ def _rows(ring, n):
 
 def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
     import jax
-    import jax.numpy as jnp
 
     import kvcanary_jax as kc
 
@@ -127,12 +126,8 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
             def fresh(seed):
                 d = _inputs(entries, seed)
                 ctx = common.jax_context(d["canary_buf"], "HEAD_K_FULL", RING)
-                plan = kc.VerifyPlan(
-                    verify_slot_indices=common.to_jax(d["slots"]),
-                    verify_expected_tokens=common.to_jax(d["tokens"]),
-                    verify_expected_positions=common.to_jax(d["positions"]),
-                    verify_prev_slot_indices=common.to_jax(d["prev"]),
-                    verify_num_valid=jnp.array([entries], jnp.int32), enable=jnp.ones(1, jnp.int32))
+                plan = builders.jax_verify_plan(d["slots"], d["tokens"], d["positions"],
+                                                d["prev"], entries)
                 return [ctx, plan]
 
             fn = jax.jit(lambda ctx, plan: kc.canary_verify(implementation=common.implementation(),

@@ -361,7 +361,7 @@ def run_timing(fleet: ShardedFleet, solo: list[sm.Server], rec: dict, repeats: i
 def _select_devices(device: str, shards: int):
     """Pin JAX to the platform (before it initialises) and return the mesh over ``shards``
     devices; a clear exit when there are fewer."""
-    from kvcanary_jax.cli import select_device
+    from kvcanary_jax._devices import select_device
 
     select_device(device)
     platform_name = "cpu" if device == "cpu" else "gpu"

@@ -27,7 +27,7 @@ import sys
 import time
 import traceback
 
-from bench import common, timing
+from bench import builders, common, timing
 from bench.op_verify import RING, _inputs
 
 # Largest first: the byte-floor target is at 4M entries, and BUDGET_S may cut the tail.
@@ -51,14 +51,13 @@ def _key(kw: dict) -> str:
 
 def main() -> int:
     import jax
-    import jax.numpy as jnp
 
     import kvcanary_jax as kc
     from kvcanary_jax.consts import CanaryLaunchTag
-    from kvcanary_jax.ops.verify import pallas_triton as V
+    from kvcanary_jax.ops.verify import pallas_triton
 
     def heuristic(capacity):
-        return dataclasses.asdict(V.heuristics({"capacity": capacity}))
+        return dataclasses.asdict(pallas_triton.heuristics({"capacity": capacity}))
 
     large = heuristic(1 << 30)
     path = sys.argv[1] if len(sys.argv) > 1 else "tune_verify.json"
@@ -79,13 +78,8 @@ def main() -> int:
                     num_slots=d["canary_buf"].shape[0], kernel_kind=CanaryLaunchTag.HEAD_K_FULL,
                     ring_capacity=RING)
                 ctx = ctx.replace(canary_buf=common.to_jax(d["canary_buf"]))
-                plan = kc.VerifyPlan(
-                    verify_slot_indices=common.to_jax(d["slots"]),
-                    verify_expected_tokens=common.to_jax(d["tokens"]),
-                    verify_expected_positions=common.to_jax(d["positions"]),
-                    verify_prev_slot_indices=common.to_jax(d["prev"]),
-                    verify_num_valid=jnp.array([entries], jnp.int32),
-                    enable=jnp.ones(1, jnp.int32))
+                plan = builders.jax_verify_plan(d["slots"], d["tokens"], d["positions"],
+                                                d["prev"], entries)
                 sets.append([ctx, plan])
             expect = None
 
@@ -96,7 +90,7 @@ def main() -> int:
                 if time.perf_counter() - t_start > BUDGET_S:
                     return None
                 nonlocal expect
-                fn = jax.jit(lambda ctx, plan, c=V.Config(**kw): kc.canary_verify(
+                fn = jax.jit(lambda ctx, plan, c=pallas_triton.Config(**kw): kc.canary_verify(
                     context=ctx, plan=plan, check_verify_expected_token=True,
                     implementation="pallas_triton", config=c), donate_argnums=0)
                 try:

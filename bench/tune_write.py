@@ -36,11 +36,11 @@ WARPS = (1, 2, 4)
 
 def variants():
     """Full (block x unroll) grid at one warp, plus the warp counts at the default shape."""
-    from kvcanary_jax.ops.write import pallas_triton as W
+    from kvcanary_jax.ops.write import pallas_triton
 
     out = [(b, u, 1) for b in BLOCKS for u in UNROLLS]
-    out += [(W.BLOCK, W.CHAIN_UNROLL, w) for w in WARPS if w != 1]
-    default = (W.BLOCK, W.CHAIN_UNROLL, W.NUM_WARPS)
+    out += [(pallas_triton.BLOCK, pallas_triton.CHAIN_UNROLL, w) for w in WARPS if w != 1]
+    default = (pallas_triton.BLOCK, pallas_triton.CHAIN_UNROLL, pallas_triton.NUM_WARPS)
     if default not in out:
         out.append(default)
     out.remove(default)
@@ -55,14 +55,7 @@ def _sglang_time(sgl, reqs, tokens, k, iters):
 
     def fresh(seed):
         d = _inputs(reqs, tokens, seed)
-        ctx = sgl.verify.VerifyOrWriteContext(
-            canary_buf=t(d["canary_buf"]), kernel_kind=sgl.verify.CanaryLaunchTag.TAIL_K_FULL,
-            violation_ring=torch.zeros(RING, 8, dtype=torch.int64, device=dev),
-            violation_write_index=torch.zeros(1, dtype=torch.int32, device=dev),
-            slot_run_counter=torch.zeros(1, dtype=torch.int64, device=dev),
-            kernel_run_counter=torch.zeros(1, dtype=torch.int64, device=dev),
-            real_kv_sources=(), real_kv_hash_mode=sgl.consts.RealKvHashMode.NONE,
-            enable_chain_position_assert=torch.ones(1, dtype=torch.int32, device=dev))
+        ctx = common.sglang_context(sgl, d["canary_buf"], "TAIL_K_FULL", RING)
         plan = sgl.write.WritePlan(
             write_offsets=t(d["write_offsets"]), write_seed_slot_indices=t(d["seeds"]),
             write_num_valid_reqs=torch.tensor([reqs], dtype=torch.int32, device=dev))

@@ -29,8 +29,9 @@ import warnings
 from typing import Callable
 
 from kvcanary_jax import _interrupt
+from kvcanary_jax._devices import select_device
 
-__all__ = ["main", "register_command", "select_device"]
+__all__ = ["main", "register_command"]
 
 _COMMANDS: dict[str, tuple[str, Callable | None, Callable]] = {}
 
@@ -122,19 +123,6 @@ def _progress_factory(enabled: bool):
         return None
     return lambda total: tqdm(total=total, desc="kv-canary demo", unit="step", file=sys.stderr,
                               leave=False, dynamic_ncols=True)
-
-
-def select_device(device: str) -> None:
-    """Pins JAX to the host for ``cpu`` (before JAX initialises its backends); for ``gpu``,
-    checks that JAX's default backend is a GPU."""
-    import jax
-
-    if device == "cpu":
-        jax.config.update("jax_platforms", "cpu")
-        return
-    if jax.default_backend() != "gpu":
-        raise SystemExit("kvcanary-jax: --device gpu needs a CUDA GPU (JAX sees "
-                         f"{jax.default_backend()!r})")
 
 
 def _table(res) -> str:

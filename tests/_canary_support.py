@@ -398,9 +398,9 @@ def garbage_state(rng, stride):
 
 
 def guarded(before: State, full: State, w0: int) -> State:
-    """The ring guard of DESIGN.md applied to a launch: ``full`` is a reference run of the launch
-    from ``before`` with write index 0 on a ring with room for every row; the result is what the
-    launch gives from write index ``w0``: ``w0 < 0``: no row written, index unchanged; else row j
+    """The ring guard (docs/spec.md §14.1) applied to a launch: ``full`` is a reference run of the
+    launch from ``before`` with write index 0 on a ring with room for every row; the result is
+    what the launch gives from write index ``w0``: ``w0 < 0``: no row written, index unchanged; else row j
     at ``w0 + j`` below the capacity, index ``min(w0 + n, 2**31 - 1)``."""
     out = full.copy()
     cap = len(before.ring)

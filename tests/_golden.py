@@ -23,7 +23,7 @@ import zlib
 
 import numpy as np
 
-import _canary_support as S
+import _canary_support as support
 
 DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 OPS = ("scatter", "plan", "write", "verify")
@@ -83,16 +83,16 @@ def same(a: list[dict], b: list[dict]) -> list[str]:
 # Canary state, sources, launches <-> flat case fields
 
 
-def _put_state(case, prefix, st: S.State):
+def _put_state(case, prefix, st: support.State):
     case[prefix + "canary"], case[prefix + "ring"] = st.canary, st.ring
     case["meta"].update({prefix + "widx": st.widx, prefix + "sctr": st.sctr,
                          prefix + "kctr": st.kctr})
 
 
-def state(case, prefix) -> S.State:
+def state(case, prefix) -> support.State:
     m = case["meta"]
-    return S.State(case[prefix + "canary"].copy(), case[prefix + "ring"].copy(),
-                   m[prefix + "widx"], m[prefix + "sctr"], m[prefix + "kctr"])
+    return support.State(case[prefix + "canary"].copy(), case[prefix + "ring"].copy(),
+                         m[prefix + "widx"], m[prefix + "sctr"], m[prefix + "kctr"])
 
 
 def _put_sources(case, sources):
@@ -103,8 +103,8 @@ def _put_sources(case, sources):
 
 
 def _get_sources(case):
-    return [S.Src(case[f"src{j}"].copy(), d["page_size"], d["nbpt"], d["read_bytes"], d["dtype"],
-                  d["pad"]) for j, d in enumerate(case["meta"]["sources"])]
+    return [support.Src(case[f"src{j}"].copy(), d["page_size"], d["nbpt"], d["read_bytes"],
+                        d["dtype"], d["pad"]) for j, d in enumerate(case["meta"]["sources"])]
 
 
 _WRITE_ARRAYS = ("offsets", "seeds", "ids", "pos", "ocl", "etok", "epos")
@@ -116,18 +116,18 @@ _VERIFY_ARRAYS = ("slots", "etok", "epos", "prev")
 
 
 def _scatter_cases(sgl):
-    import test_scatter as T
+    import test_scatter
 
     cases = []
     for bucket, n in ((0, 24),):
-        bs_cap, tok_cap, rows, cols = T.BUCKETS[bucket]
+        bs_cap, tok_cap, rows, cols = test_scatter.BUCKETS[bucket]
         rng = np.random.default_rng(5000 + bucket)
         for _ in range(n):
-            flat, offsets, rpi, pool = T.draw_case(rng, bs_cap, tok_cap, rows, cols)
-            args = T.pad_case(flat, offsets, rpi, bs_cap, tok_cap)
+            flat, offsets, rpi, pool = test_scatter.draw_case(rng, bs_cap, tok_cap, rows, cols)
+            args = test_scatter.pad_case(flat, offsets, rpi, bs_cap, tok_cap)
             cases.append({"meta": {}, "flat_in": args[0], "offsets": args[1],
                           "req_pool_indices": args[2], "pool_in": pool,
-                          "pool_out": T.oracle(sgl, flat, offsets, rpi, pool)})
+                          "pool_out": test_scatter.oracle(sgl, flat, offsets, rpi, pool)})
     return cases
 
 
@@ -135,35 +135,38 @@ _PLAN_FIELDS = ("rpi", "prefix", "extend", "rtt", "lut", "pool", "vl")
 
 
 def _plan_cases(sgl):
-    import test_plan as T
+    import test_plan
 
     cases = []
-    for family, buckets in sorted(T.FAMILIES.items()):
+    for family, buckets in sorted(test_plan.FAMILIES.items()):
         rng = np.random.default_rng(zlib.crc32(b"golden " + family.encode()))
         for i in range(10):
-            c = T.gen_case(rng, buckets[i % len(buckets)])
+            c = test_plan.gen_case(rng, buckets[i % len(buckets)])
             case = {"meta": {"W": c.W, "vc": c.vc, "wc": c.wc, "k": c.k}}
             case.update({f: getattr(c, f) for f in _PLAN_FIELDS if getattr(c, f) is not None})
-            case.update({"out." + k: v for k, v in T.run_oracle(sgl, c).items()})
+            case.update({"out." + k: v for k, v in test_plan.run_oracle(sgl, c).items()})
             cases.append(case)
     return cases
 
 
 def _write_cases(sgl):
-    import test_write as T
+    import test_write
 
     cases = []
     rng = np.random.default_rng(5100)
     for k in range(24):
-        stride, assert_on, mode, layout = T.WRITE_BUCKETS[k % len(T.WRITE_BUCKETS)]
-        st = S.State.zeros(S.NUM_SLOTS, S.RING_CAP, stride)
+        buckets = test_write.WRITE_BUCKETS
+        stride, assert_on, mode, layout = buckets[k % len(buckets)]
+        st = support.State.zeros(support.NUM_SLOTS, support.RING_CAP, stride)
         st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape, dtype=np.int64)
-        st.canary_i64[:, 1] = rng.integers(-2, 30, S.NUM_SLOTS)
-        st.widx = int(rng.integers(0, S.RING_CAP + 4))
-        st.ring[:min(st.widx, S.RING_CAP)] = rng.integers(-9, 9, (min(st.widx, S.RING_CAP), 8))
-        launch = T.random_launch(rng, st, assert_on, kind=(2, 8, 5, 11)[k % 4], hazards=True)
-        sources = S.bucket_sources(rng, layout)
-        _, ref = S.run_write(sgl, st, **launch, sources=sources, mode=mode, ours=False)
+        st.canary_i64[:, 1] = rng.integers(-2, 30, support.NUM_SLOTS)
+        st.widx = int(rng.integers(0, support.RING_CAP + 4))
+        filled = min(st.widx, support.RING_CAP)
+        st.ring[:filled] = rng.integers(-9, 9, (filled, 8))
+        launch = test_write.random_launch(rng, st, assert_on, kind=(2, 8, 5, 11)[k % 4],
+                                          hazards=True)
+        sources = support.bucket_sources(rng, layout)
+        _, ref = support.run_write(sgl, st, **launch, sources=sources, mode=mode, ours=False)
         case = {"meta": {"mode": mode, **{k: launch[k] for k in
                                           ("num_valid", "assert_on", "cpa", "kind")}}}
         case.update({k: np.asarray(launch[k], np.int64) for k in _WRITE_ARRAYS
@@ -176,21 +179,21 @@ def _write_cases(sgl):
 
 
 def _verify_cases(sgl):
-    import test_verify as T
+    import test_verify
 
     cases = []
     for mode in (0, 1, 2):
         rng = np.random.default_rng(5200 + mode)
         for k in range(8):
-            trip = S.make_trip(rng, mode, k % len(S.BUCKETS))
-            st = S.run_trip(sgl, rng, trip)
-            entries = S.verify_entries(rng, trip.chains)
-            kind = T.KINDS[k % len(T.KINDS)]
+            trip = support.make_trip(rng, mode, k % len(support.BUCKETS))
+            st = support.run_trip(sgl, rng, trip)
+            entries = support.verify_entries(rng, trip.chains)
+            kind = test_verify.KINDS[k % len(test_verify.KINDS)]
             if any(trip.chains) and (trip.sources or kind != "real_kv_byte"):
-                entries = T.corrupt(rng, kind, trip, st, entries) or entries
-            plan = S.verify_plan(*entries)
-            _, ref = S.run_verify(sgl, st, **plan, sources=trip.sources, mode=mode,
-                                  check_token=trip.check_token, ours=False)
+                entries = test_verify.corrupt(rng, kind, trip, st, entries) or entries
+            plan = support.verify_plan(*entries)
+            _, ref = support.run_verify(sgl, st, **plan, sources=trip.sources, mode=mode,
+                                        check_token=trip.check_token, ours=False)
             case = {"meta": {"mode": mode, "check_token": trip.check_token,
                              "num_valid": plan["num_valid"]}}
             case.update({k: plan[k] for k in _VERIFY_ARRAYS})
@@ -237,23 +240,23 @@ def run(op: str, case: dict, implementation: str) -> tuple[dict, dict]:
                 implementation=implementation)
         return {"pool_out": np.asarray(got)}, {"pool_out": case["pool_out"]}
     if op == "plan":
-        import test_plan as T
+        import test_plan
 
-        c = T.Case(*(case.get(f) for f in ("rpi", "prefix", "extend", "rtt")), W=m["W"],
-                   lut=case.get("lut"), vc=m["vc"], wc=m["wc"], pool=case.get("pool"),
-                   vl=case.get("vl"), k=m["k"])
+        c = test_plan.Case(*(case.get(f) for f in ("rpi", "prefix", "extend", "rtt")), W=m["W"],
+                           lut=case.get("lut"), vc=m["vc"], wc=m["wc"], pool=case.get("pool"),
+                           vl=case.get("vl"), k=m["k"])
         want = {k.removeprefix("out."): v for k, v in case.items() if k.startswith("out.")}
-        return T.run_ours(c, implementation), want
+        return test_plan.run_ours(c, implementation), want
     sources = _get_sources(case)
     st = state(case, "in.")
     if op == "write":
-        got, _ = S.run_write(None, st, **write_launch(case), sources=sources, mode=m["mode"],
-                             reference=False, implementation=implementation)
+        got, _ = support.run_write(None, st, **write_launch(case), sources=sources, mode=m["mode"],
+                                   reference=False, implementation=implementation)
     else:
-        got, _ = S.run_verify(None, st, **{k: case[k] for k in _VERIFY_ARRAYS},
-                              num_valid=m["num_valid"], check_token=m["check_token"],
-                              sources=sources, mode=m["mode"], reference=False,
-                              implementation=implementation)
+        got, _ = support.run_verify(None, st, **{k: case[k] for k in _VERIFY_ARRAYS},
+                                    num_valid=m["num_valid"], check_token=m["check_token"],
+                                    sources=sources, mode=m["mode"], reference=False,
+                                    implementation=implementation)
     return got, state(case, "out.")
 
 

@@ -29,7 +29,7 @@ import itertools
 
 import numpy as np
 
-import _canary_support as S
+import _canary_support as support
 
 # ---------------------------------------------------------------------------------------------
 # scatter
@@ -140,7 +140,7 @@ class WriteOutcomes:
     """Each request of a write launch run alone from ``before`` by the jnp reference, for each
     candidate row of its seed slot (cached)."""
 
-    def __init__(self, before: S.State, launch: dict, sources, mode):
+    def __init__(self, before: support.State, launch: dict, sources, mode):
         self.before, self.launch, self.sources, self.mode = before, launch, sources, mode
         self.num_slots = before.canary.shape[0]
         self.capacity = len(launch["seeds"])
@@ -149,19 +149,20 @@ class WriteOutcomes:
     def _start(self, r, seed_row):
         st = self.before.copy()
         st.widx = 0
-        st = S.widened(st, 4 * len(self.launch["ocl"]) + 8)
+        st = support.widened(st, 4 * len(self.launch["ocl"]) + 8)
         st.ring[:] = 0
         seed = int(self.launch["seeds"][r])
         if seed_row is not None:
             st.canary_i64[seed, :4] = seed_row
         return st
 
-    def run(self, r, seed_row, end=None) -> S.State:
+    def run(self, r, seed_row, end=None) -> support.State:
         key = (r, None if seed_row is None else tuple(int(v) for v in seed_row), end)
         if key not in self._runs:
-            ours, _ = S.run_write(None, self._start(r, seed_row), **_alone(self.launch, r, end),
-                                  sources=self.sources, mode=self.mode, reference=False,
-                                  jnp_reference=True)
+            ours, _ = support.run_write(None, self._start(r, seed_row),
+                                        **_alone(self.launch, r, end),
+                                        sources=self.sources, mode=self.mode, reference=False,
+                                        jnp_reference=True)
             self._runs[key] = ours
         return self._runs[key]
 
@@ -205,7 +206,7 @@ class WriteOutcomes:
         return rows
 
 
-def _mismatch_write(ours: S.State, before: S.State, outcomes: WriteOutcomes, choice):
+def _mismatch_write(ours: support.State, before: support.State, outcomes: WriteOutcomes, choice):
     """Why ``ours`` is not the outcome of seed choice ``choice`` (None when it is)."""
     launch, n_slots = outcomes.launch, outcomes.num_slots
     runs = [outcomes.run(r, choice[r]) for r in range(outcomes.capacity)]
@@ -232,7 +233,7 @@ def _mismatch_write(ours: S.State, before: S.State, outcomes: WriteOutcomes, cho
     if (ours.sctr, ours.kctr) != (before.sctr + stores, before.kctr + 1):
         return f"counters {(ours.sctr, ours.kctr)} != {(before.sctr + stores, before.kctr + 1)}"
     # Ring: every request's rows, under the ring guard.
-    per_request = [S.new_rows(S.State.zeros(1, 1), run) for run in runs]
+    per_request = [support.new_rows(support.State.zeros(1, 1), run) for run in runs]
     rows = [row for rs in per_request for row in rs]
     w0, cap = before.widx, len(before.ring)
     if w0 < 0:
@@ -258,7 +259,7 @@ def _mismatch_write(ours: S.State, before: S.State, outcomes: WriteOutcomes, cho
     return None
 
 
-def assert_write_outcome(ours: S.State, before: S.State, launch: dict, sources, mode):
+def assert_write_outcome(ours: support.State, before: support.State, launch: dict, sources, mode):
     """``ours`` (a write launch from ``before``) is an outcome some order of the launch's
     requests gives (module docstring); raises AssertionError naming what differs."""
     outcomes = WriteOutcomes(before, launch, sources, mode)
@@ -275,7 +276,7 @@ def assert_write_outcome(ours: S.State, before: S.State, launch: dict, sources, 
                          f"choices tried); first: {first}")
 
 
-def write_races(before: S.State, launch: dict) -> int:
+def write_races(before: support.State, launch: dict) -> int:
     """How many races a write launch draws: slots stored by two or more requests, plus seeds
     another request stores."""
     n_slots = before.canary.shape[0]
@@ -292,14 +293,15 @@ def write_races(before: S.State, launch: dict) -> int:
     return races
 
 
-def apply_write_in_order(before: S.State, launch: dict, sources, mode, order) -> S.State:
+def apply_write_in_order(before: support.State, launch: dict, sources, mode,
+                         order) -> support.State:
     """The state after the requests of ``launch`` run one after another in ``order`` (each
     alone, by the jnp reference), rows appended under the ring guard: one outcome a GPU may
     give."""
     st = before.copy()
     for r in order:
-        st, _ = S.run_write(None, st, **_alone(launch, r), sources=sources, mode=mode,
-                            reference=False, jnp_reference=True)
+        st, _ = support.run_write(None, st, **_alone(launch, r), sources=sources, mode=mode,
+                                  reference=False, jnp_reference=True)
         st.kctr -= 1  # one launch bumps the kernel counter once
     st.kctr += 1
     return st

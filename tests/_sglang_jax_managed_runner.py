@@ -15,7 +15,7 @@ import tempfile
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(_HERE), _HERE]
 
-import _sglang_jax_runner as R  # noqa: E402  (sets the 2-device mesh before JAX starts)
+import _sglang_jax_runner  # noqa: E402  (sets the 2-device mesh before JAX starts)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
@@ -25,12 +25,14 @@ from kvcanary_jax.integrations import sglang_jax as ksj  # noqa: E402
 def main() -> None:
     model_dir = tempfile.mkdtemp()
     with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(R.CONFIG, f)
-    mesh = R.create_device_mesh(ici_parallelism=[-1, 2, 1], dcn_parallelism=[1, 1, 1],
-                                devices=jax.devices()[:2])
-    runner = R.make_runner(model_dir, mesh)
+        json.dump(_sglang_jax_runner.CONFIG, f)
+    mesh = _sglang_jax_runner.create_device_mesh(ici_parallelism=[-1, 2, 1],
+                                                 dcn_parallelism=[1, 1, 1],
+                                                 devices=jax.devices()[:2])
+    runner = _sglang_jax_runner.make_runner(model_dir, mesh)
     pool = runner.token_to_kv_pool
-    canary = ksj.SglangJaxCanary.from_pools(runner.req_to_token_pool, pool, max_bs=R.MAX_BS)
+    canary = ksj.SglangJaxCanary.from_pools(runner.req_to_token_pool, pool,
+                                            max_bs=_sglang_jax_runner.MAX_BS)
     reports = []
 
     def on_violation(r):
@@ -42,7 +44,7 @@ def main() -> None:
 
     mgr = ksj.canary_manager(canary, "log", on_violation=on_violation)
     hook = ksj.ManagedModelRunnerHook(canary, runner, mgr)
-    life = R.Life(runner, mesh, hook)
+    life = _sglang_jax_runner.Life(runner, mesh, hook)
     expect = hook.expect
     # Life gives the expected ids; the step's requests come from its batch.
     hook.expect = lambda expected=None, table=None: expect(expected, table,

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import bridge
+from bench import builders
 
 pytestmark = pytest.mark.torch
 
@@ -20,16 +21,11 @@ def _raises(cls, message):
 
 
 def _ctx(num_slots=16):
-    return bridge.VerifyOrWriteContext(
+    return builders.torch_context(
+        bridge.VerifyOrWriteContext,
         canary_buf=torch.full((num_slots, 32), 0xA5, dtype=torch.uint8),
         kernel_kind=bridge.CanaryLaunchTag.HEAD_K_FULL,
-        violation_ring=torch.full((8, 8), -9, dtype=torch.int64),
-        violation_write_index=torch.zeros(1, dtype=torch.int32),
-        slot_run_counter=torch.zeros(1, dtype=torch.int64),
-        kernel_run_counter=torch.zeros(1, dtype=torch.int64),
-        real_kv_sources=(), real_kv_hash_mode=bridge.RealKvHashMode.NONE,
-        enable_chain_position_assert=torch.ones(1, dtype=torch.int32),
-    )
+        real_kv_hash_mode=bridge.RealKvHashMode.NONE, ring=8, ring_fill=-9)
 
 
 def _step_kw(**change):

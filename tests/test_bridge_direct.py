@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import bench.bridge_overhead as bo
-from bridge import declarations as D
+from bridge import declarations
 from bridge import triton_direct as td
 from bridge.launcher import lowered_specs
 from kvcanary_jax.ops.plan import pallas_triton as _plan_triton
@@ -46,18 +46,18 @@ def _calls():
                     enable_write_input_assert=False, expected_input_tokens=None,
                     expected_input_positions=None)
     return {
-        "scatter": (D.SCATTER, dict(flat_in=c["flat"], offsets=c["offs"],
-                                    req_pool_indices=c["rpi"], pool_out=c["pool"])),
-        "plan": (D.PLAN, bo._plan_kw(c)),
-        "verify": (D.VERIFY, dict(context=c["ctx"], plan=c["vp"],
-                                  check_verify_expected_token=True)),
-        "verify_source": (D.VERIFY, dict(context=ctx_src, plan=c["vp"],
-                                         check_verify_expected_token=False)),
-        "write": (D.WRITE, write_kw),
-        "write_checked_source": (D.WRITE, {**write_kw, "context": ctx_src,
-                                           "enable_write_input_assert": True,
-                                           "expected_input_tokens": c["input_ids"],
-                                           "expected_input_positions": c["positions"]}),
+        "scatter": (declarations.SCATTER, dict(flat_in=c["flat"], offsets=c["offs"],
+                                               req_pool_indices=c["rpi"], pool_out=c["pool"])),
+        "plan": (declarations.PLAN, bo._plan_kw(c)),
+        "verify": (declarations.VERIFY, dict(context=c["ctx"], plan=c["vp"],
+                                             check_verify_expected_token=True)),
+        "verify_source": (declarations.VERIFY, dict(context=ctx_src, plan=c["vp"],
+                                                    check_verify_expected_token=False)),
+        "write": (declarations.WRITE, write_kw),
+        "write_checked_source": (declarations.WRITE, {**write_kw, "context": ctx_src,
+                                                      "enable_write_input_assert": True,
+                                                      "expected_input_tokens": c["input_ids"],
+                                                      "expected_input_positions": c["positions"]}),
     }
 
 
@@ -119,10 +119,10 @@ def test_plan_kernels_share_the_verify_offsets_scratch_and_alias_the_plan_fields
 def test_plan_multi_block_path_is_three_kernels():
     c = _case()
     kw = bo._plan_kw(c)
-    ts = D.PLAN.tensors(kw)
-    args, static, results = D.PLAN.arguments(kw, ts)
+    ts = declarations.PLAN.tensors(kw)
+    args, static, results = declarations.PLAN.arguments(kw, ts)
     config = _plan_triton.Config(single_block_max=2, multi_block=2)
-    prog = td.extract_program(D.plan_fn, lowered_specs(args), results_to_args=results,
+    prog = td.extract_program(declarations.plan_fn, lowered_specs(args), results_to_args=results,
                               static=dict(static, platform="cuda", config=config))
     names = [k.name for k in prog.kernels]
     assert names == ["kvcanary_plan_offsets_block_sums", "kvcanary_plan_offsets",
@@ -229,9 +229,9 @@ def test_fused_step_is_one_program_of_all_the_kernels():
               expected_input_tokens=None, expected_input_positions=None,
               **{k: v for k, v in bo._plan_kw(c).items()
                  if k not in ("verify_plan_out", "write_plan_out")})
-    ts = D.STEP.tensors(kw)
-    args, static, results = D.STEP.arguments(kw, ts)
-    prog = td.extract_program(D.STEP.fn, lowered_specs(args), results_to_args=results,
+    ts = declarations.STEP.tensors(kw)
+    args, static, results = declarations.STEP.arguments(kw, ts)
+    prog = td.extract_program(declarations.STEP.fn, lowered_specs(args), results_to_args=results,
                               static=dict(static, platform="cuda"))
     assert [k.name for k in prog.kernels] == [
         "kvcanary_scatter_req_token_ids", "kvcanary_plan_offsets", "kvcanary_plan_entries",
@@ -326,9 +326,9 @@ def test_empty_batch_plan_is_copies_of_constants_and_matches_sglang(sgl):
               req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
               kv_token_id_vs_position_offset=0)
     ours = dict(kw, verify_plan_out=plans[0][0], write_plan_out=plans[0][1])
-    ts = D.PLAN.tensors(ours)
-    args, static, results = D.PLAN.arguments(ours, ts)
-    prog = td.extract_program(D.PLAN.fn, lowered_specs(args), results_to_args=results,
+    ts = declarations.PLAN.tensors(ours)
+    args, static, results = declarations.PLAN.arguments(ours, ts)
+    prog = td.extract_program(declarations.PLAN.fn, lowered_specs(args), results_to_args=results,
                               static=dict(static, platform="cuda"))
     assert prog.kernels == () and prog.copies
     log, compiled = [], []

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import bridge
+from bench import builders
 from kvcanary_jax import buckets
 
 CPU = torch.device("cpu")
@@ -29,17 +30,11 @@ def _rss_mib() -> float:
 
 
 def _context(cls, *, num_slots, ring=256, sources=(), mode=None, device=CPU):
-    return cls(
-        canary_buf=torch.zeros(num_slots, 32, dtype=torch.uint8, device=device),
+    return builders.torch_context(
+        cls, canary_buf=torch.zeros(num_slots, 32, dtype=torch.uint8, device=device),
         kernel_kind=bridge.CanaryLaunchTag.HEAD_K_FULL,
-        violation_ring=torch.zeros(ring, 8, dtype=torch.int64, device=device),
-        violation_write_index=torch.zeros(1, dtype=torch.int32, device=device),
-        slot_run_counter=torch.zeros(1, dtype=torch.int64, device=device),
-        kernel_run_counter=torch.zeros(1, dtype=torch.int64, device=device),
-        real_kv_sources=sources,
-        real_kv_hash_mode=bridge.RealKvHashMode.NONE if mode is None else mode,
-        enable_chain_position_assert=torch.ones(1, dtype=torch.int32, device=device),
-    )
+        real_kv_hash_mode=bridge.RealKvHashMode.NONE if mode is None else mode, ring=ring,
+        real_kv_sources=sources)
 
 
 class _Compiles:

@@ -407,3 +407,44 @@ def test_campaign_stops_between_steps_with_a_partial_result():
     assert [(f.kind, f.injected, f.detected) for f in res.faults] == [
         ("canary_token_flip", 1, 1)]
     assert res.as_dict()["interrupted"] is True
+
+
+def _imported_modules(path) -> set[str]:
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def test_bench_and_the_command_line_do_not_import_each_other():
+    """The benchmarks pick their platform with kvcanary_jax._devices, not through the command
+    line, whose ``bench`` command is the only side that reaches the other (for ``kvcanary-jax
+    bench``, inside that command)."""
+    root = _cli.README.parent
+    importers = [p.name for p in sorted((root / "bench").glob("*.py"))
+                 if any(m == "kvcanary_jax.cli" or m.startswith("kvcanary_jax.cli.")
+                        for m in _imported_modules(p))]
+    assert importers == []
+    import ast
+
+    tree = ast.parse((root / "kvcanary_jax" / "cli.py").read_text(encoding="utf-8"))
+    top_level = {n.module for n in tree.body if isinstance(n, ast.ImportFrom)}
+    top_level |= {a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+    assert not any(m.split(".")[0] == "bench" for m in top_level)
+
+
+def test_select_device_gpu_without_a_gpu_says_so():
+    import jax
+
+    from kvcanary_jax._devices import select_device
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("this machine has a GPU: select_device('gpu') accepts it")
+    with pytest.raises(SystemExit, match=r"--device gpu needs a CUDA GPU \(JAX sees '\w+'\)"):
+        select_device("gpu")

@@ -7,14 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import _canary_support as S
-import _golden as G
+import _canary_support as support
+import _golden
 import _races
 from _impls import implementations, in_reference_order
 
 
 def _params():
-    return [(op, impl) for op in G.OPS for impl in implementations(op)]
+    return [(op, impl) for op in _golden.OPS for impl in implementations(op)]
 
 
 def _verify_rows_drawn(ours, case, before):
@@ -22,10 +22,11 @@ def _verify_rows_drawn(ours, case, before):
     that land are drawn from the launch's full set (the jnp reference on a ring with room for
     every row; it equals SGLang's wherever the golden cases check it)."""
     m = case["meta"]
-    full, _ = S.run_verify(None, S.widened(before, len(case["slots"]) + 8),
-                           **{k: case[k] for k in G._VERIFY_ARRAYS}, num_valid=m["num_valid"],
-                           check_token=m["check_token"], sources=G._get_sources(case),
-                           mode=m["mode"], reference=False, jnp_reference=True)
+    full, _ = support.run_verify(None, support.widened(before, len(case["slots"]) + 8),
+                                 **{k: case[k] for k in _golden._VERIFY_ARRAYS},
+                                 num_valid=m["num_valid"],
+                                 check_token=m["check_token"], sources=_golden._get_sources(case),
+                                 mode=m["mode"], reference=False, jnp_reference=True)
     return full
 
 
@@ -47,32 +48,32 @@ def test_gpu_comparisons_accept_request_order(op):
 
 
 def _check_goldens(op, impl, ordered):
-    cases = G.load(op)
+    cases = _golden.load(op)
     assert cases
     for i, case in enumerate(cases):
-        ours, want = G.run(op, case, impl)
+        ours, want = _golden.run(op, case, impl)
         if op == "write":
-            before = G.state(case, "in.")
+            before = _golden.state(case, "in.")
             if ordered:
-                S.assert_same(ours, want, before, ordered=True)
+                support.assert_same(ours, want, before, ordered=True)
             else:
-                _races.assert_write_outcome(ours, before, G.write_launch(case),
-                                            G._get_sources(case), case["meta"]["mode"])
+                _races.assert_write_outcome(ours, before, _golden.write_launch(case),
+                                            _golden._get_sources(case), case["meta"]["mode"])
         elif op == "verify":
-            before = G.state(case, "in.")
+            before = _golden.state(case, "in.")
             uncapped = None
-            if not ordered and S.rows_dropped(before, want):
+            if not ordered and support.rows_dropped(before, want):
                 uncapped = _verify_rows_drawn(ours, case, before)
-            S.assert_same(ours, want, before, ordered=ordered and uncapped is None,
-                          uncapped=uncapped)
+            support.assert_same(ours, want, before, ordered=ordered and uncapped is None,
+                                uncapped=uncapped)
         else:
             for k, v in want.items():
                 np.testing.assert_array_equal(np.asarray(ours[k]), v, err_msg=f"case {i} {k}")
 
 
-@pytest.mark.parametrize("op", G.OPS)
+@pytest.mark.parametrize("op", _golden.OPS)
 def test_goldens_are_sglangs(sgl, op):
     """The committed cases are what the case builders and SGLang give today (rewrite them with
     ``python tests/_golden.py`` after changing a builder)."""
-    bad = G.same(G.build(op, sgl), G.load(op))
+    bad = _golden.same(_golden.build(op, sgl), _golden.load(op))
     assert not bad, bad[:10]

@@ -130,30 +130,31 @@ def test_real_kv_fold_hand_checked(mode, label, want):
 
 
 def _pairs(xs):
-    from kvcanary_jax import hashing_u32 as H
+    from kvcanary_jax import hashing_u32
 
-    return H.from_i64(jnp.asarray(xs, jnp.int64))
+    return hashing_u32.from_i64(jnp.asarray(xs, jnp.int64))
 
 
 def test_pair_hash_splitmix64_edges_and_100k_random(sgl):
-    from kvcanary_jax import hashing_u32 as H
+    from kvcanary_jax import hashing_u32
 
     rng = np.random.default_rng(10)
     xs = np.concatenate([np.array(EDGES, np.int64), _random_i64(rng, 100_000)])
     with jax.enable_x64(True):
-        got = np.asarray(H.to_i64(jax.jit(H.splitmix64)(_pairs(xs))))
+        got = np.asarray(hashing_u32.to_i64(jax.jit(hashing_u32.splitmix64)(_pairs(xs))))
     want = np.array([_ref_i64(sgl, sgl.consts.splitmix64, int(x)) for x in xs], np.int64)
     np.testing.assert_array_equal(got, want)
 
 
 def test_pair_hash_mix3_random(sgl):
-    from kvcanary_jax import hashing_u32 as H
+    from kvcanary_jax import hashing_u32
 
     rng = np.random.default_rng(11)
     a, b, c = (np.concatenate([np.array(EDGES, np.int64), _random_i64(rng, 20_000)])
                for _ in range(3))
     with jax.enable_x64(True):
-        got = np.asarray(H.to_i64(jax.jit(H.mix3)(_pairs(a), _pairs(b), _pairs(c))))
+        mix3 = jax.jit(hashing_u32.mix3)
+        got = np.asarray(hashing_u32.to_i64(mix3(_pairs(a), _pairs(b), _pairs(c))))
     want = np.array([_ref_i64(sgl, sgl.consts.splitmix64_mix3, int(x), int(y), int(z))
                      for x, y, z in zip(a, b, c)], np.int64)
     np.testing.assert_array_equal(got, want)
@@ -162,7 +163,7 @@ def test_pair_hash_mix3_random(sgl):
 def test_pair_arithmetic_against_int64():
     """Additions, subtractions, negation, comparisons, shifts and constant products on pairs
     equal int64 arithmetic (two's complement, wrapping) on edges and random values."""
-    from kvcanary_jax import hashing_u32 as H
+    from kvcanary_jax import hashing_u32
 
     rng = np.random.default_rng(12)
     x = np.concatenate([np.array(EDGES * 2, np.int64), _random_i64(rng, 5000)])
@@ -170,35 +171,36 @@ def test_pair_arithmetic_against_int64():
     c = int(rng.integers(-(2**63), 2**63 - 1))
     with jax.enable_x64(True):
         px, py = _pairs(x), _pairs(y)
-        i64 = lambda p: np.asarray(H.to_i64(p))  # noqa: E731
-        np.testing.assert_array_equal(i64(H.add(px, py)), x + y)
-        np.testing.assert_array_equal(i64(H.sub(px, py)), x - y)
-        np.testing.assert_array_equal(i64(H.neg(px)), -x)
-        np.testing.assert_array_equal(i64(H.mul_const(px, c)), x * np.int64(c))
-        np.testing.assert_array_equal(np.asarray(H.lt(px, py)), x < y)
-        np.testing.assert_array_equal(np.asarray(H.is_neg(px)), x < 0)
-        np.testing.assert_array_equal(np.asarray(H.eq(px, py)), x == y)
+        i64 = lambda p: np.asarray(hashing_u32.to_i64(p))  # noqa: E731
+        np.testing.assert_array_equal(i64(hashing_u32.add(px, py)), x + y)
+        np.testing.assert_array_equal(i64(hashing_u32.sub(px, py)), x - y)
+        np.testing.assert_array_equal(i64(hashing_u32.neg(px)), -x)
+        np.testing.assert_array_equal(i64(hashing_u32.mul_const(px, c)), x * np.int64(c))
+        np.testing.assert_array_equal(np.asarray(hashing_u32.lt(px, py)), x < y)
+        np.testing.assert_array_equal(np.asarray(hashing_u32.is_neg(px)), x < 0)
+        np.testing.assert_array_equal(np.asarray(hashing_u32.eq(px, py)), x == y)
         for n in (1, 27, 30, 31):
-            np.testing.assert_array_equal(i64(H.shr(px, n)),
+            np.testing.assert_array_equal(i64(hashing_u32.shr(px, n)),
                                           (x.view(np.uint64) >> np.uint64(n)).view(np.int64))
         lo = x.astype(np.int32)
-        np.testing.assert_array_equal(i64(H.from_i32(jnp.asarray(lo))), lo.astype(np.int64))
-    assert H.join_int(*H.ANCHOR_HASH) == hashing.ANCHOR_HASH_I64
+        np.testing.assert_array_equal(i64(hashing_u32.from_i32(jnp.asarray(lo))),
+                                      lo.astype(np.int64))
+    assert hashing_u32.join_int(*hashing_u32.ANCHOR_HASH) == hashing.ANCHOR_HASH_I64
 
 
 def _pair_hash_kernel(n_ref, x_ref, s_in, o_ref, m_ref, s_ref):
     """splitmix64 and mix3 on the vector unit (lane-dense planes), and splitmix64 of the first
     n entries on the scalar unit (a loop over SMEM), as the TPU kernels run them."""
-    from kvcanary_jax import hashing_u32 as H
+    from kvcanary_jax import hashing_u32
 
     hi, lo = x_ref[0].astype(jnp.uint32), x_ref[1].astype(jnp.uint32)
-    h = H.splitmix64((hi, lo))
+    h = hashing_u32.splitmix64((hi, lo))
     o_ref[0], o_ref[1] = h[0].astype(jnp.int32), h[1].astype(jnp.int32)
-    m = H.mix3((hi, lo), (hi ^ jnp.uint32(0x5555), lo), H.neg((hi, lo)))
+    m = hashing_u32.mix3((hi, lo), (hi ^ jnp.uint32(0x5555), lo), hashing_u32.neg((hi, lo)))
     m_ref[0], m_ref[1] = m[0].astype(jnp.int32), m[1].astype(jnp.int32)
 
     def one(i, c):
-        p = H.splitmix64((s_in[0, i].astype(jnp.uint32), s_in[1, i].astype(jnp.uint32)))
+        p = hashing_u32.splitmix64((s_in[0, i].astype(jnp.uint32), s_in[1, i].astype(jnp.uint32)))
         s_ref[0, i] = p[0].astype(jnp.int32)
         s_ref[1, i] = p[1].astype(jnp.int32)
         return c

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from kvcanary_jax import consts
 from kvcanary_jax import runtime as rt
 from kvcanary_jax.ops.verify import canary_verify, canary_verify_reference
-from kvcanary_jax.plans import VerifyPlan
 
-import _canary_support as S
+import _canary_support as support
+from bench import builders
 import _impls
 from _impls import with_tpu
 
@@ -37,7 +37,7 @@ def _recorded_ring(cap=CAP):
 
 
 def _state(num_slots, w0, cap=CAP):
-    st = S.State.zeros(num_slots, cap)
+    st = support.State.zeros(num_slots, cap)
     st.ring[:] = _recorded_ring(cap)
     st.widx = w0
     return st
@@ -61,14 +61,9 @@ def _run_verify_ours(st, runner, e):
     kw = {} if runner == "reference" else dict(implementation=runner,
                                                 config=_impls.config("verify", runner))
     with jax.enable_x64(True):
-        plan = VerifyPlan(
-            verify_slot_indices=S._i64(e["slots"]), verify_expected_tokens=S._i64(e["etok"]),
-            verify_expected_positions=S._i64(e["epos"]),
-            verify_prev_slot_indices=S._i64(e["prev"]),
-            verify_num_valid=jnp.asarray([e["num_valid"]], jnp.int32),
-            enable=jnp.asarray([1], jnp.int32))
-        out = fn(context=S.jax_context(st), plan=plan, check_verify_expected_token=True, **kw)
-    return S.state_of(out)
+        plan = builders.jax_verify_plan(e["slots"], e["etok"], e["epos"], e["prev"], e["num_valid"])
+        out = fn(context=support.jax_context(st), plan=plan, check_verify_expected_token=True, **kw)
+    return support.state_of(out)
 
 
 @pytest.mark.parametrize("runner", VERIFY_RUNNERS)
@@ -81,7 +76,7 @@ def test_verify_bad_index_writes_no_row(sgl, w0, n, runner):
     ours = _run_verify_ours(st, runner, e)
     # What the ring guard does not touch is SGLang's: its reference on the same launch from an
     # index of 0 (the counters and the canary do not depend on the index).
-    _, ref = S.run_verify(sgl, _state(n + 1, 0, cap=n), ours=False, **e)
+    _, ref = support.run_verify(sgl, _state(n + 1, 0, cap=n), ours=False, **e)
     assert ref.widx == n
     np.testing.assert_array_equal(ours.ring, _recorded_ring())
     assert ours.widx == _expected_index(w0, n)
@@ -92,8 +87,8 @@ def test_verify_bad_index_writes_no_row(sgl, w0, n, runner):
 def test_sglang_reference_raises_or_writes_the_last_rows_on_a_negative_index(sgl):
     """What the guard replaces: SGLang's reference slices the ring with the index."""
     with pytest.raises(RuntimeError):
-        S.run_verify(sgl, _state(3, -1), ours=False, **_verify_entries(2))
-    _, ref = S.run_verify(sgl, _state(3, -2), ours=False, **_verify_entries(1))
+        support.run_verify(sgl, _state(3, -1), ours=False, **_verify_entries(2))
+    _, ref = support.run_verify(sgl, _state(3, -2), ours=False, **_verify_entries(1))
     assert ref.widx == -1 and not np.array_equal(ref.ring[CAP - 2], _recorded_ring()[CAP - 2])
 
 
@@ -104,10 +99,10 @@ def test_verify_index_in_range_is_sglangs(sgl, w0, runner):
     st = _state(4, w0)
     st.ring[w0:] = 0  # rows not yet recorded
     if runner == "reference":
-        ours, ref = S.run_verify(sgl, st, jnp_reference=True, **e)
-        S.assert_same(ours, ref, st, ordered=True)
+        ours, ref = support.run_verify(sgl, st, jnp_reference=True, **e)
+        support.assert_same(ours, ref, st, ordered=True)
     else:
-        S.check_verify(sgl, st, implementation=runner, ordered=True, **e)
+        support.check_verify(sgl, st, implementation=runner, ordered=True, **e)
 
 
 @pytest.mark.parametrize("runner", VERIFY_RUNNERS)
@@ -141,8 +136,8 @@ def test_write_bad_index_writes_no_row(sgl, w0, nreq, per_req, runner):
     n = nreq * per_req
     st = _state(n + 1, w0)
     kw = dict(jnp_reference=True) if runner == "reference" else dict(implementation=runner)
-    ours, _ = S.run_write(sgl, st, reference=False, **launch, **kw)
-    _, ref = S.run_write(sgl, _state(n + 1, 0, cap=n), ours=False, **launch)
+    ours, _ = support.run_write(sgl, st, reference=False, **launch, **kw)
+    _, ref = support.run_write(sgl, _state(n + 1, 0, cap=n), ours=False, **launch)
     assert ref.widx == n
     np.testing.assert_array_equal(ours.ring, _recorded_ring())
     assert ours.widx == _expected_index(w0, n)
@@ -156,8 +151,8 @@ def test_write_index_in_range_is_sglangs(sgl, w0, runner):
     st = _state(4, w0)
     st.ring[w0:] = 0
     kw = dict(jnp_reference=True) if runner == "reference" else dict(implementation=runner)
-    ours, ref = S.run_write(sgl, st, **_write_launch(1, 3), **kw)
-    S.assert_same(ours, ref, st, ordered=True)
+    ours, ref = support.run_write(sgl, st, **_write_launch(1, 3), **kw)
+    support.assert_same(ours, ref, st, ordered=True)
 
 
 @pytest.mark.parametrize("runner", WRITE_RUNNERS)
@@ -165,7 +160,7 @@ def test_write_index_saturates_over_launches(sgl, runner):
     st = _state(4, MAX - 1)
     kw = dict(jnp_reference=True) if runner == "reference" else dict(implementation=runner)
     for _ in range(2):
-        st, _ = S.run_write(sgl, st, reference=False, **_write_launch(1, 3), **kw)
+        st, _ = support.run_write(sgl, st, reference=False, **_write_launch(1, 3), **kw)
         assert st.widx == MAX
         np.testing.assert_array_equal(st.ring, _recorded_ring())
 
@@ -176,10 +171,12 @@ def test_write_index_saturates_over_launches(sgl, runner):
 def _torch_verify(sgl, bridge, st, e):
     import torch
 
-    ctx = S.torch_context(sgl, st)
+    ctx = support.torch_context(sgl, st)
     plan = sgl.verify.VerifyPlan(
-        verify_slot_indices=S._t64(e["slots"]), verify_expected_tokens=S._t64(e["etok"]),
-        verify_expected_positions=S._t64(e["epos"]), verify_prev_slot_indices=S._t64(e["prev"]),
+        verify_slot_indices=support._t64(e["slots"]),
+        verify_expected_tokens=support._t64(e["etok"]),
+        verify_expected_positions=support._t64(e["epos"]),
+        verify_prev_slot_indices=support._t64(e["prev"]),
         verify_num_valid=torch.tensor([e["num_valid"]], dtype=torch.int32),
         enable=torch.tensor([1], dtype=torch.int32))
     return ctx, lambda: bridge.launch_canary_verify_kernel(context=ctx, plan=plan,
@@ -189,15 +186,16 @@ def _torch_verify(sgl, bridge, st, e):
 def _torch_write(sgl, bridge, st, launch):
     import torch
 
-    ctx = S.torch_context(sgl, st)
+    ctx = support.torch_context(sgl, st)
     plan = sgl.write.WritePlan(
-        write_offsets=S._t64(launch["offsets"]), write_seed_slot_indices=S._t64(launch["seeds"]),
+        write_offsets=support._t64(launch["offsets"]),
+        write_seed_slot_indices=support._t64(launch["seeds"]),
         write_num_valid_reqs=torch.tensor([launch["num_valid"]], dtype=torch.int32))
     return ctx, lambda: bridge.launch_canary_write_kernel(
-        context=ctx, plan=plan, input_ids=S._t64(launch["ids"]),
-        positions=S._t64(launch["pos"]), out_cache_loc=S._t64(launch["ocl"]),
-        enable_write_input_assert=True, expected_input_tokens=S._t64(launch["etok"]),
-        expected_input_positions=S._t64(launch["epos"]))
+        context=ctx, plan=plan, input_ids=support._t64(launch["ids"]),
+        positions=support._t64(launch["pos"]), out_cache_loc=support._t64(launch["ocl"]),
+        enable_write_input_assert=True, expected_input_tokens=support._t64(launch["etok"]),
+        expected_input_positions=support._t64(launch["epos"]))
 
 
 @pytest.mark.parametrize("op", ["verify", "write"])
@@ -218,12 +216,12 @@ def test_bridge_value_checks_raise_on_a_negative_index(sgl, op, w0):
         f"kv-canary: {name} violation_write_index is {w0}, negative: it only counts up from 0, "
         "so something overwrote it; the ring's rows and the violation count cannot be trusted, "
         "and no violation is recorded while it stays negative")
-    after = S.state_of(ctx)  # raised before anything ran
+    after = support.state_of(ctx)  # raised before anything ran
     np.testing.assert_array_equal(after.ring, st.ring)
     assert (after.widx, after.sctr, after.kctr) == (w0, 0, 0)
     with bridge.value_checks(False):  # the kernels keep the ring intact without the checks
         call()
-    after = S.state_of(ctx)
+    after = support.state_of(ctx)
     np.testing.assert_array_equal(after.ring, st.ring)
     assert (after.widx, after.kctr) == (w0, 1)
 

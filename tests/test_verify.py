@@ -14,7 +14,7 @@ from kvcanary_jax.contracts import TensorMeta
 from kvcanary_jax.ops.verify import canary_verify
 from kvcanary_jax.plans import VerifyPlan
 
-import _canary_support as S
+import _canary_support as support
 import _impls
 import _tier
 from _impls import implementations, lower, pallas, with_tpu
@@ -37,8 +37,8 @@ def _launch(**kw):
 
 def _written(sgl, chains, *, sources=(), mode=0, stride=32, num_slots=8, ring_cap=4):
     """A canary holding ``chains`` (lists of (slot, token, position)), written by the reference."""
-    st = S.State.zeros(num_slots, ring_cap, stride)
-    ctx = S.torch_context(sgl, st, sources=sources, mode=mode)
+    st = support.State.zeros(num_slots, ring_cap, stride)
+    ctx = support.torch_context(sgl, st, sources=sources, mode=mode)
     offsets, ids, pos, ocl = [0], [], [], []
     for ch in chains:
         for s, t, p in ch:
@@ -55,7 +55,7 @@ def _written(sgl, chains, *, sources=(), mode=0, stride=32, num_slots=8, ring_ca
         input_ids=torch.tensor(ids), positions=torch.tensor(pos), out_cache_loc=torch.tensor(ocl),
         enable_write_input_assert=False, expected_input_tokens=None,
         expected_input_positions=None)
-    st = S.state_of(ctx)
+    st = support.state_of(ctx)
     st.sctr = st.kctr = 0
     return st
 
@@ -72,10 +72,10 @@ def _entries(chain=CHAIN):
 def _check(sgl, st, impl, *, cap=None, num_valid=None, ordered=False, expect_rows=None, **kw):
     e = {k: kw.pop(k) for k in ("slots", "etok", "epos", "prev")}
     n = len(e["slots"])
-    plan = S.verify_plan(e["slots"], e["etok"], e["epos"], e["prev"], cap=cap or n)
+    plan = support.verify_plan(e["slots"], e["etok"], e["epos"], e["prev"], cap=cap or n)
     if num_valid is not None:
         plan["num_valid"] = num_valid
-    ours, ref = S.check_verify(sgl, st, implementation=impl, **plan, **kw, ordered=ordered)
+    ours, ref = support.check_verify(sgl, st, implementation=impl, **plan, **kw, ordered=ordered)
     if expect_rows is not None:
         assert ref.widx - st.widx == expect_rows
     return ours, ref
@@ -148,8 +148,8 @@ def test_expected_token_sentinel_and_mismatch(sgl, impl):
 
 def _kv_source(rng, num_slots=8, page=1, nbpt=32, read=32, pad=0, dtype="uint8"):
     rows = -(-num_slots // page)
-    return S.Src(rng.integers(0, 256, (rows, page * nbpt), dtype=np.uint8), page, nbpt, read,
-                 dtype, pad)
+    return support.Src(rng.integers(0, 256, (rows, page * nbpt), dtype=np.uint8), page, nbpt, read,
+                       dtype, pad)
 
 
 @pytest.mark.parametrize("mode", [1, 2])
@@ -158,7 +158,7 @@ def test_real_kv_clean_then_bit_flip(sgl, mode, impl):
     src = _kv_source(rng)
     st = _written(sgl, [CHAIN], sources=[src], mode=mode)
     _check(sgl, st, impl, **_entries(), sources=[src], mode=mode, check_token=True, expect_rows=0)
-    flipped = S.Src(src.u8.copy(), 1, 32, 32)
+    flipped = support.Src(src.u8.copy(), 1, 32, 32)
     flipped.u8[2, 20 if mode == 2 else 5] ^= 0x10
     _, ref = _check(sgl, st, impl, **_entries(), sources=[flipped], mode=mode, check_token=True,
                     expect_rows=1)
@@ -192,19 +192,19 @@ def test_negative_slot_reads_wrapped_row_like_the_reference(sgl, impl):
 
 
 def test_out_of_range_slot_and_prev_read_as_zero_rows(impl):
-    st = S.State.zeros(8, 4)
+    st = support.State.zeros(8, 4)
     st.canary_i64[3] = [5, 6, 7, 0]
     with jax.enable_x64(True):
-        ctx = S.jax_context(st)
+        ctx = support.jax_context(st)
         plan = VerifyPlan(
             verify_slot_indices=jnp.array([8, -9, 3, 3], jnp.int64),
             verify_expected_tokens=jnp.array([-1, -1, 5, 5], jnp.int64),
             verify_expected_positions=jnp.array([0, 1, 6, 6], jnp.int64),
             verify_prev_slot_indices=jnp.array([0, 0, 100, 0], jnp.int64),
             verify_num_valid=jnp.array([4], jnp.int32), enable=jnp.array([1], jnp.int32))
-        out = S.state_of(canary_verify(context=ctx, plan=plan, check_verify_expected_token=True,
-                                       implementation=impl,
-                                       config=_impls.config("verify", impl)))
+        out = support.state_of(canary_verify(context=ctx, plan=plan,
+                                             check_verify_expected_token=True, implementation=impl,
+                                             config=_impls.config("verify", impl)))
     # slot 8 (zero row, position 0 == 0): clean; slot -9: position 0 != 1; slot 3 with prev 100
     # (zero row): expected link mix3(0, 0, 0) = 0 != 7; slot 3 with prev 0: clean.
     rows = sorted(tuple(int(v) for v in r) for r in out.ring[:out.widx])
@@ -220,24 +220,25 @@ def test_many_blocks_grid_stride(sgl, structure, impl):
     rng = np.random.default_rng(11)
     num_slots, n = 1024, 1500
     slots = rng.integers(1, num_slots, n)
-    st = S.State.zeros(num_slots, 2048)
+    st = support.State.zeros(num_slots, 2048)
     st.canary_i64[:, :4] = rng.integers(-5, 5, (num_slots, 4))
     e = dict(slots=slots, etok=rng.integers(-5, 5, n), epos=rng.integers(-5, 5, n),
              prev=rng.integers(-2, num_slots, n))
-    plan = S.verify_plan(**e, cap=2048)
+    plan = support.verify_plan(**e, cap=2048)
     plan["num_valid"] = 1400
-    ours, ref = S.check_verify(sgl, st, implementation=impl, **plan, check_token=True)
+    ours, ref = support.check_verify(sgl, st, implementation=impl, **plan, check_token=True)
     with jax.enable_x64(True):
         tight = canary_verify(
-            context=S.jax_context(st),
+            context=support.jax_context(st),
             plan=VerifyPlan(
-                verify_slot_indices=S._i64(plan["slots"]), verify_expected_tokens=S._i64(
-                    plan["etok"]), verify_expected_positions=S._i64(plan["epos"]),
-                verify_prev_slot_indices=S._i64(plan["prev"]),
+                verify_slot_indices=support._i64(plan["slots"]),
+                verify_expected_tokens=support._i64(
+                    plan["etok"]), verify_expected_positions=support._i64(plan["epos"]),
+                verify_prev_slot_indices=support._i64(plan["prev"]),
                 verify_num_valid=jnp.array([1400], jnp.int32), enable=jnp.array([1], jnp.int32)),
             check_verify_expected_token=True, implementation=impl,
             config=_launch(block=128, max_programs=3, **structure))
-    S.assert_same(S.state_of(tight), ref, st)
+    support.assert_same(support.state_of(tight), ref, st)
 
 
 # --- round trips: write then verify, clean, per hash mode --------------------------------------
@@ -253,12 +254,12 @@ TRIP_IMPLS = tuple(i for i in IMPLS if i in implementations("write"))
 def test_round_trips_clean(sgl, mode, impl):
     rng = np.random.default_rng(100 + mode)
     for k in _tier.cases("verify round trips", 100 + mode, TRIPS_PER_MODE):
-        trip = S.make_trip(rng, mode, k % len(S.BUCKETS))
-        st = S.run_trip(sgl, rng, trip, implementation=impl)
-        plan = S.verify_plan(*S.verify_entries(rng, trip.chains))
-        ours, ref = S.run_verify(sgl, st, **plan, sources=trip.sources, mode=mode,
-                                 check_token=trip.check_token, implementation=impl)
-        S.assert_same(ours, ref, st)
+        trip = support.make_trip(rng, mode, k % len(support.BUCKETS))
+        st = support.run_trip(sgl, rng, trip, implementation=impl)
+        plan = support.verify_plan(*support.verify_entries(rng, trip.chains))
+        ours, ref = support.run_verify(sgl, st, **plan, sources=trip.sources, mode=mode,
+                                       check_token=trip.check_token, implementation=impl)
+        support.assert_same(ours, ref, st)
         assert ref.widx == 0, (k, ref.ring)
 
 
@@ -293,7 +294,7 @@ def corrupt(rng, kind, trip, st, entries):
     elif kind == "stale_entry":
         # req_to_token holds a stale slot at this position: the entry and its successor's
         # predecessor both name it.
-        stale = int(rng.integers(1, S.NUM_SLOTS))
+        stale = int(rng.integers(1, support.NUM_SLOTS))
         for j in range(len(slots)):
             if prev[j] == s and slots[j] != 0:
                 prev[j] = stale
@@ -320,17 +321,17 @@ def test_single_corruptions(sgl, mode, impl, launch):
     detected = {k: 0 for k in KINDS}
     for k in _tier.cases("verify single corruptions", 200 + mode, _tier.n(6, 60) * len(KINDS)):
         kind = KINDS[k % len(KINDS)]
-        trip = S.make_trip(rng, mode, (k // len(KINDS)) % len(S.BUCKETS))
+        trip = support.make_trip(rng, mode, (k // len(KINDS)) % len(support.BUCKETS))
         if not any(trip.chains) or not trip.sources and kind == "real_kv_byte":
             continue
-        st = S.run_trip(sgl, rng, trip, implementation=impl)
-        entries = S.verify_entries(rng, trip.chains)
+        st = support.run_trip(sgl, rng, trip, implementation=impl)
+        entries = support.verify_entries(rng, trip.chains)
         got = corrupt(rng, kind, trip, st, entries)
         if got is None:
             continue
-        plan = S.verify_plan(*got)
-        ours, ref = S.check_verify(sgl, st, implementation=impl, **plan, sources=trip.sources,
-                                   mode=mode, check_token=trip.check_token, config=config)
+        plan = support.verify_plan(*got)
+        ours, ref = support.check_verify(sgl, st, implementation=impl, **plan, sources=trip.sources,
+                                         mode=mode, check_token=trip.check_token, config=config)
         detected[kind] += ref.widx > 0
     for kind, n in detected.items():
         if kind == "real_kv_byte" and mode == 0:
@@ -343,7 +344,7 @@ def test_single_corruptions(sgl, mode, impl, launch):
 
 
 def _ctx(**kw):
-    return S.jax_context(S.State.zeros(8, 4), **kw)
+    return support.jax_context(support.State.zeros(8, 4), **kw)
 
 
 def _vplan(n=4, **over):
@@ -358,13 +359,13 @@ def _vplan(n=4, **over):
 
 
 def test_too_many_sources(sgl):
-    src = S.Src(np.zeros((8, 16), np.uint8), 1, 16, 16)
+    src = support.Src(np.zeros((8, 16), np.uint8), 1, 16, 16)
     with pytest.raises(ValueError) as ours:
         canary_verify(context=_ctx(sources=[src] * 5), plan=_vplan(),
                       check_verify_expected_token=False)
     with pytest.raises(ValueError) as ref:
         sgl.verify.launch_canary_verify_kernel(
-            context=S.torch_context(sgl, S.State.zeros(8, 4), sources=[src] * 5),
+            context=support.torch_context(sgl, support.State.zeros(8, 4), sources=[src] * 5),
             plan=sgl.verify.VerifyPlan.allocate(verify_capacity=4, device="cpu"),
             check_verify_expected_token=False)
     assert str(ours.value) == str(ref.value)
@@ -385,8 +386,8 @@ def test_canary_stride(stride, cls, msg):
 def test_canary_stride_message_is_the_references(sgl):
     import torch
 
-    st = S.State(np.zeros((8, 24), np.uint8), np.zeros((4, 8), np.int64))
-    ctx = S.torch_context(sgl, st)
+    st = support.State(np.zeros((8, 24), np.uint8), np.zeros((4, 8), np.int64))
+    ctx = support.torch_context(sgl, st)
     plan = sgl.verify.VerifyPlan(
         verify_slot_indices=torch.ones(2, dtype=torch.int64),
         verify_expected_tokens=torch.zeros(2, dtype=torch.int64),
@@ -474,9 +475,9 @@ def test_source_abi_checks(sgl):
 def test_lowers_through_triton_for_the_gpu(check_token, mode):
     """The GPU (Triton) lowering runs on any machine: every primitive the kernel uses must have a
     lowering rule there (a GPU run is still needed to compile and execute it)."""
-    src = S.Src(np.zeros((64, 32), np.uint8), 1, 32, 32, "float32")
+    src = support.Src(np.zeros((64, 32), np.uint8), 1, 32, 32, "float32")
     with jax.enable_x64(True):
-        ctx = S.jax_context(S.State.zeros(64, 16), sources=[src], mode=mode)
+        ctx = support.jax_context(support.State.zeros(64, 16), sources=[src], mode=mode)
         f = jax.jit(lambda context, plan: canary_verify(
             context=context, plan=plan, check_verify_expected_token=check_token,
             implementation="pallas_triton"), donate_argnums=0)
@@ -492,22 +493,23 @@ def test_round_trips_and_corruptions_against_jnp_reference(mode, impl):
     rng = np.random.default_rng(900 + mode)
     count = _tier.n(1, 60) if _impls.tpu_interpreted(impl) else _tier.n(12, 60)
     for k in _tier.cases("verify vs jnp reference", 900 + mode, count):
-        trip = S.make_trip(rng, mode, k % len(S.BUCKETS))
-        st = S.run_trip(None, rng, trip, jnp_reference=True, reference=False)
-        entries = S.verify_entries(rng, trip.chains)
+        trip = support.make_trip(rng, mode, k % len(support.BUCKETS))
+        st = support.run_trip(None, rng, trip, jnp_reference=True, reference=False)
+        entries = support.verify_entries(rng, trip.chains)
         kind = KINDS[k % len(KINDS)]
         if any(trip.chains) and (trip.sources or kind != "real_kv_byte"):
             entries = corrupt(rng, kind, trip, st, entries) or entries
-        kw = dict(**S.verify_plan(*entries), sources=trip.sources, mode=mode,
+        kw = dict(**support.verify_plan(*entries), sources=trip.sources, mode=mode,
                   check_token=trip.check_token, reference=False)
-        want, _ = S.run_verify(None, st, jnp_reference=True, **kw)
-        got, _ = S.run_verify(None, st, implementation=impl, **kw)
+        want, _ = support.run_verify(None, st, jnp_reference=True, **kw)
+        got, _ = support.run_verify(None, st, implementation=impl, **kw)
         uncapped = None
-        if impl == "pallas_triton" and S.rows_dropped(st, want):  # see S.check_verify
+        if impl == "pallas_triton" and support.rows_dropped(st, want):  # see support.check_verify
             room = max(st.widx - len(st.ring), 0) + len(kw["slots"])
-            uncapped, _ = S.run_verify(None, S.widened(st, room), jnp_reference=True, **kw)
-        S.assert_same(got, want, st, ordered=impl != "pallas_triton" and uncapped is None,
-                      uncapped=uncapped)
+            uncapped, _ = support.run_verify(None, support.widened(st, room), jnp_reference=True,
+                                             **kw)
+        support.assert_same(got, want, st, ordered=impl != "pallas_triton" and uncapped is None,
+                            uncapped=uncapped)
 
 
 # --- the xla implementation: its launch configurations ----------------------------------------
@@ -528,16 +530,16 @@ def test_xla_blocks_and_branches(sgl, config):
     rng = np.random.default_rng(12)
     num_slots, n = 1024, 1500
     slots = rng.integers(1, num_slots, n)
-    st = S.State.zeros(num_slots, 96)
+    st = support.State.zeros(num_slots, 96)
     st.widx = 5
     st.canary_i64[:, :4] = rng.integers(-5, 5, (num_slots, 4))
     prev = np.where(rng.random(n) < 0.6, np.roll(slots, 1), rng.integers(-2, num_slots, n))
     e = dict(slots=slots, etok=rng.integers(-5, 5, n), epos=rng.integers(-5, 5, n), prev=prev)
     for cap, num_valid in ((1500, 1500), (2000, 1399), (2000, 77)):
-        plan = S.verify_plan(**{k: v[:cap] for k, v in e.items()}, cap=cap)
+        plan = support.verify_plan(**{k: v[:cap] for k, v in e.items()}, cap=cap)
         plan["num_valid"] = num_valid
-        S.check_verify(sgl, st, implementation="xla", config=_xla_config(**config), **plan,
-                       check_token=True, ordered=True)
+        support.check_verify(sgl, st, implementation="xla", config=_xla_config(**config), **plan,
+                             check_token=True, ordered=True)
 
 
 # --- the pure-jnp references against SGLang's ---------------------------------------------------
@@ -548,15 +550,16 @@ def test_xla_blocks_and_branches(sgl, config):
 def test_jnp_references_round_trips_and_corruptions(sgl, mode):
     rng = np.random.default_rng(400 + mode)
     for k in _tier.cases("verify jnp reference vs SGLang", 400 + mode, _tier.n(12, 60)):
-        trip = S.make_trip(rng, mode, k % len(S.BUCKETS))
-        st = S.run_trip(sgl, rng, trip, jnp_reference=True)
-        entries = S.verify_entries(rng, trip.chains)
+        trip = support.make_trip(rng, mode, k % len(support.BUCKETS))
+        st = support.run_trip(sgl, rng, trip, jnp_reference=True)
+        entries = support.verify_entries(rng, trip.chains)
         kind = KINDS[k % len(KINDS)]
         if any(trip.chains) and (trip.sources or kind != "real_kv_byte"):
             entries = corrupt(rng, kind, trip, st, entries) or entries
-        ours, ref = S.run_verify(sgl, st, **S.verify_plan(*entries), sources=trip.sources,
-                                 mode=mode, check_token=trip.check_token, jnp_reference=True)
-        S.assert_same(ours, ref, st, ordered=True)
+        ours, ref = support.run_verify(sgl, st, **support.verify_plan(*entries),
+                                       sources=trip.sources,
+                                       mode=mode, check_token=trip.check_token, jnp_reference=True)
+        support.assert_same(ours, ref, st, ordered=True)
 
 
 # --- every implementation: fuzz with hostile entries ---------------------------------------------
@@ -565,9 +568,10 @@ def test_jnp_references_round_trips_and_corruptions(sgl, mode):
 # negative, huge values, active counts past the capacity or negative, enable 0; and write indices
 # where the ring guard acts (negative: nothing written; near 2**31 - 1: saturating). Expected:
 # the reference run from write index 0 on a ring with room for every row, placed by the ring
-# guard (S.guarded): SGLang's reference where it is defined, else the jnp reference (SGLang
-# raises on slots past the buffer). Rows come in the reference's order (pallas_triton: as the
-# atomics claim them, S.assert_guarded). pallas_mosaic_tpu runs in TPU interpret mode off a TPU.
+# guard (support.guarded): SGLang's reference where it is defined, else the jnp reference
+# (SGLang raises on slots past the buffer). Rows come in the reference's order (pallas_triton: as
+# the atomics claim them, support.assert_guarded). pallas_mosaic_tpu runs in TPU interpret mode
+# off a TPU.
 # Every implementation runs FUZZ_CASES in CI; pallas_mosaic_tpu in TPU interpret mode its first
 # FUZZ_TPU_INTERPRETED (the long run with --tpu-long).
 FUZZ_CASES = _tier.n(48, 1000)  # --long: 1,000
@@ -577,14 +581,14 @@ LONG_CASES = 1000
 
 def _hostile_case(sgl, rng, k, implementation, ordered=None):
     mode = k % 3
-    trip = S.make_trip(rng, mode, (k // 3) % len(S.BUCKETS), contiguous=k % 2 == 1)
-    st = S.reference_trip_state(sgl, rng, trip)
-    entries = S.verify_entries(rng, trip.chains)
+    trip = support.make_trip(rng, mode, (k // 3) % len(support.BUCKETS), contiguous=k % 2 == 1)
+    st = support.reference_trip_state(sgl, rng, trip)
+    entries = support.verify_entries(rng, trip.chains)
     kind = KINDS[int(rng.integers(len(KINDS)))]
     if any(trip.chains) and (trip.sources or kind != "real_kv_byte") and rng.random() < 0.6:
         entries = corrupt(rng, kind, trip, st, entries) or entries
     slots, etok, epos, prev = (list(x) for x in entries)
-    n = S.NUM_SLOTS
+    n = support.NUM_SLOTS
     hostile = rng.random() < 0.35 and len(slots) > 0
     if hostile:
         for i in range(len(slots)):
@@ -592,15 +596,15 @@ def _hostile_case(sgl, rng, k, implementation, ordered=None):
                 slots[i] = int(rng.choice([-1, -n, -n - 1, n, n + 5, 2**40, -(2**40)]))
             if rng.random() < 0.2:
                 prev[i] = int(rng.choice([n, n + 3, -7, 2**40, -(2**40), 0]))
-    plan = S.verify_plan(slots, etok, epos, prev)
+    plan = support.verify_plan(slots, etok, epos, prev)
     u = rng.random()
     if u < 0.1:
         plan["num_valid"] = int(rng.integers(-3, 0))
     elif u < 0.2:
-        plan["num_valid"] = S.VERIFY_CAP + int(rng.integers(0, 9))
+        plan["num_valid"] = support.VERIFY_CAP + int(rng.integers(0, 9))
     enable = int(rng.random() > 0.05)
     u = rng.random()
-    w0 = int(rng.integers(0, S.RING_CAP + 4))
+    w0 = int(rng.integers(0, support.RING_CAP + 4))
     if u < 0.1:
         w0 = int(rng.choice([-1, -5, -(2**31)]))
     elif u < 0.2:
@@ -609,21 +613,21 @@ def _hostile_case(sgl, rng, k, implementation, ordered=None):
     st.sctr, st.kctr = (int(x) for x in rng.integers(0, 2**40, 2))
     kw = dict(**plan, enable=enable, sources=trip.sources, mode=mode, kind=2 + mode % 2,
               check_token=trip.check_token)
-    wide = S.widened(st, 2 * S.VERIFY_CAP)
-    full, _ = S.run_verify(sgl, wide, **kw, reference=False, jnp_reference=True)
+    wide = support.widened(st, 2 * support.VERIFY_CAP)
+    full, _ = support.run_verify(sgl, wide, **kw, reference=False, jnp_reference=True)
     try:  # SGLang's reference too, wherever it is defined (it raises on slots past the buffer)
-        _, sg = S.run_verify(sgl, wide, **kw, ours=False)
+        _, sg = support.run_verify(sgl, wide, **kw, ours=False)
     except IndexError:
         assert hostile
     else:
-        S.assert_same(full, sg, wide, ordered=True)
+        support.assert_same(full, sg, wide, ordered=True)
     start = st.copy()
     start.widx = w0
     start.ring[:] = rng.integers(-9, 9, start.ring.shape)
-    ours, _ = S.run_verify(sgl, start, **kw, reference=False, implementation=implementation)
+    ours, _ = support.run_verify(sgl, start, **kw, reference=False, implementation=implementation)
     if ordered is None:
         ordered = _impls.in_reference_order(implementation)
-    S.assert_guarded(ours, start, full, w0, ordered=ordered)
+    support.assert_guarded(ours, start, full, w0, ordered=ordered)
     return full.widx, hostile, w0 >= 0 and w0 + full.widx > len(start.ring)
 
 
@@ -648,8 +652,8 @@ def test_hostile_fuzz(sgl, impl):
 
 def test_gpu_ring_comparison_accepts_request_order(sgl):
     """The GPU's ring comparison (rows as a multiset, and a draw from the launch's rows where the
-    ring overflows: S.assert_guarded's unordered branch) runs on the CPU too, over xla's results
-    on hostile launches: request order is one of the orders it must accept."""
+    ring overflows: support.assert_guarded's unordered branch) runs on the CPU too, over xla's
+    results on hostile launches: request order is one of the orders it must accept."""
     rng = np.random.default_rng(905)
     overflowed = 0
     for k in range(24):
@@ -674,11 +678,10 @@ def test_tpu_long_runs_across_slabs_and_blocks(sgl):
     for s in (1, 127, 128, 129, 511, 512, 700, 1024, 1099):
         st.canary_i64[s, int(s % 3)] ^= 1 << int(s % 50)
     e = _entries(chain)
-    _, ref = S.run_verify(sgl, st, **S.verify_plan(e["slots"], e["etok"], e["epos"], e["prev"],
-                                                   cap=n), check_token=True, ours=False)
-    ours, _ = S.run_verify(sgl, st, **S.verify_plan(e["slots"], e["etok"], e["epos"], e["prev"],
-                                                    cap=n), check_token=True, reference=False,
-                           implementation=_impls.TPU, config=_impls.config("verify", _impls.TPU,
-                                                                           block=512))
-    S.assert_same(ours, ref, st, ordered=True)
+    plan = support.verify_plan(e["slots"], e["etok"], e["epos"], e["prev"], cap=n)
+    _, ref = support.run_verify(sgl, st, **plan, check_token=True, ours=False)
+    ours, _ = support.run_verify(sgl, st, **plan, check_token=True, reference=False,
+                                 implementation=_impls.TPU,
+                                 config=_impls.config("verify", _impls.TPU, block=512))
+    support.assert_same(ours, ref, st, ordered=True)
     assert ref.widx >= 9

@@ -13,7 +13,7 @@ from kvcanary_jax.context import RealKvSource, VerifyOrWriteContext
 from kvcanary_jax.ops.write import canary_write
 from kvcanary_jax.plans import WritePlan
 
-import _canary_support as S
+import _canary_support as support
 import _impls
 import _races
 import _tier
@@ -35,10 +35,10 @@ def _w(sgl, st, impl, *, offsets, ids, pos, ocl, seeds=None, num_valid=None, ord
     n = len(offsets) - 1
     seeds = [-1] * n if seeds is None else seeds
     num_valid = n if num_valid is None else num_valid
-    ours, ref = S.run_write(sgl, st, offsets=offsets, seeds=seeds, num_valid=num_valid, ids=ids,
-                            pos=pos, ocl=ocl, implementation=impl, **kw)
+    ours, ref = support.run_write(sgl, st, offsets=offsets, seeds=seeds, num_valid=num_valid,
+                                  ids=ids, pos=pos, ocl=ocl, implementation=impl, **kw)
     # One request is one program: its rows keep entry order on every implementation.
-    S.assert_same(ours, ref, st, ordered=ordered)
+    support.assert_same(ours, ref, st, ordered=ordered)
     return ours, ref
 
 
@@ -46,16 +46,16 @@ def _w(sgl, st, impl, *, offsets, ids, pos, ocl, seeds=None, num_valid=None, ord
 
 
 def test_anchor_chain_single_request(sgl, impl):
-    st = S.State.zeros(8, 4)
+    st = support.State.zeros(8, 4)
     ours, _ = _w(sgl, st, impl, offsets=[0, 3], ids=[100, 101, 102], pos=[0, 1, 2], ocl=[1, 2, 3])
-    # Hand-checked links (spec 2.5): the anchor hash, then mix3(anchor hash, 100, 0).
+    # Hand-checked links (docs/spec.md §2.5): the anchor hash, then mix3(anchor hash, 100, 0).
     assert int(ours.canary_i64[1, 2]) == -2414019407054260458 == ANCHOR
     assert int(ours.canary_i64[2, 2]) == -4923688959175860244
     assert (ours.sctr, ours.kctr) == (3, 1)
 
 
 def _seeded_state():
-    st = S.State.zeros(8, 4)
+    st = support.State.zeros(8, 4)
     st.canary_i64[3] = [77, 2, 12345, 0]
     return st
 
@@ -79,28 +79,28 @@ def test_skip_negative_slots(sgl, impl):
 
 
 def test_multi_request_with_padding_and_capacity(sgl, impl):
-    _w(sgl, S.State.zeros(16, 4), impl, offsets=[0, 2, 2, 5, 5], seeds=[-1, -1, -1, -1], num_valid=3,
-       ids=[1, 2, 3, 4, 5, 6, 7], pos=[0, 1, 0, 1, 2, 0, 0], ocl=[1, 2, 3, 4, 5, 6, 7])
+    _w(sgl, support.State.zeros(16, 4), impl, offsets=[0, 2, 2, 5, 5], seeds=[-1, -1, -1, -1],
+       num_valid=3, ids=[1, 2, 3, 4, 5, 6, 7], pos=[0, 1, 0, 1, 2, 0, 0], ocl=[1, 2, 3, 4, 5, 6, 7])
 
 
 def _src(rng, num_slots, page, nbpt, read, extra=0, dtype="uint8", pad=0):
     rows = -(-num_slots // page)
-    return S.Src(rng.integers(0, 256, (rows, page * nbpt + extra), dtype=np.uint8), page, nbpt,
-                 read, dtype, pad)
+    return support.Src(rng.integers(0, 256, (rows, page * nbpt + extra), dtype=np.uint8), page,
+                       nbpt, read, dtype, pad)
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_real_kv_sources(sgl, mode, impl):
     rng = np.random.default_rng(mode)
     sources = [_src(rng, 6, 1, 32, 32), _src(rng, 6, 2, 16, 16, extra=16, dtype="bfloat16")]
-    ours, _ = _w(sgl, S.State.zeros(6, 3), impl, offsets=[0, 3], ids=[5, 6, 7], pos=[0, 1, 2],
+    ours, _ = _w(sgl, support.State.zeros(6, 3), impl, offsets=[0, 3], ids=[5, 6, 7], pos=[0, 1, 2],
                  ocl=[1, 2, 3], sources=sources, mode=mode)
     assert (ours.canary_i64[1:4, 3] != 0).all() == (mode != 0)
 
 
 def test_real_kv_hash_of_bytes_0_to_15_is_the_hand_checked_value(sgl, impl):
-    src = S.Src(np.arange(16, dtype=np.uint8).reshape(1, 16).repeat(4, 0), 1, 16, 16)
-    ours, _ = _w(sgl, S.State.zeros(4, 2), impl, offsets=[0, 1], ids=[1], pos=[0], ocl=[2],
+    src = support.Src(np.arange(16, dtype=np.uint8).reshape(1, 16).repeat(4, 0), 1, 16, 16)
+    ours, _ = _w(sgl, support.State.zeros(4, 2), impl, offsets=[0, 1], ids=[1], pos=[0], ocl=[2],
                  sources=[src], mode=2)
     assert int(ours.canary_i64[2, 3]) == -2965813710295743732
 
@@ -108,7 +108,7 @@ def test_real_kv_hash_of_bytes_0_to_15_is_the_hand_checked_value(sgl, impl):
 def test_ring_overflow(sgl, impl):
     _w(sgl, _seeded_state().copy(), impl, offsets=[0, 3], seeds=[3], ids=[5, 6, 7], pos=[9, 9, 9],
        ocl=[4, 5, 6], ordered=True)
-    st = S.State.zeros(8, 1)
+    st = support.State.zeros(8, 1)
     _, ref = _w(sgl, st, impl, offsets=[0, 3], seeds=[0], ids=[5, 6, 7], pos=[5, 9, 9], ocl=[4, 5, 6],
                 ordered=True)
     assert ref.widx == 3
@@ -116,24 +116,24 @@ def test_ring_overflow(sgl, impl):
 
 @pytest.mark.parametrize("num_valid", [0, -2])
 def test_no_valid_requests_only_bumps_kernel_counter(sgl, num_valid, impl):
-    _, ref = _w(sgl, S.State.zeros(8, 2), impl, offsets=[0, 2], num_valid=num_valid, ids=[1, 2],
-                pos=[0, 1], ocl=[1, 2])
+    _, ref = _w(sgl, support.State.zeros(8, 2), impl, offsets=[0, 2], num_valid=num_valid,
+                ids=[1, 2], pos=[0, 1], ocl=[1, 2])
     assert (ref.sctr, ref.kctr) == (0, 1)
 
 
 def test_seed_slot_zero_is_a_real_seed(sgl, impl):
-    _w(sgl, S.State.zeros(8, 2), impl, offsets=[0, 2], seeds=[0], ids=[1, 2], pos=[0, 1], ocl=[1, 2],
-       ordered=True)
+    _w(sgl, support.State.zeros(8, 2), impl, offsets=[0, 2], seeds=[0], ids=[1, 2], pos=[0, 1],
+       ocl=[1, 2], ordered=True)
 
 
 def test_wide_slot_stride_keeps_trailing_bytes(sgl, impl):
-    st = S.State.zeros(6, 2, stride=48)
+    st = support.State.zeros(6, 2, stride=48)
     st.canary[:, 32:] = 0xEE
     _w(sgl, st, impl, offsets=[0, 2], ids=[1, 2], pos=[0, 1], ocl=[1, 2])
 
 
 def test_empty_batch(sgl, impl):
-    _w(sgl, S.State.zeros(8, 2), impl, offsets=[0, 0], ids=[], pos=[], ocl=[])
+    _w(sgl, support.State.zeros(8, 2), impl, offsets=[0, 0], ids=[], pos=[], ocl=[])
 
 
 # --- sequential semantics inside a request ------------------------------------------------------
@@ -146,7 +146,7 @@ def test_repeated_slots_within_a_request_last_write_wins(sgl, impl):
     n = 3 * LONG + 17 if impl != _impls.TPU else 97
     ocl = rng.integers(1, 40, n)
     ocl[rng.random(n) < 0.1] = -1
-    _w(sgl, S.State.zeros(64, 8), impl, offsets=[0, n], seeds=[5], ids=rng.integers(0, 9, n),
+    _w(sgl, support.State.zeros(64, 8), impl, offsets=[0, n], seeds=[5], ids=rng.integers(0, 9, n),
        pos=np.arange(n) + rng.integers(0, 2, n), ocl=ocl, ordered=True)
 
 
@@ -157,7 +157,7 @@ def test_repeated_slots_with_four_warps(sgl, impl):
     rng = np.random.default_rng(8)
     n = LONG + 9
     ocl = rng.integers(1, 24, n)
-    _w(sgl, S.State.zeros(32, 8), impl, offsets=[0, n], seeds=[3], ids=rng.integers(0, 9, n),
+    _w(sgl, support.State.zeros(32, 8), impl, offsets=[0, n], seeds=[3], ids=rng.integers(0, 9, n),
        pos=np.arange(n), ocl=ocl, ordered=True, config=_launch(num_warps=4))
 
 
@@ -176,7 +176,7 @@ def test_small_blocks_remainders_and_violations_in_later_blocks(sgl, impl):
     lens = [0, 1, 2, 3, 7, 8, 9, 29]
     n = sum(lens)
     offsets = np.concatenate([[0], np.cumsum(lens)])
-    st = S.State.zeros(256, 2 * 59)  # room for every row: exact on any backend
+    st = support.State.zeros(256, 2 * 59)  # room for every row: exact on any backend
     st.canary_i64[:, :3] = rng.integers(-5, 40, (256, 3))
     pos = rng.integers(0, 40, n)
     for r, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
@@ -184,17 +184,17 @@ def test_small_blocks_remainders_and_violations_in_later_blocks(sgl, impl):
     ocl = np.concatenate([32 * r + 1 + rng.integers(0, 12, k) for r, k in enumerate(lens)])
     ocl[rng.random(n) < 0.1] = -1
     ids = rng.integers(0, 9, n)
-    ours, ref = S.run_write(
+    ours, ref = support.run_write(
         sgl, st, offsets=offsets, seeds=[32 * r for r in range(len(lens))], num_valid=len(lens),
         ids=ids, pos=pos, ocl=ocl, assert_on=True, etok=np.where(rng.random(n) < 0.2, 0, ids),
         epos=pos, implementation=impl, config=_launch(block=8, unroll=3))
-    S.assert_same(ours, ref, st, ordered=in_reference_order(impl))
+    support.assert_same(ours, ref, st, ordered=in_reference_order(impl))
     assert ref.widx > 10
 
 
 def test_zero_capacity_still_bumps_kernel_counter(sgl, impl):
-    _, ref = _w(sgl, S.State.zeros(8, 2), impl, offsets=[0], seeds=[], num_valid=1, ids=[1, 2],
-                pos=[0, 1], ocl=[1, 2])
+    _, ref = _w(sgl, support.State.zeros(8, 2), impl, offsets=[0], seeds=[], num_valid=1,
+                ids=[1, 2], pos=[0, 1], ocl=[1, 2])
     assert (ref.sctr, ref.kctr) == (0, 1)
 
 
@@ -202,8 +202,8 @@ def test_zero_capacity_still_bumps_kernel_counter(sgl, impl):
 def test_long_chain(sgl, impl):
     rng = np.random.default_rng(8)
     n = 4096
-    _w(sgl, S.State.zeros(n + 1, 8), impl, offsets=[0, n], seeds=[-1], ids=rng.integers(0, 9, n),
-       pos=np.arange(n), ocl=rng.permutation(np.arange(1, n + 1)),
+    _w(sgl, support.State.zeros(n + 1, 8), impl, offsets=[0, n], seeds=[-1],
+       ids=rng.integers(0, 9, n), pos=np.arange(n), ocl=rng.permutation(np.arange(1, n + 1)),
        sources=[_src(rng, n + 1, 2, 32, 32)], mode=2, ordered=True)
 
 
@@ -212,9 +212,9 @@ def test_long_chain(sgl, impl):
 # (stride, input assert, mode, sources layout as in _canary_support.BUCKETS)
 WRITE_BUCKETS = (
     (32, True, 0, ()),
-    (48, False, 2, S.BUCKETS[1][3]),
-    (32, True, 1, S.BUCKETS[2][3]),
-    (32, False, 2, S.BUCKETS[0][3]),
+    (48, False, 2, support.BUCKETS[1][3]),
+    (32, True, 1, support.BUCKETS[2][3]),
+    (32, False, 2, support.BUCKETS[0][3]),
 )
 CASES_PER_BUCKET = _tier.n(15, 500)
 
@@ -237,22 +237,22 @@ def random_launch(rng, st, assert_on, kind=2, hazards=False):
     """Requests over their own slot pools, slots repeating inside a request, seeds of every kind,
     noisy positions and expectations. With ``hazards`` some tokens write, and some seeds read,
     slots of other requests' pools (only a sequential run makes that deterministic)."""
-    nreq = int(rng.integers(1, S.REQ_CAP + 1))
-    pool = S.NUM_SLOTS // S.REQ_CAP
-    lens = rng.integers(0, S.NUM_TOKENS // nreq + 1, nreq)
-    offsets = np.zeros(S.REQ_CAP + 1, np.int64)
+    nreq = int(rng.integers(1, support.REQ_CAP + 1))
+    pool = support.NUM_SLOTS // support.REQ_CAP
+    lens = rng.integers(0, support.NUM_TOKENS // nreq + 1, nreq)
+    offsets = np.zeros(support.REQ_CAP + 1, np.int64)
     offsets[1:nreq + 1] = np.cumsum(lens)
     offsets[nreq + 1:] = offsets[nreq]
-    n = S.NUM_TOKENS
+    n = support.NUM_TOKENS
     ids = rng.integers(-3, 50, n)
     pos = np.zeros(n, np.int64)
     ocl = np.full(n, -1, np.int64)
-    seeds = np.full(S.REQ_CAP, -1, np.int64)
-    for r in range(S.REQ_CAP):
+    seeds = np.full(support.REQ_CAP, -1, np.int64)
+    for r in range(support.REQ_CAP):
         lo = r * pool
         choices = [-1, -5, lo, lo + int(rng.integers(pool))]
         if hazards:
-            choices.append(int(rng.integers(S.NUM_SLOTS)))
+            choices.append(int(rng.integers(support.NUM_SLOTS)))
         seeds[r] = int(rng.choice(choices))
         a, b = int(offsets[r]), int(offsets[r + 1])
         p0 = int(rng.integers(-2, 30))
@@ -260,12 +260,12 @@ def random_launch(rng, st, assert_on, kind=2, hazards=False):
         ocl[a:b] = lo + rng.integers(0, pool, b - a)
         if hazards:
             shared = rng.random(b - a) < 0.2
-            ocl[a:b][shared] = rng.integers(0, S.NUM_SLOTS, int(shared.sum()))
+            ocl[a:b][shared] = rng.integers(0, support.NUM_SLOTS, int(shared.sum()))
         ocl[a:b][rng.random(b - a) < 0.15] = -1
     etok = np.where(rng.random(n) < 0.2, ids + 1, ids)
     epos = np.where(rng.random(n) < 0.2, pos - 1, pos)
     return dict(offsets=offsets, seeds=seeds,
-                num_valid=int(rng.choice([nreq, nreq, S.REQ_CAP, 0, -1])), ids=ids, pos=pos,
+                num_valid=int(rng.choice([nreq, nreq, support.REQ_CAP, 0, -1])), ids=ids, pos=pos,
                 ocl=ocl, assert_on=assert_on, etok=etok if assert_on else None,
                 epos=epos if assert_on else None, cpa=int(rng.integers(0, 2)),
                 kind=kind)
@@ -275,9 +275,10 @@ def _check_launch(sgl, st, launch, sources, mode, impl):
     """Ours against SGLang's reference: exact (ring order included) when the implementation
     keeps request order; on the GPU, where requests race, as one of the outcomes some order of
     the requests gives (:func:`_races.assert_write_outcome`: exact wherever no race reaches)."""
-    ours, ref = S.run_write(sgl, st, **launch, sources=sources, mode=mode, implementation=impl)
+    ours, ref = support.run_write(sgl, st, **launch, sources=sources, mode=mode,
+                                  implementation=impl)
     if in_reference_order(impl):
-        S.assert_same(ours, ref, st, ordered=True)
+        support.assert_same(ours, ref, st, ordered=True)
     else:
         _races.assert_write_outcome(ours, st, launch, sources, mode)
     return ref
@@ -292,19 +293,20 @@ def test_write_fuzz(sgl, bucket, impl):
     rng = np.random.default_rng(seed)
     rows = overflows = 0
     for i in _tier.cases(f"write fuzz, bucket {bucket}", seed, CASES_PER_BUCKET):
-        st = S.State.zeros(S.NUM_SLOTS, S.RING_CAP, stride)
+        st = support.State.zeros(support.NUM_SLOTS, support.RING_CAP, stride)
         st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape,
                                         dtype=np.int64)
-        st.canary_i64[:, 1] = rng.integers(-2, 30, S.NUM_SLOTS)
-        st.widx = int(rng.integers(0, S.RING_CAP + 4))
-        st.ring[:min(st.widx, S.RING_CAP)] = rng.integers(-9, 9, (min(st.widx, S.RING_CAP), 8))
+        st.canary_i64[:, 1] = rng.integers(-2, 30, support.NUM_SLOTS)
+        st.widx = int(rng.integers(0, support.RING_CAP + 4))
+        filled = min(st.widx, support.RING_CAP)
+        st.ring[:filled] = rng.integers(-9, 9, (filled, 8))
         st.sctr, st.kctr = (int(x) for x in rng.integers(0, 100, 2))
         # kernel_kind is static (one compile per tag): one tag per bucket.
         launch = random_launch(rng, st, assert_on, kind=(2, 8, 5, 11)[bucket], hazards=True)
         with _tier.case("write fuzz", seed, i, bucket=bucket, implementation=impl):
-            ref = _check_launch(sgl, st, launch, S.bucket_sources(rng, layout), mode, impl)
+            ref = _check_launch(sgl, st, launch, support.bucket_sources(rng, layout), mode, impl)
         rows += ref.widx - st.widx
-        overflows += S.rows_dropped(st, ref)
+        overflows += support.rows_dropped(st, ref)
     assert rows > 0  # the fuzz does exercise the violation paths
     if CASES_PER_BUCKET >= 100:  # often, and the full ring (the fast tier's few cases may not)
         assert rows > CASES_PER_BUCKET // 2 and overflows > CASES_PER_BUCKET // 20
@@ -319,19 +321,19 @@ def test_write_fuzz_against_jnp_reference(impl):
     count = _tier.n(2, 160) if _impls.tpu_interpreted(impl) else _tier.n(20, 160)
     for k in _tier.cases("write vs jnp reference", 800, count):
         stride, assert_on, mode, layout = WRITE_BUCKETS[k % len(WRITE_BUCKETS)]
-        st = S.State.zeros(S.NUM_SLOTS, S.RING_CAP, stride)
+        st = support.State.zeros(support.NUM_SLOTS, support.RING_CAP, stride)
         st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape, dtype=np.int64)
-        st.canary_i64[:, 1] = rng.integers(-2, 30, S.NUM_SLOTS)
-        st.widx = int(rng.integers(0, S.RING_CAP + 4))
+        st.canary_i64[:, 1] = rng.integers(-2, 30, support.NUM_SLOTS)
+        st.widx = int(rng.integers(0, support.RING_CAP + 4))
         launch = random_launch(rng, st, assert_on, kind=(2, 8, 5, 11)[k % 4], hazards=True)
-        sources = S.bucket_sources(rng, layout)
+        sources = support.bucket_sources(rng, layout)
         with _tier.case("write vs jnp reference", 800, k, implementation=impl):
-            got, _ = S.run_write(None, st, **launch, sources=sources, mode=mode,
-                                 reference=False, implementation=impl)
+            got, _ = support.run_write(None, st, **launch, sources=sources, mode=mode,
+                                       reference=False, implementation=impl)
             if in_reference_order(impl):
-                want, _ = S.run_write(None, st, **launch, sources=sources, mode=mode,
-                                      reference=False, jnp_reference=True)
-                S.assert_same(got, want, st, ordered=True)
+                want, _ = support.run_write(None, st, **launch, sources=sources, mode=mode,
+                                            reference=False, jnp_reference=True)
+                support.assert_same(got, want, st, ordered=True)
             else:
                 _races.assert_write_outcome(got, st, launch, sources, mode)
 
@@ -358,15 +360,16 @@ def test_xla_windows_and_hazards(sgl, config):
     rng = np.random.default_rng(600 + config["lanes"])
     stride, assert_on, mode, layout = WRITE_BUCKETS[2]
     for _ in _tier.cases("xla write windows", 600 + config["lanes"], _tier.n(12, 80)):
-        st = S.State.zeros(S.NUM_SLOTS, S.RING_CAP, stride)
+        st = support.State.zeros(support.NUM_SLOTS, support.RING_CAP, stride)
         st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape,
                                         dtype=np.int64)
-        st.canary_i64[:, 1] = rng.integers(-2, 30, S.NUM_SLOTS)
-        st.widx = int(rng.integers(0, S.RING_CAP + 4))
+        st.canary_i64[:, 1] = rng.integers(-2, 30, support.NUM_SLOTS)
+        st.widx = int(rng.integers(0, support.RING_CAP + 4))
         launch = random_launch(rng, st, assert_on, hazards=True)
-        ours, ref = S.run_write(sgl, st, **launch, sources=S.bucket_sources(rng, layout),
-                                mode=mode, implementation="xla", config=_xla_config(**config))
-        S.assert_same(ours, ref, st, ordered=True)
+        ours, ref = support.run_write(sgl, st, **launch,
+                                      sources=support.bucket_sources(rng, layout),
+                                      mode=mode, implementation="xla", config=_xla_config(**config))
+        support.assert_same(ours, ref, st, ordered=True)
 
 
 @pytest.mark.parametrize("config", XLA_CONFIGS[:2])
@@ -374,7 +377,7 @@ def test_xla_seeds_written_earlier_in_the_launch(sgl, config):
     """Request 1 continues from a slot request 0 writes, request 2 from one request 1 writes,
     request 3 from one request 2 rewrites after request 0 wrote it: each seed's link is the one
     the earlier request left, three levels deep."""
-    st = S.State.zeros(16, 8)
+    st = support.State.zeros(16, 8)
     st.canary_i64[:, :3] = np.random.default_rng(5).integers(-9, 9, (16, 3))
     _, ref = _w(sgl, st, "xla", offsets=[0, 5, 8, 10, 12], seeds=[2, 3, 7, 11], num_valid=4,
                 ids=np.arange(12) + 100, pos=[0, 1, 2, 3, 4, 4, 5, 6, 7, 8, 9, 10],
@@ -387,17 +390,17 @@ def _racy_launch(rng, bucket):
     """A state and a launch whose requests race: a few slots shared by every request, and seeds
     on slots other requests write (some continuing a chain another request extends)."""
     stride, assert_on, mode, layout = WRITE_BUCKETS[bucket]
-    st = S.State.zeros(S.NUM_SLOTS, S.RING_CAP, stride)
+    st = support.State.zeros(support.NUM_SLOTS, support.RING_CAP, stride)
     st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape, dtype=np.int64)
-    st.canary_i64[:, 1] = rng.integers(-2, 30, S.NUM_SLOTS)
-    st.widx = int(rng.integers(0, S.RING_CAP))
+    st.canary_i64[:, 1] = rng.integers(-2, 30, support.NUM_SLOTS)
+    st.widx = int(rng.integers(0, support.RING_CAP))
     launch = random_launch(rng, st, assert_on, kind=(2, 8, 5, 11)[bucket], hazards=True)
-    launch["num_valid"] = S.REQ_CAP
-    shared = rng.integers(1, S.NUM_SLOTS, 3)
-    hot = rng.random(S.NUM_TOKENS) < 0.35
+    launch["num_valid"] = support.REQ_CAP
+    shared = rng.integers(1, support.NUM_SLOTS, 3)
+    hot = rng.random(support.NUM_TOKENS) < 0.35
     launch["ocl"][hot] = rng.choice(shared, int(hot.sum()))
-    launch["seeds"][rng.random(S.REQ_CAP) < 0.6] = int(rng.choice(shared))
-    return st, launch, S.bucket_sources(rng, layout), mode
+    launch["seeds"][rng.random(support.REQ_CAP) < 0.6] = int(rng.choice(shared))
+    return st, launch, support.bucket_sources(rng, layout), mode
 
 
 @pytest.mark.fuzz
@@ -414,12 +417,12 @@ def test_cross_request_races_give_one_order(sgl, impl):
         st, launch, sources, mode = _racy_launch(rng, i % len(WRITE_BUCKETS))
         races += _races.write_races(st, launch)
         with _tier.case("write races", 31, i, implementation=impl):
-            ours, ref = S.run_write(sgl, st, **launch, sources=sources, mode=mode,
-                                    implementation=impl)
+            ours, ref = support.run_write(sgl, st, **launch, sources=sources, mode=mode,
+                                          implementation=impl)
             _races.assert_write_outcome(ref, st, launch, sources, mode)
             _races.assert_write_outcome(ours, st, launch, sources, mode)
             if in_reference_order(impl):
-                S.assert_same(ours, ref, st, ordered=True)
+                support.assert_same(ours, ref, st, ordered=True)
     assert races >= 2 * count
 
 
@@ -433,7 +436,7 @@ def test_write_race_check_accepts_every_order_and_nothing_else(sgl):
     while checked < 4:
         st, launch, sources, mode = _racy_launch(rng, checked % len(WRITE_BUCKETS))
         results = [_races.apply_write_in_order(st, launch, sources, mode, order)
-                   for order in itertools.permutations(range(S.REQ_CAP))]
+                   for order in itertools.permutations(range(support.REQ_CAP))]
         if all(np.array_equal(r.canary, results[0].canary) for r in results):
             continue  # no order-dependent result here
         checked += 1
@@ -463,19 +466,20 @@ def test_xla_overlapping_and_unsorted_ranges_match_the_sequential_reference(sgl)
     rng = np.random.default_rng(700)
     for k in _tier.cases("xla write malformed offsets", 700, _tier.n(12, 60)):
         stride, assert_on, mode, layout = WRITE_BUCKETS[k % len(WRITE_BUCKETS)]
-        st = S.State.zeros(S.NUM_SLOTS, S.RING_CAP, stride)
+        st = support.State.zeros(support.NUM_SLOTS, support.RING_CAP, stride)
         st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape,
                                         dtype=np.int64)
-        st.widx = int(rng.integers(0, S.RING_CAP + 4))
+        st.widx = int(rng.integers(0, support.RING_CAP + 4))
         launch = random_launch(rng, st, assert_on, hazards=True)
-        launch["offsets"] = rng.integers(-3, S.NUM_TOKENS + 3, S.REQ_CAP + 1)
-        sources = S.bucket_sources(rng, layout)
-        want, _ = S.run_write(sgl, st, **launch, sources=sources, mode=mode, reference=False,
-                              jnp_reference=True)
+        launch["offsets"] = rng.integers(-3, support.NUM_TOKENS + 3, support.REQ_CAP + 1)
+        sources = support.bucket_sources(rng, layout)
+        want, _ = support.run_write(sgl, st, **launch, sources=sources, mode=mode, reference=False,
+                                    jnp_reference=True)
         for config in XLA_CONFIGS[:3]:
-            got, _ = S.run_write(sgl, st, **launch, sources=sources, mode=mode, reference=False,
-                                 implementation="xla", config=_xla_config(**config))
-            S.assert_same(got, want, st, ordered=True)
+            got, _ = support.run_write(sgl, st, **launch, sources=sources, mode=mode,
+                                       reference=False,
+                                       implementation="xla", config=_xla_config(**config))
+            support.assert_same(got, want, st, ordered=True)
 
 
 # --- out-of-range indices (documented choices; never an out-of-bounds access) ------------------
@@ -483,33 +487,33 @@ def test_xla_overlapping_and_unsorted_ranges_match_the_sequential_reference(sgl)
 
 def test_slot_past_the_buffer_is_skipped_like_a_negative_one(sgl, impl):
     st = _seeded_state()
-    ours, _ = S.run_write(sgl, st, offsets=[0, 3], seeds=[3], num_valid=1, ids=[5, 6, 7],
-                          pos=[3, 4, 5], ocl=[4, 8 + 3, 5], reference=False,
-                          implementation=impl)
-    _, ref = S.run_write(sgl, st, offsets=[0, 3], seeds=[3], num_valid=1, ids=[5, 6, 7],
-                         pos=[3, 4, 5], ocl=[4, -1, 5])
-    S.assert_same(ours, ref, st)
+    ours, _ = support.run_write(sgl, st, offsets=[0, 3], seeds=[3], num_valid=1, ids=[5, 6, 7],
+                                pos=[3, 4, 5], ocl=[4, 8 + 3, 5], reference=False,
+                                implementation=impl)
+    _, ref = support.run_write(sgl, st, offsets=[0, 3], seeds=[3], num_valid=1, ids=[5, 6, 7],
+                               pos=[3, 4, 5], ocl=[4, -1, 5])
+    support.assert_same(ours, ref, st)
 
 
 def test_seed_past_the_buffer_reads_as_a_zero_slot(sgl, impl):
-    st = S.State.zeros(8, 4)
-    ours, _ = S.run_write(sgl, st, offsets=[0, 2], seeds=[100], num_valid=1, ids=[5, 6],
-                          pos=[1, 3], ocl=[4, 5], reference=False,
-                          implementation=impl)
-    _, ref = S.run_write(sgl, st, offsets=[0, 2], seeds=[7], num_valid=1, ids=[5, 6],
-                         pos=[1, 3], ocl=[4, 5])
-    S.assert_same(ours, ref, st)
+    st = support.State.zeros(8, 4)
+    ours, _ = support.run_write(sgl, st, offsets=[0, 2], seeds=[100], num_valid=1, ids=[5, 6],
+                                pos=[1, 3], ocl=[4, 5], reference=False,
+                                implementation=impl)
+    _, ref = support.run_write(sgl, st, offsets=[0, 2], seeds=[7], num_valid=1, ids=[5, 6],
+                               pos=[1, 3], ocl=[4, 5])
+    support.assert_same(ours, ref, st)
 
 
 def test_offsets_past_the_token_arrays_are_skipped(sgl, impl):
-    st = S.State.zeros(8, 4)
-    ours, _ = S.run_write(sgl, st, offsets=[0, 2, 6], seeds=[-1, -1], num_valid=2, ids=[5, 6, 7],
-                          pos=[0, 1, 0], ocl=[1, 2, 3], reference=False,
-                          implementation=impl)
+    st = support.State.zeros(8, 4)
+    ours, _ = support.run_write(sgl, st, offsets=[0, 2, 6], seeds=[-1, -1], num_valid=2,
+                                ids=[5, 6, 7], pos=[0, 1, 0], ocl=[1, 2, 3], reference=False,
+                                implementation=impl)
     # request 1 owns tokens [2, 6): only token 2 exists.
-    _, ref = S.run_write(sgl, st, offsets=[0, 2, 3], seeds=[-1, -1], num_valid=2, ids=[5, 6, 7],
-                         pos=[0, 1, 0], ocl=[1, 2, 3])
-    S.assert_same(ours, ref, st)
+    _, ref = support.run_write(sgl, st, offsets=[0, 2, 3], seeds=[-1, -1], num_valid=2,
+                               ids=[5, 6, 7], pos=[0, 1, 0], ocl=[1, 2, 3])
+    support.assert_same(ours, ref, st)
 
 
 # --- in place under jit with donation -----------------------------------------------------------
@@ -519,7 +523,7 @@ def test_donated_jit_updates_in_place(sgl, impl):
     st = _seeded_state()
     st.canary_i64[6] = [1, 2, 3, 4]
     with jax.enable_x64(True):
-        ctx = S.jax_context(st)
+        ctx = support.jax_context(st)
         plan = WritePlan(write_offsets=jnp.array([0, 2], jnp.int64),
                          write_seed_slot_indices=jnp.array([3], jnp.int64),
                          write_num_valid_reqs=jnp.array([1], jnp.int32))
@@ -531,9 +535,9 @@ def test_donated_jit_updates_in_place(sgl, impl):
                 out_cache_loc=jnp.array([4, 5], jnp.int64), enable_write_input_assert=False,
                 expected_input_tokens=None, expected_input_positions=None)
         assert ctx.canary_buf.is_deleted()
-    _, ref = S.run_write(sgl, st, offsets=[0, 2], seeds=[3], num_valid=1, ids=[5, 6], pos=[3, 9],
-                         ocl=[4, 5])
-    S.assert_same(S.state_of(out), ref, st)
+    _, ref = support.run_write(sgl, st, offsets=[0, 2], seeds=[3], num_valid=1, ids=[5, 6],
+                               pos=[3, 9], ocl=[4, 5])
+    support.assert_same(support.state_of(out), ref, st)
 
 
 # --- validation ---------------------------------------------------------------------------------
@@ -551,7 +555,7 @@ def _call(ctx=None, plan=None, n=3, assert_on=False, etok=None, epos=None, **ove
         args = dict(input_ids=jnp.zeros((n,), jnp.int64), positions=jnp.zeros((n,), jnp.int64),
                     out_cache_loc=jnp.zeros((n,), jnp.int64))
         args.update(over)
-        return canary_write(context=ctx or S.jax_context(S.State.zeros(8, 4)),
+        return canary_write(context=ctx or support.jax_context(support.State.zeros(8, 4)),
                             plan=plan or _plan(), enable_write_input_assert=assert_on,
                             expected_input_tokens=etok, expected_input_positions=epos, **args)
 
@@ -559,7 +563,7 @@ def _call(ctx=None, plan=None, n=3, assert_on=False, etok=None, epos=None, **ove
 def _torch_call(sgl, *, sources=(), assert_on=False, etok=None, epos=None):
     import torch
 
-    ctx = S.torch_context(sgl, S.State.zeros(8, 4), sources=sources)
+    ctx = support.torch_context(sgl, support.State.zeros(8, 4), sources=sources)
     plan = sgl.write.WritePlan(write_offsets=torch.tensor([0, 1]),
                                write_seed_slot_indices=torch.tensor([-1]),
                                write_num_valid_reqs=torch.tensor([1], dtype=torch.int32))
@@ -588,18 +592,19 @@ def test_expected_tensor_presence(sgl, assert_on, has_tok, has_pos):
 
 
 def test_too_many_sources(sgl):
-    src = S.Src(np.zeros((8, 16), np.uint8), 1, 16, 16)
+    src = support.Src(np.zeros((8, 16), np.uint8), 1, 16, 16)
     with pytest.raises(ValueError) as ref:
         _torch_call(sgl, sources=[src] * 5)
     with pytest.raises(ValueError) as ours:
-        _call(ctx=S.jax_context(S.State.zeros(8, 4), sources=[src] * 5))
+        _call(ctx=support.jax_context(support.State.zeros(8, 4), sources=[src] * 5))
     assert str(ours.value) == str(ref.value)
     assert str(ours.value).endswith("got 5")
 
 
 def test_canary_stride_too_small():
     with jax.enable_x64(True):
-        ctx = S.jax_context(S.State.zeros(8, 4)).replace(canary_buf=jnp.zeros((8, 24), jnp.uint8))
+        ctx = support.jax_context(support.State.zeros(8, 4))
+        ctx = ctx.replace(canary_buf=jnp.zeros((8, 24), jnp.uint8))
     with pytest.raises(ValueError) as e:
         _call(ctx=ctx)
     assert str(e.value) == ("kv-canary: canary_buf slot stride must hold at least 4 int64 "
@@ -633,7 +638,7 @@ def test_guard_errors(over, msg):
             plan = WritePlan(write_offsets=jnp.zeros((2,), jnp.int64),
                              write_seed_slot_indices=jnp.zeros((1,), jnp.int64),
                              write_num_valid_reqs=jnp.zeros((1,), jnp.int64))
-        ctx = S.jax_context(S.State.zeros(8, 4))
+        ctx = support.jax_context(support.State.zeros(8, 4))
         if over.get("ctx") == "cpa":
             ctx = ctx.replace(enable_chain_position_assert=jnp.ones((2,), jnp.int32))
         elif over.get("ctx") == "canary":
@@ -645,7 +650,7 @@ def test_guard_errors(over, msg):
 
 def test_int32_tokens_without_x64_get_the_hint():
     with pytest.raises(RuntimeError) as e:
-        canary_write(context=S.jax_context(S.State.zeros(8, 4)), plan=_plan(),
+        canary_write(context=support.jax_context(support.State.zeros(8, 4)), plan=_plan(),
                      input_ids=np.zeros(3, np.int32), positions=np.zeros(3, np.int32),
                      out_cache_loc=np.zeros(3, np.int32), enable_write_input_assert=False,
                      expected_input_tokens=None, expected_input_positions=None)
@@ -698,8 +703,8 @@ def test_real_kv_source_strided_view_checks_run_on_the_view(sgl):
 
 
 def test_context_is_a_pytree_with_static_meta():
-    ctx = S.jax_context(S.State.zeros(8, 4), sources=[S.Src(np.zeros((8, 16), np.uint8), 1, 16,
-                                                             16)], mode=1)
+    src = support.Src(np.zeros((8, 16), np.uint8), 1, 16, 16)
+    ctx = support.jax_context(support.State.zeros(8, 4), sources=[src], mode=1)
     leaves, tree = jax.tree_util.tree_flatten(ctx)
     assert len(leaves) == 7
     again = jax.tree_util.tree_unflatten(tree, leaves)
@@ -712,9 +717,9 @@ def test_context_is_a_pytree_with_static_meta():
 def test_lowers_through_triton_for_the_gpu(assert_on, mode):
     """The GPU (Triton) lowering runs on any machine: every primitive the kernel uses must have a
     lowering rule there (a GPU run is still needed to compile and execute it)."""
-    src = S.Src(np.zeros((32, 64), np.uint8), 2, 32, 32, "bfloat16", 16)
+    src = support.Src(np.zeros((32, 64), np.uint8), 2, 32, 32, "bfloat16", 16)
     with jax.enable_x64(True):
-        ctx = S.jax_context(S.State.zeros(64, 16), sources=[src], mode=mode)
+        ctx = support.jax_context(support.State.zeros(64, 16), sources=[src], mode=mode)
         n = 300
         e = jnp.zeros((n,), jnp.int64) if assert_on else None
         f = jax.jit(lambda context, plan, ids, e1, e2: canary_write(
@@ -730,14 +735,15 @@ def test_jnp_reference_write_fuzz(sgl):
     rng = np.random.default_rng(500)
     for k in _tier.cases("write jnp reference vs SGLang", 500, _tier.n(16, 60)):
         stride, assert_on, mode, layout = WRITE_BUCKETS[k % len(WRITE_BUCKETS)]
-        st = S.State.zeros(S.NUM_SLOTS, S.RING_CAP, stride)
+        st = support.State.zeros(support.NUM_SLOTS, support.RING_CAP, stride)
         st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape, dtype=np.int64)
-        st.widx = int(rng.integers(0, S.RING_CAP + 4))
+        st.widx = int(rng.integers(0, support.RING_CAP + 4))
         # The jnp reference is sequential on every backend: cross-request hazards included.
         launch = random_launch(rng, st, assert_on, hazards=True)
-        ours, ref = S.run_write(sgl, st, **launch, sources=S.bucket_sources(rng, layout),
-                                mode=mode, jnp_reference=True)
-        S.assert_same(ours, ref, st, ordered=True)
+        ours, ref = support.run_write(sgl, st, **launch,
+                                      sources=support.bucket_sources(rng, layout),
+                                      mode=mode, jnp_reference=True)
+        support.assert_same(ours, ref, st, ordered=True)
 
 
 def test_source_addressing_errors():
@@ -753,7 +759,7 @@ def test_source_addressing_errors():
         source_spec(src)
     assert str(e.value) == "kv-canary: RealKvSource.offset_bytes must be a multiple of 8, got 4"
     # A buffer shorter than the rows it claims would be read out of bounds: refused.
-    st = S.State.zeros(8, 2)
+    st = support.State.zeros(8, 2)
     with jax.enable_x64(True), pytest.raises(ValueError) as e:
         write_run(
             canary_buf=jnp.asarray(st.canary), violation_ring=jnp.asarray(st.ring),
@@ -778,9 +784,10 @@ def test_source_addressing_errors():
 # buffer, seeds past the buffer or far below zero, offsets past the token arrays, negative or
 # decreasing, request counts past the capacity; and write indices where the ring guard acts.
 # Expected: the reference run from write index 0 on a ring with room for every row, placed by the
-# ring guard (S.guarded): SGLang's reference where it is defined, else the jnp reference (SGLang
-# raises on slots past the buffer). Exact, ring order included (pallas_triton: as the atomics
-# claim rows, S.assert_guarded). pallas_mosaic_tpu runs in TPU interpret mode off a TPU.
+# ring guard (support.guarded): SGLang's reference where it is defined, else the jnp reference
+# (SGLang raises on slots past the buffer). Exact, ring order included (pallas_triton: as the
+# atomics claim rows, support.assert_guarded). pallas_mosaic_tpu runs in TPU interpret mode off a
+# TPU.
 # Every implementation runs FUZZ_CASES a bucket in CI; pallas_mosaic_tpu in TPU interpret mode
 # its first FUZZ_TPU_INTERPRETED (the long run with --tpu-long).
 FUZZ_CASES = _tier.n(12, 250)  # per bucket (--long: 250)
@@ -790,22 +797,22 @@ LONG_CASES = 250
 
 def _hostile_launch(sgl, rng, bucket, implementation, aux=None):
     stride, assert_on, mode, layout = WRITE_BUCKETS[bucket]
-    st = S.State.zeros(S.NUM_SLOTS, S.RING_CAP, stride)
+    st = support.State.zeros(support.NUM_SLOTS, support.RING_CAP, stride)
     st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape, dtype=np.int64)
-    st.canary_i64[:, 1] = rng.integers(-2, 30, S.NUM_SLOTS)
+    st.canary_i64[:, 1] = rng.integers(-2, 30, support.NUM_SLOTS)
     st.sctr, st.kctr = (int(x) for x in rng.integers(0, 2**40, 2))
     launch = random_launch(rng, st, assert_on, kind=(2, 8, 5, 11)[bucket], hazards=True)
     if aux is not None and aux.random() < 0.4:
         # Races on purpose (``aux``, a stream of its own: the main draws stay as they were):
         # two slots that many tokens of every request write, seeds on them.
-        hot = aux.integers(1, S.NUM_SLOTS, 2)
-        tokens = aux.random(S.NUM_TOKENS) < 0.3
+        hot = aux.integers(1, support.NUM_SLOTS, 2)
+        tokens = aux.random(support.NUM_TOKENS) < 0.3
         launch["ocl"][tokens] = aux.choice(hot, int(tokens.sum()))
-        seeds = aux.random(S.REQ_CAP) < 0.5
+        seeds = aux.random(support.REQ_CAP) < 0.5
         launch["seeds"][seeds] = aux.choice(hot, int(seeds.sum()))
     hostile = rng.random() < 0.35
     if hostile:
-        n = S.NUM_SLOTS
+        n = support.NUM_SLOTS
         ocl, seeds, offsets = launch["ocl"], launch["seeds"], launch["offsets"]
         bad = rng.random(ocl.shape[0]) < 0.1
         ocl[bad] = rng.choice([n, n + 3, 2**40], int(bad.sum()))
@@ -815,29 +822,29 @@ def _hostile_launch(sgl, rng, bucket, implementation, aux=None):
         if u < 0.3:
             offsets[int(rng.integers(1, offsets.shape[0]))] += int(rng.integers(1, 40))
         elif u < 0.5:
-            offsets[:] = rng.integers(-10, S.NUM_TOKENS + 10, offsets.shape[0])
+            offsets[:] = rng.integers(-10, support.NUM_TOKENS + 10, offsets.shape[0])
         if rng.random() < 0.2:
-            launch["num_valid"] = S.REQ_CAP + int(rng.integers(1, 5))
+            launch["num_valid"] = support.REQ_CAP + int(rng.integers(1, 5))
     u = rng.random()
-    w0 = int(rng.integers(0, S.RING_CAP + 4))
+    w0 = int(rng.integers(0, support.RING_CAP + 4))
     if u < 0.1:
         w0 = int(rng.choice([-1, -3, -(2**31)]))
     elif u < 0.2:
         w0 = 2**31 - 1 - int(rng.integers(0, 3))
-    sources = S.bucket_sources(rng, layout)
-    wide = S.widened(st, 4 * S.NUM_TOKENS)
-    full, _ = S.run_write(sgl, wide, **launch, sources=sources, mode=mode, reference=False,
-                          jnp_reference=True)
+    sources = support.bucket_sources(rng, layout)
+    wide = support.widened(st, 4 * support.NUM_TOKENS)
+    full, _ = support.run_write(sgl, wide, **launch, sources=sources, mode=mode, reference=False,
+                                jnp_reference=True)
     if _sglang_defined(launch):
-        _, sg = S.run_write(sgl, wide, **launch, sources=sources, mode=mode, ours=False)
-        S.assert_same(full, sg, wide, ordered=True)
+        _, sg = support.run_write(sgl, wide, **launch, sources=sources, mode=mode, ours=False)
+        support.assert_same(full, sg, wide, ordered=True)
     start = st.copy()
     start.widx = w0
     start.ring[:] = rng.integers(-9, 9, start.ring.shape)
-    ours, _ = S.run_write(sgl, start, **launch, sources=sources, mode=mode, reference=False,
-                          implementation=implementation)
+    ours, _ = support.run_write(sgl, start, **launch, sources=sources, mode=mode, reference=False,
+                                implementation=implementation)
     if _impls.in_reference_order(implementation):
-        S.assert_guarded(ours, start, full, w0, ordered=True)
+        support.assert_guarded(ours, start, full, w0, ordered=True)
     else:
         _races.assert_write_outcome(ours, start, launch, sources, mode)
     return full.widx, hostile, _races.write_races(start, launch)
@@ -849,8 +856,8 @@ def _sglang_defined(launch) -> bool:
     buffer's end (it raises IndexError past it)."""
     off, n = np.asarray(launch["offsets"]), len(launch["ocl"])
     return bool(off[0] >= 0 and (np.diff(off) >= 0).all() and off[-1] <= n
-                and (np.asarray(launch["ocl"]) < S.NUM_SLOTS).all()
-                and (np.asarray(launch["seeds"]) < S.NUM_SLOTS).all())
+                and (np.asarray(launch["ocl"]) < support.NUM_SLOTS).all()
+                and (np.asarray(launch["seeds"]) < support.NUM_SLOTS).all())
 
 
 def _hostile_fuzz(sgl, bucket, n_cases, seed, implementation):

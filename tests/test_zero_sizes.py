@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import jax
-import jax.numpy as jnp
 
 import kvcanary_jax as kc
 
-import _canary_support as S
-import test_plan as TP
+import _canary_support as support
+from bench import builders
+import test_plan
 from _impls import implementations
 
 SENTINEL = -9999
@@ -31,7 +31,7 @@ def _runners(op):
 def _sentinel_state(num_slots, ring_cap, widx=1):
     """Garbage canary rows and recorded ring rows (widx of them), all of which must survive."""
     rng = np.random.default_rng(num_slots * 31 + ring_cap)
-    st = S.State.zeros(num_slots, ring_cap)
+    st = support.State.zeros(num_slots, ring_cap)
     st.canary[:] = rng.integers(0, 256, st.canary.shape, dtype=np.uint8)
     st.ring[:] = SENTINEL
     st.widx, st.sctr, st.kctr = widx, 5, 7
@@ -50,9 +50,9 @@ def _kw(runner):
 def test_verify_zero_length_plan(sgl, runner, num_valid, enable):
     """SGLang: only kernel_run_counter is bumped."""
     st = _sentinel_state(8, 4)
-    ours, ref = S.run_verify(sgl, st, slots=[], etok=[], epos=[], prev=[], num_valid=num_valid,
-                             enable=enable, **_kw(runner))
-    S.assert_same(ours, ref, st, ordered=True)
+    ours, ref = support.run_verify(sgl, st, slots=[], etok=[], epos=[], prev=[],
+                                   num_valid=num_valid, enable=enable, **_kw(runner))
+    support.assert_same(ours, ref, st, ordered=True)
     assert (ref.widx, ref.sctr, ref.kctr) == (st.widx, st.sctr, st.kctr + 1)
 
 
@@ -64,8 +64,8 @@ CHAIN_BREAKS = dict(slots=[1, 2, 3], etok=[5, 6, 7], epos=[0, 1, 9], prev=[-1, 1
 def test_verify_zero_row_ring(sgl, runner, widx):
     """SGLang: violations are counted in the write index, none is stored."""
     st = _sentinel_state(8, 0, widx=widx)
-    ours, ref = S.run_verify(sgl, st, **CHAIN_BREAKS, **_kw(runner))
-    S.assert_same(ours, ref, st, ordered=True)
+    ours, ref = support.run_verify(sgl, st, **CHAIN_BREAKS, **_kw(runner))
+    support.assert_same(ours, ref, st, ordered=True)
     assert ref.widx > widx and ours.ring.shape == (0, 8)
 
 
@@ -75,8 +75,8 @@ def test_verify_zero_slot_canary_without_work(sgl, runner):
     st = _sentinel_state(0, 4)
     for e in (dict(slots=[0, 0], etok=[1, 2], epos=[0, 1], prev=[-1, 0], num_valid=2),
               dict(slots=[4, 5], etok=[1, 2], epos=[0, 1], prev=[-1, 4], num_valid=0)):
-        ours, ref = S.run_verify(sgl, st, **e, **_kw(runner))
-        S.assert_same(ours, ref, st, ordered=True)
+        ours, ref = support.run_verify(sgl, st, **e, **_kw(runner))
+        support.assert_same(ours, ref, st, ordered=True)
         assert ours.canary.shape == (0, 32)
 
 
@@ -90,27 +90,21 @@ def test_verify_zero_slot_canary_reads_zero_rows(sgl, runner):
     st = _sentinel_state(0, 8)
     big = st.copy()
     big.canary = np.zeros((8, 32), np.uint8)
-    _, ref = S.run_verify(sgl, big, ours=False, **e)
+    _, ref = support.run_verify(sgl, big, ours=False, **e)
     with jax.enable_x64(True):
         ours = _verify_ours(st, runner, e)
     assert ours.canary.shape == (0, 32)
     ref.canary = ours.canary
-    S.assert_same(ours, ref, st, ordered=True)
+    support.assert_same(ours, ref, st, ordered=True)
     assert ref.widx - st.widx == 3  # slot 2 holds what its zero row says
 
 
 def _verify_ours(st, runner, e, **ctx_kw):
-    from kvcanary_jax.plans import VerifyPlan
-
     fn = kc.canary_verify_reference if runner == "reference" else kc.canary_verify
-    plan = VerifyPlan(
-        verify_slot_indices=S._i64(e["slots"]), verify_expected_tokens=S._i64(e["etok"]),
-        verify_expected_positions=S._i64(e["epos"]), verify_prev_slot_indices=S._i64(e["prev"]),
-        verify_num_valid=jnp.asarray([e["num_valid"]], jnp.int32),
-        enable=jnp.asarray([1], jnp.int32))
-    out = fn(context=S.jax_context(st, **ctx_kw), plan=plan, check_verify_expected_token=True,
+    plan = builders.jax_verify_plan(e["slots"], e["etok"], e["epos"], e["prev"], e["num_valid"])
+    out = fn(context=support.jax_context(st, **ctx_kw), plan=plan, check_verify_expected_token=True,
              **({} if runner == "reference" else dict(implementation=runner)))
-    return S.state_of(out)
+    return support.state_of(out)
 
 
 @pytest.mark.parametrize("runner", _runners("verify"))
@@ -119,21 +113,21 @@ def test_verify_zero_row_real_kv_source(sgl, runner):
     rows reads as zero words: SGLang on a zero source with rows for every slot."""
     e = dict(slots=[1, 2, 0], etok=[-1, -1, -1], epos=[0, 1, 0], prev=[-1, 1, 0], num_valid=3)
     st = _sentinel_state(8, 4)
-    empty = S.Src(np.zeros((0, 32), np.uint8), 1, 32, 32)
-    zeros = S.Src(np.zeros((8, 32), np.uint8), 1, 32, 32)
-    other = S.Src(np.arange(8 * 16, dtype=np.uint8).reshape(8, 16), 1, 16, 16)
+    empty = support.Src(np.zeros((0, 32), np.uint8), 1, 32, 32)
+    zeros = support.Src(np.zeros((8, 32), np.uint8), 1, 32, 32)
+    other = support.Src(np.arange(8 * 16, dtype=np.uint8).reshape(8, 16), 1, 16, 16)
     for mode in (1, 2):
-        _, ref = S.run_verify(sgl, st, ours=False, sources=[zeros, other], mode=mode, **e)
+        _, ref = support.run_verify(sgl, st, ours=False, sources=[zeros, other], mode=mode, **e)
         with jax.enable_x64(True):
             ours = _verify_ours(st, runner, e, sources=[empty, other], mode=mode)
-        S.assert_same(ours, ref, st, ordered=True)
+        support.assert_same(ours, ref, st, ordered=True)
 
 
 # --- write --------------------------------------------------------------------------------------
 
 
 def _write(sgl, st, runner, **launch):
-    return S.run_write(sgl, st, **launch, **_kw(runner))
+    return support.run_write(sgl, st, **launch, **_kw(runner))
 
 
 @pytest.mark.parametrize("runner", _runners("write"))
@@ -142,7 +136,7 @@ def test_write_zero_capacity_plan(sgl, runner, num_valid):
     st = _sentinel_state(8, 4)
     ours, ref = _write(sgl, st, runner, offsets=[0], seeds=[], num_valid=num_valid, ids=[5, 6],
                        pos=[0, 1], ocl=[1, 2])
-    S.assert_same(ours, ref, st, ordered=True)
+    support.assert_same(ours, ref, st, ordered=True)
     assert (ref.sctr, ref.kctr) == (st.sctr, st.kctr + 1)
 
 
@@ -151,7 +145,7 @@ def test_write_zero_tokens(sgl, runner):
     st = _sentinel_state(8, 4)
     ours, ref = _write(sgl, st, runner, offsets=[0, 0, 0], seeds=[3, -1], num_valid=2, ids=[],
                        pos=[], ocl=[], assert_on=True, etok=[], epos=[])
-    S.assert_same(ours, ref, st, ordered=True)
+    support.assert_same(ours, ref, st, ordered=True)
     assert (ref.sctr, ref.kctr) == (st.sctr, st.kctr + 1)
 
 
@@ -164,7 +158,7 @@ def test_write_zero_row_ring(sgl, runner, widx):
     ours, ref = _write(sgl, st, runner, offsets=[0, 2, 3], seeds=[-1, 4], num_valid=2,
                        ids=[5, 6, 7], pos=[0, 1, 5], ocl=[1, 2, 3], assert_on=True,
                        etok=[5, 9, 7], epos=[0, 1, 4])
-    S.assert_same(ours, ref, st, ordered=True)
+    support.assert_same(ours, ref, st, ordered=True)
     assert ref.widx == widx + 3
 
 
@@ -178,15 +172,15 @@ def test_write_zero_slot_canary(sgl, runner):
                   ocl=[1, 2, 3], assert_on=True, etok=[5, 9, 7], epos=[0, 1, 4])
     big = st.copy()
     big.canary = np.zeros((8, 32), np.uint8)
-    _, ref = S.run_write(sgl, big, ours=False, **{**launch, "ocl": [-1, -1, -1],
-                                                  "seeds": [-1, -1]})
-    ours, _ = S.run_write(sgl, st, reference=False, **launch, **_kw(runner))
+    _, ref = support.run_write(sgl, big, ours=False, **{**launch, "ocl": [-1, -1, -1],
+                                                        "seeds": [-1, -1]})
+    ours, _ = support.run_write(sgl, st, reference=False, **launch, **_kw(runner))
     assert ours.canary.shape == (0, 32)
     ref.canary = ours.canary
-    S.assert_same(ours, ref, st, ordered=True)
+    support.assert_same(ours, ref, st, ordered=True)
     assert (ours.widx, ours.sctr, ours.kctr) == (st.widx, st.sctr, st.kctr + 1)
     ours, ref = _write(sgl, st, runner, **{**launch, "offsets": [0, 0, 0]})  # no work
-    S.assert_same(ours, ref, st, ordered=True)
+    support.assert_same(ours, ref, st, ordered=True)
 
 
 @pytest.mark.parametrize("runner", _runners("write"))
@@ -194,47 +188,49 @@ def test_write_zero_row_real_kv_source(sgl, runner):
     st = _sentinel_state(8, 4)
     launch = dict(offsets=[0, 3], seeds=[-1], num_valid=1, ids=[5, 6, 7], pos=[0, 1, 2],
                   ocl=[1, 2, 3])
-    empty = S.Src(np.zeros((0, 32), np.uint8), 1, 32, 32)
-    zeros = S.Src(np.zeros((8, 32), np.uint8), 1, 32, 32)
-    _, ref = S.run_write(sgl, st, ours=False, sources=[zeros], mode=2, **launch)
-    ours, _ = S.run_write(sgl, st, reference=False, sources=[empty], mode=2, **launch,
-                          **_kw(runner))
-    S.assert_same(ours, ref, st, ordered=True)
+    empty = support.Src(np.zeros((0, 32), np.uint8), 1, 32, 32)
+    zeros = support.Src(np.zeros((8, 32), np.uint8), 1, 32, 32)
+    _, ref = support.run_write(sgl, st, ours=False, sources=[zeros], mode=2, **launch)
+    ours, _ = support.run_write(sgl, st, reference=False, sources=[empty], mode=2, **launch,
+                                **_kw(runner))
+    support.assert_same(ours, ref, st, ordered=True)
 
 
 # --- plan ---------------------------------------------------------------------------------------
 
 
 def _plan_ours(c, runner):
-    return TP.run_ours(c, reference=True) if runner == "reference" else TP.run_ours(c, runner)
+    if runner == "reference":
+        return test_plan.run_ours(c, reference=True)
+    return test_plan.run_ours(c, runner)
 
 
-RTT = TP.RTT
+RTT = test_plan.RTT
 PLAN_CASES = {
     # verify plan capacity 0: SGLang's reference and its GPU launcher accept it
-    "capacity_0_with_prefixes": TP.case([1, 2], [3, 2], [1, 1], RTT, vc=0, wc=2),
-    "capacity_0_without_prefixes": TP.case([1, 2], [0, 0], [1, 0], RTT, vc=0, wc=2),
-    "capacity_0_bs_0": TP.case([], [], [], RTT, vc=0, wc=2),
-    "write_capacity_0_bs_0": TP.case([], [], [], RTT, vc=2, wc=0),
+    "capacity_0_with_prefixes": test_plan.case([1, 2], [3, 2], [1, 1], RTT, vc=0, wc=2),
+    "capacity_0_without_prefixes": test_plan.case([1, 2], [0, 0], [1, 0], RTT, vc=0, wc=2),
+    "capacity_0_bs_0": test_plan.case([], [], [], RTT, vc=0, wc=2),
+    "write_capacity_0_bs_0": test_plan.case([], [], [], RTT, vc=2, wc=0),
     # empty tables without a read (SGLang accepts them)
-    "req_to_token_0_rows_padding_only": TP.case([0], [2], [1], np.zeros((0, 6)), vc=4, wc=1),
-    "req_to_token_0_cols_no_prefix": TP.case([1], [0], [1], np.zeros((4, 0)), vc=4, wc=1),
-    "pool_0_rows_valid_lens_0": TP.case([1], [3], [1], RTT, pool=np.zeros((0, 6)), vl=[0],
-                                        vc=4, wc=1),
+    "req_to_token_0_rows_padding_only": test_plan.case([0], [2], [1], np.zeros((0, 6)), vc=4, wc=1),
+    "req_to_token_0_cols_no_prefix": test_plan.case([1], [0], [1], np.zeros((4, 0)), vc=4, wc=1),
+    "pool_0_rows_valid_lens_0": test_plan.case([1], [3], [1], RTT, pool=np.zeros((0, 6)), vl=[0],
+                                               vc=4, wc=1),
 }
 
 # Reads from empty tables (SGLang's reference: IndexError; its GPU: reads outside the table):
 # a cell outside reads as 0 (the unfilled slot), an expected token outside as -1, i.e. SGLang on
 # a zero table large enough / with valid_lens 0.
 PLAN_EQUIVALENT = {
-    "req_to_token_0_rows": (TP.case([1, 2], [2, 1], [1, 1], np.zeros((0, 6)), vc=4, wc=2),
-                            TP.case([1, 2], [2, 1], [1, 1], np.zeros((4, 6)), vc=4, wc=2)),
-    "req_to_token_0_cols": (TP.case([1], [2], [1], np.zeros((4, 0)), vc=4, wc=1),
-                            TP.case([1], [2], [1], np.zeros((4, 6)), vc=4, wc=1)),
-    "pool_0_rows": (TP.case([1, 3], [3, 2], [1, 1], RTT, pool=np.zeros((0, 6)), vl=[2, 6],
-                            vc=6, wc=2),
-                    TP.case([1, 3], [3, 2], [1, 1], RTT, pool=np.zeros((4, 6)), vl=[0, 0],
-                            vc=6, wc=2)),
+    "req_to_token_0_rows": (test_plan.case([1, 2], [2, 1], [1, 1], np.zeros((0, 6)), vc=4, wc=2),
+                            test_plan.case([1, 2], [2, 1], [1, 1], np.zeros((4, 6)), vc=4, wc=2)),
+    "req_to_token_0_cols": (test_plan.case([1], [2], [1], np.zeros((4, 0)), vc=4, wc=1),
+                            test_plan.case([1], [2], [1], np.zeros((4, 6)), vc=4, wc=1)),
+    "pool_0_rows": (test_plan.case([1, 3], [3, 2], [1, 1], RTT, pool=np.zeros((0, 6)), vl=[2, 6],
+                                   vc=6, wc=2),
+                    test_plan.case([1, 3], [3, 2], [1, 1], RTT, pool=np.zeros((4, 6)), vl=[0, 0],
+                                   vc=6, wc=2)),
 }
 
 
@@ -242,7 +238,7 @@ PLAN_EQUIVALENT = {
 @pytest.mark.parametrize("name", sorted(PLAN_CASES))
 def test_plan_zero_sizes_are_sglangs(sgl, name, runner):
     c = PLAN_CASES[name]
-    TP.assert_same(_plan_ours(c, runner), TP.run_oracle(sgl, c), c)
+    test_plan.assert_same(_plan_ours(c, runner), test_plan.run_oracle(sgl, c), c)
 
 
 @pytest.mark.parametrize("runner", _runners("plan"))
@@ -250,8 +246,8 @@ def test_plan_zero_sizes_are_sglangs(sgl, name, runner):
 def test_plan_reads_from_empty_tables(sgl, name, runner):
     c, equivalent = PLAN_EQUIVALENT[name]
     with pytest.raises(IndexError):
-        TP.run_oracle(sgl, c)
-    TP.assert_same(_plan_ours(c, runner), TP.run_oracle(sgl, equivalent), c)
+        test_plan.run_oracle(sgl, c)
+    test_plan.assert_same(_plan_ours(c, runner), test_plan.run_oracle(sgl, equivalent), c)
 
 
 # --- scatter ------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Helpers the ops' implementations share: index dtypes, masked gathers and scatters, the
-canary's word view, the violation-ring append (with the ring guard), the real-KV fold, and the
-contract checks write and verify share.
+canary's word view, the violation-ring append (with the ring guard) and the real-KV fold. The
+contract rules write and verify share live in :mod:`kvcanary_jax.ops._contract_lib`.
 
 The ring guard (every implementation and reference applies it). Let ``w0`` be
 ``violation_write_index[0]`` when a launch starts and ``n`` the violations the launch finds:
@@ -19,9 +19,8 @@ a compare-and-swap loop (:func:`claim_rows`), run only by blocks that have a vio
 
 Kernel-side helpers (``gather``, ``scatter``, ``claim_rows``, ``append_rows``, ``fold_real_kv``,
 ``compiler_params``) run inside ``pallas_call`` bodies (Triton lowering or interpret mode) and
-import Pallas's Triton module when first traced, so that the contract checks and word views here
-serve every backend, also where that module does not import. The contract helpers are data
-(:mod:`kvcanary_jax.contracts`) evaluated at trace time.
+import Pallas's Triton module when first traced, so that the word views and the ring append on
+plain arrays here serve every backend, also where that module does not import.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ import jax
 import jax.numpy as jnp
 
 from kvcanary_jax import consts, hashing
-from kvcanary_jax.contracts import DType, Rule
 
 __all__ = [
     "compiler_params",
@@ -45,10 +43,6 @@ __all__ = [
     "fold_real_kv",
     "canary_words",
     "canary_from_words",
-    "tensor_guard",
-    "context_guard_checks",
-    "canary_checks",
-    "source_metas",
     "nonempty_sources",
 ]
 
@@ -196,74 +190,6 @@ def canary_words(buf: jax.Array) -> jax.Array:
 
 def canary_from_words(words: jax.Array, shape) -> jax.Array:
     return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(shape)
-
-
-# ---------------------------------------------------------------------------------------------
-# Contract checks shared by write and verify
-
-
-def tensor_guard(op: str, name: str, dtype: str, shape):
-    """dtype then shape of ``name`` (absent tensors pass): SGLang's C++ tensor matchers, which
-    raise RuntimeError (their text is not a contract). ``shape`` is an ndim or an exact shape."""
-
-    def bad_shape(metas, scalars):
-        m = metas.get(name)
-        if m is None:
-            return None
-        ok = m.ndim == shape if isinstance(shape, int) else m.shape == tuple(shape)
-        return None if ok else {"shape": m.shape}
-
-    want = f"{shape}-D" if isinstance(shape, int) else f"of shape {tuple(shape)}"
-    return (
-        DType(name, dtype, f"kv-canary: {op}: {{name}} must be {{expected}}, got {{dtype}}",
-              RuntimeError),
-        Rule(bad_shape, f"kv-canary: {op}: {name} must be {want}, got shape {{shape}}",
-             RuntimeError),
-    )
-
-
-def _ring_bad(metas, scalars):
-    m = metas["violation_ring"]
-    ok = m.ndim == 2 and m.shape[1] == consts.VIOLATION_FIELDS
-    return None if ok else {"shape": m.shape}
-
-
-def context_guard_checks(op: str):
-    return (
-        *tensor_guard(op, "canary_buf", "uint8", 2),
-        DType("violation_ring", "int64",
-              f"kv-canary: {op}: {{name}} must be {{expected}}, got {{dtype}}", RuntimeError),
-        Rule(_ring_bad, f"kv-canary: {op}: violation_ring must be of shape "
-             f"(ring_capacity, {consts.VIOLATION_FIELDS}), got shape {{shape}}", RuntimeError),
-        *tensor_guard(op, "violation_write_index", "int32", (1,)),
-        *tensor_guard(op, "slot_run_counter", "int64", (1,)),
-        *tensor_guard(op, "kernel_run_counter", "int64", (1,)),
-    )
-
-
-def _stride_not_words(metas, scalars):
-    n = metas["canary_buf"].shape[1]
-    return None if n % 8 == 0 else {"n": n}
-
-
-def _stride_too_small(metas, scalars):
-    n = metas["canary_buf"].shape[1] // 8
-    return None if n >= consts.CANARY_FIELDS_PER_SLOT else {"n": n}
-
-
-def canary_checks():
-    """The canary slot stride: whole int64 fields (the reference's int64 view needs it; ours), and
-    at least 4 of them (the reference's ValueError; raised whether or not there is work)."""
-    return (
-        Rule(_stride_not_words,
-             "kv-canary: canary_buf slot stride must be a multiple of 8 bytes, got {n}"),
-        Rule(_stride_too_small,
-             "kv-canary: canary_buf slot stride must hold at least 4 int64 fields, got {n}"),
-    )
-
-
-def source_metas(sources) -> dict:
-    return {f"real_kv_sources[{i}].tensor": s.meta for i, s in enumerate(sources)}
 
 
 def nonempty_sources(sources):

@@ -2,7 +2,7 @@
 
 For each entry ``e < n_live`` with slot ``s``: per source ``i``, the words of slot ``s``'s strip
 (zero words when ``s < 0`` or ``s`` is past the source's rows) are folded
-``h = splitmix64(h ^ w)``, and the sources ``acc = splitmix64(acc ^ h)`` (spec section 2.4), as
+``h = splitmix64(h ^ w)``, and the sources ``acc = splitmix64(acc ^ h)`` (docs/spec.md §2.4), as
 :func:`kvcanary_jax.hashing.fold_real_kv` does on int64. Entries past ``n_live`` get 0.
 
 The kernel walks blocks of entries: the block's slots are DMA'd into SMEM, the scalar unit issues

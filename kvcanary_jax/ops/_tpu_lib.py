@@ -27,9 +27,9 @@ is checked (double buffering).
 
 **No atomics**: a kernel runs its blocks in order on one core and appends violations with
 :class:`Ring`: rows in launch order starting at the launch's write index ``w0``, the ring guard of
-DESIGN.md (``w0 < 0``: nothing written, index unchanged; rows only below capacity; the new index
-saturates at ``2**31 - 1``). A block's violating entries are found in entry order by repeated
-min-reductions, so no prefix sum is needed.
+docs/spec.md §14.1 (``w0 < 0``: nothing written, index unchanged; rows only below capacity; the
+new index saturates at ``2**31 - 1``). A block's violating entries are found in entry order by
+repeated min-reductions, so no prefix sum is needed.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kvcanary_jax import consts
-from kvcanary_jax import hashing_u32 as H
+from kvcanary_jax import hashing_u32
 
 __all__ = [
     "Config",
@@ -291,7 +291,7 @@ def pair_neg_in_range(p, n: int):
 
 def pair_clamp(p, n: int):
     """A pair read as int64, clamped to ``[0, n]`` (static ``0 <= n < 2**31``), as int32."""
-    return i32(jnp.where(H.is_neg(p), jnp.uint32(0),
+    return i32(jnp.where(hashing_u32.is_neg(p), jnp.uint32(0),
                          jnp.where(pair_in_range(p, n + 1), p[1], jnp.uint32(n))))
 
 

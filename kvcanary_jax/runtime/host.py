@@ -166,7 +166,7 @@ def _check_batch_lists(cfg: CanaryConfig, **lists) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Violation:
-    """One decoded ring row (spec §3.2)."""
+    """One decoded ring row (docs/spec.md §3.2)."""
 
     index: int
     tag: str

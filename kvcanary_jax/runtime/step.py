@@ -1,4 +1,5 @@
-"""The device step: the four ops composed the way SGLang's serving loop runs them (spec §13).
+"""The device step: the four ops composed the way SGLang's serving loop runs them
+(docs/spec.md §13).
 
 * **HEAD** (before the model forward): scatter the batch's token ids into the expected-token
   pool, plan each buffer group, then verify the prefix slots and write the new slots into the

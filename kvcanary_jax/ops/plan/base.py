@@ -105,8 +105,8 @@ _API = "kv-canary: launch_canary_plan_kernels"
 _ENTRIES = "kv-canary: launch_plan_entries_kernel"
 
 # --------------------------------------------------------------------------------------------
-# Contract. The offsets half: SGLang's offsets-kernel validation (spec §11.3), in its order and
-# words. The scratch tensor of SGLang's GPU path is internal here (and its 4097-entry minimum is
+# Contract. The offsets half: SGLang's offsets-kernel validation (docs/spec.md §11.3), in its
+# order and words. The scratch tensor of SGLang's GPU path is internal here (and its 4097-entry minimum is
 # SGLang's bs cap), so its checks are left out; the bs <= 4096 check does not exist (no cap).
 # --------------------------------------------------------------------------------------------
 
@@ -342,8 +342,8 @@ def _rule_capacity(metas, scalars):
     return {"n": n}
 
 
-# SGLang's GPU-path order (spec §8, §11.2/§11.3): SWA LUT presence, verify_capacity, the offsets
-# kernel's checks, then the entries launcher's (missing valid_lens, then its C++ guards).
+# SGLang's GPU-path order (docs/spec.md §8, §11.2, §11.3): SWA LUT presence, verify_capacity,
+# the offsets kernel's checks, then the entries launcher's (missing valid_lens, then its C++ guards).
 CONTRACT = Contract(
     op="canary_plan",
     checks=(

@@ -27,7 +27,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
-from kvcanary_jax.ops import _xla_lib as X
+from kvcanary_jax.ops import _xla_lib
 from kvcanary_jax.ops.plan import base
 
 __all__ = ["Config", "heuristics", "plan_offsets", "plan_entries", "run"]
@@ -65,14 +65,14 @@ def _read(table, rp, col, ok, other):
     n = rows * pitch
     flat = rp * pitch + col
     ok = ok & (flat >= 0) & (flat < n)
-    return X.take(table.reshape(-1), flat, ok, other).astype(jnp.int64)
+    return _xla_lib.take(table.reshape(-1), flat, ok, other).astype(jnp.int64)
 
 
 def _xlat(v, lut):
     """SWA LUT translation, index clamped to the LUT (SGLang's kernels); negatives pass."""
     if lut is None:
         return v
-    return jnp.where(v < 0, v, X.take(lut, jnp.clip(v, 0, lut.shape[0] - 1), True))
+    return jnp.where(v < 0, v, _xla_lib.take(lut, jnp.clip(v, 0, lut.shape[0] - 1), True))
 
 
 def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, verify_num_valid,
@@ -89,7 +89,7 @@ def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, v
     wcum = jnp.concatenate([zero, jnp.cumsum(wlen)])
     if num_reqs is not None:
         wcum = jnp.where(jnp.arange(bs + 1) <= n, wcum, 0)
-    wo = jax.lax.dynamic_update_slice(X.overwrite(write_offsets, 0), wcum, (0,))
+    wo = jax.lax.dynamic_update_slice(_xla_lib.overwrite(write_offsets, 0), wcum, (0,))
     has_prefix = active & (prefix > 0)
     seed = _xlat(_read(req_to_token, rpi, prefix - 1, has_prefix, 0), lut)
     seed = jnp.where(has_prefix & (wlen > 0), seed, -1)
@@ -98,9 +98,9 @@ def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, v
     seeds = jax.lax.dynamic_update_slice(seeds, seed, (0,))
     total = voff[bs]
     overflow = total > verify_capacity
-    nv = X.overwrite(verify_num_valid, jnp.where(overflow, verify_capacity, total))
-    en = X.overwrite(enable, jnp.where(overflow, 0, 1))
-    wn = X.overwrite(write_num_valid_reqs, n)
+    nv = _xla_lib.overwrite(verify_num_valid, jnp.where(overflow, verify_capacity, total))
+    en = _xla_lib.overwrite(enable, jnp.where(overflow, 0, 1))
+    wn = _xla_lib.overwrite(write_num_valid_reqs, n)
     return voff, wo, seeds, nv, en, wn
 
 
@@ -114,7 +114,8 @@ def _owners(voff, t0, n):
     start = voff[:bs] - t0
     marked = (voff[1:] > voff[:bs]) & (start >= 0) & (start < n)
     marks = jnp.full((n,), -1, jnp.int32).at[jnp.where(marked, start, n)].max(r, mode="drop")
-    first = X.count_below(voff[1:], jnp.asarray(t0, jnp.int64), inclusive=True).astype(jnp.int32)
+    first = _xla_lib.count_below(voff[1:], jnp.asarray(t0, jnp.int64),
+                                 inclusive=True).astype(jnp.int32)
     return jnp.maximum(jax.lax.cummax(marks), jnp.minimum(first, bs - 1))
 
 

@@ -1,6 +1,6 @@
 """canary_verify: check that written slots still hold what the write op stamped.
 
-Semantics (SGLang's ``launch_canary_verify_kernel``, spec section 10)::
+Semantics (SGLang's ``launch_canary_verify_kernel``, docs/spec.md §10)::
 
     kernel_run_counter += 1                                   # always, even when enable == 0
     if enable[0] == 0: return
@@ -58,15 +58,13 @@ from kvcanary_jax.context import (
     source_spec,
 )
 from kvcanary_jax.contracts import Contiguous, Contract, Rule, meta_of
-from kvcanary_jax.ops._kernel_lib import (
+from kvcanary_jax.ops._contract_lib import (
     canary_checks,
-    canary_words,
     context_guard_checks,
-    nonempty_sources,
-    ring_append,
     source_metas,
     tensor_guard,
 )
+from kvcanary_jax.ops._kernel_lib import canary_words, nonempty_sources, ring_append
 from kvcanary_jax.plans import VerifyPlan
 
 __all__ = ["CONTRACT", "validate", "shapes", "sized_call", "reference", "canary_verify_reference"]

@@ -1,8 +1,9 @@
 """canary_verify as a Mosaic TPU kernel (implementation ``"pallas_mosaic_tpu"``).
 
 Semantics and bounds choices: those of the verify op (SGLang's ``launch_canary_verify_kernel``,
-spec section 10; out-of-range slots as documented in the op's base module). Rows are appended in
-entry order, i.e. in SGLang's reference order, with the ring guard of DESIGN.md.
+docs/spec.md §10; out-of-range slots as documented in the op's base module). Rows are appended in
+entry order, i.e. in SGLang's reference order, with the ring guard
+of docs/spec.md §14.1.
 
 Shape: one kernel instance (grid ``(1,)``) walks the active entries in blocks of ``block``:
 

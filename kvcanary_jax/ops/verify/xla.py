@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from kvcanary_jax import consts, hashing
 from kvcanary_jax.context import SourceSpec
-from kvcanary_jax.ops import _xla_lib as X
+from kvcanary_jax.ops import _xla_lib
 
 __all__ = ["Config", "heuristics", "run"]
 
@@ -72,15 +72,17 @@ def _check(canary_buf, words, slots, etok, epos, prev, act, *, specs, mode, kind
     num_slots = canary_buf.shape[0]
     checked = act & (slots != consts.TOKEN_TO_KV_SLOT_PADDING)
     s_eff = jnp.where(slots < 0, slots + num_slots, slots)
-    tok, pos, ph, rkv = X.canary_fields(canary_buf, s_eff,
-                                        checked & (s_eff >= 0) & (s_eff < num_slots))
+    tok, pos, ph, rkv = _xla_lib.canary_fields(canary_buf, s_eff,
+                                               checked & (s_eff >= 0) & (s_eff < num_slots))
     p_ok = checked & (prev > 0) & (prev < num_slots)
     # In a chain-ordered plan the predecessor is the previous entry's slot, whose row was just
     # loaded (an active entry with a slot in (0, num_slots) always is): take it from there.
     reuse = p_ok & (jnp.arange(slots.shape[0]) > 0) & (prev == jnp.roll(slots, 1))
     need = p_ok & ~reuse
-    gathered = X.maybe(branch, jnp.any(need), lambda: X.canary_fields(canary_buf, prev, need),
-                       lambda: (jnp.zeros(slots.shape, i64),) * consts.CANARY_FIELDS_PER_SLOT)
+    gathered = _xla_lib.maybe(branch, jnp.any(need),
+                              lambda: _xla_lib.canary_fields(canary_buf, prev, need),
+                              lambda: (jnp.zeros(slots.shape, i64),)
+                              * consts.CANARY_FIELDS_PER_SLOT)
     p_tok, p_pos, p_ph, _ = (jnp.where(reuse, jnp.roll(f, 1), g)
                              for f, g in zip((tok, pos, ph, rkv), gathered))
     chain_checked = prev != consts.TOKEN_TO_KV_SLOT_PADDING
@@ -88,7 +90,7 @@ def _check(canary_buf, words, slots, etok, epos, prev, act, *, specs, mode, kind
                           hashing.mix3(p_ph, p_tok, p_pos))
     exp_tok = etok if check_token else jnp.full(slots.shape, -1, i64)
     exp_rkv = hashing.fold_real_kv(slots, checked & (slots >= 0), words, specs, mode,
-                                   gather=X.source_word)
+                                   gather=_xla_lib.source_word)
     F = consts.FailReason
     bits = (jnp.where(chain_checked & (ph != exp_chain), int(F.VERIFY_CHAIN_HASH_MISMATCH), 0)
             | jnp.where(pos != epos, int(F.VERIFY_POSITION_MISMATCH), 0)
@@ -126,20 +128,20 @@ def run(*, canary_buf, violation_ring, violation_write_index, slot_run_counter,
     sctr = sctr + active
     if cap == 0:
         return ring, widx, sctr, kctr
-    words = X.source_arrays(source_bufs, specs)
+    words = _xla_lib.source_arrays(source_bufs, specs)
     check = functools.partial(_check, canary_buf, words, specs=specs, mode=mode, kind=kind,
                               check_token=check_token, branch=branch)
     plan = (slots, etok, epos, prev)
 
     def records(k, ok):
-        return check(*(X.take(a, k, ok) for a in plan), ok)[1]
+        return check(*(_xla_lib.take(a, k, ok) for a in plan), ok)[1]
 
     w0 = widx[0].astype(i64)
     if block == 0 or block >= cap:
         viol, _ = check(*plan, jnp.arange(cap, dtype=i64) < active)
         incl = jnp.cumsum(viol.astype(i64))
-        ring, widx = X.ring_append(
-            ring, widx, incl[-1], lambda j, ok: records(X.record_of(incl, j)[0], ok),
+        ring, widx = _xla_lib.ring_append(
+            ring, widx, incl[-1], lambda j, ok: records(_xla_lib.record_of(incl, j)[0], ok),
             branch=branch)
         return ring, widx, sctr, kctr
 
@@ -158,12 +160,12 @@ def run(*, canary_buf, violation_ring, violation_write_index, slot_run_counter,
         def rows(j, ok):
             rel = j - done
             ok = ok & (rel >= 0) & (rel < n)
-            return records(start + X.record_of(incl, jnp.where(ok, rel, 0))[0], ok)
+            return records(start + _xla_lib.record_of(incl, jnp.where(ok, rel, 0))[0], ok)
 
-        ring = X.ring_fill(ring, w0, done, n, rows, branch=branch)
+        ring = _xla_lib.ring_fill(ring, w0, done, n, rows, branch=branch)
         return b + 1, ring, done + n
 
     nblocks = (active + block - 1) // block
     _, ring, total = jax.lax.while_loop(lambda c: c[0] < nblocks, trip,
                                         (jnp.zeros((), i64), ring, jnp.zeros((), i64)))
-    return ring, X.ring_index(widx, total), sctr, kctr
+    return ring, _xla_lib.ring_index(widx, total), sctr, kctr

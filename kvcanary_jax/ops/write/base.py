@@ -1,6 +1,6 @@
 """canary_write: stamp (token, position, chain link, real-KV fingerprint) into each written slot.
 
-Semantics (SGLang's ``launch_canary_write_kernel``, spec section 9)::
+Semantics (SGLang's ``launch_canary_write_kernel``, docs/spec.md §9)::
 
     kernel_run_counter += 1                                  # always
     for r in [0, clamp(write_num_valid_reqs, 0, write_req_capacity)):
@@ -66,15 +66,13 @@ from kvcanary_jax.context import (
     source_spec,
 )
 from kvcanary_jax.contracts import Check, Contiguous, Contract, Rule, meta_of
-from kvcanary_jax.ops._kernel_lib import (
+from kvcanary_jax.ops._contract_lib import (
     canary_checks,
-    canary_from_words,
-    canary_words,
     context_guard_checks,
-    nonempty_sources,
     source_metas,
     tensor_guard,
 )
+from kvcanary_jax.ops._kernel_lib import canary_from_words, canary_words, nonempty_sources
 from kvcanary_jax.plans import WritePlan
 
 __all__ = ["CONTRACT", "validate", "shapes", "sized_call", "reference", "canary_write_reference"]

@@ -1,10 +1,11 @@
 """canary_write as a Mosaic TPU kernel (implementation ``"pallas_mosaic_tpu"``).
 
 Semantics and bounds choices: those of the write op (SGLang's ``launch_canary_write_kernel``,
-spec section 9). Requests and tokens are processed strictly in order, as SGLang's reference does:
+docs/spec.md §9). Requests and tokens are processed strictly in order, as SGLang's reference does:
 a slot written twice ends with the later record, a seed written by an earlier request of the
 launch is read after that write, and violation rows are appended in reference order (within an
-entry: the input-assert row, then the chain-position row), with the ring guard of DESIGN.md.
+entry: the input-assert row, then the chain-position row), with the ring guard
+of docs/spec.md §14.1.
 
 Shape: one kernel instance. A request's chain is serial (each link is a non-linear function of
 the previous one), so the chain runs on the scalar unit with 64-bit values as 32-bit pairs; the

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from kvcanary_jax import consts, hashing
 from kvcanary_jax.context import SourceSpec
-from kvcanary_jax.ops import _xla_lib as X
+from kvcanary_jax.ops import _xla_lib
 
 __all__ = ["Config", "heuristics", "run"]
 
@@ -108,14 +108,14 @@ def run(*, canary_buf, violation_ring, violation_write_index, slot_run_counter,
     if (num_slots + 1) * (n + 1) >= 2**62:
         raise ValueError(f"kv-canary: canary_write (xla): {num_slots} slots x {n} tokens is "
                          "too large for its int64 sort keys")
-    words = X.source_arrays(source_bufs, specs)
+    words = _xla_lib.source_arrays(source_bufs, specs)
     F = consts.FailReason
     anchor = jnp.asarray(hashing.ANCHOR_HASH_I64, i64)
     g_all = jnp.arange(n, dtype=i64)
 
     # Per token, whatever request holds it.
     stores = (ocl >= 0) & (ocl < num_slots)
-    rkv = hashing.fold_real_kv(ocl, stores, words, specs, mode, gather=X.source_word)
+    rkv = hashing.fold_real_kv(ocl, stores, words, specs, mode, gather=_xla_lib.source_word)
     if check_input:
         bits_in = (jnp.where(ids != etok, int(F.WRITE_TOKEN_MISMATCH), 0)
                    | jnp.where(pos != epos, int(F.WRITE_POSITION_MISMATCH), 0)).astype(i64)
@@ -159,10 +159,10 @@ def run(*, canary_buf, violation_ring, violation_write_index, slot_run_counter,
         skey = jnp.sort(key)
         s_slot, s_tok = skey // (n + 1), skey % (n + 1)
         seed_ok = (seed >= 0) & (seed < num_slots)
-        q = X.count_below(skey, jnp.where(seed_ok, seed, 0) * (n + 1) + lo) - 1
+        q = _xla_lib.count_below(skey, jnp.where(seed_ok, seed, 0) * (n + 1) + lo) - 1
         found = w & seed_ok & (q >= 0) & (s_slot[jnp.maximum(q, 0)] == seed)
         gs = jnp.where(found, s_tok[jnp.maximum(q, 0)], 0)
-        c_tok, c_pos, c_ph, _ = X.canary_fields(cb, seed, seed_ok)
+        c_tok, c_pos, c_ph, _ = _xla_lib.canary_fields(cb, seed, seed_ok)
         h_canary = jnp.where(seed < 0, anchor, hashing.mix3(c_ph, c_tok, c_pos))
         last0 = jnp.where(pos_check, jnp.where(found, pos[gs], c_pos), 0)
 
@@ -201,8 +201,9 @@ def run(*, canary_buf, violation_ring, violation_write_index, slot_run_counter,
         last_write = (s_slot < num_slots) & (s_slot != jnp.roll(s_slot, -1)) | (
             (g_all == n - 1) & (s_slot < num_slots))
         gw = jnp.where(last_write, s_tok, 0)
-        cb = X.canary_store(cb, s_slot, jnp.stack([ids[gw], pos[gw], links[gw], rkv[gw]], axis=1),
-                            last_write)
+        cb = _xla_lib.canary_store(cb, s_slot,
+                                   jnp.stack([ids[gw], pos[gw], links[gw], rkv[gw]], axis=1),
+                                   last_write)
 
         # Violation rows, (request, token, kind) order = token order inside the window.
         pv = jax.lax.cummax(jnp.where(tv, g_all, -1))
@@ -215,7 +216,7 @@ def run(*, canary_buf, violation_ring, violation_write_index, slot_run_counter,
         count = incl[-1]
 
         def rows(j, ok):
-            g, k = X.record_of(incl, jnp.where(ok, j - done, 0))
+            g, k = _xla_lib.record_of(incl, jnp.where(ok, j - done, 0))
             is_in = (k == 0) & rec_in[g]
             t, p = ids[g], pos[g]
             wpm = int(F.WRITE_POSITION_MISMATCH)
@@ -225,10 +226,10 @@ def run(*, canary_buf, violation_ring, violation_write_index, slot_run_counter,
                 jnp.where(is_in, epos[g] if check_input else 0, expect[g]),
                 jnp.where(is_in, bits_in[g], wpm)], axis=1)
 
-        ring = X.ring_fill(ring, widx[0], done, count, rows, branch=branch)
+        ring = _xla_lib.ring_fill(ring, widx[0], done, count, rows, branch=branch)
         nxt = _first(busy & (r_all >= a0 + cut), cap)
         return nxt, cb, ring, done + count, written + jnp.sum(tv.astype(i64))
 
     init = (_first(busy, cap), canary_buf, ring, jnp.zeros((), i64), jnp.zeros((), i64))
     _, canary_buf, ring, done, written = jax.lax.while_loop(lambda c: c[0] < cap, window, init)
-    return canary_buf, ring, X.ring_index(widx, done), sctr + written, kctr
+    return canary_buf, ring, _xla_lib.ring_index(widx, done), sctr + written, kctr
