@@ -485,7 +485,7 @@ def _entries_kernel(
     tail_v, tail_s, tail_tok, lut_s = s_.tail_v, s_.tail_s, s_.tail_tok, s_.lut_s
 
     def sem(k: _EntriesSem, s=0):
-        return s_.sems.at[k + s]
+        return T.sem_at(s_.sems, k, s)
 
     def flag(f: _Flag, slot):
         """Whether ``f`` is set for item buffer ``slot``."""
