@@ -92,9 +92,9 @@ class _OffsetsScratch(NamedTuple):
     """The offsets kernel's scratch refs, in ``scratch_shapes`` order
     (:func:`_offsets_scratch_shapes`)."""
 
-    wo_s: Any  # SMEM [wp // 64, 128]: the write offsets (pair rows), copied out at the end
-    seed_s: Any  # SMEM [cp // 64, 128]: the write seeds (pair rows), copied out at the end
-    seed_at: Any  # SMEM [bp]: request r's seed cell: its flat address, -1 outside, -2 no seed
+    wo_s: Any  # SMEM pair rows [(cap_w + 1) pad // 64, 128]: the write offsets, copied out last
+    seed_s: Any  # SMEM pair rows [cap_w pad // 64, 128]: the write seeds, copied out last
+    seed_at: Any  # SMEM [bs pad]: request r's seed cell: its flat address, -1 outside, -2 no seed
     cells: Any  # SMEM [SEED_BATCH, 128]: the 128-column segment holding seed cell j of a batch
     lutrows: Any  # SMEM [SEED_BATCH, 2]: LUT entry j of a batch (low, high word)
     sems: Any  # DMA semaphores, indexed by _OffsetsSem
@@ -127,7 +127,8 @@ def _offsets_scratch_shapes(wo_shape, seed_shape, bp: int, pitch: int) -> list:
 
 
 def _offsets_kernel(
-    # Prefetch (SMEM pair rows [bp // 64, 128]): req_pool_indices, prefix_lens, extend_seq_lens
+    # Prefetch (SMEM pair rows [bs pad // 64, 128]): req_pool_indices, prefix_lens,
+    # extend_seq_lens (``pad``: to whole tiles of PAIR_TILE entries)
     rpi_s, pre_s, ext_s,
     # Input: req_to_token [rows, pitch] and the LUT [n, 2] (HBM); the write offsets and seeds
     # (HBM pair rows, aliased to wo_hbm / seed_hbm); verify_num_valid, enable,
