@@ -14,7 +14,9 @@ DMAs are in flight. The result: pair rows ``[n_pad / 64, 128]``, as the slots.
 
 from __future__ import annotations
 
+import enum
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,33 +33,94 @@ __all__ = ["fingerprints", "fingerprints_from_pair_rows"]
 _UNROLL_WORDS = 16
 
 
-def _fold_kernel(n_ref, slots_hbm, *refs, nsrc, strips, widths, block):
+class _Misc(enum.IntEnum):
+    """Words of ``misc``."""
+
+    OUT_BUSY = 0  # bit s: block buffer s's output copy is in flight
+    RUNS = 2  # + 2 i + s: strip-run copies of source i in flight for buffer s (lengths in lens)
+
+
+class _Sem(enum.IntEnum):
+    """DMA semaphores (``+ s``: one per block buffer ``s``)."""
+
+    SLOTS = 0  # + s: the block's slots
+    OUT = 2  # + s: the block's fingerprints, out
+    STRIPS = 4  # + 2 i + s: strips of source i
+
+
+class _Scratch(NamedTuple):
+    """The kernel's scratch refs, in ``scratch_shapes`` order (:func:`_scratch_shapes`);
+    ``r = block / 128`` plane rows; a leading 2 is the block buffer ``s``; ``E_i``: source i's
+    strip words."""
+
+    slots_s: Any  # SMEM [2, 2 r, 128]: the block's slots (pair rows), as scalars
+    slots_v: Any  # VMEM [2, 2 r, 128]: the same, as vectors
+    bufs: tuple  # per source i, VMEM [2, r, 128, E_i]: the gathered strips
+    words: tuple  # per source i, VMEM [E_i, r, 128]: the strips as planes, one per word
+    out_v: Any  # VMEM [2, 2 r, 128]: the block's fingerprints (pair rows)
+    misc: Any  # SMEM [2 + 2 nsrc]: indexed by _Misc
+    lens: Any  # SMEM [max(nsrc, 1), 2, block]: run k's length, per source and buffer
+    sems: Any  # DMA semaphores, indexed by _Sem
+
+    @classmethod
+    def of(cls, refs, nsrc: int) -> "_Scratch":
+        return cls(refs[0], refs[1], tuple(refs[2:2 + nsrc]), tuple(refs[2 + nsrc:2 + 2 * nsrc]),
+                   *refs[2 + 2 * nsrc:])
+
+
+def _scratch_shapes(block: int, widths) -> list:
+    """``_Scratch``'s shapes (``widths``: each source's strip words)."""
+    r = block // T.LANES
+    nsrc = len(widths)
+    return [
+        pltpu.SMEM((2, 2 * r, T.LANES), jnp.int32),
+        pltpu.VMEM((2, 2 * r, T.LANES), jnp.int32),
+        *(pltpu.VMEM((2, r, T.LANES, w), jnp.int32) for w in widths),
+        *(pltpu.VMEM((w, r, T.LANES), jnp.int32) for w in widths),
+        pltpu.VMEM((2, 2 * r, T.LANES), jnp.int32),
+        pltpu.SMEM((_Misc.RUNS + 2 * nsrc,), jnp.int32),
+        pltpu.SMEM((max(nsrc, 1), 2, block), jnp.int32),
+        pltpu.SemaphoreType.DMA((_Sem.STRIPS + 2 * nsrc,)),
+    ]
+
+
+def _fold_kernel(
+    # Prefetch (SMEM [1]): the live entry count
+    n_ref,
+    # Input (HBM): the slots, pair rows [n_pad // 64, 128]; then per source its strips
+    # [rows * page_size, E_i] (source_strips); Output (HBM): fingerprints, pair rows as the slots;
+    # Scratch: _Scratch
+    slots_hbm, *refs,
+    nsrc, strips, widths, block,
+):
     srcs = refs[:nsrc]
     out_hbm = refs[nsrc]
-    slots_s, slots_v = refs[nsrc + 1:nsrc + 3]
-    bufs = refs[nsrc + 3:2 * nsrc + 3]
-    words = refs[2 * nsrc + 3:3 * nsrc + 3]
-    out_v, misc, lens, sems = refs[3 * nsrc + 3:]
+    scr = _Scratch.of(refs[nsrc + 1:], nsrc)
+    slots_s, slots_v, bufs, words = scr.slots_s, scr.slots_v, scr.bufs, scr.words
+    out_v, misc, lens = scr.out_v, scr.misc, scr.lens
+
+    def sem(k: _Sem, s=0):
+        return T.sem_at(scr.sems, k, s)
+
     r = block // T.LANES
     pr = 2 * r
     n_live = n_ref[0]
     nblocks = T.idiv(n_live + block - 1, block)
-    # misc: [0] out-copy pending on buffer 0 / 1 (bits 0 / 1); [2 + 2 i + slot] strip-run copies
-    # of source i in flight for buffer slot (their lengths in lens[i, slot]).
-    # sems: [slot] slot fetch, [2 + slot] out copy, [4 + 2 i + slot] strips of source i.
-    misc[0] = jnp.int32(0)
+    misc[_Misc.OUT_BUSY] = jnp.int32(0)
 
     def fetch(b, slot):
         rows_b = pl.ds(pl.multiple_of(b * pr, 8), pr)
-        return [pltpu.make_async_copy(slots_hbm.at[rows_b], slots_s.at[slot], sems.at[slot]),
-                pltpu.make_async_copy(slots_hbm.at[rows_b], slots_v.at[slot], sems.at[slot])]
+        return [pltpu.make_async_copy(slots_hbm.at[rows_b], slots_s.at[slot],
+                                      sem(_Sem.SLOTS, slot)),
+                pltpu.make_async_copy(slots_hbm.at[rows_b], slots_v.at[slot],
+                                      sem(_Sem.SLOTS, slot))]
 
     def strips_copy(i, row, m, e, slot):
         """Strips [row, row + m) of source i into entries [e, e + m) (one 128-entry slab)."""
         return pltpu.make_async_copy(
             srcs[i].at[pl.ds(row, m)],
             bufs[i].at[slot, T.idiv(e, T.LANES), pl.ds(T.irem(e, T.LANES), m)],
-            sems.at[4 + 2 * i + slot])
+            sem(_Sem.STRIPS + 2 * i, slot))
 
     def issue(b, slot):
         """Per source, one DMA per run of consecutive strips (consecutive slots in range, in
@@ -91,7 +154,7 @@ def _fold_kernel(n_ref, slots_hbm, *refs, nsrc, strips, widths, block):
 
         carry = lax.fori_loop(0, n, one, ((zero, zero, zero, zero),) * nsrc)
         for i in range(nsrc):
-            misc[2 + 2 * i + slot] = flush(i, *carry[i])
+            misc[_Misc.RUNS + 2 * i + slot] = flush(i, *carry[i])
 
     def wait(slot):
         for i in range(nsrc):
@@ -99,7 +162,7 @@ def _fold_kernel(n_ref, slots_hbm, *refs, nsrc, strips, widths, block):
                 strips_copy(i, 0, lens[i, slot, k], 0, slot).wait()
                 return c
 
-            lax.fori_loop(0, misc[2 + 2 * i + slot], one, 0)
+            lax.fori_loop(0, misc[_Misc.RUNS + 2 * i + slot], one, 0)
 
     def body(b, slot):
         s = T.planes(slots_v.at[slot])
@@ -124,9 +187,10 @@ def _fold_kernel(n_ref, slots_hbm, *refs, nsrc, strips, widths, block):
             else:
                 h = lax.fori_loop(0, nw, lambda w, h: H.splitmix64(H.xor(h, word(w))), h)
             acc = H.splitmix64(H.xor(acc, h))
-        pending = misc[0]
+        pending = misc[_Misc.OUT_BUSY]
         out_copy = pltpu.make_async_copy(
-            out_v.at[slot], out_hbm.at[pl.ds(pl.multiple_of(b * pr, 8), pr)], sems.at[2 + slot])
+            out_v.at[slot], out_hbm.at[pl.ds(pl.multiple_of(b * pr, 8), pr)],
+            sem(_Sem.OUT, slot))
 
         @pl.when((pending >> slot) & 1 == 1)
         def _():
@@ -135,14 +199,14 @@ def _fold_kernel(n_ref, slots_hbm, *refs, nsrc, strips, widths, block):
         T.store_planes(out_v.at[slot], jnp.where(live, acc[0], zero),
                        jnp.where(live, acc[1], zero))
         out_copy.start()
-        misc[0] = pending | (1 << slot)
+        misc[_Misc.OUT_BUSY] = pending | (1 << slot)
 
     T.pipeline(nblocks, fetch=fetch, issue=issue, wait=wait, body=body)
     for slot in (0, 1):
-        @pl.when((misc[0] >> slot) & 1 == 1)
+        @pl.when((misc[_Misc.OUT_BUSY] >> slot) & 1 == 1)
         def _(slot=slot):
             pltpu.make_async_copy(out_v.at[slot], out_hbm.at[pl.ds(0, pr)],
-                                  sems.at[2 + slot]).wait()
+                                  sem(_Sem.OUT, slot)).wait()
 
 
 def fingerprints_from_pair_rows(slot_rows, n_live, sources, *, mode: int, block: int,
@@ -153,7 +217,6 @@ def fingerprints_from_pair_rows(slot_rows, n_live, sources, *, mode: int, block:
     entries at or past ``n_live`` are 0 within the blocks that hold live entries (the others are
     not written)."""
     n_pad = slot_rows.shape[0] * 64
-    r = block // T.LANES
     strips = [T.source_strips(b, spec, mode) for b, spec in sources]
     counts = tuple(int(s.shape[0]) for s in strips)
     widths = tuple(int(s.shape[1]) for s in strips)
@@ -169,16 +232,7 @@ def fingerprints_from_pair_rows(slot_rows, n_live, sources, *, mode: int, block:
             num_scalar_prefetch=1, grid=(1,),
             in_specs=[any_spec] * (1 + nsrc),
             out_specs=any_spec,
-            scratch_shapes=[
-                pltpu.SMEM((2, 2 * r, T.LANES), jnp.int32),
-                pltpu.VMEM((2, 2 * r, T.LANES), jnp.int32),
-                *(pltpu.VMEM((2, r, T.LANES, w), jnp.int32) for w in widths),
-                *(pltpu.VMEM((w, r, T.LANES), jnp.int32) for w in widths),
-                pltpu.VMEM((2, 2 * r, T.LANES), jnp.int32),
-                pltpu.SMEM((2 + 2 * nsrc,), jnp.int32),
-                pltpu.SMEM((max(nsrc, 1), 2, block), jnp.int32),
-                pltpu.SemaphoreType.DMA((4 + 2 * nsrc,)),
-            ]),
+            scratch_shapes=_scratch_shapes(block, widths)),
         out_shape=jax.ShapeDtypeStruct(slot_rows.shape, jnp.int32),
         compiler_params=T.compiler_params(),
         cost_estimate=T.cost(bytes_accessed=n_pad * per_entry,

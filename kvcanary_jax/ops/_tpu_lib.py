@@ -83,6 +83,7 @@ __all__ = [
     "record_words",
     "pipeline",
     "wait_n",
+    "sem_at",
     "call",
     "compiler_params",
     "cost",
@@ -317,18 +318,22 @@ class Ring:
     512 bytes"), and a record is 64 bytes; whole 16-word rows copy between any memories.
     """
 
+    # the state words, from ``base``
+    W0 = 0  # the launch's start index
+    COUNT = 1  # violations found so far (appended or not)
+
     def __init__(self, ring, capacity: int, state, base: int, stage, sem):
         self.ring, self.cap, self.state, self.base = ring, capacity, state, base
         self.stage, self.sem = stage, sem
 
     def start(self, w0) -> None:
-        self.state[self.base] = w0
-        self.state[self.base + 1] = jnp.int32(0)
+        self.state[self.base + self.W0] = w0
+        self.state[self.base + self.COUNT] = jnp.int32(0)
 
     def _room(self):
         """Rows this launch may still write (0 when ``w0 < 0`` or the ring is full)."""
-        w0 = self.state[self.base]
-        count = self.state[self.base + 1]
+        w0 = self.state[self.base + self.W0]
+        count = self.state[self.base + self.COUNT]
         free = jnp.where(w0 >= 0, jnp.maximum(self.cap - w0, 0), 0)  # cap - w0: no overflow
         return jnp.maximum(free - count, 0)
 
@@ -336,7 +341,7 @@ class Ring:
         """Writes ``words`` (16 int32 scalars) as row ``w0 + count + k``."""
         for i, w in enumerate(words):
             self.stage[0, i] = w
-        row = self.state[self.base] + self.state[self.base + 1] + k
+        row = self.state[self.base + self.W0] + self.state[self.base + self.COUNT] + k
         copy = pltpu.make_async_copy(self.stage, self.ring.at[pl.ds(row, 1)], self.sem)
         copy.start()
         copy.wait()
@@ -350,7 +355,7 @@ class Ring:
             def _row():
                 self._write(0, words)
 
-            self.state[self.base + 1] = self.state[self.base + 1] + 1
+            self.state[self.base + self.COUNT] = self.state[self.base + self.COUNT] + 1
 
     def append_block(self, viol, fields, index) -> None:
         """Appends the violating entries of a block in entry order. ``viol``: bool planes;
@@ -371,12 +376,12 @@ class Ring:
                 return j
 
             lax.fori_loop(0, todo, one, jnp.int32(-1))
-            self.state[self.base + 1] = self.state[self.base + 1] + n
+            self.state[self.base + self.COUNT] = self.state[self.base + self.COUNT] + n
 
     def new_index(self):
         """The write index after the launch (unchanged when ``w0 < 0``; saturating)."""
-        w0 = self.state[self.base]
-        n = self.state[self.base + 1]
+        w0 = self.state[self.base + self.W0]
+        n = self.state[self.base + self.COUNT]
         return jnp.where(w0 < 0, w0, jnp.where(n > INT32_MAX - w0, INT32_MAX, w0 + n))
 
 
@@ -519,6 +524,15 @@ def pipeline(nblocks, *, fetch, issue, wait, body) -> None:
         return carry
 
     lax.fori_loop(0, nblocks, step, 0)
+
+
+def sem_at(sems, kind: int, slot=0):
+    """DMA semaphore ``kind + slot`` of ``sems`` (a kernel's semaphore array, ``kind`` a member of
+    its semaphore ``IntEnum``, ``slot`` a buffer index, static or traced). A zero ``kind`` is not
+    added: no ``0 + slot`` in the lowered program."""
+    if isinstance(slot, int) or int(kind) != 0:
+        return sems.at[kind + slot]
+    return sems.at[slot]
 
 
 def wait_n(copy, n) -> None:

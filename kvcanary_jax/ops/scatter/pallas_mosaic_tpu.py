@@ -28,8 +28,9 @@ per request.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
-from typing import ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,8 +46,59 @@ __all__ = ["Config", "heuristics", "run", "GROUP"]
 # 128-column segments per item: 2,048 columns, i.e. one item for most requests' histories.
 GROUP = 16
 
-# misc words
-_PEND_ROW, _PEND_N, _PEND_TAIL, _RD_N, _RD_TAIL = 0, 2, 4, 6, 8
+
+class _Misc(enum.IntEnum):
+    """Words of ``misc`` (each ``+ s`` for item buffer ``s``)."""
+
+    PEND_ROW = 0  # the pool row the buffer's writes in flight go to (-1: none)
+    PEND_N = 2  # whole-segment writes in flight
+    PEND_TAIL = 4  # short-last-segment writes in flight
+    RD_N = 6  # whole-segment reads in flight
+    RD_TAIL = 8  # short-last-segment reads in flight
+
+
+_MISC_WORDS = 10
+
+
+class _Sem(enum.IntEnum):
+    """DMA semaphores (each ``+ s`` for item buffer ``s``)."""
+
+    SRC = 0  # the item's source rows
+    READ = 2  # pool segments read back (whole)
+    READ_TAIL = 4  # a row's short last segment read back
+    WRITE = 6  # pool segments written (whole)
+    WRITE_TAIL = 8  # a row's short last segment written
+
+
+_SEMS = 10
+
+
+class _Scratch(NamedTuple):
+    """The kernel's scratch refs, in ``scratch_shapes`` order (:func:`_scratch_shapes`); a
+    leading 2 is the item buffer ``s``."""
+
+    srcbuf: Any  # VMEM [2, G + 8, 128]: the source rows holding an item's tokens
+    outbuf: Any  # VMEM [2, G, 128]: the item's merged pool segments, written out
+    oldbuf: Any  # VMEM [2, G, 128]: the pool segments the item covers in part, read back
+    misc: Any  # SMEM [_MISC_WORDS]: indexed by _Misc
+    sems: Any  # DMA semaphores, indexed by _Sem
+    oldtail: Any  # VMEM [2, 1, width % 128]: a row's short last segment, read back
+    outtail: Any  # VMEM [2, 1, width % 128]: the same, staged to be written
+
+
+def _scratch_shapes(group: int, width: int) -> list:
+    """``_Scratch``'s shapes. A row's short last segment has buffers of its own width: Mosaic
+    refuses a DMA into (or from) a window of a wider VMEM row unless it is a multiple of 512
+    bytes."""
+    return [
+        pltpu.VMEM((2, group + 8, T.LANES), jnp.int32),
+        pltpu.VMEM((2, group, T.LANES), jnp.int32),
+        pltpu.VMEM((2, group, T.LANES), jnp.int32),
+        pltpu.SMEM((_MISC_WORDS,), jnp.int32),
+        pltpu.SemaphoreType.DMA((_SEMS,)),
+        pltpu.VMEM((2, 1, max(width % T.LANES, 1)), jnp.int32),
+        pltpu.VMEM((2, 1, max(width % T.LANES, 1)), jnp.int32),
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +122,24 @@ def heuristics(shapes) -> Config:
     return Config(group=max(1, min(GROUP, -(-cols // T.LANES))))
 
 
-def _scatter_kernel(off_s, rpi_s, src_hbm, _pool_in, pool_hbm, srcbuf, outbuf, oldbuf, misc,
-                    sems, oldtail, outtail, *, bs, num_tokens, rows, cols, width, group, front):
+def _scatter_kernel(
+    # Prefetch (SMEM pair rows [(bs + 1) pad // 64, 128]): offsets, req_pool_indices
+    off_s, rpi_s,
+    # Input (HBM): the low words of flat_in, front padded, [n // 128, 128]; the pool (aliased)
+    src_hbm, _pool_in,
+    # Output (HBM): the pool [rows, width]
+    pool_hbm,
+    # Scratch: _Scratch
+    *scratch,
+    bs, num_tokens, rows, cols, width, group, front,
+):
+    scr = _Scratch(*scratch)
+    srcbuf, outbuf, oldbuf, misc = scr.srcbuf, scr.outbuf, scr.oldbuf, scr.misc
+    oldtail, outtail = scr.oldtail, scr.outtail
+
+    def sem(k: _Sem, slot):
+        return T.sem_at(scr.sems, k, slot)
+
     G = group
     W = G * T.LANES
     nsb = G + 8  # source rows per item
@@ -109,7 +177,8 @@ def _scatter_kernel(off_s, rpi_s, src_hbm, _pool_in, pool_hbm, srcbuf, outbuf, o
 
     # -- copies
     def src_copy(q0, slot):
-        return pltpu.make_async_copy(src_hbm.at[pl.ds(q0, nsb)], srcbuf.at[slot], sems.at[slot])
+        return pltpu.make_async_copy(src_hbm.at[pl.ds(q0, nsb)], srcbuf.at[slot],
+                                     sem(_Sem.SRC, slot))
 
     def seg_copy(rp, base, i, slot, *, read, tail):
         buf = oldbuf if read else outbuf
@@ -119,12 +188,13 @@ def _scatter_kernel(off_s, rpi_s, src_hbm, _pool_in, pool_hbm, srcbuf, outbuf, o
             # bytes ("Tile size must be divisible by 512 bytes").
             hbm = pool_hbm.at[pl.ds(rp, 1), pl.ds(tail_base, tail_w)]
             vm = (oldtail if read else outtail).at[slot]
-            sem = sems.at[(4 if read else 8) + slot]
+            kind = _Sem.READ_TAIL if read else _Sem.WRITE_TAIL
         else:
             hbm = pool_hbm.at[pl.ds(rp, 1), pl.ds(pl.multiple_of(base, T.LANES), T.LANES)]
             vm = buf.at[slot, pl.ds(i, 1)]
-            sem = sems.at[(2 if read else 6) + slot]
-        return pltpu.make_async_copy(hbm, vm, sem) if read else pltpu.make_async_copy(vm, hbm, sem)
+            kind = _Sem.READ if read else _Sem.WRITE
+        return (pltpu.make_async_copy(hbm, vm, sem(kind, slot)) if read else
+                pltpu.make_async_copy(vm, hbm, sem(kind, slot)))
 
     def segments(g, jlo, jhi):
         """Per segment i (static): (base, lo, hi, is_tail) of its written columns [lo, hi)."""
@@ -139,12 +209,12 @@ def _scatter_kernel(off_s, rpi_s, src_hbm, _pool_in, pool_hbm, srcbuf, outbuf, o
         return out
 
     def wait_writes(slot):
-        T.wait_n(seg_copy(0, 0, 0, slot, read=False, tail=False), misc[_PEND_N + slot])
+        T.wait_n(seg_copy(0, 0, 0, slot, read=False, tail=False), misc[_Misc.PEND_N + slot])
         if tail_w:
-            T.wait_n(seg_copy(0, 0, 0, slot, read=False, tail=True), misc[_PEND_TAIL + slot])
-        misc[_PEND_N + slot] = jnp.int32(0)
-        misc[_PEND_TAIL + slot] = jnp.int32(0)
-        misc[_PEND_ROW + slot] = jnp.int32(-1)
+            T.wait_n(seg_copy(0, 0, 0, slot, read=False, tail=True), misc[_Misc.PEND_TAIL + slot])
+        misc[_Misc.PEND_N + slot] = jnp.int32(0)
+        misc[_Misc.PEND_TAIL + slot] = jnp.int32(0)
+        misc[_Misc.PEND_ROW + slot] = jnp.int32(-1)
 
     def start_segments(rp, segs, wanted, slot, *, read):
         """Start the DMA of every segment whose ``wanted`` flag is set, between ``rp``'s row and
@@ -176,22 +246,22 @@ def _scatter_kernel(off_s, rpi_s, src_hbm, _pool_in, pool_hbm, srcbuf, outbuf, o
         partial = [(hi > lo) & ((lo > base) | (hi < end)) for base, lo, hi, end, _ in segs]
         any_partial = functools.reduce(jnp.logical_or, partial)
         for s_ in (0, 1):  # segments read back from a row with writes in flight: those land first
-            @pl.when(any_partial & (misc[_PEND_ROW + s_] == rp))
+            @pl.when(any_partial & (misc[_Misc.PEND_ROW + s_] == rp))
             def _(s_=s_):
                 wait_writes(s_)
 
         n_full, n_tail = start_segments(rp, segs, partial, slot, read=True)
-        misc[_RD_N + slot] = n_full
-        misc[_RD_TAIL + slot] = n_tail
+        misc[_Misc.RD_N + slot] = n_full
+        misc[_Misc.RD_TAIL + slot] = n_tail
 
     def merge_and_write(r, g, slot):
         _, rp, jlo, jhi, start = req(r)
         u0 = T.i32(H.add_u32(start, jnp.uint32(front))[1]) + g * W
         d = T.irem(u0, T.LANES)
         src_copy(0, slot).wait()
-        T.wait_n(seg_copy(0, 0, 0, slot, read=True, tail=False), misc[_RD_N + slot])
+        T.wait_n(seg_copy(0, 0, 0, slot, read=True, tail=False), misc[_Misc.RD_N + slot])
         if tail_w:
-            T.wait_n(seg_copy(0, 0, 0, slot, read=True, tail=True), misc[_RD_TAIL + slot])
+            T.wait_n(seg_copy(0, 0, 0, slot, read=True, tail=True), misc[_Misc.RD_TAIL + slot])
             # a tail read back lands in its own buffer: put it in its segment's row
             for i, (base, lo, hi, end, is_tail) in enumerate(segments(g, jlo, jhi)):
                 @pl.when((hi > lo) & ((lo > base) | (hi < end)) & is_tail)
@@ -209,7 +279,7 @@ def _scatter_kernel(off_s, rpi_s, src_hbm, _pool_in, pool_hbm, srcbuf, outbuf, o
         # segment must land last).
         wait_writes(slot)
 
-        @pl.when(misc[_PEND_ROW + 1 - slot] == rp)
+        @pl.when(misc[_Misc.PEND_ROW + 1 - slot] == rp)
         def _():
             wait_writes(1 - slot)
 
@@ -217,14 +287,14 @@ def _scatter_kernel(off_s, rpi_s, src_hbm, _pool_in, pool_hbm, srcbuf, outbuf, o
         segs = segments(g, jlo, jhi)
         n_full, n_tail = start_segments(rp, segs, [hi > lo for _, lo, hi, _, _ in segs], slot,
                                         read=False)
-        misc[_PEND_N + slot] = n_full
-        misc[_PEND_TAIL + slot] = n_tail
-        misc[_PEND_ROW + slot] = rp
+        misc[_Misc.PEND_N + slot] = n_full
+        misc[_Misc.PEND_TAIL + slot] = n_tail
+        misc[_Misc.PEND_ROW + slot] = rp
 
     for slot in (0, 1):
-        misc[_PEND_ROW + slot] = jnp.int32(-1)
-        misc[_PEND_N + slot] = jnp.int32(0)
-        misc[_PEND_TAIL + slot] = jnp.int32(0)
+        misc[_Misc.PEND_ROW + slot] = jnp.int32(-1)
+        misc[_Misc.PEND_N + slot] = jnp.int32(0)
+        misc[_Misc.PEND_TAIL + slot] = jnp.int32(0)
     r0, g0 = first_item(jnp.int32(0))
 
     @pl.when(r0 < bs)
@@ -288,15 +358,7 @@ def run(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int | None, c
             num_scalar_prefetch=2, grid=(1,),
             in_specs=[any_spec, any_spec],
             out_specs=any_spec,
-            scratch_shapes=[
-                pltpu.VMEM((2, G + 8, T.LANES), jnp.int32),
-                pltpu.VMEM((2, G, T.LANES), jnp.int32),
-                pltpu.VMEM((2, G, T.LANES), jnp.int32),
-                pltpu.SMEM((10,), jnp.int32),
-                pltpu.SemaphoreType.DMA((10,)),
-                pltpu.VMEM((2, 1, max(width % T.LANES, 1)), jnp.int32),
-                pltpu.VMEM((2, 1, max(width % T.LANES, 1)), jnp.int32),
-            ]),
+            scratch_shapes=_scratch_shapes(G, width)),
         out_shape=jax.ShapeDtypeStruct(pool_out.shape, pool_out.dtype),
         input_output_aliases={3: 0},
         compiler_params=T.compiler_params(config.vmem_limit_bytes),

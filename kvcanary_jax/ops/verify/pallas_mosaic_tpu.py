@@ -30,8 +30,9 @@ DMA), and 8 B of fingerprint.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
-from typing import ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,30 +70,102 @@ def heuristics(shapes) -> Config:
     return Config(block=min(BLOCK, T.pad_to(cap, T.PAIR_TILE)))
 
 
-# st words: inputs then outputs share one SMEM vector.
-_NVALID, _ENABLE, _WIDX, _SCTR, _KCTR = 0, 1, 2, 3, 5
+# st words: inputs then outputs share one SMEM vector (_PAD: zero, the vector is 8 words).
+_NVALID, _ENABLE, _WIDX, _SCTR, _KCTR, _PAD = 0, 1, 2, 3, 5, 7
 _F = consts.FailReason
 
 
-def _verify_kernel(st_in, plan_hbm, canary_hbm, rkv_hbm, _ring_in, ring_hbm, st_out,
-                   plan_v, plan_s, rows, prow, rkv_v, misc, lens, stage, sems, *, capacity, block,
-                   num_slots, canary_words, ring_cap, kind, check_token, has_rkv):
+class _Misc(enum.IntEnum):
+    """Words of ``misc``."""
+
+    RUNS = 0  # + s: canary-row runs (DMAs) in flight for buffer s, their lengths in ``lens``
+    RING = 2  # two words: the Ring's state
+    PREVS = 5  # + s: predecessor-row DMAs in flight for buffer s
+
+
+_MISC_WORDS = 8
+
+
+class _Sem(enum.IntEnum):
+    """DMA semaphores (``+ s``: one per block buffer ``s``)."""
+
+    PLAN = 0  # + s: the block's plan words (and fingerprints)
+    ROWS = 2  # + s: the block's canary rows
+    RING = 4  # a violation record
+    PREV = 5  # + s: predecessor rows outside the block's chain
+
+
+_SEMS = 7
+
+
+class _Scratch(NamedTuple):
+    """The kernel's scratch refs, in ``scratch_shapes`` order (:func:`_scratch_shapes`);
+    ``r = block / 128`` plane rows; a leading 2 is the block buffer ``s``."""
+
+    plan_v: Any  # VMEM [2, 4, 2 r, 128]: the block's slot, prev, token, position pair rows
+    plan_s: Any  # SMEM [2, 2, 2 r, 128]: its slot and prev pair rows, as scalars
+    rows: Any  # VMEM [2, r, 128, 8]: the canary row of each entry's slot
+    prow: Any  # VMEM [2, r, 128, 8]: the canary row of each entry's predecessor
+    rkv_v: Any  # VMEM [2, 2 r, 128]: the block's fingerprints (pair rows)
+    misc: Any  # SMEM [_MISC_WORDS]: indexed by _Misc
+    lens: Any  # SMEM [2, block]: run k's length, per buffer
+    stage: Any  # SMEM RING_STAGE: the violation record being appended
+    sems: Any  # DMA semaphores, indexed by _Sem
+
+
+def _scratch_shapes(block: int) -> list:
+    """``_Scratch``'s shapes."""
+    r = block // T.LANES
+    return [
+        pltpu.VMEM((2, 4, 2 * r, T.LANES), jnp.int32),
+        pltpu.SMEM((2, 2, 2 * r, T.LANES), jnp.int32),
+        pltpu.VMEM((2, r, T.LANES, 8), jnp.int32),
+        pltpu.VMEM((2, r, T.LANES, 8), jnp.int32),
+        pltpu.VMEM((2, 2 * r, T.LANES), jnp.int32),
+        pltpu.SMEM((_MISC_WORDS,), jnp.int32),
+        pltpu.SMEM((2, block), jnp.int32),
+        pltpu.SMEM(T.RING_STAGE, jnp.int32),
+        pltpu.SemaphoreType.DMA((_SEMS,)),
+    ]
+
+
+def _verify_kernel(
+    # Prefetch (SMEM [8]): st words _NVALID ... _KCTR
+    st_in,
+    # Input (HBM): the plan's four fields, pair rows [4, cap_pad // 64, 128]; canary rows
+    # [N, canary_words]; fingerprints, pair rows [cap_pad // 64, 128]; the ring (aliased)
+    plan_hbm, canary_hbm, rkv_hbm, _ring_in,
+    # Output: the ring [C, 16] (HBM); st words (SMEM [8])
+    ring_hbm, st_out,
+    # Scratch: _Scratch
+    *scratch,
+    capacity, block, num_slots, canary_words, ring_cap, kind, check_token, has_rkv,
+):
+    scr = _Scratch(*scratch)
+    plan_v, plan_s, rows, prow, rkv_v = scr.plan_v, scr.plan_s, scr.rows, scr.prow, scr.rkv_v
+    misc, lens = scr.misc, scr.lens
+
+    def sem(k: _Sem, s=0):
+        return T.sem_at(scr.sems, k, s)
+
     r = block // T.LANES  # plane rows per block
     pr = 2 * r  # pair rows per block
     nvalid = st_in[_NVALID]
     enabled = st_in[_ENABLE] != 0
     active = jnp.where(enabled, jnp.clip(nvalid, 0, capacity), 0)
     nblocks = T.idiv(active + block - 1, block)
-    ring = T.Ring(ring_hbm, ring_cap, misc, 2, stage, sems.at[4])
+    ring = T.Ring(ring_hbm, ring_cap, misc, _Misc.RING, scr.stage, sem(_Sem.RING))
     ring.start(st_in[_WIDX])
 
     def fetch(b, slot):
         rows_b = pl.ds(pl.multiple_of(b * pr, 8), pr)
-        cps = [pltpu.make_async_copy(plan_hbm.at[:, rows_b, :], plan_v.at[slot], sems.at[slot]),
+        cps = [pltpu.make_async_copy(plan_hbm.at[:, rows_b, :], plan_v.at[slot],
+                                     sem(_Sem.PLAN, slot)),
                pltpu.make_async_copy(plan_hbm.at[pl.ds(0, 2), rows_b, :], plan_s.at[slot],
-                                     sems.at[slot])]
+                                     sem(_Sem.PLAN, slot))]
         if has_rkv:
-            cps.append(pltpu.make_async_copy(rkv_hbm.at[rows_b], rkv_v.at[slot], sems.at[slot]))
+            cps.append(pltpu.make_async_copy(rkv_hbm.at[rows_b], rkv_v.at[slot],
+                                             sem(_Sem.PLAN, slot)))
         return cps
 
     def rows_copy(row, m, buf, e, slot, sem):
@@ -113,7 +186,7 @@ def _verify_kernel(st_in, plan_hbm, canary_hbm, rkv_hbm, _ring_in, ring_hbm, st_
         def flush(start, first, length, runs):
             @pl.when(length > 0)
             def _():
-                rows_copy(start, length, rows, first, slot, sems.at[2 + slot]).start()
+                rows_copy(start, length, rows, first, slot, sem(_Sem.ROWS, slot)).start()
                 lens[slot, runs] = length
 
             return runs + (length > 0).astype(jnp.int32)
@@ -138,22 +211,22 @@ def _verify_kernel(st_in, plan_hbm, canary_hbm, rkv_hbm, _ring_in, ring_hbm, st_
 
             @pl.when(fetch_p)
             def _():
-                rows_copy(T.i32(p_lo), 1, prow, e, slot, sems.at[5 + slot]).start()
+                rows_copy(T.i32(p_lo), 1, prow, e, slot, sem(_Sem.PREV, slot)).start()
 
             return (start, first, length, runs, nprev + fetch_p.astype(jnp.int32), s_hi, s_lo)
 
         start, first, length, runs, nprev, _, _ = lax.fori_loop(
             0, n, one, (zero, zero, zero, zero, zero, jnp.uint32(0), jnp.uint32(0)))
-        misc[slot] = flush(start, first, length, runs)
-        misc[5 + slot] = nprev
+        misc[_Misc.RUNS + slot] = flush(start, first, length, runs)
+        misc[_Misc.PREVS + slot] = nprev
 
     def wait(slot):
         def one(k, c):
-            rows_copy(0, lens[slot, k], rows, 0, slot, sems.at[2 + slot]).wait()
+            rows_copy(0, lens[slot, k], rows, 0, slot, sem(_Sem.ROWS, slot)).wait()
             return c
 
-        lax.fori_loop(0, misc[slot], one, 0)
-        T.wait_n(rows_copy(0, 1, prow, 0, slot, sems.at[5 + slot]), misc[5 + slot])
+        lax.fori_loop(0, misc[_Misc.RUNS + slot], one, 0)
+        T.wait_n(rows_copy(0, 1, prow, 0, slot, sem(_Sem.PREV, slot)), misc[_Misc.PREVS + slot])
 
     def check(b, slot):
         slot_p = T.planes(plan_v.at[slot, 0])
@@ -222,7 +295,7 @@ def _verify_kernel(st_in, plan_hbm, canary_hbm, rkv_hbm, _ring_in, ring_hbm, st_
     st_out[_WIDX] = ring.new_index()
     add64(_SCTR, active)
     add64(_KCTR, jnp.int32(1))
-    st_out[7] = jnp.int32(0)
+    st_out[_PAD] = jnp.int32(0)
 
 
 def run(
@@ -258,7 +331,6 @@ def run(
                                              interpret=config.interpret or False)
     else:
         rkv = jnp.zeros((8, T.LANES), jnp.int32)
-    r = block // T.LANES
     kernel = functools.partial(
         _verify_kernel, capacity=capacity, block=block, num_slots=num_slots,
         canary_words=int(canary.shape[1]), ring_cap=ring_cap, kind=kind,
@@ -272,17 +344,7 @@ def run(
             num_scalar_prefetch=1, grid=(1,),
             in_specs=[any_spec, any_spec, any_spec, any_spec],
             out_specs=[any_spec, pl.BlockSpec(memory_space=pltpu.SMEM)],
-            scratch_shapes=[
-                pltpu.VMEM((2, 4, 2 * r, T.LANES), jnp.int32),
-                pltpu.SMEM((2, 2, 2 * r, T.LANES), jnp.int32),
-                pltpu.VMEM((2, r, T.LANES, 8), jnp.int32),
-                pltpu.VMEM((2, r, T.LANES, 8), jnp.int32),
-                pltpu.VMEM((2, 2 * r, T.LANES), jnp.int32),
-                pltpu.SMEM((8,), jnp.int32),
-                pltpu.SMEM((2, block), jnp.int32),
-                pltpu.SMEM(T.RING_STAGE, jnp.int32),
-                pltpu.SemaphoreType.DMA((7,)),
-            ]),
+            scratch_shapes=_scratch_shapes(block)),
         out_shape=[jax.ShapeDtypeStruct(ring.shape, jnp.int32),
                    jax.ShapeDtypeStruct((8,), jnp.int32)],
         input_output_aliases={4: 0},

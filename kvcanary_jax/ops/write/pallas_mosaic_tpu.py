@@ -57,11 +57,14 @@ WRITES_IN_FLIGHT = 8
 SMEM_BUDGET = 768 * 1024
 
 _F = consts.FailReason
-# st words (SMEM, in and out)
-_NVALID, _CPA, _WIDX, _SCTR, _KCTR = 0, 1, 2, 3, 5
+# st words (SMEM, in and out; _PAD: zero, the vector is 8 words)
+_NVALID, _CPA, _WIDX, _SCTR, _KCTR, _PAD = 0, 1, 2, 3, 5, 7
 # token fields (pair rows), in this order in the stacked token array
 _SLOT, _TOK, _POS, _RKV, _ETOK, _EPOS = range(6)
-# misc words
+# misc words: _CUR the resident token chunk (-1: none); _ID0 + s the chunk buffer s holds (or is
+# fetching); _FLY0 + s 1 while buffer s's fetch is in flight; _CNT records staged so far (the
+# next staging row is _CNT % WRITES_IN_FLIGHT); _RING the Ring's two words; _WRITTEN canary rows
+# written
 _CUR, _ID0, _FLY0, _CNT, _RING, _WRITTEN = 0, 1, 3, 5, 6, 8
 
 
@@ -130,10 +133,19 @@ def _pair_lanes(e):
     return T.idiv(e, 64), 2 * T.irem(e, 64)
 
 
-def _write_kernel(st_in, off_s, seed_s, toks_hbm, seed_v, ocl_v, canary_in, ring_in,
-                  canary_hbm, ring_hbm, st_out, init_hbm, *scratch,
-                  cap, num_tokens, num_slots, canary_words, ring_cap, kind, check_input,
-                  nchunks):
+def _write_kernel(
+    # Prefetch (SMEM): st words [8]; write offsets and seeds, pair rows [cap_pad // 64, 128]
+    st_in, off_s, seed_s,
+    # Input: the token fields (_SLOT ...), pair rows [fields, t_pad // 64, 128] (HBM); the seeds
+    # and out_cache_loc as pair rows (VMEM); the canary rows and the ring (HBM, aliased)
+    toks_hbm, seed_v, ocl_v, canary_in, ring_in,
+    # Output: canary rows [N, canary_words] and the ring [C, 16] (HBM); st words (SMEM [8]);
+    # first links and last positions, pair rows [2, 2 rc, 128] (HBM, a round trip to SMEM)
+    canary_hbm, ring_hbm, st_out, init_hbm,
+    # Scratch: _Scratch
+    *scratch,
+    cap, num_tokens, num_slots, canary_words, ring_cap, kind, check_input, nchunks,
+):
     del canary_in, ring_in
     s_ = _Scratch(*scratch)
     seed_rows, init_v, init_s, hz, chunk = s_.seed_rows, s_.init_v, s_.init_s, s_.hz, s_.chunk
@@ -386,7 +398,7 @@ def _write_kernel(st_in, off_s, seed_s, toks_hbm, seed_v, ocl_v, canary_in, ring
     st_out[_WIDX] = ring.new_index()
     add64(_SCTR, misc[_WRITTEN])
     add64(_KCTR, jnp.int32(1))
-    st_out[7] = jnp.int32(0)
+    st_out[_PAD] = jnp.int32(0)
 
 
 def smem_bytes(capacity: int, check_input: bool) -> int:
