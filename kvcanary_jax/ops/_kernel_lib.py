@@ -49,7 +49,6 @@ __all__ = [
     "context_guard_checks",
     "canary_checks",
     "source_metas",
-    "nonempty_sources",
 ]
 
 
@@ -265,9 +264,3 @@ def canary_checks():
 def source_metas(sources) -> dict:
     return {f"real_kv_sources[{i}].tensor": s.meta for i, s in enumerate(sources)}
 
-
-def nonempty_sources(sources):
-    """``((buffer, SourceSpec), ...)`` with every 0-byte buffer replaced by one zero word: its
-    spec addresses no row (``num_rows == 0``), so nothing is read from it, but no implementation
-    has to trace a load from an empty array (the fold still takes its step for that source)."""
-    return tuple((jnp.zeros((1,), jnp.int64) if b.size == 0 else b, spec) for b, spec in sources)
