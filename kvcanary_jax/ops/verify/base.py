@@ -43,6 +43,7 @@ implementation.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -67,7 +68,8 @@ from kvcanary_jax.ops._kernel_lib import (
 )
 from kvcanary_jax.plans import VerifyPlan
 
-__all__ = ["CONTRACT", "OUTPUTS", "validate", "shapes", "sized_call", "reference", "canary_verify_reference"]
+__all__ = ["CONTRACT", "OUTPUTS", "validate", "shapes", "sized_call", "reference",
+           "canary_verify_reference"]
 
 _V = "canary_verify"
 
@@ -118,7 +120,8 @@ def validate(context: VerifyOrWriteContext, plan: VerifyPlan) -> None:
     """:data:`CONTRACT` on a context and a plan (raises at trace time)."""
     metas = {k: meta_of(v) for k, v in context.arrays("verify").items()
              if not k.startswith("real_kv_sources")}
-    metas.update({f"plan.{k}": meta_of(v) for k, v in vars(plan).items()})
+    metas.update({f"plan.{f.name}": meta_of(getattr(plan, f.name))
+                  for f in dataclasses.fields(VerifyPlan)})
     metas.update(source_metas(context.real_kv_sources))
     CONTRACT.validate_metas(metas, num_sources=len(context.real_kv_sources))
 

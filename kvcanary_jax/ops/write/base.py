@@ -77,7 +77,8 @@ from kvcanary_jax.ops._kernel_lib import (
 )
 from kvcanary_jax.plans import WritePlan
 
-__all__ = ["CONTRACT", "OUTPUTS", "WriteTokens", "validate", "shapes", "sized_call", "reference", "canary_write_reference"]
+__all__ = ["CONTRACT", "OUTPUTS", "WriteTokens", "validate", "shapes", "sized_call", "reference",
+           "canary_write_reference"]
 
 _W = "canary_write"
 
@@ -182,8 +183,9 @@ def validate(context, plan, tokens: WriteTokens, enable_write_input_assert: bool
     """:data:`CONTRACT` on the op's arguments (raises at trace time)."""
     tensors = {k: v for k, v in context.arrays("write").items()
                if not k.startswith("real_kv_sources")}
-    tensors.update({f"plan.{k}": v for k, v in vars(plan).items()})
-    tensors.update(vars(tokens))
+    tensors.update({f"plan.{f.name}": getattr(plan, f.name)
+                    for f in dataclasses.fields(WritePlan)})
+    tensors.update({f.name: getattr(tokens, f.name) for f in dataclasses.fields(WriteTokens)})
     metas = {k: (None if v is None else meta_of(v)) for k, v in tensors.items()}
     metas.update(source_metas(context.real_kv_sources))
     CONTRACT.validate_metas(
