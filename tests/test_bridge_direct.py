@@ -17,7 +17,7 @@ import torch
 import bench.bridge_overhead as bo
 from bridge import declarations as D
 from bridge import triton_direct as td
-from bridge.launcher import lowered_specs
+from bridge.launcher import bind, lowered_specs
 from kvcanary_jax.ops.plan import pallas_triton as _plan_triton
 
 CPU = torch.device("cpu")
@@ -61,14 +61,21 @@ def _calls():
     }
 
 
+def _extract(fn, args, results, static):
+    """The direct path's program of a declaration's function, bound by name as the launcher
+    binds it."""
+    names = [a.name for a in args]
+    return td.extract_program(bind(fn, names, results), lowered_specs(args),
+                              results_to_args=[names.index(r) for r in results], static=static)
+
+
 @functools.lru_cache(maxsize=None)
 def _program(name):
     decl, kw = _calls()[name]
     ts = decl.tensors(kw)
     args, static, results = decl.arguments(kw, ts)
     static = dict(static, platform="cuda")
-    return args, td.extract_program(decl.fn, lowered_specs(args), results_to_args=results,
-                                    static=static)
+    return args, _extract(decl.fn, args, results, static=static)
 
 
 def _mapping(name):
@@ -122,8 +129,7 @@ def test_plan_multi_block_path_is_three_kernels():
     ts = D.PLAN.tensors(kw)
     args, static, results = D.PLAN.arguments(kw, ts)
     config = _plan_triton.Config(single_block_max=2, multi_block=2)
-    prog = td.extract_program(D.plan_fn, lowered_specs(args), results_to_args=results,
-                              static=dict(static, platform="cuda", config=config))
+    prog = _extract(D.plan_fn, args, results, static=dict(static, platform="cuda", config=config))
     names = [k.name for k in prog.kernels]
     assert names == ["kvcanary_plan_offsets_block_sums", "kvcanary_plan_offsets",
                      "kvcanary_plan_entries"]
@@ -231,8 +237,7 @@ def test_fused_step_is_one_program_of_all_the_kernels():
                  if k not in ("verify_plan_out", "write_plan_out")})
     ts = D.STEP.tensors(kw)
     args, static, results = D.STEP.arguments(kw, ts)
-    prog = td.extract_program(D.STEP.fn, lowered_specs(args), results_to_args=results,
-                              static=dict(static, platform="cuda"))
+    prog = _extract(D.STEP.fn, args, results, static=dict(static, platform="cuda"))
     assert [k.name for k in prog.kernels] == [
         "kvcanary_scatter_req_token_ids", "kvcanary_plan_offsets", "kvcanary_plan_entries",
         "kvcanary_verify", "kvcanary_write"]
@@ -328,8 +333,7 @@ def test_empty_batch_plan_is_copies_of_constants_and_matches_sglang(sgl):
     ours = dict(kw, verify_plan_out=plans[0][0], write_plan_out=plans[0][1])
     ts = D.PLAN.tensors(ours)
     args, static, results = D.PLAN.arguments(ours, ts)
-    prog = td.extract_program(D.PLAN.fn, lowered_specs(args), results_to_args=results,
-                              static=dict(static, platform="cuda"))
+    prog = _extract(D.PLAN.fn, args, results, static=dict(static, platform="cuda"))
     assert prog.kernels == () and prog.copies
     log, compiled = [], []
     loaded, patch = _loaded(prog, args, log, compiled)
