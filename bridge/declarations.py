@@ -40,6 +40,7 @@ from kvcanary_jax.ops import plan as _plan
 from kvcanary_jax.ops import scatter as _scatter
 from kvcanary_jax.ops import verify as _verify
 from kvcanary_jax.ops import write as _write
+from kvcanary_jax.ops.plan import base as _plan_base
 from kvcanary_jax.ops.verify import base as _verify_base
 from kvcanary_jax.ops.write import base as _write_base
 from kvcanary_jax.ops.write.base import WriteTokens
@@ -78,17 +79,6 @@ _WP = tuple(f.name for f in dataclasses.fields(_plans.WritePlan))
 # Every array field of the context (each op hands over those it reads: ``array_fields(op)``).
 _CTX_FIELDS = tuple(dict.fromkeys(VerifyOrWriteContext.array_fields("verify")
                                   + VerifyOrWriteContext.array_fields("write")))
-_PLAN_OUT_NAMES = {  # SGLang's launcher names for the plan fields (its messages use them)
-    "verify_slot_indices": "out_verify_slot_indices",
-    "verify_expected_tokens": "out_verify_expected_tokens",
-    "verify_expected_positions": "out_verify_expected_positions",
-    "verify_prev_slot_indices": "out_verify_prev_slot_indices",
-    "verify_num_valid": "out_verify_num_valid",
-    "enable": "out_verify_enable",
-    "write_offsets": "out_write_offsets",
-    "write_seed_slot_indices": "out_write_seed_slot_indices",
-    "write_num_valid_reqs": "out_write_num_valid_reqs",
-}
 
 
 def _platform(t) -> str:
@@ -320,7 +310,7 @@ def _plan_validate(kw, ts):
     required.update({k: ts[k] for k in _PLAN_IN[:4]})
     require_tensors(_PLAN_P, {**{k: ts[k] for k in _PLAN_IN[:4]}, **required})
     tensors = {k: ts[k] for k in _PLAN_IN}
-    tensors.update({_PLAN_OUT_NAMES[k.split(".", 1)[1]]: v for k, v in required.items()
+    tensors.update({_plan_base.out_name(k.split(".", 1)[1]): v for k, v in required.items()
                     if "." in k})
     _plan.CONTRACT.validate_metas(
         _plan.plan_metas(tensors), swa_window_size=int(kw["swa_window_size"]),
@@ -395,13 +385,11 @@ _PLAN_RESULTS = tuple(f"verify_plan_out.{k}" for k in _VP) + tuple(f"write_plan_
 
 
 def _plan_call(named, *, swa, cap, k, platform, config=None):
-    vp, wp = _plan.run(_rebuild(_plans.VerifyPlan, named, "verify_plan_out."),
-                       _rebuild(_plans.WritePlan, named, "write_plan_out."),
-                       *(named.get(n) for n in _PLAN_IN), swa_window_size=swa,
-                       verify_capacity=cap, kv_token_id_vs_position_offset=k,
-                       implementation=_impl("plan", platform), config=config,
-                       num_reqs=named.get("num_reqs"))
-    return vp, wp
+    return _plan.run(_rebuild(_plans.VerifyPlan, named, "verify_plan_out."),
+                     _rebuild(_plans.WritePlan, named, "write_plan_out."),
+                     _rebuild(_plan.PlanInputs, named), swa_window_size=swa, verify_capacity=cap,
+                     kv_token_id_vs_position_offset=k, implementation=_impl("plan", platform),
+                     config=config)
 
 
 def plan_fn(named, *, swa, cap, k, platform, config=None):

@@ -41,6 +41,7 @@ from jax.experimental.pallas import tpu as pltpu
 from kvcanary_jax import hashing_u32 as H
 from kvcanary_jax.ops import _tpu_lib as T
 from kvcanary_jax.ops.plan import base
+from kvcanary_jax.plans import VerifyPlan, WritePlan
 
 __all__ = ["Config", "heuristics", "run", "plan_offsets", "plan_entries", "SEED_BATCH", "BLOCK",
            "SMEM_BUDGET"]
@@ -815,13 +816,16 @@ def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, v
     return tuple(T.from_pair_rows(o, cap) for o in new)
 
 
-def run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, *, swa_window_size: int,
+# The kernels compile per batch size: no ``num_reqs`` operand (api.run refuses one).
+TAKES_NUM_REQS = False
+
+
+def run(vp: VerifyPlan, wp: WritePlan, inputs: base.PlanInputs, *, swa_window_size: int,
         verify_capacity: int, kv_token_id_vs_position_offset: int, config: Config):
     """``(VerifyPlan, WritePlan)`` filled (``bs >= 1``; the caller handles an empty batch);
     every plan array is aliased to its input."""
     return base.compose(
         functools.partial(plan_offsets, config=config),
         functools.partial(plan_entries, config=config),
-        vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens,
-        swa_window_size=swa_window_size, verify_capacity=verify_capacity,
+        vp, wp, inputs, swa_window_size=swa_window_size, verify_capacity=verify_capacity,
         kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
