@@ -241,11 +241,9 @@ def run(context: VerifyOrWriteContext, plan: VerifyPlan, *, check_verify_expecte
         plan.verify_expected_positions)])
     canary = T.words32(context.canary_buf) if num_slots else jnp.zeros((1, 8), jnp.int32)
     ring = T.words32(context.violation_ring) if ring_cap else jnp.zeros((1, 16), jnp.int32)
-    st = jnp.concatenate([
+    st = jnp.concatenate([  # the status words _NVALID, _ENABLE, then _WIDX.._KCTR
         plan.verify_num_valid.astype(jnp.int32).reshape(1),
-        plan.enable.astype(jnp.int32).reshape(1),
-        context.violation_write_index.astype(jnp.int32).reshape(1),
-        T.i64_words(context.slot_run_counter), T.i64_words(context.kernel_run_counter),
+        plan.enable.astype(jnp.int32).reshape(1), T.counter_words(context),
         jnp.zeros((1,), jnp.int32)])
     has_rkv = bool(sources) and mode != int(consts.RealKvHashMode.NONE)
     if has_rkv:
@@ -288,11 +286,4 @@ def run(context: VerifyOrWriteContext, plan: VerifyPlan, *, check_verify_expecte
         interpret=config.interpret or False,
         name="kvcanary_verify_tpu",
     )
-    ring_in = context.violation_ring
-    return context.replace(
-        violation_ring=T.from_words32(ring32, ring_in) if ring_cap else ring_in,
-        violation_write_index=st_out[_WIDX:_WIDX + 1].astype(context.violation_write_index.dtype),
-        slot_run_counter=lax.bitcast_convert_type(st_out[_SCTR:_SCTR + 2],
-                                                  jnp.int64).reshape(1),
-        kernel_run_counter=lax.bitcast_convert_type(st_out[_KCTR:_KCTR + 2],
-                                                    jnp.int64).reshape(1))
+    return T.counters_from_words(context, st_out[_WIDX:], ring32)

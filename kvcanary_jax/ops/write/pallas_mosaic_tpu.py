@@ -437,12 +437,10 @@ def run(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
     seeds = T.to_pair_rows(plan.write_seed_slot_indices if cap else zeros, cap_pad)
     canary = T.words32(context.canary_buf) if num_slots else jnp.zeros((1, 8), jnp.int32)
     ring = T.words32(context.violation_ring) if ring_cap else jnp.zeros((1, 16), jnp.int32)
-    st = jnp.concatenate([
+    st = jnp.concatenate([  # the status words _NVALID, _CPA, then _WIDX.._KCTR
         plan.write_num_valid_reqs.astype(jnp.int32).reshape(1),
         context.enable_chain_position_assert.astype(jnp.int32).reshape(1),
-        context.violation_write_index.astype(jnp.int32).reshape(1),
-        T.i64_words(context.slot_run_counter), T.i64_words(context.kernel_run_counter),
-        jnp.zeros((1,), jnp.int32)])
+        T.counter_words(context), jnp.zeros((1,), jnp.int32)])
     rc = cap_pad // T.LANES
     kernel = functools.partial(
         _write_kernel, cap=cap, num_tokens=num_tokens, num_slots=num_slots,
@@ -468,12 +466,7 @@ def run(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
         interpret=config.interpret or False,
         name="kvcanary_write_tpu",
     )
-    canary_in, ring_in = context.canary_buf, context.violation_ring
-    return context.replace(
-        canary_buf=T.from_words32(canary32, canary_in) if num_slots else canary_in,
-        violation_ring=T.from_words32(ring32, ring_in) if ring_cap else ring_in,
-        violation_write_index=st_out[_WIDX:_WIDX + 1].astype(context.violation_write_index.dtype),
-        slot_run_counter=lax.bitcast_convert_type(st_out[_SCTR:_SCTR + 2],
-                                                  jnp.int64).reshape(1),
-        kernel_run_counter=lax.bitcast_convert_type(st_out[_KCTR:_KCTR + 2],
-                                                    jnp.int64).reshape(1))
+    canary_in = context.canary_buf
+    return T.counters_from_words(
+        context, st_out[_WIDX:], ring32,
+        canary_buf=T.from_words32(canary32, canary_in) if num_slots else canary_in)
