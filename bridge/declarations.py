@@ -167,7 +167,7 @@ def _ctx_for_checks(context):
     """SGLang's context as the ops' contracts read it: the package's context over the torch
     tensors, each source as its tensor and the torch view's metadata."""
     return VerifyOrWriteContext(
-        **{k: getattr(context, k) for k in _CTX_FIELDS}, kernel_kind=context.kernel_kind,
+        **{k: getattr(context, k, None) for k in _CTX_FIELDS}, kernel_kind=context.kernel_kind,
         real_kv_hash_mode=context.real_kv_hash_mode,
         real_kv_sources=tuple(types.SimpleNamespace(tensor=s.tensor, meta=meta_of(s.tensor))
                               for s in context.real_kv_sources))
@@ -421,12 +421,21 @@ _VERIFY_P = "kv-canary: launch_canary_verify_kernel"
 
 
 _SOURCE_NAMES = tuple(f"real_kv_sources[{i}].tensor" for i in range(8))
-# The context fields each op reads (the context's declaration says), looked up once.
+# The context fields each op reads (the context's declaration says), looked up once; a field
+# declared with a default may be missing from the caller's context (read as None, not handed
+# over).
 _CTX_READ = {op: VerifyOrWriteContext.array_fields(op) for op in ("verify", "write")}
+_CTX_OPTIONAL = VerifyOrWriteContext.optional_fields()
+
+
+def _required(ts: dict) -> dict:
+    """The tensors a launcher requires: all but the optional context fields left absent."""
+    return {k: v for k, v in ts.items() if v is not None or k not in _CTX_OPTIONAL}
 
 
 def _ctx_tensors(context, op: str) -> dict:
-    out = {k: getattr(context, k) for k in _CTX_READ[op]}
+    out = {k: getattr(context, k) if k not in _CTX_OPTIONAL else getattr(context, k, None)
+           for k in _CTX_READ[op]}
     sources = context.real_kv_sources
     if sources:
         # More than MAX_REAL_KV_SOURCES is refused by the contract, named like the others.
@@ -448,7 +457,7 @@ def _verify_statics(kw):
 
 
 def _verify_validate(kw, ts):
-    require_tensors(_VERIFY_P, ts)
+    require_tensors(_VERIFY_P, _required(ts))
     _verify_base.validate(_ctx_for_checks(kw["context"]), kw["plan"])
     _same_device("canary_verify", "canary_buf", ts)
     check_distinct_outputs({k: ts[k] for k in _verify_base.OUTPUTS})
@@ -469,7 +478,7 @@ def _verify_values(kw, ts):
 
 
 def _ctx_args(ts, op: str, outputs: tuple[str, ...]) -> list[Arg]:
-    return [_dense(k, ts[k], out=k in outputs) for k in _CTX_READ[op]]
+    return [_dense(k, ts[k], out=k in outputs) for k in _CTX_READ[op] if ts[k] is not None]
 
 
 def _source_args(context):
@@ -532,8 +541,7 @@ def _write_statics(kw):
 
 
 def _write_validate(kw, ts):
-    required = {k: v for k, v in ts.items() if k not in _EXPECTED}
-    require_tensors(_WRITE_P, required)
+    require_tensors(_WRITE_P, {k: v for k, v in _required(ts).items() if k not in _EXPECTED})
     _write_base.validate(_ctx_for_checks(kw["context"]), kw["plan"],
                          WriteTokens(**{k: ts[k] for k in _TOKENS}),
                          kw["enable_write_input_assert"])

@@ -323,6 +323,13 @@ class VerifyOrWriteContext:
                      if not f.metadata.get("static") and f.name != "real_kv_sources"
                      and op in f.metadata.get("read_by", _CONTEXT_OPS))
 
+    @classmethod
+    def optional_fields(cls) -> frozenset[str]:
+        """Array fields declared with a default: they may be None (absent), and the torch
+        bridge hands them over only when the caller's context has them."""
+        return frozenset(f.name for f in dataclasses.fields(cls)
+                         if f.default is not dataclasses.MISSING and not f.metadata.get("static"))
+
     def arrays(self, op: str) -> dict[str, Any]:
         """``op``'s arrays by name: :meth:`array_fields`, then each source's buffer as
         ``real_kv_sources[i].tensor``."""

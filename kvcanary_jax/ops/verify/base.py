@@ -118,7 +118,7 @@ OUTPUTS = ("violation_ring", "violation_write_index", "slot_run_counter", "kerne
 
 def validate(context: VerifyOrWriteContext, plan: VerifyPlan) -> None:
     """:data:`CONTRACT` on a context and a plan (raises at trace time)."""
-    metas = {k: meta_of(v) for k, v in context.arrays("verify").items()
+    metas = {k: None if v is None else meta_of(v) for k, v in context.arrays("verify").items()
              if not k.startswith("real_kv_sources")}
     metas.update({f"plan.{f.name}": meta_of(getattr(plan, f.name))
                   for f in dataclasses.fields(VerifyPlan)})
