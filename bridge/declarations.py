@@ -426,6 +426,9 @@ _SOURCE_NAMES = tuple(f"real_kv_sources[{i}].tensor" for i in range(8))
 # over).
 _CTX_READ = {op: VerifyOrWriteContext.array_fields(op) for op in ("verify", "write")}
 _CTX_OPTIONAL = VerifyOrWriteContext.optional_fields()
+# Per op: (required fields, optional fields), split once so a call reads each without a test.
+_CTX_SPLIT = {op: (tuple(k for k in f if k not in _CTX_OPTIONAL),
+                   tuple(k for k in f if k in _CTX_OPTIONAL)) for op, f in _CTX_READ.items()}
 
 
 def _required(ts: dict) -> dict:
@@ -434,8 +437,10 @@ def _required(ts: dict) -> dict:
 
 
 def _ctx_tensors(context, op: str) -> dict:
-    out = {k: getattr(context, k) if k not in _CTX_OPTIONAL else getattr(context, k, None)
-           for k in _CTX_READ[op]}
+    required, optional = _CTX_SPLIT[op]
+    out = {k: getattr(context, k) for k in required}
+    if optional:
+        out.update({k: getattr(context, k, None) for k in optional})
     sources = context.real_kv_sources
     if sources:
         # More than MAX_REAL_KV_SOURCES is refused by the contract, named like the others.
