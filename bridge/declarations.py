@@ -34,14 +34,16 @@ from bridge.dlpack import BridgeError
 from bridge.launcher import Arg
 from kvcanary_jax import buckets, default_implementation
 from kvcanary_jax import plans as _plans
-from kvcanary_jax.context import SourceSpec, check_write_index
-from kvcanary_jax.contracts import Contract, SameDevice, meta_of
+from kvcanary_jax.context import RealKvSource, VerifyOrWriteContext, check_write_index
+from kvcanary_jax.contracts import Contract, SameDevice, TensorMeta, meta_of
 from kvcanary_jax.ops import plan as _plan
 from kvcanary_jax.ops import scatter as _scatter
 from kvcanary_jax.ops import verify as _verify
 from kvcanary_jax.ops import write as _write
+from kvcanary_jax.ops.plan import base as _plan_base
 from kvcanary_jax.ops.verify import base as _verify_base
 from kvcanary_jax.ops.write import base as _write_base
+from kvcanary_jax.ops.write.base import WriteTokens
 
 __all__ = ["Declaration", "SCATTER", "PLAN", "VERIFY", "WRITE", "STEP"]
 
@@ -59,8 +61,10 @@ class Declaration:
     validate: Callable[[dict, dict], None]
     skip: Callable[[dict, dict], bool]
     check_values: Callable[[dict, dict], None]
-    arguments: Callable[..., tuple]  # (kwargs, tensors) -> (args, static, results)
-    fn: Callable  # fn(*arrays, **static) -> outputs, in the order of ``results``
+    # (kwargs, tensors) -> (args, static, results): ``results`` names the arguments the
+    # function's outputs update (the launcher binds both by name, once per signature).
+    arguments: Callable[..., tuple]
+    fn: Callable  # fn(named arrays, **static) -> {argument name: its new value}
     # Tensors this call writes besides ``outputs`` (the step's expected-token pool when it
     # scatters): they must not share memory with any input either.
     also_written: Callable[[dict], tuple] = lambda kw: ()
@@ -69,21 +73,12 @@ class Declaration:
 # --------------------------------------------------------------------------------------------
 # Shared pieces
 
-_VP = ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions",
-       "verify_prev_slot_indices", "verify_num_valid", "enable")
-_WP = ("write_offsets", "write_seed_slot_indices", "write_num_valid_reqs")
-_CTX_OUT = ("violation_ring", "violation_write_index", "slot_run_counter", "kernel_run_counter")
-_PLAN_OUT_NAMES = {  # SGLang's launcher names for the plan fields (its messages use them)
-    "verify_slot_indices": "out_verify_slot_indices",
-    "verify_expected_tokens": "out_verify_expected_tokens",
-    "verify_expected_positions": "out_verify_expected_positions",
-    "verify_prev_slot_indices": "out_verify_prev_slot_indices",
-    "verify_num_valid": "out_verify_num_valid",
-    "enable": "out_verify_enable",
-    "write_offsets": "out_write_offsets",
-    "write_seed_slot_indices": "out_write_seed_slot_indices",
-    "write_num_valid_reqs": "out_write_num_valid_reqs",
-}
+# Field names read off the package's pytrees: a field declared there is bound by its name.
+_VP = tuple(f.name for f in dataclasses.fields(_plans.VerifyPlan))
+_WP = tuple(f.name for f in dataclasses.fields(_plans.WritePlan))
+# Every array field of the context (each op hands over those it reads: ``array_fields(op)``).
+_CTX_FIELDS = tuple(dict.fromkeys(VerifyOrWriteContext.array_fields("verify")
+                                  + VerifyOrWriteContext.array_fields("write")))
 
 
 def _platform(t) -> str:
@@ -95,6 +90,30 @@ def _platform(t) -> str:
 
 def _impl(op: str, platform: str) -> str:
     return default_implementation(op, platform)
+
+
+# Binding by name: each argument's name is its path in the op's pytrees (a context field,
+# ``plan.<field>``, ``real_kv_sources[i].tensor``, a token array's name), and each output comes
+# back under the name of the argument it updates.
+
+def _rebuild(cls, named: dict, prefix: str = ""):
+    """The pytree ``cls`` from the arrays bound as ``prefix + field`` (None where no argument
+    holds a field: an optional array left out, or a field the op does not read)."""
+    return cls(**{f.name: named.get(prefix + f.name) for f in dataclasses.fields(cls)})
+
+
+def _fields(obj, names, prefix: str = "") -> dict:
+    return {prefix + k: getattr(obj, k) for k in names}
+
+
+def _context(named: dict, *, op: str, kind: int, mode: int, sources: tuple):
+    """The op's :class:`~kvcanary_jax.context.VerifyOrWriteContext` from the arrays bound by
+    name; ``sources``: the static :class:`~kvcanary_jax.context.RealKvSource` s whose tensors
+    are bound as ``real_kv_sources[i].tensor``."""
+    return VerifyOrWriteContext(
+        **{k: named.get(k) for k in _CTX_FIELDS}, kernel_kind=kind, real_kv_hash_mode=mode,
+        real_kv_sources=tuple(dataclasses.replace(s, tensor=named[f"real_kv_sources[{i}].tensor"])
+                              for i, s in enumerate(sources)))
 
 
 def _dense(name, t, *, out=False, shape=None, clamp=None) -> Arg:
@@ -120,20 +139,23 @@ def _pitched(name, t, *, out, check_fits: bool) -> Arg:
                cols=cols, whole_rows=check_fits)
 
 
-def _source_arg(i, s) -> tuple[Arg, SourceSpec]:
-    """A real-KV source as the bytes its kernels read, from the view's first element."""
+def _source_arg(i, s) -> tuple[Arg, RealKvSource]:
+    """A real-KV source as the bytes its kernels read, from the view's first element, and its
+    static description: the view as uint8 rows (row stride, row count), with its tensor bound
+    by name when the function runs."""
     t = s.tensor
     item = t.element_size()
     rows = int(t.shape[0])
     stride_bytes = int(t.stride(0)) * item
     need = 0 if rows == 0 else (rows - 1) * stride_bytes + int(s.page_size) * int(
         s.num_bytes_per_token)
-    spec = SourceSpec(word_offset=0, row_stride_words=stride_bytes // 8, num_rows=rows,
-                      page_size=int(s.page_size), nbpt_words=int(s.num_bytes_per_token) // 8,
-                      read_words=int(s.read_bytes) // 8)
-    arg = Arg(name=f"real_kv_sources[{i}].tensor", shape=(max(need, 8),), dtype=torch.uint8,
-              layout="bytes")
-    return arg, spec
+    name = f"real_kv_sources[{i}].tensor"
+    view = TensorMeta(shape=(rows, int(t.shape[1]) * item), dtype="uint8",
+                      strides=(stride_bytes, 1), device=None, framework="torch")
+    static = RealKvSource(tensor=None, page_size=int(s.page_size),
+                          num_bytes_per_token=int(s.num_bytes_per_token),
+                          read_bytes=int(s.read_bytes), view=view)
+    return Arg(name=name, shape=(max(need, 8),), dtype=torch.uint8, layout="bytes"), static
 
 
 def _source_statics(context) -> tuple:
@@ -141,23 +163,14 @@ def _source_statics(context) -> tuple:
                  for s in context.real_kv_sources)
 
 
-class _SourceMeta:
-    """What the ops' contracts read of a source: the torch view's metadata."""
-
-    __slots__ = ("meta",)
-
-    def __init__(self, tensor):
-        self.meta = meta_of(tensor)
-
-
 def _ctx_for_checks(context):
-    return types.SimpleNamespace(
-        canary_buf=context.canary_buf, violation_ring=context.violation_ring,
-        violation_write_index=context.violation_write_index,
-        slot_run_counter=context.slot_run_counter, kernel_run_counter=context.kernel_run_counter,
-        enable_chain_position_assert=context.enable_chain_position_assert,
-        real_kv_sources=tuple(_SourceMeta(s.tensor) for s in context.real_kv_sources),
-    )
+    """SGLang's context as the ops' contracts read it: the package's context over the torch
+    tensors, each source as its tensor and the torch view's metadata."""
+    return VerifyOrWriteContext(
+        **{k: getattr(context, k, None) for k in _CTX_FIELDS}, kernel_kind=context.kernel_kind,
+        real_kv_hash_mode=context.real_kv_hash_mode,
+        real_kv_sources=tuple(types.SimpleNamespace(tensor=s.tensor, meta=meta_of(s.tensor))
+                              for s in context.real_kv_sources))
 
 
 def _same_device(op, anchor, tensors: dict):
@@ -238,15 +251,16 @@ def _scatter_args(flat_in, offsets, rpi, pool_name, pool):
     return args
 
 
-def scatter_fn(flat_in, offsets, rpi, pool, *, max_cols, platform):
-    return (_scatter.run(flat_in, offsets, rpi, pool, max_cols=max_cols,
-                         implementation=_impl("scatter", platform)),)
+def scatter_fn(named, *, max_cols, platform):
+    return {"pool_out": _scatter.run(named["flat_in"], named["offsets"],
+                                     named["req_pool_indices"], named["pool_out"],
+                                     max_cols=max_cols, implementation=_impl("scatter", platform))}
 
 
 def _scatter_arguments(kw, ts):
     pool = ts["pool_out"]
     args = _scatter_args(ts["flat_in"], ts["offsets"], ts["req_pool_indices"], "pool_out", pool)
-    return args, dict(max_cols=int(pool.shape[1]), platform=_platform(pool)), (3,)
+    return args, dict(max_cols=int(pool.shape[1]), platform=_platform(pool)), ("pool_out",)
 
 
 SCATTER = Declaration(
@@ -266,16 +280,12 @@ _PLAN_IN = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token"
             "req_to_verify_expected_tokens_valid_lens")
 
 
-_VP_OUT = tuple((f"verify_plan_out.{k}", k) for k in _VP)
-_WP_OUT = tuple((f"write_plan_out.{k}", k) for k in _WP)
-_VP_IN = tuple((f"plan.{k}", k) for k in _VP)
-_WP_IN = tuple((f"plan.{k}", k) for k in _WP)
 
 
 def _plan_tensors(kw):
     vp, wp = kw["verify_plan_out"], kw["write_plan_out"]
-    out = {name: getattr(vp, k) for name, k in _VP_OUT}
-    out.update({name: getattr(wp, k) for name, k in _WP_OUT})
+    out = _fields(vp, _VP, "verify_plan_out.")
+    out.update(_fields(wp, _WP, "write_plan_out."))
     out.update({k: kw[k] for k in _PLAN_IN})
     out["num_reqs"] = _num_reqs(out["req_pool_indices"])
     return out
@@ -300,7 +310,7 @@ def _plan_validate(kw, ts):
     required.update({k: ts[k] for k in _PLAN_IN[:4]})
     require_tensors(_PLAN_P, {**{k: ts[k] for k in _PLAN_IN[:4]}, **required})
     tensors = {k: ts[k] for k in _PLAN_IN}
-    tensors.update({_PLAN_OUT_NAMES[k.split(".", 1)[1]]: v for k, v in required.items()
+    tensors.update({_plan_base.out_name(k.split(".", 1)[1]): v for k, v in required.items()
                     if "." in k})
     _plan.CONTRACT.validate_metas(
         _plan.plan_metas(tensors), swa_window_size=int(kw["swa_window_size"]),
@@ -346,20 +356,18 @@ def plan_lanes(ts, platform: str) -> tuple[int, bool]:
     return min(buckets.bucket(bs), cap), True
 
 
-def _plan_args(ts, lanes: int, has_n: bool):
-    """The plan's arguments in :func:`plan_fn`'s order; absent optionals are left out (the
-    static ``has`` says which are present). Request vectors at ``lanes``, with the ``num_reqs``
-    operand last when ``has_n`` (see :func:`plan_lanes`)."""
+def _plan_args(ts, lanes: int, has_n: bool) -> list[Arg]:
+    """The plan's arguments; absent optionals are left out (the function finds no argument of
+    that name). Request vectors at ``lanes``, with the ``num_reqs`` operand last when ``has_n``
+    (see :func:`plan_lanes`)."""
     args = [_dense(f"verify_plan_out.{k}", ts[f"verify_plan_out.{k}"], out=True) for k in _VP]
     args += [_dense(f"write_plan_out.{k}", ts[f"write_plan_out.{k}"], out=True) for k in _WP]
     args += [_dense(k, ts[k], shape=(lanes,)) for k in ("req_pool_indices", "prefix_lens",
                                                          "extend_seq_lens")]
     args.append(_dense("req_to_token", ts["req_to_token"]))
-    has = []
     for k in ("full_to_swa_index_mapping", "req_to_verify_expected_tokens",
               "req_to_verify_expected_tokens_valid_lens"):
         t = ts[k]
-        has.append(t is not None)
         if t is None:
             continue
         if k == "req_to_verify_expected_tokens":
@@ -368,41 +376,39 @@ def _plan_args(ts, lanes: int, has_n: bool):
             args.append(_dense(k, t, shape=(lanes,) if k.endswith("valid_lens") else None))
     if has_n:
         args.append(_dense("num_reqs", ts["num_reqs"]))
-    return args, tuple(has)
+    return args
 
 
-def _plan_call(arrays, has, *, swa, cap, k, platform, config=None, has_n=False):
-    vp = _plans.VerifyPlan(**dict(zip(_VP, arrays[:6])))
-    wp = _plans.WritePlan(**dict(zip(_WP, arrays[6:9])))
-    rpi, prefix, extend, rtt = arrays[9:13]
-    rest = iter(arrays[13:])
-    lut, pool, valid = (next(rest) if h else None for h in has)
-    num_reqs = next(rest) if has_n else None
-    return _plan.run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid, swa_window_size=swa,
-                     verify_capacity=cap, kv_token_id_vs_position_offset=k,
-                     implementation=_impl("plan", platform), config=config, num_reqs=num_reqs)
+# The plan's outputs, by the names of the arguments they update.
+_PLAN_RESULTS = tuple(f"verify_plan_out.{k}" for k in _VP) + tuple(f"write_plan_out.{k}"
+                                                                    for k in _WP)
 
 
-def plan_fn(*arrays, has, swa, cap, k, platform, config=None, has_n=False):
-    """``config``: the implementation's launch configuration (tests shrink its blocks);
-    ``has_n``: the last array is the ``num_reqs`` operand."""
-    vp, wp = _plan_call(arrays, has, swa=swa, cap=cap, k=k, platform=platform, config=config,
-                        has_n=has_n)
-    return tuple(getattr(vp, f) for f in _VP) + tuple(getattr(wp, f) for f in _WP)
+def _plan_call(named, *, swa, cap, k, platform, config=None):
+    return _plan.run(_rebuild(_plans.VerifyPlan, named, "verify_plan_out."),
+                     _rebuild(_plans.WritePlan, named, "write_plan_out."),
+                     _rebuild(_plan.PlanInputs, named), swa_window_size=swa, verify_capacity=cap,
+                     kv_token_id_vs_position_offset=k, implementation=_impl("plan", platform),
+                     config=config)
+
+
+def plan_fn(named, *, swa, cap, k, platform, config=None):
+    """``config``: the implementation's launch configuration (tests shrink its blocks)."""
+    vp, wp = _plan_call(named, swa=swa, cap=cap, k=k, platform=platform, config=config)
+    return {**_fields(vp, _VP, "verify_plan_out."), **_fields(wp, _WP, "write_plan_out.")}
 
 
 def _plan_arguments(kw, ts):
     platform = _platform(ts["verify_plan_out.verify_slot_indices"])
     lanes, has_n = plan_lanes(ts, platform)
-    args, has = _plan_args(ts, lanes, has_n)
     swa, cap, k = _plan_statics(kw)
-    static = dict(has=has, swa=swa, cap=cap, k=k, platform=platform, has_n=has_n)
-    return args, static, tuple(range(9))
+    static = dict(swa=swa, cap=cap, k=k, platform=platform)
+    return _plan_args(ts, lanes, has_n), static, _PLAN_RESULTS
 
 
 PLAN = Declaration(
     name="launch_canary_plan_kernels", anchor="verify_plan_out.verify_slot_indices",
-    outputs=tuple(f"verify_plan_out.{k}" for k in _VP) + tuple(f"write_plan_out.{k}" for k in _WP),
+    outputs=_PLAN_RESULTS,
     tensors=_plan_tensors, statics=_plan_statics, validate=_plan_validate,
     skip=lambda kw, ts: False, check_values=_plan_values, arguments=_plan_arguments, fn=plan_fn,
 )
@@ -415,13 +421,26 @@ _VERIFY_P = "kv-canary: launch_canary_verify_kernel"
 
 
 _SOURCE_NAMES = tuple(f"real_kv_sources[{i}].tensor" for i in range(8))
+# The context fields each op reads (the context's declaration says), looked up once; a field
+# declared with a default may be missing from the caller's context (read as None, not handed
+# over).
+_CTX_READ = {op: VerifyOrWriteContext.array_fields(op) for op in ("verify", "write")}
+_CTX_OPTIONAL = VerifyOrWriteContext.optional_fields()
+# Per op: (required fields, optional fields), split once so a call reads each without a test.
+_CTX_SPLIT = {op: (tuple(k for k in f if k not in _CTX_OPTIONAL),
+                   tuple(k for k in f if k in _CTX_OPTIONAL)) for op, f in _CTX_READ.items()}
 
 
-def _ctx_tensors(context, *, with_cpa: bool) -> dict:
-    out = {"canary_buf": context.canary_buf}
-    out.update({k: getattr(context, k) for k in _CTX_OUT})
-    if with_cpa:
-        out["enable_chain_position_assert"] = context.enable_chain_position_assert
+def _required(ts: dict) -> dict:
+    """The tensors a launcher requires: all but the optional context fields left absent."""
+    return {k: v for k, v in ts.items() if v is not None or k not in _CTX_OPTIONAL}
+
+
+def _ctx_tensors(context, op: str) -> dict:
+    required, optional = _CTX_SPLIT[op]
+    out = {k: getattr(context, k) for k in required}
+    if optional:
+        out.update({k: getattr(context, k, None) for k in optional})
     sources = context.real_kv_sources
     if sources:
         # More than MAX_REAL_KV_SOURCES is refused by the contract, named like the others.
@@ -431,9 +450,8 @@ def _ctx_tensors(context, *, with_cpa: bool) -> dict:
 
 
 def _verify_tensors(kw):
-    out = _ctx_tensors(kw["context"], with_cpa=False)
-    plan = kw["plan"]
-    out.update({name: getattr(plan, k) for name, k in _VP_IN})
+    out = _ctx_tensors(kw["context"], "verify")
+    out.update(_fields(kw["plan"], _VP, "plan."))
     return out
 
 
@@ -444,12 +462,10 @@ def _verify_statics(kw):
 
 
 def _verify_validate(kw, ts):
-    require_tensors(_VERIFY_P, ts)
-    plan = kw["plan"]
-    _verify_base.validate(_ctx_for_checks(kw["context"]),
-                          types.SimpleNamespace(**{k: getattr(plan, k) for k in _VP}))
+    require_tensors(_VERIFY_P, _required(ts))
+    _verify_base.validate(_ctx_for_checks(kw["context"]), kw["plan"])
     _same_device("canary_verify", "canary_buf", ts)
-    check_distinct_outputs({k: ts[k] for k in _CTX_OUT})
+    check_distinct_outputs({k: ts[k] for k in _verify_base.OUTPUTS})
 
 
 def _verify_values(kw, ts):
@@ -466,12 +482,8 @@ def _verify_values(kw, ts):
                 "canary slots, negative = chain head")
 
 
-def _ctx_args(ts, *, canary_out: bool, with_cpa: bool):
-    args = [_dense("canary_buf", ts["canary_buf"], out=canary_out)]
-    args += [_dense(k, ts[k], out=True) for k in _CTX_OUT]
-    if with_cpa:
-        args.append(_dense("enable_chain_position_assert", ts["enable_chain_position_assert"]))
-    return args
+def _ctx_args(ts, op: str, outputs: tuple[str, ...]) -> list[Arg]:
+    return [_dense(k, ts[k], out=k in outputs) for k in _CTX_READ[op] if ts[k] is not None]
 
 
 def _source_args(context):
@@ -479,35 +491,33 @@ def _source_args(context):
     return [a for a, _ in pairs], tuple(s for _, s in pairs)
 
 
-def _verify_call(ctx, vp, srcs, *, specs, kind, mode, check, platform):
-    return _verify.run(
-        canary_buf=ctx[0], violation_ring=ctx[1], violation_write_index=ctx[2],
-        slot_run_counter=ctx[3], kernel_run_counter=ctx[4],
-        **dict(zip(_VP, vp)), sources=tuple(zip(srcs, specs)), kernel_kind=kind,
-        real_kv_hash_mode=mode, check_verify_expected_token=check,
-        implementation=_impl("verify", platform),
-    )
+def _verify_call(context, plan, *, check, platform):
+    return _verify.run(context, plan, check_verify_expected_token=check,
+                       implementation=_impl("verify", platform))
 
 
-def verify_fn(*arrays, specs, kind, mode, check, platform):
-    return tuple(_verify_call(arrays[:5], arrays[5:11], arrays[11:], specs=specs, kind=kind,
-                              mode=mode, check=check, platform=platform))
+def verify_fn(named, *, sources, kind, mode, check, platform):
+    context = _context(named, op="verify", kind=kind, mode=mode, sources=sources)
+    out = _verify_call(context, _rebuild(_plans.VerifyPlan, named, "plan."), check=check,
+                       platform=platform)
+    return _fields(out, _verify_base.OUTPUTS)
 
 
 def _verify_arguments(kw, ts):
     context = kw["context"]
-    args = _ctx_args(ts, canary_out=False, with_cpa=False)
+    args = _ctx_args(ts, "verify", _verify_base.OUTPUTS)
     args += [_dense(f"plan.{k}", ts[f"plan.{k}"]) for k in _VP]
-    src_args, specs = _source_args(context)
+    src_args, sources = _source_args(context)
     args += src_args
-    static = dict(specs=specs, kind=int(context.kernel_kind), mode=int(context.real_kv_hash_mode),
+    static = dict(sources=sources, kind=int(context.kernel_kind),
+                  mode=int(context.real_kv_hash_mode),
                   check=bool(kw["check_verify_expected_token"]),
                   platform=_platform(context.canary_buf))
-    return args, static, (1, 2, 3, 4)
+    return args, static, _verify_base.OUTPUTS
 
 
 VERIFY = Declaration(
-    name="launch_canary_verify_kernel", anchor="canary_buf", outputs=_CTX_OUT,
+    name="launch_canary_verify_kernel", anchor="canary_buf", outputs=_verify_base.OUTPUTS,
     tensors=_verify_tensors,
     statics=_verify_statics, validate=_verify_validate, skip=lambda kw, ts: False,
     check_values=_verify_values, arguments=_verify_arguments, fn=verify_fn,
@@ -518,15 +528,14 @@ VERIFY = Declaration(
 # write
 
 _WRITE_P = "kv-canary: launch_canary_write_kernel"
-_TOKENS = ("input_ids", "positions", "out_cache_loc")
-_EXPECTED = ("expected_input_tokens", "expected_input_positions")
+_TOKENS = tuple(f.name for f in dataclasses.fields(WriteTokens))
+_EXPECTED = ("expected_input_tokens", "expected_input_positions")  # present iff asserted
 
 
 def _write_tensors(kw):
-    out = _ctx_tensors(kw["context"], with_cpa=True)
-    plan = kw["plan"]
-    out.update({name: getattr(plan, k) for name, k in _WP_IN})
-    out.update({k: kw[k] for k in _TOKENS + _EXPECTED})
+    out = _ctx_tensors(kw["context"], "write")
+    out.update(_fields(kw["plan"], _WP, "plan."))
+    out.update({k: kw[k] for k in _TOKENS})
     return out
 
 
@@ -537,16 +546,12 @@ def _write_statics(kw):
 
 
 def _write_validate(kw, ts):
-    required = {k: v for k, v in ts.items() if k not in _EXPECTED}
-    require_tensors(_WRITE_P, required)
-    plan = kw["plan"]
-    _write_base.validate(_ctx_for_checks(kw["context"]),
-                         types.SimpleNamespace(**{k: getattr(plan, k) for k in _WP}),
-                         ts["input_ids"], ts["positions"], ts["out_cache_loc"],
-                         kw["enable_write_input_assert"], ts["expected_input_tokens"],
-                         ts["expected_input_positions"])
+    require_tensors(_WRITE_P, {k: v for k, v in _required(ts).items() if k not in _EXPECTED})
+    _write_base.validate(_ctx_for_checks(kw["context"]), kw["plan"],
+                         WriteTokens(**{k: ts[k] for k in _TOKENS}),
+                         kw["enable_write_input_assert"])
     _same_device("canary_write", "canary_buf", ts)
-    check_distinct_outputs({k: ts[k] for k in ("canary_buf",) + _CTX_OUT})
+    check_distinct_outputs({k: ts[k] for k in _write_base.OUTPUTS})
 
 
 def _write_values(kw, ts):
@@ -568,24 +573,16 @@ def _write_values(kw, ts):
                 "canary slots, negative = skip")
 
 
-def _write_call(ctx, cpa, wp, toks, expected, srcs, *, specs, kind, mode, check, platform):
-    ids, pos, ocl = toks
-    etok, epos = expected if check else (None, None)
-    return _write.run(
-        canary_buf=ctx[0], violation_ring=ctx[1], violation_write_index=ctx[2],
-        slot_run_counter=ctx[3], kernel_run_counter=ctx[4], enable_chain_position_assert=cpa,
-        **dict(zip(_WP, wp)), input_ids=ids, positions=pos, out_cache_loc=ocl,
-        expected_input_tokens=etok, expected_input_positions=epos,
-        sources=tuple(zip(srcs, specs)), kernel_kind=kind, real_kv_hash_mode=mode,
-        enable_write_input_assert=check, implementation=_impl("write", platform),
-    )
+def _write_call(context, plan, named, *, check, platform):
+    return _write.run(context, plan, _rebuild(WriteTokens, named),
+                      enable_write_input_assert=check, implementation=_impl("write", platform))
 
 
-def write_fn(*arrays, specs, kind, mode, check, platform):
-    n_exp = 2 if check else 0
-    return tuple(_write_call(arrays[:5], arrays[5], arrays[6:9], arrays[9:12],
-                             arrays[12:12 + n_exp], arrays[12 + n_exp:], specs=specs, kind=kind,
-                             mode=mode, check=check, platform=platform))
+def write_fn(named, *, sources, kind, mode, check, platform):
+    context = _context(named, op="write", kind=kind, mode=mode, sources=sources)
+    out = _write_call(context, _rebuild(_plans.WritePlan, named, "plan."), named, check=check,
+                      platform=platform)
+    return _fields(out, _write_base.OUTPUTS)
 
 
 def _token_args(ts, names, b):
@@ -597,20 +594,26 @@ def _write_arguments(kw, ts):
     check = bool(kw["enable_write_input_assert"])
     n = int(ts["input_ids"].shape[0])
     b = buckets.bucket(n)
-    args = _ctx_args(ts, canary_out=True, with_cpa=True)
+    args = _ctx_args(ts, "write", _write_base.OUTPUTS)
     wo = ts["plan.write_offsets"]
     args.append(_offsets("plan.write_offsets", wo, n, b))
     args += [_dense(f"plan.{k}", ts[f"plan.{k}"]) for k in _WP[1:]]
-    args += _token_args(ts, _TOKENS + (_EXPECTED if check else ()), b)
-    src_args, specs = _source_args(context)
+    args += _token_args(ts, _token_names(check), b)
+    src_args, sources = _source_args(context)
     args += src_args
-    static = dict(specs=specs, kind=int(context.kernel_kind), mode=int(context.real_kv_hash_mode),
-                  check=check, platform=_platform(context.canary_buf))
-    return args, static, (0, 1, 2, 3, 4)
+    static = dict(sources=sources, kind=int(context.kernel_kind),
+                  mode=int(context.real_kv_hash_mode), check=check,
+                  platform=_platform(context.canary_buf))
+    return args, static, _write_base.OUTPUTS
+
+
+def _token_names(check: bool) -> tuple[str, ...]:
+    """The token arrays a write hands over: the expected ones only when it asserts them."""
+    return tuple(k for k in _TOKENS if check or k not in _EXPECTED)
 
 
 WRITE = Declaration(
-    name="launch_canary_write_kernel", anchor="canary_buf", outputs=("canary_buf",) + _CTX_OUT,
+    name="launch_canary_write_kernel", anchor="canary_buf", outputs=_write_base.OUTPUTS,
     tensors=_write_tensors,
     statics=_write_statics, validate=_write_validate, skip=lambda kw, ts: False,
     check_values=_write_values, arguments=_write_arguments, fn=write_fn,
@@ -626,7 +629,7 @@ _STEP_EXTRA = ("input_ids", "positions", "out_cache_loc", "expected_token_ids",
 
 def _step_tensors(kw):
     out = _plan_tensors(kw)
-    out.update(_ctx_tensors(kw["context"], with_cpa=True))
+    out.update(_ctx_tensors(kw["context"], "write"))
     out.update({k: kw[k] for k in _STEP_EXTRA})
     return out
 
@@ -667,7 +670,7 @@ def _step_scatter_tensors(kw):
 
 def _step_write_kw(kw):
     return dict(context=kw["context"], plan=kw["write_plan_out"],
-                **{k: kw[k] for k in _TOKENS + _EXPECTED},
+                **{k: kw[k] for k in _TOKENS},
                 enable_write_input_assert=kw["enable_write_input_assert"])
 
 
@@ -691,33 +694,23 @@ def _step_values(kw, ts):
     check_write_index(kw["context"].violation_write_index[0], step)
 
 
-def step_fn(*arrays, scatter_cols, has, swa, cap, k, specs, kind, mode, check_token,
+def step_fn(named, *, scatter_cols, swa, cap, k, sources, kind, mode, check_token,
             check_input, platform):
-    it = iter(arrays)
-    take = lambda n: [next(it) for _ in range(n)]  # noqa: E731
-    if scatter_cols is not None:
-        flat, offs = take(2)
-    plan_arrays = take(13 + sum(has))
-    ctx = take(5)
-    cpa = next(it)
-    toks = take(3)
-    expected = take(2) if check_input else []
-    srcs = list(it)
     if scatter_cols is not None:
         # The scatter writes the expected-token pool, which the plan then reads.
-        pool_pos = 13 + has[0]
-        pool = _scatter.run(flat, offs, plan_arrays[9], plan_arrays[pool_pos],
-                            max_cols=scatter_cols, implementation=_impl("scatter", platform))
-        plan_arrays[pool_pos] = pool
-    vp, wp = _plan_call(plan_arrays, has, swa=swa, cap=cap, k=k, platform=platform)
-    vfields = tuple(getattr(vp, f) for f in _VP)
-    wfields = tuple(getattr(wp, f) for f in _WP)
-    ring, widx, sctr, kctr = _verify_call(ctx, vfields, srcs, specs=specs, kind=kind, mode=mode,
-                                          check=check_token, platform=platform)
-    outs = _write_call((ctx[0], ring, widx, sctr, kctr), cpa, wfields, toks, expected, srcs,
-                       specs=specs, kind=kind, mode=mode, check=check_input, platform=platform)
-    pool_out = (plan_arrays[13 + has[0]],) if scatter_cols is not None else ()
-    return vfields + wfields + tuple(outs) + pool_out
+        named = dict(named, req_to_verify_expected_tokens=_scatter.run(
+            named["expected_token_ids"], named["expected_token_offsets"],
+            named["req_pool_indices"], named["req_to_verify_expected_tokens"],
+            max_cols=scatter_cols, implementation=_impl("scatter", platform)))
+    vp, wp = _plan_call(named, swa=swa, cap=cap, k=k, platform=platform)
+    context = _context(named, op="write", kind=kind, mode=mode, sources=sources)
+    context = _verify_call(context, vp, check=check_token, platform=platform)
+    context = _write_call(context, wp, named, check=check_input, platform=platform)
+    out = {**_fields(vp, _VP, "verify_plan_out."), **_fields(wp, _WP, "write_plan_out."),
+           **_fields(context, _write_base.OUTPUTS)}
+    if scatter_cols is not None:
+        out["req_to_verify_expected_tokens"] = named["req_to_verify_expected_tokens"]
+    return out
 
 
 def _step_arguments(kw, ts):
@@ -732,35 +725,32 @@ def _step_arguments(kw, ts):
         args.append(_dense("expected_token_ids", flat, shape=(b,)))
         offs = ts["expected_token_offsets"]
         args.append(_offsets("expected_token_offsets", offs, n, b))
-    first_plan = len(args)
     # The step's batch size stays exact: its write plan feeds write in the same program.
-    plan_args, has = _plan_args(ts, int(ts["req_pool_indices"].shape[0]), False)
+    plan_args = _plan_args(ts, int(ts["req_pool_indices"].shape[0]), False)
     if do_scatter:  # the pool is written by the scatter: an in-place output of the step
-        i = first_plan + 13 + has[0]
-        plan_args[i - first_plan] = _pitched("req_to_verify_expected_tokens", pool, out=True,
-                                             check_fits=True)
+        plan_args = [_pitched(a.name, pool, out=True, check_fits=True)
+                     if a.name == "req_to_verify_expected_tokens" else a for a in plan_args]
     args += plan_args
-    args += _ctx_args(ts, canary_out=True, with_cpa=True)
+    args += _ctx_args(ts, "write", _write_base.OUTPUTS)
     check_input = bool(kw["enable_write_input_assert"])
-    args += [_dense(k, ts[k]) for k in _TOKENS + (_EXPECTED if check_input else ())]
-    src_args, specs = _source_args(context)
+    args += [_dense(k, ts[k]) for k in _token_names(check_input)]
+    src_args, sources = _source_args(context)
     args += src_args
     swa, cap, k = _plan_statics(kw)
-    static = dict(scatter_cols=int(pool.shape[1]) if do_scatter else None, has=has, swa=swa,
-                  cap=cap, k=k, specs=specs, kind=int(context.kernel_kind),
+    static = dict(scatter_cols=int(pool.shape[1]) if do_scatter else None, swa=swa, cap=cap,
+                  k=k, sources=sources, kind=int(context.kernel_kind),
                   mode=int(context.real_kv_hash_mode),
                   check_token=bool(kw["check_verify_expected_token"]), check_input=check_input,
                   platform=_platform(context.canary_buf))
-    ctx0 = first_plan + len(plan_args)
-    results = tuple(range(first_plan, first_plan + 9)) + tuple(range(ctx0, ctx0 + 5))
+    results = _PLAN_RESULTS + _write_base.OUTPUTS
     if do_scatter:
-        results += (first_plan + 13 + has[0],)
+        results += ("req_to_verify_expected_tokens",)
     return args, static, results
 
 
 STEP = Declaration(
     name="launch_canary_step", anchor="canary_buf",
-    outputs=("canary_buf",) + _CTX_OUT + PLAN.outputs, tensors=_step_tensors,
+    outputs=_write_base.OUTPUTS + PLAN.outputs, tensors=_step_tensors,
     statics=_step_statics, validate=_step_validate, skip=lambda kw, ts: False,
     check_values=_step_values, arguments=_step_arguments, fn=step_fn,
     also_written=lambda kw: ("req_to_verify_expected_tokens",) if _do_scatter(kw) else (),

@@ -7,7 +7,7 @@ For every call, in this order::
     static checks (SGLang's errors), skipped when the signature passed them before
     nothing to launch (zero sizes)? -> return
     value checks (CPU tensors by default; opt-in on the GPU)
-    args, static = declaration.arguments(...)       # the array function's arguments, bucketed
+    args, static, results = declaration.arguments(...)  # named arguments, bucketed; outputs
     path: "triton_direct" (CUDA tensors, triton importable, the function lowers to kernels
           only) or "dlpack" (CPU tensors, and wherever the direct path is unavailable)
 
@@ -47,14 +47,16 @@ from bridge.checks import check_outputs_apart_from_inputs, value_checks_enabled
 from bridge.dlpack import STATS, BridgeError, device_info, import_tensor, write_back, x64_scope
 
 __all__ = ["Arg", "Signature", "ProgramKey", "Launcher", "paths", "set_direct", "direct_enabled",
-           "lowered_specs"]
+           "lowered_specs", "bind"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Arg:
     """One array argument of a declaration's function: which tensor, and how it is lowered.
 
-    ``name``: the tensor's name in the declaration's tensors (SGLang's name, used in errors).
+    ``name``: the tensor's name in the declaration's tensors (SGLang's name, used in errors),
+    which is also its path in the op's pytrees: the declaration's function receives the arrays
+    by these names and returns its outputs under the names of the arguments they update.
     ``shape``/``dtype``: the array the function is lowered for. ``layout``:
       ``"dense"``   the tensor itself (compact); with ``shape[0]`` above the tensor's length it is
                     a bucketed token array whose tail the op never reads;
@@ -92,11 +94,13 @@ class Signature(NamedTuple):
 
 class ProgramKey(NamedTuple):
     """A compiled direct-path program: the launcher, its static arguments (sorted items), every
-    argument's lowered (shape, dtype, layout), and the CUDA device index."""
+    argument's name and lowered (shape, dtype, layout), the names of the arguments its results
+    update, and the CUDA device index."""
 
     launcher: str
     static: tuple
     args: tuple
+    results: tuple
     device: int
 
 
@@ -123,14 +127,16 @@ class _ProgramSlot:
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """Everything a call with a given :class:`Signature` needs beyond its tensors: its checks
-    passed; whether there is nothing to launch; the function's arguments, static arguments and
-    which argument each result updates. ``arg_names`` and ``clamped`` (the positions of the
+    passed; whether there is nothing to launch; the function's arguments, static arguments,
+    the names of the arguments its results update (``result_names``) and their positions
+    (``results``), bound once here. ``arg_names`` and ``clamped`` (the positions of the
     arguments clamped per call) let the direct path read the pointers in one pass."""
 
     skip: bool
     args: tuple[Arg, ...] = ()
     static: dict = dataclasses.field(default_factory=dict)
     results: tuple[int, ...] = ()
+    result_names: tuple[str, ...] = ()
     program_key: Any = None
     whole_rows: tuple[Arg, ...] = ()  # arguments checked against their storage on every call
     arg_names: tuple[str, ...] = ()
@@ -286,16 +292,19 @@ class Launcher:
             device_info(anchor, decl.anchor)  # raises the bridge's error for the meta device
         if decl.skip(kwargs, tensors):
             return Prepared(skip=True)
-        args, static, results = decl.arguments(kwargs, tensors)
+        args, static, result_names = decl.arguments(kwargs, tensors)
+        names = tuple(a.name for a in args)
+        results = tuple(names.index(n) for n in result_names)
         key = None
         if anchor.device.type == "cuda":
             index = anchor.device.index
             key = ProgramKey(decl.name, tuple(sorted(static.items())),
-                             tuple((a.shape, a.dtype, a.layout) for a in args),
+                             tuple((a.name, a.shape, a.dtype, a.layout) for a in args),
+                             tuple(result_names),
                              torch.cuda.current_device() if index is None else index)
-        return Prepared(skip=False, args=tuple(args), static=static, results=tuple(results),
-                        program_key=key, whole_rows=tuple(a for a in args if a.whole_rows),
-                        arg_names=tuple(a.name for a in args),
+        return Prepared(skip=False, args=tuple(args), static=static, results=results,
+                        result_names=tuple(result_names), program_key=key,
+                        whole_rows=tuple(a for a in args if a.whole_rows), arg_names=names,
                         clamped=tuple(i for i, a in enumerate(args) if a.clamp is not None))
 
     # ---------------------------------------------------------------------------------------
@@ -360,9 +369,9 @@ class Launcher:
         static = dict(prep.static, platform=info.jax_device.platform)
         donate = tuple(1 + i for i, a in enumerate(prep.args) if a.out)
         fn = CACHES.jitted.get_or_build(
-            (decl.name, tuple(sorted(static.items())), donate),
-            lambda: jax.jit(_positional(decl.fn, static), donate_argnums=donate,
-                            keep_unused=True))
+            (decl.name, tuple(sorted(static.items())), donate, prep.arg_names, prep.result_names),
+            lambda: jax.jit(_positional(bind(decl.fn, prep.arg_names, prep.result_names),
+                                        static), donate_argnums=donate, keep_unused=True))
         cache = views.for_device(info.torch_device)
         with _dlpack_lock(info.torch_device), x64_scope():
             presented = [_present(a, tensors[a.name], info, cache) for a in prep.args]
@@ -379,6 +388,19 @@ def _byte_view(t, a: Arg):
     u8 = t.detach()
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(
         u8.untyped_storage(), u8.storage_offset() * u8.element_size(), (nbytes,), (1,))
+
+
+def bind(fn, names, result_names):
+    """``fn`` (a declaration's function: arrays by name in, outputs by name out) as a function
+    of the arrays in the order of ``names``, returning the outputs in the order of
+    ``result_names``: what XLA and the direct path's lowering call. Bound once per signature;
+    the names are only read while the function is traced."""
+    names, result_names = tuple(names), tuple(result_names)
+
+    def call(*arrays, **static):
+        out = fn(dict(zip(names, arrays)), **static)
+        return tuple(out[n] for n in result_names)
+    return call
 
 
 def _positional(fn, static):
@@ -470,7 +492,9 @@ def _build_program(decl, prep: Prepared, device, index):
     cannot run this call, reported by :func:`paths` (and warned once) while the call takes the
     DLPack path."""
     try:
-        program = triton_direct.extract_program(decl.fn, lowered_specs(prep.args),
+        program = triton_direct.extract_program(bind(decl.fn, prep.arg_names,
+                                                     prep.result_names),
+                                                lowered_specs(prep.args),
                                                 results_to_args=prep.results,
                                                 static=dict(prep.static, platform="cuda"))
     except triton_direct.Unsupported as e:

@@ -41,6 +41,10 @@ __all__ = [
     "itemsize_of",
 ]
 
+# The ops that read a context array field unless its declaration says otherwise (the field's
+# ``read_by`` metadata): what the contracts check and the torch bridge hands over per op.
+_CONTEXT_OPS = ("verify", "write")
+
 
 def itemsize_of(dtype_name: str) -> int:
     return int(jnp.dtype(dtype_name).itemsize)
@@ -239,10 +243,19 @@ def check_extent(words: jax.Array, spec: SourceSpec, i: int) -> None:
         )
 
 
-def check_extents(bufs, specs) -> None:
-    """:func:`check_extent` for every source buffer (any dtype) and its spec."""
-    for i, (b, spec) in enumerate(zip(bufs, specs)):
-        check_extent(as_words(b), spec, i)
+def check_extents(sources) -> None:
+    """:func:`check_extent` for every source (its buffer, any dtype, against its spec)."""
+    for i, s in enumerate(sources):
+        check_extent(as_words(s.tensor), source_spec(s), i)
+
+
+def nonempty_source(src: RealKvSource) -> RealKvSource:
+    """``src`` with a 0-byte buffer replaced by one zero word: its spec (taken from the original
+    view) addresses no row, so nothing is read from it, but no implementation has to trace a
+    load from an empty array (the fold still takes its step for that source)."""
+    if jnp.size(src.tensor) != 0:
+        return src
+    return dataclasses.replace(src, tensor=jnp.zeros((1,), jnp.int64), view=src.meta)
 
 
 def as_words(x: jax.Array) -> jax.Array:
@@ -296,10 +309,38 @@ class VerifyOrWriteContext:
     kernel_run_counter: jax.Array
     real_kv_sources: tuple[RealKvSource, ...]
     real_kv_hash_mode: consts.RealKvHashMode = dataclasses.field(metadata=dict(static=True))
-    enable_chain_position_assert: jax.Array
+    enable_chain_position_assert: jax.Array = dataclasses.field(metadata=dict(read_by=("write",)))
 
     def replace(self, **changes) -> "VerifyOrWriteContext":
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def array_fields(cls, op: str) -> tuple[str, ...]:
+        """The array fields ``op`` (``"verify"`` or ``"write"``) reads, in declaration order
+        (a field's ``read_by`` metadata; both ops when it has none). The contracts check them and
+        the torch bridge hands them over under these names."""
+        return tuple(f.name for f in dataclasses.fields(cls)
+                     if not f.metadata.get("static") and f.name != "real_kv_sources"
+                     and op in f.metadata.get("read_by", _CONTEXT_OPS))
+
+    @classmethod
+    def optional_fields(cls) -> frozenset[str]:
+        """Array fields declared with a default: they may be None (absent), and the torch
+        bridge hands them over only when the caller's context has them."""
+        return frozenset(f.name for f in dataclasses.fields(cls)
+                         if f.default is not dataclasses.MISSING and not f.metadata.get("static"))
+
+    def arrays(self, op: str) -> dict[str, Any]:
+        """``op``'s arrays by name: :meth:`array_fields`, then each source's buffer as
+        ``real_kv_sources[i].tensor``."""
+        out = {k: getattr(self, k) for k in self.array_fields(op)}
+        out.update({f"real_kv_sources[{i}].tensor": s.tensor
+                    for i, s in enumerate(self.real_kv_sources)})
+        return out
+
+    def bound_sources(self) -> tuple[tuple[Any, SourceSpec], ...]:
+        """Each source as ``(buffer, SourceSpec)``: what the kernels address."""
+        return tuple((s.tensor, source_spec(s)) for s in self.real_kv_sources)
 
     @classmethod
     def allocate(

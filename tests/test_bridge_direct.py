@@ -17,7 +17,7 @@ import torch
 import bench.bridge_overhead as bo
 from bridge import declarations
 from bridge import triton_direct as td
-from bridge.launcher import lowered_specs
+from bridge.launcher import bind, lowered_specs
 from kvcanary_jax.ops.plan import pallas_triton as _plan_triton
 
 CPU = torch.device("cpu")
@@ -47,18 +47,26 @@ def _calls():
                     expected_input_positions=None)
     return {
         "scatter": (declarations.SCATTER, dict(flat_in=c["flat"], offsets=c["offs"],
-                                               req_pool_indices=c["rpi"], pool_out=c["pool"])),
+                                    req_pool_indices=c["rpi"], pool_out=c["pool"])),
         "plan": (declarations.PLAN, bo._plan_kw(c)),
         "verify": (declarations.VERIFY, dict(context=c["ctx"], plan=c["vp"],
-                                             check_verify_expected_token=True)),
+                                  check_verify_expected_token=True)),
         "verify_source": (declarations.VERIFY, dict(context=ctx_src, plan=c["vp"],
-                                                    check_verify_expected_token=False)),
+                                         check_verify_expected_token=False)),
         "write": (declarations.WRITE, write_kw),
         "write_checked_source": (declarations.WRITE, {**write_kw, "context": ctx_src,
-                                                      "enable_write_input_assert": True,
-                                                      "expected_input_tokens": c["input_ids"],
-                                                      "expected_input_positions": c["positions"]}),
+                                           "enable_write_input_assert": True,
+                                           "expected_input_tokens": c["input_ids"],
+                                           "expected_input_positions": c["positions"]}),
     }
+
+
+def _extract(fn, args, results, static):
+    """The direct path's program of a declaration's function, bound by name as the launcher
+    binds it."""
+    names = [a.name for a in args]
+    return td.extract_program(bind(fn, names, results), lowered_specs(args),
+                              results_to_args=[names.index(r) for r in results], static=static)
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,8 +75,7 @@ def _program(name):
     ts = decl.tensors(kw)
     args, static, results = decl.arguments(kw, ts)
     static = dict(static, platform="cuda")
-    return args, td.extract_program(decl.fn, lowered_specs(args), results_to_args=results,
-                                    static=static)
+    return args, _extract(decl.fn, args, results, static=static)
 
 
 def _mapping(name):
@@ -93,7 +100,8 @@ def test_plan_kernels_share_the_verify_offsets_scratch_and_alias_the_plan_fields
     (n1, g1, p1), (n2, g2, p2) = _mapping("plan")
     assert (n1, n2) == ("kvcanary_plan_offsets", "kvcanary_plan_entries")
     assert g1 == (1, 1, 1) and g2 == (1, 1, 1)
-    wp = [("write_plan_out.write_offsets", "i64"), ("write_plan_out.write_seed_slot_indices", "i64"),
+    wp = [("write_plan_out.write_offsets", "i64"),
+          ("write_plan_out.write_seed_slot_indices", "i64"),
           ("verify_plan_out.verify_num_valid", "i32"), ("verify_plan_out.enable", "i32"),
           ("write_plan_out.write_num_valid_reqs", "i32")]
     # The batch size is an operand (num_reqs): 4 requests lowered as min(bucket(4), the write
@@ -122,8 +130,8 @@ def test_plan_multi_block_path_is_three_kernels():
     ts = declarations.PLAN.tensors(kw)
     args, static, results = declarations.PLAN.arguments(kw, ts)
     config = _plan_triton.Config(single_block_max=2, multi_block=2)
-    prog = td.extract_program(declarations.plan_fn, lowered_specs(args), results_to_args=results,
-                              static=dict(static, platform="cuda", config=config))
+    prog = _extract(declarations.plan_fn, args, results,
+                    static=dict(static, platform="cuda", config=config))
     names = [k.name for k in prog.kernels]
     assert names == ["kvcanary_plan_offsets_block_sums", "kvcanary_plan_offsets",
                      "kvcanary_plan_entries"]
@@ -231,8 +239,7 @@ def test_fused_step_is_one_program_of_all_the_kernels():
                  if k not in ("verify_plan_out", "write_plan_out")})
     ts = declarations.STEP.tensors(kw)
     args, static, results = declarations.STEP.arguments(kw, ts)
-    prog = td.extract_program(declarations.STEP.fn, lowered_specs(args), results_to_args=results,
-                              static=dict(static, platform="cuda"))
+    prog = _extract(declarations.STEP.fn, args, results, static=dict(static, platform="cuda"))
     assert [k.name for k in prog.kernels] == [
         "kvcanary_scatter_req_token_ids", "kvcanary_plan_offsets", "kvcanary_plan_entries",
         "kvcanary_verify", "kvcanary_write"]
@@ -328,8 +335,7 @@ def test_empty_batch_plan_is_copies_of_constants_and_matches_sglang(sgl):
     ours = dict(kw, verify_plan_out=plans[0][0], write_plan_out=plans[0][1])
     ts = declarations.PLAN.tensors(ours)
     args, static, results = declarations.PLAN.arguments(ours, ts)
-    prog = td.extract_program(declarations.PLAN.fn, lowered_specs(args), results_to_args=results,
-                              static=dict(static, platform="cuda"))
+    prog = _extract(declarations.PLAN.fn, args, results, static=dict(static, platform="cuda"))
     assert prog.kernels == () and prog.copies
     log, compiled = [], []
     loaded, patch = _loaded(prog, args, log, compiled)

@@ -930,13 +930,15 @@ def run_padded(c: Case, impl: str | None, padded_bs: int, rng, *, config=None,
             kw["req_to_verify_expected_tokens_valid_lens"] = jnp.asarray(
                 pad(c.vl, rng.integers(0, 9, extra)))
         if reference:
+            inputs = plan_base.PlanInputs(
+                **{k: kw[k] for k in ("req_pool_indices", "prefix_lens", "extend_seq_lens",
+                                      "req_to_token", "full_to_swa_index_mapping",
+                                      "req_to_verify_expected_tokens",
+                                      "req_to_verify_expected_tokens_valid_lens")},
+                num_reqs=jnp.asarray([bs], jnp.int32))
             return as_dict(*plan_base.reference(
-                vp, wp, *(kw[k] for k in ("req_pool_indices", "prefix_lens", "extend_seq_lens",
-                                          "req_to_token", "full_to_swa_index_mapping",
-                                          "req_to_verify_expected_tokens",
-                                          "req_to_verify_expected_tokens_valid_lens")),
-                swa_window_size=c.W, verify_capacity=c.vc, kv_token_id_vs_position_offset=c.k,
-                num_reqs=jnp.asarray([bs], jnp.int32)))
+                vp, wp, inputs, swa_window_size=c.W, verify_capacity=c.vc,
+                kv_token_id_vs_position_offset=c.k))
         return as_dict(*canary_plan(verify_plan_out=vp, write_plan_out=wp, **kw,
                                     implementation=impl, config=config, num_reqs=bs))
 

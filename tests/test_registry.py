@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import numpy as np
 import pytest
@@ -237,10 +238,12 @@ def _shapes_keys(op):
     z = lambda *shape: np.zeros(shape)  # noqa: E731
     if op == "scatter":
         return scatter_base.shapes(z(4), z(3), z(2), z(3, 5), 5)
+    ns = types.SimpleNamespace
     if op == "verify":
-        return verify_base.shapes(z(8, 32), z(6))
+        return verify_base.shapes(ns(canary_buf=z(8, 32)), ns(verify_slot_indices=z(6)))
     if op == "write":
-        return write_base.shapes(z(8, 32), z(2), z(7))
+        return write_base.shapes(ns(canary_buf=z(8, 32)), ns(write_seed_slot_indices=z(2)),
+                                 ns(input_ids=z(7)))
     vp, wp = kc.VerifyPlan.allocate(verify_capacity=4), kc.WritePlan.allocate(write_req_capacity=2)
     return plan_base.shapes(vp, wp, z(2), z(3, 4), None, None)
 

@@ -747,9 +747,9 @@ def test_jnp_reference_write_fuzz(sgl):
 
 
 def test_source_addressing_errors():
-    from kvcanary_jax.context import SourceSpec, source_spec
+    from kvcanary_jax.context import source_spec
     from kvcanary_jax.contracts import TensorMeta
-    from kvcanary_jax.ops.write import run as write_run
+    from kvcanary_jax.ops.write import WriteTokens, run as write_run
 
     view = TensorMeta(shape=(4, 16), dtype="uint8", strides=(32, 1), device=None,
                       framework="jax")
@@ -761,19 +761,26 @@ def test_source_addressing_errors():
     # A buffer shorter than the rows it claims would be read out of bounds: refused.
     st = support.State.zeros(8, 2)
     with jax.enable_x64(True), pytest.raises(ValueError) as e:
-        write_run(
-            canary_buf=jnp.asarray(st.canary), violation_ring=jnp.asarray(st.ring),
+        # The array-level entry takes the buffer as a source's tensor, addressed through its
+        # view: 9 rows of 16 bytes claimed over a buffer of 8 x 16.
+        wide = TensorMeta(shape=(9, 16), dtype="uint8", strides=(16, 1), device=None,
+                          framework="jax")
+        short = RealKvSource(tensor=jnp.zeros((8, 16), jnp.uint8), page_size=1,
+                             num_bytes_per_token=16, read_bytes=16, view=wide)
+        ctx = VerifyOrWriteContext(
+            canary_buf=jnp.asarray(st.canary), kernel_kind=0, violation_ring=jnp.asarray(st.ring),
             violation_write_index=jnp.zeros((1,), jnp.int32),
             slot_run_counter=jnp.zeros((1,), jnp.int64),
-            kernel_run_counter=jnp.zeros((1,), jnp.int64),
-            enable_chain_position_assert=jnp.ones((1,), jnp.int32),
-            write_offsets=jnp.zeros((2,), jnp.int64),
-            write_seed_slot_indices=jnp.zeros((1,), jnp.int64),
-            write_num_valid_reqs=jnp.zeros((1,), jnp.int32), input_ids=jnp.zeros((1,), jnp.int64),
-            positions=jnp.zeros((1,), jnp.int64), out_cache_loc=jnp.zeros((1,), jnp.int64),
-            expected_input_tokens=None, expected_input_positions=None,
-            sources=((jnp.zeros((8, 16), jnp.uint8), SourceSpec(0, 2, 9, 1, 2, 2)),),
-            kernel_kind=0, real_kv_hash_mode=2, enable_write_input_assert=False)
+            kernel_run_counter=jnp.zeros((1,), jnp.int64), real_kv_sources=(short,),
+            real_kv_hash_mode=2, enable_chain_position_assert=jnp.ones((1,), jnp.int32))
+        write_run(
+            ctx, WritePlan(write_offsets=jnp.zeros((2,), jnp.int64),
+                           write_seed_slot_indices=jnp.zeros((1,), jnp.int64),
+                           write_num_valid_reqs=jnp.zeros((1,), jnp.int32)),
+            WriteTokens(input_ids=jnp.zeros((1,), jnp.int64),
+                        positions=jnp.zeros((1,), jnp.int64),
+                        out_cache_loc=jnp.zeros((1,), jnp.int64)),
+            enable_write_input_assert=False)
     assert str(e.value) == ("kv-canary: real_kv_sources[0] buffer holds 16 8-byte words but its "
                             "rows span 18")
 

@@ -43,7 +43,6 @@ __all__ = [
     "fold_real_kv",
     "canary_words",
     "canary_from_words",
-    "nonempty_sources",
 ]
 
 
@@ -190,10 +189,3 @@ def canary_words(buf: jax.Array) -> jax.Array:
 
 def canary_from_words(words: jax.Array, shape) -> jax.Array:
     return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(shape)
-
-
-def nonempty_sources(sources):
-    """``((buffer, SourceSpec), ...)`` with every 0-byte buffer replaced by one zero word: its
-    spec addresses no row (``num_rows == 0``), so nothing is read from it, but no implementation
-    has to trace a load from an empty array (the fold still takes its step for that source)."""
-    return tuple((jnp.zeros((1,), jnp.int64) if b.size == 0 else b, spec) for b, spec in sources)

@@ -60,6 +60,8 @@ __all__ = [
     "words32",
     "from_words32",
     "i64_words",
+    "counter_words",
+    "counters_from_words",
     "source_strips",
     "flat_words32",
     "strip_words",
@@ -139,6 +141,27 @@ def from_words32(words: jax.Array, like: jax.Array) -> jax.Array:
 def i64_words(x: jax.Array) -> jax.Array:
     """int64 ``[1]`` -> int32 ``[2]`` (low, high)."""
     return lax.bitcast_convert_type(x.astype(jnp.int64), jnp.int32).reshape(2)
+
+
+def counter_words(context) -> jax.Array:
+    """A verify or write context's ring guard state as 5 int32 status words: the write index,
+    then ``slot_run_counter`` and ``kernel_run_counter`` as (low, high) pairs."""
+    return jnp.concatenate([context.violation_write_index.astype(jnp.int32).reshape(1),
+                            i64_words(context.slot_run_counter),
+                            i64_words(context.kernel_run_counter)])
+
+
+def counters_from_words(context, words: jax.Array, ring32: jax.Array, **updated):
+    """``context`` with what a kernel returned: the ring from its int32 words ``ring32`` (an
+    empty ring stays as it is) and the :func:`counter_words` at the start of ``words``;
+    ``updated``: the kernel's other outputs."""
+    ring = context.violation_ring
+    return context.replace(
+        violation_ring=from_words32(ring32, ring) if ring.shape[0] else ring,
+        violation_write_index=words[0:1].astype(context.violation_write_index.dtype),
+        slot_run_counter=lax.bitcast_convert_type(words[1:3], jnp.int64).reshape(1),
+        kernel_run_counter=lax.bitcast_convert_type(words[3:5], jnp.int64).reshape(1),
+        **updated)
 
 
 def flat_words32(x: jax.Array) -> jax.Array:

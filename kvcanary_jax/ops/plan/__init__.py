@@ -1,7 +1,7 @@
 """canary_plan: the op (:mod:`.base`), its implementations and its public entry (:mod:`.api`)."""
 
 from kvcanary_jax.ops.plan.api import canary_plan, run, takes_num_reqs
-from kvcanary_jax.ops.plan.base import CONTRACT, canary_plan_reference, plan_metas
+from kvcanary_jax.ops.plan.base import CONTRACT, PlanInputs, canary_plan_reference, plan_metas
 
-__all__ = ["CONTRACT", "canary_plan", "canary_plan_reference", "plan_metas", "run",
+__all__ = ["CONTRACT", "PlanInputs", "canary_plan", "canary_plan_reference", "plan_metas", "run",
            "takes_num_reqs"]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from kvcanary_jax import _config
 from kvcanary_jax.ops import _registry
 from kvcanary_jax.ops.plan import base
+from kvcanary_jax.ops.plan.base import PlanInputs
 from kvcanary_jax.plans import VerifyPlan, WritePlan
 
 __all__ = ["OP", "run", "canary_plan"]
@@ -23,49 +24,44 @@ OP = _registry.standard_op("plan")
     static_argnames=("swa_window_size", "verify_capacity", "kv_token_id_vs_position_offset",
                      "implementation", "config"),
 )
-def _run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, num_reqs, *, swa_window_size,
-         verify_capacity, kv_token_id_vs_position_offset, implementation, config):
-    return base.sized_call(functools.partial(OP.run, implementation), vp, wp, rpi, prefix,
-                           extend, rtt, lut, pool, valid_lens, swa_window_size=swa_window_size,
+def _run(vp, wp, inputs, *, swa_window_size, verify_capacity, kv_token_id_vs_position_offset,
+         implementation, config):
+    return base.sized_call(functools.partial(OP.run, implementation, config=config), vp, wp,
+                           inputs, swa_window_size=swa_window_size,
                            verify_capacity=verify_capacity,
-                           kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-                           config=config,
-                           **({} if num_reqs is None else {"num_reqs": num_reqs}))
+                           kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
 
 
 def takes_num_reqs(implementation: str) -> bool:
     """Whether ``implementation``'s kernels take the batch size as an operand (``num_reqs``):
     ``xla``, ``pallas_triton`` and ``pallas_interpret`` do; ``pallas_mosaic_tpu`` compiles per
-    batch size."""
-    return "num_reqs" in inspect.signature(OP.module(implementation).run).parameters
+    batch size (its module says so: ``TAKES_NUM_REQS``)."""
+    return OP.module(implementation).TAKES_NUM_REQS
 
 
 @_config.entry_point
-def run(vp: VerifyPlan, wp: WritePlan, rpi, prefix, extend, rtt, lut, pool, valid_lens, *,
-        swa_window_size: int, verify_capacity: int, kv_token_id_vs_position_offset: int,
-        implementation: str | None = None, config=None,
-        num_reqs=None) -> tuple[VerifyPlan, WritePlan]:
+def run(vp: VerifyPlan, wp: WritePlan, inputs: PlanInputs, *, swa_window_size: int,
+        verify_capacity: int, kv_token_id_vs_position_offset: int,
+        implementation: str | None = None, config=None) -> tuple[VerifyPlan, WritePlan]:
     """Array-level plan, without the contract's checks (the torch bridge checks the same contract
-    on its tensors). ``rtt`` (and ``pool``) may be compact ``[rows, row_pitch]`` bases of strided
-    views (see :mod:`kvcanary_jax.ops.plan.base`); ``lut``, ``pool`` and ``valid_lens`` may be
+    on its tensors). ``inputs.req_to_token`` (and the pool) may be compact ``[rows, row_pitch]``
+    bases of strided views (see :mod:`kvcanary_jax.ops.plan.base`); the optional inputs may be
     None. Returns the filled plans, every array aliased to the input plans'.
-    ``implementation`` / ``config`` / ``num_reqs``: as :func:`canary_plan`."""
-    impl = OP.select(implementation, config=config, args=(rpi, rtt))  # the target: see select
-    if num_reqs is not None:
+    ``implementation`` / ``config`` / ``inputs.num_reqs``: as :func:`canary_plan`."""
+    impl = OP.select(implementation, config=config,
+                     args=(inputs.req_pool_indices, inputs.req_to_token))  # the target: see select
+    if inputs.num_reqs is not None:
         if not takes_num_reqs(impl):
             raise ValueError(
                 f"kv-canary: canary_plan: implementation {impl!r} compiles per batch size and "
                 "takes no num_reqs; pass the unpadded request vectors")
-        num_reqs = jnp.asarray(num_reqs, jnp.int32).reshape(1)
-    cfg = OP.config(impl, base.shapes(vp, wp, rpi, rtt, lut, pool), config)
-    return _run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, num_reqs,
-                swa_window_size=int(swa_window_size), verify_capacity=int(verify_capacity),
+        inputs = dataclasses.replace(
+            inputs, num_reqs=jnp.asarray(inputs.num_reqs, jnp.int32).reshape(1))
+    cfg = OP.config(impl, base.shapes(vp, wp, inputs), config)
+    return _run(vp, wp, inputs, swa_window_size=int(swa_window_size),
+                verify_capacity=int(verify_capacity),
                 kv_token_id_vs_position_offset=int(kv_token_id_vs_position_offset),
                 implementation=impl, config=cfg)
-
-
-def _opt(x):
-    return None if x is None else jnp.asarray(x)
 
 
 @_config.entry_point
@@ -118,14 +114,14 @@ def canary_plan(
     filled in place (every plan array is aliased input-to-output). Raises SGLang's errors (see
     :data:`kvcanary_jax.ops.plan.base.CONTRACT`) at trace time.
     """
-    args = (jnp.asarray(req_pool_indices), jnp.asarray(prefix_lens), jnp.asarray(extend_seq_lens),
-            jnp.asarray(req_to_token), _opt(full_to_swa_index_mapping),
-            _opt(req_to_verify_expected_tokens), _opt(req_to_verify_expected_tokens_valid_lens))
-    base.validate(verify_plan_out, write_plan_out, *args, swa_window_size=int(swa_window_size),
+    inputs = base.inputs_of(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token,
+                            full_to_swa_index_mapping, req_to_verify_expected_tokens,
+                            req_to_verify_expected_tokens_valid_lens)
+    base.validate(verify_plan_out, write_plan_out, inputs, swa_window_size=int(swa_window_size),
                   verify_capacity=int(verify_capacity),
                   req_to_token_stride0=None if req_to_token_stride0 is None
                   else int(req_to_token_stride0))
-    return run(verify_plan_out, write_plan_out, *args, swa_window_size=swa_window_size,
-               verify_capacity=verify_capacity,
+    return run(verify_plan_out, write_plan_out, dataclasses.replace(inputs, num_reqs=num_reqs),
+               swa_window_size=swa_window_size, verify_capacity=verify_capacity,
                kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-               implementation=implementation, config=config, num_reqs=num_reqs)
+               implementation=implementation, config=config)

@@ -87,6 +87,8 @@ __all__ = [
     "ENTRIES_CHECKS",
     "plan_metas",
     "row_stride",
+    "PlanInputs",
+    "out_name",
     "validate",
     "shapes",
     "window_start",
@@ -98,6 +100,7 @@ __all__ = [
     "offsets_reference",
     "entries_reference",
     "reference",
+    "inputs_of",
     "canary_plan_reference",
 ]
 
@@ -382,35 +385,54 @@ def plan_metas(tensors: Mapping[str, Any]) -> dict[str, TensorMeta | None]:
     return metas
 
 
-def validate(vp: VerifyPlan, wp: WritePlan, rpi, prefix, extend, rtt, lut, pool, valid_lens, *,
-             swa_window_size: int, verify_capacity: int,
-             req_to_token_stride0: int | None) -> None:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanInputs:
+    """The batch a plan reads, under SGLang's launcher names: int64 ``[bs]``
+    ``req_pool_indices``, ``prefix_lens``, ``extend_seq_lens``; int32 ``req_to_token [rows,
+    row_pitch]`` (a compact base whose pitch may exceed the logical width); the optional LUT,
+    expected-token pool (int32 ``[rows, pitch]``) and its int64 ``valid_lens [bs]``; and
+    ``num_reqs``, the batch size as an operand (int32 ``[1]``, see :func:`batch_lanes`), or
+    None."""
+
+    req_pool_indices: jax.Array
+    prefix_lens: jax.Array
+    extend_seq_lens: jax.Array
+    req_to_token: jax.Array
+    full_to_swa_index_mapping: jax.Array | None = None
+    req_to_verify_expected_tokens: jax.Array | None = None
+    req_to_verify_expected_tokens_valid_lens: jax.Array | None = None
+    num_reqs: jax.Array | None = None
+
+
+def out_name(field: str) -> str:
+    """SGLang's launcher name of a plan field (its messages use them): ``out_<field>``, and
+    ``out_verify_enable`` for ``enable``."""
+    return "out_verify_enable" if field == "enable" else f"out_{field}"
+
+
+def validate(vp: VerifyPlan, wp: WritePlan, inputs: PlanInputs, *, swa_window_size: int,
+             verify_capacity: int, req_to_token_stride0: int | None) -> None:
     """:data:`CONTRACT` on the op's arrays (raises at trace time)."""
-    metas = plan_metas(dict(
-        req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend, req_to_token=rtt,
-        full_to_swa_index_mapping=lut, req_to_verify_expected_tokens=pool,
-        req_to_verify_expected_tokens_valid_lens=valid_lens,
-        out_verify_slot_indices=vp.verify_slot_indices,
-        out_verify_expected_tokens=vp.verify_expected_tokens,
-        out_verify_expected_positions=vp.verify_expected_positions,
-        out_verify_prev_slot_indices=vp.verify_prev_slot_indices,
-        out_verify_num_valid=vp.verify_num_valid,
-        out_verify_enable=vp.enable,
-        out_write_offsets=wp.write_offsets,
-        out_write_seed_slot_indices=wp.write_seed_slot_indices,
-        out_write_num_valid_reqs=wp.write_num_valid_reqs,
-    ))
+    tensors = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(PlanInputs)
+               if f.name != "num_reqs"}
+    for plan in (vp, wp):
+        tensors.update({out_name(f.name): getattr(plan, f.name)
+                        for f in dataclasses.fields(type(plan))})
     CONTRACT.validate_metas(
-        metas, swa_window_size=swa_window_size, verify_capacity=verify_capacity,
+        plan_metas(tensors), swa_window_size=swa_window_size, verify_capacity=verify_capacity,
         req_to_token_stride0=req_to_token_stride0,
     )
 
 
-def shapes(vp: VerifyPlan, wp: WritePlan, rpi, rtt, lut, pool) -> dict[str, int]:
+def shapes(vp: VerifyPlan, wp: WritePlan, inputs: PlanInputs) -> dict[str, int]:
     """The static sizes a launch configuration may depend on."""
-    return {"bs": int(rpi.shape[0]), "verify_capacity": int(vp.verify_slot_indices.shape[0]),
+    lut, pool = inputs.full_to_swa_index_mapping, inputs.req_to_verify_expected_tokens
+    return {"bs": int(inputs.req_pool_indices.shape[0]),
+            "verify_capacity": int(vp.verify_slot_indices.shape[0]),
             "write_capacity": int(wp.write_seed_slot_indices.shape[0]),
-            "rows": int(rtt.shape[0]), "row_pitch": int(rtt.shape[1]),
+            "rows": int(inputs.req_to_token.shape[0]),
+            "row_pitch": int(inputs.req_to_token.shape[1]),
             "lut_len": 0 if lut is None else int(lut.shape[0]),
             "pool_pitch": 0 if pool is None else int(pool.shape[1])}
 
@@ -469,26 +491,26 @@ _VERIFY_ARRAYS = ("verify_slot_indices", "verify_expected_tokens", "verify_expec
                   "verify_prev_slot_indices")
 
 
-def sized_call(fn, vp: VerifyPlan, wp: WritePlan, rpi, *args, **kw):
-    """``fn(vp, wp, rpi, *args, **kw)`` (an implementation's ``run``, or the reference), with the
+def sized_call(fn, vp: VerifyPlan, wp: WritePlan, inputs: PlanInputs, **kw):
+    """``fn(vp, wp, inputs, **kw)`` (an implementation's ``run``, or the reference), with the
     zero sizes of the module docstring handled first: no implementation gets an empty batch or
     an empty verify plan. A 0-entry plan is run as a 1-entry scratch plan with the static
     ``verify_capacity`` of 0, whose ``enable`` keeps that entry unwritten; the input's empty
     arrays are returned with the computed ``verify_num_valid`` and ``enable``."""
-    if rpi.shape[0] == 0:
+    if inputs.req_pool_indices.shape[0] == 0:
         return empty_batch(vp, wp)
     if vp.verify_slot_indices.shape[0] != 0:
-        return fn(vp, wp, rpi, *args, **kw)
+        return fn(vp, wp, inputs, **kw)
     scratch = VerifyPlan(
         **{f: jnp.zeros((1,), getattr(vp, f).dtype) for f in _VERIFY_ARRAYS},
         verify_num_valid=vp.verify_num_valid, enable=vp.enable)
-    out_vp, out_wp = fn(scratch, wp, rpi, *args, **kw)
+    out_vp, out_wp = fn(scratch, wp, inputs, **kw)
     return dataclasses.replace(out_vp, **{f: getattr(vp, f) for f in _VERIFY_ARRAYS}), out_wp
 
 
-def compose(offsets_fn: Callable, entries_fn: Callable, vp: VerifyPlan, wp: WritePlan, rpi,
-            prefix, extend, rtt, lut, pool, valid_lens, *, swa_window_size: int,
-            verify_capacity: int, kv_token_id_vs_position_offset: int, num_reqs=None):
+def compose(offsets_fn: Callable, entries_fn: Callable, vp: VerifyPlan, wp: WritePlan,
+            inputs: PlanInputs, *, swa_window_size: int, verify_capacity: int,
+            kv_token_id_vs_position_offset: int):
     """The plan from its two halves (``bs >= 1``)::
 
         offsets_fn(rpi, prefix, extend, rtt, lut, write_offsets, seeds, verify_num_valid, enable,
@@ -499,18 +521,24 @@ def compose(offsets_fn: Callable, entries_fn: Callable, vp: VerifyPlan, wp: Writ
                    tokens, positions, prevs, *, swa_window_size, kv_token_id_vs_position_offset)
             -> (slots, tokens, positions, prevs)
 
-    ``num_reqs`` (see :func:`batch_lanes`) reaches the offsets half only: requests at or past it
-    get empty ranges there, so ``verify_offsets`` is flat from ``num_reqs`` on and the entries
-    half, which finds each entry's request in it, never picks one of them.
+    ``inputs.num_reqs`` (see :func:`batch_lanes`) reaches the offsets half only: requests at or
+    past it get empty ranges there, so ``verify_offsets`` is flat from ``num_reqs`` on and the
+    entries half, which finds each entry's request in it, never picks one of them.
     """
+    # The halves keep the kernels' positional operands.
+    rpi, prefix, rtt, lut = (inputs.req_pool_indices, inputs.prefix_lens, inputs.req_to_token,
+                             inputs.full_to_swa_index_mapping)
+    num_reqs = inputs.num_reqs
     voff, wo, seeds, nv, en, wn = offsets_fn(
-        rpi, prefix, extend, rtt, lut, wp.write_offsets, wp.write_seed_slot_indices,
+        rpi, prefix, inputs.extend_seq_lens, rtt, lut, wp.write_offsets,
+        wp.write_seed_slot_indices,
         vp.verify_num_valid, vp.enable, wp.write_num_valid_reqs,
         swa_window_size=swa_window_size, verify_capacity=verify_capacity,
         **({} if num_reqs is None else {"num_reqs": num_reqs}),
     )
     slots, toks, poss, prevs = entries_fn(
-        rpi, prefix, rtt, lut, voff, en, pool, valid_lens, vp.verify_slot_indices,
+        rpi, prefix, rtt, lut, voff, en, inputs.req_to_verify_expected_tokens,
+        inputs.req_to_verify_expected_tokens_valid_lens, vp.verify_slot_indices,
         vp.verify_expected_tokens, vp.verify_expected_positions, vp.verify_prev_slot_indices,
         swa_window_size=swa_window_size,
         kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
@@ -602,18 +630,25 @@ def entries_reference(rpi, prefix, req_to_token, lut, verify_offsets, enable, po
     jax.jit,
     static_argnames=("swa_window_size", "verify_capacity", "kv_token_id_vs_position_offset"),
 )
-def reference(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, *, swa_window_size,
-              verify_capacity, kv_token_id_vs_position_offset, num_reqs=None):
+def reference(vp: VerifyPlan, wp: WritePlan, inputs: PlanInputs, *, swa_window_size,
+              verify_capacity, kv_token_id_vs_position_offset):
     """The array-level reference (no validation)."""
     return sized_call(functools.partial(compose, offsets_reference, entries_reference), vp, wp,
-                      rpi, prefix, extend, rtt, lut, pool, valid_lens,
-                      swa_window_size=swa_window_size, verify_capacity=verify_capacity,
-                      kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-                      num_reqs=num_reqs)
+                      inputs, swa_window_size=swa_window_size, verify_capacity=verify_capacity,
+                      kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
 
 
-def _opt(x):
-    return None if x is None else jnp.asarray(x)
+def inputs_of(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token,
+              full_to_swa_index_mapping, req_to_verify_expected_tokens,
+              req_to_verify_expected_tokens_valid_lens) -> PlanInputs:
+    """The public entries' batch arguments as :class:`PlanInputs` of JAX arrays."""
+    opt = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
+    return PlanInputs(
+        req_pool_indices=jnp.asarray(req_pool_indices), prefix_lens=jnp.asarray(prefix_lens),
+        extend_seq_lens=jnp.asarray(extend_seq_lens), req_to_token=jnp.asarray(req_to_token),
+        full_to_swa_index_mapping=opt(full_to_swa_index_mapping),
+        req_to_verify_expected_tokens=opt(req_to_verify_expected_tokens),
+        req_to_verify_expected_tokens_valid_lens=opt(req_to_verify_expected_tokens_valid_lens))
 
 
 @_config.with_x64
@@ -634,13 +669,13 @@ def canary_plan_reference(
     req_to_token_stride0: int | None = None,
 ) -> tuple[VerifyPlan, WritePlan]:
     """Pure-jnp :func:`kvcanary_jax.canary_plan` (same validation, results and choices)."""
-    args = (jnp.asarray(req_pool_indices), jnp.asarray(prefix_lens), jnp.asarray(extend_seq_lens),
-            jnp.asarray(req_to_token), _opt(full_to_swa_index_mapping),
-            _opt(req_to_verify_expected_tokens), _opt(req_to_verify_expected_tokens_valid_lens))
-    validate(verify_plan_out, write_plan_out, *args, swa_window_size=int(swa_window_size),
+    inputs = inputs_of(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token,
+                       full_to_swa_index_mapping, req_to_verify_expected_tokens,
+                       req_to_verify_expected_tokens_valid_lens)
+    validate(verify_plan_out, write_plan_out, inputs, swa_window_size=int(swa_window_size),
              verify_capacity=int(verify_capacity),
              req_to_token_stride0=None if req_to_token_stride0 is None
              else int(req_to_token_stride0))
-    return reference(verify_plan_out, write_plan_out, *args,
+    return reference(verify_plan_out, write_plan_out, inputs,
                      swa_window_size=int(swa_window_size), verify_capacity=int(verify_capacity),
                      kv_token_id_vs_position_offset=int(kv_token_id_vs_position_offset))

@@ -18,6 +18,7 @@ from kvcanary_jax.ops import _tpu_lib as T
 from kvcanary_jax.ops.plan import base
 from kvcanary_jax.ops.plan.pallas_mosaic_tpu_kernel import (BLOCK, SEED_BATCH, SMEM_BUDGET,
                                                             plan_entries, plan_offsets)
+from kvcanary_jax.plans import VerifyPlan, WritePlan
 
 __all__ = ["Config", "heuristics", "run", "plan_offsets", "plan_entries", "SEED_BATCH", "BLOCK",
            "SMEM_BUDGET"]
@@ -37,13 +38,16 @@ def heuristics(shapes) -> Config:
     return Config(block=min(BLOCK, T.pad_to(max(cap, 1), T.PAIR_TILE)))
 
 
-def run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, *, swa_window_size: int,
+# The kernels compile per batch size: no ``num_reqs`` operand (api.run refuses one).
+TAKES_NUM_REQS = False
+
+
+def run(vp: VerifyPlan, wp: WritePlan, inputs: base.PlanInputs, *, swa_window_size: int,
         verify_capacity: int, kv_token_id_vs_position_offset: int, config: Config):
     """``(VerifyPlan, WritePlan)`` filled (``bs >= 1``; the caller handles an empty batch);
     every plan array is aliased to its input."""
     return base.compose(
         functools.partial(plan_offsets, config=config),
         functools.partial(plan_entries, config=config),
-        vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens,
-        swa_window_size=swa_window_size, verify_capacity=verify_capacity,
+        vp, wp, inputs, swa_window_size=swa_window_size, verify_capacity=verify_capacity,
         kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)

@@ -9,6 +9,7 @@ import functools
 
 from kvcanary_jax.ops.plan import base
 from kvcanary_jax.ops.plan import pallas_triton_kernel as kernel
+from kvcanary_jax.plans import VerifyPlan, WritePlan
 
 __all__ = ["Config", "heuristics", "run"]
 
@@ -41,20 +42,21 @@ def heuristics(shapes) -> Config:
     return Config()
 
 
-def run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, *, swa_window_size: int,
+# The batch size may be an operand (``inputs.num_reqs``: base.batch_lanes).
+TAKES_NUM_REQS = True
+
+
+def run(vp: VerifyPlan, wp: WritePlan, inputs: base.PlanInputs, *, swa_window_size: int,
         verify_capacity: int, kv_token_id_vs_position_offset: int, config: Config,
-        interpret: bool = False, num_reqs=None):
+        interpret: bool = False):
     """``(VerifyPlan, WritePlan)`` filled (``bs >= 1``; the caller handles an empty batch).
-    ``interpret``: Pallas interpret mode (``pallas_interpret``); ``num_reqs``:
-    :func:`kvcanary_jax.ops.plan.base.batch_lanes`."""
+    ``interpret``: Pallas interpret mode (``pallas_interpret``)."""
     offsets = functools.partial(
         kernel.plan_offsets, interpret=interpret, num_warps=config.offsets_num_warps,
         single_block_max=config.single_block_max, multi_block=config.multi_block)
     entries = functools.partial(
         kernel.plan_entries, interpret=interpret, block_entries=config.block_entries,
         max_programs=config.max_programs, num_warps=config.entries_num_warps)
-    return base.compose(offsets, entries, vp, wp, rpi, prefix, extend, rtt, lut, pool,
-                        valid_lens, swa_window_size=swa_window_size,
+    return base.compose(offsets, entries, vp, wp, inputs, swa_window_size=swa_window_size,
                         verify_capacity=verify_capacity,
-                        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-                        num_reqs=num_reqs)
+                        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)

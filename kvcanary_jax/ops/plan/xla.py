@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from kvcanary_jax.ops import _xla_lib
 from kvcanary_jax.ops.plan import base
+from kvcanary_jax.plans import VerifyPlan, WritePlan
 
 __all__ = ["Config", "heuristics", "plan_offsets", "plan_entries", "run"]
 
@@ -172,14 +173,15 @@ def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, v
     return outs
 
 
-def run(vp, wp, rpi, prefix, extend, rtt, lut, pool, valid_lens, *, swa_window_size: int,
-        verify_capacity: int, kv_token_id_vs_position_offset: int, config: Config,
-        num_reqs=None):
-    """``(VerifyPlan, WritePlan)`` filled (``bs >= 1``; no validation). ``rtt`` and ``pool``
-    are ``[rows, row_pitch]`` tables (compact bases whose pitch may exceed the logical width);
-    ``num_reqs``: :func:`kvcanary_jax.ops.plan.base.batch_lanes`."""
+# The batch size may be an operand (``inputs.num_reqs``: base.batch_lanes).
+TAKES_NUM_REQS = True
+
+
+def run(vp: VerifyPlan, wp: WritePlan, inputs: base.PlanInputs, *, swa_window_size: int,
+        verify_capacity: int, kv_token_id_vs_position_offset: int, config: Config):
+    """``(VerifyPlan, WritePlan)`` filled (``bs >= 1``; no validation). ``req_to_token`` and the
+    pool are ``[rows, row_pitch]`` tables (compact bases whose pitch may exceed the logical
+    width)."""
     return base.compose(plan_offsets, functools.partial(plan_entries, block=config.block), vp, wp,
-                        rpi, prefix, extend, rtt, lut, pool, valid_lens,
-                        swa_window_size=swa_window_size, verify_capacity=verify_capacity,
-                        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-                        num_reqs=num_reqs)
+                        inputs, swa_window_size=swa_window_size, verify_capacity=verify_capacity,
+                        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)

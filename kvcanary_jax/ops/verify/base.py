@@ -43,6 +43,7 @@ implementation.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -52,10 +53,9 @@ from kvcanary_jax import _config, consts, hashing
 from kvcanary_jax.context import (
     SourceAbi,
     SourceCount,
-    SourceSpec,
     VerifyOrWriteContext,
     as_words,
-    source_spec,
+    nonempty_source,
 )
 from kvcanary_jax.contracts import Contiguous, Contract, Rule, meta_of
 from kvcanary_jax.ops._contract_lib import (
@@ -64,10 +64,11 @@ from kvcanary_jax.ops._contract_lib import (
     source_metas,
     tensor_guard,
 )
-from kvcanary_jax.ops._kernel_lib import canary_words, nonempty_sources, ring_append
+from kvcanary_jax.ops._kernel_lib import canary_words, ring_append
 from kvcanary_jax.plans import VerifyPlan
 
-__all__ = ["CONTRACT", "validate", "shapes", "sized_call", "reference", "canary_verify_reference"]
+__all__ = ["CONTRACT", "OUTPUTS", "validate", "shapes", "sized_call", "reference",
+           "canary_verify_reference"]
 
 _V = "canary_verify"
 
@@ -110,55 +111,51 @@ CONTRACT = Contract(
 )
 
 
+# The context fields a launch updates (the others come back as they went in).
+OUTPUTS = ("violation_ring", "violation_write_index", "slot_run_counter", "kernel_run_counter")
+
+
 def validate(context: VerifyOrWriteContext, plan: VerifyPlan) -> None:
     """:data:`CONTRACT` on a context and a plan (raises at trace time)."""
-    tensors = {
-        "canary_buf": context.canary_buf,
-        "plan.verify_slot_indices": plan.verify_slot_indices,
-        "plan.verify_expected_tokens": plan.verify_expected_tokens,
-        "plan.verify_expected_positions": plan.verify_expected_positions,
-        "plan.verify_prev_slot_indices": plan.verify_prev_slot_indices,
-        "plan.verify_num_valid": plan.verify_num_valid,
-        "plan.enable": plan.enable,
-        "violation_ring": context.violation_ring,
-        "violation_write_index": context.violation_write_index,
-        "slot_run_counter": context.slot_run_counter,
-        "kernel_run_counter": context.kernel_run_counter,
-    }
-    metas = {k: meta_of(v) for k, v in tensors.items()}
+    metas = {k: None if v is None else meta_of(v) for k, v in context.arrays("verify").items()
+             if not k.startswith("real_kv_sources")}
+    metas.update({f"plan.{f.name}": meta_of(getattr(plan, f.name))
+                  for f in dataclasses.fields(VerifyPlan)})
     metas.update(source_metas(context.real_kv_sources))
     CONTRACT.validate_metas(metas, num_sources=len(context.real_kv_sources))
 
 
-def shapes(canary_buf, verify_slot_indices) -> dict[str, int]:
+def shapes(context: VerifyOrWriteContext, plan: VerifyPlan) -> dict[str, int]:
     """The static sizes a launch configuration may depend on."""
-    return {"num_slots": int(canary_buf.shape[0]),
-            "capacity": int(verify_slot_indices.shape[0])}
+    return {"num_slots": int(context.canary_buf.shape[0]),
+            "capacity": int(plan.verify_slot_indices.shape[0])}
 
 
-def sized_call(fn, *, canary_buf, violation_ring, violation_write_index, slot_run_counter,
-               kernel_run_counter, verify_slot_indices, sources, **rest):
-    """``fn(**arguments)`` (an implementation's ``run``, or the reference), with the zero sizes
-    of the module docstring handled before any implementation sees them: the implementations
-    never get an empty canary buffer, ring, plan or source buffer."""
-    if verify_slot_indices.shape[0] == 0:
-        return violation_ring, violation_write_index, slot_run_counter, kernel_run_counter + 1
-    ring = violation_ring
-    if ring.shape[0] == 0:
+def sized_call(fn, context: VerifyOrWriteContext, plan: VerifyPlan, **statics
+               ) -> VerifyOrWriteContext:
+    """``fn(context, plan, **statics)`` (an implementation's ``run``, or the reference), with
+    the zero sizes of the module docstring handled before any implementation sees them: the
+    implementations never get an empty canary buffer, ring, plan or source buffer. Returns the
+    updated context; what was swapped in for a zero size is the caller's again."""
+    if plan.verify_slot_indices.shape[0] == 0:
+        return context.replace(kernel_run_counter=context.kernel_run_counter + 1)
+    swapped = {}
+    if context.violation_ring.shape[0] == 0:
         # Violations are counted, never stored: a scratch row takes what is written, the empty
         # ring is returned (the guard's index update does not depend on the capacity).
-        ring = jnp.zeros((1, consts.VIOLATION_FIELDS), violation_ring.dtype)
-    if canary_buf.shape[0] == 0:
+        swapped["violation_ring"] = jnp.zeros((1, consts.VIOLATION_FIELDS),
+                                              context.violation_ring.dtype)
+    if context.canary_buf.shape[0] == 0:
         # Every slot is out of range and reads as an all-zero row. One zero row reads the same:
         # slot 0 is never checked, a predecessor 0 is never read, and a slot -1 (which wraps to
         # row 0 here) reads zeros like an out-of-range slot; its real-KV fingerprint does not
         # depend on the canary.
-        canary_buf = jnp.zeros((1, canary_buf.shape[1]), canary_buf.dtype)
-    out = fn(canary_buf=canary_buf, violation_ring=ring,
-             violation_write_index=violation_write_index, slot_run_counter=slot_run_counter,
-             kernel_run_counter=kernel_run_counter, verify_slot_indices=verify_slot_indices,
-             sources=nonempty_sources(sources), **rest)
-    return (violation_ring if ring is not violation_ring else out[0],) + tuple(out[1:])
+        swapped["canary_buf"] = jnp.zeros((1, context.canary_buf.shape[1]),
+                                          context.canary_buf.dtype)
+    out = fn(context.replace(**swapped, real_kv_sources=tuple(
+        nonempty_source(s) for s in context.real_kv_sources)), plan, **statics)
+    return out.replace(**{k: getattr(context, k) for k in swapped},
+                       real_kv_sources=context.real_kv_sources)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,49 +201,26 @@ def _reference(canary_buf, ring, widx, sctr, kctr, slots, etok, epos, prev, nval
     return ring, widx, sctr + active, kctr + 1
 
 
-def reference(
-    *, canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
-    verify_slot_indices, verify_expected_tokens, verify_expected_positions,
-    verify_prev_slot_indices, verify_num_valid, enable,
-    sources: tuple[tuple[jax.Array, SourceSpec], ...], kernel_kind: int, real_kv_hash_mode: int,
-    check_verify_expected_token: bool,
-):
-    """The array-level reference: the arguments and results of an implementation's ``run``
-    (``(violation_ring, violation_write_index, slot_run_counter, kernel_run_counter)``), no
+def reference(context: VerifyOrWriteContext, plan: VerifyPlan, *,
+              check_verify_expected_token: bool) -> VerifyOrWriteContext:
+    """The array-level reference: the arguments and result of an implementation's ``run``, no
     validation."""
 
-    def run(*, canary_buf, violation_ring, violation_write_index, slot_run_counter,
-            kernel_run_counter, verify_slot_indices, sources):
-        return _reference(
-            canary_buf, violation_ring, violation_write_index, slot_run_counter,
-            kernel_run_counter, verify_slot_indices, verify_expected_tokens,
-            verify_expected_positions, verify_prev_slot_indices, verify_num_valid, enable,
+    def run(context, plan):
+        sources = context.bound_sources()
+        ring, widx, sctr, kctr = _reference(
+            context.canary_buf, context.violation_ring, context.violation_write_index,
+            context.slot_run_counter, context.kernel_run_counter, plan.verify_slot_indices,
+            plan.verify_expected_tokens, plan.verify_expected_positions,
+            plan.verify_prev_slot_indices, plan.verify_num_valid, plan.enable,
             tuple(b for b, _ in sources), specs=tuple(s for _, s in sources),
-            mode=int(real_kv_hash_mode), kind=int(kernel_kind),
+            mode=int(context.real_kv_hash_mode), kind=int(context.kernel_kind),
             check_token=bool(check_verify_expected_token),
         )
+        return context.replace(violation_ring=ring, violation_write_index=widx,
+                               slot_run_counter=sctr, kernel_run_counter=kctr)
 
-    return sized_call(
-        run, canary_buf=canary_buf, violation_ring=violation_ring,
-        violation_write_index=violation_write_index, slot_run_counter=slot_run_counter,
-        kernel_run_counter=kernel_run_counter, verify_slot_indices=verify_slot_indices,
-        sources=sources)
-
-
-def arguments(context: VerifyOrWriteContext, plan: VerifyPlan) -> dict:
-    """The array-level arguments of a launch (those of :func:`reference` and of each
-    implementation's ``run``) from its context and plan."""
-    return dict(
-        canary_buf=context.canary_buf, violation_ring=context.violation_ring,
-        violation_write_index=context.violation_write_index,
-        slot_run_counter=context.slot_run_counter, kernel_run_counter=context.kernel_run_counter,
-        verify_slot_indices=plan.verify_slot_indices,
-        verify_expected_tokens=plan.verify_expected_tokens,
-        verify_expected_positions=plan.verify_expected_positions,
-        verify_prev_slot_indices=plan.verify_prev_slot_indices,
-        verify_num_valid=plan.verify_num_valid, enable=plan.enable,
-        sources=tuple((s.tensor, source_spec(s)) for s in context.real_kv_sources),
-        kernel_kind=int(context.kernel_kind), real_kv_hash_mode=int(context.real_kv_hash_mode))
+    return sized_call(run, context, plan)
 
 
 @_config.with_x64
@@ -255,7 +229,5 @@ def canary_verify_reference(*, context: VerifyOrWriteContext, plan: VerifyPlan,
     """Pure-jnp reference of :func:`kvcanary_jax.canary_verify` (rows in entry order; same
     validation)."""
     validate(context, plan)
-    ring, widx, sctr, kctr = reference(
-        **arguments(context, plan), check_verify_expected_token=bool(check_verify_expected_token))
-    return context.replace(violation_ring=ring, violation_write_index=widx,
-                           slot_run_counter=sctr, kernel_run_counter=kctr)
+    return reference(context, plan,
+                     check_verify_expected_token=bool(check_verify_expected_token))

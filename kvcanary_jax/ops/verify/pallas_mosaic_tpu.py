@@ -42,9 +42,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kvcanary_jax import consts
 from kvcanary_jax import hashing_u32 as H
-from kvcanary_jax.context import SourceSpec
+from kvcanary_jax.context import VerifyOrWriteContext
 from kvcanary_jax.ops import _tpu_fingerprint as fp
 from kvcanary_jax.ops import _tpu_lib as T
+from kvcanary_jax.plans import VerifyPlan
 
 __all__ = ["Config", "heuristics", "run", "BLOCK"]
 
@@ -298,36 +299,31 @@ def _verify_kernel(
     st_out[_PAD] = jnp.int32(0)
 
 
-def run(
-    *, canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
-    verify_slot_indices, verify_expected_tokens, verify_expected_positions,
-    verify_prev_slot_indices, verify_num_valid, enable,
-    sources: tuple[tuple[jax.Array, SourceSpec], ...], kernel_kind: int, real_kv_hash_mode: int,
-    check_verify_expected_token: bool, config: Config,
-):
-    """``(violation_ring, violation_write_index, slot_run_counter, kernel_run_counter)``; the ring
-    is aliased to its input (``canary_buf`` is only read)."""
-    mode, kind = int(real_kv_hash_mode), int(kernel_kind)
-    capacity = int(verify_slot_indices.shape[0])
+def run(context: VerifyOrWriteContext, plan: VerifyPlan, *, check_verify_expected_token: bool,
+        config: Config) -> VerifyOrWriteContext:
+    """The updated context, the ring aliased to its input (``canary_buf`` is only read)."""
+    mode, kind = int(context.real_kv_hash_mode), int(context.kernel_kind)
+    sources = context.bound_sources()
+    capacity = int(plan.verify_slot_indices.shape[0])
     block = config.block
     cap_pad = T.pad_to(capacity, block)
-    num_slots = int(canary_buf.shape[0])
-    ring_cap = int(violation_ring.shape[0])
+    num_slots = int(context.canary_buf.shape[0])
+    ring_cap = int(context.violation_ring.shape[0])
 
-    plan = jnp.stack([T.to_pair_rows(x, cap_pad) for x in (
-        verify_slot_indices, verify_prev_slot_indices, verify_expected_tokens,
-        verify_expected_positions)])
-    canary = T.words32(canary_buf) if num_slots else jnp.zeros((1, 8), jnp.int32)
-    ring = T.words32(violation_ring) if ring_cap else jnp.zeros((1, 16), jnp.int32)
-    st = jnp.concatenate([
-        verify_num_valid.astype(jnp.int32).reshape(1), enable.astype(jnp.int32).reshape(1),
-        violation_write_index.astype(jnp.int32).reshape(1), T.i64_words(slot_run_counter),
-        T.i64_words(kernel_run_counter), jnp.zeros((1,), jnp.int32)])
+    entries = jnp.stack([T.to_pair_rows(x, cap_pad) for x in (
+        plan.verify_slot_indices, plan.verify_prev_slot_indices, plan.verify_expected_tokens,
+        plan.verify_expected_positions)])
+    canary = T.words32(context.canary_buf) if num_slots else jnp.zeros((1, 8), jnp.int32)
+    ring = T.words32(context.violation_ring) if ring_cap else jnp.zeros((1, 16), jnp.int32)
+    st = jnp.concatenate([  # the status words _NVALID, _ENABLE, then _WIDX.._KCTR
+        plan.verify_num_valid.astype(jnp.int32).reshape(1),
+        plan.enable.astype(jnp.int32).reshape(1), T.counter_words(context),
+        jnp.zeros((1,), jnp.int32)])
     has_rkv = bool(sources) and mode != int(consts.RealKvHashMode.NONE)
     if has_rkv:
-        live = jnp.where(enable.reshape(()) != 0,
-                         jnp.clip(verify_num_valid.reshape(()), 0, capacity), 0)
-        rkv = fp.fingerprints_from_pair_rows(plan[0], live, sources, mode=mode, block=block,
+        live = jnp.where(plan.enable.reshape(()) != 0,
+                         jnp.clip(plan.verify_num_valid.reshape(()), 0, capacity), 0)
+        rkv = fp.fingerprints_from_pair_rows(entries[0], live, sources, mode=mode, block=block,
                                              interpret=config.interpret or False)
     else:
         rkv = jnp.zeros((8, T.LANES), jnp.int32)
@@ -339,7 +335,7 @@ def run(
     # Bytes: plan (32 B + 16 B into SMEM per entry), two canary rows, a fingerprint (8 B).
     nbytes = capacity * (48 + 64 + (8 if has_rkv else 0)) + ring_cap * 0
     ring32, st_out = T.call(
-        kernel, st, plan, canary, rkv, ring,
+        kernel, st, entries, canary, rkv, ring,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(1,),
             in_specs=[any_spec, any_spec, any_spec, any_spec],
@@ -353,8 +349,4 @@ def run(
         interpret=config.interpret or False,
         name="kvcanary_verify_tpu",
     )
-    new_ring = T.from_words32(ring32, violation_ring) if ring_cap else violation_ring
-    widx = st_out[_WIDX:_WIDX + 1].astype(violation_write_index.dtype)
-    sctr = lax.bitcast_convert_type(st_out[_SCTR:_SCTR + 2], jnp.int64).reshape(1)
-    kctr = lax.bitcast_convert_type(st_out[_KCTR:_KCTR + 2], jnp.int64).reshape(1)
-    return new_ring, widx, sctr, kctr
+    return T.counters_from_words(context, st_out[_WIDX:], ring32)

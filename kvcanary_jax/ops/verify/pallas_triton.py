@@ -25,9 +25,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kvcanary_jax import consts, hashing
-from kvcanary_jax.context import SourceSpec, as_words
+from kvcanary_jax.context import VerifyOrWriteContext, as_words
 from kvcanary_jax.ops import _kernel_lib
 from kvcanary_jax.ops._kernel_lib import append_rows, canary_words, claim_rows
+from kvcanary_jax.plans import VerifyPlan
 
 __all__ = ["Config", "heuristics", "run", "BLOCK", "MAX_PROGRAMS", "NUM_WARPS", "NUM_STAGES",
            "GROUP", "VEC", "HOIST", "SMALL_PLANS"]
@@ -231,41 +232,36 @@ def _verify_kernel(
     jax.lax.fori_loop(0, trips, loop_body, 0)
 
 
-def run(
-    *, canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
-    verify_slot_indices, verify_expected_tokens, verify_expected_positions,
-    verify_prev_slot_indices, verify_num_valid, enable,
-    sources: tuple[tuple[jax.Array, SourceSpec], ...], kernel_kind: int, real_kv_hash_mode: int,
-    check_verify_expected_token: bool, config: Config, interpret: bool = False,
-):
-    """``(violation_ring, violation_write_index, slot_run_counter, kernel_run_counter)``, each
-    aliased to its input (``canary_buf`` is only read). ``interpret``: Pallas interpret mode
-    (``pallas_interpret``)."""
-    source_bufs = tuple(b for b, _ in sources)
+def run(context: VerifyOrWriteContext, plan: VerifyPlan, *, check_verify_expected_token: bool,
+        config: Config, interpret: bool = False) -> VerifyOrWriteContext:
+    """The updated context, its ring and counters aliased to their inputs (``canary_buf`` is
+    only read). ``interpret``: Pallas interpret mode (``pallas_interpret``)."""
+    sources = context.bound_sources()
     specs = tuple(s for _, s in sources)
-    mode, kind = int(real_kv_hash_mode), int(kernel_kind)
+    mode, kind = int(context.real_kv_hash_mode), int(context.kernel_kind)
     check_token = bool(check_verify_expected_token)
     block, max_programs, group, vec = config.block, config.max_programs, config.group, config.vec
-    num_slots, stride_bytes = canary_buf.shape
-    ring_cap = violation_ring.shape[0]
-    capacity = verify_slot_indices.shape[0]
+    num_slots, stride_bytes = context.canary_buf.shape
+    ring_cap = context.violation_ring.shape[0]
+    capacity = plan.verify_slot_indices.shape[0]
     block = min(block, pl.next_power_of_2(max(capacity, 1)))
     group = min(group, block)
     num_programs = max(1, min(max_programs, pl.cdiv(capacity, block)))
     # A single pass covers the plan: no grid-stride loop (see the kernel).
     hoist = config.hoist and num_programs * block >= capacity
-    words = [as_words(b) for b in source_bufs]
+    words = [as_words(b) for b, _ in sources]
     kernel = functools.partial(
         _verify_kernel, specs=specs, mode=mode, kind=kind, check_token=check_token,
         num_slots=num_slots, slot_words=stride_bytes // 8, ring_cap=ring_cap, block=block,
         num_programs=num_programs, group=group, vec=vec, hoist=hoist,
     )
-    ins = [verify_slot_indices, verify_expected_tokens, verify_expected_positions,
-           verify_prev_slot_indices, verify_num_valid, enable, canary_words(canary_buf), *words]
+    ins = [plan.verify_slot_indices, plan.verify_expected_tokens, plan.verify_expected_positions,
+           plan.verify_prev_slot_indices, plan.verify_num_valid, plan.enable,
+           canary_words(context.canary_buf), *words]
     # The write index is passed as a scalar: the compare-and-swap of the ring guard needs a
     # scalar ref.
-    outs = [violation_ring.reshape(-1), violation_write_index.reshape(()), slot_run_counter,
-            kernel_run_counter]
+    outs = [context.violation_ring.reshape(-1), context.violation_write_index.reshape(()),
+            context.slot_run_counter, context.kernel_run_counter]
     k = len(ins)
     ring, widx, sctr, kctr = pl.pallas_call(
         kernel,
@@ -277,4 +273,6 @@ def run(
             config.num_warps, config.num_stages),
         name="kvcanary_verify",
     )(*ins, *outs)
-    return ring.reshape(violation_ring.shape), widx.reshape(1), sctr, kctr
+    return context.replace(violation_ring=ring.reshape(context.violation_ring.shape),
+                           violation_write_index=widx.reshape(1), slot_run_counter=sctr,
+                           kernel_run_counter=kctr)

@@ -30,8 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from kvcanary_jax import consts, hashing
-from kvcanary_jax.context import SourceSpec
+from kvcanary_jax.context import VerifyOrWriteContext
 from kvcanary_jax.ops import _xla_lib
+from kvcanary_jax.plans import VerifyPlan
 
 __all__ = ["Config", "heuristics", "run"]
 
@@ -73,7 +74,7 @@ def _check(canary_buf, words, slots, etok, epos, prev, act, *, specs, mode, kind
     checked = act & (slots != consts.TOKEN_TO_KV_SLOT_PADDING)
     s_eff = jnp.where(slots < 0, slots + num_slots, slots)
     tok, pos, ph, rkv = _xla_lib.canary_fields(canary_buf, s_eff,
-                                               checked & (s_eff >= 0) & (s_eff < num_slots))
+                                        checked & (s_eff >= 0) & (s_eff < num_slots))
     p_ok = checked & (prev > 0) & (prev < num_slots)
     # In a chain-ordered plan the predecessor is the previous entry's slot, whose row was just
     # loaded (an active entry with a slot in (0, num_slots) always is): take it from there.
@@ -104,46 +105,41 @@ def _check(canary_buf, words, slots, etok, epos, prev, act, *, specs, mode, kind
     return viol, record
 
 
-def run(*, canary_buf, violation_ring, violation_write_index, slot_run_counter,
-        kernel_run_counter, verify_slot_indices, verify_expected_tokens,
-        verify_expected_positions, verify_prev_slot_indices, verify_num_valid, enable,
-        sources: tuple[tuple[jax.Array, SourceSpec], ...], kernel_kind: int,
-        real_kv_hash_mode: int, check_verify_expected_token: bool, config: Config):
-    """``(violation_ring, violation_write_index, slot_run_counter, kernel_run_counter)`` (no
-    validation; ``canary_buf`` is only read)."""
-    ring, widx, sctr, kctr = (violation_ring, violation_write_index, slot_run_counter,
-                              kernel_run_counter)
-    slots, etok, epos, prev = (verify_slot_indices, verify_expected_tokens,
-                               verify_expected_positions, verify_prev_slot_indices)
-    nvalid = verify_num_valid
+def run(context: VerifyOrWriteContext, plan: VerifyPlan, *, check_verify_expected_token: bool,
+        config: Config) -> VerifyOrWriteContext:
+    """The updated context (no validation; ``canary_buf`` is only read)."""
+    canary_buf = context.canary_buf
+    ring, widx = context.violation_ring, context.violation_write_index
+    sources = context.bound_sources()
     source_bufs, specs = tuple(b for b, _ in sources), tuple(s for _, s in sources)
-    mode, kind = int(real_kv_hash_mode), int(kernel_kind)
+    mode, kind = int(context.real_kv_hash_mode), int(context.kernel_kind)
     check_token = bool(check_verify_expected_token)
     block, branch = config.block, config.branch
     i64 = jnp.int64
-    cap = slots.shape[0]
-    enabled = enable[0] != 0
-    active = jnp.where(enabled, jnp.clip(nvalid[0].astype(i64), 0, cap), 0)
-    kctr = kctr + 1
-    sctr = sctr + active
+    cap = plan.verify_slot_indices.shape[0]
+    enabled = plan.enable[0] != 0
+    active = jnp.where(enabled, jnp.clip(plan.verify_num_valid[0].astype(i64), 0, cap), 0)
+    counted = dict(kernel_run_counter=context.kernel_run_counter + 1,
+                   slot_run_counter=context.slot_run_counter + active)
     if cap == 0:
-        return ring, widx, sctr, kctr
+        return context.replace(**counted)
     words = _xla_lib.source_arrays(source_bufs, specs)
     check = functools.partial(_check, canary_buf, words, specs=specs, mode=mode, kind=kind,
                               check_token=check_token, branch=branch)
-    plan = (slots, etok, epos, prev)
+    entries = (plan.verify_slot_indices, plan.verify_expected_tokens,
+               plan.verify_expected_positions, plan.verify_prev_slot_indices)
 
     def records(k, ok):
-        return check(*(_xla_lib.take(a, k, ok) for a in plan), ok)[1]
+        return check(*(_xla_lib.take(a, k, ok) for a in entries), ok)[1]
 
     w0 = widx[0].astype(i64)
     if block == 0 or block >= cap:
-        viol, _ = check(*plan, jnp.arange(cap, dtype=i64) < active)
+        viol, _ = check(*entries, jnp.arange(cap, dtype=i64) < active)
         incl = jnp.cumsum(viol.astype(i64))
         ring, widx = _xla_lib.ring_append(
             ring, widx, incl[-1], lambda j, ok: records(_xla_lib.record_of(incl, j)[0], ok),
             branch=branch)
-        return ring, widx, sctr, kctr
+        return context.replace(violation_ring=ring, violation_write_index=widx, **counted)
 
     # Blocks over the live entries. The last block's slice is clamped to the capacity, so it may
     # start before the block boundary: entries below the boundary were done by the previous trip.
@@ -152,7 +148,7 @@ def run(*, canary_buf, violation_ring, violation_write_index, slot_run_counter,
         lo = b * block
         start = jnp.minimum(lo, cap - block)
         k = start + jnp.arange(block, dtype=i64)
-        part = tuple(jax.lax.dynamic_slice(a, (start,), (block,)) for a in plan)
+        part = tuple(jax.lax.dynamic_slice(a, (start,), (block,)) for a in entries)
         viol, _ = check(*part, (k >= lo) & (k < active))
         incl = jnp.cumsum(viol.astype(i64))
         n = incl[-1]
@@ -168,4 +164,5 @@ def run(*, canary_buf, violation_ring, violation_write_index, slot_run_counter,
     nblocks = (active + block - 1) // block
     _, ring, total = jax.lax.while_loop(lambda c: c[0] < nblocks, trip,
                                         (jnp.zeros((), i64), ring, jnp.zeros((), i64)))
-    return ring, _xla_lib.ring_index(widx, total), sctr, kctr
+    return context.replace(violation_ring=ring,
+                           violation_write_index=_xla_lib.ring_index(widx, total), **counted)

@@ -7,60 +7,43 @@ import functools
 import jax
 
 from kvcanary_jax import _config
-from kvcanary_jax.context import SourceSpec, VerifyOrWriteContext, check_extents
+from kvcanary_jax.context import VerifyOrWriteContext, check_extents
 from kvcanary_jax.ops import _registry
 from kvcanary_jax.ops.write import base
+from kvcanary_jax.ops.write.base import WriteTokens
 from kvcanary_jax.plans import WritePlan
 
 __all__ = ["OP", "run", "canary_write"]
 
 OP = _registry.standard_op("write")
 
-_ARRAYS = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter",
-           "kernel_run_counter", "enable_chain_position_assert", "write_offsets",
-           "write_seed_slot_indices", "write_num_valid_reqs", "input_ids", "positions",
-           "out_cache_loc", "expected_input_tokens", "expected_input_positions")
-
-
 @functools.partial(
-    jax.jit,
-    static_argnames=("specs", "kernel_kind", "real_kv_hash_mode", "enable_write_input_assert",
-                     "implementation", "config"),
-)
-def _run(arrays, source_bufs, *, specs, kernel_kind, real_kv_hash_mode,
-         enable_write_input_assert, implementation, config):
-    check_extents(source_bufs, specs)
-    impl = functools.partial(OP.run, implementation, kernel_kind=kernel_kind,
-                             real_kv_hash_mode=real_kv_hash_mode,
-                             enable_write_input_assert=enable_write_input_assert, config=config)
-    return base.sized_call(impl, **dict(zip(_ARRAYS, arrays)),
-                           sources=tuple(zip(source_bufs, specs)))
+    jax.jit, static_argnames=("enable_write_input_assert", "implementation", "config"))
+def _run(context, plan, tokens, *, enable_write_input_assert, implementation, config):
+    check_extents(context.real_kv_sources)
+    out = base.sized_call(functools.partial(OP.run, implementation, config=config),
+                          context, plan, tokens,
+                          enable_write_input_assert=enable_write_input_assert)
+    # Only the updated fields leave the jit: one returned unchanged would be copied by XLA.
+    return {k: getattr(out, k) for k in base.OUTPUTS}
 
 
 @_config.entry_point
-def run(
-    *, canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
-    enable_chain_position_assert, write_offsets, write_seed_slot_indices, write_num_valid_reqs,
-    input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions,
-    sources: tuple[tuple[jax.Array, SourceSpec], ...], kernel_kind: int, real_kv_hash_mode: int,
-    enable_write_input_assert: bool, implementation: str | None = None, config=None,
-):
+def run(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
+        enable_write_input_assert: bool, implementation: str | None = None,
+        config=None) -> VerifyOrWriteContext:
     """Array-level write, without the contract's checks (the torch bridge checks the same
-    contract on its tensors). Each source is ``(buffer, SourceSpec)``, the buffer any compact
-    array holding the source's bytes (a buffer shorter than its rows span raises ValueError).
-    Returns ``(canary_buf, violation_ring, violation_write_index, slot_run_counter,
-    kernel_run_counter)``; donate those five for an in-place update.
+    contract on its tensors). A source's ``tensor`` may be any compact array holding its bytes,
+    addressed through its ``view`` and ``offset_bytes`` (a buffer shorter than its rows span
+    raises ValueError). Returns the context with :data:`~kvcanary_jax.ops.write.base.OUTPUTS`
+    updated; donate those for an in-place update.
     ``implementation`` / ``config``: as :func:`canary_write`."""
-    impl = OP.select(implementation, config=config, args=(canary_buf, input_ids))  # the target: see select
-    cfg = OP.config(impl, base.shapes(canary_buf, write_seed_slot_indices, input_ids), config)
-    arrays = (canary_buf, violation_ring, violation_write_index, slot_run_counter,
-              kernel_run_counter, enable_chain_position_assert, write_offsets,
-              write_seed_slot_indices, write_num_valid_reqs, input_ids, positions, out_cache_loc,
-              expected_input_tokens, expected_input_positions)
-    return _run(arrays, tuple(b for b, _ in sources), specs=tuple(s for _, s in sources),
-                kernel_kind=int(kernel_kind), real_kv_hash_mode=int(real_kv_hash_mode),
-                enable_write_input_assert=bool(enable_write_input_assert), implementation=impl,
-                config=cfg)
+    impl = OP.select(implementation, config=config,
+                     args=(context.canary_buf, tokens.input_ids))  # the target: see select
+    cfg = OP.config(impl, base.shapes(context, plan, tokens), config)
+    return context.replace(**_run(
+        context, plan, tokens, enable_write_input_assert=bool(enable_write_input_assert),
+        implementation=impl, config=cfg))
 
 
 @_config.entry_point
@@ -95,12 +78,9 @@ def canary_write(
     the assert is on; per-source ABI checks; canary slot stride below 4 int64 fields);
     RuntimeError for dtype / shape mismatches (SGLang's C++ guards).
     """
-    base.validate(context, plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
-                  expected_input_tokens, expected_input_positions)
-    canary, ring, widx, sctr, kctr = run(
-        **base.arguments(context, plan, input_ids, positions, out_cache_loc,
-                         expected_input_tokens, expected_input_positions),
-        enable_write_input_assert=enable_write_input_assert, implementation=implementation,
-        config=config)
-    return context.replace(canary_buf=canary, violation_ring=ring, violation_write_index=widx,
-                           slot_run_counter=sctr, kernel_run_counter=kctr)
+    tokens = WriteTokens(input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
+                         expected_input_tokens=expected_input_tokens,
+                         expected_input_positions=expected_input_positions)
+    base.validate(context, plan, tokens, enable_write_input_assert)
+    return run(context, plan, tokens, enable_write_input_assert=enable_write_input_assert,
+               implementation=implementation, config=config)

@@ -51,19 +51,20 @@ with the same bounds choices: the test oracle of every implementation.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from kvcanary_jax import _config, consts, hashing
+
 from kvcanary_jax.context import (
     SourceAbi,
     SourceCount,
-    SourceSpec,
     VerifyOrWriteContext,
     as_words,
-    source_spec,
+    nonempty_source,
 )
 from kvcanary_jax.contracts import Check, Contiguous, Contract, Rule, meta_of
 from kvcanary_jax.ops._contract_lib import (
@@ -72,10 +73,11 @@ from kvcanary_jax.ops._contract_lib import (
     source_metas,
     tensor_guard,
 )
-from kvcanary_jax.ops._kernel_lib import canary_from_words, canary_words, nonempty_sources
+from kvcanary_jax.ops._kernel_lib import canary_from_words, canary_words
 from kvcanary_jax.plans import WritePlan
 
-__all__ = ["CONTRACT", "validate", "shapes", "sized_call", "reference", "canary_write_reference"]
+__all__ = ["CONTRACT", "OUTPUTS", "WriteTokens", "validate", "shapes", "sized_call", "reference",
+           "canary_write_reference"]
 
 _W = "canary_write"
 
@@ -157,25 +159,32 @@ CONTRACT = Contract(
 )
 
 
-def validate(context, plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
-             expected_input_tokens, expected_input_positions) -> None:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WriteTokens:
+    """The batch's token arrays a write reads (SGLang's launcher arguments): int64 ``[n]``
+    ``input_ids``, ``positions``, ``out_cache_loc``, and the expected tokens and positions,
+    present exactly when ``enable_write_input_assert`` is on (else None)."""
+
+    input_ids: jax.Array
+    positions: jax.Array
+    out_cache_loc: jax.Array
+    expected_input_tokens: jax.Array | None = None
+    expected_input_positions: jax.Array | None = None
+
+
+# The context fields a launch updates (the others come back as they went in).
+OUTPUTS = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter",
+           "kernel_run_counter")
+
+
+def validate(context, plan, tokens: WriteTokens, enable_write_input_assert: bool) -> None:
     """:data:`CONTRACT` on the op's arguments (raises at trace time)."""
-    tensors = {
-        "canary_buf": context.canary_buf,
-        "plan.write_offsets": plan.write_offsets,
-        "plan.write_seed_slot_indices": plan.write_seed_slot_indices,
-        "plan.write_num_valid_reqs": plan.write_num_valid_reqs,
-        "input_ids": input_ids,
-        "positions": positions,
-        "out_cache_loc": out_cache_loc,
-        "expected_input_tokens": expected_input_tokens,
-        "expected_input_positions": expected_input_positions,
-        "violation_ring": context.violation_ring,
-        "violation_write_index": context.violation_write_index,
-        "slot_run_counter": context.slot_run_counter,
-        "kernel_run_counter": context.kernel_run_counter,
-        "enable_chain_position_assert": context.enable_chain_position_assert,
-    }
+    tensors = {k: v for k, v in context.arrays("write").items()
+               if not k.startswith("real_kv_sources")}
+    tensors.update({f"plan.{f.name}": getattr(plan, f.name)
+                    for f in dataclasses.fields(WritePlan)})
+    tensors.update({f.name: getattr(tokens, f.name) for f in dataclasses.fields(WriteTokens)})
     metas = {k: (None if v is None else meta_of(v)) for k, v in tensors.items()}
     metas.update(source_metas(context.real_kv_sources))
     CONTRACT.validate_metas(
@@ -184,32 +193,34 @@ def validate(context, plan, input_ids, positions, out_cache_loc, enable_write_in
     )
 
 
-def shapes(canary_buf, write_seed_slot_indices, input_ids) -> dict[str, int]:
+def shapes(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens
+           ) -> dict[str, int]:
     """The static sizes a launch configuration may depend on."""
-    return {"num_slots": int(canary_buf.shape[0]),
-            "write_capacity": int(write_seed_slot_indices.shape[0]),
-            "num_tokens": int(input_ids.shape[0])}
+    return {"num_slots": int(context.canary_buf.shape[0]),
+            "write_capacity": int(plan.write_seed_slot_indices.shape[0]),
+            "num_tokens": int(tokens.input_ids.shape[0])}
 
 
-def sized_call(fn, *, canary_buf, violation_ring, violation_write_index, slot_run_counter,
-               kernel_run_counter, write_seed_slot_indices, input_ids, sources, **rest):
-    """``fn(**arguments)`` (an implementation's ``run``, or the reference), with the zero sizes
-    of the module docstring handled before any implementation sees them: the implementations
-    never get an empty canary buffer, ring, request or token array, or source buffer."""
-    if 0 in (canary_buf.shape[0], write_seed_slot_indices.shape[0], input_ids.shape[0]):
-        return (canary_buf, violation_ring, violation_write_index, slot_run_counter,
-                kernel_run_counter + 1)
-    ring = violation_ring
-    if ring.shape[0] == 0:
+def sized_call(fn, context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens,
+               **statics) -> VerifyOrWriteContext:
+    """``fn(context, plan, tokens, **statics)`` (an implementation's ``run``, or the
+    reference), with the zero sizes of the module docstring handled before any implementation
+    sees them: the implementations never get an empty canary buffer, ring, request or token
+    array, or source buffer. Returns the updated context; what was swapped in for a zero size
+    is the caller's again."""
+    if 0 in (context.canary_buf.shape[0], plan.write_seed_slot_indices.shape[0],
+             tokens.input_ids.shape[0]):
+        return context.replace(kernel_run_counter=context.kernel_run_counter + 1)
+    swapped = {}
+    if context.violation_ring.shape[0] == 0:
         # Violations are counted, never stored: a scratch row takes what is written, the empty
         # ring is returned (the guard's index update does not depend on the capacity).
-        ring = jnp.zeros((1, consts.VIOLATION_FIELDS), violation_ring.dtype)
-    out = fn(canary_buf=canary_buf, violation_ring=ring,
-             violation_write_index=violation_write_index, slot_run_counter=slot_run_counter,
-             kernel_run_counter=kernel_run_counter,
-             write_seed_slot_indices=write_seed_slot_indices, input_ids=input_ids,
-             sources=nonempty_sources(sources), **rest)
-    return (out[0], violation_ring if ring is not violation_ring else out[1]) + tuple(out[2:])
+        swapped["violation_ring"] = jnp.zeros((1, consts.VIOLATION_FIELDS),
+                                              context.violation_ring.dtype)
+    out = fn(context.replace(**swapped, real_kv_sources=tuple(
+        nonempty_source(s) for s in context.real_kv_sources)), plan, tokens, **statics)
+    return out.replace(**{k: getattr(context, k) for k in swapped},
+                       real_kv_sources=context.real_kv_sources)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,53 +294,29 @@ def _reference(canary_buf, ring, widx, sctr, kctr, cpa, offsets, seeds, nvalid, 
             jnp.where(w0 < 0, widx, new), sctr + written, kctr + 1)
 
 
-def reference(
-    *, canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
-    enable_chain_position_assert, write_offsets, write_seed_slot_indices, write_num_valid_reqs,
-    input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions,
-    sources: tuple[tuple[jax.Array, SourceSpec], ...], kernel_kind: int, real_kv_hash_mode: int,
-    enable_write_input_assert: bool,
-):
-    """The array-level reference: the arguments and results of an implementation's ``run``
-    (``(canary_buf, violation_ring, violation_write_index, slot_run_counter,
-    kernel_run_counter)``), no validation."""
+def reference(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
+              enable_write_input_assert: bool) -> VerifyOrWriteContext:
+    """The array-level reference: the arguments and result of an implementation's ``run``, no
+    validation."""
 
-    def run(*, canary_buf, violation_ring, violation_write_index, slot_run_counter,
-            kernel_run_counter, write_seed_slot_indices, input_ids, sources):
-        ids = input_ids
-        return _reference(
-            canary_buf, violation_ring, violation_write_index, slot_run_counter,
-            kernel_run_counter, enable_chain_position_assert, write_offsets,
-            write_seed_slot_indices, write_num_valid_reqs, ids, positions, out_cache_loc,
-            ids if expected_input_tokens is None else expected_input_tokens,
-            ids if expected_input_positions is None else expected_input_positions,
+    def run(context, plan, tokens):
+        sources = context.bound_sources()
+        ids = tokens.input_ids
+        etok, epos = tokens.expected_input_tokens, tokens.expected_input_positions
+        canary, ring, widx, sctr, kctr = _reference(
+            context.canary_buf, context.violation_ring, context.violation_write_index,
+            context.slot_run_counter, context.kernel_run_counter,
+            context.enable_chain_position_assert, plan.write_offsets,
+            plan.write_seed_slot_indices, plan.write_num_valid_reqs, ids, tokens.positions,
+            tokens.out_cache_loc, ids if etok is None else etok, ids if epos is None else epos,
             tuple(b for b, _ in sources), specs=tuple(s for _, s in sources),
-            mode=int(real_kv_hash_mode), kind=int(kernel_kind),
+            mode=int(context.real_kv_hash_mode), kind=int(context.kernel_kind),
             check_input=bool(enable_write_input_assert),
         )
+        return context.replace(canary_buf=canary, violation_ring=ring, violation_write_index=widx,
+                               slot_run_counter=sctr, kernel_run_counter=kctr)
 
-    return sized_call(
-        run, canary_buf=canary_buf, violation_ring=violation_ring,
-        violation_write_index=violation_write_index, slot_run_counter=slot_run_counter,
-        kernel_run_counter=kernel_run_counter, write_seed_slot_indices=write_seed_slot_indices,
-        input_ids=input_ids, sources=sources)
-
-
-def arguments(context: VerifyOrWriteContext, plan: WritePlan, input_ids, positions,
-              out_cache_loc, expected_input_tokens, expected_input_positions) -> dict:
-    """The array-level arguments of a launch (those of :func:`reference` and of each
-    implementation's ``run``) from its context, plan and token arrays."""
-    return dict(
-        canary_buf=context.canary_buf, violation_ring=context.violation_ring,
-        violation_write_index=context.violation_write_index,
-        slot_run_counter=context.slot_run_counter, kernel_run_counter=context.kernel_run_counter,
-        enable_chain_position_assert=context.enable_chain_position_assert,
-        write_offsets=plan.write_offsets, write_seed_slot_indices=plan.write_seed_slot_indices,
-        write_num_valid_reqs=plan.write_num_valid_reqs, input_ids=input_ids, positions=positions,
-        out_cache_loc=out_cache_loc, expected_input_tokens=expected_input_tokens,
-        expected_input_positions=expected_input_positions,
-        sources=tuple((s.tensor, source_spec(s)) for s in context.real_kv_sources),
-        kernel_kind=int(context.kernel_kind), real_kv_hash_mode=int(context.real_kv_hash_mode))
+    return sized_call(run, context, plan, tokens)
 
 
 @_config.with_x64
@@ -339,13 +326,9 @@ def canary_write_reference(*, context: VerifyOrWriteContext, plan: WritePlan, in
                            ) -> VerifyOrWriteContext:
     """Pure-jnp reference of :func:`kvcanary_jax.canary_write` (fully sequential; same
     validation)."""
-    validate(context, plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
-             expected_input_tokens, expected_input_positions)
-    opt = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
-    canary, ring, widx, sctr, kctr = reference(
-        **arguments(context, plan, jnp.asarray(input_ids), jnp.asarray(positions),
-                    jnp.asarray(out_cache_loc), opt(expected_input_tokens),
-                    opt(expected_input_positions)),
-        enable_write_input_assert=bool(enable_write_input_assert))
-    return context.replace(canary_buf=canary, violation_ring=ring, violation_write_index=widx,
-                           slot_run_counter=sctr, kernel_run_counter=kctr)
+    tokens = WriteTokens(input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
+                         expected_input_tokens=expected_input_tokens,
+                         expected_input_positions=expected_input_positions)
+    validate(context, plan, tokens, enable_write_input_assert)
+    return reference(context, plan, jax.tree.map(jnp.asarray, tokens),
+                     enable_write_input_assert=bool(enable_write_input_assert))

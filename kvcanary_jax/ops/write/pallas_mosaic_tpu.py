@@ -43,9 +43,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kvcanary_jax import consts
 from kvcanary_jax import hashing_u32 as H
-from kvcanary_jax.context import SourceSpec
+from kvcanary_jax.context import VerifyOrWriteContext
 from kvcanary_jax.ops import _tpu_fingerprint as fp
 from kvcanary_jax.ops import _tpu_lib as T
+from kvcanary_jax.ops.write.base import WriteTokens
+from kvcanary_jax.plans import WritePlan
 
 __all__ = ["Config", "heuristics", "run", "CHUNK", "WRITES_IN_FLIGHT", "SMEM_BUDGET"]
 
@@ -411,21 +413,16 @@ def smem_bytes(capacity: int, check_input: bool) -> int:
             + 4 * T.LANES * (WRITES_IN_FLIGHT + 1) + 64)
 
 
-def run(
-    *, canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
-    enable_chain_position_assert, write_offsets, write_seed_slot_indices, write_num_valid_reqs,
-    input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions,
-    sources: tuple[tuple[jax.Array, SourceSpec], ...], kernel_kind: int, real_kv_hash_mode: int,
-    enable_write_input_assert: bool, config: Config,
-):
-    """``(canary_buf, violation_ring, violation_write_index, slot_run_counter,
-    kernel_run_counter)``; the canary buffer and the ring are aliased to their inputs."""
-    mode, kind = int(real_kv_hash_mode), int(kernel_kind)
+def run(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
+        enable_write_input_assert: bool, config: Config) -> VerifyOrWriteContext:
+    """The updated context; the canary buffer and the ring are aliased to their inputs."""
+    mode, kind = int(context.real_kv_hash_mode), int(context.kernel_kind)
+    sources = context.bound_sources()
     check_input = bool(enable_write_input_assert)
-    cap = int(write_seed_slot_indices.shape[0])
-    num_tokens = int(input_ids.shape[0])
-    num_slots = int(canary_buf.shape[0])
-    ring_cap = int(violation_ring.shape[0])
+    cap = int(plan.write_seed_slot_indices.shape[0])
+    num_tokens = int(tokens.input_ids.shape[0])
+    num_slots = int(context.canary_buf.shape[0])
+    ring_cap = int(context.violation_ring.shape[0])
     need = smem_bytes(cap, check_input)
     if need > SMEM_BUDGET:
         raise ValueError(
@@ -437,7 +434,7 @@ def run(
     t_pad = T.pad_to(t_pad, config.block)
     zeros = jnp.zeros((1,), jnp.int64)
     rows = lambda x: T.to_pair_rows(x if x.shape[0] else zeros, t_pad)  # noqa: E731
-    ocl = rows(out_cache_loc)
+    ocl = rows(tokens.out_cache_loc)
     has_rkv = bool(sources) and mode != int(consts.RealKvHashMode.NONE)
     if has_rkv:
         rkv = fp.fingerprints_from_pair_rows(
@@ -445,19 +442,18 @@ def run(
             interpret=config.interpret or False)
     else:
         rkv = jnp.zeros_like(ocl)
-    fields = [ocl, rows(input_ids), rows(positions), rkv]
+    fields = [ocl, rows(tokens.input_ids), rows(tokens.positions), rkv]
     if check_input:
-        fields += [rows(expected_input_tokens), rows(expected_input_positions)]
+        fields += [rows(tokens.expected_input_tokens), rows(tokens.expected_input_positions)]
     toks = jnp.stack(fields)
-    off = T.to_pair_rows(write_offsets, cap_pad)
-    seeds = T.to_pair_rows(write_seed_slot_indices if cap else zeros, cap_pad)
-    canary = T.words32(canary_buf) if num_slots else jnp.zeros((1, 8), jnp.int32)
-    ring = T.words32(violation_ring) if ring_cap else jnp.zeros((1, 16), jnp.int32)
-    st = jnp.concatenate([
-        write_num_valid_reqs.astype(jnp.int32).reshape(1),
-        enable_chain_position_assert.astype(jnp.int32).reshape(1),
-        violation_write_index.astype(jnp.int32).reshape(1), T.i64_words(slot_run_counter),
-        T.i64_words(kernel_run_counter), jnp.zeros((1,), jnp.int32)])
+    off = T.to_pair_rows(plan.write_offsets, cap_pad)
+    seeds = T.to_pair_rows(plan.write_seed_slot_indices if cap else zeros, cap_pad)
+    canary = T.words32(context.canary_buf) if num_slots else jnp.zeros((1, 8), jnp.int32)
+    ring = T.words32(context.violation_ring) if ring_cap else jnp.zeros((1, 16), jnp.int32)
+    st = jnp.concatenate([  # the status words _NVALID, _CPA, then _WIDX.._KCTR
+        plan.write_num_valid_reqs.astype(jnp.int32).reshape(1),
+        context.enable_chain_position_assert.astype(jnp.int32).reshape(1),
+        T.counter_words(context), jnp.zeros((1,), jnp.int32)])
     rc = cap_pad // T.LANES
     kernel = functools.partial(
         _write_kernel, cap=cap, num_tokens=num_tokens, num_slots=num_slots,
@@ -483,9 +479,7 @@ def run(
         interpret=config.interpret or False,
         name="kvcanary_write_tpu",
     )
-    new_canary = T.from_words32(canary32, canary_buf) if num_slots else canary_buf
-    new_ring = T.from_words32(ring32, violation_ring) if ring_cap else violation_ring
-    widx = st_out[_WIDX:_WIDX + 1].astype(violation_write_index.dtype)
-    sctr = lax.bitcast_convert_type(st_out[_SCTR:_SCTR + 2], jnp.int64).reshape(1)
-    kctr = lax.bitcast_convert_type(st_out[_KCTR:_KCTR + 2], jnp.int64).reshape(1)
-    return new_canary, new_ring, widx, sctr, kctr
+    canary_in = context.canary_buf
+    return T.counters_from_words(
+        context, st_out[_WIDX:], ring32,
+        canary_buf=T.from_words32(canary32, canary_in) if num_slots else canary_in)

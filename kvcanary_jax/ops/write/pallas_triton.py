@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kvcanary_jax import consts, hashing
-from kvcanary_jax.context import SourceSpec, as_words
+from kvcanary_jax.context import VerifyOrWriteContext, as_words
 from kvcanary_jax.ops import _kernel_lib
 from kvcanary_jax.ops._kernel_lib import (
     append_rows,
@@ -39,6 +39,8 @@ from kvcanary_jax.ops._kernel_lib import (
     claim_rows,
     scatter,
 )
+from kvcanary_jax.ops.write.base import WriteTokens
+from kvcanary_jax.plans import WritePlan
 
 __all__ = ["Config", "heuristics", "run", "BLOCK", "CHAIN_UNROLL", "NUM_WARPS"]
 
@@ -232,43 +234,39 @@ def _write_kernel(
         plt.atomic_add(sctr, (jnp.int32(0),), written)
 
 
-def run(
-    *, canary_buf, violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
-    enable_chain_position_assert, write_offsets, write_seed_slot_indices, write_num_valid_reqs,
-    input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions,
-    sources: tuple[tuple[jax.Array, SourceSpec], ...], kernel_kind: int, real_kv_hash_mode: int,
-    enable_write_input_assert: bool, config: Config, interpret: bool = False,
-):
-    """``(canary_buf, violation_ring, violation_write_index, slot_run_counter,
-    kernel_run_counter)``, each aliased to its input. ``interpret``: Pallas interpret mode
-    (``pallas_interpret``)."""
-    source_bufs = tuple(b for b, _ in sources)
+def run(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
+        enable_write_input_assert: bool, config: Config,
+        interpret: bool = False) -> VerifyOrWriteContext:
+    """The updated context, its canary, ring and counters aliased to their inputs.
+    ``interpret``: Pallas interpret mode (``pallas_interpret``)."""
+    sources = context.bound_sources()
     specs = tuple(s for _, s in sources)
-    mode, kind = int(real_kv_hash_mode), int(kernel_kind)
+    mode, kind = int(context.real_kv_hash_mode), int(context.kernel_kind)
     check_input = bool(enable_write_input_assert)
-    num_slots, stride_bytes = canary_buf.shape
-    ring_cap = violation_ring.shape[0]
-    num_tokens = input_ids.shape[0]
-    capacity = write_seed_slot_indices.shape[0]
+    num_slots, stride_bytes = context.canary_buf.shape
+    ring_cap = context.violation_ring.shape[0]
+    num_tokens = tokens.input_ids.shape[0]
+    capacity = plan.write_seed_slot_indices.shape[0]
     # No empty canary buffer, ring, request or token array gets here
-    # (kvcanary_jax.ops.write.base.sized_call).
-    if not check_input:
-        expected_input_tokens, expected_input_positions = input_ids, positions
-    words = [as_words(b) for b in source_bufs]
-    canary = canary_words(canary_buf)
-    ring = violation_ring.reshape(-1)
+    # (kvcanary_jax.ops.write.base.sized_call). Without the assert the kernel reads its
+    # expected operands nowhere: the token arrays stand in for them.
+    expected = ((tokens.expected_input_tokens, tokens.expected_input_positions) if check_input
+                else (tokens.input_ids, tokens.positions))
+    words = [as_words(b) for b, _ in sources]
+    canary = canary_words(context.canary_buf)
+    ring = context.violation_ring.reshape(-1)
     kernel = functools.partial(
         _write_kernel, specs=specs, mode=mode, kind=kind, check_input=check_input,
         num_tokens=num_tokens, num_slots=num_slots, slot_words=stride_bytes // 8,
         ring_cap=ring_cap, block=config.block, unroll=config.unroll,
     )
-    ins = [write_offsets, write_seed_slot_indices, write_num_valid_reqs, input_ids, positions,
-           out_cache_loc, expected_input_tokens, expected_input_positions,
-           enable_chain_position_assert, *words]
+    ins = [plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs,
+           tokens.input_ids, tokens.positions, tokens.out_cache_loc, *expected,
+           context.enable_chain_position_assert, *words]
     # The write index is passed as a scalar: the compare-and-swap of the ring guard needs a
     # scalar ref.
-    outs = [canary, ring, violation_write_index.reshape(()), slot_run_counter,
-            kernel_run_counter]
+    outs = [canary, ring, context.violation_write_index.reshape(()), context.slot_run_counter,
+            context.kernel_run_counter]
     k = len(ins)
     canary, ring, widx, sctr, kctr = pl.pallas_call(
         kernel,
@@ -279,5 +277,7 @@ def run(
         compiler_params=None if interpret else _kernel_lib.compiler_params(config.num_warps),
         name="kvcanary_write",
     )(*ins, *outs)
-    return canary_from_words(canary, canary_buf.shape), ring.reshape(violation_ring.shape), \
-        widx.reshape(1), sctr, kctr
+    return context.replace(canary_buf=canary_from_words(canary, context.canary_buf.shape),
+                           violation_ring=ring.reshape(context.violation_ring.shape),
+                           violation_write_index=widx.reshape(1), slot_run_counter=sctr,
+                           kernel_run_counter=kctr)

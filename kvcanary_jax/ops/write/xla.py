@@ -41,8 +41,10 @@ import jax
 import jax.numpy as jnp
 
 from kvcanary_jax import consts, hashing
-from kvcanary_jax.context import SourceSpec
+from kvcanary_jax.context import VerifyOrWriteContext
 from kvcanary_jax.ops import _xla_lib
+from kvcanary_jax.ops.write.base import WriteTokens
+from kvcanary_jax.plans import WritePlan
 
 __all__ = ["Config", "heuristics", "run"]
 
@@ -80,31 +82,30 @@ def _first(mask, default):
     return jnp.min(jnp.where(mask, i, default))
 
 
-def run(*, canary_buf, violation_ring, violation_write_index, slot_run_counter,
-        kernel_run_counter, enable_chain_position_assert, write_offsets, write_seed_slot_indices,
-        write_num_valid_reqs, input_ids, positions, out_cache_loc, expected_input_tokens,
-        expected_input_positions, sources: tuple[tuple[jax.Array, SourceSpec], ...],
-        kernel_kind: int, real_kv_hash_mode: int, enable_write_input_assert: bool,
-        config: Config):
-    """``(canary_buf, violation_ring, violation_write_index, slot_run_counter,
-    kernel_run_counter)`` (no validation)."""
-    ring, widx, sctr, kctr = (violation_ring, violation_write_index, slot_run_counter,
-                              kernel_run_counter)
-    cpa, offsets, seeds, nvalid = (enable_chain_position_assert, write_offsets,
-                                   write_seed_slot_indices, write_num_valid_reqs)
-    ids, pos, ocl = input_ids, positions, out_cache_loc
+def run(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
+        enable_write_input_assert: bool, config: Config) -> VerifyOrWriteContext:
+    """The updated context (no validation)."""
+    # The chains below index these many times: short names, as in the docstring.
+    canary_buf, ring = context.canary_buf, context.violation_ring
+    widx = context.violation_write_index
+    cpa = context.enable_chain_position_assert
+    offsets, seeds, nvalid = (plan.write_offsets, plan.write_seed_slot_indices,
+                              plan.write_num_valid_reqs)
+    ids, pos, ocl = tokens.input_ids, tokens.positions, tokens.out_cache_loc
     check_input = bool(enable_write_input_assert)
-    etok, epos = (expected_input_tokens, expected_input_positions) if check_input else (None, None)
+    etok, epos = ((tokens.expected_input_tokens, tokens.expected_input_positions) if check_input
+                  else (None, None))
+    sources = context.bound_sources()
     source_bufs, specs = tuple(b for b, _ in sources), tuple(s for _, s in sources)
-    mode, kind = int(real_kv_hash_mode), int(kernel_kind)
+    mode, kind = int(context.real_kv_hash_mode), int(context.kernel_kind)
     lanes, unroll, branch = config.lanes, config.unroll, config.branch
     i64 = jnp.int64
     num_slots = canary_buf.shape[0]
     n = ids.shape[0]
     cap = seeds.shape[0]
-    kctr = kctr + 1
+    kctr = context.kernel_run_counter + 1
     if n == 0 or cap == 0 or num_slots == 0:
-        return canary_buf, ring, widx, sctr, kctr
+        return context.replace(kernel_run_counter=kctr)
     if (num_slots + 1) * (n + 1) >= 2**62:
         raise ValueError(f"kv-canary: canary_write (xla): {num_slots} slots x {n} tokens is "
                          "too large for its int64 sort keys")
@@ -232,4 +233,7 @@ def run(*, canary_buf, violation_ring, violation_write_index, slot_run_counter,
 
     init = (_first(busy, cap), canary_buf, ring, jnp.zeros((), i64), jnp.zeros((), i64))
     _, canary_buf, ring, done, written = jax.lax.while_loop(lambda c: c[0] < cap, window, init)
-    return canary_buf, ring, _xla_lib.ring_index(widx, done), sctr + written, kctr
+    return context.replace(canary_buf=canary_buf, violation_ring=ring,
+                           violation_write_index=_xla_lib.ring_index(widx, done),
+                           slot_run_counter=context.slot_run_counter + written,
+                           kernel_run_counter=kctr)
