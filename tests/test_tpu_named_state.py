@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from kvcanary_jax.ops import _tpu_fingerprint as fingerprint
-from kvcanary_jax.ops import _tpu_lib as T
+from kvcanary_jax.ops import _tpu_lib as tpu
 from kvcanary_jax.ops.plan import pallas_mosaic_tpu_kernel as plan
 from kvcanary_jax.ops.scatter import pallas_mosaic_tpu as scatter
 from kvcanary_jax.ops.verify import pallas_mosaic_tpu as verify
@@ -72,7 +72,7 @@ def test_verify_state():
     # the Ring owns two words (W0, COUNT); word 4 is unused
     _assert_tiles(verify._Misc, dict(RUNS=2, RING=2, PREVS=2), verify._MISC_WORDS - 1,
                   gaps=[(4, 5)])
-    assert (T.Ring.W0, T.Ring.COUNT) == (0, 1)
+    assert (tpu.Ring.W0, tpu.Ring.COUNT) == (0, 1)
     assert len(verify._scratch_shapes(1024)) == len(verify._Scratch._fields)
 
 

@@ -24,8 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kvcanary_jax import hashing_u32 as H
-from kvcanary_jax.ops import _tpu_lib as T
+from kvcanary_jax import hashing_u32
+from kvcanary_jax.ops import _tpu_lib as tpu
 
 __all__ = ["fingerprints", "fingerprints_from_pair_rows"]
 
@@ -70,14 +70,14 @@ class _Scratch(NamedTuple):
 
 def _scratch_shapes(block: int, widths) -> list:
     """``_Scratch``'s shapes (``widths``: each source's strip words)."""
-    r = block // T.LANES
+    r = block // tpu.LANES
     nsrc = len(widths)
     return [
-        pltpu.SMEM((2, 2 * r, T.LANES), jnp.int32),
-        pltpu.VMEM((2, 2 * r, T.LANES), jnp.int32),
-        *(pltpu.VMEM((2, r, T.LANES, w), jnp.int32) for w in widths),
-        *(pltpu.VMEM((w, r, T.LANES), jnp.int32) for w in widths),
-        pltpu.VMEM((2, 2 * r, T.LANES), jnp.int32),
+        pltpu.SMEM((2, 2 * r, tpu.LANES), jnp.int32),
+        pltpu.VMEM((2, 2 * r, tpu.LANES), jnp.int32),
+        *(pltpu.VMEM((2, r, tpu.LANES, w), jnp.int32) for w in widths),
+        *(pltpu.VMEM((w, r, tpu.LANES), jnp.int32) for w in widths),
+        pltpu.VMEM((2, 2 * r, tpu.LANES), jnp.int32),
         pltpu.SMEM((_Misc.RUNS + 2 * nsrc,), jnp.int32),
         pltpu.SMEM((max(nsrc, 1), 2, block), jnp.int32),
         pltpu.SemaphoreType.DMA((_Sem.STRIPS + 2 * nsrc,)),
@@ -100,12 +100,12 @@ def _fold_kernel(
     out_v, misc, lens = scr.out_v, scr.misc, scr.lens
 
     def sem(k: _Sem, s=0):
-        return T.sem_at(scr.sems, k, s)
+        return tpu.sem_at(scr.sems, k, s)
 
-    r = block // T.LANES
+    r = block // tpu.LANES
     pr = 2 * r
     n_live = n_ref[0]
-    nblocks = T.idiv(n_live + block - 1, block)
+    nblocks = tpu.idiv(n_live + block - 1, block)
     misc[_Misc.OUT_BUSY] = jnp.int32(0)
 
     def fetch(b, slot):
@@ -119,7 +119,7 @@ def _fold_kernel(
         """Strips [row, row + m) of source i into entries [e, e + m) (one 128-entry slab)."""
         return pltpu.make_async_copy(
             srcs[i].at[pl.ds(row, m)],
-            bufs[i].at[slot, T.idiv(e, T.LANES), pl.ds(T.irem(e, T.LANES), m)],
+            bufs[i].at[slot, tpu.idiv(e, tpu.LANES), pl.ds(tpu.irem(e, tpu.LANES), m)],
             sem(_Sem.STRIPS + 2 * i, slot))
 
     def issue(b, slot):
@@ -137,15 +137,15 @@ def _fold_kernel(
             return runs + (length > 0).astype(jnp.int32)
 
         def one(e, carry):
-            row_, col = T.idiv(e, 64), 2 * T.irem(e, 64)
-            s_lo, s_hi = T.u32(slots_s[slot, row_, col]), T.u32(slots_s[slot, row_, col + 1])
+            row_, col = tpu.idiv(e, 64), 2 * tpu.irem(e, 64)
+            s_lo, s_hi = tpu.u32(slots_s[slot, row_, col]), tpu.u32(slots_s[slot, row_, col + 1])
             out = []
             for i in range(nsrc):
                 start, first, length, runs = carry[i]
-                ok = T.pair_in_range((s_hi, s_lo), strips[i])
-                row = T.i32(s_lo)
+                ok = tpu.pair_in_range((s_hi, s_lo), strips[i])
+                row = tpu.i32(s_lo)
                 extend = ok & (length > 0) & (row == start + length) & \
-                    (T.irem(e, T.LANES) != 0)
+                    (tpu.irem(e, tpu.LANES) != 0)
                 runs = flush(i, start, first, jnp.where(extend, 0, length), runs)
                 out.append((jnp.where(extend, start, jnp.where(ok, row, zero)),
                             jnp.where(extend, first, e),
@@ -165,28 +165,29 @@ def _fold_kernel(
             lax.fori_loop(0, misc[_Misc.RUNS + 2 * i + slot], one, 0)
 
     def body(b, slot):
-        s = T.planes(slots_v.at[slot])
-        idx = T.entry_index(r, b * block)
+        s = tpu.planes(slots_v.at[slot])
+        idx = tpu.entry_index(r, b * block)
         live = idx < n_live
-        zero = jnp.zeros((r, T.LANES), jnp.uint32)
+        zero = jnp.zeros((r, tpu.LANES), jnp.uint32)
         acc = (zero, zero)
         for i in range(nsrc):
-            ok = live & T.pair_in_range(s, strips[i])
+            ok = live & tpu.pair_in_range(s, strips[i])
             t = jnp.transpose(bufs[i][slot], (0, 2, 1))
             words[i][...] = jnp.transpose(t, (1, 0, 2))  # [E/4, R, 128]
 
             def word(w, i=i, ok=ok):
-                return (jnp.where(ok, T.u32(words[i][2 * w + 1]), zero),
-                        jnp.where(ok, T.u32(words[i][2 * w]), zero))
+                return (jnp.where(ok, tpu.u32(words[i][2 * w + 1]), zero),
+                        jnp.where(ok, tpu.u32(words[i][2 * w]), zero))
 
             nw = widths[i] // 2
             h = (zero, zero)
             if nw <= _UNROLL_WORDS:
                 for w in range(nw):
-                    h = H.splitmix64(H.xor(h, word(w)))
+                    h = hashing_u32.splitmix64(hashing_u32.xor(h, word(w)))
             else:
-                h = lax.fori_loop(0, nw, lambda w, h: H.splitmix64(H.xor(h, word(w))), h)
-            acc = H.splitmix64(H.xor(acc, h))
+                h = lax.fori_loop(
+                    0, nw, lambda w, h: hashing_u32.splitmix64(hashing_u32.xor(h, word(w))), h)
+            acc = hashing_u32.splitmix64(hashing_u32.xor(acc, h))
         pending = misc[_Misc.OUT_BUSY]
         out_copy = pltpu.make_async_copy(
             out_v.at[slot], out_hbm.at[pl.ds(pl.multiple_of(b * pr, 8), pr)],
@@ -196,12 +197,12 @@ def _fold_kernel(
         def _():
             out_copy.wait()  # the copy of block b - 2 out of this buffer
 
-        T.store_planes(out_v.at[slot], jnp.where(live, acc[0], zero),
-                       jnp.where(live, acc[1], zero))
+        tpu.store_planes(out_v.at[slot], jnp.where(live, acc[0], zero),
+                         jnp.where(live, acc[1], zero))
         out_copy.start()
         misc[_Misc.OUT_BUSY] = pending | (1 << slot)
 
-    T.pipeline(nblocks, fetch=fetch, issue=issue, wait=wait, body=body)
+    tpu.pipeline(nblocks, fetch=fetch, issue=issue, wait=wait, body=body)
     for slot in (0, 1):
         @pl.when((misc[_Misc.OUT_BUSY] >> slot) & 1 == 1)
         def _(slot=slot):
@@ -217,7 +218,7 @@ def fingerprints_from_pair_rows(slot_rows, n_live, sources, *, mode: int, block:
     entries at or past ``n_live`` are 0 within the blocks that hold live entries (the others are
     not written)."""
     n_pad = slot_rows.shape[0] * 64
-    strips = [T.source_strips(b, spec, mode) for b, spec in sources]
+    strips = [tpu.source_strips(b, spec, mode) for b, spec in sources]
     counts = tuple(int(s.shape[0]) for s in strips)
     widths = tuple(int(s.shape[1]) for s in strips)
     strips = [s if s.shape[0] else jnp.zeros((1, s.shape[1]), jnp.int32) for s in strips]
@@ -226,7 +227,7 @@ def fingerprints_from_pair_rows(slot_rows, n_live, sources, *, mode: int, block:
                                block=block)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     per_entry = 16 + 8 + sum(4 * w for w in widths)
-    out = T.call(
+    out = tpu.call(
         kernel, n_live.astype(jnp.int32).reshape(1), slot_rows, *strips,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(1,),
@@ -234,9 +235,9 @@ def fingerprints_from_pair_rows(slot_rows, n_live, sources, *, mode: int, block:
             out_specs=any_spec,
             scratch_shapes=_scratch_shapes(block, widths)),
         out_shape=jax.ShapeDtypeStruct(slot_rows.shape, jnp.int32),
-        compiler_params=T.compiler_params(),
-        cost_estimate=T.cost(bytes_accessed=n_pad * per_entry,
-                             ops=n_pad * 60 * (1 + sum(w // 2 + 1 for w in widths))),
+        compiler_params=tpu.compiler_params(),
+        cost_estimate=tpu.cost(bytes_accessed=n_pad * per_entry,
+                               ops=n_pad * 60 * (1 + sum(w // 2 + 1 for w in widths))),
         interpret=interpret,
         name="kvcanary_fingerprints_tpu",
     )
@@ -245,6 +246,6 @@ def fingerprints_from_pair_rows(slot_rows, n_live, sources, *, mode: int, block:
 
 def fingerprints(slots, n_live, sources, *, mode: int, block: int, interpret=False):
     """:func:`fingerprints_from_pair_rows` of an int64 slot vector."""
-    n_pad = T.pad_to(int(slots.shape[0]), block)
-    return fingerprints_from_pair_rows(T.to_pair_rows(slots, n_pad), n_live, sources, mode=mode,
+    n_pad = tpu.pad_to(int(slots.shape[0]), block)
+    return fingerprints_from_pair_rows(tpu.to_pair_rows(slots, n_pad), n_live, sources, mode=mode,
                                        block=block, interpret=interpret)

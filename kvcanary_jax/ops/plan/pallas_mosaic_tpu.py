@@ -14,7 +14,7 @@ import dataclasses
 import functools
 from typing import ClassVar
 
-from kvcanary_jax.ops import _tpu_lib as T
+from kvcanary_jax.ops import _tpu_lib as tpu
 from kvcanary_jax.ops.plan import base
 from kvcanary_jax.ops.plan.pallas_mosaic_tpu_kernel import (BLOCK, SEED_BATCH, SMEM_BUDGET,
                                                             plan_entries, plan_offsets)
@@ -25,7 +25,7 @@ __all__ = ["Config", "heuristics", "run", "plan_offsets", "plan_entries", "SEED_
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(T.BlockConfig):
+class Config(tpu.BlockConfig):
     """``block``: plan entries per output block (a multiple of 512); the rest:
     :class:`kvcanary_jax.ops._tpu_lib.Config`."""
 
@@ -35,7 +35,7 @@ class Config(T.BlockConfig):
 
 def heuristics(shapes) -> Config:
     cap = int(shapes.get("verify_capacity", BLOCK))
-    return Config(block=min(BLOCK, T.pad_to(max(cap, 1), T.PAIR_TILE)))
+    return Config(block=min(BLOCK, tpu.pad_to(max(cap, 1), tpu.PAIR_TILE)))
 
 
 # The kernels compile per batch size: no ``num_reqs`` operand (api.run refuses one).

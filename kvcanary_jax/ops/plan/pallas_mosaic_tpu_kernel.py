@@ -38,8 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kvcanary_jax import hashing_u32 as H
-from kvcanary_jax.ops import _tpu_lib as T
+from kvcanary_jax import hashing_u32
+from kvcanary_jax.ops import _tpu_lib as tpu
 
 __all__ = ["plan_offsets", "plan_entries", "offsets_smem_bytes", "SEED_BATCH", "BLOCK",
            "SMEM_BUDGET"]
@@ -53,35 +53,35 @@ SMEM_BUDGET = 768 * 1024
 
 
 def _pair(ref, e):
-    row, col = T.idiv(e, 64), 2 * T.irem(e, 64)
-    return T.u32(ref[row, col + 1]), T.u32(ref[row, col])
+    row, col = tpu.idiv(e, 64), 2 * tpu.irem(e, 64)
+    return tpu.u32(ref[row, col + 1]), tpu.u32(ref[row, col])
 
 
 def _set_pair(ref, e, p):
-    row, col = T.idiv(e, 64), 2 * T.irem(e, 64)
-    ref[row, col] = T.i32(p[1])
-    ref[row, col + 1] = T.i32(p[0])
+    row, col = tpu.idiv(e, 64), 2 * tpu.irem(e, 64)
+    ref[row, col] = tpu.i32(p[1])
+    ref[row, col + 1] = tpu.i32(p[0])
 
 
 def _window_start(prefix, window: int):
     """``max(P - W, 0)`` if ``W > 0`` else 0, on pairs (wrapping like int64)."""
     if window <= 0:
         return (jnp.zeros_like(prefix[0]), jnp.zeros_like(prefix[1]))
-    d = H.sub(prefix, H.const(window))
-    neg = H.is_neg(d)
+    d = hashing_u32.sub(prefix, hashing_u32.const(window))
+    neg = hashing_u32.is_neg(d)
     return (jnp.where(neg, jnp.uint32(0), d[0]), jnp.where(neg, jnp.uint32(0), d[1]))
 
 
 def _relu(p):
-    neg = H.is_neg(p)
+    neg = hashing_u32.is_neg(p)
     return (jnp.where(neg, jnp.uint32(0), p[0]), jnp.where(neg, jnp.uint32(0), p[1]))
 
 
 def _flat(rp, col, pitch: int, n_cells: int):
     """SGLang's flat address ``rp * pitch + col`` (pairs) -> (in table, int32 address)."""
-    f = H.add(H.mul_const(rp, pitch), col)
-    ok = T.pair_in_range(f, n_cells)
-    return ok, T.i32(f[1])
+    f = hashing_u32.add(hashing_u32.mul_const(rp, pitch), col)
+    ok = tpu.pair_in_range(f, n_cells)
+    return ok, tpu.i32(f[1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,10 +119,10 @@ def _offsets_scratch_shapes(wo_shape, seed_shape, bp: int, pitch: int) -> list:
         pltpu.SMEM(wo_shape, jnp.int32),
         pltpu.SMEM(seed_shape, jnp.int32),
         pltpu.SMEM((bp,), jnp.int32),
-        pltpu.SMEM((SEED_BATCH, T.LANES), jnp.int32),
+        pltpu.SMEM((SEED_BATCH, tpu.LANES), jnp.int32),
         pltpu.SMEM((SEED_BATCH, 2), jnp.int32),
         pltpu.SemaphoreType.DMA((len(_OffsetsSem),)),
-        pltpu.SMEM((SEED_BATCH, max(pitch % T.LANES, 1)), jnp.int32),
+        pltpu.SMEM((SEED_BATCH, max(pitch % tpu.LANES, 1)), jnp.int32),
     ]
 
 
@@ -149,26 +149,26 @@ def _offsets_kernel(
         return s_.sems.at[k]
 
     n_cells = rows * pitch
-    tail_w = pitch % T.LANES
+    tail_w = pitch % tpu.LANES
     tail_base = pitch - tail_w
 
     # Pass 1: lengths, prefix sums, totals; where each request's seed comes from.
     def one(r, carry):
         vsum, wsum = carry
         rp, p, e = _pair(rpi_s, r), _pair(pre_s, r), _pair(ext_s, r)
-        active = jnp.logical_not(T.pair_is_zero(rp))
+        active = jnp.logical_not(tpu.pair_is_zero(rp))
         zero = (jnp.uint32(0), jnp.uint32(0))
-        vlen = _relu(H.sub(p, _window_start(p, window)))
+        vlen = _relu(hashing_u32.sub(p, _window_start(p, window)))
         vlen = tuple(jnp.where(active, a, b) for a, b in zip(vlen, zero))
         wlen = tuple(jnp.where(active, a, b) for a, b in zip(_relu(e), zero))
         _set_pair(voff_s, r, vsum)
         _set_pair(wo_s, r, wsum)
-        need = active & jnp.logical_not(H.is_neg(p)) & jnp.logical_not(T.pair_is_zero(p)) & \
-            jnp.logical_not(T.pair_is_zero(wlen))
-        ok, flat = _flat(rp, H.sub(p, H.const(1)), pitch, n_cells)
+        need = (active & jnp.logical_not(hashing_u32.is_neg(p))
+                & jnp.logical_not(tpu.pair_is_zero(p)) & jnp.logical_not(tpu.pair_is_zero(wlen)))
+        ok, flat = _flat(rp, hashing_u32.sub(p, hashing_u32.const(1)), pitch, n_cells)
         # -2: no seed (-1); -1: the cell is outside the table (reads 0); else its flat address
         seed_at[r] = jnp.where(need, jnp.where(ok, flat, -1), -2)
-        return H.add(vsum, vlen), H.add(wsum, wlen)
+        return hashing_u32.add(vsum, vlen), hashing_u32.add(wsum, wlen)
 
     zero = (jnp.uint32(0), jnp.uint32(0))
     vtot, wtot = lax.fori_loop(0, bs, one, (zero, zero))
@@ -180,29 +180,29 @@ def _offsets_kernel(
         return c
 
     lax.fori_loop(bs + 1, cap_w + 1, clear, 0)
-    over = H.lt(H.const(cap_v), vtot)
-    nv_out[0] = jnp.where(over, jnp.int32(cap_v), T.i32(vtot[1]))
+    over = hashing_u32.lt(hashing_u32.const(cap_v), vtot)
+    nv_out[0] = jnp.where(over, jnp.int32(cap_v), tpu.i32(vtot[1]))
     en_out[0] = jnp.where(over, 0, 1).astype(jnp.int32)
     wn_out[0] = jnp.int32(bs)
 
     # Pass 2: seeds, a batch of cells then a batch of LUT entries at a time.
     def cell_copy(flat, j, *, tail):
-        row = T.idiv(flat, pitch)
-        col = T.irem(flat, pitch)
+        row = tpu.idiv(flat, pitch)
+        col = tpu.irem(flat, pitch)
         if tail:
             # into rows of the tail's own width: Mosaic refuses a DMA into a window of a wider
             # buffer row unless it is a multiple of 512 bytes
             src = rtt_hbm.at[pl.ds(row, 1), pl.ds(tail_base, tail_w)]
             return pltpu.make_async_copy(src, cells_tail.at[pl.ds(j, 1)],
                                          sem(_OffsetsSem.CELLS_TAIL))
-        base = pl.multiple_of(col - T.irem(col, T.LANES), T.LANES)
-        return pltpu.make_async_copy(rtt_hbm.at[pl.ds(row, 1), pl.ds(base, T.LANES)],
+        base = pl.multiple_of(col - tpu.irem(col, tpu.LANES), tpu.LANES)
+        return pltpu.make_async_copy(rtt_hbm.at[pl.ds(row, 1), pl.ds(base, tpu.LANES)],
                                      cells.at[pl.ds(j, 1)], sem(_OffsetsSem.CELLS))
 
     def is_tail(flat):
         if not tail_w:
             return jnp.bool_(False)
-        return T.irem(flat, pitch) >= tail_base
+        return tpu.irem(flat, pitch) >= tail_base
 
     def lut_copy(idx, j):
         return pltpu.make_async_copy(lut_hbm.at[pl.ds(idx, 1)], lutrows.at[pl.ds(j, 1)],
@@ -230,14 +230,14 @@ def _offsets_kernel(
                     counts[1] + ((at >= 0) & tail).astype(jnp.int32))
 
         nf, nt = lax.fori_loop(0, n, fetch, (jnp.int32(0), jnp.int32(0)))
-        T.wait_n(cell_copy(0, 0, tail=False), nf)
+        tpu.wait_n(cell_copy(0, 0, tail=False), nf)
         if tail_w:
-            T.wait_n(cell_copy(0, 0, tail=True), nt)
+            tpu.wait_n(cell_copy(0, 0, tail=True), nt)
 
         def cell(j):
             at = seed_at[b0 + j]
-            col = T.irem(jnp.maximum(at, 0), pitch)
-            v = cells[j, T.irem(col, T.LANES)]
+            col = tpu.irem(jnp.maximum(at, 0), pitch)
+            v = cells[j, tpu.irem(col, tpu.LANES)]
             if tail_w:
                 v = jnp.where(is_tail(jnp.maximum(at, 0)),
                               cells_tail[j, jnp.clip(col - tail_base, 0, tail_w - 1)], v)
@@ -254,16 +254,16 @@ def _offsets_kernel(
 
                 return count + go.astype(jnp.int32)
 
-            T.wait_n(lut_copy(0, 0), lax.fori_loop(0, n, lookup, jnp.int32(0)))
+            tpu.wait_n(lut_copy(0, 0), lax.fori_loop(0, n, lookup, jnp.int32(0)))
 
         def store(j, c):
             at = seed_at[b0 + j]
             v = cell(j)
-            val = H.from_i32(v)
+            val = hashing_u32.from_i32(v)
             if has_lut:
-                lut = (T.u32(lutrows[j, 1]), T.u32(lutrows[j, 0]))
+                lut = (tpu.u32(lutrows[j, 1]), tpu.u32(lutrows[j, 0]))
                 val = tuple(jnp.where(v >= 0, a, b) for a, b in zip(lut, val))
-            none = H.const(-1)
+            none = hashing_u32.const(-1)
             _set_pair(seed_s, b0 + j, tuple(jnp.where(at >= -1, a, b)
                                             for a, b in zip(val, none)))
             return c
@@ -272,7 +272,7 @@ def _offsets_kernel(
         return c
 
     # Seeds past bs keep their values: the last partial row is read first.
-    last_row = T.idiv(jnp.int32(bs), 64)
+    last_row = tpu.idiv(jnp.int32(bs), 64)
     if bs % 64:
         c = pltpu.make_async_copy(seed_hbm.at[pl.ds(bs // 64, 1)],
                                   seed_s.at[pl.ds(bs // 64, 1)], sem(_OffsetsSem.SEEDS))
@@ -291,14 +291,14 @@ def _offsets_kernel(
 
 
 def offsets_smem_bytes(bs: int, cap_w: int) -> int:
-    bp, cp, wp = (T.pad_to(n, T.PAIR_TILE) for n in (bs, cap_w, cap_w + 1))
-    return (3 * 8 * bp + 8 * T.pad_to(bs + 1, T.PAIR_TILE) + 8 * wp + 8 * cp + 4 * bp
-            + 2 * 4 * T.LANES * SEED_BATCH + 64)
+    bp, cp, wp = (tpu.pad_to(n, tpu.PAIR_TILE) for n in (bs, cap_w, cap_w + 1))
+    return (3 * 8 * bp + 8 * tpu.pad_to(bs + 1, tpu.PAIR_TILE) + 8 * wp + 8 * cp + 4 * bp
+            + 2 * 4 * tpu.LANES * SEED_BATCH + 64)
 
 
 def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, verify_num_valid,
                  enable, write_num_valid_reqs, *, swa_window_size, verify_capacity,
-                 config: T.BlockConfig):
+                 config: tpu.BlockConfig):
     """Today's array-level offsets half (``bs >= 1``): returns ``(verify_offsets[bs + 1],
     write_offsets, seeds, verify_num_valid, enable, write_num_valid_reqs)``."""
     bs = int(rpi.shape[0])
@@ -314,20 +314,20 @@ def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, v
             f"plan of {cap_w} need {need} bytes of SMEM, more than the kernel's budget of "
             f"{SMEM_BUDGET}; use implementation='xla' for batches this large")
     has_lut = lut is not None
-    bp = T.pad_to(bs, T.PAIR_TILE)
-    rpi_r, pre_r, ext_r = (T.to_pair_rows(x, bp) for x in (rpi, prefix, extend))
-    wo_r = T.to_pair_rows(write_offsets, T.pad_to(cap_w + 1, T.PAIR_TILE))
-    seed_r = T.to_pair_rows(seeds, T.pad_to(max(cap_w, 1), T.PAIR_TILE))
+    bp = tpu.pad_to(bs, tpu.PAIR_TILE)
+    rpi_r, pre_r, ext_r = (tpu.to_pair_rows(x, bp) for x in (rpi, prefix, extend))
+    wo_r = tpu.to_pair_rows(write_offsets, tpu.pad_to(cap_w + 1, tpu.PAIR_TILE))
+    seed_r = tpu.to_pair_rows(seeds, tpu.pad_to(max(cap_w, 1), tpu.PAIR_TILE))
     rtt = req_to_token if rows * pitch else jnp.zeros((1, 1), jnp.int32)
-    lut2 = T.words32(lut.reshape(-1, 1)) if has_lut else jnp.zeros((1, 2), jnp.int32)
-    voff_shape = (T.pad_to(bs + 1, T.PAIR_TILE) // 64, T.LANES)
+    lut2 = tpu.words32(lut.reshape(-1, 1)) if has_lut else jnp.zeros((1, 2), jnp.int32)
+    voff_shape = (tpu.pad_to(bs + 1, tpu.PAIR_TILE) // 64, tpu.LANES)
     kernel = functools.partial(
         _offsets_kernel, bs=bs, cap_w=cap_w, cap_v=int(verify_capacity),
         window=int(swa_window_size), rows=int(rtt.shape[0]) if rows * pitch else 0,
         pitch=int(rtt.shape[1]), has_lut=has_lut, lut_len=int(lut.shape[0]) if has_lut else 1)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
-    voff, wo_new, seed_new, nv, en, wn = T.call(
+    voff, wo_new, seed_new, nv, en, wn = tpu.call(
         kernel, rpi_r, pre_r, ext_r, rtt, lut2, wo_r, seed_r, verify_num_valid, enable,
         write_num_valid_reqs,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -342,14 +342,14 @@ def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, v
                    *(jax.ShapeDtypeStruct((1,), jnp.int32),) * 3],
         # the plan's arrays are updated in place (the scalars too)
         input_output_aliases={5: 1, 6: 2, 7: 3, 8: 4, 9: 5},
-        compiler_params=T.compiler_params(config.vmem_limit_bytes),
-        cost_estimate=T.cost(bytes_accessed=bs * (24 + 16 + 512 + 16) + cap_w * 16,
-                             ops=bs * 150),
+        compiler_params=tpu.compiler_params(config.vmem_limit_bytes),
+        cost_estimate=tpu.cost(bytes_accessed=bs * (24 + 16 + 512 + 16) + cap_w * 16,
+                               ops=bs * 150),
         interpret=config.interpret or False,
         name="kvcanary_plan_offsets_tpu",
     )
-    return (T.from_pair_rows(voff, bs + 1), T.from_pair_rows(wo_new, cap_w + 1),
-            T.from_pair_rows(seed_new, cap_w), nv, en, wn)
+    return (tpu.from_pair_rows(voff, bs + 1), tpu.from_pair_rows(wo_new, cap_w + 1),
+            tpu.from_pair_rows(seed_new, cap_w), nv, en, wn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -445,16 +445,16 @@ def _entries_scratch_shapes(block: int, has_lut: bool, tw_r: int, tw_p: int) -> 
     last segments of a req_to_token / pool row). Buffers a short segment or a LUT entry is DMA'd
     into are exactly as wide as the copy: Mosaic refuses a DMA into a window of a wider buffer
     row unless it is a multiple of 512 bytes."""
-    R = block // T.LANES
+    R = block // tpu.LANES
     NS = R + 8
     return [
-        pltpu.VMEM((2, NS, T.LANES), jnp.int32),
-        pltpu.SMEM((2, NS, T.LANES) if has_lut else (1, T.LANES), jnp.int32),
-        pltpu.VMEM((2, NS, T.LANES), jnp.int32),
-        pltpu.VMEM((R, T.LANES, 2), jnp.int32),
-        pltpu.SMEM((4, T.LANES), jnp.int32),
-        pltpu.VMEM((_ACC_PLANES, R, T.LANES), jnp.int32),
-        pltpu.VMEM((2, 4, 2 * R, T.LANES), jnp.int32),
+        pltpu.VMEM((2, NS, tpu.LANES), jnp.int32),
+        pltpu.SMEM((2, NS, tpu.LANES) if has_lut else (1, tpu.LANES), jnp.int32),
+        pltpu.VMEM((2, NS, tpu.LANES), jnp.int32),
+        pltpu.VMEM((R, tpu.LANES, 2), jnp.int32),
+        pltpu.SMEM((4, tpu.LANES), jnp.int32),
+        pltpu.VMEM((_ACC_PLANES, R, tpu.LANES), jnp.int32),
+        pltpu.VMEM((2, 4, 2 * R, tpu.LANES), jnp.int32),
         pltpu.SMEM((_MISC_WORDS,), jnp.int32),
         pltpu.SemaphoreType.DMA((_ENTRIES_SEMS,)),
         pltpu.VMEM((2, 1, tw_r), jnp.int32),
@@ -486,30 +486,31 @@ def _entries_kernel(
     tail_v, tail_s, tail_tok, lut_s = s_.tail_v, s_.tail_s, s_.tail_tok, s_.lut_s
 
     def sem(k: _EntriesSem, s=0):
-        return T.sem_at(s_.sems, k, s)
+        return tpu.sem_at(s_.sems, k, s)
 
     def flag(f: _Flag, slot):
         """Whether ``f`` is set for item buffer ``slot``."""
         return (misc[_Misc.FLAGS] & _flag_bit(f, slot)) != 0
 
     outs = (out0, out1, out2, out3)  # slots, expected tokens, positions, previous slots
-    R = block // T.LANES
+    R = block // tpu.LANES
     NS = R + 8  # staging rows: one before the block's rows, its rows, the carry row; whole tiles
     n_cells = rows * pitch
     n_pool = prows * ppitch
     total = _pair(voff_s, bs)
-    cap_p = H.const(cap)
-    live_p = tuple(jnp.where(H.lt(total, cap_p), a, b) for a, b in zip(total, cap_p))
-    live = jnp.where((st_s[0] != 0) & jnp.logical_not(H.is_neg(live_p)), T.i32(live_p[1]), 0)
-    nblocks = T.idiv(live + block - 1, block)
+    cap_p = hashing_u32.const(cap)
+    live_p = tuple(jnp.where(hashing_u32.lt(total, cap_p), a, b) for a, b in zip(total, cap_p))
+    live = jnp.where((st_s[0] != 0) & jnp.logical_not(hashing_u32.is_neg(live_p)),
+                     tpu.i32(live_p[1]), 0)
+    nblocks = tpu.idiv(live + block - 1, block)
     for i in range(_Misc.OUT_BUSY + 1):  # the counters and flags (not TAIL_ROW)
         misc[i] = jnp.int32(0)
 
     def voff(r):
         """Request r's first entry (r <= bs), clamped to [0, live]."""
         p = _pair(voff_s, r)
-        return jnp.where(H.is_neg(p), 0,
-                         jnp.where(T.pair_in_range(p, live + 1), T.i32(p[1]), live))
+        return jnp.where(hashing_u32.is_neg(p), 0,
+                         jnp.where(tpu.pair_in_range(p, live + 1), tpu.i32(p[1]), live))
 
     def owner(t):
         """Largest r < bs with voff[r] <= t (the reference's searchsorted)."""
@@ -529,7 +530,8 @@ def _entries_kernel(
         t0 = b * block
         lo = jnp.maximum(voff(r), t0)
         hi = jnp.minimum(jnp.minimum(voff(r + 1), t0 + block), live)
-        pos0 = H.add(_window_start(_pair(pre_s, r), window), H.from_i32(lo - voff(r)))
+        pos0 = hashing_u32.add(_window_start(_pair(pre_s, r), window),
+                               hashing_u32.from_i32(lo - voff(r)))
         return lo - t0, jnp.maximum(hi, lo) - t0, pos0
 
     def next_item(b, r):
@@ -553,23 +555,23 @@ def _entries_kernel(
     # -- 128-column segments of a table row. Staging row j holds segment j - 1 + (delta >> 7),
     # so that out[e] = column e + delta for e in [0, block) (see realign).
     def seg_copy(tab, tpitch, row, s, j, dst, slot, sem, *, tail):
-        tw = tpitch % T.LANES
+        tw = tpitch % tpu.LANES
         if tail:
             return pltpu.make_async_copy(tab.at[pl.ds(row, 1), pl.ds(tpitch - tw, tw)],
                                          tails[id(dst)].at[slot], sem)
         return pltpu.make_async_copy(
-            tab.at[pl.ds(row, 1), pl.ds(pl.multiple_of(s * T.LANES, T.LANES), T.LANES)],
+            tab.at[pl.ds(row, 1), pl.ds(pl.multiple_of(s * tpu.LANES, tpu.LANES), tpu.LANES)],
             dst.at[slot, pl.ds(j, 1)], sem)
 
     def fetch(tab, tpitch, row, c_lo, c_hi, delta, slot, dsts, sem_full, sem_tail, at):
         """DMAs of the segments holding columns [c_lo, c_hi) of ``row`` into each of ``dsts``;
         their counts go to misc[at], misc[at + 1] (``at``: _Misc.CELL_COPIES or TOKEN_COPIES,
         + 2 slot)."""
-        tw = tpitch % T.LANES
+        tw = tpitch % tpu.LANES
         a = lax.shift_right_arithmetic(delta, 7)
 
         def one(s, counts):
-            tail = (s * T.LANES + T.LANES > tpitch) if tw else jnp.bool_(False)
+            tail = (s * tpu.LANES + tpu.LANES > tpitch) if tw else jnp.bool_(False)
             for dst in dsts:
                 @pl.when(jnp.logical_not(tail))
                 def _(dst=dst):
@@ -594,13 +596,13 @@ def _entries_kernel(
 
     def wait_fetched(tab, tpitch, dsts, slot, sem_full, sem_tail, at):
         """Waits for ``fetch``'s copies into ``dsts`` and puts a short last segment in place."""
-        tw = tpitch % T.LANES
+        tw = tpitch % tpu.LANES
         for dst in dsts:
-            T.wait_n(seg_copy(tab, tpitch, 0, 0, 0, dst, slot, sem_full, tail=False),
-                     misc[at] // len(dsts))
+            tpu.wait_n(seg_copy(tab, tpitch, 0, 0, 0, dst, slot, sem_full, tail=False),
+                       misc[at] // len(dsts))
             if tw:
-                T.wait_n(seg_copy(tab, tpitch, 0, 0, 0, dst, slot, sem_tail, tail=True),
-                         misc[at + 1] // len(dsts))
+                tpu.wait_n(seg_copy(tab, tpitch, 0, 0, 0, dst, slot, sem_tail, tail=True),
+                           misc[at + 1] // len(dsts))
         if tw:
             j = misc[_Misc.TAIL_ROW + at]
 
@@ -623,33 +625,33 @@ def _entries_kernel(
         misc[at + 1] = jnp.int32(0)
 
     def realign(staging, delta):
-        b = delta & (T.LANES - 1)
-        rot = pltpu.roll(staging, T.irem(T.LANES - b, T.LANES), 1)
+        b = delta & (tpu.LANES - 1)
+        rot = pltpu.roll(staging, tpu.irem(tpu.LANES - b, tpu.LANES), 1)
         this = pltpu.roll(rot, NS - 1, 0)  # this[i] = rot[i + 1]
         carry = pltpu.roll(rot, NS - 2, 0)  # carry[i] = rot[i + 2]
         lane = lax.broadcasted_iota(jnp.int32, staging.shape, 1)
-        return jnp.where(lane < T.LANES - b, this, carry)[:R]
+        return jnp.where(lane < tpu.LANES - b, this, carry)[:R]
 
     def staged_at(delta, c):
         """(staging row, lane) of column c."""
         return (lax.shift_right_arithmetic(c, 7) - lax.shift_right_arithmetic(delta, 7) + 1,
-                c & (T.LANES - 1))
+                c & (tpu.LANES - 1))
 
     def item_paths(b, r):
         e_lo, e_hi, pos0 = item(b, r)
         rp = _pair(rpi_s, r)
         n = e_hi - e_lo
-        cells_fast = (T.pair_in_range(rp, rows) & jnp.logical_not(H.is_neg(pos0)) &
-                      T.pair_in_range(H.add_u32(pos0, T.u32(n)), pitch + 1))
+        cells_fast = (tpu.pair_in_range(rp, rows) & jnp.logical_not(hashing_u32.is_neg(pos0)) &
+                      tpu.pair_in_range(hashing_u32.add_u32(pos0, tpu.u32(n)), pitch + 1))
         if not has_pool:
             return e_lo, e_hi, pos0, rp, cells_fast, None
         vl = _pair(vl_s, r)
-        c0 = H.add(pos0, H.const(k_off))
-        c_end = H.add_u32(c0, T.u32(n))
-        hi_n = tuple(jnp.where(H.lt(vl, c_end), x, y) for x, y in zip(vl, c_end))
-        lo_n = tuple(jnp.where(H.is_neg(c0), jnp.uint32(0), x) for x in c0)
-        empty = jnp.logical_not(H.lt(lo_n, hi_n))
-        tok_fast = T.pair_in_range(rp, prows) & (empty | T.pair_in_range(hi_n, ppitch + 1))
+        c0 = hashing_u32.add(pos0, hashing_u32.const(k_off))
+        c_end = hashing_u32.add_u32(c0, tpu.u32(n))
+        hi_n = tuple(jnp.where(hashing_u32.lt(vl, c_end), x, y) for x, y in zip(vl, c_end))
+        lo_n = tuple(jnp.where(hashing_u32.is_neg(c0), jnp.uint32(0), x) for x in c0)
+        empty = jnp.logical_not(hashing_u32.lt(lo_n, hi_n))
+        tok_fast = tpu.pair_in_range(rp, prows) & (empty | tpu.pair_in_range(hi_n, ppitch + 1))
         return e_lo, e_hi, pos0, rp, cells_fast, (c0, lo_n, hi_n, empty, tok_fast, vl)
 
     def issue(b, r, slot):
@@ -658,11 +660,11 @@ def _entries_kernel(
         tokens_bit = _flag_bit(_Flag.TOKENS_FAST, slot)
         flags = misc[_Misc.FLAGS] & ~cells_bit & ~tokens_bit
         flags = flags | jnp.where(cells_fast, cells_bit, 0)
-        p32 = T.i32(pos0[1])
+        p32 = tpu.i32(pos0[1])
 
         @pl.when(cells_fast)
         def _():
-            fetch(rtt_hbm, pitch, T.i32(rp[1]), jnp.maximum(p32 - 1, 0), p32 + e_hi - e_lo,
+            fetch(rtt_hbm, pitch, tpu.i32(rp[1]), jnp.maximum(p32 - 1, 0), p32 + e_hi - e_lo,
                   p32 - e_lo, slot, (seg_v, seg_s) if has_lut else (seg_v,),
                   sem(_EntriesSem.CELLS, slot), sem(_EntriesSem.CELLS_TAIL, slot),
                   _Misc.CELL_COPIES + 2 * slot)
@@ -673,8 +675,8 @@ def _entries_kernel(
 
             @pl.when(tok_fast & jnp.logical_not(empty))
             def _():
-                fetch(pool_hbm, ppitch, T.i32(rp[1]), T.i32(lo_n[1]), T.i32(hi_n[1]),
-                      T.i32(c0[1]) - e_lo, slot, (tok_v,),
+                fetch(pool_hbm, ppitch, tpu.i32(rp[1]), tpu.i32(lo_n[1]), tpu.i32(hi_n[1]),
+                      tpu.i32(c0[1]) - e_lo, slot, (tok_v,),
                       sem(_EntriesSem.TOKENS, slot), sem(_EntriesSem.TOKENS_TAIL, slot),
                       _Misc.TOKEN_COPIES + 2 * slot)
         misc[_Misc.FLAGS] = flags
@@ -690,16 +692,16 @@ def _entries_kernel(
     def read_cell(tab, tpitch, flat, j):
         """The cell at a flat address (sync), through row ``j`` (a :class:`_CellRow`) of
         ``cell_s`` (or of the table's ``cell_tail_*``)."""
-        row = T.idiv(flat, tpitch)
-        col = T.irem(flat, tpitch)
-        tw = tpitch % T.LANES
+        row = tpu.idiv(flat, tpitch)
+        col = tpu.irem(flat, tpitch)
+        tw = tpitch % tpu.LANES
         tail = (col >= tpitch - tw) if tw else jnp.bool_(False)
 
         @pl.when(jnp.logical_not(tail))
         def _():
             c = pltpu.make_async_copy(
-                tab.at[pl.ds(row, 1), pl.ds(pl.multiple_of(col - (col & 127), T.LANES),
-                                            T.LANES)],
+                tab.at[pl.ds(row, 1), pl.ds(pl.multiple_of(col - (col & 127), tpu.LANES),
+                                            tpu.LANES)],
                 cell_s.at[pl.ds(j, 1)], sem(_EntriesSem.SYNC))
             c.start()
             c.wait()
@@ -719,7 +721,7 @@ def _entries_kernel(
 
     def set_entry(plane, i, v):
         """acc[plane][entry i] = v (one row read-modify-write)."""
-        row = T.idiv(i, T.LANES)
+        row = tpu.idiv(i, tpu.LANES)
         cur = acc[plane, pl.ds(row, 1), :]
         lanes = lax.broadcasted_iota(jnp.int32, cur.shape, 1)
         acc[plane, pl.ds(row, 1), :] = jnp.where(lanes == (i & 127), v, cur)
@@ -727,12 +729,12 @@ def _entries_kernel(
     def lut_copy(v, i):
         return pltpu.make_async_copy(
             lut_hbm.at[pl.ds(jnp.minimum(v, lut_len - 1), 1)],
-            lutrows.at[T.idiv(i, T.LANES), pl.ds(i & 127, 1)], sem(_EntriesSem.LUT))
+            lutrows.at[tpu.idiv(i, tpu.LANES), pl.ds(i & 127, 1)], sem(_EntriesSem.LUT))
 
     def xlat_one(v):
         """LUT translation of one int32 value (sync), through ``lut_s``."""
         if not has_lut:
-            return H.from_i32(v)
+            return hashing_u32.from_i32(v)
         c = pltpu.make_async_copy(lut_hbm.at[pl.ds(jnp.minimum(jnp.maximum(v, 0),
                                                                lut_len - 1), 1)],
                                   lut_s, sem(_EntriesSem.SYNC))
@@ -742,14 +744,14 @@ def _entries_kernel(
             c.start()
             c.wait()
 
-        lut = (T.u32(lut_s[0, 1]), T.u32(lut_s[0, 0]))
-        return tuple(jnp.where(v >= 0, x, y) for x, y in zip(lut, H.from_i32(v)))
+        lut = (tpu.u32(lut_s[0, 1]), tpu.u32(lut_s[0, 0]))
+        return tuple(jnp.where(v >= 0, x, y) for x, y in zip(lut, hashing_u32.from_i32(v)))
 
     def merge(b, r, slot):
         e_lo, e_hi, pos0, rp, _, tok = item_paths(b, r)
-        e = T.entry_index(R)
+        e = tpu.entry_index(R)
         inside = (e >= e_lo) & (e < e_hi)
-        p32 = T.i32(pos0[1])
+        p32 = tpu.i32(pos0[1])
         delta = p32 - e_lo
         cells_fast = flag(_Flag.CELLS_FAST, slot)
 
@@ -758,18 +760,18 @@ def _entries_kernel(
             row, lane = staged_at(delta, jnp.maximum(p32 - 1, 0))
             at = (lax.broadcasted_iota(jnp.int32, stage.shape, 0) == row) & \
                 (lax.broadcasted_iota(jnp.int32, stage.shape, 1) == lane)
-            return realign(stage, delta), T.sum_scalar(jnp.where(at, stage, 0))
+            return realign(stage, delta), tpu.sum_scalar(jnp.where(at, stage, 0))
 
         def slow_cells():
             # Per entry, SGLang's flat address (it may leave the row); outside the table: 0.
             def one(i, c):
-                ok, flat = _flat(rp, H.add_u32(pos0, T.u32(i - e_lo)), pitch, n_cells)
+                ok, flat = _flat(rp, hashing_u32.add_u32(pos0, tpu.u32(i - e_lo)), pitch, n_cells)
                 set_entry(_ACC_SLOW_CELLS, i, jnp.where(
                     ok, read_cell(rtt_hbm, pitch, jnp.where(ok, flat, 0), _CellRow.CELL), 0))
                 return c
 
             lax.fori_loop(e_lo, e_hi, one, 0)
-            okp, flatp = _flat(rp, H.sub(pos0, H.const(1)), pitch, n_cells)
+            okp, flatp = _flat(rp, hashing_u32.sub(pos0, hashing_u32.const(1)), pitch, n_cells)
             return acc[_ACC_SLOW_CELLS], jnp.where(
                 okp, read_cell(rtt_hbm, pitch, jnp.where(okp, flatp, 0), _CellRow.FIRST_PREV), 0)
 
@@ -792,37 +794,39 @@ def _entries_kernel(
                 return seg_s[slot, jnp.clip(row, 0, NS - 1), lane]
 
             def slow_value(i):
-                return T.sum_scalar(jnp.where(e == i, raw, 0))
+                return tpu.sum_scalar(jnp.where(e == i, raw, 0))
 
             n = lax.cond(cells_fast, lambda: look(fast_value), lambda: look(slow_value))
-            T.wait_n(lut_copy(0, 0), n)
-            w = T.rows_to_planes(lutrows[...])
+            tpu.wait_n(lut_copy(0, 0), n)
+            w = tpu.rows_to_planes(lutrows[...])
             slot_p = tuple(jnp.where(raw >= 0, x, y) for x, y in zip((w[1], w[0]),
-                                                                     H.from_i32(raw)))
+                                                                     hashing_u32.from_i32(raw)))
         else:
-            slot_p = H.from_i32(raw)
+            slot_p = hashing_u32.from_i32(raw)
         first_prev_p = xlat_one(first_prev)
-        minus1 = H.const(-1, e)
+        minus1 = hashing_u32.const(-1, e)
         first = e == e_lo
-        at_zero = first & T.pair_is_zero(pos0)
-        prev_p = tuple(jnp.where(at_zero, m, jnp.where(first, f, T.shift_one(x)))
+        at_zero = first & tpu.pair_is_zero(pos0)
+        prev_p = tuple(jnp.where(at_zero, m, jnp.where(first, f, tpu.shift_one(x)))
                        for m, f, x in zip(minus1, first_prev_p, slot_p))
-        pos = H.add_u32((jnp.full(e.shape, pos0[0]), jnp.full(e.shape, pos0[1])), T.u32(e - e_lo))
+        pos = hashing_u32.add_u32((jnp.full(e.shape, pos0[0]), jnp.full(e.shape, pos0[1])),
+                                  tpu.u32(e - e_lo))
 
         if has_pool:
             c0, lo_n, hi_n, empty, _, vl = tok
-            posk = H.add(pos, H.const(k_off, e))
-            in_vl = jnp.logical_not(H.is_neg(posk)) & \
-                H.lt(posk, (jnp.full(e.shape, vl[0]), jnp.full(e.shape, vl[1])))
+            posk = hashing_u32.add(pos, hashing_u32.const(k_off, e))
+            in_vl = jnp.logical_not(hashing_u32.is_neg(posk)) & \
+                hashing_u32.lt(posk, (jnp.full(e.shape, vl[0]), jnp.full(e.shape, vl[1])))
             tok_fast = flag(_Flag.TOKENS_FAST, slot)
 
             def fast_tok():
-                return jnp.where(in_vl, realign(tok_v[slot], T.i32(c0[1]) - e_lo), -1)
+                return jnp.where(in_vl, realign(tok_v[slot], tpu.i32(c0[1]) - e_lo), -1)
 
             def slow_tok():
                 def one(i, c):
-                    p = H.add(H.add_u32(pos0, T.u32(i - e_lo)), H.const(k_off))
-                    ok_vl = jnp.logical_not(H.is_neg(p)) & H.lt(p, vl)
+                    p = hashing_u32.add(hashing_u32.add_u32(pos0, tpu.u32(i - e_lo)),
+                                        hashing_u32.const(k_off))
+                    ok_vl = jnp.logical_not(hashing_u32.is_neg(p)) & hashing_u32.lt(p, vl)
                     ok, flat = _flat(rp, p, ppitch, n_pool)
                     go = ok & ok_vl
                     set_entry(_ACC_SLOW_TOKENS, i, jnp.where(
@@ -833,13 +837,13 @@ def _entries_kernel(
                 lax.fori_loop(e_lo, e_hi, one, 0)
                 return acc[_ACC_SLOW_TOKENS]
 
-            tok_p = H.from_i32(lax.cond(tok_fast, fast_tok, slow_tok))
+            tok_p = hashing_u32.from_i32(lax.cond(tok_fast, fast_tok, slow_tok))
         else:
             tok_p = minus1
 
         for f, pair in enumerate((slot_p, tok_p, pos, prev_p)):
             for w in range(2):
-                acc[2 * f + w] = jnp.where(inside, T.i32(pair[w]), acc[2 * f + w])
+                acc[2 * f + w] = jnp.where(inside, tpu.i32(pair[w]), acc[2 * f + w])
 
     def out_copy(b, f, bslot):
         return pltpu.make_async_copy(
@@ -866,15 +870,15 @@ def _entries_kernel(
                     sem(_EntriesSem.LOAD))
                 c.start()
                 c.wait()
-                hi, lo = T.planes(blk.at[bslot, f])
-                acc[2 * f] = T.i32(hi)
-                acc[2 * f + 1] = T.i32(lo)
+                hi, lo = tpu.planes(blk.at[bslot, f])
+                acc[2 * f] = tpu.i32(hi)
+                acc[2 * f + 1] = tpu.i32(lo)
 
     def finish_block(b):
         bslot = b & 1
         free_block_buffer(bslot)
         for f in range(4):
-            T.store_planes(blk.at[bslot, f], acc[2 * f], acc[2 * f + 1])
+            tpu.store_planes(blk.at[bslot, f], acc[2 * f], acc[2 * f + 1])
             out_copy(b, f, bslot).start()
         misc[_Misc.OUT_BUSY] = misc[_Misc.OUT_BUSY] | (1 << bslot)
 
@@ -912,13 +916,13 @@ def _entries_kernel(
 
 def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, valid_lens, slots,
                  tokens, positions, prevs, *, swa_window_size, kv_token_id_vs_position_offset,
-                 config: T.BlockConfig):
+                 config: tpu.BlockConfig):
     """Today's array-level entries half (``bs >= 1``): returns the four verify arrays (aliased
     to their inputs; entries past the live count untouched)."""
     bs = int(rpi.shape[0])
     cap = int(slots.shape[0])
     block = config.block
-    cap_pad = T.pad_to(cap, block)
+    cap_pad = tpu.pad_to(cap, block)
     rows, pitch = (int(d) for d in req_to_token.shape)
     has_lut = lut is not None
     has_pool = pool is not None
@@ -927,17 +931,17 @@ def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, v
         if n >= 2**31:
             raise ValueError(f"kv-canary: canary_plan (pallas_mosaic_tpu): {name} has {n} cells; "
                              f"32-bit addressing allows fewer than 2**31")
-    bp = T.pad_to(bs + 1, T.PAIR_TILE)
-    voff_r = T.to_pair_rows(verify_offsets, bp)
-    rpi_r, pre_r = (T.to_pair_rows(x, bp) for x in (rpi, prefix))
-    vl_r = T.to_pair_rows(valid_lens, bp) if has_pool else jnp.zeros((8, T.LANES), jnp.int32)
+    bp = tpu.pad_to(bs + 1, tpu.PAIR_TILE)
+    voff_r = tpu.to_pair_rows(verify_offsets, bp)
+    rpi_r, pre_r = (tpu.to_pair_rows(x, bp) for x in (rpi, prefix))
+    vl_r = tpu.to_pair_rows(valid_lens, bp) if has_pool else jnp.zeros((8, tpu.LANES), jnp.int32)
     st = jnp.concatenate([enable.astype(jnp.int32).reshape(1), jnp.zeros((3,), jnp.int32)])
     rtt = req_to_token if rows * pitch else jnp.zeros((1, 1), jnp.int32)
-    lut2 = T.words32(lut.reshape(-1, 1)) if has_lut else jnp.zeros((1, 2), jnp.int32)
+    lut2 = tpu.words32(lut.reshape(-1, 1)) if has_lut else jnp.zeros((1, 2), jnp.int32)
     pool_ = pool if has_pool and prows * ppitch else jnp.zeros((1, 1), jnp.int32)
-    outs = [T.to_pair_rows(x, cap_pad) for x in (slots, tokens, positions, prevs)]
+    outs = [tpu.to_pair_rows(x, cap_pad) for x in (slots, tokens, positions, prevs)]
     # widths of the short last segments of the tables as the kernel sees them
-    tw_r, tw_p = (max(int(t.shape[1]) % T.LANES, 1) for t in (rtt, pool_))
+    tw_r, tw_p = (max(int(t.shape[1]) % tpu.LANES, 1) for t in (rtt, pool_))
     kernel = functools.partial(
         _entries_kernel, bs=bs, cap=cap, block=block, window=int(swa_window_size),
         rows=rows if rows * pitch else 0, pitch=int(rtt.shape[1]), has_lut=has_lut,
@@ -945,7 +949,7 @@ def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, v
         prows=prows if prows * ppitch else 0, ppitch=int(pool_.shape[1]),
         k_off=int(kv_token_id_vs_position_offset))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    new = T.call(
+    new = tpu.call(
         kernel, voff_r, rpi_r, pre_r, vl_r, st, rtt, lut2, pool_, *outs,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5, grid=(1,),
@@ -954,10 +958,10 @@ def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, v
             scratch_shapes=_entries_scratch_shapes(block, has_lut, tw_r, tw_p)),
         out_shape=[jax.ShapeDtypeStruct(o.shape, jnp.int32) for o in outs],
         input_output_aliases={8 + i: i for i in range(4)},
-        compiler_params=T.compiler_params(config.vmem_limit_bytes),
-        cost_estimate=T.cost(bytes_accessed=cap * (4 + 4 * has_pool + 32 + 8 * has_lut),
-                             ops=cap * 60),
+        compiler_params=tpu.compiler_params(config.vmem_limit_bytes),
+        cost_estimate=tpu.cost(bytes_accessed=cap * (4 + 4 * has_pool + 32 + 8 * has_lut),
+                               ops=cap * 60),
         interpret=config.interpret or False,
         name="kvcanary_plan_entries_tpu",
     )
-    return tuple(T.from_pair_rows(o, cap) for o in new)
+    return tuple(tpu.from_pair_rows(o, cap) for o in new)

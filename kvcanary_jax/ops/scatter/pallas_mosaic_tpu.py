@@ -38,8 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kvcanary_jax import hashing_u32 as H
-from kvcanary_jax.ops import _tpu_lib as T
+from kvcanary_jax import hashing_u32
+from kvcanary_jax.ops import _tpu_lib as tpu
 
 __all__ = ["Config", "heuristics", "run", "GROUP"]
 
@@ -91,18 +91,18 @@ def _scratch_shapes(group: int, width: int) -> list:
     refuses a DMA into (or from) a window of a wider VMEM row unless it is a multiple of 512
     bytes."""
     return [
-        pltpu.VMEM((2, group + 8, T.LANES), jnp.int32),
-        pltpu.VMEM((2, group, T.LANES), jnp.int32),
-        pltpu.VMEM((2, group, T.LANES), jnp.int32),
+        pltpu.VMEM((2, group + 8, tpu.LANES), jnp.int32),
+        pltpu.VMEM((2, group, tpu.LANES), jnp.int32),
+        pltpu.VMEM((2, group, tpu.LANES), jnp.int32),
         pltpu.SMEM((_MISC_WORDS,), jnp.int32),
         pltpu.SemaphoreType.DMA((_SEMS,)),
-        pltpu.VMEM((2, 1, max(width % T.LANES, 1)), jnp.int32),
-        pltpu.VMEM((2, 1, max(width % T.LANES, 1)), jnp.int32),
+        pltpu.VMEM((2, 1, max(width % tpu.LANES, 1)), jnp.int32),
+        pltpu.VMEM((2, 1, max(width % tpu.LANES, 1)), jnp.int32),
     ]
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(T.Config):
+class Config(tpu.Config):
     """``group``: 128-column segments per item (1-64); the rest:
     :class:`kvcanary_jax.ops._tpu_lib.Config`."""
 
@@ -118,8 +118,8 @@ class Config(T.Config):
 
 
 def heuristics(shapes) -> Config:
-    cols = int(shapes.get("max_cols", GROUP * T.LANES))
-    return Config(group=max(1, min(GROUP, -(-cols // T.LANES))))
+    cols = int(shapes.get("max_cols", GROUP * tpu.LANES))
+    return Config(group=max(1, min(GROUP, -(-cols // tpu.LANES))))
 
 
 def _scatter_kernel(
@@ -138,27 +138,28 @@ def _scatter_kernel(
     oldtail, outtail = scr.oldtail, scr.outtail
 
     def sem(k: _Sem, slot):
-        return T.sem_at(scr.sems, k, slot)
+        return tpu.sem_at(scr.sems, k, slot)
 
     G = group
-    W = G * T.LANES
+    W = G * tpu.LANES
     nsb = G + 8  # source rows per item
-    tail_w = width % T.LANES
+    tail_w = width % tpu.LANES
     tail_base = width - tail_w  # start of the row's short last segment (if tail_w)
 
     def pair(ref, e):
-        row, col = T.idiv(e, 64), 2 * T.irem(e, 64)
-        return T.u32(ref[row, col + 1]), T.u32(ref[row, col])
+        row, col = tpu.idiv(e, 64), 2 * tpu.irem(e, 64)
+        return tpu.u32(ref[row, col + 1]), tpu.u32(ref[row, col])
 
     def req(r):
         """(ok, rp, jlo, jhi, start) of request r; columns [jlo, jhi) are written."""
         start, end = pair(off_s, r), pair(off_s, r + 1)
         rp = pair(rpi_s, r)
-        length = T.pair_clamp(H.sub(end, start), cols)
-        jlo = T.pair_clamp(H.neg(start), cols)
-        jhi = jnp.minimum(length, T.pair_clamp(H.sub(H.const(num_tokens), start), cols))
-        ok = T.pair_in_range(rp, rows) & (jhi > jlo)
-        return ok, T.i32(rp[1]), jlo, jhi, start
+        length = tpu.pair_clamp(hashing_u32.sub(end, start), cols)
+        jlo = tpu.pair_clamp(hashing_u32.neg(start), cols)
+        left = hashing_u32.sub(hashing_u32.const(num_tokens), start)
+        jhi = jnp.minimum(length, tpu.pair_clamp(left, cols))
+        ok = tpu.pair_in_range(rp, rows) & (jhi > jlo)
+        return ok, tpu.i32(rp[1]), jlo, jhi, start
 
     def first_item(r):
         """The first request >= r with columns to write (bs if none) and its first group."""
@@ -168,11 +169,11 @@ def _scatter_kernel(
 
         r = lax.while_loop(cond, lambda r: r + 1, r)
         _, _, jlo, _, _ = req(jnp.minimum(r, bs - 1))
-        return r, T.idiv(jlo, W)
+        return r, tpu.idiv(jlo, W)
 
     def next_item(r, g):
         _, _, _, jhi, _ = req(r)
-        last = T.idiv(jhi - 1, W)
+        last = tpu.idiv(jhi - 1, W)
         return lax.cond(g < last, lambda: (r, g + 1), lambda: first_item(r + 1))
 
     # -- copies
@@ -190,7 +191,7 @@ def _scatter_kernel(
             vm = (oldtail if read else outtail).at[slot]
             kind = _Sem.READ_TAIL if read else _Sem.WRITE_TAIL
         else:
-            hbm = pool_hbm.at[pl.ds(rp, 1), pl.ds(pl.multiple_of(base, T.LANES), T.LANES)]
+            hbm = pool_hbm.at[pl.ds(rp, 1), pl.ds(pl.multiple_of(base, tpu.LANES), tpu.LANES)]
             vm = buf.at[slot, pl.ds(i, 1)]
             kind = _Sem.READ if read else _Sem.WRITE
         return (pltpu.make_async_copy(hbm, vm, sem(kind, slot)) if read else
@@ -200,8 +201,8 @@ def _scatter_kernel(
         """Per segment i (static): (base, lo, hi, is_tail) of its written columns [lo, hi)."""
         out = []
         for i in range(G):
-            base = g * W + i * T.LANES
-            end = jnp.minimum(base + T.LANES, width)  # the segment's extent in the row
+            base = g * W + i * tpu.LANES
+            end = jnp.minimum(base + tpu.LANES, width)  # the segment's extent in the row
             lo = jnp.maximum(jlo, base)
             hi = jnp.minimum(jhi, end)
             is_tail = (base == tail_base) if tail_w else jnp.bool_(False)
@@ -209,9 +210,9 @@ def _scatter_kernel(
         return out
 
     def wait_writes(slot):
-        T.wait_n(seg_copy(0, 0, 0, slot, read=False, tail=False), misc[_Misc.PEND_N + slot])
+        tpu.wait_n(seg_copy(0, 0, 0, slot, read=False, tail=False), misc[_Misc.PEND_N + slot])
         if tail_w:
-            T.wait_n(seg_copy(0, 0, 0, slot, read=False, tail=True), misc[_Misc.PEND_TAIL + slot])
+            tpu.wait_n(seg_copy(0, 0, 0, slot, read=False, tail=True), misc[_Misc.PEND_TAIL + slot])
         misc[_Misc.PEND_N + slot] = jnp.int32(0)
         misc[_Misc.PEND_TAIL + slot] = jnp.int32(0)
         misc[_Misc.PEND_ROW + slot] = jnp.int32(-1)
@@ -240,8 +241,8 @@ def _scatter_kernel(
 
     def issue_reads(r, g, slot):
         _, rp, jlo, jhi, start = req(r)
-        u0 = T.i32(H.add_u32(start, jnp.uint32(front))[1]) + g * W
-        src_copy(T.idiv(u0, T.LANES), slot).start()
+        u0 = tpu.i32(hashing_u32.add_u32(start, jnp.uint32(front))[1]) + g * W
+        src_copy(tpu.idiv(u0, tpu.LANES), slot).start()
         segs = segments(g, jlo, jhi)
         partial = [(hi > lo) & ((lo > base) | (hi < end)) for base, lo, hi, end, _ in segs]
         any_partial = functools.reduce(jnp.logical_or, partial)
@@ -256,23 +257,24 @@ def _scatter_kernel(
 
     def merge_and_write(r, g, slot):
         _, rp, jlo, jhi, start = req(r)
-        u0 = T.i32(H.add_u32(start, jnp.uint32(front))[1]) + g * W
-        d = T.irem(u0, T.LANES)
+        u0 = tpu.i32(hashing_u32.add_u32(start, jnp.uint32(front))[1]) + g * W
+        d = tpu.irem(u0, tpu.LANES)
         src_copy(0, slot).wait()
-        T.wait_n(seg_copy(0, 0, 0, slot, read=True, tail=False), misc[_Misc.RD_N + slot])
+        tpu.wait_n(seg_copy(0, 0, 0, slot, read=True, tail=False), misc[_Misc.RD_N + slot])
         if tail_w:
-            T.wait_n(seg_copy(0, 0, 0, slot, read=True, tail=True), misc[_Misc.RD_TAIL + slot])
+            tpu.wait_n(seg_copy(0, 0, 0, slot, read=True, tail=True), misc[_Misc.RD_TAIL + slot])
             # a tail read back lands in its own buffer: put it in its segment's row
             for i, (base, lo, hi, end, is_tail) in enumerate(segments(g, jlo, jhi)):
                 @pl.when((hi > lo) & ((lo > base) | (hi < end)) & is_tail)
                 def _(i=i):
                     oldbuf[slot, pl.ds(i, 1), pl.ds(0, tail_w)] = oldtail[slot]
         buf = srcbuf[slot]
-        a = pltpu.roll(buf, T.irem(T.LANES - d, T.LANES), 1)  # a[i, l] = buf[i, (l + d) % 128]
+        # a[i, l] = buf[i, (l + d) % 128]
+        a = pltpu.roll(buf, tpu.irem(tpu.LANES - d, tpu.LANES), 1)
         b = pltpu.roll(a, nsb - 1, 0)  # b[i] = a[i + 1]
         lane = lax.broadcasted_iota(jnp.int32, buf.shape, 1)
-        new = jnp.where(lane < T.LANES - d, a, b)[:G]
-        col = g * W + T.entry_index(G)
+        new = jnp.where(lane < tpu.LANES - d, a, b)[:G]
+        col = g * W + tpu.entry_index(G)
         keep = (col >= jlo) & (col < jhi)
         # The writes of the item two back (same buffer) have drained before the buffer is reused,
         # and the previous item's have landed when they went to this row (a later write to a
@@ -340,19 +342,19 @@ def run(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int | None, c
     cols = width if max_cols is None else min(int(max_cols), width)
     if bs == 0 or num_tokens == 0 or rows == 0 or cols == 0:
         return pool_out
-    G = min(config.group, -(-cols // T.LANES))
-    W = G * T.LANES
+    G = min(config.group, -(-cols // tpu.LANES))
+    W = G * tpu.LANES
     front = W
     lo = lax.bitcast_convert_type(flat_in.astype(jnp.int64), jnp.int32)[:, 0]
-    back = W + 8 * T.LANES + (-(num_tokens + front) % T.LANES)
-    src = jnp.pad(lo, (front, back)).reshape(-1, T.LANES)
-    n_pad = T.pad_to(bs + 1, T.PAIR_TILE)
-    off = T.to_pair_rows(offsets, n_pad)
-    rpi = T.to_pair_rows(req_pool_indices, n_pad)
+    back = W + 8 * tpu.LANES + (-(num_tokens + front) % tpu.LANES)
+    src = jnp.pad(lo, (front, back)).reshape(-1, tpu.LANES)
+    n_pad = tpu.pad_to(bs + 1, tpu.PAIR_TILE)
+    off = tpu.to_pair_rows(offsets, n_pad)
+    rpi = tpu.to_pair_rows(req_pool_indices, n_pad)
     kernel = functools.partial(_scatter_kernel, bs=bs, num_tokens=num_tokens, rows=rows,
                                cols=cols, width=width, group=G, front=front)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    out = T.call(
+    out = tpu.call(
         kernel, off, rpi, src, pool_out,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(1,),
@@ -361,9 +363,9 @@ def run(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int | None, c
             scratch_shapes=_scratch_shapes(G, width)),
         out_shape=jax.ShapeDtypeStruct(pool_out.shape, pool_out.dtype),
         input_output_aliases={3: 0},
-        compiler_params=T.compiler_params(config.vmem_limit_bytes),
-        cost_estimate=T.cost(bytes_accessed=num_tokens * 12 + bs * (W * 8 + 32),
-                             ops=num_tokens * 4 + bs * 200),
+        compiler_params=tpu.compiler_params(config.vmem_limit_bytes),
+        cost_estimate=tpu.cost(bytes_accessed=num_tokens * 12 + bs * (W * 8 + 32),
+                               ops=num_tokens * 4 + bs * 200),
         interpret=config.interpret or False,
         name="kvcanary_scatter_tpu",
     )

@@ -41,10 +41,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kvcanary_jax import consts
-from kvcanary_jax import hashing_u32 as H
+from kvcanary_jax import hashing_u32
 from kvcanary_jax.context import VerifyOrWriteContext
-from kvcanary_jax.ops import _tpu_fingerprint as fp
-from kvcanary_jax.ops import _tpu_lib as T
+from kvcanary_jax.ops import _tpu_fingerprint as fingerprint
+from kvcanary_jax.ops import _tpu_lib as tpu
 from kvcanary_jax.plans import VerifyPlan
 
 __all__ = ["Config", "heuristics", "run", "BLOCK"]
@@ -56,7 +56,7 @@ BLOCK = 1024
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(T.BlockConfig):
+class Config(tpu.BlockConfig):
     """``block``: entries per block, a multiple of 512 (whole 8 x 128 tiles of pair rows); the
     rest: :class:`kvcanary_jax.ops._tpu_lib.Config`."""
 
@@ -68,7 +68,7 @@ class Config(T.BlockConfig):
 def heuristics(shapes) -> Config:
     """Full blocks, smaller for plans below one block."""
     cap = int(shapes.get("capacity", BLOCK))
-    return Config(block=min(BLOCK, T.pad_to(cap, T.PAIR_TILE)))
+    return Config(block=min(BLOCK, tpu.pad_to(cap, tpu.PAIR_TILE)))
 
 
 # st words: inputs then outputs share one SMEM vector (_PAD: zero, the vector is 8 words).
@@ -116,16 +116,16 @@ class _Scratch(NamedTuple):
 
 def _scratch_shapes(block: int) -> list:
     """``_Scratch``'s shapes."""
-    r = block // T.LANES
+    r = block // tpu.LANES
     return [
-        pltpu.VMEM((2, 4, 2 * r, T.LANES), jnp.int32),
-        pltpu.SMEM((2, 2, 2 * r, T.LANES), jnp.int32),
-        pltpu.VMEM((2, r, T.LANES, 8), jnp.int32),
-        pltpu.VMEM((2, r, T.LANES, 8), jnp.int32),
-        pltpu.VMEM((2, 2 * r, T.LANES), jnp.int32),
+        pltpu.VMEM((2, 4, 2 * r, tpu.LANES), jnp.int32),
+        pltpu.SMEM((2, 2, 2 * r, tpu.LANES), jnp.int32),
+        pltpu.VMEM((2, r, tpu.LANES, 8), jnp.int32),
+        pltpu.VMEM((2, r, tpu.LANES, 8), jnp.int32),
+        pltpu.VMEM((2, 2 * r, tpu.LANES), jnp.int32),
         pltpu.SMEM((_MISC_WORDS,), jnp.int32),
         pltpu.SMEM((2, block), jnp.int32),
-        pltpu.SMEM(T.RING_STAGE, jnp.int32),
+        pltpu.SMEM(tpu.RING_STAGE, jnp.int32),
         pltpu.SemaphoreType.DMA((_SEMS,)),
     ]
 
@@ -147,15 +147,15 @@ def _verify_kernel(
     misc, lens = scr.misc, scr.lens
 
     def sem(k: _Sem, s=0):
-        return T.sem_at(scr.sems, k, s)
+        return tpu.sem_at(scr.sems, k, s)
 
-    r = block // T.LANES  # plane rows per block
+    r = block // tpu.LANES  # plane rows per block
     pr = 2 * r  # pair rows per block
     nvalid = st_in[_NVALID]
     enabled = st_in[_ENABLE] != 0
     active = jnp.where(enabled, jnp.clip(nvalid, 0, capacity), 0)
-    nblocks = T.idiv(active + block - 1, block)
-    ring = T.Ring(ring_hbm, ring_cap, misc, _Misc.RING, scr.stage, sem(_Sem.RING))
+    nblocks = tpu.idiv(active + block - 1, block)
+    ring = tpu.Ring(ring_hbm, ring_cap, misc, _Misc.RING, scr.stage, sem(_Sem.RING))
     ring.start(st_in[_WIDX])
 
     def fetch(b, slot):
@@ -174,7 +174,7 @@ def _verify_kernel(
         src = canary_hbm.at[pl.ds(row, m)] if canary_words == 8 else \
             canary_hbm.at[pl.ds(row, m), pl.ds(0, 8)]
         return pltpu.make_async_copy(
-            src, buf.at[slot, T.idiv(e, T.LANES), pl.ds(T.irem(e, T.LANES), m)], sem)
+            src, buf.at[slot, tpu.idiv(e, tpu.LANES), pl.ds(tpu.irem(e, tpu.LANES), m)], sem)
 
     def issue(b, slot):
         """Row DMAs of block b's entries: the slots' rows, a run of consecutive rows (in one
@@ -194,25 +194,25 @@ def _verify_kernel(
 
         def one(e, carry):
             start, first, length, runs, nprev, last_hi, last_lo = carry
-            row_, col = T.idiv(e, 64), 2 * T.irem(e, 64)
-            s_lo, s_hi = T.u32(ss[row_, col]), T.u32(ss[row_, col + 1])
+            row_, col = tpu.idiv(e, 64), 2 * tpu.irem(e, 64)
+            s_lo, s_hi = tpu.u32(ss[row_, col]), tpu.u32(ss[row_, col + 1])
             checked = (s_hi | s_lo) != jnp.uint32(0)
-            pos_ok = T.pair_in_range((s_hi, s_lo), num_slots)
-            fetch = checked & (pos_ok | T.pair_neg_in_range((s_hi, s_lo), num_slots))
-            row = T.i32(jnp.where(pos_ok, s_lo, s_lo + jnp.uint32(num_slots)))
-            extend = fetch & (length > 0) & (row == start + length) & (T.irem(e, T.LANES) != 0)
+            pos_ok = tpu.pair_in_range((s_hi, s_lo), num_slots)
+            fetch = checked & (pos_ok | tpu.pair_neg_in_range((s_hi, s_lo), num_slots))
+            row = tpu.i32(jnp.where(pos_ok, s_lo, s_lo + jnp.uint32(num_slots)))
+            extend = fetch & (length > 0) & (row == start + length) & (tpu.irem(e, tpu.LANES) != 0)
             runs = flush(start, first, jnp.where(extend, 0, length), runs)
             start = jnp.where(extend, start, jnp.where(fetch, row, zero))
             first = jnp.where(extend, first, e)
             length = jnp.where(extend, length + 1, fetch.astype(jnp.int32))
-            p_lo, p_hi = T.u32(ps[row_, col]), T.u32(ps[row_, col + 1])
+            p_lo, p_hi = tpu.u32(ps[row_, col]), tpu.u32(ps[row_, col + 1])
             reuse = (e > 0) & (p_hi == last_hi) & (p_lo == last_lo)
             fetch_p = checked & (p_hi == jnp.uint32(0)) & (p_lo != jnp.uint32(0)) & \
                 (p_lo < jnp.uint32(num_slots)) & jnp.logical_not(reuse)
 
             @pl.when(fetch_p)
             def _():
-                rows_copy(T.i32(p_lo), 1, prow, e, slot, sem(_Sem.PREV, slot)).start()
+                rows_copy(tpu.i32(p_lo), 1, prow, e, slot, sem(_Sem.PREV, slot)).start()
 
             return (start, first, length, runs, nprev + fetch_p.astype(jnp.int32), s_hi, s_lo)
 
@@ -227,69 +227,70 @@ def _verify_kernel(
             return c
 
         lax.fori_loop(0, misc[_Misc.RUNS + slot], one, 0)
-        T.wait_n(rows_copy(0, 1, prow, 0, slot, sem(_Sem.PREV, slot)), misc[_Misc.PREVS + slot])
+        tpu.wait_n(rows_copy(0, 1, prow, 0, slot, sem(_Sem.PREV, slot)), misc[_Misc.PREVS + slot])
 
     def check(b, slot):
-        slot_p = T.planes(plan_v.at[slot, 0])
-        prev_p = T.planes(plan_v.at[slot, 1])
-        etok_p = T.planes(plan_v.at[slot, 2])
-        epos_p = T.planes(plan_v.at[slot, 3])
-        idx = T.entry_index(r, b * block)
-        first = T.entry_index(r) == 0
-        checked = (idx < active) & jnp.logical_not(T.pair_is_zero(slot_p))
-        s_ok = checked & (T.pair_in_range(slot_p, num_slots) |
-                          T.pair_neg_in_range(slot_p, num_slots))
-        zero = jnp.zeros((r, T.LANES), jnp.uint32)
+        slot_p = tpu.planes(plan_v.at[slot, 0])
+        prev_p = tpu.planes(plan_v.at[slot, 1])
+        etok_p = tpu.planes(plan_v.at[slot, 2])
+        epos_p = tpu.planes(plan_v.at[slot, 3])
+        idx = tpu.entry_index(r, b * block)
+        first = tpu.entry_index(r) == 0
+        checked = (idx < active) & jnp.logical_not(tpu.pair_is_zero(slot_p))
+        s_ok = checked & (tpu.pair_in_range(slot_p, num_slots) |
+                          tpu.pair_neg_in_range(slot_p, num_slots))
+        zero = jnp.zeros((r, tpu.LANES), jnp.uint32)
 
         def masked(words, ok):
             return [jnp.where(ok, w, zero) for w in words]
 
-        f = masked(T.rows_to_planes(rows[slot]), s_ok)
+        f = masked(tpu.rows_to_planes(rows[slot]), s_ok)
         tok, pos, link, rkv = (f[1], f[0]), (f[3], f[2]), (f[5], f[4]), (f[7], f[6])
-        p_ok = checked & T.pair_in_range(prev_p, num_slots) & \
-            jnp.logical_not(T.pair_is_zero(prev_p))
-        reuse = p_ok & jnp.logical_not(first) & H.eq(prev_p, tuple(map(T.shift_one, slot_p)))
-        pf = masked(T.rows_to_planes(prow[slot]), p_ok)
-        pf = [jnp.where(reuse, T.shift_one(cur), other) for cur, other in zip(f[:6], pf[:6])]
+        p_ok = checked & tpu.pair_in_range(prev_p, num_slots) & \
+            jnp.logical_not(tpu.pair_is_zero(prev_p))
+        reuse = (p_ok & jnp.logical_not(first)
+                 & hashing_u32.eq(prev_p, tuple(map(tpu.shift_one, slot_p))))
+        pf = masked(tpu.rows_to_planes(prow[slot]), p_ok)
+        pf = [jnp.where(reuse, tpu.shift_one(cur), other) for cur, other in zip(f[:6], pf[:6])]
         p_tok, p_pos, p_link = (pf[1], pf[0]), (pf[3], pf[2]), (pf[5], pf[4])
-        anchor = H.const(H.join_int(*H.ANCHOR_HASH), zero)
-        linked = H.mix3(p_link, p_tok, p_pos)
-        neg = H.is_neg(prev_p)
+        anchor = hashing_u32.const(hashing_u32.join_int(*hashing_u32.ANCHOR_HASH), zero)
+        linked = hashing_u32.mix3(p_link, p_tok, p_pos)
+        neg = hashing_u32.is_neg(prev_p)
         exp_chain = (jnp.where(neg, anchor[0], linked[0]), jnp.where(neg, anchor[1], linked[1]))
-        chain_checked = jnp.logical_not(T.pair_is_zero(prev_p))
+        chain_checked = jnp.logical_not(tpu.pair_is_zero(prev_p))
         exp_aux = tuple(jnp.where(chain_checked, e, l_) for e, l_ in zip(exp_chain, link))
         if has_rkv:
-            k = T.planes(rkv_v.at[slot])
-            ok = checked & jnp.logical_not(H.is_neg(slot_p))
+            k = tpu.planes(rkv_v.at[slot])
+            ok = checked & jnp.logical_not(hashing_u32.is_neg(slot_p))
             exp_rkv = (jnp.where(ok, k[0], zero), jnp.where(ok, k[1], zero))
         else:
             exp_rkv = (zero, zero)
-        bits = (jnp.where(chain_checked & H.ne(link, exp_chain),
+        bits = (jnp.where(chain_checked & hashing_u32.ne(link, exp_chain),
                           int(_F.VERIFY_CHAIN_HASH_MISMATCH), 0)
-                | jnp.where(H.ne(pos, epos_p), int(_F.VERIFY_POSITION_MISMATCH), 0)
-                | jnp.where(H.ne(rkv, exp_rkv), int(_F.VERIFY_REAL_KV_HASH_MISMATCH), 0))
-        minus1 = H.const(-1, zero)
+                | jnp.where(hashing_u32.ne(pos, epos_p), int(_F.VERIFY_POSITION_MISMATCH), 0)
+                | jnp.where(hashing_u32.ne(rkv, exp_rkv), int(_F.VERIFY_REAL_KV_HASH_MISMATCH), 0))
+        minus1 = hashing_u32.const(-1, zero)
         if check_token:
             exp_tok = etok_p
-            bits = bits | jnp.where(H.ne(exp_tok, minus1) & H.ne(tok, exp_tok),
+            bits = bits | jnp.where(hashing_u32.ne(exp_tok, minus1) & hashing_u32.ne(tok, exp_tok),
                                     int(_F.VERIFY_TOKEN_MISMATCH), 0)
         else:
             exp_tok = minus1
         viol = checked & (bits != 0)
-        bits_p = (zero, T.u32(bits))
-        words = T.record_words(jnp.full((r, T.LANES), kind, jnp.int32),
-                               [slot_p, pos, tok, exp_tok, link, exp_aux, bits_p])
+        bits_p = (zero, tpu.u32(bits))
+        words = tpu.record_words(jnp.full((r, tpu.LANES), kind, jnp.int32),
+                                 [slot_p, pos, tok, exp_tok, link, exp_aux, bits_p])
         ring.append_block(viol, words, idx)
 
-    T.pipeline(nblocks, fetch=fetch, issue=issue, wait=wait, body=check)
+    tpu.pipeline(nblocks, fetch=fetch, issue=issue, wait=wait, body=check)
 
     # Counters: kernel_run_counter + 1 always; slot_run_counter + the active entries.
     def add64(at, v):
-        lo = T.u32(st_in[at])
-        hi = T.u32(st_in[at + 1])
-        new_hi, new_lo = H.add_u32((hi, lo), T.u32(v))
-        st_out[at] = T.i32(new_lo)
-        st_out[at + 1] = T.i32(new_hi)
+        lo = tpu.u32(st_in[at])
+        hi = tpu.u32(st_in[at + 1])
+        new_hi, new_lo = hashing_u32.add_u32((hi, lo), tpu.u32(v))
+        st_out[at] = tpu.i32(new_lo)
+        st_out[at + 1] = tpu.i32(new_hi)
 
     st_out[_NVALID] = nvalid
     st_out[_ENABLE] = st_in[_ENABLE]
@@ -306,27 +307,28 @@ def run(context: VerifyOrWriteContext, plan: VerifyPlan, *, check_verify_expecte
     sources = context.bound_sources()
     capacity = int(plan.verify_slot_indices.shape[0])
     block = config.block
-    cap_pad = T.pad_to(capacity, block)
+    cap_pad = tpu.pad_to(capacity, block)
     num_slots = int(context.canary_buf.shape[0])
     ring_cap = int(context.violation_ring.shape[0])
 
-    entries = jnp.stack([T.to_pair_rows(x, cap_pad) for x in (
+    entries = jnp.stack([tpu.to_pair_rows(x, cap_pad) for x in (
         plan.verify_slot_indices, plan.verify_prev_slot_indices, plan.verify_expected_tokens,
         plan.verify_expected_positions)])
-    canary = T.words32(context.canary_buf) if num_slots else jnp.zeros((1, 8), jnp.int32)
-    ring = T.words32(context.violation_ring) if ring_cap else jnp.zeros((1, 16), jnp.int32)
+    canary = tpu.words32(context.canary_buf) if num_slots else jnp.zeros((1, 8), jnp.int32)
+    ring = tpu.words32(context.violation_ring) if ring_cap else jnp.zeros((1, 16), jnp.int32)
     st = jnp.concatenate([  # the status words _NVALID, _ENABLE, then _WIDX.._KCTR
         plan.verify_num_valid.astype(jnp.int32).reshape(1),
-        plan.enable.astype(jnp.int32).reshape(1), T.counter_words(context),
+        plan.enable.astype(jnp.int32).reshape(1), tpu.counter_words(context),
         jnp.zeros((1,), jnp.int32)])
     has_rkv = bool(sources) and mode != int(consts.RealKvHashMode.NONE)
     if has_rkv:
         live = jnp.where(plan.enable.reshape(()) != 0,
                          jnp.clip(plan.verify_num_valid.reshape(()), 0, capacity), 0)
-        rkv = fp.fingerprints_from_pair_rows(entries[0], live, sources, mode=mode, block=block,
-                                             interpret=config.interpret or False)
+        rkv = fingerprint.fingerprints_from_pair_rows(entries[0], live, sources, mode=mode,
+                                                      block=block,
+                                                      interpret=config.interpret or False)
     else:
-        rkv = jnp.zeros((8, T.LANES), jnp.int32)
+        rkv = jnp.zeros((8, tpu.LANES), jnp.int32)
     kernel = functools.partial(
         _verify_kernel, capacity=capacity, block=block, num_slots=num_slots,
         canary_words=int(canary.shape[1]), ring_cap=ring_cap, kind=kind,
@@ -334,7 +336,7 @@ def run(context: VerifyOrWriteContext, plan: VerifyPlan, *, check_verify_expecte
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     # Bytes: plan (32 B + 16 B into SMEM per entry), two canary rows, a fingerprint (8 B).
     nbytes = capacity * (48 + 64 + (8 if has_rkv else 0)) + ring_cap * 0
-    ring32, st_out = T.call(
+    ring32, st_out = tpu.call(
         kernel, st, entries, canary, rkv, ring,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(1,),
@@ -344,9 +346,9 @@ def run(context: VerifyOrWriteContext, plan: VerifyPlan, *, check_verify_expecte
         out_shape=[jax.ShapeDtypeStruct(ring.shape, jnp.int32),
                    jax.ShapeDtypeStruct((8,), jnp.int32)],
         input_output_aliases={4: 0},
-        compiler_params=T.compiler_params(config.vmem_limit_bytes),
-        cost_estimate=T.cost(bytes_accessed=nbytes, ops=capacity * 1500),
+        compiler_params=tpu.compiler_params(config.vmem_limit_bytes),
+        cost_estimate=tpu.cost(bytes_accessed=nbytes, ops=capacity * 1500),
         interpret=config.interpret or False,
         name="kvcanary_verify_tpu",
     )
-    return T.counters_from_words(context, st_out[_WIDX:], ring32)
+    return tpu.counters_from_words(context, st_out[_WIDX:], ring32)

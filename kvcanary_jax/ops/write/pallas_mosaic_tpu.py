@@ -42,10 +42,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kvcanary_jax import consts
-from kvcanary_jax import hashing_u32 as H
+from kvcanary_jax import hashing_u32
 from kvcanary_jax.context import VerifyOrWriteContext
-from kvcanary_jax.ops import _tpu_fingerprint as fp
-from kvcanary_jax.ops import _tpu_lib as T
+from kvcanary_jax.ops import _tpu_fingerprint as fingerprint
+from kvcanary_jax.ops import _tpu_lib as tpu
 from kvcanary_jax.ops.write.base import WriteTokens
 from kvcanary_jax.plans import WritePlan
 
@@ -71,7 +71,7 @@ _CUR, _ID0, _FLY0, _CNT, _RING, _WRITTEN = 0, 1, 3, 5, 6, 8
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(T.BlockConfig):
+class Config(tpu.BlockConfig):
     """``block``: entries per block of the fingerprint kernel (a multiple of 512); the rest:
     :class:`kvcanary_jax.ops._tpu_lib.Config`."""
 
@@ -116,15 +116,15 @@ def _scratch_shapes(rc: int, cap_pad: int, nfields: int) -> list:
     rows it copies: Mosaic refuses a DMA of a window narrower than its buffer's rows unless it
     is a multiple of 512 bytes (a canary row is 32)."""
     return [
-        pltpu.VMEM((rc, T.LANES, 8), jnp.int32),
-        pltpu.VMEM((2, 2 * rc, T.LANES), jnp.int32),
-        pltpu.SMEM((2, 2 * rc, T.LANES), jnp.int32),
+        pltpu.VMEM((rc, tpu.LANES, 8), jnp.int32),
+        pltpu.VMEM((2, 2 * rc, tpu.LANES), jnp.int32),
+        pltpu.SMEM((2, 2 * rc, tpu.LANES), jnp.int32),
         pltpu.SMEM((cap_pad,), jnp.int32),
-        pltpu.SMEM((2, nfields, CHUNK // 64, T.LANES), jnp.int32),
+        pltpu.SMEM((2, nfields, CHUNK // 64, tpu.LANES), jnp.int32),
         pltpu.SMEM((WRITES_IN_FLIGHT, 8), jnp.int32),
         pltpu.SMEM((WRITES_IN_FLIGHT,), jnp.int32),
         pltpu.SMEM((16,), jnp.int32),
-        pltpu.SMEM(T.RING_STAGE, jnp.int32),
+        pltpu.SMEM(tpu.RING_STAGE, jnp.int32),
         pltpu.SMEM((1, 8), jnp.int32),
         pltpu.SMEM((4,), jnp.int32),
         pltpu.SemaphoreType.DMA((_Sem.WRITE0 + WRITES_IN_FLIGHT,)),
@@ -132,7 +132,7 @@ def _scratch_shapes(rc: int, cap_pad: int, nfields: int) -> list:
 
 
 def _pair_lanes(e):
-    return T.idiv(e, 64), 2 * T.irem(e, 64)
+    return tpu.idiv(e, 64), 2 * tpu.irem(e, 64)
 
 
 def _write_kernel(
@@ -155,7 +155,7 @@ def _write_kernel(
     K = WRITES_IN_FLIGHT
     rc = seed_rows.shape[0]  # request plane rows
     rt = ocl_v.shape[0] // 2  # token plane rows
-    ring = T.Ring(ring_hbm, ring_cap, misc, _RING, s_.ring_stage, sems.at[_Sem.RING])
+    ring = tpu.Ring(ring_hbm, ring_cap, misc, _RING, s_.ring_stage, sems.at[_Sem.RING])
     ring.start(st_in[_WIDX])
     active = jnp.clip(st_in[_NVALID], 0, cap)
     cpa_on = st_in[_CPA] != 0
@@ -163,33 +163,33 @@ def _write_kernel(
 
     def offset(r):
         row, col = _pair_lanes(r)
-        return T.u32(off_s[row, col + 1]), T.u32(off_s[row, col])
+        return tpu.u32(off_s[row, col + 1]), tpu.u32(off_s[row, col])
 
     def token_range(r):
-        lo = T.pair_clamp(offset(r), num_tokens)
-        hi = T.pair_clamp(offset(r + 1), num_tokens)
+        lo = tpu.pair_clamp(offset(r), num_tokens)
+        hi = tpu.pair_clamp(offset(r + 1), num_tokens)
         return lo, jnp.maximum(hi, lo)
 
     def seed(r):
         row, col = _pair_lanes(r)
-        return T.u32(seed_s[row, col + 1]), T.u32(seed_s[row, col])
+        return tpu.u32(seed_s[row, col + 1]), tpu.u32(seed_s[row, col])
 
     # -- 1. seed hazards (vector): hz[r] = 1 when an earlier request writes request r's seed.
     # The tokens written so far are carried as int32 0 / 1, not bool: Mosaic cannot carry a
     # mask vector through a loop ("failed to legalize operation 'scf.for'").
-    ocl = T.planes(ocl_v)
-    tok_idx = T.entry_index(rt)
-    writes = T.pair_in_range(ocl, num_slots) & (tok_idx < num_tokens)
+    ocl = tpu.planes(ocl_v)
+    tok_idx = tpu.entry_index(rt)
+    writes = tpu.pair_in_range(ocl, num_slots) & (tok_idx < num_tokens)
 
     def hazard(r, written):
         lo, hi = token_range(r)
         s = seed(r)
-        hit = T.sum_scalar(jnp.where(H.eq(ocl, (jnp.full_like(ocl[0], s[0]),
-                                                jnp.full_like(ocl[1], s[1]))), written, 0))
-        hz[r] = jnp.where(T.pair_in_range(s, num_slots) & (hit > 0), 1, 0)
+        seed_pair = (jnp.full_like(ocl[0], s[0]), jnp.full_like(ocl[1], s[1]))
+        hit = tpu.sum_scalar(jnp.where(hashing_u32.eq(ocl, seed_pair), written, 0))
+        hz[r] = jnp.where(tpu.pair_in_range(s, num_slots) & (hit > 0), 1, 0)
         return jnp.where((tok_idx >= lo) & (tok_idx < hi) & writes, 1, written)
 
-    lax.fori_loop(0, active, hazard, jnp.zeros((rt, T.LANES), jnp.int32))
+    lax.fori_loop(0, active, hazard, jnp.zeros((rt, tpu.LANES), jnp.int32))
 
     # -- 2. seed rows of the other requests, first links and last positions (vector).
     def row_copy(row, dst):
@@ -200,31 +200,31 @@ def _write_kernel(
     def fetch_seed(r, count):
         lo, hi = token_range(r)
         s = seed(r)
-        ok = (hi > lo) & T.pair_in_range(s, num_slots) & (hz[r] == 0)
+        ok = (hi > lo) & tpu.pair_in_range(s, num_slots) & (hz[r] == 0)
 
         @pl.when(ok)
         def _():
-            row_copy(T.i32(s[1]), seed_rows.at[T.idiv(r, T.LANES),
-                                               pl.ds(T.irem(r, T.LANES), 1)]).start()
+            row_copy(tpu.i32(s[1]), seed_rows.at[tpu.idiv(r, tpu.LANES),
+                                                 pl.ds(tpu.irem(r, tpu.LANES), 1)]).start()
 
         return count + ok.astype(jnp.int32)
 
     n_seed = lax.fori_loop(0, active, fetch_seed, jnp.int32(0))
-    T.wait_n(row_copy(0, seed_rows.at[0, pl.ds(0, 1)]), n_seed)
-    seeds = T.planes(seed_v)
-    req = T.entry_index(rc)
-    fetched = (req < active) & T.pair_in_range(seeds, num_slots)
-    zero = jnp.zeros((rc, T.LANES), jnp.uint32)
-    f = [jnp.where(fetched, w, zero) for w in T.rows_to_planes(seed_rows[...])]
+    tpu.wait_n(row_copy(0, seed_rows.at[0, pl.ds(0, 1)]), n_seed)
+    seeds = tpu.planes(seed_v)
+    req = tpu.entry_index(rc)
+    fetched = (req < active) & tpu.pair_in_range(seeds, num_slots)
+    zero = jnp.zeros((rc, tpu.LANES), jnp.uint32)
+    f = [jnp.where(fetched, w, zero) for w in tpu.rows_to_planes(seed_rows[...])]
     s_tok, s_pos, s_link = (f[1], f[0]), (f[3], f[2]), (f[5], f[4])
-    h0 = H.mix3(s_link, s_tok, s_pos)
-    anchor = H.const(H.join_int(*H.ANCHOR_HASH), zero)
-    neg = H.is_neg(seeds)
+    h0 = hashing_u32.mix3(s_link, s_tok, s_pos)
+    anchor = hashing_u32.const(hashing_u32.join_int(*hashing_u32.ANCHOR_HASH), zero)
+    neg = hashing_u32.is_neg(seeds)
     h0 = (jnp.where(neg, anchor[0], h0[0]), jnp.where(neg, anchor[1], h0[1]))
     pos_check = jnp.logical_not(neg) & cpa_on
     last0 = (jnp.where(pos_check, s_pos[0], zero), jnp.where(pos_check, s_pos[1], zero))
-    T.store_planes(init_v.at[0], *h0)
-    T.store_planes(init_v.at[1], *last0)
+    tpu.store_planes(init_v.at[0], *h0)
+    tpu.store_planes(init_v.at[1], *last0)
     # VMEM -> HBM -> SMEM: the chain reads them as scalars.
     out = pltpu.make_async_copy(init_v, init_hbm, sems.at[_Sem.ROW])
     out.start()
@@ -250,7 +250,7 @@ def _write_kernel(
 
     def switch_chunk(k):
         """Makes chunk k resident (buffer k % 2) and starts fetching chunk k + 1."""
-        slot = T.irem(k, 2)
+        slot = tpu.irem(k, 2)
 
         @pl.when(misc[_ID0 + slot] != k)
         def _():
@@ -282,15 +282,15 @@ def _write_kernel(
         misc[_CUR] = k
 
     def field(i, f):
-        k = T.idiv(i, CHUNK)
+        k = tpu.idiv(i, CHUNK)
 
         @pl.when(misc[_CUR] != k)
         def _():
             switch_chunk(k)
 
         row, col = _pair_lanes(i - k * CHUNK)
-        slot = T.irem(k, 2)
-        return T.u32(chunk[slot, f, row, col + 1]), T.u32(chunk[slot, f, row, col])
+        slot = tpu.irem(k, 2)
+        return tpu.u32(chunk[slot, f, row, col + 1]), tpu.u32(chunk[slot, f, row, col])
 
     def write_copy(q, row):
         src = stage.at[pl.ds(q, 1)]
@@ -314,7 +314,7 @@ def _write_kernel(
             def _(j=j):
                 settle(j)
 
-        q = T.irem(misc[_CNT], K)
+        q = tpu.irem(misc[_CNT], K)
         settle(q)
         for w, v in enumerate(words):
             stage[q, w] = v
@@ -331,51 +331,51 @@ def _write_kernel(
             # The seed was written earlier in this launch: read it now.
             drain()
             c = pltpu.make_async_copy(
-                canary_hbm.at[pl.ds(T.i32(s[1]), 1)] if canary_words == 8 else
-                canary_hbm.at[pl.ds(T.i32(s[1]), 1), pl.ds(0, 8)],
+                canary_hbm.at[pl.ds(tpu.i32(s[1]), 1)] if canary_words == 8 else
+                canary_hbm.at[pl.ds(tpu.i32(s[1]), 1), pl.ds(0, 8)],
                 s_.seed_row, sems.at[_Sem.ROW])
             c.start()
             c.wait()
-            w = [T.u32(s_.seed_row[0, i]) for i in range(6)]
-            h = H.mix3((w[5], w[4]), (w[1], w[0]), (w[3], w[2]))
+            w = [tpu.u32(s_.seed_row[0, i]) for i in range(6)]
+            h = hashing_u32.mix3((w[5], w[4]), (w[1], w[0]), (w[3], w[2]))
             last = (jnp.where(cpa_on, w[3], zero32), jnp.where(cpa_on, w[2], zero32))
             for i, v in enumerate((*h, *last)):
-                s_.seed_chain[i] = T.i32(v)
+                s_.seed_chain[i] = tpu.i32(v)
 
         row, col = _pair_lanes(r)
         hazardous = hz[r] == 1
-        h = tuple(jnp.where(hazardous, T.u32(s_.seed_chain[i]),
-                            T.u32(init_s[0, row, col + 1 - i])) for i in range(2))
-        last = tuple(jnp.where(hazardous, T.u32(s_.seed_chain[2 + i]),
-                               T.u32(init_s[1, row, col + 1 - i])) for i in range(2))
-        pos_check = jnp.logical_not(H.is_neg(s)) & cpa_on
+        h = tuple(jnp.where(hazardous, tpu.u32(s_.seed_chain[i]),
+                            tpu.u32(init_s[0, row, col + 1 - i])) for i in range(2))
+        last = tuple(jnp.where(hazardous, tpu.u32(s_.seed_chain[2 + i]),
+                               tpu.u32(init_s[1, row, col + 1 - i])) for i in range(2))
+        pos_check = jnp.logical_not(hashing_u32.is_neg(s)) & cpa_on
 
         def token(i, carry):
             h, last = carry
             slot = field(i, _SLOT)
-            ok = T.pair_in_range(slot, num_slots)
+            ok = tpu.pair_in_range(slot, num_slots)
             tok = field(i, _TOK)
             pos = field(i, _POS)
             if check_input:
                 etok, epos = field(i, _ETOK), field(i, _EPOS)
-                bits = (jnp.where(H.ne(tok, etok), int(_F.WRITE_TOKEN_MISMATCH), 0)
-                        | jnp.where(H.ne(pos, epos), int(_F.WRITE_POSITION_MISMATCH), 0))
-                ring.append(T.record_words(jnp.int32(kind), [
-                    slot, pos, tok, etok, h, epos, (zero32, T.u32(bits))]), ok & (bits != 0))
-            expected = H.add_u32(last, jnp.uint32(1))
-            ring.append(T.record_words(jnp.int32(kind), [
+                bits = (jnp.where(hashing_u32.ne(tok, etok), int(_F.WRITE_TOKEN_MISMATCH), 0)
+                        | jnp.where(hashing_u32.ne(pos, epos), int(_F.WRITE_POSITION_MISMATCH), 0))
+                ring.append(tpu.record_words(jnp.int32(kind), [
+                    slot, pos, tok, etok, h, epos, (zero32, tpu.u32(bits))]), ok & (bits != 0))
+            expected = hashing_u32.add_u32(last, jnp.uint32(1))
+            ring.append(tpu.record_words(jnp.int32(kind), [
                 slot, pos, tok, tok, h, expected,
                 (zero32, jnp.uint32(int(_F.WRITE_POSITION_MISMATCH)))]),
-                ok & pos_check & H.ne(pos, expected))
+                ok & pos_check & hashing_u32.ne(pos, expected))
 
             @pl.when(ok)
             def _():
                 rkv = field(i, _RKV)
-                store(T.i32(slot[1]), [T.i32(v) for v in (
+                store(tpu.i32(slot[1]), [tpu.i32(v) for v in (
                     tok[1], tok[0], pos[1], pos[0], h[1], h[0], rkv[1], rkv[0])])
                 misc[_WRITTEN] = misc[_WRITTEN] + 1
 
-            nh = H.mix3(h, tok, pos)
+            nh = hashing_u32.mix3(h, tok, pos)
             h = tuple(jnp.where(ok, a, b) for a, b in zip(nh, h))
             last = tuple(jnp.where(ok, a, b) for a, b in zip(pos, last))
             return h, last
@@ -391,9 +391,10 @@ def _write_kernel(
             chunk_copy(0, slot).wait()
 
     def add64(at, v):
-        new_hi, new_lo = H.add_u32((T.u32(st_in[at + 1]), T.u32(st_in[at])), T.u32(v))
-        st_out[at] = T.i32(new_lo)
-        st_out[at + 1] = T.i32(new_hi)
+        new_hi, new_lo = hashing_u32.add_u32((tpu.u32(st_in[at + 1]), tpu.u32(st_in[at])),
+                                             tpu.u32(v))
+        st_out[at] = tpu.i32(new_lo)
+        st_out[at + 1] = tpu.i32(new_hi)
 
     st_out[_NVALID] = st_in[_NVALID]
     st_out[_CPA] = st_in[_CPA]
@@ -404,13 +405,13 @@ def _write_kernel(
 
 
 def smem_bytes(capacity: int, check_input: bool) -> int:
-    cap_pad = T.pad_to(capacity + 1, T.PAIR_TILE)
+    cap_pad = tpu.pad_to(capacity + 1, tpu.PAIR_TILE)
     nfields = 6 if check_input else 4
     return (8 * cap_pad * 2  # offsets, seeds (scalar prefetch)
             + 8 * cap_pad * 2  # first links, last positions
             + 4 * cap_pad  # hazards
             + 2 * nfields * CHUNK * 8  # token chunks
-            + 4 * T.LANES * (WRITES_IN_FLIGHT + 1) + 64)
+            + 4 * tpu.LANES * (WRITES_IN_FLIGHT + 1) + 64)
 
 
 def run(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
@@ -429,15 +430,15 @@ def run(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
             f"kv-canary: canary_write (pallas_mosaic_tpu): a write plan of {cap} requests needs "
             f"{need} bytes of SMEM, more than the kernel's budget of {SMEM_BUDGET}; use "
             f"implementation='xla' for plans this large")
-    cap_pad = T.pad_to(cap + 1, T.PAIR_TILE)
-    t_pad = T.pad_to(num_tokens, CHUNK)
-    t_pad = T.pad_to(t_pad, config.block)
+    cap_pad = tpu.pad_to(cap + 1, tpu.PAIR_TILE)
+    t_pad = tpu.pad_to(num_tokens, CHUNK)
+    t_pad = tpu.pad_to(t_pad, config.block)
     zeros = jnp.zeros((1,), jnp.int64)
-    rows = lambda x: T.to_pair_rows(x if x.shape[0] else zeros, t_pad)  # noqa: E731
+    rows = lambda x: tpu.to_pair_rows(x if x.shape[0] else zeros, t_pad)  # noqa: E731
     ocl = rows(tokens.out_cache_loc)
     has_rkv = bool(sources) and mode != int(consts.RealKvHashMode.NONE)
     if has_rkv:
-        rkv = fp.fingerprints_from_pair_rows(
+        rkv = fingerprint.fingerprints_from_pair_rows(
             ocl, jnp.asarray([num_tokens], jnp.int32), sources, mode=mode, block=config.block,
             interpret=config.interpret or False)
     else:
@@ -446,15 +447,15 @@ def run(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
     if check_input:
         fields += [rows(tokens.expected_input_tokens), rows(tokens.expected_input_positions)]
     toks = jnp.stack(fields)
-    off = T.to_pair_rows(plan.write_offsets, cap_pad)
-    seeds = T.to_pair_rows(plan.write_seed_slot_indices if cap else zeros, cap_pad)
-    canary = T.words32(context.canary_buf) if num_slots else jnp.zeros((1, 8), jnp.int32)
-    ring = T.words32(context.violation_ring) if ring_cap else jnp.zeros((1, 16), jnp.int32)
+    off = tpu.to_pair_rows(plan.write_offsets, cap_pad)
+    seeds = tpu.to_pair_rows(plan.write_seed_slot_indices if cap else zeros, cap_pad)
+    canary = tpu.words32(context.canary_buf) if num_slots else jnp.zeros((1, 8), jnp.int32)
+    ring = tpu.words32(context.violation_ring) if ring_cap else jnp.zeros((1, 16), jnp.int32)
     st = jnp.concatenate([  # the status words _NVALID, _CPA, then _WIDX.._KCTR
         plan.write_num_valid_reqs.astype(jnp.int32).reshape(1),
         context.enable_chain_position_assert.astype(jnp.int32).reshape(1),
-        T.counter_words(context), jnp.zeros((1,), jnp.int32)])
-    rc = cap_pad // T.LANES
+        tpu.counter_words(context), jnp.zeros((1,), jnp.int32)])
+    rc = cap_pad // tpu.LANES
     kernel = functools.partial(
         _write_kernel, cap=cap, num_tokens=num_tokens, num_slots=num_slots,
         canary_words=int(canary.shape[1]), ring_cap=ring_cap, kind=kind,
@@ -462,7 +463,7 @@ def run(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     vmem_spec = pl.BlockSpec(memory_space=pltpu.VMEM)
     nbytes = num_tokens * (8 * len(fields) + 8 + 32) + cap * 48
-    canary32, ring32, st_out, _ = T.call(
+    canary32, ring32, st_out, _ = tpu.call(
         kernel, st, off, seeds, toks, seeds, ocl, canary, ring,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3, grid=(1,),
@@ -472,14 +473,14 @@ def run(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
         out_shape=[jax.ShapeDtypeStruct(canary.shape, jnp.int32),
                    jax.ShapeDtypeStruct(ring.shape, jnp.int32),
                    jax.ShapeDtypeStruct((8,), jnp.int32),
-                   jax.ShapeDtypeStruct((2, 2 * rc, T.LANES), jnp.int32)],
+                   jax.ShapeDtypeStruct((2, 2 * rc, tpu.LANES), jnp.int32)],
         input_output_aliases={6: 0, 7: 1},
-        compiler_params=T.compiler_params(config.vmem_limit_bytes),
-        cost_estimate=T.cost(bytes_accessed=nbytes, ops=num_tokens * 400 + cap * 300),
+        compiler_params=tpu.compiler_params(config.vmem_limit_bytes),
+        cost_estimate=tpu.cost(bytes_accessed=nbytes, ops=num_tokens * 400 + cap * 300),
         interpret=config.interpret or False,
         name="kvcanary_write_tpu",
     )
     canary_in = context.canary_buf
-    return T.counters_from_words(
+    return tpu.counters_from_words(
         context, st_out[_WIDX:], ring32,
-        canary_buf=T.from_words32(canary32, canary_in) if num_slots else canary_in)
+        canary_buf=tpu.from_words32(canary32, canary_in) if num_slots else canary_in)
