@@ -70,10 +70,18 @@ HAND_CASES = {
 @pytest.mark.parametrize("impl", IMPLS_TPU)
 @pytest.mark.parametrize("name", sorted(HAND_CASES))
 def test_hand_cases_match_oracle(sgl, name, impl):
+    """Exact, except where requests share a row (the duplicate-rows case) on an implementation
+    without request order (the GPU): there each shared cell holds one of its writers' values."""
     flat, offsets, rpi, shape = HAND_CASES[name]
     pool = np.full(shape, MARK, np.int32)
     expected = oracle(sgl, flat, offsets, rpi, pool)
-    np.testing.assert_array_equal(_ours(impl, flat, offsets, rpi, pool), expected)
+    got = _ours(impl, flat, offsets, rpi, pool)
+    writes = _races.scatter_writes(flat, offsets, rpi, pool.shape)
+    if _impls.in_reference_order(impl) or not _races.contested_cells(writes, pool.shape):
+        np.testing.assert_array_equal(got, expected)
+    else:
+        _races.assert_scatter_outcome(got, pool, writes)
+        _races.assert_scatter_outcome(expected, pool, writes)  # SGLang's order is one outcome
     np.testing.assert_array_equal(
         np.asarray(
             kc.scatter_req_token_ids_reference(
