@@ -528,8 +528,9 @@ def _hostile_fuzz(sgl, bucket, n_cases, seed, implementation):
             got = _ours(implementation, flat, offsets, rpi, pool, max_context_len=max_cols)
             with jax.enable_x64(True):
                 want = np.asarray(base.reference(
-                    jnp.asarray(flat), jnp.asarray(offsets), jnp.asarray(rpi),
-                    jnp.asarray(pool), max_cols=max_cols))
+                    base.ScatterInputs(flat_in=jnp.asarray(flat), offsets=jnp.asarray(offsets),
+                                       req_pool_indices=jnp.asarray(rpi),
+                                       pool_out=jnp.asarray(pool)), max_cols=max_cols))
             if _sglang_defined(flat, offsets, rpi, rows):
                 n_sglang += 1
                 w = cols if max_cols is None else max_cols
