@@ -41,6 +41,7 @@ from kvcanary_jax.ops import scatter as _scatter
 from kvcanary_jax.ops import verify as _verify
 from kvcanary_jax.ops import write as _write
 from kvcanary_jax.ops.plan import base as _plan_base
+from kvcanary_jax.ops.scatter.base import ScatterInputs
 from kvcanary_jax.ops.verify import base as _verify_base
 from kvcanary_jax.ops.write import base as _write_base
 from kvcanary_jax.ops.write.base import WriteTokens
@@ -251,10 +252,14 @@ def _scatter_args(flat_in, offsets, rpi, pool_name, pool):
     return args
 
 
+def _scatter_call(inputs: ScatterInputs, *, max_cols, platform):
+    return _scatter.run(inputs, max_cols=max_cols, implementation=_impl("scatter", platform))
+
+
 def scatter_fn(named, *, max_cols, platform):
-    return {"pool_out": _scatter.run(named["flat_in"], named["offsets"],
-                                     named["req_pool_indices"], named["pool_out"],
-                                     max_cols=max_cols, implementation=_impl("scatter", platform))}
+    # The arguments are named after ScatterInputs' fields; the pool comes back as pool_out.
+    return {"pool_out": _scatter_call(_rebuild(ScatterInputs, named), max_cols=max_cols,
+                                      platform=platform)}
 
 
 def _scatter_arguments(kw, ts):
@@ -662,10 +667,15 @@ def _step_validate(kw, ts):
                       verify_slot_indices=kw["verify_plan_out"].verify_slot_indices))
 
 
+# The step's scatter reads the step's own arguments: each ScatterInputs field and the step
+# argument (SGLang's launch_canary_step name) bound to it.
+_STEP_SCATTER = dict(flat_in="expected_token_ids", offsets="expected_token_offsets",
+                     req_pool_indices="req_pool_indices",
+                     pool_out="req_to_verify_expected_tokens")
+
+
 def _step_scatter_tensors(kw):
-    return dict(flat_in=kw["expected_token_ids"], offsets=kw["expected_token_offsets"],
-                req_pool_indices=kw["req_pool_indices"],
-                pool_out=kw["req_to_verify_expected_tokens"])
+    return {field: kw[name] for field, name in _STEP_SCATTER.items()}
 
 
 def _step_write_kw(kw):
@@ -698,10 +708,9 @@ def step_fn(named, *, scatter_cols, swa, cap, k, sources, kind, mode, check_toke
             check_input, platform):
     if scatter_cols is not None:
         # The scatter writes the expected-token pool, which the plan then reads.
-        named = dict(named, req_to_verify_expected_tokens=_scatter.run(
-            named["expected_token_ids"], named["expected_token_offsets"],
-            named["req_pool_indices"], named["req_to_verify_expected_tokens"],
-            max_cols=scatter_cols, implementation=_impl("scatter", platform)))
+        inputs = ScatterInputs(**{field: named[name] for field, name in _STEP_SCATTER.items()})
+        named = dict(named, req_to_verify_expected_tokens=_scatter_call(
+            inputs, max_cols=scatter_cols, platform=platform))
     vp, wp = _plan_call(named, swa=swa, cap=cap, k=k, platform=platform)
     context = _context(named, op="write", kind=kind, mode=mode, sources=sources)
     context = _verify_call(context, vp, check=check_token, platform=platform)

@@ -237,7 +237,8 @@ def _shapes_keys(op):
 
     z = lambda *shape: np.zeros(shape)  # noqa: E731
     if op == "scatter":
-        return scatter_base.shapes(z(4), z(3), z(2), z(3, 5), 5)
+        return scatter_base.shapes(scatter_base.ScatterInputs(
+            flat_in=z(4), offsets=z(3), req_pool_indices=z(2), pool_out=z(3, 5)), max_cols=5)
     ns = types.SimpleNamespace
     if op == "verify":
         return verify_base.shapes(ns(canary_buf=z(8, 32)), ns(verify_slot_indices=z(6)))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -98,6 +100,32 @@ def test_hand_values(impl):
     flat = _i64(10, 11, 12, 2**32 + 5, 14)
     out = _ours(impl, flat, _i64(0, 2, 5), _i64(2, 0), np.full((3, 3), -1, np.int32))
     np.testing.assert_array_equal(out, [[12, 5, 14], [-1, -1, -1], [10, 11, -1]])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_array_level_entry_takes_named_inputs(impl):
+    """``run`` and the reference take one ScatterInputs pytree (SGLang's names, its leaves in
+    that order) with ``max_cols`` as a keyword, and return the pool; under a jit that donates
+    the pool it is updated in place. Hand-checked: 2 columns of 3 may be written."""
+    from kvcanary_jax.ops.scatter import ScatterInputs, base, run
+
+    with jax.enable_x64(True):
+        inputs = ScatterInputs(flat_in=jnp.asarray(_i64(10, 11, 12, 2**32 + 5, 14)),
+                               offsets=jnp.asarray(_i64(0, 2, 5)),
+                               req_pool_indices=jnp.asarray(_i64(2, 0)),
+                               pool_out=jnp.full((3, 3), -1, jnp.int32))
+        assert [k[0].name for k, _ in jax.tree_util.tree_flatten_with_path(inputs)[0]] == [
+            "flat_in", "offsets", "req_pool_indices", "pool_out"]
+        want = [[12, 5, -1], [-1, -1, -1], [10, 11, -1]]
+        np.testing.assert_array_equal(base.reference(inputs, max_cols=2), want)
+        # The pool is donated on its own: the other leaves are only read.
+        step = jax.jit(lambda x, pool: run(dataclasses.replace(x, pool_out=pool), max_cols=2,
+                                           implementation=impl,
+                                           config=_impls.config("scatter", impl)),
+                       donate_argnames="pool")
+        pool = jnp.full((3, 3), -1, jnp.int32)
+        np.testing.assert_array_equal(step(inputs, pool), want)
+        assert pool.is_deleted()
 
 
 # --- fuzz -----------------------------------------------------------------------------------
@@ -536,8 +564,9 @@ def _hostile_fuzz(sgl, bucket, n_cases, seed, implementation):
             got = _ours(implementation, flat, offsets, rpi, pool, max_context_len=max_cols)
             with jax.enable_x64(True):
                 want = np.asarray(base.reference(
-                    jnp.asarray(flat), jnp.asarray(offsets), jnp.asarray(rpi),
-                    jnp.asarray(pool), max_cols=max_cols))
+                    base.ScatterInputs(flat_in=jnp.asarray(flat), offsets=jnp.asarray(offsets),
+                                       req_pool_indices=jnp.asarray(rpi),
+                                       pool_out=jnp.asarray(pool)), max_cols=max_cols))
             if _sglang_defined(flat, offsets, rpi, rows):
                 n_sglang += 1
                 w = cols if max_cols is None else max_cols

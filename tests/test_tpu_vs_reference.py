@@ -142,7 +142,8 @@ def test_scatter_against_the_jnp_reference():
             flat = jnp.asarray(rng.integers(-(2**62), 2**62, n), jnp.int64)
             pool = jnp.asarray(rng.integers(-99, 99, (rows, cols)), jnp.int32)
             args = (flat, jnp.asarray(offsets, jnp.int64), jnp.asarray(rpi, jnp.int64), pool)
-            want = scatter_base.reference(*args)
+            want = scatter_base.reference(scatter_base.ScatterInputs(
+                flat_in=args[0], offsets=args[1], req_pool_indices=args[2], pool_out=args[3]))
             got = kc.scatter_req_token_ids(flat_in=args[0], offsets=args[1],
                                            req_pool_indices=args[2], pool_out=args[3],
                                            implementation=TPU,

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from kvcanary_jax import _config
 from kvcanary_jax.ops import _registry
 from kvcanary_jax.ops.scatter import base
+from kvcanary_jax.ops.scatter.base import ScatterInputs
 
 __all__ = ["OP", "run", "scatter_req_token_ids"]
 
@@ -17,27 +18,26 @@ OP = _registry.standard_op("scatter")
 
 
 @functools.partial(jax.jit, static_argnames=("max_cols", "implementation", "config"))
-def _run(flat_in, offsets, req_pool_indices, pool_out, *, max_cols, implementation, config):
-    return base.sized_call(functools.partial(OP.run, implementation), flat_in, offsets,
-                           req_pool_indices, pool_out, max_cols=max_cols, config=config)
+def _run(inputs, *, max_cols, implementation, config):
+    return base.sized_call(functools.partial(OP.run, implementation, config=config), inputs,
+                           max_cols=max_cols)
 
 
 @_config.entry_point
-def run(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int | None = None,
+def run(inputs: ScatterInputs, *, max_cols: int | None = None,
         implementation: str | None = None, config=None) -> jax.Array:
     """Array-level scatter, without the contract's checks (the torch bridge checks the same
-    contract on its tensors): returns the updated pool, aliased to ``pool_out``.
+    contract on its tensors): returns the updated pool, aliased to ``inputs.pool_out``.
 
     ``max_cols``: columns a row may receive (default ``pool_out.shape[1]``; the bridge passes the
     view's width when ``pool_out`` is the compact base of a column-sliced view).
     ``implementation``: see :mod:`kvcanary_jax.ops._registry` (default: the platform's);
     ``config``: the implementation's ``Config`` (default: tuned table, else heuristics)."""
-    impl = OP.select(implementation, config=config, args=(pool_out, flat_in))  # the target: see select
-    max_cols = int(pool_out.shape[1] if max_cols is None else max_cols)
-    cfg = OP.config(impl, base.shapes(flat_in, offsets, req_pool_indices, pool_out, max_cols),
-                    config)
-    return _run(flat_in, offsets, req_pool_indices, pool_out, max_cols=max_cols,
-                implementation=impl, config=cfg)
+    impl = OP.select(implementation, config=config,
+                     args=(inputs.pool_out, inputs.flat_in))  # the target: see select
+    max_cols = int(inputs.pool_out.shape[1] if max_cols is None else max_cols)
+    cfg = OP.config(impl, base.shapes(inputs, max_cols=max_cols), config)
+    return _run(inputs, max_cols=max_cols, implementation=impl, config=cfg)
 
 
 @_config.entry_point
@@ -72,6 +72,8 @@ def scatter_req_token_ids(
     Raises SGLang's errors, at trace time: ValueError for dimensionality and the offsets length,
     TypeError for dtypes (int64 inputs, int32 ``pool_out``).
     """
-    args = tuple(jnp.asarray(x) for x in (flat_in, offsets, req_pool_indices, pool_out))
-    base.validate(*args)
-    return run(*args, max_cols=max_context_len, implementation=implementation, config=config)
+    inputs = ScatterInputs(flat_in=jnp.asarray(flat_in), offsets=jnp.asarray(offsets),
+                           req_pool_indices=jnp.asarray(req_pool_indices),
+                           pool_out=jnp.asarray(pool_out))
+    base.validate(inputs)
+    return run(inputs, max_cols=max_context_len, implementation=implementation, config=config)

@@ -28,12 +28,15 @@ Requests that name the same row are applied in request order by the reference (t
 wins, as in SGLang's torch reference); on the GPU their order is unspecified. Unlike SGLang
 0.5.23 (``bs + 1 <= 512``) there is no cap on the number of requests.
 
-This module holds the op's contract, its static shapes (the keys of tuned launch configs) and the
-pure-jnp sequential reference, the test oracle of every implementation.
+This module holds the op's contract, its arguments as one pytree (:class:`ScatterInputs`, taken by
+every layer: ``api.run``, :func:`sized_call`, the reference and each implementation's ``run``,
+statics as keywords, the updated pool returned), its static shapes (the keys of tuned launch
+configs) and the pure-jnp sequential reference, the test oracle of every implementation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -42,7 +45,7 @@ import jax.numpy as jnp
 from kvcanary_jax import _config
 from kvcanary_jax.contracts import Contract, DType, NDim, Rule
 
-__all__ = ["CONTRACT", "validate", "shapes", "sized_call", "reference",
+__all__ = ["CONTRACT", "ScatterInputs", "validate", "shapes", "sized_call", "reference",
            "scatter_req_token_ids_reference"]
 
 _P = "kv-canary: scatter_req_token_ids"
@@ -70,60 +73,80 @@ CONTRACT = Contract(
 )
 
 
-def validate(flat_in, offsets, req_pool_indices, pool_out) -> None:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScatterInputs:
+    """A scatter's arrays, under SGLang's launcher names: int64 ``flat_in [num_tokens]`` (all
+    requests' tokens in request order), int64 ``offsets [bs + 1]`` (their prefix sums), int64
+    ``req_pool_indices [bs]`` (each request's target row) and the int32 pool ``pool_out
+    [max_reqs, width]``, whose updated value every layer returns (aliased to it)."""
+
+    flat_in: jax.Array
+    offsets: jax.Array
+    req_pool_indices: jax.Array
+    pool_out: jax.Array
+
+    def arrays(self) -> dict[str, jax.Array]:
+        """The fields by name (what :data:`CONTRACT` reads)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def validate(inputs: ScatterInputs) -> None:
     """SGLang's checks on the four arrays (raises at trace time)."""
-    CONTRACT.validate(dict(flat_in=flat_in, offsets=offsets, req_pool_indices=req_pool_indices,
-                           pool_out=pool_out))
+    CONTRACT.validate(inputs.arrays())
 
 
-def shapes(flat_in, offsets, req_pool_indices, pool_out, max_cols: int) -> dict[str, int]:
+def shapes(inputs: ScatterInputs, *, max_cols: int) -> dict[str, int]:
     """The static sizes a launch configuration may depend on."""
-    return {"bs": int(req_pool_indices.shape[0]), "num_tokens": int(flat_in.shape[0]),
-            "rows": int(pool_out.shape[0]), "max_cols": int(max_cols)}
+    return {"bs": int(inputs.req_pool_indices.shape[0]),
+            "num_tokens": int(inputs.flat_in.shape[0]),
+            "rows": int(inputs.pool_out.shape[0]), "max_cols": int(max_cols)}
 
 
-def sized_call(fn, flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int, **kw):
-    """``fn(flat_in, offsets, req_pool_indices, pool_out, max_cols=max_cols, **kw)`` (an
-    implementation's ``run``, or the reference), or the pool as it is when a zero size leaves
-    nothing to copy (see the module docstring): no implementation gets an empty array."""
-    if 0 in (req_pool_indices.shape[0], flat_in.shape[0], *pool_out.shape, max_cols):
-        return pool_out
-    return fn(flat_in, offsets, req_pool_indices, pool_out, max_cols=max_cols, **kw)
+def sized_call(fn, inputs: ScatterInputs, *, max_cols: int, **statics) -> jax.Array:
+    """``fn(inputs, max_cols=max_cols, **statics)`` (an implementation's ``run``, or the
+    reference), or the pool as it is when a zero size leaves nothing to copy (see the module
+    docstring): no implementation gets an empty array."""
+    if 0 in (inputs.req_pool_indices.shape[0], inputs.flat_in.shape[0], *inputs.pool_out.shape,
+             max_cols):
+        return inputs.pool_out
+    return fn(inputs, max_cols=max_cols, **statics)
 
 
 @functools.partial(jax.jit, static_argnames=("max_cols",))
-def _reference(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int):
-    num_tokens = flat_in.shape[0]
-    num_rows, width = pool_out.shape
+def _reference(inputs: ScatterInputs, *, max_cols: int):
+    num_tokens = inputs.flat_in.shape[0]
+    num_rows, width = inputs.pool_out.shape
     cols = jnp.arange(width, dtype=jnp.int64)
 
     def one_request(r, pool):
-        start, end = offsets[r], offsets[r + 1]
+        start, end = inputs.offsets[r], inputs.offsets[r + 1]
         write_len = jnp.minimum(end - start, max_cols)
         src = start + cols
         take = (cols < write_len) & (src >= 0) & (src < num_tokens)
-        rp = req_pool_indices[r]
+        rp = inputs.req_pool_indices[r]
         row_ok = (rp >= 0) & (rp < num_rows)
         row = jnp.where(row_ok, rp, 0)
-        vals = flat_in[jnp.clip(src, 0, max(num_tokens - 1, 0))].astype(jnp.int32)
+        vals = inputs.flat_in[jnp.clip(src, 0, max(num_tokens - 1, 0))].astype(jnp.int32)
         new_row = jnp.where(take & row_ok, vals, pool[row])
         return pool.at[row].set(new_row)
 
-    return jax.lax.fori_loop(0, req_pool_indices.shape[0], one_request, pool_out)
+    return jax.lax.fori_loop(0, inputs.req_pool_indices.shape[0], one_request, inputs.pool_out)
 
 
-def reference(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int | None = None):
+def reference(inputs: ScatterInputs, *, max_cols: int | None = None) -> jax.Array:
     """The array-level reference (the arguments and result of an implementation's ``run``):
-    requests applied one after another, no validation. ``max_cols``: columns a row may receive
-    (default: the pool's width)."""
-    max_cols = pool_out.shape[1] if max_cols is None else int(max_cols)
-    return sized_call(_reference, flat_in, offsets, req_pool_indices, pool_out,
-                      max_cols=max_cols)
+    requests applied one after another, no validation; returns the updated pool. ``max_cols``:
+    columns a row may receive (default: the pool's width)."""
+    max_cols = inputs.pool_out.shape[1] if max_cols is None else int(max_cols)
+    return sized_call(_reference, inputs, max_cols=max_cols)
 
 
 @_config.with_x64
 def scatter_req_token_ids_reference(*, flat_in, offsets, req_pool_indices, pool_out) -> jax.Array:
     """Pure-jnp reference of :func:`kvcanary_jax.scatter_req_token_ids` (same validation)."""
-    args = tuple(jnp.asarray(x) for x in (flat_in, offsets, req_pool_indices, pool_out))
-    validate(*args)
-    return reference(*args)
+    inputs = ScatterInputs(flat_in=jnp.asarray(flat_in), offsets=jnp.asarray(offsets),
+                           req_pool_indices=jnp.asarray(req_pool_indices),
+                           pool_out=jnp.asarray(pool_out))
+    validate(inputs)
+    return reference(inputs)

@@ -40,6 +40,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kvcanary_jax import hashing_u32
 from kvcanary_jax.ops import _tpu_lib as tpu
+from kvcanary_jax.ops.scatter.base import ScatterInputs
 
 __all__ = ["Config", "heuristics", "run", "GROUP"]
 
@@ -333,35 +334,35 @@ def _scatter_kernel(
         wait_writes(slot)
 
 
-def run(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int | None, config: Config):
-    """The updated pool (aliased to ``pool_out``). ``max_cols``: columns a row may receive
+def run(inputs: ScatterInputs, *, max_cols: int | None, config: Config):
+    """The updated pool (aliased to ``inputs.pool_out``). ``max_cols``: columns a row may receive
     (default: ``pool_out.shape[1]``)."""
-    bs = int(req_pool_indices.shape[0])
-    num_tokens = int(flat_in.shape[0])
-    rows, width = (int(d) for d in pool_out.shape)
+    bs = int(inputs.req_pool_indices.shape[0])
+    num_tokens = int(inputs.flat_in.shape[0])
+    rows, width = (int(d) for d in inputs.pool_out.shape)
     cols = width if max_cols is None else min(int(max_cols), width)
     if bs == 0 or num_tokens == 0 or rows == 0 or cols == 0:
-        return pool_out
+        return inputs.pool_out
     G = min(config.group, -(-cols // tpu.LANES))
     W = G * tpu.LANES
     front = W
-    lo = lax.bitcast_convert_type(flat_in.astype(jnp.int64), jnp.int32)[:, 0]
+    lo = lax.bitcast_convert_type(inputs.flat_in.astype(jnp.int64), jnp.int32)[:, 0]
     back = W + 8 * tpu.LANES + (-(num_tokens + front) % tpu.LANES)
     src = jnp.pad(lo, (front, back)).reshape(-1, tpu.LANES)
     n_pad = tpu.pad_to(bs + 1, tpu.PAIR_TILE)
-    off = tpu.to_pair_rows(offsets, n_pad)
-    rpi = tpu.to_pair_rows(req_pool_indices, n_pad)
+    off = tpu.to_pair_rows(inputs.offsets, n_pad)
+    rpi = tpu.to_pair_rows(inputs.req_pool_indices, n_pad)
     kernel = functools.partial(_scatter_kernel, bs=bs, num_tokens=num_tokens, rows=rows,
                                cols=cols, width=width, group=G, front=front)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     out = tpu.call(
-        kernel, off, rpi, src, pool_out,
+        kernel, off, rpi, src, inputs.pool_out,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(1,),
             in_specs=[any_spec, any_spec],
             out_specs=any_spec,
             scratch_shapes=_scratch_shapes(G, width)),
-        out_shape=jax.ShapeDtypeStruct(pool_out.shape, pool_out.dtype),
+        out_shape=jax.ShapeDtypeStruct(inputs.pool_out.shape, inputs.pool_out.dtype),
         input_output_aliases={3: 0},
         compiler_params=tpu.compiler_params(config.vmem_limit_bytes),
         cost_estimate=tpu.cost(bytes_accessed=num_tokens * 12 + bs * (W * 8 + 32),

@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kvcanary_jax.ops import _kernel_lib
+from kvcanary_jax.ops.scatter.base import ScatterInputs
 
 __all__ = ["Config", "heuristics", "run", "BLOCK_COLS", "NUM_WARPS"]
 
@@ -74,22 +75,22 @@ def _scatter_kernel(flat_ref, offsets_ref, rpi_ref, _pool_in_ref, pool_ref, *, b
         )
 
 
-def run(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int | None, config: Config,
+def run(inputs: ScatterInputs, *, max_cols: int | None, config: Config,
         interpret: bool = False):
-    """The updated pool (aliased to ``pool_out``). ``max_cols``: columns a row may receive
+    """The updated pool (aliased to ``inputs.pool_out``). ``max_cols``: columns a row may receive
     (default: the pool's width); ``interpret``: Pallas interpret mode (``pallas_interpret``)."""
-    bs = req_pool_indices.shape[0]
-    num_tokens = flat_in.shape[0]
-    max_cols = pool_out.shape[1] if max_cols is None else max_cols
+    bs = inputs.req_pool_indices.shape[0]
+    num_tokens = inputs.flat_in.shape[0]
+    max_cols = inputs.pool_out.shape[1] if max_cols is None else max_cols
     span = min(max_cols, num_tokens)  # >= 1: zero sizes never get here (base.sized_call)
     block = min(config.block_cols, pl.next_power_of_2(span))
     kernel = functools.partial(_scatter_kernel, block=block, max_cols=max_cols)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(pool_out.shape, pool_out.dtype),
+        out_shape=jax.ShapeDtypeStruct(inputs.pool_out.shape, inputs.pool_out.dtype),
         grid=(bs, pl.cdiv(span, block)),
         input_output_aliases={3: 0},
         interpret=interpret,
         compiler_params=None if interpret else _kernel_lib.compiler_params(config.num_warps),
         name="kvcanary_scatter_req_token_ids",
-    )(flat_in, offsets, req_pool_indices, pool_out)
+    )(inputs.flat_in, inputs.offsets, inputs.req_pool_indices, inputs.pool_out)

@@ -26,6 +26,8 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
+from kvcanary_jax.ops.scatter.base import ScatterInputs
+
 __all__ = ["Config", "heuristics", "run"]
 
 
@@ -39,20 +41,20 @@ def heuristics(shapes: Mapping[str, int]) -> Config:
     return Config()
 
 
-def run(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int, config: Config):
+def run(inputs: ScatterInputs, *, max_cols: int, config: Config):
     """The updated pool (no validation; ``max_cols``: columns a row may receive)."""
     del config
     i64 = jnp.int64
-    bs = req_pool_indices.shape[0]
-    n = flat_in.shape[0]
-    rows, width = pool_out.shape
+    bs = inputs.req_pool_indices.shape[0]
+    n = inputs.flat_in.shape[0]
+    rows, width = inputs.pool_out.shape
     cols = min(max_cols, width)
     span = min(cols, n)
     if bs == 0 or span == 0:
-        return pool_out
-    start, end = offsets[:bs], offsets[1:]
+        return inputs.pool_out
+    start, end = inputs.offsets[:bs], inputs.offsets[1:]
     write_len = jnp.minimum(end - start, max_cols)
-    rp = req_pool_indices
+    rp = inputs.req_pool_indices
     row_ok = (rp >= 0) & (rp < rows)
     # Column j of request r reads flat_in[start + j]: the writable columns are
     # [lo, hi) = [max(0, -start), min(write_len, cols, n - start)).
@@ -62,7 +64,7 @@ def run(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int, config: 
     col = lo[:, None] + jnp.arange(span, dtype=i64)[None, :]
     ok = writes[:, None] & (col < hi[:, None])
     src = jnp.where(ok, start[:, None] + col, 0)
-    vals = flat_in.at[src].get(mode="promise_in_bounds").astype(jnp.int32)  # low 32 bits
+    vals = inputs.flat_in.at[src].get(mode="promise_in_bounds").astype(jnp.int32)  # low 32 bits
 
     # Rank of each writing request among the earlier writing requests of its row.
     key = jnp.where(writes, rp, -1)
@@ -73,7 +75,7 @@ def run(flat_in, offsets, req_pool_indices, pool_out, *, max_cols: int, config: 
     rank = jnp.zeros((bs,), i64).at[order].set(i - jax.lax.cummax(first))
     rounds = jnp.max(jnp.where(writes, rank, -1)) + 1
 
-    flat_pool = pool_out.reshape(-1)
+    flat_pool = inputs.pool_out.reshape(-1)
     dest = jnp.where(ok, rp[:, None] * width + col, rows * width)
 
     def store(m, pool):
