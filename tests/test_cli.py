@@ -439,12 +439,12 @@ def test_bench_and_the_command_line_do_not_import_each_other():
     assert not any(m.split(".")[0] == "bench" for m in top_level)
 
 
-def test_select_device_gpu_without_a_gpu_says_so():
+def test_select_device_gpu_without_a_gpu_says_so(monkeypatch):
     import jax
 
     from kvcanary_jax._devices import select_device
 
-    if jax.default_backend() == "gpu":
-        pytest.skip("this machine has a GPU: select_device('gpu') accepts it")
+    # The same on every machine: JAX reports a CPU backend (a GPU machine would accept "gpu").
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     with pytest.raises(SystemExit, match=r"--device gpu needs a CUDA GPU \(JAX sees '\w+'\)"):
         select_device("gpu")
