@@ -30,9 +30,37 @@ def pytest_addoption(parser):
                           "cases, with the fast tier's seeds (the README lists the counts)")
 
 
+# The suite's persistent compilation cache (``.pytest_cache/d/jax-compilation-cache``, dropped by
+# ``pytest --cache-clear``): test modules, xdist workers, the subprocesses tests start and the next
+# run (CI's long tier after its fast tier) share every executable XLA compiled, instead of each
+# compiling it again. JAX keys an entry on the whole program, the compile options and flags, the
+# JAX and jaxlib versions and the backend, so an entry is never used for a program it was not
+# compiled from. Executables with host callbacks (TPU interpret mode) are never cached. A
+# JAX_COMPILATION_CACHE_DIR the user set is used as is.
+COMPILATION_CACHE_BYTES = 4 << 30  # past this size the suite's cache is emptied at the next start
+
+
+def _compilation_cache(config) -> None:
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR") or getattr(config, "cache", None) is None:
+        return
+    path = config.cache.mkdir("jax-compilation-cache")
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
+        entries = [p for p in path.iterdir() if p.is_file()]
+        if sum(p.stat().st_size for p in entries) > COMPILATION_CACHE_BYTES:
+            for p in entries:
+                p.unlink(missing_ok=True)
+    # The environment carries the cache to every subprocess a test starts; this process has
+    # imported JAX already, so it is told directly.
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(path)
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
 def pytest_configure(config):
     # Before collection: the test modules read their case counts when they are imported.
     _tier.LONG = bool(config.getoption("--long"))
+    _compilation_cache(config)
 
 
 # The modules that take longest on the 2-core CI machine, longest first. The README's commands run

@@ -19,6 +19,22 @@ from test_lowering import TPU_KERNELS, _ops
 
 pytestmark = pytest.mark.tpu_compile
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _through_libtpu_every_time():
+    """Every compile here goes through libtpu's compiler: the suite's persistent compilation
+    cache (conftest.py) is off for this module, so no test passes on an executable an earlier
+    run compiled. (JAX decides whether a process uses that cache once; resetting it makes JAX
+    decide again. Test-only: JAX has no public switch for this.)"""
+    from jax._src import compilation_cache
+
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", before)
+    compilation_cache.reset_cache()
+
 TOPOLOGIES = ("v5e:2x2", "v6e:2x2")
 
 # Small cases of the harness: a short row (5 columns) and a row with a short last segment (200)
