@@ -57,7 +57,10 @@ def main() -> int:
     from kvcanary_jax.ops.verify import pallas_triton
 
     def heuristic(capacity):
-        return dataclasses.asdict(pallas_triton.heuristics({"capacity": capacity}))
+        # The tuned fields only: ``interpret`` is no launch parameter, and a table refuses it.
+        fields = dataclasses.asdict(pallas_triton.heuristics({"capacity": capacity}))
+        del fields["interpret"]
+        return fields
 
     large = heuristic(1 << 30)
     path = sys.argv[1] if len(sys.argv) > 1 else "tune_verify.json"

@@ -291,12 +291,18 @@ def extract_program(fn: Callable, specs: Sequence[Any], *, results_to_args: Sequ
     ``specs``: one ``jax.ShapeDtypeStruct`` per array argument (None entries are passed as
     None). ``results_to_args[j]``: the argument result ``j`` updates in place (the bridge's
     functions return their in-place outputs in order). Raises :class:`Unsupported` where the
-    lowered module holds anything but kernels, views and constants."""
+    lowered module holds anything but kernels, views and constants, and before lowering where
+    ``static`` holds a launch config in interpret mode (its kernels are XLA ops: the call takes
+    the DLPack path, which runs them as asked)."""
     import jax
 
     from kvcanary_jax import _config
 
-    from kvcanary_jax.ops._registry import lowering_for
+    from kvcanary_jax.ops._registry import _interpret_requested, lowering_for
+
+    if _interpret_requested((static or {}).get("config")):
+        raise Unsupported("its launch config asks for interpret mode (kernels emulated by XLA "
+                          "ops, nothing to launch directly)")
 
     # lowering_for: the ops select their CUDA kernels even where this host's backend is a CPU.
     with _config.x64_scope(), _config.quiet_triton_lowering(), lowering_for("cuda"):

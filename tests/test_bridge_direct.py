@@ -124,6 +124,17 @@ def test_plan_kernels_share_the_verify_offsets_scratch_and_alias_the_plan_fields
     assert prog.copies == ()
 
 
+def test_an_interpret_config_is_never_launched_directly():
+    """A launch config in interpret mode (what ``pallas_interpret`` runs) has no Triton kernel to
+    launch: the direct path refuses it before lowering, and the call takes the DLPack path."""
+    kw = bo._plan_kw(_case())
+    args, static, results = declarations.PLAN.arguments(kw, declarations.PLAN.tensors(kw))
+    config = _plan_triton.Config(interpret=True)
+    with pytest.raises(td.Unsupported, match="asks for interpret mode"):
+        _extract(declarations.plan_fn, args, results,
+                 static=dict(static, platform="cuda", config=config))
+
+
 def test_plan_multi_block_path_is_three_kernels():
     c = _case()
     kw = bo._plan_kw(c)

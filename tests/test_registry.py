@@ -185,7 +185,10 @@ def _pallas_config(op):
 def test_explicit_config_is_used_and_type_checked():
     op = _registry.op("verify")
     cfg = _pallas_config("verify")(block=64, group=2, vec=2)
-    assert op.config("pallas_interpret", {"capacity": 10, "num_slots": 4}, cfg) is cfg
+    assert op.config("pallas_triton", {"capacity": 10, "num_slots": 4}, cfg) is cfg
+    # pallas_interpret: the same config in interpret mode.
+    assert op.config("pallas_interpret", {"capacity": 10, "num_slots": 4}, cfg) == \
+        dataclasses.replace(cfg, interpret=True)
     with pytest.raises(TypeError, match="takes a kvcanary_jax.ops.verify.pallas_triton.Config"):
         op.config("pallas_interpret", {"capacity": 10, "num_slots": 4},
                   _pallas_config("write")())
@@ -246,7 +249,8 @@ def _shapes_keys(op):
         return write_base.shapes(ns(canary_buf=z(8, 32)), ns(write_seed_slot_indices=z(2)),
                                  ns(input_ids=z(7)))
     vp, wp = kc.VerifyPlan.allocate(verify_capacity=4), kc.WritePlan.allocate(write_req_capacity=2)
-    return plan_base.shapes(vp, wp, z(2), z(3, 4), None, None)
+    return plan_base.shapes(vp, wp, plan_base.inputs_of(z(2), z(2), z(2), z(3, 4), None, None,
+                                                         None))
 
 
 def test_update_tuned_table_merges_by_key(tmp_path):
@@ -441,3 +445,94 @@ def test_registry_follows_tpu_sharded_arguments():
             plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
             text = str(fn.trace(*plain).jaxpr)
             assert "pallas_call" not in text, name
+
+
+# --- interpret mode: one field of the launch config ----------------------------------------
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_pallas_interpret_is_pallas_triton_with_interpret_set_however_the_config_resolves(
+        name, tmp_path, monkeypatch):
+    """The alias: the pallas_triton module, its resolved config with interpret=True, from the
+    config= argument, a tuned table's entry (keyed by the name the call asked for) and the
+    heuristics alike."""
+    op = _registry.op(name)
+    assert op.module("pallas_interpret") is op.module("pallas_triton")
+    Config = _pallas_config(name)
+    shapes = _shapes_keys(name)
+    assert Config().interpret is False and op.config("pallas_triton", shapes, kind=_KIND) == \
+        op.module("pallas_triton").heuristics(shapes)
+    assert op.config("pallas_interpret", shapes, kind=_KIND) == dataclasses.replace(
+        op.module("pallas_triton").heuristics(shapes), interpret=True)
+    assert op.config("pallas_interpret", shapes, Config()) == Config(interpret=True)
+    assert op.config("pallas_interpret", shapes, Config(interpret=True)) == Config(interpret=True)
+    # A tuned entry without the field (every table written so far) loads, interpret off, and
+    # under pallas_interpret gets it on.
+    field = next(f.name for f in dataclasses.fields(Config) if f.type in ("int", int))
+    entry = {"key": {}, "config": {field: getattr(Config(), field)}}
+    monkeypatch.setattr(_registry, "_tuning_dir", lambda: tmp_path)
+    _registry.load_table.cache_clear()
+    for impl in ("pallas_triton", "pallas_interpret"):
+        _registry.update_tuned_table(name, impl, _KIND, [entry], directory=tmp_path)
+    assert op.config("pallas_triton", shapes, kind=_KIND) == Config()
+    assert op.config("pallas_interpret", shapes, kind=_KIND) == Config(interpret=True)
+    _registry.load_table.cache_clear()
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_a_pallas_triton_config_in_interpret_mode_runs_anywhere(name):
+    """pallas_triton with Config(interpret=True) is usable on every platform, as
+    pallas_interpret is (no fallback to xla on a CPU); without it, the CPU falls back."""
+    op = _registry.op(name)
+    interpret = _pallas_config(name)(interpret=True)
+    for platform in ("cpu", "tpu", "cuda"):
+        assert op.unusable("pallas_triton", platform=platform, config=interpret) is None
+        assert op.select("pallas_triton", platform=platform, config=interpret) == "pallas_triton"
+    assert op.unusable("pallas_triton", platform="cpu", config=_pallas_config(name)()) is not None
+
+
+def test_run_passes_interpret_mode_in_the_config(monkeypatch):
+    """Op.run hands the backend's run the config alone: pallas_interpret's with interpret=True
+    (also one that did not come from Op.config), pallas_triton's as given."""
+    op = _registry.op("scatter")
+    mod = op.module("pallas_triton")
+    seen = []
+    monkeypatch.setattr(mod, "run", lambda *a, config, **kw: seen.append((config, kw)))
+    op.run("pallas_interpret", None, max_cols=3, config=mod.Config())
+    op.run("pallas_triton", None, max_cols=3, config=mod.Config())
+    op.run("pallas_triton", None, max_cols=3, config=mod.Config(interpret=True))
+    assert seen == [(mod.Config(interpret=True), {"max_cols": 3}),
+                    (mod.Config(), {"max_cols": 3}),
+                    (mod.Config(interpret=True), {"max_cols": 3})]
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_interpret_is_a_static_bool_field_of_the_triton_configs(name):
+    Config = _pallas_config(name)
+    assert Config(interpret=True) != Config() and hash(Config(interpret=True)) != hash(Config())
+    for value in (1, "yes", None):
+        with pytest.raises(TypeError, match=r"\(pallas_triton\): interpret must be a bool"):
+            Config(interpret=value)
+
+
+@pytest.mark.parametrize("impl", ["pallas_triton", "pallas_interpret"])
+@pytest.mark.parametrize("value", [True, False])
+def test_a_tuned_entry_cannot_switch_interpret_mode_on(tmp_path, monkeypatch, impl, value):
+    """A table tunes compiled kernels: an entry that names interpret (on or off) is refused when
+    read, naming the file, and update_tuned_table refuses to write one."""
+    table = {"op": "verify", "implementations": {impl: [
+        {"key": {"capacity": 6}, "config": {"block": 64, "interpret": value}}]}}
+    path = _table_file(tmp_path, monkeypatch, json.dumps(table))
+    with pytest.raises(_registry.TuningTableError) as e:
+        _registry.op("verify").config(impl, {"capacity": 6}, kind=_KIND)
+    assert str(e.value).startswith(
+        f"kv-canary: tuned table {path} is malformed: its {impl!r} entry for {{'capacity': 6}} "
+        "sets 'interpret'"), str(e.value)
+    # Writing one is refused before anything is written.
+    os.remove(path)
+    with pytest.raises(ValueError, match="sets 'interpret'"):
+        _registry.update_tuned_table("verify", impl, _KIND, [
+            {"key": {"capacity": 6}, "config": {"block": 64, "interpret": value}}],
+            directory=tmp_path)
+    assert os.listdir(tmp_path) == []
+    _registry.load_table.cache_clear()

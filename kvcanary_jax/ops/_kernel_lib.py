@@ -34,6 +34,7 @@ from kvcanary_jax import consts, hashing
 
 __all__ = [
     "compiler_params",
+    "check_interpret",
     "index_dtype",
     "gather",
     "scatter",
@@ -55,6 +56,14 @@ def _plt():
 def compiler_params(num_warps: int, num_stages: int = 1):
     """The Triton lowering's launch parameters (passing them is what selects that lowering)."""
     return _plt().CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def check_interpret(where: str, interpret) -> None:
+    """A Triton launch config's ``interpret`` field: a bool (True: Pallas interpret mode, the
+    kernels emulated by XLA ops on any backend; see :mod:`kvcanary_jax.ops._registry`)."""
+    if not isinstance(interpret, bool):
+        raise TypeError(f"kv-canary: {where} (pallas_triton): interpret must be a bool (True: "
+                        f"Pallas interpret mode), got {type(interpret).__name__} {interpret!r}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,27 +5,40 @@ Implementation names (the ``implementation=`` argument of every op):
 * ``"xla"``: a vectorised jnp/lax formulation; runs wherever XLA does (CPU, GPU, TPU).
 * ``"pallas_triton"``: the Pallas kernels through JAX's Triton lowering (CUDA GPUs).
 * ``"pallas_interpret"``: the same kernels in Pallas interpret mode (any backend; a test tool,
-  each grid program emulated by a loop of XLA ops).
+  each grid program emulated by a loop of XLA ops). A name for ``"pallas_triton"`` with its
+  launch config's ``interpret`` set (see below).
 * ``"pallas_mosaic_tpu"``: Pallas kernels through the Mosaic TPU lowering.
 
-Each op package declares its implementations in its ``api.py``, one line each::
+Each op package declares its implementations in its ``api.py`` (:func:`standard_op` registers the
+usual four), one line each::
 
     OP = _registry.Op("verify")
     OP.register("pallas_triton", ".pallas_triton")
-    OP.register("pallas_interpret", ".pallas_triton", interpret=True)
+    OP.register("pallas_interpret", ".pallas_triton")
 
-A registration names the backend module (relative to the op package, imported on first use) and
-keyword options its ``run`` receives. Every backend module exposes ``Config`` (a frozen, hashable
-dataclass: a static jit argument), ``heuristics(shapes) -> Config`` and ``run(<the op's array-level
+A registration names the backend module (relative to the op package, imported on first use).
+Every backend module exposes ``Config`` (a frozen, hashable dataclass: a static jit argument, part
+of the jit's cache key), ``heuristics(shapes) -> Config`` and ``run(<the op's array-level
 arguments>, *, <statics>, config)``.
+
+Interpret mode is one field of the launch config, ``interpret``, for both kernel families (as
+JAX's Pallas ops take ``interpret=``): ``pallas_triton``'s ``Config(interpret=True)`` runs its
+kernels in Pallas interpret mode, ``pallas_mosaic_tpu``'s ``Config(interpret=pltpu.
+InterpretParams(...))`` in TPU interpret mode; either runs anywhere (no CUDA GPU, no TPU needed,
+so neither falls back for the platform). ``"pallas_interpret"`` is the ``pallas_triton`` module
+with the resolved config (whichever way it was resolved) replaced by ``interpret=True``. A tuned
+table never turns interpretation on: an entry that names ``interpret`` is refused
+(:class:`TuningTableError`).
 
 The default (``implementation=None``): ``pallas_triton`` when the platform is a CUDA GPU and the
 Triton lowering imports; ``pallas_mosaic_tpu`` on a TPU where the op registers it; ``xla``
 everywhere else (CPU, TPU without a Mosaic kernel, ROCm; ``pallas_interpret`` runs only when asked
-for). An implementation that is asked for (or is the platform's default) but cannot be used here — not registered for the op, its lowering does not
-import, a future JAX refuses it, ``pallas_triton`` on a platform other than a CUDA GPU (lowering
-for CUDA from a CPU host, under :func:`lowering_for` or an abstract CUDA device, keeps it) — falls back to ``xla`` with one :class:`FallbackWarning` per
-process and reason, saying why.
+for). An implementation that is asked for (or is the platform's default) but cannot be used
+here — not registered for the op, its lowering does not import, a future JAX refuses it,
+``pallas_triton`` on a platform other than a CUDA GPU (lowering for CUDA from a CPU host, under
+:func:`lowering_for` or an abstract CUDA device, keeps it, as does a config in interpret mode
+anywhere) — falls back to ``xla`` with one :class:`FallbackWarning` per process and reason,
+saying why.
 
 The launch configuration of a call, in order (as tokamax's ``op.py``): the ``config=`` argument;
 else the tuned table of the device kind (``kvcanary_jax/tuning/<op>.<device_kind>.json``, written
@@ -47,7 +60,7 @@ import tempfile
 import threading
 import warnings
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Mapping
 
 import jax
 
@@ -218,17 +231,27 @@ def _platform(platform: str | None, args=None) -> str:
 
 
 def _interpret_requested(config) -> bool:
+    """Whether ``config`` (a launch config, or None) asks for interpret mode: Pallas interpret
+    mode (``pallas_triton``'s ``interpret=True``) or TPU interpret mode (``pallas_mosaic_tpu``'s
+    ``interpret=pltpu.InterpretParams(...)``)."""
     return getattr(config, "interpret", None) not in (None, False)
+
+
+# Implementation names that are another's kernels in interpret mode (``pallas_interpret``: those
+# of ``pallas_triton``, registered with its module): the call's launch config gets
+# ``interpret=True``.
+_INTERPRETED = frozenset({"pallas_interpret"})
+
+
+def _interpreted(implementation: str, config):
+    """``config``, with ``interpret=True`` where ``implementation`` names interpret mode."""
+    if implementation in _INTERPRETED and config.interpret is not True:
+        return dataclasses.replace(config, interpret=True)
+    return config
 
 
 # ---------------------------------------------------------------------------------------------
 # Ops and their registrations
-
-
-@dataclasses.dataclass(frozen=True)
-class _Registration:
-    module: str
-    options: Mapping[str, Any]
 
 
 _OPS: dict[str, "Op"] = {}
@@ -241,28 +264,31 @@ class Op:
     def __init__(self, name: str):
         self.name = name
         self.package = f"kvcanary_jax.ops.{name}"
-        self._registered: dict[str, _Registration] = {}
+        self._registered: dict[str, str] = {}  # implementation -> its module's dotted path
         _OPS[name] = self
 
-    def register(self, implementation: str, module: str, **options) -> None:
-        """``module``: dotted path, relative (``".xla"``) to the op's package; ``options``: extra
-        keyword arguments for the module's ``run``."""
+    def register(self, implementation: str, module: str) -> None:
+        """``module``: dotted path, relative (``".xla"``) to the op's package."""
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"kv-canary: unknown implementation {implementation!r}; known: "
                              f"{', '.join(IMPLEMENTATIONS)}")
-        path = self.package + module if module.startswith(".") else module
-        self._registered[implementation] = _Registration(path, dict(options))
+        self._registered[implementation] = (self.package + module if module.startswith(".")
+                                            else module)
 
     def registered(self) -> tuple[str, ...]:
         return tuple(i for i in IMPLEMENTATIONS if i in self._registered)
 
     def unusable(self, implementation: str, *, platform: str | None = None,
                  config=None) -> str | None:
-        """None when ``implementation`` can be traced and lowered here, else why not. The Mosaic
-        TPU kernels compile for TPUs only: elsewhere they are usable in TPU interpret mode (a
-        ``config`` with ``interpret`` set)."""
+        """None when ``implementation`` can be traced and lowered here, else why not. The Triton
+        kernels compile for CUDA GPUs only and the Mosaic TPU kernels for TPUs only: elsewhere
+        they are usable in interpret mode (a ``config`` with ``interpret`` set)."""
         if implementation not in self._registered:
             return f"{self.name} has no {implementation!r} implementation"
+        if implementation == "pallas_triton" and _interpret_requested(config):
+            # Pallas interpret mode, exactly as pallas_interpret: any platform, and no Triton
+            # lowering needed (only the Triton module's primitives).
+            return _PROBES["pallas_interpret"]()
         why = _PROBES[implementation]()
         if why is None and implementation == "pallas_triton":
             p = _platform(platform)
@@ -325,33 +351,41 @@ class Op:
                       f"{used!r}", FallbackWarning, stacklevel=4)
 
     def module(self, implementation: str) -> ModuleType:
-        return importlib.import_module(self._registered[implementation].module)
+        return importlib.import_module(self._registered[implementation])
 
     def config(self, implementation: str, shapes: Mapping[str, int], config=None, *,
                kind: str | None = None):
         """The launch configuration: ``config`` (checked against the backend's type), else the
         tuned table's entry for ``shapes`` on device kind ``kind`` (default: the default
-        device's), else the backend's heuristics."""
+        device's; an entry never sets ``interpret``), else the backend's heuristics; for
+        ``pallas_interpret``, that config with ``interpret=True``."""
         mod = self.module(implementation)
         if config is not None:
             if not isinstance(config, mod.Config):
                 raise TypeError(f"kv-canary: {self.name}: implementation {implementation!r} "
                                 f"takes a {mod.__name__}.Config, got {type(config).__name__}")
-            return config
+            return _interpreted(implementation, config)
         tuned = tuned_config(self.name, implementation, shapes, kind=kind)
         if tuned is not None:
+            where = f"its {implementation!r} entry for {dict(shapes)}"
+            if "interpret" in tuned:
+                raise _malformed(tuned_table_path(self.name, kind),
+                                 f"{where} sets 'interpret' (a table tunes compiled kernels; "
+                                 f"interpret mode is the call's: implementation="
+                                 f"'pallas_interpret' or a config= with interpret set)")
             try:
-                return mod.Config(**tuned)
+                config = mod.Config(**tuned)
             except (TypeError, ValueError) as e:  # an unknown field, a missing or bad value
                 raise _malformed(tuned_table_path(self.name, kind),
-                                 f"its {implementation!r} entry for {dict(shapes)} is not a "
-                                 f"{mod.__name__}.Config ({e})") from None
-        return mod.heuristics(shapes)
+                                 f"{where} is not a {mod.__name__}.Config ({e})") from None
+            return _interpreted(implementation, config)
+        return _interpreted(implementation, mod.heuristics(shapes))
 
     def run(self, implementation: str, *args, config, **kwargs):
-        """``run`` of the implementation's module, with its registration's options."""
-        reg = self._registered[implementation]
-        return self.module(implementation).run(*args, config=config, **reg.options, **kwargs)
+        """``run`` of the implementation's module (``pallas_interpret``: ``config`` with
+        ``interpret=True``, also where it did not come from :meth:`config`)."""
+        return self.module(implementation).run(*args, config=_interpreted(implementation, config),
+                                               **kwargs)
 
 
 def op(name: str) -> Op:
@@ -473,9 +507,17 @@ def update_tuned_table(op_name: str, implementation: str, kind: str, entries, *,
     ``directory`` (default: the package's ``tuning/``, i.e. a source checkout) and returns the
     file's path. The file is replaced atomically (a temporary file in the same directory, then
     a rename): an interrupted run leaves the old table or the new one, never half of one. An
-    existing file that is not a table is refused (:class:`TuningTableError`), not overwritten."""
+    existing file that is not a table is refused (:class:`TuningTableError`), not overwritten;
+    an entry whose config names ``interpret`` is refused (ValueError) before anything is
+    written."""
     directory = os.fspath(directory) if directory is not None else os.fspath(_tuning_dir())
     path = os.path.join(directory, table_name(op_name, kind))
+    entries = list(entries)
+    for e in entries:
+        if "interpret" in e["config"]:
+            raise ValueError(f"kv-canary: tuned table {path}: the entry for {e['key']} sets "
+                             "'interpret'; a table tunes compiled kernels and never turns "
+                             "interpret mode on (leave the field out)")
     table = {"op": op_name, "device_kind": kind, "implementations": {}}
     if os.path.exists(path):
         with open(path) as f:
@@ -506,10 +548,11 @@ def update_tuned_table(op_name: str, implementation: str, kind: str, entries, *,
 
 def standard_op(name: str) -> Op:
     """The op ``name`` with the implementations every op has, each in the op package's module of
-    that name (``pallas_interpret``: the ``pallas_triton`` kernels in Pallas interpret mode)."""
+    that name (``pallas_interpret``: the ``pallas_triton`` module, its config with
+    ``interpret=True``)."""
     op = Op(name)
     op.register("pallas_triton", ".pallas_triton")
-    op.register("pallas_interpret", ".pallas_triton", interpret=True)
+    op.register("pallas_interpret", ".pallas_triton")
     op.register("xla", ".xla")
     op.register("pallas_mosaic_tpu", ".pallas_mosaic_tpu")
     return op

@@ -32,12 +32,15 @@ NUM_WARPS = 4
 @dataclasses.dataclass(frozen=True)
 class Config:
     """``block_cols``: columns per program (a power of two; capped at the longest row);
-    ``num_warps``: warps per program."""
+    ``num_warps``: warps per program; ``interpret``: Pallas interpret mode (any backend; what
+    ``pallas_interpret`` runs)."""
 
     block_cols: int = BLOCK_COLS
     num_warps: int = NUM_WARPS
+    interpret: bool = False
 
     def __post_init__(self):
+        _kernel_lib.check_interpret("scatter", self.interpret)
         if self.block_cols < 1 or self.block_cols & (self.block_cols - 1) or self.num_warps < 1:
             raise ValueError(f"kv-canary: scatter: bad launch config {self} (block_cols a power "
                              "of two, num_warps >= 1)")
@@ -75,10 +78,10 @@ def _scatter_kernel(flat_ref, offsets_ref, rpi_ref, _pool_in_ref, pool_ref, *, b
         )
 
 
-def run(inputs: ScatterInputs, *, max_cols: int | None, config: Config,
-        interpret: bool = False):
+def run(inputs: ScatterInputs, *, max_cols: int | None, config: Config):
     """The updated pool (aliased to ``inputs.pool_out``). ``max_cols``: columns a row may receive
-    (default: the pool's width); ``interpret``: Pallas interpret mode (``pallas_interpret``)."""
+    (default: the pool's width); ``config.interpret``: Pallas interpret mode."""
+    interpret = config.interpret
     bs = inputs.req_pool_indices.shape[0]
     num_tokens = inputs.flat_in.shape[0]
     max_cols = inputs.pool_out.shape[1] if max_cols is None else max_cols

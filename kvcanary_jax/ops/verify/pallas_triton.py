@@ -66,7 +66,7 @@ class Config:
     persistent grid's cap), ``num_warps``, ``num_stages``, ``group`` column vectors per block (a
     power of two), ``vec`` canary words per gather (1, 2 or 4), ``hoist`` (drop the grid-stride
     loop and issue the plan loads early when one pass covers the plan). Results do not depend on
-    them."""
+    them. ``interpret``: Pallas interpret mode (any backend; what ``pallas_interpret`` runs)."""
 
     block: int = BLOCK
     max_programs: int = MAX_PROGRAMS
@@ -75,8 +75,10 @@ class Config:
     group: int = GROUP
     vec: int = VEC
     hoist: bool = HOIST
+    interpret: bool = False
 
     def __post_init__(self):
+        _kernel_lib.check_interpret("canary_verify", self.interpret)
         pow2 = lambda n: n >= 1 and not n & (n - 1)  # noqa: E731
         if self.vec not in (1, 2, 4) or not pow2(self.group) or not pow2(self.block) or \
                 self.max_programs < 1 or self.num_warps < 1 or self.num_stages < 1:
@@ -233,9 +235,10 @@ def _verify_kernel(
 
 
 def run(context: VerifyOrWriteContext, plan: VerifyPlan, *, check_verify_expected_token: bool,
-        config: Config, interpret: bool = False) -> VerifyOrWriteContext:
+        config: Config) -> VerifyOrWriteContext:
     """The updated context, its ring and counters aliased to their inputs (``canary_buf`` is
-    only read). ``interpret``: Pallas interpret mode (``pallas_interpret``)."""
+    only read). ``config.interpret``: Pallas interpret mode."""
+    interpret = config.interpret
     sources = context.bound_sources()
     specs = tuple(s for _, s in sources)
     mode, kind = int(context.real_kv_hash_mode), int(context.kernel_kind)

@@ -61,13 +61,16 @@ class Config:
     """``block``: tokens per vector block (a power of two); ``unroll``: chain steps per loop
     trip; ``num_warps`` per program. Results do not depend on them; more than one warp is
     correct only because Triton issues a scalar store from a single thread (the in-request order
-    of repeated slots), and is expected to be slower."""
+    of repeated slots), and is expected to be slower. ``interpret``: Pallas interpret mode (any
+    backend; what ``pallas_interpret`` runs)."""
 
     block: int = BLOCK
     unroll: int = CHAIN_UNROLL
     num_warps: int = NUM_WARPS
+    interpret: bool = False
 
     def __post_init__(self):
+        _kernel_lib.check_interpret("canary_write", self.interpret)
         if self.block < 1 or self.block & (self.block - 1) or self.unroll < 1 or \
                 self.num_warps < 1:
             raise ValueError(f"kv-canary: canary_write: bad launch config {self} (block a power "
@@ -235,10 +238,10 @@ def _write_kernel(
 
 
 def run(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
-        enable_write_input_assert: bool, config: Config,
-        interpret: bool = False) -> VerifyOrWriteContext:
+        enable_write_input_assert: bool, config: Config) -> VerifyOrWriteContext:
     """The updated context, its canary, ring and counters aliased to their inputs.
-    ``interpret``: Pallas interpret mode (``pallas_interpret``)."""
+    ``config.interpret``: Pallas interpret mode."""
+    interpret = config.interpret
     sources = context.bound_sources()
     specs = tuple(s for _, s in sources)
     mode, kind = int(context.real_kv_hash_mode), int(context.kernel_kind)
