@@ -875,6 +875,7 @@ def test_hostile_fuzz_tpu_interpreted_long(sgl, family):
                   _impls.TPU)
 
 
+@pytest.mark.fuzz
 @pytest.mark.tpu_interpret
 @pytest.mark.parametrize("bs", [1, 31, 32, 33, 130])
 def test_tpu_batch_sizes(sgl, bs):
@@ -882,9 +883,12 @@ def test_tpu_batch_sizes(sgl, bs):
                pool_width=5 if bs % 2 else 0, k=bs % 2, vc=max(2 * bs, 4), wc_extra=bs % 5,
                max_prefix=3)
     rng = np.random.default_rng(bs)
-    for _ in range(2):
+    # One drawn case per batch size in the fast tier (the kernel walks requests serially: at
+    # bs 130 a TPU-interpreted case takes about 45 s); --long draws the second.
+    for i in _tier.cases(f"plan TPU batch size {bs}", bs, _tier.n(1, 2)):
         c = gen_case(rng, b)
-        assert_same(run_ours(c, _impls.TPU), run_oracle(sgl, c), c)
+        with _tier.case("plan TPU batch size", bs, i):
+            assert_same(run_ours(c, _impls.TPU), run_oracle(sgl, c), c)
 
 
 @pytest.mark.slow
