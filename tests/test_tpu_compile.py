@@ -74,6 +74,25 @@ def test_small_cases_compile(case, topology):
     assert row["generated_code_size_in_bytes"] > 0
 
 
+# The serving sizes of ``bench.tpu_compile`` (a 1M-slot canary, 64k-entry verify, scatter 256 x
+# 8,192 and 1 x 5, plan at 4,096 requests and 1, write 1 x 8,192 and 64 x 1, real-KV sources of
+# page size 1 and 16, and the whole step at a serving config): the sizes a server compiles, where
+# SMEM budgets, DMA windows and block counts differ from the small cases. Memory and cost figures:
+# bench/NOTES.md. The serving step is compiled for v6e only: on v5e its temporaries (the canary
+# padded 16x in the kernels' (8, 128)-tiled layout) exceed the 16 GB of HBM, which libtpu
+# reports as CompileTimeHbmOom (bench/NOTES.md).
+SERVING = tuple((case, topology) for case in tc.CASES for topology in TOPOLOGIES
+                if case.op != "step" or topology.startswith("v6e"))
+
+
+@pytest.mark.parametrize("case,topology", SERVING, ids=lambda x: getattr(x, "name", x))
+def test_serving_sizes_compile(case, topology):
+    row = tc.measure(case, topology)
+    assert row["ok"], row.get("error")
+    # Arguments are laid out compactly (what the caller's arrays take, no layout padding).
+    assert row["argument_vs_logical"] <= 1.01 or row["logical_bytes"] < 1 << 20, row
+
+
 def test_default_implementation_follows_tpu_placed_arguments():
     """``implementation=None`` with arguments placed on a TPU topology's device (a one-device
     mesh of it) on this CPU host: the registry picks pallas_mosaic_tpu (no FallbackWarning) and
