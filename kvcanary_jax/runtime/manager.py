@@ -8,10 +8,12 @@ runtime (``sglang/srt/kv_canary/runner/``) runs around its kernels:
   (:meth:`CanaryManager.head` / :meth:`CanaryManager.tail`), or only the host side after a step
   the server jitted itself (:meth:`CanaryManager.observe`, e.g. the sglang-jax hook);
 * **readback one step late** (``future_tensor.py``): each step's jit also returns a small
-  readback (the ring, its write index, the run counters, the plans' enable flags, the phase)
-  in buffers of its own; the manager starts ``copy_to_host_async`` on them and reads them
-  (``jax.device_get``, an explicit transfer) after the *next* step is dispatched, so the step
-  never waits on the host and the host never waits on the step it just launched;
+  readback in buffers of its own: the ring's write index, the run counters, the plans' enable
+  flags and the phase packed into one int64 array, and a copy of the ring. The manager starts
+  ``copy_to_host_async`` on the packed array and reads it (``jax.device_get``, an explicit
+  transfer) after the *next* step is dispatched, so the step never waits on the host and the
+  host never waits on the step it just launched; the ring is copied to the host only for a step
+  whose write index shows rows not yet reported (one copy a step instead of one per field);
 * **incremental, deduplicated reporting** (``violation_reporter.py``): rows from the last reported
   index on, SGLang's message format, the ring overflow flagged; ``log`` logs each through
   :mod:`logging` (logger ``kvcanary_jax.runtime.manager``), ``raise`` raises
@@ -181,18 +183,31 @@ def _phase_update(phase, expect, nxt):
     return jnp.stack([jnp.int32(nxt), phase[1] + bad.astype(jnp.int32), phase[2]])
 
 
+# The readback's counters and flags, packed per shard into one int64 row (one buffer, one copy to
+# the host per step): name -> width. Over a mesh the step appends ``errored`` (the mesh-wide max
+# of the shards' error flags, 1 word).
+def _word_fields(cfg: CanaryConfig, *, mesh: bool) -> dict[str, slice]:
+    widths = (("write_index", 1), ("kernel_runs", _NUM_TAGS), ("slot_runs", _NUM_TAGS),
+              ("verify_enable", len(cfg.groups)), ("phase", 3)) + ((("errored", 1),) if mesh else ())
+    fields, at = {}, 0
+    for name, width in widths:
+        fields[name] = slice(at, at + width)
+        at += width
+    return fields
+
+
 def _readback(cfg: CanaryConfig, state: CanaryState, phase):
-    """What the host reads one step late, as fresh buffers (never aliases of the donated state).
-    A leading shard axis (stacked per-shard states) is kept as the first axis of every field."""
+    """What the host reads one step late, as fresh buffers (never aliases of the donated state):
+    ``words``, every counter and flag of :func:`_word_fields` in one int64 ``[shards, W]`` array,
+    which the host copies every step; and ``ring``, the violation ring, which it copies only when
+    ``words`` shows rows not yet reported. A leading shard axis (stacked per-shard states) is kept
+    as the first axis of both."""
+    shards = state.violation_write_index.size
+    parts = (state.violation_write_index, state.kernel_run_counters, state.slot_run_counters,
+             jnp.stack([state.plans[g][0].enable.reshape(-1) for g in cfg.groups], -1), phase)
+    words = jnp.concatenate([x.astype(jnp.int64).reshape(shards, -1) for x in parts], axis=1)
     ring = state.violation_ring
-    return {
-        "write_index": state.violation_write_index.reshape(-1),
-        "ring": ring.reshape((-1,) + ring.shape[-2:]),
-        "kernel_runs": state.kernel_run_counters.reshape(-1, _NUM_TAGS),
-        "slot_runs": state.slot_run_counters.reshape(-1, _NUM_TAGS),
-        "verify_enable": jnp.stack([state.plans[g][0].enable.reshape(-1) for g in cfg.groups], -1),
-        "phase": phase.reshape(-1),
-    }
+    return {"words": words, "ring": ring.reshape((-1,) + ring.shape[-2:])}
 
 
 def _append_row(ring, write_index, row):
@@ -433,9 +448,10 @@ class CanaryManager:
                 *rest, rb = outs
                 # The agreement inside the step: every shard's readback carries the max of the
                 # error flags and every shard's write index.
-                wi = rb["write_index"]
-                rb = dict(rb, errored=jax.lax.pmax((wi != 0).astype(jnp.int32), axis),
-                          mesh_write_index=jax.lax.all_gather(wi, axis).reshape(-1))
+                words = rb["words"]
+                wi = words[:, _word_fields(self.cfg, mesh=False)["write_index"]]
+                errored = jax.lax.pmax((wi != 0).astype(jnp.int64), axis)
+                rb = dict(rb, words=jnp.concatenate([words, errored], axis=1))
                 outs = (*rest, rb)
             return put(outs)
 
@@ -652,19 +668,24 @@ class CanaryManager:
         if sweep and kv is not None and self._sweep_due():
             self._run_sweep(kv, lut)
         self.step_count += 1
-        for leaf in jax.tree.leaves(rb):
-            leaf.copy_to_host_async()
+        # The ring's copy waits until a step's words show new rows (_consume).
+        rb["words"].copy_to_host_async()
         pending, self._pending = self._pending, (self.step_count, rb, ctx)
         if pending is not None:
             self._consume(*pending)
 
     def _consume(self, step_no, rb, ctx):
-        host = jax.device_get(rb)  # explicit: allowed under transfer_guard("disallow")
+        # jax.device_get: an explicit transfer, allowed under transfer_guard("disallow").
+        words = np.asarray(jax.device_get(rb["words"]))
+        words = words.reshape(-1, words.shape[-1])
+        host = {name: words[:, at] for name, at in
+                _word_fields(self.cfg, mesh=self._mesh is not None).items()}
         cfg = self.cfg
         cap = cfg.ring_capacity
         # Shards: the mesh's, or the leading axis of a stacked state handed to observe().
-        write_index = np.asarray(host["write_index"]).reshape(-1)
+        write_index = host["write_index"].reshape(-1)
         shards = write_index.size
+        ring_host = None
         if len(self._reported) != shards:
             self._reported = [0] * shards
             self._overflow_reported = [0] * shards
@@ -701,7 +722,11 @@ class CanaryManager:
                                "violations recorded, the ring keeps the first %d "
                                "(SGLANG_KV_CANARY_RING_CAPACITY)", self._rank, s, wi, cap)
                 self._overflow_reported[s] = wi
-            ring = np.asarray(host["ring"]).reshape(shards, cap, -1)[s]
+            if start >= valid:
+                continue  # no row to report: the ring is not copied
+            if ring_host is None:  # the first shard with rows to report this step
+                ring_host = np.asarray(jax.device_get(rb["ring"])).reshape(shards, cap, -1)
+            ring = ring_host[s]
             for v in _host.decode_ring(ring, wi, start=start):
                 msg = format_violation(ring[v.index].tolist(), total=wi, ring_overflow=overflow,
                                        step_when_pumped=step_no)
