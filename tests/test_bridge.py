@@ -736,7 +736,7 @@ def test_bridge_does_not_import_sglang():
     import subprocess
     import sys
 
-    code = ("import sys, bridge, torch; "
+    code = ("import sys, torch; import kvcanary_jax.bridge as bridge; "
             "bridge.launch_scatter_req_token_ids_kernel(flat_in=torch.tensor([1]), "
             "offsets=torch.tensor([0, 1]), req_pool_indices=torch.tensor([0]), "
             "pool_out=torch.zeros(1, 2, dtype=torch.int32)); "

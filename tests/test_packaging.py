@@ -53,13 +53,17 @@ def _sources():
 
 def test_no_source_imports_the_folders_by_their_own_names():
     """Every import of the bridge and the bench, in any form (import statements, module names
-    built as strings, ``-m`` command lines), goes through kvcanary_jax."""
+    built as strings, code and ``-m`` command lines run in subprocesses, the README's examples,
+    the GPU session's steps), goes through kvcanary_jax."""
     bad = []
     as_string = re.compile(r"""(import_module\(\s*f?|["']-m["'],\s*)["'](bridge|bench)\b""")
+    # Code in strings (``python -c``): an import statement naming a folder at the top level.
+    in_code = re.compile(r"\b(import [\w.]+(, *[\w.]+)*|from [\w.]+ import)")
     for path in _sources():
         text = path.read_text(encoding="utf-8")
         rel = path.relative_to(ROOT)
-        for node in ast.walk(ast.parse(text)):
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
@@ -68,8 +72,18 @@ def test_no_source_imports_the_folders_by_their_own_names():
                 continue
             bad += [f"{rel}:{node.lineno}: {n}" for n in names
                     if n.split(".")[0] in FOLDERS.values()]
-        if path != pathlib.Path(__file__).resolve():  # this file runs `-m bench` on purpose
-            bad += [f"{rel}: {m.group(0)}" for m in as_string.finditer(text)]
+        if path == pathlib.Path(__file__).resolve():  # this file runs `-m bench` on purpose
+            continue
+        bad += [f"{rel}: {m.group(0)}" for m in as_string.finditer(text)]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                for m in in_code.finditer(node.value):
+                    words = re.findall(r"[\w.]+", m.group(0).replace(" as ", " "))[1:]
+                    if any(w.split(".")[0] in FOLDERS.values() for w in words if w != "import"):
+                        bad.append(f"{rel}:{node.lineno}: {m.group(0)!r} in a string")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    bad += [f"README.md: {m.group(0)}"
+            for m in re.finditer(r"(?m)^\s*(import|from) (bridge|bench)\b.*$", readme)]
     script = (ROOT / "bench" / "gpu_session.sh").read_text(encoding="utf-8")
     bad += [f"bench/gpu_session.sh: {m.group(0)}"
             for m in re.finditer(r"python3? (-m (bench|bridge)\b|(bench|bridge)/\w+\.py)", script)]
