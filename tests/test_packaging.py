@@ -156,3 +156,18 @@ def test_python_m_bench_refuses_a_checkout_that_is_not_the_installed_one(tmp_pat
         f"ImportError: python -m bench runs this checkout's benchmark as kvcanary_jax.bench, "
         f"which resolves to {ROOT / 'bench'}, not {other}: install the checkout (pip install -e "
         f"{tmp_path}), or run python -m kvcanary_jax.bench"), last
+
+
+def test_the_bench_command_without_the_install_says_how_to_get_it():
+    """kvcanary_jax put on the path without being installed (here: this process's editable
+    finder removed) has no kvcanary_jax.bench: ``kvcanary-jax bench`` says so and how to install,
+    instead of a traceback."""
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if not "
+            "getattr(f, '__module__', '').startswith('__editable__')]; "
+            "from kvcanary_jax import cli; sys.exit(cli._run_bench(['--help']))")
+    proc = _python(code, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip() == (
+        f"kvcanary-jax bench: kvcanary_jax.bench is not importable here (kvcanary_jax from "
+        f"{ROOT / 'kvcanary_jax'}); install kvcanary-jax (from a checkout: pip install -e .)")
+    assert proc.stdout == ""
