@@ -19,8 +19,8 @@ import statistics
 
 import torch
 
-import bridge
-from bench import bridge_overhead as bo
+import kvcanary_jax.bridge as bridge
+from kvcanary_jax.bench import bridge_overhead as bo
 
 OPS = (bo.run_scatter, bo.run_plan, bo.run_write, bo.run_verify)
 

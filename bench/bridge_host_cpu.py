@@ -1,14 +1,14 @@
 """The torch bridge's per-call Python before a launch, measured on CPU tensors (no GPU needed).
 
 The direct Triton path's host time is this Python plus triton's launcher per kernel. Here every
-launcher of :mod:`bench.bridge_overhead`'s decode-like case is called back to back on CPU tensors
-with value checks off (the GPU default) and the launch itself replaced by what the direct path
-does per call besides triton's launcher: read each argument's pointer (and clamp the offsets
-that index a bucketed token array, as a torch op on the tensors' device). So the time per call
-is: the tensors and the signature, the prepared-call lookup, the per-call storage checks, the
-path decision and the pointers. Minimum over ``--repeat`` runs of ``--iters`` calls, in CPU time
-of the calling thread (``time.thread_time``: on a shared machine, wall time mostly measures the
-other processes).
+launcher of :mod:`kvcanary_jax.bench.bridge_overhead`'s decode-like case is called back to back on
+CPU tensors with value checks off (the GPU default) and the launch itself replaced by what the
+direct path does per call besides triton's launcher: read each argument's pointer (and clamp the
+offsets that index a bucketed token array, as a torch op on the tensors' device). So the time per
+call is: the tensors and the signature, the prepared-call lookup, the per-call storage checks, the
+path decision and the pointers. Minimum over ``--repeat`` runs of ``--iters`` calls, in CPU time of
+the calling thread (``time.thread_time``: on a shared machine, wall time mostly measures the other
+processes).
 
     python -m bench.bridge_host_cpu [--bs 64,256] [--iters 2000] [--repeat 7]
 """
@@ -19,9 +19,9 @@ import argparse
 import json
 import time
 
-import bridge
-from bench import bridge_overhead as bo
-from bridge import launcher
+import kvcanary_jax.bridge as bridge
+from kvcanary_jax.bench import bridge_overhead as bo
+from kvcanary_jax.bridge import launcher
 
 
 def _pointers_only(self, prep, tensors, anchor):

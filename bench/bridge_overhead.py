@@ -21,8 +21,8 @@ import time
 
 import torch
 
-import bridge
-from bench import builders
+import kvcanary_jax.bridge as bridge
+from kvcanary_jax.bench import builders
 
 
 def make_case(*, device, bs: int = 64, prefix: int = 100, width: int = 256, ring: int = 1024):

@@ -1,11 +1,11 @@
 """Where the torch bridge's per-call host time goes on the direct Triton path, stage by stage.
 
-For each launcher of :mod:`bench.bridge_overhead`'s decode-like case, ``iters`` back-to-back
-calls with the launcher's stages wrapped in timers: reading the tensors and the signature
-(``bind``), building the array arguments with their buckets and clamps (``arguments``), the
-kernel launches themselves (``launch``: pointers, alignment check, triton's launcher); the rest
-of the call is the launcher's own Python (cache lookups). Floors in the same process: torch's
-launch of a tiny kernel.
+For each launcher of :mod:`kvcanary_jax.bench.bridge_overhead`'s decode-like case, ``iters``
+back-to-back calls with the launcher's stages wrapped in timers: reading the tensors and the
+signature (``bind``), building the array arguments with their buckets and clamps (``arguments``),
+the kernel launches themselves (``launch``: pointers, alignment check, triton's launcher); the rest
+of the call is the launcher's own Python (cache lookups). Floors in the same process: torch's launch
+of a tiny kernel.
 
     python -m bench.bridge_profile [--bs 64] [--iters 300] [--out profile.json]
 """
@@ -19,9 +19,9 @@ import time
 
 import torch
 
-import bridge
-from bench import bridge_overhead as bo
-from bridge import declarations, triton_direct
+import kvcanary_jax.bridge as bridge
+from kvcanary_jax.bench import bridge_overhead as bo
+from kvcanary_jax.bridge import declarations, triton_direct
 
 
 class _Stages:

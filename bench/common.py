@@ -96,7 +96,7 @@ def sglang(cuda_jit: bool):
 
 def sglang_context(sgl, canary_buf: np.ndarray, kind_name: str, ring: int):
     """SGLang's torch VerifyOrWriteContext over a copy of ``canary_buf`` (fresh ring, counters)."""
-    from bench import builders
+    from kvcanary_jax.bench import builders
 
     return builders.torch_context(sgl.verify.VerifyOrWriteContext, canary_buf=to_torch(canary_buf),
                                   kernel_kind=sgl.verify.CanaryLaunchTag[kind_name],

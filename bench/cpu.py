@@ -32,8 +32,8 @@ import time
 
 import numpy as np
 
-from bench import op_plan, op_scatter, op_verify, op_write
-from bench.run import positive_int, unwritable
+from kvcanary_jax.bench import op_plan, op_scatter, op_verify, op_write
+from kvcanary_jax.bench.run import positive_int, unwritable
 
 IMPLEMENTATIONS = ("xla", "pallas_interpret")
 RING = 1024
@@ -42,7 +42,7 @@ PLAN_MAX_PREFIX = op_plan.MAX_PREFIX  # the GPU bench's decode prefixes
 
 def _verify(entries):
     import kvcanary_jax as kc
-    from bench import builders, common
+    from kvcanary_jax.bench import builders, common
 
     d = op_verify._inputs(entries, seed=entries)
     ctx = common.jax_context(d["canary_buf"], "HEAD_K_FULL", RING)
@@ -60,7 +60,7 @@ def _verify_floor(entries):
     uint8 buffer as four int64 fields (folded to one word so that nothing is dead)."""
     import jax.numpy as jnp
 
-    from bench import common
+    from kvcanary_jax.bench import common
     from kvcanary_jax.ops import _xla_lib
 
     d = op_verify._inputs(entries, seed=entries)
@@ -77,7 +77,7 @@ def _write(reqs, tokens):
     import jax.numpy as jnp
 
     import kvcanary_jax as kc
-    from bench import common
+    from kvcanary_jax.bench import common
 
     d = op_write._inputs(reqs, tokens, seed=reqs * tokens)
     ctx = common.jax_context(d["canary_buf"], "TAIL_K_FULL", RING)
@@ -97,7 +97,7 @@ def _write(reqs, tokens):
 
 def _plan(bs, max_prefix=PLAN_MAX_PREFIX):
     import kvcanary_jax as kc
-    from bench import common
+    from kvcanary_jax.bench import common
 
     d = op_plan._inputs(bs, seed=bs, max_prefix=max_prefix)
     cap = bs * max_prefix
@@ -116,7 +116,7 @@ def _plan(bs, max_prefix=PLAN_MAX_PREFIX):
 
 def _scatter(bs, seq):
     import kvcanary_jax as kc
-    from bench import common
+    from kvcanary_jax.bench import common
 
     arrays = [common.to_jax(a) for a in op_scatter._inputs(bs, seq, seed=bs * 7 + seq)]
 

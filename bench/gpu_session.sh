@@ -30,6 +30,32 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   [ -f $SITE/sglang/srt/environ.py ] || python3 -c "import zipfile,glob; zipfile.ZipFile(glob.glob('.whl/sglang-*.whl')[0]).extractall('$SITE')"
 fi
 export PYTHONPATH=$PWD:$SITE
+# The torch bridge and the benchmark keep their folders (bridge/, bench/) and are the package's
+# kvcanary_jax.bridge and kvcanary_jax.bench through pyproject's package-dir, which only an
+# install resolves: install this checkout, editable, offline, with the image's own setuptools and
+# none of the dependencies (the image has them). Stop here if that fails or resolves elsewhere:
+# every step below would fail on its first import.
+if ! python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
+    > "$OUT/install.log" 2>&1; then
+  setuptools=$(python3 -c 'import setuptools; print(setuptools.__version__)' 2>&1 | tail -1)
+  echo "gpu_session: installing the checkout failed (pip install --no-index --no-deps" \
+       "--no-build-isolation -e .; setuptools $setuptools); the end of $OUT/install.log:" >&2
+  tail -25 "$OUT/install.log" >&2
+  exit 1
+fi
+if ! python3 -c "
+import os, sys, importlib.util as u
+want = {'kvcanary_jax.bridge': 'bridge', 'kvcanary_jax.bench': 'bench'}
+for name, folder in want.items():
+    spec = u.find_spec(name)
+    got = os.path.dirname(spec.origin) if spec and spec.origin else None
+    if got is None or not os.path.samefile(got, folder):
+        sys.exit(f'{name} resolves to {got}, not this checkout\'s {folder}/')
+"; then
+  echo "gpu_session: the installed checkout does not resolve kvcanary_jax.bridge and" \
+       "kvcanary_jax.bench to this checkout's folders; stopping" >&2
+  exit 1
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import jax, torch, triton; print('jax', jax.__version__, jax.devices(), 'torch', torch.__version__, 'triton', triton.__version__)"
 OPS=scatter,plan,write,verify,bridge
@@ -53,7 +79,7 @@ for step in "$@"; do
         "gpu_bridge|$P -m gpu tests/test_bridge.py -k 'not differential_helpers'"
         "gpu_bridge_direct|$P -m gpu tests/test_bridge_gpu.py"
         "gpu_ops|$P -m gpu tests --ignore=tests/test_bridge.py --ignore=tests/test_bridge_gpu.py"
-        "memcheck|timeout 290 compute-sanitizer --tool memcheck --print-limit 5 python3 bench/sanitize_cases.py"
+        "memcheck|timeout 290 compute-sanitizer --tool memcheck --print-limit 5 python3 -m kvcanary_jax.bench.sanitize_cases"
       )
       pids=()
       for part in "${parts[@]}"; do
@@ -70,13 +96,13 @@ for p in parts:
     out.append({"name": name, "command": cmd, "wall": open(f"{g}/{name}.wall").read().strip()})
 json.dump(out, open(f"{g}/parts.json", "w"))
 PY
-      python3 -m bench.gate_summary --logs $G --out $OUT/gpu-gate --commit "${GATE_COMMIT:-unknown}" \
+      python3 -m kvcanary_jax.bench.gate_summary --logs $G --out $OUT/gpu-gate --commit "${GATE_COMMIT:-unknown}" \
         --wall $((SECONDS - t0)) | tail -30
       tar czf $OUT/gate-logs.tar.gz -C /tmp gate ;;
     tests)
       python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tee $OUT/tests.log | tail -25 ;;
     sanitize)
-      compute-sanitizer --tool memcheck --print-limit 5 python3 bench/sanitize_cases.py 2>&1 | tee $OUT/sanitize.log | tail -15 ;;
+      compute-sanitizer --tool memcheck --print-limit 5 python3 -m kvcanary_jax.bench.sanitize_cases 2>&1 | tee $OUT/sanitize.log | tail -15 ;;
     checks)
       python3 -c "import kvcanary_jax as kc; from kvcanary_jax.ops import _registry as r; print('available', kc.implementations_available(), 'default', {o: r.op(o).default() for o in ('scatter', 'plan', 'write', 'verify')})"
       timeout 260 python3 -m pytest -v -p no:cacheprovider --durations=8 tests/test_bridge_gpu.py \
@@ -86,42 +112,42 @@ PY
         -p no:cacheprovider --durations=5 tests/test_golden.py tests/test_ring_guard.py \
         tests/test_zero_sizes.py 2>&1 | tee $OUT/impl_tests.log | tail -15
       timeout 170 compute-sanitizer --tool memcheck --print-limit 5 \
-        python3 bench/sanitize_cases.py --bridge-only --launches 4 2>&1 |
+        python3 -m kvcanary_jax.bench.sanitize_cases --bridge-only --launches 4 2>&1 |
         tee $OUT/bridge_sanitize.log | tail -8 ;;
     bench-quick-impls)
-      timeout 260 python3 -m bench --quick --ops "${OPS/,bridge/}" \
+      timeout 260 python3 -m kvcanary_jax.bench --quick --ops "${OPS/,bridge/}" \
         --implementations pallas_triton,xla --out $OUT/bench-quick-impls 2>&1 | tail -70 ;;
     bridge-bench)
-      timeout 60 python3 -m bench.bridge_overhead --device cuda --bs 64,256 --sglang \
+      timeout 60 python3 -m kvcanary_jax.bench.bridge_overhead --device cuda --bs 64,256 --sglang \
         --iters 270 --rounds 9 --out $OUT/bridge_overhead.json 2>&1 | tail -20
-      timeout 40 python3 -m bench.bridge_direct --bs 64,256 --out $OUT/bridge_direct.json \
+      timeout 40 python3 -m kvcanary_jax.bench.bridge_direct --bs 64,256 --out $OUT/bridge_direct.json \
         2>&1 | tail -25 ;;
     bench-quick)
-      python3 -m bench --quick --ops $OPS --out $OUT/bench 2>&1 | tail -60 ;;
+      python3 -m kvcanary_jax.bench --quick --ops $OPS --out $OUT/bench 2>&1 | tail -60 ;;
     bridge)
       # Everything the torch bridge needs checked on the GPU, in one go (< 8 min on the H200).
       timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_bridge.py \
         tests/test_bridge_gpu.py 2>&1 | tee $OUT/bridge_tests.log | tail -25
       timeout 75 compute-sanitizer --tool memcheck --print-limit 5 \
-        python3 bench/sanitize_cases.py --bridge-only 2>&1 | tee $OUT/bridge_sanitize.log | tail -8
-      timeout 60 python3 -m bench.bridge_overhead --device cuda --bs 64,256 --sglang \
+        python3 -m kvcanary_jax.bench.sanitize_cases --bridge-only 2>&1 | tee $OUT/bridge_sanitize.log | tail -8
+      timeout 60 python3 -m kvcanary_jax.bench.bridge_overhead --device cuda --bs 64,256 --sglang \
         --iters 270 --rounds 9 --out $OUT/bridge_overhead.json 2>&1 | tail -20
-      timeout 40 python3 -m bench.bridge_direct --bs 64,256 --out $OUT/bridge_direct.json \
+      timeout 40 python3 -m kvcanary_jax.bench.bridge_direct --bs 64,256 --out $OUT/bridge_direct.json \
         2>&1 | tail -25
-      timeout 15 python3 -m bench.bridge_profile --out $OUT/bridge_profile.json >/dev/null 2>&1
+      timeout 15 python3 -m kvcanary_jax.bench.bridge_profile --out $OUT/bridge_profile.json >/dev/null 2>&1
       python3 -c "import json; print(json.load(open('$OUT/bridge_profile.json')))" ;;
     bench-full)
-      python3 -m bench --ops $OPS --out $OUT/bench 2>&1 | tail -80 ;;
+      python3 -m kvcanary_jax.bench --ops $OPS --out $OUT/bench 2>&1 | tail -80 ;;
     sglang-jax)
       # sglang-jax 0.0.2 and what it imports, behind the image's packages (jax, torch, numpy):
       # a .pth in the image's site-packages appends the target after them.
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sgljax \
         .whl/sglang_jax/*.whl 2>&1 | grep -v "^WARNING" | tail -2
       echo /tmp/sgljax > "$(python3 -c 'import site; print(site.getsitepackages()[0])')/zz-sgljax.pth"
-      JAX_PLATFORMS=cuda timeout ${SGLJAX_TIMEOUT:-540} python3 -m bench.sglang_jax_step \
+      JAX_PLATFORMS=cuda timeout ${SGLJAX_TIMEOUT:-540} python3 -m kvcanary_jax.bench.sglang_jax_step \
         ${SGLJAX_ARGS:-} --out $OUT/sglang_jax 2>&1 | grep -v "^WARNING" | tail -20 ;;
     bench-impls)
-      python3 -m bench --iters 40 --ops "${OPS/,bridge/}" --implementations pallas_triton,xla \
+      python3 -m kvcanary_jax.bench --iters 40 --ops "${OPS/,bridge/}" --implementations pallas_triton,xla \
         --out $OUT/bench-impls 2>&1 | tail -80 ;;
   esac
 done

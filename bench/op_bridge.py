@@ -5,7 +5,7 @@ interleaved)."""
 
 from __future__ import annotations
 
-from bench import common
+from kvcanary_jax.bench import common
 
 FULL_CASES = [64]
 QUICK_CASES = [64]
@@ -16,7 +16,7 @@ _LAUNCHER = {"scatter": "launch_scatter_req_token_ids_kernel", "plan": "launch_c
 
 
 def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
-    from bench import bridge_overhead
+    from kvcanary_jax.bench import bridge_overhead
 
     rows = []
     for bs in cases:

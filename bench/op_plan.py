@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench import common, timing
+from kvcanary_jax.bench import common, timing
 
 FULL_CASES = [1, 64, 256, 1024, 4096, 16384]
 QUICK_CASES = [1, 256, 4096, 16384]

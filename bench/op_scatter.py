@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench import common, timing
+from kvcanary_jax.bench import common, timing
 
 FULL_CASES = [(bs, seq) for bs in (1, 8, 64, 256, 511) for seq in (128, 512, 2048, 8192)] + [
     (2048, 512), (2048, 2048)]
@@ -66,7 +66,7 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
 
         if common.time_peers():
             import torch
-            from bench.triton_scatter import scatter_2d
+            from kvcanary_jax.bench.triton_scatter import scatter_2d
 
             tsets = [[common.to_torch(a) for a in _inputs(bs, seq, seed=s)] for s in range(k)]
             sync_t = torch.cuda.synchronize

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench import builders, chains, common, timing
+from kvcanary_jax.bench import builders, chains, common, timing
 
 FULL_CASES = [1 << 10, 1 << 16, 1 << 20, 1 << 22]
 QUICK_CASES = [1 << 10, 1 << 20, 1 << 22]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench import common, timing
+from kvcanary_jax.bench import common, timing
 
 FULL_CASES = [(r, t) for r in (1, 64, 1024) for t in (1, 128, 8192)]
 QUICK_CASES = [(1, 128), (1, 8192), (64, 1), (1024, 128)]

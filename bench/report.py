@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     with open(path) as f:
         result = json.load(f)
     if len(args) > 1:
-        from bench.op_bridge import rows_from
+        from kvcanary_jax.bench.op_bridge import rows_from
 
         with open(args[1]) as f:
             runs = json.load(f)

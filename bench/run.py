@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from bench import common, report, timing
+from kvcanary_jax.bench import common, report, timing
 
 OPS = ("scatter", "plan", "write", "verify", "bridge")
 
@@ -22,7 +22,7 @@ OPS = ("scatter", "plan", "write", "verify", "bridge")
 def _op_module(name):
     import importlib
 
-    return importlib.import_module(f"bench.op_{name}")
+    return importlib.import_module(f"kvcanary_jax.bench.op_{name}")
 
 
 def positive_int(text: str) -> int:

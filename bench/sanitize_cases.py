@@ -97,7 +97,7 @@ def bridge_direct_cases(rng, launches=20):
     8 bytes into a counters array, a strided real-KV source."""
     import torch
 
-    import bridge
+    import kvcanary_jax.bridge as bridge
 
     dev = torch.device("cuda")
     t = lambda a, dt=torch.int64: torch.as_tensor(np.asarray(a), dtype=dt, device=dev)  # noqa

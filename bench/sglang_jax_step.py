@@ -50,7 +50,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench import common, timing  # noqa: E402
+from kvcanary_jax.bench import common, timing  # noqa: E402
 from kvcanary_jax.integrations import sglang_jax as ksj  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4, 8, 8, 128, 32000

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import sys
 
-from bench import common, timing
-from bench.op_scatter import _inputs
+from kvcanary_jax.bench import common, timing
+from kvcanary_jax.bench.op_scatter import _inputs
 
 CASES = [(1, 128), (1, 2048), (8, 2048), (64, 2048), (64, 8192), (256, 8192), (511, 8192), (2048, 2048)]
 BLOCKS = (256, 512, 1024, 2048, 4096)
@@ -26,7 +26,7 @@ def main() -> int:
     import triton
 
     import kvcanary_jax as kc
-    from bench import triton_scatter as ts
+    from kvcanary_jax.bench import triton_scatter as ts
     from kvcanary_jax.ops.scatter.pallas_triton import Config
 
     out = []

@@ -27,8 +27,8 @@ import sys
 import time
 import traceback
 
-from bench import builders, common, timing
-from bench.op_verify import RING, _inputs
+from kvcanary_jax.bench import builders, common, timing
+from kvcanary_jax.bench.op_verify import RING, _inputs
 
 # Largest first: the byte-floor target is at 4M entries, and BUDGET_S may cut the tail.
 CASES = [1 << 22, 1 << 20, 1 << 10, 1 << 16]

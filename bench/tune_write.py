@@ -26,8 +26,8 @@ import sys
 
 import numpy as np
 
-from bench import common, timing
-from bench.op_write import FULL_CASES, QUICK_CASES, RING, SMOKE_CASES, _inputs
+from kvcanary_jax.bench import common, timing
+from kvcanary_jax.bench.op_write import FULL_CASES, QUICK_CASES, RING, SMOKE_CASES, _inputs
 
 BLOCKS = (32, 64, 128, 256)
 UNROLLS = (4, 8, 16)

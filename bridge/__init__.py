@@ -1,24 +1,27 @@
 """Torch bridge: SGLang-compatible kv-canary launchers running the package's Pallas kernels.
 
-Code written against SGLang 0.5.23's ``sglang.kernels.ops.kv_canary`` runs unchanged against
-these names: same keyword arguments, torch dtypes, checks and messages, in-place mutation of the
-output / plan / context tensors, ``None`` returned. The bridge holds no kernel logic: each
-launcher is declared once (:mod:`bridge.declarations`: tensors, in-place outputs, non-tensor
-arguments, contract) and run by one generic launcher (:mod:`bridge.launcher`) on one of two paths:
+Code written against SGLang 0.5.23's ``sglang.kernels.ops.kv_canary`` runs unchanged against these
+names: same keyword arguments, torch dtypes, checks and messages, in-place mutation of the output /
+plan / context tensors, ``None`` returned. The bridge holds no kernel logic: each launcher is
+declared once (:mod:`kvcanary_jax.bridge.declarations`: tensors, in-place outputs, non-tensor
+arguments, contract) and run by one generic launcher (:mod:`kvcanary_jax.bridge.launcher`) on one of
+two paths:
 
 * ``triton_direct`` (CUDA tensors, the default there): the same Pallas kernels, lowered once per
   shape bucket to their Triton IR, compiled with the ``triton`` that torch ships and launched with
   the tensors' pointers on torch's current stream: no DLPack, no JAX dispatch, capturable by
-  ``torch.cuda.graph`` (:mod:`bridge.triton_direct`).
+  ``torch.cuda.graph`` (:mod:`kvcanary_jax.bridge.triton_direct`).
 * ``dlpack`` (CPU tensors, and wherever the direct path is unavailable): tensors handed to JAX
-  zero-copy over DLPack and the jitted function run by XLA (:mod:`bridge.dlpack`,
-  :mod:`bridge.views`, :mod:`bridge.streams`); refused under CUDA graph capture.
+  zero-copy over DLPack and the jitted function run by XLA (:mod:`kvcanary_jax.bridge.dlpack`,
+  :mod:`kvcanary_jax.bridge.views`, :mod:`kvcanary_jax.bridge.streams`); refused under CUDA graph
+  capture.
 
 :func:`paths` says which path each launcher's last call took, and why not the direct one.
 
 :func:`install_into_sglang` makes SGLang 0.5.23's own canary runtime (``sglang.srt.kv_canary``)
 launch these kernels: it rebinds the four launcher names that runtime calls, checked against
-SGLang's version and signatures first, and its handle restores them (:mod:`bridge.sglang_install`).
+SGLang's version and signatures first, and its handle restores them
+(:mod:`kvcanary_jax.bridge.sglang_install`).
 
 Where the bridge differs from SGLang's launchers, on purpose:
 
@@ -48,19 +51,27 @@ so JAX does not reserve the GPU memory the hosting torch process needs.
 
 import os as _os
 
+if __name__ != "kvcanary_jax.bridge":
+    # Imported from a checkout's root as the folder's own name (``import bridge``): its modules
+    # import each other as kvcanary_jax.bridge, so a second copy under this name would split the
+    # caches and the classes (a BridgeError of one is not the other's).
+    raise ImportError(f"the torch bridge is kvcanary_jax.bridge, not {__name__!r}: "
+                      "`import kvcanary_jax.bridge as bridge` (from a checkout, after "
+                      "`pip install -e .`)")
+
 # JAX would otherwise reserve most of the GPU's memory at its first use, starving the torch
 # process hosting the bridge; an explicit setting by the user wins.
 _os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from bridge import declarations as _decl  # noqa: E402
-from bridge.cache import clear_cache  # noqa: E402
-from bridge.checks import set_value_checks, value_checks  # noqa: E402
-from bridge.dlpack import BridgeError, stats  # noqa: E402
-from bridge.launcher import Launcher as _Launcher  # noqa: E402
-from bridge.launcher import direct_enabled, paths, set_direct  # noqa: E402
-from bridge.sglang_install import SglangInstall, install_into_sglang  # noqa: E402
-from bridge.streams import set_stream_sync, stream_sync  # noqa: E402
-from bridge.types import (  # noqa: E402
+from kvcanary_jax.bridge import declarations as _decl  # noqa: E402
+from kvcanary_jax.bridge.cache import clear_cache  # noqa: E402
+from kvcanary_jax.bridge.checks import set_value_checks, value_checks  # noqa: E402
+from kvcanary_jax.bridge.dlpack import BridgeError, stats  # noqa: E402
+from kvcanary_jax.bridge.launcher import Launcher as _Launcher  # noqa: E402
+from kvcanary_jax.bridge.launcher import direct_enabled, paths, set_direct  # noqa: E402
+from kvcanary_jax.bridge.sglang_install import SglangInstall, install_into_sglang  # noqa: E402
+from kvcanary_jax.bridge.streams import set_stream_sync, stream_sync  # noqa: E402
+from kvcanary_jax.bridge.types import (  # noqa: E402
     CANARY_SLOT_BYTES,
     MAX_REAL_KV_SOURCES,
     CanaryLaunchTag,
@@ -183,7 +194,7 @@ def launch_canary_step(*, context, verify_plan_out, write_plan_out, req_pool_ind
     canary buffer, the active requests' ``extend_seq_lens`` within ``input_ids``). Unlike the
     sequence, the step refuses an expected-token pool that shares memory with
     ``req_to_token`` (or any other input) when it scatters: our rule, see
-    :func:`bridge.checks.check_outputs_apart_from_inputs`. All outputs
+    :func:`kvcanary_jax.bridge.checks.check_outputs_apart_from_inputs`. All outputs
     (expected pool, both plans, canary buffer, ring, write index, counters) are updated in place.
     ``verify_capacity`` defaults to the verify plan's capacity.
     """

@@ -1,21 +1,22 @@
 """Every cache of the bridge, owned in one place, each bounded, all cleared by :func:`clear_cache`.
 
-The caches and what they hold (none holds a caller's tensor; see :mod:`bridge.views` for the one
-that refers to tensors, weakly):
+The caches and what they hold (none holds a caller's tensor; see :mod:`kvcanary_jax.bridge.views`
+for the one that refers to tensors, weakly):
 
-``prepared``  :class:`~bridge.launcher.Signature` (shapes, strides, dtypes, devices of every
-              tensor and the non-tensor arguments; no addresses) -> the call's
-              :class:`~bridge.launcher.Prepared` arguments. An entry means the static checks
-              passed on that signature; a call whose signature is here skips its contract and
+``prepared``  :class:`~kvcanary_jax.bridge.launcher.Signature` (shapes, strides, dtypes, devices of
+              every tensor and the non-tensor arguments; no addresses) -> the call's
+              :class:`~kvcanary_jax.bridge.launcher.Prepared` arguments. An entry means the static
+              checks passed on that signature; a call whose signature is here skips its contract and
               reuses its arguments. 4,096 entries.
-``programs``  direct path: :class:`~bridge.launcher.ProgramKey` (launcher, static arguments,
-              the arrays' lowered shapes and dtypes, device) -> a lowered and compiled program,
-              or the reason the direct path cannot run it. 256 entries.
+``programs``  direct path: :class:`~kvcanary_jax.bridge.launcher.ProgramKey` (launcher, static
+              arguments, the arrays' lowered shapes and dtypes, device) -> a lowered and
+              compiled program, or the reason the direct path cannot run it. 256 entries.
 ``variants``  direct path: one kernel compiled for one device and one set of pointer
               alignments. 512 entries.
 ``jitted``    DLPack path: one jitted array function per (launcher, static arguments, donated
               positions); XLA keeps one executable per shape under each. 256 entries.
-``views``     DLPack path: JAX arrays aliasing live torch tensors, per device (:mod:`bridge.views`).
+``views``     DLPack path: JAX arrays aliasing live torch tensors, per device
+              (:mod:`kvcanary_jax.bridge.views`).
 ``counts``    the plan's batch-size operand: per device, one int32 tensor per count ``n``
               holding ``n`` (:class:`Counts`). Never freed, not even by :func:`clear_cache`: a
               CUDA graph captured with a count's address reads it at every replay. Its size is
@@ -114,7 +115,7 @@ class Counts:
             if not tables or tables[-1].shape[0] <= n:
                 if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                     # A table made now would be filled only when the graph first replays.
-                    from bridge.dlpack import BridgeError
+                    from kvcanary_jax.bridge.dlpack import BridgeError
 
                     raise BridgeError(
                         f"kv-canary bridge: launch_canary_plan_kernels with {n} requests needs "

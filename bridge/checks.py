@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from bridge.dlpack import BridgeError
+from kvcanary_jax.bridge.dlpack import BridgeError
 from kvcanary_jax.contracts import Contiguous, Contract, SameDevice
 
 __all__ = [

@@ -1,13 +1,13 @@
-"""SGLang's kv-canary launchers declared as data for the generic launcher (:mod:`bridge.launcher`).
+"""SGLang's kv-canary launchers declared as data for the generic launcher (:mod:`.launcher`).
 
-A :class:`Declaration` says, for one launcher: its tensors by SGLang's names (read from the
-keyword arguments and SGLang's dataclasses), its non-tensor arguments, its static checks (the
-ops' contracts evaluated on the torch tensors: SGLang's classes, words and order, then the
-torch-only checks), its opt-in value checks, when there is nothing to launch, and how the call
-becomes the arguments of one array function over JAX arrays (:class:`~bridge.launcher.Arg`:
-shape as lowered, layout, in-place outputs) that calls the package's array-level entry points.
-The same function runs through XLA on the DLPack path and is lowered to its Triton kernels on the
-direct path: one kernel source.
+A :class:`Declaration` says, for one launcher: its tensors by SGLang's names (read from the keyword
+arguments and SGLang's dataclasses), its non-tensor arguments, its static checks (the ops' contracts
+evaluated on the torch tensors: SGLang's classes, words and order, then the torch-only checks), its
+opt-in value checks, when there is nothing to launch, and how the call becomes the arguments of one
+array function over JAX arrays (:class:`~kvcanary_jax.bridge.launcher.Arg`: shape as lowered,
+layout, in-place outputs) that calls the package's array-level entry points. The same function runs
+through XLA on the DLPack path and is lowered to its Triton kernels on the direct path: one kernel
+source.
 
 Buckets (:mod:`kvcanary_jax.buckets`): scatter's ``flat_in`` and write's token arrays are lowered
 at ``bucket(length)``; the offsets that index them are clamped to the true length by a torch op
@@ -15,8 +15,8 @@ on the call's stream (a per-call temporary), which keeps every read below the tr
 both paths. ``launch_canary_step`` buckets its scatter input only (its write offsets are computed
 inside the step). The plan's request vectors are lowered at ``min(bucket(bs),
 write_req_capacity)`` with the batch size as an operand (``num_reqs``: a device scalar from
-:class:`bridge.cache.Counts`): its kernels never read a request lane at or past it, so the
-caller's shorter vectors are passed as they are on the direct path (staged on the DLPack path)
+:class:`kvcanary_jax.bridge.cache.Counts`): its kernels never read a request lane at or past it, so
+the caller's shorter vectors are passed as they are on the direct path (staged on the DLPack path)
 and the plan equals the unpadded one (:func:`kvcanary_jax.ops.plan.base.batch_lanes`).
 """
 
@@ -28,10 +28,10 @@ from typing import Callable
 
 import torch
 
-from bridge.cache import CACHES
-from bridge.checks import check_range, require_tensors, torch_checks
-from bridge.dlpack import BridgeError
-from bridge.launcher import Arg
+from kvcanary_jax.bridge.cache import CACHES
+from kvcanary_jax.bridge.checks import check_range, require_tensors, torch_checks
+from kvcanary_jax.bridge.dlpack import BridgeError
+from kvcanary_jax.bridge.launcher import Arg
 from kvcanary_jax import buckets, default_implementation
 from kvcanary_jax import plans as _plans
 from kvcanary_jax.context import RealKvSource, VerifyOrWriteContext, check_write_index

@@ -6,8 +6,8 @@ Import: ``tensor.detach().__dlpack__()`` into jaxlib's ``dlpack_managed_tensor_t
 left alone. ``detach()`` makes an alias sharing the storage: a tensor with ``requires_grad=True``
 (a real-KV source of a model under autograd) imports like any other, and the imported array holds
 the alias, not the caller's tensor object, so a cache keyed by that object can let it go (see
-:mod:`bridge.views`). The array aliases the tensor's memory (``unsafe_buffer_pointer() ==
-data_ptr()``), except where JAX's CPU client finds the address less than 64-byte aligned (a
+:mod:`kvcanary_jax.bridge.views`). The array aliases the tensor's memory (``unsafe_buffer_pointer()
+== data_ptr()``), except where JAX's CPU client finds the address less than 64-byte aligned (a
 1-element view into a counters array): it then copies, which the launcher detects and answers with
 a write-back.
 

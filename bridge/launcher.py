@@ -1,4 +1,4 @@
-"""One generic launcher: a :class:`~bridge.declarations.Declaration` run on torch tensors.
+"""One generic launcher: a :class:`~.declarations.Declaration` run on torch tensors.
 
 For every call, in this order::
 
@@ -13,17 +13,17 @@ For every call, in this order::
 
 No call is recorded and replayed: every call recomputes its signature, so a tensor changed in
 place (``as_strided_``, ``set_``) is checked and laid out again, and nothing of a call outlives it
-but the bounded caches of :mod:`bridge.cache`, which hold no tensors (the DLPack path's view cache
-holds them weakly, :mod:`bridge.views`).
+but the bounded caches of :mod:`kvcanary_jax.bridge.cache`, which hold no tensors (the DLPack path's
+view cache holds them weakly, :mod:`kvcanary_jax.bridge.views`).
 
 Direct path: the program (lowered, extracted and compiled kernels) is looked up by
 :class:`ProgramKey` and its kernels launched with the tensors' pointers on torch's current stream
-(:mod:`bridge.triton_direct`): thread-safe without a lock (each thread launches on its own current
-stream) and capturable by ``torch.cuda.graph``. DLPack path: imports, one jitted call with the
-outputs donated, write-back where the outputs do not alias; serialised per device by one lock
-that every launcher shares, so threads sharing buffers, through one launcher or several, never
-lose an update or see a donated array (the same per-call work as
-one thread, in some order, as SGLang's own launchers on one stream).
+(:mod:`kvcanary_jax.bridge.triton_direct`): thread-safe without a lock (each thread launches on its
+own current stream) and capturable by ``torch.cuda.graph``. DLPack path: imports, one jitted call
+with the outputs donated, write-back where the outputs do not alias; serialised per device by one
+lock that every launcher shares, so threads sharing buffers, through one launcher or several, never
+lose an update or see a donated array (the same per-call work as one thread, in some order, as
+SGLang's own launchers on one stream).
 
 :func:`paths` reports, per launcher, the path its last call took and why the direct path was not
 taken.
@@ -41,10 +41,11 @@ from typing import Any, NamedTuple
 import jax
 import torch
 
-from bridge import streams, triton_direct, views
-from bridge.cache import CACHES
-from bridge.checks import check_outputs_apart_from_inputs, value_checks_enabled
-from bridge.dlpack import STATS, BridgeError, device_info, import_tensor, write_back, x64_scope
+from kvcanary_jax.bridge import streams, triton_direct, views
+from kvcanary_jax.bridge.cache import CACHES
+from kvcanary_jax.bridge.checks import check_outputs_apart_from_inputs, value_checks_enabled
+from kvcanary_jax.bridge.dlpack import (STATS, BridgeError, device_info, import_tensor, write_back,
+                                        x64_scope)
 
 __all__ = ["Arg", "Signature", "ProgramKey", "Launcher", "paths", "set_direct", "direct_enabled",
            "lowered_specs", "bind"]
@@ -163,9 +164,9 @@ def direct_enabled() -> bool:
 def paths() -> dict[str, dict[str, str]]:
     """Per launcher: the path its last call took (``"triton_direct"`` or ``"dlpack"``; ``""``
     before its first call) and, for ``"dlpack"`` on a CUDA tensor, why the direct path was not
-    taken; while :func:`bridge.install_into_sglang` is active, ``"sglang"`` names the SGLang
-    runtime names each installed launcher replaces (comma-separated)."""
-    from bridge.sglang_install import installed
+    taken; while :func:`kvcanary_jax.bridge.install_into_sglang` is active, ``"sglang"`` names the
+    SGLang runtime names each installed launcher replaces (comma-separated)."""
+    from kvcanary_jax.bridge.sglang_install import installed
 
     out = {k: {"path": p, "reason": r} for k, (p, r) in _PATHS.items()}
     for name, dotted in installed().items():

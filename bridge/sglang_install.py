@@ -19,10 +19,10 @@ it checks, for all four at once:
   a launcher some other code installed;
 * each launcher's signature (parameter names, kinds, defaults) is the bridge launcher's.
 
-Any failure raises :class:`~bridge.dlpack.BridgeError` naming the version or the name and both
-signatures, with nothing rebound. The returned :class:`SglangInstall` restores SGLang's
+Any failure raises :class:`~kvcanary_jax.bridge.dlpack.BridgeError` naming the version or the name
+and both signatures, with nothing rebound. The returned :class:`SglangInstall` restores SGLang's
 launchers on :meth:`~SglangInstall.uninstall` or at the end of a ``with`` block;
-:func:`bridge.paths` lists, per launcher, the runtime names it is installed as.
+:func:`kvcanary_jax.bridge.paths` lists, per launcher, the runtime names it is installed as.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import importlib.metadata
 import inspect
 import threading
 
-from bridge.dlpack import BridgeError
+from kvcanary_jax.bridge.dlpack import BridgeError
 
 __all__ = ["SGLANG_VERSION", "TARGETS", "Target", "SglangInstall", "install_into_sglang",
            "installed"]
@@ -93,7 +93,7 @@ def _render(fn) -> str:
 
 
 def _replacement(target: Target):
-    import bridge
+    import kvcanary_jax.bridge as bridge
 
     return getattr(bridge, target.name)
 

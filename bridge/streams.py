@@ -27,8 +27,8 @@ from typing import Any
 
 import jax
 
-from bridge.dlpack import STATS as _STATS
-from bridge.dlpack import BridgeError, DeviceInfo, import_tensor
+from kvcanary_jax.bridge.dlpack import STATS as _STATS
+from kvcanary_jax.bridge.dlpack import BridgeError, DeviceInfo, import_tensor
 
 try:
     from jax._src.lib import _jax as _jaxlib

@@ -47,7 +47,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from bridge.dlpack import BridgeError
+from kvcanary_jax.bridge.dlpack import BridgeError
 
 __all__ = [
     "Buf",

@@ -1,17 +1,17 @@
 """JAX views of the caller's torch tensors, kept only while the caller keeps the tensor (DLPack path).
 
-A DLPack import costs a host round trip (57 us measured on the H200), so a serving loop's
-persistent buffers are imported once. An entry is keyed by the caller's tensor object and holds
-a weak reference to it: when the caller drops the tensor, the entry goes (a ``weakref`` callback),
-and with it the JAX array and the storage it pins (imports go through ``detach()`` aliases, so the
-array never keeps the caller's tensor object alive; :mod:`bridge.dlpack`). An entry also records
-the tensor's address, shape, strides and dtype at import; a tensor changed in place since
+A DLPack import costs a host round trip (57 us measured on the H200), so a serving loop's persistent
+buffers are imported once. An entry is keyed by the caller's tensor object and holds a weak
+reference to it: when the caller drops the tensor, the entry goes (a ``weakref`` callback), and with
+it the JAX array and the storage it pins (imports go through ``detach()`` aliases, so the array
+never keeps the caller's tensor object alive; :mod:`kvcanary_jax.bridge.dlpack`). An entry also
+records the tensor's address, shape, strides and dtype at import; a tensor changed in place since
 (``as_strided_``, ``set_``, ``resize_``) misses and is imported again, never served stale.
 
 An import that copied (JAX's CPU client copies from addresses less than 64-byte aligned) is a
 snapshot and never cached. After a donated call the output array, checked to alias the tensor,
 replaces the entry's array (the donated one is deleted). Bounded per device (512 entries, least
-recently used first); :func:`bridge.clear_cache` empties every device's cache.
+recently used first); :func:`kvcanary_jax.bridge.clear_cache` empties every device's cache.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import threading
 import weakref
 from typing import Any
 
-from bridge.cache import CACHES
+from kvcanary_jax.bridge.cache import CACHES
 
 __all__ = ["ViewCache", "for_device", "layout_of"]
 

@@ -10,8 +10,9 @@ positives. ``demo`` is the default subcommand. Ctrl-C stops the demo before its 
 prints the partial report and exits with status 130 (a second Ctrl-C aborts at once); the console
 script takes Ctrl-C from its first line, while JAX imports (:mod:`kvcanary_jax._interrupt`).
 
-``kvcanary-jax bench [options]`` is ``python -m bench [options]`` (the benchmark of a source
-checkout; ``kvcanary-jax bench --help`` lists its options).
+``kvcanary-jax bench [options]`` is ``python -m kvcanary_jax.bench [options]`` (the benchmark,
+installed with the package; ``python -m bench`` from a checkout's root;
+``kvcanary-jax bench --help`` lists its options).
 
 Other subcommands register themselves through :func:`register_command`.
 """
@@ -320,16 +321,21 @@ register_command("demo", "simulate a server with the canary on, then a fault cam
 
 def _run_bench(argv: list[str]) -> int:
     try:
-        from bench import run as bench_run
-    except ImportError:
-        print("kvcanary-jax bench: the benchmark package is not installed (run from a checkout)",
-              file=sys.stderr)
+        from kvcanary_jax.bench import run as bench_run
+    except ModuleNotFoundError as e:
+        # kvcanary_jax.bench ships in the package, mapped from the checkout's bench/ folder: it is
+        # missing where kvcanary_jax was put on the path without being installed.
+        if e.name not in ("kvcanary_jax.bench", "kvcanary_jax.bench.run"):
+            raise
+        print(f"kvcanary-jax bench: {e.name} is not importable here (kvcanary_jax from "
+              f"{os.path.dirname(os.path.abspath(sys.modules['kvcanary_jax'].__file__))}); "
+              "install kvcanary-jax (from a checkout: pip install -e .)", file=sys.stderr)
         return 2
     return int(bench_run.main(argv, prog="kvcanary-jax bench") or 0)
 
 
 if "bench" not in _COMMANDS:
-    register_command("bench", "benchmarks, ours vs SGLang (python -m bench; see "
+    register_command("bench", "benchmarks, ours vs SGLang (python -m kvcanary_jax.bench; see "
                      "kvcanary-jax bench --help)", None, _run_bench)
 
 

@@ -10,7 +10,7 @@ import json
 import pytest
 
 import _cli
-from bench import cpu
+from kvcanary_jax.bench import cpu
 
 COMMAND = "kvcanary-jax bench --quick"
 
@@ -59,7 +59,7 @@ def test_cpu_bench_smoke(tmp_path):
                      "'write', 'verify', 'bridge')"),
 ])
 def test_bench_refuses_values_that_make_no_sense(argv, message, capsys):
-    from bench import run
+    from kvcanary_jax.bench import run
 
     with pytest.raises(SystemExit) as e:
         run.main(argv, prog="kvcanary-jax bench")
@@ -75,7 +75,7 @@ def test_bench_refuses_an_unwritable_out_before_running(main, tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("")
     out = str(blocker / "results")
-    mod = importlib.import_module(f"bench.{main}")
+    mod = importlib.import_module(f"kvcanary_jax.bench.{main}")
     with pytest.raises(SystemExit) as e:
         mod.main(["--smoke", "--out", out])
     assert e.value.code == 2

@@ -16,11 +16,11 @@ import torch
 
 import jax
 
-import bridge
-from bridge import dlpack, views
+import kvcanary_jax.bridge as bridge
+from kvcanary_jax.bridge import dlpack, views
 
 import _tier
-from bridge import launch_canary_step
+from kvcanary_jax.bridge import launch_canary_step
 
 CPU = torch.device("cpu")
 DEVICES = [pytest.param(CPU, id="cpu"),
@@ -736,7 +736,7 @@ def test_bridge_does_not_import_sglang():
     import subprocess
     import sys
 
-    code = ("import sys, bridge, torch; "
+    code = ("import sys, torch; import kvcanary_jax.bridge as bridge; "
             "bridge.launch_scatter_req_token_ids_kernel(flat_in=torch.tensor([1]), "
             "offsets=torch.tensor([0, 1]), req_pool_indices=torch.tensor([0]), "
             "pool_out=torch.zeros(1, 2, dtype=torch.int32)); "
@@ -790,7 +790,7 @@ def gpu_path(request):
 
 @pytest.mark.gpu
 def test_gpu_event_sync_found_xla_compute_stream():
-    from bridge import streams
+    from kvcanary_jax.bridge import streams
 
     dev = torch.device("cuda")
     info = dlpack.device_info(torch.zeros(1, device=dev), "t")
@@ -824,7 +824,7 @@ def test_gpu_stream_order_side_stream_producer_no_stale_reads(gpu_path):
 @pytest.mark.gpu
 def test_gpu_dlpack_fused_step_does_not_reimport_persistent_buffers(sgl, dlpack_path):
     dev = torch.device("cuda")
-    import bench.bridge_overhead as bo
+    import kvcanary_jax.bench.bridge_overhead as bo
 
     setup = bo.make_case(device=dev, bs=64)
     for _ in range(3):
@@ -894,7 +894,7 @@ def test_value_checks_off_the_kernels_stay_in_bounds():
 
 
 def _twin_cases(dev, bs=8):
-    import bench.bridge_overhead as bo
+    import kvcanary_jax.bench.bridge_overhead as bo
 
     cases = [bo.make_case(device=dev, bs=bs, prefix=12, width=32, ring=256) for _ in range(3)]
     for c in cases:  # plans are allocated uninitialised: give untouched elements one value
@@ -994,7 +994,7 @@ def test_a_swapped_or_moved_tensor_is_checked_and_read_again(sgl):
 
 
 def test_clear_cache_empties_every_cache():
-    from bridge.cache import CACHES
+    from kvcanary_jax.bridge.cache import CACHES
 
     bo, (c, _, _) = _twin_cases(CPU)
     for _ in range(2):
@@ -1046,7 +1046,7 @@ def test_plan_serving_loop_compiles_once_per_batch_bucket(sgl):
     """Batch sizes 1..70 through the bridge's plan: the request vectors are lowered at
     min(bucket(bs), write_req_capacity) with the batch size as an operand, so the loop compiles
     2 programs (buckets 64 and 72 = the capacity), and every plan equals SGLang's."""
-    from bridge.cache import CACHES
+    from kvcanary_jax.bridge.cache import CACHES
 
     rng = random.Random(3)
     rtt = torch.randint(0, 500, (80, 12), dtype=torch.int32)
@@ -1084,7 +1084,7 @@ def test_plan_batch_size_scalars_are_shared_aligned_and_never_freed():
     """The plan's num_reqs operand: one read-only tensor per (device, count), holding the count,
     32-byte aligned (the kernels keep their aligned variant), still valid after its table grows
     (a captured graph may hold its address), and none for an empty batch."""
-    from bridge.cache import Counts
+    from kvcanary_jax.bridge.cache import Counts
 
     counts = Counts()
     a = counts.view(CPU, 7)

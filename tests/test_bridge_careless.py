@@ -10,8 +10,8 @@ import re
 import pytest
 import torch
 
-import bridge
-from bench import builders
+import kvcanary_jax.bridge as bridge
+from kvcanary_jax.bench import builders
 
 pytestmark = pytest.mark.torch
 

@@ -14,10 +14,10 @@ import functools
 import pytest
 import torch
 
-import bench.bridge_overhead as bo
-from bridge import declarations
-from bridge import triton_direct as td
-from bridge.launcher import bind, lowered_specs
+import kvcanary_jax.bench.bridge_overhead as bo
+from kvcanary_jax.bridge import declarations
+from kvcanary_jax.bridge import triton_direct as td
+from kvcanary_jax.bridge.launcher import bind, lowered_specs
 from kvcanary_jax.ops.plan import pallas_triton as _plan_triton
 
 CPU = torch.device("cpu")
@@ -32,7 +32,7 @@ def _case():
 
 
 def _calls():
-    import bridge
+    import kvcanary_jax.bridge as bridge
 
     c = _case()
     kv = torch.zeros(c["ctx"].canary_buf.shape[0], 80, dtype=torch.uint8)
@@ -326,8 +326,8 @@ def test_launch_passes_each_kernel_its_pointers_in_parameter_order():
 def test_empty_batch_plan_is_copies_of_constants_and_matches_sglang(sgl):
     """bs = 0: the lowered plan holds no kernel, only results that are constants (SGLang's
     empty-batch plan); the launch copies them into the caller's tensors."""
-    import bridge
-    from bridge.launcher import _byte_view
+    import kvcanary_jax.bridge as bridge
+    from kvcanary_jax.bridge.launcher import _byte_view
 
     rpi = torch.zeros(0, dtype=torch.int64)
     plans = []

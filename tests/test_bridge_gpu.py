@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import bridge
+import kvcanary_jax.bridge as bridge
 
 pytestmark = pytest.mark.gpu
 
@@ -20,7 +20,7 @@ CUDA = torch.device("cuda")
 
 
 def _cases(bs=16):
-    import bench.bridge_overhead as bo
+    import kvcanary_jax.bench.bridge_overhead as bo
 
     # width 128: 100 steps of one token each from a 12-token prefix stay inside the rows.
     # The ring holds every violation of the 100 steps (~100k rows: the unscattered positions

@@ -14,8 +14,8 @@ import weakref
 import pytest
 import torch
 
-import bridge
-from bench import builders
+import kvcanary_jax.bridge as bridge
+from kvcanary_jax.bench import builders
 from kvcanary_jax import buckets
 
 CPU = torch.device("cpu")

@@ -16,8 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 
-import bridge  # noqa: E402
-from bridge import sglang_install  # noqa: E402
+import kvcanary_jax.bridge as bridge  # noqa: E402
+from kvcanary_jax.bridge import sglang_install  # noqa: E402
 from kvcanary_jax import oracle  # noqa: E402
 
 from _sglang_runtime import ToyServer, compare_runs, sglang_launchers_on_cpu  # noqa: E402

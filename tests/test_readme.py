@@ -38,7 +38,7 @@ def test_readme_has_examples():
 def _param(index: int):
     needs = ("sgl_jax" in BLOCKS[index]) * [pytest.mark.sglang_jax]
     # The torch bridge's examples need torch and SGLang 0.5.23 (the Python 3.11 leg).
-    needs += ("import bridge" in BLOCKS[index]) * [pytest.mark.torch]
+    needs += ("kvcanary_jax.bridge" in BLOCKS[index]) * [pytest.mark.torch]
     return pytest.param(index, marks=needs, id=str(index))
 
 

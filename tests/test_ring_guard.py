@@ -20,7 +20,7 @@ from kvcanary_jax import runtime as rt
 from kvcanary_jax.ops.verify import canary_verify, canary_verify_reference
 
 import _canary_support as support
-from bench import builders
+from kvcanary_jax.bench import builders
 import _impls
 from _impls import with_tpu
 
@@ -201,7 +201,7 @@ def _torch_write(sgl, bridge, st, launch):
 @pytest.mark.parametrize("op", ["verify", "write"])
 @pytest.mark.parametrize("w0", [-1, -CAP - 1])
 def test_bridge_value_checks_raise_on_a_negative_index(sgl, op, w0):
-    import bridge
+    import kvcanary_jax.bridge as bridge
 
     st = _state(8, w0)
     if op == "verify":

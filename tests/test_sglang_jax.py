@@ -192,8 +192,9 @@ def test_the_guarded_step_lowered_for_cuda_has_no_loop_around_its_kernels():
     on the GPU (``python -m bench.sglang_jax_step --glue``)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-m", "bench.sglang_jax_step", "--glue", "--smoke"],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "kvcanary_jax.bench.sglang_jax_step", "--glue",
+                           "--smoke"], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-6000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     assert counts["kernels"] == 7, counts

@@ -16,8 +16,8 @@ def _run(args, devices: int, timeout: int = 600):
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
                         + f" --xla_force_host_platform_device_count={devices}").strip()
     env["JAX_PLATFORMS"] = "cpu"
-    return subprocess.run([sys.executable, "-m", "bench.sharded", *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "kvcanary_jax.bench.sharded", *args], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def test_sharded_campaign_two_cpu_devices(tmp_path):

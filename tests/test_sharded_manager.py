@@ -18,9 +18,9 @@ def test_sharded_campaign_through_the_manager(tmp_path):
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
                         + " --xla_force_host_platform_device_count=2").strip()
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.sharded", "--shards", "2", "--steps", "8", "--faults",
-         ",".join(FAULTS), "--injections", "1", "--timing-steps", "4", "--timing-repeats", "1",
-         "--json", "--no-progress", "--manager", "--out", str(tmp_path)],
+        [sys.executable, "-m", "kvcanary_jax.bench.sharded", "--shards", "2", "--steps", "8",
+         "--faults", ",".join(FAULTS), "--injections", "1", "--timing-steps", "4",
+         "--timing-repeats", "1", "--json", "--no-progress", "--manager", "--out", str(tmp_path)],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout)

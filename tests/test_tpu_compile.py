@@ -13,7 +13,7 @@ import pytest
 
 import jax
 
-from bench import tpu_compile as tc
+from kvcanary_jax.bench import tpu_compile as tc
 
 from test_lowering import TPU_KERNELS, _ops
 

@@ -17,7 +17,7 @@ import jax
 import kvcanary_jax as kc
 
 import _canary_support as support
-from bench import builders
+from kvcanary_jax.bench import builders
 import test_plan
 from _impls import implementations
 
