@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, memory checker, benchmark. Run from the repo root on
 # the GPU machine (which has no network): wheels that its image lacks travel in .whl/
-# (apache-tvm-ffi and msgspec for SGLang's CUDA JIT kernels, and the sglang wheel itself).
+# (apache-tvm-ffi and msgspec for SGLang's CUDA JIT kernels, the sglang wheel itself, and a
+# setuptools >= 77 wheel, used only if the image's setuptools is older, to install this checkout).
 #   usage: bash bench/gpu_session.sh [gate] [tests] [sanitize] [bench-quick|bench-full] [bench-ops=a,b]
 #
 # gate: the GPU gate, run with every change to a GPU path (pallas_triton kernels, the direct
@@ -35,8 +36,17 @@ export PYTHONPATH=$PWD:$SITE
 # install resolves: install this checkout, editable, offline, with the image's own setuptools and
 # none of the dependencies (the image has them). Stop here if that fails or resolves elsewhere:
 # every step below would fail on its first import.
-if ! python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
-    > "$OUT/install.log" 2>&1; then
+# pyproject's build needs setuptools >= 77 (its SPDX license string): an older image setuptools
+# is replaced, for this install only, by a carried wheel (.whl/setuptools-*.whl) when there is one.
+BUILD_PATH=$PYTHONPATH
+if ! python3 -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)' \
+    && ls .whl/setuptools-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/buildtools \
+    .whl/setuptools-*.whl > "$OUT/install.log" 2>&1
+  BUILD_PATH=/tmp/buildtools:$PYTHONPATH
+fi
+if ! PYTHONPATH=$BUILD_PATH python3 -m pip install -q --no-index --no-deps --no-build-isolation \
+    -e . >> "$OUT/install.log" 2>&1; then
   setuptools=$(python3 -c 'import setuptools; print(setuptools.__version__)' 2>&1 | tail -1)
   echo "gpu_session: installing the checkout failed (pip install --no-index --no-deps" \
        "--no-build-isolation -e .; setuptools $setuptools); the end of $OUT/install.log:" >&2
