@@ -203,6 +203,8 @@ def _readback(cfg: CanaryConfig, state: CanaryState, phase):
     ``words`` shows rows not yet reported. A leading shard axis (stacked per-shard states) is kept
     as the first axis of both."""
     shards = state.violation_write_index.size
+    # The phase is per shard over a mesh, one for a stack of states handed to observe().
+    phase = jnp.broadcast_to(phase.reshape(-1, 3), (shards, 3))
     parts = (state.violation_write_index, state.kernel_run_counters, state.slot_run_counters,
              jnp.stack([state.plans[g][0].enable.reshape(-1) for g in cfg.groups], -1), phase)
     words = jnp.concatenate([x.astype(jnp.int64).reshape(shards, -1) for x in parts], axis=1)
