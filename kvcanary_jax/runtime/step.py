@@ -55,9 +55,11 @@ def kv_sources(kv: Sequence[jax.Array] | None, *, read_bytes: int | None = None)
         if isinstance(arr, RealKvSource):
             out.append(arr)
             continue
-        b = arr if arr.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(arr, jnp.uint8)
-        b = b.reshape(arr.shape[0], -1)
-        nbytes = int(b.shape[1])
+        # The array as it is (a source may be of any dtype; the fingerprint reads its bytes):
+        # a bitcast to uint8 would be a real op on a TPU, whose layout for the [slots, width, 2]
+        # bytes of a bf16 array pads the 2 to 128 lanes (16 GiB for a 256 MiB KV layer).
+        b = arr.reshape(arr.shape[0], -1)
+        nbytes = int(b.shape[1]) * b.dtype.itemsize
         out.append(
             RealKvSource(
                 tensor=b, page_size=1, num_bytes_per_token=nbytes,
