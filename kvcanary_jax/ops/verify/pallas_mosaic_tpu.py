@@ -63,8 +63,11 @@ BLOCK = 512
 
 @dataclasses.dataclass(frozen=True)
 class Config(tpu.BlockConfig):
-    """``block``: entries per block, a multiple of 512 (whole 8 x 128 tiles of pair rows); the
-    rest: :class:`kvcanary_jax.ops._tpu_lib.Config`."""
+    """``block``: entries per block, a multiple of 512 (whole 8 x 128 tiles of pair rows). The
+    canary tiles a block may fetch take 16 KiB of VMEM per entry (a 4 KiB tile for the slot and
+    one for the predecessor, double-buffered): 8 MiB at the default 512, within every TPU's
+    default scoped VMEM; a larger block needs ``vmem_limit_bytes`` raised to match. The rest:
+    :class:`kvcanary_jax.ops._tpu_lib.Config`."""
 
     OP: ClassVar[str] = "canary_verify"
     block: int = BLOCK
