@@ -45,8 +45,8 @@ __all__ = [
 
 
 def kv_sources(kv: Sequence[jax.Array] | None, *, read_bytes: int | None = None):
-    """Real-KV sources over 2-D KV arrays ``[slots, width]`` of any dtype (bf16 in the demo),
-    viewed as bytes: one slot per row, page size 1. A :class:`~kvcanary_jax.RealKvSource` in the
+    """Real-KV sources over 2-D KV arrays ``[slots, width]`` of any dtype (bf16 in the demo), as
+    they are: one slot per row (its bytes folded), page size 1. A :class:`~kvcanary_jax.RealKvSource` in the
     list is taken as it is (a strip of a fused or paged buffer, addressed by the caller)."""
     if not kv:
         return ()
