@@ -119,3 +119,16 @@ def test_default_implementation_follows_tpu_placed_arguments():
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), args)
             text = fn.trace(*specs).lower(lowering_platforms=("tpu",)).compile().as_text()
             assert all(k in text for k in TPU_KERNELS[name]), name
+
+
+@pytest.mark.parametrize("name", ["write 64x1", "verify 64k"])
+def test_canary_ops_hold_no_copy_of_the_canary(name):
+    """Write and verify at serving size (a 1M-slot canary, 32 MiB) on v5e read and write the
+    canary in place, as canary tiles (the transpose of SGLang's bytes, a bitcast in XLA's
+    layout): their temporaries stay far below one copy of the canary. (An int32 [N, 8] operand,
+    which XLA pads to 128 lanes, cost 2-2.5 GiB of temporaries here.)"""
+    case = next(c for c in tc.CASES if c.name == name)
+    row = tc.measure(case, "v5e:2x2")
+    assert row["ok"], row.get("error")
+    canary = tc.SLOTS * 32
+    assert row["temp_size_in_bytes"] < canary // 8, row

@@ -12,8 +12,16 @@ reshapes and zero padding; the kernels see int32 arrays only):
   e.g. the slots that address row DMAs) and into VMEM, where :func:`planes` splits it into
   lane-dense *planes* ``[R, 128]`` (entry ``e`` of the block at ``[e // 128, e % 128]``) of high
   and low words with two strided sublane loads and two in-register lane gathers;
-* ``canary_buf`` uint8 ``[N, S]`` -> int32 ``[N, S / 4]``: a slot's fields are words 0-7 of its row
-  (token lo/hi, position lo/hi, link lo/hi, fingerprint lo/hi);
+* ``canary_buf`` uint8 ``[N, S]`` -> *canary tiles*, its transpose uint8 ``[S, N']``
+  (:func:`canary_tiles`; ``N'``: ``N`` rounded up to whole 128-slot tiles). XLA lays a uint8
+  ``[N, 32]`` array out slot-minor (``{0,1:T(32,128)(4,1)}``: 4 bytes of a slot packed in a
+  32-bit word, 128 slots along the lanes), so the transpose is a bitcast and the kernels read and
+  write SGLang's canary bytes in place: no conversion, no temporary. A *tile* is the ``[32, 128]``
+  window of slots ``[128 t, 128 t + 128)``, one 4 KiB DMA at a 128-aligned lane offset (Mosaic
+  refuses a slot's 32-byte window, and any window at an unaligned lane offset);
+  ``pltpu.bitcast`` turns it into int32 ``[8, 128]`` in VMEM, word ``w`` of slot ``128 t + l``
+  at ``[w, l]`` (token lo/hi, position lo/hi, link lo/hi, fingerprint lo/hi).
+  :func:`select_tiles` picks entries' slots out of gathered tiles;
 * ``violation_ring`` int64 ``[C, 8]`` -> int32 ``[C, 16]``;
 * a real-KV source -> its *strips* int32 ``[rows * page_size, E / 4]``: row ``s`` holds the ``E``
   bytes of slot ``s``'s strip that the fingerprint reads (``E`` = 16 in PARTIAL mode, else
@@ -59,6 +67,16 @@ __all__ = [
     "from_pair_rows",
     "words32",
     "from_words32",
+    "SLOT_WORDS",
+    "SLOT_BYTES",
+    "TILE_SLOTS",
+    "canary_tiles",
+    "canary_from_tiles",
+    "tile_window",
+    "tile_words",
+    "select_tiles",
+    "lane_prefix_count",
+    "fetch_places",
     "i64_words",
     "counter_words",
     "counters_from_words",
@@ -136,6 +154,85 @@ def from_words32(words: jax.Array, like: jax.Array) -> jax.Array:
     if like.dtype == jnp.int64:
         return lax.bitcast_convert_type(words.reshape(n, -1, 2), jnp.int64)
     return lax.bitcast_convert_type(words, jnp.uint8).reshape(like.shape)
+
+
+# A canary slot's fields: 8 int32 words (4 int64 fields, 32 bytes); a tile holds 128 slots.
+SLOT_WORDS = 8
+SLOT_BYTES = 4 * SLOT_WORDS
+TILE_SLOTS = LANES
+
+
+def canary_tiles(buf: jax.Array) -> jax.Array:
+    """uint8 ``[N, S]`` -> canary tiles uint8 ``[S, N']``, ``N'`` = ``N`` rounded up to a
+    positive multiple of :data:`TILE_SLOTS` (zero slots past ``N``). A bitcast in XLA's layout
+    when ``N`` is a multiple of 128; otherwise one compact copy (the pad)."""
+    n = buf.shape[0]
+    n_pad = pad_to(n, TILE_SLOTS)
+    t = buf.T
+    return t if n_pad == n else jnp.pad(t, ((0, 0), (0, n_pad - n)))
+
+
+def canary_from_tiles(tiles: jax.Array, like: jax.Array) -> jax.Array:
+    """Inverse of :func:`canary_tiles` for a canary shaped as ``like``."""
+    n = like.shape[0]
+    return (tiles if tiles.shape[1] == n else tiles[:, :n]).T
+
+
+def tile_window(canary, tile):
+    """The HBM window of canary tile ``tile`` (an int32 scalar) in a canary tiles ref: its first
+    32 rows (a slot's fields; a wider slot's other bytes are never read), 128 lanes at a
+    128-aligned offset, which Mosaic DMAs (a 4 KiB block of whole tiles)."""
+    return canary.at[pl.ds(0, SLOT_BYTES), pl.ds(pl.multiple_of(tile * TILE_SLOTS, TILE_SLOTS),
+                                                  TILE_SLOTS)]
+
+
+def tile_words(tile_ref):
+    """A uint8 ``[32, 128]`` tile ref in VMEM -> int32 ``[8, 128]``: word ``w`` of its slot
+    ``l`` at ``[w, l]`` (4 bytes of a slot are one word of the packed uint8 layout)."""
+    return pltpu.bitcast(tile_ref[...], jnp.int32)
+
+
+def select_tiles(tiles, n, place, lane):
+    """The 8 words of 128 entries' slots out of the tiles they were gathered into.
+
+    ``tiles``: a uint8 ``[k, 32, 128]`` VMEM ref, of which the first ``n`` (an int32 scalar)
+    were fetched; ``place``, ``lane``: int32 ``[1, 128]``, entry ``e``'s slot is slot
+    ``lane[e]`` of tile ``place[e]``. Returns int32 ``[8, 128]``: word ``w`` of entry ``e``'s
+    slot at ``[w, e]`` (0 for an entry whose place is not below ``n``). Per fetched tile: a
+    lane gather moves each entry's slot to the entry's lane, and the entries of that tile keep
+    it (a vector carried in the loop, int32: Mosaic cannot carry masks)."""
+    at = jnp.broadcast_to(lane, (SLOT_WORDS, LANES))
+    mine = jnp.broadcast_to(place, (SLOT_WORDS, LANES))
+
+    def one(k, acc):
+        words = jnp.take_along_axis(tile_words(tiles.at[k]), at, axis=1)
+        return jnp.where(mine == k, words, acc)
+
+    return lax.fori_loop(0, n, one, jnp.zeros((SLOT_WORDS, LANES), jnp.int32))
+
+
+def lane_prefix_count(x):
+    """Inclusive prefix sums of int32 planes ``[R, 128]`` along each plane row (its 128 lanes),
+    in 7 roll-and-add steps (Mosaic has no cumsum)."""
+    lane = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    d = 1
+    while d < LANES:
+        x = x + jnp.where(lane >= d, pltpu.roll(x, d, 1), 0)
+        d *= 2
+    return x
+
+
+def fetch_places(tile, fetch):
+    """Where each entry's tile lands when a slab of 128 entries fetches its slots' tiles in
+    entry order, an entry skipping the fetch when the previous entry fetched the same tile (the
+    rule the kernels' scalar issue loops follow). ``tile``: int32 planes ``[R, 128]``;
+    ``fetch``: bool planes, the entries that read a slot. Returns int32 planes: the entry's
+    place among its slab's fetched tiles (0 where not ``fetch``)."""
+    lane = lax.broadcasted_iota(jnp.int32, tile.shape, 1)
+    f = fetch.astype(jnp.int32)
+    same = (lane > 0) & (pltpu.roll(f, 1, 1) == 1) & (pltpu.roll(tile, 1, 1) == tile)
+    new = jnp.where(same, 0, f)
+    return jnp.maximum(lane_prefix_count(new) - 1, 0)
 
 
 def i64_words(x: jax.Array) -> jax.Array:

@@ -45,8 +45,8 @@ __all__ = [
 
 
 def kv_sources(kv: Sequence[jax.Array] | None, *, read_bytes: int | None = None):
-    """Real-KV sources over 2-D KV arrays ``[slots, width]`` of any dtype (bf16 in the demo),
-    viewed as bytes: one slot per row, page size 1. A :class:`~kvcanary_jax.RealKvSource` in the
+    """Real-KV sources over 2-D KV arrays ``[slots, width]`` of any dtype (bf16 in the demo), as
+    they are: one slot per row (its bytes folded), page size 1. A :class:`~kvcanary_jax.RealKvSource` in the
     list is taken as it is (a strip of a fused or paged buffer, addressed by the caller)."""
     if not kv:
         return ()
@@ -55,9 +55,11 @@ def kv_sources(kv: Sequence[jax.Array] | None, *, read_bytes: int | None = None)
         if isinstance(arr, RealKvSource):
             out.append(arr)
             continue
-        b = arr if arr.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(arr, jnp.uint8)
-        b = b.reshape(arr.shape[0], -1)
-        nbytes = int(b.shape[1])
+        # The array as it is (a source may be of any dtype; the fingerprint reads its bytes):
+        # a bitcast to uint8 would be a real op on a TPU, whose layout for the [slots, width, 2]
+        # bytes of a bf16 array pads the 2 to 128 lanes (16 GiB for a 256 MiB KV layer).
+        b = arr.reshape(arr.shape[0], -1)
+        nbytes = int(b.shape[1]) * b.dtype.itemsize
         out.append(
             RealKvSource(
                 tensor=b, page_size=1, num_bytes_per_token=nbytes,

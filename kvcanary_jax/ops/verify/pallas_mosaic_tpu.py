@@ -9,22 +9,27 @@ Shape: one kernel instance (grid ``(1,)``) walks the active entries in blocks of
 
 1. the block's plan words (four int64 fields as pair rows) are DMA'd into VMEM and its slot and
    predecessor words into SMEM;
-2. the scalar unit walks the block's slots and issues the canary-row DMAs: one per *run* of
-   consecutive rows (entries whose slots follow each other, within one 128-entry slab of the
-   block: a dynamic-length row window), so a paged allocator's contiguous slots cost one DMA per
-   run, scattered slots one per entry; and one per predecessor row unless the predecessor is the
-   previous entry's slot (chain order: that row is in the block already);
-3. the vector unit checks the block: rows -> lane-dense planes, chain link (mix3 on 32-bit
-   pairs), position, token, fingerprint; violations are appended in entry order.
+2. the scalar unit walks the block's slots and issues the canary DMAs. The canary is read in
+   place, as canary tiles (:func:`kvcanary_jax.ops._tpu_lib.canary_tiles`: the transpose of
+   SGLang's bytes, which XLA already lays out that way), and a DMA moves a whole tile of 128
+   slots (Mosaic refuses a slot's 32-byte window). An entry fetches its slot's tile unless the
+   previous entry of its 128-entry slab fetched that tile, so a run of consecutive slots costs
+   one DMA per 128 slots, scattered slots one per entry; the tiles a slab fetches land in fetch
+   order. The predecessors' tiles follow the same rule, and an entry whose predecessor is the
+   previous entry's slot fetches none (chain order: that slot is in the block already);
+3. the vector unit checks the block: the entries' slots out of the fetched tiles as lane-dense
+   planes (:func:`kvcanary_jax.ops._tpu_lib.select_tiles`: per fetched tile a lane gather and a
+   select), chain link (mix3 on 32-bit pairs), position, token, fingerprint; violations are
+   appended in entry order.
 
 Block ``b + 1``'s plan is already in SMEM and its row DMAs are in flight while block ``b`` is
 checked, and block ``b + 2``'s plan DMA overlaps both. Real-KV fingerprints come from
 :mod:`kvcanary_jax.ops._tpu_fingerprint` (a separate kernel with the same
 gather structure), as planes the check reads per block.
 
-Per entry the kernel moves 32 B of plan (+ 16 B of it again into SMEM), 32 B of canary row (one
-DMA per run of consecutive slots), 32 B more for a predecessor outside the block's chain (one
-DMA), and 8 B of fingerprint.
+Per entry the kernel moves 32 B of plan (+ 16 B of it again into SMEM), a 4 KiB canary tile for a
+scattered slot or 32 B of one for a slot in a run of consecutive slots, the same again for a
+predecessor outside the block's chain, and 8 B of fingerprint.
 """
 
 from __future__ import annotations
@@ -49,16 +54,20 @@ from kvcanary_jax.plans import VerifyPlan
 
 __all__ = ["Config", "heuristics", "run", "BLOCK"]
 
-# Entries per block: 16 pair rows of each plan field (8 KiB of SMEM per field and buffer), two
-# [8, 128, 8] row buffers, and a check over 8 x 128-lane planes. Larger blocks amortise the
-# per-block DMA waits; smaller ones shorten the pipeline's fill for small plans.
-BLOCK = 1024
+# Entries per block: 8 pair rows of each plan field (4 KiB of SMEM per field and buffer), room
+# for a 4 KiB canary tile per entry for the slots and for the predecessors, double-buffered
+# (8 MiB of VMEM, half of v5e's default scoped limit), and a check over 4 x 128-lane planes.
+# Larger blocks amortise the per-block DMA waits; smaller ones shorten the pipeline's fill.
+BLOCK = 512
 
 
 @dataclasses.dataclass(frozen=True)
 class Config(tpu.BlockConfig):
-    """``block``: entries per block, a multiple of 512 (whole 8 x 128 tiles of pair rows); the
-    rest: :class:`kvcanary_jax.ops._tpu_lib.Config`."""
+    """``block``: entries per block, a multiple of 512 (whole 8 x 128 tiles of pair rows). The
+    canary tiles a block may fetch take 16 KiB of VMEM per entry (a 4 KiB tile for the slot and
+    one for the predecessor, double-buffered): 8 MiB at the default 512, within every TPU's
+    default scoped VMEM; a larger block needs ``vmem_limit_bytes`` raised to match. The rest:
+    :class:`kvcanary_jax.ops._tpu_lib.Config`."""
 
     OP: ClassVar[str] = "canary_verify"
     block: int = BLOCK
@@ -79,9 +88,9 @@ _F = consts.FailReason
 class _Misc(enum.IntEnum):
     """Words of ``misc``."""
 
-    RUNS = 0  # + s: canary-row runs (DMAs) in flight for buffer s, their lengths in ``lens``
+    RUNS = 0  # + s: slot-tile DMAs in flight for buffer s
     RING = 2  # two words: the Ring's state
-    PREVS = 5  # + s: predecessor-row DMAs in flight for buffer s
+    PREVS = 5  # + s: predecessor-tile DMAs in flight for buffer s
 
 
 _MISC_WORDS = 8
@@ -91,9 +100,9 @@ class _Sem(enum.IntEnum):
     """DMA semaphores (``+ s``: one per block buffer ``s``)."""
 
     PLAN = 0  # + s: the block's plan words (and fingerprints)
-    ROWS = 2  # + s: the block's canary rows
+    ROWS = 2  # + s: the block's slots' canary tiles
     RING = 4  # a violation record
-    PREV = 5  # + s: predecessor rows outside the block's chain
+    PREV = 5  # + s: predecessors' tiles outside the block's chain
 
 
 _SEMS = 7
@@ -105,11 +114,12 @@ class _Scratch(NamedTuple):
 
     plan_v: Any  # VMEM [2, 4, 2 r, 128]: the block's slot, prev, token, position pair rows
     plan_s: Any  # SMEM [2, 2, 2 r, 128]: its slot and prev pair rows, as scalars
-    rows: Any  # VMEM [2, r, 128, 8]: the canary row of each entry's slot
-    prow: Any  # VMEM [2, r, 128, 8]: the canary row of each entry's predecessor
+    rows: Any  # VMEM uint8 [2, r, 128, 32, 128]: per slab, the slots' tiles in fetch order
+    prow: Any  # VMEM uint8 [2, r, 128, 32, 128]: per slab, the predecessors' tiles
+    sel: Any  # VMEM [8 r, 128]: the selected slot words, 8 rows a slab (word w: row 8 i + w)
     rkv_v: Any  # VMEM [2, 2 r, 128]: the block's fingerprints (pair rows)
     misc: Any  # SMEM [_MISC_WORDS]: indexed by _Misc
-    lens: Any  # SMEM [2, block]: run k's length, per buffer
+    tiles: Any  # SMEM [2, 2, r]: tiles fetched per slab: [0] slots', [1] predecessors', per buffer
     stage: Any  # SMEM RING_STAGE: the violation record being appended
     sems: Any  # DMA semaphores, indexed by _Sem
 
@@ -120,11 +130,12 @@ def _scratch_shapes(block: int) -> list:
     return [
         pltpu.VMEM((2, 4, 2 * r, tpu.LANES), jnp.int32),
         pltpu.SMEM((2, 2, 2 * r, tpu.LANES), jnp.int32),
-        pltpu.VMEM((2, r, tpu.LANES, 8), jnp.int32),
-        pltpu.VMEM((2, r, tpu.LANES, 8), jnp.int32),
+        pltpu.VMEM((2, r, tpu.LANES, tpu.SLOT_BYTES, tpu.TILE_SLOTS), jnp.uint8),
+        pltpu.VMEM((2, r, tpu.LANES, tpu.SLOT_BYTES, tpu.TILE_SLOTS), jnp.uint8),
+        pltpu.VMEM((tpu.SLOT_WORDS * r, tpu.LANES), jnp.int32),
         pltpu.VMEM((2, 2 * r, tpu.LANES), jnp.int32),
         pltpu.SMEM((_MISC_WORDS,), jnp.int32),
-        pltpu.SMEM((2, block), jnp.int32),
+        pltpu.SMEM((2, 2, r), jnp.int32),
         pltpu.SMEM(tpu.RING_STAGE, jnp.int32),
         pltpu.SemaphoreType.DMA((_SEMS,)),
     ]
@@ -133,18 +144,18 @@ def _scratch_shapes(block: int) -> list:
 def _verify_kernel(
     # Prefetch (SMEM [8]): st words _NVALID ... _KCTR
     st_in,
-    # Input (HBM): the plan's four fields, pair rows [4, cap_pad // 64, 128]; canary rows
-    # [N, canary_words]; fingerprints, pair rows [cap_pad // 64, 128]; the ring (aliased)
+    # Input (HBM): the plan's four fields, pair rows [4, cap_pad // 64, 128]; canary tiles
+    # uint8 [S, N']; fingerprints, pair rows [cap_pad // 64, 128]; the ring (aliased)
     plan_hbm, canary_hbm, rkv_hbm, _ring_in,
     # Output: the ring [C, 16] (HBM); st words (SMEM [8])
     ring_hbm, st_out,
     # Scratch: _Scratch
     *scratch,
-    capacity, block, num_slots, canary_words, ring_cap, kind, check_token, has_rkv,
+    capacity, block, num_slots, ring_cap, kind, check_token, has_rkv,
 ):
     scr = _Scratch(*scratch)
     plan_v, plan_s, rows, prow, rkv_v = scr.plan_v, scr.plan_s, scr.rows, scr.prow, scr.rkv_v
-    misc, lens = scr.misc, scr.lens
+    misc, tiles = scr.misc, scr.tiles
 
     def sem(k: _Sem, s=0):
         return tpu.sem_at(scr.sems, k, s)
@@ -169,65 +180,88 @@ def _verify_kernel(
                                              sem(_Sem.PLAN, slot)))
         return cps
 
-    def rows_copy(row, m, buf, e, slot, sem):
-        """Canary rows [row, row + m) into entries [e, e + m) of ``buf`` (one 128-entry slab)."""
-        src = canary_hbm.at[pl.ds(row, m)] if canary_words == 8 else \
-            canary_hbm.at[pl.ds(row, m), pl.ds(0, 8)]
+    def tile_copy(tile, buf, at, slot, sem):
+        """Canary tile ``tile`` into place ``at`` (slab * 128 + fetch index) of ``buf``."""
         return pltpu.make_async_copy(
-            src, buf.at[slot, tpu.idiv(e, tpu.LANES), pl.ds(tpu.irem(e, tpu.LANES), m)], sem)
+            tpu.tile_window(canary_hbm, tile),
+            buf.at[slot, tpu.idiv(at, tpu.LANES), tpu.irem(at, tpu.LANES)], sem)
 
     def issue(b, slot):
-        """Row DMAs of block b's entries: the slots' rows, a run of consecutive rows (in one
-        128-entry slab) per DMA; the predecessors' rows, one DMA each, unless the predecessor
-        is the previous entry's slot (chain order: that row is in the block already)."""
+        """Tile DMAs of block b's entries, per 128-entry slab in fetch order: an entry fetches
+        its slot's tile unless the previous entry fetched the same one
+        (:func:`kvcanary_jax.ops._tpu_lib.fetch_places` finds the places with that rule); the
+        predecessors likewise, except that an entry whose predecessor is the previous entry's
+        slot fetches none (chain order: that slot is in the block already)."""
         n = jnp.minimum(block, active - b * block)
         ss, ps = plan_s.at[slot, 0], plan_s.at[slot, 1]
-        zero = jnp.int32(0)
-
-        def flush(start, first, length, runs):
-            @pl.when(length > 0)
-            def _():
-                rows_copy(start, length, rows, first, slot, sem(_Sem.ROWS, slot)).start()
-                lens[slot, runs] = length
-
-            return runs + (length > 0).astype(jnp.int32)
+        zero, none = jnp.int32(0), jnp.int32(-1)
+        for i in range(r):
+            tiles[0, slot, i] = zero
+            tiles[1, slot, i] = zero
 
         def one(e, carry):
-            start, first, length, runs, nprev, last_hi, last_lo = carry
+            # per kind (slot, predecessor): tiles this slab fetched; the tile the previous entry
+            # fetched or shares (-1: none, or a new slab); DMAs issued in the block
+            fetched, last, count, pfetched, plast, pcount, last_hi, last_lo = carry
+            lane = tpu.irem(e, tpu.LANES)
+            slab = tpu.idiv(e, tpu.LANES)
+            new_slab = lane == 0
+            fetched, pfetched = (jnp.where(new_slab, zero, x) for x in (fetched, pfetched))
+            last, plast = (jnp.where(new_slab, none, x) for x in (last, plast))
             row_, col = tpu.idiv(e, 64), 2 * tpu.irem(e, 64)
             s_lo, s_hi = tpu.u32(ss[row_, col]), tpu.u32(ss[row_, col + 1])
             checked = (s_hi | s_lo) != jnp.uint32(0)
             pos_ok = tpu.pair_in_range((s_hi, s_lo), num_slots)
             fetch = checked & (pos_ok | tpu.pair_neg_in_range((s_hi, s_lo), num_slots))
-            row = tpu.i32(jnp.where(pos_ok, s_lo, s_lo + jnp.uint32(num_slots)))
-            extend = fetch & (length > 0) & (row == start + length) & (tpu.irem(e, tpu.LANES) != 0)
-            runs = flush(start, first, jnp.where(extend, 0, length), runs)
-            start = jnp.where(extend, start, jnp.where(fetch, row, zero))
-            first = jnp.where(extend, first, e)
-            length = jnp.where(extend, length + 1, fetch.astype(jnp.int32))
+            tile = tpu.idiv(tpu.i32(jnp.where(pos_ok, s_lo, s_lo + jnp.uint32(num_slots))),
+                            tpu.TILE_SLOTS)
+            new = fetch & (tile != last)
+
+            @pl.when(new)
+            def _():
+                tile_copy(tile, rows, e - lane + fetched, slot, sem(_Sem.ROWS, slot)).start()
+
+            fetched = fetched + new.astype(jnp.int32)
+            tiles[0, slot, slab] = fetched
+            last = jnp.where(fetch, tile, none)
             p_lo, p_hi = tpu.u32(ps[row_, col]), tpu.u32(ps[row_, col + 1])
             reuse = (e > 0) & (p_hi == last_hi) & (p_lo == last_lo)
             fetch_p = checked & (p_hi == jnp.uint32(0)) & (p_lo != jnp.uint32(0)) & \
                 (p_lo < jnp.uint32(num_slots)) & jnp.logical_not(reuse)
+            ptile = tpu.idiv(tpu.i32(p_lo), tpu.TILE_SLOTS)
+            pnew = fetch_p & (ptile != plast)
 
-            @pl.when(fetch_p)
+            @pl.when(pnew)
             def _():
-                rows_copy(tpu.i32(p_lo), 1, prow, e, slot, sem(_Sem.PREV, slot)).start()
+                tile_copy(ptile, prow, e - lane + pfetched, slot, sem(_Sem.PREV, slot)).start()
 
-            return (start, first, length, runs, nprev + fetch_p.astype(jnp.int32), s_hi, s_lo)
+            pfetched = pfetched + pnew.astype(jnp.int32)
+            tiles[1, slot, slab] = pfetched
+            plast = jnp.where(fetch_p, ptile, none)
+            return (fetched, last, count + new.astype(jnp.int32), pfetched, plast,
+                    pcount + pnew.astype(jnp.int32), s_hi, s_lo)
 
-        start, first, length, runs, nprev, _, _ = lax.fori_loop(
-            0, n, one, (zero, zero, zero, zero, zero, jnp.uint32(0), jnp.uint32(0)))
-        misc[_Misc.RUNS + slot] = flush(start, first, length, runs)
-        misc[_Misc.PREVS + slot] = nprev
+        _, _, count, _, _, pcount, _, _ = lax.fori_loop(
+            0, n, one, (zero, none, zero, zero, none, zero, jnp.uint32(0), jnp.uint32(0)))
+        misc[_Misc.RUNS + slot] = count
+        misc[_Misc.PREVS + slot] = pcount
 
     def wait(slot):
-        def one(k, c):
-            rows_copy(0, lens[slot, k], rows, 0, slot, sem(_Sem.ROWS, slot)).wait()
-            return c
+        tpu.wait_n(tile_copy(0, rows, 0, slot, sem(_Sem.ROWS, slot)), misc[_Misc.RUNS + slot])
+        tpu.wait_n(tile_copy(0, prow, 0, slot, sem(_Sem.PREV, slot)), misc[_Misc.PREVS + slot])
 
-        lax.fori_loop(0, misc[_Misc.RUNS + slot], one, 0)
-        tpu.wait_n(rows_copy(0, 1, prow, 0, slot, sem(_Sem.PREV, slot)), misc[_Misc.PREVS + slot])
+    def slot_words(buf, kind, slot, slot_i, fetch):
+        """The 8 words of each entry's slot (int32 planes ``slot_i``, read where ``fetch``, the
+        entries that fetched as :func:`issue` does) out of ``buf``'s tiles (``kind``: 0 the
+        slots', 1 the predecessors'). uint32 planes, zero where not ``fetch``."""
+        place = tpu.fetch_places(tpu.idiv(slot_i, tpu.TILE_SLOTS), fetch)
+        lane = tpu.irem(slot_i, tpu.TILE_SLOTS)
+        for i in range(r):
+            scr.sel[pl.ds(tpu.SLOT_WORDS * i, tpu.SLOT_WORDS), :] = tpu.select_tiles(
+                buf.at[slot, i], tiles[kind, slot, i], place[i:i + 1], lane[i:i + 1])
+        zero = jnp.zeros((r, tpu.LANES), jnp.uint32)
+        return [jnp.where(fetch, tpu.u32(scr.sel[pl.ds(w, r, stride=tpu.SLOT_WORDS), :]), zero)
+                for w in range(tpu.SLOT_WORDS)]
 
     def check(b, slot):
         slot_p = tpu.planes(plan_v.at[slot, 0])
@@ -240,17 +274,16 @@ def _verify_kernel(
         s_ok = checked & (tpu.pair_in_range(slot_p, num_slots) |
                           tpu.pair_neg_in_range(slot_p, num_slots))
         zero = jnp.zeros((r, tpu.LANES), jnp.uint32)
-
-        def masked(words, ok):
-            return [jnp.where(ok, w, zero) for w in words]
-
-        f = masked(tpu.rows_to_planes(rows[slot]), s_ok)
+        pos_ok = tpu.pair_in_range(slot_p, num_slots)
+        slot_i = tpu.i32(jnp.where(pos_ok, slot_p[1], slot_p[1] + jnp.uint32(num_slots)))
+        f = slot_words(rows, 0, slot, slot_i, s_ok)
         tok, pos, link, rkv = (f[1], f[0]), (f[3], f[2]), (f[5], f[4]), (f[7], f[6])
         p_ok = checked & tpu.pair_in_range(prev_p, num_slots) & \
             jnp.logical_not(tpu.pair_is_zero(prev_p))
         reuse = (p_ok & jnp.logical_not(first)
                  & hashing_u32.eq(prev_p, tuple(map(tpu.shift_one, slot_p))))
-        pf = masked(tpu.rows_to_planes(prow[slot]), p_ok)
+        # the predecessors fetched (the rest are the previous entry's slot, or read as zero)
+        pf = slot_words(prow, 1, slot, tpu.i32(prev_p[1]), p_ok & jnp.logical_not(reuse))
         pf = [jnp.where(reuse, tpu.shift_one(cur), other) for cur, other in zip(f[:6], pf[:6])]
         p_tok, p_pos, p_link = (pf[1], pf[0]), (pf[3], pf[2]), (pf[5], pf[4])
         anchor = hashing_u32.const(hashing_u32.join_int(*hashing_u32.ANCHOR_HASH), zero)
@@ -314,7 +347,7 @@ def run(context: VerifyOrWriteContext, plan: VerifyPlan, *, check_verify_expecte
     entries = jnp.stack([tpu.to_pair_rows(x, cap_pad) for x in (
         plan.verify_slot_indices, plan.verify_prev_slot_indices, plan.verify_expected_tokens,
         plan.verify_expected_positions)])
-    canary = tpu.words32(context.canary_buf) if num_slots else jnp.zeros((1, 8), jnp.int32)
+    canary = tpu.canary_tiles(context.canary_buf)
     ring = tpu.words32(context.violation_ring) if ring_cap else jnp.zeros((1, 16), jnp.int32)
     st = jnp.concatenate([  # the status words _NVALID, _ENABLE, then _WIDX.._KCTR
         plan.verify_num_valid.astype(jnp.int32).reshape(1),
@@ -331,11 +364,13 @@ def run(context: VerifyOrWriteContext, plan: VerifyPlan, *, check_verify_expecte
         rkv = jnp.zeros((8, tpu.LANES), jnp.int32)
     kernel = functools.partial(
         _verify_kernel, capacity=capacity, block=block, num_slots=num_slots,
-        canary_words=int(canary.shape[1]), ring_cap=ring_cap, kind=kind,
+        ring_cap=ring_cap, kind=kind,
         check_token=bool(check_verify_expected_token), has_rkv=has_rkv)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    # Bytes: plan (32 B + 16 B into SMEM per entry), two canary rows, a fingerprint (8 B).
-    nbytes = capacity * (48 + 64 + (8 if has_rkv else 0)) + ring_cap * 0
+    # Bytes: plan (32 B + 16 B into SMEM per entry), its slot in a canary tile (32 B of a run,
+    # up to 4 KiB when scattered; a predecessor mostly the previous entry's slot), a
+    # fingerprint (8 B).
+    nbytes = capacity * (48 + 64 + (8 if has_rkv else 0))
     ring32, st_out = tpu.call(
         kernel, st, entries, canary, rkv, ring,
         grid_spec=pltpu.PrefetchScalarGridSpec(

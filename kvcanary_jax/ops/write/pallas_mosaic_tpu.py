@@ -14,18 +14,23 @@ rest is batched:
 1. *fingerprints* of every token's slot (independent per slot) come from
    :mod:`kvcanary_jax.ops._tpu_fingerprint`, vectorised;
 2. *seed hazards*, vectorised: request ``r``'s seed slot is "hazardous" when a token of an earlier
-   request writes it in this launch; the other seeds' rows are gathered up front by row DMAs and
-   their first links (``mix3`` of the seed row, or the anchor) and last positions computed on the
-   vector unit;
+   request writes it in this launch; the seeds' canary tiles are gathered up front, 128
+   requests at a time, and the first links (``mix3`` of the seed slot, or the anchor) and last
+   positions computed on the vector unit;
 3. the *chain*: per token, its fields come from SMEM (token arrays are paged into SMEM in
-   1,024-token chunks, the next chunk in flight), the record ``(token, position, link,
-   fingerprint)`` is staged in SMEM and written to the slot's canary row by one DMA. Up to
-   ``WRITES_IN_FLIGHT`` row DMAs are in flight; a write to a slot with a write still in flight
-   waits for that one first, so a slot's last record wins. A hazardous seed drains the writes in
-   flight and reads its row then.
+   1,024-token chunks, the next chunk in flight), and the record ``(token, position, link,
+   fingerprint)`` goes into its slot's canary tile. The canary is written in place, as canary
+   tiles (:func:`kvcanary_jax.ops._tpu_lib.canary_tiles`), and Mosaic DMAs whole tiles of 128
+   slots only, so a write is a read-modify-write of a tile: the *open* tile sits in VMEM, the
+   tokens that land in it (a run of consecutive slots: up to 128) update it there in order, and
+   a token of another tile writes the open one back (a DMA; up to ``WRITES_IN_FLIGHT`` in
+   flight) and reads its own, after any write of that tile still in flight has landed. So each
+   token sees every earlier store of the launch, as in SGLang's serial order, and a slot's last
+   record wins. A hazardous seed writes everything back and reads its tile then.
 
-Per written token the kernel moves 32 B of canary row (one DMA), 24-40 B of token fields and 8 B
-of fingerprint, plus the fingerprint kernel's strip reads.
+Per written token the kernel moves its slot's tile (4 KiB in and out, shared by the tokens of a
+run of consecutive slots), 24-40 B of token fields and 8 B of fingerprint, plus the fingerprint
+kernel's strip reads.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ __all__ = ["Config", "heuristics", "run", "CHUNK", "WRITES_IN_FLIGHT", "SMEM_BUD
 
 # Tokens per SMEM chunk of the token arrays (pair rows: 16 rows per field).
 CHUNK = 1024
-# Canary-row DMAs in flight (staging rows in SMEM, one semaphore each).
+# Canary-tile writes in flight (4 KiB staging tiles in VMEM, one semaphore each).
 WRITES_IN_FLIGHT = 8
 # SMEM this kernel may use (of 1 MiB per core on v5e / v6e); the request capacity is bounded by it.
 SMEM_BUDGET = 768 * 1024
@@ -64,10 +69,10 @@ _NVALID, _CPA, _WIDX, _SCTR, _KCTR, _PAD = 0, 1, 2, 3, 5, 7
 # token fields (pair rows), in this order in the stacked token array
 _SLOT, _TOK, _POS, _RKV, _ETOK, _EPOS = range(6)
 # misc words: _CUR the resident token chunk (-1: none); _ID0 + s the chunk buffer s holds (or is
-# fetching); _FLY0 + s 1 while buffer s's fetch is in flight; _CNT records staged so far (the
-# next staging row is _CNT % WRITES_IN_FLIGHT); _RING the Ring's two words; _WRITTEN canary rows
-# written
-_CUR, _ID0, _FLY0, _CNT, _RING, _WRITTEN = 0, 1, 3, 5, 6, 8
+# fetching); _FLY0 + s 1 while buffer s's fetch is in flight; _CNT tiles opened so far (the next
+# staging tile is _CNT % WRITES_IN_FLIGHT); _RING the Ring's two words; _WRITTEN canary slots
+# written; _OPEN the open tile (-1: none), staged in tile _OQ
+_CUR, _ID0, _FLY0, _CNT, _RING, _WRITTEN, _OPEN, _OQ = 0, 1, 3, 5, 6, 8, 9, 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,17 +92,18 @@ def heuristics(shapes) -> Config:
 class _Scratch(NamedTuple):
     """The kernel's scratch refs, in ``scratch_shapes`` order (:func:`_scratch_shapes`)."""
 
-    seed_rows: Any  # VMEM [rc, 128, 8]: the gathered seed rows
+    seed_tiles: Any  # VMEM uint8 [128, 32, 128]: 128 requests' seed tiles, in fetch order
+    seed_at: Any  # VMEM [2, rc, 128]: each request's seed tile's place there, and its lane
+    seed_words: Any  # VMEM [8 rc, 128]: the seed slots' words (word w of plane row j: 8 j + w)
     init_v: Any  # VMEM [2, 2 rc, 128]: first links, last positions (pair rows)
     init_s: Any  # SMEM, the same, read back as scalars by the chain
     hz: Any  # SMEM [cap_pad]: 1 where an earlier request writes the seed
     chunk: Any  # SMEM [2, fields, CHUNK / 64, 128]: token chunks, double-buffered
-    stage: Any  # SMEM [WRITES_IN_FLIGHT, 8]: canary records in flight, one row each
-    pend: Any  # SMEM [WRITES_IN_FLIGHT]: the slot each staged record goes to (-1: none)
-    misc: Any  # SMEM [16]: the _CUR ... _WRITTEN words and the ring's two
+    stage: Any  # VMEM uint8 [WRITES_IN_FLIGHT, 32, 128]: the open tile and tiles being written
+    pend: Any  # SMEM [WRITES_IN_FLIGHT]: the tile each staged write goes to (-1: none)
+    misc: Any  # SMEM [16]: the _CUR ... _OQ words and the ring's two
     ring_stage: Any  # SMEM RING_STAGE: the violation record being appended
-    seed_row: Any  # SMEM [1, 8]: a hazardous seed's canary row, read after the writes land
-    seed_chain: Any  # SMEM [4]: its first link (hi, lo) and last position (hi, lo)
+    seed_chain: Any  # SMEM [4]: a hazardous seed's first link (hi, lo), last position (hi, lo)
     sems: Any  # DMA semaphores, indexed by _Sem
 
 
@@ -105,27 +111,29 @@ class _Sem(enum.IntEnum):
     """DMA semaphores (the record writes take WRITE0 + q, q < WRITES_IN_FLIGHT)."""
 
     CHUNK0 = 0  # token chunk, buffer 0 (CHUNK0 + 1: buffer 1)
-    SEED = 2  # seed-row gathers
-    ROW = 3  # the init round trip and a hazardous seed's row
+    SEED = 2  # seed-tile gathers
+    ROW = 3  # the init round trip, a tile read, a hazardous seed's tile
     RING = 4
     WRITE0 = 5
 
 
 def _scratch_shapes(rc: int, cap_pad: int, nfields: int) -> list:
     """``_Scratch``'s shapes. Every buffer a DMA fills or drains whole is exactly as wide as the
-    rows it copies: Mosaic refuses a DMA of a window narrower than its buffer's rows unless it
-    is a multiple of 512 bytes (a canary row is 32)."""
+    rows or tiles it copies: Mosaic refuses a DMA of a window narrower than its buffer's rows
+    unless it is a multiple of 512 bytes."""
+    tile = (tpu.SLOT_BYTES, tpu.TILE_SLOTS)
     return [
-        pltpu.VMEM((rc, tpu.LANES, 8), jnp.int32),
+        pltpu.VMEM((tpu.LANES, *tile), jnp.uint8),
+        pltpu.VMEM((2, rc, tpu.LANES), jnp.int32),
+        pltpu.VMEM((tpu.SLOT_WORDS * rc, tpu.LANES), jnp.int32),
         pltpu.VMEM((2, 2 * rc, tpu.LANES), jnp.int32),
         pltpu.SMEM((2, 2 * rc, tpu.LANES), jnp.int32),
         pltpu.SMEM((cap_pad,), jnp.int32),
         pltpu.SMEM((2, nfields, CHUNK // 64, tpu.LANES), jnp.int32),
-        pltpu.SMEM((WRITES_IN_FLIGHT, 8), jnp.int32),
+        pltpu.VMEM((WRITES_IN_FLIGHT, *tile), jnp.uint8),
         pltpu.SMEM((WRITES_IN_FLIGHT,), jnp.int32),
         pltpu.SMEM((16,), jnp.int32),
         pltpu.SMEM(tpu.RING_STAGE, jnp.int32),
-        pltpu.SMEM((1, 8), jnp.int32),
         pltpu.SMEM((4,), jnp.int32),
         pltpu.SemaphoreType.DMA((_Sem.WRITE0 + WRITES_IN_FLIGHT,)),
     ]
@@ -139,21 +147,21 @@ def _write_kernel(
     # Prefetch (SMEM): st words [8]; write offsets and seeds, pair rows [cap_pad // 64, 128]
     st_in, off_s, seed_s,
     # Input: the token fields (_SLOT ...), pair rows [fields, t_pad // 64, 128] (HBM); the seeds
-    # and out_cache_loc as pair rows (VMEM); the canary rows and the ring (HBM, aliased)
+    # and out_cache_loc as pair rows (VMEM); the canary tiles and the ring (HBM, aliased)
     toks_hbm, seed_v, ocl_v, canary_in, ring_in,
-    # Output: canary rows [N, canary_words] and the ring [C, 16] (HBM); st words (SMEM [8]);
+    # Output: canary tiles uint8 [S, N'] and the ring [C, 16] (HBM); st words (SMEM [8]);
     # first links and last positions, pair rows [2, 2 rc, 128] (HBM, a round trip to SMEM)
     canary_hbm, ring_hbm, st_out, init_hbm,
     # Scratch: _Scratch
     *scratch,
-    cap, num_tokens, num_slots, canary_words, ring_cap, kind, check_input, nchunks,
+    cap, num_tokens, num_slots, ring_cap, kind, check_input, nchunks,
 ):
     del canary_in, ring_in
     s_ = _Scratch(*scratch)
-    seed_rows, init_v, init_s, hz, chunk = s_.seed_rows, s_.init_v, s_.init_s, s_.hz, s_.chunk
+    init_v, init_s, hz, chunk = s_.init_v, s_.init_s, s_.hz, s_.chunk
     stage, pend, misc, sems = s_.stage, s_.pend, s_.misc, s_.sems
     K = WRITES_IN_FLIGHT
-    rc = seed_rows.shape[0]  # request plane rows
+    rc = s_.seed_at.shape[1]  # request plane rows
     rt = ocl_v.shape[0] // 2  # token plane rows
     ring = tpu.Ring(ring_hbm, ring_cap, misc, _RING, s_.ring_stage, sems.at[_Sem.RING])
     ring.start(st_in[_WIDX])
@@ -191,31 +199,48 @@ def _write_kernel(
 
     lax.fori_loop(0, active, hazard, jnp.zeros((rt, tpu.LANES), jnp.int32))
 
-    # -- 2. seed rows of the other requests, first links and last positions (vector).
-    def row_copy(row, dst):
-        src = canary_hbm.at[pl.ds(row, 1)] if canary_words == 8 else \
-            canary_hbm.at[pl.ds(row, 1), pl.ds(0, 8)]
-        return pltpu.make_async_copy(src, dst, sems.at[_Sem.SEED])
-
-    def fetch_seed(r, count):
-        lo, hi = token_range(r)
-        s = seed(r)
-        ok = (hi > lo) & tpu.pair_in_range(s, num_slots) & (hz[r] == 0)
-
-        @pl.when(ok)
-        def _():
-            row_copy(tpu.i32(s[1]), seed_rows.at[tpu.idiv(r, tpu.LANES),
-                                                 pl.ds(tpu.irem(r, tpu.LANES), 1)]).start()
-
-        return count + ok.astype(jnp.int32)
-
-    n_seed = lax.fori_loop(0, active, fetch_seed, jnp.int32(0))
-    tpu.wait_n(row_copy(0, seed_rows.at[0, pl.ds(0, 1)]), n_seed)
+    # -- 2. the seeds' slots (vector): the tiles of 128 requests' seeds at a time, each fetched
+    # once per run of requests sharing it, the slots picked out in VMEM. Every active request
+    # with a seed in range fetches (a hazardous seed's early read is not used).
     seeds = tpu.planes(seed_v)
     req = tpu.entry_index(rc)
     fetched = (req < active) & tpu.pair_in_range(seeds, num_slots)
+    seed_i = tpu.i32(seeds[1])
+    s_.seed_at[0] = tpu.fetch_places(tpu.idiv(seed_i, tpu.TILE_SLOTS), fetched)
+    s_.seed_at[1] = tpu.irem(seed_i, tpu.TILE_SLOTS)
+
+    def seed_copy(tile, k):
+        return pltpu.make_async_copy(tpu.tile_window(canary_hbm, tile), s_.seed_tiles.at[k],
+                                     sems.at[_Sem.SEED])
+
+    def seed_row(j, carry):
+        """Plane row j: requests [128 j, 128 j + 128)."""
+
+        def one(lane, c):
+            n, last = c
+            r = j * tpu.LANES + lane
+            s = seed(r)
+            ok = (r < active) & tpu.pair_in_range(s, num_slots)
+            tile = tpu.idiv(tpu.i32(s[1]), tpu.TILE_SLOTS)
+            new = ok & (tile != last)
+
+            @pl.when(new)
+            def _():
+                seed_copy(tile, n).start()
+
+            return n + new.astype(jnp.int32), jnp.where(ok, tile, jnp.int32(-1))
+
+        n, _ = lax.fori_loop(0, tpu.LANES, one, (jnp.int32(0), jnp.int32(-1)))
+        tpu.wait_n(seed_copy(0, 0), n)
+        s_.seed_words[pl.ds(pl.multiple_of(j * tpu.SLOT_WORDS, tpu.SLOT_WORDS),
+                            tpu.SLOT_WORDS), :] = tpu.select_tiles(
+            s_.seed_tiles, n, s_.seed_at[0, pl.ds(j, 1), :], s_.seed_at[1, pl.ds(j, 1), :])
+        return carry
+
+    lax.fori_loop(0, tpu.idiv(active + tpu.LANES - 1, tpu.LANES), seed_row, 0)
     zero = jnp.zeros((rc, tpu.LANES), jnp.uint32)
-    f = [jnp.where(fetched, w, zero) for w in tpu.rows_to_planes(seed_rows[...])]
+    f = [jnp.where(fetched, tpu.u32(s_.seed_words[pl.ds(w, rc, stride=tpu.SLOT_WORDS), :]), zero)
+         for w in range(tpu.SLOT_WORDS)]
     s_tok, s_pos, s_link = (f[1], f[0]), (f[3], f[2]), (f[5], f[4])
     h0 = hashing_u32.mix3(s_link, s_tok, s_pos)
     anchor = hashing_u32.const(hashing_u32.join_int(*hashing_u32.ANCHOR_HASH), zero)
@@ -245,6 +270,8 @@ def _write_kernel(
         misc[_FLY0 + slot] = jnp.int32(0)
     misc[_CNT] = jnp.int32(0)
     misc[_WRITTEN] = jnp.int32(0)
+    misc[_OPEN] = jnp.int32(-1)
+    misc[_OQ] = jnp.int32(0)
     for j in range(K):
         pend[j] = jnp.int32(-1)
 
@@ -292,11 +319,9 @@ def _write_kernel(
         slot = tpu.irem(k, 2)
         return tpu.u32(chunk[slot, f, row, col + 1]), tpu.u32(chunk[slot, f, row, col])
 
-    def write_copy(q, row):
-        src = stage.at[pl.ds(q, 1)]
-        dst = canary_hbm.at[pl.ds(row, 1)] if canary_words == 8 else \
-            canary_hbm.at[pl.ds(row, 1), pl.ds(0, 8)]
-        return pltpu.make_async_copy(src, dst, sems.at[_Sem.WRITE0 + q])
+    def write_copy(q, tile):
+        return pltpu.make_async_copy(stage.at[q], tpu.tile_window(canary_hbm, tile),
+                                     sems.at[_Sem.WRITE0 + q])
 
     def settle(j):
         @pl.when(pend[j] != -1)
@@ -304,23 +329,48 @@ def _write_kernel(
             write_copy(j, 0).wait()
             pend[j] = jnp.int32(-1)
 
+    def close():
+        """Starts writing the open tile back."""
+        @pl.when(misc[_OPEN] != -1)
+        def _():
+            q = misc[_OQ]
+            write_copy(q, misc[_OPEN]).start()
+            pend[q] = misc[_OPEN]
+            misc[_OPEN] = jnp.int32(-1)
+
     def drain():
+        close()
         for j in range(K):
             settle(j)
 
     def store(slot32, words):
-        for j in range(K):  # a write to this slot still in flight lands first
-            @pl.when(pend[j] == slot32)
-            def _(j=j):
-                settle(j)
+        tile = tpu.idiv(slot32, tpu.TILE_SLOTS)
 
-        q = tpu.irem(misc[_CNT], K)
-        settle(q)
+        @pl.when(misc[_OPEN] != tile)
+        def _open():
+            close()
+            for j in range(K):  # a write of this tile still in flight lands first
+                @pl.when(pend[j] == tile)
+                def _(j=j):
+                    settle(j)
+
+            q = tpu.irem(misc[_CNT], K)
+            settle(q)
+            c = pltpu.make_async_copy(tpu.tile_window(canary_hbm, tile), stage.at[q],
+                                      sems.at[_Sem.ROW])
+            c.start()
+            c.wait()
+            misc[_OPEN] = tile
+            misc[_OQ] = q
+            misc[_CNT] = misc[_CNT] + 1
+
+        q = misc[_OQ]
+        x = tpu.tile_words(stage.at[q])
+        word = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+        at = lax.broadcasted_iota(jnp.int32, x.shape, 1) == tpu.irem(slot32, tpu.TILE_SLOTS)
         for w, v in enumerate(words):
-            stage[q, w] = v
-        write_copy(q, slot32).start()
-        pend[q] = slot32
-        misc[_CNT] = misc[_CNT] + 1
+            x = jnp.where(at & (word == w), v, x)
+        stage[q] = pltpu.bitcast(x, jnp.uint8)
 
     def request(r, carry):
         lo, hi = token_range(r)
@@ -330,13 +380,17 @@ def _write_kernel(
         def _():
             # The seed was written earlier in this launch: read it now.
             drain()
+            seed32 = tpu.i32(s[1])
+            buf = s_.seed_tiles.at[0]
             c = pltpu.make_async_copy(
-                canary_hbm.at[pl.ds(tpu.i32(s[1]), 1)] if canary_words == 8 else
-                canary_hbm.at[pl.ds(tpu.i32(s[1]), 1), pl.ds(0, 8)],
-                s_.seed_row, sems.at[_Sem.ROW])
+                tpu.tile_window(canary_hbm, tpu.idiv(seed32, tpu.TILE_SLOTS)), buf,
+                sems.at[_Sem.ROW])
             c.start()
             c.wait()
-            w = [tpu.u32(s_.seed_row[0, i]) for i in range(6)]
+            x = tpu.tile_words(buf)
+            word = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+            at = lax.broadcasted_iota(jnp.int32, x.shape, 1) == tpu.irem(seed32, tpu.TILE_SLOTS)
+            w = [tpu.u32(tpu.sum_scalar(jnp.where(at & (word == i), x, 0))) for i in range(6)]
             h = hashing_u32.mix3((w[5], w[4]), (w[1], w[0]), (w[3], w[2]))
             last = (jnp.where(cpa_on, w[3], zero32), jnp.where(cpa_on, w[2], zero32))
             for i, v in enumerate((*h, *last)):
@@ -411,7 +465,7 @@ def smem_bytes(capacity: int, check_input: bool) -> int:
             + 8 * cap_pad * 2  # first links, last positions
             + 4 * cap_pad  # hazards
             + 2 * nfields * CHUNK * 8  # token chunks
-            + 4 * tpu.LANES * (WRITES_IN_FLIGHT + 1) + 64)
+            + 4 * tpu.LANES + 64)  # the ring's stage (a padded row), pend, misc, seed_chain
 
 
 def run(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
@@ -449,7 +503,7 @@ def run(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
     toks = jnp.stack(fields)
     off = tpu.to_pair_rows(plan.write_offsets, cap_pad)
     seeds = tpu.to_pair_rows(plan.write_seed_slot_indices if cap else zeros, cap_pad)
-    canary = tpu.words32(context.canary_buf) if num_slots else jnp.zeros((1, 8), jnp.int32)
+    canary = tpu.canary_tiles(context.canary_buf)
     ring = tpu.words32(context.violation_ring) if ring_cap else jnp.zeros((1, 16), jnp.int32)
     st = jnp.concatenate([  # the status words _NVALID, _CPA, then _WIDX.._KCTR
         plan.write_num_valid_reqs.astype(jnp.int32).reshape(1),
@@ -458,19 +512,19 @@ def run(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
     rc = cap_pad // tpu.LANES
     kernel = functools.partial(
         _write_kernel, cap=cap, num_tokens=num_tokens, num_slots=num_slots,
-        canary_words=int(canary.shape[1]), ring_cap=ring_cap, kind=kind,
+        ring_cap=ring_cap, kind=kind,
         check_input=check_input, nchunks=t_pad // CHUNK)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     vmem_spec = pl.BlockSpec(memory_space=pltpu.VMEM)
     nbytes = num_tokens * (8 * len(fields) + 8 + 32) + cap * 48
-    canary32, ring32, st_out, _ = tpu.call(
+    tiles, ring32, st_out, _ = tpu.call(
         kernel, st, off, seeds, toks, seeds, ocl, canary, ring,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3, grid=(1,),
             in_specs=[any_spec, vmem_spec, vmem_spec, any_spec, any_spec],
             out_specs=[any_spec, any_spec, pl.BlockSpec(memory_space=pltpu.SMEM), any_spec],
             scratch_shapes=_scratch_shapes(rc, cap_pad, len(fields))),
-        out_shape=[jax.ShapeDtypeStruct(canary.shape, jnp.int32),
+        out_shape=[jax.ShapeDtypeStruct(canary.shape, jnp.uint8),
                    jax.ShapeDtypeStruct(ring.shape, jnp.int32),
                    jax.ShapeDtypeStruct((8,), jnp.int32),
                    jax.ShapeDtypeStruct((2, 2 * rc, tpu.LANES), jnp.int32)],
@@ -483,4 +537,4 @@ def run(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
     canary_in = context.canary_buf
     return tpu.counters_from_words(
         context, st_out[_WIDX:], ring32,
-        canary_buf=tpu.from_words32(canary32, canary_in) if num_slots else canary_in)
+        canary_buf=tpu.canary_from_tiles(tiles, canary_in))
