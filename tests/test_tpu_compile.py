@@ -77,12 +77,10 @@ def test_small_cases_compile(case, topology):
 # The serving sizes of ``bench.tpu_compile`` (a 1M-slot canary, 64k-entry verify, scatter 256 x
 # 8,192 and 1 x 5, plan at 4,096 requests and 1, write 1 x 8,192 and 64 x 1, real-KV sources of
 # page size 1 and 16, and the whole step at a serving config): the sizes a server compiles, where
-# SMEM budgets, DMA windows and block counts differ from the small cases. Memory and cost figures:
-# bench/NOTES.md. The serving step is compiled for v6e only: on v5e its temporaries (the canary
-# padded 16x in the kernels' (8, 128)-tiled layout) exceed the 16 GB of HBM, which libtpu
-# reports as CompileTimeHbmOom (bench/NOTES.md).
-SERVING = tuple((case, topology) for case in tc.CASES for topology in TOPOLOGIES
-                if case.op != "step" or topology.startswith("v6e"))
+# SMEM budgets, DMA windows and block counts differ from the small cases, and where a layout that
+# pads the canary runs out of HBM (the serving step on v5e did, at 16.6 GB of temporaries, before
+# the kernels took the canary in place). Memory and cost figures: bench/NOTES.md.
+SERVING = tuple((case, topology) for case in tc.CASES for topology in TOPOLOGIES)
 
 
 @pytest.mark.parametrize("case,topology", SERVING, ids=lambda x: getattr(x, "name", x))
