@@ -56,9 +56,18 @@ def tpu_interpreted(implementation: str | None) -> bool:
     return implementation == TPU and jax.default_backend() != "tpu"
 
 
+# Whether TPU interpret mode runs its race detector in the running test (it about doubles an
+# interpreted kernel's time). Set per test by conftest's ``tpu_interpret_races`` fixture: on for
+# every test under ``--long``; in the fast tier, on for the tests marked ``fuzz`` (every op's
+# hostile fuzz, its fuzz against the jnp reference, the race tests) or ``tpu_races``, and off for
+# the hand-written cases, which check bytes only.
+DETECT_RACES = True
+
+
 def config(op: str, implementation: str | None, **kw):
     """The launch config a test passes with ``implementation``: None (the op's choice), except
-    ``pallas_mosaic_tpu`` off a TPU: its ``Config`` in TPU interpret mode."""
+    ``pallas_mosaic_tpu`` off a TPU: its ``Config`` in TPU interpret mode (with the race detector
+    as :data:`DETECT_RACES` says)."""
     if implementation != TPU:
         return None
     import importlib
@@ -68,7 +77,7 @@ def config(op: str, implementation: str | None, **kw):
     mod = importlib.import_module(f"kvcanary_jax.ops.{op}.pallas_mosaic_tpu")
     if not tpu_interpreted(implementation):
         return mod.Config(**kw) if kw else None
-    return mod.Config(interpret=_tpu_lib.interpret_params(), **kw)
+    return mod.Config(interpret=_tpu_lib.interpret_params(detect_races=DETECT_RACES), **kw)
 
 
 def pallas(op: str) -> tuple[str, ...]:

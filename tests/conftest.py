@@ -11,7 +11,43 @@ import jax
 
 from kvcanary_jax import oracle as _oracle
 
+import _impls
 import _tier
+
+
+# Compiling is most of the suite's time on a CPU: XLA's CPU backend takes 1 to 10 s for a program
+# of the Pallas interpreter or of TPU interpret mode at its default settings. The suite asks for
+# quick compiles instead: optimization level 0 and, on jaxlib < 0.11 (whose XLA has the flag), the
+# elemental emitters instead of the fusion emitters. On jax 0.10.2 that cuts the fast tier's
+# compile time about 3.5x and its time about 2x (bench/NOTES.md, "the test suite's time"). XLA's
+# settings never change what a correct program computes; the Python 3.12 leg, whose jaxlib lacks
+# the emitter flag, and the GPU gate compile with the default emitters. Set before anything
+# compiles (XLA reads XLA_FLAGS at its first compile) and carried to the subprocesses tests
+# start. Left alone: a flag the user's XLA_FLAGS sets already; machines with a GPU plugin or
+# libtpu (the GPU gate, and the TPU compile tests, whose memory and compile-time figures must be
+# the real compiler's); and runs with KVCANARY_TEST_XLA_DEFAULTS=1.
+QUICK_CPU_COMPILES = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false"}
+ACCELERATOR_PLUGINS = ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin", "jax_cuda12_pjrt",
+                       "jax_cuda13_pjrt", "jax_rocm60_plugin", "jax_rocm7_plugin")
+
+
+def _quick_cpu_compile_flags(environ=os.environ) -> str | None:
+    """XLA_FLAGS with :data:`QUICK_CPU_COMPILES` added, or None where they are left out."""
+    import importlib.metadata
+
+    if environ.get("KVCANARY_TEST_XLA_DEFAULTS"):
+        return None
+    if any(importlib.util.find_spec(m) for m in ACCELERATOR_PLUGINS):
+        return None
+    flags = environ.get("XLA_FLAGS", "")
+    jaxlib = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2])
+    added = [f"--{k}={v}" for k, v in QUICK_CPU_COMPILES.items()
+             if f"--{k}" not in flags and (k != "xla_cpu_use_fusion_emitters" or jaxlib < (0, 11))]
+    return " ".join([flags, *added]).strip() if added else None
+
+
+if (_flags := _quick_cpu_compile_flags()) is not None:
+    os.environ["XLA_FLAGS"] = _flags
 
 
 def _deselect(config, items, marker):
@@ -28,6 +64,9 @@ def pytest_addoption(parser):
     parser.addoption("--long", action="store_true", default=False,
                      help="the long tier: every fuzz test (marked fuzz) draws its full count of "
                           "cases, with the fast tier's seeds (the README lists the counts)")
+    parser.addoption("--compile-time", action="store_true", default=False,
+                     help="add up JAX's trace, lowering and XLA compile time per test and print "
+                          "it by implementation (tests/_compile_time.py)")
 
 
 # The suite's persistent compilation cache (``.pytest_cache/d/jax-compilation-cache``, dropped by
@@ -60,6 +99,10 @@ def _compilation_cache(config) -> None:
 def pytest_configure(config):
     # Before collection: the test modules read their case counts when they are imported.
     _tier.LONG = bool(config.getoption("--long"))
+    if config.getoption("--compile-time"):
+        import _compile_time
+
+        config.pluginmanager.register(_compile_time, "kvcanary-compile-time")
     _compilation_cache(config)
 
 
@@ -145,11 +188,19 @@ def sgl():
     return _oracle.load()
 
 
+def _detects_races(node) -> bool:
+    """Whether the test's TPU-interpreted kernels run the race detector (``_impls.DETECT_RACES``):
+    every test under ``--long``; in the fast tier the tests marked ``fuzz`` (random and hostile
+    cases, the race tests) or ``tpu_races``."""
+    return _tier.LONG or any(node.get_closest_marker(m) for m in ("fuzz", "tpu_races"))
+
+
 @pytest.fixture(autouse=True)
-def tpu_interpret_races(monkeypatch):
+def tpu_interpret_races(request, monkeypatch):
     """TPU interpret mode's race detector: every kernel the test interprets gets a fresh detector
     (JAX keeps only the last one, and before jax 0.11 it reports races by printing); a race in
     any of them fails the test. (JAX has no public API for this; it is test-only.)"""
+    monkeypatch.setattr(_impls, "DETECT_RACES", _detects_races(request.node))
     try:
         from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
     except ImportError:  # no TPU interpret mode in this JAX

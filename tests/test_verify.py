@@ -669,6 +669,7 @@ def test_hostile_fuzz_tpu_interpreted_long(sgl):
 
 
 @pytest.mark.tpu_interpret
+@pytest.mark.tpu_races
 def test_tpu_long_runs_across_slabs_and_blocks(sgl):
     """A chain of 1,100 consecutive slots verified in 512-entry blocks: row runs of the gather
     cross 128-entry slabs and blocks, corruptions anywhere in them are found in order."""

@@ -98,6 +98,22 @@ def test_real_kv_sources(sgl, mode, impl):
     assert (ours.canary_i64[1:4, 3] != 0).all() == (mode != 0)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_real_kv_nan_payloads_hash_as_stored_bytes(sgl, dtype, impl):
+    """KV bytes that read as signalling NaNs (payloads a float conversion would quiet) hash as the
+    bytes they are, as in SGLang, which reads the bytes. Found when XLA's CPU elemental emitters
+    carried a bf16 source through f32 in the ``xla`` implementation."""
+    width = np.dtype(np.uint16 if dtype == "bfloat16" else np.uint32)
+    exp = 0x7F80 if dtype == "bfloat16" else 0x7F800000
+    payloads = np.arange(1, 3 * 2 * 32 // width.itemsize + 1) % (exp >> 7)  # never 0 (infinity)
+    words = (exp | np.where(payloads == 0, 1, payloads)).astype(width)  # sign 0 and quiet bit 0
+    words[1::3] |= np.array(1 << (8 * width.itemsize - 1), width)  # negative signalling NaNs
+    src = support.Src(words.view(np.uint8).reshape(3, 64), 2, 32, 32, dtype)
+    ours, _ = _w(sgl, support.State.zeros(6, 3), impl, offsets=[0, 4], ids=[5, 6, 7, 8],
+                 pos=[0, 1, 2, 3], ocl=[1, 2, 3, 5], sources=[src], mode=2)
+    assert (ours.canary_i64[[1, 2, 3, 5], 3] != 0).all()
+
+
 def test_real_kv_hash_of_bytes_0_to_15_is_the_hand_checked_value(sgl, impl):
     src = support.Src(np.arange(16, dtype=np.uint8).reshape(1, 16).repeat(4, 0), 1, 16, 16)
     ours, _ = _w(sgl, support.State.zeros(4, 2), impl, offsets=[0, 1], ids=[1], pos=[0], ocl=[2],
@@ -139,6 +155,7 @@ def test_empty_batch(sgl, impl):
 # --- sequential semantics inside a request ------------------------------------------------------
 
 
+@pytest.mark.tpu_races  # the in-flight row writes, in TPU interpret mode
 def test_repeated_slots_within_a_request_last_write_wins(sgl, impl):
     rng = np.random.default_rng(7)
     # repeats inside one block and across blocks (pallas: LONG-token blocks; pallas_mosaic_tpu:

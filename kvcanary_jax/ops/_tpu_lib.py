@@ -580,10 +580,11 @@ class BlockConfig(Config):
                              f"positive multiple of {PAIR_TILE}, got {self.block}")
 
 
-def interpret_params():
-    """TPU interpret mode as the tests run it: out-of-bounds reads raise, the race detector is
-    on, fresh memory is poisoned."""
-    return pltpu.InterpretParams(out_of_bounds_reads="raise", detect_races=True,
+def interpret_params(*, detect_races: bool = True):
+    """TPU interpret mode as the tests run it: out-of-bounds reads raise, fresh memory is
+    poisoned, and the race detector is on unless ``detect_races=False`` (it about doubles a
+    kernel's interpreted time)."""
+    return pltpu.InterpretParams(out_of_bounds_reads="raise", detect_races=bool(detect_races),
                                  uninitialized_memory="nan")
 
 
