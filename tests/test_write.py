@@ -100,14 +100,17 @@ def test_real_kv_sources(sgl, mode, impl):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_real_kv_nan_payloads_hash_as_stored_bytes(sgl, dtype, impl):
-    """KV bytes that read as signalling NaNs (payloads a float conversion would quiet) hash as the
-    bytes they are, as in SGLang, which reads the bytes. Found when XLA's CPU elemental emitters
-    carried a bf16 source through f32 in the ``xla`` implementation."""
+    """KV bytes that read as NaNs with payloads, signalling or quiet, hash as the bytes they are,
+    as in SGLang, which reads bytes (a float conversion may quiet or canonicalize a NaN). Found
+    when XLA's CPU elemental emitters changed a bf16 NaN's payload in the ``xla``
+    implementation."""
     width = np.dtype(np.uint16 if dtype == "bfloat16" else np.uint32)
     exp = 0x7F80 if dtype == "bfloat16" else 0x7F800000
-    payloads = np.arange(1, 3 * 2 * 32 // width.itemsize + 1) % (exp >> 7)  # never 0 (infinity)
-    words = (exp | np.where(payloads == 0, 1, payloads)).astype(width)  # sign 0 and quiet bit 0
-    words[1::3] |= np.array(1 << (8 * width.itemsize - 1), width)  # negative signalling NaNs
+    quiet = 0x40 if dtype == "bfloat16" else 0x400000
+    payloads = np.arange(1, 3 * 2 * 32 // width.itemsize + 1) % (quiet - 1) + 1  # never 0 (inf)
+    words = (exp | payloads).astype(width)  # signalling NaNs: the quiet bit is 0
+    words[1::3] |= np.array(1 << (8 * width.itemsize - 1), width)  # negative ones
+    words[2::3] |= np.array(quiet, width)  # quiet NaNs with payloads
     src = support.Src(words.view(np.uint8).reshape(3, 64), 2, 32, 32, dtype)
     ours, _ = _w(sgl, support.State.zeros(6, 3), impl, offsets=[0, 4], ids=[5, 6, 7, 8],
                  pos=[0, 1, 2, 3], ocl=[1, 2, 3, 5], sources=[src], mode=2)
