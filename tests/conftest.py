@@ -19,9 +19,11 @@ import _tier
 # of the Pallas interpreter or of TPU interpret mode at its default settings. The suite asks for
 # quick compiles instead: optimization level 0 and, on jaxlib < 0.11 (whose XLA has the flag), the
 # elemental emitters instead of the fusion emitters. On jax 0.10.2 that cuts the fast tier's
-# compile time about 3.5x and its time about 2x (bench/NOTES.md, "the test suite's time"). XLA's
-# settings never change what a correct program computes; the Python 3.12 leg, whose jaxlib lacks
-# the emitter flag, and the GPU gate compile with the default emitters. Set before anything
+# compile time about 3.4x and, with the race detector's scope below, its time 2x (bench/NOTES.md,
+# "the test suite's time"). The elemental emitters once changed a bf16 NaN's payload in `xla`'s
+# real-KV hash, which now moves KV bytes as integers; test_write.py's NaN-payload test checks
+# every implementation for that. The Python 3.12 leg, whose jaxlib
+# lacks the emitter flag, and the GPU gate compile with the default emitters. Set before anything
 # compiles (XLA reads XLA_FLAGS at its first compile) and carried to the subprocesses tests
 # start. Left alone: a flag the user's XLA_FLAGS sets already; machines with a GPU plugin or
 # libtpu (the GPU gate, and the TPU compile tests, whose memory and compile-time figures must be

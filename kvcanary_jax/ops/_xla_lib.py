@@ -81,14 +81,14 @@ def source_words(buf: jax.Array) -> tuple[jax.Array, int]:
             f"kv-canary: a real-KV source buffer must hold a whole number of 8-byte words, "
             f"got shape {tuple(buf.shape)} dtype {buf.dtype}")
     if not (jnp.issubdtype(flat.dtype, jnp.integer) or flat.dtype == jnp.bool_):
-        # Floats move as unsigned integers of their width (a free bitcast): a compiler may carry a
-        # float through f32 on its way (XLA's CPU elemental emitters do for bf16) and quiet a NaN's
+        # Floats move as integers of their width (a free bitcast): a compiler may carry a float
+        # through f32 on its way (XLA's CPU elemental emitters do for bf16) and change a NaN's
         # payload there, while the fingerprint is of the stored bytes, NaNs and corruption included.
-        flat = jax.lax.bitcast_convert_type(flat, _UNSIGNED[k])
+        flat = jax.lax.bitcast_convert_type(flat, _INT_OF_WIDTH[k])
     return flat, flat.shape[0] * k // 8
 
 
-_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.int64}
+_INT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.int64}
 
 
 def source_word(flat: jax.Array, idx: jax.Array, ok: jax.Array) -> jax.Array:
