@@ -111,7 +111,10 @@ MISFITS = {
     "fewer request rows": (dict(max_reqs=2),
                            "plans[FULL][1].write_offsets is int64 (3,), the config needs int64 "
                            "(5,) (write request capacity 4 + 1)"),
-    "no SWA group": (None, "missing bufs[HEAD_K_SWA], bufs[TAIL_K_SWA], plans[SWA][0]."),
+    "no SWA group": (None, "missing bufs[HEAD_K_SWA], bufs[TAIL_K_SWA], "
+                           "kernel_run_counter_by_tag[HEAD_K_SWA], "
+                           "kernel_run_counter_by_tag[SWEEP_K_SWA], "
+                           "kernel_run_counter_by_tag[TAIL_K_SWA], plans[SWA][0]."),
 }
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "init_state",
     "check_state",
     "enable_chain_assert",
+    "launch_tags",
     "tag",
 ]
 
@@ -155,7 +156,12 @@ class CanaryState:
 
     ``bufs``: canary buffers, uint8 ``[slots, 32]``, keyed ``"{HEAD|TAIL}_{K|V}_{FULL|SWA}"``.
     ``plans``: per group the (VerifyPlan, WritePlan) built by HEAD and reused by TAIL.
-    ``slot_run_counters`` / ``kernel_run_counters``: int64 ``[12]`` indexed by launch tag.
+    ``slot_run_counter_by_tag`` / ``kernel_run_counter_by_tag``: int64 ``[1]`` per launch tag the
+    config launches (:func:`launch_tags`), keyed by tag name: the buffers the kernels update in
+    place (one array each, as SGLang's one-element views of its per-tag tensors; a slice of a
+    ``[12]`` array would cost a copy in and a copy back around every launch).
+    ``slot_run_counters`` / ``kernel_run_counters``: those as int64 ``[12]`` indexed by launch
+    tag (0 for tags never launched); a leading shard axis is kept.
     ``expected_tokens``: int32 ``[max_reqs, context_len]`` expected-token pool and
     ``expected_valid_lens`` int64 ``[max_reqs]`` (tokens known per row).
     """
@@ -164,11 +170,34 @@ class CanaryState:
     plans: dict
     violation_ring: jax.Array
     violation_write_index: jax.Array
-    slot_run_counters: jax.Array
-    kernel_run_counters: jax.Array
+    slot_run_counter_by_tag: dict
+    kernel_run_counter_by_tag: dict
     expected_tokens: jax.Array
     expected_valid_lens: jax.Array
     enable_chain_position_assert: jax.Array
+
+    @property
+    def slot_run_counters(self) -> jax.Array:
+        return _by_tag(self.slot_run_counter_by_tag)
+
+    @property
+    def kernel_run_counters(self) -> jax.Array:
+        return _by_tag(self.kernel_run_counter_by_tag)
+
+
+@_config.with_x64
+def _by_tag(rows: dict) -> jax.Array:
+    """Per-tag ``[..., 1]`` counters as one ``[..., 12]`` array in tag order (zeros elsewhere)."""
+    like = next(iter(rows.values()))
+    return jnp.concatenate(
+        [rows[t.name] if t.name in rows else jnp.zeros_like(like)
+         for t in consts.CanaryLaunchTag], axis=-1)
+
+
+def launch_tags(cfg: CanaryConfig) -> tuple[str, ...]:
+    """The launch tags a step or sweep of ``cfg`` uses: ``{HEAD|TAIL|SWEEP}_{half}_{group}``."""
+    return tuple(f"{copy}_{half}_{group}" for copy in ("HEAD", "TAIL", "SWEEP")
+                 for group in cfg.groups for half in cfg.halves)
 
 
 @_config.with_x64
@@ -177,7 +206,6 @@ def init_state(cfg: CanaryConfig, *, chain_position_assert: bool = True,
     """Zero-filled state sized from ``cfg``. The chain-position flag starts at 1 unless the
     caller still has warm-up / capture steps to run (then flip it with ``enable_chain_assert``)."""
     put = lambda x: jax.device_put(x, device)  # noqa: E731
-    num_tags = len(consts.CanaryLaunchTag)
     bufs = {}
     for group in cfg.groups:
         for copy in ("HEAD", "TAIL"):
@@ -197,8 +225,9 @@ def init_state(cfg: CanaryConfig, *, chain_position_assert: bool = True,
         plans=plans,
         violation_ring=put(jnp.zeros((cfg.ring_capacity, consts.VIOLATION_FIELDS), jnp.int64)),
         violation_write_index=put(jnp.zeros((1,), jnp.int32)),
-        slot_run_counters=put(jnp.zeros((num_tags,), jnp.int64)),
-        kernel_run_counters=put(jnp.zeros((num_tags,), jnp.int64)),
+        slot_run_counter_by_tag={t: put(jnp.zeros((1,), jnp.int64)) for t in launch_tags(cfg)},
+        kernel_run_counter_by_tag={t: put(jnp.zeros((1,), jnp.int64))
+                                   for t in launch_tags(cfg)},
         expected_tokens=put(jnp.zeros((cfg.max_reqs, cfg.context_len), jnp.int32)),
         expected_valid_lens=put(jnp.zeros((cfg.max_reqs,), jnp.int64)),
         enable_chain_position_assert=put(jnp.full((1,), int(chain_position_assert), jnp.int32)),
@@ -208,7 +237,6 @@ def init_state(cfg: CanaryConfig, *, chain_position_assert: bool = True,
 def _layout(cfg: CanaryConfig) -> dict:
     """``{path: (shape, dtype, why)}`` of every buffer :func:`init_state` allocates for ``cfg``
     (``why``: the config fields the shape comes from)."""
-    num_tags = len(consts.CanaryLaunchTag)
     out = {}
     for group in cfg.groups:
         slots = "num_slots" if group == "FULL" else "swa_num_slots"
@@ -230,8 +258,9 @@ def _layout(cfg: CanaryConfig) -> dict:
     out["violation_ring"] = ((cfg.ring_capacity, consts.VIOLATION_FIELDS), "int64",
                              f"ring_capacity={cfg.ring_capacity}")
     out["violation_write_index"] = ((1,), "int32", "one element")
-    out["slot_run_counters"] = ((num_tags,), "int64", "one per launch tag")
-    out["kernel_run_counters"] = ((num_tags,), "int64", "one per launch tag")
+    for t in launch_tags(cfg):
+        out[f"slot_run_counter_by_tag[{t}]"] = ((1,), "int64", "one element")
+        out[f"kernel_run_counter_by_tag[{t}]"] = ((1,), "int64", "one element")
     out["expected_tokens"] = ((cfg.max_reqs, cfg.context_len), "int32",
                               f"max_reqs={cfg.max_reqs}, context_len={cfg.context_len}")
     out["expected_valid_lens"] = ((cfg.max_reqs,), "int64", f"max_reqs={cfg.max_reqs}")
@@ -248,9 +277,11 @@ def _buffers(state: CanaryState) -> dict:
             out[f"plans[{group}][0].{f.name}"] = getattr(vp, f.name)
         for f in dataclasses.fields(wp):
             out[f"plans[{group}][1].{f.name}"] = getattr(wp, f.name)
-    for name in ("violation_ring", "violation_write_index", "slot_run_counters",
-                 "kernel_run_counters", "expected_tokens", "expected_valid_lens",
-                 "enable_chain_position_assert"):
+    for field in ("slot_run_counter_by_tag", "kernel_run_counter_by_tag"):
+        for t, arr in getattr(state, field).items():
+            out[f"{field}[{t}]"] = arr
+    for name in ("violation_ring", "violation_write_index", "expected_tokens",
+                 "expected_valid_lens", "enable_chain_position_assert"):
         out[name] = getattr(state, name)
     return out
 

@@ -75,8 +75,8 @@ def _context(cfg, state, buf_key, t, sources):
         kernel_kind=t,
         violation_ring=state.violation_ring,
         violation_write_index=state.violation_write_index,
-        slot_run_counter=state.slot_run_counters[t : t + 1],
-        kernel_run_counter=state.kernel_run_counters[t : t + 1],
+        slot_run_counter=state.slot_run_counter_by_tag[t.name],
+        kernel_run_counter=state.kernel_run_counter_by_tag[t.name],
         real_kv_sources=tuple(sources),
         real_kv_hash_mode=cfg.hash_mode if sources else consts.RealKvHashMode.NONE,
         enable_chain_position_assert=state.enable_chain_position_assert,
@@ -91,8 +91,9 @@ def _absorb(state, ctx, buf_key, t):
         bufs=bufs,
         violation_ring=ctx.violation_ring,
         violation_write_index=ctx.violation_write_index,
-        slot_run_counters=state.slot_run_counters.at[t].set(ctx.slot_run_counter[0]),
-        kernel_run_counters=state.kernel_run_counters.at[t].set(ctx.kernel_run_counter[0]),
+        slot_run_counter_by_tag={**state.slot_run_counter_by_tag, t.name: ctx.slot_run_counter},
+        kernel_run_counter_by_tag={**state.kernel_run_counter_by_tag,
+                                   t.name: ctx.kernel_run_counter},
     )
 
 
@@ -111,7 +112,7 @@ def _verify_then_write(cfg, state, batch, group, copy, sources_by_half, lut):
         key, t = f"{copy}_{half}_{group}", tag(copy, half, group)
         srcs = sources_by_half.get(half, ())
         # One context through both launches (verify returns the ring, write index and counters
-        # write takes): the state's counter rows are read and written back once per tag.
+        # write takes); the tag's counters are whole state buffers, updated in place.
         ctx = canary_verify(
             context=_context(cfg, state, key, t, srcs),
             plan=vplan,
