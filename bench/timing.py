@@ -78,7 +78,7 @@ def device_time(run: Callable[[int], None], sync: Callable[[], None], *, iters: 
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     events.sort(key=lambda e: e.time_range.start)
-    samples, current, started, names = [], 0.0, False, {}
+    samples, current, started, names, busy = [], 0.0, False, {}, {}
     for e in events:
         if "spin_kernel" in e.name:
             if started:
@@ -86,12 +86,17 @@ def device_time(run: Callable[[int], None], sync: Callable[[], None], *, iters: 
             current, started = 0.0, True
             continue
         if started:
-            current += e.time_range.end - e.time_range.start
+            us = e.time_range.end - e.time_range.start
+            current += us
             names[e.name] = names.get(e.name, 0) + 1
+            busy[e.name] = busy.get(e.name, 0.0) + us
     if len(samples) != iters:
         raise RuntimeError(f"profiler saw {len(samples)} iterations, expected {iters}")
     out = summarize(samples)
     out["kernels_per_call"] = {k: v / iters for k, v in names.items()}
+    # Each kernel's (or copy's) device time per call, summed over its launches: where the time goes.
+    out["kernel_us_per_call"] = {k: round(v / iters, 2)
+                                 for k, v in sorted(busy.items(), key=lambda kv: -kv[1])}
     return out
 
 
