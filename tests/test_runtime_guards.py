@@ -187,3 +187,35 @@ def test_sweep_over_no_rows_runs():
                             lengths=jnp.zeros((0,), jnp.int64), kv=kv)
     assert rt.violation_count(state) == 0
     assert rt.read_counters(state) == {"SWEEP_K_FULL": {"kernel_runs": 1, "slot_runs": 0}}
+
+
+
+@pytest.mark.parametrize("extra, n", [({}, 3), (dict(swa_window_size=4, swa_num_slots=16), 6),
+                                      (dict(enable_v_half=True), 6)])
+def test_run_counters_are_one_buffer_per_launch_tag(extra, n):
+    """The kernels update each launch tag's counters in place: the state holds one int64 [1]
+    buffer per tag the config launches (HEAD, TAIL and SWEEP of each half and group)."""
+    cfg = rt.CanaryConfig(**BASE, **extra)
+    state = rt.init_state(cfg)
+    want = {f"{c}_{h}_{g}" for c in ("HEAD", "TAIL", "SWEEP") for g in cfg.groups
+            for h in cfg.halves}
+    assert set(rt.launch_tags(cfg)) == want and len(want) == n
+    for field in ("slot_run_counter_by_tag", "kernel_run_counter_by_tag"):
+        rows = getattr(state, field)
+        assert set(rows) == want
+        assert all(r.shape == (1,) and r.dtype == jnp.int64 for r in rows.values())
+
+
+def test_run_counters_read_back_by_tag_and_per_shard():
+    """The [12] views read the per-tag buffers back in tag order, zeros for the tags never
+    launched, with a leading shard axis when states are stacked."""
+    _, rtt, kv = _inputs()
+    state = rt.canary_sweep(CFG, rt.init_state(CFG), rows_table=rtt,
+                            row_indices=jnp.zeros((0,), jnp.int64),
+                            lengths=jnp.zeros((0,), jnp.int64), kv=kv)
+    k = np.asarray(state.kernel_run_counters)
+    assert k.dtype == np.int64 and k.shape == (len(kc.CanaryLaunchTag),)
+    assert k.tolist() == [int(t == kc.CanaryLaunchTag.SWEEP_K_FULL) for t in kc.CanaryLaunchTag]
+    assert not np.asarray(state.slot_run_counters).any()
+    both = jax.tree.map(lambda a, b: jnp.stack([a, b]), state, rt.init_state(CFG))
+    assert np.asarray(both.kernel_run_counters).tolist() == [k.tolist(), [0] * len(k)]

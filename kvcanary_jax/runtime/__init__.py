@@ -32,6 +32,7 @@ from kvcanary_jax.runtime.state import (
     check_state,
     enable_chain_assert,
     init_state,
+    launch_tags,
 )
 from kvcanary_jax.runtime.step import (
     canary_step_head,
@@ -57,6 +58,7 @@ __all__ = [
     "init_state",
     "check_state",
     "enable_chain_assert",
+    "launch_tags",
     "make_batch",
     "kv_sources",
     "canary_step_head",
