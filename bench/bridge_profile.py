@@ -3,11 +3,13 @@
 For each launcher of :mod:`kvcanary_jax.bench.bridge_overhead`'s decode-like case, ``iters``
 back-to-back calls with the launcher's stages wrapped in timers: reading the tensors and the
 signature (``bind``), building the array arguments with their buckets and clamps (``arguments``),
-the kernel launches themselves (``launch``: pointers, alignment check, triton's launcher); the rest
-of the call is the launcher's own Python (cache lookups). Floors in the same process: torch's launch
-of a tiny kernel.
+the kernel launches themselves (``launch``: pointers, alignment check, triton's launcher, of which
+``triton_launcher`` is triton's own compiled launcher, ``kernels`` launches per call); the rest of
+the call is the launcher's own Python (cache lookups). Floors in the same process: torch's launch
+of a tiny kernel; with ``--sglang``, SGLang 0.5.23's launcher of each op on a twin case, timed the
+same way (its fused step: the sum of its four launches).
 
-    python -m bench.bridge_profile [--bs 64] [--iters 300] [--out profile.json]
+    python -m bench.bridge_profile [--bs 64] [--iters 300] [--sglang] [--out profile.json]
 """
 
 from __future__ import annotations
@@ -47,10 +49,58 @@ class _Stages:
 
     def undo(self):
         for obj, attr, orig in reversed(self._undo):
-            setattr(obj, attr, orig)
+            if obj is None:
+                orig()  # an undo callable
+            else:
+                setattr(obj, attr, orig)
 
 
-def profile(*, bs: int = 64, iters: int = 300) -> dict:
+def _timed_runners(acc):
+    """Time triton's compiled launcher inside ``Loaded.launch`` (``triton_launcher``) and count
+    its calls (``kernels``); returns the undo."""
+    orig = triton_direct.Loaded.runner
+
+    def runner(self, i, divisibility):
+        r = orig(self, i, divisibility)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return r(*a, **k)
+            finally:
+                acc["triton_launcher"] += time.perf_counter() - t
+                acc["kernels"] += 1
+
+        return timed
+
+    triton_direct.Loaded.runner = runner
+    return lambda: setattr(triton_direct.Loaded, "runner", orig)
+
+
+def _per_call(fn, c, iters: int) -> float:
+    for _ in range(5):
+        fn(c)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn(c)
+    total = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return round(total / iters * 1e6, 2)
+
+
+def sglang_host(*, bs: int = 64, iters: int = 300) -> dict:
+    """SGLang's launchers on a twin case, per call (us), timed like ours."""
+    lib = bo._SglangLib(cuda_jit=True)
+    c = bo.make_case(device="cuda", bs=bs)
+    ops = dict(scatter=bo.run_scatter, plan=bo.run_plan, verify=bo.run_verify,
+               write=bo.run_write)
+    out = {name: _per_call(lambda cc, f=fn: f(cc, lib), c, iters) for name, fn in ops.items()}
+    out["step_fused"] = round(sum(out.values()), 2)
+    return out
+
+
+def profile(*, bs: int = 64, iters: int = 300, sglang: bool = False) -> dict:
     c = bo.make_case(device="cuda", bs=bs)
     ops = dict(scatter=bo.run_scatter, plan=bo.run_plan, verify=bo.run_verify,
                write=bo.run_write, step_fused=bo.run_step)
@@ -60,6 +110,7 @@ def profile(*, bs: int = 64, iters: int = 300) -> dict:
             fn(c)
         torch.cuda.synchronize()
         st = _Stages()
+        st._undo.append((None, None, _timed_runners(st.acc)))
         st.wrap(triton_direct.Loaded, "launch", "launch")
         for d in (declarations.SCATTER, declarations.PLAN, declarations.VERIFY,
                   declarations.WRITE, declarations.STEP):
@@ -77,9 +128,13 @@ def profile(*, bs: int = 64, iters: int = 300) -> dict:
                 object.__setattr__(d, "arguments", d.arguments.__wrapped__)
                 object.__setattr__(d, "tensors", d.tensors.__wrapped__)
         torch.cuda.synchronize()
+        kernels = st.acc.pop("kernels", 0) / iters
         us = {k: round(v / iters * 1e6, 2) for k, v in st.acc.items()}
         us["total"] = round(total / iters * 1e6, 2)
-        us["rest"] = round(us["total"] - sum(v for k, v in us.items() if k != "total"), 2)
+        # triton_launcher is part of launch: the rest is what no stage accounts for.
+        us["rest"] = round(us["total"] - sum(v for k, v in us.items()
+                                             if k not in ("total", "triton_launcher")), 2)
+        us["kernels"] = kernels
         out[name] = us
     x = torch.zeros(16, device="cuda")
     for _ in range(10):
@@ -90,6 +145,8 @@ def profile(*, bs: int = 64, iters: int = 300) -> dict:
         x.add_(1)
     out["floor_torch_tiny_kernel_us"] = round((time.perf_counter() - t) / iters * 1e6, 2)
     out["paths"] = bridge.paths()
+    if sglang:
+        out["sglang"] = sglang_host(bs=bs, iters=iters)
     return out
 
 
@@ -109,9 +166,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bs", type=int, default=64)
     p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--sglang", action="store_true",
+                   help="also time SGLang 0.5.23's launchers (needs its CUDA JIT kernels)")
     p.add_argument("--out")
     a = p.parse_args(argv)
-    out = profile(bs=a.bs, iters=a.iters)
+    out = profile(bs=a.bs, iters=a.iters, sglang=a.sglang)
     print(json.dumps(out, indent=1))
     if a.out:
         with open(a.out, "w") as f:
