@@ -2,8 +2,8 @@
 
 For each launcher of :mod:`kvcanary_jax.bench.bridge_overhead`'s decode-like case, ``iters``
 back-to-back calls with the launcher's stages wrapped in timers: reading the tensors and the
-signature (``bind``), building the array arguments with their buckets and clamps (``arguments``),
-the kernel launches themselves (``launch``: pointers, alignment check, triton's launcher, of which
+signature (``bind``), building the array arguments with their buckets and clamps (``arguments``;
+absent where a prepared call keeps them, and then part of the rest), the kernel launches themselves (``launch``: pointers, alignment check, triton's launcher, of which
 ``triton_launcher`` is triton's own compiled launcher, ``kernels`` launches per call); the rest of
 the call is the launcher's own Python (cache lookups). Floors in the same process: torch's launch
 of a tiny kernel; with ``--sglang``, SGLang 0.5.23's launcher of each op on a twin case, timed the
