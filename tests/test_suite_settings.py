@@ -131,14 +131,22 @@ def test_the_race_detector_still_finds_a_race():
 
     def found(racy):
         x = jnp.zeros((8, 128), jnp.int32)
-        pl.pallas_call(
-            lambda *refs: kernel(racy, *refs),
-            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
-            scratch_shapes=[pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA(())],
-            interpret=_tpu_lib.interpret_params(detect_races=True),
-        )(x).block_until_ready()
-        races, ipc.races.races_found = ipc.races.races_found, False  # expected here: not a failure
+        try:
+            pl.pallas_call(
+                lambda *refs: kernel(racy, *refs),
+                out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+                scratch_shapes=[pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA(())],
+                interpret=_tpu_lib.interpret_params(detect_races=True),
+            )(x).block_until_ready()
+        except Exception as e:  # jax >= 0.11 raises on a race; before, it sets races_found
+            if "RACE DETECTED" not in str(e):
+                raise
+            detector = ipc.races
+            ipc.reset_tpu_interpret_mode_state()  # an interpreted kernel that raised
+            detector.races_found = False  # expected here: not a failure of this test
+            return True
+        races, ipc.races.races_found = ipc.races.races_found, False  # as above
         return races
 
     assert found(racy=True) is True

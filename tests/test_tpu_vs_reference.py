@@ -1,6 +1,8 @@
 """The Mosaic TPU kernels (in TPU interpret mode) against the pure-jnp references, without torch
-or SGLang: this file runs in both CI legs, so the TPU kernels are checked on the newest JAX line
-too (their comparisons with SGLang's references are in the per-op suites, which need torch).
+or SGLang, so they run wherever TPU interpret mode does (CI runs TPU interpret mode in the
+Python 3.11 leg only; ``python -m pytest tests/test_tpu_vs_reference.py`` checks them on the
+newest JAX line). Their comparisons with SGLang's references are in the per-op suites, which need
+torch.
 
 Random cases with hostile values among them (slots and seeds past the buffer or negative,
 offsets past the arrays or decreasing, rows outside the table, prefixes past the row width),
