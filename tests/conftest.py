@@ -24,9 +24,10 @@ import _tier
 # real-KV hash, which now moves KV bytes as integers; test_write.py's NaN-payload test checks
 # every implementation for that. The Python 3.12 leg, whose jaxlib lacks the emitter flag, and
 # the GPU gate compile with the default emitters. Set before anything compiles (XLA reads
-# XLA_FLAGS at its first compile) and carried to the subprocesses tests start. Left alone: a flag the user's XLA_FLAGS sets already; machines with a GPU plugin or
-# libtpu (the GPU gate, and the TPU compile tests, whose memory and compile-time figures must be
-# the real compiler's); and runs with KVCANARY_TEST_XLA_DEFAULTS=1.
+# XLA_FLAGS at its first compile) and carried to the subprocesses tests start. Left alone: a
+# flag the user's XLA_FLAGS sets already; machines with a GPU plugin or libtpu (the GPU gate, and
+# the TPU compile tests, whose memory and compile-time figures must be the real compiler's); and
+# runs with KVCANARY_TEST_XLA_DEFAULTS=1.
 QUICK_CPU_COMPILES = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false"}
 ACCELERATOR_PLUGINS = ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin", "jax_cuda12_pjrt",
                        "jax_cuda13_pjrt", "jax_rocm60_plugin", "jax_rocm7_plugin")
