@@ -94,7 +94,7 @@ def array_gather(arr, idx, ok):
 
 
 def fold_real_kv(slots, mask, source_refs: Sequence, specs: Sequence, mode: int, *,
-                 gather=array_gather, index_dtype=None):
+                 gather=array_gather, index_dtype=None, prefetch: int = 1):
     """Real-KV fingerprints of a vector of slots.
 
     ``source_refs[i]`` is source i's bytes as a flat int64 word ref; ``specs[i]`` its static
@@ -105,6 +105,11 @@ def fold_real_kv(slots, mask, source_refs: Sequence, specs: Sequence, mode: int,
     ``gather(ref, idx, ok)`` loads words (:func:`array_gather` for plain arrays; kernels pass a
     masked load, see :func:`kvcanary_jax.ops._kernel_lib.fold_real_kv`); ``index_dtype(n)`` is
     the dtype of word offsets into a buffer of ``n`` words (default int64).
+
+    ``prefetch``: words loaded before any of them is folded. The fold is one serial chain per
+    slot; a GPU issues in order, so loading each word just before its fold step exposes a load
+    latency per word. Loading ``prefetch`` words first exposes one per group. The result does
+    not depend on it (same words, same order).
     """
     zero = jnp.zeros(slots.shape, jnp.int64)
     if mode == int(consts.RealKvHashMode.NONE) or not specs:
@@ -119,16 +124,22 @@ def fold_real_kv(slots, mask, source_refs: Sequence, specs: Sequence, mode: int,
         base = spec.word_offset + row * spec.row_stride_words + col * spec.nbpt_words
         base = jnp.where(ok, base, 0).astype(idt)
         words = 2 if mode == int(consts.RealKvHashMode.PARTIAL) else spec.read_words
+        group = max(1, min(prefetch, words))
 
-        def step(w, h, base=base, ok=ok, ref=ref):
-            word = gather(ref, base + w.astype(idt), ok)
-            return splitmix64(h ^ word)
+        def fold(first, count, h, base=base, ok=ok, ref=ref):
+            # ``count`` loads issued, then folded in order: word ``first + j`` is step j.
+            loaded = [gather(ref, base + (first + j).astype(idt), ok) for j in range(count)]
+            for word in loaded:
+                h = splitmix64(h ^ word)
+            return h
 
+        full, rest = divmod(words, group)
         if words <= 8:
-            h = zero
-            for w in range(words):
-                h = step(jnp.asarray(w, idt), h)
+            h = fold(jnp.asarray(0, idt), words, zero)
         else:
-            h = jax.lax.fori_loop(0, words, lambda w, h: step(w, h), zero)
+            h = jax.lax.fori_loop(
+                0, full, lambda c, h: fold(c.astype(idt) * group, group, h), zero)
+            if rest:
+                h = fold(jnp.asarray(full * group, idt), rest, h)
         acc = splitmix64(acc ^ h)
     return acc

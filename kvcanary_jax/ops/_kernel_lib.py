@@ -183,11 +183,18 @@ def _word_gather(ref, idx, ok):
     return _plt().load(ref.at[idx], mask=ok, other=0)
 
 
+# Real-KV words each lane loads before folding them (hashing.fold_real_kv's ``prefetch``). On the
+# H200 (bench/NOTES.md, "the real-KV fold's loads issued ahead"), sglang-jax's canary-only step
+# with a 256-byte K strip per slot: TAIL verify 12.95 -> 10.75 us and TAIL write 8.59 -> 7.20 us
+# at bs 8 / 512 cached (4 and 32 words: 11.05 / 7.77 and 14.38 / 6.55 us).
+REAL_KV_PREFETCH = 8
+
+
 def fold_real_kv(slots, mask, source_refs, specs, mode: int):
     """:func:`kvcanary_jax.hashing.fold_real_kv` over kernel refs (masked loads, int32 offsets
     where they fit)."""
     return hashing.fold_real_kv(slots, mask, source_refs, specs, mode, gather=_word_gather,
-                                index_dtype=index_dtype)
+                                index_dtype=index_dtype, prefetch=REAL_KV_PREFETCH)
 
 
 def canary_words(buf: jax.Array) -> jax.Array:
