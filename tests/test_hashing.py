@@ -126,6 +126,33 @@ def test_real_kv_fold_hand_checked(mode, label, want):
     assert np.asarray(out).tolist() == [want, want, 0, 0]
 
 
+@pytest.mark.parametrize("prefetch", [1, 3, 8, 64])
+def test_real_kv_fold_does_not_depend_on_prefetch(prefetch):
+    """Words loaded ahead (``prefetch``, what the GPU kernels use) or one at a time, chunks that
+    divide the strip or leave a remainder: the fold is the word-by-word chain
+    ``h = splitmix64(h ^ w)`` over the slot's words, here in Python integers."""
+    rng = np.random.default_rng(prefetch)
+    buf = rng.integers(-2**63, 2**63 - 1, 4000, dtype=np.int64)
+    slots = rng.integers(-3, 60, 64)
+    mask = rng.random(64) < 0.8
+    for words in (2, 5, 8, 13, 32, 33):
+        spec = SourceSpec(word_offset=3, row_stride_words=words + 7, num_rows=50, page_size=1,
+                          nbpt_words=words, read_words=words)
+        want = []
+        for s, m in zip(slots.tolist(), mask.tolist()):
+            if not (m and 0 <= s < 50):
+                want.append(0)
+                continue
+            h = 0
+            for w in range(words):
+                h = hashing.splitmix64_int(h ^ int(buf[3 + s * (words + 7) + w]))
+            want.append(hashing.splitmix64_int(h))  # acc = splitmix64(0 ^ h), one source
+        with jax.enable_x64(True):
+            got = hashing.fold_real_kv(jnp.asarray(slots), jnp.asarray(mask), [jnp.asarray(buf)],
+                                       [spec], int(consts.RealKvHashMode.ALL), prefetch=prefetch)
+        assert np.asarray(got).tolist() == want, words
+
+
 # --- the 32-bit-pair hash (hashing_u32): what the Mosaic TPU kernels compute --------------------
 
 
