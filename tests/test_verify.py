@@ -165,6 +165,21 @@ def test_real_kv_clean_then_bit_flip(sgl, mode, impl):
     assert int(ref.ring[0, 1]) == 2 and int(ref.ring[0, 7]) == 4
 
 
+def test_real_kv_long_strips_clean_then_last_word_flipped(sgl, impl):
+    """Strips of 14 and 34 words (112 and 272 bytes; the kernels fold whole groups of
+    ``_kernel_lib.REAL_KV_PREFETCH`` words, then a remainder), written by SGLang's reference:
+    clean, no row; a flip in the last word of one slot's 34-word strip, that slot's row."""
+    rng = np.random.default_rng(12)
+    srcs = [_kv_source(rng, nbpt=112, read=112), _kv_source(rng, nbpt=272, read=272)]
+    st = _written(sgl, [CHAIN], sources=srcs, mode=2)
+    _check(sgl, st, impl, **_entries(), sources=srcs, mode=2, check_token=True, expect_rows=0)
+    flipped = support.Src(srcs[1].u8.copy(), 1, 272, 272)
+    flipped.u8[4, 271] ^= 0x01
+    _, ref = _check(sgl, st, impl, **_entries(), sources=[srcs[0], flipped], mode=2,
+                    check_token=True, expect_rows=1)
+    assert int(ref.ring[0, 1]) == 4
+
+
 def test_real_kv_mode_mismatch_flags_every_slot(sgl, impl):
     src = _kv_source(np.random.default_rng(4))
     st = _written(sgl, [CHAIN], sources=[src], mode=2)

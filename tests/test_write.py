@@ -98,6 +98,17 @@ def test_real_kv_sources(sgl, mode, impl):
     assert (ours.canary_i64[1:4, 3] != 0).all() == (mode != 0)
 
 
+def test_real_kv_long_strips(sgl, impl):
+    """Strips of 14 and 34 words (112 and 272 bytes): the kernels fold them in a loop, loading a
+    group of words ahead (``_kernel_lib.REAL_KV_PREFETCH``), whole groups and a remainder; the
+    fingerprints equal SGLang's word-by-word fold."""
+    rng = np.random.default_rng(11)
+    sources = [_src(rng, 6, 1, 112, 112), _src(rng, 6, 2, 272, 272, extra=16)]
+    ours, _ = _w(sgl, support.State.zeros(6, 3), impl, offsets=[0, 3], ids=[5, 6, 7], pos=[0, 1, 2],
+                 ocl=[1, 2, 3], sources=sources, mode=2)
+    assert (ours.canary_i64[1:4, 3] != 0).all()
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_real_kv_nan_payloads_hash_as_stored_bytes(sgl, dtype, impl):
     """KV bytes that read as NaNs with payloads, signalling or quiet, hash as the bytes they are,
