@@ -1,5 +1,5 @@
-"""The suite's own settings (tests/conftest.py): quick XLA CPU compiles and where TPU interpret
-mode's race detector runs."""
+"""The suite's own settings (tests/conftest.py): quick XLA CPU compiles, the garbage collector's
+thresholds in the test processes, and where TPU interpret mode's race detector runs."""
 
 from __future__ import annotations
 
@@ -38,6 +38,28 @@ def test_left_out_on_request():
 def test_this_process_compiles_quickly():
     wanted = not ON_AN_ACCELERATOR and not os.environ.get("KVCANARY_TEST_XLA_DEFAULTS")
     assert LEVEL in os.environ.get("XLA_FLAGS", "") or not wanted  # ours, or the user's level
+
+
+def test_the_collector_runs_at_the_suites_thresholds_in_the_test_process():
+    import gc
+
+    assert gc.get_threshold() == conftest.GC_THRESHOLDS
+
+
+def test_the_package_leaves_the_collector_alone():
+    """The thresholds are the suite's: importing the package and running an op in a fresh
+    process keeps CPython's defaults."""
+    import subprocess
+    import sys
+
+    code = ("import gc; before = gc.get_threshold(); import kvcanary_jax as kc, jax; "
+            "jax.enable_x64(True).__enter__(); "
+            "kc.canary_verify(context=kc.VerifyOrWriteContext.allocate(num_slots=8), "
+            "plan=kc.VerifyPlan.allocate(verify_capacity=4), check_verify_expected_token=True); "
+            "assert gc.get_threshold() == before, gc.get_threshold(); print('OK')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
 def test_race_detector_off_in_a_hand_written_test_of_the_fast_tier():
