@@ -51,12 +51,20 @@ def test_the_package_leaves_the_collector_alone():
     process keeps CPython's defaults."""
     import subprocess
     import sys
+    import textwrap
 
-    code = ("import gc; before = gc.get_threshold(); import kvcanary_jax as kc, jax; "
-            "jax.enable_x64(True).__enter__(); "
-            "kc.canary_verify(context=kc.VerifyOrWriteContext.allocate(num_slots=8), "
-            "plan=kc.VerifyPlan.allocate(verify_capacity=4), check_verify_expected_token=True); "
-            "assert gc.get_threshold() == before, gc.get_threshold(); print('OK')")
+    code = textwrap.dedent("""
+        import gc
+        before = gc.get_threshold()
+        import jax
+        import kvcanary_jax as kc
+        with jax.enable_x64(True):
+            kc.canary_verify(context=kc.VerifyOrWriteContext.allocate(num_slots=8),
+                             plan=kc.VerifyPlan.allocate(verify_capacity=4),
+                             check_verify_expected_token=True)
+        assert gc.get_threshold() == before, gc.get_threshold()
+        print("OK")
+    """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
