@@ -21,6 +21,8 @@ ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "_agreement_worker.py")
 TIMEOUT = 480
 
+pytestmark = pytest.mark.e2e  # whole runs in processes of their own (pyproject.toml: markers)
+
 
 def _env(devices: int = 1) -> dict:
     # No persistent compilation cache: in a multi-process run JAX reads it on process 0 only,

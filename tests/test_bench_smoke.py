@@ -19,6 +19,7 @@ def test_readme_types_this_command():
     assert f"`{COMMAND}`" in _cli.README.read_text()
 
 
+@pytest.mark.e2e
 @pytest.mark.torch  # SGLang's references and the torch bridge
 def test_bench_smoke(tmp_path):
     proc = _cli.run(COMMAND, cwd=tmp_path)
@@ -39,6 +40,7 @@ def test_bench_smoke(tmp_path):
     assert table in proc.stdout
 
 
+@pytest.mark.e2e
 def test_cpu_bench_smoke(tmp_path):
     """bench/cpu.py (xla against pallas_interpret, every op and the demo): the two agree byte for
     byte on every case and every row has its timings."""

@@ -22,6 +22,7 @@ from kvcanary_jax import sim as sm
 import _cli
 
 
+@pytest.mark.e2e
 def test_bench_help_lists_the_bench_options():
     proc = _cli.run("kvcanary-jax bench --help", timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -31,6 +32,7 @@ def test_bench_help_lists_the_bench_options():
         assert option in proc.stdout, option
 
 
+@pytest.mark.e2e
 @pytest.mark.torch  # the bench checks every result against SGLang's references first
 def test_bench_smoke_option_through_the_entry_point(tmp_path):
     proc = _cli.run(f"kvcanary-jax bench --smoke --ops scatter --iters 1 --out {tmp_path}",
@@ -41,18 +43,21 @@ def test_bench_smoke_option_through_the_entry_point(tmp_path):
     assert all(r["ours_correct"] is True for r in result["rows"])
 
 
+@pytest.mark.e2e
 def test_bench_refuses_unknown_options():
     proc = _cli.run("kvcanary-jax bench --fast", timeout=120)
     assert proc.returncode == 2
     assert "kvcanary-jax bench: error: unrecognized arguments: --fast" in proc.stderr
 
 
+@pytest.mark.e2e
 def test_top_level_help_lists_the_commands():
     proc = _cli.run("kvcanary-jax --help", timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "demo" in proc.stdout and "bench" in proc.stdout
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("typed,message", [
     ("kvcanary-jax demo --steps -1", "argument --steps: must be >= 1, got -1"),
     ("kvcanary-jax demo --steps 0", "argument --steps: must be >= 1, got 0"),
@@ -123,6 +128,7 @@ def test_campaign_api_refuses_negative_counts():
         sm.run_campaign(sm.SimConfig(steps=1), injections=-1)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_readme_demo_command_as_typed():
     typed = "kvcanary-jax demo"
@@ -142,6 +148,7 @@ def _read_into(stream, chunks: list):
         chunks.append(chunk)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_ctrl_c_stops_the_demo_between_steps_with_a_partial_report():
     """SIGINT once some clean steps have run (the progress bar on stderr counts them): the demo
@@ -184,6 +191,7 @@ def test_ctrl_c_stops_the_demo_between_steps_with_a_partial_report():
     assert lines[-1].startswith("INTERRUPTED: 0/0 injected faults detected")
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("times", [1, 2])
 def test_ctrl_c_while_jax_compiles(times):
@@ -253,6 +261,7 @@ def _wait_until_jax_loads(proc, timeout: float = 120.0) -> None:
         time.sleep(0.002)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("after", [0.2, 0.8])
 @pytest.mark.parametrize("times", [1, 2])
@@ -392,6 +401,7 @@ def test_the_console_script_keeps_aborting_after_an_interrupted_demo(monkeypatch
         signal.signal(signal.SIGINT, previous)
 
 
+@pytest.mark.e2e
 def test_campaign_stops_between_steps_with_a_partial_result():
     """``should_stop`` is polled before every step, the fault trials' included: a trial cut short
     is dropped, finished ones are kept, and the result says it is partial."""

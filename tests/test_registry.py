@@ -130,6 +130,7 @@ def test_fallback_warns_once_and_says_why():
     assert "OK" in out
 
 
+@pytest.mark.e2e  # the runtime's step and sweep, in a process of its own
 def test_importing_and_running_leaves_warning_filters_alone():
     """No filter is added or left behind by importing the package and running every op, the
     runtime's step and the sweep (JAX's and the Pallas modules' own filters are in place first)."""

@@ -246,6 +246,7 @@ _SHARDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.e2e
 def test_sharded_four_cpu_devices():
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()

@@ -7,8 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAULTS = ["canary_token_flip", "real_kv_post_forward", "next_token_swap"]
+
+pytestmark = pytest.mark.e2e  # whole runs in processes of their own (pyproject.toml: markers)
 
 
 def _run(args, devices: int, timeout: int = 600):

@@ -9,8 +9,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAULTS = ["canary_token_flip", "real_kv_post_forward", "next_token_swap"]
+
+pytestmark = pytest.mark.e2e  # whole runs in processes of their own (pyproject.toml: markers)
 
 
 def test_sharded_campaign_through_the_manager(tmp_path):
