@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
+import sys
 
 import pytest
 
@@ -146,10 +147,16 @@ def _module_rank(item) -> tuple[int, str]:
 def pytest_collection_modifyitems(config, items):
     # Longest modules first (a stable sort: the order inside a module is unchanged).
     items.sort(key=_module_rank)
-    # Tests that compare with SGLang's torch references need torch: the marker lets a run without
-    # torch (the newest-JAX CI leg) select the rest with -m "not torch".
+    # Tests that compare with SGLang's torch references need torch, and so does every test of a
+    # module that imports torch itself (the Python 3.12 leg, without torch, cannot even import
+    # those modules): the marker lets a run without torch (the newest-JAX CI leg) select the rest
+    # with -m "not torch", and keeps the 3.11 leg, which runs TPU interpret mode only where torch
+    # is needed, from leaving any test to a leg that cannot import it.
+    torch = sys.modules.get("torch")
     for it in items:
-        if "sgl" in getattr(it, "fixturenames", ()):
+        module = getattr(it, "module", None)
+        if "sgl" in getattr(it, "fixturenames", ()) or (
+                torch is not None and getattr(module, "torch", None) is torch):
             it.add_marker(pytest.mark.torch)
     # GPU tests run on the H200 only; on CPU machines they are deselected, not skipped.
     if jax.default_backend() != "gpu":
