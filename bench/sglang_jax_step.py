@@ -2,6 +2,7 @@
 
     python -m bench.sglang_jax_step [--what kv,runner] [--bs 8,64] [--ctx 512,2048]
                                     [--iters 20] [--out DIR] [--smoke] [--glue] [--manager]
+                                    [--tokens feed|full|full,feed]
 
 Needs Python >= 3.12 and sglang-jax 0.0.2 with the dependencies of the modules imported
 (``requirements-sglang-jax.txt``); set ``JAX_PLATFORMS`` (``cuda`` on the H200, ``cpu`` for
@@ -28,6 +29,12 @@ canary state, three timings over the same decode batches:
 3. ``canary_only``: :func:`guard_model_step` around a model that writes nothing (the canary's own
    kernels: scatter, plan, HEAD verify + write, TAIL verify + write over the K strip of layer 0).
 
+``--tokens``: how the expected token ids reach the device: ``feed`` (default) keeps them there
+between steps and sends each step's :class:`~kvcanary_jax.integrations.sglang_jax.TokenDelta`
+(one id per request in decode), ``full`` sends every request's whole history each step
+(:func:`~kvcanary_jax.integrations.sglang_jax.expected_tokens`); ``full,feed`` runs both, one
+after the other in the same process.
+
 Device time per step from CUPTI (``bench.timing.device_time``: every kernel between two markers,
 idle gaps excluded; wall clock on CPU). Replaying a decode batch is idempotent for both the KV and
 the canary, so warm-up calls do not disturb the state; every guarded run must end with 0
@@ -38,6 +45,7 @@ violations. Reported: the three medians, ``share_pct = (guarded - sglang_jax) / 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -71,10 +79,10 @@ def _copy(tree):
 class Stack:
     """sglang-jax's pools, allocator and batches for ``bs`` requests of ``ctx`` tokens."""
 
-    def __init__(self, what: str, bs: int, ctx: int, iters: int):
+    def __init__(self, what: str, bs: int, ctx: int, iters: int, tokens: str = "feed"):
         from jax.sharding import Mesh
 
-        self.what, self.bs, self.ctx, self.iters = what, bs, ctx, iters
+        self.what, self.bs, self.ctx, self.iters, self.tokens = what, bs, ctx, iters, tokens
         self.context_len = ctx + iters + 8
         total = bs * (ctx + iters) + 64
         self.mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
@@ -83,7 +91,9 @@ class Stack:
             self._init_runner(total)
         else:
             self._init_kv(total)
-        self.canary = ksj.SglangJaxCanary.from_pools(self.req_pool, self.kv_pool, max_bs=bs)
+        self.canary = ksj.SglangJaxCanary.from_pools(self.req_pool, self.kv_pool, max_bs=bs,
+                                                     incremental_tokens=tokens == "feed")
+        self.feed = ksj.TokenFeed(self.canary) if tokens == "feed" else None
 
     def _init_kv(self, total):
         from sgl_jax.srt.configs.model_config import MockModelConfig
@@ -159,6 +169,8 @@ class Stack:
         mwb = batch.get_model_worker_batch([token_bucket], [bs_bucket], [cache_bucket], 1)
         runner = getattr(self, "runner", None) or _NoRunner(self.mesh)
         fb = ForwardBatch.init_new(mwb, runner)
+        if self.feed is not None:  # made in step order: every delta reaches its step in order
+            return mwb, fb, self.feed.delta(batch.reqs, mwb)
         ids = ksj.expected_tokens(ksj.request_token_ids(batch.reqs), mwb.seq_lens, cache_bucket, 1)
         return mwb, fb, ids
 
@@ -204,10 +216,11 @@ class _NoRunner:
         self.mesh, self.attn_backend = mesh, None
 
 
-def _run_case(what: str, bs: int, ctx: int, iters: int, manager: bool = False) -> dict:
+def _run_case(what: str, bs: int, ctx: int, iters: int, manager: bool = False,
+              tokens: str = "feed") -> dict:
     from sgl_jax.srt.layers.logits_processor import LogitsMetadata
 
-    st = Stack(what, bs, ctx, iters)
+    st = Stack(what, bs, ctx, iters, tokens)
     st.build()
     mesh, canary = st.mesh, st.canary
     state = canary.init_state()
@@ -237,7 +250,8 @@ def _run_case(what: str, bs: int, ctx: int, iters: int, manager: bool = False) -
     if int(ksj.violation_counts(state).sum()):
         raise RuntimeError("violations while filling the pools")
     snap_kv, snap_state = _copy(st.kv_pool.kv_buffer), _copy(state)
-    result = {"what": what, "bs": bs, "ctx": ctx, "verify_entries_per_step": bs * ctx}
+    result = {"what": what, "bs": bs, "ctx": ctx, "tokens": tokens,
+              "verify_entries_per_step": bs * ctx}
 
     # 1. sglang-jax alone.
     st.kv_pool.kv_buffer = _copy(snap_kv)
@@ -311,7 +325,7 @@ def _run_case(what: str, bs: int, ctx: int, iters: int, manager: bool = False) -
     return result
 
 
-def glue(bs: int, ctx: int) -> dict:
+def glue(bs: int, ctx: int, tokens: str = "feed") -> dict:
     """The canary-only step (the ``kv`` stack, the idle model) lowered for CUDA with
     ``pallas_triton`` on any machine (an abstract H200 mesh): StableHLO op counts before XLA's
     passes. The custom calls are the canary's kernels; everything else is glue XLA launches
@@ -322,10 +336,12 @@ def glue(bs: int, ctx: int) -> dict:
 
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-    st = Stack("kv", bs, ctx, 2)
+    st = Stack("kv", bs, ctx, 2, tokens)
     st.canary = dataclasses.replace(st.canary, implementation="pallas_triton")
+    st.feed = ksj.TokenFeed(st.canary) if tokens == "feed" else None
     st.build()
     _, fb, ids = st.decodes[0]
+    ids = ids.array if isinstance(ids, ksj.TokenDelta) else ids
     state = st.canary.init_state()
     h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
     mesh = AbstractMesh((1, 1), ("data", "tensor"), axis_types=(AxisType.Auto, AxisType.Auto),
@@ -339,7 +355,7 @@ def glue(bs: int, ctx: int) -> dict:
                              (state, ids, None, False, fb, st.kv_pool))
         text = idle.jitted.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
     ops = collections.Counter(re.findall(r"= \"?((?:stablehlo|chlo)\.[a-z_]+)", text))
-    return {"bs": bs, "ctx": ctx, "kernels": ops.pop("stablehlo.custom_call", 0),
+    return {"bs": bs, "ctx": ctx, "tokens": tokens, "kernels": ops.pop("stablehlo.custom_call", 0),
             "while_loops": ops.get("stablehlo.while", 0), "ops": dict(ops.most_common())}
 
 
@@ -361,6 +377,9 @@ def _main(argv) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the script)")
     p.add_argument("--manager", action="store_true",
                    help="run the guarded step with the runtime manager (log mode) after it")
+    p.add_argument("--tokens", default="feed",
+                   help="feed (the ids kept on the device, deltas sent), full (whole histories "
+                        "every step), or full,feed (both, in this order)")
     p.add_argument("--glue", action="store_true",
                    help="print the canary-only step's op counts, lowered for CUDA (any machine; "
                         "first --bs / --ctx), as JSON, and time nothing")
@@ -368,25 +387,29 @@ def _main(argv) -> int:
     if a.smoke:
         a.bs, a.ctx, a.iters = "2", "16", 3
     if a.glue:
-        print(json.dumps(glue(int(a.bs.split(",")[0]), int(a.ctx.split(",")[0]))))
+        print(json.dumps(glue(int(a.bs.split(",")[0]), int(a.ctx.split(",")[0]),
+                              a.tokens.split(",")[0])))
         return 0
+    tokens = a.tokens.split(",")
+    if not tokens or any(t not in ("feed", "full") for t in tokens):
+        p.error(f"--tokens takes feed, full or both (comma-separated), got {a.tokens!r}")
     rows, errors = [], []
-    for what in a.what.split(","):
-        for bs in (int(x) for x in a.bs.split(",")):
-            for ctx in (int(x) for x in a.ctx.split(",")):
-                try:
-                    row = _run_case(what, bs, ctx, a.iters, manager=a.manager)
-                except Exception as e:  # one failing case must not hide the others
-                    errors.append(f"{what} bs={bs} ctx={ctx}: {type(e).__name__}: {e}")
-                    print(errors[-1], file=sys.stderr)
-                    continue
-                rows.append(row)
-                print(f"{what:6s} bs={bs:3d} ctx={ctx:5d}  sglang-jax "
-                      f"{row['sglang_jax']['median_us']:9.1f} us  guarded "
-                      f"{row['guarded']['median_us']:9.1f} us  canary alone "
-                      f"{row['canary_only']['median_us']:8.1f} us  share "
-                      f"{row['share_pct']:5.1f}% / {row['canary_only_share_pct']:5.1f}%  "
-                      f"violations {row['violations']}", flush=True)
+    cases = itertools.product(a.what.split(","), (int(x) for x in a.bs.split(",")),
+                              (int(x) for x in a.ctx.split(",")), tokens)
+    for what, bs, ctx, tok in cases:
+        try:
+            row = _run_case(what, bs, ctx, a.iters, manager=a.manager, tokens=tok)
+        except Exception as e:  # one failing case must not hide the others
+            errors.append(f"{what} bs={bs} ctx={ctx} tokens={tok}: {type(e).__name__}: {e}")
+            print(errors[-1], file=sys.stderr)
+            continue
+        rows.append(row)
+        print(f"{what:6s} bs={bs:3d} ctx={ctx:5d} {tok:4s}  sglang-jax "
+              f"{row['sglang_jax']['median_us']:9.1f} us  guarded "
+              f"{row['guarded']['median_us']:9.1f} us  canary alone "
+              f"{row['canary_only']['median_us']:8.1f} us  share "
+              f"{row['share_pct']:5.1f}% / {row['canary_only_share_pct']:5.1f}%  "
+              f"violations {row['violations']}", flush=True)
     result = {"environment": common.environment(), "rows": rows, "errors": errors}
     if a.out:
         os.makedirs(a.out, exist_ok=True)

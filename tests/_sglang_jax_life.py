@@ -6,6 +6,7 @@ XLA_FLAGS before JAX starts); prints one JSON document that tests/test_sglang_ja
     python tests/_sglang_jax_life.py --page-size 1 --kv-write kernel
     python tests/_sglang_jax_life.py --page-size 4 --kv-write legacy --host-table
     python tests/_sglang_jax_life.py --page-size 4 --layout head --kv-write head
+    python tests/_sglang_jax_life.py ... --tokens feed   (the ids kept on the device: TokenFeed)
 
 What is sglang-jax's own code here: ``ReqToTokenPool``, ``MHATokenToKVPool`` (allocated on a
 ("data", "tensor") mesh of 2 CPU devices, sharded ``P(None, "tensor")``), ``TokenToKVPoolAllocator``
@@ -151,11 +152,12 @@ class HeadLayoutPool:
 class World:
     """sglang-jax's pools, allocator and radix cache, the canary, and one guarded model step."""
 
-    def __init__(self, page_size: int, pool_size: int, layout: str, kv_write: str):
+    def __init__(self, page_size: int, pool_size: int, layout: str, kv_write: str, tokens: str):
         self.page_size = page_size
         devices = np.array(jax.devices()[:2]).reshape(1, 2)
         self.mesh = Mesh(devices, ("data", "tensor"))
-        self.req_pool = ReqToTokenPool(size=6, max_context_len=CONTEXT)
+        # Three rows for four requests: R4 gets R1's row (a row another request held before).
+        self.req_pool = ReqToTokenPool(size=3, max_context_len=CONTEXT)
         if layout == "0.0.2":
             self.kv_pool = MHATokenToKVPool(size=pool_size, page_size=page_size,
                                             dtype=jnp.bfloat16, head_num=HEADS, head_dim=HEAD_DIM,
@@ -176,7 +178,9 @@ class World:
         self.model_config.vocab_size = 1000
         self.runner = types.SimpleNamespace(mesh=self.mesh, attn_backend=None)
         self.canary = ksj.SglangJaxCanary.from_pools(self.req_pool, self.kv_pool, max_bs=MAX_BS,
-                                                     k_heads=1)
+                                                     k_heads=1,
+                                                     incremental_tokens=tokens == "feed")
+        self.feed = ksj.TokenFeed(self.canary) if tokens == "feed" else None
         self.state = self.canary.init_state()
         self.step_fn = ksj.guard_model_step(self.canary, make_model_step(kv_write),
                                             batch_argnum=0, pool_argnum=1,
@@ -205,6 +209,8 @@ class World:
     def worker_batch(self, batch):
         mwb = batch.get_model_worker_batch([TOKENS], [MAX_BS], [CACHE_LOC], self.page_size)
         fb = ForwardBatch.init_new(mwb, self.runner)
+        if self.feed is not None:  # only the ids the device lacks
+            return mwb, fb, self.feed.delta(batch.reqs, mwb)
         ids = ksj.expected_tokens(ksj.request_token_ids(batch.reqs), mwb.seq_lens, CACHE_LOC,
                                   self.page_size)
         return mwb, fb, ids
@@ -242,6 +248,7 @@ class World:
         self.kv_pool.kv_buffer = layers
         self.log.append({"step": name, "mode": "extend" if extend else "decode",
                          "bs": int(mwb.real_bs), "seq_lens": mwb.seq_lens.tolist(),
+                         "rows": mwb.req_pool_indices.tolist()[: int(mwb.real_bs)],
                          "out_cache_loc": mwb.out_cache_loc.tolist(),
                          "new_violations": _dump(ksj.read_violations(self.state, start=before))})
         print(f"{name}: seq_lens {mwb.seq_lens.tolist()} out_cache_loc "
@@ -280,10 +287,10 @@ def _flip_byte(buf, slot, head_row, byte):
     return jax.device_put(out, buf.sharding)
 
 
-def main(page_size: int, layout: str, kv_write: str, host_table: bool):
+def main(page_size: int, layout: str, kv_write: str, host_table: bool, tokens: str):
     pool_size = 36 if page_size == 1 else 40
-    w = World(page_size, pool_size, layout, kv_write)
-    report = {"page_size": page_size, "layout": layout, "kv_write": kv_write,
+    w = World(page_size, pool_size, layout, kv_write, tokens)
+    report = {"page_size": page_size, "layout": layout, "kv_write": kv_write, "tokens": tokens,
               "num_shards": w.canary.num_shards,
               "kv_shape": list(w.kv_pool.kv_buffer[0].shape),
               "kv_spec": str(w.kv_pool.kv_buffer[0].sharding.spec)}
@@ -430,7 +437,16 @@ def main(page_size: int, layout: str, kv_write: str, host_table: bool):
     faults.append(replay("write to slot 0", fb=with_field(fb_a, "out_cache_loc", out_loc),
                          then_next=True))
 
-    # 6. A flipped K byte in a slot the radix cache holds, found by the sweep between steps.
+    # 6. R4's input id this step is not the one its history holds (the write's input check:
+    # the expected id comes from the request's history, whole or kept on the device).
+    ids_in = np.asarray(fb_a.input_ids).copy()
+    report["wrong_input"] = {"r4_slot": int(mwb_a.out_cache_loc[1]),
+                             "r4_position": int(mwb_a.positions[1]),
+                             "right_token": int(ids_in[1]), "token": int(ids_in[1]) + 1}
+    ids_in[1] += 1
+    faults.append(replay("input id not the request's", fb=with_field(fb_a, "input_ids", ids_in)))
+
+    # 7. A flipped K byte in a slot the radix cache holds, found by the sweep between steps.
     target, pos = int(prefixes[0][4]), 4
     state, kv = _copy(w.state), _copy(w.kv_pool.kv_buffer)
     before = ksj.violation_counts(state)
@@ -452,5 +468,6 @@ if __name__ == "__main__":
     parser.add_argument("--layout", choices=("0.0.2", "head"), default="0.0.2")
     parser.add_argument("--kv-write", choices=("kernel", "legacy", "head"), default="kernel")
     parser.add_argument("--host-table", action="store_true")
+    parser.add_argument("--tokens", choices=("full", "feed"), default="full")
     args = parser.parse_args()
-    main(args.page_size, args.layout, args.kv_write, args.host_table)
+    main(args.page_size, args.layout, args.kv_write, args.host_table, args.tokens)

@@ -32,7 +32,8 @@ def main() -> None:
     runner = _sglang_jax_runner.make_runner(model_dir, mesh)
     pool = runner.token_to_kv_pool
     canary = ksj.SglangJaxCanary.from_pools(runner.req_to_token_pool, pool,
-                                            max_bs=_sglang_jax_runner.MAX_BS)
+                                            max_bs=_sglang_jax_runner.MAX_BS,
+                                            incremental_tokens=True)
     reports = []
 
     def on_violation(r):

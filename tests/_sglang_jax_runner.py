@@ -105,8 +105,7 @@ class Life:
         fb = ForwardBatch.init_new(mwb, runner)
         before = None
         if hook is not None:
-            hook.expect(ksj.expected_tokens(ksj.request_token_ids(batch.reqs), mwb.seq_lens,
-                                            CACHE_LOC, 1))
+            hook.expect(hook.feed.delta(batch.reqs, mwb))  # the ids the device lacks
             before = ksj.violation_counts(hook.state)
         with jax.set_mesh(self.mesh):
             logits, _ = runner.forward(fb, logits_metadata=LogitsMetadata.from_model_worker_batch(
@@ -150,7 +149,8 @@ def main():
 
     runner = make_runner(model_dir, mesh)
     pool = runner.token_to_kv_pool
-    canary = ksj.SglangJaxCanary.from_pools(runner.req_to_token_pool, pool, max_bs=MAX_BS)
+    canary = ksj.SglangJaxCanary.from_pools(runner.req_to_token_pool, pool, max_bs=MAX_BS,
+                                            incremental_tokens=True)
     hook = ksj.ModelRunnerHook(canary, runner)
     guarded = Life(runner, mesh, hook)
     guarded.forward()

@@ -49,9 +49,10 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 LIVES = {
-    "0.0.2-page1-tpu-kernel": ("--page-size", "1", "--kv-write", "kernel"),
+    "0.0.2-page1-tpu-kernel-feed": ("--page-size", "1", "--kv-write", "kernel", "--tokens", "feed"),
     "0.0.2-page4-native-path": ("--page-size", "4", "--kv-write", "legacy", "--host-table"),
-    "head-layout-page4": ("--page-size", "4", "--layout", "head", "--kv-write", "head"),
+    "head-layout-page4-feed": ("--page-size", "4", "--layout", "head", "--kv-write", "head",
+                               "--tokens", "feed"),
 }
 R3_TOKENS = [11, 12, 13, 14, 15, 16, 17, 18, 31, 32, 33]  # the life's third request's prompt
 
@@ -93,6 +94,8 @@ def test_the_life_is_sglang_jax_s(life):
     assert life["kv_spec"] in ("P(None, 'tensor')", "P('data', None, 'tensor', None, None)")
     assert life["r3_prefix_len"] == 8  # the radix cache served R1's prompt to R3
     assert life["r4_reused_slots"]  # R4 got slots the allocator had handed out before
+    rows = {step["step"]: step["rows"] for step in life["life"]}
+    assert rows["prefill r1 r2"][0] == rows["prefill r4 (reused slots)"][0]  # and R1's row
     assert any(pre[:8] == life["r3_slots"][:8] for pre in life["sweep_prefixes"])
     if life["page_size"] > 1:  # paged allocation: page-contiguous slots, pages from 1
         for slots in (life["r3_slots"], life["r4_slots"]):
@@ -167,6 +170,18 @@ def test_write_to_slot_0_is_reported_as_sglang_reports_it(life):
     assert 0 not in {r[2] for r in rows}
 
 
+def test_input_id_not_the_request_s(life):
+    """The write's input check against the request's history: sent whole every step, or kept on
+    the device and sent as deltas (``--tokens feed``)."""
+    info = life["wrong_input"]
+    found = _fault(life, "input id not the request's")["step"]
+    assert _rows(found) == sorted((sh, t, info["r4_slot"], info["r4_position"],
+                                   ("WRITE_TOKEN_MISMATCH",))
+                                  for sh in (0, 1) for t in ("HEAD_K_FULL", "TAIL_K_FULL"))
+    assert {(v["token"], v["expected_token"]) for v in found} == {(info["token"],
+                                                                   info["right_token"])}
+
+
 def test_sweep_finds_a_flipped_byte_in_a_radix_cached_slot(life):
     sf = life["sweep_fault"]
     assert _rows(sf["found"]) == [(0, "SWEEP_K_FULL", sf["slot"], sf["position"], REAL_KV)]
@@ -187,9 +202,10 @@ def test_model_runner_with_the_canary_installed(runner):
 
 def test_the_guarded_step_lowered_for_cuda_has_no_loop_around_its_kernels():
     """The canary-only step over sglang-jax's real pools and batches, lowered for CUDA
-    (``pallas_triton``, any machine): its seven kernels (scatter, the plan's two, verify and
-    write at HEAD and TAIL) and glue with no ``while`` loop, whose every trip would be launches
-    on the GPU (``python -m bench.sglang_jax_step --glue``)."""
+    (``pallas_triton``, any machine), the token ids kept on the device (a ``TokenFeed``): its six
+    kernels (the plan's two, verify and write at HEAD and TAIL; no scatter, the delta is an XLA
+    scatter into the kept pool) and glue with no ``while`` loop, whose every trip would be
+    launches on the GPU (``python -m bench.sglang_jax_step --glue``)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, "-m", "kvcanary_jax.bench.sglang_jax_step", "--glue",
@@ -197,5 +213,5 @@ def test_the_guarded_step_lowered_for_cuda_has_no_loop_around_its_kernels():
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-6000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert counts["kernels"] == 7, counts
+    assert counts["tokens"] == "feed" and counts["kernels"] == 6, counts
     assert counts["while_loops"] == 0, counts

@@ -4,6 +4,7 @@ tables, the host helpers, and the errors. (The real package: tests/test_sglang_j
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import jax
@@ -195,3 +196,154 @@ def test_slot_dimension_sharded_over_data_is_refused():
     one = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
     canary = _canary(mesh=one, kv_spec=P("data", None, "tensor", None, None))
     assert canary.axes == ("tensor",) and canary.num_shards == 1
+
+
+def _req(rid, prompt, output=()):
+    return types.SimpleNamespace(rid=rid, origin_input_ids=list(prompt), output_ids=list(output))
+
+
+def _mwb(rows, seq, *, extend=None, ntok=4, nloc=16):
+    """What a TokenFeed reads of sglang-jax's ModelWorkerBatch (padded: rows -1, lengths 0)."""
+    return types.SimpleNamespace(
+        forward_mode=_Mode(decode=extend is None), req_pool_indices=np.array(rows, np.int32),
+        seq_lens=np.array(seq, np.int32),
+        extend_seq_lens=None if extend is None else np.array(extend, np.int32),
+        input_ids=np.zeros((ntok,), np.int32), cache_loc=np.zeros((nloc,), np.int32))
+
+
+def test_token_feed_sends_only_what_the_device_lacks():
+    canary = _canary(token_rows=5)
+    assert canary.config.max_reqs == 6 and canary.config.write_cap == 5
+    feed = ksj.TokenFeed(canary)
+    a, b = _req("a", [100, 101, 102, 103, 104]), _req("b", [200, 201])
+    # Prefill: both whole. [starts of the 4 batch rows | ids, request after request]; the ids
+    # fit the batch's token bucket (8).
+    d = feed.delta([a, b], _mwb([0, 3, -1, -1], [5, 2, 0, 0], extend=[5, 2, 0, 0], ntok=8))
+    assert d.array.dtype == np.int32 and d.feed is feed
+    assert d.array.tolist() == [0, 0, 0, 0] + [100, 101, 102, 103, 104, 200, 201, 0]
+    # Decode: one id per request, from the column the device lacks.
+    a.output_ids.append(105)
+    b.output_ids.append(202)
+    d = feed.delta([a, b], _mwb([0, 3, -1, -1], [6, 3, 0, 0]))
+    assert d.array.tolist() == [5, 2, 0, 0] + [105, 202, 0, 0]
+    # b finishes; c, a prefix-cache hit of 2 tokens, gets b's row: sent whole (the row held
+    # another request's ids), and past the token bucket (4): the cache_loc bucket (16).
+    c = _req("c", [300, 301, 302])
+    d = feed.delta([c], _mwb([3, -1, -1, -1], [3, 0, 0, 0], extend=[1, 0, 0, 0], ntok=1))
+    assert d.array.tolist() == [0, 0, 0, 0] + [300, 301, 302] + [0] * 13
+    # The same Req back in its own row (after a retraction nobody filled in): only the new id.
+    a.output_ids.append(106)
+    d = feed.delta([a], _mwb([0, -1, -1, -1], [7, 0, 0, 0], extend=[1, 0, 0, 0]))
+    assert d.array.tolist() == [6, 0, 0, 0] + [106, 0, 0, 0]
+    # Another Req object with a's rid in a's row is another request: sent whole.
+    a2 = _req("a", [100, 101, 900])
+    d = feed.delta([a2], _mwb([0, -1, -1, -1], [3, 0, 0, 0], extend=[3, 0, 0, 0]))
+    assert d.array.tolist() == [0, 0, 0, 0] + [100, 101, 900, 0]
+    # After reset (a step failed): every request whole, once; the new ids always.
+    feed.reset()
+    c.output_ids.append(303)
+    d = feed.delta([c], _mwb([3, -1, -1, -1], [4, 0, 0, 0]))
+    assert d.array.tolist() == [0, 0, 0, 0] + [300, 301, 302, 303]
+    d = feed.delta([c], _mwb([3, -1, -1, -1], [4, 0, 0, 0]))  # a replay: the new id again
+    assert d.array.tolist() == [3, 0, 0, 0] + [303, 0, 0, 0]
+
+
+def test_token_feed_errors_record_nothing():
+    canary = _canary(token_rows=5)
+    feed = ksj.TokenFeed(canary)
+    a, b = _req("a", [1, 2, 3, 4]), _req("b", [5, 6])
+    feed.delta([a], _mwb([1, -1, -1, -1], [4, 0, 0, 0], extend=[4, 0, 0, 0]))
+    bad = [
+        (([a], _mwb([1, 2, -1, -1], [4, 2, 0, 0])), ValueError,
+         r"seq_lens\[1\] is 2 but reqs has 1 requests"),
+        (([a, b], _mwb([1, 5, -1, -1], [4, 2, 0, 0])), ValueError,
+         r"req_pool_indices\[1\] must be a row in \[0, 5\) \(token_rows\), got 5"),
+        (([a, b], _mwb([1, 1, -1, -1], [4, 2, 0, 0])), ValueError,
+         r"requests 0 and 1 of the batch are both in row 1"),
+        (([a, b], _mwb([1, 2, -1, -1], [4, 3, 0, 0])), ValueError,
+         r"request 1 has 2 token ids for seq_len 3"),
+        (([a, b], _mwb([1, 2, -1, -1], [11, 2, 0, 0])), ValueError,
+         r"seq_lens\[0\] must be in \[0, 10\] \(context_len\), got 11"),
+        (([a, 7], _mwb([1, 2, -1, -1], [4, 2, 0, 0])), TypeError, r"reqs\[1\] must be an sglang-jax Req"),
+        (([a, b], _mwb([1, 2, -1], [4, 2, 0, 0])), ValueError,
+         r"req_pool_indices \(3\) and seq_lens \(4\) must have one entry per request"),
+        (([a, b], _mwb([1, 2, -1, -1], [4, 2, 0, 0], ntok=2, nloc=2)), ValueError,
+         r"3 token ids to send do not fit the cache_loc bucket of 2"),
+    ]
+    for args, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            feed.delta(*args)
+    # Nothing was recorded by the refused batches: a's row still holds 4 ids, b's none.
+    a.output_ids.append(9)
+    b.output_ids.append(8)
+    d = feed.delta([a, b], _mwb([1, 2, -1, -1], [5, 3, 0, 0], ntok=8))
+    assert d.array.tolist() == [4, 0, 0, 0] + [9, 5, 6, 8, 0, 0, 0, 0]
+
+
+def test_token_feed_modes_are_not_mixed():
+    with pytest.raises(ValueError, match="a TokenFeed needs a canary built with token_rows"):
+        ksj.TokenFeed(_canary())
+    with pytest.raises(ValueError, match="token_rows keeps expected token ids .* token_checks=False"):
+        _canary(token_rows=4, token_checks=False)
+    with pytest.raises(ValueError, match="token_rows must be positive, got 0"):
+        _canary(token_rows=0)
+    fed, full = _canary(token_rows=5), _canary()
+    delta = ksj.TokenFeed(fed).delta([_req("a", [1])], _mwb([0, -1, -1, -1], [1, 0, 0, 0],
+                                                              extend=[1, 0, 0, 0]))
+
+    def model(fb, pool):
+        return None, [pool], None
+
+    def step(canary):
+        return ksj.guard_model_step(canary, model, batch_argnum=0, pool_argnum=1,
+                                    fused_kv=lambda out, pool: out[1][0])
+
+    # Refused before anything is traced or run (the state is never read).
+    with pytest.raises(TypeError, match="give each step a TokenFeed's delta, got ndarray"):
+        step(fed)(None, None, None, expected=np.zeros((16,), np.int32))
+    with pytest.raises(TypeError, match="a TokenDelta needs a canary with token_rows"):
+        step(full)(None, None, None, expected=delta)
+    with pytest.raises(ValueError, match="the TokenDelta comes from the feed of another canary"):
+        step(_canary(token_rows=6))(None, None, None, expected=delta)
+
+
+def test_extend_batch_with_a_token_delta():
+    """canary_batch with token_rows: the write's expected input ids come from the delta."""
+    seq = np.array([5, 2, 0, 0], np.int32)
+    cache_loc = np.zeros((16,), np.int32)
+    cache_loc[0:5] = [8, 9, 10, 11, 12]
+    cache_loc[8:10] = [16, 17]
+    canary = _canary(token_rows=5)
+    feed = ksj.TokenFeed(canary)
+    a, b = _req("a", [100, 101, 102]), _req("b", [200, 201])
+    feed.delta([a], _mwb([2, -1, -1, -1], [3, 0, 0, 0], extend=[3, 0, 0, 0]))  # a's prefill
+    a.output_ids += [103, 104]
+    delta = feed.delta([a, b], _mwb([2, 0, -1, -1], [5, 2, 0, 0], extend=[2, 2, 0, 0], ntok=6))
+    assert delta.array.tolist() == [3, 0, 0, 0] + [103, 104, 200, 201, 0, 0]
+    fb = types.SimpleNamespace(
+        forward_mode=_Mode(decode=False), seq_lens=jnp.asarray(seq),
+        req_pool_indices=jnp.array([2, 0, -1, -1], jnp.int32), cache_loc=jnp.asarray(cache_loc),
+        extend_prefix_lens=jnp.array([3, 0, 0, 0], jnp.int32),
+        extend_seq_lens=jnp.array([2, 2, 0, 0], jnp.int32),
+        input_ids=jnp.array([103, 104, 200, 201, 0, 0], jnp.int32),
+        positions=jnp.array([3, 4, 0, 1, 0, 0], jnp.int32),
+        out_cache_loc=jnp.array([11, 12, 16, 17, -1, -1], jnp.int32))
+    with jax.enable_x64(True):
+        batch, fed = ksj._device_batch(canary, fb, jnp.asarray(delta.array))[::2]
+        assert np.asarray(batch.expected_input_tokens)[:4].tolist() == [103, 104, 200, 201]
+        assert np.asarray(batch.all_ids_offsets).tolist() == [0, 5, 7, 7, 7]
+        prow, starts, doff, _ = (np.asarray(x) for x in fed)
+        assert prow.tolist() == [3, 1, 0, 0]  # sglang-jax rows + 1; padding rows 0
+        assert starts.tolist() == [3, 0, 0, 0] and doff.tolist() == [0, 2, 4, 4, 4]
+        # The kept pool after the delta: a's first 3 ids were sent by the prefill's delta.
+        state = kc.init_state(canary.config)
+        pool = state.expected_tokens.at[3, :3].set(jnp.array([100, 101, 102], jnp.int32))
+        state = dataclasses.replace(state, expected_tokens=pool)
+        seq64 = jnp.asarray(seq, jnp.int64)
+        state, rows = ksj._fed_pool(canary, state, seq64, fed)
+        kept = np.asarray(state.expected_tokens)
+        assert kept[3, :5].tolist() == [100, 101, 102, 103, 104] and kept[1, :2].tolist() == [200, 201]
+        assert not np.delete(kept, [1, 3], axis=0).any() and not kept[3, 5:].any()
+        assert np.asarray(rows).tolist() == [kept[0].tolist(), kept[3].tolist(), kept[1].tolist(),
+                                             kept[0].tolist(), kept[0].tolist()]
+        assert np.asarray(state.expected_valid_lens).tolist() == [0, 2, 0, 5, 0, 0]

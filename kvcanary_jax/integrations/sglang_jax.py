@@ -111,6 +111,8 @@ __all__ = [
     "fused_kv_sources",
     "canary_batch",
     "expected_tokens",
+    "TokenFeed",
+    "TokenDelta",
     "request_token_ids",
     "host_table",
     "guard_model_step",
@@ -195,7 +197,10 @@ class SglangJaxCanary:
     the largest batch-size bucket. ``layer`` / ``k_heads``: which layer's K strips are
     fingerprinted. ``mesh`` / ``kv_spec``: the pool's mesh and the buffers' PartitionSpec (None:
     one device). ``token_checks``: every step takes the expected token ids (see the module
-    docstring). ``sweep_rows``: prefixes per :func:`sweep` launch. The rest is
+    docstring). ``sweep_rows``: prefixes per :func:`sweep` launch. ``token_rows``: sglang-jax's
+    ``req_to_token`` rows, to keep the expected token ids on the device between steps (each step
+    then takes a :class:`TokenDelta` from a :class:`TokenFeed`, only the ids the device lacks;
+    None: each step takes every request's whole history, :func:`expected_tokens`). The rest is
     :class:`kvcanary_jax.CanaryConfig`'s (``implementation``: what every op runs; default: the
     platform's).
 
@@ -216,6 +221,7 @@ class SglangJaxCanary:
     mesh: Mesh | None = None
     kv_spec: P | None = None
     token_checks: bool = True
+    token_rows: int | None = None
     sweep_rows: int = 16
     ring_capacity: int = 1024
     verify_capacity: int | None = None
@@ -229,6 +235,11 @@ class SglangJaxCanary:
         for name in ("num_slots", "page_size", "context_len", "max_bs", "k_heads", "sweep_rows"):
             _positive_int(name, getattr(self, name))
         _int_arg("layer", self.layer)
+        if self.token_rows is not None:
+            _positive_int("token_rows", self.token_rows)
+            if not self.token_checks:
+                raise ValueError("kv-canary sglang-jax: token_rows keeps expected token ids for "
+                                 "the token checks, but token_checks=False; drop token_rows")
         if self.layer < 0:
             raise ValueError(f"kv-canary sglang-jax: layer must be >= 0, got {self.layer}")
         if self.k_heads > MAX_REAL_KV_SOURCES:
@@ -245,9 +256,13 @@ class SglangJaxCanary:
                 )
 
     @classmethod
-    def from_pools(cls, req_to_token_pool, token_to_kv_pool, *, max_bs: int, **kwargs):
+    def from_pools(cls, req_to_token_pool, token_to_kv_pool, *, max_bs: int,
+                   incremental_tokens: bool = False, **kwargs):
         """Read sizes, mesh and sharding from sglang-jax's ``ReqToTokenPool`` and
-        ``MHATokenToKVPool`` (0.0.2 or HEAD)."""
+        ``MHATokenToKVPool`` (0.0.2 or HEAD). ``incremental_tokens``: ``token_rows`` from the
+        ``ReqToTokenPool`` (its ``size``), for a :class:`TokenFeed`."""
+        if incremental_tokens:
+            kwargs["token_rows"] = int(req_to_token_pool.size)
         buf = token_to_kv_pool.kv_buffer[0]
         page_size = token_to_kv_pool.page_size
         _positive_int("page_size", page_size, where="token_to_kv_pool.page_size")
@@ -282,9 +297,12 @@ class SglangJaxCanary:
 
     @property
     def config(self) -> kc.CanaryConfig:
-        # Canary rows are batch rows + 1 (row 0 = padding), so max_reqs = max_bs + 1.
+        # The plans' rows are batch rows + 1 (row 0 = padding). The expected-token pool has
+        # those rows, or, kept between steps (token_rows), sglang-jax's rows + 1.
+        rows = self.max_bs if self.token_rows is None else self.token_rows
         return kc.CanaryConfig(
-            max_reqs=self.max_bs + 1,
+            max_reqs=rows + 1,
+            write_req_capacity=self.max_bs + 1,
             context_len=self.context_len,
             num_slots=self.num_slots,
             max_bs=self.max_bs,
@@ -351,9 +369,19 @@ def canary_batch(canary: SglangJaxCanary, forward_batch, *, expected: jax.Array 
     """sglang-jax ``ForwardBatch`` -> (:class:`kvcanary_jax.ForwardBatch`, slot table), jittable.
 
     The table is int32 ``[bs + 1, context_len]``: row ``r + 1`` holds ``cache_loc``'s segment of
-    request ``r`` up to its ``seq_len``, zeros after; row 0 is zeros. ``expected`` (int32,
-    parallel to ``cache_loc``) is required iff ``canary.token_checks``. Trace under 64-bit types.
+    request ``r`` up to its ``seq_len``, zeros after; row 0 is zeros. ``expected`` is required
+    iff ``canary.token_checks``: int32 parallel to ``cache_loc`` (:func:`expected_tokens`), or,
+    with ``canary.token_rows``, a :class:`TokenDelta`'s ``array`` (the batch's
+    ``all_ids_flat`` is then a placeholder: the ids are in the state's pool, which the guarded
+    step updates). Trace under 64-bit types.
     """
+    batch, table, _ = _device_batch(canary, forward_batch, expected)
+    return batch, table
+
+
+def _device_batch(canary: SglangJaxCanary, forward_batch, expected):
+    """:func:`canary_batch`, and with ``token_rows`` the delta's device form for
+    :func:`_fed_pool` (None otherwise)."""
     fb = forward_batch
     seq, prefix, extend, seg, rows = _lengths(canary, fb)
     bs = seq.shape[0]
@@ -369,10 +397,24 @@ def canary_batch(canary: SglangJaxCanary, forward_batch, *, expected: jax.Array 
     tok = jnp.arange(ntok, dtype=jnp.int64)
     owner = _owner(woff, tok, bs)
     exp_pos = prefix[owner] + tok - woff[owner]
-    if canary.token_checks:
-        if expected is None:
-            raise ValueError("kv-canary sglang-jax: token_checks needs `expected` every step "
-                             "(expected_tokens(...)), or build the canary with token_checks=False")
+    fed = None
+    if canary.token_checks and expected is None:
+        raise ValueError("kv-canary sglang-jax: token_checks needs `expected` every step "
+                         "(expected_tokens(...), or a TokenFeed's delta with token_rows), or "
+                         "build the canary with token_checks=False")
+    if canary.token_checks and canary.token_rows is not None:
+        if expected.ndim != 1 or expected.shape[0] <= bs:
+            raise ValueError(f"kv-canary sglang-jax: with token_rows, expected is a TokenDelta's "
+                             f"array, int32 [bs + n] (bs={bs}), got shape {expected.shape}")
+        starts = expected[:bs].astype(jnp.int64)
+        ids = expected[bs:]
+        dlen = jnp.where(rows != 0, seq - starts, 0)
+        doff = jnp.concatenate([zero, jnp.cumsum(dlen)])
+        exp_tok = _gather(ids, doff[owner] + exp_pos - starts[owner]).astype(jnp.int64)
+        flat = jnp.zeros((1,), jnp.int64)
+        prow = jnp.where(rows != 0, fb.req_pool_indices.astype(jnp.int64) + 1, 0)
+        fed = (prow, starts, doff, ids)
+    elif canary.token_checks:
         if expected.shape != cache_loc.shape:
             raise ValueError(f"kv-canary sglang-jax: expected {expected.shape} must be parallel "
                              f"to cache_loc {cache_loc.shape}")
@@ -396,7 +438,26 @@ def canary_batch(canary: SglangJaxCanary, forward_batch, *, expected: jax.Array 
         expected_input_tokens=exp_tok,
         expected_input_positions=exp_pos,
     )
-    return batch, table
+    return batch, table, fed
+
+
+def _fed_pool(canary: SglangJaxCanary, st, seq, fed):
+    """One shard's state with a :class:`TokenDelta` applied to its expected-token pool (rows =
+    sglang-jax rows + 1, kept between steps), and the batch's rows of it for the plan
+    (``[bs + 1, context_len]``, row ``r + 1`` = request ``r``'s, row 0 the padding row's)."""
+    prow, starts, doff, ids = fed
+    bs = prow.shape[0]
+    i = jnp.arange(ids.shape[0], dtype=jnp.int64)
+    r = _owner(doff, i, bs)
+    live = (i < doff[bs]) & (prow[r] > 0)
+    # Entries past the delta's ids (and any of a padding row) go to a column past the pool's
+    # width: dropped, never written anywhere.
+    col = jnp.where(live, starts[r] + i - doff[r], canary.context_len)
+    pool = st.expected_tokens.at[prow[r], col].set(ids, mode="drop")
+    lens = st.expected_valid_lens.at[prow].set(jnp.where(prow > 0, seq, 0))
+    rows_b = jnp.concatenate([jnp.zeros((1,), jnp.int64), prow])
+    st = dataclasses.replace(st, expected_tokens=pool, expected_valid_lens=lens)
+    return st, pool[rows_b]
 
 
 # --------------------------------------------------------------------------------------------
@@ -499,6 +560,144 @@ def host_table(req_to_token: np.ndarray, req_pool_indices, seq_lens, context_len
     return out
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenDelta:
+    """One step's expected token ids from a :class:`TokenFeed`: ``array``, int32 ``[bs + n]``,
+    is each batch row's first column sent (``bs`` entries, 0 for padding rows), then, request
+    after request, its ids from that column to its ``seq_len`` (zeros after). ``n`` is the
+    batch's token bucket when the ids fit it, else its ``cache_loc`` bucket (two shapes per
+    bucket at most; a decode step sends one id per request)."""
+
+    array: np.ndarray
+    feed: "TokenFeed"
+
+
+class TokenFeed:
+    """The host side of a canary with ``token_rows``: which ids each sglang-jax row already holds
+    on the device, and each step's :class:`TokenDelta`.
+
+    The device keeps every request's ids in its row of the state's expected-token pool (row =
+    ``req_pool_idx + 1``), so a step sends only the ids the device lacks: a decode step one per
+    request instead of every request's whole history. A row is the request's while the same
+    ``Req`` holds it; a row another request held before, a request seen first, and a request
+    back after a retraction in a row someone else used in between are sent whole; this step's
+    new tokens are always sent. Deltas must reach the steps in the order they were made; after
+    a step that failed (or a delta that never ran), call :meth:`reset` and every row is sent
+    whole once (:class:`ModelRunnerHook` does it for you)."""
+
+    def __init__(self, canary: SglangJaxCanary):
+        if not isinstance(canary, SglangJaxCanary) or canary.token_rows is None:
+            raise ValueError("kv-canary sglang-jax: a TokenFeed needs a canary built with "
+                             "token_rows (SglangJaxCanary.from_pools(..., incremental_tokens=True))")
+        self.canary = canary
+        self._held: dict[int, tuple[int, Any, int]] = {}  # row -> (id(req), rid, ids held)
+
+    def reset(self) -> None:
+        """Forget what the device holds: the next delta sends each of its requests whole."""
+        self._held.clear()
+
+    def delta(self, reqs, model_worker_batch) -> TokenDelta:
+        """The ids the device lacks for sglang-jax's ``ModelWorkerBatch`` (its
+        ``req_pool_indices``, ``seq_lens``, ``forward_mode``, ``extend_seq_lens``, ``input_ids``
+        and ``cache_loc``, padded as sglang-jax pads them) of ``reqs`` (``batch.reqs``, batch
+        order: prompt then output ids each).
+
+        Raises (our rules, before anything is recorded) TypeError / ValueError for a request
+        that is not a ``Req``, lists of different lengths, a padding row with a length, a row
+        outside ``[0, token_rows)`` or held by two requests of the batch, a ``seq_len`` past
+        ``context_len`` or with fewer ids, and ids that do not fit ``cache_loc``."""
+        mwb = model_worker_batch
+        rp = _host_ints("req_pool_indices", mwb.req_pool_indices)
+        seq = _host_ints("seq_lens", mwb.seq_lens)
+        if rp.shape != seq.shape:
+            raise ValueError(f"kv-canary sglang-jax: req_pool_indices ({rp.shape[0]}) and seq_lens "
+                             f"({seq.shape[0]}) must have one entry per request")
+        if mwb.forward_mode.is_decode():
+            new = np.minimum(seq, 1)
+        else:
+            new = _host_ints("extend_seq_lens", mwb.extend_seq_lens)
+            if new.shape != seq.shape:
+                raise ValueError(f"kv-canary sglang-jax: extend_seq_lens ({new.shape[0]}) and "
+                                 f"seq_lens ({seq.shape[0]}) must have one entry per request")
+        ntok, nloc = int(np.asarray(mwb.input_ids).shape[0]), int(np.asarray(mwb.cache_loc).shape[0])
+        bs, rows, ctx = seq.shape[0], self.canary.token_rows, self.canary.context_len
+        starts = np.zeros((bs,), np.int64)
+        parts, held, seen = [], {}, {}
+        for r in range(bs):
+            n = int(seq[r])
+            if n < 0:
+                raise ValueError(f"kv-canary sglang-jax: seq_lens[{r}] must be >= 0, got {n}")
+            if n == 0:
+                continue
+            if r >= len(reqs):
+                raise ValueError(f"kv-canary sglang-jax: seq_lens[{r}] is {n} but reqs has "
+                                 f"{len(reqs)} requests (padding rows must have seq_len 0)")
+            row = int(rp[r])
+            if not 0 <= row < rows:
+                raise ValueError(f"kv-canary sglang-jax: req_pool_indices[{r}] must be a row in "
+                                 f"[0, {rows}) (token_rows), got {row}")
+            if row in seen:
+                raise ValueError(f"kv-canary sglang-jax: requests {seen[row]} and {r} of the batch "
+                                 f"are both in row {row}")
+            seen[row] = r
+            if n > ctx:
+                raise ValueError(f"kv-canary sglang-jax: seq_lens[{r}] must be in [0, {ctx}] "
+                                 f"(context_len), got {n}")
+            if not 0 <= int(new[r]) <= n:
+                raise ValueError(f"kv-canary sglang-jax: request {r} extends {int(new[r])} tokens "
+                                 f"with seq_len {n}")
+            req = reqs[r]
+            try:
+                prompt, output = req.origin_input_ids, req.output_ids
+                have = len(prompt) + len(output)
+            except (AttributeError, TypeError) as e:
+                raise TypeError(f"kv-canary sglang-jax: reqs[{r}] must be an sglang-jax Req (with "
+                                f"origin_input_ids and output_ids), got {type(req).__name__}: "
+                                f"{e}") from None
+            if have < n:
+                raise ValueError(f"kv-canary sglang-jax: request {r} has {have} token ids "
+                                 f"for seq_len {n}")
+            key = (id(req), getattr(req, "rid", None))
+            mine = self._held.get(row)
+            known = mine[2] if mine is not None and mine[:2] == key else 0
+            start = min(known, n - int(new[r]))
+            starts[r] = start
+            # Only the ids sent, sliced from the prompt and the output (no whole-history copy).
+            p = len(prompt)
+            parts.append(np.asarray(list(prompt[start:min(n, p)]) +
+                                    list(output[max(start - p, 0):max(n - p, 0)]), np.int64))
+            held[row] = (*key, n)
+        total = sum(p.shape[0] for p in parts)
+        size = ntok if total <= ntok else nloc
+        if total > size:
+            raise ValueError(f"kv-canary sglang-jax: {total} token ids to send do not fit the "
+                             f"cache_loc bucket of {nloc}")
+        out = np.zeros((bs + size,), np.int32)
+        out[:bs] = starts
+        if parts:
+            out[bs : bs + total] = np.concatenate(parts)
+        self._held.update(held)
+        return TokenDelta(array=out, feed=self)
+
+
+def _expected_array(canary: SglangJaxCanary, expected):
+    """The step's ``expected`` as the jitted step takes it: a :class:`TokenDelta` of this
+    canary's feed with ``token_rows``, an array otherwise."""
+    if canary.token_rows is not None and canary.token_checks:
+        if not isinstance(expected, TokenDelta):
+            raise TypeError("kv-canary sglang-jax: this canary keeps token ids on the device "
+                            "(token_rows): give each step a TokenFeed's delta, got "
+                            f"{type(expected).__name__}")
+        if expected.feed.canary != canary:
+            raise ValueError("kv-canary sglang-jax: the TokenDelta comes from the feed of "
+                             "another canary")
+        return expected.array
+    if isinstance(expected, TokenDelta):
+        raise TypeError("kv-canary sglang-jax: a TokenDelta needs a canary with token_rows; "
+                        "this one takes expected_tokens(...)")
+    return expected
+
+
 # --------------------------------------------------------------------------------------------
 # Per-shard execution
 # --------------------------------------------------------------------------------------------
@@ -534,10 +733,18 @@ def _no_lut():
     return jnp.zeros((1,), jnp.int64)  # the runtime's placeholder when there is no SWA group
 
 
-def _head(canary: SglangJaxCanary, state, batch, table):
+def _head(canary: SglangJaxCanary, state, batch, table, fed=None):
     cfg = canary.config
-    return _per_shard(canary, lambda st, rep, _: head(cfg, st, rep[0], rep[1], _no_lut()),
-                      state, (batch, table))
+
+    def fn(st, rep, _):
+        b, t, f = rep
+        pool = None
+        if f is not None:
+            seq = b.all_ids_offsets[1:] - b.all_ids_offsets[:-1]
+            st, pool = _fed_pool(canary, st, seq, f)
+        return head(cfg, st, b, t, _no_lut(), expected_pool=pool)
+
+    return _per_shard(canary, fn, state, (batch, table, fed))
 
 
 def _tail(canary: SglangJaxCanary, state, batch, kv_buffer):
@@ -577,8 +784,8 @@ def guard_model_step(canary: SglangJaxCanary, model_step: Callable, *, batch_arg
     nfixed = 4  # state, expected, table, model_x64
 
     def traced(state, expected, table, model_x64, *args):
-        batch, cache_table = canary_batch(canary, args[batch_argnum], expected=expected)
-        state = _head(canary, state, batch, cache_table if table is None else table)
+        batch, cache_table, fed = _device_batch(canary, args[batch_argnum], expected)
+        state = _head(canary, state, batch, cache_table if table is None else table, fed)
         with jax.enable_x64(model_x64):
             out = model_step(*args)
         state = _tail(canary, state, batch, fused_kv(out, args[pool_argnum]))
@@ -592,7 +799,8 @@ def guard_model_step(canary: SglangJaxCanary, model_step: Callable, *, batch_arg
 
     @_config.entry_point
     def step(state, *args, expected=None, table=None):
-        return jitted(state, expected, table, _config.caller_had_x64(), *args)
+        return jitted(state, _expected_array(canary, expected), table,
+                      _config.caller_had_x64(), *args)
 
     step.jitted = jitted
     return step
@@ -613,7 +821,10 @@ class ModelRunnerHook:
     Replaces the runner's ``jitted_run_model`` (the hook sglang-jax's ``_forward`` calls) with the
     guarded step over the same model definition, weights and KV pool; the runner keeps storing
     the KV buffers the step returns. Before each ``model_runner.forward``, give the step's expected
-    token ids with :meth:`expect` (with ``token_checks``). ``state`` is the canary's device state.
+    token ids with :meth:`expect` (with ``token_checks``): with ``token_rows``,
+    ``hook.expect(hook.feed.delta(batch.reqs, model_worker_batch))``, else
+    :func:`expected_tokens`. ``state`` is the canary's device state; ``feed`` its
+    :class:`TokenFeed` (None without ``token_rows``), reset when a step fails.
     """
 
     def __init__(self, canary: SglangJaxCanary, model_runner):
@@ -623,6 +834,8 @@ class ModelRunnerHook:
         leaves, state_def = jax.tree_util.tree_flatten(model_state)
         self.canary = canary
         self.state = canary.init_state()
+        self.feed = (TokenFeed(canary) if canary.token_rows is not None and canary.token_checks
+                     else None)
         self._runner = model_runner
         self._model = (model_def, state_def, leaves)
         self._pending: dict = {}
@@ -632,15 +845,23 @@ class ModelRunnerHook:
             fused_kv=lambda out, pool: out[1][canary.layer - pool.start_layer])
         model_runner.jitted_run_model = self._run
 
-    def expect(self, expected: np.ndarray | None = None, table: np.ndarray | None = None) -> None:
-        """The next step's :func:`expected_tokens` (and optional :func:`host_table`)."""
+    def expect(self, expected: np.ndarray | TokenDelta | None = None,
+               table: np.ndarray | None = None) -> None:
+        """The next step's :func:`expected_tokens` or :class:`TokenDelta` (and optional
+        :func:`host_table`)."""
         self._pending = {"expected": expected, "table": table}
 
     def _run(self, forward_batch, logits_metadata):
         model_def, state_def, leaves = self._model
         pending, self._pending = self._pending, {}
-        self.state, out = self._step(self.state, model_def, state_def, leaves, forward_batch,
-                                     self._runner.token_to_kv_pool, logits_metadata, **pending)
+        try:
+            self.state, out = self._step(self.state, model_def, state_def, leaves, forward_batch,
+                                         self._runner.token_to_kv_pool, logits_metadata,
+                                         **pending)
+        except BaseException:
+            if isinstance(pending.get("expected"), TokenDelta):
+                pending["expected"].feed.reset()  # the device may not hold what it recorded
+            raise
         return out
 
     def uninstall(self) -> None:
@@ -886,8 +1107,8 @@ class ManagedModelRunnerHook(ModelRunnerHook):
         self.manager = manager
         self._reqs = None
 
-    def expect(self, expected: np.ndarray | None = None, table: np.ndarray | None = None, *,
-               reqs=None) -> None:
+    def expect(self, expected: np.ndarray | TokenDelta | None = None,
+               table: np.ndarray | None = None, *, reqs=None) -> None:
         super().expect(expected, table)
         self._reqs = reqs
 

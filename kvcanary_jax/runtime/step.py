@@ -136,14 +136,24 @@ def _verify_then_write(cfg, state, batch, group, copy, sources_by_half, lut):
 
 
 def head(cfg: CanaryConfig, state: CanaryState, batch: ForwardBatch, req_to_token: jax.Array,
-         lut: jax.Array) -> CanaryState:
+         lut: jax.Array, *, expected_pool: jax.Array | None = None) -> CanaryState:
     """The HEAD half of a step, traceable (call inside a jit): scatter the expected tokens, plan
     every group, HEAD verify + write. ``lut``: the full->SWA LUT (any 1-element array without
-    an SWA group). Raises ValueError (while tracing) for a state that does not fit ``cfg``."""
+    an SWA group). Raises ValueError (while tracing) for a state that does not fit ``cfg``.
+
+    ``expected_pool``: an int32 ``[rows, context_len]`` expected-token pool the caller laid out
+    already, row ``batch.req_pool_indices[r]`` holding request ``r``'s ids up to its
+    ``all_ids_offsets`` length (an integration that keeps the ids on the device between steps);
+    the scatter is skipped and ``state.expected_tokens`` / ``expected_valid_lens`` are left as
+    they are (the caller keeps them)."""
     check_state(cfg, state)
     valid_lens = batch.all_ids_offsets[1:] - batch.all_ids_offsets[:-1]
     pool = None
-    if cfg.enable_verify_token_assert:
+    if expected_pool is not None:
+        if not cfg.enable_verify_token_assert:
+            raise ValueError("kv-canary runtime: expected_pool needs enable_verify_token_assert")
+        pool = expected_pool
+    elif cfg.enable_verify_token_assert:
         pool = scatter_req_token_ids(
             flat_in=batch.all_ids_flat,
             offsets=batch.all_ids_offsets,
