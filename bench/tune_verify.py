@@ -58,7 +58,8 @@ def main() -> int:
 
     def heuristic(capacity):
         # The tuned fields only: ``interpret`` is no launch parameter, and a table refuses it.
-        fields = dataclasses.asdict(pallas_triton.heuristics({"capacity": capacity}))
+        fields = dataclasses.asdict(pallas_triton.heuristics({"capacity": capacity,
+                                                              "real_kv_words": 0}))
         del fields["interpret"]
         return fields
 
@@ -155,7 +156,8 @@ def main() -> int:
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
     table = common.write_tuned_table("verify", [
-        {"key": {"capacity": r["entries"]}, "config": r["best_config"],
+        # The cases fold no real KV: the entries apply to verifies that do not either.
+        {"key": {"capacity": r["entries"], "real_kv_words": 0}, "config": r["best_config"],
          "median_us": round(r["best_us"], 3), "source": "bench/tune_verify.py"}
         for r in out if r["best_us"] is not None])
     if table:

@@ -338,6 +338,15 @@ class VerifyOrWriteContext:
                     for i, s in enumerate(self.real_kv_sources)})
         return out
 
+    def real_kv_words(self) -> int:
+        """Words each slot's real-KV fingerprint folds (0 when nothing is fingerprinted): 2 per
+        source in PARTIAL mode, ``read_bytes / 8`` in ALL."""
+        mode = int(self.real_kv_hash_mode)
+        if mode == int(consts.RealKvHashMode.NONE):
+            return 0
+        partial = mode == int(consts.RealKvHashMode.PARTIAL)
+        return sum(2 if partial else s.read_bytes // 8 for s in self.real_kv_sources)
+
     def bound_sources(self) -> tuple[tuple[Any, SourceSpec], ...]:
         """Each source as ``(buffer, SourceSpec)``: what the kernels address."""
         return tuple((s.tensor, source_spec(s)) for s in self.real_kv_sources)

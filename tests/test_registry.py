@@ -202,9 +202,13 @@ def test_tuned_table_then_heuristics():
     Config = _pallas_config("verify")
     h200 = "NVIDIA H200"
     # The H200 sweep's best at 64k entries (bench/results/tuning/tune_verify_small.json).
-    tuned = op.config("pallas_triton", {"capacity": 65536, "num_slots": 9}, kind=h200)
+    shapes = {"capacity": 65536, "num_slots": 9, "real_kv_words": 0}
+    tuned = op.config("pallas_triton", shapes, kind=h200)
     assert tuned == Config(block=256, max_programs=264, num_warps=2, num_stages=1, group=1,
                            vec=1, hoist=False)
+    # The sweep folded no real KV: its entries do not apply to a verify that fingerprints.
+    assert op.config("pallas_triton", {**shapes, "real_kv_words": 32}, kind=h200) == \
+        op.config("pallas_triton", {**shapes, "real_kv_words": 32}, kind="cpu")
     # No entry for this capacity: the heuristics' small-plan shape, then the large-plan one.
     assert op.config("pallas_triton", {"capacity": 2048, "num_slots": 9}, kind=h200) == Config(
         block=128, num_warps=4, group=1, vec=1)
@@ -212,6 +216,16 @@ def test_tuned_table_then_heuristics():
     # No table for the device kind: heuristics.
     assert op.config("pallas_triton", {"capacity": 65536, "num_slots": 9}, kind="cpu") == Config(
         block=256, num_warps=2, group=1, vec=1, max_programs=264)
+    # A verify that folds real KV (8 words or more): one entry per lane in one-warp programs,
+    # up to 2^18 entries; past that, and below 8 words, the shapes above.
+    fold = Config(block=32, num_warps=1, max_programs=1 << 30, group=1, vec=1)
+    for capacity in (1, 4240, 132864, 1 << 18):
+        assert op.config("pallas_triton", {"capacity": capacity, "num_slots": 9,
+                                           "real_kv_words": 32}, kind=h200) == fold
+    assert op.config("pallas_triton", {"capacity": (1 << 18) + 1, "num_slots": 9,
+                                       "real_kv_words": 32}, kind=h200) == Config()
+    assert op.config("pallas_triton", {"capacity": 2048, "num_slots": 9, "real_kv_words": 2},
+                     kind=h200) == Config(block=128, num_warps=4, group=1, vec=1)
     # The tables are per implementation: interpret mode is not tuned.
     assert op.config("pallas_interpret", {"capacity": 65536, "num_slots": 9}, kind=h200) == \
         op.config("pallas_interpret", {"capacity": 65536, "num_slots": 9}, kind="cpu")
@@ -245,7 +259,8 @@ def _shapes_keys(op):
             flat_in=z(4), offsets=z(3), req_pool_indices=z(2), pool_out=z(3, 5)), max_cols=5)
     ns = types.SimpleNamespace
     if op == "verify":
-        return verify_base.shapes(ns(canary_buf=z(8, 32)), ns(verify_slot_indices=z(6)))
+        return verify_base.shapes(ns(canary_buf=z(8, 32), real_kv_words=lambda: 0),
+                                  ns(verify_slot_indices=z(6)))
     if op == "write":
         return write_base.shapes(ns(canary_buf=z(8, 32)), ns(write_seed_slot_indices=z(2)),
                                  ns(input_ids=z(7)))

@@ -346,4 +346,4 @@ def test_extend_batch_with_a_token_delta():
         assert not np.delete(kept, [1, 3], axis=0).any() and not kept[3, 5:].any()
         assert np.asarray(rows).tolist() == [kept[0].tolist(), kept[3].tolist(), kept[1].tolist(),
                                              kept[0].tolist(), kept[0].tolist()]
-        assert np.asarray(state.expected_valid_lens).tolist() == [0, 2, 0, 5, 0, 0]
+        assert not np.asarray(state.expected_valid_lens).any()  # not kept with token_rows

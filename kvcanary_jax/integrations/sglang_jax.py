@@ -200,7 +200,9 @@ class SglangJaxCanary:
     docstring). ``sweep_rows``: prefixes per :func:`sweep` launch. ``token_rows``: sglang-jax's
     ``req_to_token`` rows, to keep the expected token ids on the device between steps (each step
     then takes a :class:`TokenDelta` from a :class:`TokenFeed`, only the ids the device lacks;
-    None: each step takes every request's whole history, :func:`expected_tokens`). The rest is
+    the state's ``expected_tokens`` has a row per sglang-jax row, + 1, and its
+    ``expected_valid_lens`` is not kept; None: each step takes every request's whole history,
+    :func:`expected_tokens`). The rest is
     :class:`kvcanary_jax.CanaryConfig`'s (``implementation``: what every op runs; default: the
     platform's).
 
@@ -454,10 +456,10 @@ def _fed_pool(canary: SglangJaxCanary, st, seq, fed):
     # width: dropped, never written anywhere.
     col = jnp.where(live, starts[r] + i - doff[r], canary.context_len)
     pool = st.expected_tokens.at[prow[r], col].set(ids, mode="drop")
-    lens = st.expected_valid_lens.at[prow].set(jnp.where(prow > 0, seq, 0))
     rows_b = jnp.concatenate([jnp.zeros((1,), jnp.int64), prow])
-    st = dataclasses.replace(st, expected_tokens=pool, expected_valid_lens=lens)
-    return st, pool[rows_b]
+    # The state's expected_valid_lens is not kept here: nothing reads it, the plan takes this
+    # step's seq_lens, and its scatter would be one more launch per step.
+    return dataclasses.replace(st, expected_tokens=pool), pool[rows_b]
 
 
 # --------------------------------------------------------------------------------------------

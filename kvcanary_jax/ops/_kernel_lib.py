@@ -186,15 +186,19 @@ def _word_gather(ref, idx, ok):
 # Real-KV words each lane loads before folding them (hashing.fold_real_kv's ``prefetch``). On the
 # H200 (bench/NOTES.md, "the real-KV fold's loads issued ahead"), sglang-jax's canary-only step
 # with a 256-byte K strip per slot: TAIL verify 12.95 -> 10.75 us and TAIL write 8.59 -> 7.20 us
-# at bs 8 / 512 cached (4 and 32 words: 11.05 / 7.77 and 14.38 / 6.55 us).
+# at bs 8 / 512 cached (4 and 32 words: 11.05 / 7.77 and 14.38 / 6.55 us). The verify keeps 8
+# (thousands of slots in flight: 32 words each cost registers), the write, a few slots per
+# program, takes the whole strip at once.
 REAL_KV_PREFETCH = 8
+REAL_KV_PREFETCH_WRITE = 32
 
 
-def fold_real_kv(slots, mask, source_refs, specs, mode: int):
+def fold_real_kv(slots, mask, source_refs, specs, mode: int, *, prefetch: int | None = None):
     """:func:`kvcanary_jax.hashing.fold_real_kv` over kernel refs (masked loads, int32 offsets
-    where they fit)."""
+    where they fit); ``prefetch`` defaults to :data:`REAL_KV_PREFETCH`."""
     return hashing.fold_real_kv(slots, mask, source_refs, specs, mode, gather=_word_gather,
-                                index_dtype=index_dtype, prefetch=REAL_KV_PREFETCH)
+                                index_dtype=index_dtype,
+                                prefetch=REAL_KV_PREFETCH if prefetch is None else prefetch)
 
 
 def canary_words(buf: jax.Array) -> jax.Array:

@@ -126,9 +126,11 @@ def validate(context: VerifyOrWriteContext, plan: VerifyPlan) -> None:
 
 
 def shapes(context: VerifyOrWriteContext, plan: VerifyPlan) -> dict[str, int]:
-    """The static sizes a launch configuration may depend on."""
+    """The static sizes a launch configuration may depend on (``real_kv_words``: the words each
+    entry's real-KV fingerprint folds, 0 without one)."""
     return {"num_slots": int(context.canary_buf.shape[0]),
-            "capacity": int(plan.verify_slot_indices.shape[0])}
+            "capacity": int(plan.verify_slot_indices.shape[0]),
+            "real_kv_words": context.real_kv_words()}
 
 
 def sized_call(fn, context: VerifyOrWriteContext, plan: VerifyPlan, **statics

@@ -58,6 +58,15 @@ HOIST = True
 # (256-entry blocks, 2 warps).
 SMALL_PLANS = ((4096, dict(block=128, num_warps=4, group=1, vec=1)),
                (65536, dict(block=256, num_warps=2, group=1, vec=1, max_programs=264)))
+# Verifies that fold at least FOLD_MIN_WORDS real-KV words per entry (a TAIL or SWEEP launch)
+# do a serial splitmix64 chain per entry, several times the metadata checks' work: (capacity
+# limit, config) pairs for them, tried before the shapes above. One entry per lane in one-warp
+# programs puts the chains on every SM. The H200 sweep inside sglang-jax's canary-only step
+# (bench/tune_tail_verify.py, 32 words a slot; bench/NOTES.md): TAIL verify 10.74 -> 3.82 us at
+# 4,240 entries (bs 8 x 512 cached; the small-plan shape above: 17 programs of 2 warps, 4 entries
+# a lane), 30.23 -> 28.28 us at 132,864 (bs 64 x 2,048; the large-plan shape).
+FOLD_MIN_WORDS = 8
+FOLD_PLANS: tuple = ((1 << 18, dict(block=32, num_warps=1, max_programs=1 << 30, group=1, vec=1)),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +96,12 @@ class Config:
 
 
 def heuristics(shapes) -> Config:
-    """The large-plan shape, or the small-plan one for plans of up to 4,096 / 65,536 entries."""
+    """The large-plan shape, or the small-plan one for plans of up to 4,096 / 65,536 entries;
+    for a verify that folds real KV, the fold shapes first."""
+    if shapes.get("real_kv_words", 0) >= FOLD_MIN_WORDS:
+        for limit, fold in FOLD_PLANS:
+            if shapes["capacity"] <= limit:
+                return Config(**fold)
     for limit, small in SMALL_PLANS:
         if shapes["capacity"] <= limit:
             return Config(**small)

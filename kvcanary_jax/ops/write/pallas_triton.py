@@ -183,7 +183,8 @@ def _write_kernel(
         valid = inb & (slot >= 0) & (slot < num_slots)
         # Field 3 depends on the slot only: duplicates of a slot store the same value, so this
         # scatter needs no ordering against the block's other stores or another block's.
-        rkv = _kernel_lib.fold_real_kv(slot, valid, src_refs, specs, mode)
+        rkv = _kernel_lib.fold_real_kv(slot, valid, src_refs, specs, mode,
+                                       prefetch=_kernel_lib.REAL_KV_PREFETCH_WRITE)
         scatter(canary, slot * slot_words + consts.CANARY_FIELD_REAL_KV_HASH, rkv, valid)
         if h is None:  # first block: the seed's hash, emitted after the block's loads issue
             h = jnp.where(seed < 0, jnp.asarray(hashing.ANCHOR_HASH_I64, i64),
