@@ -27,7 +27,8 @@ canary state, three timings over the same decode batches:
 2. ``guarded``: the same step inside :func:`guard_model_step` (HEAD, model, TAIL in one jit) or,
    for ``runner``, with :class:`ModelRunnerHook` installed;
 3. ``canary_only``: :func:`guard_model_step` around a model that writes nothing (the canary's own
-   kernels: scatter, plan, HEAD verify + write, TAIL verify + write over the K strip of layer 0).
+   kernels: plan, HEAD verify + write, TAIL verify + write over the K strip of layer 0, and
+   SGLang's scatter with ``--tokens full``).
 
 ``--tokens``: how the expected token ids reach the device: ``feed`` (default) keeps them there
 between steps and sends each step's :class:`~kvcanary_jax.integrations.sglang_jax.TokenDelta`

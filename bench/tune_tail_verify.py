@@ -40,7 +40,7 @@ FOLD_SHAPES = [None, (256, 2, 264), (128, 4, 528), (128, 2, 1 << 30), (64, 2, 1 
 WRITE_PREFETCH = [8, 16, 32]
 
 
-def _case(bs: int, ctx: int, iters: int) -> list[dict]:
+def _case(bs: int, ctx: int, iters: int, done: list, path: str | None) -> list[dict]:
     st = sjs.Stack("kv", bs, ctx, iters, "feed")
     st.build()
     canary, mesh = st.canary, st.mesh
@@ -83,14 +83,22 @@ def _case(bs: int, ctx: int, iters: int) -> list[dict]:
                 rows.append({"bs": bs, "ctx": ctx, "fold_shape": shape,
                              "error": f"{type(e).__name__}: {e}"[:400]})
             _print(rows[-1])
+            _save(done + rows, path)
         vpt.FOLD_PLANS = plans
         for n in WRITE_PREFETCH:
             _kernel_lib.REAL_KV_PREFETCH_WRITE = n
             rows.append({"bs": bs, "ctx": ctx, "write_prefetch": n, **timed()})
             _print(rows[-1])
+            _save(done + rows, path)
     finally:
         vpt.FOLD_PLANS, _kernel_lib.REAL_KV_PREFETCH_WRITE = plans, prefetch
     return rows
+
+
+def _save(rows: list, out: str | None) -> None:
+    if out:  # after every row: a run cut short by its time limit keeps what it measured
+        with open(out, "w") as f:
+            json.dump({"environment": common.environment(), "rows": rows}, f, indent=1)
 
 
 def _print(row: dict) -> None:
@@ -116,10 +124,8 @@ def main(argv=None) -> int:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*donated buffers.*")
         for bs, ctx in zip((int(x) for x in a.bs.split(",")), (int(x) for x in a.ctx.split(","))):
-            rows += _case(bs, ctx, a.iters)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"environment": common.environment(), "rows": rows}, f, indent=1)
+            rows += _case(bs, ctx, a.iters, rows, a.out)
+    _save(rows, a.out)
     return 1 if any(r.get("violations") for r in rows) else 0
 
 
