@@ -591,8 +591,11 @@ class TokenFeed:
     ``Req`` holds it; a row another request held before, a request seen first, and a request
     back after a retraction in a row someone else used in between are sent whole; this step's
     new tokens are always sent. Deltas must reach the steps in the order they were made; after
-    a step that failed (or a delta that never ran), call :meth:`reset` and every row is sent
-    whole once (:class:`ModelRunnerHook` does it for you)."""
+    a step that failed, a delta that never ran, or a state that did not see the earlier deltas
+    (a fresh ``init_state()``), call :meth:`reset` and every row is sent whole once
+    (:class:`ModelRunnerHook` does it for a failed step). A feed that is behind its state sends
+    too little, and the token checks of the rows it skipped report false alarms (the chain,
+    position and real-KV checks do not read the pool)."""
 
     def __init__(self, canary: SglangJaxCanary):
         if not isinstance(canary, SglangJaxCanary) or canary.token_rows is None:
