@@ -118,6 +118,19 @@ def _canary(**kw):
     return ksj.SglangJaxCanary(num_slots=64, page_size=PAGE, context_len=10, max_bs=4, **kw)
 
 
+def _extend_fb(seq, cache_loc, rows):
+    """An extend batch of two requests: 0 has 3 cached + 2 new tokens (103, 104 into slots 11,
+    12), 1 has 2 new (200, 201 into 16, 17); sglang-jax's padding rows are -1 / length 0."""
+    return types.SimpleNamespace(
+        forward_mode=_Mode(decode=False), seq_lens=jnp.asarray(seq),
+        req_pool_indices=jnp.array(rows, jnp.int32), cache_loc=jnp.asarray(cache_loc),
+        extend_prefix_lens=jnp.array([3, 0, 0, 0], jnp.int32),
+        extend_seq_lens=jnp.array([2, 2, 0, 0], jnp.int32),
+        input_ids=jnp.array([103, 104, 200, 201, 0, 0], jnp.int32),
+        positions=jnp.array([3, 4, 0, 1, 0, 0], jnp.int32),
+        out_cache_loc=jnp.array([11, 12, 16, 17, -1, -1], jnp.int32))
+
+
 def test_extend_batch_from_cache_loc():
     # Two requests and two padding rows (sglang-jax pads req_pool_indices with -1, seq_lens 0):
     # request 0: 3 cached + 2 new tokens (slots 8..12), request 1: 0 cached + 2 new (16, 17).
@@ -127,14 +140,7 @@ def test_extend_batch_from_cache_loc():
     cache_loc[8:10] = [16, 17]  # request 1's segment starts at 8
     ids = ksj.expected_tokens([[100, 101, 102, 103, 104], [200, 201]], seq, 16, PAGE)
     assert ids.tolist() == [100, 101, 102, 103, 104, 0, 0, 0, 200, 201] + [0] * 6
-    fb = types.SimpleNamespace(
-        forward_mode=_Mode(decode=False), seq_lens=jnp.asarray(seq),
-        req_pool_indices=jnp.array([0, 3, -1, -1], jnp.int32), cache_loc=jnp.asarray(cache_loc),
-        extend_prefix_lens=jnp.array([3, 0, 0, 0], jnp.int32),
-        extend_seq_lens=jnp.array([2, 2, 0, 0], jnp.int32),
-        input_ids=jnp.array([103, 104, 200, 201, 0, 0], jnp.int32),
-        positions=jnp.array([3, 4, 0, 1, 0, 0], jnp.int32),
-        out_cache_loc=jnp.array([11, 12, 16, 17, -1, -1], jnp.int32))
+    fb = _extend_fb(seq, cache_loc, [0, 3, -1, -1])
     with jax.enable_x64(True):
         batch, table = ksj.canary_batch(_canary(), fb, expected=jnp.asarray(ids))
         table = np.asarray(table)
@@ -320,14 +326,7 @@ def test_extend_batch_with_a_token_delta():
     a.output_ids += [103, 104]
     delta = feed.delta([a, b], _mwb([2, 0, -1, -1], [5, 2, 0, 0], extend=[2, 2, 0, 0], ntok=6))
     assert delta.array.tolist() == [3, 0, 0, 0] + [103, 104, 200, 201, 0, 0]
-    fb = types.SimpleNamespace(
-        forward_mode=_Mode(decode=False), seq_lens=jnp.asarray(seq),
-        req_pool_indices=jnp.array([2, 0, -1, -1], jnp.int32), cache_loc=jnp.asarray(cache_loc),
-        extend_prefix_lens=jnp.array([3, 0, 0, 0], jnp.int32),
-        extend_seq_lens=jnp.array([2, 2, 0, 0], jnp.int32),
-        input_ids=jnp.array([103, 104, 200, 201, 0, 0], jnp.int32),
-        positions=jnp.array([3, 4, 0, 1, 0, 0], jnp.int32),
-        out_cache_loc=jnp.array([11, 12, 16, 17, -1, -1], jnp.int32))
+    fb = _extend_fb(seq, cache_loc, [2, 0, -1, -1])
     with jax.enable_x64(True):
         batch, fed = ksj._device_batch(canary, fb, jnp.asarray(delta.array))[::2]
         assert np.asarray(batch.expected_input_tokens)[:4].tolist() == [103, 104, 200, 201]

@@ -411,7 +411,7 @@ def _device_batch(canary: SglangJaxCanary, forward_batch, expected):
         raise ValueError("kv-canary sglang-jax: token_checks needs `expected` every step "
                          "(expected_tokens(...), or a TokenFeed's delta with token_rows), or "
                          "build the canary with token_checks=False")
-    if canary.token_checks and canary.token_rows is not None:
+    if canary.token_rows is not None:  # implies token_checks
         if expected.ndim != 1 or expected.shape[0] <= bs:
             raise ValueError(f"kv-canary sglang-jax: with token_rows, expected is a TokenDelta's "
                              f"array, int32 [bs + n] (bs={bs}), got shape {expected.shape}")
@@ -695,7 +695,7 @@ class TokenFeed:
 def _expected_array(canary: SglangJaxCanary, expected):
     """The step's ``expected`` as the jitted step takes it: a :class:`TokenDelta` of this
     canary's feed with ``token_rows``, an array otherwise."""
-    if canary.token_rows is not None and canary.token_checks:
+    if canary.token_rows is not None:  # implies token_checks (checked when it is built)
         if not isinstance(expected, TokenDelta):
             raise TypeError("kv-canary sglang-jax: this canary keeps token ids on the device "
                             "(token_rows): give each step a TokenFeed's delta, got "
@@ -846,8 +846,7 @@ class ModelRunnerHook:
         leaves, state_def = jax.tree_util.tree_flatten(model_state)
         self.canary = canary
         self.state = canary.init_state()
-        self.feed = (TokenFeed(canary) if canary.token_rows is not None and canary.token_checks
-                     else None)
+        self.feed = TokenFeed(canary) if canary.token_rows is not None else None
         self._runner = model_runner
         self._model = (model_def, state_def, leaves)
         self._pending: dict = {}
