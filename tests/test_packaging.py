@@ -53,8 +53,8 @@ def _sources():
 
 def test_no_source_imports_the_folders_by_their_own_names():
     """Every import of the bridge and the bench, in any form (import statements, module names
-    built as strings, code and ``-m`` command lines run in subprocesses, the README's examples,
-    the GPU session's steps), goes through kvcanary_jax."""
+    built as strings, code and ``-m`` command lines run in subprocesses, the examples of the
+    README and the docs, the GPU session's steps), goes through kvcanary_jax."""
     bad = []
     as_string = re.compile(r"""(import_module\(\s*f?|["']-m["'],\s*)["'](bridge|bench)\b""")
     # Code in strings (``python -c``): an import statement naming a folder at the top level.
@@ -81,9 +81,10 @@ def test_no_source_imports_the_folders_by_their_own_names():
                     words = re.findall(r"[\w.]+", m.group(0).replace(" as ", " "))[1:]
                     if any(w.split(".")[0] in FOLDERS.values() for w in words if w != "import"):
                         bad.append(f"{rel}:{node.lineno}: {m.group(0)!r} in a string")
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    bad += [f"README.md: {m.group(0)}"
-            for m in re.finditer(r"(?m)^\s*(import|from) (bridge|bench)\b.*$", readme)]
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        bad += [f"{page.relative_to(ROOT)}: {m.group(0)}"
+                for m in re.finditer(r"(?m)^\s*(import|from) (bridge|bench)\b.*$",
+                                     page.read_text(encoding="utf-8"))]
     script = (ROOT / "bench" / "gpu_session.sh").read_text(encoding="utf-8")
     bad += [f"bench/gpu_session.sh: {m.group(0)}"
             for m in re.finditer(r"python3? (-m (bench|bridge)\b|(bench|bridge)/\w+\.py)", script)]
@@ -134,12 +135,13 @@ def test_import_bridge_by_its_folder_name_says_what_to_import():
     (["-m", "bench.cpu", "--help"], "root", "python -m bench.cpu"),
 ])
 def test_the_bench_runs_as_the_readme_types_it(args, cwd, prog, tmp_path):
-    """``python -m bench[.<module>]`` from the checkout's root (the README and bench/NOTES.md
-    type it) and ``python -m kvcanary_jax.bench`` from anywhere."""
+    """``python -m bench[.<module>]`` from the checkout's root (the docs' performance page and
+    bench/NOTES.md type it) and ``python -m kvcanary_jax.bench`` from anywhere."""
     proc = _python(args, cwd=ROOT if cwd == "root" else tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith(f"usage: {prog} "), proc.stdout[:300]
-    assert "`python -m bench [options]`" in (ROOT / "README.md").read_text(encoding="utf-8")
+    page = ROOT / "docs" / "performance.md"
+    assert "`python -m bench [options]`" in page.read_text(encoding="utf-8")
 
 
 def test_python_m_bench_refuses_a_checkout_that_is_not_the_installed_one(tmp_path):
