@@ -40,11 +40,13 @@ the batch against the request's history). A server gives each id once instead: w
 ``token_rows`` (``from_pools(..., incremental_tokens=True)``) the state keeps every request's ids
 in an expected-token pool with a row per sglang-jax ``req_to_token`` row, and each step takes a
 :class:`TokenDelta` from a :class:`TokenFeed`: only the ids the device lacks (a decode step: one
-per request), scattered into the pool on the device. Without token checks
-(``token_checks=False``) the chain hash and positions still bind every slot to its request.
-sglang-jax's overlap scheduler builds a
-decode batch before the previous step's token reaches the host (the device resolves it): run
-it with ``token_checks=False``.
+per request), scattered into the pool on the device. The feed records a delta only once its
+step has been dispatched, for the state that step returned: a delta never run records nothing, a
+delta sent to another state goes whole, and a delta made for another batch is refused before
+anything is donated. Without token checks (``token_checks=False``) the chain hash and positions
+still bind every slot to its request. sglang-jax's overlap scheduler builds a decode batch before
+the previous step's token reaches the host (the device resolves it): run it with
+``token_checks=False``.
 
 **Slot 0 / page 0** is sglang-jax's padding (its allocators hand out slots, or pages, from 1;
 padding tokens carry ``out_cache_loc == -1`` and write nothing). As in SGLang, verify never checks
@@ -97,7 +99,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Sequence
+import weakref
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -109,7 +112,7 @@ from kvcanary_jax import _config
 from kvcanary_jax.consts import MAX_REAL_KV_SOURCES
 from kvcanary_jax.contracts import TensorMeta
 from kvcanary_jax.ops._xla_lib import count_below
-from kvcanary_jax.runtime import decode_ring
+from kvcanary_jax.runtime import CanaryViolationError, decode_ring
 from kvcanary_jax.runtime.step import head, tail
 
 __all__ = [
@@ -134,6 +137,9 @@ __all__ = [
     "drop_radix_slot",
     "Remediator",
     "ManagedModelRunnerHook",
+    "store_kv",
+    "RequestIds",
+    "DeltaBatch",
 ]
 
 _LAYOUT_SLOT_DIMS = {3: 1, 5: 2}  # 0.0.2 [slots, 2H, D]; HEAD [pages, page_size, 2H/p, p, D]
@@ -569,50 +575,132 @@ def host_table(req_to_token: np.ndarray, req_pool_indices, seq_lens, context_len
     return out
 
 
+class RequestIds(NamedTuple):
+    """One request of a :class:`TokenDelta`: batch row ``index``, sglang-jax row ``row``, its
+    ``Req``, its ``seq_len`` and the tokens this step writes (``new``). Once the step has run,
+    the row holds the request's first ``seq_len`` ids: a :class:`TokenFeed` records it as is.
+    The ``Req`` itself is kept (one per row, released when another request takes the row or the
+    feed is reset) and compared with ``is``: a request is never taken for another, not even one
+    with the same ``rid`` that CPython placed at a finished request's address (its ``id()``)."""
+
+    index: int
+    row: int
+    req: Any
+    seq_len: int
+    new: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DeltaBatch:
+    """The batch a :class:`TokenDelta` was made for, as sglang-jax padded it: ``bs`` rows, the
+    token bucket (``tokens``, ``input_ids``'s length), the ``cache_loc`` bucket, the forward
+    mode, the rows and lengths (numpy, padding rows included), and sglang-jax's batch id
+    (``bid``, which ``ForwardBatch.init_new`` copies from the ``ModelWorkerBatch``; None when
+    the batch has none)."""
+
+    bs: int
+    tokens: int
+    cache_loc: int
+    decode: bool
+    req_pool_indices: np.ndarray
+    seq_lens: np.ndarray
+    extend_seq_lens: np.ndarray | None
+    bid: int | None
+
+    def check(self, forward_batch) -> None:
+        """Raise ValueError unless ``forward_batch`` is the batch this delta was made for (its
+        shapes and mode; its rows and lengths through the batch id when both carry one, else
+        read from the batch, a host transfer when they are device arrays)."""
+        fb = forward_batch
+        shapes = {"rows (bs)": (self.bs, int(fb.seq_lens.shape[0])),
+                  "token bucket": (self.tokens, int(fb.input_ids.shape[0])),
+                  "cache_loc bucket": (self.cache_loc, int(fb.cache_loc.shape[0])),
+                  "decode mode": (self.decode, bool(fb.forward_mode.is_decode()))}
+        for what, (made, got) in shapes.items():
+            if made != got:
+                raise ValueError(_other_batch(f"{what} {made}, this batch's is {got}"))
+        bid = getattr(fb, "bid", None)
+        if self.bid is not None and isinstance(bid, (int, np.integer)) and bid == self.bid:
+            return
+        fields = {"req_pool_indices": self.req_pool_indices, "seq_lens": self.seq_lens}
+        if not self.decode:
+            fields["extend_seq_lens"] = self.extend_seq_lens
+        got = jax.device_get({name: getattr(fb, name) for name in fields})
+        for name, made in fields.items():
+            have = np.asarray(got[name]).astype(np.int64)
+            if not np.array_equal(made, have):
+                raise ValueError(_other_batch(f"{name} {made.tolist()}, this batch's are "
+                                              f"{have.tolist()}"))
+
+
+def _other_batch(what: str) -> str:
+    return (f"kv-canary sglang-jax: the TokenDelta was made for another batch ({what}); make "
+            "each step's delta from the ModelWorkerBatch its ForwardBatch comes from, padded "
+            "to the same buckets")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenDelta:
     """One step's expected token ids from a :class:`TokenFeed`: ``array``, int32 ``[bs + n]``,
     is each batch row's first column sent (``bs`` entries, 0 for padding rows), then, request
     after request, its ids from that column to its ``seq_len`` (zeros after). ``n`` is the
     batch's token bucket when the ids fit it, else its ``cache_loc`` bucket (two shapes per
-    bucket at most; a decode step sends one id per request)."""
+    bucket at most; a decode step sends one id per request). ``batch`` is the batch it was made
+    for, ``requests`` what it sends for each request (the guarded step checks the one and
+    recomputes ``array`` from the other when the state does not hold what it was made on)."""
 
     array: np.ndarray
     feed: "TokenFeed"
+    batch: DeltaBatch
+    requests: tuple[RequestIds, ...]
 
 
 class TokenFeed:
-    """The host side of a canary with ``token_rows``: which ids each sglang-jax row already holds
-    on the device, and each step's :class:`TokenDelta`.
+    """The host side of a canary with ``token_rows``: which ids each sglang-jax row holds on the
+    device, and each step's :class:`TokenDelta`.
 
     The device keeps every request's ids in its row of the state's expected-token pool (row =
     ``req_pool_idx + 1``), so a step sends only the ids the device lacks: a decode step one per
     request instead of every request's whole history. A row is the request's while the same
-    ``Req`` holds it; a row another request held before, a request seen first, and a request
-    back after a retraction in a row someone else used in between are sent whole; this step's
-    new tokens are always sent. Deltas must reach the steps in the order they were made; after
-    a step that failed, a delta that never ran, or a state that did not see the earlier deltas
-    (a fresh ``init_state()``), call :meth:`reset` and every row is sent whole once
-    (:class:`ModelRunnerHook` does it for a failed step). A feed that is behind its state sends
-    too little, and the token checks of the rows it skipped report false alarms (the chain,
-    position and real-KV checks do not read the pool)."""
+    ``Req`` object holds it (compared with ``is``); a row another request held before, a
+    request seen first, and a request back after a retraction in a row someone else used in
+    between are sent whole; this step's new tokens are always sent.
+
+    What the device holds is recorded in two phases: :meth:`delta` records nothing the device
+    holds, the guarded step records the delta once it has dispatched the step (a delta never
+    run, or whose step failed before it ran, changes nothing), for the state that step
+    returned. The feed knows that one state (its expected-token pool, by identity; a
+    :func:`sweep` keeps it): a delta sent to any other state (a fork, a copy, a fresh
+    ``init_state()``) is sent whole, and a delta made before an earlier one ran, or made on
+    what a delta never run would have left, is recomputed from what the state holds, before
+    the step is dispatched. Deltas can be made ahead, in step order (each is made on what the
+    ones before it leave), and sent in any order. :meth:`reset` forgets everything (every row
+    sent whole once)."""
 
     def __init__(self, canary: SglangJaxCanary):
         if not isinstance(canary, SglangJaxCanary) or canary.token_rows is None:
             raise ValueError("kv-canary sglang-jax: a TokenFeed needs a canary built with "
                              "token_rows (SglangJaxCanary.from_pools(..., incremental_tokens=True))")
         self.canary = canary
-        self._held: dict[int, tuple[int, Any, int]] = {}  # row -> (id(req), rid, ids held)
+        # What the state the last guarded step returned holds, per row, and that state's pool
+        # (a weak reference: the feed keeps no device memory alive).
+        self._held: dict[int, RequestIds] = {}
+        self._fed: weakref.ref | None = None
+        # What the rows will hold once every delta made so far has run: deltas made ahead are
+        # made on it (the steps check them against _held).
+        self._ahead: dict[int, RequestIds] = {}
 
     def reset(self) -> None:
         """Forget what the device holds: the next delta sends each of its requests whole."""
-        self._held.clear()
+        self._held, self._fed = {}, None
+        self._ahead.clear()
 
     def delta(self, reqs, model_worker_batch) -> TokenDelta:
         """The ids the device lacks for sglang-jax's ``ModelWorkerBatch`` (its
         ``req_pool_indices``, ``seq_lens``, ``forward_mode``, ``extend_seq_lens``, ``input_ids``
-        and ``cache_loc``, padded as sglang-jax pads them) of ``reqs`` (``batch.reqs``, batch
-        order: prompt then output ids each).
+        and ``cache_loc``, padded as sglang-jax pads them, and its ``bid``) of ``reqs``
+        (``batch.reqs``, batch order: prompt then output ids each). Give it to the step of that
+        very batch.
 
         Raises (our rules, before anything is recorded) TypeError / ValueError for a request
         that is not a ``Req``, lists of different lengths, a padding row with a length, a row
@@ -624,19 +712,23 @@ class TokenFeed:
         if rp.shape != seq.shape:
             raise ValueError(f"kv-canary sglang-jax: req_pool_indices ({rp.shape[0]}) and seq_lens "
                              f"({seq.shape[0]}) must have one entry per request")
-        if mwb.forward_mode.is_decode():
+        decode = bool(mwb.forward_mode.is_decode())
+        extend = None
+        if decode:
             new = np.minimum(seq, 1)
         else:
-            new = _host_ints("extend_seq_lens", mwb.extend_seq_lens)
+            new = extend = _host_ints("extend_seq_lens", mwb.extend_seq_lens)
             if new.shape != seq.shape:
                 raise ValueError(f"kv-canary sglang-jax: extend_seq_lens ({new.shape[0]}) and "
                                  f"seq_lens ({seq.shape[0]}) must have one entry per request")
-        ntok, nloc = int(np.asarray(mwb.input_ids).shape[0]), int(np.asarray(mwb.cache_loc).shape[0])
-        bs, rows, ctx = seq.shape[0], self.canary.token_rows, self.canary.context_len
-        starts = np.zeros((bs,), np.int64)
-        parts, held, seen = [], {}, {}
-        for r in range(bs):
-            n = int(seq[r])
+        bid = getattr(mwb, "bid", None)
+        batch = DeltaBatch(bs=int(seq.shape[0]), tokens=int(np.asarray(mwb.input_ids).shape[0]),
+                           cache_loc=int(np.asarray(mwb.cache_loc).shape[0]), decode=decode,
+                           req_pool_indices=rp, seq_lens=seq, extend_seq_lens=extend,
+                           bid=int(bid) if isinstance(bid, (int, np.integer)) else None)
+        rows, ctx = self.canary.token_rows, self.canary.context_len
+        requests, seen = [], {}
+        for r, (row, n, k) in enumerate(zip(rp.tolist(), seq.tolist(), new.tolist())):
             if n < 0:
                 raise ValueError(f"kv-canary sglang-jax: seq_lens[{r}] must be >= 0, got {n}")
             if n == 0:
@@ -644,7 +736,6 @@ class TokenFeed:
             if r >= len(reqs):
                 raise ValueError(f"kv-canary sglang-jax: seq_lens[{r}] is {n} but reqs has "
                                  f"{len(reqs)} requests (padding rows must have seq_len 0)")
-            row = int(rp[r])
             if not 0 <= row < rows:
                 raise ValueError(f"kv-canary sglang-jax: req_pool_indices[{r}] must be a row in "
                                  f"[0, {rows}) (token_rows), got {row}")
@@ -655,46 +746,89 @@ class TokenFeed:
             if n > ctx:
                 raise ValueError(f"kv-canary sglang-jax: seq_lens[{r}] must be in [0, {ctx}] "
                                  f"(context_len), got {n}")
-            if not 0 <= int(new[r]) <= n:
-                raise ValueError(f"kv-canary sglang-jax: request {r} extends {int(new[r])} tokens "
-                                 f"with seq_len {n}")
-            req = reqs[r]
-            try:
-                prompt, output = req.origin_input_ids, req.output_ids
-                have = len(prompt) + len(output)
-            except (AttributeError, TypeError) as e:
-                raise TypeError(f"kv-canary sglang-jax: reqs[{r}] must be an sglang-jax Req (with "
-                                f"origin_input_ids and output_ids), got {type(req).__name__}: "
-                                f"{e}") from None
-            if have < n:
-                raise ValueError(f"kv-canary sglang-jax: request {r} has {have} token ids "
-                                 f"for seq_len {n}")
-            key = (id(req), getattr(req, "rid", None))
-            mine = self._held.get(row)
-            known = mine[2] if mine is not None and mine[:2] == key else 0
-            start = min(known, n - int(new[r]))
-            starts[r] = start
-            # Only the ids sent, sliced from the prompt and the output (no whole-history copy).
-            p = len(prompt)
-            parts.append(np.asarray(list(prompt[start:min(n, p)]) +
-                                    list(output[max(start - p, 0):max(n - p, 0)]), np.int64))
-            held[row] = (*key, n)
-        total = sum(p.shape[0] for p in parts)
-        size = ntok if total <= ntok else nloc
-        if total > size:
-            raise ValueError(f"kv-canary sglang-jax: {total} token ids to send do not fit the "
-                             f"cache_loc bucket of {nloc}")
-        out = np.zeros((bs + size,), np.int32)
-        out[:bs] = starts
-        if parts:
-            out[bs : bs + total] = np.concatenate(parts)
-        self._held.update(held)
-        return TokenDelta(array=out, feed=self)
+            if not 0 <= k <= n:
+                raise ValueError(f"kv-canary sglang-jax: request {r} extends {k} tokens with "
+                                 f"seq_len {n}")
+            _history(reqs[r], r, n)
+            requests.append(RequestIds(index=r, row=row, req=reqs[r], seq_len=n, new=k))
+        delta = TokenDelta(array=_lay_out(batch, requests, self._ahead), feed=self, batch=batch,
+                           requests=tuple(requests))
+        self._ahead.update((req.row, req) for req in requests)
+        return delta
+
+    def prepare(self, delta: TokenDelta, state, forward_batch) -> TokenDelta:
+        """The delta as the guarded step sends it to ``state`` for ``forward_batch``: ``delta``
+        itself when ``state`` holds what it was made on, else recomputed from what ``state``
+        holds (whole, for a state this feed did not feed last). Records nothing.
+
+        Raises ValueError (before anything runs or is donated) for a delta made for another
+        batch (:meth:`DeltaBatch.check`) or whose requests no longer hold its ids."""
+        delta.batch.check(forward_batch)
+        held = self._held_by(state)
+        starts = delta.array[: delta.batch.bs].tolist()
+        for req in delta.requests:
+            start = starts[req.index]
+            mine = held.get(req.row)
+            if start and (mine is None or mine.req is not req.req or mine.seq_len < start):
+                return dataclasses.replace(delta, array=_lay_out(delta.batch, delta.requests, held))
+        return delta
+
+    def commit(self, sent: TokenDelta, state, new_state) -> None:
+        """Record what ``sent`` (:meth:`prepare`'s) put in ``state``'s pool: ``new_state``, the
+        state the guarded step returned, holds it. The guarded step calls this once it has
+        dispatched the step."""
+        held = self._held_by(state)
+        held.update((req.row, req) for req in sent.requests)
+        self._held, self._fed = held, weakref.ref(new_state.expected_tokens)
+
+    def _held_by(self, state) -> dict[int, RequestIds]:
+        fed = None if self._fed is None else self._fed()
+        return self._held if fed is not None and fed is state.expected_tokens else {}
 
 
-def _expected_array(canary: SglangJaxCanary, expected):
-    """The step's ``expected`` as the jitted step takes it: a :class:`TokenDelta` of this
-    canary's feed with ``token_rows``, an array otherwise."""
+def _history(req, r: int, n: int):
+    """``req``'s prompt and output ids, holding at least ``n`` ids (batch row ``r``)."""
+    try:
+        prompt, output = req.origin_input_ids, req.output_ids
+        have = len(prompt) + len(output)
+    except (AttributeError, TypeError) as e:
+        raise TypeError(f"kv-canary sglang-jax: reqs[{r}] must be an sglang-jax Req (with "
+                        f"origin_input_ids and output_ids), got {type(req).__name__}: "
+                        f"{e}") from None
+    if have < n:
+        raise ValueError(f"kv-canary sglang-jax: request {r} has {have} token ids for seq_len {n}")
+    return prompt, output
+
+
+def _lay_out(batch: DeltaBatch, requests, held: dict[int, RequestIds]) -> np.ndarray:
+    """A delta's array for ``requests`` sent to rows holding ``held``."""
+    starts = [0] * batch.bs
+    ids = []
+    for req in requests:
+        mine = held.get(req.row)
+        known = mine.seq_len if mine is not None and mine.req is req.req else 0
+        n = req.seq_len
+        start = min(known, n - req.new)
+        starts[req.index] = start
+        # Only the ids sent, sliced from the prompt and the output (no whole-history copy).
+        prompt, output = _history(req.req, req.index, n)
+        p = len(prompt)
+        ids.extend(prompt[start:min(n, p)])
+        ids.extend(output[max(start - p, 0):max(n - p, 0)])
+    total = len(ids)
+    size = batch.tokens if total <= batch.tokens else batch.cache_loc
+    if total > size:
+        raise ValueError(f"kv-canary sglang-jax: {total} token ids to send do not fit the "
+                         f"cache_loc bucket of {batch.cache_loc}")
+    out = np.zeros((batch.bs + size,), np.int32)
+    out[: batch.bs] = starts
+    out[batch.bs : batch.bs + total] = ids
+    return out
+
+
+def _expected_array(canary: SglangJaxCanary, expected, state, forward_batch):
+    """The step's ``expected`` as the jitted step takes it, and the :class:`TokenDelta` to
+    commit once the step is dispatched (None without ``token_rows``)."""
     if canary.token_rows is not None:  # implies token_checks (checked when it is built)
         if not isinstance(expected, TokenDelta):
             raise TypeError("kv-canary sglang-jax: this canary keeps token ids on the device "
@@ -703,11 +837,12 @@ def _expected_array(canary: SglangJaxCanary, expected):
         if expected.feed.canary != canary:
             raise ValueError("kv-canary sglang-jax: the TokenDelta comes from the feed of "
                              "another canary")
-        return expected.array
+        sent = expected.feed.prepare(expected, state, forward_batch)
+        return sent.array, sent
     if isinstance(expected, TokenDelta):
         raise TypeError("kv-canary sglang-jax: a TokenDelta needs a canary with token_rows; "
                         "this one takes expected_tokens(...)")
-    return expected
+    return expected, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -811,8 +946,15 @@ def guard_model_step(canary: SglangJaxCanary, model_step: Callable, *, batch_arg
 
     @_config.entry_point
     def step(state, *args, expected=None, table=None):
-        return jitted(state, _expected_array(canary, expected), table,
-                      _config.caller_had_x64(), *args)
+        if len(args) <= max(batch_argnum, pool_argnum):
+            raise TypeError(f"kv-canary sglang-jax: the model step takes its batch at "
+                            f"{batch_argnum} and its KV pool at {pool_argnum}, got "
+                            f"{len(args)} arguments")
+        array, sent = _expected_array(canary, expected, state, args[batch_argnum])
+        new_state, out = jitted(state, array, table, _config.caller_had_x64(), *args)
+        if sent is not None:  # dispatched: the state it returned holds the delta's ids
+            sent.feed.commit(sent, state, new_state)
+        return new_state, out
 
     step.jitted = jitted
     return step
@@ -827,6 +969,20 @@ def _run_model(model_def, model_state_def, model_state_leaves, forward_batch, to
     return nnx.merge(model_def, state)(forward_batch, token_to_kv_pool, logits_metadata)
 
 
+def store_kv(model_runner, layers, forward_batch) -> None:
+    """Store a step's new fused KV buffers in the runner's pool, as sglang-jax 0.0.2's
+    ``ModelRunner._forward`` does after ``jitted_run_model`` (its
+    ``_set_kv_cache_after_forward``; a runner without it: the pool's ``kv_buffer`` slice from
+    ``start_layer``)."""
+    set_after = getattr(model_runner, "_set_kv_cache_after_forward", None)
+    if set_after is not None:
+        set_after(layers, forward_batch)
+        return
+    pool = model_runner.token_to_kv_pool
+    start = getattr(pool, "start_layer", 0)
+    pool.kv_buffer[start : start + len(layers)] = layers
+
+
 class ModelRunnerHook:
     """The canary installed in an sglang-jax 0.0.2 ``ModelRunner``.
 
@@ -836,7 +992,8 @@ class ModelRunnerHook:
     token ids with :meth:`expect` (with ``token_checks``): with ``token_rows``,
     ``hook.expect(hook.feed.delta(batch.reqs, model_worker_batch))``, else
     :func:`expected_tokens`. ``state`` is the canary's device state; ``feed`` its
-    :class:`TokenFeed` (None without ``token_rows``), reset when a step fails.
+    :class:`TokenFeed` (None without ``token_rows``). A step refused before it runs (a delta
+    made for another batch, ...) leaves the runner's pool, the state and the feed as they were.
     """
 
     def __init__(self, canary: SglangJaxCanary, model_runner):
@@ -863,16 +1020,12 @@ class ModelRunnerHook:
         self._pending = {"expected": expected, "table": table}
 
     def _run(self, forward_batch, logits_metadata):
+        # A step refused before it runs donates nothing and records nothing in the feed: the
+        # runner's pool, the state and the feed are as they were.
         model_def, state_def, leaves = self._model
         pending, self._pending = self._pending, {}
-        try:
-            self.state, out = self._step(self.state, model_def, state_def, leaves, forward_batch,
-                                         self._runner.token_to_kv_pool, logits_metadata,
-                                         **pending)
-        except BaseException:
-            if isinstance(pending.get("expected"), TokenDelta):
-                pending["expected"].feed.reset()  # the device may not hold what it recorded
-            raise
+        self.state, out = self._step(self.state, model_def, state_def, leaves, forward_batch,
+                                     self._runner.token_to_kv_pool, logits_metadata, **pending)
         return out
 
     def uninstall(self) -> None:
@@ -905,14 +1058,19 @@ def radix_prefixes(tree_cache) -> list[np.ndarray]:
 
 
 @functools.partial(jax.jit, static_argnames=("canary",), donate_argnames=("state",))
-def _sweep_jit(state, rows_table, row_indices, lengths, kv_buffer, *, canary):
+def _sweep_jit(state, expected_tokens, rows_table, row_indices, lengths, kv_buffer, *, canary):
+    # The expected-token pool stays out of the donated state and out of the result (the sweep's
+    # token check is off, it reads nothing there): the caller's state keeps the very pool array
+    # its TokenFeed knows.
     cfg = canary.config
 
     def fn(st, rep, kv):
         return kc.canary_sweep(cfg, st, rows_table=rep[0], row_indices=rep[1], lengths=rep[2],
                                kv=_kv_dict(canary, kv))
 
-    return _per_shard(canary, fn, state, (rows_table, row_indices, lengths), kv_buffer)
+    state = dataclasses.replace(state, expected_tokens=expected_tokens)
+    state = _per_shard(canary, fn, state, (rows_table, row_indices, lengths), kv_buffer)
+    return dataclasses.replace(state, expected_tokens=None)
 
 
 @_config.entry_point
@@ -923,7 +1081,8 @@ def sweep(canary: SglangJaxCanary, state, kv_buffer: jax.Array, prefixes: Sequen
 
     Raises ValueError (our rule, before anything runs or is donated) for a prefix longer than
     ``canary.context_len`` (its tail would go unchecked) or holding a slot outside
-    ``[0, canary.num_slots)`` (never verified)."""
+    ``[0, canary.num_slots)`` (never verified). The state's expected-token pool is not donated:
+    the returned state keeps that very array (a :class:`TokenFeed` still knows the state)."""
     n = canary.sweep_rows
     prefixes = [_host_ints(f"prefixes[{i}]", p) for i, p in enumerate(prefixes)]
     for i, p in enumerate(prefixes):
@@ -934,6 +1093,8 @@ def sweep(canary: SglangJaxCanary, state, kv_buffer: jax.Array, prefixes: Sequen
         if bad.size:
             raise ValueError(f"kv-canary sglang-jax: prefixes[{i}][{bad[0]}] must be a slot in "
                              f"[0, {canary.num_slots}), got {p[bad[0]]}")
+    pool = state.expected_tokens
+    state = dataclasses.replace(state, expected_tokens=None)
     for start in range(0, max(len(prefixes), 1), n):
         chunk = prefixes[start : start + n]
         table = np.zeros((n + 1, canary.context_len), np.int32)
@@ -943,8 +1104,8 @@ def sweep(canary: SglangJaxCanary, state, kv_buffer: jax.Array, prefixes: Sequen
             k = slots.shape[0]
             table[i + 1, :k] = slots
             rows[i], lens[i] = i + 1, k
-        state = _sweep_jit(state, table, rows, lens, kv_buffer, canary=canary)
-    return state
+        state = _sweep_jit(state, pool, table, rows, lens, kv_buffer, canary=canary)
+    return dataclasses.replace(state, expected_tokens=pool)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1108,7 +1269,12 @@ class Remediator:
 class ManagedModelRunnerHook(ModelRunnerHook):
     """:class:`ModelRunnerHook` with a :func:`canary_manager` running the host side after every
     guarded step (``manager.observe``). Give each step's requests with
-    ``expect(..., reqs=batch.reqs)`` so violations reach ``on_violation`` with their request."""
+    ``expect(..., reqs=batch.reqs)`` so violations reach ``on_violation`` with their request.
+
+    When the manager raises after a step (raise mode, the health and phase checks), the step
+    has run and its new KV buffers are stored in the runner's pool (:func:`store_kv`) before the
+    error propagates: the runner keeps serving-ready KV, and a ``CanaryViolationError`` carries
+    the same buffers as ``kv``."""
 
     def __init__(self, canary: SglangJaxCanary, model_runner, manager):
         if not getattr(manager, "enabled", False):
@@ -1126,7 +1292,17 @@ class ManagedModelRunnerHook(ModelRunnerHook):
     def _run(self, forward_batch, logits_metadata):
         out = super()._run(forward_batch, logits_metadata)
         reqs, self._reqs = self._reqs, None
-        resolve = (request_resolver(reqs, self._runner.req_to_token_pool)
-                   if reqs is not None else None)
-        self.manager.observe(self.state, resolve=resolve)
+        try:
+            resolve = (request_resolver(reqs, self._runner.req_to_token_pool)
+                       if reqs is not None else None)
+            self.manager.observe(self.state, resolve=resolve)
+        except BaseException as e:
+            # The step ran: the pool passed in was donated, and the runner stores the step's
+            # buffers only when this returns. Store them now, as the runner would, so it keeps
+            # serving-ready KV, and hand them with the error as CanaryManager.step does.
+            layers = out[1]
+            store_kv(self._runner, layers, forward_batch)
+            if isinstance(e, CanaryViolationError):
+                e.kv = layers
+            raise
         return out
