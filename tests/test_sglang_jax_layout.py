@@ -17,6 +17,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import kvcanary_jax as kc
 from kvcanary_jax.hashing import splitmix64_int, to_i64
 from kvcanary_jax.integrations import sglang_jax as ksj
+from kvcanary_jax.integrations.sglang_jax import batch as sjb
 
 HEADS, HEAD_DIM, SLOTS, PAGE = 2, 8, 12, 4  # bf16: one K strip is 16 bytes, two 8-byte words
 
@@ -493,7 +494,7 @@ def test_extend_batch_with_a_token_delta():
     assert delta.array.tolist() == [3, 0, 0, 0] + [103, 104, 200, 201, 0, 0]
     fb = _extend_fb(seq, cache_loc, [2, 0, -1, -1])
     with jax.enable_x64(True):
-        batch, fed = ksj._device_batch(canary, fb, jnp.asarray(delta.array))[::2]
+        batch, fed = sjb.device_batch(canary, fb, jnp.asarray(delta.array))[::2]
         assert np.asarray(batch.expected_input_tokens)[:4].tolist() == [103, 104, 200, 201]
         assert np.asarray(batch.all_ids_offsets).tolist() == [0, 5, 7, 7, 7]
         prow, starts, doff, _ = (np.asarray(x) for x in fed)
@@ -504,7 +505,7 @@ def test_extend_batch_with_a_token_delta():
         pool = state.expected_tokens.at[3, :3].set(jnp.array([100, 101, 102], jnp.int32))
         state = dataclasses.replace(state, expected_tokens=pool)
         seq64 = jnp.asarray(seq, jnp.int64)
-        state, rows = ksj._fed_pool(canary, state, seq64, fed)
+        state, rows = sjb.fed_pool(canary, state, seq64, fed)
         kept = np.asarray(state.expected_tokens)
         assert kept[3, :5].tolist() == [100, 101, 102, 103, 104] and kept[1, :2].tolist() == [200, 201]
         assert not np.delete(kept, [1, 3], axis=0).any() and not kept[3, 5:].any()
