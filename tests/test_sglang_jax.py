@@ -9,6 +9,9 @@ evicted and handed out again, and a prefix-cache hit, with the canary around eve
 then replays one decode step with faults injected into the real pool arrays and batch fields.
 ``tests/_sglang_jax_runner.py`` runs a tiny random-weight Qwen2 through sglang-jax's own
 ``ModelRunner`` (native attention, tensor parallel 2) with the canary installed in it.
+``tests/_sglang_jax_feed.py`` hands the TokenFeed the ordinary events of a server (a delta never
+run, a step that failed before it ran, two states, a recycled ``id()``, a delta for another
+batch) in the same world.
 
 What does not run as shipped with our JAX versions (jax 0.12; sglang-jax 0.0.2 pins 0.8), and
 what the scripts do instead (details in their docstrings):
@@ -74,6 +77,11 @@ def life(request):
 @pytest.fixture(scope="module")
 def runner():
     return _run("_sglang_jax_runner.py")
+
+
+@pytest.fixture(scope="module")
+def feed_events():
+    return _run("_sglang_jax_feed.py")
 
 
 def _rows(found):
@@ -215,3 +223,46 @@ def test_the_guarded_step_lowered_for_cuda_has_no_loop_around_its_kernels():
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     assert counts["tokens"] == "feed" and counts["kernels"] == 6, counts
     assert counts["while_loops"] == 0, counts
+
+
+def test_a_delta_never_run_records_nothing(feed_events):
+    """R3's prefill (a radix hit of 8 on R1's prompt): a delta made and never run, or run by a
+    step that failed before it ran, leaves the feed as it was; the next delta of that batch sends
+    R3 whole, and no step reports anything."""
+    never = feed_events["never run"]
+    assert never["r3_prefix_len"] == 8 and never["violations"] == []
+    failed = feed_events["failed before dispatch"]
+    assert failed["error"] == "ValueError"
+    assert not failed["state_deleted"] and not failed["kv_deleted"]
+    assert failed["violations"] == []
+
+
+def test_one_feed_two_states(feed_events):
+    """A fork of the state runs R3's prefill after the live state did, with a delta from the same
+    feed: sent whole to the fork, and whole again to the live state after it."""
+    two = feed_events["two states"]
+    assert two["live_prefill"] == [] and two["fork_prefill"] == [] and two["violations"] == []
+
+
+def test_a_new_request_in_a_finished_one_s_row_with_its_rid(feed_events):
+    """R1 finished; a new Req with R1's rid takes R1's row (a radix hit of 5 on R2's prompt):
+    not taken for R1, whatever its ``id()``."""
+    again = feed_events["recycled id"]
+    assert again["row"] == again["r1_row"] and again["prefix_len"] == 5
+    # The scenario can bite: CPython handed the new Req R1's address, or something (the feed)
+    # kept R1 alive so that it could not.
+    assert again["id_recycled"] or again["r1_alive"]
+    assert again["violations"] == []
+
+
+def test_a_delta_for_another_batch_is_refused(feed_events):
+    """R3's prefill delta made from the batch padded to one row, stepped with the batch padded to
+    the bucket's four: refused before anything is donated; the right delta then runs clean."""
+    other = feed_events["unpadded delta"]
+    assert (other["own_bs"], other["padded_bs"]) == (1, 4)
+    assert other["error"] == (
+        "kv-canary sglang-jax: the TokenDelta was made for another batch (rows (bs) 1, this "
+        "batch's is 4); make each step's delta from the ModelWorkerBatch its ForwardBatch comes "
+        "from, padded to the same buckets")
+    assert not other["state_deleted"] and not other["kv_deleted"]
+    assert other["violations_when_run"] == [] and other["violations"] == []

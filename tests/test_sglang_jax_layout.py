@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import kvcanary_jax as kc
 from kvcanary_jax.hashing import splitmix64_int, to_i64
 from kvcanary_jax.integrations import sglang_jax as ksj
+from kvcanary_jax.integrations.sglang_jax import batch as sjb
 
 HEADS, HEAD_DIM, SLOTS, PAGE = 2, 8, 12, 4  # bf16: one K strip is 16 bytes, two 8-byte words
 
@@ -217,48 +219,80 @@ def _mwb(rows, seq, *, extend=None, ntok=4, nloc=16):
         input_ids=np.zeros((ntok,), np.int32), cache_loc=np.zeros((nloc,), np.int32))
 
 
+class _Steps:
+    """The guarded step's host side around steps that ran: each delta as sent to the state, then
+    recorded for the state the step returned (a fresh state here: the feed reads only which
+    expected-token pool it is, never its contents)."""
+
+    def __init__(self, feed):
+        self.feed = feed
+        self.state = feed.canary.init_state()
+
+    def run(self, delta, batch, state=None):
+        state = self.state if state is None else state
+        sent = self.feed.prepare(delta, state, batch)
+        self.state = self.feed.canary.init_state()
+        self.feed.commit(sent, state, self.state)
+        return sent
+
+
 def test_token_feed_sends_only_what_the_device_lacks():
     canary = _canary(token_rows=5)
     assert canary.config.max_reqs == 6 and canary.config.write_cap == 5
     feed = ksj.TokenFeed(canary)
+    steps = _Steps(feed)
     a, b = _req("a", [100, 101, 102, 103, 104]), _req("b", [200, 201])
     # Prefill: both whole. [starts of the 4 batch rows | ids, request after request]; the ids
     # fit the batch's token bucket (8).
-    d = feed.delta([a, b], _mwb([0, 3, -1, -1], [5, 2, 0, 0], extend=[5, 2, 0, 0], ntok=8))
+    mwb = _mwb([0, 3, -1, -1], [5, 2, 0, 0], extend=[5, 2, 0, 0], ntok=8)
+    d = feed.delta([a, b], mwb)
     assert d.array.dtype == np.int32 and d.feed is feed
     assert d.array.tolist() == [0, 0, 0, 0] + [100, 101, 102, 103, 104, 200, 201, 0]
+    assert steps.run(d, mwb) is d
     # Decode: one id per request, from the column the device lacks.
     a.output_ids.append(105)
     b.output_ids.append(202)
-    d = feed.delta([a, b], _mwb([0, 3, -1, -1], [6, 3, 0, 0]))
+    mwb = _mwb([0, 3, -1, -1], [6, 3, 0, 0])
+    d = feed.delta([a, b], mwb)
     assert d.array.tolist() == [5, 2, 0, 0] + [105, 202, 0, 0]
+    steps.run(d, mwb)
     # b finishes; c, a prefix-cache hit of 2 tokens, gets b's row: sent whole (the row held
     # another request's ids), and past the token bucket (4): the cache_loc bucket (16).
     c = _req("c", [300, 301, 302])
-    d = feed.delta([c], _mwb([3, -1, -1, -1], [3, 0, 0, 0], extend=[1, 0, 0, 0], ntok=1))
+    mwb = _mwb([3, -1, -1, -1], [3, 0, 0, 0], extend=[1, 0, 0, 0], ntok=1)
+    d = feed.delta([c], mwb)
     assert d.array.tolist() == [0, 0, 0, 0] + [300, 301, 302] + [0] * 13
+    steps.run(d, mwb)
     # The same Req back in its own row (after a retraction nobody filled in): only the new id.
     a.output_ids.append(106)
-    d = feed.delta([a], _mwb([0, -1, -1, -1], [7, 0, 0, 0], extend=[1, 0, 0, 0]))
+    mwb = _mwb([0, -1, -1, -1], [7, 0, 0, 0], extend=[1, 0, 0, 0])
+    d = feed.delta([a], mwb)
     assert d.array.tolist() == [6, 0, 0, 0] + [106, 0, 0, 0]
+    steps.run(d, mwb)
     # Another Req object with a's rid in a's row is another request: sent whole.
     a2 = _req("a", [100, 101, 900])
-    d = feed.delta([a2], _mwb([0, -1, -1, -1], [3, 0, 0, 0], extend=[3, 0, 0, 0]))
+    mwb = _mwb([0, -1, -1, -1], [3, 0, 0, 0], extend=[3, 0, 0, 0])
+    d = feed.delta([a2], mwb)
     assert d.array.tolist() == [0, 0, 0, 0] + [100, 101, 900, 0]
-    # After reset (a step failed): every request whole, once; the new ids always.
+    steps.run(d, mwb)
+    # After reset: every request whole, once; the new ids always.
     feed.reset()
     c.output_ids.append(303)
-    d = feed.delta([c], _mwb([3, -1, -1, -1], [4, 0, 0, 0]))
+    mwb = _mwb([3, -1, -1, -1], [4, 0, 0, 0])
+    d = feed.delta([c], mwb)
     assert d.array.tolist() == [0, 0, 0, 0] + [300, 301, 302, 303]
-    d = feed.delta([c], _mwb([3, -1, -1, -1], [4, 0, 0, 0]))  # a replay: the new id again
+    steps.run(d, mwb)
+    d = feed.delta([c], mwb)  # a replay: the new id again
     assert d.array.tolist() == [3, 0, 0, 0] + [303, 0, 0, 0]
 
 
 def test_token_feed_errors_record_nothing():
     canary = _canary(token_rows=5)
     feed = ksj.TokenFeed(canary)
+    steps = _Steps(feed)
     a, b = _req("a", [1, 2, 3, 4]), _req("b", [5, 6])
-    feed.delta([a], _mwb([1, -1, -1, -1], [4, 0, 0, 0], extend=[4, 0, 0, 0]))
+    mwb = _mwb([1, -1, -1, -1], [4, 0, 0, 0], extend=[4, 0, 0, 0])
+    steps.run(feed.delta([a], mwb), mwb)
     bad = [
         (([a], _mwb([1, 2, -1, -1], [4, 2, 0, 0])), ValueError,
          r"seq_lens\[1\] is 2 but reqs has 1 requests"),
@@ -284,6 +318,138 @@ def test_token_feed_errors_record_nothing():
     b.output_ids.append(8)
     d = feed.delta([a, b], _mwb([1, 2, -1, -1], [5, 3, 0, 0], ntok=8))
     assert d.array.tolist() == [4, 0, 0, 0] + [9, 5, 6, 8, 0, 0, 0, 0]
+
+
+def test_token_feed_records_only_the_steps_that_ran():
+    canary = _canary(token_rows=5)
+    feed = ksj.TokenFeed(canary)
+    steps = _Steps(feed)
+    a = _req("a", [100, 101, 102])
+    pre = _mwb([2, -1, -1, -1], [3, 0, 0, 0], extend=[3, 0, 0, 0])
+    d_pre = feed.delta([a], pre)
+    a.output_ids.append(103)
+    dec = _mwb([2, -1, -1, -1], [4, 0, 0, 0])
+    d_dec = feed.delta([a], dec)  # made ahead, on what the prefill leaves
+    assert d_dec.array.tolist() == [3, 0, 0, 0] + [103, 0, 0, 0]
+    # Run in step order, each is sent as made.
+    assert steps.run(d_pre, pre) is d_pre and steps.run(d_dec, dec) is d_dec
+    # b, a prefix-cache hit of 3 on a's prompt: its prefill's first delta never runs.
+    b = _req("b", [100, 101, 102, 200])
+    hit = _mwb([0, -1, -1, -1], [4, 0, 0, 0], extend=[1, 0, 0, 0])
+    assert feed.delta([b], hit).array.tolist() == [0, 0, 0, 0] + [100, 101, 102, 200]
+    # The next delta of that batch is made on what the one never run would have left ...
+    d = feed.delta([b], hit)
+    assert d.array.tolist() == [3, 0, 0, 0] + [200, 0, 0, 0]
+    # ... and its step sends what the state lacks: b whole.
+    assert steps.run(d, hit).array.tolist() == [0, 0, 0, 0] + [100, 101, 102, 200]
+    b.output_ids.append(201)
+    dec = _mwb([0, -1, -1, -1], [5, 0, 0, 0])
+    d = feed.delta([b], dec)
+    assert steps.run(d, dec) is d and d.array.tolist() == [4, 0, 0, 0] + [201, 0, 0, 0]
+    # A delta made before the one sent last, sent after it, still sends what the state lacks.
+    b.output_ids.append(202)
+    dec2 = _mwb([0, -1, -1, -1], [6, 0, 0, 0])
+    d2 = feed.delta([b], dec2)
+    assert steps.run(d2, dec2) is d2
+    assert steps.run(d, dec) is d  # the state holds b's first 5 ids: position 4 again
+
+
+def test_token_feed_sends_whole_to_a_state_it_did_not_feed():
+    canary = _canary(token_rows=5)
+    feed = ksj.TokenFeed(canary)
+    steps = _Steps(feed)
+    a = _req("a", [100, 101, 102], [103])
+    pre = _mwb([2, -1, -1, -1], [3, 0, 0, 0], extend=[3, 0, 0, 0])
+    steps.run(feed.delta([a], pre), pre)
+    live = steps.state
+    dec = _mwb([2, -1, -1, -1], [4, 0, 0, 0])
+    d = feed.delta([a], dec)
+    assert d.array.tolist() == [3, 0, 0, 0] + [103, 0, 0, 0]
+    # A fresh state (or a copy, a fork): the delta goes whole, and the feed follows that state.
+    fresh = canary.init_state()
+    copy = jax.tree.map(jnp.copy, live)
+    for other in (fresh, copy):
+        assert steps.run(d, dec, state=other).array.tolist() == [0, 0, 0, 0] + [100, 101, 102, 103]
+    # The state fed before is now the one the feed did not feed last.
+    assert steps.run(d, dec, state=live).array.tolist() == [0, 0, 0, 0] + [100, 101, 102, 103]
+    assert steps.run(d, dec) is d
+
+
+def test_token_feed_keeps_each_row_s_request_itself():
+    """A row's owner is its Req object, compared with ``is`` and kept while the row is recorded:
+    a finished request's address (``id()``) cannot be handed to a new one meanwhile."""
+
+    class Req:  # a plain class, as sglang-jax's (weak references allowed)
+        def __init__(self, rid, prompt):
+            self.rid, self.origin_input_ids, self.output_ids = rid, list(prompt), []
+
+    canary = _canary(token_rows=5)
+    feed = ksj.TokenFeed(canary)
+    steps = _Steps(feed)
+    old = Req("r", [1, 2, 3])
+    pre = _mwb([1, -1, -1, -1], [3, 0, 0, 0], extend=[3, 0, 0, 0])
+    steps.run(feed.delta([old], pre), pre)
+    gone = weakref.ref(old)
+    del old
+    assert gone() is not None  # the feed keeps it while its row is recorded
+    new = Req("r", [1, 2, 7, 8])  # the same rid in the same row: another request
+    hit = _mwb([1, -1, -1, -1], [4, 0, 0, 0], extend=[2, 0, 0, 0])
+    d = feed.delta([new], hit)
+    assert steps.run(d, hit).array.tolist() == [0, 0, 0, 0] + [1, 2, 7, 8]
+    assert gone() is None  # released once another request holds the row
+
+
+def test_token_delta_for_another_batch_is_refused():
+    canary = _canary(token_rows=5)
+    feed = ksj.TokenFeed(canary)
+    steps = _Steps(feed)
+    a, b = _req("a", [1, 2, 3]), _req("b", [4, 5])
+    made = _mwb([1, 2, -1, -1], [3, 2, 0, 0], extend=[3, 2, 0, 0], ntok=8)
+    d = feed.delta([a, b], made)
+    other = [
+        (_mwb([1, 2, -1], [3, 2, 0], extend=[3, 2, 0], ntok=8), r"rows \(bs\) 4, this batch's is 3"),
+        (_mwb([1, 2, -1, -1], [3, 2, 0, 0], extend=[3, 2, 0, 0], ntok=4),
+         r"token bucket 8, this batch's is 4"),
+        (_mwb([1, 2, -1, -1], [3, 2, 0, 0], extend=[3, 2, 0, 0], ntok=8, nloc=32),
+         r"cache_loc bucket 16, this batch's is 32"),
+        (_mwb([1, 2, -1, -1], [3, 2, 0, 0], ntok=8), r"decode mode False, this batch's is True"),
+        (_mwb([2, 1, -1, -1], [3, 2, 0, 0], extend=[3, 2, 0, 0], ntok=8),
+         r"req_pool_indices \[1, 2, -1, -1\], this batch's are \[2, 1, -1, -1\]"),
+        (_mwb([1, 2, -1, -1], [3, 3, 0, 0], extend=[3, 2, 0, 0], ntok=8),
+         r"seq_lens \[3, 2, 0, 0\], this batch's are \[3, 3, 0, 0\]"),
+        (_mwb([1, 2, -1, -1], [3, 2, 0, 0], extend=[2, 2, 0, 0], ntok=8),
+         r"extend_seq_lens \[3, 2, 0, 0\], this batch's are \[2, 2, 0, 0\]"),
+    ]
+    for batch, match in other:
+        with pytest.raises(ValueError, match=r"the TokenDelta was made for another batch \(" + match):
+            steps.run(d, batch)
+    # Device arrays are read back; sglang-jax's batch id, when both carry it, stands for them.
+    on_device = _mwb([1, 2, -1, -1], [3, 2, 0, 0], extend=[3, 2, 0, 0], ntok=8)
+    for name in ("req_pool_indices", "seq_lens", "extend_seq_lens"):
+        setattr(on_device, name, jnp.asarray(getattr(on_device, name)))
+    assert feed.prepare(d, steps.state, on_device) is d
+    made.bid = on_device.bid = 7
+    d = feed.delta([a, b], made)
+    on_device.seq_lens = jnp.zeros((4,), jnp.int32)  # never read: the ids match
+    assert feed.prepare(d, steps.state, on_device) is d
+    on_device.bid = 8
+    with pytest.raises(ValueError, match=r"seq_lens \[3, 2, 0, 0\], this batch's are \[0, 0, 0, 0\]"):
+        feed.prepare(d, steps.state, on_device)
+    # Nothing was recorded by the refusals: both requests still go whole.
+    assert steps.run(d, made).array.tolist() == [0, 0, 0, 0] + [1, 2, 3, 4, 5, 0, 0, 0]
+
+
+def test_sweep_keeps_the_state_s_expected_token_pool():
+    """A sweep leaves the expected-token pool alone: the state it returns holds the very array
+    (a TokenFeed still knows the state after a sweep)."""
+    canary = _canary(token_rows=5)
+    state = canary.init_state()
+    pool = state.expected_tokens
+    kv = jnp.zeros((canary.num_slots, 2 * HEADS, HEAD_DIM), jnp.bfloat16)
+    state = ksj.sweep(canary, state, kv, [[1, 2, 3]])
+    assert state.expected_tokens is pool and not pool.is_deleted()
+    # It ran: the three slots were never written, and it reports each.
+    assert ksj.violation_counts(state).tolist() == [3]
 
 
 def test_token_feed_modes_are_not_mixed():
@@ -328,7 +494,7 @@ def test_extend_batch_with_a_token_delta():
     assert delta.array.tolist() == [3, 0, 0, 0] + [103, 104, 200, 201, 0, 0]
     fb = _extend_fb(seq, cache_loc, [2, 0, -1, -1])
     with jax.enable_x64(True):
-        batch, fed = ksj._device_batch(canary, fb, jnp.asarray(delta.array))[::2]
+        batch, fed = sjb.device_batch(canary, fb, jnp.asarray(delta.array))[::2]
         assert np.asarray(batch.expected_input_tokens)[:4].tolist() == [103, 104, 200, 201]
         assert np.asarray(batch.all_ids_offsets).tolist() == [0, 5, 7, 7, 7]
         prow, starts, doff, _ = (np.asarray(x) for x in fed)
@@ -339,7 +505,7 @@ def test_extend_batch_with_a_token_delta():
         pool = state.expected_tokens.at[3, :3].set(jnp.array([100, 101, 102], jnp.int32))
         state = dataclasses.replace(state, expected_tokens=pool)
         seq64 = jnp.asarray(seq, jnp.int64)
-        state, rows = ksj._fed_pool(canary, state, seq64, fed)
+        state, rows = sjb.fed_pool(canary, state, seq64, fed)
         kept = np.asarray(state.expected_tokens)
         assert kept[3, :5].tolist() == [100, 101, 102, 103, 104] and kept[1, :2].tolist() == [200, 201]
         assert not np.delete(kept, [1, 3], axis=0).any() and not kept[3, 5:].any()

@@ -69,3 +69,25 @@ def test_model_runner_with_the_managed_hook():
     assert r["reports"] == [{"step": 5, "shard": 0, "tag": "TAIL_K_FULL", "slot": r["slot"],
                              "request": "0"}]
     assert r["to_abort"] == [True, False]
+
+
+def test_model_runner_with_the_managed_hook_in_raise_mode():
+    """Raise mode: the step that reports the flip raises after it ran; the runner's pool is
+    alive and holds that step's KV (byte-identical to sglang-jax alone after the same steps and
+    flip), the error carries the same buffers, and the next step from them matches sglang-jax
+    alone. A step handed a delta for another batch is refused before anything is donated."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_sglang_jax_managed_runner.py"),
+                           "--mode", "raise"], capture_output=True, text=True, env=env,
+                          timeout=900, cwd=os.path.dirname(HERE))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    refused = r["refused"]
+    assert refused["error"].startswith("kv-canary sglang-jax: the TokenDelta was made for "
+                                       "another batch (rows (bs) 3, this batch's is 4)")
+    assert not refused["pool_deleted"] and not refused["state_deleted"]
+    assert r["raised"] == {"step": 5, "reports": 1, "pool_deleted": False,
+                           "error_kv_is_the_pool": True}
+    assert r["kv_after_raise"] == r["plain_kv_after_raise"]
+    assert r["next_ids"] == r["plain_next_ids"]
+    assert r["kv_after_next"] == r["plain_kv_after_next"]

@@ -1,0 +1,244 @@
+"""sglang-jax's KV layout and the static description of one canary over its pools.
+
+**The KV layout.** One fused, head-interleaved buffer per layer, ``[K0, V0, K1, V1, ...]``:
+
+* sglang-jax 0.0.2: ``[size + page_size, heads * 2, head_dim]``;
+* sglang-jax HEAD:  ``[pages, page_size, heads * 2 // packing, packing, head_dim]``.
+
+Both are row-major, so slot ``s`` (``page * page_size + offset`` at HEAD) is row ``s`` of a
+``[slots, 2 * heads * head_dim]`` view and head ``h``'s K strip is its elements
+``[2h * head_dim, (2h + 1) * head_dim)``. :func:`fused_kv_sources` describes the first ``k_heads``
+K strips (at most 4, the canary's source limit) as :class:`~kvcanary_jax.RealKvSource` strided
+views of the buffer itself (no copy, one code path for both layouts and every ``page_size``); the
+TAIL and SWEEP launches fingerprint exactly those bytes of the canary layer (``layer``, 0 by
+default, as SGLang fingerprints one layer). The V strips are not fingerprinted (SGLang's V half is
+off by default as well).
+
+:class:`SglangJaxCanary` is the canary's static description (sizes, mesh, sharding, token
+mode), read from sglang-jax's pools by :meth:`SglangJaxCanary.from_pools`; its ``config`` is the
+runtime's :class:`kvcanary_jax.CanaryConfig` and its ``init_state()`` the per-shard states,
+stacked. :func:`require_int` / :func:`require_positive_int` are the integration's argument
+checks (our rules: sglang-jax has none to follow).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import kvcanary_jax as kc
+from kvcanary_jax import _config
+from kvcanary_jax.consts import MAX_REAL_KV_SOURCES
+from kvcanary_jax.contracts import TensorMeta
+
+__all__ = [
+    "SglangJaxCanary",
+    "fused_kv_sources",
+    "require_int",
+    "require_positive_int",
+]
+
+
+_LAYOUT_SLOT_DIMS = {3: 1, 5: 2}  # 0.0.2 [slots, 2H, D]; HEAD [pages, page_size, 2H/p, p, D]
+
+
+def _layout(shape: Sequence[int]) -> tuple[int, int, int]:
+    """(slots, elements per slot, head_dim) of a fused buffer of either layout."""
+    nd = len(shape)
+    if nd not in _LAYOUT_SLOT_DIMS:
+        raise ValueError(
+            "kv-canary sglang-jax: a fused KV buffer is [slots, heads*2, head_dim] (0.0.2) or "
+            f"[pages, page_size, heads*2/packing, packing, head_dim] (HEAD), got shape {tuple(shape)}"
+        )
+    k = _LAYOUT_SLOT_DIMS[nd]
+    return math.prod(shape[:k]), math.prod(shape[k:]), int(shape[-1])
+
+
+def fused_kv_sources(buffer: jax.Array, *, k_heads: int = 1) -> tuple[kc.RealKvSource, ...]:
+    """Real-KV sources over the K strips of heads ``0 .. k_heads - 1`` of a fused buffer.
+
+    ``buffer`` is one layer's fused buffer in either layout (under ``shard_map``: the local
+    block, whose heads are the shard's own). Source ``h`` addresses slot ``s``'s K strip of head
+    ``h``: ``head_dim`` elements at element ``s * (2 * heads * head_dim) + 2h * head_dim`` of the
+    buffer, as a strided view (page size 1, no copy).
+    """
+    slots, width, head_dim = _layout(buffer.shape)
+    heads = width // (2 * head_dim)
+    if not 1 <= k_heads <= min(MAX_REAL_KV_SOURCES, heads):
+        raise ValueError(
+            f"kv-canary sglang-jax: k_heads must be in [1, {min(MAX_REAL_KV_SOURCES, heads)}] "
+            f"(at most {MAX_REAL_KV_SOURCES} sources, {heads} K heads in this buffer), got {k_heads}"
+        )
+    itemsize = jnp.dtype(buffer.dtype).itemsize
+    strip = head_dim * itemsize
+    view = TensorMeta(shape=(slots, head_dim), dtype=jnp.dtype(buffer.dtype).name,
+                      strides=(width, 1), device=None, framework="jax")
+    return tuple(
+        kc.RealKvSource(tensor=buffer, page_size=1, num_bytes_per_token=strip, read_bytes=strip,
+                        view=view, offset_bytes=2 * h * strip)
+        for h in range(k_heads)
+    )
+
+
+def require_int(name: str, value, where: str | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"kv-canary sglang-jax: {where or name} must be an int, got "
+                        f"{type(value).__name__} {value!r}")
+
+
+def require_positive_int(name: str, value, where: str | None = None) -> None:
+    require_int(name, value, where)
+    if value <= 0:
+        raise ValueError(f"kv-canary sglang-jax: {where or name} must be positive, got {value}")
+
+
+def _mesh_axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SglangJaxCanary:
+    """Static description of one canary over an sglang-jax KV pool (hashable: a jit constant).
+
+    ``num_slots``: slots of the fused buffer (0.0.2: ``size + page_size``; HEAD: ``pages *
+    page_size``). ``context_len``: ``req_to_token`` columns (no request is longer). ``max_bs``:
+    the largest batch-size bucket. ``layer`` / ``k_heads``: which layer's K strips are
+    fingerprinted. ``mesh`` / ``kv_spec``: the pool's mesh and the buffers' PartitionSpec (None:
+    one device). ``token_checks``: every step takes the expected token ids (see
+    :mod:`~kvcanary_jax.integrations.sglang_jax.tokens`). ``sweep_rows``: prefixes per :func:`sweep` launch. ``token_rows``: sglang-jax's
+    ``req_to_token`` rows, to keep the expected token ids on the device between steps (each step
+    then takes a :class:`TokenDelta` from a :class:`TokenFeed`, only the ids the device lacks;
+    the state's ``expected_tokens`` has a row per sglang-jax row, + 1, and its
+    ``expected_valid_lens`` is not kept; None: each step takes every request's whole history,
+    :func:`expected_tokens`). The rest is
+    :class:`kvcanary_jax.CanaryConfig`'s (``implementation``: what every op runs; default: the
+    platform's).
+
+    Sizes are checked when the canary is built (our rules, sglang-jax has none to follow):
+    ``num_slots``, ``page_size``, ``context_len``, ``max_bs``, ``k_heads`` (at most 4) and
+    ``sweep_rows`` positive ints, ``layer >= 0``; a TypeError or ValueError names the field.
+    A page size that is not the pool's would misplace every request's ``cache_loc`` segment:
+    0 checked request ``r`` against request 0's slots (a corrupted slot unseen), a negative one
+    raised false alarms on clean steps.
+    """
+
+    num_slots: int
+    page_size: int
+    context_len: int
+    max_bs: int
+    layer: int = 0
+    k_heads: int = 1
+    mesh: Mesh | None = None
+    kv_spec: P | None = None
+    token_checks: bool = True
+    token_rows: int | None = None
+    sweep_rows: int = 16
+    ring_capacity: int = 1024
+    verify_capacity: int | None = None
+    real_kv_hash_mode: str = "all"
+    implementation: str | None = None
+
+    def __post_init__(self):
+        # Our rules (sglang-jax has no canary): a page size of 0 would start every request's
+        # cache_loc segment at 0 (request r checked against request 0's slots: a corrupted slot
+        # goes unseen), a negative one misplaces every segment (false alarms on clean steps).
+        for name in ("num_slots", "page_size", "context_len", "max_bs", "k_heads", "sweep_rows"):
+            require_positive_int(name, getattr(self, name))
+        require_int("layer", self.layer)
+        if self.token_rows is not None:
+            require_positive_int("token_rows", self.token_rows)
+            if not self.token_checks:
+                raise ValueError("kv-canary sglang-jax: token_rows keeps expected token ids for "
+                                 "the token checks, but token_checks=False; drop token_rows")
+        if self.layer < 0:
+            raise ValueError(f"kv-canary sglang-jax: layer must be >= 0, got {self.layer}")
+        if self.k_heads > MAX_REAL_KV_SOURCES:
+            raise ValueError(f"kv-canary sglang-jax: k_heads must be in [1, {MAX_REAL_KV_SOURCES}] "
+                             f"(the canary's source limit), got {self.k_heads}")
+        if self.mesh is not None and self.kv_spec is not None:
+            spec = tuple(self.kv_spec)
+            slot_axes = [a for entry in spec[:1] for a in _mesh_axes(entry)]
+            if math.prod(self.mesh.shape[a] for a in slot_axes) > 1:
+                raise NotImplementedError(
+                    f"kv-canary sglang-jax: the KV's slot dimension is sharded over {slot_axes} "
+                    "(data-parallel attention: each rank owns its slots and batch segment); run "
+                    "one canary per rank (kvcanary_jax.make_sharded_step)"
+                )
+
+    @classmethod
+    def from_pools(cls, req_to_token_pool, token_to_kv_pool, *, max_bs: int,
+                   incremental_tokens: bool = False, **kwargs):
+        """Read sizes, mesh and sharding from sglang-jax's ``ReqToTokenPool`` and
+        ``MHATokenToKVPool`` (0.0.2 or HEAD). ``incremental_tokens``: ``token_rows`` from the
+        ``ReqToTokenPool`` (its ``size``), for a :class:`TokenFeed`."""
+        if incremental_tokens:
+            kwargs["token_rows"] = int(req_to_token_pool.size)
+        buf = token_to_kv_pool.kv_buffer[0]
+        page_size = token_to_kv_pool.page_size
+        require_positive_int("page_size", page_size, where="token_to_kv_pool.page_size")
+        if len(buf.shape) == 5 and int(buf.shape[1]) != int(page_size):
+            # HEAD's layout carries the page size in its shape: a pool whose attribute disagrees
+            # would segment cache_loc with one page size while the slots follow the other.
+            raise ValueError(
+                f"kv-canary sglang-jax: token_to_kv_pool.page_size is {page_size} but its fused "
+                f"buffer {tuple(buf.shape)} has pages of {buf.shape[1]} slots (dimension 1)")
+        sharding = getattr(token_to_kv_pool, "kv_sharding", None) or getattr(buf, "sharding", None)
+        mesh = getattr(sharding, "mesh", None) if isinstance(sharding, NamedSharding) else None
+        return cls(
+            num_slots=_layout(buf.shape)[0],
+            page_size=int(page_size),
+            context_len=int(req_to_token_pool.max_context_len),
+            max_bs=max_bs,
+            mesh=mesh,
+            kv_spec=sharding.spec if mesh is not None else None,
+            **kwargs,
+        )
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Mesh axes the canary is stacked over: those sharding the buffer's head dimensions."""
+        if self.mesh is None or self.kv_spec is None:
+            return ()
+        return tuple(a for entry in tuple(self.kv_spec)[1:] for a in _mesh_axes(entry))
+
+    @property
+    def num_shards(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.axes) if self.axes else 1
+
+    @property
+    def config(self) -> kc.CanaryConfig:
+        # The plans' rows are batch rows + 1 (row 0 = padding). The expected-token pool has
+        # those rows, or, kept between steps (token_rows), sglang-jax's rows + 1.
+        rows = self.max_bs if self.token_rows is None else self.token_rows
+        return kc.CanaryConfig(
+            max_reqs=rows + 1,
+            write_req_capacity=self.max_bs + 1,
+            context_len=self.context_len,
+            num_slots=self.num_slots,
+            max_bs=self.max_bs,
+            max_tokens=self.max_bs,
+            verify_capacity=self.verify_capacity,
+            ring_capacity=self.ring_capacity,
+            real_kv_hash_mode=self.real_kv_hash_mode,
+            enable_verify_token_assert=self.token_checks,
+            enable_write_input_assert=self.token_checks,
+            implementation=self.implementation,
+        )
+
+    @_config.with_x64
+    def init_state(self):
+        """Zero-filled per-shard states, stacked on a leading axis and placed on the mesh."""
+        one = kc.init_state(self.config)
+        n = self.num_shards
+        stacked = jax.tree.map(lambda x: jnp.broadcast_to(x[None], (n,) + x.shape), one)
+        if not self.axes:
+            return jax.device_put(stacked)
+        return jax.device_put(stacked, NamedSharding(self.mesh, P(self.axes)))

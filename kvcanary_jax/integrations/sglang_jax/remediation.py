@@ -1,0 +1,140 @@
+"""The runtime manager over the canary's state, and remediation with sglang-jax's own objects.
+
+:func:`canary_manager` builds a :class:`kvcanary_jax.runtime.CanaryManager` in observe mode (the
+guarded step runs in :func:`guard_model_step`; the manager runs the host side after it).
+:func:`request_resolver` maps a violation's slot to the step's request, :func:`abort_request`
+aborts it through sglang-jax's ``to_abort``, :func:`drop_radix_slot` drops the radix-cache nodes
+over a corrupted slot, and :class:`Remediator` is the ``on_violation`` callback doing both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvcanary_jax.integrations.sglang_jax.layout import SglangJaxCanary
+
+__all__ = [
+    "canary_manager",
+    "request_resolver",
+    "abort_request",
+    "drop_radix_slot",
+    "Remediator",
+]
+
+
+def canary_manager(canary: SglangJaxCanary, mode: str = "log", *, on_violation=None,
+                   **fields):
+    """A :class:`kvcanary_jax.runtime.CanaryManager` over the canary's state (observe mode: the
+    guarded step runs in :func:`guard_model_step`, the manager runs the host side after it:
+    readback one step late, reporting, health, stats, remediation). Its ring capacity, real-KV
+    mode and token checks are the canary's; ``fields`` are the other
+    :class:`~kvcanary_jax.runtime.ManagerConfig` fields (``stats_print_every_n_steps``, ...).
+    The sweep stays :func:`sweep`'s: a ``sweep_interval`` here is refused."""
+    from kvcanary_jax.runtime import CanaryManager, ManagerConfig
+
+    if fields.get("sweep_interval", 0):
+        raise ValueError("kv-canary sglang-jax: run the radix sweep with sglang_jax.sweep(); the "
+                         "observe-mode manager takes no sweep_interval")
+    cfg = canary.config
+    config = ManagerConfig(mode=mode, ring_capacity=cfg.ring_capacity,
+                           real_data=cfg.real_kv_hash_mode if mode != "none" else "none",
+                           enable_verify_token_assert=cfg.enable_verify_token_assert,
+                           enable_write_input_assert=cfg.enable_write_input_assert, **fields)
+    return CanaryManager(config, cfg, on_violation=on_violation, allocate=False)
+
+
+def request_resolver(reqs, req_to_token_pool):
+    """``resolve(slot, violation) -> Req | None`` for one step's requests (sglang-jax ``Req``:
+    ``req_pool_idx``, ``origin_input_ids``, ``output_ids``): the request whose
+    ``req_to_token`` row holds ``slot`` among its first ``len(origin_input_ids) +
+    len(output_ids)`` entries. Reads the pool's table only when called (a violation)."""
+    reqs = list(reqs)
+
+    def resolve(slot, violation=None):
+        table = np.asarray(req_to_token_pool.req_to_token)
+        for req in reqs:
+            row = getattr(req, "req_pool_idx", None)
+            if row is None:
+                continue
+            n = len(req.origin_input_ids) + len(req.output_ids)
+            if int(slot) in set(np.asarray(table[int(row), :n]).tolist()):
+                return req
+        return None
+
+    return resolve
+
+
+def abort_request(req, message: str) -> None:
+    """sglang-jax's own abort: ``to_abort`` is turned into ``FINISH_ABORT(message)`` by
+    ``Req.check_finished`` at the end of the step, and the scheduler releases the request."""
+    req.to_abort = True
+    req.to_abort_message = message
+
+
+def _subtree(node):
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack.extend(n.children.values())
+    return out
+
+
+def drop_radix_slot(tree_cache, slot: int) -> tuple[int, bool]:
+    """Drop from sglang-jax's ``RadixCache`` the node holding ``slot`` and every node below it
+    (their KV extends the bad one), freeing their slots through the cache's allocator, as its
+    ``evict`` does, so no later request matches the corrupted prefix. Nodes a running request
+    still locks (``lock_ref > 0``) cannot be freed yet. Returns ``(tokens dropped, whether
+    locked nodes remain)``; a slot no node holds drops nothing."""
+    target = None
+    for node in _subtree(tree_cache.root_node):
+        if node is tree_cache.root_node or node.value is None:
+            continue
+        if int(slot) in set(np.asarray(node.value).reshape(-1).tolist()):
+            target = node
+            break
+    if target is None:
+        return 0, False
+    dropped, locked = 0, False
+    # Leaves first: a node is deleted once its children are gone.
+    for node in reversed(_subtree(target)):
+        if node.lock_ref > 0 or node.children:
+            locked = locked or node.lock_ref > 0
+            continue
+        tree_cache.token_to_kv_pool_allocator.free(node.value)
+        dropped += len(node.value)
+        tree_cache._delete_leaf(node)
+    return dropped, locked
+
+
+class Remediator:
+    """The ``on_violation`` callback of a :func:`canary_manager`: aborts the request a violation
+    belongs to (:func:`abort_request`) and drops the radix-cache node holding the slot
+    (:func:`drop_radix_slot`). Slots whose nodes were still locked are kept in ``pending`` and
+    retried at every later violation and by :meth:`retry` (call it after the scheduler released
+    the aborted requests). ``aborted`` / ``dropped`` record what was done."""
+
+    def __init__(self, tree_cache, *, message: str = "kv-canary: KV cache corruption detected"):
+        self.tree_cache = tree_cache
+        self.message = message
+        self.pending: set[int] = set()
+        self.aborted: list = []
+        self.dropped: dict[int, int] = {}
+
+    def __call__(self, report) -> None:
+        v = report.violation
+        if report.request is not None and not getattr(report.request, "to_abort", False):
+            abort_request(report.request, f"{self.message} (slot {v.slot}, {v.tag}, "
+                                          f"{'|'.join(v.reasons)})")
+            self.aborted.append(report.request)
+        if v.slot > 0:  # slot 0 is the padding slot: no node holds it
+            self.pending.add(int(v.slot))
+        self.retry()
+
+    def retry(self) -> None:
+        for slot in sorted(self.pending):
+            n, locked = drop_radix_slot(self.tree_cache, slot)
+            if n:
+                self.dropped[slot] = self.dropped.get(slot, 0) + n
+            if not locked:
+                self.pending.discard(slot)

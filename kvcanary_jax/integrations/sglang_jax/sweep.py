@@ -1,0 +1,137 @@
+"""The sweep of radix-cached prefixes, and the violations each shard recorded.
+
+:func:`radix_prefixes` walks sglang-jax's ``RadixCache`` for the slot lists it holds;
+:func:`sweep` re-verifies them against the TAIL buffers between steps (SWEEP tags, token check
+off), ``canary.sweep_rows`` prefixes per launch, once per KV shard. :func:`violation_counts` and
+:func:`read_violations` read each shard's ring on the host (a metadata fault is reported once per
+shard; :class:`ShardViolation` says which shard saw what).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import numpy as np
+
+import kvcanary_jax as kc
+from kvcanary_jax import _config
+from kvcanary_jax.integrations.sglang_jax.layout import SglangJaxCanary
+from kvcanary_jax.integrations.sglang_jax.step import kv_dict, per_shard
+from kvcanary_jax.integrations.sglang_jax.tokens import host_ints
+from kvcanary_jax.runtime import decode_ring
+
+__all__ = [
+    "radix_prefixes",
+    "sweep",
+    "ShardViolation",
+    "violation_counts",
+    "read_violations",
+]
+
+
+def radix_prefixes(tree_cache) -> list[np.ndarray]:
+    """Slot lists of every root-to-leaf path of sglang-jax's ``RadixCache`` (evicted subtrees
+    skipped): the cached prefixes a sweep re-verifies."""
+    root = getattr(tree_cache, "root_node", None)
+    if root is None or not hasattr(root, "children"):
+        raise TypeError("kv-canary sglang-jax: tree_cache must be an sglang-jax RadixCache (with "
+                        f"root_node.children), got {type(tree_cache).__name__}")
+    out = []
+    stack = [(root, np.zeros((0,), np.int64))]
+    while stack:
+        node, prefix = stack.pop()
+        kids = [c for c in node.children.values() if c.value is not None]
+        if not kids and prefix.shape[0]:
+            out.append(prefix)
+        for child in kids:
+            stack.append((child, np.concatenate([prefix, np.asarray(child.value, np.int64)])))
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("canary",), donate_argnames=("state",))
+def _sweep_jit(state, expected_tokens, rows_table, row_indices, lengths, kv_buffer, *, canary):
+    # The expected-token pool stays out of the donated state and out of the result (the sweep's
+    # token check is off, it reads nothing there): the caller's state keeps the very pool array
+    # its TokenFeed knows.
+    cfg = canary.config
+
+    def fn(st, rep, kv):
+        return kc.canary_sweep(cfg, st, rows_table=rep[0], row_indices=rep[1], lengths=rep[2],
+                               kv=kv_dict(canary, kv))
+
+    state = dataclasses.replace(state, expected_tokens=expected_tokens)
+    state = per_shard(canary, fn, state, (rows_table, row_indices, lengths), kv_buffer)
+    return dataclasses.replace(state, expected_tokens=None)
+
+
+@_config.entry_point
+def sweep(canary: SglangJaxCanary, state, kv_buffer: jax.Array, prefixes: Sequence[Sequence[int]]):
+    """Verify cached prefixes (slot lists, position ``j`` at index ``j``) against the TAIL
+    buffers with the SWEEP tags (token check off), ``canary.sweep_rows`` prefixes per launch.
+    ``kv_buffer`` is the canary layer's current fused buffer. ``state`` is donated.
+
+    Raises ValueError (our rule, before anything runs or is donated) for a prefix longer than
+    ``canary.context_len`` (its tail would go unchecked) or holding a slot outside
+    ``[0, canary.num_slots)`` (never verified). The state's expected-token pool is not donated:
+    the returned state keeps that very array (a :class:`TokenFeed` still knows the state)."""
+    n = canary.sweep_rows
+    prefixes = [host_ints(f"prefixes[{i}]", p) for i, p in enumerate(prefixes)]
+    for i, p in enumerate(prefixes):
+        if p.shape[0] > canary.context_len:
+            raise ValueError(f"kv-canary sglang-jax: prefixes[{i}] has {p.shape[0]} slots, more "
+                             f"than context_len={canary.context_len}")
+        bad = np.nonzero((p < 0) | (p >= canary.num_slots))[0]
+        if bad.size:
+            raise ValueError(f"kv-canary sglang-jax: prefixes[{i}][{bad[0]}] must be a slot in "
+                             f"[0, {canary.num_slots}), got {p[bad[0]]}")
+    pool = state.expected_tokens
+    state = dataclasses.replace(state, expected_tokens=None)
+    for start in range(0, max(len(prefixes), 1), n):
+        chunk = prefixes[start : start + n]
+        table = np.zeros((n + 1, canary.context_len), np.int32)
+        rows = np.zeros((n,), np.int64)
+        lens = np.zeros((n,), np.int64)
+        for i, slots in enumerate(chunk):
+            k = slots.shape[0]
+            table[i + 1, :k] = slots
+            rows[i], lens[i] = i + 1, k
+        state = _sweep_jit(state, pool, table, rows, lens, kv_buffer, canary=canary)
+    return dataclasses.replace(state, expected_tokens=pool)
+
+
+# --------------------------------------------------------------------------------------------
+# Host side: violations per shard
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardViolation:
+    """A decoded ring row and the shard (index along :attr:`SglangJaxCanary.axes`) that saw it."""
+
+    shard: int
+    violation: kc.Violation
+
+    def __str__(self) -> str:
+        return f"shard {self.shard}: {self.violation}"
+
+
+def violation_counts(state) -> np.ndarray:
+    """Violations ever recorded, per shard (negative: the ring guard's host-visible report)."""
+    return np.asarray(state.violation_write_index)[:, 0].astype(np.int64)
+
+
+def read_violations(state, *, start=0) -> list[ShardViolation]:
+    """Every shard's ring rows from ``start`` on, shard by shard, in ring order. ``start``: one
+    ring index for every shard, or one per shard (e.g. :func:`violation_counts` taken before a
+    step, to read what that step added)."""
+    ring = np.asarray(state.violation_ring)
+    counts = violation_counts(state)
+    starts = np.broadcast_to(np.asarray(start, np.int64), counts.shape)
+    return [
+        ShardViolation(shard=i, violation=v)
+        for i in range(ring.shape[0])
+        for v in decode_ring(ring[i], int(counts[i]), start=int(starts[i]))
+    ]
