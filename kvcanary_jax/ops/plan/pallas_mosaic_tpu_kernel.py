@@ -28,6 +28,7 @@ Per entry: 4 B of ``req_to_token`` and 4 B of pool read (1/128 DMA each), 32 B o
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 from typing import Any, NamedTuple
@@ -41,6 +42,8 @@ from jax.experimental.pallas import tpu as pltpu
 from kvcanary_jax import hashing_u32
 from kvcanary_jax.ops import _tpu_lib as tpu
 from kvcanary_jax.ops import _tpu_state as tpu_state
+from kvcanary_jax.ops.plan.base import VERIFY_ARRAYS, PlanInputs, PlanOffsets
+from kvcanary_jax.plans import VerifyPlan, WritePlan
 
 __all__ = ["plan_offsets", "plan_entries", "offsets_smem_bytes", "SEED_BATCH", "BLOCK",
            "SMEM_BUDGET"]
@@ -283,13 +286,15 @@ def offsets_smem_bytes(bs: int, cap_w: int) -> int:
             + 2 * 4 * tpu.LANES * SEED_BATCH + 64)
 
 
-def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, verify_num_valid,
-                 enable, write_num_valid_reqs, *, swa_window_size, verify_capacity,
-                 config: tpu.BlockConfig):
-    """Today's array-level offsets half (``bs >= 1``): returns ``(verify_offsets[bs + 1],
-    write_offsets, seeds, verify_num_valid, enable, write_num_valid_reqs)``."""
+def plan_offsets(inputs: PlanInputs, vp: VerifyPlan, wp: WritePlan, *, swa_window_size,
+                 verify_capacity, config: tpu.BlockConfig) -> PlanOffsets:
+    """The offsets half (:func:`kvcanary_jax.ops.plan.base.compose`, ``bs >= 1``; the kernels
+    compile per batch size, so ``inputs.num_reqs`` is None: ``api.run`` refuses one); the write
+    plan and the verify plan's two scalars are aliased to their inputs."""
+    rpi, req_to_token, lut = inputs.req_pool_indices, inputs.req_to_token, \
+        inputs.full_to_swa_index_mapping
     bs = int(rpi.shape[0])
-    cap_w = int(seeds.shape[0])
+    cap_w = int(wp.write_seed_slot_indices.shape[0])
     rows, pitch = (int(d) for d in req_to_token.shape)
     if rows * pitch >= 2**31:
         raise ValueError(f"kv-canary: canary_plan (pallas_mosaic_tpu): req_to_token has "
@@ -302,9 +307,11 @@ def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, v
             f"{SMEM_BUDGET}; use implementation='xla' for batches this large")
     has_lut = lut is not None
     bp = tpu.pad_to(bs, tpu.PAIR_TILE)
-    rpi_r, pre_r, ext_r = (tpu.to_pair_rows(x, bp) for x in (rpi, prefix, extend))
-    wo_r = tpu.to_pair_rows(write_offsets, tpu.pad_to(cap_w + 1, tpu.PAIR_TILE))
-    seed_r = tpu.to_pair_rows(seeds, tpu.pad_to(max(cap_w, 1), tpu.PAIR_TILE))
+    rpi_r, pre_r, ext_r = (tpu.to_pair_rows(x, bp) for x in (rpi, inputs.prefix_lens,
+                                                              inputs.extend_seq_lens))
+    wo_r = tpu.to_pair_rows(wp.write_offsets, tpu.pad_to(cap_w + 1, tpu.PAIR_TILE))
+    seed_r = tpu.to_pair_rows(wp.write_seed_slot_indices,
+                              tpu.pad_to(max(cap_w, 1), tpu.PAIR_TILE))
     rtt = req_to_token if rows * pitch else jnp.zeros((1, 1), jnp.int32)
     lut2 = tpu.words32(lut.reshape(-1, 1)) if has_lut else jnp.zeros((1, 2), jnp.int32)
     voff_shape = (tpu.pad_to(bs + 1, tpu.PAIR_TILE) // 64, tpu.LANES)
@@ -316,8 +323,8 @@ def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, v
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
     voff, wo_new, seed_new, nv, en, wn = tpu.call(
-        kernel, rpi_r, pre_r, ext_r, rtt, lut2, wo_r, seed_r, verify_num_valid, enable,
-        write_num_valid_reqs,
+        kernel, rpi_r, pre_r, ext_r, rtt, lut2, wo_r, seed_r, vp.verify_num_valid, vp.enable,
+        wp.write_num_valid_reqs,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3, grid=(1,),
             in_specs=[any_spec] * 4 + [smem] * 3,
@@ -335,8 +342,11 @@ def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, v
         interpret=config.interpret or False,
         name="kvcanary_plan_offsets_tpu",
     )
-    return (tpu.from_pair_rows(voff, bs + 1), tpu.from_pair_rows(wo_new, cap_w + 1),
-            tpu.from_pair_rows(seed_new, cap_w), nv, en, wn)
+    return PlanOffsets(
+        verify_offsets=tpu.from_pair_rows(voff, bs + 1), verify_num_valid=nv, enable=en,
+        write_plan=WritePlan(write_offsets=tpu.from_pair_rows(wo_new, cap_w + 1),
+                             write_seed_slot_indices=tpu.from_pair_rows(seed_new, cap_w),
+                             write_num_valid_reqs=wn))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -958,13 +968,15 @@ def _entries_kernel(
             blocks.free(bslot)
 
 
-def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, valid_lens, slots,
-                 tokens, positions, prevs, *, swa_window_size, kv_token_id_vs_position_offset,
-                 config: tpu.BlockConfig):
-    """Today's array-level entries half (``bs >= 1``): returns the four verify arrays (aliased
-    to their inputs; entries past the live count untouched)."""
+def plan_entries(inputs: PlanInputs, vp: VerifyPlan, verify_offsets, *, swa_window_size,
+                 kv_token_id_vs_position_offset, config: tpu.BlockConfig) -> VerifyPlan:
+    """The entries half (:func:`kvcanary_jax.ops.plan.base.compose`, ``bs >= 1``): ``vp`` with
+    its four arrays filled (aliased to their inputs; entries past the live count untouched)."""
+    rpi, req_to_token, lut = inputs.req_pool_indices, inputs.req_to_token, \
+        inputs.full_to_swa_index_mapping
+    pool = inputs.req_to_verify_expected_tokens
     bs = int(rpi.shape[0])
-    cap = int(slots.shape[0])
+    cap = int(vp.verify_slot_indices.shape[0])
     block = config.block
     cap_pad = tpu.pad_to(cap, block)
     rows, pitch = (int(d) for d in req_to_token.shape)
@@ -977,13 +989,16 @@ def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, v
                              f"32-bit addressing allows fewer than 2**31")
     bp = tpu.pad_to(bs + 1, tpu.PAIR_TILE)
     voff_r = tpu.to_pair_rows(verify_offsets, bp)
-    rpi_r, pre_r = (tpu.to_pair_rows(x, bp) for x in (rpi, prefix))
-    vl_r = tpu.to_pair_rows(valid_lens, bp) if has_pool else jnp.zeros((8, tpu.LANES), jnp.int32)
-    st = jnp.concatenate([enable.astype(jnp.int32).reshape(1), jnp.zeros((3,), jnp.int32)])
+    rpi_r, pre_r = (tpu.to_pair_rows(x, bp) for x in (rpi, inputs.prefix_lens))
+    vl_r = (tpu.to_pair_rows(inputs.req_to_verify_expected_tokens_valid_lens, bp) if has_pool
+            else jnp.zeros((8, tpu.LANES), jnp.int32))
+    st = jnp.concatenate([vp.enable.astype(jnp.int32).reshape(1), jnp.zeros((3,), jnp.int32)])
     rtt = req_to_token if rows * pitch else jnp.zeros((1, 1), jnp.int32)
     lut2 = tpu.words32(lut.reshape(-1, 1)) if has_lut else jnp.zeros((1, 2), jnp.int32)
     pool_ = pool if has_pool and prows * ppitch else jnp.zeros((1, 1), jnp.int32)
-    outs = [tpu.to_pair_rows(x, cap_pad) for x in (slots, tokens, positions, prevs)]
+    # the kernel's four outputs, in VERIFY_ARRAYS order (slots, expected tokens, positions,
+    # previous slots)
+    outs = [tpu.to_pair_rows(getattr(vp, f), cap_pad) for f in VERIFY_ARRAYS]
     # widths of the short last segments of the tables as the kernel sees them
     tw_r, tw_p = (max(int(t.shape[1]) % tpu.LANES, 1) for t in (rtt, pool_))
     state = _entries_state(block, has_lut, tw_r, tw_p)
@@ -1009,4 +1024,5 @@ def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, v
         interpret=config.interpret or False,
         name="kvcanary_plan_entries_tpu",
     )
-    return tuple(tpu.from_pair_rows(o, cap) for o in new)
+    return dataclasses.replace(vp, **{f: tpu.from_pair_rows(o, cap)
+                                      for f, o in zip(VERIFY_ARRAYS, new)})
