@@ -23,6 +23,9 @@ reshapes and zero padding; the kernels see int32 arrays only):
   at ``[w, l]`` (token lo/hi, position lo/hi, link lo/hi, fingerprint lo/hi).
   :func:`select_tiles` picks entries' slots out of gathered tiles;
 * ``violation_ring`` int64 ``[C, 8]`` -> int32 ``[C, 16]``;
+* a verify or write launch's scalars (the plan's count and switch, the ring's write index, the
+  two run counters) -> the :class:`Status` words, int32 ``[8]`` in SMEM, in and out
+  (:func:`status_words`, :func:`finish_status`, :func:`from_status`);
 * a real-KV source -> its *strips* int32 ``[rows * page_size, E / 4]``: row ``s`` holds the ``E``
   bytes of slot ``s``'s strip that the fingerprint reads (``E`` = 16 in PARTIAL mode, else
   ``read_bytes``), so a slot's strip is one row DMA.

@@ -20,7 +20,12 @@ slot of the entry before it (shifted by one lane), the first one's is read from 
 segments; expected tokens come from the pool row the same way. A block is written with one DMA
 per plan field once its last item is merged. The next item's segments are in flight while an
 item is merged. Items whose positions leave their row or the table (malformed plans: SGLang reads
-neighbouring rows there) take a per-entry path with the same results.
+neighbouring rows there) take a per-entry path with the same results. The DMAs have descriptors of
+their own (:class:`_TableRows`: a table's staged row segments and single cells; :class:`_Blocks`:
+the output blocks), so the kernel body is the walk over items and the merge.
+
+Each kernel's scratch is declared once (:func:`_offsets_state`, :func:`_entries_state`; see
+:mod:`kvcanary_jax.ops._tpu_state`).
 
 Per entry: 4 B of ``req_to_token`` and 4 B of pool read (1/128 DMA each), 32 B of plan written
 (1/block DMA per field), plus one 8-byte LUT row DMA per entry when a LUT translates slots.
