@@ -14,9 +14,7 @@ DMAs are in flight. The result: pair rows ``[n_pad / 64, 128]``, as the slots.
 
 from __future__ import annotations
 
-import enum
 import functools
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +24,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kvcanary_jax import hashing_u32
 from kvcanary_jax.ops import _tpu_lib as tpu
+from kvcanary_jax.ops import _tpu_state as tpu_state
 
 __all__ = ["fingerprints", "fingerprints_from_pair_rows"]
 
@@ -33,55 +32,31 @@ __all__ = ["fingerprints", "fingerprints_from_pair_rows"]
 _UNROLL_WORDS = 16
 
 
-class _Misc(enum.IntEnum):
-    """Words of ``misc``."""
-
-    OUT_BUSY = 0  # bit s: block buffer s's output copy is in flight
-    RUNS = 2  # + 2 i + s: strip-run copies of source i in flight for buffer s (lengths in lens)
-
-
-class _Sem(enum.IntEnum):
-    """DMA semaphores (``+ s``: one per block buffer ``s``)."""
-
-    SLOTS = 0  # + s: the block's slots
-    OUT = 2  # + s: the block's fingerprints, out
-    STRIPS = 4  # + 2 i + s: strips of source i
-
-
-class _Scratch(NamedTuple):
-    """The kernel's scratch refs, in ``scratch_shapes`` order (:func:`_scratch_shapes`);
-    ``r = block / 128`` plane rows; a leading 2 is the block buffer ``s``; ``E_i``: source i's
-    strip words."""
-
-    slots_s: Any  # SMEM [2, 2 r, 128]: the block's slots (pair rows), as scalars
-    slots_v: Any  # VMEM [2, 2 r, 128]: the same, as vectors
-    bufs: tuple  # per source i, VMEM [2, r, 128, E_i]: the gathered strips
-    words: tuple  # per source i, VMEM [E_i, r, 128]: the strips as planes, one per word
-    out_v: Any  # VMEM [2, 2 r, 128]: the block's fingerprints (pair rows)
-    misc: Any  # SMEM [2 + 2 nsrc]: indexed by _Misc
-    lens: Any  # SMEM [max(nsrc, 1), 2, block]: run k's length, per source and buffer
-    sems: Any  # DMA semaphores, indexed by _Sem
-
-    @classmethod
-    def of(cls, refs, nsrc: int) -> "_Scratch":
-        return cls(refs[0], refs[1], tuple(refs[2:2 + nsrc]), tuple(refs[2 + nsrc:2 + 2 * nsrc]),
-                   *refs[2 + 2 * nsrc:])
-
-
-def _scratch_shapes(block: int, widths) -> list:
-    """``_Scratch``'s shapes (``widths``: each source's strip words)."""
+def _state(block: int, widths) -> tpu_state.State:
+    """The kernel's scratch (``widths``: each source's strip words ``E_i``); ``r = block / 128``
+    plane rows; a leading 2 (or a span's last 2) is the block buffer ``s``."""
     r = block // tpu.LANES
     nsrc = len(widths)
-    return [
-        pltpu.SMEM((2, 2 * r, tpu.LANES), jnp.int32),
-        pltpu.VMEM((2, 2 * r, tpu.LANES), jnp.int32),
-        *(pltpu.VMEM((2, r, tpu.LANES, w), jnp.int32) for w in widths),
-        *(pltpu.VMEM((w, r, tpu.LANES), jnp.int32) for w in widths),
-        pltpu.VMEM((2, 2 * r, tpu.LANES), jnp.int32),
-        pltpu.SMEM((_Misc.RUNS + 2 * nsrc,), jnp.int32),
-        pltpu.SMEM((max(nsrc, 1), 2, block), jnp.int32),
-        pltpu.SemaphoreType.DMA((_Sem.STRIPS + 2 * nsrc,)),
-    ]
+    return tpu_state.State(
+        slots_s=tpu_state.smem((2, 2 * r, tpu.LANES)),  # the block's slots (pair rows), as scalars
+        slots_v=tpu_state.vmem((2, 2 * r, tpu.LANES)),  # the same, as vectors
+        # per source i: the gathered strips
+        bufs=tpu_state.vmem_each((2, r, tpu.LANES, w) for w in widths),
+        # per source i: the strips as planes, one per word
+        words=tpu_state.vmem_each((w, r, tpu.LANES) for w in widths),
+        out_v=tpu_state.vmem((2, 2 * r, tpu.LANES)),  # the block's fingerprints (pair rows)
+        misc=tpu_state.words(
+            out_busy=1,  # bit s: block buffer s's output copy is in flight
+            runs=(nsrc, 2),  # [i, s]: strip-run copies of source i in flight for buffer s
+        ),
+        # run k's length, per source and buffer
+        lens=tpu_state.smem((max(nsrc, 1), 2, block)),
+        sems=tpu_state.semaphores(
+            slots=2,  # [s]: the block's slots
+            out=2,  # [s]: the block's fingerprints, out
+            strips=(nsrc, 2),  # [i, s]: strips of source i
+        ),
+    )
 
 
 def _fold_kernel(
@@ -89,38 +64,35 @@ def _fold_kernel(
     n_ref,
     # Input (HBM): the slots, pair rows [n_pad // 64, 128]; then per source its strips
     # [rows * page_size, E_i] (source_strips); Output (HBM): fingerprints, pair rows as the slots;
-    # Scratch: _Scratch
+    # Scratch: _state(block, widths)
     slots_hbm, *refs,
-    nsrc, strips, widths, block,
+    state, nsrc, strips, widths, block,
 ):
     srcs = refs[:nsrc]
     out_hbm = refs[nsrc]
-    scr = _Scratch.of(refs[nsrc + 1:], nsrc)
+    scr = state.bind(refs[nsrc + 1:])
     slots_s, slots_v, bufs, words = scr.slots_s, scr.slots_v, scr.bufs, scr.words
-    out_v, misc, lens = scr.out_v, scr.misc, scr.lens
-
-    def sem(k: _Sem, s=0):
-        return tpu.sem_at(scr.sems, k, s)
+    out_v, misc, lens, sems = scr.out_v, scr.misc, scr.lens, scr.sems
 
     r = block // tpu.LANES
     pr = 2 * r
     n_live = n_ref[0]
     nblocks = tpu.idiv(n_live + block - 1, block)
-    misc[_Misc.OUT_BUSY] = jnp.int32(0)
+    misc.out_busy = jnp.int32(0)
 
     def fetch(b, slot):
         rows_b = pl.ds(pl.multiple_of(b * pr, 8), pr)
         return [pltpu.make_async_copy(slots_hbm.at[rows_b], slots_s.at[slot],
-                                      sem(_Sem.SLOTS, slot)),
+                                      sems.slots[slot]),
                 pltpu.make_async_copy(slots_hbm.at[rows_b], slots_v.at[slot],
-                                      sem(_Sem.SLOTS, slot))]
+                                      sems.slots[slot])]
 
     def strips_copy(i, row, m, e, slot):
         """Strips [row, row + m) of source i into entries [e, e + m) (one 128-entry slab)."""
         return pltpu.make_async_copy(
             srcs[i].at[pl.ds(row, m)],
             bufs[i].at[slot, tpu.idiv(e, tpu.LANES), pl.ds(tpu.irem(e, tpu.LANES), m)],
-            sem(_Sem.STRIPS + 2 * i, slot))
+            sems.strips[i, slot])
 
     def issue(b, slot):
         """Per source, one DMA per run of consecutive strips (consecutive slots in range, in
@@ -154,7 +126,7 @@ def _fold_kernel(
 
         carry = lax.fori_loop(0, n, one, ((zero, zero, zero, zero),) * nsrc)
         for i in range(nsrc):
-            misc[_Misc.RUNS + 2 * i + slot] = flush(i, *carry[i])
+            misc.runs[i, slot] = flush(i, *carry[i])
 
     def wait(slot):
         for i in range(nsrc):
@@ -162,7 +134,7 @@ def _fold_kernel(
                 strips_copy(i, 0, lens[i, slot, k], 0, slot).wait()
                 return c
 
-            lax.fori_loop(0, misc[_Misc.RUNS + 2 * i + slot], one, 0)
+            lax.fori_loop(0, misc.runs[i, slot], one, 0)
 
     def body(b, slot):
         s = tpu.planes(slots_v.at[slot])
@@ -188,10 +160,10 @@ def _fold_kernel(
                 h = lax.fori_loop(
                     0, nw, lambda w, h: hashing_u32.splitmix64(hashing_u32.xor(h, word(w))), h)
             acc = hashing_u32.splitmix64(hashing_u32.xor(acc, h))
-        pending = misc[_Misc.OUT_BUSY]
+        pending = misc.out_busy
         out_copy = pltpu.make_async_copy(
             out_v.at[slot], out_hbm.at[pl.ds(pl.multiple_of(b * pr, 8), pr)],
-            sem(_Sem.OUT, slot))
+            sems.out[slot])
 
         @pl.when((pending >> slot) & 1 == 1)
         def _():
@@ -200,14 +172,14 @@ def _fold_kernel(
         tpu.store_planes(out_v.at[slot], jnp.where(live, acc[0], zero),
                          jnp.where(live, acc[1], zero))
         out_copy.start()
-        misc[_Misc.OUT_BUSY] = pending | (1 << slot)
+        misc.out_busy = pending | (1 << slot)
 
     tpu.pipeline(nblocks, fetch=fetch, issue=issue, wait=wait, body=body)
     for slot in (0, 1):
-        @pl.when((misc[_Misc.OUT_BUSY] >> slot) & 1 == 1)
+        @pl.when((misc.out_busy >> slot) & 1 == 1)
         def _(slot=slot):
             pltpu.make_async_copy(out_v.at[slot], out_hbm.at[pl.ds(0, pr)],
-                                  sem(_Sem.OUT, slot)).wait()
+                                  sems.out[slot]).wait()
 
 
 def fingerprints_from_pair_rows(slot_rows, n_live, sources, *, mode: int, block: int,
@@ -223,8 +195,9 @@ def fingerprints_from_pair_rows(slot_rows, n_live, sources, *, mode: int, block:
     widths = tuple(int(s.shape[1]) for s in strips)
     strips = [s if s.shape[0] else jnp.zeros((1, s.shape[1]), jnp.int32) for s in strips]
     nsrc = len(strips)
-    kernel = functools.partial(_fold_kernel, nsrc=nsrc, strips=counts, widths=widths,
-                               block=block)
+    state = _state(block, widths)
+    kernel = functools.partial(_fold_kernel, state=state, nsrc=nsrc, strips=counts,
+                               widths=widths, block=block)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     per_entry = 16 + 8 + sum(4 * w for w in widths)
     out = tpu.call(
@@ -233,7 +206,7 @@ def fingerprints_from_pair_rows(slot_rows, n_live, sources, *, mode: int, block:
             num_scalar_prefetch=1, grid=(1,),
             in_specs=[any_spec] * (1 + nsrc),
             out_specs=any_spec,
-            scratch_shapes=_scratch_shapes(block, widths)),
+            scratch_shapes=state.scratch_shapes()),
         out_shape=jax.ShapeDtypeStruct(slot_rows.shape, jnp.int32),
         compiler_params=tpu.compiler_params(),
         cost_estimate=tpu.cost(bytes_accessed=n_pad * per_entry,

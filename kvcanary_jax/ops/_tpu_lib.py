@@ -23,6 +23,9 @@ reshapes and zero padding; the kernels see int32 arrays only):
   at ``[w, l]`` (token lo/hi, position lo/hi, link lo/hi, fingerprint lo/hi).
   :func:`select_tiles` picks entries' slots out of gathered tiles;
 * ``violation_ring`` int64 ``[C, 8]`` -> int32 ``[C, 16]``;
+* a verify or write launch's scalars (the plan's count and switch, the ring's write index, the
+  two run counters) -> the :class:`Status` words, int32 ``[8]`` in SMEM, in and out
+  (:func:`status_words`, :func:`finish_status`, :func:`from_status`);
 * a real-KV source -> its *strips* int32 ``[rows * page_size, E / 4]``: row ``s`` holds the ``E``
   bytes of slot ``s``'s strip that the fingerprint reads (``E`` = 16 in PARTIAL mode, else
   ``read_bytes``), so a slot's strip is one row DMA.
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 from typing import Any, ClassVar
 
 import jax
@@ -78,8 +82,11 @@ __all__ = [
     "lane_prefix_count",
     "fetch_places",
     "i64_words",
-    "counter_words",
-    "counters_from_words",
+    "Status",
+    "STATUS_WORDS",
+    "status_words",
+    "finish_status",
+    "from_status",
     "source_strips",
     "flat_words32",
     "strip_words",
@@ -103,7 +110,6 @@ __all__ = [
     "record_words",
     "pipeline",
     "wait_n",
-    "sem_at",
     "call",
     "compiler_params",
     "cost",
@@ -240,24 +246,69 @@ def i64_words(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x.astype(jnp.int64), jnp.int32).reshape(2)
 
 
-def counter_words(context) -> jax.Array:
-    """A verify or write context's ring guard state as 5 int32 status words: the write index,
-    then ``slot_run_counter`` and ``kernel_run_counter`` as (low, high) pairs."""
-    return jnp.concatenate([context.violation_write_index.astype(jnp.int32).reshape(1),
+class Status(enum.IntEnum):
+    """The status words of a verify or write launch: int32 ``[STATUS_WORDS]`` in SMEM, in (scalar
+    prefetch, built by :func:`status_words`) and out (written by :func:`finish_status`, read back
+    by :func:`from_status`). A 64-bit counter takes two words, low then high."""
+
+    NUM_VALID = 0  # the plan's count (verify_num_valid / write_num_valid_reqs), passed through
+    ENABLE = 1  # the plan's enable (verify) / enable_chain_position_assert (write), passed through
+    WRITE_INDEX = 2  # violation_write_index: in, the launch's start index; out, the new index
+    SLOT_RUNS = 3  # slot_run_counter (two words)
+    KERNEL_RUNS = 5  # kernel_run_counter (two words)
+    PAD = 7  # zero (the vector is 8 words)
+
+
+STATUS_WORDS = 8
+
+
+def status_words(num_valid, enable, context) -> jax.Array:
+    """The :class:`Status` words a verify or write kernel starts from: ``num_valid`` and
+    ``enable`` (``[1]`` arrays) and ``context``'s ring guard state."""
+    return jnp.concatenate([num_valid.astype(jnp.int32).reshape(1),
+                            enable.astype(jnp.int32).reshape(1),
+                            context.violation_write_index.astype(jnp.int32).reshape(1),
                             i64_words(context.slot_run_counter),
-                            i64_words(context.kernel_run_counter)])
+                            i64_words(context.kernel_run_counter),
+                            jnp.zeros((1,), jnp.int32)])
 
 
-def counters_from_words(context, words: jax.Array, ring32: jax.Array, **updated):
+def finish_status(st_in, st_out, *, ring: "Ring", slot_runs) -> None:
+    """In a kernel: the :class:`Status` words out (SMEM ``st_out``) from those in (``st_in``):
+    the count and the switch as they came, ``ring``'s new write index, ``slot_run_counter`` plus
+    ``slot_runs`` (an int32 scalar) and ``kernel_run_counter`` plus one (64-bit adds on
+    pairs)."""
+
+    def add64(at, v):
+        lo = u32(st_in[at])
+        hi = u32(st_in[at + 1])
+        new_hi, new_lo = hashing_u32.add_u32((hi, lo), u32(v))
+        st_out[at] = i32(new_lo)
+        st_out[at + 1] = i32(new_hi)
+
+    st_out[Status.NUM_VALID] = st_in[Status.NUM_VALID]
+    st_out[Status.ENABLE] = st_in[Status.ENABLE]
+    st_out[Status.WRITE_INDEX] = ring.new_index()
+    add64(Status.SLOT_RUNS, slot_runs)
+    add64(Status.KERNEL_RUNS, jnp.int32(1))
+    st_out[Status.PAD] = jnp.int32(0)
+
+
+def from_status(context, status: jax.Array, ring32: jax.Array, **updated):
     """``context`` with what a kernel returned: the ring from its int32 words ``ring32`` (an
-    empty ring stays as it is) and the :func:`counter_words` at the start of ``words``;
-    ``updated``: the kernel's other outputs."""
+    empty ring stays as it is) and the ring guard state from its :class:`Status` words
+    ``status``; ``updated``: the kernel's other outputs."""
     ring = context.violation_ring
+
+    def pair(at):
+        return lax.bitcast_convert_type(status[at:at + 2], jnp.int64).reshape(1)
+
     return context.replace(
         violation_ring=from_words32(ring32, ring) if ring.shape[0] else ring,
-        violation_write_index=words[0:1].astype(context.violation_write_index.dtype),
-        slot_run_counter=lax.bitcast_convert_type(words[1:3], jnp.int64).reshape(1),
-        kernel_run_counter=lax.bitcast_convert_type(words[3:5], jnp.int64).reshape(1),
+        violation_write_index=status[Status.WRITE_INDEX:Status.WRITE_INDEX + 1].astype(
+            context.violation_write_index.dtype),
+        slot_run_counter=pair(Status.SLOT_RUNS),
+        kernel_run_counter=pair(Status.KERNEL_RUNS),
         **updated)
 
 
@@ -427,10 +478,11 @@ def pair_is_zero(p):
 class Ring:
     """Appends violation records (8 int64 fields = 16 int32 words) to the ring, in launch order.
 
-    ``state``: an SMEM int32 ref with two words at ``base`` reserved for the ring: the launch's
-    start index ``w0`` and the number of violations found so far. ``ring``: the ring's int32
-    ``[C, 16]`` ref (HBM, or VMEM where XLA places a small ring); ``stage``: an SMEM ``[1, 16]``
-    scratch (:data:`RING_STAGE`); ``sem``: a DMA semaphore.
+    ``state``: the ring's :data:`WORDS` SMEM words (a kernel state's word span,
+    :class:`kvcanary_jax.ops._tpu_state.Span`): the launch's start index ``w0`` and the number of
+    violations found so far. ``ring``: the ring's int32 ``[C, 16]`` ref (HBM, or VMEM where XLA
+    places a small ring); ``stage``: an SMEM ``[1, 16]`` scratch (:data:`RING_STAGE`); ``sem``: a
+    DMA semaphore.
 
     A record is one DMA of the whole stage into one ring row. The stage is exactly one row wide:
     Mosaic refuses a DMA of a window narrower than its buffer's rows unless that window is a
@@ -438,22 +490,23 @@ class Ring:
     512 bytes"), and a record is 64 bytes; whole 16-word rows copy between any memories.
     """
 
-    # the state words, from ``base``
+    # the state words
     W0 = 0  # the launch's start index
     COUNT = 1  # violations found so far (appended or not)
+    WORDS = 2
 
-    def __init__(self, ring, capacity: int, state, base: int, stage, sem):
-        self.ring, self.cap, self.state, self.base = ring, capacity, state, base
+    def __init__(self, ring, capacity: int, state, stage, sem):
+        self.ring, self.cap, self.state = ring, capacity, state
         self.stage, self.sem = stage, sem
 
     def start(self, w0) -> None:
-        self.state[self.base + self.W0] = w0
-        self.state[self.base + self.COUNT] = jnp.int32(0)
+        self.state[self.W0] = w0
+        self.state[self.COUNT] = jnp.int32(0)
 
     def _room(self):
         """Rows this launch may still write (0 when ``w0 < 0`` or the ring is full)."""
-        w0 = self.state[self.base + self.W0]
-        count = self.state[self.base + self.COUNT]
+        w0 = self.state[self.W0]
+        count = self.state[self.COUNT]
         free = jnp.where(w0 >= 0, jnp.maximum(self.cap - w0, 0), 0)  # cap - w0: no overflow
         return jnp.maximum(free - count, 0)
 
@@ -461,7 +514,7 @@ class Ring:
         """Writes ``words`` (16 int32 scalars) as row ``w0 + count + k``."""
         for i, w in enumerate(words):
             self.stage[0, i] = w
-        row = self.state[self.base + self.W0] + self.state[self.base + self.COUNT] + k
+        row = self.state[self.W0] + self.state[self.COUNT] + k
         copy = pltpu.make_async_copy(self.stage, self.ring.at[pl.ds(row, 1)], self.sem)
         copy.start()
         copy.wait()
@@ -475,7 +528,7 @@ class Ring:
             def _row():
                 self._write(0, words)
 
-            self.state[self.base + self.COUNT] = self.state[self.base + self.COUNT] + 1
+            self.state[self.COUNT] = self.state[self.COUNT] + 1
 
     def append_block(self, viol, fields, index) -> None:
         """Appends the violating entries of a block in entry order. ``viol``: bool planes;
@@ -496,12 +549,12 @@ class Ring:
                 return j
 
             lax.fori_loop(0, todo, one, jnp.int32(-1))
-            self.state[self.base + self.COUNT] = self.state[self.base + self.COUNT] + n
+            self.state[self.COUNT] = self.state[self.COUNT] + n
 
     def new_index(self):
         """The write index after the launch (unchanged when ``w0 < 0``; saturating)."""
-        w0 = self.state[self.base + self.W0]
-        n = self.state[self.base + self.COUNT]
+        w0 = self.state[self.W0]
+        n = self.state[self.COUNT]
         return jnp.where(w0 < 0, w0, jnp.where(n > INT32_MAX - w0, INT32_MAX, w0 + n))
 
 
@@ -645,15 +698,6 @@ def pipeline(nblocks, *, fetch, issue, wait, body) -> None:
         return carry
 
     lax.fori_loop(0, nblocks, step, 0)
-
-
-def sem_at(sems, kind: int, slot=0):
-    """DMA semaphore ``kind + slot`` of ``sems`` (a kernel's semaphore array, ``kind`` a member of
-    its semaphore ``IntEnum``, ``slot`` a buffer index, static or traced). A zero ``kind`` is not
-    added: no ``0 + slot`` in the lowered program."""
-    if isinstance(slot, int) or int(kind) != 0:
-        return sems.at[kind + slot]
-    return sems.at[slot]
 
 
 def wait_n(copy, n) -> None:

@@ -55,8 +55,10 @@ kernel ran; we keep its wording and its place in the check order, but raise it b
 launching).
 
 This module holds the op's contract, its static shapes (the keys of tuned launch configs), the
-composition of the two halves that every implementation shares, and the pure-jnp reference, the
-test oracle of every implementation.
+composition of the two halves that every implementation shares (:func:`compose`: each half takes
+the batch as :class:`PlanInputs` and the plans as their dataclasses, and the offsets half hands
+the entries half a :class:`PlanOffsets`), and the pure-jnp reference, the test oracle of every
+implementation.
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ __all__ = [
     "plan_metas",
     "row_stride",
     "PlanInputs",
+    "PlanOffsets",
+    "VERIFY_ARRAYS",
     "out_name",
     "validate",
     "shapes",
@@ -405,6 +409,19 @@ class PlanInputs:
     num_reqs: jax.Array | None = None
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanOffsets:
+    """What the offsets half computes (see :func:`compose`): int64 ``verify_offsets [bs + 1]``,
+    the exclusive prefix sums of the verify lengths (the total at ``bs``), which the entries half
+    reads; the verify plan's ``verify_num_valid`` and ``enable``; and the filled ``write_plan``."""
+
+    verify_offsets: jax.Array
+    verify_num_valid: jax.Array
+    enable: jax.Array
+    write_plan: WritePlan
+
+
 def out_name(field: str) -> str:
     """SGLang's launcher name of a plan field (its messages use them): ``out_<field>``, and
     ``out_verify_enable`` for ``enable``."""
@@ -487,8 +504,9 @@ def empty_batch(vp: VerifyPlan, wp: WritePlan) -> tuple[VerifyPlan, WritePlan]:
     )
 
 
-_VERIFY_ARRAYS = ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions",
-                  "verify_prev_slot_indices")
+# The verify plan's arrays, one entry per position (what the entries half fills).
+VERIFY_ARRAYS = ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions",
+                 "verify_prev_slot_indices")
 
 
 def sized_call(fn, vp: VerifyPlan, wp: WritePlan, inputs: PlanInputs, **kw):
@@ -502,10 +520,10 @@ def sized_call(fn, vp: VerifyPlan, wp: WritePlan, inputs: PlanInputs, **kw):
     if vp.verify_slot_indices.shape[0] != 0:
         return fn(vp, wp, inputs, **kw)
     scratch = VerifyPlan(
-        **{f: jnp.zeros((1,), getattr(vp, f).dtype) for f in _VERIFY_ARRAYS},
+        **{f: jnp.zeros((1,), getattr(vp, f).dtype) for f in VERIFY_ARRAYS},
         verify_num_valid=vp.verify_num_valid, enable=vp.enable)
     out_vp, out_wp = fn(scratch, wp, inputs, **kw)
-    return dataclasses.replace(out_vp, **{f: getattr(vp, f) for f in _VERIFY_ARRAYS}), out_wp
+    return dataclasses.replace(out_vp, **{f: getattr(vp, f) for f in VERIFY_ARRAYS}), out_wp
 
 
 def compose(offsets_fn: Callable, entries_fn: Callable, vp: VerifyPlan, wp: WritePlan,
@@ -513,61 +531,44 @@ def compose(offsets_fn: Callable, entries_fn: Callable, vp: VerifyPlan, wp: Writ
             kv_token_id_vs_position_offset: int):
     """The plan from its two halves (``bs >= 1``)::
 
-        offsets_fn(rpi, prefix, extend, rtt, lut, write_offsets, seeds, verify_num_valid, enable,
-                   write_num_valid_reqs, *, swa_window_size, verify_capacity[, num_reqs])
-            -> (verify_offsets[bs + 1], write_offsets, seeds, verify_num_valid, enable,
-                write_num_valid_reqs)
-        entries_fn(rpi, prefix, rtt, lut, verify_offsets, enable, pool, valid_lens, slots,
-                   tokens, positions, prevs, *, swa_window_size, kv_token_id_vs_position_offset)
-            -> (slots, tokens, positions, prevs)
+        offsets_fn(inputs, vp, wp, *, swa_window_size, verify_capacity) -> PlanOffsets
+        entries_fn(inputs, vp, verify_offsets, *, swa_window_size,
+                   kv_token_id_vs_position_offset) -> VerifyPlan
 
-    ``inputs.num_reqs`` (see :func:`batch_lanes`) reaches the offsets half only: requests at or
-    past it get empty ranges there, so ``verify_offsets`` is flat from ``num_reqs`` on and the
-    entries half, which finds each entry's request in it, never picks one of them.
+    The offsets half fills the write plan and the verify plan's ``verify_num_valid`` and
+    ``enable`` and computes the verify offsets (:class:`PlanOffsets`); the entries half gets the
+    verify plan with those two and returns it with its four arrays (:data:`VERIFY_ARRAYS`)
+    filled. ``inputs.num_reqs`` (see :func:`batch_lanes`) matters to the offsets half only:
+    requests at or past it get empty ranges there, so ``verify_offsets`` is flat from
+    ``num_reqs`` on and the entries half, which finds each entry's request in it, never picks
+    one of them.
     """
-    # The halves keep the kernels' positional operands.
-    rpi, prefix, rtt, lut = (inputs.req_pool_indices, inputs.prefix_lens, inputs.req_to_token,
-                             inputs.full_to_swa_index_mapping)
-    num_reqs = inputs.num_reqs
-    voff, wo, seeds, nv, en, wn = offsets_fn(
-        rpi, prefix, inputs.extend_seq_lens, rtt, lut, wp.write_offsets,
-        wp.write_seed_slot_indices,
-        vp.verify_num_valid, vp.enable, wp.write_num_valid_reqs,
-        swa_window_size=swa_window_size, verify_capacity=verify_capacity,
-        **({} if num_reqs is None else {"num_reqs": num_reqs}),
-    )
-    slots, toks, poss, prevs = entries_fn(
-        rpi, prefix, rtt, lut, voff, en, inputs.req_to_verify_expected_tokens,
-        inputs.req_to_verify_expected_tokens_valid_lens, vp.verify_slot_indices,
-        vp.verify_expected_tokens, vp.verify_expected_positions, vp.verify_prev_slot_indices,
-        swa_window_size=swa_window_size,
-        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-    )
-    return (
-        VerifyPlan(verify_slot_indices=slots, verify_expected_tokens=toks,
-                   verify_expected_positions=poss, verify_prev_slot_indices=prevs,
-                   verify_num_valid=nv, enable=en),
-        WritePlan(write_offsets=wo, write_seed_slot_indices=seeds, write_num_valid_reqs=wn),
-    )
+    offsets = offsets_fn(inputs, vp, wp, swa_window_size=swa_window_size,
+                         verify_capacity=verify_capacity)
+    vp = dataclasses.replace(vp, verify_num_valid=offsets.verify_num_valid, enable=offsets.enable)
+    vp = entries_fn(inputs, vp, offsets.verify_offsets, swa_window_size=swa_window_size,
+                    kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
+    return vp, offsets.write_plan
 
 
 # --------------------------------------------------------------------------------------------
 # Pure-jnp reference
 
 
-def offsets_reference(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds,
-                      verify_num_valid, enable, write_num_valid_reqs, *, swa_window_size,
-                      verify_capacity, num_reqs=None):
+def offsets_reference(inputs: PlanInputs, vp: VerifyPlan, wp: WritePlan, *, swa_window_size,
+                      verify_capacity) -> PlanOffsets:
     """The offsets half (see :func:`compose`)."""
-    del verify_num_valid, enable, write_num_valid_reqs
+    del vp  # its verify_num_valid and enable are overwritten
+    rpi, prefix, req_to_token = inputs.req_pool_indices, inputs.prefix_lens, inputs.req_to_token
+    lut = inputs.full_to_swa_index_mapping
     bs = rpi.shape[0]
-    n = batch_lanes(num_reqs, bs)
+    n = batch_lanes(inputs.num_reqs, bs)
     in_bs = jnp.arange(bs) < n
-    _, vlen, wlen = lens(rpi, prefix, extend, in_bs, swa_window_size)
+    _, vlen, wlen = lens(rpi, prefix, inputs.extend_seq_lens, in_bs, swa_window_size)
     voff = jnp.concatenate([jnp.zeros((1,), jnp.int64), jnp.cumsum(vlen)])
     wcum = jnp.concatenate([jnp.zeros((1,), jnp.int64), jnp.cumsum(wlen)])
     wcum = jnp.where(jnp.arange(bs + 1) <= n, wcum, 0)
-    new_wo = jnp.zeros_like(write_offsets).at[: bs + 1].set(wcum)
+    new_wo = jnp.zeros_like(wp.write_offsets).at[: bs + 1].set(wcum)
     total_v = voff[bs]
     rows, pitch = req_to_token.shape
     has_prefix = in_bs & (rpi != consts.REQ_POOL_IDX_PADDING) & (prefix > 0)
@@ -579,22 +580,26 @@ def offsets_reference(rpi, prefix, extend, req_to_token, lut, write_offsets, see
     if lut is not None:
         raw = jnp.where(raw < 0, raw, lut[jnp.clip(raw, 0, lut.shape[0] - 1)])
     seed = jnp.where(has_prefix & (wlen > 0), raw, -1)
+    seeds = wp.write_seed_slot_indices
     new_seeds = seeds.at[:bs].set(jnp.where(in_bs, seed, seeds[:bs])) if bs else seeds
     overflow = total_v > verify_capacity
-    nv = jnp.where(overflow, verify_capacity, total_v).astype(jnp.int32).reshape(1)
-    en = jnp.where(overflow, 0, 1).astype(jnp.int32).reshape(1)
-    wn = jnp.full((1,), n, jnp.int32)
-    return voff, new_wo, new_seeds, nv, en, wn
+    return PlanOffsets(
+        verify_offsets=voff,
+        verify_num_valid=jnp.where(overflow, verify_capacity, total_v).astype(jnp.int32).reshape(1),
+        enable=jnp.where(overflow, 0, 1).astype(jnp.int32).reshape(1),
+        write_plan=WritePlan(write_offsets=new_wo, write_seed_slot_indices=new_seeds,
+                             write_num_valid_reqs=jnp.full((1,), n, jnp.int32)))
 
 
-def entries_reference(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, valid_lens,
-                      slots, tokens, positions, prevs, *, swa_window_size,
-                      kv_token_id_vs_position_offset):
+def entries_reference(inputs: PlanInputs, vp: VerifyPlan, verify_offsets, *, swa_window_size,
+                      kv_token_id_vs_position_offset) -> VerifyPlan:
     """The entries half (see :func:`compose`)."""
+    rpi, prefix, lut = inputs.req_pool_indices, inputs.prefix_lens, inputs.full_to_swa_index_mapping
+    pool = inputs.req_to_verify_expected_tokens
     bs = rpi.shape[0]
-    capacity = slots.shape[0]
+    capacity = vp.verify_slot_indices.shape[0]
     total = verify_offsets[bs]
-    live = jnp.where(enable[0] != 0, jnp.minimum(total, capacity), 0)
+    live = jnp.where(vp.enable[0] != 0, jnp.minimum(total, capacity), 0)
     t = jnp.arange(capacity, dtype=jnp.int64)
     r = jnp.clip(jnp.searchsorted(verify_offsets[:bs], t, side="right") - 1, 0, bs - 1)
     rp = rpi[r]
@@ -614,16 +619,19 @@ def entries_reference(rpi, prefix, req_to_token, lut, verify_offsets, enable, po
             return v
         return jnp.where(v < 0, v, lut[jnp.clip(v, 0, lut.shape[0] - 1)])
 
-    slot = xl(read(req_to_token, pos, True, 0))
-    prev = jnp.where(pos > 0, xl(read(req_to_token, pos - 1, pos > 0, 0)), -1)
+    slot = xl(read(inputs.req_to_token, pos, True, 0))
+    prev = jnp.where(pos > 0, xl(read(inputs.req_to_token, pos - 1, pos > 0, 0)), -1)
     if pool is not None:
         sot = pos + int(kv_token_id_vs_position_offset)
+        valid_lens = inputs.req_to_verify_expected_tokens_valid_lens
         tok = read(pool, sot, (sot >= 0) & (sot < valid_lens[r]), -1)
     else:
         tok = jnp.full(t.shape, -1, jnp.int64)
     m = t < live
-    return (jnp.where(m, slot, slots), jnp.where(m, tok, tokens), jnp.where(m, pos, positions),
-            jnp.where(m, prev, prevs))
+    new = {"verify_slot_indices": slot, "verify_expected_tokens": tok,
+           "verify_expected_positions": pos, "verify_prev_slot_indices": prev}
+    return dataclasses.replace(vp, **{f: jnp.where(m, new[f], getattr(vp, f))
+                                      for f in VERIFY_ARRAYS})
 
 
 @functools.partial(

@@ -38,7 +38,7 @@ def heuristics(shapes) -> Config:
     return Config(block=min(BLOCK, tpu.pad_to(max(cap, 1), tpu.PAIR_TILE)))
 
 
-# The kernels compile per batch size: no ``num_reqs`` operand (api.run refuses one).
+# The kernels compile per batch size: no ``inputs.num_reqs`` (api.run refuses one).
 TAKES_NUM_REQS = False
 
 

@@ -20,7 +20,12 @@ slot of the entry before it (shifted by one lane), the first one's is read from 
 segments; expected tokens come from the pool row the same way. A block is written with one DMA
 per plan field once its last item is merged. The next item's segments are in flight while an
 item is merged. Items whose positions leave their row or the table (malformed plans: SGLang reads
-neighbouring rows there) take a per-entry path with the same results.
+neighbouring rows there) take a per-entry path with the same results. The DMAs have descriptors of
+their own (:class:`_TableRows`: a table's staged row segments and single cells; :class:`_Blocks`:
+the output blocks), so the kernel body is the walk over items and the merge.
+
+Each kernel's scratch is declared once (:func:`_offsets_state`, :func:`_entries_state`; see
+:mod:`kvcanary_jax.ops._tpu_state`).
 
 Per entry: 4 B of ``req_to_token`` and 4 B of pool read (1/128 DMA each), 32 B of plan written
 (1/block DMA per field), plus one 8-byte LUT row DMA per entry when a LUT translates slots.
@@ -28,6 +33,7 @@ Per entry: 4 B of ``req_to_token`` and 4 B of pool read (1/128 DMA each), 32 B o
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 from typing import Any, NamedTuple
@@ -40,6 +46,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kvcanary_jax import hashing_u32
 from kvcanary_jax.ops import _tpu_lib as tpu
+from kvcanary_jax.ops import _tpu_state as tpu_state
+from kvcanary_jax.ops.plan.base import VERIFY_ARRAYS, PlanInputs, PlanOffsets
+from kvcanary_jax.plans import VerifyPlan, WritePlan
 
 __all__ = ["plan_offsets", "plan_entries", "offsets_smem_bytes", "SEED_BATCH", "BLOCK",
            "SMEM_BUDGET"]
@@ -88,42 +97,31 @@ def _flat(rp, col, pitch: int, n_cells: int):
 # Offsets
 
 
-class _OffsetsScratch(NamedTuple):
-    """The offsets kernel's scratch refs, in ``scratch_shapes`` order
-    (:func:`_offsets_scratch_shapes`)."""
-
-    wo_s: Any  # SMEM pair rows [(cap_w + 1) pad // 64, 128]: the write offsets, copied out last
-    seed_s: Any  # SMEM pair rows [cap_w pad // 64, 128]: the write seeds, copied out last
-    seed_at: Any  # SMEM [bs pad]: request r's seed cell: its flat address, -1 outside, -2 no seed
-    cells: Any  # SMEM [SEED_BATCH, 128]: the 128-column segment holding seed cell j of a batch
-    lutrows: Any  # SMEM [SEED_BATCH, 2]: LUT entry j of a batch (low, high word)
-    sems: Any  # DMA semaphores, indexed by _OffsetsSem
-    cells_tail: Any  # SMEM [SEED_BATCH, pitch % 128]: a seed cell in a row's short last segment
-
-
-class _OffsetsSem(enum.IntEnum):
-    """The offsets kernel's DMA semaphores."""
-
-    CELLS = 0  # seed cells' 128-column segments
-    CELLS_TAIL = 1  # seed cells in a row's short last segment
-    LUT = 2  # LUT entries of the seeds
-    SEEDS = 3  # the seeds' rows, in (the partial last one) and out
-    WRITE_OFFSETS = 4  # the write offsets, out
-
-
-def _offsets_scratch_shapes(wo_shape, seed_shape, bp: int, pitch: int) -> list:
-    """``_OffsetsScratch``'s shapes (``pitch``: the req_to_token row pitch the kernel sees). The
+def _offsets_state(wo_shape, seed_shape, bp: int, pitch: int) -> tpu_state.State:
+    """The offsets kernel's scratch (``pitch``: the req_to_token row pitch the kernel sees). The
     short-segment buffer is exactly as wide as the segment: Mosaic refuses a DMA into a window of
     a wider buffer row unless it is a multiple of 512 bytes."""
-    return [
-        pltpu.SMEM(wo_shape, jnp.int32),
-        pltpu.SMEM(seed_shape, jnp.int32),
-        pltpu.SMEM((bp,), jnp.int32),
-        pltpu.SMEM((SEED_BATCH, tpu.LANES), jnp.int32),
-        pltpu.SMEM((SEED_BATCH, 2), jnp.int32),
-        pltpu.SemaphoreType.DMA((len(_OffsetsSem),)),
-        pltpu.SMEM((SEED_BATCH, max(pitch % tpu.LANES, 1)), jnp.int32),
-    ]
+    return tpu_state.State(
+        # the write offsets (pair rows [(cap_w + 1) pad // 64, 128]), copied out last
+        wo_s=tpu_state.smem(wo_shape),
+        # the write seeds (pair rows [cap_w pad // 64, 128]), copied out last
+        seed_s=tpu_state.smem(seed_shape),
+        # request r's seed cell: its flat address, -1 outside the table, -2 no seed
+        seed_at=tpu_state.smem((bp,)),
+        # the 128-column segment holding seed cell j of a batch
+        cells=tpu_state.smem((SEED_BATCH, tpu.LANES)),
+        # LUT entry j of a batch (low, high word)
+        lutrows=tpu_state.smem((SEED_BATCH, 2)),
+        sems=tpu_state.semaphores(
+            cells=1,  # seed cells' 128-column segments
+            cells_tail=1,  # seed cells in a row's short last segment
+            lut=1,  # LUT entries of the seeds
+            seeds=1,  # the seeds' rows, in (the partial last one) and out
+            write_offsets=1,  # the write offsets, out
+        ),
+        # a seed cell in a row's short last segment
+        cells_tail=tpu_state.smem((SEED_BATCH, max(pitch % tpu.LANES, 1))),
+    )
 
 
 def _offsets_kernel(
@@ -137,16 +135,13 @@ def _offsets_kernel(
     # Output: verify offsets (SMEM pair rows [(bs + 1) pad // 64, 128]); write offsets and seeds
     # (HBM pair rows); verify_num_valid, enable, write_num_valid_reqs (SMEM [1])
     voff_s, wo_hbm, seed_hbm, nv_out, en_out, wn_out,
-    # Scratch: _OffsetsScratch
+    # Scratch: _offsets_state(...)
     *scratch,
-    bs, cap_w, cap_v, window, rows, pitch, has_lut, lut_len,
+    state, bs, cap_w, cap_v, window, rows, pitch, has_lut, lut_len,
 ):
-    s_ = _OffsetsScratch(*scratch)
-    wo_s, seed_s, seed_at, cells, lutrows = s_.wo_s, s_.seed_s, s_.seed_at, s_.cells, s_.lutrows
-    cells_tail = s_.cells_tail
-
-    def sem(k: _OffsetsSem):
-        return s_.sems.at[k]
+    scr = state.bind(scratch)
+    wo_s, seed_s, seed_at, cells = scr.wo_s, scr.seed_s, scr.seed_at, scr.cells
+    lutrows, cells_tail, sems = scr.lutrows, scr.cells_tail, scr.sems
 
     n_cells = rows * pitch
     tail_w = pitch % tpu.LANES
@@ -194,10 +189,10 @@ def _offsets_kernel(
             # buffer row unless it is a multiple of 512 bytes
             src = rtt_hbm.at[pl.ds(row, 1), pl.ds(tail_base, tail_w)]
             return pltpu.make_async_copy(src, cells_tail.at[pl.ds(j, 1)],
-                                         sem(_OffsetsSem.CELLS_TAIL))
+                                         sems.cells_tail)
         base = pl.multiple_of(col - tpu.irem(col, tpu.LANES), tpu.LANES)
         return pltpu.make_async_copy(rtt_hbm.at[pl.ds(row, 1), pl.ds(base, tpu.LANES)],
-                                     cells.at[pl.ds(j, 1)], sem(_OffsetsSem.CELLS))
+                                     cells.at[pl.ds(j, 1)], sems.cells)
 
     def is_tail(flat):
         if not tail_w:
@@ -206,7 +201,7 @@ def _offsets_kernel(
 
     def lut_copy(idx, j):
         return pltpu.make_async_copy(lut_hbm.at[pl.ds(idx, 1)], lutrows.at[pl.ds(j, 1)],
-                                     sem(_OffsetsSem.LUT))
+                                     sems.lut)
 
     def batch(k, c):
         b0 = k * SEED_BATCH
@@ -275,15 +270,15 @@ def _offsets_kernel(
     last_row = tpu.idiv(jnp.int32(bs), 64)
     if bs % 64:
         c = pltpu.make_async_copy(seed_hbm.at[pl.ds(bs // 64, 1)],
-                                  seed_s.at[pl.ds(bs // 64, 1)], sem(_OffsetsSem.SEEDS))
+                                  seed_s.at[pl.ds(bs // 64, 1)], sems.seeds)
         c.start()
         c.wait()
     del last_row
     lax.fori_loop(0, -(-bs // SEED_BATCH), batch, 0)
     nrows = -(-bs // 64)
     out = [pltpu.make_async_copy(seed_s.at[pl.ds(0, nrows)], seed_hbm.at[pl.ds(0, nrows)],
-                                 sem(_OffsetsSem.SEEDS)),
-           pltpu.make_async_copy(wo_s, wo_hbm, sem(_OffsetsSem.WRITE_OFFSETS))]
+                                 sems.seeds),
+           pltpu.make_async_copy(wo_s, wo_hbm, sems.write_offsets)]
     for c in out:
         c.start()
     for c in out:
@@ -296,13 +291,15 @@ def offsets_smem_bytes(bs: int, cap_w: int) -> int:
             + 2 * 4 * tpu.LANES * SEED_BATCH + 64)
 
 
-def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, verify_num_valid,
-                 enable, write_num_valid_reqs, *, swa_window_size, verify_capacity,
-                 config: tpu.BlockConfig):
-    """Today's array-level offsets half (``bs >= 1``): returns ``(verify_offsets[bs + 1],
-    write_offsets, seeds, verify_num_valid, enable, write_num_valid_reqs)``."""
+def plan_offsets(inputs: PlanInputs, vp: VerifyPlan, wp: WritePlan, *, swa_window_size,
+                 verify_capacity, config: tpu.BlockConfig) -> PlanOffsets:
+    """The offsets half (:func:`kvcanary_jax.ops.plan.base.compose`, ``bs >= 1``; the kernels
+    compile per batch size, so ``inputs.num_reqs`` is None: ``api.run`` refuses one); the write
+    plan and the verify plan's two scalars are aliased to their inputs."""
+    rpi, req_to_token, lut = inputs.req_pool_indices, inputs.req_to_token, \
+        inputs.full_to_swa_index_mapping
     bs = int(rpi.shape[0])
-    cap_w = int(seeds.shape[0])
+    cap_w = int(wp.write_seed_slot_indices.shape[0])
     rows, pitch = (int(d) for d in req_to_token.shape)
     if rows * pitch >= 2**31:
         raise ValueError(f"kv-canary: canary_plan (pallas_mosaic_tpu): req_to_token has "
@@ -315,27 +312,29 @@ def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, v
             f"{SMEM_BUDGET}; use implementation='xla' for batches this large")
     has_lut = lut is not None
     bp = tpu.pad_to(bs, tpu.PAIR_TILE)
-    rpi_r, pre_r, ext_r = (tpu.to_pair_rows(x, bp) for x in (rpi, prefix, extend))
-    wo_r = tpu.to_pair_rows(write_offsets, tpu.pad_to(cap_w + 1, tpu.PAIR_TILE))
-    seed_r = tpu.to_pair_rows(seeds, tpu.pad_to(max(cap_w, 1), tpu.PAIR_TILE))
+    rpi_r, pre_r, ext_r = (tpu.to_pair_rows(x, bp) for x in (rpi, inputs.prefix_lens,
+                                                              inputs.extend_seq_lens))
+    wo_r = tpu.to_pair_rows(wp.write_offsets, tpu.pad_to(cap_w + 1, tpu.PAIR_TILE))
+    seed_r = tpu.to_pair_rows(wp.write_seed_slot_indices,
+                              tpu.pad_to(max(cap_w, 1), tpu.PAIR_TILE))
     rtt = req_to_token if rows * pitch else jnp.zeros((1, 1), jnp.int32)
     lut2 = tpu.words32(lut.reshape(-1, 1)) if has_lut else jnp.zeros((1, 2), jnp.int32)
     voff_shape = (tpu.pad_to(bs + 1, tpu.PAIR_TILE) // 64, tpu.LANES)
+    state = _offsets_state(wo_r.shape, seed_r.shape, bp, int(rtt.shape[1]))
     kernel = functools.partial(
-        _offsets_kernel, bs=bs, cap_w=cap_w, cap_v=int(verify_capacity),
+        _offsets_kernel, state=state, bs=bs, cap_w=cap_w, cap_v=int(verify_capacity),
         window=int(swa_window_size), rows=int(rtt.shape[0]) if rows * pitch else 0,
         pitch=int(rtt.shape[1]), has_lut=has_lut, lut_len=int(lut.shape[0]) if has_lut else 1)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
     voff, wo_new, seed_new, nv, en, wn = tpu.call(
-        kernel, rpi_r, pre_r, ext_r, rtt, lut2, wo_r, seed_r, verify_num_valid, enable,
-        write_num_valid_reqs,
+        kernel, rpi_r, pre_r, ext_r, rtt, lut2, wo_r, seed_r, vp.verify_num_valid, vp.enable,
+        wp.write_num_valid_reqs,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3, grid=(1,),
             in_specs=[any_spec] * 4 + [smem] * 3,
             out_specs=[smem, any_spec, any_spec, smem, smem, smem],
-            scratch_shapes=_offsets_scratch_shapes(wo_r.shape, seed_r.shape, bp,
-                                                   int(rtt.shape[1]))),
+            scratch_shapes=state.scratch_shapes()),
         out_shape=[jax.ShapeDtypeStruct(voff_shape, jnp.int32),
                    jax.ShapeDtypeStruct(wo_r.shape, jnp.int32),
                    jax.ShapeDtypeStruct(seed_r.shape, jnp.int32),
@@ -348,36 +347,15 @@ def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, v
         interpret=config.interpret or False,
         name="kvcanary_plan_offsets_tpu",
     )
-    return (tpu.from_pair_rows(voff, bs + 1), tpu.from_pair_rows(wo_new, cap_w + 1),
-            tpu.from_pair_rows(seed_new, cap_w), nv, en, wn)
+    return PlanOffsets(
+        verify_offsets=tpu.from_pair_rows(voff, bs + 1), verify_num_valid=nv, enable=en,
+        write_plan=WritePlan(write_offsets=tpu.from_pair_rows(wo_new, cap_w + 1),
+                             write_seed_slot_indices=tpu.from_pair_rows(seed_new, cap_w),
+                             write_num_valid_reqs=wn))
 
 
 # ---------------------------------------------------------------------------------------------
 # Entries
-
-
-class _EntriesScratch(NamedTuple):
-    """The entries kernel's scratch refs, in ``scratch_shapes`` order
-    (:func:`_entries_scratch_shapes`). ``R = block / 128`` plane rows; ``NS = R + 8`` staging
-    rows (one before the block's rows, its rows, the carry row; whole tiles); buffers with a
-    leading 2 are double-buffered by item (``slot``) or block (``bslot``)."""
-
-    seg_v: Any  # VMEM [2, NS, 128]: an item's req_to_token segments, staged (see realign)
-    seg_s: Any  # SMEM [2, NS, 128] with a LUT (else [1, 128], unused): the same, as scalars
-    tok_v: Any  # VMEM [2, NS, 128]: an item's expected-token pool segments, staged
-    lutrows: Any  # VMEM [R, 128, 2]: the LUT entry of each of the block's slots
-    cell_s: Any  # SMEM [4, 128]: single cells read synchronously, row _CellRow
-    acc: Any  # VMEM [_ACC_PLANES, R, 128]: the block being merged, see _ACC_SLOW_CELLS
-    blk: Any  # VMEM [2, 4, 2 R, 128]: the four plan fields of a finished block, as pair rows
-    misc: Any  # SMEM [24]: counters and flags, indexed by _Misc
-    sems: Any  # DMA semaphores, indexed by _EntriesSem
-    tail_v: Any  # VMEM [2, 1, pitch % 128]: a req_to_token row's short last segment
-    tail_s: Any  # SMEM [2, 1, pitch % 128] with a LUT (else [1, 1, 1]): the same, as scalars
-    tail_tok: Any  # VMEM [2, 1, ppitch % 128]: a pool row's short last segment
-    cell_tail_r: Any  # SMEM [4, pitch % 128]: a single req_to_token cell in a short segment
-    cell_tail_p: Any  # SMEM [4, ppitch % 128]: a single pool cell in a short segment
-    lut_s: Any  # SMEM [1, 2]: a single LUT entry (an item's first previous slot)
-
 
 # acc planes: 2 f + w holds plan field f (slots, expected tokens, positions, previous slots), its
 # high (w = 0) or low (w = 1) words. Two more planes gather the per-entry (slow) paths' values
@@ -392,28 +370,11 @@ class _CellRow(enum.IntEnum):
 
     CELL = 0  # the slow path's req_to_token cell of one entry
     FIRST_PREV = 1  # the cell of an item's first previous slot (slow path)
-    TOKEN = 3  # the slow path's expected token of one entry
-
-
-class _Misc(enum.IntEnum):
-    """Words of ``misc``."""
-
-    # + 2 s: req_to_token full-segment copies in flight for item buffer s; + 2 s + 1: its
-    # short-segment copies
-    CELL_COPIES = 0
-    TOKEN_COPIES = 4  # the same for the expected-token pool
-    FLAGS = 8  # _Flag bits
-    OUT_BUSY = 9  # bit s: block buffer s has output copies in flight
-    # + a copy-counter word above (CELL_COPIES + 2 s or TOKEN_COPIES + 2 s): the staging row
-    # that buffer's short last segment goes to
-    TAIL_ROW = 16
-
-
-_MISC_WORDS = 24
+    TOKEN = 2  # the slow path's expected token of one entry
 
 
 class _Flag(enum.IntEnum):
-    """Bits of ``misc[_Misc.FLAGS]``: item buffer s's bit is :func:`_flag_bit` ``(flag, s)``."""
+    """Bits of ``misc.flags``: item buffer s's bit is :func:`_flag_bit` ``(flag, s)``."""
 
     CELLS_FAST = 0  # the item's req_to_token cells are read from its staged segments
     TOKENS_FAST = 2  # the item's expected tokens are read from its staged pool segments
@@ -424,46 +385,297 @@ def _flag_bit(flag: _Flag, slot):
     return (1 << flag) << slot
 
 
-class _EntriesSem(enum.IntEnum):
-    """The entries kernel's DMA semaphores (``+ s``: one per item or block buffer ``s``)."""
-
-    CELLS = 0  # + s: req_to_token segments of item buffer s
-    CELLS_TAIL = 2  # + s: their short last segments
-    TOKENS = 4  # + s: pool segments of item buffer s
-    TOKENS_TAIL = 6  # + s: their short last segments
-    SYNC = 8  # a single cell or LUT entry, waited at once (slow paths, first previous slots)
-    LUT = 9  # the LUT entries of an item's slots
-    OUT = 10  # + s: block buffer s's output copies
-    LOAD = 12  # a partial last block read back
-
-
-_ENTRIES_SEMS = 13
-
-
-def _entries_scratch_shapes(block: int, has_lut: bool, tw_r: int, tw_p: int) -> list:
-    """``_EntriesScratch``'s shapes (``tw_r`` / ``tw_p``: the widths, at least 1, of the short
-    last segments of a req_to_token / pool row). Buffers a short segment or a LUT entry is DMA'd
-    into are exactly as wide as the copy: Mosaic refuses a DMA into a window of a wider buffer
-    row unless it is a multiple of 512 bytes."""
+def _entries_state(block: int, has_lut: bool, tw_r: int, tw_p: int) -> tpu_state.State:
+    """The entries kernel's scratch (``tw_r`` / ``tw_p``: the widths, at least 1, of the short
+    last segments of a req_to_token / pool row). ``R = block / 128`` plane rows; ``NS = R + 8``
+    staging rows (one before the block's rows, its rows, the carry row; whole tiles); a leading 2
+    (or a span of 2) is the item buffer ``slot`` or the block buffer ``bslot``. Buffers a short
+    segment or a LUT entry is DMA'd into are exactly as wide as the copy: Mosaic refuses a DMA
+    into a window of a wider buffer row unless it is a multiple of 512 bytes."""
     R = block // tpu.LANES
     NS = R + 8
-    return [
-        pltpu.VMEM((2, NS, tpu.LANES), jnp.int32),
-        pltpu.SMEM((2, NS, tpu.LANES) if has_lut else (1, tpu.LANES), jnp.int32),
-        pltpu.VMEM((2, NS, tpu.LANES), jnp.int32),
-        pltpu.VMEM((R, tpu.LANES, 2), jnp.int32),
-        pltpu.SMEM((4, tpu.LANES), jnp.int32),
-        pltpu.VMEM((_ACC_PLANES, R, tpu.LANES), jnp.int32),
-        pltpu.VMEM((2, 4, 2 * R, tpu.LANES), jnp.int32),
-        pltpu.SMEM((_MISC_WORDS,), jnp.int32),
-        pltpu.SemaphoreType.DMA((_ENTRIES_SEMS,)),
-        pltpu.VMEM((2, 1, tw_r), jnp.int32),
-        pltpu.SMEM((2, 1, tw_r) if has_lut else (1, 1, 1), jnp.int32),
-        pltpu.VMEM((2, 1, tw_p), jnp.int32),
-        pltpu.SMEM((4, tw_r), jnp.int32),
-        pltpu.SMEM((4, tw_p), jnp.int32),
-        pltpu.SMEM((1, 2), jnp.int32),
-    ]
+    return tpu_state.State(
+        # an item's req_to_token segments, staged (see _TableRows)
+        seg_v=tpu_state.vmem((2, NS, tpu.LANES)),
+        # with a LUT, the same as scalars (else unused)
+        seg_s=tpu_state.smem((2, NS, tpu.LANES) if has_lut else (1, tpu.LANES)),
+        # an item's expected-token pool segments, staged
+        tok_v=tpu_state.vmem((2, NS, tpu.LANES)),
+        # the LUT entry of each of the block's slots
+        lutrows=tpu_state.vmem((R, tpu.LANES, 2)),
+        # single cells read synchronously, a row per _CellRow
+        cell_s=tpu_state.smem((len(_CellRow), tpu.LANES)),
+        # the block being merged, see _ACC_SLOW_CELLS
+        acc=tpu_state.vmem((_ACC_PLANES, R, tpu.LANES)),
+        # the four plan fields of a finished block, as pair rows
+        blk=tpu_state.vmem((2, 4, 2 * R, tpu.LANES)),
+        misc=tpu_state.words(
+            cell_copies=2,  # [s]: req_to_token whole-segment copies in flight, item buffer s
+            cell_short_copies=2,  # [s]: its short-last-segment copies
+            token_copies=2,  # [s]: the same for the expected-token pool
+            token_short_copies=2,
+            flags=1,  # _Flag bits
+            out_busy=1,  # bit s: block buffer s has output copies in flight
+            cell_tail_row=2,  # [s]: the staging row a short req_to_token segment goes to
+            token_tail_row=2,  # [s]: the same for the pool
+        ),
+        sems=tpu_state.semaphores(
+            cells=2,  # [s]: req_to_token segments of item buffer s
+            cells_tail=2,  # [s]: their short last segments
+            tokens=2,  # [s]: pool segments of item buffer s
+            tokens_tail=2,  # [s]: their short last segments
+            sync=1,  # a single cell or LUT entry, waited at once (slow paths, first prev slots)
+            lut=1,  # the LUT entries of an item's slots
+            out=2,  # [s]: block buffer s's output copies
+            load=1,  # a partial last block read back
+        ),
+        tail_v=tpu_state.vmem((2, 1, tw_r)),  # a req_to_token row's short last segment
+        # with a LUT, the same as scalars (else unused)
+        tail_s=tpu_state.smem((2, 1, tw_r) if has_lut else (1, 1, 1)),
+        tail_tok=tpu_state.vmem((2, 1, tw_p)),  # a pool row's short last segment
+        # a single req_to_token cell in a short segment, a row per _CellRow
+        cell_tail_r=tpu_state.smem((len(_CellRow), tw_r)),
+        # a single pool cell in a short segment, a row per _CellRow
+        cell_tail_p=tpu_state.smem((len(_CellRow), tw_p)),
+        lut_s=tpu_state.smem((1, 2)),  # a single LUT entry (an item's first previous slot)
+    )
+
+
+class _Staging(NamedTuple):
+    """Where an item's row segments are staged: ``rows`` ``[2, NS, 128]`` (VMEM, or SMEM when
+    ``in_smem``), and ``tail`` ``[2, 1, pitch % 128]``, the row's short last segment at its own
+    width (a leading 2: the item buffer)."""
+
+    rows: Any
+    tail: Any
+    in_smem: bool
+
+
+class _TableRows:
+    """The reads of one table SGLang addresses by flat ``rp * pitch + col`` (req_to_token, or the
+    expected-token pool): an item's row segments, DMA'd ahead (:meth:`start`, :meth:`wait`), and
+    single cells, read at once (:meth:`read`).
+
+    Segments: columns ``[c_lo, c_hi)`` of row ``row`` come in the row's 128-column segments, one
+    DMA each into every staging of ``staging`` (item buffer ``slot``); staging row ``j`` holds
+    segment ``j - 1 + (delta >> 7)``, so that :func:`_realign` puts column ``e + delta`` at entry
+    ``e``. A row's short last segment (when the pitch is not a multiple of 128) is DMA'd into the
+    staging's ``tail`` and copied into its staging row once landed (``tail_row``): Mosaic refuses
+    a DMA into a window of a wider row unless it is a multiple of 512 bytes. The copies in flight
+    are counted per item buffer in ``copies`` and ``short_copies`` (word spans) and signal
+    ``sems`` / ``short_sems`` (semaphore spans).
+
+    Single cells: through row ``j`` of ``cell_s`` (or of ``cell_tail`` for a short segment),
+    signalling ``sync``.
+    """
+
+    def __init__(self, table, pitch: int, staging, *, sems, short_sems, copies, short_copies,
+                 tail_row, cell_s, cell_tail, sync):
+        self.table, self.pitch, self.staging = table, pitch, tuple(staging)
+        self.tw = pitch % tpu.LANES
+        self.sems, self.short_sems, self.sync = sems, short_sems, sync
+        self.copies, self.short_copies, self.tail_row = copies, short_copies, tail_row
+        self.cell_s, self.cell_tail = cell_s, cell_tail
+
+    def _copy(self, row, s, j, stage: _Staging, slot, sem, *, tail):
+        """Segment ``s`` of ``row`` into staging row ``j`` (or the short last segment into the
+        staging's tail)."""
+        if tail:
+            return pltpu.make_async_copy(
+                self.table.at[pl.ds(row, 1), pl.ds(self.pitch - self.tw, self.tw)],
+                stage.tail.at[slot], sem)
+        return pltpu.make_async_copy(
+            self.table.at[pl.ds(row, 1),
+                          pl.ds(pl.multiple_of(s * tpu.LANES, tpu.LANES), tpu.LANES)],
+            stage.rows.at[slot, pl.ds(j, 1)], sem)
+
+    def start(self, row, c_lo, c_hi, delta, slot) -> None:
+        """Starts the DMAs of the segments holding columns ``[c_lo, c_hi)`` of ``row`` for item
+        buffer ``slot``."""
+        sem, short_sem = self.sems[slot], self.short_sems[slot]
+        tw = self.tw
+        a = lax.shift_right_arithmetic(delta, 7)
+
+        def one(s, counts):
+            tail = (s * tpu.LANES + tpu.LANES > self.pitch) if tw else jnp.bool_(False)
+            for stage in self.staging:
+                @pl.when(jnp.logical_not(tail))
+                def _(stage=stage):
+                    self._copy(row, s, s - a + 1, stage, slot, sem, tail=False).start()
+
+                if tw:
+                    @pl.when(tail)
+                    def _(stage=stage):
+                        self._copy(row, s, s - a + 1, stage, slot, short_sem, tail=True).start()
+                        self.tail_row[slot] = s - a + 1
+            k = len(self.staging)
+            return (counts[0] + k * jnp.logical_not(tail).astype(jnp.int32),
+                    counts[1] + k * tail.astype(jnp.int32))
+
+        s_lo = lax.shift_right_arithmetic(c_lo, 7)
+        s_hi = lax.shift_right_arithmetic(c_hi - 1, 7) + 1
+        nf, nt = lax.fori_loop(s_lo, jnp.maximum(s_hi, s_lo), one, (jnp.int32(0), jnp.int32(0)))
+        self.copies[slot] = nf
+        self.short_copies[slot] = nt
+
+    def wait(self, slot) -> None:
+        """Waits for :meth:`start`'s copies of item buffer ``slot`` and puts a short last segment
+        in its staging row."""
+        sem, short_sem = self.sems[slot], self.short_sems[slot]
+        tw = self.tw
+        k = len(self.staging)
+        for stage in self.staging:
+            tpu.wait_n(self._copy(0, 0, 0, stage, slot, sem, tail=False), self.copies[slot] // k)
+            if tw:
+                tpu.wait_n(self._copy(0, 0, 0, stage, slot, short_sem, tail=True),
+                           self.short_copies[slot] // k)
+        if tw:
+            j = self.tail_row[slot]
+
+            @pl.when(self.short_copies[slot] > 0)
+            def _():
+                for stage in self.staging:
+                    if stage.in_smem:  # word by word
+                        def word(w, c, stage=stage):
+                            stage.rows[slot, j, w] = stage.tail[slot, 0, w]
+                            return c
+
+                        lax.fori_loop(0, tw, word, 0)
+                        continue
+                    for jj in range(stage.rows.shape[1]):  # VMEM: the row, statically indexed
+                        @pl.when(j == jj)
+                        def _(jj=jj, stage=stage):
+                            stage.rows[slot, pl.ds(jj, 1), pl.ds(0, tw)] = stage.tail[slot]
+        self.copies[slot] = jnp.int32(0)
+        self.short_copies[slot] = jnp.int32(0)
+
+    def read(self, flat, j):
+        """The cell at flat address ``flat`` (in the table), read at once through row ``j`` (a
+        :class:`_CellRow`) of ``cell_s`` (or of ``cell_tail``)."""
+        pitch, tw = self.pitch, self.tw
+        row = tpu.idiv(flat, pitch)
+        col = tpu.irem(flat, pitch)
+        tail = (col >= pitch - tw) if tw else jnp.bool_(False)
+
+        @pl.when(jnp.logical_not(tail))
+        def _():
+            c = pltpu.make_async_copy(
+                self.table.at[pl.ds(row, 1), pl.ds(pl.multiple_of(col - (col & 127), tpu.LANES),
+                                                   tpu.LANES)],
+                self.cell_s.at[pl.ds(j, 1)], self.sync)
+            c.start()
+            c.wait()
+
+        if tw:
+            @pl.when(tail)
+            def _():
+                c = pltpu.make_async_copy(self.table.at[pl.ds(row, 1), pl.ds(pitch - tw, tw)],
+                                          self.cell_tail.at[pl.ds(j, 1)], self.sync)
+                c.start()
+                c.wait()
+
+            return jnp.where(tail, self.cell_tail[j, jnp.clip(col - (pitch - tw), 0, tw - 1)],
+                             self.cell_s[j, col & 127])
+        return self.cell_s[j, col & 127]
+
+
+def _realign(staging, delta, R: int):
+    """``out[e] = column e + delta`` for the ``R`` plane rows of a block, out of the staging rows
+    ``[NS, 128]`` (see :class:`_TableRows`): a lane rotation and a one-row carry."""
+    NS = staging.shape[0]
+    b = delta & (tpu.LANES - 1)
+    rot = pltpu.roll(staging, tpu.irem(tpu.LANES - b, tpu.LANES), 1)
+    this = pltpu.roll(rot, NS - 1, 0)  # this[i] = rot[i + 1]
+    carry = pltpu.roll(rot, NS - 2, 0)  # carry[i] = rot[i + 2]
+    lane = lax.broadcasted_iota(jnp.int32, staging.shape, 1)
+    return jnp.where(lane < tpu.LANES - b, this, carry)[:R]
+
+
+def _staged_at(delta, c):
+    """(staging row, lane) of column ``c`` (see :class:`_TableRows`)."""
+    return (lax.shift_right_arithmetic(c, 7) - lax.shift_right_arithmetic(delta, 7) + 1,
+            c & (tpu.LANES - 1))
+
+
+class _Blocks:
+    """The output blocks: the four plan fields of block ``b`` accumulate in ``acc`` (planes
+    ``2 f``, ``2 f + 1``: high, low words), are stored as pair rows in block buffer ``b & 1`` of
+    ``blk`` and written with one DMA per field (``sems``), while the other buffer's copies may be
+    in flight (``misc.out_busy``, a bit per buffer). A partial last block keeps its entries past
+    the live count: :meth:`start` loads it first (``load``)."""
+
+    def __init__(self, outs, acc, blk, misc, sems, load, *, block: int, live):
+        self.outs, self.acc, self.blk, self.misc = outs, acc, blk, misc
+        self.sems, self.load = sems, load
+        self.block, self.live = block, live
+        self.rows = 2 * (block // tpu.LANES)  # pair rows per block
+
+    def _copy(self, b, f, bslot):
+        return pltpu.make_async_copy(
+            self.blk.at[bslot, f],
+            self.outs[f].at[pl.ds(pl.multiple_of(b * self.rows, 8), self.rows)],
+            self.sems[bslot])
+
+    def free(self, bslot) -> None:
+        """Waits for block buffer ``bslot``'s copies in flight."""
+        @pl.when((self.misc.out_busy & (1 << bslot)) != 0)
+        def _():
+            for f in range(4):
+                self._copy(0, f, bslot).wait()
+            self.misc.out_busy = self.misc.out_busy & ~(1 << bslot)
+
+    def start(self, b) -> None:
+        """Block ``b`` begins: the last block, when partial, is loaded."""
+        bslot = b & 1
+
+        @pl.when((b + 1) * self.block > self.live)
+        def _():
+            self.free(bslot)
+            for f in range(4):
+                c = pltpu.make_async_copy(
+                    self.outs[f].at[pl.ds(pl.multiple_of(b * self.rows, 8), self.rows)],
+                    self.blk.at[bslot, f], self.load)
+                c.start()
+                c.wait()
+                hi, lo = tpu.planes(self.blk.at[bslot, f])
+                self.acc[2 * f] = tpu.i32(hi)
+                self.acc[2 * f + 1] = tpu.i32(lo)
+
+    def finish(self, b) -> None:
+        """Block ``b`` is merged: its copies out start."""
+        bslot = b & 1
+        self.free(bslot)
+        for f in range(4):
+            tpu.store_planes(self.blk.at[bslot, f], self.acc[2 * f], self.acc[2 * f + 1])
+            self._copy(b, f, bslot).start()
+        self.misc.out_busy = self.misc.out_busy | (1 << bslot)
+
+
+class _Tokens(NamedTuple):
+    """An item's expected tokens: pool columns from ``c0`` (its first position + k), read in
+    ``[lo, hi)`` (non-negative, below its valid length ``valid``), ``empty`` when none; ``fast``
+    when they lie in the row (staged segments) rather than per entry. Pairs are ``(hi, lo)``
+    uint32 words."""
+
+    c0: tuple
+    lo: tuple
+    hi: tuple
+    empty: Any
+    fast: Any
+    valid: tuple
+
+
+class _Item(NamedTuple):
+    """Request ``r``'s part of block ``b``: block-relative entries ``[e_lo, e_hi)``, its first
+    position ``pos0`` and row ``rp`` (pairs); ``cells_fast`` when its req_to_token cells lie in
+    the row (staged segments) rather than per entry; ``tokens``: with a pool, :class:`_Tokens`."""
+
+    e_lo: Any
+    e_hi: Any
+    pos0: tuple
+    rp: tuple
+    cells_fast: Any
+    tokens: _Tokens | None
 
 
 def _entries_kernel(
@@ -476,21 +688,18 @@ def _entries_kernel(
     # Output (HBM pair rows [cap_pad // 64, 128]): slots, expected tokens, positions, previous
     # slots
     out0, out1, out2, out3,
-    # Scratch: _EntriesScratch
+    # Scratch: _entries_state(...)
     *scratch,
-    bs, cap, block, window, rows, pitch, has_lut, lut_len, has_pool, prows, ppitch, k_off,
+    state, bs, cap, block, window, rows, pitch, has_lut, lut_len, has_pool, prows, ppitch,
+    k_off,
 ):
-    s_ = _EntriesScratch(*scratch)
-    seg_v, seg_s, tok_v, lutrows, cell_s = s_.seg_v, s_.seg_s, s_.tok_v, s_.lutrows, s_.cell_s
-    acc, blk, misc = s_.acc, s_.blk, s_.misc
-    tail_v, tail_s, tail_tok, lut_s = s_.tail_v, s_.tail_s, s_.tail_tok, s_.lut_s
-
-    def sem(k: _EntriesSem, s=0):
-        return tpu.sem_at(s_.sems, k, s)
+    scr = state.bind(scratch)
+    seg_v, seg_s, tok_v, lutrows, acc = scr.seg_v, scr.seg_s, scr.tok_v, scr.lutrows, scr.acc
+    misc, sems, lut_s = scr.misc, scr.sems, scr.lut_s
 
     def flag(f: _Flag, slot):
         """Whether ``f`` is set for item buffer ``slot``."""
-        return (misc[_Misc.FLAGS] & _flag_bit(f, slot)) != 0
+        return (misc.flags & _flag_bit(f, slot)) != 0
 
     outs = (out0, out1, out2, out3)  # slots, expected tokens, positions, previous slots
     R = block // tpu.LANES
@@ -503,8 +712,21 @@ def _entries_kernel(
     live = jnp.where((st_s[0] != 0) & jnp.logical_not(hashing_u32.is_neg(live_p)),
                      tpu.i32(live_p[1]), 0)
     nblocks = tpu.idiv(live + block - 1, block)
-    for i in range(_Misc.OUT_BUSY + 1):  # the counters and flags (not TAIL_ROW)
-        misc[i] = jnp.int32(0)
+    tpu_state.fill(misc, ("cell_copies", "cell_short_copies", "token_copies",
+                          "token_short_copies", "flags", "out_busy"), jnp.int32(0))
+    cells = _TableRows(
+        rtt_hbm, pitch,
+        [_Staging(seg_v, scr.tail_v, False)] + ([_Staging(seg_s, scr.tail_s, True)] if has_lut
+                                                else []),
+        sems=sems.cells, short_sems=sems.cells_tail, copies=misc.cell_copies,
+        short_copies=misc.cell_short_copies, tail_row=misc.cell_tail_row, cell_s=scr.cell_s,
+        cell_tail=scr.cell_tail_r, sync=sems.sync)
+    tokens = _TableRows(
+        pool_hbm, ppitch, [_Staging(tok_v, scr.tail_tok, False)],
+        sems=sems.tokens, short_sems=sems.tokens_tail, copies=misc.token_copies,
+        short_copies=misc.token_short_copies, tail_row=misc.token_tail_row, cell_s=scr.cell_s,
+        cell_tail=scr.cell_tail_p, sync=sems.sync)
+    blocks = _Blocks(outs, acc, scr.blk, misc, sems.out, sems.load, block=block, live=live)
 
     def voff(r):
         """Request r's first entry (r <= bs), clamped to [0, live]."""
@@ -525,15 +747,6 @@ def _entries_kernel(
 
         return lax.fori_loop(0, top.bit_length(), body, jnp.int32(0))
 
-    def item(b, r):
-        """Block-relative entries [e_lo, e_hi) of request r in block b, and its first position."""
-        t0 = b * block
-        lo = jnp.maximum(voff(r), t0)
-        hi = jnp.minimum(jnp.minimum(voff(r + 1), t0 + block), live)
-        pos0 = hashing_u32.add(_window_start(_pair(pre_s, r), window),
-                               hashing_u32.from_i32(lo - voff(r)))
-        return lo - t0, jnp.maximum(hi, lo) - t0, pos0
-
     def next_item(b, r):
         def empty(r):
             rc = jnp.minimum(r, bs - 1)
@@ -546,105 +759,19 @@ def _entries_kernel(
         return lax.cond(same, lambda: (b, nr),
                         lambda: (nb, owner(jnp.minimum(nb * block, jnp.maximum(live - 1, 0)))))
 
-    # A row's short last segment (when the pitch is not a multiple of 128) is DMA'd into a
-    # buffer of its own width, then copied into its staging row once landed: Mosaic refuses a DMA
-    # into a window of a wider row unless it is a multiple of 512 bytes. misc[_Misc.TAIL_ROW + at]
-    # holds the staging row it goes to (at: the fetch's counter words, see fetch).
-    tails = {id(seg_v): tail_v, id(seg_s): tail_s, id(tok_v): tail_tok}
-
-    # -- 128-column segments of a table row. Staging row j holds segment j - 1 + (delta >> 7),
-    # so that out[e] = column e + delta for e in [0, block) (see realign).
-    def seg_copy(tab, tpitch, row, s, j, dst, slot, sem, *, tail):
-        tw = tpitch % tpu.LANES
-        if tail:
-            return pltpu.make_async_copy(tab.at[pl.ds(row, 1), pl.ds(tpitch - tw, tw)],
-                                         tails[id(dst)].at[slot], sem)
-        return pltpu.make_async_copy(
-            tab.at[pl.ds(row, 1), pl.ds(pl.multiple_of(s * tpu.LANES, tpu.LANES), tpu.LANES)],
-            dst.at[slot, pl.ds(j, 1)], sem)
-
-    def fetch(tab, tpitch, row, c_lo, c_hi, delta, slot, dsts, sem_full, sem_tail, at):
-        """DMAs of the segments holding columns [c_lo, c_hi) of ``row`` into each of ``dsts``;
-        their counts go to misc[at], misc[at + 1] (``at``: _Misc.CELL_COPIES or TOKEN_COPIES,
-        + 2 slot)."""
-        tw = tpitch % tpu.LANES
-        a = lax.shift_right_arithmetic(delta, 7)
-
-        def one(s, counts):
-            tail = (s * tpu.LANES + tpu.LANES > tpitch) if tw else jnp.bool_(False)
-            for dst in dsts:
-                @pl.when(jnp.logical_not(tail))
-                def _(dst=dst):
-                    seg_copy(tab, tpitch, row, s, s - a + 1, dst, slot, sem_full,
-                             tail=False).start()
-
-                if tw:
-                    @pl.when(tail)
-                    def _(dst=dst):
-                        seg_copy(tab, tpitch, row, s, s - a + 1, dst, slot, sem_tail,
-                                 tail=True).start()
-                        misc[_Misc.TAIL_ROW + at] = s - a + 1
-            k = len(dsts)
-            return (counts[0] + k * jnp.logical_not(tail).astype(jnp.int32),
-                    counts[1] + k * tail.astype(jnp.int32))
-
-        s_lo = lax.shift_right_arithmetic(c_lo, 7)
-        s_hi = lax.shift_right_arithmetic(c_hi - 1, 7) + 1
-        nf, nt = lax.fori_loop(s_lo, jnp.maximum(s_hi, s_lo), one, (jnp.int32(0), jnp.int32(0)))
-        misc[at] = nf
-        misc[at + 1] = nt
-
-    def wait_fetched(tab, tpitch, dsts, slot, sem_full, sem_tail, at):
-        """Waits for ``fetch``'s copies into ``dsts`` and puts a short last segment in place."""
-        tw = tpitch % tpu.LANES
-        for dst in dsts:
-            tpu.wait_n(seg_copy(tab, tpitch, 0, 0, 0, dst, slot, sem_full, tail=False),
-                       misc[at] // len(dsts))
-            if tw:
-                tpu.wait_n(seg_copy(tab, tpitch, 0, 0, 0, dst, slot, sem_tail, tail=True),
-                           misc[at + 1] // len(dsts))
-        if tw:
-            j = misc[_Misc.TAIL_ROW + at]
-
-            @pl.when(misc[at + 1] > 0)
-            def _():
-                for dst in dsts:
-                    tail = tails[id(dst)]
-                    if dst is seg_s:  # SMEM: word by word
-                        def word(k, c):
-                            seg_s[slot, j, k] = tail_s[slot, 0, k]
-                            return c
-
-                        lax.fori_loop(0, tw, word, 0)
-                        continue
-                    for jj in range(NS):  # VMEM: the staging row, statically indexed
-                        @pl.when(j == jj)
-                        def _(jj=jj, dst=dst, tail=tail):
-                            dst[slot, pl.ds(jj, 1), pl.ds(0, tw)] = tail[slot]
-        misc[at] = jnp.int32(0)
-        misc[at + 1] = jnp.int32(0)
-
-    def realign(staging, delta):
-        b = delta & (tpu.LANES - 1)
-        rot = pltpu.roll(staging, tpu.irem(tpu.LANES - b, tpu.LANES), 1)
-        this = pltpu.roll(rot, NS - 1, 0)  # this[i] = rot[i + 1]
-        carry = pltpu.roll(rot, NS - 2, 0)  # carry[i] = rot[i + 2]
-        lane = lax.broadcasted_iota(jnp.int32, staging.shape, 1)
-        return jnp.where(lane < tpu.LANES - b, this, carry)[:R]
-
-    def staged_at(delta, c):
-        """(staging row, lane) of column c."""
-        return (lax.shift_right_arithmetic(c, 7) - lax.shift_right_arithmetic(delta, 7) + 1,
-                c & (tpu.LANES - 1))
-
-    def item_paths(b, r):
-        e_lo, e_hi, pos0 = item(b, r)
+    def item(b, r) -> _Item:
+        t0 = b * block
+        lo = jnp.maximum(voff(r), t0)
+        hi = jnp.minimum(jnp.minimum(voff(r + 1), t0 + block), live)
+        pos0 = hashing_u32.add(_window_start(_pair(pre_s, r), window),
+                               hashing_u32.from_i32(lo - voff(r)))
+        e_lo, e_hi = lo - t0, jnp.maximum(hi, lo) - t0
         rp = _pair(rpi_s, r)
         n = e_hi - e_lo
         cells_fast = (tpu.pair_in_range(rp, rows) & jnp.logical_not(hashing_u32.is_neg(pos0)) &
                       tpu.pair_in_range(hashing_u32.add_u32(pos0, tpu.u32(n)), pitch + 1))
         if not has_pool:
-            return e_lo, e_hi, pos0, rp, cells_fast, None
+            return _Item(e_lo, e_hi, pos0, rp, cells_fast, None)
         vl = _pair(vl_s, r)
         c0 = hashing_u32.add(pos0, hashing_u32.const(k_off))
         c_end = hashing_u32.add_u32(c0, tpu.u32(n))
@@ -652,72 +779,38 @@ def _entries_kernel(
         lo_n = tuple(jnp.where(hashing_u32.is_neg(c0), jnp.uint32(0), x) for x in c0)
         empty = jnp.logical_not(hashing_u32.lt(lo_n, hi_n))
         tok_fast = tpu.pair_in_range(rp, prows) & (empty | tpu.pair_in_range(hi_n, ppitch + 1))
-        return e_lo, e_hi, pos0, rp, cells_fast, (c0, lo_n, hi_n, empty, tok_fast, vl)
+        return _Item(e_lo, e_hi, pos0, rp, cells_fast,
+                     _Tokens(c0=c0, lo=lo_n, hi=hi_n, empty=empty, fast=tok_fast, valid=vl))
 
     def issue(b, r, slot):
-        e_lo, e_hi, pos0, rp, cells_fast, tok = item_paths(b, r)
+        """Starts the DMAs of item (b, r)'s staged segments into item buffer ``slot``, and
+        records which paths it takes."""
+        it = item(b, r)
         cells_bit = _flag_bit(_Flag.CELLS_FAST, slot)
         tokens_bit = _flag_bit(_Flag.TOKENS_FAST, slot)
-        flags = misc[_Misc.FLAGS] & ~cells_bit & ~tokens_bit
-        flags = flags | jnp.where(cells_fast, cells_bit, 0)
-        p32 = tpu.i32(pos0[1])
+        flags = misc.flags & ~cells_bit & ~tokens_bit
+        flags = flags | jnp.where(it.cells_fast, cells_bit, 0)
+        p32 = tpu.i32(it.pos0[1])
 
-        @pl.when(cells_fast)
+        @pl.when(it.cells_fast)
         def _():
-            fetch(rtt_hbm, pitch, tpu.i32(rp[1]), jnp.maximum(p32 - 1, 0), p32 + e_hi - e_lo,
-                  p32 - e_lo, slot, (seg_v, seg_s) if has_lut else (seg_v,),
-                  sem(_EntriesSem.CELLS, slot), sem(_EntriesSem.CELLS_TAIL, slot),
-                  _Misc.CELL_COPIES + 2 * slot)
+            cells.start(tpu.i32(it.rp[1]), jnp.maximum(p32 - 1, 0), p32 + it.e_hi - it.e_lo,
+                        p32 - it.e_lo, slot)
 
         if has_pool:
-            c0, lo_n, hi_n, empty, tok_fast, _ = tok
-            flags = flags | jnp.where(tok_fast, tokens_bit, 0)
+            tok = it.tokens
+            flags = flags | jnp.where(tok.fast, tokens_bit, 0)
 
-            @pl.when(tok_fast & jnp.logical_not(empty))
+            @pl.when(tok.fast & jnp.logical_not(tok.empty))
             def _():
-                fetch(pool_hbm, ppitch, tpu.i32(rp[1]), tpu.i32(lo_n[1]), tpu.i32(hi_n[1]),
-                      tpu.i32(c0[1]) - e_lo, slot, (tok_v,),
-                      sem(_EntriesSem.TOKENS, slot), sem(_EntriesSem.TOKENS_TAIL, slot),
-                      _Misc.TOKEN_COPIES + 2 * slot)
-        misc[_Misc.FLAGS] = flags
+                tokens.start(tpu.i32(it.rp[1]), tpu.i32(tok.lo[1]), tpu.i32(tok.hi[1]),
+                             tpu.i32(tok.c0[1]) - it.e_lo, slot)
+        misc.flags = flags
 
     def wait_item(slot):
-        wait_fetched(rtt_hbm, pitch, (seg_v, seg_s) if has_lut else (seg_v,), slot,
-                     sem(_EntriesSem.CELLS, slot), sem(_EntriesSem.CELLS_TAIL, slot),
-                     _Misc.CELL_COPIES + 2 * slot)
+        cells.wait(slot)
         if has_pool:
-            wait_fetched(pool_hbm, ppitch, (tok_v,), slot, sem(_EntriesSem.TOKENS, slot),
-                         sem(_EntriesSem.TOKENS_TAIL, slot), _Misc.TOKEN_COPIES + 2 * slot)
-
-    def read_cell(tab, tpitch, flat, j):
-        """The cell at a flat address (sync), through row ``j`` (a :class:`_CellRow`) of
-        ``cell_s`` (or of the table's ``cell_tail_*``)."""
-        row = tpu.idiv(flat, tpitch)
-        col = tpu.irem(flat, tpitch)
-        tw = tpitch % tpu.LANES
-        tail = (col >= tpitch - tw) if tw else jnp.bool_(False)
-
-        @pl.when(jnp.logical_not(tail))
-        def _():
-            c = pltpu.make_async_copy(
-                tab.at[pl.ds(row, 1), pl.ds(pl.multiple_of(col - (col & 127), tpu.LANES),
-                                            tpu.LANES)],
-                cell_s.at[pl.ds(j, 1)], sem(_EntriesSem.SYNC))
-            c.start()
-            c.wait()
-
-        cell_tail = s_.cell_tail_r if tab is rtt_hbm else s_.cell_tail_p
-        if tw:
-            @pl.when(tail)
-            def _():
-                c = pltpu.make_async_copy(tab.at[pl.ds(row, 1), pl.ds(tpitch - tw, tw)],
-                                          cell_tail.at[pl.ds(j, 1)], sem(_EntriesSem.SYNC))
-                c.start()
-                c.wait()
-
-            return jnp.where(tail, cell_tail[j, jnp.clip(col - (tpitch - tw), 0, tw - 1)],
-                             cell_s[j, col & 127])
-        return cell_s[j, col & 127]
+            tokens.wait(slot)
 
     def set_entry(plane, i, v):
         """acc[plane][entry i] = v (one row read-modify-write)."""
@@ -729,7 +822,7 @@ def _entries_kernel(
     def lut_copy(v, i):
         return pltpu.make_async_copy(
             lut_hbm.at[pl.ds(jnp.minimum(v, lut_len - 1), 1)],
-            lutrows.at[tpu.idiv(i, tpu.LANES), pl.ds(i & 127, 1)], sem(_EntriesSem.LUT))
+            lutrows.at[tpu.idiv(i, tpu.LANES), pl.ds(i & 127, 1)], sems.lut)
 
     def xlat_one(v):
         """LUT translation of one int32 value (sync), through ``lut_s``."""
@@ -737,7 +830,7 @@ def _entries_kernel(
             return hashing_u32.from_i32(v)
         c = pltpu.make_async_copy(lut_hbm.at[pl.ds(jnp.minimum(jnp.maximum(v, 0),
                                                                lut_len - 1), 1)],
-                                  lut_s, sem(_EntriesSem.SYNC))
+                                  lut_s, sems.sync)
 
         @pl.when(v >= 0)
         def _():
@@ -748,7 +841,9 @@ def _entries_kernel(
         return tuple(jnp.where(v >= 0, x, y) for x, y in zip(lut, hashing_u32.from_i32(v)))
 
     def merge(b, r, slot):
-        e_lo, e_hi, pos0, rp, _, tok = item_paths(b, r)
+        """Item (b, r)'s entries into ``acc``, its segments landed in item buffer ``slot``."""
+        it = item(b, r)
+        e_lo, e_hi, pos0, rp = it.e_lo, it.e_hi, it.pos0, it.rp
         e = tpu.entry_index(R)
         inside = (e >= e_lo) & (e < e_hi)
         p32 = tpu.i32(pos0[1])
@@ -757,23 +852,23 @@ def _entries_kernel(
 
         def fast_cells():
             stage = seg_v[slot]
-            row, lane = staged_at(delta, jnp.maximum(p32 - 1, 0))
+            row, lane = _staged_at(delta, jnp.maximum(p32 - 1, 0))
             at = (lax.broadcasted_iota(jnp.int32, stage.shape, 0) == row) & \
                 (lax.broadcasted_iota(jnp.int32, stage.shape, 1) == lane)
-            return realign(stage, delta), tpu.sum_scalar(jnp.where(at, stage, 0))
+            return _realign(stage, delta, R), tpu.sum_scalar(jnp.where(at, stage, 0))
 
         def slow_cells():
             # Per entry, SGLang's flat address (it may leave the row); outside the table: 0.
             def one(i, c):
                 ok, flat = _flat(rp, hashing_u32.add_u32(pos0, tpu.u32(i - e_lo)), pitch, n_cells)
                 set_entry(_ACC_SLOW_CELLS, i, jnp.where(
-                    ok, read_cell(rtt_hbm, pitch, jnp.where(ok, flat, 0), _CellRow.CELL), 0))
+                    ok, cells.read(jnp.where(ok, flat, 0), _CellRow.CELL), 0))
                 return c
 
             lax.fori_loop(e_lo, e_hi, one, 0)
             okp, flatp = _flat(rp, hashing_u32.sub(pos0, hashing_u32.const(1)), pitch, n_cells)
             return acc[_ACC_SLOW_CELLS], jnp.where(
-                okp, read_cell(rtt_hbm, pitch, jnp.where(okp, flatp, 0), _CellRow.FIRST_PREV), 0)
+                okp, cells.read(jnp.where(okp, flatp, 0), _CellRow.FIRST_PREV), 0)
 
         raw, first_prev = lax.cond(cells_fast, fast_cells, slow_cells)
         if has_lut:
@@ -790,7 +885,7 @@ def _entries_kernel(
                 return lax.fori_loop(e_lo, e_hi, one, jnp.int32(0))
 
             def fast_value(i):
-                row, lane = staged_at(delta, p32 - e_lo + i)
+                row, lane = _staged_at(delta, p32 - e_lo + i)
                 return seg_s[slot, jnp.clip(row, 0, NS - 1), lane]
 
             def slow_value(i):
@@ -813,14 +908,14 @@ def _entries_kernel(
                                   tpu.u32(e - e_lo))
 
         if has_pool:
-            c0, lo_n, hi_n, empty, _, vl = tok
+            tok, vl = it.tokens, it.tokens.valid
             posk = hashing_u32.add(pos, hashing_u32.const(k_off, e))
             in_vl = jnp.logical_not(hashing_u32.is_neg(posk)) & \
                 hashing_u32.lt(posk, (jnp.full(e.shape, vl[0]), jnp.full(e.shape, vl[1])))
             tok_fast = flag(_Flag.TOKENS_FAST, slot)
 
             def fast_tok():
-                return jnp.where(in_vl, realign(tok_v[slot], tpu.i32(c0[1]) - e_lo), -1)
+                return jnp.where(in_vl, _realign(tok_v[slot], tpu.i32(tok.c0[1]) - e_lo, R), -1)
 
             def slow_tok():
                 def one(i, c):
@@ -830,8 +925,7 @@ def _entries_kernel(
                     ok, flat = _flat(rp, p, ppitch, n_pool)
                     go = ok & ok_vl
                     set_entry(_ACC_SLOW_TOKENS, i, jnp.where(
-                        go, read_cell(pool_hbm, ppitch, jnp.where(go, flat, 0), _CellRow.TOKEN),
-                        -1))
+                        go, tokens.read(jnp.where(go, flat, 0), _CellRow.TOKEN), -1))
                     return c
 
                 lax.fori_loop(e_lo, e_hi, one, 0)
@@ -845,47 +939,12 @@ def _entries_kernel(
             for w in range(2):
                 acc[2 * f + w] = jnp.where(inside, tpu.i32(pair[w]), acc[2 * f + w])
 
-    def out_copy(b, f, bslot):
-        return pltpu.make_async_copy(
-            blk.at[bslot, f], outs[f].at[pl.ds(pl.multiple_of(b * 2 * R, 8), 2 * R)],
-            sem(_EntriesSem.OUT, bslot))
-
-    def free_block_buffer(bslot):
-        @pl.when((misc[_Misc.OUT_BUSY] & (1 << bslot)) != 0)
-        def _():
-            for f in range(4):
-                out_copy(0, f, bslot).wait()
-            misc[_Misc.OUT_BUSY] = misc[_Misc.OUT_BUSY] & ~(1 << bslot)
-
-    def start_block(b):
-        """The last block, when partial, keeps its entries past the live count: load it."""
-        bslot = b & 1
-
-        @pl.when((b + 1) * block > live)
-        def _():
-            free_block_buffer(bslot)
-            for f in range(4):
-                c = pltpu.make_async_copy(
-                    outs[f].at[pl.ds(pl.multiple_of(b * 2 * R, 8), 2 * R)], blk.at[bslot, f],
-                    sem(_EntriesSem.LOAD))
-                c.start()
-                c.wait()
-                hi, lo = tpu.planes(blk.at[bslot, f])
-                acc[2 * f] = tpu.i32(hi)
-                acc[2 * f + 1] = tpu.i32(lo)
-
-    def finish_block(b):
-        bslot = b & 1
-        free_block_buffer(bslot)
-        for f in range(4):
-            tpu.store_planes(blk.at[bslot, f], acc[2 * f], acc[2 * f + 1])
-            out_copy(b, f, bslot).start()
-        misc[_Misc.OUT_BUSY] = misc[_Misc.OUT_BUSY] | (1 << bslot)
-
+    # The walk: item k + 1's segments are in flight while item k is merged; a block is written
+    # out once its last item is merged.
     @pl.when(nblocks > 0)
     def _():
         r0 = owner(jnp.int32(0))
-        start_block(jnp.int32(0))
+        blocks.start(jnp.int32(0))
         issue(jnp.int32(0), r0, 0)
 
         def body(carry):
@@ -901,26 +960,28 @@ def _entries_kernel(
 
             @pl.when(nb != b)
             def _():
-                finish_block(b)
+                blocks.finish(b)
 
                 @pl.when(nb < nblocks)
                 def _():
-                    start_block(nb)
+                    blocks.start(nb)
 
             return nb, nr, 1 - slot
 
         lax.while_loop(lambda c: c[0] < nblocks, body, (jnp.int32(0), r0, jnp.int32(0)))
         for bslot in (0, 1):
-            free_block_buffer(bslot)
+            blocks.free(bslot)
 
 
-def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, valid_lens, slots,
-                 tokens, positions, prevs, *, swa_window_size, kv_token_id_vs_position_offset,
-                 config: tpu.BlockConfig):
-    """Today's array-level entries half (``bs >= 1``): returns the four verify arrays (aliased
-    to their inputs; entries past the live count untouched)."""
+def plan_entries(inputs: PlanInputs, vp: VerifyPlan, verify_offsets, *, swa_window_size,
+                 kv_token_id_vs_position_offset, config: tpu.BlockConfig) -> VerifyPlan:
+    """The entries half (:func:`kvcanary_jax.ops.plan.base.compose`, ``bs >= 1``): ``vp`` with
+    its four arrays filled (aliased to their inputs; entries past the live count untouched)."""
+    rpi, req_to_token, lut = inputs.req_pool_indices, inputs.req_to_token, \
+        inputs.full_to_swa_index_mapping
+    pool = inputs.req_to_verify_expected_tokens
     bs = int(rpi.shape[0])
-    cap = int(slots.shape[0])
+    cap = int(vp.verify_slot_indices.shape[0])
     block = config.block
     cap_pad = tpu.pad_to(cap, block)
     rows, pitch = (int(d) for d in req_to_token.shape)
@@ -933,17 +994,21 @@ def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, v
                              f"32-bit addressing allows fewer than 2**31")
     bp = tpu.pad_to(bs + 1, tpu.PAIR_TILE)
     voff_r = tpu.to_pair_rows(verify_offsets, bp)
-    rpi_r, pre_r = (tpu.to_pair_rows(x, bp) for x in (rpi, prefix))
-    vl_r = tpu.to_pair_rows(valid_lens, bp) if has_pool else jnp.zeros((8, tpu.LANES), jnp.int32)
-    st = jnp.concatenate([enable.astype(jnp.int32).reshape(1), jnp.zeros((3,), jnp.int32)])
+    rpi_r, pre_r = (tpu.to_pair_rows(x, bp) for x in (rpi, inputs.prefix_lens))
+    vl_r = (tpu.to_pair_rows(inputs.req_to_verify_expected_tokens_valid_lens, bp) if has_pool
+            else jnp.zeros((8, tpu.LANES), jnp.int32))
+    st = jnp.concatenate([vp.enable.astype(jnp.int32).reshape(1), jnp.zeros((3,), jnp.int32)])
     rtt = req_to_token if rows * pitch else jnp.zeros((1, 1), jnp.int32)
     lut2 = tpu.words32(lut.reshape(-1, 1)) if has_lut else jnp.zeros((1, 2), jnp.int32)
     pool_ = pool if has_pool and prows * ppitch else jnp.zeros((1, 1), jnp.int32)
-    outs = [tpu.to_pair_rows(x, cap_pad) for x in (slots, tokens, positions, prevs)]
+    # the kernel's four outputs, in VERIFY_ARRAYS order (slots, expected tokens, positions,
+    # previous slots)
+    outs = [tpu.to_pair_rows(getattr(vp, f), cap_pad) for f in VERIFY_ARRAYS]
     # widths of the short last segments of the tables as the kernel sees them
     tw_r, tw_p = (max(int(t.shape[1]) % tpu.LANES, 1) for t in (rtt, pool_))
+    state = _entries_state(block, has_lut, tw_r, tw_p)
     kernel = functools.partial(
-        _entries_kernel, bs=bs, cap=cap, block=block, window=int(swa_window_size),
+        _entries_kernel, state=state, bs=bs, cap=cap, block=block, window=int(swa_window_size),
         rows=rows if rows * pitch else 0, pitch=int(rtt.shape[1]), has_lut=has_lut,
         lut_len=int(lut.shape[0]) if has_lut else 1, has_pool=has_pool,
         prows=prows if prows * ppitch else 0, ppitch=int(pool_.shape[1]),
@@ -955,7 +1020,7 @@ def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, v
             num_scalar_prefetch=5, grid=(1,),
             in_specs=[any_spec] * 7,
             out_specs=[any_spec] * 4,
-            scratch_shapes=_entries_scratch_shapes(block, has_lut, tw_r, tw_p)),
+            scratch_shapes=state.scratch_shapes()),
         out_shape=[jax.ShapeDtypeStruct(o.shape, jnp.int32) for o in outs],
         input_output_aliases={8 + i: i for i in range(4)},
         compiler_params=tpu.compiler_params(config.vmem_limit_bytes),
@@ -964,4 +1029,5 @@ def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, v
         interpret=config.interpret or False,
         name="kvcanary_plan_entries_tpu",
     )
-    return tuple(tpu.from_pair_rows(o, cap) for o in new)
+    return dataclasses.replace(vp, **{f: tpu.from_pair_rows(o, cap)
+                                      for f, o in zip(VERIFY_ARRAYS, new)})

@@ -25,6 +25,7 @@ out-of-table reads take). Semantics: :mod:`kvcanary_jax.ops.plan.base`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -34,7 +35,9 @@ from jax.experimental.pallas import triton as plt
 
 from kvcanary_jax import consts
 from kvcanary_jax.ops import _kernel_lib
-from kvcanary_jax.ops.plan.base import lens, window_start
+from kvcanary_jax.ops.plan.base import (VERIFY_ARRAYS, PlanInputs, PlanOffsets, lens,
+                                        window_start)
+from kvcanary_jax.plans import VerifyPlan, WritePlan
 
 __all__ = [
     "plan_offsets",
@@ -210,18 +213,19 @@ def _dummy(dtype):
     return jnp.zeros((1,), dtype)
 
 
-def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, verify_num_valid,
-                 enable, write_num_valid_reqs, *, swa_window_size, verify_capacity, interpret,
-                 num_warps=OFFSETS_NUM_WARPS, single_block_max=SINGLE_BLOCK_MAX,
-                 multi_block=MULTI_BLOCK, num_reqs=None):
-    """Launch the offsets kernel(s) (call inside a jit, after validation). ``req_to_token`` is the
-    ``[rows, row_pitch]`` table (a compact base whose pitch may exceed the logical width);
-    ``num_reqs``: a one-element int32 array, the batch's request count (module docstring).
-
-    Returns ``(verify_offsets[bs + 1], write_offsets, seeds, verify_num_valid, enable,
-    write_num_valid_reqs)``; the last five alias their inputs."""
+def plan_offsets(inputs: PlanInputs, vp: VerifyPlan, wp: WritePlan, *, swa_window_size,
+                 verify_capacity, interpret, num_warps=OFFSETS_NUM_WARPS,
+                 single_block_max=SINGLE_BLOCK_MAX, multi_block=MULTI_BLOCK) -> PlanOffsets:
+    """Launch the offsets kernel(s) (call inside a jit, after validation; the offsets half of
+    :func:`kvcanary_jax.ops.plan.base.compose`). ``inputs.req_to_token`` is the ``[rows,
+    row_pitch]`` table (a compact base whose pitch may exceed the logical width);
+    ``inputs.num_reqs``: None, or a one-element int32 array, the batch's request count (module
+    docstring). The write plan and the verify plan's two scalars alias their inputs."""
+    rpi, prefix, extend = inputs.req_pool_indices, inputs.prefix_lens, inputs.extend_seq_lens
+    req_to_token, lut, num_reqs = (inputs.req_to_token, inputs.full_to_swa_index_mapping,
+                                   inputs.num_reqs)
     bs = rpi.shape[0]
-    write_capacity = seeds.shape[0]
+    write_capacity = wp.write_seed_slot_indices.shape[0]
     rows, pitch = req_to_token.shape
     n_cells = rows * pitch
     rtt_flat = req_to_token.reshape(-1) if n_cells > 0 else _dummy(jnp.int32)
@@ -256,22 +260,23 @@ def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, v
         n_cells=n_cells, verify_capacity=verify_capacity, write_capacity=write_capacity,
         has_n=has_n,
     )
-    inputs = (rpi, prefix, extend, rtt_flat, lut_arr, *sum_inputs, *n_inputs,
-              write_offsets, seeds, verify_num_valid, enable, write_num_valid_reqs)
-    first_alias = len(inputs) - 5
-    out_shape = (
-        jax.ShapeDtypeStruct((bs + 1,), jnp.int64),
-        *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in inputs[first_alias:]),
-    )
-    return pl.pallas_call(
+    aliased = (wp.write_offsets, wp.write_seed_slot_indices, vp.verify_num_valid, vp.enable,
+               wp.write_num_valid_reqs)
+    operands = (rpi, prefix, extend, rtt_flat, lut_arr, *sum_inputs, *n_inputs, *aliased)
+    first_alias = len(operands) - len(aliased)
+    voff, wo, seeds, nv, en, wn = pl.pallas_call(
         kernel,
-        out_shape=out_shape,
+        out_shape=(jax.ShapeDtypeStruct((bs + 1,), jnp.int64),
+                   *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in aliased)),
         grid=(grid,),
-        input_output_aliases={first_alias + i: 1 + i for i in range(5)},
+        input_output_aliases={first_alias + i: 1 + i for i in range(len(aliased))},
         interpret=interpret,
         compiler_params=params,
         name="kvcanary_plan_offsets",
-    )(*inputs)
+    )(*operands)
+    return PlanOffsets(verify_offsets=voff, verify_num_valid=nv, enable=en,
+                       write_plan=WritePlan(write_offsets=wo, write_seed_slot_indices=seeds,
+                                            write_num_valid_reqs=wn))
 
 
 # --------------------------------------------------------------------------------------------
@@ -352,14 +357,17 @@ def _entries_kernel(rpi_ref, prefix_ref, rtt_ref, lut_ref, voff_ref, en_ref, poo
             do_block(pid)
 
 
-def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, valid_lens,
-                 slots, tokens, positions, prevs, *, swa_window_size,
+def plan_entries(inputs: PlanInputs, vp: VerifyPlan, verify_offsets, *, swa_window_size,
                  kv_token_id_vs_position_offset, interpret, block_entries=BLOCK_ENTRIES,
-                 max_programs=MAX_PROGRAMS, num_warps=ENTRIES_NUM_WARPS):
-    """Launch the entries kernel (inside a jit, after validation, bs >= 1). ``req_to_token`` and
-    ``pool`` are ``[rows, row_pitch]`` tables. Returns the four verify arrays (aliased)."""
+                 max_programs=MAX_PROGRAMS, num_warps=ENTRIES_NUM_WARPS) -> VerifyPlan:
+    """Launch the entries kernel (inside a jit, after validation, bs >= 1; the entries half of
+    :func:`kvcanary_jax.ops.plan.base.compose`). ``inputs.req_to_token`` and the pool are
+    ``[rows, row_pitch]`` tables. Returns ``vp`` with its four arrays filled (aliased)."""
+    rpi, prefix, req_to_token = inputs.req_pool_indices, inputs.prefix_lens, inputs.req_to_token
+    lut, pool = inputs.full_to_swa_index_mapping, inputs.req_to_verify_expected_tokens
+    valid_lens = inputs.req_to_verify_expected_tokens_valid_lens
     bs = rpi.shape[0]
-    capacity = slots.shape[0]
+    capacity = vp.verify_slot_indices.shape[0]
     rows, pitch = req_to_token.shape
     n_cells = rows * pitch
     has_lut = lut is not None
@@ -380,21 +388,22 @@ def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, v
         k=int(kv_token_id_vs_position_offset),
     )
     dummy64 = jnp.zeros((1,), jnp.int64)
-    inputs = (
+    read = (
         rpi, prefix,
         req_to_token.reshape(-1) if n_cells else jnp.zeros((1,), jnp.int32),
         lut if has_lut else dummy64,
-        verify_offsets, enable,
+        verify_offsets, vp.enable,
         pool.reshape(-1) if has_pool and n_pool else jnp.zeros((1,), jnp.int32),
         valid_lens if has_pool else dummy64,
-        slots, tokens, positions, prevs,
     )
-    return pl.pallas_call(
+    aliased = tuple(getattr(vp, f) for f in VERIFY_ARRAYS)
+    filled = pl.pallas_call(
         kernel,
-        out_shape=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in inputs[8:]),
+        out_shape=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in aliased),
         grid=(num_programs,),
-        input_output_aliases={8 + i: i for i in range(4)},
+        input_output_aliases={len(read) + i: i for i in range(len(aliased))},
         interpret=interpret,
         compiler_params=None if interpret else _kernel_lib.compiler_params(num_warps),
         name="kvcanary_plan_entries",
-    )(*inputs)
+    )(*read, *aliased)
+    return dataclasses.replace(vp, **dict(zip(VERIFY_ARRAYS, filled)))

@@ -76,33 +76,38 @@ def _xlat(v, lut):
     return jnp.where(v < 0, v, _xla_lib.take(lut, jnp.clip(v, 0, lut.shape[0] - 1), True))
 
 
-def plan_offsets(rpi, prefix, extend, req_to_token, lut, write_offsets, seeds, verify_num_valid,
-                 enable, write_num_valid_reqs, *, swa_window_size, verify_capacity,
-                 num_reqs=None):
+def plan_offsets(inputs: base.PlanInputs, vp: VerifyPlan, wp: WritePlan, *, swa_window_size,
+                 verify_capacity) -> base.PlanOffsets:
     """The offsets half (:func:`kvcanary_jax.ops.plan.base.compose`, ``bs >= 1``); lanes at or
-    past ``num_reqs`` are padding (:func:`kvcanary_jax.ops.plan.base.batch_lanes`)."""
+    past ``inputs.num_reqs`` are padding (:func:`kvcanary_jax.ops.plan.base.batch_lanes`)."""
+    rpi, prefix, num_reqs = inputs.req_pool_indices, inputs.prefix_lens, inputs.num_reqs
     bs = rpi.shape[0]
     n = base.batch_lanes(num_reqs, bs)
     in_bs = True if num_reqs is None else jnp.arange(bs) < n
-    active, vlen, wlen = base.lens(rpi, prefix, extend, in_bs, swa_window_size)
+    active, vlen, wlen = base.lens(rpi, prefix, inputs.extend_seq_lens, in_bs, swa_window_size)
     zero = jnp.zeros((1,), jnp.int64)
     voff = jnp.concatenate([zero, jnp.cumsum(vlen)])
     wcum = jnp.concatenate([zero, jnp.cumsum(wlen)])
     if num_reqs is not None:
         wcum = jnp.where(jnp.arange(bs + 1) <= n, wcum, 0)
-    wo = jax.lax.dynamic_update_slice(_xla_lib.overwrite(write_offsets, 0), wcum, (0,))
+    wo = jax.lax.dynamic_update_slice(_xla_lib.overwrite(wp.write_offsets, 0), wcum, (0,))
     has_prefix = active & (prefix > 0)
-    seed = _xlat(_read(req_to_token, rpi, prefix - 1, has_prefix, 0), lut)
+    seed = _xlat(_read(inputs.req_to_token, rpi, prefix - 1, has_prefix, 0),
+                 inputs.full_to_swa_index_mapping)
     seed = jnp.where(has_prefix & (wlen > 0), seed, -1)
+    seeds = wp.write_seed_slot_indices
     if num_reqs is not None:
         seed = jnp.where(in_bs, seed, seeds[:bs])
     seeds = jax.lax.dynamic_update_slice(seeds, seed, (0,))
     total = voff[bs]
     overflow = total > verify_capacity
-    nv = _xla_lib.overwrite(verify_num_valid, jnp.where(overflow, verify_capacity, total))
-    en = _xla_lib.overwrite(enable, jnp.where(overflow, 0, 1))
-    wn = _xla_lib.overwrite(write_num_valid_reqs, n)
-    return voff, wo, seeds, nv, en, wn
+    return base.PlanOffsets(
+        verify_offsets=voff,
+        verify_num_valid=_xla_lib.overwrite(vp.verify_num_valid,
+                                            jnp.where(overflow, verify_capacity, total)),
+        enable=_xla_lib.overwrite(vp.enable, jnp.where(overflow, 0, 1)),
+        write_plan=WritePlan(write_offsets=wo, write_seed_slot_indices=seeds,
+                             write_num_valid_reqs=_xla_lib.overwrite(wp.write_num_valid_reqs, n)))
 
 
 def _owners(voff, t0, n):
@@ -120,40 +125,41 @@ def _owners(voff, t0, n):
     return jnp.maximum(jax.lax.cummax(marks), jnp.minimum(first, bs - 1))
 
 
-def _entries_at(t, owner, rpi, prefix, req_to_token, lut, voff, pool, valid_lens, *,
-                swa_window_size, k, mask):
-    rp = rpi[owner]
-    pos = base.window_start(prefix[owner], swa_window_size) + (t - voff[owner])
-    slot = _xlat(_read(req_to_token, rp, pos, mask, 0), lut)
-    prev = jnp.where(pos > 0, _xlat(_read(req_to_token, rp, pos - 1, mask & (pos > 0), 0), lut),
-                     -1)
+def _entries_at(t, owner, inputs: base.PlanInputs, voff, *, swa_window_size, k, mask):
+    """The four verify arrays' values (by field name) of entries ``t`` owned by ``owner``."""
+    rp = inputs.req_pool_indices[owner]
+    lut, pool = inputs.full_to_swa_index_mapping, inputs.req_to_verify_expected_tokens
+    pos = base.window_start(inputs.prefix_lens[owner], swa_window_size) + (t - voff[owner])
+    slot = _xlat(_read(inputs.req_to_token, rp, pos, mask, 0), lut)
+    prev = jnp.where(pos > 0, _xlat(_read(inputs.req_to_token, rp, pos - 1, mask & (pos > 0), 0),
+                                    lut), -1)
     if pool is None:
         tok = jnp.full(t.shape, -1, jnp.int64)
     else:
         sot = pos + k
+        valid_lens = inputs.req_to_verify_expected_tokens_valid_lens
         tok = _read(pool, rp, sot, mask & (sot >= 0) & (sot < valid_lens[owner]), -1)
-    return slot, tok, pos, prev
+    return {"verify_slot_indices": slot, "verify_expected_tokens": tok,
+            "verify_expected_positions": pos, "verify_prev_slot_indices": prev}
 
 
-def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, valid_lens,
-                 slots, tokens, positions, prevs, *, swa_window_size,
-                 kv_token_id_vs_position_offset, block=0):
-    """The entries half (:func:`kvcanary_jax.ops.plan.base.compose`, ``bs >= 1``): the four
-    verify arrays, entries ``[0, live)`` filled and the rest as given."""
-    bs = rpi.shape[0]
-    cap = slots.shape[0]
-    outs = (slots, tokens, positions, prevs)
+def plan_entries(inputs: base.PlanInputs, vp: VerifyPlan, verify_offsets, *, swa_window_size,
+                 kv_token_id_vs_position_offset, block=0) -> VerifyPlan:
+    """The entries half (:func:`kvcanary_jax.ops.plan.base.compose`, ``bs >= 1``): ``vp`` with
+    entries ``[0, live)`` of its four arrays filled and the rest as given."""
+    bs = inputs.req_pool_indices.shape[0]
+    cap = vp.verify_slot_indices.shape[0]
     if cap == 0:
-        return outs
-    live = jnp.where(enable[0] != 0, jnp.minimum(verify_offsets[bs], cap), 0)
-    at = functools.partial(_entries_at, rpi=rpi, prefix=prefix, req_to_token=req_to_token,
-                           lut=lut, voff=verify_offsets, pool=pool, valid_lens=valid_lens,
+        return vp
+    outs = {f: getattr(vp, f) for f in base.VERIFY_ARRAYS}
+    live = jnp.where(vp.enable[0] != 0, jnp.minimum(verify_offsets[bs], cap), 0)
+    at = functools.partial(_entries_at, inputs=inputs, voff=verify_offsets,
                            swa_window_size=swa_window_size, k=int(kv_token_id_vs_position_offset))
     if block == 0 or block >= cap:
         t = jnp.arange(cap, dtype=jnp.int64)
         m = t < live
         new = at(t, _owners(verify_offsets, 0, cap), mask=m)
-        return tuple(jnp.where(m, a, b) for a, b in zip(new, outs))
+        return dataclasses.replace(vp, **{f: jnp.where(m, new[f], outs[f]) for f in outs})
 
     # Live blocks only. The last block's slice is clamped to the capacity and may start below
     # the block boundary: entries there were written by the previous trip and are kept.
@@ -164,13 +170,13 @@ def plan_entries(rpi, prefix, req_to_token, lut, verify_offsets, enable, pool, v
         t = start + jnp.arange(block, dtype=jnp.int64)
         m = (t >= lo) & (t < live)
         new = at(t, _owners(verify_offsets, start, block), mask=m)
-        old = [jax.lax.dynamic_slice(o, (start,), (block,)) for o in outs]
-        return b + 1, tuple(jax.lax.dynamic_update_slice(o, jnp.where(m, a, c), (start,))
-                            for o, a, c in zip(outs, new, old))
+        old = {f: jax.lax.dynamic_slice(o, (start,), (block,)) for f, o in outs.items()}
+        return b + 1, {f: jax.lax.dynamic_update_slice(o, jnp.where(m, new[f], old[f]), (start,))
+                       for f, o in outs.items()}
 
     nblocks = (live + block - 1) // block
     _, outs = jax.lax.while_loop(lambda c: c[0] < nblocks, trip, (jnp.zeros((), jnp.int64), outs))
-    return outs
+    return dataclasses.replace(vp, **outs)
 
 
 # The batch size may be an operand (``inputs.num_reqs``: base.batch_lanes).

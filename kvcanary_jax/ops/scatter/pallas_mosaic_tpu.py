@@ -28,9 +28,8 @@ per request.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kvcanary_jax import hashing_u32
 from kvcanary_jax.ops import _tpu_lib as tpu
+from kvcanary_jax.ops import _tpu_state as tpu_state
 from kvcanary_jax.ops.scatter.base import ScatterInputs
 
 __all__ = ["Config", "heuristics", "run", "GROUP"]
@@ -48,58 +48,35 @@ __all__ = ["Config", "heuristics", "run", "GROUP"]
 GROUP = 16
 
 
-class _Misc(enum.IntEnum):
-    """Words of ``misc`` (each ``+ s`` for item buffer ``s``)."""
-
-    PEND_ROW = 0  # the pool row the buffer's writes in flight go to (-1: none)
-    PEND_N = 2  # whole-segment writes in flight
-    PEND_TAIL = 4  # short-last-segment writes in flight
-    RD_N = 6  # whole-segment reads in flight
-    RD_TAIL = 8  # short-last-segment reads in flight
-
-
-_MISC_WORDS = 10
-
-
-class _Sem(enum.IntEnum):
-    """DMA semaphores (each ``+ s`` for item buffer ``s``)."""
-
-    SRC = 0  # the item's source rows
-    READ = 2  # pool segments read back (whole)
-    READ_TAIL = 4  # a row's short last segment read back
-    WRITE = 6  # pool segments written (whole)
-    WRITE_TAIL = 8  # a row's short last segment written
-
-
-_SEMS = 10
-
-
-class _Scratch(NamedTuple):
-    """The kernel's scratch refs, in ``scratch_shapes`` order (:func:`_scratch_shapes`); a
-    leading 2 is the item buffer ``s``."""
-
-    srcbuf: Any  # VMEM [2, G + 8, 128]: the source rows holding an item's tokens
-    outbuf: Any  # VMEM [2, G, 128]: the item's merged pool segments, written out
-    oldbuf: Any  # VMEM [2, G, 128]: the pool segments the item covers in part, read back
-    misc: Any  # SMEM [_MISC_WORDS]: indexed by _Misc
-    sems: Any  # DMA semaphores, indexed by _Sem
-    oldtail: Any  # VMEM [2, 1, width % 128]: a row's short last segment, read back
-    outtail: Any  # VMEM [2, 1, width % 128]: the same, staged to be written
-
-
-def _scratch_shapes(group: int, width: int) -> list:
-    """``_Scratch``'s shapes. A row's short last segment has buffers of its own width: Mosaic
-    refuses a DMA into (or from) a window of a wider VMEM row unless it is a multiple of 512
-    bytes."""
-    return [
-        pltpu.VMEM((2, group + 8, tpu.LANES), jnp.int32),
-        pltpu.VMEM((2, group, tpu.LANES), jnp.int32),
-        pltpu.VMEM((2, group, tpu.LANES), jnp.int32),
-        pltpu.SMEM((_MISC_WORDS,), jnp.int32),
-        pltpu.SemaphoreType.DMA((_SEMS,)),
-        pltpu.VMEM((2, 1, max(width % tpu.LANES, 1)), jnp.int32),
-        pltpu.VMEM((2, 1, max(width % tpu.LANES, 1)), jnp.int32),
-    ]
+def _state(group: int, width: int) -> tpu_state.State:
+    """The kernel's scratch; a leading 2 (or a span of 2) is the item buffer ``s``. A row's short
+    last segment has buffers of its own width: Mosaic refuses a DMA into (or from) a window of a
+    wider VMEM row unless it is a multiple of 512 bytes."""
+    tail = max(width % tpu.LANES, 1)
+    return tpu_state.State(
+        # the source rows holding an item's tokens
+        srcbuf=tpu_state.vmem((2, group + 8, tpu.LANES)),
+        # the item's merged pool segments, written out
+        outbuf=tpu_state.vmem((2, group, tpu.LANES)),
+        # the pool segments the item covers in part, read back
+        oldbuf=tpu_state.vmem((2, group, tpu.LANES)),
+        misc=tpu_state.words(  # each [s]: item buffer s
+            pend_row=2,  # the pool row the buffer's writes in flight go to (-1: none)
+            pend_n=2,  # whole-segment writes in flight
+            pend_tail=2,  # short-last-segment writes in flight
+            rd_n=2,  # whole-segment reads in flight
+            rd_tail=2,  # short-last-segment reads in flight
+        ),
+        sems=tpu_state.semaphores(  # each [s]: item buffer s
+            src=2,  # the item's source rows
+            read=2,  # pool segments read back (whole)
+            read_tail=2,  # a row's short last segment read back
+            write=2,  # pool segments written (whole)
+            write_tail=2,  # a row's short last segment written
+        ),
+        oldtail=tpu_state.vmem((2, 1, tail)),  # a row's short last segment, read back
+        outtail=tpu_state.vmem((2, 1, tail)),  # the same, staged to be written
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,16 +107,13 @@ def _scatter_kernel(
     src_hbm, _pool_in,
     # Output (HBM): the pool [rows, width]
     pool_hbm,
-    # Scratch: _Scratch
+    # Scratch: _state(group, width)
     *scratch,
-    bs, num_tokens, rows, cols, width, group, front,
+    state, bs, num_tokens, rows, cols, width, group, front,
 ):
-    scr = _Scratch(*scratch)
+    scr = state.bind(scratch)
     srcbuf, outbuf, oldbuf, misc = scr.srcbuf, scr.outbuf, scr.oldbuf, scr.misc
-    oldtail, outtail = scr.oldtail, scr.outtail
-
-    def sem(k: _Sem, slot):
-        return tpu.sem_at(scr.sems, k, slot)
+    oldtail, outtail, sems = scr.oldtail, scr.outtail, scr.sems
 
     G = group
     W = G * tpu.LANES
@@ -180,7 +154,7 @@ def _scatter_kernel(
     # -- copies
     def src_copy(q0, slot):
         return pltpu.make_async_copy(src_hbm.at[pl.ds(q0, nsb)], srcbuf.at[slot],
-                                     sem(_Sem.SRC, slot))
+                                     sems.src[slot])
 
     def seg_copy(rp, base, i, slot, *, read, tail):
         buf = oldbuf if read else outbuf
@@ -190,13 +164,13 @@ def _scatter_kernel(
             # bytes ("Tile size must be divisible by 512 bytes").
             hbm = pool_hbm.at[pl.ds(rp, 1), pl.ds(tail_base, tail_w)]
             vm = (oldtail if read else outtail).at[slot]
-            kind = _Sem.READ_TAIL if read else _Sem.WRITE_TAIL
+            sem = (sems.read_tail if read else sems.write_tail)[slot]
         else:
             hbm = pool_hbm.at[pl.ds(rp, 1), pl.ds(pl.multiple_of(base, tpu.LANES), tpu.LANES)]
             vm = buf.at[slot, pl.ds(i, 1)]
-            kind = _Sem.READ if read else _Sem.WRITE
-        return (pltpu.make_async_copy(hbm, vm, sem(kind, slot)) if read else
-                pltpu.make_async_copy(vm, hbm, sem(kind, slot)))
+            sem = (sems.read if read else sems.write)[slot]
+        return (pltpu.make_async_copy(hbm, vm, sem) if read else
+                pltpu.make_async_copy(vm, hbm, sem))
 
     def segments(g, jlo, jhi):
         """Per segment i (static): (base, lo, hi, is_tail) of its written columns [lo, hi)."""
@@ -211,12 +185,12 @@ def _scatter_kernel(
         return out
 
     def wait_writes(slot):
-        tpu.wait_n(seg_copy(0, 0, 0, slot, read=False, tail=False), misc[_Misc.PEND_N + slot])
+        tpu.wait_n(seg_copy(0, 0, 0, slot, read=False, tail=False), misc.pend_n[slot])
         if tail_w:
-            tpu.wait_n(seg_copy(0, 0, 0, slot, read=False, tail=True), misc[_Misc.PEND_TAIL + slot])
-        misc[_Misc.PEND_N + slot] = jnp.int32(0)
-        misc[_Misc.PEND_TAIL + slot] = jnp.int32(0)
-        misc[_Misc.PEND_ROW + slot] = jnp.int32(-1)
+            tpu.wait_n(seg_copy(0, 0, 0, slot, read=False, tail=True), misc.pend_tail[slot])
+        misc.pend_n[slot] = jnp.int32(0)
+        misc.pend_tail[slot] = jnp.int32(0)
+        misc.pend_row[slot] = jnp.int32(-1)
 
     def start_segments(rp, segs, wanted, slot, *, read):
         """Start the DMA of every segment whose ``wanted`` flag is set, between ``rp``'s row and
@@ -248,22 +222,22 @@ def _scatter_kernel(
         partial = [(hi > lo) & ((lo > base) | (hi < end)) for base, lo, hi, end, _ in segs]
         any_partial = functools.reduce(jnp.logical_or, partial)
         for s_ in (0, 1):  # segments read back from a row with writes in flight: those land first
-            @pl.when(any_partial & (misc[_Misc.PEND_ROW + s_] == rp))
+            @pl.when(any_partial & (misc.pend_row[s_] == rp))
             def _(s_=s_):
                 wait_writes(s_)
 
         n_full, n_tail = start_segments(rp, segs, partial, slot, read=True)
-        misc[_Misc.RD_N + slot] = n_full
-        misc[_Misc.RD_TAIL + slot] = n_tail
+        misc.rd_n[slot] = n_full
+        misc.rd_tail[slot] = n_tail
 
     def merge_and_write(r, g, slot):
         _, rp, jlo, jhi, start = req(r)
         u0 = tpu.i32(hashing_u32.add_u32(start, jnp.uint32(front))[1]) + g * W
         d = tpu.irem(u0, tpu.LANES)
         src_copy(0, slot).wait()
-        tpu.wait_n(seg_copy(0, 0, 0, slot, read=True, tail=False), misc[_Misc.RD_N + slot])
+        tpu.wait_n(seg_copy(0, 0, 0, slot, read=True, tail=False), misc.rd_n[slot])
         if tail_w:
-            tpu.wait_n(seg_copy(0, 0, 0, slot, read=True, tail=True), misc[_Misc.RD_TAIL + slot])
+            tpu.wait_n(seg_copy(0, 0, 0, slot, read=True, tail=True), misc.rd_tail[slot])
             # a tail read back lands in its own buffer: put it in its segment's row
             for i, (base, lo, hi, end, is_tail) in enumerate(segments(g, jlo, jhi)):
                 @pl.when((hi > lo) & ((lo > base) | (hi < end)) & is_tail)
@@ -282,7 +256,7 @@ def _scatter_kernel(
         # segment must land last).
         wait_writes(slot)
 
-        @pl.when(misc[_Misc.PEND_ROW + 1 - slot] == rp)
+        @pl.when(misc.pend_row[1 - slot] == rp)
         def _():
             wait_writes(1 - slot)
 
@@ -290,14 +264,14 @@ def _scatter_kernel(
         segs = segments(g, jlo, jhi)
         n_full, n_tail = start_segments(rp, segs, [hi > lo for _, lo, hi, _, _ in segs], slot,
                                         read=False)
-        misc[_Misc.PEND_N + slot] = n_full
-        misc[_Misc.PEND_TAIL + slot] = n_tail
-        misc[_Misc.PEND_ROW + slot] = rp
+        misc.pend_n[slot] = n_full
+        misc.pend_tail[slot] = n_tail
+        misc.pend_row[slot] = rp
 
     for slot in (0, 1):
-        misc[_Misc.PEND_ROW + slot] = jnp.int32(-1)
-        misc[_Misc.PEND_N + slot] = jnp.int32(0)
-        misc[_Misc.PEND_TAIL + slot] = jnp.int32(0)
+        misc.pend_row[slot] = jnp.int32(-1)
+        misc.pend_n[slot] = jnp.int32(0)
+        misc.pend_tail[slot] = jnp.int32(0)
     r0, g0 = first_item(jnp.int32(0))
 
     @pl.when(r0 < bs)
@@ -352,8 +326,9 @@ def run(inputs: ScatterInputs, *, max_cols: int | None, config: Config):
     n_pad = tpu.pad_to(bs + 1, tpu.PAIR_TILE)
     off = tpu.to_pair_rows(inputs.offsets, n_pad)
     rpi = tpu.to_pair_rows(inputs.req_pool_indices, n_pad)
-    kernel = functools.partial(_scatter_kernel, bs=bs, num_tokens=num_tokens, rows=rows,
-                               cols=cols, width=width, group=G, front=front)
+    state = _state(G, width)
+    kernel = functools.partial(_scatter_kernel, state=state, bs=bs, num_tokens=num_tokens,
+                               rows=rows, cols=cols, width=width, group=G, front=front)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     out = tpu.call(
         kernel, off, rpi, src, inputs.pool_out,
@@ -361,7 +336,7 @@ def run(inputs: ScatterInputs, *, max_cols: int | None, config: Config):
             num_scalar_prefetch=2, grid=(1,),
             in_specs=[any_spec, any_spec],
             out_specs=any_spec,
-            scratch_shapes=_scratch_shapes(G, width)),
+            scratch_shapes=state.scratch_shapes()),
         out_shape=jax.ShapeDtypeStruct(inputs.pool_out.shape, inputs.pool_out.dtype),
         input_output_aliases={3: 0},
         compiler_params=tpu.compiler_params(config.vmem_limit_bytes),

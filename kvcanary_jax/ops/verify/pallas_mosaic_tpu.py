@@ -35,9 +35,8 @@ predecessor outside the block's chain, and 8 B of fingerprint.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +49,7 @@ from kvcanary_jax import hashing_u32
 from kvcanary_jax.context import VerifyOrWriteContext
 from kvcanary_jax.ops import _tpu_fingerprint as fingerprint
 from kvcanary_jax.ops import _tpu_lib as tpu
+from kvcanary_jax.ops import _tpu_state as tpu_state
 from kvcanary_jax.plans import VerifyPlan
 
 __all__ = ["Config", "heuristics", "run", "BLOCK"]
@@ -80,104 +80,79 @@ def heuristics(shapes) -> Config:
     return Config(block=min(BLOCK, tpu.pad_to(cap, tpu.PAIR_TILE)))
 
 
-# st words: inputs then outputs share one SMEM vector (_PAD: zero, the vector is 8 words).
-_NVALID, _ENABLE, _WIDX, _SCTR, _KCTR, _PAD = 0, 1, 2, 3, 5, 7
 _F = consts.FailReason
 
 
-class _Misc(enum.IntEnum):
-    """Words of ``misc``."""
-
-    RUNS = 0  # + s: slot-tile DMAs in flight for buffer s
-    RING = 2  # two words: the Ring's state
-    PREVS = 5  # + s: predecessor-tile DMAs in flight for buffer s
-
-
-_MISC_WORDS = 8
-
-
-class _Sem(enum.IntEnum):
-    """DMA semaphores (``+ s``: one per block buffer ``s``)."""
-
-    PLAN = 0  # + s: the block's plan words (and fingerprints)
-    ROWS = 2  # + s: the block's slots' canary tiles
-    RING = 4  # a violation record
-    PREV = 5  # + s: predecessors' tiles outside the block's chain
-
-
-_SEMS = 7
-
-
-class _Scratch(NamedTuple):
-    """The kernel's scratch refs, in ``scratch_shapes`` order (:func:`_scratch_shapes`);
-    ``r = block / 128`` plane rows; a leading 2 is the block buffer ``s``."""
-
-    plan_v: Any  # VMEM [2, 4, 2 r, 128]: the block's slot, prev, token, position pair rows
-    plan_s: Any  # SMEM [2, 2, 2 r, 128]: its slot and prev pair rows, as scalars
-    rows: Any  # VMEM uint8 [2, r, 128, 32, 128]: per slab, the slots' tiles in fetch order
-    prow: Any  # VMEM uint8 [2, r, 128, 32, 128]: per slab, the predecessors' tiles
-    sel: Any  # VMEM [8 r, 128]: the selected slot words, 8 rows a slab (word w: row 8 i + w)
-    rkv_v: Any  # VMEM [2, 2 r, 128]: the block's fingerprints (pair rows)
-    misc: Any  # SMEM [_MISC_WORDS]: indexed by _Misc
-    tiles: Any  # SMEM [2, 2, r]: tiles fetched per slab: [0] slots', [1] predecessors', per buffer
-    stage: Any  # SMEM RING_STAGE: the violation record being appended
-    sems: Any  # DMA semaphores, indexed by _Sem
-
-
-def _scratch_shapes(block: int) -> list:
-    """``_Scratch``'s shapes."""
+def _state(block: int) -> tpu_state.State:
+    """The kernel's scratch; ``r = block / 128`` plane rows; a leading 2 (or a span of 2) is the
+    block buffer ``s``."""
     r = block // tpu.LANES
-    return [
-        pltpu.VMEM((2, 4, 2 * r, tpu.LANES), jnp.int32),
-        pltpu.SMEM((2, 2, 2 * r, tpu.LANES), jnp.int32),
-        pltpu.VMEM((2, r, tpu.LANES, tpu.SLOT_BYTES, tpu.TILE_SLOTS), jnp.uint8),
-        pltpu.VMEM((2, r, tpu.LANES, tpu.SLOT_BYTES, tpu.TILE_SLOTS), jnp.uint8),
-        pltpu.VMEM((tpu.SLOT_WORDS * r, tpu.LANES), jnp.int32),
-        pltpu.VMEM((2, 2 * r, tpu.LANES), jnp.int32),
-        pltpu.SMEM((_MISC_WORDS,), jnp.int32),
-        pltpu.SMEM((2, 2, r), jnp.int32),
-        pltpu.SMEM(tpu.RING_STAGE, jnp.int32),
-        pltpu.SemaphoreType.DMA((_SEMS,)),
-    ]
+    tile = (tpu.SLOT_BYTES, tpu.TILE_SLOTS)
+    return tpu_state.State(
+        # the block's slot, prev, token, position pair rows
+        plan_v=tpu_state.vmem((2, 4, 2 * r, tpu.LANES)),
+        # its slot and prev pair rows, as scalars
+        plan_s=tpu_state.smem((2, 2, 2 * r, tpu.LANES)),
+        # per slab, the slots' tiles in fetch order
+        rows=tpu_state.vmem((2, r, tpu.LANES, *tile), jnp.uint8),
+        # per slab, the predecessors' tiles
+        prow=tpu_state.vmem((2, r, tpu.LANES, *tile), jnp.uint8),
+        # the selected slot words, 8 rows a slab (word w: row 8 i + w)
+        sel=tpu_state.vmem((tpu.SLOT_WORDS * r, tpu.LANES)),
+        # the block's fingerprints (pair rows)
+        rkv_v=tpu_state.vmem((2, 2 * r, tpu.LANES)),
+        misc=tpu_state.words(
+            runs=2,  # [s]: slot-tile DMAs in flight for buffer s
+            ring=tpu.Ring.WORDS,  # the Ring's state
+            prevs=2,  # [s]: predecessor-tile DMAs in flight for buffer s
+        ),
+        # tiles fetched per slab: [0] slots', [1] predecessors', per buffer
+        tiles=tpu_state.smem((2, 2, r)),
+        # the violation record being appended
+        stage=tpu_state.smem(tpu.RING_STAGE),
+        sems=tpu_state.semaphores(
+            plan=2,  # [s]: the block's plan words (and fingerprints)
+            rows=2,  # [s]: the block's slots' canary tiles
+            ring=1,  # a violation record
+            prev=2,  # [s]: predecessors' tiles outside the block's chain
+        ),
+    )
 
 
 def _verify_kernel(
-    # Prefetch (SMEM [8]): st words _NVALID ... _KCTR
+    # Prefetch (SMEM [STATUS_WORDS]): tpu.Status words
     st_in,
     # Input (HBM): the plan's four fields, pair rows [4, cap_pad // 64, 128]; canary tiles
     # uint8 [S, N']; fingerprints, pair rows [cap_pad // 64, 128]; the ring (aliased)
     plan_hbm, canary_hbm, rkv_hbm, _ring_in,
-    # Output: the ring [C, 16] (HBM); st words (SMEM [8])
+    # Output: the ring [C, 16] (HBM); tpu.Status words (SMEM [STATUS_WORDS])
     ring_hbm, st_out,
-    # Scratch: _Scratch
+    # Scratch: _state(block)
     *scratch,
-    capacity, block, num_slots, ring_cap, kind, check_token, has_rkv,
+    state, capacity, block, num_slots, ring_cap, kind, check_token, has_rkv,
 ):
-    scr = _Scratch(*scratch)
+    scr = state.bind(scratch)
     plan_v, plan_s, rows, prow, rkv_v = scr.plan_v, scr.plan_s, scr.rows, scr.prow, scr.rkv_v
-    misc, tiles = scr.misc, scr.tiles
-
-    def sem(k: _Sem, s=0):
-        return tpu.sem_at(scr.sems, k, s)
+    misc, tiles, sems = scr.misc, scr.tiles, scr.sems
 
     r = block // tpu.LANES  # plane rows per block
     pr = 2 * r  # pair rows per block
-    nvalid = st_in[_NVALID]
-    enabled = st_in[_ENABLE] != 0
+    nvalid = st_in[tpu.Status.NUM_VALID]
+    enabled = st_in[tpu.Status.ENABLE] != 0
     active = jnp.where(enabled, jnp.clip(nvalid, 0, capacity), 0)
     nblocks = tpu.idiv(active + block - 1, block)
-    ring = tpu.Ring(ring_hbm, ring_cap, misc, _Misc.RING, scr.stage, sem(_Sem.RING))
-    ring.start(st_in[_WIDX])
+    ring = tpu.Ring(ring_hbm, ring_cap, misc.ring, scr.stage, sems.ring)
+    ring.start(st_in[tpu.Status.WRITE_INDEX])
 
     def fetch(b, slot):
         rows_b = pl.ds(pl.multiple_of(b * pr, 8), pr)
         cps = [pltpu.make_async_copy(plan_hbm.at[:, rows_b, :], plan_v.at[slot],
-                                     sem(_Sem.PLAN, slot)),
+                                     sems.plan[slot]),
                pltpu.make_async_copy(plan_hbm.at[pl.ds(0, 2), rows_b, :], plan_s.at[slot],
-                                     sem(_Sem.PLAN, slot))]
+                                     sems.plan[slot])]
         if has_rkv:
             cps.append(pltpu.make_async_copy(rkv_hbm.at[rows_b], rkv_v.at[slot],
-                                             sem(_Sem.PLAN, slot)))
+                                             sems.plan[slot]))
         return cps
 
     def tile_copy(tile, buf, at, slot, sem):
@@ -219,7 +194,7 @@ def _verify_kernel(
 
             @pl.when(new)
             def _():
-                tile_copy(tile, rows, e - lane + fetched, slot, sem(_Sem.ROWS, slot)).start()
+                tile_copy(tile, rows, e - lane + fetched, slot, sems.rows[slot]).start()
 
             fetched = fetched + new.astype(jnp.int32)
             tiles[0, slot, slab] = fetched
@@ -233,7 +208,7 @@ def _verify_kernel(
 
             @pl.when(pnew)
             def _():
-                tile_copy(ptile, prow, e - lane + pfetched, slot, sem(_Sem.PREV, slot)).start()
+                tile_copy(ptile, prow, e - lane + pfetched, slot, sems.prev[slot]).start()
 
             pfetched = pfetched + pnew.astype(jnp.int32)
             tiles[1, slot, slab] = pfetched
@@ -243,12 +218,12 @@ def _verify_kernel(
 
         _, _, count, _, _, pcount, _, _ = lax.fori_loop(
             0, n, one, (zero, none, zero, zero, none, zero, jnp.uint32(0), jnp.uint32(0)))
-        misc[_Misc.RUNS + slot] = count
-        misc[_Misc.PREVS + slot] = pcount
+        misc.runs[slot] = count
+        misc.prevs[slot] = pcount
 
     def wait(slot):
-        tpu.wait_n(tile_copy(0, rows, 0, slot, sem(_Sem.ROWS, slot)), misc[_Misc.RUNS + slot])
-        tpu.wait_n(tile_copy(0, prow, 0, slot, sem(_Sem.PREV, slot)), misc[_Misc.PREVS + slot])
+        tpu.wait_n(tile_copy(0, rows, 0, slot, sems.rows[slot]), misc.runs[slot])
+        tpu.wait_n(tile_copy(0, prow, 0, slot, sems.prev[slot]), misc.prevs[slot])
 
     def slot_words(buf, kind, slot, slot_i, fetch):
         """The 8 words of each entry's slot (int32 planes ``slot_i``, read where ``fetch``, the
@@ -318,19 +293,7 @@ def _verify_kernel(
     tpu.pipeline(nblocks, fetch=fetch, issue=issue, wait=wait, body=check)
 
     # Counters: kernel_run_counter + 1 always; slot_run_counter + the active entries.
-    def add64(at, v):
-        lo = tpu.u32(st_in[at])
-        hi = tpu.u32(st_in[at + 1])
-        new_hi, new_lo = hashing_u32.add_u32((hi, lo), tpu.u32(v))
-        st_out[at] = tpu.i32(new_lo)
-        st_out[at + 1] = tpu.i32(new_hi)
-
-    st_out[_NVALID] = nvalid
-    st_out[_ENABLE] = st_in[_ENABLE]
-    st_out[_WIDX] = ring.new_index()
-    add64(_SCTR, active)
-    add64(_KCTR, jnp.int32(1))
-    st_out[_PAD] = jnp.int32(0)
+    tpu.finish_status(st_in, st_out, ring=ring, slot_runs=active)
 
 
 def run(context: VerifyOrWriteContext, plan: VerifyPlan, *, check_verify_expected_token: bool,
@@ -349,10 +312,7 @@ def run(context: VerifyOrWriteContext, plan: VerifyPlan, *, check_verify_expecte
         plan.verify_expected_positions)])
     canary = tpu.canary_tiles(context.canary_buf)
     ring = tpu.words32(context.violation_ring) if ring_cap else jnp.zeros((1, 16), jnp.int32)
-    st = jnp.concatenate([  # the status words _NVALID, _ENABLE, then _WIDX.._KCTR
-        plan.verify_num_valid.astype(jnp.int32).reshape(1),
-        plan.enable.astype(jnp.int32).reshape(1), tpu.counter_words(context),
-        jnp.zeros((1,), jnp.int32)])
+    st = tpu.status_words(plan.verify_num_valid, plan.enable, context)
     has_rkv = bool(sources) and mode != int(consts.RealKvHashMode.NONE)
     if has_rkv:
         live = jnp.where(plan.enable.reshape(()) != 0,
@@ -362,8 +322,9 @@ def run(context: VerifyOrWriteContext, plan: VerifyPlan, *, check_verify_expecte
                                                       interpret=config.interpret or False)
     else:
         rkv = jnp.zeros((8, tpu.LANES), jnp.int32)
+    state = _state(block)
     kernel = functools.partial(
-        _verify_kernel, capacity=capacity, block=block, num_slots=num_slots,
+        _verify_kernel, state=state, capacity=capacity, block=block, num_slots=num_slots,
         ring_cap=ring_cap, kind=kind,
         check_token=bool(check_verify_expected_token), has_rkv=has_rkv)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -377,13 +338,13 @@ def run(context: VerifyOrWriteContext, plan: VerifyPlan, *, check_verify_expecte
             num_scalar_prefetch=1, grid=(1,),
             in_specs=[any_spec, any_spec, any_spec, any_spec],
             out_specs=[any_spec, pl.BlockSpec(memory_space=pltpu.SMEM)],
-            scratch_shapes=_scratch_shapes(block)),
+            scratch_shapes=state.scratch_shapes()),
         out_shape=[jax.ShapeDtypeStruct(ring.shape, jnp.int32),
-                   jax.ShapeDtypeStruct((8,), jnp.int32)],
+                   jax.ShapeDtypeStruct((tpu.STATUS_WORDS,), jnp.int32)],
         input_output_aliases={4: 0},
         compiler_params=tpu.compiler_params(config.vmem_limit_bytes),
         cost_estimate=tpu.cost(bytes_accessed=nbytes, ops=capacity * 1500),
         interpret=config.interpret or False,
         name="kvcanary_verify_tpu",
     )
-    return tpu.counters_from_words(context, st_out[_WIDX:], ring32)
+    return tpu.from_status(context, st_out, ring32)

@@ -36,9 +36,8 @@ kernel's strip reads.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +50,7 @@ from kvcanary_jax import hashing_u32
 from kvcanary_jax.context import VerifyOrWriteContext
 from kvcanary_jax.ops import _tpu_fingerprint as fingerprint
 from kvcanary_jax.ops import _tpu_lib as tpu
+from kvcanary_jax.ops import _tpu_state as tpu_state
 from kvcanary_jax.ops.write.base import WriteTokens
 from kvcanary_jax.plans import WritePlan
 
@@ -64,15 +64,8 @@ WRITES_IN_FLIGHT = 8
 SMEM_BUDGET = 768 * 1024
 
 _F = consts.FailReason
-# st words (SMEM, in and out; _PAD: zero, the vector is 8 words)
-_NVALID, _CPA, _WIDX, _SCTR, _KCTR, _PAD = 0, 1, 2, 3, 5, 7
 # token fields (pair rows), in this order in the stacked token array
 _SLOT, _TOK, _POS, _RKV, _ETOK, _EPOS = range(6)
-# misc words: _CUR the resident token chunk (-1: none); _ID0 + s the chunk buffer s holds (or is
-# fetching); _FLY0 + s 1 while buffer s's fetch is in flight; _CNT tiles opened so far (the next
-# staging tile is _CNT % WRITES_IN_FLIGHT); _RING the Ring's two words; _WRITTEN canary slots
-# written; _OPEN the open tile (-1: none), staged in tile _OQ
-_CUR, _ID0, _FLY0, _CNT, _RING, _WRITTEN, _OPEN, _OQ = 0, 1, 3, 5, 6, 8, 9, 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,54 +82,48 @@ def heuristics(shapes) -> Config:
     return Config()
 
 
-class _Scratch(NamedTuple):
-    """The kernel's scratch refs, in ``scratch_shapes`` order (:func:`_scratch_shapes`)."""
-
-    seed_tiles: Any  # VMEM uint8 [128, 32, 128]: 128 requests' seed tiles, in fetch order
-    seed_at: Any  # VMEM [2, rc, 128]: each request's seed tile's place there, and its lane
-    seed_words: Any  # VMEM [8 rc, 128]: the seed slots' words (word w of plane row j: 8 j + w)
-    init_v: Any  # VMEM [2, 2 rc, 128]: first links, last positions (pair rows)
-    init_s: Any  # SMEM, the same, read back as scalars by the chain
-    hz: Any  # SMEM [cap_pad]: 1 where an earlier request writes the seed
-    chunk: Any  # SMEM [2, fields, CHUNK / 64, 128]: token chunks, double-buffered
-    stage: Any  # VMEM uint8 [WRITES_IN_FLIGHT, 32, 128]: the open tile and tiles being written
-    pend: Any  # SMEM [WRITES_IN_FLIGHT]: the tile each staged write goes to (-1: none)
-    misc: Any  # SMEM [16]: the _CUR ... _OQ words and the ring's two
-    ring_stage: Any  # SMEM RING_STAGE: the violation record being appended
-    seed_chain: Any  # SMEM [4]: a hazardous seed's first link (hi, lo), last position (hi, lo)
-    sems: Any  # DMA semaphores, indexed by _Sem
-
-
-class _Sem(enum.IntEnum):
-    """DMA semaphores (the record writes take WRITE0 + q, q < WRITES_IN_FLIGHT)."""
-
-    CHUNK0 = 0  # token chunk, buffer 0 (CHUNK0 + 1: buffer 1)
-    SEED = 2  # seed-tile gathers
-    ROW = 3  # the init round trip, a tile read, a hazardous seed's tile
-    RING = 4
-    WRITE0 = 5
-
-
-def _scratch_shapes(rc: int, cap_pad: int, nfields: int) -> list:
-    """``_Scratch``'s shapes. Every buffer a DMA fills or drains whole is exactly as wide as the
-    rows or tiles it copies: Mosaic refuses a DMA of a window narrower than its buffer's rows
-    unless it is a multiple of 512 bytes."""
+def _state(rc: int, cap_pad: int, nfields: int) -> tpu_state.State:
+    """The kernel's scratch (``rc``: request plane rows). Every buffer a DMA fills or drains whole
+    is exactly as wide as the rows or tiles it copies: Mosaic refuses a DMA of a window narrower
+    than its buffer's rows unless it is a multiple of 512 bytes."""
     tile = (tpu.SLOT_BYTES, tpu.TILE_SLOTS)
-    return [
-        pltpu.VMEM((tpu.LANES, *tile), jnp.uint8),
-        pltpu.VMEM((2, rc, tpu.LANES), jnp.int32),
-        pltpu.VMEM((tpu.SLOT_WORDS * rc, tpu.LANES), jnp.int32),
-        pltpu.VMEM((2, 2 * rc, tpu.LANES), jnp.int32),
-        pltpu.SMEM((2, 2 * rc, tpu.LANES), jnp.int32),
-        pltpu.SMEM((cap_pad,), jnp.int32),
-        pltpu.SMEM((2, nfields, CHUNK // 64, tpu.LANES), jnp.int32),
-        pltpu.VMEM((WRITES_IN_FLIGHT, *tile), jnp.uint8),
-        pltpu.SMEM((WRITES_IN_FLIGHT,), jnp.int32),
-        pltpu.SMEM((16,), jnp.int32),
-        pltpu.SMEM(tpu.RING_STAGE, jnp.int32),
-        pltpu.SMEM((4,), jnp.int32),
-        pltpu.SemaphoreType.DMA((_Sem.WRITE0 + WRITES_IN_FLIGHT,)),
-    ]
+    return tpu_state.State(
+        # 128 requests' seed tiles, in fetch order
+        seed_tiles=tpu_state.vmem((tpu.LANES, *tile), jnp.uint8),
+        # each request's seed tile's place there, and its lane
+        seed_at=tpu_state.vmem((2, rc, tpu.LANES)),
+        # the seed slots' words (word w of plane row j: 8 j + w)
+        seed_words=tpu_state.vmem((tpu.SLOT_WORDS * rc, tpu.LANES)),
+        init_v=tpu_state.vmem((2, 2 * rc, tpu.LANES)),  # first links, last positions (pair rows)
+        init_s=tpu_state.smem((2, 2 * rc, tpu.LANES)),  # the same, read back as scalars
+        hz=tpu_state.smem((cap_pad,)),  # 1 where an earlier request writes the seed
+        # token chunks, double-buffered
+        chunk=tpu_state.smem((2, nfields, CHUNK // 64, tpu.LANES)),
+        # the open tile and tiles being written
+        stage=tpu_state.vmem((WRITES_IN_FLIGHT, *tile), jnp.uint8),
+        # the tile each staged write goes to (-1: none)
+        pend=tpu_state.smem((WRITES_IN_FLIGHT,)),
+        misc=tpu_state.words(
+            chunk_now=1,  # the resident token chunk (-1: none)
+            chunk_id=2,  # [s]: the chunk buffer s holds (or is fetching)
+            fetching=2,  # [s]: 1 while buffer s's fetch is in flight
+            opened=1,  # tiles opened so far (the next staging tile: opened % WRITES_IN_FLIGHT)
+            ring=tpu.Ring.WORDS,  # the Ring's state
+            written=1,  # canary slots written
+            open_tile=1,  # the open tile (-1: none)
+            open_at=1,  # the staging tile it is in
+        ),
+        ring_stage=tpu_state.smem(tpu.RING_STAGE),  # the violation record being appended
+        # a hazardous seed's first link (hi, lo), last position (hi, lo)
+        seed_chain=tpu_state.smem((4,)),
+        sems=tpu_state.semaphores(
+            chunk=2,  # [s]: token chunk buffer s
+            seed=1,  # seed-tile gathers
+            row=1,  # the init round trip, a tile read, a hazardous seed's tile
+            ring=1,  # a violation record
+            write=WRITES_IN_FLIGHT,  # [q]: the write of staging tile q
+        ),
+    )
 
 
 def _pair_lanes(e):
@@ -144,29 +131,31 @@ def _pair_lanes(e):
 
 
 def _write_kernel(
-    # Prefetch (SMEM): st words [8]; write offsets and seeds, pair rows [cap_pad // 64, 128]
+    # Prefetch (SMEM): tpu.Status words [STATUS_WORDS]; write offsets and seeds, pair rows
+    # [cap_pad // 64, 128]
     st_in, off_s, seed_s,
     # Input: the token fields (_SLOT ...), pair rows [fields, t_pad // 64, 128] (HBM); the seeds
     # and out_cache_loc as pair rows (VMEM); the canary tiles and the ring (HBM, aliased)
     toks_hbm, seed_v, ocl_v, canary_in, ring_in,
-    # Output: canary tiles uint8 [S, N'] and the ring [C, 16] (HBM); st words (SMEM [8]);
-    # first links and last positions, pair rows [2, 2 rc, 128] (HBM, a round trip to SMEM)
+    # Output: canary tiles uint8 [S, N'] and the ring [C, 16] (HBM); tpu.Status words (SMEM
+    # [STATUS_WORDS]); first links and last positions, pair rows [2, 2 rc, 128] (HBM, a round
+    # trip to SMEM)
     canary_hbm, ring_hbm, st_out, init_hbm,
-    # Scratch: _Scratch
+    # Scratch: _state(rc, cap_pad, fields)
     *scratch,
-    cap, num_tokens, num_slots, ring_cap, kind, check_input, nchunks,
+    state, cap, num_tokens, num_slots, ring_cap, kind, check_input, nchunks,
 ):
     del canary_in, ring_in
-    s_ = _Scratch(*scratch)
-    init_v, init_s, hz, chunk = s_.init_v, s_.init_s, s_.hz, s_.chunk
-    stage, pend, misc, sems = s_.stage, s_.pend, s_.misc, s_.sems
+    scr = state.bind(scratch)
+    init_v, init_s, hz, chunk = scr.init_v, scr.init_s, scr.hz, scr.chunk
+    stage, pend, misc, sems = scr.stage, scr.pend, scr.misc, scr.sems
     K = WRITES_IN_FLIGHT
-    rc = s_.seed_at.shape[1]  # request plane rows
+    rc = scr.seed_at.shape[1]  # request plane rows
     rt = ocl_v.shape[0] // 2  # token plane rows
-    ring = tpu.Ring(ring_hbm, ring_cap, misc, _RING, s_.ring_stage, sems.at[_Sem.RING])
-    ring.start(st_in[_WIDX])
-    active = jnp.clip(st_in[_NVALID], 0, cap)
-    cpa_on = st_in[_CPA] != 0
+    ring = tpu.Ring(ring_hbm, ring_cap, misc.ring, scr.ring_stage, sems.ring)
+    ring.start(st_in[tpu.Status.WRITE_INDEX])
+    active = jnp.clip(st_in[tpu.Status.NUM_VALID], 0, cap)
+    cpa_on = st_in[tpu.Status.ENABLE] != 0
     zero32 = jnp.uint32(0)
 
     def offset(r):
@@ -206,12 +195,12 @@ def _write_kernel(
     req = tpu.entry_index(rc)
     fetched = (req < active) & tpu.pair_in_range(seeds, num_slots)
     seed_i = tpu.i32(seeds[1])
-    s_.seed_at[0] = tpu.fetch_places(tpu.idiv(seed_i, tpu.TILE_SLOTS), fetched)
-    s_.seed_at[1] = tpu.irem(seed_i, tpu.TILE_SLOTS)
+    scr.seed_at[0] = tpu.fetch_places(tpu.idiv(seed_i, tpu.TILE_SLOTS), fetched)
+    scr.seed_at[1] = tpu.irem(seed_i, tpu.TILE_SLOTS)
 
     def seed_copy(tile, k):
-        return pltpu.make_async_copy(tpu.tile_window(canary_hbm, tile), s_.seed_tiles.at[k],
-                                     sems.at[_Sem.SEED])
+        return pltpu.make_async_copy(tpu.tile_window(canary_hbm, tile), scr.seed_tiles.at[k],
+                                     sems.seed)
 
     def seed_row(j, carry):
         """Plane row j: requests [128 j, 128 j + 128)."""
@@ -232,14 +221,14 @@ def _write_kernel(
 
         n, _ = lax.fori_loop(0, tpu.LANES, one, (jnp.int32(0), jnp.int32(-1)))
         tpu.wait_n(seed_copy(0, 0), n)
-        s_.seed_words[pl.ds(pl.multiple_of(j * tpu.SLOT_WORDS, tpu.SLOT_WORDS),
+        scr.seed_words[pl.ds(pl.multiple_of(j * tpu.SLOT_WORDS, tpu.SLOT_WORDS),
                             tpu.SLOT_WORDS), :] = tpu.select_tiles(
-            s_.seed_tiles, n, s_.seed_at[0, pl.ds(j, 1), :], s_.seed_at[1, pl.ds(j, 1), :])
+            scr.seed_tiles, n, scr.seed_at[0, pl.ds(j, 1), :], scr.seed_at[1, pl.ds(j, 1), :])
         return carry
 
     lax.fori_loop(0, tpu.idiv(active + tpu.LANES - 1, tpu.LANES), seed_row, 0)
     zero = jnp.zeros((rc, tpu.LANES), jnp.uint32)
-    f = [jnp.where(fetched, tpu.u32(s_.seed_words[pl.ds(w, rc, stride=tpu.SLOT_WORDS), :]), zero)
+    f = [jnp.where(fetched, tpu.u32(scr.seed_words[pl.ds(w, rc, stride=tpu.SLOT_WORDS), :]), zero)
          for w in range(tpu.SLOT_WORDS)]
     s_tok, s_pos, s_link = (f[1], f[0]), (f[3], f[2]), (f[5], f[4])
     h0 = hashing_u32.mix3(s_link, s_tok, s_pos)
@@ -251,10 +240,10 @@ def _write_kernel(
     tpu.store_planes(init_v.at[0], *h0)
     tpu.store_planes(init_v.at[1], *last0)
     # VMEM -> HBM -> SMEM: the chain reads them as scalars.
-    out = pltpu.make_async_copy(init_v, init_hbm, sems.at[_Sem.ROW])
+    out = pltpu.make_async_copy(init_v, init_hbm, sems.row)
     out.start()
     out.wait()
-    back = pltpu.make_async_copy(init_hbm, init_s, sems.at[_Sem.ROW])
+    back = pltpu.make_async_copy(init_hbm, init_s, sems.row)
     back.start()
     back.wait()
 
@@ -262,16 +251,16 @@ def _write_kernel(
     def chunk_copy(k, slot):
         rows = pl.ds(pl.multiple_of(k * (CHUNK // 64), 8), CHUNK // 64)
         return pltpu.make_async_copy(toks_hbm.at[:, rows, :], chunk.at[slot],
-                                     sems.at[_Sem.CHUNK0 + slot])
+                                     sems.chunk[slot])
 
-    misc[_CUR] = jnp.int32(-1)
+    misc.chunk_now = jnp.int32(-1)
     for slot in (0, 1):
-        misc[_ID0 + slot] = jnp.int32(-1)
-        misc[_FLY0 + slot] = jnp.int32(0)
-    misc[_CNT] = jnp.int32(0)
-    misc[_WRITTEN] = jnp.int32(0)
-    misc[_OPEN] = jnp.int32(-1)
-    misc[_OQ] = jnp.int32(0)
+        misc.chunk_id[slot] = jnp.int32(-1)
+        misc.fetching[slot] = jnp.int32(0)
+    misc.opened = jnp.int32(0)
+    misc.written = jnp.int32(0)
+    misc.open_tile = jnp.int32(-1)
+    misc.open_at = jnp.int32(0)
     for j in range(K):
         pend[j] = jnp.int32(-1)
 
@@ -279,39 +268,39 @@ def _write_kernel(
         """Makes chunk k resident (buffer k % 2) and starts fetching chunk k + 1."""
         slot = tpu.irem(k, 2)
 
-        @pl.when(misc[_ID0 + slot] != k)
+        @pl.when(misc.chunk_id[slot] != k)
         def _():
-            @pl.when(misc[_FLY0 + slot] == 1)
+            @pl.when(misc.fetching[slot] == 1)
             def _():
                 chunk_copy(0, slot).wait()
 
             chunk_copy(k, slot).start()
-            misc[_ID0 + slot] = k
-            misc[_FLY0 + slot] = jnp.int32(1)
+            misc.chunk_id[slot] = k
+            misc.fetching[slot] = jnp.int32(1)
 
-        @pl.when(misc[_FLY0 + slot] == 1)
+        @pl.when(misc.fetching[slot] == 1)
         def _():
             chunk_copy(k, slot).wait()
-            misc[_FLY0 + slot] = jnp.int32(0)
+            misc.fetching[slot] = jnp.int32(0)
 
         nxt = 1 - slot
 
-        @pl.when((k + 1 < nchunks) & (misc[_ID0 + nxt] != k + 1))
+        @pl.when((k + 1 < nchunks) & (misc.chunk_id[nxt] != k + 1))
         def _():
-            @pl.when(misc[_FLY0 + nxt] == 1)
+            @pl.when(misc.fetching[nxt] == 1)
             def _():
                 chunk_copy(0, nxt).wait()
 
             chunk_copy(k + 1, nxt).start()
-            misc[_ID0 + nxt] = k + 1
-            misc[_FLY0 + nxt] = jnp.int32(1)
+            misc.chunk_id[nxt] = k + 1
+            misc.fetching[nxt] = jnp.int32(1)
 
-        misc[_CUR] = k
+        misc.chunk_now = k
 
     def field(i, f):
         k = tpu.idiv(i, CHUNK)
 
-        @pl.when(misc[_CUR] != k)
+        @pl.when(misc.chunk_now != k)
         def _():
             switch_chunk(k)
 
@@ -321,7 +310,7 @@ def _write_kernel(
 
     def write_copy(q, tile):
         return pltpu.make_async_copy(stage.at[q], tpu.tile_window(canary_hbm, tile),
-                                     sems.at[_Sem.WRITE0 + q])
+                                     sems.write[q])
 
     def settle(j):
         @pl.when(pend[j] != -1)
@@ -331,12 +320,12 @@ def _write_kernel(
 
     def close():
         """Starts writing the open tile back."""
-        @pl.when(misc[_OPEN] != -1)
+        @pl.when(misc.open_tile != -1)
         def _():
-            q = misc[_OQ]
-            write_copy(q, misc[_OPEN]).start()
-            pend[q] = misc[_OPEN]
-            misc[_OPEN] = jnp.int32(-1)
+            q = misc.open_at
+            write_copy(q, misc.open_tile).start()
+            pend[q] = misc.open_tile
+            misc.open_tile = jnp.int32(-1)
 
     def drain():
         close()
@@ -346,7 +335,7 @@ def _write_kernel(
     def store(slot32, words):
         tile = tpu.idiv(slot32, tpu.TILE_SLOTS)
 
-        @pl.when(misc[_OPEN] != tile)
+        @pl.when(misc.open_tile != tile)
         def _open():
             close()
             for j in range(K):  # a write of this tile still in flight lands first
@@ -354,17 +343,17 @@ def _write_kernel(
                 def _(j=j):
                     settle(j)
 
-            q = tpu.irem(misc[_CNT], K)
+            q = tpu.irem(misc.opened, K)
             settle(q)
             c = pltpu.make_async_copy(tpu.tile_window(canary_hbm, tile), stage.at[q],
-                                      sems.at[_Sem.ROW])
+                                      sems.row)
             c.start()
             c.wait()
-            misc[_OPEN] = tile
-            misc[_OQ] = q
-            misc[_CNT] = misc[_CNT] + 1
+            misc.open_tile = tile
+            misc.open_at = q
+            misc.opened = misc.opened + 1
 
-        q = misc[_OQ]
+        q = misc.open_at
         x = tpu.tile_words(stage.at[q])
         word = lax.broadcasted_iota(jnp.int32, x.shape, 0)
         at = lax.broadcasted_iota(jnp.int32, x.shape, 1) == tpu.irem(slot32, tpu.TILE_SLOTS)
@@ -381,10 +370,10 @@ def _write_kernel(
             # The seed was written earlier in this launch: read it now.
             drain()
             seed32 = tpu.i32(s[1])
-            buf = s_.seed_tiles.at[0]
+            buf = scr.seed_tiles.at[0]
             c = pltpu.make_async_copy(
                 tpu.tile_window(canary_hbm, tpu.idiv(seed32, tpu.TILE_SLOTS)), buf,
-                sems.at[_Sem.ROW])
+                sems.row)
             c.start()
             c.wait()
             x = tpu.tile_words(buf)
@@ -394,13 +383,13 @@ def _write_kernel(
             h = hashing_u32.mix3((w[5], w[4]), (w[1], w[0]), (w[3], w[2]))
             last = (jnp.where(cpa_on, w[3], zero32), jnp.where(cpa_on, w[2], zero32))
             for i, v in enumerate((*h, *last)):
-                s_.seed_chain[i] = tpu.i32(v)
+                scr.seed_chain[i] = tpu.i32(v)
 
         row, col = _pair_lanes(r)
         hazardous = hz[r] == 1
-        h = tuple(jnp.where(hazardous, tpu.u32(s_.seed_chain[i]),
+        h = tuple(jnp.where(hazardous, tpu.u32(scr.seed_chain[i]),
                             tpu.u32(init_s[0, row, col + 1 - i])) for i in range(2))
-        last = tuple(jnp.where(hazardous, tpu.u32(s_.seed_chain[2 + i]),
+        last = tuple(jnp.where(hazardous, tpu.u32(scr.seed_chain[2 + i]),
                                tpu.u32(init_s[1, row, col + 1 - i])) for i in range(2))
         pos_check = jnp.logical_not(hashing_u32.is_neg(s)) & cpa_on
 
@@ -427,7 +416,7 @@ def _write_kernel(
                 rkv = field(i, _RKV)
                 store(tpu.i32(slot[1]), [tpu.i32(v) for v in (
                     tok[1], tok[0], pos[1], pos[0], h[1], h[0], rkv[1], rkv[0])])
-                misc[_WRITTEN] = misc[_WRITTEN] + 1
+                misc.written = misc.written + 1
 
             nh = hashing_u32.mix3(h, tok, pos)
             h = tuple(jnp.where(ok, a, b) for a, b in zip(nh, h))
@@ -440,22 +429,11 @@ def _write_kernel(
     lax.fori_loop(0, active, request, 0)
     drain()
     for slot in (0, 1):
-        @pl.when(misc[_FLY0 + slot] == 1)
+        @pl.when(misc.fetching[slot] == 1)
         def _(slot=slot):
             chunk_copy(0, slot).wait()
 
-    def add64(at, v):
-        new_hi, new_lo = hashing_u32.add_u32((tpu.u32(st_in[at + 1]), tpu.u32(st_in[at])),
-                                             tpu.u32(v))
-        st_out[at] = tpu.i32(new_lo)
-        st_out[at + 1] = tpu.i32(new_hi)
-
-    st_out[_NVALID] = st_in[_NVALID]
-    st_out[_CPA] = st_in[_CPA]
-    st_out[_WIDX] = ring.new_index()
-    add64(_SCTR, misc[_WRITTEN])
-    add64(_KCTR, jnp.int32(1))
-    st_out[_PAD] = jnp.int32(0)
+    tpu.finish_status(st_in, st_out, ring=ring, slot_runs=misc.written)
 
 
 def smem_bytes(capacity: int, check_input: bool) -> int:
@@ -505,13 +483,12 @@ def run(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
     seeds = tpu.to_pair_rows(plan.write_seed_slot_indices if cap else zeros, cap_pad)
     canary = tpu.canary_tiles(context.canary_buf)
     ring = tpu.words32(context.violation_ring) if ring_cap else jnp.zeros((1, 16), jnp.int32)
-    st = jnp.concatenate([  # the status words _NVALID, _CPA, then _WIDX.._KCTR
-        plan.write_num_valid_reqs.astype(jnp.int32).reshape(1),
-        context.enable_chain_position_assert.astype(jnp.int32).reshape(1),
-        tpu.counter_words(context), jnp.zeros((1,), jnp.int32)])
+    st = tpu.status_words(plan.write_num_valid_reqs, context.enable_chain_position_assert,
+                          context)
     rc = cap_pad // tpu.LANES
+    state = _state(rc, cap_pad, len(fields))
     kernel = functools.partial(
-        _write_kernel, cap=cap, num_tokens=num_tokens, num_slots=num_slots,
+        _write_kernel, state=state, cap=cap, num_tokens=num_tokens, num_slots=num_slots,
         ring_cap=ring_cap, kind=kind,
         check_input=check_input, nchunks=t_pad // CHUNK)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -523,10 +500,10 @@ def run(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
             num_scalar_prefetch=3, grid=(1,),
             in_specs=[any_spec, vmem_spec, vmem_spec, any_spec, any_spec],
             out_specs=[any_spec, any_spec, pl.BlockSpec(memory_space=pltpu.SMEM), any_spec],
-            scratch_shapes=_scratch_shapes(rc, cap_pad, len(fields))),
+            scratch_shapes=state.scratch_shapes()),
         out_shape=[jax.ShapeDtypeStruct(canary.shape, jnp.uint8),
                    jax.ShapeDtypeStruct(ring.shape, jnp.int32),
-                   jax.ShapeDtypeStruct((8,), jnp.int32),
+                   jax.ShapeDtypeStruct((tpu.STATUS_WORDS,), jnp.int32),
                    jax.ShapeDtypeStruct((2, 2 * rc, tpu.LANES), jnp.int32)],
         input_output_aliases={6: 0, 7: 1},
         compiler_params=tpu.compiler_params(config.vmem_limit_bytes),
@@ -535,6 +512,6 @@ def run(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
         name="kvcanary_write_tpu",
     )
     canary_in = context.canary_buf
-    return tpu.counters_from_words(
-        context, st_out[_WIDX:], ring32,
+    return tpu.from_status(
+        context, st_out, ring32,
         canary_buf=tpu.canary_from_tiles(tiles, canary_in))
