@@ -20,7 +20,9 @@ Every op runs with ``implementation="pallas_mosaic_tpu"``, fallbacks refused (a
 
 Sizes (:data:`CASES`): the serving sizes (a 1M-slot canary; scatter 256 x 8,192 and 1 x 5; plan
 at 4,096 requests and 1; write 1 x 8,192 and 64 x 1; verify 64k entries; real-KV sources of page
-size 1 and 16) and the step at a serving config (:func:`serving_config`).
+size 1 and 16), the step at a serving config (:func:`serving_config`), and the KV digest over
+every layer of a 32-layer model (:func:`digest_case`: 8 GiB of KV as 32 int32 sources, a 64k-entry
+verify at window 64 over 1M slots in 4 KiB pages, a 8,192-slot write of 4 KiB tokens).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ TPU = "pallas_mosaic_tpu"
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
-    op: str  # scatter, plan, write, verify, step
+    op: str  # scatter, plan, write, verify, step, digest
     build: Callable  # implementation -> (jitted fn, argument pytree of ShapeDtypeStructs)
 
 
@@ -167,6 +169,41 @@ def step_case(**kw):
     return build
 
 
+DIGEST_LAYERS = 32
+
+
+def digest_sources(slots: int, token_bytes: int, page_size: int,
+                   layers: int = DIGEST_LAYERS, dtype=jnp.int32):
+    """``layers`` sources of ``slots`` tokens of ``token_bytes``, in pages of ``page_size``
+    (one per layer: a fused K/V row, or a layer's K or V); 32-bit buffers are read in place."""
+    rows = -(-slots // page_size)
+    item = jnp.dtype(dtype).itemsize
+    kv = jax.ShapeDtypeStruct((rows, page_size * token_bytes // item), dtype)
+    return tuple(kc.RealKvSource(tensor=kv, page_size=page_size, num_bytes_per_token=token_bytes,
+                                 read_bytes=token_bytes) for _ in range(layers))
+
+
+def digest_case(entries: int, *, verify: bool, slots: int, token_bytes: int, page_size: int,
+                layers: int = DIGEST_LAYERS, window: int = 64, dtype=jnp.int32):
+    """digest_write of ``entries`` slots, or digest_verify of ``entries`` entries at ``window``,
+    over :func:`digest_sources`."""
+    def build(impl):
+        sources = digest_sources(slots, token_bytes, page_size, layers, dtype)
+        if not verify:
+            fn = jax.jit(lambda b, s, src: kc.digest_write(b, s, src, implementation=impl),
+                         donate_argnums=0)
+            return fn, (_i64(slots), _i64(entries), sources)
+
+        def verify_fn(ctx, s, pos, nv, phase, src):
+            return kc.digest_verify(ctx, s, pos, nv, phase, window=window, sources=src,
+                                    implementation=impl)
+
+        ctx = _shape(kc.DigestContext.allocate, num_slots=slots, ring_capacity=1024)
+        return (jax.jit(verify_fn, donate_argnums=0),
+                (ctx, _i64(entries), _i64(entries), _i32(1), _i32(1), sources))
+    return build
+
+
 CASES = (
     Case("scatter 256x8192", "scatter", scatter_case(256, 8192, 512)),
     Case("scatter 1x5", "scatter", scatter_case(1, 5, 4)),
@@ -181,6 +218,10 @@ CASES = (
     Case("verify 64k rkv page 1", "verify", verify_case(1 << 16, 1)),
     Case("verify 64k rkv page 16", "verify", verify_case(1 << 16, 16)),
     Case("step serving", "step", step_case()),
+    Case("digest verify 64k w64 x32 pages", "digest",
+         digest_case(1 << 16, verify=True, slots=SLOTS, token_bytes=256, page_size=16)),
+    Case("digest write 8192 x32 4KiB tokens", "digest",
+         digest_case(8192, verify=False, slots=1 << 16, token_bytes=4096, page_size=1)),
 )
 
 

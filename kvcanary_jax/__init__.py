@@ -2,8 +2,10 @@
 
 Ops (keyword arguments as SGLang's launchers; each returns its updated outputs and updates them
 in place under ``jax.jit`` with donation): :func:`scatter_req_token_ids`, :func:`canary_plan`,
-:func:`canary_write`, :func:`canary_verify`. Each takes ``implementation=`` (see
-:func:`implementations_available`) and ``config=``, and has a pure-jnp ``*_reference``.
+:func:`canary_write`, :func:`canary_verify`; and ours beside them, the per-slot KV digest of
+every source's bytes (:func:`digest_write`, :func:`digest_verify`, with :class:`DigestContext`).
+Each takes ``implementation=`` (see :func:`implementations_available`) and ``config=``, and has a
+pure-jnp ``*_reference``.
 Runtime for a serving loop: :class:`CanaryConfig`, :func:`init_state`, :func:`make_canary_step`,
 :func:`canary_sweep`, :func:`read_violations` (see :mod:`kvcanary_jax.runtime`).
 """
@@ -22,13 +24,19 @@ from kvcanary_jax.consts import (
     FailReason,
     RealKvHashMode,
 )
-from kvcanary_jax.context import RealKvSource, VerifyOrWriteContext
+from kvcanary_jax.context import DigestContext, RealKvSource, VerifyOrWriteContext
 from kvcanary_jax.hashing import mix3, splitmix64
 from kvcanary_jax.ops._registry import (
     IMPLEMENTATIONS,
     FallbackWarning,
     default_implementation,
     implementations_available,
+)
+from kvcanary_jax.ops.digest import (
+    digest_verify,
+    digest_verify_reference,
+    digest_write,
+    digest_write_reference,
 )
 from kvcanary_jax.ops.plan import canary_plan, canary_plan_reference
 from kvcanary_jax.ops.scatter import scatter_req_token_ids, scatter_req_token_ids_reference
@@ -89,12 +97,17 @@ __all__ = [
     "RealKvHashMode",
     "RealKvSource",
     "VerifyOrWriteContext",
+    "DigestContext",
     "VerifyPlan",
     "WritePlan",
     "canary_plan",
     "canary_plan_reference",
     "canary_verify",
     "canary_write",
+    "digest_verify",
+    "digest_verify_reference",
+    "digest_write",
+    "digest_write_reference",
     "mix3",
     "scatter_req_token_ids",
     "scatter_req_token_ids_reference",

@@ -11,6 +11,8 @@ from typing import Final
 
 __all__ = [
     "PADDING_SLOT_NOT_ZERO",
+    "KV_DIGEST_MISMATCH",
+    "MAX_DIGEST_SOURCES",
     "CANARY_CHAIN_ANCHOR",
     "REQ_POOL_IDX_PADDING",
     "TOKEN_TO_KV_SLOT_PADDING",
@@ -79,6 +81,15 @@ REAL_KV_SOURCE_FIELD_READ_BYTES: Final[int] = 2
 # the real KV. Its ring row: the SWEEP tag of the half and group, slot 0, position -1, and the
 # count of nonzero bytes in the stored-token field.
 PADDING_SLOT_NOT_ZERO: Final[int] = 1 << 16
+
+# Ours, not SGLang's (docs/spec.md §16): digest_verify found a slot whose KV digest, recomputed
+# from every source's bytes, differs from the one digest_write stored. Its ring row: the launch's
+# kernel kind, the slot, the entry's position, 0, 0, the stored digest, the recomputed digest.
+KV_DIGEST_MISMATCH: Final[int] = 1 << 17
+
+# The most sources one digest launch takes (ours; one per layer and half of a large model, with
+# room to spare). The count is static: every source is a separate buffer argument of the kernels.
+MAX_DIGEST_SOURCES: Final[int] = 512
 
 
 class FailReason(IntFlag):

@@ -29,6 +29,7 @@ from kvcanary_jax.contracts import Check, Contract, Rule, TensorMeta, meta_of
 __all__ = [
     "RealKvSource",
     "VerifyOrWriteContext",
+    "DigestContext",
     "SourceSpec",
     "SOURCE_CONTRACT",
     "SourceCount",
@@ -380,3 +381,49 @@ class VerifyOrWriteContext:
                                                       jnp.int32),
             )
 
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DigestContext:
+    """Launch context of ``digest_verify`` (ours, docs/spec.md §16): the per-slot KV digests and
+    the violation ring and counters, laid out as in :class:`VerifyOrWriteContext`.
+
+    ``digest_buf`` int64 ``[num_slots]`` (one digest per KV slot, 0 until written);
+    ``violation_ring`` int64 ``[ring_capacity, 8]``; ``violation_write_index`` int32 ``[1]``;
+    ``slot_run_counter`` and ``kernel_run_counter`` int64 ``[1]``. ``kernel_kind`` (static, an int
+    in ``[0, 2**31)``, e.g. a :class:`~kvcanary_jax.consts.CanaryLaunchTag`) is stamped into the
+    rows the launch records.
+    """
+
+    digest_buf: jax.Array
+    kernel_kind: int = dataclasses.field(metadata=dict(static=True))
+    violation_ring: jax.Array
+    violation_write_index: jax.Array
+    slot_run_counter: jax.Array
+    kernel_run_counter: jax.Array
+
+    def __post_init__(self) -> None:
+        kind = self.kernel_kind
+        if isinstance(kind, bool) or not isinstance(kind, int) or not 0 <= kind < 2**31:
+            raise TypeError(f"kv-canary digest: DigestContext.kernel_kind must be an int in "
+                            f"[0, 2**31), got {type(kind).__name__} {kind!r}")
+
+    def replace(self, **changes) -> "DigestContext":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def allocate(cls, *, num_slots: int, kernel_kind: int = 0,
+                 ring_capacity: int = 1024) -> "DigestContext":
+        """Zero-filled digests, ring and counters."""
+        from kvcanary_jax import _config
+
+        with _config.x64_scope():
+            return cls(
+                digest_buf=jnp.zeros((num_slots,), jnp.int64),
+                kernel_kind=int(kernel_kind),
+                violation_ring=jnp.zeros((ring_capacity, consts.VIOLATION_FIELDS), jnp.int64),
+                violation_write_index=jnp.zeros((1,), jnp.int32),
+                slot_run_counter=jnp.zeros((1,), jnp.int64),
+                kernel_run_counter=jnp.zeros((1,), jnp.int64),
+            )

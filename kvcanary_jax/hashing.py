@@ -7,6 +7,12 @@ the same 64 bits as SGLang's ``consts.splitmix64`` / ``splitmix64_mix3``, read a
 i.e. exactly the int64 values stored in the canary buffer.
 
 Python-int twins (``*_int``) serve constants and tests.
+
+The per-slot KV digest (ours, docs/spec.md §16) is defined here three times, by independent code:
+on int64 (:func:`digest_term`, what the kernels and the jnp references compute), on Python ints
+(:func:`digest_int`, checkable by hand) and on numpy ``uint64`` (:func:`digest_np`, the tests'
+oracle). ``digest(s) = sum over sources j, words i of splitmix64(w + salt(j, i)) mod 2**64`` with
+``salt(j, i) = (j * 2**32 + i) * DIGEST_GAMMA mod 2**64``.
 """
 
 from __future__ import annotations
@@ -30,6 +36,13 @@ __all__ = [
     "ANCHOR_HASH_I64",
     "fold_real_kv",
     "array_gather",
+    "DIGEST_GAMMA",
+    "digest_salt_int",
+    "digest_int",
+    "digest_salt",
+    "digest_term",
+    "splitmix64_np",
+    "digest_np",
 ]
 
 _U64 = (1 << 64) - 1
@@ -143,3 +156,78 @@ def fold_real_kv(slots, mask, source_refs: Sequence, specs: Sequence, mode: int,
                 h = fold(jnp.asarray(full * group, idt), rest, h)
         acc = splitmix64(acc ^ h)
     return acc
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-slot KV digest (ours, docs/spec.md §16).
+
+# The salt's multiplier: 2**64 / golden ratio, odd (SplitMix64's own increment), so that
+# ``(j * 2**32 + i) -> salt`` is a bijection of 64-bit patterns: no two (source, word) positions
+# share a salt.
+DIGEST_GAMMA = 0x9E3779B97F4A7C15
+_GAMMA_I64 = np.int64(to_i64(DIGEST_GAMMA))
+_WORD_INDEX_LIMIT = 1 << 32
+
+
+def digest_salt_int(source: int, word: int) -> int:
+    """``salt(j, i) = (j * 2**32 + i) * DIGEST_GAMMA mod 2**64`` (int64 reading) for source ``j``
+    and word ``i`` of its strip (``0 <= i < 2**32``)."""
+    if source < 0 or not 0 <= word < _WORD_INDEX_LIMIT:
+        raise ValueError(f"kv-canary: digest salt of source {source}, word {word}: the source "
+                         f"must be >= 0 and the word in [0, 2**32)")
+    return to_i64(((source << 32) + word) * DIGEST_GAMMA)
+
+
+def digest_int(sources: Sequence[Sequence[int]]) -> int:
+    """The digest of one slot whose source ``j`` holds the 64-bit words ``sources[j]`` (Python
+    ints, any sign: their 64-bit patterns), as its int64 reading."""
+    total = 0
+    for j, words in enumerate(sources):
+        for i, w in enumerate(words):
+            term = splitmix64_int(to_u64(w) + to_u64(digest_salt_int(j, i)))
+            total += to_u64(term)
+    return to_i64(total)
+
+
+def digest_salt(source: int, word):
+    """``salt(source, word)`` for a static ``source`` and int64 word indices ``word`` (jnp, in
+    kernels too): ``salt(j, 0) + i * DIGEST_GAMMA``, which is ``(j * 2**32 + i) * DIGEST_GAMMA``
+    mod 2**64."""
+    base = jnp.asarray(digest_salt_int(source, 0), jnp.int64)
+    return jnp.asarray(word, jnp.int64) * _GAMMA_I64 + base
+
+
+def digest_term(word, source: int, index):
+    """One word's term of the digest: ``splitmix64(word + salt(source, index))`` on int64."""
+    return splitmix64(jnp.asarray(word, jnp.int64) + digest_salt(source, index))
+
+
+def splitmix64_np(x) -> np.ndarray:
+    """splitmix64 on numpy ``uint64`` (wrapping products; an array of any shape)."""
+    x = np.array(x, dtype=np.uint64, ndmin=1)
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(SPLITMIX64_MULTIPLIERS[0])
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(SPLITMIX64_MULTIPLIERS[1])
+    return x ^ (x >> np.uint64(31))
+
+
+def digest_np(strips: Sequence[np.ndarray]) -> np.ndarray:
+    """The digests of ``n`` slots: ``strips[j]`` is source ``j``'s bytes of every slot, uint8
+    ``[n, E_j]`` (``E_j`` a multiple of 8; read as little-endian 64-bit words). Returns int64
+    ``[n]``."""
+    total = None
+    for j, strip in enumerate(strips):
+        strip = np.ascontiguousarray(strip, dtype=np.uint8)
+        n, nbytes = strip.shape
+        if nbytes % 8:
+            raise ValueError(f"kv-canary: a digest strip is whole 8-byte words, got {nbytes} bytes")
+        words = strip.view("<u8").reshape(n, nbytes // 8).astype(np.uint64)
+        i = np.arange(nbytes // 8, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            salt = (np.uint64(j) << np.uint64(32) | i) * np.uint64(DIGEST_GAMMA)
+            terms = splitmix64_np(words + salt[None, :]).reshape(n, -1)
+            part = terms.sum(axis=1, dtype=np.uint64)
+            total = part if total is None else total + part
+    if total is None:
+        raise ValueError("kv-canary: a digest needs at least one source")
+    return total.view(np.int64)

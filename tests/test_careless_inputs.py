@@ -176,7 +176,7 @@ def test_make_batch_pads_a_consistent_batch():
 # --------------------------------------------------------------------------------------------
 
 _TPU_OPS = [("scatter", "scatter_req_token_ids"), ("plan", "canary_plan"),
-            ("write", "canary_write"), ("verify", "canary_verify")]
+            ("write", "canary_write"), ("verify", "canary_verify"), ("digest", "digest")]
 
 
 @pytest.mark.parametrize("op,name", _TPU_OPS)

@@ -144,3 +144,61 @@ def test_canary_step_lowers_for_each_tpu_generation(device_kind):
     """The TPU kernels lower for v5e and v6e alike (the Mosaic lowering reads the generation)."""
     text = _step_program("pallas_mosaic_tpu", "tpu", device_kind, enable_v_half=False)
     _check_program(text, "pallas_mosaic_tpu", "step")
+
+
+# The KV digest (ours): its kernels by implementation.
+DIGEST_KERNELS = {"pallas_triton": ("kvcanary_digest_write", "kvcanary_digest_verify"),
+                  "pallas_mosaic_tpu": ("kvcanary_digest_tpu",)}
+
+
+def _digest_sources():
+    """A fused bf16 layer's K and V strips of two heads (strided views of one buffer), a paged
+    uint8 source read in part and a float32 one: every addressing the kernels take."""
+    from kvcanary_jax.contracts import TensorMeta
+
+    fused = jnp.zeros((64, 4, 64), jnp.bfloat16)
+    view = TensorMeta(shape=(64, 64), dtype="bfloat16", strides=(256, 1), device=None,
+                      framework="jax")
+    heads = tuple(kc.RealKvSource(tensor=fused, page_size=1, num_bytes_per_token=128,
+                                  read_bytes=128, view=view, offset_bytes=128 * k)
+                  for k in range(4))
+    return heads + (
+        kc.RealKvSource(tensor=jnp.zeros((16, 4 * 96), jnp.uint8), page_size=4,
+                        num_bytes_per_token=96, read_bytes=64),
+        kc.RealKvSource(tensor=jnp.zeros((64, 32), jnp.float32), page_size=1,
+                        num_bytes_per_token=128, read_bytes=128))
+
+
+def _digest_ops(impl):
+    """(name, jitted function, its arguments) of digest_write and digest_verify (window 4)."""
+    sources = _digest_sources()
+    write = jax.jit(lambda b, s, src: kc.digest_write(b, s, src, implementation=impl),
+                    donate_argnums=0)
+
+    def verify_fn(ctx, s, pos, nv, phase, src):
+        return kc.digest_verify(ctx, s, pos, nv, phase, window=4, sources=src,
+                                implementation=impl)
+
+    ctx = kc.DigestContext.allocate(num_slots=64, ring_capacity=16)
+    i32 = jnp.zeros((1,), jnp.int32)
+    return [("digest_write", write, (_i64(64), _i64(20), sources)),
+            ("digest_verify", jax.jit(verify_fn, donate_argnums=0),
+             (ctx, _i64(48), _i64(48), i32, i32, sources))]
+
+
+@pytest.mark.parametrize("platform,impl", LOWERINGS)
+def test_digest_lowers(platform, impl):
+    """digest_write and digest_verify lower for each implementation's platform: the Triton
+    kernels for CUDA (in place: the digests and the ring aliased), the Mosaic kernel for TPU,
+    plain HLO for xla."""
+    assert _registry.op("digest").unusable(impl, platform=platform) is None
+    with jax.enable_x64(True):
+        for name, fn, args in _digest_ops(impl):
+            text = lower(fn, args, platform).as_text()
+            if impl == "pallas_triton":
+                assert "__gpu$xla.gpu.triton" in text and "output_operand_alias" in text, name
+                assert DIGEST_KERNELS[impl][name == "digest_verify"] in text, name
+            elif impl == "pallas_mosaic_tpu":
+                assert "tpu_custom_call" in text and DIGEST_KERNELS[impl][0] in text, name
+            else:
+                assert "custom_call" not in text, name

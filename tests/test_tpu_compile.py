@@ -15,7 +15,7 @@ import jax
 
 from kvcanary_jax.bench import tpu_compile as tc
 
-from test_lowering import TPU_KERNELS, _ops
+from test_lowering import DIGEST_KERNELS, TPU_KERNELS, _digest_ops, _ops
 
 pytestmark = pytest.mark.tpu_compile
 
@@ -130,3 +130,26 @@ def test_canary_ops_hold_no_copy_of_the_canary(name):
     assert row["ok"], row.get("error")
     canary = tc.SLOTS * 32
     assert row["temp_size_in_bytes"] < canary // 8, row
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_digest_compiles(topology):
+    """digest_write and digest_verify over the lowering tests' sources (a fused bf16 layer's
+    K and V head strips sharing one buffer, a paged uint8 source read in part, a float32 one)."""
+    with jax.enable_x64(True):
+        ops = _digest_ops(tc.TPU)
+    for name, fn, args in ops:
+        text = _compiled_text(fn, args, topology)
+        assert all(k in text for k in DIGEST_KERNELS[tc.TPU]), (name, topology)
+
+
+@pytest.mark.parametrize("name", [c.name for c in tc.CASES if c.op == "digest"])
+def test_digest_reads_the_kv_in_place(name):
+    """The digest at serving size (8 GiB of KV: 32 layers' int32 sources) on v5e reads the
+    sources where they are: its temporaries stay far below one layer's bytes (a copy of the
+    sources would not fit in v5e's HBM at all)."""
+    case = next(c for c in tc.CASES if c.name == name)
+    row = tc.measure(case, "v5e:2x2")
+    assert row["ok"], row.get("error")
+    kv = row["logical_bytes"]
+    assert kv > 8 << 30 and row["temp_size_in_bytes"] < kv // (32 * 16), row
