@@ -240,8 +240,11 @@ def test_raise_mode_raises_once_naming_the_slot():
     assert seen and seen[0].request is req  # remediation ran before the raise
     h.srv.kv = e.value.kv  # the step's KV (the one passed in was donated)
     h.srv.complete(h.srv.live and [], time.perf_counter(), poll=False)
-    h.step(2)  # SGLang raises once; later violations of the same fault do not raise again
-    h.mgr.flush()
+    # Serving on: the fault is found again (new ring rows), each new row raised once; a raise
+    # silences nothing later, and no row is raised twice.
+    later = h.serve(2) + h.close()
+    raised = [r.violation.index for err in [e.value, *later] for r in err.reports]
+    assert sorted(raised) == list(range(rt.violation_count(h.mgr.state))), raised
 
 
 def test_hot_path_never_waits_for_the_device():
