@@ -70,6 +70,9 @@ def test_defaults_are_sglangs():
     (dict(health_check_every_n_steps=0), r"health_check_every_n_steps must be >= 1, got 0"),
     (dict(health_check_warmup_steps=-1), r"health_check_warmup_steps must be >= 0, got -1"),
     (dict(agree_across_processes="yes"), r"agree_across_processes must be None, True or False"),
+    (dict(agreement_timeout_s=0), r"agreement_timeout_s must be a number of seconds > 0, got 0"),
+    (dict(agreement_timeout_s=True), r"agreement_timeout_s must be a number .*, got True"),
+    (dict(agreement_timeout_s=float("nan")), r"agreement_timeout_s must be .*, got nan"),
 ])
 def test_bad_values_name_the_setting(fields, match):
     with pytest.raises(ValueError, match=match):
