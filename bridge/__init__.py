@@ -63,13 +63,20 @@ if __name__ != "kvcanary_jax.bridge":
 # process hosting the bridge; an explicit setting by the user wins.
 _os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from kvcanary_jax.bridge import declarations as _decl  # noqa: E402
 from kvcanary_jax.bridge.cache import clear_cache  # noqa: E402
 from kvcanary_jax.bridge.checks import set_value_checks, value_checks  # noqa: E402
 from kvcanary_jax.bridge.dlpack import BridgeError, stats  # noqa: E402
-from kvcanary_jax.bridge.launcher import Launcher as _Launcher  # noqa: E402
-from kvcanary_jax.bridge.launcher import direct_enabled, paths, set_direct  # noqa: E402
+from kvcanary_jax.bridge.entry_points import (  # noqa: E402
+    launch_canary_plan_kernels,
+    launch_canary_step,
+    launch_canary_verify_kernel,
+    launch_canary_write_kernel,
+    launch_scatter_req_token_ids_kernel,
+)
+from kvcanary_jax.bridge.launcher import call_paths as _call_paths  # noqa: E402
+from kvcanary_jax.bridge.launcher import direct_enabled, set_direct  # noqa: E402
 from kvcanary_jax.bridge.sglang_install import SglangInstall, install_into_sglang  # noqa: E402
+from kvcanary_jax.bridge.sglang_install import installed as _installed  # noqa: E402
 from kvcanary_jax.bridge.streams import set_stream_sync, stream_sync  # noqa: E402
 from kvcanary_jax.bridge.types import (  # noqa: E402
     CANARY_SLOT_BYTES,
@@ -110,106 +117,13 @@ __all__ = [
     "value_checks",
 ]
 
-_SCATTER = _Launcher(_decl.SCATTER)
-_PLAN = _Launcher(_decl.PLAN)
-_VERIFY = _Launcher(_decl.VERIFY)
-_WRITE = _Launcher(_decl.WRITE)
-_STEP = _Launcher(_decl.STEP)
 
-
-def launch_scatter_req_token_ids_kernel(*, flat_in, offsets, req_pool_indices, pool_out) -> None:
-    """Scatter each request's int64 tokens into its int32 row of ``pool_out``, in place.
-
-    Same keywords, dtypes, checks (order, classes, messages) and in-place semantics as SGLang
-    0.5.23's launcher, without its ``bs + 1 <= 512`` cap. ``pool_out`` may be a view whose rows
-    are strided (``pool[:, :n]``, ``pool[:, 2:6]``); columns outside the view are never written.
-    """
-    _SCATTER(flat_in=flat_in, offsets=offsets, req_pool_indices=req_pool_indices,
-             pool_out=pool_out)
-
-
-def launch_canary_plan_kernels(*, verify_plan_out, write_plan_out, req_pool_indices, prefix_lens,
-                               extend_seq_lens, req_to_token, swa_window_size,
-                               full_to_swa_index_mapping, verify_capacity,
-                               req_to_verify_expected_tokens,
-                               req_to_verify_expected_tokens_valid_lens,
-                               kv_token_id_vs_position_offset) -> None:
-    """Fill ``verify_plan_out`` and ``write_plan_out`` in place (SGLang's GPU-path semantics,
-    checks and messages; no ``bs <= 4096`` cap). Plans may be the bridge's or SGLang's
-    dataclasses."""
-    _PLAN(verify_plan_out=verify_plan_out, write_plan_out=write_plan_out,
-          req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
-          extend_seq_lens=extend_seq_lens, req_to_token=req_to_token,
-          swa_window_size=swa_window_size, full_to_swa_index_mapping=full_to_swa_index_mapping,
-          verify_capacity=verify_capacity,
-          req_to_verify_expected_tokens=req_to_verify_expected_tokens,
-          req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
-          kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
-
-
-def launch_canary_verify_kernel(*, context, plan, check_verify_expected_token) -> None:
-    """Verify one canary buffer against a VerifyPlan; updates the context's ring, write index
-    and counters in place (``canary_buf`` is only read)."""
-    _VERIFY(context=context, plan=plan, check_verify_expected_token=check_verify_expected_token)
-
-
-def launch_canary_write_kernel(*, context, plan, input_ids, positions, out_cache_loc,
-                               enable_write_input_assert, expected_input_tokens,
-                               expected_input_positions) -> None:
-    """Stamp canary records for the batch's written tokens; updates ``canary_buf``, the ring,
-    write index and counters in place."""
-    _WRITE(context=context, plan=plan, input_ids=input_ids, positions=positions,
-           out_cache_loc=out_cache_loc, enable_write_input_assert=enable_write_input_assert,
-           expected_input_tokens=expected_input_tokens,
-           expected_input_positions=expected_input_positions)
-
-
-def launch_canary_step(*, context, verify_plan_out, write_plan_out, req_pool_indices,
-                       prefix_lens, extend_seq_lens, req_to_token, input_ids, positions,
-                       out_cache_loc, swa_window_size=0, full_to_swa_index_mapping=None,
-                       verify_capacity=None, req_to_verify_expected_tokens=None,
-                       req_to_verify_expected_tokens_valid_lens=None,
-                       kv_token_id_vs_position_offset=0, expected_token_ids=None,
-                       expected_token_offsets=None, check_verify_expected_token=False,
-                       enable_write_input_assert=False, expected_input_tokens=None,
-                       expected_input_positions=None) -> None:
-    """One canary step of one endpoint in one call: (scatter) + plan + verify + write.
-
-    Equivalent to, in this order (SGLang's serving flow)::
-
-        if expected_token_ids is not None:   # token verification: refresh the expected pool
-            launch_scatter_req_token_ids_kernel(flat_in=expected_token_ids,
-                offsets=expected_token_offsets, req_pool_indices=req_pool_indices,
-                pool_out=req_to_verify_expected_tokens)
-        launch_canary_plan_kernels(verify_plan_out=..., write_plan_out=..., ...)
-        launch_canary_verify_kernel(context=context, plan=verify_plan_out,
-            check_verify_expected_token=check_verify_expected_token)
-        launch_canary_write_kernel(context=context, plan=write_plan_out, input_ids=...,
-            positions=..., out_cache_loc=..., enable_write_input_assert=...,
-            expected_input_tokens=..., expected_input_positions=...)
-
-    with every launcher's static checks run first (nothing runs if one fails). Value checks of
-    the verify / write plans are skipped: the plan is produced by this very call; the caller's
-    token arrays are checked as the write launcher checks them (``out_cache_loc`` inside the
-    canary buffer, the active requests' ``extend_seq_lens`` within ``input_ids``). Unlike the
-    sequence, the step refuses an expected-token pool that shares memory with
-    ``req_to_token`` (or any other input) when it scatters: our rule, see
-    :func:`kvcanary_jax.bridge.checks.check_outputs_apart_from_inputs`. All outputs
-    (expected pool, both plans, canary buffer, ring, write index, counters) are updated in place.
-    ``verify_capacity`` defaults to the verify plan's capacity.
-    """
-    if verify_capacity is None:
-        verify_capacity = int(verify_plan_out.verify_slot_indices.shape[0])
-    _STEP(context=context, verify_plan_out=verify_plan_out, write_plan_out=write_plan_out,
-          req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
-          extend_seq_lens=extend_seq_lens, req_to_token=req_to_token, input_ids=input_ids,
-          positions=positions, out_cache_loc=out_cache_loc, swa_window_size=swa_window_size,
-          full_to_swa_index_mapping=full_to_swa_index_mapping, verify_capacity=verify_capacity,
-          req_to_verify_expected_tokens=req_to_verify_expected_tokens,
-          req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
-          kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-          expected_token_ids=expected_token_ids, expected_token_offsets=expected_token_offsets,
-          check_verify_expected_token=check_verify_expected_token,
-          enable_write_input_assert=enable_write_input_assert,
-          expected_input_tokens=expected_input_tokens,
-          expected_input_positions=expected_input_positions)
+def paths() -> dict[str, dict[str, str]]:
+    """Per launcher: the path its last call took (``"triton_direct"`` or ``"dlpack"``; ``""``
+    before its first call) and, for ``"dlpack"`` on a CUDA tensor, why the direct path was not
+    taken; while :func:`install_into_sglang` is active, ``"sglang"`` names the SGLang runtime
+    names each installed launcher replaces (comma-separated)."""
+    out = _call_paths()
+    for name, dotted in _installed().items():
+        out.setdefault(name, {"path": "", "reason": "not called yet"})["sglang"] = ", ".join(dotted)
+    return out

@@ -161,17 +161,12 @@ def direct_enabled() -> bool:
     return _DIRECT["on"]
 
 
-def paths() -> dict[str, dict[str, str]]:
-    """Per launcher: the path its last call took (``"triton_direct"`` or ``"dlpack"``; ``""``
-    before its first call) and, for ``"dlpack"`` on a CUDA tensor, why the direct path was not
-    taken; while :func:`kvcanary_jax.bridge.install_into_sglang` is active, ``"sglang"`` names the
-    SGLang runtime names each installed launcher replaces (comma-separated)."""
-    from kvcanary_jax.bridge.sglang_install import installed
-
-    out = {k: {"path": p, "reason": r} for k, (p, r) in _PATHS.items()}
-    for name, dotted in installed().items():
-        out.setdefault(name, {"path": "", "reason": "not called yet"})["sglang"] = ", ".join(dotted)
-    return out
+def call_paths() -> dict[str, dict[str, str]]:
+    """Per launcher called so far: the path its last call took (``"triton_direct"`` or
+    ``"dlpack"``; ``""`` before its first call) and, for ``"dlpack"`` on a CUDA tensor, why the
+    direct path was not taken (what :func:`kvcanary_jax.bridge.paths` reports, with the SGLang
+    names each launcher is installed as)."""
+    return {k: {"path": p, "reason": r} for k, (p, r) in _PATHS.items()}
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ import importlib.metadata
 import inspect
 import threading
 
+from kvcanary_jax.bridge import entry_points
 from kvcanary_jax.bridge.dlpack import BridgeError
 
 __all__ = ["SGLANG_VERSION", "TARGETS", "Target", "SglangInstall", "install_into_sglang",
@@ -93,9 +94,7 @@ def _render(fn) -> str:
 
 
 def _replacement(target: Target):
-    import kvcanary_jax.bridge as bridge
-
-    return getattr(bridge, target.name)
+    return getattr(entry_points, target.name)
 
 
 class SglangInstall:

@@ -61,7 +61,7 @@ from kvcanary_jax.runtime import (
     read_violations,
     violation_count,
 )
-from kvcanary_jax.sharded import make_sharded_step
+from kvcanary_jax.runtime.sharded import make_sharded_step
 
 __version__ = "0.1.0"
 

@@ -57,6 +57,33 @@ class Harness:
             self.last_sched = sched
         return self.last_sched
 
+    def serve(self, n: int = 1) -> list:
+        """``n`` steps as a server that remediates and keeps serving: a
+        :class:`~kvcanary_jax.runtime.CanaryViolationError` is caught and kept, the step finished
+        with the error's KV (the step ran; the KV passed in was donated). Returns the errors."""
+        errors = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            sched, batch, rtt, lut = self.prepare()
+            try:
+                self.srv.kv = self.mgr.step(self.srv.kv, batch, rtt, lut,
+                                            requests=[r for r, _ in sched])
+            except rt.CanaryViolationError as e:
+                assert e.kv is not None, "a step's error without the step's KV"
+                self.srv.kv = e.kv
+                errors.append(e)
+            self.srv.complete(sched, t0, poll=False)
+            self.last_sched = sched
+        return errors
+
+    def close(self) -> list:
+        """``close()``, its error (if any) kept as :meth:`serve` keeps them."""
+        try:
+            self.mgr.close()
+        except rt.CanaryViolationError as e:
+            return [e]
+        return []
+
     def live_prefix_slot(self):
         """(request, slot) of the first live request with a written prefix slot."""
         for req in self.srv.live:

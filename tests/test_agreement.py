@@ -1,15 +1,18 @@
 """Agreement before raising: a violation on one rank (or one shard) makes every rank raise on the
 same step, naming the rank (shard) and the slot, and no process is left waiting.
 
-Across processes: 2 and 4 processes joined by ``jax.distributed`` on 127.0.0.1 (CPU devices, a
+Across processes: 2 to 4 processes joined by ``jax.distributed`` on 127.0.0.1 (CPU devices, a
 free port, every process bounded by a timeout), each running the simulated server through its
-own ``CanaryManager`` in raise mode. Within one process: a mesh of two CPU devices, the error
-flag max-reduced over the mesh axis inside the step."""
+own ``CanaryManager`` in raise mode. A hung peer, a dead peer or a mode mismatch gives every live
+process a kv-canary error naming the peer within the agreement timeout, with its KV attached.
+Within one process: a mesh of two CPU devices, the error flag max-reduced over the mesh axis
+inside the step."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -47,7 +50,8 @@ def _result(proc_out: str) -> dict:
     return json.loads(lines[-1])
 
 
-def _run_processes(n: int, victim: int, extra=()) -> list[dict]:
+def _run_processes(n: int, victim: int, extra=(), *, dead=()) -> list[dict]:
+    """The JSON line of every process but the ``dead`` ones (killed on purpose)."""
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, WORKER, "--nproc", str(n), "--rank", str(r),
                                "--port", str(port), "--victim", str(victim), *extra],
@@ -55,8 +59,11 @@ def _run_processes(n: int, victim: int, extra=()) -> list[dict]:
                               text=True) for r in range(n)]
     outs = []
     try:
-        for p in procs:
+        for rank, p in enumerate(procs):
             out, err = p.communicate(timeout=TIMEOUT)
+            if rank in dead:
+                assert p.returncode == -signal.SIGKILL, err[-3000:]
+                continue
             assert p.returncode == 0, err[-3000:]
             outs.append(_result(out))
     finally:
@@ -93,6 +100,62 @@ def test_processes_with_different_settings_are_refused():
                                      "sweep_interval=0 ring_capacity=1024 padding_guard=False; "
                                      "rank 1: mode=log sweep_interval=0 ring_capacity=1024 "
                                      "padding_guard=False")
+
+
+# Short: the workers compile before they meet, so the timeout measures the peers alone.
+AGREE_S = 4.0
+
+
+def _told(o: dict, peer: int, step: int) -> None:
+    """``o`` raised the agreement error at ``step``, naming ``peer``, within the timeout, with
+    the step's KV."""
+    assert o["error"] == "CanaryAgreementError" and o["peers"] == [peer], o
+    assert o["raised_at"] == o["loop_step"] == step, o
+    assert o["message"].startswith(f"kv-canary agreement: rank {peer} did not report step "
+                                   f"{step} within {AGREE_S:g} s (agreement_timeout_s)"), o
+    assert AGREE_S <= o["elapsed_s"] < AGREE_S + 3, o
+    assert o["kv_attached"] is True, o
+
+
+def test_a_hung_peer_is_named_within_the_timeout():
+    # Rank 1 stops for longer than the timeout before its step 3: rank 0 raises on step 3,
+    # naming it, and stops serving; rank 1, back, raises on step 4, naming rank 0.
+    outs = _run_processes(2, -1, ("--agreement-timeout", str(AGREE_S), "--hang-rank", "1",
+                                  "--hang-step", "3", "--hang-s", str(AGREE_S + 2)))
+    by_rank = {o["rank"]: o for o in outs}
+    _told(by_rank[0], 1, 3)
+    _told(by_rank[1], 0, 4)
+
+
+def test_a_peer_that_never_builds_its_manager_is_named():
+    outs = _run_processes(2, -1, ("--agreement-timeout", str(AGREE_S), "--hang-rank", "1",
+                                  "--hang-step", "-1", "--hang-s", str(AGREE_S + 2)))
+    by_rank = {o["rank"]: o for o in outs}
+    assert by_rank[0]["peers"] == [1] and by_rank[0]["config_error"] == (
+        f"kv-canary agreement: rank 1 did not report its canary settings while the managers were "
+        f"built within {AGREE_S:g} s (agreement_timeout_s): hung, dead, or no longer stepping in "
+        "lockstep with this process (rank 0)")
+    assert AGREE_S <= by_rank[0]["elapsed_s"] < AGREE_S + 3
+    _told(by_rank[1], 0, 1)  # its first agreement, at the first readback
+
+
+def test_a_dead_peer_is_named_by_every_live_process():
+    # Rank 1 of 3 is killed before its step 3: ranks 0 and 2 each raise on step 3, naming it.
+    outs = _run_processes(3, -1, ("--agreement-timeout", str(AGREE_S), "--die-rank", "1",
+                                  "--die-step", "3"), dead=(1,))
+    assert sorted(o["rank"] for o in outs) == [0, 2]
+    for o in outs:
+        _told(o, 1, 3)
+
+
+def test_a_process_in_mode_none_is_refused_by_every_process():
+    outs = _run_processes(2, 0, ("--agreement-timeout", str(AGREE_S), "--none-on-rank", "1"))
+    for o in outs:
+        assert o["config_error"] == ("kv-canary: the processes run different canary settings, "
+                                     "so they cannot agree on when to raise: rank 0: mode=raise "
+                                     "sweep_interval=0 ring_capacity=1024 padding_guard=False; "
+                                     "rank 1: mode=none sweep_interval=0 ring_capacity=1024 "
+                                     "padding_guard=False"), o
 
 
 def test_mesh_shards_agree_inside_the_step():

@@ -70,6 +70,9 @@ def test_defaults_are_sglangs():
     (dict(health_check_every_n_steps=0), r"health_check_every_n_steps must be >= 1, got 0"),
     (dict(health_check_warmup_steps=-1), r"health_check_warmup_steps must be >= 0, got -1"),
     (dict(agree_across_processes="yes"), r"agree_across_processes must be None, True or False"),
+    (dict(agreement_timeout_s=0), r"agreement_timeout_s must be a number of seconds > 0, got 0"),
+    (dict(agreement_timeout_s=True), r"agreement_timeout_s must be a number .*, got True"),
+    (dict(agreement_timeout_s=float("nan")), r"agreement_timeout_s must be .*, got nan"),
 ])
 def test_bad_values_name_the_setting(fields, match):
     with pytest.raises(ValueError, match=match):
@@ -240,8 +243,11 @@ def test_raise_mode_raises_once_naming_the_slot():
     assert seen and seen[0].request is req  # remediation ran before the raise
     h.srv.kv = e.value.kv  # the step's KV (the one passed in was donated)
     h.srv.complete(h.srv.live and [], time.perf_counter(), poll=False)
-    h.step(2)  # SGLang raises once; later violations of the same fault do not raise again
-    h.mgr.flush()
+    # Serving on: the fault is found again (new ring rows), each new row raised once; a raise
+    # silences nothing later, and no row is raised twice.
+    later = h.serve(2) + h.close()
+    raised = [r.violation.index for err in [e.value, *later] for r in err.reports]
+    assert sorted(raised) == list(range(rt.violation_count(h.mgr.state))), raised
 
 
 def test_hot_path_never_waits_for_the_device():

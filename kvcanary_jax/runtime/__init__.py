@@ -2,9 +2,12 @@
 
 :mod:`.state` (:class:`CanaryConfig`, :class:`CanaryState`, :class:`ForwardBatch`,
 :func:`init_state`), :mod:`.step` (the device step: HEAD -> forward -> TAIL, the sweep) and
-:mod:`.host` (batch padding, violation and counter decoding), :mod:`.config` and :mod:`.manager`
-(:class:`CanaryManager`, the runtime a server holds: SGLang's modes, reporting, guards, readback
-one step late, agreement across ranks, remediation). Everything is importable from here.
+:mod:`.host` (batch padding, violation and counter decoding), :mod:`.sharded` (one canary per
+data-parallel shard), :mod:`.config` and :mod:`.manager` (:class:`CanaryManager`, the runtime a
+server holds, orchestrating :mod:`.device` (its jitted calls), :mod:`.readback` (one step late),
+:mod:`.reporting` (SGLang's messages, each violation once), :mod:`.health` (launch health, the
+phase check, the overflow warner, stats) and :mod:`.agreement` (across ranks, with a timeout)).
+Everything is importable from here.
 """
 
 from kvcanary_jax.runtime.host import (
@@ -20,6 +23,8 @@ from kvcanary_jax.runtime.host import (
 from kvcanary_jax.runtime.config import ManagerConfig
 from kvcanary_jax.runtime.manager import (
     PADDING_SLOT_NOT_ZERO,
+    CanaryAgreementError,
+    CanaryCallbackError,
     CanaryManager,
     CanaryViolationError,
     ViolationReport,
@@ -47,6 +52,8 @@ __all__ = [
     "CanaryManager",
     "ManagerConfig",
     "CanaryViolationError",
+    "CanaryCallbackError",
+    "CanaryAgreementError",
     "ViolationReport",
     "PADDING_SLOT_NOT_ZERO",
     "format_violation",

@@ -19,6 +19,8 @@ SGLang                                :class:`ManagerConfig` field              
 ours: ``--kv-canary-padding-guard``   ``padding_guard`` (the sweep checks slot 0)      ``False``
 ours                                  ``agree_across_processes`` (``None``: when       ``None``
                                       ``jax.process_count() > 1``)
+ours                                  ``agreement_timeout_s``: how long a process      ``300``
+                                      waits for its peers' findings (and settings)
 ====================================  ===============================================  =========
 
 Every value is checked when the config is built (``ValueError`` naming the flag or variable, the
@@ -107,6 +109,7 @@ class ManagerConfig:
     health_check_every_n_steps: int = 100
     padding_guard: bool = False
     agree_across_processes: bool | None = None
+    agreement_timeout_s: float = 300.0
 
     def __post_init__(self):
         for field, choices in (("mode", MODES), ("real_data", REAL_DATA)):
@@ -131,6 +134,11 @@ class ManagerConfig:
         if self.agree_across_processes not in (None, True, False):
             raise ValueError("kv-canary: agree_across_processes must be None, True or False, "
                              f"got {self.agree_across_processes!r}")
+        timeout = self.agreement_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+                0 < timeout < float("inf")):
+            raise ValueError("kv-canary: agreement_timeout_s must be a number of seconds > 0, "
+                             f"got {timeout!r}")
         # SGLang's validation hook refuses this one, in these words.
         if self.sweep_interval > 0 and self.mode == "none":
             raise ValueError("--kv-canary-sweep-interval requires --kv-canary in {log, raise}")

@@ -1,331 +1,148 @@
 """The canary runtime a server holds: SGLang 0.5.23's ``CanaryManager`` and its guards, in JAX.
 
 :class:`CanaryManager` owns the canary's device state and runs, per forward step, what SGLang's
-runtime (``sglang/srt/kv_canary/runner/``) runs around its kernels:
+runtime (``sglang/srt/kv_canary/runner/``) runs around its kernels. It orchestrates these parts:
 
-* **the step**: HEAD -> the model forward -> TAIL in one ``jax.jit`` with the state and the KV
-  donated (:meth:`CanaryManager.step`), or HEAD and TAIL around a forward the server runs itself
-  (:meth:`CanaryManager.head` / :meth:`CanaryManager.tail`), or only the host side after a step
-  the server jitted itself (:meth:`CanaryManager.observe`, e.g. the sglang-jax hook);
-* **readback one step late** (``future_tensor.py``): each step's jit also returns a small
-  readback in buffers of its own: the ring's write index, the run counters, the plans' enable
-  flags and the phase packed into one int64 array, and a copy of the ring. The manager starts
-  ``copy_to_host_async`` on the packed array and reads it (``jax.device_get``, an explicit
-  transfer) after the *next* step is dispatched, so the step never waits on the host and the
-  host never waits on the step it just launched; the ring is copied to the host only for a step
-  whose write index shows rows not yet reported (one copy a step instead of one per field);
-* **incremental, deduplicated reporting** (``violation_reporter.py``): rows from the last reported
-  index on, SGLang's message format, the ring overflow flagged; ``log`` logs each through
-  :mod:`logging` (logger ``kvcanary_jax.runtime.manager``), ``raise`` raises
-  :class:`CanaryViolationError` (a ``RuntimeError``) once;
-* **launch health** (``health_checker.py``): from step 100 on, every 100 steps, a launch tag the
-  config runs whose kernel-run counter did not grow raises "canary path is not executing";
-* **the overflow warner** (``enable_warner.py``): a verify plan over its capacity is skipped; a
-  warning with the running total says so;
-* **stats** (``stats_logger.py``): "[canary] step=... protected_tokens=... sweep_passes=...
-  violations=..." every ``stats_print_every_n_steps`` steps;
-* **the phase check** (SGLang's ``SimplePhaseChecker``): a device-side IDLE -> AFTER_HEAD -> IDLE
-  state machine; a TAIL without its HEAD, or two HEADs, is counted on the device and raised on
-  the host once :meth:`CanaryManager.mark_init_finished` enabled it;
-* **the sweep** (``sweep.py``): every ``sweep_interval`` steps, the prefixes of the attached radix
-  walk are re-verified against the TAIL buffers;
+* **the device side** (:mod:`~kvcanary_jax.runtime.device`): HEAD -> the model forward -> TAIL in
+  one ``jax.jit`` with the state and the KV donated (:meth:`CanaryManager.step`), or HEAD and TAIL
+  around a forward the server runs itself (:meth:`~CanaryManager.head` / :meth:`~CanaryManager.
+  tail`), or only the host side after a step the server jitted itself
+  (:meth:`~CanaryManager.observe`, e.g. the sglang-jax hook); the sweep (``sweep.py``) of the
+  attached radix walk every ``sweep_interval`` steps, with our padding-slot guard;
+* **readback one step late** (:mod:`~kvcanary_jax.runtime.readback`, ``future_tensor.py``): each
+  step's readback is read after the *next* step is dispatched, so the step never waits on the
+  host and the host never waits on the step it just launched;
+* **reporting** (:mod:`~kvcanary_jax.runtime.reporting`, ``violation_reporter.py``): rows from the
+  last reported one on, SGLang's message format, the ring overflow flagged; ``log`` logs each
+  through :mod:`logging` (logger ``kvcanary_jax.runtime.manager``), ``raise`` raises
+  :class:`CanaryViolationError` (a ``RuntimeError``);
+* **health and phase checks** (:mod:`~kvcanary_jax.runtime.health`): launch health ("canary path
+  is not executing"), the phase check (SGLang's ``SimplePhaseChecker``, on once
+  :meth:`~CanaryManager.mark_init_finished` ran), the overflow warner, the periodic stats;
+* **agreement** (:mod:`~kvcanary_jax.runtime.agreement`, ours): the decision to raise is agreed
+  before anyone raises, over a device mesh inside the step and across processes through
+  jax.distributed's key-value store, within ``agreement_timeout_s``;
+* **remediation** (ours): ``on_violation(report)`` gets each new violation with the request it
+  belongs to (the ring row's slot mapped back through the step's batch), before a raise;
 * **draft workers**: ``ManagerConfig(draft_worker=True)`` sets SGLang's
   ``kv_token_id_vs_position_offset=1`` and leaves the sweep tags out of the health check (SGLang
   attaches the radix cache to the target worker only); run one manager per draft step.
 
-Ours, not SGLang's:
+**The guarantees.** Each violation (ring row) is reported exactly once, in every mode:
 
-* **agreement**: the decision to raise (a violation in ``raise`` mode, a stalled launch, a phase
-  error, a corrupted write index) is agreed before anyone raises. Over a device mesh
-  (``mesh=``, one canary per data-parallel shard) the error flag is reduced (max) over the mesh
-  axis inside the step. Across processes (``jax.distributed``), every process all-gathers a small
-  summary of what it read back (``multihost_utils.process_allgather``) at every step, so every
-  process raises on the same step, naming the rank and the slot, and none is left waiting in a
-  collective;
-* **remediation**: ``on_violation(report)`` gets each new violation with the request it belongs
-  to (the ring row's slot mapped back through the step's batch), before a raise;
-* **the padding-slot guard** (``padding_guard``): the sweep also checks that slot 0 (the padding
-  slot SGLang's and sglang-jax's allocators never hand out) of the real KV stays all zero; a
-  nonzero byte appends a ring row with reason :data:`PADDING_SLOT_NOT_ZERO` (bit 16, ours).
+* across raises: a raise reports its rows, later rows are reported (logged, or raised) as they
+  come, and no row is raised twice; a phase error is reported once (the growth of the device's
+  counter, not its level);
+* across closes: :meth:`~CanaryManager.flush` and :meth:`~CanaryManager.close` report the pending
+  readback *and* what a sweep (the last step's, or an explicit :meth:`~CanaryManager.sweep`)
+  found after it;
+* across state swaps: a state that does not continue the one reported so far (its write index
+  or run counters went back: a fresh ``init_state()`` handed to ``observe``) is reported from
+  row 0; :meth:`~CanaryManager.resync` resumes a restored checkpoint from its write index;
+* across failed steps: an error raised by a step carries that step's KV (``kv``: the KV passed
+  in was donated), whatever failed (a check, the agreement, a callback that raised, wrapped in
+  :class:`CanaryCallbackError`), and every violation of the step is still logged (log mode) or
+  carried (``reports``);
+* across threads: every public method holds one lock, so calls from several threads run one at
+  a time, each readback is consumed once, and no call sees a donated state.
+
+What the manager cannot honour it refuses where the mistake is made, with a ``ValueError`` before
+anything is donated: sizes whose real-KV mode, token asserts or draft offset contradict the
+config; a ``requests=`` list that is not one request per row of the batch.
 
 Mode ``none`` builds no state and traces nothing of the canary: :meth:`CanaryManager.step` runs
-the forward alone.
+the forward alone (it still checks, across processes, that every process runs the same mode).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
-from typing import Any, Callable, Sequence
+import threading
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvcanary_jax import _config, consts
-from kvcanary_jax.context import check_write_index
-from kvcanary_jax.runtime import host as _host
-from kvcanary_jax.runtime import step as _step
+from kvcanary_jax.runtime import health
+from kvcanary_jax.runtime.agreement import Agreement, AgreementFailure, Finding
 from kvcanary_jax.runtime.config import ManagerConfig
-from kvcanary_jax.runtime.state import CanaryConfig, CanaryState, check_state, init_state, tag
+from kvcanary_jax.runtime.device import DeviceSteps, check_state_any
+from kvcanary_jax.runtime.readback import Readbacks, Staged
+from kvcanary_jax.runtime.reporting import (
+    PADDING_SLOT_NOT_ZERO,
+    CanaryAgreementError,
+    CanaryCallbackError,
+    CanaryViolationError,
+    Reporter,
+    StepContext,
+    ViolationReport,
+    format_violation,
+    logger,
+)
+from kvcanary_jax.runtime.state import CanaryConfig, init_state
 
 __all__ = [
     "CanaryManager",
     "CanaryViolationError",
+    "CanaryCallbackError",
+    "CanaryAgreementError",
     "ViolationReport",
     "PADDING_SLOT_NOT_ZERO",
     "format_violation",
+    "check_state_any",
 ]
 
-logger = logging.getLogger(__name__)
-
-# Ours: the padding slot 0 of the real KV is not all zero (a ring row with slot 0, position -1,
-# ``stored_token`` = how many of its bytes are nonzero). Not one of SGLang's FailReason bits.
-PADDING_SLOT_NOT_ZERO = consts.PADDING_SLOT_NOT_ZERO
-
-_IDLE, _AFTER_HEAD = 0, 1
-_NUM_TAGS = len(consts.CanaryLaunchTag)
-_SWEEP_TAGS = frozenset(t for t in consts.CanaryLaunchTag if t.name.startswith("SWEEP_"))
-_WRITE_BITS = consts.FailReason.WRITE_TOKEN_MISMATCH | consts.FailReason.WRITE_POSITION_MISMATCH
-_TOKEN_BITS = consts.FailReason.WRITE_TOKEN_MISMATCH | consts.FailReason.VERIFY_TOKEN_MISMATCH
-_U64 = (1 << 64) - 1
+_SIZES_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CanaryConfig)}
 
 
-class CanaryViolationError(RuntimeError):
-    """Raised in ``raise`` mode (and, in every mode, by the health and phase checks). SGLang
-    raises ``RuntimeError``; this subclass also carries what was found: ``step``, ``reports``
-    (this process's :class:`ViolationReport` list) and ``ranks`` (``{rank: (new violations,
-    first slot, first launch tag)}`` over every process that found something). Raised from
-    :meth:`CanaryManager.step`, it also carries ``kv``: that step's new KV (the KV passed in was
-    donated), for a server that remediates and keeps serving."""
-
-    def __init__(self, message: str, *, step: int, reports=(), ranks=None):
-        super().__init__(message)
-        self.step = step
-        self.kv = None  # set by CanaryManager.step: the KV of the step that raised
-        self.reports = tuple(reports)
-        self.ranks = dict(ranks or {})
-
-
-@dataclasses.dataclass(frozen=True)
-class ViolationReport:
-    """One new violation as the manager reports it: the decoded ring row, the outer step whose
-    readback carried it, the process (``rank``) and shard (``shard``, 0 without a mesh), and the
-    request it belongs to (``None`` where the slot maps to no request of that step's batch, e.g. a
-    sweep row)."""
-
-    violation: _host.Violation
-    step: int
-    rank: int
-    shard: int
-    request: Any = None
-    message: str = ""
+def _settings_over_sizes(config: ManagerConfig) -> dict:
+    """The :class:`CanaryConfig` fields the manager's config decides: field -> (the config's
+    value, how to name that setting)."""
+    c = config
+    return {
+        "ring_capacity": (c.ring_capacity, None),  # a capacity: the config's, always
+        "real_kv_hash_mode": (c.real_data, f"real_data (--kv-canary-real-data) {c.real_data!r}"),
+        "enable_verify_token_assert": (
+            c.enable_verify_token_assert, "enable_verify_token_assert "
+            f"(SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT) {c.enable_verify_token_assert}"),
+        "enable_write_input_assert": (
+            c.enable_write_input_assert, "enable_write_input_assert "
+            f"(SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT) {c.enable_write_input_assert}"),
+        "kv_token_id_vs_position_offset": (
+            c.kv_token_id_vs_position_offset,
+            f"draft_worker {c.draft_worker} (offset {c.kv_token_id_vs_position_offset})"),
+    }
 
 
-def _reason_label(bit: int) -> str:
-    if bit == PADDING_SLOT_NOT_ZERO:
-        return "padding_slot_not_zero"
-    return consts.FailReason(bit).name.lower().removesuffix("_mismatch")
+def _sizes_for(config: ManagerConfig, sizes: CanaryConfig) -> CanaryConfig:
+    """``sizes`` with the settings the config decides. A sizes field left at CanaryConfig's
+    default asks for nothing; one set otherwise must say what the config says (a real-KV mode
+    the flags turned off would miss a flipped KV byte, a draft offset without a draft worker
+    gives false alarms)."""
+    taken = _settings_over_sizes(config)
+    for field, (value, setting) in taken.items():
+        asked = getattr(sizes, field)
+        if setting is None or asked == _SIZES_DEFAULTS[field] or asked == value:
+            continue
+        raise ValueError(
+            f"kv-canary: the sizes ask for CanaryConfig.{field}={asked!r}, but the manager's "
+            f"config has {setting}, and the manager runs what its config says: set the config "
+            f"to match, or leave {field} at its default ({_SIZES_DEFAULTS[field]!r}) in the sizes")
+    return dataclasses.replace(sizes, **{field: value for field, (value, _) in taken.items()})
 
 
-def _reasons(bits: int) -> list[str]:
-    out = [_reason_label(b) for b in consts.FailReason if bits & int(b)]
-    if bits & PADDING_SLOT_NOT_ZERO:
-        out.append(_reason_label(PADDING_SLOT_NOT_ZERO))
-    return out
+def _serialized(method):
+    """One call at a time on a manager (see the module docstring: threads)."""
 
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
 
-def format_violation(row: Sequence[int], *, total: int, ring_overflow: bool,
-                     step_when_pumped: int) -> str:
-    """SGLang's ``_format_violation`` (runner/violation_reporter.py): the frozen one-line
-    ``kv_canary violation: key=value ...`` summary, then the human-readable block."""
-    (kind, slot, position, stored_token, expected_token, stored_chain_hash, expected_aux,
-     bits) = (int(x) for x in row)
-    try:
-        tag_label = consts.CanaryLaunchTag(kind).name
-        canary_kind = (tag_label.lower() if consts.CanaryLaunchTag(kind) in _SWEEP_TAGS
-                       else f"per_forward_{tag_label.lower()}")
-    except ValueError:
-        tag_label = canary_kind = f"unknown({kind})"
-    reasons = _reasons(bits)
-    structured = (
-        f"kv_canary violation: launch_tag={tag_label} "
-        f"fail_reason={'+'.join(reasons) if reasons else 'none'} slot_idx={slot} "
-        f"position={position} stored_token={stored_token} expected_token={expected_token} "
-        f"stored_chain_hash={stored_chain_hash & _U64:#018x} expected_aux={expected_aux & _U64:#018x}"
-    )
-    header = (f"KV cache canary violation detected (kernel_kind={tag_label}, slot_idx={slot}, "
-              f"position={position})")
-    if bits & int(_WRITE_BITS):
-        body = [f"  actual:   token_id={stored_token}   position={position} "
-                f"prev_hash={stored_chain_hash & _U64:#018x}",
-                f"  expected: token_id={expected_token}   position={expected_aux}"]
-    else:
-        expected = (f"  expected: token_id={expected_token} prev_hash={expected_aux & _U64:#018x}"
-                    if bits & int(_TOKEN_BITS) else
-                    f"  expected: prev_hash={expected_aux & _U64:#018x}")
-        body = [f"  stored:   token_id={stored_token}   position={position} "
-                f"prev_hash={stored_chain_hash & _U64:#018x}", expected]
-    return "\n".join([structured, header, f"canary_kind:       {canary_kind}",
-                      f"  fail_reasons: {' '.join(reasons) if reasons else 'none'}", *body,
-                      f"  total_violations={total} ring_overflow={ring_overflow} "
-                      f"step_when_pumped={step_when_pumped}"])
-
-
-# ------------------------------------------------------------------------------- device side
-
-
-def _phase_update(phase, expect, nxt):
-    """``phase``: int32 [3] = (phase, errors, enabled). A transition from the wrong phase counts
-    an error when enabled (SGLang's device assert, as a counter the host reads back)."""
-    bad = (phase[0] != expect) & (phase[2] != 0)
-    return jnp.stack([jnp.int32(nxt), phase[1] + bad.astype(jnp.int32), phase[2]])
-
-
-# The readback's counters and flags, packed per shard into one int64 row (one buffer, one copy to
-# the host per step): name -> width. Over a mesh the step appends ``errored`` (the mesh-wide max
-# of the shards' error flags, 1 word).
-def _word_fields(cfg: CanaryConfig, *, mesh: bool) -> dict[str, slice]:
-    widths = (("write_index", 1), ("kernel_runs", _NUM_TAGS), ("slot_runs", _NUM_TAGS),
-              ("verify_enable", len(cfg.groups)), ("phase", 3)) + ((("errored", 1),) if mesh else ())
-    fields, at = {}, 0
-    for name, width in widths:
-        fields[name] = slice(at, at + width)
-        at += width
-    return fields
-
-
-def _readback(cfg: CanaryConfig, state: CanaryState, phase):
-    """What the host reads one step late, as fresh buffers (never aliases of the donated state):
-    ``words``, every counter and flag of :func:`_word_fields` in one int64 ``[shards, W]`` array,
-    which the host copies every step; and ``ring``, the violation ring, which it copies only when
-    ``words`` shows rows not yet reported. A leading shard axis (stacked per-shard states) is kept
-    as the first axis of both."""
-    shards = state.violation_write_index.size
-    # The phase is per shard over a mesh, one for a stack of states handed to observe().
-    phase = jnp.broadcast_to(phase.reshape(-1, 3), (shards, 3))
-    parts = (state.violation_write_index, state.kernel_run_counters, state.slot_run_counters,
-             jnp.stack([state.plans[g][0].enable.reshape(-1) for g in cfg.groups], -1), phase)
-    words = jnp.concatenate([x.astype(jnp.int64).reshape(shards, -1) for x in parts], axis=1)
-    ring = state.violation_ring
-    return {"words": words, "ring": ring.reshape((-1,) + ring.shape[-2:])}
-
-
-def _append_row(ring, write_index, row):
-    """Append one ring row under the ring guard the kernels use: a negative write index records
-    nothing and stays; past the capacity only the count grows (saturating at int32 max)."""
-    idx = write_index[0]
-    cap = ring.shape[0]
-    ok = (idx >= 0) & (idx < cap)
-    ring = ring.at[jnp.where(ok, idx, cap)].set(row, mode="drop")
-    grown = jnp.minimum(idx.astype(jnp.int64) + 1, 2**31 - 1).astype(jnp.int32)
-    return ring, jnp.where(idx >= 0, grown, idx).reshape(1)
-
-
-def _slot0_bytes(src) -> jax.Array:
-    """The bytes of the padding row of a real-KV array (slot 0; page 0 of a paged source)."""
-    tensor = getattr(src, "tensor", src)
-    row = tensor[0]
-    if row.dtype != jnp.uint8:
-        row = jax.lax.bitcast_convert_type(row, jnp.uint8)
-    return row.reshape(-1)
-
-
-def _padding_guard(cfg: CanaryConfig, state: CanaryState, kv) -> CanaryState:
-    kv = _step._as_kv_dict(cfg, kv)
-    ring, wi = state.violation_ring, state.violation_write_index
-    for group in cfg.groups:
-        for half in cfg.halves:
-            for src in kv[group][half]:
-                nonzero = jnp.sum((_slot0_bytes(src) != 0).astype(jnp.int64))
-                row = jnp.array([int(tag("SWEEP", half, group)), 0, -1, 0, 0, 0, 0,
-                                 PADDING_SLOT_NOT_ZERO], jnp.int64).at[3].set(nonzero)
-                new_ring, new_wi = _append_row(ring, wi, row)
-                ring = jnp.where(nonzero > 0, new_ring, ring)
-                wi = jnp.where(nonzero > 0, new_wi, wi)
-    return dataclasses.replace(state, violation_ring=ring, violation_write_index=wi)
-
-
-def _fused(state, phase, kv, batch, rtt, lut, *, cfg, forward):
-    state = _step.head(cfg, state, batch, rtt, lut)
-    phase = _phase_update(phase, _IDLE, _AFTER_HEAD)
-    kv = forward(kv, batch, rtt, lut)
-    state = _step.tail(cfg, state, batch, lut, kv)
-    phase = _phase_update(phase, _AFTER_HEAD, _IDLE)
-    return state, phase, kv, _readback(cfg, state, phase)
-
-
-def _head_only(state, phase, batch, rtt, lut, *, cfg):
-    state = _step.head(cfg, state, batch, rtt, lut)
-    return state, _phase_update(phase, _IDLE, _AFTER_HEAD)
-
-
-def _tail_only(state, phase, batch, lut, kv, *, cfg):
-    state = _step.tail(cfg, state, batch, lut, kv)
-    phase = _phase_update(phase, _AFTER_HEAD, _IDLE)
-    return state, phase, _readback(cfg, state, phase)
-
-
-def _sweep_fn(state, rows_table, row_indices, lengths, lut, kv, *, cfg, guard):
-    state = _step._sweep(cfg, state, rows_table, row_indices, lengths, lut, kv)
-    return _padding_guard(cfg, state, kv) if guard else state
-
-
-def _observe_fn(state, phase, *, cfg):
-    check_state_any(cfg, state)
-    return _readback(cfg, state, phase)
-
-
-_fused_jit = jax.jit(_fused, static_argnames=("cfg", "forward"), donate_argnums=(0, 1, 2))
-_head_jit = jax.jit(_head_only, static_argnames=("cfg",), donate_argnums=(0, 1))
-_tail_jit = jax.jit(_tail_only, static_argnames=("cfg",), donate_argnums=(0, 1))
-_sweep_jit = jax.jit(_sweep_fn, static_argnames=("cfg", "guard"), donate_argnums=(0,))
-_observe_jit = jax.jit(_observe_fn, static_argnames=("cfg",))
-
-
-def check_state_any(cfg: CanaryConfig, state) -> None:
-    """:func:`check_state` for a state or a stack of per-shard states (leading axis)."""
-    if state.violation_write_index.ndim == 2:
-        state = jax.tree.map(lambda x: x[0], state)
-    check_state(cfg, state)
-
-
-# --------------------------------------------------------------------------------- host side
-
-
-@dataclasses.dataclass
-class _StepContext:
-    """What the host keeps of a step until its readback is consumed: the batch and tables (device
-    arrays, only read when a violation needs its request) and the requests in batch order."""
-
-    batch: Any = None
-    req_to_token: Any = None
-    lut: Any = None
-    requests: Sequence | None = None
-    resolve: Callable[[int, _host.Violation], Any] | None = None
-
-
-def _resolve_request(ctx: _StepContext | None, v: _host.Violation):
-    if ctx is None:
-        return None
-    if ctx.resolve is not None:
-        return ctx.resolve(v.slot, v)
-    if ctx.requests is None or ctx.batch is None or ctx.req_to_token is None:
-        return None
-    # The violation path only (rare): the batch is read back here, explicitly.
-    rpi, pre, ext = (np.asarray(jax.device_get(x)) for x in (
-        ctx.batch.req_pool_indices, ctx.batch.prefix_lens, ctx.batch.extend_seq_lens))
-    table = np.asarray(jax.device_get(ctx.req_to_token))
-    slots = {int(v.slot)}
-    if v.group == "SWA" and ctx.lut is not None:
-        lut = np.asarray(jax.device_get(ctx.lut))
-        slots = {int(s) for s in np.nonzero(lut == v.slot)[0]}
-    for i, req in enumerate(ctx.requests):
-        n = int(pre[i] + ext[i])
-        if n and slots.intersection(int(s) for s in table[int(rpi[i]), :n]):
-            return req
-    return None
+    return locked
 
 
 class CanaryManager:
@@ -333,13 +150,14 @@ class CanaryManager:
 
     ``config``: a :class:`ManagerConfig` (SGLang's flags and environment variables).
     ``sizes``: a :class:`~kvcanary_jax.runtime.CanaryConfig` with the server's limits; its
-    ring capacity, real-KV mode, token asserts and draft offset are taken from ``config``.
+    ring capacity, real-KV mode, token asserts and draft offset are the config's (a sizes value
+    other than CanaryConfig's default that contradicts the config is refused).
     ``forward(kv, batch, req_to_token, lut) -> kv``: the model forward :meth:`step` runs
     between HEAD and TAIL. ``on_violation(report)``: the remediation callback.
     ``mesh`` / ``axis``: one canary per data-parallel shard over that mesh axis (states, KV,
     batches and tables stacked along a leading axis, :func:`kvcanary_jax.stack_shards`), the
     error flag max-reduced over the axis inside the step.
-    ``state``: a state to adopt (e.g. :meth:`observe` over a step the server runs itself).
+    ``allocate``: build the state now (``False``: :meth:`observe` hands it in).
     Every bad setting raises ``ValueError`` here, before anything is allocated.
     """
 
@@ -359,15 +177,14 @@ class CanaryManager:
         self._forward = forward
         self._on_violation = on_violation
         self._mesh, self._axis = mesh, axis
+        self._lock = threading.RLock()
         self.step_count = 0
         self.sweep_passes = 0
-        self.overflow_count_total = 0
         self.state = None
         self.cfg = None
-        self._raised = False
-        self._pending = None
         self._radix_walk = None
         self._last_sweep_step = -1
+        self._unread = False  # a launch ran since the last staged readback (a sweep, a HEAD)
         if mesh is not None and axis not in mesh.shape:
             raise ValueError(f"kv-canary: axis {axis!r} is not an axis of the mesh "
                              f"(axes: {', '.join(mesh.axis_names)})")
@@ -378,134 +195,46 @@ class CanaryManager:
             raise ValueError("kv-canary: the mesh spans devices of other processes; build one "
                              "manager per process over its local devices (processes agree "
                              "through agree_across_processes)")
-        agree = config.agree_across_processes
-        self._agree = jax.process_count() > 1 if agree is None else agree
+        if config.enabled and not isinstance(sizes, CanaryConfig):
+            raise ValueError(f"kv-canary: mode {config.mode!r} needs sizes=CanaryConfig(...) "
+                             f"(the server's limits), got {type(sizes).__name__}")
+        cfg = _sizes_for(config, sizes) if config.enabled else None
         self._rank = jax.process_index()
-        if self._agree and config.enabled:
-            self._agree_on_config()
+        # Every process, mode none included, checks the others run its settings.
+        self._agreement = Agreement(config)
+        self._agreement.check_settings(config)
+        with _config.x64_scope():
+            self._lut_dummy = jnp.zeros((1,), jnp.int64)
         if not config.enabled:
             self._forward_jit = jax.jit(forward, donate_argnums=(0,)) if forward else None
             return
-        if not isinstance(sizes, CanaryConfig):
-            raise ValueError(f"kv-canary: mode {config.mode!r} needs sizes=CanaryConfig(...) "
-                             f"(the server's limits), got {type(sizes).__name__}")
-        self.cfg = dataclasses.replace(
-            sizes, ring_capacity=config.ring_capacity, real_kv_hash_mode=config.real_data,
-            enable_verify_token_assert=config.enable_verify_token_assert,
-            enable_write_input_assert=config.enable_write_input_assert,
-            kv_token_id_vs_position_offset=config.kv_token_id_vs_position_offset)
-        self._shards = 1 if mesh is None else mesh.shape[axis]
-        self._reported: list[int] = []
-        self._overflow_reported: list[int] = []
-        self._prev_kernel_runs = None
+        self.cfg = cfg
+        self._device = DeviceSteps(cfg, forward, guard=config.padding_guard, mesh=mesh,
+                                   axis=axis)
+        self._readbacks = Readbacks(cfg)
+        self._reporter = Reporter(cfg.ring_capacity, self._rank)
+        self._health = health.LaunchHealth(config, cfg)
+        self._phase_check = health.PhaseCheck()
+        self._overflow = health.OverflowWarner(cfg)
+        self._phase_epoch = 0
         with _config.x64_scope():
-            self._lut_dummy = jnp.zeros((1,), jnp.int64)
-            self._phase = jnp.array([_IDLE, 0, 0], jnp.int32)
+            self._phase = health.initial_phase(False)
             if allocate:
-                self.state = self._init_state()
-        self._build()
-
-    # ------------------------------------------------------------------ construction helpers
-    def _agree_on_config(self):
-        """The first agreement collective, at construction: every process must run the same
-        mode, sweep and ring (a process in ``log`` never raises with one in ``raise``), and the
-        collective's context is set up here, while the processes are still close in time (CPU
-        collectives give a late peer 30 s to join the first one; after it, any delay waits)."""
-        from jax.experimental import multihost_utils
-
-        from kvcanary_jax.runtime.config import MODES
-        c = self.config
-        mine = np.array([MODES.index(c.mode), c.sweep_interval, c.ring_capacity,
-                         int(c.padding_guard)], np.int64)
-        with jax.transfer_guard("allow"):
-            every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size)
-        if np.any(every != every[0]):
-            rows = "; ".join(f"rank {r}: mode={MODES[int(m)]} sweep_interval={s} "
-                             f"ring_capacity={k} padding_guard={bool(g)}"
-                             for r, (m, s, k, g) in enumerate(every.tolist()))
-            raise ValueError("kv-canary: the processes run different canary settings, so they "
-                             f"cannot agree on when to raise: {rows}")
-
-    def _init_state(self):
-        # Chain-position assert off until mark_init_finished (SGLang: warm-up steps and graph
-        # capture feed synthetic positions that trip it).
-        one = init_state(self.cfg, chain_position_assert=False)
-        if self._mesh is None:
-            return one
-        from kvcanary_jax.sharded import stack_shards
-        return stack_shards([one] * self._shards, self._mesh, self._axis)
-
-    def _wrap_shards(self, fn, n_in, reduce_flag):
-        """``fn`` per shard under ``shard_map`` over stacked inputs (identity without a mesh)."""
-        if self._mesh is None:
-            return fn
-        from jax.sharding import PartitionSpec as P
-        axis = self._axis
-
-        def per_shard(*args):
-            take = functools.partial(jax.tree.map, lambda x: x[0])
-            put = functools.partial(jax.tree.map, lambda x: x[None])
-            outs = fn(*(take(a) for a in args))
-            if reduce_flag:
-                *rest, rb = outs
-                # The agreement inside the step: every shard's readback carries the max of the
-                # error flags and every shard's write index.
-                words = rb["words"]
-                wi = words[:, _word_fields(self.cfg, mesh=False)["write_index"]]
-                errored = jax.lax.pmax((wi != 0).astype(jnp.int64), axis)
-                rb = dict(rb, words=jnp.concatenate([words, errored], axis=1))
-                outs = (*rest, rb)
-            return put(outs)
-
-        spec = P(axis)
-        return jax.shard_map(per_shard, mesh=self._mesh, in_specs=(spec,) * n_in,
-                             out_specs=spec, check_vma=False)
-
-    def _build(self):
-        cfg, guard, fwd = self.cfg, self.config.padding_guard, self._forward
-        if self._mesh is None:
-            # Module-level jits keyed by (cfg, forward, guard): managers of one config share
-            # their compilations (a server restarts its manager, tests build many).
-            self._fused_jit = (functools.partial(_fused_jit, cfg=cfg, forward=fwd)
-                               if fwd is not None else None)
-            self._head_jit = functools.partial(_head_jit, cfg=cfg)
-            self._tail_jit = functools.partial(_tail_jit, cfg=cfg)
-            self._sweep_jit = functools.partial(_sweep_jit, cfg=cfg, guard=guard)
-            self._observe_jit = functools.partial(_observe_jit, cfg=cfg)
-            return
-        self._fused_jit = None
-        if fwd is not None:
-            self._fused_jit = jax.jit(
-                self._shard_phase(functools.partial(_fused, cfg=cfg, forward=fwd), 6, True),
-                donate_argnums=(0, 1, 2))
-        self._head_jit = jax.jit(self._shard_phase(functools.partial(_head_only, cfg=cfg), 5,
-                                                   False), donate_argnums=(0, 1))
-        self._tail_jit = jax.jit(self._shard_phase(functools.partial(_tail_only, cfg=cfg), 5,
-                                                   True), donate_argnums=(0, 1))
-        self._sweep_jit = jax.jit(self._wrap_shards(
-            functools.partial(_sweep_fn, cfg=cfg, guard=guard), 6, False), donate_argnums=(0,))
-        self._observe_jit = jax.jit(functools.partial(_observe_fn, cfg=cfg))
-
-    def _shard_phase(self, fn, n_in, has_readback):
-        """Wrap ``fn(state, phase, ...)`` for the mesh: the phase array is replicated per shard
-        (stacked inside), and shard 0's copy comes back."""
-        if self._mesh is None:
-            return fn
-        wrapped = self._wrap_shards(fn, n_in, has_readback)
-        n = self._shards
-
-        def outer(state, phase, *rest):
-            stacked = jnp.broadcast_to(phase, (n,) + phase.shape)
-            outs = wrapped(state, stacked, *rest)
-            return (outs[0], outs[1][0], *outs[2:])
-
-        return outer
+                # Chain-position assert off until mark_init_finished (SGLang: warm-up steps and
+                # graph capture feed synthetic positions that trip it).
+                self.state = self._device.stack(init_state(cfg, chain_position_assert=False))
 
     # ---------------------------------------------------------------------- public surface
     @property
     def enabled(self) -> bool:
         return self.config.enabled
 
+    @property
+    def overflow_count_total(self) -> int:
+        """Verify plans skipped over their capacity so far (the overflow warner's total)."""
+        return self._overflow.total if self.enabled else 0
+
+    @_serialized
     def mark_init_finished(self) -> None:
         """SGLang's ``mark_init_finished``: warm-up is over; the chain-position assert and the
         phase check are on from the next step."""
@@ -515,8 +244,10 @@ class CanaryManager:
             if self.state is not None:  # observe mode without a state yet: the server's own
                 on = jnp.ones_like(self.state.enable_chain_position_assert)
                 self.state = dataclasses.replace(self.state, enable_chain_position_assert=on)
-            self._phase = jnp.array([_IDLE, 0, 1], jnp.int32)
+            self._phase = health.initial_phase(True)
+        self._phase_epoch += 1  # a new phase array: its error count starts from 0
 
+    @_serialized
     def attach_radix_cache(self, walk: Callable[[], tuple]) -> None:
         """SGLang's ``attach_radix_cache``: ``walk()`` returns the sweep's ``(rows_table,
         row_indices, lengths)`` (see :func:`kvcanary_jax.runtime.canary_sweep`), called every
@@ -533,99 +264,133 @@ class CanaryManager:
                              "the sweep never runs")
         self._radix_walk = walk
 
+    @_serialized
     def step(self, kv, batch, req_to_token, lut=None, *, requests: Sequence | None = None,
              resolve: Callable | None = None):
         """One forward step: HEAD -> ``forward`` -> TAIL (state and ``kv`` donated), the sweep
         when due, then the host side (the previous step's readback). Returns the new ``kv``.
-        ``requests``: the batch's requests in batch order, handed to ``on_violation`` with the
-        violations of their slots (or ``resolve(slot, violation) -> request``)."""
+        ``requests``: the batch's requests in batch order, one per row whose
+        ``req_pool_indices`` is not 0 (checked: one small read of those indices), handed to
+        ``on_violation`` with the violations of their slots (or ``resolve(slot, violation) ->
+        request``). Any error raised after the step ran is a :class:`CanaryViolationError`
+        carrying the step's KV (``kv``)."""
         if not self.enabled:
             if self._forward_jit is None:
                 raise ValueError("kv-canary: step() needs the manager built with forward=")
             # Under the same 64-bit scope as the canary modes, so the forward traces alike.
             with _config.x64_scope():
                 return self._forward_jit(kv, batch, req_to_token, self._lut(lut))
-        if self._fused_jit is None:
+        if self._device.fused is None:
             raise ValueError("kv-canary: step() needs the manager built with forward=; use "
                              "head()/tail() around a forward you run yourself")
         if requests is not None and self._mesh is not None:
             raise ValueError("kv-canary: requests= maps slots through one batch; over a mesh "
                              "(stacked batches) pass resolve=(slot, violation) -> request")
+        self._check_requests(batch, requests)
         with _config.x64_scope():
-            self.state, self._phase, kv, rb = self._fused_jit(
+            self.state, self._phase, kv, rb = self._device.fused(
                 self.state, self._phase, kv, batch, req_to_token, self._lut(lut))
             try:
-                self._after_step(rb, kv, lut,
-                                 _StepContext(batch, req_to_token, lut, requests, resolve))
+                self._after_step(rb, kv, lut, self._context(batch, req_to_token, lut, requests,
+                                                            resolve))
             except CanaryViolationError as e:
                 # The KV passed in was donated: the error carries the step's new KV, so a server
                 # that survives the raise (remediation) keeps serving from it.
                 e.kv = kv
                 raise
+            except Exception as e:
+                error = CanaryViolationError(
+                    f"kv-canary: the host side of step {self.step_count} failed after the step "
+                    f"ran ({type(e).__name__}: {e}); the step's KV is attached (the KV passed "
+                    "in was donated)", step=self.step_count)
+                error.kv = kv
+                raise error from e
         return kv
 
+    @_serialized
     def head(self, batch, req_to_token, lut=None) -> None:
         """HEAD before a forward the server runs itself (state donated)."""
         self._require_enabled("head")
         with _config.x64_scope():
-            self.state, self._phase = self._head_jit(self.state, self._phase, batch, req_to_token,
-                                                     self._lut(lut))
+            self.state, self._phase = self._device.head(self.state, self._phase, batch,
+                                                        req_to_token, self._lut(lut))
+        self._unread = True
 
+    @_serialized
     def tail(self, batch, kv, lut=None, *, req_to_token=None, requests=None,
              resolve=None) -> None:
         """TAIL after that forward (fingerprinting ``kv``, not donated), then the sweep when due
         and the host side, as :meth:`step`."""
         self._require_enabled("tail")
+        self._check_requests(batch, requests)
         with _config.x64_scope():
-            self.state, self._phase, rb = self._tail_jit(self.state, self._phase, batch,
-                                                         self._lut(lut), kv)
-            self._after_step(rb, kv, lut, _StepContext(batch, req_to_token, lut, requests, resolve))
+            self.state, self._phase, rb = self._device.tail(self.state, self._phase, batch,
+                                                            self._lut(lut), kv)
+            self._after_step(rb, kv, lut, self._context(batch, req_to_token, lut, requests,
+                                                        resolve))
 
+    @_serialized
     def observe(self, state=None, *, requests=None, resolve=None):
         """The host side only, after a step the server jitted itself (its state, possibly
         stacked per shard): stage this step's readback, consume the previous one. No sweep (the
-        server runs its own). Returns nothing; raises as :meth:`step`."""
+        server runs its own). A state that does not continue the previous one (a fresh
+        ``init_state()``) is reported from its first row. Returns nothing; raises as
+        :meth:`step`."""
         self._require_enabled("observe")
         if state is not None:
             self.state = state
+        if self.state is None:
+            raise ValueError("kv-canary: observe() needs the server's canary state: "
+                             "observe(state)")
         with _config.x64_scope():
-            rb = self._observe_jit(self.state, self._phase)
-            self._after_step(rb, None, None, _StepContext(requests=requests, resolve=resolve),
+            rb = self._device.observe(self.state, self._phase)
+            self._after_step(rb, None, None, self._context(requests=requests, resolve=resolve),
                              sweep=False)
 
+    @_serialized
     def sweep(self, rows_table, row_indices, lengths, *, kv, lut=None) -> None:
         """Run the sweep now over the given rows (the same arrays the attached walk returns),
         for a server that keeps its own sweep schedule (``attach_radix_cache`` runs it every
-        ``sweep_interval`` steps instead). Counts as a sweep pass."""
+        ``sweep_interval`` steps instead). Counts as a sweep pass; what it finds is reported by
+        the next step, or by :meth:`flush` / :meth:`close`."""
         self._require_enabled("sweep")
         if self.config.sweep_interval == 0:
             raise ValueError("kv-canary: sweep() with --kv-canary-sweep-interval 0")
-        walk, self._radix_walk = self._radix_walk, (lambda: (rows_table, row_indices, lengths))
-        try:
-            self._run_sweep(kv, lut)
-        finally:
-            self._radix_walk = walk
+        self._run_sweep(kv, lut, lambda: (rows_table, row_indices, lengths))
 
+    @_serialized
     def resync(self) -> None:
-        """After the state was replaced (a checkpoint restored): drop the pending readback and
-        resume reporting from the state's current write index (a host read: not for the hot
-        path). The raise-once latch is reset."""
+        """After the state was replaced (``manager.state = restored``, a checkpoint whose rows
+        were reported already): resume reporting from its current write index (a host read: not
+        for the hot path). The readback still pending, the state's before, is reported first,
+        under the bookkeeping it was taken with."""
         self._require_enabled("resync")
-        self._pending = None
-        self._raised = False
-        wi = np.asarray(jax.device_get(self.state.violation_write_index)).reshape(-1)
-        self._reported = [max(0, min(int(w), self.cfg.ring_capacity)) for w in wi]
-        self._overflow_reported = [max(0, int(w)) for w in wi]
-        self._prev_kernel_runs = np.asarray(
-            jax.device_get(self.state.kernel_run_counters)).reshape(-1, _NUM_TAGS).copy()
+        rebase = (np.asarray(jax.device_get(self.state.violation_write_index)),
+                  np.asarray(jax.device_get(self.state.kernel_run_counters)))
+        staged = self._readbacks.staged
+        if staged is not None:
+            staged.rebase = rebase
+        else:
+            self._rebase(*rebase)
 
+    @_serialized
     def flush(self) -> None:
-        """Consume the pending readback now (end of serving, tests): waits for the last step."""
-        if self.enabled and self._pending is not None:
-            pending, self._pending = self._pending, None
-            self._consume(*pending)
+        """Report what is still unreported now (end of serving, tests): the pending readback
+        (waits for the last step), then, when a sweep or a HEAD ran after it, a readback of the
+        state as it is."""
+        if not self.enabled:
+            return
+        pending = self._readbacks.take()
+        if pending is not None:
+            self._consume(pending)
+        if self._unread and self.state is not None:
+            self._unread = False
+            with _config.x64_scope():
+                rb = self._device.observe(self.state, self._phase)
+            self._consume(Staged(self.step_count, rb, self._context(), final=True))
 
     def close(self) -> None:
+        """End of serving: :meth:`flush`."""
         self.flush()
 
     # ------------------------------------------------------------------------- internals
@@ -635,6 +400,34 @@ class CanaryManager:
 
     def _lut(self, lut):
         return self._lut_dummy if lut is None else lut
+
+    def _active_tags(self):
+        return self._health.active_tags()
+
+    def _context(self, batch=None, req_to_token=None, lut=None, requests=None, resolve=None):
+        return StepContext(batch, req_to_token, lut, requests, resolve,
+                           phase_epoch=self._phase_epoch)
+
+    @staticmethod
+    def _check_requests(batch, requests) -> None:
+        """``requests``: one per real row of ``batch``, or remediation would be handed another
+        row's request (refused before anything is donated)."""
+        if requests is None:
+            return
+        if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__"):
+            raise ValueError("kv-canary: requests= must be a sequence of the batch's requests, "
+                             f"got {type(requests).__name__}")
+        rows = np.asarray(jax.device_get(batch.req_pool_indices)).reshape(-1)
+        real = int(np.count_nonzero(rows))
+        if len(requests) != real:
+            raise ValueError(
+                f"kv-canary: requests= has {len(requests)} entries, the batch has {real} "
+                "requests (rows whose req_pool_indices is not 0): one request per row, in batch "
+                "order, or remediation would be handed another row's request")
+
+    def _rebase(self, write_index, kernel_runs) -> None:
+        self._reporter.rebase(write_index, kernel_runs)
+        self._health.rebase(kernel_runs)
 
     def _sweep_due(self) -> bool:
         interval = self.config.sweep_interval
@@ -646,190 +439,125 @@ class CanaryManager:
         self._last_sweep_step = c
         return self._radix_walk is not None
 
-    def _run_sweep(self, kv, lut):
-        table, rows, lengths = self._radix_walk()
+    def _run_sweep(self, kv, lut, walk):
+        try:
+            table, rows, lengths = walk()
+        except Exception as e:
+            raise CanaryCallbackError(
+                f"kv-canary: the radix walk (attach_radix_cache) raised {e!r} at step "
+                f"{self.step_count}; the sweep did not run", callback="radix_walk",
+                step=self.step_count) from e
         with _config.x64_scope():
             args = [jnp.asarray(table, jnp.int32), jnp.asarray(rows, jnp.int64),
                     jnp.asarray(lengths, jnp.int64), self._lut(lut)]
             if self._mesh is not None:
-                from kvcanary_jax.sharded import stack_shards
                 # One walk per shard: the walk returns stacked arrays, or one shard's arrays
                 # repeated on every shard.
                 if args[0].ndim == 2:
-                    args[:3] = [stack_shards([a] * self._shards, self._mesh, self._axis)
-                                for a in args[:3]]
+                    args[:3] = [self._device.stack(a) for a in args[:3]]
                 if args[3].ndim == 1:
-                    args[3] = stack_shards([args[3]] * self._shards, self._mesh, self._axis)
-            self.state = self._sweep_jit(self.state, *args, kv)
+                    args[3] = self._device.stack(args[3])
+            self.state = self._device.sweep(self.state, *args, kv)
+        self._unread = True
         self.sweep_passes += 1
         logger.info("[canary] sweep succeeded %d times (last_step=%d)", self.sweep_passes,
                     self.step_count)
 
     def _after_step(self, rb, kv, lut, ctx, *, sweep=True):
         # SGLang's _post_ops_outside_graph: sweep, count the step, then the delayed handlers.
+        self._unread = False  # rb covers every launch so far
+        walk_failed = None
         if sweep and kv is not None and self._sweep_due():
-            self._run_sweep(kv, lut)
-        self.step_count += 1
-        # The ring's copy waits until a step's words show new rows (_consume).
-        rb["words"].copy_to_host_async()
-        pending, self._pending = self._pending, (self.step_count, rb, ctx)
-        if pending is not None:
-            self._consume(*pending)
-
-    def _consume(self, step_no, rb, ctx):
-        # jax.device_get: an explicit transfer, allowed under transfer_guard("disallow").
-        words = np.asarray(jax.device_get(rb["words"]))
-        words = words.reshape(-1, words.shape[-1])
-        host = {name: words[:, at] for name, at in
-                _word_fields(self.cfg, mesh=self._mesh is not None).items()}
-        cfg = self.cfg
-        cap = cfg.ring_capacity
-        # Shards: the mesh's, or the leading axis of a stacked state handed to observe().
-        write_index = host["write_index"].reshape(-1)
-        shards = write_index.size
-        ring_host = None
-        if len(self._reported) != shards:
-            self._reported = [0] * shards
-            self._overflow_reported = [0] * shards
-            self._prev_kernel_runs = np.zeros((shards, _NUM_TAGS), np.int64)
-        # Phase check.
-        phase_errors = int(np.max(np.asarray(host["phase"]).reshape(-1, 3)[:, 1]))
-        # Overflow warner (one warning per shard and group whose plan was skipped).
-        for s, row in enumerate(np.asarray(host["verify_enable"]).reshape(shards, -1)):
-            for g, enable in zip(cfg.groups, row):
-                if int(enable) == 0:
-                    self.overflow_count_total += 1
-                    logger.warning(
-                        "kv-canary: per-forward verify skipped this step due to overflow "
-                        "(total=%d, capacity=%d); check ServerArgs / pool sizing",
-                        self.overflow_count_total, cfg.verify_cap)
-        # Violations, from the last reported row on, per shard. Over a mesh, the flag the step
-        # max-reduced over the mesh axis says whether any shard has any: none, no ring to scan.
-        reports, negative = [], []
-        any_errored = "errored" not in host or bool(np.max(host["errored"]))
-        for s in range(shards):
-            wi = int(write_index[s])
             try:
-                check_write_index(wi, f"kv-canary (rank {self._rank} shard {s}):")
-            except RuntimeError as e:
-                negative.append(str(e))
-                continue
-            if self._raised or not any_errored:
-                continue
-            valid = min(wi, cap)
-            start = min(self._reported[s], valid)
-            overflow = wi > cap
-            if overflow and wi > self._overflow_reported[s] and wi > self._reported[s]:
-                logger.warning("kv-canary: violation ring overflow on rank %d shard %d: %d "
-                               "violations recorded, the ring keeps the first %d "
-                               "(SGLANG_KV_CANARY_RING_CAPACITY)", self._rank, s, wi, cap)
-                self._overflow_reported[s] = wi
-            if start >= valid:
-                continue  # no row to report: the ring is not copied
-            if ring_host is None:  # the first shard with rows to report this step
-                ring_host = np.asarray(jax.device_get(rb["ring"])).reshape(shards, cap, -1)
-            ring = ring_host[s]
-            for v in _host.decode_ring(ring, wi, start=start):
-                msg = format_violation(ring[v.index].tolist(), total=wi, ring_overflow=overflow,
-                                       step_when_pumped=step_no)
-                reports.append(ViolationReport(violation=v, step=step_no, rank=self._rank,
-                                               shard=s, message=msg))
-            self._reported[s] = max(self._reported[s], valid)
-        # Launch health.
-        stalled = self._health(step_no, np.asarray(host["kernel_runs"]))
-        # Stats.
-        n = self.config.stats_print_every_n_steps
-        if n > 0 and step_no % n == 0:
-            logger.info("[canary] step=%d protected_tokens=%d sweep_passes=%d violations=%d "
-                        "launch_tags_active=%d/%d", step_no, int(np.sum(host["slot_runs"])),
-                        self.sweep_passes, int(np.sum(np.maximum(write_index, 0))),
-                        len(self._active_tags()), _NUM_TAGS)
+                self._run_sweep(kv, lut, self._radix_walk)
+            except CanaryCallbackError as e:
+                walk_failed = e  # raised once the step is counted and its readback staged
+        self.step_count += 1
+        previous = self._readbacks.stage(Staged(self.step_count, rb, ctx))
+        if previous is not None:
+            try:
+                self._consume(previous)
+            except CanaryViolationError as e:
+                if walk_failed is not None:
+                    e.add_note(str(walk_failed))
+                raise
+        if walk_failed is not None:
+            raise walk_failed
+
+    def _consume(self, staged: Staged) -> None:
+        host = self._readbacks.words(staged)
+        step_no, ctx = staged.step, staged.context
+        write_index = host["write_index"].reshape(-1)
+        phase_errors = self._phase_check.growth(host["phase"], ctx.phase_epoch)
+        if not staged.final:
+            self._overflow.warn(host["verify_enable"])
+        # Over a mesh, the flag the step max-reduced over the mesh axis says whether any shard
+        # has any violation: none, no ring to scan.
+        any_errored = "errored" not in host or bool(np.max(host["errored"]))
+        reports, negative = self._reporter.new_rows(
+            step_no, write_index, host["kernel_runs"], any_errored=any_errored,
+            ring=lambda: self._readbacks.ring(staged, write_index.size))
+        stalled = []
+        if not staged.final:
+            stalled = self._health.stalled(step_no, host["kernel_runs"])
+            health.log_stats(self.config, step_no, slot_runs=host["slot_runs"],
+                             write_index=write_index, sweep_passes=self.sweep_passes,
+                             active_tags=len(self._health.active_tags()))
         # Remediation: the callback sees every new violation, with its request, before a raise.
+        failure = None
         if reports:
-            reports = [dataclasses.replace(r, request=_resolve_request(ctx, r.violation))
-                       for r in reports]
-            if self._on_violation is not None:
-                for r in reports:
-                    self._on_violation(r)
-        self._decide(step_no, reports, stalled, phase_errors, negative)
+            reports, failure = self._reporter.hand_over(
+                reports, ctx, log=self.config.mode == "log", on_violation=self._on_violation)
+        if staged.rebase is not None:
+            self._rebase(*staged.rebase)
+        self._decide(step_no, reports, stalled, phase_errors, negative, failure)
 
-    def _active_tags(self):
-        cfg = self.cfg
-        tags = [tag(c, h, g) for g in cfg.groups for c in ("HEAD", "TAIL") for h in cfg.halves]
-        if self.config.sweep_interval > 0 and not self.config.draft_worker:
-            tags += [tag("SWEEP", h, g) for g in cfg.groups for h in cfg.halves]
-        return tags
-
-    def _health(self, step_no, kernel_runs):
-        c = self.config
-        if step_no < c.health_check_warmup_steps or step_no % c.health_check_every_n_steps:
-            return []
-        kernel_runs = kernel_runs.reshape(-1, _NUM_TAGS)
-        delta = kernel_runs - self._prev_kernel_runs
-        self._prev_kernel_runs = kernel_runs.copy()
-        tags = self._active_tags()
-        # A sweep rarer than the check cannot be expected to have run since the last check.
-        if c.sweep_interval > c.health_check_every_n_steps:
-            tags = [t for t in tags if t not in _SWEEP_TAGS]
-        return [t.name for t in tags if np.any(delta[:, int(t)] == 0)]
-
-    def _decide(self, step_no, reports, stalled, phase_errors, negative):
-        raise_mode = self.config.mode == "raise" and not self._raised
-        if self.config.mode == "log" or self._raised:
-            for r in reports:
-                logger.warning(r.message)
-        first = reports[0] if reports else None
-        kind = (int(consts.CanaryLaunchTag[first.violation.tag])
-                if first and first.violation.tag in consts.CanaryLaunchTag.__members__ else -1)
-        local = np.array([len(reports) if raise_mode else 0,
-                          first.violation.slot if first else -1, kind,
-                          first.shard if first else -1,
-                          len(stalled), phase_errors, len(negative)], np.int64)
-        if self._agree:
-            from jax.experimental import multihost_utils
-            # Every process calls this at every step (servers step in lockstep), so every
-            # process sees every summary and takes the same decision: none raises alone and
-            # leaves the others waiting in a collective.
-            # A deliberate transfer of a few integers, off the step: allowed even where the
-            # server disallows implicit transfers around its hot path.
-            with jax.transfer_guard("allow"):
-                everyone = np.asarray(multihost_utils.process_allgather(local)).reshape(
-                    -1, local.size)
-        else:
-            everyone = local.reshape(1, -1)
-        if not np.any(everyone[:, [0, 4, 5, 6]]):
-            return
-        ranks = {}
-        lines = []
-        for rank, (n_new, slot, kind, shard, n_stalled, n_phase, n_neg) in enumerate(
-                everyone.tolist()):
-            rank = rank if self._agree else self._rank
-            where = f"rank {rank}" + (f" shard {shard}" if self._mesh is not None else "")
-            if n_new:
-                tag_name = consts.CanaryLaunchTag(kind).name if kind >= 0 else "?"
-                ranks[rank] = (n_new, slot, tag_name)
-                lines.append(f"kv-canary: {where}: {n_new} new violation(s) at step "
-                             f"{step_no}, first slot_idx={slot} launch_tag={tag_name}")
-            if n_stalled:
-                lines.append(f"kv-canary: rank {rank}: {n_stalled} launch tag(s) stopped running")
-            if n_phase:
-                lines.append(f"kv-canary: rank {rank}: phase check failed {n_phase} time(s)")
-            if n_neg:
-                lines.append(f"kv-canary: rank {rank}: violation_write_index is negative")
-        detail = []
-        if stalled:
-            # SGLang's health-checker message.
-            detail.append(f"kv-canary: kernel_run_counter did not increase since previous check "
-                          f"for tags=[{', '.join(stalled)}] at step={step_no}; canary path is "
-                          "not executing")
+    def _decide(self, step_no, reports, stalled, phase_errors, negative, failure):
+        raise_mode = self.config.mode == "raise"
+        first = reports[0].violation if reports else None
+        first_tag = "" if first is None else (
+            first.tag if first.tag in consts.CanaryLaunchTag.__members__ else "?")
+        mine = Finding(
+            step=step_no, new_violations=len(reports) if raise_mode else 0,
+            first_slot=first.slot if first else -1, first_tag=first_tag,
+            first_shard=reports[0].shard if reports else -1, stalled_tags=len(stalled),
+            phase_errors=phase_errors, negative_index=len(negative))
+        detail = [health.stalled_message(stalled, step_no)] if stalled else []
         if phase_errors:
-            detail.append(f"kv-canary: phase check failed: {phase_errors} HEAD/TAIL launch(es) "
-                          "out of order (SimplePhaseChecker: phase mismatch; a TAIL needs its "
-                          "HEAD first, and a HEAD its previous TAIL)")
+            detail.append(health.phase_message(phase_errors))
         detail += negative
         if raise_mode:
             detail += [r.message for r in reports]
-        self._raised = True
-        raise CanaryViolationError("\n".join(lines + detail), step=step_no,
-                                   reports=reports if raise_mode else (), ranks=ranks)
-
+        if failure is not None:
+            detail.insert(0, f"kv-canary: {failure.callback} raised {failure.error!r} on the "
+                             f"violations of step {step_no} (carried here, each logged in log "
+                             "mode and handed to every other on_violation call)")
+        cause = failure.error if failure is not None else None
+        try:
+            everyone = self._agreement.exchange(mine)
+        except AgreementFailure as e:
+            raise CanaryAgreementError("\n".join([f"kv-canary agreement: {e.reason}"] + detail),
+                                       peers=e.peers, step=step_no, reports=reports) from cause
+        ranks, lines = {}, []
+        for rank, f in everyone.items():
+            where = f"rank {rank}" + (f" shard {f.first_shard}" if self._mesh is not None else "")
+            if f.new_violations:
+                ranks[rank] = (f.new_violations, f.first_slot, f.first_tag)
+                lines.append(f"kv-canary: {where}: {f.new_violations} new violation(s) at step "
+                             f"{step_no}, first slot_idx={f.first_slot} "
+                             f"launch_tag={f.first_tag}")
+            if f.stalled_tags:
+                lines.append(f"kv-canary: rank {rank}: {f.stalled_tags} launch tag(s) stopped "
+                             "running")
+            if f.phase_errors:
+                lines.append(f"kv-canary: rank {rank}: phase check failed {f.phase_errors} "
+                             "time(s)")
+            if f.negative_index:
+                lines.append(f"kv-canary: rank {rank}: violation_write_index is negative")
+        if failure is not None:
+            raise CanaryCallbackError("\n".join(detail[:1] + lines + detail[1:]),
+                                      callback=failure.callback, step=step_no, reports=reports,
+                                      ranks=ranks) from cause
+        if any(f.raises for f in everyone.values()):
+            raise CanaryViolationError("\n".join(lines + detail), step=step_no,
+                                       reports=reports if raise_mode else (), ranks=ranks)

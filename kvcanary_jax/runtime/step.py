@@ -37,6 +37,8 @@ __all__ = [
     "head",
     "tail",
     "step_fn",
+    "sweep",
+    "as_kv_dict",
     "canary_step_head",
     "canary_step_tail",
     "make_canary_step",
@@ -189,7 +191,7 @@ def head(cfg: CanaryConfig, state: CanaryState, batch: ForwardBatch, req_to_toke
     return state
 
 
-def _as_kv_dict(cfg, kv):
+def as_kv_dict(cfg, kv):
     """Accept ``{"FULL": {"K": [arrays], "V": [arrays]}, ...}`` or ``{"FULL": ([K], [V])}``."""
     out = {}
     for g in cfg.groups:
@@ -207,7 +209,7 @@ def tail(cfg: CanaryConfig, state: CanaryState, batch: ForwardBatch, lut: jax.Ar
     fingerprinting ``kv``. Raises ValueError (while tracing) for a state that does not fit
     ``cfg``."""
     check_state(cfg, state)
-    kv = _as_kv_dict(cfg, kv)
+    kv = as_kv_dict(cfg, kv)
     for group in cfg.groups:
         srcs = {h: kv_sources(kv[group][h]) for h in cfg.halves}
         state = _verify_then_write(cfg, state, batch, group, "TAIL", srcs, lut)
@@ -228,7 +230,7 @@ def step_fn(cfg: CanaryConfig, forward: Callable):
 
 def _sweep(cfg, state, rows_table, row_indices, lengths, lut, kv):
     check_state(cfg, state)
-    kv = _as_kv_dict(cfg, kv)
+    kv = as_kv_dict(cfg, kv)
     n = row_indices.shape[0]
     cap = max(1, n * rows_table.shape[1])
     for group in cfg.groups:
@@ -259,6 +261,12 @@ def _sweep(cfg, state, rows_table, row_indices, lengths, lut, kv):
             )
             state = _absorb(state, ctx, key, t)
     return state
+
+
+def sweep(cfg: CanaryConfig, state: CanaryState, rows_table, row_indices, lengths, lut,
+          kv) -> CanaryState:
+    """The SWEEP launches, traceable (call inside a jit): what :func:`canary_sweep` runs."""
+    return _sweep(cfg, state, rows_table, row_indices, lengths, lut, kv)
 
 
 def _lut_or_dummy(lut):

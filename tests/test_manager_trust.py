@@ -1,0 +1,382 @@
+"""CanaryManager under the ordinary events of a server: every violation is reported exactly once,
+in every mode, across raises, closes, state swaps, failing callbacks and threads; what the
+manager cannot honour it refuses where the mistake is made, keeping the step's KV.
+
+Each scenario is run as an operator would meet it, on the simulated server of
+``tests/_manager_support.py`` (hand-checked outcomes: ring rows counted on the device state)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import threading
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kvcanary_jax import runtime as rt
+from kvcanary_jax.sim.server import Server
+
+from _manager_support import SIM, Harness, forward_for
+
+warnings.filterwarnings("ignore", message=".*donated buffers.*")
+
+LOGGER = "kvcanary_jax.runtime.manager"
+ON = dict(real_data="all", enable_verify_token_assert=True, enable_write_input_assert=True)
+# Far past every test's length: no launch-health check interferes where it is not the subject.
+NO_HEALTH = dict(health_check_warmup_steps=10_000)
+
+
+def _ring_rows(state) -> list[int]:
+    """The ring rows a state holds (each must be reported exactly once)."""
+    return list(range(min(rt.violation_count(state), int(state.violation_ring.shape[-2]))))
+
+
+def _logged_rows(caplog) -> list[str]:
+    return [r.getMessage().split("\n")[0] for r in caplog.records
+            if r.getMessage().startswith("kv_canary violation")]
+
+
+def _corrupted(h: Harness, warm: int = 3) -> int:
+    """``warm`` clean steps, then one KV byte of a live prefix slot flipped; returns the slot."""
+    h.serve(warm)
+    _, slot = h.live_prefix_slot()
+    h.corrupt_kv(slot)
+    return slot
+
+
+def _serve_corrupting(h: Harness, n: int) -> None:
+    """``n`` steps, a KV byte of a live prefix slot not flipped before flipped before each (a new
+    violation every step), served on through errors as :meth:`Harness.serve`."""
+    flipped = set()
+    for _ in range(n):
+        slots = [s for r in h.srv.live for s in r.slots if s not in flipped]
+        if slots:
+            flipped.add(slots[0])
+            h.corrupt_kv(slots[0])
+        h.serve(1)
+
+
+# ------------------------------------------------------------------ a raise silences nothing
+
+
+def test_raise_mode_raises_every_later_violation_once():
+    """Serving on from the error's KV: the fault keeps being found (a new ring row each step
+    that reads the slot), and each new row is raised once; none is raised twice."""
+    h = Harness(rt.ManagerConfig(mode="raise", **ON, **NO_HEALTH))
+    h.mgr.mark_init_finished()
+    _corrupted(h)
+    errors = h.serve(5) + h.close()
+    rows = _ring_rows(h.mgr.state)
+    assert len(rows) >= 3
+    raised = sorted(r.violation.index for e in errors for r in e.reports)
+    assert raised == rows, (raised, rows)
+    assert len(errors) >= 2
+
+
+def test_log_mode_keeps_logging_after_a_health_raise(caplog):
+    """A health-check raise in log mode (HEAD ran, TAIL never did) does not stop the logging of
+    the violations found after it."""
+    h = Harness(rt.ManagerConfig(mode="log", health_check_warmup_steps=2,
+                                 health_check_every_n_steps=2, **ON))
+    with pytest.raises(rt.CanaryViolationError, match="canary path is not executing"):
+        for _ in range(4):
+            sched, batch, rtt, lut = h.prepare()
+            h.mgr.head(batch, rtt, lut)
+            h.mgr.observe()
+            h.srv.complete(sched, time.perf_counter(), poll=False)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        _corrupted(h, warm=1)
+        errors = h.serve(3) + h.close()
+    assert not errors
+    rows = _ring_rows(h.mgr.state)
+    assert rows and len(_logged_rows(caplog)) == len(rows)
+
+
+# ------------------------------------------------------- close and flush report the last sweep
+
+
+def _sweeping(**extra) -> Harness:
+    return Harness(rt.ManagerConfig(mode="log", padding_guard=True, **ON, **NO_HEALTH, **extra))
+
+
+def test_close_reports_the_last_steps_sweep():
+    seen = []
+    h = _sweeping(sweep_interval=2)
+    h.mgr._on_violation = seen.append
+    h.serve(2)  # the sweep ran at the first step: clean
+    h.dirty_padding_slot()
+    h.serve(1)  # the third step sweeps after its own readback was taken
+    assert h.close() == []
+    assert [r.violation.slot for r in seen] == [0]
+    assert seen[0].violation.reasons == ("PADDING_SLOT_NOT_ZERO",)
+
+
+def test_flush_reports_an_explicit_sweep():
+    seen = []
+    h = _sweeping(sweep_interval=100)
+    h.mgr._on_violation = seen.append
+    h.serve(2)
+    h.dirty_padding_slot()
+    h.mgr.sweep(*h.srv.sweep_inputs(), kv=h.srv.kv, lut=jnp.asarray(h.srv.lut))
+    h.mgr.flush()
+    assert [r.violation.reasons for r in seen] == [("PADDING_SLOT_NOT_ZERO",)]
+    h.mgr.flush()  # nothing new: nothing reported again
+    assert len(seen) == 1
+
+
+# ----------------------------------------------------------- observe mode: the state swapped
+
+
+def test_observe_reports_a_fresh_state_from_its_first_row():
+    """The server runs its own jitted step and hands each new state to observe(); it restarts
+    its canary with a fresh init_state() (its write index below what was reported): every row
+    of the fresh state is reported, the first one included."""
+    seen = []
+    mgr = rt.CanaryManager(rt.ManagerConfig(mode="log", **ON, **NO_HEALTH), SIM.canary_config(),
+                           on_violation=seen.append, allocate=False)
+    srv = Server(SIM)
+    step = rt.make_canary_step(mgr.cfg, forward_for(mgr.cfg, SIM.kv_width))
+    state = rt.init_state(mgr.cfg)
+
+    def run(n):
+        nonlocal state
+        for _ in range(n):
+            t0 = time.perf_counter()
+            sched, batch, rtt, lut = srv.prepare()
+            state, srv.kv = step(state, srv.kv, batch, rtt, lut)
+            mgr.observe(state)
+            srv.complete(sched, t0, poll=False)
+
+    run(3)
+    req = next(r for r in srv.live if r.slots)
+    from kvcanary_jax.sim import faults
+    faults._flip_kv_byte(srv, "FULL", req.slots[0])
+    run(3)
+    first_rows, swapped_at = _ring_rows(state), mgr.step_count
+    assert first_rows
+    state = rt.init_state(mgr.cfg)  # the canary restarted
+    run(2)
+    mgr.flush()
+    # The first state's rows (the last of them read back after the swap), then the fresh one's.
+    assert sorted(r.violation.index for r in seen if r.step <= swapped_at) == first_rows
+    fresh = sorted(r.violation.index for r in seen if r.step > swapped_at)
+    assert fresh == _ring_rows(state) and fresh[0] == 0, (first_rows, fresh)
+
+
+# ------------------------------------------------- sizes that contradict the config are refused
+
+
+@pytest.mark.parametrize("sizes, config, names", [
+    (dict(real_kv_hash_mode="partial"), dict(),
+     ("real_kv_hash_mode='partial'", "real_data (--kv-canary-real-data) 'none'")),
+    (dict(real_kv_hash_mode="none"), dict(real_data="all"),
+     ("real_kv_hash_mode='none'", "real_data (--kv-canary-real-data) 'all'")),
+    (dict(kv_token_id_vs_position_offset=1), dict(),
+     ("kv_token_id_vs_position_offset=1", "draft_worker False")),
+    (dict(enable_verify_token_assert=False), dict(enable_verify_token_assert=True),
+     ("enable_verify_token_assert=False",
+      "enable_verify_token_assert (SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT) True")),
+])
+def test_sizes_that_contradict_the_config_are_refused(sizes, config, names):
+    sized = dataclasses.replace(SIM.canary_config(), **sizes)
+    with pytest.raises(ValueError) as e:
+        rt.CanaryManager(rt.ManagerConfig(mode="log", **config), sized, allocate=False)
+    msg = str(e.value)
+    assert msg.startswith("kv-canary: "), msg
+    for name in names:
+        assert name in msg, msg
+
+
+def test_sizes_that_agree_or_ask_nothing_are_taken():
+    base = SIM.canary_config()  # the real-KV mode, asserts and offset at CanaryConfig's defaults
+    mgr = rt.CanaryManager(rt.ManagerConfig(mode="log", draft_worker=True), base, allocate=False)
+    assert (mgr.cfg.real_kv_hash_mode, mgr.cfg.kv_token_id_vs_position_offset) == ("none", 1)
+    sized = dataclasses.replace(base, real_kv_hash_mode="partial", kv_token_id_vs_position_offset=1,
+                                enable_write_input_assert=False)
+    mgr = rt.CanaryManager(rt.ManagerConfig(mode="raise", real_data="partial", draft_worker=True),
+                           sized, allocate=False)
+    assert mgr.cfg.real_kv_hash_mode == "partial" and mgr.cfg.kv_token_id_vs_position_offset == 1
+
+
+# ------------------------------------------------------------- requests= must match the batch
+
+
+@pytest.mark.parametrize("extra", [1, -1])
+def test_requests_that_do_not_match_the_batch_are_refused(extra):
+    h = Harness(rt.ManagerConfig(mode="log", **ON))
+    h.serve(2)
+    sched, batch, rtt, lut = h.prepare()
+    requests = [r for r, _ in sched]
+    assert len(requests) >= 2
+    requests = requests + ["stranger"] if extra > 0 else requests[:-1]
+    kv, state = h.srv.kv, h.mgr.state
+    with pytest.raises(ValueError, match=rf"requests= has {len(requests)} entries, the batch "
+                       rf"has {len(sched)} requests"):
+        h.mgr.step(kv, batch, rtt, lut, requests=requests)
+    # Refused before anything was donated.
+    assert not jax.tree.leaves(kv)[0].is_deleted() and h.mgr.state is state
+    assert not state.violation_ring.is_deleted()
+    with pytest.raises(ValueError, match="requests= has"):
+        h.mgr.tail(batch, kv, lut, req_to_token=rtt, requests=requests)
+
+
+# -------------------------------------------------- a failing callback loses neither KV nor log
+
+
+@pytest.mark.parametrize("which", ["on_violation", "resolve"])
+def test_a_failing_callback_keeps_the_kv_and_the_log(which, caplog):
+    class Boom(Exception):
+        pass
+
+    def fail(*args):
+        raise Boom("remediation is down")
+
+    h = Harness(rt.ManagerConfig(mode="log", **ON, **NO_HEALTH),
+                **({"on_violation": fail} if which == "on_violation" else {}))
+    h.mgr.mark_init_finished()
+    slot = _corrupted(h)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        errors = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            sched, batch, rtt, lut = h.prepare()
+            extra = ({"resolve": fail} if which == "resolve"
+                     else {"requests": [r for r, _ in sched]})
+            try:
+                h.srv.kv = h.mgr.step(h.srv.kv, batch, rtt, lut, **extra)
+            except rt.CanaryViolationError as e:
+                # The KV is the step's (the one passed in was donated), and usable.
+                assert not jax.tree.leaves(e.kv)[0].is_deleted()
+                errors.append(e)
+                h.srv.kv = e.kv
+            h.srv.complete(sched, t0, poll=False)
+        errors += h.close()  # the last readback, its callback failing as well
+    assert errors, "the callback's failure was not reported"
+    e = errors[0]
+    assert isinstance(e, rt.CanaryCallbackError) and isinstance(e.__cause__, Boom)
+    assert f"{which} raised Boom('remediation is down')" in str(e)
+    assert e.reports and e.reports[0].violation.slot == slot
+    # Each violation is logged once, callback failure or not.
+    assert len(_logged_rows(caplog)) == len(_ring_rows(h.mgr.state)) > 0
+    assert all(isinstance(e, rt.CanaryCallbackError) for e in errors)
+
+
+def test_a_failing_radix_walk_keeps_the_kv_and_the_step():
+    calls = []
+    h = Harness(rt.ManagerConfig(mode="log", sweep_interval=2, **ON, **NO_HEALTH), attach=False)
+
+    def walk():
+        calls.append(len(calls))
+        if len(calls) == 2:
+            raise RuntimeError("the radix tree is being rebuilt")
+        return h.srv.sweep_inputs()
+
+    h.mgr.attach_radix_cache(walk)
+    errors = h.serve(5) + h.close()  # sweeps due at steps 0, 2 (fails) and 4
+    assert [type(e).__name__ for e in errors] == ["CanaryCallbackError"]
+    assert errors[0].callback == "radix_walk" and "being rebuilt" in str(errors[0])
+    assert (h.mgr.step_count, h.mgr.sweep_passes, len(calls)) == (5, 2, 3)
+
+
+# -------------------------------------------------------------- a phase error is reported once
+
+
+@pytest.mark.parametrize("mode", ["log", "raise"])
+def test_a_phase_error_is_reported_once(mode):
+    h = Harness(rt.ManagerConfig(mode=mode, **ON, **NO_HEALTH))
+    h.mgr.mark_init_finished()
+    sched, batch, rtt, lut = h.prepare()
+    h.mgr.head(batch, rtt, lut)
+    h.mgr.tail(batch, h.srv.kv, lut)
+    h.mgr.tail(batch, h.srv.kv, lut)  # a TAIL without its HEAD
+    with pytest.raises(rt.CanaryViolationError, match="phase check failed: 1 HEAD/TAIL launch"):
+        h.mgr.flush()
+    h.srv.complete(sched, time.perf_counter(), poll=False)
+    errors = h.serve(4) + h.close()
+    assert not any("phase check" in str(e) for e in errors), [str(e) for e in errors]
+
+
+# ----------------------------------------------------------------- threads on one manager
+
+
+def _threads(*targets):
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # many more interleavings than the default 5 ms
+    failures = []
+
+    def guarded(fn):
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - reported to the test below
+            failures.append(e)
+
+    try:
+        threads = [threading.Thread(target=guarded, args=(t,)) for t in targets]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    finally:
+        sys.setswitchinterval(interval)
+    return failures
+
+
+def test_a_flushing_thread_reports_nothing_twice(monkeypatch):
+    # A host transfer as slow as a GPU's: a readback being consumed takes a while.
+    device_get = jax.device_get
+
+    def slow_device_get(x):
+        time.sleep(0.002)
+        return device_get(x)
+
+    monkeypatch.setattr(jax, "device_get", slow_device_get)
+    seen = []
+    h = Harness(rt.ManagerConfig(mode="log", **ON, **NO_HEALTH), on_violation=seen.append)
+    h.mgr.mark_init_finished()
+    _corrupted(h)
+    done = threading.Event()
+
+    def serve():
+        try:
+            _serve_corrupting(h, 30)
+        finally:
+            done.set()
+
+    def flush():
+        while not done.is_set():
+            h.mgr.flush()
+
+    assert _threads(serve, flush, flush) == []
+    h.mgr.close()
+    assert sorted(r.violation.index for r in seen) == _ring_rows(h.mgr.state)
+
+
+def test_two_serving_threads_lose_no_step_and_report_nothing_twice():
+    """Two servers stepping one manager from two threads (their canary state is shared, so their
+    slots clash and the canary records rows): every step runs, every row is reported once."""
+    seen = []
+    h = Harness(rt.ManagerConfig(mode="log", **ON, **NO_HEALTH), on_violation=seen.append)
+    other = Harness(rt.ManagerConfig(mode="none"))
+    other.mgr = h.mgr
+    assert _threads(lambda: _serve_corrupting(h, 10), lambda: other.serve(10)) == []
+    h.mgr.close()
+    assert h.mgr.step_count == 20
+    assert sorted(r.violation.index for r in seen) == _ring_rows(h.mgr.state)
+
+
+# ------------------------------------------------------------------ mode none as the README
+
+
+def test_mode_none_steps_without_a_lut():
+    """``--kv-canary none`` runs the forward alone, called as the README calls step()."""
+    h = Harness(rt.ManagerConfig(mode="none"))
+    sched, batch, rtt, _ = h.prepare()
+    kv = h.mgr.step(h.srv.kv, batch, rtt, requests=[r for r, _ in sched])
+    assert kv["FULL"]["K"][0].shape == h.srv.kv["FULL"]["K"][0].shape
+    h.mgr.flush()
+    h.mgr.close()
