@@ -1,34 +1,28 @@
 """Building blocks of the Mosaic TPU kernels (implementation ``"pallas_mosaic_tpu"``).
 
 Mosaic TPU has no 64-bit types, no atomics, no general gather and no cumsum. The kernels work
-around each with the pieces below.
+around each with the pieces below. They import this one module (``from kvcanary_jax.ops import
+_tpu_lib as tpu``), which re-exports the two parts kept in modules of their own:
 
-**Formats at the kernel boundary** (built by the wrappers with ``lax.bitcast_convert_type``,
-reshapes and zero padding; the kernels see int32 arrays only):
+* :mod:`kvcanary_jax.ops._tpu_formats`: the formats at the kernel boundary (pair rows, canary
+  tiles, the ring's words, real-KV strips) and their constants (:data:`LANES`,
+  :data:`PAIR_TILE`, the slot and tile sizes), built and read back by the wrappers outside the
+  kernels;
+* :mod:`kvcanary_jax.ops._tpu_launch`: the ``pallas_call`` plumbing (:func:`call`,
+  :func:`compiler_params`, :func:`cost`), the launch configs (:class:`Config`,
+  :class:`BlockConfig`), TPU interpret mode (:func:`interpret_params`) and the lowering for a TPU
+  on a machine without one (:func:`tpu_lowering`).
 
-* an int64 vector of ``n`` entries -> *pair rows*, int32 ``[n_pad // 64, 128]``: entry ``e``'s low
-  word at ``[e // 64, 2 * (e % 64)]``, its high word in the next lane. ``n_pad`` is a multiple of
-  :data:`PAIR_TILE` (whole 8 x 128 tiles). A block of pair rows is DMA'd into SMEM (scalar reads,
-  e.g. the slots that address row DMAs) and into VMEM, where :func:`planes` splits it into
-  lane-dense *planes* ``[R, 128]`` (entry ``e`` of the block at ``[e // 128, e % 128]``) of high
-  and low words with two strided sublane loads and two in-register lane gathers;
-* ``canary_buf`` uint8 ``[N, S]`` -> *canary tiles*, its transpose uint8 ``[S, N']``
-  (:func:`canary_tiles`; ``N'``: ``N`` rounded up to whole 128-slot tiles). XLA lays a uint8
-  ``[N, 32]`` array out slot-minor (``{0,1:T(32,128)(4,1)}``: 4 bytes of a slot packed in a
-  32-bit word, 128 slots along the lanes), so the transpose is a bitcast and the kernels read and
-  write SGLang's canary bytes in place: no conversion, no temporary. A *tile* is the ``[32, 128]``
-  window of slots ``[128 t, 128 t + 128)``, one 4 KiB DMA at a 128-aligned lane offset (Mosaic
-  refuses a slot's 32-byte window, and any window at an unaligned lane offset);
-  ``pltpu.bitcast`` turns it into int32 ``[8, 128]`` in VMEM, word ``w`` of slot ``128 t + l``
-  at ``[w, l]`` (token lo/hi, position lo/hi, link lo/hi, fingerprint lo/hi).
-  :func:`select_tiles` picks entries' slots out of gathered tiles;
-* ``violation_ring`` int64 ``[C, 8]`` -> int32 ``[C, 16]``;
-* a verify or write launch's scalars (the plan's count and switch, the ring's write index, the
-  two run counters) -> the :class:`Status` words, int32 ``[8]`` in SMEM, in and out
-  (:func:`status_words`, :func:`finish_status`, :func:`from_status`);
-* a real-KV source -> its *strips* int32 ``[rows * page_size, E / 4]``: row ``s`` holds the ``E``
-  bytes of slot ``s``'s strip that the fingerprint reads (``E`` = 16 in PARTIAL mode, else
-  ``read_bytes``), so a slot's strip is one row DMA.
+What is here runs inside the kernels, except the status words' two ends outside them:
+
+**The boundary formats, in a kernel**: :func:`planes` splits a block of pair rows in VMEM into
+lane-dense planes ``[R, 128]`` of high and low words (:func:`store_planes` writes them back,
+:func:`smem_pair` reads one entry from SMEM); :func:`tile_window` is a canary tile's HBM window,
+:func:`tile_words` a fetched tile as int32 words, and :func:`select_tiles` picks entries' slots out
+of gathered tiles (:func:`fetch_places` says where each entry's tile lands). A verify or write
+launch's scalars (the plan's count and switch, the ring's write index, the two run counters) are
+the :class:`Status` words, int32 ``[8]`` in SMEM, in and out (:func:`status_words`,
+:func:`finish_status`, :func:`from_status`).
 
 **Gathers by slot**: the scalar unit reads a block's slots from SMEM and issues one row DMA per
 entry (``[1, W]`` windows at a dynamic row, the layout every TPU DMA engine takes) into a VMEM
@@ -45,10 +39,7 @@ repeated min-reductions, so no prefix sum is needed.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import enum
-from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +49,33 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kvcanary_jax import consts
 from kvcanary_jax import hashing_u32
+from kvcanary_jax.ops._tpu_formats import (
+    LANES,
+    PAIR_TILE,
+    SLOT_BYTES,
+    SLOT_WORDS,
+    TILE_SLOTS,
+    canary_from_tiles,
+    canary_tiles,
+    flat_words32,
+    from_pair_rows,
+    from_words32,
+    i64_words,
+    pad_to,
+    source_strips,
+    strip_words,
+    to_pair_rows,
+    words32,
+)
+from kvcanary_jax.ops._tpu_launch import (
+    BlockConfig,
+    Config,
+    call,
+    compiler_params,
+    cost,
+    interpret_params,
+    tpu_lowering,
+)
 
 __all__ = [
     "Config",
@@ -117,71 +135,13 @@ __all__ = [
     "tpu_lowering",
 ]
 
-LANES = 128
-# Entries per whole 8 x 128 tile of pair rows (64 pairs per row, 8 rows).
-PAIR_TILE = 512
 INT32_MAX = consts.VIOLATION_WRITE_INDEX_MAX  # where the write index saturates
 # The scratch :class:`Ring` stages a record in: one ring row (16 int32 words), exactly.
 RING_STAGE = (1, 16)
 
 
-def pad_to(n: int, multiple: int) -> int:
-    return max(multiple, -(-n // multiple) * multiple)
-
-
 # ---------------------------------------------------------------------------------------------
-# Boundary formats (plain jnp, outside kernels; int64 needs x64).
-
-
-def to_pair_rows(x: jax.Array, n_pad: int) -> jax.Array:
-    """int64 ``[n]`` -> int32 pair rows ``[n_pad // 64, 128]`` (zero padded)."""
-    w = lax.bitcast_convert_type(x.astype(jnp.int64), jnp.int32).reshape(-1)
-    w = jnp.pad(w, (0, 2 * n_pad - w.shape[0]))
-    return w.reshape(-1, LANES)
-
-
-def from_pair_rows(rows: jax.Array, n: int) -> jax.Array:
-    """Pair rows -> int64 ``[n]``."""
-    w = rows.reshape(-1)[: 2 * n].reshape(n, 2)
-    return lax.bitcast_convert_type(w, jnp.int64)
-
-
-def words32(buf: jax.Array) -> jax.Array:
-    """uint8 ``[n, b]`` (or int64 ``[n, k]``) -> int32 ``[n, b / 4]`` (a bitcast)."""
-    n = buf.shape[0]
-    if buf.dtype == jnp.int64:
-        return lax.bitcast_convert_type(buf, jnp.int32).reshape(n, -1)
-    return lax.bitcast_convert_type(buf.reshape(n, -1, 4), jnp.int32)
-
-
-def from_words32(words: jax.Array, like: jax.Array) -> jax.Array:
-    """Inverse of :func:`words32` for an array shaped and typed as ``like``."""
-    n = like.shape[0]
-    if like.dtype == jnp.int64:
-        return lax.bitcast_convert_type(words.reshape(n, -1, 2), jnp.int64)
-    return lax.bitcast_convert_type(words, jnp.uint8).reshape(like.shape)
-
-
-# A canary slot's fields: 8 int32 words (4 int64 fields, 32 bytes); a tile holds 128 slots.
-SLOT_WORDS = 8
-SLOT_BYTES = 4 * SLOT_WORDS
-TILE_SLOTS = LANES
-
-
-def canary_tiles(buf: jax.Array) -> jax.Array:
-    """uint8 ``[N, S]`` -> canary tiles uint8 ``[S, N']``, ``N'`` = ``N`` rounded up to a
-    positive multiple of :data:`TILE_SLOTS` (zero slots past ``N``). A bitcast in XLA's layout
-    when ``N`` is a multiple of 128; otherwise one compact copy (the pad)."""
-    n = buf.shape[0]
-    n_pad = pad_to(n, TILE_SLOTS)
-    t = buf.T
-    return t if n_pad == n else jnp.pad(t, ((0, 0), (0, n_pad - n)))
-
-
-def canary_from_tiles(tiles: jax.Array, like: jax.Array) -> jax.Array:
-    """Inverse of :func:`canary_tiles` for a canary shaped as ``like``."""
-    n = like.shape[0]
-    return (tiles if tiles.shape[1] == n else tiles[:, :n]).T
+# The boundary formats in a kernel: canary tiles and the status words (pair rows: planes, below).
 
 
 def tile_window(canary, tile):
@@ -239,11 +199,6 @@ def fetch_places(tile, fetch):
     same = (lane > 0) & (pltpu.roll(f, 1, 1) == 1) & (pltpu.roll(tile, 1, 1) == tile)
     new = jnp.where(same, 0, f)
     return jnp.maximum(lane_prefix_count(new) - 1, 0)
-
-
-def i64_words(x: jax.Array) -> jax.Array:
-    """int64 ``[1]`` -> int32 ``[2]`` (low, high)."""
-    return lax.bitcast_convert_type(x.astype(jnp.int64), jnp.int32).reshape(2)
 
 
 class Status(enum.IntEnum):
@@ -310,46 +265,6 @@ def from_status(context, status: jax.Array, ring32: jax.Array, **updated):
         slot_run_counter=pair(Status.SLOT_RUNS),
         kernel_run_counter=pair(Status.KERNEL_RUNS),
         **updated)
-
-
-def flat_words32(x: jax.Array) -> jax.Array:
-    """``x``'s bytes as a flat int32 array (bitcasts only; never through int64, which XLA's CPU
-    simplifier folds into an invalid narrowing bitcast)."""
-    x = jnp.asarray(x)
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
-    k = x.dtype.itemsize
-    flat = x.reshape(-1)
-    if k == 4:
-        return lax.bitcast_convert_type(flat, jnp.int32)
-    if k == 8:
-        return lax.bitcast_convert_type(flat, jnp.int32).reshape(-1)
-    if flat.shape[0] % (4 // k):
-        raise ValueError(f"kv-canary: a real-KV source buffer must hold a whole number of 4-byte "
-                         f"words, got shape {tuple(x.shape)} dtype {x.dtype}")
-    return lax.bitcast_convert_type(flat.reshape(-1, 4 // k), jnp.int32)
-
-
-def strip_words(spec, mode: int) -> int:
-    """int32 words of a slot's strip the fingerprint reads (16 bytes in PARTIAL mode)."""
-    nbytes = 16 if mode == int(consts.RealKvHashMode.PARTIAL) else 8 * spec.read_words
-    return nbytes // 4
-
-
-def source_strips(buf: jax.Array, spec, mode: int) -> jax.Array:
-    """A source's bytes (any compact array; its addressing in ``spec``, a
-    :class:`~kvcanary_jax.context.SourceSpec`) -> int32 ``[rows * page_size, E / 4]``, row ``s``
-    the words slot ``s``'s fingerprint folds. Bytes outside the strips are never read."""
-    words = flat_words32(buf)
-    rows, page = spec.num_rows, spec.page_size
-    stride, nbpt = 2 * spec.row_stride_words, 2 * spec.nbpt_words
-    ew = strip_words(spec, mode)
-    off = 2 * spec.word_offset
-    need = off + rows * stride
-    if words.shape[0] < need:  # the last row may end before a whole stride (its strips fit)
-        words = jnp.pad(words, (0, need - words.shape[0]))
-    body = words[off:need].reshape(rows, stride)[:, : page * nbpt]
-    return body.reshape(rows * page, nbpt)[:, :ew]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -569,92 +484,7 @@ def record_words(kind, fields) -> list:
 
 
 # ---------------------------------------------------------------------------------------------
-# pallas_call plumbing.
-
-
-def call(kernel, *args, **pallas_kwargs):
-    """``pl.pallas_call(kernel, **pallas_kwargs)(*args)`` traced with 64-bit types off: every
-    kernel operand is 32-bit, and Python ints in the kernel (indices, constants) must become
-    int32, which Mosaic requires, even when the caller traces under ``jax.enable_x64``."""
-    with jax.enable_x64(False):
-        return pl.pallas_call(kernel, **pallas_kwargs)(*args)
-
-
-def compiler_params(vmem_limit_bytes: int | None = None):
-    return pltpu.CompilerParams(dimension_semantics=("arbitrary",),
-                                vmem_limit_bytes=vmem_limit_bytes)
-
-
-def cost(*, bytes_accessed: int, ops: int = 0) -> pl.CostEstimate:
-    """Integer work is reported as ``flops`` (XLA's scheduler only compares magnitudes)."""
-    return pl.CostEstimate(flops=int(ops), transcendentals=0, bytes_accessed=int(bytes_accessed))
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """What every op's Mosaic TPU launch config has. ``vmem_limit_bytes``: Mosaic's scoped VMEM
-    limit (None: the compiler's default). ``interpret``: None to compile for TPU; a
-    ``pltpu.InterpretParams`` runs the kernels in TPU interpret mode instead (any backend; the
-    CPU test suites use :func:`interpret_params`). Anything else (``True``, ``1``, ``"yes"``)
-    is refused with a TypeError when the config is built (our rule: Pallas would take it as
-    generic interpret mode and fail inside XLA with an unrelated slice TypeError). Subclasses
-    name their op in ``OP`` (for the errors) and call ``super().__post_init__()``."""
-
-    OP: ClassVar[str] = ""
-    vmem_limit_bytes: int | None = None
-    interpret: Any = None
-
-    def __post_init__(self):
-        where = f"kv-canary: {self.OP or 'Config'} (pallas_mosaic_tpu)"
-        if self.interpret is not None and not isinstance(self.interpret, pltpu.InterpretParams):
-            raise TypeError(
-                f"{where}: interpret must be None (compile for TPU) or a "
-                "jax.experimental.pallas.tpu.InterpretParams (TPU interpret mode, e.g. "
-                "kvcanary_jax.ops._tpu_lib.interpret_params()), got "
-                f"{type(self.interpret).__name__} {self.interpret!r}")
-        v = self.vmem_limit_bytes
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-            raise TypeError(f"{where}: vmem_limit_bytes must be None or a positive int, got "
-                            f"{type(v).__name__} {v!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockConfig(Config):
-    """A config whose kernels work in blocks of ``block`` entries, a positive multiple of
-    ``PAIR_TILE`` (whole 8 x 128 tiles of pair rows). Subclasses name their op in ``OP`` (for
-    the error) and set ``block``'s default."""
-
-    block: int = 1024
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.block < PAIR_TILE or self.block % PAIR_TILE:
-            raise ValueError(f"kv-canary: {self.OP} (pallas_mosaic_tpu): block must be a "
-                             f"positive multiple of {PAIR_TILE}, got {self.block}")
-
-
-def interpret_params(*, detect_races: bool = True):
-    """TPU interpret mode as the tests run it: out-of-bounds reads raise, fresh memory is
-    poisoned, and the race detector is on unless ``detect_races=False`` (it about doubles a
-    kernel's interpreted time)."""
-    return pltpu.InterpretParams(out_of_bounds_reads="raise", detect_races=bool(detect_races),
-                                 uninitialized_memory="nan")
-
-
-@contextlib.contextmanager
-def tpu_lowering(device_kind: str = "TPU v6 lite"):
-    """Context in which ``jax.jit(f).trace(...).lower(lowering_platforms=("tpu",))`` lowers for a
-    TPU of ``device_kind`` on a machine without one (the Mosaic lowering asks the device kind)."""
-    from jax.sharding import AbstractMesh, AxisType
-
-    try:
-        from jax.sharding import AbstractDevice
-    except ImportError:  # jax < 0.11
-        from jax._src.mesh import AbstractDevice
-    dev = AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
-    mesh = AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=dev)
-    with jax.sharding.use_abstract_mesh(mesh):
-        yield
+# The block pipeline.
 
 
 def pipeline(nblocks, *, fetch, issue, wait, body) -> None:

@@ -112,7 +112,7 @@ def canary_plan(
 
     Under ``jax.jit(..., donate_argnames=...)`` with both plans donated the plan buffers are
     filled in place (every plan array is aliased input-to-output). Raises SGLang's errors (see
-    :data:`kvcanary_jax.ops.plan.base.CONTRACT`) at trace time.
+    :data:`kvcanary_jax.ops.plan.contract.CONTRACT`) at trace time.
     """
     inputs = base.inputs_of(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token,
                             full_to_swa_index_mapping, req_to_verify_expected_tokens,

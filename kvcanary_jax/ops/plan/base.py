@@ -54,10 +54,12 @@ written on error (SGLang's GPU path raises the missing-``valid_lens`` error afte
 kernel ran; we keep its wording and its place in the check order, but raise it before
 launching).
 
-This module holds the op's contract, its static shapes (the keys of tuned launch configs), the
-composition of the two halves that every implementation shares (:func:`compose`: each half takes
-the batch as :class:`PlanInputs` and the plans as their dataclasses, and the offsets half hands
-the entries half a :class:`PlanOffsets`), and the pure-jnp reference, the test oracle of every
+This module holds the batch and the offsets half's result as pytrees (:class:`PlanInputs`,
+:class:`PlanOffsets`), the op's validation (its contract, :mod:`kvcanary_jax.ops.plan.contract`,
+re-exported here), its static shapes (the keys of tuned launch configs), the composition of the
+two halves that every implementation shares (:func:`compose`: each half takes the batch as
+:class:`PlanInputs` and the plans as their dataclasses, and the offsets half hands the entries
+half a :class:`PlanOffsets`), and the pure-jnp reference, the test oracle of every
 implementation.
 """
 
@@ -65,21 +67,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Mapping
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from kvcanary_jax import _config, consts
-from kvcanary_jax.contracts import (
-    Check,
-    Contiguous,
-    Contract,
-    DType,
-    NDim,
-    Rule,
-    TensorMeta,
-    meta_of,
+from kvcanary_jax.ops.plan.contract import (
+    CONTRACT,
+    ENTRIES_CHECKS,
+    OFFSETS_CHECKS,
+    out_name,
+    plan_metas,
+    row_stride,
 )
 from kvcanary_jax.plans import VerifyPlan, WritePlan
 
@@ -107,286 +107,6 @@ __all__ = [
     "inputs_of",
     "canary_plan_reference",
 ]
-
-_API = "kv-canary: launch_canary_plan_kernels"
-_ENTRIES = "kv-canary: launch_plan_entries_kernel"
-
-# --------------------------------------------------------------------------------------------
-# Contract. The offsets half: SGLang's offsets-kernel validation (docs/spec.md §11.3), in its
-# order and words. The scratch tensor of SGLang's GPU path is internal here (and its 4097-entry minimum is
-# SGLang's bs cap), so its checks are left out; the bs <= 4096 check does not exist (no cap).
-# --------------------------------------------------------------------------------------------
-
-_ORDER = (
-    ("req_pool_indices", "int64"),
-    ("prefix_lens", "int64"),
-    ("extend_seq_lens", "int64"),
-    ("req_to_token", "int32"),
-    ("lut_tensor", "int64"),
-    ("out_write_offsets", "int64"),
-    ("out_write_seed_slot_indices", "int64"),
-    ("out_verify_num_valid", "int32"),
-    ("out_verify_enable", "int32"),
-    ("out_write_num_valid_reqs", "int32"),
-)
-
-_DTYPE_MSG = "kv-canary: {name} must have dtype {expected}, got {dtype}"
-_1D_MSG = "kv-canary: {name} must be 1-D, got shape {shape}"
-
-
-def _len0(m: TensorMeta | None) -> int | None:
-    return None if m is None or m.ndim < 1 else m.shape[0]
-
-
-def _bs(metas) -> int:
-    return _len0(metas.get("req_pool_indices")) or 0
-
-
-def row_stride(m: TensorMeta) -> int:
-    """``req_to_token.stride(0)`` as torch reports it; a compact JAX array's row pitch is its
-    width, and an empty dimension counts as 1 as in torch's stride convention."""
-    if m.framework == "jax" or m.strides is None:
-        return max(m.shape[1], 1) if m.ndim >= 2 else 1
-    return m.stride(0)
-
-
-def _stride0(metas, scalars) -> int | None:
-    s = scalars.get("req_to_token_stride0")
-    if s is not None:
-        return int(s)
-    m = metas.get("req_to_token")
-    return None if m is None or m.ndim < 2 else row_stride(m)
-
-
-def _rule_write_offsets_positive(metas, scalars):
-    n = _len0(metas.get("out_write_offsets"))
-    return None if n is None or n > 0 else {"n": n}
-
-
-def _rule_verify_capacity(metas, scalars):
-    c = scalars["verify_capacity"]
-    return None if c >= 0 else {"n": c}
-
-
-def _rule_stride_positive(metas, scalars):
-    s = _stride0(metas, scalars)
-    return None if s is None or s > 0 else {"n": s}
-
-
-def _rule_lut_nonempty(metas, scalars):
-    m = metas.get("full_to_swa_index_mapping")
-    return None if m is None or (m.shape[0] if m.ndim else 1) > 0 else {}
-
-
-def _len_rule(name, expected_fn):
-    def fails(metas, scalars):
-        m = metas.get(name)
-        if m is None:
-            return None
-        exp = expected_fn(metas, scalars)
-        return None if m.shape[0] == exp else {"name": name, "exp": exp, "n": m.shape[0]}
-
-    return fails
-
-
-def _rule_lut_min_len(metas, scalars):
-    m = metas.get("lut_tensor")
-    if m is None:
-        return None
-    lut = metas.get("full_to_swa_index_mapping")
-    lut_len = 0 if lut is None else (lut.shape[0] if lut.ndim else 1)
-    need = max(lut_len, 1)
-    return None if m.shape[0] >= need else {"need": need, "n": m.shape[0]}
-
-
-def _rule_write_offsets_len(metas, scalars):
-    wo, seeds = metas.get("out_write_offsets"), metas.get("out_write_seed_slot_indices")
-    if wo is None or seeds is None:
-        return None
-    n, c = wo.shape[0], seeds.shape[0]
-    return None if n == c + 1 else {"n": n, "c": c}
-
-
-def _rule_bs_capacity(metas, scalars):
-    seeds = metas.get("out_write_seed_slot_indices")
-    if seeds is None:
-        return None
-    bs, c = _bs(metas), seeds.shape[0]
-    return None if bs <= c else {"bs": bs, "c": c}
-
-
-def _rule_stride_match(metas, scalars):
-    a = scalars.get("req_to_token_stride0")
-    m = metas.get("req_to_token")
-    if a is None or m is None:
-        return None
-    b = row_stride(m)
-    return None if int(a) == b else {"a": int(a), "b": b}
-
-
-def _rule_same_device(metas, scalars):
-    # SGLang allocates its scratch on the verify plan's device and checks everything against it.
-    anchor = metas.get("out_verify_slot_indices")
-    if anchor is None or anchor.device is None:
-        return None
-    for name, _ in _ORDER:
-        m = metas.get(name)
-        if m is not None and m.device is not None and m.device != anchor.device:
-            return {"name": name, "dev": anchor.device, "dev2": m.device}
-    return None
-
-
-def _ndim_then_len(name: str, expected_fn) -> tuple[Check, ...]:
-    return (
-        NDim(name, 1, _1D_MSG),
-        Rule(_len_rule(name, expected_fn), "kv-canary: {name} length must be {exp}, got {n}"),
-    )
-
-
-OFFSETS_CHECKS: tuple[Check, ...] = (
-    *(Contiguous(name) for name, _ in _ORDER),
-    *(DType(name, dt, _DTYPE_MSG, exc=ValueError) for name, dt in _ORDER),
-    Rule(_rule_write_offsets_positive, "kv-canary: write_offsets_len must be positive, got {n}"),
-    Rule(_rule_verify_capacity, "kv-canary: verify_capacity must be non-negative, got {n}"),
-    Rule(_rule_stride_positive, "kv-canary: req_to_token_stride0 must be positive, got {n}"),
-    Rule(_rule_lut_nonempty, "kv-canary: lut_len must be positive when has_swa_lut is True"),
-    *_ndim_then_len("req_pool_indices", lambda m, s: _bs(m)),
-    *_ndim_then_len("prefix_lens", lambda m, s: _bs(m)),
-    *_ndim_then_len("extend_seq_lens", lambda m, s: _bs(m)),
-    NDim("req_to_token", 2, "kv-canary: {name} must be 2-D, got shape {shape}"),
-    NDim("lut_tensor", 1, _1D_MSG),
-    Rule(_rule_lut_min_len, "kv-canary: lut_tensor length must be >= {need}, got {n}"),
-    *_ndim_then_len("out_write_offsets", lambda m, s: m["out_write_offsets"].shape[0]),
-    *_ndim_then_len(
-        "out_write_seed_slot_indices", lambda m, s: m["out_write_seed_slot_indices"].shape[0]
-    ),
-    *_ndim_then_len("out_verify_num_valid", lambda m, s: 1),
-    *_ndim_then_len("out_verify_enable", lambda m, s: 1),
-    *_ndim_then_len("out_write_num_valid_reqs", lambda m, s: 1),
-    Rule(
-        _rule_write_offsets_len,
-        "kv-canary: write_offsets_len must equal write_req_capacity + 1, got {n} and {c}",
-    ),
-    Rule(_rule_bs_capacity, "kv-canary: bs={bs} exceeds write_req_capacity={c}"),
-    Rule(
-        _rule_stride_match,
-        "kv-canary: req_to_token_stride0={a} does not match req_to_token.stride(0)={b}",
-    ),
-    Rule(
-        _rule_same_device,
-        "kv-canary: {name} must be on out_verify_offsets_scratch's device {dev}, got {dev2}",
-    ),
-)
-
-
-# The entries half: the missing-valid_lens error, then SGLang's C++ guards.
-
-
-def _rule_valid_lens(metas, scalars):
-    if metas.get("req_to_verify_expected_tokens") is not None and metas.get(
-        "req_to_verify_expected_tokens_valid_lens"
-    ) is None:
-        return {}
-    return None
-
-
-def _guard(name, want_ndim, want_dtype, want_len=None):
-    """SGLang's C++ tensor-matcher guards (RuntimeError; their wording is not a contract)."""
-
-    def fails(metas, scalars):
-        m = metas.get(name)
-        if m is None:
-            return None
-        exp_len = None if want_len is None else want_len(metas, scalars)
-        bad = m.ndim != want_ndim or m.dtype != want_dtype or (
-            exp_len is not None and m.shape[0] != exp_len
-        )
-        if not bad:
-            return None
-        desc = f"{want_ndim}-D {m.fmt_dtype(want_dtype)}"
-        if exp_len is not None:
-            desc += f" of length {exp_len}"
-        return {"name": name, "desc": desc, "shape": m.shape, "dtype": m.fmt_dtype()}
-
-    return Rule(fails, _ENTRIES + " {name} must be {desc}, got shape {shape} dtype {dtype}",
-                exc=RuntimeError)
-
-
-def _entries_bs(metas, scalars):
-    return metas.get("req_pool_indices").shape[0]
-
-
-def _cap(metas, scalars):
-    return scalars["verify_capacity"]
-
-
-ENTRIES_CHECKS: tuple[Check, ...] = (
-    Rule(
-        _rule_valid_lens,
-        _ENTRIES + " requires req_to_verify_expected_tokens_valid_lens when "
-        "req_to_verify_expected_tokens is set",
-    ),
-    _guard("out_verify_slot_indices", 1, "int64", _cap),
-    _guard("out_verify_expected_tokens", 1, "int64", _cap),
-    _guard("out_verify_expected_positions", 1, "int64", _cap),
-    _guard("out_verify_prev_slot_indices", 1, "int64", _cap),
-    _guard("req_to_verify_expected_tokens", 2, "int32"),
-    _guard("req_to_verify_expected_tokens_valid_lens", 1, "int64", _entries_bs),
-)
-
-
-def _rule_swa_lut(metas, scalars):
-    if scalars["swa_window_size"] > 0 and metas.get("full_to_swa_index_mapping") is None:
-        return {}
-    return None
-
-
-def _rule_capacity(metas, scalars):
-    m = metas.get("out_verify_slot_indices")
-    n = m.shape[0] if m is not None and m.ndim else None
-    if n is None or scalars["verify_capacity"] == n:
-        return None
-    return {"n": n}
-
-
-# SGLang's GPU-path order (docs/spec.md §8, §11.2, §11.3): SWA LUT presence, verify_capacity,
-# the offsets kernel's checks, then the entries launcher's (missing valid_lens, then its C++ guards).
-CONTRACT = Contract(
-    op="canary_plan",
-    checks=(
-        Rule(_rule_swa_lut, _API + " requires full_to_swa_index_mapping when swa_window_size > 0"),
-        Rule(
-            _rule_capacity,
-            _API + " verify_capacity={verify_capacity} does not match "
-            "verify_plan_out.verify_slot_indices.shape[0]={n}",
-        ),
-        *OFFSETS_CHECKS,
-        *ENTRIES_CHECKS,
-    ),
-)
-
-# SGLang validates a 1-element int64 placeholder under the name lut_tensor when there is no LUT.
-_LUT_PLACEHOLDER = TensorMeta(shape=(1,), dtype="int64", strides=(1,), device=None,
-                              framework="jax")
-
-
-def plan_metas(tensors: Mapping[str, Any]) -> dict[str, TensorMeta | None]:
-    """Metas for :data:`CONTRACT` from a mapping with keys ``req_pool_indices``, ``prefix_lens``,
-    ``extend_seq_lens``, ``req_to_token``, ``full_to_swa_index_mapping``,
-    ``req_to_verify_expected_tokens``, ``req_to_verify_expected_tokens_valid_lens`` and the plan
-    fields under SGLang's launcher names (``out_verify_slot_indices``,
-    ``out_verify_expected_tokens``, ``out_verify_expected_positions``,
-    ``out_verify_prev_slot_indices``, ``out_verify_num_valid``, ``out_verify_enable``,
-    ``out_write_offsets``, ``out_write_seed_slot_indices``, ``out_write_num_valid_reqs``); values
-    are JAX arrays or torch tensors (or None). Adds ``lut_tensor`` as SGLang does."""
-    metas = {k: (None if v is None else meta_of(v)) for k, v in tensors.items()}
-    lut = metas.get("full_to_swa_index_mapping")
-    if lut is None:
-        anchor = metas.get("out_verify_slot_indices")
-        lut = dataclasses.replace(_LUT_PLACEHOLDER, device=anchor.device if anchor else None,
-                                  framework=anchor.framework if anchor else "jax")
-    metas["lut_tensor"] = lut
-    return metas
 
 
 @jax.tree_util.register_dataclass
@@ -420,12 +140,6 @@ class PlanOffsets:
     verify_num_valid: jax.Array
     enable: jax.Array
     write_plan: WritePlan
-
-
-def out_name(field: str) -> str:
-    """SGLang's launcher name of a plan field (its messages use them): ``out_<field>``, and
-    ``out_verify_enable`` for ``enable``."""
-    return "out_verify_enable" if field == "enable" else f"out_{field}"
 
 
 def validate(vp: VerifyPlan, wp: WritePlan, inputs: PlanInputs, *, swa_window_size: int,

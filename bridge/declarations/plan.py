@@ -1,0 +1,178 @@
+"""The declaration of ``launch_canary_plan_kernels`` (:data:`PLAN`).
+
+Fills both plans in place: the op's contract on the caller's tensors under SGLang's launcher names
+(:func:`kvcanary_jax.ops.plan.contract.plan_metas`), then what SGLang's entries launcher requires
+beyond its offsets kernel's checks; the values checked on request (rows of ``req_to_token``,
+prefixes within its width); and the arguments: the request vectors at :func:`plan_lanes` lanes
+with the batch size as an operand where the implementation takes it (see the package's
+docstring). The step reuses the plan's tensors, checks, arguments and call (:func:`plan_tensors`,
+:func:`plan_statics`, :func:`plan_validate`, :func:`plan_values`, :func:`plan_args_at`,
+:data:`PLAN_RESULTS`, :func:`plan_call`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcanary_jax.bridge.cache import CACHES
+from kvcanary_jax.bridge.checks import check_range, require_tensors, torch_checks
+from kvcanary_jax.bridge.declarations.shared import (
+    VP_FIELDS,
+    WP_FIELDS,
+    Declaration,
+    check_distinct_outputs,
+    dense,
+    fields_of,
+    impl_for,
+    pitched,
+    platform_of,
+    rebuild,
+    same_device,
+)
+from kvcanary_jax.bridge.dlpack import BridgeError
+from kvcanary_jax.bridge.launcher import Arg
+from kvcanary_jax import buckets
+from kvcanary_jax import plans as _plans
+from kvcanary_jax.ops import plan as _plan
+from kvcanary_jax.ops.plan import base as _plan_base
+
+__all__ = ["PLAN", "plan_fn", "plan_lanes", "plan_tensors", "plan_statics", "plan_validate",
+           "plan_values", "plan_args_at", "PLAN_RESULTS", "plan_call"]
+
+_PLAN_P = "kv-canary: launch_canary_plan_kernels"
+_PLAN_IN = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token",
+            "full_to_swa_index_mapping", "req_to_verify_expected_tokens",
+            "req_to_verify_expected_tokens_valid_lens")
+
+
+def plan_tensors(kw):
+    vp, wp = kw["verify_plan_out"], kw["write_plan_out"]
+    out = fields_of(vp, VP_FIELDS, "verify_plan_out.")
+    out.update(fields_of(wp, WP_FIELDS, "write_plan_out."))
+    out.update({k: kw[k] for k in _PLAN_IN})
+    out["num_reqs"] = _num_reqs(out["req_pool_indices"])
+    return out
+
+
+def _num_reqs(rpi):
+    """The batch size as the plan's operand, on the batch's device (None where there is no
+    batch to plan, or a device without kernels: the checks report those)."""
+    if not isinstance(rpi, torch.Tensor) or rpi.ndim != 1:
+        return None
+    return CACHES.counts.view(rpi.device, rpi.shape[0])
+
+
+def plan_statics(kw):
+    return (int(kw["swa_window_size"]), int(kw["verify_capacity"]),
+            int(kw["kv_token_id_vs_position_offset"]))
+
+
+def plan_validate(kw, ts):
+    required = {k: v for k, v in ts.items() if k.startswith(("verify_plan_out.",
+                                                              "write_plan_out."))}
+    required.update({k: ts[k] for k in _PLAN_IN[:4]})
+    require_tensors(_PLAN_P, {**{k: ts[k] for k in _PLAN_IN[:4]}, **required})
+    tensors = {k: ts[k] for k in _PLAN_IN}
+    tensors.update({_plan_base.out_name(k.split(".", 1)[1]): v for k, v in required.items()
+                    if "." in k})
+    _plan.CONTRACT.validate_metas(
+        _plan.plan_metas(tensors), swa_window_size=int(kw["swa_window_size"]),
+        verify_capacity=int(kw["verify_capacity"]), req_to_token_stride0=None,
+    )
+    # Torch-only: what SGLang's entries launcher requires beyond the offsets kernel's checks.
+    torch_checks(
+        "canary_plan", "out_verify_slot_indices",
+        ("out_verify_slot_indices", "out_verify_expected_tokens",
+         "out_verify_expected_positions", "out_verify_prev_slot_indices",
+         "req_to_verify_expected_tokens_valid_lens"), (),
+    ).validate({k: v for k, v in tensors.items() if v is not None})
+    same_device("canary_plan", "out_verify_slot_indices", tensors)
+    pool = ts["req_to_verify_expected_tokens"]
+    if pool is not None and pool.stride(-1) != 1 and pool.numel() > 0:
+        raise BridgeError(
+            f"{_PLAN_P} req_to_verify_expected_tokens rows must be packed (stride(-1) == 1), "
+            f"got strides {tuple(pool.stride())}"
+        )
+    check_distinct_outputs({k: v for k, v in ts.items() if "." in k})
+
+
+def plan_values(kw, ts):
+    rpi, prefix, rtt = ts["req_pool_indices"], ts["prefix_lens"], ts["req_to_token"]
+    check_range(_PLAN_P, "req_pool_indices", rpi, 0, int(rtt.shape[0]), "rows of req_to_token")
+    width = int(rtt.shape[1])
+    bad = (rpi != 0) & (prefix > width)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{_PLAN_P} prefix_lens[{i}]={int(prefix[i])} exceeds req_to_token's "
+                         f"width {width}")
+
+
+def plan_lanes(ts, platform: str) -> tuple[int, bool]:
+    """The request lanes the plan is lowered for, and whether the batch size is an operand:
+    ``min(bucket(bs), write_req_capacity)`` and True where the implementation takes it, else
+    ``bs`` and False."""
+    bs = int(ts["req_pool_indices"].shape[0])
+    if bs == 0 or ts.get("num_reqs") is None or \
+            not _plan.takes_num_reqs(impl_for("plan", platform)):
+        return bs, False
+    cap = int(ts["write_plan_out.write_seed_slot_indices"].shape[0])
+    return min(buckets.bucket(bs), cap), True
+
+
+def plan_args_at(ts, lanes: int, has_n: bool) -> list[Arg]:
+    """The plan's arguments; absent optionals are left out (the function finds no argument of
+    that name). Request vectors at ``lanes``, with the ``num_reqs`` operand last when ``has_n``
+    (see :func:`plan_lanes`)."""
+    args = [dense(f"verify_plan_out.{k}", ts[f"verify_plan_out.{k}"], out=True) for k in VP_FIELDS]
+    args += [dense(f"write_plan_out.{k}", ts[f"write_plan_out.{k}"], out=True) for k in WP_FIELDS]
+    args += [dense(k, ts[k], shape=(lanes,)) for k in ("req_pool_indices", "prefix_lens",
+                                                       "extend_seq_lens")]
+    args.append(dense("req_to_token", ts["req_to_token"]))
+    for k in ("full_to_swa_index_mapping", "req_to_verify_expected_tokens",
+              "req_to_verify_expected_tokens_valid_lens"):
+        t = ts[k]
+        if t is None:
+            continue
+        if k == "req_to_verify_expected_tokens":
+            args.append(pitched(k, t, out=False, check_fits=True))
+        else:
+            args.append(dense(k, t, shape=(lanes,) if k.endswith("valid_lens") else None))
+    if has_n:
+        args.append(dense("num_reqs", ts["num_reqs"]))
+    return args
+
+
+# The plan's outputs, by the names of the arguments they update.
+PLAN_RESULTS = tuple(f"verify_plan_out.{k}" for k in VP_FIELDS) + tuple(f"write_plan_out.{k}"
+                                                                        for k in WP_FIELDS)
+
+
+def plan_call(named, *, swa, cap, k, platform, config=None):
+    return _plan.run(rebuild(_plans.VerifyPlan, named, "verify_plan_out."),
+                     rebuild(_plans.WritePlan, named, "write_plan_out."),
+                     rebuild(_plan.PlanInputs, named), swa_window_size=swa, verify_capacity=cap,
+                     kv_token_id_vs_position_offset=k, implementation=impl_for("plan", platform),
+                     config=config)
+
+
+def plan_fn(named, *, swa, cap, k, platform, config=None):
+    """``config``: the implementation's launch configuration (tests shrink its blocks)."""
+    vp, wp = plan_call(named, swa=swa, cap=cap, k=k, platform=platform, config=config)
+    return {**fields_of(vp, VP_FIELDS, "verify_plan_out."),
+            **fields_of(wp, WP_FIELDS, "write_plan_out.")}
+
+
+def _plan_arguments(kw, ts):
+    platform = platform_of(ts["verify_plan_out.verify_slot_indices"])
+    lanes, has_n = plan_lanes(ts, platform)
+    swa, cap, k = plan_statics(kw)
+    static = dict(swa=swa, cap=cap, k=k, platform=platform)
+    return plan_args_at(ts, lanes, has_n), static, PLAN_RESULTS
+
+
+PLAN = Declaration(
+    name="launch_canary_plan_kernels", anchor="verify_plan_out.verify_slot_indices",
+    outputs=PLAN_RESULTS,
+    tensors=plan_tensors, statics=plan_statics, validate=plan_validate,
+    skip=lambda kw, ts: False, check_values=plan_values, arguments=_plan_arguments, fn=plan_fn,
+)

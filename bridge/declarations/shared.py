@@ -1,0 +1,254 @@
+"""What the launchers' declarations share (:mod:`kvcanary_jax.bridge.declarations`).
+
+* :class:`Declaration`: one launcher as data, what the generic launcher
+  (:mod:`kvcanary_jax.bridge.launcher`) runs;
+* binding by name: each argument's name is its path in the op's pytrees, and the function
+  rebuilds the pytrees from the arrays bound under those names (:func:`rebuild`,
+  :func:`fields_of`, :func:`context_from`; :data:`VP_FIELDS`, :data:`WP_FIELDS`: the plans'
+  fields);
+* the arguments' forms (:class:`~kvcanary_jax.bridge.launcher.Arg`): a dense tensor
+  (:func:`dense`), a 2-D view with packed rows as its base (:func:`pitched`), offsets clamped to
+  a bucketed token array's true length (:func:`offsets_arg`), a real-KV source as the bytes its
+  kernels read (:func:`source_args`);
+* the context's tensors each op hands over (:func:`ctx_tensors`, :func:`ctx_args`,
+  :func:`required_of`, :func:`source_statics`), and the context as the ops' contracts read it
+  (:func:`ctx_for_checks`);
+* the checks every launcher runs besides its op's contract: one device (:func:`same_device`),
+  distinct in-place outputs (:func:`check_distinct_outputs`);
+* which implementation runs the op for a tensor's device (:func:`platform_of`,
+  :func:`impl_for`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Callable
+
+import torch
+
+from kvcanary_jax.bridge.dlpack import BridgeError
+from kvcanary_jax.bridge.launcher import Arg
+from kvcanary_jax import default_implementation
+from kvcanary_jax import plans as _plans
+from kvcanary_jax.context import RealKvSource, VerifyOrWriteContext
+from kvcanary_jax.contracts import Contract, SameDevice, TensorMeta, meta_of
+
+__all__ = [
+    "Declaration",
+    "VP_FIELDS",
+    "WP_FIELDS",
+    "platform_of",
+    "impl_for",
+    "rebuild",
+    "fields_of",
+    "context_from",
+    "dense",
+    "pitched",
+    "offsets_arg",
+    "source_statics",
+    "ctx_for_checks",
+    "same_device",
+    "check_distinct_outputs",
+    "required_of",
+    "ctx_tensors",
+    "ctx_args",
+    "source_args",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Declaration:
+    """One launcher (see :mod:`kvcanary_jax.bridge.declarations`). Every callable takes the
+    call's keyword arguments (and the tensors dict that ``tensors`` returned)."""
+
+    name: str
+    anchor: str  # the tensor whose device the call runs on
+    outputs: tuple[str, ...]  # in-place outputs that must not share memory (checked per address)
+    tensors: Callable[[dict], dict]
+    statics: Callable[[dict], tuple]
+    validate: Callable[[dict, dict], None]
+    skip: Callable[[dict, dict], bool]
+    check_values: Callable[[dict, dict], None]
+    # (kwargs, tensors) -> (args, static, results): ``results`` names the arguments the
+    # function's outputs update (the launcher binds both by name, once per signature).
+    arguments: Callable[..., tuple]
+    fn: Callable  # fn(named arrays, **static) -> {argument name: its new value}
+    # Tensors this call writes besides ``outputs`` (the step's expected-token pool when it
+    # scatters): they must not share memory with any input either.
+    also_written: Callable[[dict], tuple] = lambda kw: ()
+
+
+# --------------------------------------------------------------------------------------------
+# Shared pieces
+
+# Field names read off the package's pytrees: a field declared there is bound by its name.
+VP_FIELDS = tuple(f.name for f in dataclasses.fields(_plans.VerifyPlan))
+WP_FIELDS = tuple(f.name for f in dataclasses.fields(_plans.WritePlan))
+# Every array field of the context (each op hands over those it reads: ``array_fields(op)``).
+_CTX_FIELDS = tuple(dict.fromkeys(VerifyOrWriteContext.array_fields("verify")
+                                  + VerifyOrWriteContext.array_fields("write")))
+
+
+def platform_of(t) -> str:
+    """The JAX platform whose default implementation runs the op for tensor ``t``'s device
+    (the launcher replaces it by the DLPack path's device platform, or "cuda" on the direct
+    path, whose functions must lower to Pallas Triton kernels)."""
+    return "cuda" if t.device.type == "cuda" else "cpu"
+
+
+def impl_for(op: str, platform: str) -> str:
+    return default_implementation(op, platform)
+
+
+# Binding by name: each argument's name is its path in the op's pytrees (a context field,
+# ``plan.<field>``, ``real_kv_sources[i].tensor``, a token array's name), and each output comes
+# back under the name of the argument it updates.
+
+def rebuild(cls, named: dict, prefix: str = ""):
+    """The pytree ``cls`` from the arrays bound as ``prefix + field`` (None where no argument
+    holds a field: an optional array left out, or a field the op does not read)."""
+    return cls(**{f.name: named.get(prefix + f.name) for f in dataclasses.fields(cls)})
+
+
+def fields_of(obj, names, prefix: str = "") -> dict:
+    return {prefix + k: getattr(obj, k) for k in names}
+
+
+def context_from(named: dict, *, op: str, kind: int, mode: int, sources: tuple):
+    """The op's :class:`~kvcanary_jax.context.VerifyOrWriteContext` from the arrays bound by
+    name; ``sources``: the static :class:`~kvcanary_jax.context.RealKvSource` s whose tensors
+    are bound as ``real_kv_sources[i].tensor``."""
+    return VerifyOrWriteContext(
+        **{k: named.get(k) for k in _CTX_FIELDS}, kernel_kind=kind, real_kv_hash_mode=mode,
+        real_kv_sources=tuple(dataclasses.replace(s, tensor=named[f"real_kv_sources[{i}].tensor"])
+                              for i, s in enumerate(sources)))
+
+
+def dense(name, t, *, out=False, shape=None, clamp=None) -> Arg:
+    return Arg(name=name, shape=tuple(t.shape) if shape is None else shape, dtype=t.dtype,
+               out=out, clamp=clamp)
+
+
+def pitched(name, t, *, out, check_fits: bool) -> Arg:
+    """A 2-D view with packed rows, as its base ``[rows, stride(0)]`` from its first element.
+    ``check_fits``: the op reads the base's full rows (not only the view's columns), so the base
+    must lie inside the storage (checked on every call: it depends on the storage offset)."""
+    rows, cols = int(t.shape[0]), int(t.shape[1])
+    pitch = int(t.stride(0)) if rows > 1 else max(cols, int(t.stride(0)))
+    if t.is_contiguous() or rows == 0:
+        pitch = cols
+    elif t.stride(1) != 1 or pitch < cols:
+        raise BridgeError(
+            f"kv-canary bridge: {name} is a strided view (shape={tuple(t.shape)}, "
+            f"strides={tuple(t.stride())}) the kernels cannot address (they step rows by "
+            f"stride(0) over packed columns); pass {name}.contiguous() and copy the result back"
+        )
+    return Arg(name=name, shape=(rows, pitch), dtype=t.dtype, layout="pitched", out=out,
+               cols=cols, whole_rows=check_fits)
+
+
+def _source_arg(i, s) -> tuple[Arg, RealKvSource]:
+    """A real-KV source as the bytes its kernels read, from the view's first element, and its
+    static description: the view as uint8 rows (row stride, row count), with its tensor bound
+    by name when the function runs."""
+    t = s.tensor
+    item = t.element_size()
+    rows = int(t.shape[0])
+    stride_bytes = int(t.stride(0)) * item
+    need = 0 if rows == 0 else (rows - 1) * stride_bytes + int(s.page_size) * int(
+        s.num_bytes_per_token)
+    name = f"real_kv_sources[{i}].tensor"
+    view = TensorMeta(shape=(rows, int(t.shape[1]) * item), dtype="uint8",
+                      strides=(stride_bytes, 1), device=None, framework="torch")
+    static = RealKvSource(tensor=None, page_size=int(s.page_size),
+                          num_bytes_per_token=int(s.num_bytes_per_token),
+                          read_bytes=int(s.read_bytes), view=view)
+    return Arg(name=name, shape=(max(need, 8),), dtype=torch.uint8, layout="bytes"), static
+
+
+def source_statics(context) -> tuple:
+    return tuple((int(s.page_size), int(s.num_bytes_per_token), int(s.read_bytes))
+                 for s in context.real_kv_sources)
+
+
+def ctx_for_checks(context):
+    """SGLang's context as the ops' contracts read it: the package's context over the torch
+    tensors, each source as its tensor and the torch view's metadata."""
+    return VerifyOrWriteContext(
+        **{k: getattr(context, k, None) for k in _CTX_FIELDS}, kernel_kind=context.kernel_kind,
+        real_kv_hash_mode=context.real_kv_hash_mode,
+        real_kv_sources=tuple(types.SimpleNamespace(tensor=s.tensor, meta=meta_of(s.tensor))
+                              for s in context.real_kv_sources))
+
+
+def same_device(op, anchor, tensors: dict):
+    present = {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+    Contract(op=op, checks=(SameDevice(anchor, tuple(present)),)).validate(present)
+
+
+def check_distinct_outputs(outputs: dict) -> None:
+    """Two in-place outputs sharing memory cannot both be donated (and SGLang's kernels would
+    race on them): refuse, naming both."""
+    spans = []
+    for name, t in outputs.items():
+        if t is None or t.numel() == 0:
+            continue
+        lo = t.data_ptr()
+        last = (t.shape[0] - 1) * t.stride(0) + (t[0].numel() if t.dim() > 1 else 1)
+        hi = lo + last * t.element_size()
+        for other, (a, b) in spans:
+            if lo < b and a < hi and t.device == outputs[other].device:
+                raise BridgeError(
+                    f"kv-canary bridge: {name} and {other} share memory; in-place outputs must "
+                    "be distinct tensors"
+                )
+        spans.append((name, (lo, hi)))
+
+
+def offsets_arg(name, t, n: int, b: int) -> Arg:
+    """Offsets indexing a token array of true length ``n`` lowered at bucket ``b``: clamped to
+    ``min(offsets, n)`` per call where ``b > n``, so every range loses exactly its indices at or
+    past ``n``, which the ops never read (see :mod:`kvcanary_jax.buckets`)."""
+    return dense(name, t, clamp=n if b != n else None)
+
+
+# --------------------------------------------------------------------------------------------
+# The context's tensors
+
+_SOURCE_NAMES = tuple(f"real_kv_sources[{i}].tensor" for i in range(8))
+# The context fields each op reads (the context's declaration says), looked up once; a field
+# declared with a default may be missing from the caller's context (read as None, not handed
+# over).
+_CTX_READ = {op: VerifyOrWriteContext.array_fields(op) for op in ("verify", "write")}
+_CTX_OPTIONAL = VerifyOrWriteContext.optional_fields()
+# Per op: (required fields, optional fields), split once so a call reads each without a test.
+_CTX_SPLIT = {op: (tuple(k for k in f if k not in _CTX_OPTIONAL),
+                   tuple(k for k in f if k in _CTX_OPTIONAL)) for op, f in _CTX_READ.items()}
+
+
+def required_of(ts: dict) -> dict:
+    """The tensors a launcher requires: all but the optional context fields left absent."""
+    return {k: v for k, v in ts.items() if v is not None or k not in _CTX_OPTIONAL}
+
+
+def ctx_tensors(context, op: str) -> dict:
+    required, optional = _CTX_SPLIT[op]
+    out = {k: getattr(context, k) for k in required}
+    if optional:
+        out.update({k: getattr(context, k, None) for k in optional})
+    sources = context.real_kv_sources
+    if sources:
+        # More than MAX_REAL_KV_SOURCES is refused by the contract, named like the others.
+        out.update({(_SOURCE_NAMES[i] if i < 8 else f"real_kv_sources[{i}].tensor"): s.tensor
+                    for i, s in enumerate(sources)})
+    return out
+
+
+def ctx_args(ts, op: str, outputs: tuple[str, ...]) -> list[Arg]:
+    return [dense(k, ts[k], out=k in outputs) for k in _CTX_READ[op] if ts[k] is not None]
+
+
+def source_args(context):
+    pairs = [_source_arg(i, s) for i, s in enumerate(context.real_kv_sources)]
+    return [a for a, _ in pairs], tuple(s for _, s in pairs)
