@@ -36,11 +36,22 @@ def installed_modules(root: pathlib.Path = ROOT) -> dict[str, pathlib.Path]:
     dirs = setup.get("package-dir", {})
     modules = {}
     for package in setup["packages"]:
-        where = root / dirs.get(package, package.replace(".", "/"))
+        where = root / _package_dir(package, dirs)
         for path in sorted(where.glob("*.py")):
             name = package if path.stem == "__init__" else f"{package}.{path.stem}"
             modules[name] = path
     return modules
+
+
+def _package_dir(package: str, dirs: dict[str, str]) -> str:
+    """Where setuptools finds ``package``: the ``package-dir`` entry of its longest listed prefix
+    (``kvcanary_jax.bridge.declarations`` -> ``bridge/declarations``), else its dotted path."""
+    parts = package.split(".")
+    for n in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:n])
+        if prefix in dirs:
+            return "/".join([dirs[prefix], *parts[n:]])
+    return package.replace(".", "/")
 
 
 def _is_type_checking(test: ast.expr) -> bool:
