@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import sys
@@ -43,6 +44,7 @@ import kvcanary_jax as kc
 from kvcanary_jax import runtime as rt
 
 TOPOLOGIES = ("v5e:2x2", "v6e:2x2")  # --topology also takes e.g. v5p:2x2x1, v4:2x2x1
+LIBTPU = "libtpu"  # the module jax[tpu] installs: libtpu's compiler
 SLOTS = 1 << 20  # the serving canary: 1M slots
 KV_BYTES_PER_TOKEN = 256  # one K strip per slot (a head of 128 bf16)
 TPU = "pallas_mosaic_tpu"
@@ -303,24 +305,37 @@ def _fmt(row: dict) -> str:
             f"accessed {row['bytes_accessed'] / 2**20:9.1f} MiB")
 
 
+def libtpu_missing() -> str | None:
+    """None where libtpu is installed, else the one line saying what to install."""
+    if importlib.util.find_spec(LIBTPU) is not None:
+        return None
+    return ("kv-canary tpu_compile: compiling for TPU topologies needs libtpu, which is not "
+            f'installed: pip install "jax[tpu]=={jax.__version__}"')
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--topology", default=",".join(TOPOLOGIES))
     ap.add_argument("--case", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--implementation", default=TPU,
+                    choices=kc.implementations_available(platform="tpu"),
                     help="what the cases compile (default pallas_mosaic_tpu; xla for comparison)")
     ap.add_argument("--xla-step", action="store_true",
                     help="also compile the step with implementation='xla' (minutes)")
     ap.add_argument("--out", default="", help="write the rows as JSON here")
     args = ap.parse_args(argv)
-    if jax.default_backend() != "cpu":
-        print("note: compiling ahead of time; JAX_PLATFORMS=cpu is the tested setup",
-              file=sys.stderr)
     wanted = {c.strip() for c in args.case.split(",") if c.strip()}
     cases = [c for c in CASES if not wanted or c.name in wanted]
     unknown = wanted - {c.name for c in CASES}
     if unknown:
         ap.error(f"unknown case(s) {sorted(unknown)}; known: {[c.name for c in CASES]}")
+    missing = libtpu_missing()
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
+    if jax.default_backend() != "cpu":
+        print("note: compiling ahead of time; JAX_PLATFORMS=cpu is the tested setup",
+              file=sys.stderr)
     rows = []
     for topology in args.topology.split(","):
         plan = [(c, args.implementation) for c in cases]

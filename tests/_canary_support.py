@@ -7,8 +7,8 @@ is built, so the case builders and our side also serve runs without torch.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -176,16 +176,25 @@ def run_write(sgl, st: State, *, offsets, seeds, num_valid, ids, pos, ocl, asser
         return None, state_of(tctx)
     with jax.enable_x64(True):
         out = canary_write(
-            context=jax_context(st, **ctx_kw),
-            plan=WritePlan(write_offsets=_i64(offsets), write_seed_slot_indices=_i64(seeds),
-                           write_num_valid_reqs=jnp.asarray([num_valid], jnp.int32)),
-            input_ids=_i64(ids), positions=_i64(pos), out_cache_loc=_i64(ocl),
-            enable_write_input_assert=assert_on,
-            expected_input_tokens=None if etok is None else _i64(etok),
-            expected_input_positions=None if epos is None else _i64(epos),
+            **jax_write_args(st, offsets=offsets, seeds=seeds, num_valid=num_valid, ids=ids,
+                             pos=pos, ocl=ocl, assert_on=assert_on, etok=etok, epos=epos,
+                             **ctx_kw),
             **({} if jnp_reference else dict(implementation=implementation, config=config)),
         )
     return state_of(out), (state_of(tctx) if reference else None)
+
+
+def jax_write_args(st: State, *, offsets, seeds, num_valid, ids, pos, ocl, assert_on=False,
+                   etok=None, epos=None, **ctx_kw) -> dict:
+    """``canary_write``'s keyword arguments for a case (call under ``jax.enable_x64(True)``)."""
+    return dict(
+        context=jax_context(st, **ctx_kw),
+        plan=WritePlan(write_offsets=_i64(offsets), write_seed_slot_indices=_i64(seeds),
+                       write_num_valid_reqs=jnp.asarray([num_valid], jnp.int32)),
+        input_ids=_i64(ids), positions=_i64(pos), out_cache_loc=_i64(ocl),
+        enable_write_input_assert=assert_on,
+        expected_input_tokens=None if etok is None else _i64(etok),
+        expected_input_positions=None if epos is None else _i64(epos))
 
 
 def run_verify(sgl, st: State, *, slots, etok, epos, prev, num_valid, enable=1, check_token=True,
@@ -218,16 +227,47 @@ def run_verify(sgl, st: State, *, slots, etok, epos, prev, num_valid, enable=1, 
         return None, state_of(tctx)
     with jax.enable_x64(True):
         out = canary_verify(
-            context=jax_context(st, **ctx_kw),
-            plan=VerifyPlan(
-                verify_slot_indices=_i64(slots), verify_expected_tokens=_i64(etok),
-                verify_expected_positions=_i64(epos), verify_prev_slot_indices=_i64(prev),
-                verify_num_valid=jnp.asarray([num_valid], jnp.int32),
-                enable=jnp.asarray([enable], jnp.int32)),
-            check_verify_expected_token=check_token,
+            **jax_verify_args(st, slots=slots, etok=etok, epos=epos, prev=prev,
+                              num_valid=num_valid, enable=enable, check_token=check_token,
+                              **ctx_kw),
             **({} if jnp_reference else dict(implementation=implementation, config=config)),
         )
     return state_of(out), (state_of(tctx) if reference else None)
+
+
+def jax_verify_args(st: State, *, slots, etok, epos, prev, num_valid, enable=1, check_token=True,
+                    **ctx_kw) -> dict:
+    """``canary_verify``'s keyword arguments for a case (call under ``jax.enable_x64(True)``)."""
+    return dict(
+        context=jax_context(st, **ctx_kw),
+        plan=VerifyPlan(
+            verify_slot_indices=_i64(slots), verify_expected_tokens=_i64(etok),
+            verify_expected_positions=_i64(epos), verify_prev_slot_indices=_i64(prev),
+            verify_num_valid=jnp.asarray([num_valid], jnp.int32),
+            enable=jnp.asarray([enable], jnp.int32)),
+        check_verify_expected_token=check_token)
+
+
+def triton_config(op: str, st: State, config=None, **kw):
+    """The ``pallas_triton`` launch config that ``op`` (``"write"`` or ``"verify"``) runs for a
+    case (``kw``: :func:`run_write` / :func:`run_verify`'s case arguments) given ``config``:
+    ``config`` itself, else the tuned table's entry of this machine's device kind, else the
+    heuristics, resolved by the op's own code."""
+    api = importlib.import_module(f"kvcanary_jax.ops.{op}.api")
+    base = importlib.import_module(f"kvcanary_jax.ops.{op}.base")
+    with jax.enable_x64(True):
+        if op == "write":
+            args = jax_write_args(st, **kw)
+            tokens = base.WriteTokens(
+                input_ids=args["input_ids"], positions=args["positions"],
+                out_cache_loc=args["out_cache_loc"],
+                expected_input_tokens=args["expected_input_tokens"],
+                expected_input_positions=args["expected_input_positions"])
+            shapes = base.shapes(args["context"], args["plan"], tokens)
+        else:
+            args = jax_verify_args(st, **kw)
+            shapes = base.shapes(args["context"], args["plan"])
+    return api.OP.config("pallas_triton", shapes, config)
 
 
 def new_rows(before: State, after: State) -> list[tuple]:
@@ -248,45 +288,32 @@ def widened(st: State, extra: int) -> State:
     return w
 
 
-def assert_same(ours: State, ref: State, before: State, *, ordered=False, uncapped=None):
-    """Equal canary, counters and write index, every ring row the launch did not write untouched,
-    and the launch's rows: equal in order (``ordered``), else equal as a multiset (the kernel's
-    order across programs is atomic-dependent).
-
-    ``uncapped`` (the reference's result on a ring too large to overflow) is for a launch that
-    overflowed the ring with rows of several concurrent programs: which rows land in the ring
-    is then the atomics' order, so ours must be as many rows as the reference kept, drawn from
-    the launch's full set (a sub-multiset of it)."""
+def assert_same(ours: State, ref: State, before: State):
+    """Equal canary, counters, write index and ring, rows in the same order: the comparison of
+    an implementation that keeps request and entry order. (``before`` names the launch's rows in
+    the message.) A GPU's results, whose programs race, go through :mod:`_races` and
+    :mod:`_write_races` instead."""
     np.testing.assert_array_equal(ours.canary, ref.canary)
     assert (ours.widx, ours.sctr, ours.kctr) == (ref.widx, ref.sctr, ref.kctr)
-    lo, hi = min(before.widx, len(ref.ring)), min(ref.widx, len(ref.ring))
-    np.testing.assert_array_equal(ours.ring[:lo], ref.ring[:lo])
-    np.testing.assert_array_equal(ours.ring[hi:], ref.ring[hi:])
-    a, b = new_rows(before, ours), new_rows(before, ref)
-    if uncapped is not None:
-        assert uncapped.widx == ref.widx
-        full = collections.Counter(new_rows(before, uncapped))
-        assert len(full) and len(a) == len(b)
-        assert not collections.Counter(a) - full, (a, full)
-    elif ordered:
-        assert a == b
+    if not np.array_equal(ours.ring, ref.ring):
+        row = int(np.argwhere((ours.ring != ref.ring).any(axis=1))[0][0])
+        raise AssertionError(f"ring row {row} (the launch's rows start at {before.widx}): "
+                             f"{ours.ring[row].tolist()} != {ref.ring[row].tolist()}")
+
+
+def check_verify(sgl, st: State, *, implementation, config=None, **kw):
+    """:func:`run_verify` with SGLang's reference and ours, compared: exactly where the
+    implementation keeps entry order; on the GPU (``pallas_triton``), whose blocks claim ring rows
+    concurrently, as an outcome of the claims in some order
+    (:func:`_races.assert_verify_outcome`), which SGLang's result must be too."""
+    ours, ref = run_verify(sgl, st, implementation=implementation, config=config, **kw)
+    if _impls.in_reference_order(implementation):
+        assert_same(ours, ref, st)
     else:
-        assert collections.Counter(a) == collections.Counter(b), (a, b)
+        import _races  # it builds on this module
 
-
-def check_verify(sgl, st: State, *, implementation, ordered=False, **kw):
-    """:func:`run_verify` and :func:`assert_same` (rows in order when ``ordered`` and the
-    implementation keeps the reference's order). Where programs run concurrently
-    (``pallas_triton``), which rows land in a ring that overflows is the atomics' order: such a
-    launch is compared as a draw from the reference's full set of rows (its run on a ring with
-    room for every entry)."""
-    ours, ref = run_verify(sgl, st, implementation=implementation, **kw)
-    uncapped = None
-    if implementation == "pallas_triton" and rows_dropped(st, ref):
-        room = max(st.widx - len(st.ring), 0) + len(kw["slots"])  # from the write index on
-        _, uncapped = run_verify(sgl, widened(st, room), ours=False, **kw)
-    ordered = ordered and implementation != "pallas_triton"
-    assert_same(ours, ref, st, ordered=ordered and uncapped is None, uncapped=uncapped)
+        claims = _races.assert_verify_outcome(ours, st, config=config, **kw)
+        _races.assert_verify_outcome(ref, st, claims=claims, **kw)
     return ours, ref
 
 
@@ -416,25 +443,11 @@ def guarded(before: State, full: State, w0: int) -> State:
     return out
 
 
-def assert_guarded(ours: State, before: State, full: State, w0: int, *, ordered: bool) -> None:
-    """``ours`` (a launch from ``before``, whose write index is ``w0``) against :func:`guarded`.
-    Where programs claim ring rows concurrently (not ``ordered``) and the ring fills, which of the
-    launch's rows land is the atomics' order: every row from ``w0`` to the capacity is then
-    written, each one of the reference's rows (a sub-multiset of ``full``'s), and nothing below
-    ``w0`` changes."""
-    want = guarded(before, full, w0)
-    cap = len(before.ring)
-    if ordered or w0 < 0 or w0 + full.widx <= cap:
-        assert_same(ours, want, before, ordered=ordered)
-        return
-    np.testing.assert_array_equal(ours.canary, want.canary)
-    assert (ours.widx, ours.sctr, ours.kctr) == (want.widx, want.sctr, want.kctr)
-    lo = min(w0, cap)
-    np.testing.assert_array_equal(ours.ring[:lo], before.ring[:lo])
+def assert_guarded(ours: State, before: State, full: State, w0: int) -> None:
+    """``ours`` (a launch from ``before``, whose write index is ``w0``) equals :func:`guarded`
+    (an implementation that keeps request and entry order)."""
     assert full.widx <= len(full.ring)  # a reference run that dropped no row
-    landed = collections.Counter(tuple(int(v) for v in r) for r in ours.ring[lo:])
-    assert not landed - collections.Counter(
-        tuple(int(v) for v in r) for r in full.ring[:full.widx]), landed
+    assert_same(ours, guarded(before, full, w0), before)
 
 
 def reference_trip_state(sgl, rng, trip) -> State:

@@ -102,13 +102,14 @@ def _put_sources(case, sources):
         case[f"src{j}"] = s.u8
 
 
-def _get_sources(case):
+def case_sources(case):
+    """A case's real-KV sources (``_canary_support.Src``)."""
     return [support.Src(case[f"src{j}"].copy(), d["page_size"], d["nbpt"], d["read_bytes"],
                         d["dtype"], d["pad"]) for j, d in enumerate(case["meta"]["sources"])]
 
 
 _WRITE_ARRAYS = ("offsets", "seeds", "ids", "pos", "ocl", "etok", "epos")
-_VERIFY_ARRAYS = ("slots", "etok", "epos", "prev")
+VERIFY_ARRAYS = ("slots", "etok", "epos", "prev")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,7 +197,7 @@ def _verify_cases(sgl):
                                         check_token=trip.check_token, ours=False)
             case = {"meta": {"mode": mode, "check_token": trip.check_token,
                              "num_valid": plan["num_valid"]}}
-            case.update({k: plan[k] for k in _VERIFY_ARRAYS})
+            case.update({k: plan[k] for k in VERIFY_ARRAYS})
             _put_state(case, "in.", st)
             _put_state(case, "out.", ref)
             _put_sources(case, trip.sources)
@@ -247,13 +248,13 @@ def run(op: str, case: dict, implementation: str) -> tuple[dict, dict]:
                            vl=case.get("vl"), k=m["k"])
         want = {k.removeprefix("out."): v for k, v in case.items() if k.startswith("out.")}
         return test_plan.run_ours(c, implementation), want
-    sources = _get_sources(case)
+    sources = case_sources(case)
     st = state(case, "in.")
     if op == "write":
         got, _ = support.run_write(None, st, **write_launch(case), sources=sources, mode=m["mode"],
                                    reference=False, implementation=implementation)
     else:
-        got, _ = support.run_verify(None, st, **{k: case[k] for k in _VERIFY_ARRAYS},
+        got, _ = support.run_verify(None, st, **{k: case[k] for k in VERIFY_ARRAYS},
                                     num_valid=m["num_valid"], check_token=m["check_token"],
                                     sources=sources, mode=m["mode"], reference=False,
                                     implementation=implementation)

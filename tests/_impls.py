@@ -86,7 +86,8 @@ def pallas(op: str) -> tuple[str, ...]:
 
 
 def in_reference_order(implementation: str) -> bool:
-    """Whether ring rows come in the reference's order (else: as a multiset, GPU atomics)."""
+    """Whether results are the reference's exactly, ring order included (else: the GPU, whose
+    racing programs are compared by :mod:`_races` and :mod:`_write_races`)."""
     return implementation != "pallas_triton"
 
 

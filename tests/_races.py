@@ -1,33 +1,39 @@
-"""What a launch may give where its requests race, and checks that accept exactly that.
+"""What a launch may give where its programs race, and checks that accept exactly that.
 
-Programs of one launch run in no promised order on a GPU (``pallas_triton``, and SGLang's own
-kernels alike). Two requests that target one pool row (scatter), or one KV slot (write), race on
-what they share; a request whose seed slot another request writes may read it before or after
-that store; rows of several requests land in the violation ring in the order their atomics ran.
-The sequential implementations (the references, ``xla``, ``pallas_interpret``,
-``pallas_mosaic_tpu``) resolve every race in request order, which is one of the outcomes below.
+On a GPU (``pallas_triton``, and SGLang's own kernels alike) the programs of one launch run
+concurrently in no promised order, and their plain loads and stores are weak ones (the PTX memory
+model: each word coherent, no order across words without a fence). The sequential
+implementations (the references, ``xla``, ``pallas_interpret``, ``pallas_mosaic_tpu``) resolve
+every race in request order, which is one of the outcomes below, and are compared exactly.
 
-The checks here are exact everywhere a race cannot reach, and accept, where one can, exactly
-the values some order of stores gives:
+What the kernels do, and the outcomes that follow (each check here is exact where a race cannot
+reach, and accepts where one can exactly these outcomes):
 
-* scatter (:func:`assert_scatter_outcome`): a cell that two or more requests write holds one of
-  its writers' values; every other cell is exact (the request's value, or untouched).
-* write (:func:`assert_write_outcome`): each request is run alone, in order, by the jnp
-  reference (within a request everything is sequential). A request's seed reads as the
-  pre-launch row or as any row another request stores at that slot; an outcome is a choice of
-  one seed per request. For some outcome: a slot that two or more requests write holds, field by
-  field, one writer's last store there; every other slot, the trailing bytes past the 32 canary
-  bytes, the counters and the write index are exact; the ring rows are the outcome's rows as a
-  multiset (in order where one request recorded them all), and where the ring overflows, the
-  rows that land are drawn from them.
+* scatter (:func:`assert_scatter_outcome`): each cell is one 32-bit store, so a cell that two or
+  more requests write holds one of its writers' values; every other cell is exact.
+* ring rows, write and verify (:func:`ring_mismatch`): a program reserves the violation rows of
+  one block (a write request's tokens ``Config.block`` at a time; ``Config.block`` verify
+  entries) with ONE atomic claim on the write index (``_kernel_lib.claim_rows``) and writes them
+  at the claim plus their rank, in entry order. The claims of one program follow its program
+  order (one word: coherence); those of different programs land in any order. So the launch's
+  rows are its claims concatenated in some interleaving of the programs' claim sequences: each
+  claim's rows contiguous and in entry order, no claim split. Under the ring guard (from write
+  index ``w0 >= 0``) the rows below the capacity land: the first ``capacity - w0`` rows of that
+  sequence, the claim that crosses the end landing its first rows; the index becomes ``min(w0 +
+  n, 2**31 - 1)``; from ``w0 < 0`` nothing lands and the index stays.
+* verify (:func:`assert_verify_outcome`): an entry only reads the canary, so every row and
+  counter is the reference's; only the ring order is open: the claims are the blocks of
+  ``pallas_triton.launch_grid`` (program ``p`` claims blocks ``p, p + P, ...`` in that order).
+* write: :mod:`_write_races` (seed reads, slots two requests write, and the ring as above).
 """
 
 from __future__ import annotations
 
-import collections
-import itertools
+import dataclasses
 
 import numpy as np
+
+from kvcanary_jax import consts
 
 import _canary_support as support
 
@@ -101,207 +107,135 @@ def apply_scatter(before, writes, order):
 
 
 # ---------------------------------------------------------------------------------------------
-# write
+# the violation ring: claims in some order
 
 
-def _token_range(launch, r, num_tokens):
-    """Request ``r``'s token indices as the op walks them (its own clamped range)."""
-    capacity = len(launch["seeds"])
-    active = min(max(int(launch["num_valid"]), 0), capacity)
-    if r >= active:
-        return range(0)
-    start, end = int(launch["offsets"][r]), int(launch["offsets"][r + 1])
-    lo = min(max(start, 0), num_tokens)
-    return range(lo, max(min(max(end, 0), num_tokens), lo))
+def as_rows(rows) -> tuple:
+    """Ring rows as tuples of ints (comparable, hashable)."""
+    return tuple(tuple(int(v) for v in r) for r in rows)
 
 
-def _stores(launch, r, num_slots):
-    """``[(token index, slot)]`` that request ``r`` stores, in order."""
-    ocl = launch["ocl"]
-    return [(i, int(ocl[i])) for i in _token_range(launch, r, len(ocl))
-            if 0 <= int(ocl[i]) < num_slots]
-
-
-def _alone(launch, r, end=None):
-    """``launch`` with only request ``r``'s tokens (through token ``end`` when given): the other
-    requests' ranges are emptied, so the op walks request ``r`` alone."""
-    offsets = np.asarray(launch["offsets"], np.int64)
-    start = int(offsets[r])
-    stop = int(offsets[r + 1]) if end is None else end
-    alone = np.empty_like(offsets)
-    alone[:r + 1] = start
-    alone[r + 1:] = stop
-    out = dict(launch)
-    out["offsets"] = alone
-    return out
-
-
-class WriteOutcomes:
-    """Each request of a write launch run alone from ``before`` by the jnp reference, for each
-    candidate row of its seed slot (cached)."""
-
-    def __init__(self, before: support.State, launch: dict, sources, mode):
-        self.before, self.launch, self.sources, self.mode = before, launch, sources, mode
-        self.num_slots = before.canary.shape[0]
-        self.capacity = len(launch["seeds"])
-        self._runs = {}
-
-    def _start(self, r, seed_row):
-        st = self.before.copy()
-        st.widx = 0
-        st = support.widened(st, 4 * len(self.launch["ocl"]) + 8)
-        st.ring[:] = 0
-        seed = int(self.launch["seeds"][r])
-        if seed_row is not None:
-            st.canary_i64[seed, :4] = seed_row
-        return st
-
-    def run(self, r, seed_row, end=None) -> support.State:
-        key = (r, None if seed_row is None else tuple(int(v) for v in seed_row), end)
-        if key not in self._runs:
-            ours, _ = support.run_write(None, self._start(r, seed_row),
-                                        **_alone(self.launch, r, end),
-                                        sources=self.sources, mode=self.mode, reference=False,
-                                        jnp_reference=True)
-            self._runs[key] = ours
-        return self._runs[key]
-
-    def seed_slot(self, r):
-        s = int(self.launch["seeds"][r])
-        return s if 0 <= s < self.num_slots else None
-
-    def rows_stored_at(self, k, seed_row, slot):
-        """Every row request ``k`` (seeded with ``seed_row``) stores at ``slot``, in order."""
-        at = [i for i, s in _stores(self.launch, k, self.num_slots) if s == slot]
-        return [tuple(int(v) for v in self.run(k, seed_row, end=i + 1).canary_i64[slot, :4])
-                for i in at]
-
-    def seed_candidates(self):
-        """Per request: the rows its seed may read. The pre-launch row, and every row another
-        request stores there, under any seed that request may itself have read first: a seed
-        read comes before the request's own stores, so no chain of reads and stores leads back
-        to the request (each request at most once along a chain)."""
-        return {r: self._candidates(r, frozenset()) for r in range(self.capacity)}
-
-    def _candidates(self, r, banned):
-        key = ("candidates", r, banned)
-        if key not in self._runs:
-            self._runs[key] = self._candidates_uncached(r, banned)
-        return self._runs[key]
-
-    def _candidates_uncached(self, r, banned):
-        slot = self.seed_slot(r)
-        if slot is None:
-            return [None]
-        rows = [tuple(int(v) for v in self.before.canary_i64[slot, :4])]
-        if not _token_range(self.launch, r, len(self.launch["ocl"])):
-            return rows  # a seed that nothing uses
-        for k in range(self.capacity):
-            if k == r or k in banned:
-                continue
-            for c in self._candidates(k, banned | {r}):
-                for row in self.rows_stored_at(k, c, slot):
-                    if row not in rows:
-                        rows.append(row)
-        return rows
-
-
-def _mismatch_write(ours: support.State, before: support.State, outcomes: WriteOutcomes, choice):
-    """Why ``ours`` is not the outcome of seed choice ``choice`` (None when it is)."""
-    launch, n_slots = outcomes.launch, outcomes.num_slots
-    runs = [outcomes.run(r, choice[r]) for r in range(outcomes.capacity)]
-    # Canary: per slot, the last store of each writer; fields 0..3 each one writer's.
-    last = collections.defaultdict(dict)
-    for r in range(outcomes.capacity):
-        for _, slot in _stores(launch, r, n_slots):
-            last[slot][r] = runs[r].canary_i64[slot, :4]
-    got = ours.canary_i64[:, :4]
-    ok = np.ones(got.shape, bool)
-    for slot, by in last.items():
-        ok[slot] = (np.stack(list(by.values())) == got[slot]).any(axis=0)
-    untouched = [s for s in range(n_slots) if s not in last]
-    if not np.array_equal(got[untouched], before.canary_i64[untouched, :4]):
-        return "a slot no request writes changed"
-    if not ok.all():
-        slot, field = (int(x) for x in np.argwhere(~ok)[0])
-        return (f"slot {slot} field {field} = {int(got[slot, field])} is none of its writers' "
-                f"({sorted(last[slot])}) last stores")
-    if not np.array_equal(ours.canary[:, 32:], before.canary[:, 32:]):
-        return "bytes past the 32 canary bytes changed"
-    # Counters are the same in every order.
-    stores = sum(len(_stores(launch, r, n_slots)) for r in range(outcomes.capacity))
-    if (ours.sctr, ours.kctr) != (before.sctr + stores, before.kctr + 1):
-        return f"counters {(ours.sctr, ours.kctr)} != {(before.sctr + stores, before.kctr + 1)}"
-    # Ring: every request's rows, under the ring guard.
-    per_request = [support.new_rows(support.State.zeros(1, 1), run) for run in runs]
-    rows = [row for rs in per_request for row in rs]
+def ring_mismatch(ours: support.State, before: support.State, programs) -> str | None:
+    """Why the write index and ring of ``ours`` (a launch from ``before``) are not what the
+    launch gives when its programs claim rows as ``programs`` says (None when they are):
+    ``programs`` holds, per program, its claims in order, each a sequence of rows in entry order
+    (module docstring)."""
+    programs = [[as_rows(c) for c in claims if len(c)] for claims in programs]
+    programs = [p for p in programs if p]
+    total = sum(len(c) for p in programs for c in p)
     w0, cap = before.widx, len(before.ring)
     if w0 < 0:
-        want_widx, lo, hi = w0, cap, cap
+        want, lo, hi = w0, cap, cap
     else:
-        want_widx = min(w0 + len(rows), 2**31 - 1)
-        lo, hi = min(w0, cap), min(w0 + len(rows), cap)
-    if ours.widx != want_widx:
-        return f"write index {ours.widx} != {want_widx}"
+        want = min(w0 + total, consts.VIOLATION_WRITE_INDEX_MAX)
+        lo, hi = min(w0, cap), min(w0 + total, cap)
+    if ours.widx != want:
+        return f"write index {ours.widx} != {want} ({total} rows from {w0})"
     if not (np.array_equal(ours.ring[:lo], before.ring[:lo])
             and np.array_equal(ours.ring[hi:], before.ring[hi:])):
-        return "ring rows outside the launch's window changed"
-    window = [tuple(int(v) for v in row) for row in ours.ring[lo:hi]]
-    if w0 >= 0 and w0 + len(rows) <= cap:
-        if collections.Counter(window) != collections.Counter(rows):
-            return f"ring rows {window} != the outcome's {rows}"
-    else:
-        if collections.Counter(window) - collections.Counter(rows):
-            return f"ring rows {window} not drawn from the outcome's {rows}"
-    owners = [rs for rs in per_request if rs]
-    if len(owners) == 1 and window != owners[0][:len(window)]:
-        return "one request's rows out of order"
+        return f"ring rows outside the launch's window [{lo}, {hi}) changed"
+    window = as_rows(ours.ring[lo:hi])
+    if not _claims_fill(window, programs):
+        return (f"ring rows {list(window)} are no interleaving of the programs' claims "
+                f"{programs} (each claim contiguous, each program's in order)")
     return None
 
 
-def assert_write_outcome(ours: support.State, before: support.State, launch: dict, sources, mode):
-    """``ours`` (a write launch from ``before``) is an outcome some order of the launch's
-    requests gives (module docstring); raises AssertionError naming what differs."""
-    outcomes = WriteOutcomes(before, launch, sources, mode)
-    cands = outcomes.seed_candidates()
-    choices = list(itertools.product(*(cands[r] for r in range(outcomes.capacity))))
-    assert len(choices) <= 4096, f"{len(choices)} seed choices"
-    first = None
-    for choice in choices:
-        why = _mismatch_write(ours, before, outcomes, choice)
-        if why is None:
-            return len(choices)
-        first = first or why
-    raise AssertionError(f"no order of the requests gives this result ({len(choices)} seed "
-                         f"choices tried); first: {first}")
+def _claims_fill(window: tuple, programs: list) -> bool:
+    """Whether ``window`` is the start of some interleaving of ``programs``' claim sequences
+    (each claim whole, the last one possibly cut by the window's end). A search over how many
+    claims of each program are placed; programs with the same claims are interchangeable, so a
+    state keeps their counts sorted."""
+    copies: dict = {}
+    for p in programs:
+        copies.setdefault(tuple(p), []).append(0)
+    seqs = list(copies)
+    end = len(window)
+    failed = set()
+
+    def fill(state, at):
+        if at >= end:
+            return True
+        if state in failed:
+            return False
+        for k, done in enumerate(state):
+            seq = seqs[k]
+            for j, n in enumerate(done):
+                if n == len(seq) or (j and done[j - 1] == n):
+                    continue  # finished, or the same as the copy before it
+                claim = seq[n]
+                cut = min(len(claim), end - at)
+                if window[at:at + cut] != claim[:cut]:
+                    continue
+                moved = tuple(sorted(done[:j] + (n + 1,) + done[j + 1:]))
+                if fill(state[:k] + (moved,) + state[k + 1:], at + cut):
+                    return True
+        failed.add(state)
+        return False
+
+    return fill(tuple(tuple(v) for v in copies.values()), 0)
 
 
-def write_races(before: support.State, launch: dict) -> int:
-    """How many races a write launch draws: slots stored by two or more requests, plus seeds
-    another request stores."""
-    n_slots = before.canary.shape[0]
-    cap = len(launch["seeds"])
-    writers = collections.defaultdict(set)
-    for r in range(cap):
-        for _, s in _stores(launch, r, n_slots):
-            writers[s].add(r)
-    races = sum(len(w) > 1 for w in writers.values())
-    for r in range(cap):
-        s = int(launch["seeds"][r])
-        used = bool(_token_range(launch, r, len(launch["ocl"])))
-        races += used and bool(writers.get(s, set()) - {r})
-    return races
+# ---------------------------------------------------------------------------------------------
+# verify
 
 
-def apply_write_in_order(before: support.State, launch: dict, sources, mode,
-                         order) -> support.State:
-    """The state after the requests of ``launch`` run one after another in ``order`` (each
-    alone, by the jnp reference), rows appended under the ring guard: one outcome a GPU may
-    give."""
-    st = before.copy()
-    for r in order:
-        st, _ = support.run_write(None, st, **_alone(launch, r), sources=sources, mode=mode,
-                                  reference=False, jnp_reference=True)
-        st.kctr -= 1  # one launch bumps the kernel counter once
-    st.kctr += 1
-    return st
+@dataclasses.dataclass(frozen=True)
+class VerifyClaims:
+    """A verify launch's result from write index 0 on a ring with room for every row (the jnp
+    reference, ``full``) and its rows as ``pallas_triton``'s programs claim them (``programs``:
+    per program its blocks' rows, in its order)."""
+
+    full: support.State
+    programs: list
+
+
+def verify_claims(before: support.State, *, config=None, **kw) -> VerifyClaims:
+    """:class:`VerifyClaims` of a verify case (``kw``: :func:`_canary_support.run_verify`'s case
+    arguments) launched with ``config`` (None: the op's choice on this machine). A block's rows
+    are the reference's rows of its entries: the difference of two runs cut at its ends."""
+    from kvcanary_jax.ops.verify import pallas_triton
+
+    capacity = len(kw["slots"])
+    grid = pallas_triton.launch_grid(capacity, support.triton_config("verify", before, config,
+                                                                     **kw))
+    active = min(max(int(kw["num_valid"]), 0), capacity) if kw.get("enable", 1) else 0
+    start = support.State(before.canary.copy(), np.zeros((capacity + 1, 8), np.int64), 0,
+                          before.sctr, before.kctr)
+
+    def rows_before(entry):
+        cut = dict(kw, num_valid=entry)
+        out, _ = support.run_verify(None, start, **cut, reference=False, jnp_reference=True)
+        return out
+
+    full = rows_before(kw["num_valid"])
+    rows = support.new_rows(start, full)
+    blocks = -(-active // grid.block)
+    ends = [0] + [rows_before(b * grid.block).widx for b in range(1, blocks)] + [len(rows)]
+    claims = [rows[ends[b]:ends[b + 1]] for b in range(blocks)]
+    return VerifyClaims(full=full, programs=[claims[p::grid.num_programs]
+                                             for p in range(grid.num_programs)])
+
+
+def verify_mismatch(ours: support.State, before: support.State, claims: VerifyClaims
+                    ) -> str | None:
+    """Why ``ours`` (a verify launch from ``before``) is no outcome of the launch (None when it
+    is one): the canary untouched, the counters the reference's, the ring as the blocks' claims
+    in some order (module docstring)."""
+    if not np.array_equal(ours.canary, before.canary):
+        return "the canary changed"
+    want = (claims.full.sctr, claims.full.kctr)
+    if (ours.sctr, ours.kctr) != want:
+        return f"counters {(ours.sctr, ours.kctr)} != {want}"
+    return ring_mismatch(ours, before, claims.programs)
+
+
+def assert_verify_outcome(ours: support.State, before: support.State, *, config=None,
+                          claims: VerifyClaims | None = None, **kw) -> VerifyClaims:
+    """``ours`` is an outcome of the verify case ``kw`` launched from ``before`` with ``config``
+    on ``pallas_triton`` (module docstring); returns the case's claims (pass them back as
+    ``claims`` to check another result of the same case)."""
+    claims = claims or verify_claims(before, config=config, **kw)
+    why = verify_mismatch(ours, before, claims)
+    assert why is None, f"no order of the verify's claims gives this result: {why}"
+    return claims

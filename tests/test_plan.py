@@ -835,25 +835,30 @@ def _hostile(rng, c: Case) -> Case:
     return dataclasses.replace(c, rpi=rpi, prefix=prefix, extend=extend, rtt=rtt, vl=vl)
 
 
+def _draw_hostile_case(rng, bucket) -> tuple[Case, bool]:
+    """A case of ``bucket``, made hostile 4 times in 10: (the case, whether it is hostile)."""
+    c = gen_case(rng, bucket)
+    hostile = rng.random() < 0.4
+    return (_hostile(rng, c) if hostile else c), hostile
+
+
 def _hostile_fuzz(sgl, buckets, n_cases, seed, implementation):
     """Clean cases against SGLang's reference; hostile ones against the jnp reference (SGLang's
     raises on them, or reads differently by design: the GPU's flat addressing past a row)."""
     rng = np.random.default_rng(seed)
-    n_hostile = 0
-    for i in _tier.cases("plan hostile fuzz", seed, n_cases):
-        c = gen_case(rng, buckets[i % len(buckets)])
-        hostile = rng.random() < 0.4
+    # Hostile and clean cases (a short run: the first of each, _tier.Coverage).
+    cover = _tier.Coverage("plan hostile fuzz", seed, n_cases, ("hostile", "clean"))
+    for i in cover.draws():
+        c, hostile = _draw_hostile_case(rng, buckets[i % len(buckets)])
+        if not cover.wants(hostile=hostile, clean=not hostile):
+            continue
         with _tier.case("plan hostile fuzz", seed, i, implementation=implementation,
                         hostile=hostile):
-            if hostile:
-                c = _hostile(rng, c)
-                n_hostile += 1
-                want = run_ours(c, reference=True)
-            else:
-                want = run_oracle(sgl, c)
+            want = run_ours(c, reference=True) if hostile else run_oracle(sgl, c)
             assert_same(run_ours(c, implementation), want, c)
-    if n_cases >= 10:
-        assert 0 < n_hostile < n_cases
+        cover.ran(hostile=hostile, clean=not hostile)
+    cover.check()
+    return cover.runs
 
 
 @pytest.mark.fuzz
@@ -865,6 +870,18 @@ def test_hostile_fuzz(sgl, impl, family):
         _hostile_fuzz(sgl, FAMILIES[family][:1], FUZZ_TPU_INTERPRETED, seed, impl)
     else:
         _hostile_fuzz(sgl, FAMILIES[family], FUZZ_PER_FAMILY, seed, impl)
+
+
+def test_short_hostile_fuzz_checks_its_coverage(sgl, monkeypatch):
+    """TPU interpret mode's short hostile fuzz (FUZZ_TPU_INTERPRETED cases of a family's first
+    bucket) runs the coverage check too: its cases cover every kind (xla standing in for the
+    interpreter here), and a stream that lacks a kind fails it."""
+    family = sorted(FAMILIES)[0]
+    seed = zlib.crc32(family.encode()) + 1
+    assert _hostile_fuzz(sgl, FAMILIES[family][:1], FUZZ_TPU_INTERPRETED, seed, "xla") == 2
+    monkeypatch.setitem(globals(), "_draw_hostile_case", lambda rng, b: (gen_case(rng, b), False))
+    with pytest.raises(AssertionError, match="no case of kind"):
+        _hostile_fuzz(sgl, FAMILIES[family][:1], FUZZ_TPU_INTERPRETED, seed, "xla")
 
 
 @pytest.mark.slow

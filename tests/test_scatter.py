@@ -556,9 +556,17 @@ def _hostile_fuzz(sgl, bucket, n_cases, seed, implementation):
 
     bs, n, rows, cols = FUZZ_BUCKETS[bucket]
     rng = np.random.default_rng(seed)
-    n_hostile = n_sglang = races = 0
-    for i in _tier.cases(f"scatter hostile fuzz, bucket {bucket}", seed, n_cases):
+    # The draw covers each kind of case (a short run: the cases that do, _tier.Coverage).
+    cover = _tier.Coverage(f"scatter hostile fuzz, bucket {bucket}", seed, n_cases,
+                           ("hostile", "clean", "sglang", "race"))
+    for i in cover.draws():
         hostile, flat, offsets, rpi, pool, max_cols = _hostile_case(rng, bs, n, rows, cols)
+        writes = _races.scatter_writes(flat, offsets, rpi, pool.shape, max_cols)
+        kinds = dict(hostile=hostile, clean=not hostile,
+                     sglang=_sglang_defined(flat, offsets, rpi, rows),
+                     race=_races.contested_cells(writes, pool.shape) > 0)
+        if not cover.wants(**kinds):
+            continue
         with _tier.case("scatter hostile fuzz", seed, i, bucket=bucket,
                         implementation=implementation, hostile=hostile, max_cols=max_cols):
             got = _ours(implementation, flat, offsets, rpi, pool, max_context_len=max_cols)
@@ -567,22 +575,18 @@ def _hostile_fuzz(sgl, bucket, n_cases, seed, implementation):
                     base.ScatterInputs(flat_in=jnp.asarray(flat), offsets=jnp.asarray(offsets),
                                        req_pool_indices=jnp.asarray(rpi),
                                        pool_out=jnp.asarray(pool)), max_cols=max_cols))
-            if _sglang_defined(flat, offsets, rpi, rows):
-                n_sglang += 1
+            if kinds["sglang"]:
                 w = cols if max_cols is None else max_cols
                 sg = pool.copy()
                 sg[:, :w] = oracle(sgl, flat, offsets, rpi, np.ascontiguousarray(pool[:, :w]))
                 np.testing.assert_array_equal(want, sg)
-            writes = _races.scatter_writes(flat, offsets, rpi, pool.shape, max_cols)
-            races += _races.contested_cells(writes, pool.shape) > 0
             _races.assert_scatter_outcome(got, pool, writes)
             if _impls.in_reference_order(implementation):
                 np.testing.assert_array_equal(got, want)
             assert (got[:GUARD] == MARK).all() and (got[-GUARD:] == MARK).all()
-        n_hostile += hostile
-    if n_cases >= 10:  # the draw covers each kind of case
-        assert 0 < n_hostile < n_cases and 0 < n_sglang and 0 < races
-    return n_cases
+        cover.ran(**kinds)
+    cover.check()
+    return cover.runs
 
 
 @pytest.mark.fuzz
@@ -591,6 +595,17 @@ def _hostile_fuzz(sgl, bucket, n_cases, seed, implementation):
 def test_hostile_fuzz(sgl, impl, bucket):
     n = FUZZ_TPU_INTERPRETED if _impls.tpu_interpreted(impl) else FUZZ_CASES
     _hostile_fuzz(sgl, bucket, n, 500 + bucket, impl)
+
+
+def test_short_hostile_fuzz_checks_its_coverage(sgl, monkeypatch):
+    """TPU interpret mode's short hostile fuzz (FUZZ_TPU_INTERPRETED cases) runs the coverage
+    check too: its cases cover every kind (xla standing in for the interpreter here), and a
+    stream that lacks a kind fails it."""
+    assert _hostile_fuzz(sgl, 0, FUZZ_TPU_INTERPRETED, 500, "xla") >= 2
+    drawn = _hostile_case
+    monkeypatch.setitem(globals(), "_hostile_case", lambda *a: (False, *drawn(*a)[1:]))
+    with pytest.raises(AssertionError, match="no case of kind"):
+        _hostile_fuzz(sgl, 0, FUZZ_TPU_INTERPRETED, 500, "xla")
 
 
 @pytest.mark.slow

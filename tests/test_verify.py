@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -16,8 +18,9 @@ from kvcanary_jax.plans import VerifyPlan
 
 import _canary_support as support
 import _impls
+import _races
 import _tier
-from _impls import implementations, lower, pallas, with_tpu
+from _impls import implementations, in_reference_order, lower, pallas, with_tpu
 
 ANCHOR = hashing.ANCHOR_HASH_I64
 IMPLS = implementations("verify")
@@ -69,13 +72,13 @@ def _entries(chain=CHAIN):
                 prev=[-1] + slots[:-1])
 
 
-def _check(sgl, st, impl, *, cap=None, num_valid=None, ordered=False, expect_rows=None, **kw):
+def _check(sgl, st, impl, *, cap=None, num_valid=None, expect_rows=None, **kw):
     e = {k: kw.pop(k) for k in ("slots", "etok", "epos", "prev")}
     n = len(e["slots"])
     plan = support.verify_plan(e["slots"], e["etok"], e["epos"], e["prev"], cap=cap or n)
     if num_valid is not None:
         plan["num_valid"] = num_valid
-    ours, ref = support.check_verify(sgl, st, implementation=impl, **plan, **kw, ordered=ordered)
+    ours, ref = support.check_verify(sgl, st, implementation=impl, **plan, **kw)
     if expect_rows is not None:
         assert ref.widx - st.widx == expect_rows
     return ours, ref
@@ -242,6 +245,7 @@ def test_many_blocks_grid_stride(sgl, structure, impl):
     plan = support.verify_plan(**e, cap=2048)
     plan["num_valid"] = 1400
     ours, ref = support.check_verify(sgl, st, implementation=impl, **plan, check_token=True)
+    tight_config = _launch(block=128, max_programs=3, **structure)
     with jax.enable_x64(True):
         tight = canary_verify(
             context=support.jax_context(st),
@@ -251,9 +255,12 @@ def test_many_blocks_grid_stride(sgl, structure, impl):
                     plan["etok"]), verify_expected_positions=support._i64(plan["epos"]),
                 verify_prev_slot_indices=support._i64(plan["prev"]),
                 verify_num_valid=jnp.array([1400], jnp.int32), enable=jnp.array([1], jnp.int32)),
-            check_verify_expected_token=True, implementation=impl,
-            config=_launch(block=128, max_programs=3, **structure))
-    support.assert_same(support.state_of(tight), ref, st)
+            check_verify_expected_token=True, implementation=impl, config=tight_config)
+    # Three programs take the blocks in turns: interpret mode runs them one after another, so
+    # its rows come program by program, one of the GPU's outcomes.
+    claims = _races.assert_verify_outcome(support.state_of(tight), st, config=tight_config,
+                                          **plan, check_token=True)
+    _races.assert_verify_outcome(ref, st, claims=claims, **plan, check_token=True)
 
 
 # --- round trips: write then verify, clean, per hash mode --------------------------------------
@@ -514,17 +521,15 @@ def test_round_trips_and_corruptions_against_jnp_reference(mode, impl):
         kind = KINDS[k % len(KINDS)]
         if any(trip.chains) and (trip.sources or kind != "real_kv_byte"):
             entries = corrupt(rng, kind, trip, st, entries) or entries
-        kw = dict(**support.verify_plan(*entries), sources=trip.sources, mode=mode,
-                  check_token=trip.check_token, reference=False)
-        want, _ = support.run_verify(None, st, jnp_reference=True, **kw)
-        got, _ = support.run_verify(None, st, implementation=impl, **kw)
-        uncapped = None
-        if impl == "pallas_triton" and support.rows_dropped(st, want):  # see support.check_verify
-            room = max(st.widx - len(st.ring), 0) + len(kw["slots"])
-            uncapped, _ = support.run_verify(None, support.widened(st, room), jnp_reference=True,
-                                             **kw)
-        support.assert_same(got, want, st, ordered=impl != "pallas_triton" and uncapped is None,
-                            uncapped=uncapped)
+        case = dict(**support.verify_plan(*entries), sources=trip.sources, mode=mode,
+                    check_token=trip.check_token)
+        want, _ = support.run_verify(None, st, jnp_reference=True, reference=False, **case)
+        got, _ = support.run_verify(None, st, implementation=impl, reference=False, **case)
+        if in_reference_order(impl):
+            support.assert_same(got, want, st)
+        else:
+            claims = _races.assert_verify_outcome(got, st, **case)
+            _races.assert_verify_outcome(want, st, claims=claims, **case)
 
 
 # --- the xla implementation: its launch configurations ----------------------------------------
@@ -554,7 +559,7 @@ def test_xla_blocks_and_branches(sgl, config):
         plan = support.verify_plan(**{k: v[:cap] for k, v in e.items()}, cap=cap)
         plan["num_valid"] = num_valid
         support.check_verify(sgl, st, implementation="xla", config=_xla_config(**config), **plan,
-                             check_token=True, ordered=True)
+                             check_token=True)
 
 
 # --- the pure-jnp references against SGLang's ---------------------------------------------------
@@ -574,7 +579,7 @@ def test_jnp_references_round_trips_and_corruptions(sgl, mode):
         ours, ref = support.run_verify(sgl, st, **support.verify_plan(*entries),
                                        sources=trip.sources,
                                        mode=mode, check_token=trip.check_token, jnp_reference=True)
-        support.assert_same(ours, ref, st, ordered=True)
+        support.assert_same(ours, ref, st)
 
 
 # --- every implementation: fuzz with hostile entries ---------------------------------------------
@@ -584,9 +589,9 @@ def test_jnp_references_round_trips_and_corruptions(sgl, mode):
 # where the ring guard acts (negative: nothing written; near 2**31 - 1: saturating). Expected:
 # the reference run from write index 0 on a ring with room for every row, placed by the ring
 # guard (support.guarded): SGLang's reference where it is defined, else the jnp reference
-# (SGLang raises on slots past the buffer). Rows come in the reference's order (pallas_triton: as
-# the atomics claim them, support.assert_guarded). pallas_mosaic_tpu runs in TPU interpret mode
-# off a TPU.
+# (SGLang raises on slots past the buffer). Rows come in the reference's order (pallas_triton: the
+# blocks' claims in the order the atomics ran, _races.assert_verify_outcome). pallas_mosaic_tpu
+# runs in TPU interpret mode off a TPU.
 # Every implementation runs FUZZ_CASES in CI; pallas_mosaic_tpu in TPU interpret mode its first
 # FUZZ_TPU_INTERPRETED (the long run with --tpu-long).
 FUZZ_CASES = _tier.n(48, 1000)  # --long: 1,000
@@ -594,7 +599,22 @@ FUZZ_TPU_INTERPRETED = _tier.n(2, 60)  # --tpu-long: 1,000
 LONG_CASES = 1000
 
 
-def _hostile_case(sgl, rng, k, implementation, ordered=None):
+@dataclasses.dataclass
+class HostileCase:
+    """A drawn hostile case: its start state, the verify's arguments (``kw``), the reference's
+    result from write index 0 on a ring with room for every row (``full``), the write index
+    ``w0`` it starts from, and its kinds (records rows, hostile or clean, overflows the ring)."""
+
+    start: support.State
+    kw: dict
+    full: support.State
+    w0: int
+    kinds: dict
+
+
+def _draw_hostile_case(sgl, rng, k) -> HostileCase:
+    """Hostile case ``k`` (above), its reference checked against SGLang's where that is
+    defined."""
     mode = k % 3
     trip = support.make_trip(rng, mode, (k // 3) % len(support.BUCKETS), contiguous=k % 2 == 1)
     st = support.reference_trip_state(sgl, rng, trip)
@@ -635,27 +655,46 @@ def _hostile_case(sgl, rng, k, implementation, ordered=None):
     except IndexError:
         assert hostile
     else:
-        support.assert_same(full, sg, wide, ordered=True)
+        support.assert_same(full, sg, wide)
     start = st.copy()
     start.widx = w0
     start.ring[:] = rng.integers(-9, 9, start.ring.shape)
-    ours, _ = support.run_verify(sgl, start, **kw, reference=False, implementation=implementation)
+    return HostileCase(start, kw, full, w0, dict(
+        rows=full.widx > 0, hostile=hostile, clean=not hostile,
+        overflow=w0 >= 0 and w0 + full.widx > len(start.ring)))
+
+
+def _run_hostile_case(sgl, h: HostileCase, implementation, ordered=None) -> None:
+    """``h`` run on ``implementation``: exactly the reference's under the ring guard
+    (``ordered``, by default where the implementation keeps entry order), or an outcome of the
+    GPU's blocks claiming their rows in some order."""
+    ours, _ = support.run_verify(sgl, h.start, **h.kw, reference=False,
+                                 implementation=implementation)
     if ordered is None:
         ordered = _impls.in_reference_order(implementation)
-    support.assert_guarded(ours, start, full, w0, ordered=ordered)
-    return full.widx, hostile, w0 >= 0 and w0 + full.widx > len(start.ring)
+    if ordered:
+        support.assert_guarded(ours, h.start, h.full, h.w0)
+    else:
+        claims = _races.assert_verify_outcome(ours, h.start, **h.kw)
+        # The entry order (the reference's, placed by the ring guard) is one of the outcomes.
+        _races.assert_verify_outcome(support.guarded(h.start, h.full, h.w0), h.start,
+                                     claims=claims, **h.kw)
 
 
 def _hostile_fuzz(sgl, n_cases, seed, implementation):
     rng = np.random.default_rng(seed)
-    rows = hostile = 0
-    for k in _tier.cases("verify hostile fuzz", seed, n_cases):
+    # Violations recorded (in a quarter of the cases at least), hostile and clean cases (a short
+    # run: the cases that cover them, _tier.Coverage).
+    cover = _tier.Coverage("verify hostile fuzz", seed, n_cases, ("rows", "hostile", "clean"))
+    for k in cover.draws():
         with _tier.case("verify hostile fuzz", seed, k, implementation=implementation):
-            r, h, _ = _hostile_case(sgl, rng, k, implementation)
-        rows += r > 0
-        hostile += h
-    if n_cases >= 10:
-        assert rows > n_cases // 4 and 0 < hostile < n_cases
+            h = _draw_hostile_case(sgl, rng, k)
+            if cover.wants(**h.kinds):
+                _run_hostile_case(sgl, h, implementation)
+                cover.ran(**h.kinds)
+    cover.check()
+    assert cover.counts["rows"] > cover.runs // 4
+    return cover.runs
 
 
 @pytest.mark.fuzz
@@ -666,15 +705,35 @@ def test_hostile_fuzz(sgl, impl):
 
 
 def test_gpu_ring_comparison_accepts_request_order(sgl):
-    """The GPU's ring comparison (rows as a multiset, and a draw from the launch's rows where the
-    ring overflows: support.assert_guarded's unordered branch) runs on the CPU too, over xla's
-    results on hostile launches: request order is one of the orders it must accept."""
+    """The GPU's comparison (:func:`_races.assert_verify_outcome`: the blocks' claims in some
+    order, the first rows landing where the ring overflows) runs on the CPU too, over xla's
+    results on hostile launches: entry order is one of the outcomes it must accept (the
+    impossible ones it must reject: tests/test_races.py)."""
     rng = np.random.default_rng(905)
     overflowed = 0
     for k in range(24):
         with _tier.case("verify ring comparison", 905, k):
-            overflowed += _hostile_case(sgl, rng, k, "xla", ordered=False)[2]
+            h = _draw_hostile_case(sgl, rng, k)
+            _run_hostile_case(sgl, h, "xla", ordered=False)
+        overflowed += h.kinds["overflow"]
     assert overflowed > 0
+
+
+def test_short_hostile_fuzz_checks_its_coverage(sgl, monkeypatch):
+    """TPU interpret mode's short hostile fuzz (FUZZ_TPU_INTERPRETED cases) runs the coverage
+    check too: its cases cover every kind (xla standing in for the interpreter here), and a
+    stream that lacks a kind fails it."""
+    assert _hostile_fuzz(sgl, FUZZ_TPU_INTERPRETED, 900, "xla") >= 2
+    drawn = _draw_hostile_case
+
+    def never_hostile(*a):
+        h = drawn(*a)
+        h.kinds.update(hostile=False, clean=True)
+        return h
+
+    monkeypatch.setitem(globals(), "_draw_hostile_case", never_hostile)
+    with pytest.raises(AssertionError, match="no case of kind"):
+        _hostile_fuzz(sgl, FUZZ_TPU_INTERPRETED, 900, "xla")
 
 
 @pytest.mark.slow
@@ -699,5 +758,5 @@ def test_tpu_long_runs_across_slabs_and_blocks(sgl):
     ours, _ = support.run_verify(sgl, st, **plan, check_token=True, reference=False,
                                  implementation=_impls.TPU,
                                  config=_impls.config("verify", _impls.TPU, block=512))
-    support.assert_same(ours, ref, st, ordered=True)
+    support.assert_same(ours, ref, st)
     assert ref.widx >= 9

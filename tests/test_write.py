@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -15,7 +17,7 @@ from kvcanary_jax.plans import WritePlan
 
 import _canary_support as support
 import _impls
-import _races
+import _write_races
 import _tier
 from _impls import implementations, in_reference_order, lower, pallas, with_tpu
 
@@ -30,16 +32,28 @@ def impl(request):
     return request.param
 
 
-def _w(sgl, st, impl, *, offsets, ids, pos, ocl, seeds=None, num_valid=None, ordered=False,
-       **kw):
+def _w(sgl, st, impl, *, offsets, ids, pos, ocl, seeds=None, num_valid=None, config=None,
+       sources=(), mode=0, **kw):
     n = len(offsets) - 1
-    seeds = [-1] * n if seeds is None else seeds
-    num_valid = n if num_valid is None else num_valid
-    ours, ref = support.run_write(sgl, st, offsets=offsets, seeds=seeds, num_valid=num_valid,
-                                  ids=ids, pos=pos, ocl=ocl, implementation=impl, **kw)
-    # One request is one program: its rows keep entry order on every implementation.
-    support.assert_same(ours, ref, st, ordered=ordered)
+    launch = dict(offsets=offsets, seeds=[-1] * n if seeds is None else seeds,
+                  num_valid=n if num_valid is None else num_valid, ids=ids, pos=pos, ocl=ocl,
+                  **kw)
+    ours, ref = support.run_write(sgl, st, **launch, sources=sources, mode=mode,
+                                  implementation=impl, config=config)
+    _assert_write(ours, ref, st, impl, launch, sources, mode, config)
     return ours, ref
+
+
+def _assert_write(ours, ref, st, impl, launch, sources, mode, config=None):
+    """``ours`` against SGLang's ``ref``: exact where the implementation keeps request order;
+    on the GPU, where requests race, as an outcome some execution of the launch gives
+    (:func:`_write_races.assert_write_outcome`: exact wherever no race reaches), which SGLang's
+    must be too."""
+    if in_reference_order(impl):
+        support.assert_same(ours, ref, st)
+    else:
+        _write_races.assert_write_outcome(ours, st, launch, sources, mode, config=config)
+        _write_races.assert_write_outcome(ref, st, launch, sources, mode, config=config)
 
 
 # --- the spec's write cases, rebuilt; expectations from the reference --------------------------
@@ -63,19 +77,19 @@ def _seeded_state():
 @pytest.mark.parametrize("positions,cpa", [([3, 4], 1), ([4, 5], 1), ([4, 5], 0), ([3, 3], 1)])
 def test_continue_from_seed_and_chain_position_assert(sgl, positions, cpa, impl):
     _w(sgl, _seeded_state(), impl, offsets=[0, 2], seeds=[3], ids=[5, 6], pos=positions, ocl=[4, 5],
-       cpa=cpa, ordered=True)
+       cpa=cpa)
 
 
 def test_write_input_assert_mismatches(sgl, impl):
     st = _seeded_state()
     _, ref = _w(sgl, st, impl, offsets=[0, 3], seeds=[3], ids=[5, 6, 7], pos=[3, 4, 9], ocl=[4, 5, 6],
-                assert_on=True, etok=[9, 6, 8], epos=[3, 5, 7], ordered=True)
+                assert_on=True, etok=[9, 6, 8], epos=[3, 5, 7])
     assert [int(r[7]) for r in ref.ring[:ref.widx]] == [8, 16, 24, 16]
 
 
 def test_skip_negative_slots(sgl, impl):
     _w(sgl, _seeded_state(), impl, offsets=[0, 4], seeds=[3], ids=[5, 6, 7, 8], pos=[3, 99, 4, 5],
-       ocl=[4, -1, 5, -7], ordered=True)
+       ocl=[4, -1, 5, -7])
 
 
 def test_multi_request_with_padding_and_capacity(sgl, impl):
@@ -137,10 +151,9 @@ def test_real_kv_hash_of_bytes_0_to_15_is_the_hand_checked_value(sgl, impl):
 
 def test_ring_overflow(sgl, impl):
     _w(sgl, _seeded_state().copy(), impl, offsets=[0, 3], seeds=[3], ids=[5, 6, 7], pos=[9, 9, 9],
-       ocl=[4, 5, 6], ordered=True)
+       ocl=[4, 5, 6])
     st = support.State.zeros(8, 1)
-    _, ref = _w(sgl, st, impl, offsets=[0, 3], seeds=[0], ids=[5, 6, 7], pos=[5, 9, 9], ocl=[4, 5, 6],
-                ordered=True)
+    _, ref = _w(sgl, st, impl, offsets=[0, 3], seeds=[0], ids=[5, 6, 7], pos=[5, 9, 9], ocl=[4, 5, 6])
     assert ref.widx == 3
 
 
@@ -153,7 +166,7 @@ def test_no_valid_requests_only_bumps_kernel_counter(sgl, num_valid, impl):
 
 def test_seed_slot_zero_is_a_real_seed(sgl, impl):
     _w(sgl, support.State.zeros(8, 2), impl, offsets=[0, 2], seeds=[0], ids=[1, 2], pos=[0, 1],
-       ocl=[1, 2], ordered=True)
+       ocl=[1, 2])
 
 
 def test_wide_slot_stride_keeps_trailing_bytes(sgl, impl):
@@ -178,7 +191,7 @@ def test_repeated_slots_within_a_request_last_write_wins(sgl, impl):
     ocl = rng.integers(1, 40, n)
     ocl[rng.random(n) < 0.1] = -1
     _w(sgl, support.State.zeros(64, 8), impl, offsets=[0, n], seeds=[5], ids=rng.integers(0, 9, n),
-       pos=np.arange(n) + rng.integers(0, 2, n), ocl=ocl, ordered=True)
+       pos=np.arange(n) + rng.integers(0, 2, n), ocl=ocl)
 
 
 @pytest.mark.parametrize("impl", pallas("write"))
@@ -189,20 +202,20 @@ def test_repeated_slots_with_four_warps(sgl, impl):
     n = LONG + 9
     ocl = rng.integers(1, 24, n)
     _w(sgl, support.State.zeros(32, 8), impl, offsets=[0, n], seeds=[3], ids=rng.integers(0, 9, n),
-       pos=np.arange(n), ocl=ocl, ordered=True, config=_launch(num_warps=4))
+       pos=np.arange(n), ocl=ocl, config=_launch(num_warps=4))
 
 
 def test_request_rewrites_its_own_seed(sgl, impl):
     st = _seeded_state()
-    _w(sgl, st, impl, offsets=[0, 3], seeds=[3], ids=[5, 6, 7], pos=[3, 4, 5], ocl=[4, 3, 6],
-       ordered=True)
+    _w(sgl, st, impl, offsets=[0, 3], seeds=[3], ids=[5, 6, 7], pos=[3, 4, 5], ocl=[4, 3, 6])
 
 
 @pytest.mark.parametrize("impl", pallas("write"))
 def test_small_blocks_remainders_and_violations_in_later_blocks(sgl, impl):
     """Block 8, unroll 3: requests of 0, 1, 2, 3, 7, 8, 9 and 29 tokens cover the peeled first
     block, full and remainder trips, several blocks, and violation rows recorded from any block
-    (each request is one program, so within it the rows keep entry order)."""
+    (each request is one program: its blocks claim their rows in token order, each block's rows
+    in entry order)."""
     rng = np.random.default_rng(9)
     lens = [0, 1, 2, 3, 7, 8, 9, 29]
     n = sum(lens)
@@ -215,11 +228,10 @@ def test_small_blocks_remainders_and_violations_in_later_blocks(sgl, impl):
     ocl = np.concatenate([32 * r + 1 + rng.integers(0, 12, k) for r, k in enumerate(lens)])
     ocl[rng.random(n) < 0.1] = -1
     ids = rng.integers(0, 9, n)
-    ours, ref = support.run_write(
-        sgl, st, offsets=offsets, seeds=[32 * r for r in range(len(lens))], num_valid=len(lens),
-        ids=ids, pos=pos, ocl=ocl, assert_on=True, etok=np.where(rng.random(n) < 0.2, 0, ids),
-        epos=pos, implementation=impl, config=_launch(block=8, unroll=3))
-    support.assert_same(ours, ref, st, ordered=in_reference_order(impl))
+    ours, ref = _w(sgl, st, impl, offsets=offsets, seeds=[32 * r for r in range(len(lens))],
+                   ids=ids, pos=pos, ocl=ocl, assert_on=True,
+                   etok=np.where(rng.random(n) < 0.2, 0, ids), epos=pos,
+                   config=_launch(block=8, unroll=3))
     assert ref.widx > 10
 
 
@@ -235,7 +247,7 @@ def test_long_chain(sgl, impl):
     n = 4096
     _w(sgl, support.State.zeros(n + 1, 8), impl, offsets=[0, n], seeds=[-1],
        ids=rng.integers(0, 9, n), pos=np.arange(n), ocl=rng.permutation(np.arange(1, n + 1)),
-       sources=[_src(rng, n + 1, 2, 32, 32)], mode=2, ordered=True)
+       sources=[_src(rng, n + 1, 2, 32, 32)], mode=2)
 
 
 # --- fuzz: random launches with violations, against the reference --------------------------------
@@ -303,15 +315,10 @@ def random_launch(rng, st, assert_on, kind=2, hazards=False):
 
 
 def _check_launch(sgl, st, launch, sources, mode, impl):
-    """Ours against SGLang's reference: exact (ring order included) when the implementation
-    keeps request order; on the GPU, where requests race, as one of the outcomes some order of
-    the requests gives (:func:`_races.assert_write_outcome`: exact wherever no race reaches)."""
+    """Ours against SGLang's reference (:func:`_assert_write`); returns SGLang's result."""
     ours, ref = support.run_write(sgl, st, **launch, sources=sources, mode=mode,
                                   implementation=impl)
-    if in_reference_order(impl):
-        support.assert_same(ours, ref, st, ordered=True)
-    else:
-        _races.assert_write_outcome(ours, st, launch, sources, mode)
+    _assert_write(ours, ref, st, impl, launch, sources, mode)
     return ref
 
 
@@ -346,8 +353,8 @@ def test_write_fuzz(sgl, bucket, impl):
 @pytest.mark.fuzz
 def test_write_fuzz_against_jnp_reference(impl):
     """Every implementation against the pure-jnp reference (no SGLang needed), cross-request
-    hazards included: exact where the implementation keeps request order, else as one of the
-    outcomes some order of the requests gives."""
+    hazards included: exact where the implementation keeps request order, else as an outcome
+    some execution of the racing requests gives (:mod:`_write_races`)."""
     rng = np.random.default_rng(800)
     count = _tier.n(2, 160) if _impls.tpu_interpreted(impl) else _tier.n(20, 160)
     for k in _tier.cases("write vs jnp reference", 800, count):
@@ -364,9 +371,9 @@ def test_write_fuzz_against_jnp_reference(impl):
             if in_reference_order(impl):
                 want, _ = support.run_write(None, st, **launch, sources=sources, mode=mode,
                                             reference=False, jnp_reference=True)
-                support.assert_same(got, want, st, ordered=True)
+                support.assert_same(got, want, st)
             else:
-                _races.assert_write_outcome(got, st, launch, sources, mode)
+                _write_races.assert_write_outcome(got, st, launch, sources, mode)
 
 
 # --- the xla implementation: windows of requests, cross-request order ----------------------------
@@ -400,7 +407,7 @@ def test_xla_windows_and_hazards(sgl, config):
         ours, ref = support.run_write(sgl, st, **launch,
                                       sources=support.bucket_sources(rng, layout),
                                       mode=mode, implementation="xla", config=_xla_config(**config))
-        support.assert_same(ours, ref, st, ordered=True)
+        support.assert_same(ours, ref, st)
 
 
 @pytest.mark.parametrize("config", XLA_CONFIGS[:2])
@@ -412,7 +419,7 @@ def test_xla_seeds_written_earlier_in_the_launch(sgl, config):
     st.canary_i64[:, :3] = np.random.default_rng(5).integers(-9, 9, (16, 3))
     _, ref = _w(sgl, st, "xla", offsets=[0, 5, 8, 10, 12], seeds=[2, 3, 7, 11], num_valid=4,
                 ids=np.arange(12) + 100, pos=[0, 1, 2, 3, 4, 4, 5, 6, 7, 8, 9, 10],
-                ocl=[1, 3, 4, 5, 3, 6, 7, 8, 9, 11, 12, 7], ordered=True,
+                ocl=[1, 3, 4, 5, 3, 6, 7, 8, 9, 11, 12, 7],
                 config=_xla_config(**config))
     assert ref.widx > 0
 
@@ -437,23 +444,24 @@ def _racy_launch(rng, bucket):
 @pytest.mark.fuzz
 def test_cross_request_races_give_one_order(sgl, impl):
     """The write's races, drawn on purpose (slots every request writes, seeds other requests
-    store): the result is an outcome of some order of the requests (each slot, field by field,
-    one writer's last store; each seed read before or after another request's store; the ring
-    rows as a multiset), exact wherever no race reaches; SGLang's request order is one of them,
-    and the implementations that keep request order give it exactly."""
+    store): the result is an outcome of some execution of the racing requests (each slot, field
+    by field, one writer's last store; each seed field read from the pre-launch word or another
+    request's store; the blocks' ring claims in some order; :mod:`_write_races`), exact wherever
+    no race reaches; SGLang's request order is one of them, and the implementations that keep
+    request order give it exactly."""
     rng = np.random.default_rng(31)
     count = _tier.n(1, 2) if _impls.tpu_interpreted(impl) else 8
     races = 0
     for i in range(count):
         st, launch, sources, mode = _racy_launch(rng, i % len(WRITE_BUCKETS))
-        races += _races.write_races(st, launch)
+        races += _write_races.write_races(st, launch)
         with _tier.case("write races", 31, i, implementation=impl):
             ours, ref = support.run_write(sgl, st, **launch, sources=sources, mode=mode,
                                           implementation=impl)
-            _races.assert_write_outcome(ref, st, launch, sources, mode)
-            _races.assert_write_outcome(ours, st, launch, sources, mode)
+            _write_races.assert_write_outcome(ref, st, launch, sources, mode)
+            _write_races.assert_write_outcome(ours, st, launch, sources, mode)
             if in_reference_order(impl):
-                support.assert_same(ours, ref, st, ordered=True)
+                support.assert_same(ours, ref, st)
     assert races >= 2 * count
 
 
@@ -466,13 +474,13 @@ def test_write_race_check_accepts_every_order_and_nothing_else(sgl):
     checked = 0
     while checked < 4:
         st, launch, sources, mode = _racy_launch(rng, checked % len(WRITE_BUCKETS))
-        results = [_races.apply_write_in_order(st, launch, sources, mode, order)
+        results = [_write_races.apply_write_in_order(st, launch, sources, mode, order)
                    for order in itertools.permutations(range(support.REQ_CAP))]
         if all(np.array_equal(r.canary, results[0].canary) for r in results):
             continue  # no order-dependent result here
         checked += 1
         for r in results[::5]:
-            _races.assert_write_outcome(r, st, launch, sources, mode)
+            _write_races.assert_write_outcome(r, st, launch, sources, mode)
         good = results[-1]
         slot = int(np.argwhere((good.canary != st.canary).any(axis=1))[0][0])
         for corrupt in ("canary", "ring", "widx", "sctr"):
@@ -486,7 +494,7 @@ def test_write_race_check_accepts_every_order_and_nothing_else(sgl):
             else:
                 setattr(bad, corrupt, getattr(bad, corrupt) + 1)
             with pytest.raises(AssertionError):
-                _races.assert_write_outcome(bad, st, launch, sources, mode)
+                _write_races.assert_write_outcome(bad, st, launch, sources, mode)
 
 
 @pytest.mark.fuzz
@@ -510,7 +518,7 @@ def test_xla_overlapping_and_unsorted_ranges_match_the_sequential_reference(sgl)
             got, _ = support.run_write(sgl, st, **launch, sources=sources, mode=mode,
                                        reference=False,
                                        implementation="xla", config=_xla_config(**config))
-            support.assert_same(got, want, st, ordered=True)
+            support.assert_same(got, want, st)
 
 
 # --- out-of-range indices (documented choices; never an out-of-bounds access) ------------------
@@ -774,7 +782,7 @@ def test_jnp_reference_write_fuzz(sgl):
         ours, ref = support.run_write(sgl, st, **launch,
                                       sources=support.bucket_sources(rng, layout),
                                       mode=mode, jnp_reference=True)
-        support.assert_same(ours, ref, st, ordered=True)
+        support.assert_same(ours, ref, st)
 
 
 def test_source_addressing_errors():
@@ -823,9 +831,9 @@ def test_source_addressing_errors():
 # decreasing, request counts past the capacity; and write indices where the ring guard acts.
 # Expected: the reference run from write index 0 on a ring with room for every row, placed by the
 # ring guard (support.guarded): SGLang's reference where it is defined, else the jnp reference
-# (SGLang raises on slots past the buffer). Exact, ring order included (pallas_triton: as the
-# atomics claim rows, support.assert_guarded). pallas_mosaic_tpu runs in TPU interpret mode off a
-# TPU.
+# (SGLang raises on slots past the buffer). Exact, ring order included (support.assert_guarded;
+# pallas_triton: an outcome of some execution of the racing requests, _write_races).
+# pallas_mosaic_tpu runs in TPU interpret mode off a TPU.
 # Every implementation runs FUZZ_CASES a bucket in CI; pallas_mosaic_tpu in TPU interpret mode
 # its first FUZZ_TPU_INTERPRETED (the long run with --tpu-long).
 FUZZ_CASES = _tier.n(12, 250)  # per bucket (--long: 250)
@@ -833,7 +841,24 @@ FUZZ_TPU_INTERPRETED = _tier.n(1, 15)  # per bucket (--tpu-long: 250)
 LONG_CASES = 250
 
 
-def _hostile_launch(sgl, rng, bucket, implementation, aux=None):
+@dataclasses.dataclass
+class HostileLaunch:
+    """A drawn hostile launch: its start state, launch, sources and hash mode, the reference's
+    result from write index 0 on a ring with room for every row (``full``), the write index
+    ``w0`` it starts from, and its kinds (records rows, hostile or clean, draws races)."""
+
+    start: support.State
+    launch: dict
+    sources: list
+    mode: int
+    full: support.State
+    w0: int
+    kinds: dict
+
+
+def _draw_hostile_launch(sgl, rng, bucket, aux=None) -> HostileLaunch:
+    """A hostile launch (above), its reference checked against SGLang's where that is
+    defined."""
     stride, assert_on, mode, layout = WRITE_BUCKETS[bucket]
     st = support.State.zeros(support.NUM_SLOTS, support.RING_CAP, stride)
     st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape, dtype=np.int64)
@@ -875,17 +900,30 @@ def _hostile_launch(sgl, rng, bucket, implementation, aux=None):
                                 jnp_reference=True)
     if _sglang_defined(launch):
         _, sg = support.run_write(sgl, wide, **launch, sources=sources, mode=mode, ours=False)
-        support.assert_same(full, sg, wide, ordered=True)
+        support.assert_same(full, sg, wide)
     start = st.copy()
     start.widx = w0
     start.ring[:] = rng.integers(-9, 9, start.ring.shape)
-    ours, _ = support.run_write(sgl, start, **launch, sources=sources, mode=mode, reference=False,
-                                implementation=implementation)
-    if _impls.in_reference_order(implementation):
-        support.assert_guarded(ours, start, full, w0, ordered=True)
+    return HostileLaunch(start, launch, sources, mode, full, w0, dict(
+        rows=full.widx > 0, hostile=hostile, clean=not hostile,
+        race=_write_races.write_races(start, launch) > 0))
+
+
+def _run_hostile_launch(sgl, h: HostileLaunch, implementation, ordered=None) -> None:
+    """``h`` run on ``implementation``: exactly the reference's under the ring guard
+    (``ordered``, by default where the implementation keeps request order), or an outcome of
+    the GPU's racing requests."""
+    ours, _ = support.run_write(sgl, h.start, **h.launch, sources=h.sources, mode=h.mode,
+                                reference=False, implementation=implementation)
+    if ordered is None:
+        ordered = _impls.in_reference_order(implementation)
+    if ordered:
+        support.assert_guarded(ours, h.start, h.full, h.w0)
     else:
-        _races.assert_write_outcome(ours, start, launch, sources, mode)
-    return full.widx, hostile, _races.write_races(start, launch)
+        _write_races.assert_write_outcome(ours, h.start, h.launch, h.sources, h.mode)
+        # Request order (the reference's, placed by the ring guard) is one of the outcomes.
+        _write_races.assert_write_outcome(support.guarded(h.start, h.full, h.w0), h.start,
+                                          h.launch, h.sources, h.mode)
 
 
 def _sglang_defined(launch) -> bool:
@@ -900,21 +938,25 @@ def _sglang_defined(launch) -> bool:
 
 def _hostile_fuzz(sgl, bucket, n_cases, seed, implementation):
     """Hostile launches (above) from any write index: ours against the reference under the ring
-    guard, exact where the implementation keeps request order; elsewhere (the GPU) as one
-    outcome of some order of the requests (:mod:`_races`), the races drawn on purpose. The
-    reference is the jnp one, checked against SGLang's wherever SGLang's is defined. (The race
-    check accepts the sequential result too: test_cross_request_races_give_one_order.)"""
+    guard, exact where the implementation keeps request order; elsewhere (the GPU) as an
+    outcome of some execution of the racing requests (:mod:`_write_races`), the races drawn on
+    purpose. The reference is the jnp one, checked against SGLang's wherever SGLang's is
+    defined. (The race check accepts the sequential result too:
+    test_cross_request_races_give_one_order.)"""
     rng, aux = np.random.default_rng(seed), np.random.default_rng(seed + 10_000)
-    rows = hostile = races = 0
-    for i in _tier.cases(f"write hostile fuzz, bucket {bucket}", seed, n_cases):
+    # Violations recorded, hostile and clean cases, races drawn (a short run: the cases that
+    # cover them, _tier.Coverage).
+    cover = _tier.Coverage(f"write hostile fuzz, bucket {bucket}", seed, n_cases,
+                           ("rows", "hostile", "clean", "race"))
+    for i in cover.draws():
         with _tier.case("write hostile fuzz", seed, i, bucket=bucket,
                         implementation=implementation):
-            r, h, x = _hostile_launch(sgl, rng, bucket, implementation, aux)
-        rows += r > 0
-        hostile += h
-        races += x > 0
-    if n_cases >= 10:  # violations recorded; hostile and clean cases; races drawn
-        assert rows > 0 and 0 < hostile < n_cases and races > 0
+            h = _draw_hostile_launch(sgl, rng, bucket, aux)
+            if cover.wants(**h.kinds):
+                _run_hostile_launch(sgl, h, implementation)
+                cover.ran(**h.kinds)
+    cover.check()
+    return cover.runs
 
 
 @pytest.mark.fuzz
@@ -923,6 +965,37 @@ def _hostile_fuzz(sgl, bucket, n_cases, seed, implementation):
 def test_hostile_fuzz(sgl, impl, bucket):
     n = FUZZ_TPU_INTERPRETED if _impls.tpu_interpreted(impl) else FUZZ_CASES
     _hostile_fuzz(sgl, bucket, n, 700 + bucket, impl)
+
+
+def test_gpu_comparison_accepts_request_order(sgl):
+    """The GPU's comparison (:func:`_write_races.assert_write_outcome`) runs on the CPU too,
+    over xla's results on hostile launches with races drawn on purpose: request order is one of
+    the outcomes it must accept (the impossible ones it must reject: tests/test_races.py)."""
+    rng, aux = np.random.default_rng(906), np.random.default_rng(10_906)
+    races = 0
+    for k in range(24):
+        with _tier.case("write race comparison", 906, k):
+            h = _draw_hostile_launch(sgl, rng, k % len(WRITE_BUCKETS), aux)
+            _run_hostile_launch(sgl, h, "xla", ordered=False)
+        races += h.kinds["race"]
+    assert races > 0
+
+
+def test_short_hostile_fuzz_checks_its_coverage(sgl, monkeypatch):
+    """TPU interpret mode's short hostile fuzz (FUZZ_TPU_INTERPRETED cases) runs the coverage
+    check too: its cases cover every kind (xla standing in for the interpreter here), and a
+    stream that lacks a kind fails it."""
+    assert _hostile_fuzz(sgl, 0, FUZZ_TPU_INTERPRETED, 700, "xla") >= 2
+    drawn = _draw_hostile_launch
+
+    def never_hostile(*a):
+        h = drawn(*a)
+        h.kinds.update(hostile=False, clean=True)
+        return h
+
+    monkeypatch.setitem(globals(), "_draw_hostile_launch", never_hostile)
+    with pytest.raises(AssertionError, match="no case of kind"):
+        _hostile_fuzz(sgl, 0, FUZZ_TPU_INTERPRETED, 700, "xla")
 
 
 @pytest.mark.slow

@@ -52,7 +52,7 @@ def test_verify_zero_length_plan(sgl, runner, num_valid, enable):
     st = _sentinel_state(8, 4)
     ours, ref = support.run_verify(sgl, st, slots=[], etok=[], epos=[], prev=[],
                                    num_valid=num_valid, enable=enable, **_kw(runner))
-    support.assert_same(ours, ref, st, ordered=True)
+    support.assert_same(ours, ref, st)
     assert (ref.widx, ref.sctr, ref.kctr) == (st.widx, st.sctr, st.kctr + 1)
 
 
@@ -65,7 +65,7 @@ def test_verify_zero_row_ring(sgl, runner, widx):
     """SGLang: violations are counted in the write index, none is stored."""
     st = _sentinel_state(8, 0, widx=widx)
     ours, ref = support.run_verify(sgl, st, **CHAIN_BREAKS, **_kw(runner))
-    support.assert_same(ours, ref, st, ordered=True)
+    support.assert_same(ours, ref, st)
     assert ref.widx > widx and ours.ring.shape == (0, 8)
 
 
@@ -76,7 +76,7 @@ def test_verify_zero_slot_canary_without_work(sgl, runner):
     for e in (dict(slots=[0, 0], etok=[1, 2], epos=[0, 1], prev=[-1, 0], num_valid=2),
               dict(slots=[4, 5], etok=[1, 2], epos=[0, 1], prev=[-1, 4], num_valid=0)):
         ours, ref = support.run_verify(sgl, st, **e, **_kw(runner))
-        support.assert_same(ours, ref, st, ordered=True)
+        support.assert_same(ours, ref, st)
         assert ours.canary.shape == (0, 32)
 
 
@@ -95,7 +95,7 @@ def test_verify_zero_slot_canary_reads_zero_rows(sgl, runner):
         ours = _verify_ours(st, runner, e)
     assert ours.canary.shape == (0, 32)
     ref.canary = ours.canary
-    support.assert_same(ours, ref, st, ordered=True)
+    support.assert_same(ours, ref, st)
     assert ref.widx - st.widx == 3  # slot 2 holds what its zero row says
 
 
@@ -120,7 +120,7 @@ def test_verify_zero_row_real_kv_source(sgl, runner):
         _, ref = support.run_verify(sgl, st, ours=False, sources=[zeros, other], mode=mode, **e)
         with jax.enable_x64(True):
             ours = _verify_ours(st, runner, e, sources=[empty, other], mode=mode)
-        support.assert_same(ours, ref, st, ordered=True)
+        support.assert_same(ours, ref, st)
 
 
 # --- write --------------------------------------------------------------------------------------
@@ -136,7 +136,7 @@ def test_write_zero_capacity_plan(sgl, runner, num_valid):
     st = _sentinel_state(8, 4)
     ours, ref = _write(sgl, st, runner, offsets=[0], seeds=[], num_valid=num_valid, ids=[5, 6],
                        pos=[0, 1], ocl=[1, 2])
-    support.assert_same(ours, ref, st, ordered=True)
+    support.assert_same(ours, ref, st)
     assert (ref.sctr, ref.kctr) == (st.sctr, st.kctr + 1)
 
 
@@ -145,7 +145,7 @@ def test_write_zero_tokens(sgl, runner):
     st = _sentinel_state(8, 4)
     ours, ref = _write(sgl, st, runner, offsets=[0, 0, 0], seeds=[3, -1], num_valid=2, ids=[],
                        pos=[], ocl=[], assert_on=True, etok=[], epos=[])
-    support.assert_same(ours, ref, st, ordered=True)
+    support.assert_same(ours, ref, st)
     assert (ref.sctr, ref.kctr) == (st.sctr, st.kctr + 1)
 
 
@@ -158,7 +158,7 @@ def test_write_zero_row_ring(sgl, runner, widx):
     ours, ref = _write(sgl, st, runner, offsets=[0, 2, 3], seeds=[-1, 4], num_valid=2,
                        ids=[5, 6, 7], pos=[0, 1, 5], ocl=[1, 2, 3], assert_on=True,
                        etok=[5, 9, 7], epos=[0, 1, 4])
-    support.assert_same(ours, ref, st, ordered=True)
+    support.assert_same(ours, ref, st)
     assert ref.widx == widx + 3
 
 
@@ -177,10 +177,10 @@ def test_write_zero_slot_canary(sgl, runner):
     ours, _ = support.run_write(sgl, st, reference=False, **launch, **_kw(runner))
     assert ours.canary.shape == (0, 32)
     ref.canary = ours.canary
-    support.assert_same(ours, ref, st, ordered=True)
+    support.assert_same(ours, ref, st)
     assert (ours.widx, ours.sctr, ours.kctr) == (st.widx, st.sctr, st.kctr + 1)
     ours, ref = _write(sgl, st, runner, **{**launch, "offsets": [0, 0, 0]})  # no work
-    support.assert_same(ours, ref, st, ordered=True)
+    support.assert_same(ours, ref, st)
 
 
 @pytest.mark.parametrize("runner", _runners("write"))
@@ -193,7 +193,7 @@ def test_write_zero_row_real_kv_source(sgl, runner):
     _, ref = support.run_write(sgl, st, ours=False, sources=[zeros], mode=2, **launch)
     ours, _ = support.run_write(sgl, st, reference=False, sources=[empty], mode=2, **launch,
                                 **_kw(runner))
-    support.assert_same(ours, ref, st, ordered=True)
+    support.assert_same(ours, ref, st)
 
 
 # --- plan ---------------------------------------------------------------------------------------

@@ -11,9 +11,11 @@ Semantics (SGLang's ``launch_canary_verify_kernel``, docs/spec.md §10)::
         bits = 1 chain | 32 token (when asked, expected != -1) | 2 position | 4 real-KV
         if bits: record(s, pos, tok, exp_tok, ph, exp_chain, bits)
 
-Records are appended in entry order by the reference, ``xla`` and ``pallas_interpret``; on the
-GPU (``pallas_triton``) the blocks of entries reserve their rows with atomics, so rows keep entry
-order within a block and the order across blocks is the atomics' (compare as a multiset).
+Records are appended in entry order by the reference and ``xla``; on the GPU (``pallas_triton``)
+each block of entries reserves its rows with one atomic claim, so a block's rows are contiguous
+and in entry order, and the blocks' claims land in the order the atomics ran.
+``pallas_interpret`` runs that kernel's programs one after another: entry order, unless a launch
+config's grid-stride loop gives a program several blocks (then program by program).
 
 Out-of-range indices never cause an out-of-bounds access (SGLang's GPU reads outside the buffer):
 

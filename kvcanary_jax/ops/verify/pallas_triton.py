@@ -8,9 +8,9 @@ g-1 when the plan says the predecessor is the previous entry's slot (chain order
 otherwise. Fingerprints are folded vectorised, and the block's violation rows are reserved with
 ONE claim on ``violation_write_index`` (a compare-and-swap loop under the ring guard of
 :mod:`kvcanary_jax.ops._kernel_lib`; an entry's row is the claimed base plus the count of
-violations before it in the block), so rows keep entry order within a block; the order across
-blocks is the atomics' (as SGLang's GPU, compare as a multiset). Program 0 alone bumps the
-counters (both are known before any entry is read). Semantics and bounds:
+violations before it in the block), so a block's rows are contiguous and in entry order; the
+blocks' claims land in the order the atomics ran (a program's in its order: :class:`LaunchGrid`).
+Program 0 alone bumps the counters (both are known before any entry is read). Semantics and bounds:
 :mod:`kvcanary_jax.ops.verify.base`.
 """
 
@@ -30,8 +30,8 @@ from kvcanary_jax.ops import _kernel_lib
 from kvcanary_jax.ops._kernel_lib import append_rows, canary_words, claim_rows
 from kvcanary_jax.plans import VerifyPlan
 
-__all__ = ["Config", "heuristics", "run", "BLOCK", "MAX_PROGRAMS", "NUM_WARPS", "NUM_STAGES",
-           "GROUP", "VEC", "HOIST", "SMALL_PLANS"]
+__all__ = ["Config", "LaunchGrid", "heuristics", "launch_grid", "run", "BLOCK", "MAX_PROGRAMS",
+           "NUM_WARPS", "NUM_STAGES", "GROUP", "VEC", "HOIST", "SMALL_PLANS"]
 
 # Entries per block (one grid-stride step of a program), persistent grid cap (SGLang: 64 blocks x
 # 512 threads; the grid is smaller for small plans) and warps: the fastest of the H200 sweep
@@ -106,6 +106,28 @@ def heuristics(shapes) -> Config:
         if shapes["capacity"] <= limit:
             return Config(**small)
     return Config()
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchGrid:
+    """How a launch covers a plan: ``num_programs`` programs, program ``p`` taking blocks ``p``,
+    ``p + num_programs``, ... of ``block`` entries in that order (one block each when ``hoist``),
+    each block ``group`` column vectors. A block's violation rows are one claim on the write
+    index, in entry order."""
+
+    block: int
+    group: int
+    num_programs: int
+    hoist: bool
+
+
+def launch_grid(capacity: int, config: Config) -> LaunchGrid:
+    """The :class:`LaunchGrid` of a launch with ``config`` over a plan of ``capacity`` entries."""
+    block = min(config.block, pl.next_power_of_2(max(capacity, 1)))
+    num_programs = max(1, min(config.max_programs, pl.cdiv(capacity, block)))
+    # A single pass covers the plan: no grid-stride loop (see the kernel).
+    return LaunchGrid(block=block, group=min(config.group, block), num_programs=num_programs,
+                      hoist=config.hoist and num_programs * block >= capacity)
 
 
 def _verify_kernel(
@@ -257,15 +279,11 @@ def run(context: VerifyOrWriteContext, plan: VerifyPlan, *, check_verify_expecte
     specs = tuple(s for _, s in sources)
     mode, kind = int(context.real_kv_hash_mode), int(context.kernel_kind)
     check_token = bool(check_verify_expected_token)
-    block, max_programs, group, vec = config.block, config.max_programs, config.group, config.vec
     num_slots, stride_bytes = context.canary_buf.shape
     ring_cap = context.violation_ring.shape[0]
-    capacity = plan.verify_slot_indices.shape[0]
-    block = min(block, pl.next_power_of_2(max(capacity, 1)))
-    group = min(group, block)
-    num_programs = max(1, min(max_programs, pl.cdiv(capacity, block)))
-    # A single pass covers the plan: no grid-stride loop (see the kernel).
-    hoist = config.hoist and num_programs * block >= capacity
+    g = launch_grid(plan.verify_slot_indices.shape[0], config)
+    block, group, num_programs, hoist = g.block, g.group, g.num_programs, g.hoist
+    vec = config.vec
     words = [as_words(b) for b, _ in sources]
     kernel = functools.partial(
         _verify_kernel, specs=specs, mode=mode, kind=kind, check_token=check_token,
