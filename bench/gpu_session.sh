@@ -83,7 +83,7 @@ for step in "$@"; do
         "write|$I $P tests/test_write.py"
         "verify|$I $P tests/test_verify.py"
         "golden_guard_zero|$I $P tests/test_golden.py tests/test_ring_guard.py tests/test_zero_sizes.py"
-        "digest_halves|$I $P tests/test_digest.py tests/test_plan_halves.py"
+        "digest_halves_races|$I $P tests/test_digest.py tests/test_plan_halves.py tests/test_races.py"
         # The bridge's differential test alone takes about 100 s: it gets a part of its own, so
         # no part runs near its 290 s limit.
         "gpu_bridge_differential|$P -m gpu tests/test_bridge.py -k differential_helpers"
