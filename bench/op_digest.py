@@ -115,10 +115,10 @@ def shapes_of(case, model) -> dict:
             "buffers": model["layers"]}
 
 
-def variants(config) -> list:
+def variants(config, *, verify: bool) -> list:
     """``config`` and a few launch configs around it, one field moved at a time: the group of a
     slot's words a program step hashes (halved, doubled), spread over programs or looped over by
-    one, the block (with its chunk), the warps."""
+    one program, the block, a verify's chunk (four times longer), the warps."""
     out = [config]
 
     def add(**kw):
@@ -136,7 +136,9 @@ def variants(config) -> list:
         add(spread=False, group_words=2048)
     else:
         add(spread=True, group_words=4096)
-    add(block=config.block * 2, entries=config.entries * 2)
+    add(block=config.block * 2, entries=max(config.entries, config.block * 2))
+    if verify:
+        add(entries=config.entries * 4)
     add(num_warps=8 if config.num_warps == 4 else 4)
     return out
 
@@ -158,7 +160,7 @@ def _configs(case, model, *, override: dict | None, sweep: bool, interpret: bool
 
     cfg = pallas_triton.heuristics(shapes_of(case, model))
     cfg = dataclasses.replace(cfg, **(override or {}), interpret=interpret)
-    return variants(cfg) if sweep else [cfg]
+    return variants(cfg, verify=case["function"] == "verify") if sweep else [cfg]
 
 
 def measure_case(case, model, *, implementation, iters: int, bw_gbs: float,

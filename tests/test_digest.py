@@ -202,6 +202,7 @@ HOSTILE = [
     ([1, 2, 3, 4, 5, 6, 7], 7, 0, 1, INT32_MAX - 2, 4),  # saturates at 2**31 - 1
     ([1, 2, 3, 4, 5, 6, 7], 7, 0, 1, 3, 4),  # one row lands, the index counts all
     ([1, 2, 3, 4, 5, 6, 7], 7, 0, 1, 9, 4),  # past the capacity: only the index grows
+    ([1, 2, 3, 4, 5, 6, 7], 7, 5, 2**31 + 3, 0, 4),  # a window past int32: slot 5 only
 ]
 
 
@@ -217,7 +218,7 @@ def test_verify_hostile_indices_and_the_ring_guard(case, impl):
     st.digest = rng.integers(-2**62, 2**62, 40)  # every checked slot mismatches
     positions = rng.integers(0, 10**6, len(slots))
     _, rows = _check_verify(impl, st, slots, positions, num_valid, phase, window, sources)
-    assert len(rows) == {0: 3, 1: 4, 2: 0, 3: 2, 4: 2}.get(case, 7)
+    assert len(rows) == {0: 3, 1: 4, 2: 0, 3: 2, 4: 2, 9: 1}.get(case, 7)
 
 
 def test_verify_zero_sizes(impl):
@@ -398,7 +399,8 @@ def test_pallas_groups_by_hand():
 def test_pallas_heuristics_spread_few_slots_and_hash_many_whole():
     """A decode step's few new tokens and a sparse verify are spread over programs in groups of
     a slot's words (two kernels); a prefill's thousands of tokens and a dense verify hash whole
-    slots a program (one kernel); a verify's chunk holds about one block of selected entries."""
+    slots a program (one kernel); a verify's chunk is about a window of entries (one selected
+    entry expected)."""
     from kvcanary_jax.ops.digest import pallas_triton as pt
 
     def shapes(verify, capacity, window=1):
@@ -409,8 +411,8 @@ def test_pallas_heuristics_spread_few_slots_and_hash_many_whole():
     assert (few.group_words, few.spread) == (pt.GROUP_WORDS, True)
     assert pt.heuristics(shapes(0, 8192)).spread is False
     small = pt.heuristics(shapes(1, 4096, 64))
-    assert (small.group_words, small.spread, small.entries) == \
-        (pt.GROUP_WORDS, True, 64 * small.block)
+    assert (small.group_words, small.spread, small.entries, small.block) == \
+        (pt.GROUP_WORDS, True, 64, 4)
     assert pt.heuristics(shapes(1, 131072, 64)).group_words == pt.WIDE_GROUP_WORDS
     dense = pt.heuristics(shapes(1, 131072, 1))
     assert (dense.spread, dense.entries, dense.block) == (False, 1, 1)

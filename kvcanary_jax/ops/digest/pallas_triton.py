@@ -147,15 +147,19 @@ class Config:
 
 
 def _entries_for(window: int, block: int) -> int:
-    return min(MAX_ENTRIES, max(block, _pow2_at_least(block * window)))
+    """A chunk of about ``window`` entries: one selected entry expected (slots spread evenly over
+    the phases), so one block of ``block`` takes nearly every chunk's in one step."""
+    return min(MAX_ENTRIES, max(block, _pow2_at_least(window)))
 
 
 def heuristics(shapes: Mapping[str, int]) -> Config:
     """By the number of slots a call hashes (a write's entries; a verify's expected selected
     entries, capacity / window): a few are spread over programs in groups of
     :data:`GROUP_WORDS` (two kernels), more in groups of :data:`WIDE_GROUP_WORDS`, and from
-    :data:`WHOLE_SLOTS_AT` a program hashes whole slots (one kernel). A verify's chunk holds about
-    one block of selected entries."""
+    :data:`WHOLE_SLOTS_AT` a program hashes whole slots (one kernel). A verify's chunk is about
+    ``window`` entries (one selected expected); with few slots its block of 4 takes a chunk's
+    selected entries in one step but for the rare chunk of more than 4, instead of a chain of
+    steps."""
     if shapes["verify"]:
         window = shapes["window"]
         expected = shapes["capacity"] // window
@@ -472,10 +476,11 @@ def _select(slots_ref, nv_ref, phase_ref, first, size: int, *, window: int, num_
     active = jnp.clip(nv_ref[0], 0, cap)
     sel = (e < active) & (slot > consts.TOKEN_TO_KV_SLOT_PADDING) & (slot < num_slots)
     if window > 1:
-        phase = jnp.remainder(phase_ref[0], jnp.int32(window))  # floor mod: in [0, window)
-        s = jnp.where(sel, slot, 0)
+        # floor mod: in [0, window); int64, as a static window may pass 2**31
+        phase = jnp.remainder(phase_ref[0].astype(jnp.int64), jnp.int64(window))
+        s = jnp.where(sel, slot, 0)  # >= 0: truncating remainder = floor
         rem = s & (window - 1) if _pow2(window) else jax.lax.rem(s, jnp.int64(window))
-        sel = sel & (rem == phase.astype(jnp.int64))
+        sel = sel & (rem == phase)
     return e, slot, sel
 
 
