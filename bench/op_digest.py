@@ -262,11 +262,18 @@ def measure(cases, *, iters: int, bw_gbs: float, progress, model=None) -> list[d
     return out
 
 
+def config_text(config) -> str:
+    """A launch config as ``k=v`` fields (what ``--config`` takes), interpret mode left out."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in fields.items()
+                    if k != "interpret")
+
+
 def _config_text(row) -> str:
     cfg = row.get("config")
     if not cfg:
         return "-"
-    return " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in cfg.items()
+    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in cfg.items()
                     if k != "interpret")
 
 
