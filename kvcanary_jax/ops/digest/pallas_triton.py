@@ -5,48 +5,52 @@ Semantics and bounds: :mod:`kvcanary_jax.ops.digest.base`.
 Parallel shape. A slot's digest is a sum of independent terms, one per word of its sources'
 strips. Take a slot's words in order (source 0's ``read_words``, then source 1's, ...) and cut
 that sequence into *groups* of :class:`Config` ``group_words`` consecutive words (0: one group);
-a group may hold several narrow sources, or part of a wide one (:func:`groups`). A program
-hashes one group of ``block`` slots into partial sums; the sum mod 2**64 is associative, so a
-slot's digest is the sum of its groups' partials, in any order (int64 wrapping adds). Spreading
-one slot over ``groups`` programs is what makes a small call fast: its loads are issued by many
-SMs at once instead of one program walking every strip in turn.
+a group may hold several narrow sources, or part of a wide one (:func:`groups`). The sum mod
+2**64 is associative, so a slot's digest is the sum of its groups' partial sums, in any order
+(int64 wrapping adds). With ``spread``, each group of a block of slots is its own program and a
+finishing kernel adds the partials: a call with few slots then issues its loads from many SMs at
+once instead of one program walking every strip in turn. Without it, a program loops over its
+slots' groups (a loop, not unrolled code: only one group's loads are in flight, which bounds the
+registers; unrolled, the compiler hoists every load of a slot and spills).
 
-Inside a program each source segment of the group is read as ``[block, width]`` tiles (``width``
+Inside a program each source segment of a group is read as ``[block, width]`` tiles (``width``
 = ``lanes``, or the segment's words rounded up to a power of two when fewer), rows being
 contiguous runs of a slot's strip (coalesced; a strip that starts on an even word is hinted as
-such, so that a thread may load 16 bytes at once). ``unroll`` tiles, of any of the group's
-sources, are loaded before any is hashed (a GPU issues in order and stalls at a load's first
-use); their terms are added elementwise into one ``[block, width]`` accumulator per tile width,
-reduced once at the end (a reduction across warps costs a shared-memory round and barriers).
-Segments with many tiles loop over batches of ``unroll`` tiles. A group's code is static (the
-sources' specs are), so a program picks its group's code by its program id (one branch per
-group).
+such, so that a thread may load 16 bytes at once). A group's tiles are loaded before any is
+hashed (a GPU issues in order and stalls at a load's first use; ``unroll`` tiles a step where a
+long segment loops over its tiles); their terms are added elementwise into one ``[block,
+width]`` accumulator per tile width, reduced once at the end (a reduction across warps costs a
+shared-memory round and barriers). A group's code is static (the sources' specs are), so a
+program reaches its group's code through branches on its group index.
 
-* write: grid ``(slot blocks x groups)``. One group: each program stores its slots' digests into
-  ``digest_buf`` (one kernel, in place). Several: programs store partials ``[groups, n]``; a
-  second kernel (``finish`` slots a program) sums each entry's partials in group order and stores
-  them (two kernels). Duplicate slots store the same bytes: every entry's digest is the same sum
-  taken in the same order.
+* write: spread, grid ``(slot blocks x groups)``: programs store partials ``[groups, n]`` and a
+  second kernel (``finish`` slots a program) sums each entry's partials in group order and
+  stores them. Otherwise (or with one group) grid ``(slot blocks)``, each program storing its
+  slots' digests (one kernel). Both store into ``digest_buf`` in place; duplicate slots store
+  the same bytes: every entry's digest is the same sum taken in the same order.
 * verify: the selection is part of the kernels. A program scans a chunk of ``entries``
   consecutive entries (``e < clamp(num_valid)``, ``0 < slot < num_slots``, ``slot % window ==
   phase mod window``), ranks its selected entries with a prefix sum over the chunk, and hashes
   them ``block`` at a time, in entry order (with ``entries == block``, the block is the chunk).
   The work follows the selected entries, not the capacity, without a compaction pass: the grid
-  is static (``chunks x groups``, from the capacity) and a chunk without a selected entry costs
-  one scan of its slots. ``entries`` of about ``block * window`` gives each program about one
-  block of selected entries.
-  One group: the program compares its entries' digests with the stored ones and records the
-  mismatches (one kernel). Several: programs store partials ``[groups, capacity]`` at their
-  selected entries, and a finishing kernel over chunks of ``finish`` entries selects again, sums
-  the partials, compares and records (two kernels).
+  is static (from the capacity) and a chunk without a selected entry costs one scan of its
+  slots. ``entries`` of about ``window`` expects one selected entry a chunk (the heuristics).
+  Not spread (or one group): the program hashes every group of its entries, compares with the
+  stored digests and records the mismatches (one kernel). Spread: grid ``(chunks x groups)``,
+  programs store partials ``[groups, capacity]`` at their selected entries, and a finishing
+  kernel over chunks of ``finish`` entries selects again, sums the partials, compares and
+  records (two kernels).
   Records: each block of compared entries claims its rows with one claim under the ring guard
   (:func:`kvcanary_jax.ops._kernel_lib.claim_rows`): rows keep entry order within a block; the
   order across blocks is the atomics' (in interpret mode, where programs run in order, entry
   order). ``slot_run_counter`` takes one atomic add per chunk (its selected count),
   ``kernel_run_counter`` is bumped by program 0.
 
-The grid is static and each program's work is bounded by its chunk or block, so no program reads
-past the work's end: there is no device-side count to wait for and no persistent loop.
+Why a static grid rather than a persistent one striding over blocks of compacted entries up to a
+count read on the device: the selection is made where the entries are scanned, so no count
+exists before the hashing kernel starts, and a program's loads then follow straight from its own
+chunk (one round trip for the slot ids, one for the strips); a persistent program would chain
+its blocks' round trips one after another, which is the latency a small verify cannot afford.
 """
 
 from __future__ import annotations
