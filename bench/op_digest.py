@@ -3,7 +3,7 @@ every layer of a model's KV, against the byte floor (the KV bytes the op must re
 bandwidth).
 
     python -m bench.op_digest [--quick | --smoke] [--iters N] [--implementations a,b]
-                              [--out DIR]
+                              [--config k=v,...] [--sweep] [--budget-s S] [--out DIR]
 
 The model: sglang-jax's fused layout, one bf16 ``[slots, 2 * heads * head_dim]`` buffer per
 layer (K and V of every head interleaved), one source per layer hashing its whole row: 32 layers
@@ -12,22 +12,30 @@ batch's cached positions (``bs * ctx``, random slots of the pool, as a paged all
 them) at a window (64: every slot once in 64 steps; 1: every entry, the cost of re-hashing all
 that attention reads); each timed call takes the next phase, so the slots read change from call
 to call. A write digests a step's new tokens (a decode batch, a prefill chunk). Device time: the
-project's ``bench/timing.py`` (CUPTI on a GPU: every kernel the call launches, XLA's compaction
-included).
+project's ``bench/timing.py`` (CUPTI on a GPU: every kernel the call launches, XLA's included).
 
-Correctness, per case: a write's digests of a few slots against numpy's
+Launch configs of the Pallas kernels (``kvcanary_jax.ops.digest.pallas_triton.Config``):
+``--config group_words=1024,block=2`` runs every case with the heuristics' config changed in
+those fields; ``--sweep`` times, per case, the heuristics' config and a few variants around it
+(:func:`variants`: one field moved at a time) and prints the best per case. Both run the
+Triton kernels (``pallas_interpret`` without a GPU, for the smoke mode); ``--budget-s`` stops
+starting variants after that many seconds (each case's heuristic config always runs).
+
+Correctness, per case and config: a write's digests of a few slots against numpy's
 (:func:`kvcanary_jax.hashing.digest_np` of the slots' bytes); a verify after three stored digests
 of selected slots were changed reports exactly those three.
 
-Results: ``DIR/digest.json`` (every figure) and the table on stdout.
+Results: ``DIR/digest.json`` (every figure, each row with its config) and the tables on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -96,7 +104,70 @@ def _case_name(case) -> str:
     return f"write tokens={case['tokens']}"
 
 
-def measure_case(case, model, *, implementation, iters: int, bw_gbs: float) -> dict:
+def shapes_of(case, model) -> dict:
+    """The static shapes a launch config is chosen by (``kvcanary_jax.ops.digest.base.shapes``)
+    for ``case`` on ``model``."""
+    verify = case["function"] == "verify"
+    words = model["layers"] * 2 * model["heads"] * model["head_dim"] * 2 // 8
+    return {"verify": int(verify), "num_slots": _pool_slots(case),
+            "capacity": case["bs"] * case["ctx"] if verify else case["tokens"],
+            "window": case.get("window", 1), "words": words, "sources": model["layers"],
+            "buffers": model["layers"]}
+
+
+def variants(config, *, verify: bool) -> list:
+    """``config`` and a few launch configs around it, one field moved at a time: the group of a
+    slot's words a program step hashes (halved, doubled), spread over programs or looped over by
+    one program, the block, a verify's chunk (four times longer), the warps."""
+    out = [config]
+
+    def add(**kw):
+        try:
+            v = dataclasses.replace(config, **kw)
+        except ValueError:
+            return
+        if v not in out:
+            out.append(v)
+
+    words = config.group_words or 2048
+    add(group_words=max(words // 2, 64))
+    add(group_words=words * 2)
+    if config.spread:
+        add(spread=False, group_words=2048)
+    else:
+        add(spread=True, group_words=4096)
+    add(block=config.block * 2, entries=max(config.entries, config.block * 2))
+    if verify:
+        add(entries=config.entries * 4)
+    add(num_warps=8 if config.num_warps == 4 else 4)
+    return out
+
+
+def parse_config(text: str) -> dict:
+    """``k=v,k=v`` (ints; ``spread``: 0/1/true/false) as Config fields."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, _, value = item.partition("=")
+        if key == "spread":
+            out[key] = value.strip().lower() in ("1", "true", "yes")
+        else:
+            out[key] = int(value)
+    return out
+
+
+def _configs(case, model, *, override: dict | None, sweep: bool, interpret: bool) -> list:
+    from kvcanary_jax.ops.digest import pallas_triton
+
+    cfg = pallas_triton.heuristics(shapes_of(case, model))
+    cfg = dataclasses.replace(cfg, **(override or {}), interpret=interpret)
+    return variants(cfg, verify=case["function"] == "verify") if sweep else [cfg]
+
+
+def measure_case(case, model, *, implementation, iters: int, bw_gbs: float,
+                 configs=(None,), deadline: float | None = None) -> list[dict]:
+    """Rows of ``case``, one per launch config of ``configs`` (None: the implementation's own
+    choice); the data is built once. Configs after the first are skipped past ``deadline``
+    (``time.monotonic()``)."""
     import jax
     import jax.numpy as jnp
 
@@ -105,28 +176,18 @@ def measure_case(case, model, *, implementation, iters: int, bw_gbs: float) -> d
     rng = np.random.default_rng(7)
     slots = _pool_slots(case)
     slot_bytes = model["layers"] * 2 * model["heads"] * model["head_dim"] * 2
-    row = {"op": "digest", "case": _case_name(case), "implementation": implementation or "default",
-           "slot_bytes": slot_bytes, "pool_slots": slots, "layers": model["layers"]}
+    base_row = {"op": "digest", "case": _case_name(case),
+                "implementation": implementation or "default", "slot_bytes": slot_bytes,
+                "pool_slots": slots, "layers": model["layers"]}
+    rows = []
     with jax.enable_x64(True):
         kv = _kv(slots, model, seed=1)
         sources = _sources(kv)
         if case["function"] == "write":
             n = case["tokens"]
             targets = jnp.asarray(rng.choice(np.arange(1, slots), n, replace=False), jnp.int64)
-            fn = jax.jit(lambda b, s, src: kc.digest_write(b, s, src,
-                                                           implementation=implementation),
-                         donate_argnums=0)
-            bufs = [jnp.zeros((slots,), jnp.int64) for _ in range(2)]
-            bufs[0] = fn(bufs[0], targets, sources)
             pick = np.asarray(targets)[:4]
-            row["ours_correct"] = bool(np.array_equal(np.asarray(bufs[0])[pick],
-                                                      _host_digests(kv, pick)))
-            row["bytes"] = n * (slot_bytes + 8)
-
-            def run(i):
-                bufs[i % 2] = fn(bufs[i % 2], targets, sources)
-
-            sync = lambda: jax.block_until_ready(bufs)  # noqa: E731
+            want = _host_digests(kv, pick)
         else:
             entries, window = case["bs"] * case["ctx"], case["window"]
             plan = rng.choice(np.arange(1, slots), entries, replace=False)
@@ -137,35 +198,56 @@ def measure_case(case, model, *, implementation, iters: int, bw_gbs: float) -> d
             bad = digests.at[jnp.asarray(picked)].add(1)
             fresh = lambda d: kc.DigestContext.allocate(  # noqa: E731  (donated: one each)
                 num_slots=slots, ring_capacity=RING).replace(digest_buf=jnp.array(d))
-
-            def verify(c, s, p, nv, ph, src):
-                return kc.digest_verify(c, s, p, nv, ph, window=window, sources=src,
-                                        implementation=implementation)
-
-            fn = jax.jit(verify, donate_argnums=0)
             s, pos = jnp.asarray(plan, jnp.int64), jnp.arange(entries, dtype=jnp.int64)
             nv = jnp.asarray([entries], jnp.int32)
             phases = [jnp.asarray([p], jnp.int32) for p in range(window)]
-            out = fn(fresh(bad), s, pos, nv, phases[0], sources)
-            n_rows = int(out.violation_write_index[0])
-            found = sorted(int(r[1]) for r in np.asarray(out.violation_ring)[:n_rows])
-            row["ours_correct"] = found == sorted(int(x) for x in picked) and \
-                int(out.slot_run_counter[0]) == int((plan % window == 0).sum())
             selected = np.mean([(plan % window == p).sum() for p in range(window)])
-            row.update(entries=entries, window=window, selected=float(selected))
-            row["bytes"] = int(selected * (slot_bytes + 8) + entries * 16)
-            states = [fresh(digests) for _ in range(2)]
+        for k, config in enumerate(configs):
+            if k and deadline is not None and time.monotonic() > deadline:
+                break
+            row = dict(base_row)
+            if config is not None:
+                row["config"] = {f.name: getattr(config, f.name)
+                                 for f in dataclasses.fields(config)}
+            if case["function"] == "write":
+                fn = jax.jit(lambda b, s_, src, cfg=config: kc.digest_write(
+                    b, s_, src, implementation=implementation, config=cfg), donate_argnums=0)
+                bufs = [jnp.zeros((slots,), jnp.int64) for _ in range(2)]
+                bufs[0] = fn(bufs[0], targets, sources)
+                row["ours_correct"] = bool(np.array_equal(np.asarray(bufs[0])[pick], want))
+                row["bytes"] = n * (slot_bytes + 8)
 
-            def run(i):
-                states[i % 2] = fn(states[i % 2], s, pos, nv, phases[i % window], sources)
+                def run(i, fn=fn, bufs=bufs):
+                    bufs[i % 2] = fn(bufs[i % 2], targets, sources)
 
-            sync = lambda: jax.block_until_ready(states)  # noqa: E731
-        row["floor_us"] = row["bytes"] / (bw_gbs * 1e3) if bw_gbs == bw_gbs else None
-        row["ours"] = timing.device_time(run, sync, iters=iters)
-        row["ours_call"] = timing.call_time(run, sync, iters=iters)
-    med = row["ours"]["median_us"]
-    row["gbs"] = row["bytes"] / (med * 1e3) if med else None
-    return row
+                sync = lambda bufs=bufs: jax.block_until_ready(bufs)  # noqa: E731
+            else:
+
+                def verify(c, s_, p, nv_, ph, src, cfg=config):
+                    return kc.digest_verify(c, s_, p, nv_, ph, window=window, sources=src,
+                                            implementation=implementation, config=cfg)
+
+                fn = jax.jit(verify, donate_argnums=0)
+                out = fn(fresh(bad), s, pos, nv, phases[0], sources)
+                n_rows = int(out.violation_write_index[0])
+                found = sorted(int(r[1]) for r in np.asarray(out.violation_ring)[:n_rows])
+                row["ours_correct"] = found == sorted(int(x) for x in picked) and \
+                    int(out.slot_run_counter[0]) == int((plan % window == 0).sum())
+                row.update(entries=entries, window=window, selected=float(selected))
+                row["bytes"] = int(selected * (slot_bytes + 8) + entries * 16)
+                states = [fresh(digests) for _ in range(2)]
+
+                def run(i, fn=fn, states=states):
+                    states[i % 2] = fn(states[i % 2], s, pos, nv, phases[i % window], sources)
+
+                sync = lambda states=states: jax.block_until_ready(states)  # noqa: E731
+            row["floor_us"] = row["bytes"] / (bw_gbs * 1e3) if bw_gbs == bw_gbs else None
+            row["ours"] = timing.device_time(run, sync, iters=iters)
+            row["ours_call"] = timing.call_time(run, sync, iters=iters)
+            med = row["ours"]["median_us"]
+            row["gbs"] = row["bytes"] / (med * 1e3) if med else None
+            rows.append(row)
+    return rows
 
 
 def measure(cases, *, iters: int, bw_gbs: float, progress, model=None) -> list[dict]:
@@ -174,23 +256,51 @@ def measure(cases, *, iters: int, bw_gbs: float, progress, model=None) -> list[d
     out = []
     for case in cases:
         progress.set_postfix_str(_case_name(case))
-        out.append(measure_case(case, model or FULL_MODEL, implementation=common.implementation(),
-                                iters=iters, bw_gbs=bw_gbs))
+        out += measure_case(case, model or FULL_MODEL, implementation=common.implementation(),
+                            iters=iters, bw_gbs=bw_gbs)
         progress.update(1)
     return out
 
 
+def config_text(config) -> str:
+    """A launch config as ``k=v`` fields (what ``--config`` takes), interpret mode left out."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in fields.items()
+                    if k != "interpret")
+
+
+def _config_text(row) -> str:
+    cfg = row.get("config")
+    if not cfg:
+        return "-"
+    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in cfg.items()
+                    if k != "interpret")
+
+
 def table(rows) -> str:
     lines = ["| case | implementation | ours (us) | byte floor (us) | ours/floor | GB/s "
-             "| correct |",
-             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+             "| kernels | correct | config |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in rows:
         med, floor = r["ours"]["median_us"], r.get("floor_us")
         ratio = f"{med / floor:.2f}" if floor else "-"
+        kernels = sum(r["ours"].get("kernels_per_call", {}).values())
         lines.append(f"| {r['case']} | {r['implementation']} | {med:.1f} | "
                      f"{'-' if floor is None else f'{floor:.1f}'} | {ratio} | "
-                     f"{r['gbs']:.0f} | {'yes' if r['ours_correct'] else 'NO'} |")
+                     f"{r['gbs']:.0f} | {kernels:g} | {'yes' if r['ours_correct'] else 'NO'} | "
+                     f"{_config_text(r)} |")
     return "\n".join(lines)
+
+
+def best(rows) -> list[dict]:
+    """Per case and implementation, the correct row of least median device time."""
+    out = {}
+    for r in rows:
+        key = (r["case"], r["implementation"])
+        if r["ours_correct"] and (key not in out or
+                                  r["ours"]["median_us"] < out[key]["ours"]["median_us"]):
+            out[key] = r
+    return list(out.values())
 
 
 def main(argv=None) -> int:
@@ -202,6 +312,12 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per case")
     ap.add_argument("--implementations", default="",
                     help="comma list (default: the platform's implementation)")
+    ap.add_argument("--config", default="",
+                    help="k=v,... fields of the Pallas kernels' Config, over the heuristics'")
+    ap.add_argument("--sweep", action="store_true",
+                    help="per case, the heuristics' config and variants; the best per case")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="with --sweep: start no variant after this many seconds")
     ap.add_argument("--out", default=os.path.join("bench", "results"),
                     help="output directory (digest.json)")
     args = ap.parse_args(argv)
@@ -211,17 +327,32 @@ def main(argv=None) -> int:
     cases = SMOKE_CASES if smoke else QUICK_CASES if args.quick else FULL_CASES
     model = SMOKE_MODEL if smoke else FULL_MODEL
     iters = args.iters or (3 if smoke else 30 if args.quick else 50)
-    impls = [i for i in args.implementations.split(",") if i] or [None]
+    tuned = bool(args.config or args.sweep)
+    override = parse_config(args.config)
+    kernels = "pallas_interpret" if not common.on_gpu() else "pallas_triton"
+    impls = [i for i in args.implementations.split(",") if i] or [kernels if tuned else None]
     bw = timing.copy_bandwidth_gbs()
-    rows = [measure_case(c, model, implementation=impl, iters=iters, bw_gbs=bw)
-            for impl in impls for c in cases]
+    deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
+    rows = []
+    for impl in impls:
+        for c in cases:
+            configs = (None,)
+            if tuned and impl in ("pallas_triton", "pallas_interpret"):
+                configs = _configs(c, model, override=override, sweep=args.sweep,
+                                   interpret=impl == "pallas_interpret")
+            rows += measure_case(c, model, implementation=impl, iters=iters, bw_gbs=bw,
+                                 configs=configs, deadline=deadline)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "digest.json"), "w") as f:
         json.dump({"mode": "smoke" if smoke else "quick" if args.quick else "full",
                    "iters": iters, "model": model, "copy_bandwidth_gbs": bw,
+                   "sweep": args.sweep, "config": override,
                    "environment": common.environment(), "rows": rows}, f, indent=1)
     print(f"copy bandwidth {bw:.0f} GB/s; model {model}")
     print(table(rows))
+    if args.sweep:
+        print("\nbest per case:")
+        print(table(best(rows)))
     return 0 if all(r["ours_correct"] for r in rows) else 1
 
 

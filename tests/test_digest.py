@@ -202,6 +202,7 @@ HOSTILE = [
     ([1, 2, 3, 4, 5, 6, 7], 7, 0, 1, INT32_MAX - 2, 4),  # saturates at 2**31 - 1
     ([1, 2, 3, 4, 5, 6, 7], 7, 0, 1, 3, 4),  # one row lands, the index counts all
     ([1, 2, 3, 4, 5, 6, 7], 7, 0, 1, 9, 4),  # past the capacity: only the index grows
+    ([1, 2, 3, 4, 5, 6, 7], 7, 5, 2**31 + 3, 0, 4),  # a window past int32: slot 5 only
 ]
 
 
@@ -217,7 +218,7 @@ def test_verify_hostile_indices_and_the_ring_guard(case, impl):
     st.digest = rng.integers(-2**62, 2**62, 40)  # every checked slot mismatches
     positions = rng.integers(0, 10**6, len(slots))
     _, rows = _check_verify(impl, st, slots, positions, num_valid, phase, window, sources)
-    assert len(rows) == {0: 3, 1: 4, 2: 0, 3: 2, 4: 2}.get(case, 7)
+    assert len(rows) == {0: 3, 1: 4, 2: 0, 3: 2, 4: 2, 9: 1}.get(case, 7)
 
 
 def test_verify_zero_sizes(impl):
@@ -316,15 +317,28 @@ def test_flips_outside_the_strips_are_not_reported(impl):
 # --- launch shapes, the selection, the references ------------------------------------------------
 
 
-PALLAS_SHAPES = [dict(block=1, lanes=16, unroll=1), dict(block=8, lanes=32, unroll=4),
-                 dict(block=2, lanes=8, unroll=2, max_programs=2)]
+PALLAS_SHAPES = [
+    # whole slots, tiles narrower than a strip (a 34-word strip loops over its batches)
+    dict(block=1, lanes=16, unroll=1, group_words=0, entries=1),
+    # a program looping over a slot's groups (strips cut in the middle)
+    dict(block=2, lanes=16, group_words=20, spread=False, entries=32),
+    # tiles wider than most strips; a chunk of one block
+    dict(block=8, lanes=32, unroll=4, group_words=0, entries=8),
+    # groups that cut strips in the middle, chunks of several blocks, finishing chunks smaller
+    # than the capacity and not dividing it
+    dict(block=2, lanes=8, unroll=2, group_words=24, entries=16, finish=4),
+    # several tile widths in a group, an unroll that does not divide the tiles
+    dict(block=4, lanes=64, unroll=3, group_words=40, entries=64, finish=16),
+]
 
 
 @pytest.mark.parametrize("impl", _impls.pallas("digest"))
 @pytest.mark.parametrize("shape", PALLAS_SHAPES, ids=str)
 def test_pallas_launch_shapes(shape, impl):
-    """Tiles narrower than a strip (several loads a source), tiles wider, and a grid smaller than
-    the blocks (grid-stride)."""
+    """Every way the kernels cut the work: tiles narrower and wider than a strip, groups of a
+    slot's words (one kernel, or partials and a finishing kernel), chunks of one or several
+    blocks of selected entries, sizes that none of the blocks divides; windows 1, 3 (not a power
+    of two) and 4, each phase."""
     from kvcanary_jax.ops.digest.pallas_triton import Config
 
     rng = np.random.default_rng(13)
@@ -337,7 +351,70 @@ def test_pallas_launch_shapes(shape, impl):
     st.digest = got.copy()
     st.digest[[3, 20, 41]] += 1
     slots = rng.integers(0, 50, 120)
-    _check_verify(impl, st, slots, slots, 120, 0, 1, sources, config=cfg)
+    for window, phase in ((1, 0), (3, 2), (3, -1), (4, 1)):
+        _check_verify(impl, st, slots, slots * 3, 117, phase, window, sources, config=cfg)
+
+
+@pytest.mark.parametrize("impl", _impls.pallas("digest"))
+def test_pallas_many_sources_few_slots(impl):
+    """Thirty-three sources (a fused layer's K and V strips of 16 heads and a paged source) over
+    four slots, cut into more groups than a finishing program sums at once (one word a group: 66
+    groups, each its own program), looped over by one program (groups of 8 words) and in one
+    group; duplicate slots store the same value."""
+    from kvcanary_jax.ops.digest.pallas_triton import Config
+
+    rng = np.random.default_rng(31)
+    sources = ds.fused(rng, 4, 16, 8) + [
+        ds.NpSource(rng.integers(0, 256, (2, 64), dtype=np.uint8), 2, 32, 16)]
+    assert len(sources) == 33 and sum(s.read for s in sources) == 66 * 8
+    slots = [3, 1, -1, 3, 2]
+    interpret = impl == "pallas_interpret"
+    for cfg in (Config(group_words=1, finish=2, interpret=interpret),
+                Config(group_words=8, spread=False, lanes=2, interpret=interpret),
+                Config(group_words=0, lanes=2, interpret=interpret)):
+        got = _write(impl, np.zeros(4, np.int64), slots, sources, config=cfg)
+        np.testing.assert_array_equal(got, ds.np_write(np.zeros(4, np.int64), slots, sources))
+        st = _state(rng, 4, 4)
+        st.digest = got.copy()
+        st.digest[2] ^= 1 << 40
+        _check_verify(impl, st, slots, [7, 8, 9, 10, 11], 5, 0, 1, sources, config=cfg)
+
+
+def test_pallas_groups_by_hand():
+    """A slot's words cut into groups: consecutive words, a strip split where a group ends, the
+    last group shorter; 0 words a group: one group."""
+    from kvcanary_jax.context import SourceSpec
+    from kvcanary_jax.ops.digest import pallas_triton as pt
+
+    spec = lambda words: SourceSpec(0, words, 8, 1, words, words)  # noqa: E731
+    specs = ((0, spec(3)), (1, spec(5)), (0, spec(2)))
+    cut = [[(s.source, s.buffer, s.first, s.words) for s in g] for g in pt.groups(specs, 4)]
+    assert cut == [[(0, 0, 0, 3), (1, 1, 0, 1)], [(1, 1, 1, 4)], [(2, 0, 0, 2)]]
+    assert [[(s.source, s.first, s.words) for s in g] for g in pt.groups(specs, 0)] == \
+        [[(0, 0, 3), (1, 0, 5), (2, 0, 2)]]
+    assert len(pt.groups(specs, 1)) == 10 and len(pt.groups(specs, 100)) == 1
+
+
+def test_pallas_heuristics_spread_few_slots_and_hash_many_whole():
+    """A decode step's few new tokens and a sparse verify are spread over programs in groups of
+    a slot's words (two kernels); a prefill's thousands of tokens and a dense verify hash whole
+    slots a program (one kernel); a verify's chunk is about a window of entries (one selected
+    entry expected)."""
+    from kvcanary_jax.ops.digest import pallas_triton as pt
+
+    def shapes(verify, capacity, window=1):
+        return {"verify": verify, "num_slots": 1 << 20, "capacity": capacity, "window": window,
+                "words": 16384, "sources": 32, "buffers": 32}
+
+    few = pt.heuristics(shapes(0, 8))
+    assert (few.group_words, few.spread) == (pt.GROUP_WORDS, True)
+    assert pt.heuristics(shapes(0, 8192)).spread is False
+    small = pt.heuristics(shapes(1, 4096, 64))
+    assert (small.group_words, small.spread, small.entries, small.block) == \
+        (pt.GROUP_WORDS, True, 64, 4)
+    assert pt.heuristics(shapes(1, 131072, 64)).group_words == pt.WIDE_GROUP_WORDS
+    dense = pt.heuristics(shapes(1, 131072, 1))
+    assert (dense.spread, dense.entries, dense.block) == (False, 1, 1)
 
 
 @pytest.mark.parametrize("block", [1, 4])
@@ -509,3 +586,24 @@ def test_bench_op_digest_smoke(tmp_path):
     rows = json.loads((tmp_path / "digest.json").read_text())["rows"]
     assert len(rows) == len(op_digest.SMOKE_CASES)
     assert all(r["ours_correct"] and r["ours"]["median_us"] > 0 for r in rows)
+
+
+@pytest.mark.e2e
+def test_bench_op_digest_sweep_smoke(tmp_path, capsys):
+    """bench/op_digest.py's launch-config sweep in the smoke mode (the Triton kernels in interpret
+    mode off a GPU): a config override applies to every case (groups of 8 words: each slot's 16
+    spread over two programs), each case runs it and its variants, every one correct, and the best
+    per case is printed."""
+    import json
+
+    from kvcanary_jax.bench import op_digest
+
+    assert op_digest.main(["--smoke", "--sweep", "--config", "group_words=8,spread=1",
+                           "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "digest.json").read_text())["rows"]
+    for case in op_digest.SMOKE_CASES:
+        mine = [r for r in rows if r["case"] == op_digest._case_name(case)]
+        assert len(mine) >= 4 and all(r["ours_correct"] for r in mine)
+        assert mine[0]["config"]["group_words"] == 8 and mine[0]["config"]["spread"] is True
+        assert len({json.dumps(r["config"], sort_keys=True) for r in mine}) == len(mine)
+    assert "best per case:" in capsys.readouterr().out

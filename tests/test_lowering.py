@@ -169,15 +169,15 @@ def _digest_sources():
                         num_bytes_per_token=128, read_bytes=128))
 
 
-def _digest_ops(impl):
+def _digest_ops(impl, config=None):
     """(name, jitted function, its arguments) of digest_write and digest_verify (window 4)."""
     sources = _digest_sources()
-    write = jax.jit(lambda b, s, src: kc.digest_write(b, s, src, implementation=impl),
-                    donate_argnums=0)
+    write = jax.jit(lambda b, s, src: kc.digest_write(b, s, src, implementation=impl,
+                                                      config=config), donate_argnums=0)
 
     def verify_fn(ctx, s, pos, nv, phase, src):
         return kc.digest_verify(ctx, s, pos, nv, phase, window=4, sources=src,
-                                implementation=impl)
+                                implementation=impl, config=config)
 
     ctx = kc.DigestContext.allocate(num_slots=64, ring_capacity=16)
     i32 = jnp.zeros((1,), jnp.int32)
@@ -202,3 +202,32 @@ def test_digest_lowers(platform, impl):
                 assert "tpu_custom_call" in text and DIGEST_KERNELS[impl][0] in text, name
             else:
                 assert "custom_call" not in text, name
+
+
+# The digest's Triton kernels by launch shape: groups spread over programs (partials, then a
+# finishing kernel), and one program looping over a slot's groups.
+DIGEST_SHAPES = {
+    "spread": (dict(group_words=8, spread=True),
+               {"digest_write": ("kvcanary_digest_write_partials", "kvcanary_digest_write_finish"),
+                "digest_verify": ("kvcanary_digest_verify_partials",
+                                  "kvcanary_digest_verify_finish")}),
+    "looped": (dict(group_words=8, spread=False, entries=8, block=2),
+               {"digest_write": ("kvcanary_digest_write",),
+                "digest_verify": ("kvcanary_digest_verify",)}),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(DIGEST_SHAPES))
+def test_digest_launch_shapes_lower_for_cuda(shape):
+    """Each launch shape of the digest's Triton kernels lowers for CUDA, the digests, ring and
+    counters in place (aliased), with the kernels the shape launches."""
+    from kvcanary_jax.ops.digest.pallas_triton import Config
+
+    fields, kernels = DIGEST_SHAPES[shape]
+    with jax.enable_x64(True):
+        for name, fn, args in _digest_ops("pallas_triton", Config(**fields)):
+            text = lower(fn, args, "cuda").as_text()
+            assert "output_operand_alias" in text, name
+            assert text.count("__gpu$xla.gpu.triton") == len(kernels[name]), name
+            for kernel in kernels[name]:
+                assert kernel in text, (name, kernel)

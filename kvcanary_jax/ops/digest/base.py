@@ -43,8 +43,9 @@ append in entry order; ``pallas_triton`` keeps entry order within a block of sel
 the order across blocks is its atomics' (compare as a multiset).
 
 Cost: a verify's work follows the selected entries (about ``1/window`` of them), not the
-capacity: the implementations compact the selected entries first (:func:`selection`,
-:func:`compact`: a prefix sum over the mask) and read KV bytes only for those.
+capacity: ``xla`` and ``pallas_mosaic_tpu`` compact the selected entries first (:func:`selection`,
+:func:`compact`: a prefix sum over the mask), ``pallas_triton`` selects in its kernels (the same
+predicate, chunk by chunk); each reads KV bytes only for the selected entries.
 
 Zero sizes: no entry, or a 0-slot ``digest_buf``, does nothing but count the launch (verify); a
 0-row ring counts violations in ``violation_write_index`` and stores none; a source of 0 rows

@@ -2,31 +2,62 @@
 
 Semantics and bounds: :mod:`kvcanary_jax.ops.digest.base`.
 
-Parallel shape: a program takes ``block`` slots at a time and reads each of their strips
-``lanes`` words per load, a ``[block, lanes]`` tile whose rows are contiguous runs of a slot's
-strip (coalesced); ``unroll`` tiles are loaded before any is hashed, so that many loads are in
-flight per warp (a GPU issues in order and stalls at a load's first use). Terms are summed per
-slot in int64 (wrapping, as the definition's mod 2**64). Sources are static: one unrolled piece
-per source, a loop over its words; views of one buffer read the same kernel argument.
+Parallel shape. A slot's digest is a sum of independent terms, one per word of its sources'
+strips. Take a slot's words in order (source 0's ``read_words``, then source 1's, ...) and cut
+that sequence into *groups* of :class:`Config` ``group_words`` consecutive words (0: one group);
+a group may hold several narrow sources, or part of a wide one (:func:`groups`). The sum mod
+2**64 is associative, so a slot's digest is the sum of its groups' partial sums, in any order
+(int64 wrapping adds). With ``spread``, each group of a block of slots is its own program and a
+finishing kernel adds the partials: a call with few slots then issues its loads from many SMs at
+once instead of one program walking every strip in turn. Without it, a program loops over its
+slots' groups (a loop, not unrolled code: only one group's loads are in flight, which bounds the
+registers; unrolled, the compiler hoists every load of a slot and spills).
 
-* write: a persistent grid over the slots (at most ``max_programs`` programs, grid-stride); each
-  valid slot's digest is stored into ``digest_buf`` (aliased: in place). Duplicate slots store
-  the same bytes.
-* verify: the selected entries are compacted first in XLA (a prefix sum over the mask and one
-  scatter: :func:`kvcanary_jax.ops.digest.base.compact`); the kernel walks the compacted list in
-  blocks of ``block`` entries up to the selected count read from the device (each program a
-  contiguous run of blocks), so the KV read follows the selection. Each block compares its
-  digests with the stored ones and claims its violation rows with one claim under the ring guard
-  (:func:`kvcanary_jax.ops._kernel_lib.claim_rows`): rows keep entry order within a block, the
+Inside a program each source segment of a group is read as ``[block, width]`` tiles (``width``
+= ``lanes``, or the segment's words rounded up to a power of two when fewer), rows being
+contiguous runs of a slot's strip (coalesced; a strip that starts on an even word is hinted as
+such, so that a thread may load 16 bytes at once). A group's tiles are loaded before any is
+hashed (a GPU issues in order and stalls at a load's first use; ``unroll`` tiles a step where a
+long segment loops over its tiles); their terms are added elementwise into one ``[block,
+width]`` accumulator per tile width, reduced once at the end (a reduction across warps costs a
+shared-memory round and barriers). A group's code is static (the sources' specs are), so a
+program reaches its group's code through branches on its group index.
+
+* write: spread, grid ``(slot blocks x groups)``: programs store partials ``[groups, n]`` and a
+  second kernel (``finish`` slots a program) sums each entry's partials in group order and
+  stores them. Otherwise (or with one group) grid ``(slot blocks)``, each program storing its
+  slots' digests (one kernel). Both store into ``digest_buf`` in place; duplicate slots store
+  the same bytes: every entry's digest is the same sum taken in the same order.
+* verify: the selection is part of the kernels. A program scans a chunk of ``entries``
+  consecutive entries (``e < clamp(num_valid)``, ``0 < slot < num_slots``, ``slot % window ==
+  phase mod window``), ranks its selected entries with a prefix sum over the chunk, and hashes
+  them ``block`` at a time, in entry order (with ``entries == block``, the block is the chunk).
+  The work follows the selected entries, not the capacity, without a compaction pass: the grid
+  is static (from the capacity) and a chunk without a selected entry costs one scan of its
+  slots. ``entries`` of about ``window`` expects one selected entry a chunk (the heuristics).
+  Not spread (or one group): the program hashes every group of its entries, compares with the
+  stored digests and records the mismatches (one kernel). Spread: grid ``(chunks x groups)``,
+  programs store partials ``[groups, capacity]`` at their selected entries, and a finishing
+  kernel over chunks of ``finish`` entries selects again, sums the partials, compares and
+  records (two kernels).
+  Records: each block of compared entries claims its rows with one claim under the ring guard
+  (:func:`kvcanary_jax.ops._kernel_lib.claim_rows`): rows keep entry order within a block; the
   order across blocks is the atomics' (in interpret mode, where programs run in order, entry
-  order). Program 0 bumps the counters (``slot_run_counter`` by the selected count).
+  order). ``slot_run_counter`` takes one atomic add per chunk (its selected count),
+  ``kernel_run_counter`` is bumped by program 0.
+
+Why a static grid rather than a persistent one striding over blocks of compacted entries up to a
+count read on the device: the selection is made where the entries are scanned, so no count
+exists before the hashing kernel starts, and a program's loads then follow straight from its own
+chunk (one round trip for the slot ids, one for the strips); a persistent program would chain
+its blocks' round trips one after another, which is the latency a small verify cannot afford.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,230 +65,587 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kvcanary_jax import consts, hashing
-from kvcanary_jax.context import DigestContext, as_words
+from kvcanary_jax.context import DigestContext, SourceSpec, as_words
 from kvcanary_jax.ops import _kernel_lib
 from kvcanary_jax.ops._kernel_lib import append_rows, claim_rows
 from kvcanary_jax.ops.digest import base
 
-__all__ = ["Config", "heuristics", "run", "BLOCK", "LANES", "UNROLL", "NUM_WARPS",
-           "MAX_PROGRAMS"]
+__all__ = ["Config", "heuristics", "run", "Segment", "groups", "GROUP_WORDS", "WIDE_GROUP_WORDS",
+           "LOOP_GROUP_WORDS", "WHOLE_SLOTS_AT", "SPREAD_SLOTS_AT"]
 
-# A [4, 128]-word tile per load (4 KiB; 128 consecutive words of each of 4 slots, 1 KiB runs),
-# two tiles in flight per step, 4 warps: 8 words per thread per step. A slot of a 32-layer model
-# (128 KiB) is 128 loads; a verify at window 64 of a 64k-entry plan selects about 1,000 slots,
-# 250 blocks, about two per H200 SM. The persistent grid: 8 programs per SM of the H200's 132
-# (a verify's grid is sized for its capacity, most of whose entries a window leaves out; programs
-# past the selected blocks exit at once). Untuned: bench/op_digest.py measures the shapes.
-BLOCK = 4
-LANES = 128
-UNROLL = 2
+# Launch defaults (bench/NOTES.md, "the KV digest's kernels", has the predictions behind them).
+# A slot of the benchmark's model (32 layers of a fused 8 x 128 bf16 K/V row) is 16,384 words, one
+# 512-word strip a layer. A call with few slots (a write's entries, a verify's expected selected
+# entries) spreads each slot over programs: groups of GROUP_WORDS (one 4 KiB strip: a decode
+# step's 8 new tokens are 256 programs), WIDE_GROUP_WORDS from SPREAD_SLOTS_AT slots. From
+# WHOLE_SLOTS_AT a program hashes whole slots (one kernel, no partials), looping over groups of
+# LOOP_GROUP_WORDS (16 KiB of loads in flight a program).
+GROUP_WORDS = 512
+WIDE_GROUP_WORDS = 4096
+LOOP_GROUP_WORDS = 2048
+SPREAD_SLOTS_AT = 1024
+WHOLE_SLOTS_AT = 4096
+LANES = 512
+UNROLL = 4
+FINISH = 128
 NUM_WARPS = 4
 NUM_STAGES = 1
-MAX_PROGRAMS = 8 * 132
+# A chunk of more than this many entries costs registers (its slots, ranks and the match of a
+# block against them) for no gain: the scan is already short against a strip's hash.
+MAX_ENTRIES = 1024
+# Partial sums loaded at once by a finishing program (more groups loop over batches of this).
+PARTIALS_AT_ONCE = 32
+# A segment with at least this many batches of ``unroll`` tiles loops over them; fewer are
+# unrolled (and batched with the group's other segments).
+LOOP_BATCHES = 2
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Launch parameters (results do not depend on them): ``block`` slots per step, ``lanes``
-    words per slot per load, ``unroll`` loads issued before they are hashed (powers of two),
-    ``num_warps``, ``num_stages``, ``max_programs`` (the persistent grid's cap). ``interpret``:
-    Pallas interpret mode (any backend; what ``pallas_interpret`` runs)."""
-
-    block: int = BLOCK
-    lanes: int = LANES
-    unroll: int = UNROLL
-    num_warps: int = NUM_WARPS
-    num_stages: int = NUM_STAGES
-    max_programs: int = MAX_PROGRAMS
-    interpret: bool = False
-
-    def __post_init__(self):
-        _kernel_lib.check_interpret("digest", self.interpret)
-        pow2 = lambda n: n >= 1 and not n & (n - 1)  # noqa: E731
-        if not (pow2(self.block) and pow2(self.lanes) and pow2(self.unroll)) or \
-                self.num_warps < 1 or self.num_stages < 1 or self.max_programs < 1:
-            raise ValueError(f"kv-canary digest: bad launch parameters block={self.block} "
-                             f"lanes={self.lanes} unroll={self.unroll} (powers of two) "
-                             f"num_warps={self.num_warps} max_programs={self.max_programs}")
-
-
-def heuristics(shapes: Mapping[str, int]) -> Config:
-    """The defaults; narrow strips (under ``lanes`` words a source) take narrower tiles in the
-    kernel itself."""
-    return Config()
+def _pow2(n: int) -> bool:
+    return n >= 1 and not n & (n - 1)
 
 
 def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _slot_digests(slot, ok, refs, specs, *, lanes: int, unroll: int):
-    """The digests (int64 ``[block]``) of ``slot`` where ``ok`` (a valid slot; the value is
-    meaningless elsewhere). Per source a loop over its strip, ``unroll`` tiles of ``[block,
-    lanes]`` words loaded, then hashed; masked lanes read nothing."""
-    acc = jnp.zeros(slot.shape, jnp.int64)
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Launch parameters (results do not depend on them):
+
+    * ``block``: slots (write) or selected entries (verify) a program hashes at once;
+    * ``group_words``: words of a slot hashed by one program step (0: all of them);
+    * ``spread``: several groups go to separate programs, whose partials a finishing kernel sums
+      (two kernels); else a program loops over a slot's groups (one kernel);
+    * ``lanes``: words of a strip per tile row; ``unroll``: tiles loaded before any is hashed
+      where a segment loops over its tiles;
+    * ``entries``: entries a verify program scans (a multiple of ``block``);
+    * ``finish``: entries (slots) per program of the finishing kernel;
+    * ``num_warps``, ``num_stages``: Triton's.
+
+    ``block``, ``lanes``, ``entries`` and ``finish`` are powers of two. ``interpret``: Pallas
+    interpret mode (any backend; what ``pallas_interpret`` runs)."""
+
+    block: int = 1
+    group_words: int = GROUP_WORDS
+    spread: bool = True
+    lanes: int = LANES
+    unroll: int = UNROLL
+    entries: int = 64
+    finish: int = FINISH
+    num_warps: int = NUM_WARPS
+    num_stages: int = NUM_STAGES
+    interpret: bool = False
+
+    def __post_init__(self):
+        _kernel_lib.check_interpret("digest", self.interpret)
+        ok = all(_pow2(v) for v in (self.block, self.lanes, self.entries, self.finish)) and \
+            self.entries >= self.block and self.unroll >= 1 and self.group_words >= 0 and \
+            isinstance(self.spread, bool) and self.num_warps >= 1 and self.num_stages >= 1
+        if not ok:
+            raise ValueError(
+                f"kv-canary digest: bad launch parameters block={self.block} lanes={self.lanes} "
+                f"entries={self.entries} finish={self.finish} (powers of two, entries >= block) "
+                f"unroll={self.unroll} group_words={self.group_words} (>= 0) "
+                f"spread={self.spread!r} (a bool) num_warps={self.num_warps} "
+                f"num_stages={self.num_stages} (>= 1)")
+
+
+def _entries_for(window: int, block: int) -> int:
+    """A chunk of about ``window`` entries: one selected entry expected (slots spread evenly over
+    the phases), so one block of ``block`` takes nearly every chunk's in one step."""
+    return min(MAX_ENTRIES, max(block, _pow2_at_least(window)))
+
+
+def heuristics(shapes: Mapping[str, int]) -> Config:
+    """By the number of slots a call hashes (a write's entries; a verify's expected selected
+    entries, capacity / window): a few are spread over programs in groups of
+    :data:`GROUP_WORDS` (two kernels), more in groups of :data:`WIDE_GROUP_WORDS`, and from
+    :data:`WHOLE_SLOTS_AT` a program hashes whole slots (one kernel). A verify's chunk is about
+    ``window`` entries (one selected expected); with few slots its block of 4 takes a chunk's
+    selected entries in one step but for the rare chunk of more than 4, instead of a chain of
+    steps."""
+    if shapes["verify"]:
+        window = shapes["window"]
+        expected = shapes["capacity"] // window
+    else:
+        window, expected = 1, shapes["capacity"]
+    if expected >= WHOLE_SLOTS_AT:
+        return Config(block=1, group_words=LOOP_GROUP_WORDS, spread=False,
+                      entries=_entries_for(window, 1))
+    if expected >= SPREAD_SLOTS_AT:
+        return Config(block=1, group_words=WIDE_GROUP_WORDS, entries=_entries_for(window, 1))
+    block = 4 if shapes["verify"] else 1
+    return Config(block=block, group_words=GROUP_WORDS, entries=_entries_for(window, block))
+
+
+# ---------------------------------------------------------------------------------------------
+# Groups of a slot's words.
+
+
+class Segment(NamedTuple):
+    """Words ``[first, first + words)`` of source ``source``'s strip (its salt index), read from
+    kernel argument ``buffer`` as ``spec`` addresses it."""
+
+    source: int
+    buffer: int
+    spec: SourceSpec
+    first: int
+    words: int
+
+
+def groups(specs, group_words: int) -> tuple[tuple[Segment, ...], ...]:
+    """The sources' words (``specs``: ``(buffer, SourceSpec)`` per source, in order) cut into
+    groups of ``group_words`` consecutive words (0: one group; the last may be shorter). Always at
+    least one group (an empty one when no source has a word)."""
+    out, cur, used = [], [], 0
     for j, (b, spec) in enumerate(specs):
-        ref = refs[b]
-        idt = _kernel_lib.index_dtype(ref.shape[0])
-        words = spec.read_words
-        width = min(lanes, _pow2_at_least(words))
-        chunks = -(-words // width)
-        group = min(unroll, chunks)
-        lane = jnp.arange(width, dtype=jnp.int32)
-        s = jnp.where(ok, slot, 0).astype(jnp.int64)
-        row = s // spec.page_size
-        row_ok = ok & (row < spec.num_rows)
-        start = spec.word_offset + row * spec.row_stride_words + \
-            (s % spec.page_size) * spec.nbpt_words
-        start = jnp.where(row_ok, start, 0).astype(idt)
+        first = 0
+        while first < spec.read_words:
+            room = spec.read_words - first
+            take = room if not group_words else min(room, group_words - used)
+            cur.append(Segment(j, b, spec, first, take))
+            first += take
+            used += take
+            if group_words and used == group_words:
+                out.append(tuple(cur))
+                cur, used = [], 0
+    if cur or not out:
+        out.append(tuple(cur))
+    return tuple(out)
 
-        def tiles(first, count, part, j=j, ref=ref, idt=idt, start=start, row_ok=row_ok,
-                  lane=lane, width=width, words=words):
-            # ``count`` tiles loaded, then hashed: word ``first + t * width + lane`` of tile t.
-            loaded = []
-            for t in range(count):
-                i = first + t * width + lane
-                in_strip = i < words
-                m = row_ok[:, None] & in_strip[None, :]
-                at = start[:, None] + jnp.where(in_strip, i, 0).astype(idt)[None, :]
-                loaded.append((i, in_strip, plt.load(ref.at[at], mask=m, other=0)))
-            for i, in_strip, w in loaded:
-                term = hashing.digest_term(w, j, i.astype(jnp.int64)[None, :])
-                part = part + jnp.sum(jnp.where(in_strip[None, :], term, 0), axis=1)
-            return part
 
-        full, rest = divmod(chunks, group)
-        part = jnp.zeros(slot.shape, jnp.int64)
-        if full == 1:
-            part = tiles(jnp.int32(0), group, part)
-        elif full > 1:
-            part = jax.lax.fori_loop(
-                0, full, lambda c, p: tiles(c * (group * width), group, p), part)
+# ---------------------------------------------------------------------------------------------
+# Hashing a group of a block of slots.
+
+
+class _Strip(NamedTuple):
+    """Where a block's strips of one source start (``start``, int words of the buffer; 0 where
+    ``row_ok`` is off), the buffer and its index dtype."""
+
+    ref: object
+    idt: object
+    start: object
+    row_ok: object
+    source: int
+
+
+def _strip(slot, ok, ref, seg: Segment) -> _Strip:
+    spec = seg.spec
+    idt = _kernel_lib.index_dtype(ref.shape[0])
+    s = jnp.where(ok, slot, 0).astype(jnp.int64)  # >= 0 from here: truncating = floor division
+    if spec.page_size == 1:
+        row, in_page = s, None
+    else:
+        row = jax.lax.div(s, jnp.int64(spec.page_size))
+        in_page = s - row * spec.page_size
+    row_ok = ok & (row < spec.num_rows)
+    start = spec.word_offset + row * spec.row_stride_words
+    if in_page is not None:
+        start = start + in_page * spec.nbpt_words
+    start = jnp.where(row_ok, start + seg.first, 0).astype(idt)
+    if (spec.word_offset + seg.first) % 2 == 0 and spec.row_stride_words % 2 == 0 and \
+            (spec.page_size == 1 or spec.nbpt_words % 2 == 0):
+        # Every strip starts on an even word (16 bytes): lets a thread load two words at once.
+        start = pl.multiple_of(start, 2)
+    return _Strip(ref, idt, start, row_ok, seg.source)
+
+
+def _load_tile(st: _Strip, first, width: int, count: int, num_rows: int):
+    """Tile of words ``[first, first + width)`` of the segment (``count`` of them in the strip):
+    ``(index within the source's strip (int32 [width]), in-strip mask or None, words [block,
+    width])``. Masked lanes read nothing (and rows past the source's rows read zero words)."""
+    lane = jnp.arange(width, dtype=jnp.int32)
+    rel = first + lane
+    in_strip = lane < count if count < width else None
+    block = st.start.shape[0]
+    if num_rows == 0:
+        return rel, in_strip, jnp.zeros((block, width), jnp.int64)
+    off = rel if in_strip is None else jnp.where(in_strip, rel, 0)
+    at = st.start[:, None] + off.astype(st.idt)[None, :]
+    mask = st.row_ok[:, None] & (True if in_strip is None else in_strip[None, :])
+    mask = jnp.broadcast_to(mask, (block, width))
+    return rel, in_strip, plt.load(st.ref.at[at], mask=mask, other=0)
+
+
+def _hash_tiles(loaded, accs):
+    """Adds the terms of ``loaded`` tiles (``(strip, seg first, tile, ...)``) to ``accs`` (width ->
+    ``[block, width]`` int64)."""
+    accs = dict(accs)
+    for st, seg_first, (rel, in_strip, words) in loaded:
+        index = (rel + seg_first).astype(jnp.int64)[None, :]
+        term = hashing.digest_term(words, st.source, index)
+        if in_strip is not None:
+            term = jnp.where(in_strip[None, :], term, 0)
+        width = words.shape[1]
+        accs[width] = term if width not in accs else accs[width] + term
+    return accs
+
+
+def _group_partial(slot, ok, refs, segs, *, lanes: int, unroll: int):
+    """int64 ``[block]``: the sum of the terms of ``segs``' words of ``slot`` (meaningful where
+    ``ok``). Tiles are loaded ``unroll`` at a time before they are hashed; a segment with many
+    tiles loops over its batches."""
+    block = slot.shape[0]
+    accs = {}
+    pending = []  # (strip, segment, tile's first word in the segment, width, count), unrolled
+    for seg in segs:
+        st = _strip(slot, ok, refs[seg.buffer], seg)
+        width = min(lanes, _pow2_at_least(seg.words))
+        full, rest = divmod(seg.words, width)
+        batches = full // unroll
+        done = 0
+        if batches >= LOOP_BATCHES:
+
+            def batch(c, acc, st=st, seg=seg, width=width):
+                loaded = [(st, seg.first, _load_tile(st, (c * unroll + u) * width, width, width,
+                                                     seg.spec.num_rows))
+                          for u in range(unroll)]
+                return _hash_tiles(loaded, {width: acc})[width]
+
+            init = accs.get(width, jnp.zeros((block, width), jnp.int64))
+            accs[width] = jax.lax.fori_loop(0, batches, batch, init)
+            done = batches * unroll
+        pending += [(st, seg, t * width, width, width) for t in range(done, full)]
         if rest:
-            part = tiles(jnp.int32(full * group * width), rest, part)
-        acc = acc + part
+            pending.append((st, seg, full * width, width, rest))
+    for k in range(0, len(pending), unroll):
+        loaded = [(st, seg.first, _load_tile(st, first, width, count, seg.spec.num_rows))
+                  for st, seg, first, width, count in pending[k:k + unroll]]
+        accs = _hash_tiles(loaded, accs)
+    total = jnp.zeros((block,), jnp.int64)
+    for acc in accs.values():
+        total = total + jnp.sum(acc, axis=1)
+    return total
+
+
+def _switch(i, fns, lo: int = 0):
+    """``fns[i - lo]()`` for a traced ``i``: a balanced tree of two-way branches (a group's code
+    is static, so a program reaches its group's code through branches)."""
+    if len(fns) == 1:
+        return fns[0]()
+    mid = len(fns) // 2
+    return jax.lax.cond(i < lo + mid, lambda: _switch(i, fns[:mid], lo),
+                        lambda: _switch(i, fns[mid:], lo + mid))
+
+
+def _slot_partial(slot, ok, refs, group_list, *, lanes: int, unroll: int):
+    """int64 ``[block]``: the digests of ``slot`` (meaningful where ``ok``), its groups hashed one
+    after another by a loop: a group's loads are issued together and the next group's only after
+    them, which bounds the words in flight (and the registers) by ``group_words`` (unrolled, the
+    compiler hoists every load of a slot and spills)."""
+    part = functools.partial(_group_partial, slot, ok, refs, lanes=lanes, unroll=unroll)
+    if len(group_list) == 1:
+        return part(group_list[0])
+    fns = [functools.partial(part, segs) for segs in group_list]
+    return jax.lax.fori_loop(0, len(fns), lambda gi, acc: acc + _switch(gi, fns),
+                             jnp.zeros(slot.shape, jnp.int64))
+
+
+def _by_group(g, group_list, body):
+    """``body(index, segments)`` for the program's group ``g`` (a traced int32): one branch per
+    group (a group's code is static)."""
+    if len(group_list) == 1:
+        body(0, group_list[0])
+        return
+    for gi, segs in enumerate(group_list):
+        pl.when(g == gi)(functools.partial(body, gi, segs))
+
+
+def _split_program(num_groups: int):
+    """``(block or chunk index, group index)`` of this program (programs of one block are
+    adjacent: they share its slots in the caches)."""
+    p = pl.program_id(0)
+    if num_groups == 1:
+        return p, jnp.int32(0)
+    return jax.lax.div(p, jnp.int32(num_groups)), jax.lax.rem(p, jnp.int32(num_groups))
+
+
+def _sum_partials(part_ref, k, n: int, num_groups: int, mask):
+    """int64: ``sum over g of part_ref[g * n + k]`` where ``mask`` (partials ``[groups, n]``
+    flat), in group order; loads :data:`PARTIALS_AT_ONCE` groups at a time."""
+    idt = _kernel_lib.index_dtype(num_groups * n + 1)
+    k = jnp.where(mask, k, 0).astype(idt)
+
+    def some(first, count, acc):
+        vals = [plt.load(part_ref.at[k + (first + g) * n], mask=mask, other=0)
+                for g in range(count)]
+        for v in vals:
+            acc = acc + v
+        return acc
+
+    acc = jnp.zeros(k.shape, jnp.int64)
+    full, rest = divmod(num_groups, PARTIALS_AT_ONCE)
+    if full == 1:
+        acc = some(0, PARTIALS_AT_ONCE, acc)
+    elif full > 1:
+        acc = jax.lax.fori_loop(
+            0, full, lambda c, a: some((c * PARTIALS_AT_ONCE).astype(idt), PARTIALS_AT_ONCE, a),
+            acc)
+    if rest:
+        acc = some(full * PARTIALS_AT_ONCE, rest, acc)
     return acc
 
 
-def _grid(count: int, config: Config) -> int:
-    return max(1, min(config.max_programs, pl.cdiv(count, config.block)))
+# ---------------------------------------------------------------------------------------------
+# Write.
 
 
-def _write_kernel(slots_ref, *refs, specs, nbuf, num_slots, block, num_programs, lanes,
-                  unroll):
+def _write_kernel(slots_ref, *refs, group_list, nbuf, num_slots, block, lanes, unroll):
+    """One program a block of slots, every group: the digests, stored."""
     srcs, out = refs[:nbuf], refs[nbuf + 1]  # refs[nbuf]: digest_buf in (aliased to out)
     n = slots_ref.shape[0]
-    p = pl.program_id(0)
-    r = jnp.arange(block, dtype=jnp.int32)
+    k = pl.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)
+    in_plan = k < n
+    slot = plt.load(slots_ref.at[jnp.where(in_plan, k, 0)], mask=in_plan, other=-1)
+    ok = in_plan & (slot >= 0) & (slot < num_slots)
+    d = _slot_partial(slot, ok, srcs, group_list, lanes=lanes, unroll=unroll)
+    _kernel_lib.scatter(out, slot, d, ok)
 
-    def body(b):
-        k = b * block + r
-        in_plan = k < n
-        slot = plt.load(slots_ref.at[jnp.where(in_plan, k, 0)], mask=in_plan, other=-1)
-        ok = in_plan & (slot >= 0) & (slot < num_slots)
-        d = _slot_digests(slot, ok, srcs, specs, lanes=lanes, unroll=unroll)
-        _kernel_lib.scatter(out, slot, d, ok)
 
-    nblocks = pl.cdiv(n, block)
-    if num_programs >= nblocks:
-        body(p)
-        return
-    trips = (nblocks - p + num_programs - 1) // num_programs
-    jax.lax.fori_loop(0, trips, lambda t, c: (body(p + t * num_programs), c)[1], 0)
+def _write_partials_kernel(slots_ref, *refs, group_list, nbuf, num_slots, block, lanes, unroll):
+    """One program a block of slots and a group: the group's partials."""
+    srcs, out = refs[:nbuf], refs[nbuf]
+    n = slots_ref.shape[0]
+    b, g = _split_program(len(group_list))
+    k = b * block + jnp.arange(block, dtype=jnp.int32)
+    in_plan = k < n
+    slot = plt.load(slots_ref.at[jnp.where(in_plan, k, 0)], mask=in_plan, other=-1)
+    ok = in_plan & (slot >= 0) & (slot < num_slots)
+
+    def body(gi, segs):
+        d = _group_partial(slot, ok, srcs, segs, lanes=lanes, unroll=unroll)
+        _kernel_lib.scatter(out, k.astype(jnp.int64) + gi * n, d, ok)
+
+    _by_group(g, group_list, body)
+
+
+def _write_finish_kernel(slots_ref, part_ref, digest_in, digest_out, *, num_groups, num_slots,
+                         finish):
+    del digest_in  # aliased to digest_out
+    n = slots_ref.shape[0]
+    k = pl.program_id(0) * finish + jnp.arange(finish, dtype=jnp.int32)
+    in_plan = k < n
+    slot = plt.load(slots_ref.at[jnp.where(in_plan, k, 0)], mask=in_plan, other=-1)
+    ok = in_plan & (slot >= 0) & (slot < num_slots)
+    _kernel_lib.scatter(digest_out, slot, _sum_partials(part_ref, k, n, num_groups, ok), ok)
+
+
+def _params(config: Config):
+    return None if config.interpret else _kernel_lib.compiler_params(config.num_warps,
+                                                                       config.num_stages)
 
 
 def write(digest_buf, slots, sources: base.BoundSources, *, config: Config):
     nbuf = len(sources.buffers)
     n = slots.shape[0]
-    num_programs = _grid(n, config)
-    kernel = functools.partial(
-        _write_kernel, specs=sources.specs, nbuf=nbuf, num_slots=digest_buf.shape[0],
-        block=config.block, num_programs=num_programs, lanes=config.lanes, unroll=config.unroll)
+    group_list = groups(sources.specs, config.group_words)
+    args = dict(group_list=group_list, nbuf=nbuf, num_slots=digest_buf.shape[0],
+                block=config.block, lanes=config.lanes, unroll=config.unroll)
     ins = [slots, *(as_words(b) for b in sources.buffers)]
+    blocks = pl.cdiv(n, config.block)
+    if not (config.spread and len(group_list) > 1):
+        return pl.pallas_call(
+            functools.partial(_write_kernel, **args),
+            out_shape=jax.ShapeDtypeStruct(digest_buf.shape, digest_buf.dtype),
+            grid=(blocks,), input_output_aliases={len(ins): 0}, interpret=config.interpret,
+            compiler_params=_params(config), name="kvcanary_digest_write",
+        )(*ins, digest_buf)
+    partials = pl.pallas_call(
+        functools.partial(_write_partials_kernel, **args),
+        out_shape=jax.ShapeDtypeStruct((len(group_list) * n,), jnp.int64),
+        grid=(blocks * len(group_list),), interpret=config.interpret,
+        compiler_params=_params(config), name="kvcanary_digest_write_partials",
+    )(*ins)
+    finish = functools.partial(_write_finish_kernel, num_groups=len(group_list),
+                               num_slots=digest_buf.shape[0], finish=config.finish)
     return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(digest_buf.shape, digest_buf.dtype),
-        grid=(num_programs,),
-        input_output_aliases={len(ins): 0},
-        interpret=config.interpret,
-        compiler_params=None if config.interpret else _kernel_lib.compiler_params(
-            config.num_warps, config.num_stages),
-        name="kvcanary_digest_write",
-    )(*ins, digest_buf)
+        finish, out_shape=jax.ShapeDtypeStruct(digest_buf.shape, digest_buf.dtype),
+        grid=(pl.cdiv(n, config.finish),), input_output_aliases={2: 0},
+        interpret=config.interpret, compiler_params=_params(config),
+        name="kvcanary_digest_write_finish",
+    )(slots, partials, digest_buf)
 
 
-def _verify_kernel(order_ref, count_ref, slots_ref, pos_ref, digest_ref, *refs, specs, nbuf,
-                   kind, ring_cap, block, num_programs, lanes, unroll):
+# ---------------------------------------------------------------------------------------------
+# Verify.
+
+
+def _select(slots_ref, nv_ref, phase_ref, first, size: int, *, window: int, num_slots: int):
+    """Entries ``[first, first + size)``: ``(e (int32), slot (int64), selected)``; the selection
+    of :func:`kvcanary_jax.ops.digest.base.selection`."""
+    cap = slots_ref.shape[0]
+    e = first + jnp.arange(size, dtype=jnp.int32)
+    in_cap = e < cap
+    slot = plt.load(slots_ref.at[jnp.where(in_cap, e, 0)], mask=in_cap, other=0)
+    active = jnp.clip(nv_ref[0], 0, cap)
+    sel = (e < active) & (slot > consts.TOKEN_TO_KV_SLOT_PADDING) & (slot < num_slots)
+    if window > 1:
+        # floor mod: in [0, window); int64, as a static window may pass 2**31
+        phase = jnp.remainder(phase_ref[0].astype(jnp.int64), jnp.int64(window))
+        s = jnp.where(sel, slot, 0)  # >= 0: truncating remainder = floor
+        rem = s & (window - 1) if _pow2(window) else jax.lax.rem(s, jnp.int64(window))
+        sel = sel & (rem == phase)
+    return e, slot, sel
+
+
+def _count(sctr, flags):
+    """``slot_run_counter += sum(flags)`` (one atomic add, none for 0)."""
+    count = jnp.sum(flags)
+
+    @pl.when(count > 0)
+    def _add():
+        plt.atomic_add(sctr, jnp.int32(0), count.astype(jnp.int64))
+
+
+def _record(digest_ref, pos_ref, ring, widx, e, slot, live, d, *, kind, ring_cap, most):
+    """Compares the digests ``d`` of entries ``e`` (where ``live``) with the stored ones and
+    appends the mismatches' rows, in entry order, under one claim."""
+    i64 = jnp.int64
+    stored = _kernel_lib.gather(digest_ref, slot, live)
+    viol = live & (stored != d)
+    flags = viol.astype(jnp.int32)
+    total = jnp.sum(flags, dtype=jnp.int32)
+
+    @pl.when(total > 0)
+    def _append():
+        n = e.shape[0]
+        pos = _kernel_lib.gather(pos_ref, e, viol)
+        w0 = claim_rows(widx, total, most)
+        rel = jnp.cumsum(flags, dtype=jnp.int32) - flags
+        zero = jnp.zeros((n,), i64)
+        append_rows(ring, w0, rel, viol, ring_cap, (
+            jnp.full((n,), kind, i64), slot, pos, zero, zero, stored, d,
+            jnp.full((n,), consts.KV_DIGEST_MISMATCH, i64)))
+
+
+def _blocks_of_chunk(e, slot, sel, block: int, visit):
+    """``visit(entries, slots, live)`` for the selected entries of a chunk, ``block`` at a time
+    in entry order (a prefix sum ranks them; a block gathers its ranks' entries)."""
+    size = e.shape[0]
+    if size == block:
+        @pl.when(jnp.sum(sel.astype(jnp.int32)) > 0)
+        def _one():
+            visit(e, slot, sel)
+        return
+    flags = sel.astype(jnp.int32)
+    rank = jnp.cumsum(flags, dtype=jnp.int32) - flags
+    count = jnp.sum(flags, dtype=jnp.int32)
+
+    def trip(t, carry):
+        k = t * block + jnp.arange(block, dtype=jnp.int32)
+        match = sel[None, :] & (rank[None, :] == k[:, None])
+        ent = jnp.sum(jnp.where(match, e[None, :], 0), axis=1, dtype=jnp.int32)
+        picked = jnp.sum(jnp.where(match, slot[None, :], 0), axis=1, dtype=jnp.int64)
+        visit(ent, picked, k < count)
+        return carry
+
+    jax.lax.fori_loop(0, (count + (block - 1)) // block, trip, 0)
+
+
+def _verify_kernel(slots_ref, pos_ref, nv_ref, phase_ref, digest_ref, *refs, group_list, nbuf,
+                   kind, ring_cap, window, num_slots, block, entries, lanes, unroll):
+    """One program a chunk, every group: select, hash, compare, record."""
     srcs = refs[:nbuf]
     ring, widx, sctr, kctr = refs[nbuf + 4:]
-    cap = order_ref.shape[0]
-    p = pl.program_id(0)
-    count = count_ref[0]
-    i64 = jnp.int64
+    c = pl.program_id(0)
+    cap = slots_ref.shape[0]
 
-    @pl.when(p == 0)
-    def _counters():
+    @pl.when(c == 0)
+    def _launch():
         kctr[0] = kctr[0] + 1
-        sctr[0] = sctr[0] + count.astype(i64)
 
-    r = jnp.arange(block, dtype=jnp.int32)
+    e, slot, sel = _select(slots_ref, nv_ref, phase_ref, c * entries, entries, window=window,
+                           num_slots=num_slots)
+    _count(sctr, sel.astype(jnp.int32))
 
-    def body(b):
-        k = b * block + r
-        live = k < count
-        e = plt.load(order_ref.at[jnp.where(live, k, 0)], mask=live, other=0)
-        e = jnp.where(live, e, 0)
-        slot = plt.load(slots_ref.at[e], mask=live, other=0)
-        pos = plt.load(pos_ref.at[e], mask=live, other=0)
-        d = _slot_digests(slot, live, srcs, specs, lanes=lanes, unroll=unroll)
-        stored = _kernel_lib.gather(digest_ref, slot, live)
-        viol = live & (stored != d)
-        flags = viol.astype(jnp.int32)
-        total = jnp.sum(flags, dtype=jnp.int32)
+    def visit(ent, picked, live):
+        d = _slot_partial(picked, live, srcs, group_list, lanes=lanes, unroll=unroll)
+        _record(digest_ref, pos_ref, ring, widx, ent, picked, live, d, kind=kind,
+                ring_cap=ring_cap, most=cap)
 
-        @pl.when(total > 0)
-        def _record():
-            w0 = claim_rows(widx, total, cap)
-            rel = jnp.cumsum(flags, dtype=jnp.int32) - flags
-            zero = jnp.zeros((block,), i64)
-            append_rows(ring, w0, rel, viol, ring_cap, (
-                jnp.full((block,), kind, i64), slot, pos, zero, zero, stored, d,
-                jnp.full((block,), consts.KV_DIGEST_MISMATCH, i64)))
+    _blocks_of_chunk(e, slot, sel, block, visit)
 
-    # Program p takes a contiguous run of the selected blocks: programs that run one after
-    # another (interpret mode) append their rows in entry order.
-    nblocks = (count + (block - 1)) // block
-    per = (nblocks + (num_programs - 1)) // num_programs
-    first = p * per
-    trips = jnp.clip(nblocks - first, 0, per)
-    jax.lax.fori_loop(0, trips, lambda t, c: (body(first + t), c)[1], 0)
+
+def _verify_partials_kernel(slots_ref, nv_ref, phase_ref, *refs, group_list, nbuf, window,
+                            num_slots, block, entries, lanes, unroll):
+    """One program a chunk and a group: the selected entries' partials of the group."""
+    srcs, part = refs[:nbuf], refs[nbuf]
+    cap = slots_ref.shape[0]
+    c, g = _split_program(len(group_list))
+    e, slot, sel = _select(slots_ref, nv_ref, phase_ref, c * entries, entries, window=window,
+                           num_slots=num_slots)
+
+    def body(gi, segs):
+        def visit(ent, picked, live):
+            d = _group_partial(picked, live, srcs, segs, lanes=lanes, unroll=unroll)
+            _kernel_lib.scatter(part, ent.astype(jnp.int64) + gi * cap, d, live)
+
+        _blocks_of_chunk(e, slot, sel, block, visit)
+
+    _by_group(g, group_list, body)
+
+
+def _verify_finish_kernel(slots_ref, pos_ref, nv_ref, phase_ref, digest_ref, part_ref, *refs,
+                          num_groups, kind, ring_cap, window, num_slots, finish):
+    """After the partials: select again, sum the partials, compare, record."""
+    ring, widx, sctr, kctr = refs[4:]
+    q = pl.program_id(0)
+    cap = slots_ref.shape[0]
+
+    @pl.when(q == 0)
+    def _launch():
+        kctr[0] = kctr[0] + 1
+
+    e, slot, sel = _select(slots_ref, nv_ref, phase_ref, q * finish, finish, window=window,
+                           num_slots=num_slots)
+    flags = sel.astype(jnp.int32)
+    _count(sctr, flags)
+
+    @pl.when(jnp.sum(flags) > 0)
+    def _check():
+        d = _sum_partials(part_ref, e, cap, num_groups, sel)
+        _record(digest_ref, pos_ref, ring, widx, e, slot, sel, d, kind=kind, ring_cap=ring_cap,
+                most=cap)
 
 
 def verify(context: DigestContext, slots, positions, num_valid, phase,
            sources: base.BoundSources, *, window: int, config: Config) -> DigestContext:
     nbuf = len(sources.buffers)
     cap = slots.shape[0]
-    order, count = base.compact(base.selection(
-        slots, num_valid, phase, window=window, num_slots=context.digest_buf.shape[0]))
-    num_programs = _grid(cap, config)
-    kernel = functools.partial(
-        _verify_kernel, specs=sources.specs, nbuf=nbuf, kind=int(context.kernel_kind),
-        ring_cap=context.violation_ring.shape[0], block=config.block,
-        num_programs=num_programs, lanes=config.lanes, unroll=config.unroll)
-    ins = [order, count, slots, positions, context.digest_buf,
-           *(as_words(b) for b in sources.buffers)]
+    num_slots = context.digest_buf.shape[0]
+    group_list = groups(sources.specs, config.group_words)
+    entries = config.entries
+    hashing_args = dict(group_list=group_list, nbuf=nbuf, window=window, num_slots=num_slots,
+                        block=config.block, entries=entries, lanes=config.lanes,
+                        unroll=config.unroll)
+    record_args = dict(kind=int(context.kernel_kind), ring_cap=context.violation_ring.shape[0],
+                       window=window, num_slots=num_slots)
+    words = [as_words(b) for b in sources.buffers]
     # The write index is passed as a scalar: the ring guard's compare-and-swap needs a scalar ref.
     outs = [context.violation_ring.reshape(-1), context.violation_write_index.reshape(()),
             context.slot_run_counter, context.kernel_run_counter]
+    out_shape = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
+    chunks = pl.cdiv(cap, entries)
+    if not (config.spread and len(group_list) > 1):
+        ins = [slots, positions, num_valid, phase, context.digest_buf, *words]
+        kernel = functools.partial(_verify_kernel, **hashing_args, kind=record_args["kind"],
+                                   ring_cap=record_args["ring_cap"])
+        name, grid = "kvcanary_digest_verify", (chunks,)
+    else:
+        partials = pl.pallas_call(
+            functools.partial(_verify_partials_kernel, **hashing_args),
+            out_shape=jax.ShapeDtypeStruct((len(group_list) * cap,), jnp.int64),
+            grid=(chunks * len(group_list),), interpret=config.interpret,
+            compiler_params=_params(config), name="kvcanary_digest_verify_partials",
+        )(slots, num_valid, phase, *words)
+        ins = [slots, positions, num_valid, phase, context.digest_buf, partials]
+        kernel = functools.partial(_verify_finish_kernel, num_groups=len(group_list),
+                                   finish=config.finish, **record_args)
+        name, grid = "kvcanary_digest_verify_finish", (pl.cdiv(cap, config.finish),)
     ring, widx, sctr, kctr = pl.pallas_call(
-        kernel,
-        out_shape=[jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs],
-        grid=(num_programs,),
+        kernel, out_shape=out_shape, grid=grid,
         input_output_aliases={len(ins) + j: j for j in range(len(outs))},
-        interpret=config.interpret,
-        compiler_params=None if config.interpret else _kernel_lib.compiler_params(
-            config.num_warps, config.num_stages),
-        name="kvcanary_digest_verify",
+        interpret=config.interpret, compiler_params=_params(config), name=name,
     )(*ins, *outs)
     return context.replace(violation_ring=ring.reshape(context.violation_ring.shape),
                            violation_write_index=widx.reshape(1), slot_run_counter=sctr,
