@@ -42,7 +42,7 @@ R3_PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 31, 32, 33]  # R1's prompt, then it
 
 
 def world():
-    return life.World(page_size=1, pool_size=36, layout="0.0.2", kv_write="legacy",
+    return life.World(page_size=1, pool_size=36, layout="pool", kv_write="legacy",
                       tokens="feed")
 
 

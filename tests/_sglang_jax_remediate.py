@@ -33,7 +33,7 @@ from kvcanary_jax.integrations import sglang_jax as ksj  # noqa: E402
 
 
 def main() -> None:
-    w = life.World(page_size=1, pool_size=36, layout="0.0.2", kv_write="legacy", tokens="feed")
+    w = life.World(page_size=1, pool_size=36, layout="pool", kv_write="legacy", tokens="feed")
     remedy = ksj.Remediator(w.tree)
     mgr = ksj.canary_manager(w.canary, "log", on_violation=remedy)
     report = {"reports": []}

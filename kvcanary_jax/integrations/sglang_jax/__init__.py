@@ -16,6 +16,8 @@ the details of its part:
   (:func:`expected_tokens`, :func:`host_table`, :class:`TokenFeed` and its :class:`TokenDelta`);
 * :mod:`~kvcanary_jax.integrations.sglang_jax.step`: the guarded step
   (:func:`guard_model_step`), once per KV shard, and its cost;
+* :mod:`~kvcanary_jax.integrations.sglang_jax.runners`: which sglang-jax version a
+  ``ModelRunner`` is (0.0.2, 0.1.0rc0) and where its step body is (:func:`runner_api`);
 * :mod:`~kvcanary_jax.integrations.sglang_jax.hooks`: the step installed in sglang-jax's
   ``ModelRunner`` (:class:`ModelRunnerHook`, :class:`ManagedModelRunnerHook`);
 * :mod:`~kvcanary_jax.integrations.sglang_jax.sweep`: the sweep of radix-cached prefixes, and the
@@ -38,9 +40,11 @@ from kvcanary_jax.integrations.sglang_jax.remediation import (
     drop_radix_slot,
     request_resolver,
 )
+from kvcanary_jax.integrations.sglang_jax.runners import SUPPORTED_VERSIONS, RunnerApi, runner_api
 from kvcanary_jax.integrations.sglang_jax.step import guard_model_step
 from kvcanary_jax.integrations.sglang_jax.sweep import (
     ShardViolation,
+    node_dp_rank,
     radix_prefixes,
     read_violations,
     sweep,
@@ -81,4 +85,8 @@ __all__ = [
     "store_kv",
     "RequestIds",
     "DeltaBatch",
+    "SUPPORTED_VERSIONS",
+    "RunnerApi",
+    "runner_api",
+    "node_dp_rank",
 ]
