@@ -79,10 +79,53 @@ def reqs_per_dp(batch) -> list[list]:
     return [list(batch.reqs)]
 
 
+def set_output_ids(batch, per_dp) -> None:
+    """The step's sampled ids, where ``prepare_for_decode`` takes the next input ids from:
+    each DP rank's ``reqs_info[d].output_ids`` (0.1.0rc0), the batch's ``output_ids`` (0.0.2)."""
+    if V01:
+        for info, out in zip(batch.reqs_info, per_dp):
+            info.output_ids = out
+    else:
+        (batch.output_ids,) = per_dp
+
+
 def prepare_req_pool(req_pool, cache_loc_len: int) -> None:
     """0.1.0rc0: the host buffer ``cache_loc`` is merged into (the server sizes it at start)."""
     if V01:
         req_pool.init_cache_loc_host_buffer(cache_loc_len)
+
+
+def no_prefix_cache(req_pool, allocator, page_size: int):
+    """The tree cache of a server without prefix caching: 0.1.0rc0 allocates through it
+    (``ChunkCache``), 0.0.2 takes None."""
+    if not V01:
+        return None
+    from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
+
+    return ChunkCache(req_pool, allocator, page_size)
+
+
+def match_len(tree_cache, token_ids, dp_rank: int = 0) -> int:
+    """How many of ``token_ids`` the radix cache holds (0.1.0rc0's ``match_prefix`` takes a
+    ``MatchPrefixParams`` of a ``RadixKey``; 0.0.2's the ids)."""
+    if V01:
+        from sgl_jax.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sgl_jax.srt.mem_cache.radix_cache import RadixKey
+
+        key = RadixKey(list(token_ids), None, dp_rank)
+        return len(tree_cache.match_prefix(MatchPrefixParams(key=key)).device_indices)
+    return len(tree_cache.match_prefix(list(token_ids)).device_indices)
+
+
+def matched_slots(tree_cache, token_ids, dp_rank: int = 0) -> np.ndarray:
+    """The slots the radix cache holds for ``token_ids``' cached prefix."""
+    if V01:
+        from sgl_jax.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sgl_jax.srt.mem_cache.radix_cache import RadixKey
+
+        key = RadixKey(list(token_ids), None, dp_rank)
+        return np.asarray(tree_cache.match_prefix(MatchPrefixParams(key=key)).device_indices)
+    return np.asarray(tree_cache.match_prefix(list(token_ids)).device_indices)
 
 
 def release_finished(req, tree_cache) -> None:

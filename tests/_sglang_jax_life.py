@@ -254,16 +254,18 @@ class World:
 
     def finish_step(self, batch, extend):
         """The scheduler's bookkeeping after a step: outputs appended, radix cache updated."""
-        reqs = compat.reqs_of(batch)
-        out = self.next_tokens(reqs)
-        for req, tok in zip(reqs, out.tolist()):
-            req.output_ids.append(tok)
-            req.check_finished()
-            if req.finished():
-                compat.release_finished(req, self.tree)
-            elif extend:
-                self.tree.cache_unfinished_req(req)
-        batch.output_ids = out
+        outs = []
+        for reqs in compat.reqs_per_dp(batch):
+            out = self.next_tokens(reqs)
+            for req, tok in zip(reqs, out.tolist()):
+                req.output_ids.append(tok)
+                req.check_finished()
+                if req.finished():
+                    compat.release_finished(req, self.tree)
+                elif extend:
+                    self.tree.cache_unfinished_req(req)
+            outs.append(out)
+        compat.set_output_ids(batch, outs)
 
     # -- the guarded step ---------------------------------------------------------------------
 

@@ -1,11 +1,11 @@
-"""A tiny random-weight Qwen2 through sglang-jax 0.0.2's own ``ModelRunner`` on CPU (native
-attention, tensor parallel over 2 CPU devices), with the canary installed in the runner
+"""A tiny random-weight Qwen2 through sglang-jax's own ``ModelRunner`` on CPU (0.0.2 or
+0.1.0rc0, whichever is installed; native attention, tensor parallel over 2 CPU devices), with the canary installed in the runner
 (:class:`kvcanary_jax.integrations.sglang_jax.ModelRunnerHook`): prefill and decode steps with
 the model's own sampling, then one cached K byte flipped in the runner's pool. Run as a script
 (own process: XLA_FLAGS); prints one JSON document that tests/test_sglang_jax.py checks.
 
 Environment it needs, and why:
-* ``FLAX_PYTREE_MODULE=false``: flax >= 0.12.10 (the only flax releases that import with jax
+* ``FLAX_PYTREE_MODULE=false`` (0.0.2 only): flax >= 0.12.10 (the only flax releases that import with jax
   0.12) registers every ``nnx.Module`` as a pytree, and sglang-jax 0.0.2 registers its attention
   backends again (``@register_pytree_node_class``): importing
   ``sgl_jax.srt.layers.attention.native_backend`` then fails with ``ValueError: Duplicate custom
@@ -20,12 +20,15 @@ Environment it needs, and why:
   ``top_k_top_p_min_p_sampling_from_probs_jax_not_tpu_runtime`` passes: ``ValueError: too many
   values to unpack (expected 2)``; ``lax.cond`` traces that branch even for greedy batches).
 * The weights are sglang-jax's dummy loader's (``load_format="dummy"``); the model config is a
-  local ``config.json`` (no download).
+  local ``config.json`` (no download), head_dim 128: 0.1.0rc0 aligns the KV pool's head_dim to
+  128 and its native attention pads the queries to it without cutting the output back (a
+  smaller head_dim fails in the model's ``o_proj``, canary or not).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import sys
@@ -34,7 +37,10 @@ import tempfile
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=2").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["FLAX_PYTREE_MODULE"] = "false"
+if importlib.metadata.version("sglang-jax").startswith("0.0."):
+    # 0.0.2 registers its attention backends as pytrees itself (below); 0.1.0rc0 relies on
+    # flax's registration. The switch must be set before flax is imported.
+    os.environ["FLAX_PYTREE_MODULE"] = "false"
 
 import warnings  # noqa: E402
 
@@ -43,14 +49,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import _sglang_jax_compat as compat  # noqa: E402
 from sgl_jax.srt.configs.model_config import ModelConfig  # noqa: E402
 from sgl_jax.srt.layers.logits_processor import LogitsMetadata  # noqa: E402
-from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
+from sgl_jax.srt.managers.schedule_batch import Req  # noqa: E402
 from sgl_jax.srt.model_executor.forward_batch_info import ForwardBatch  # noqa: E402
 from sgl_jax.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from sgl_jax.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sgl_jax.srt.server_args import ServerArgs  # noqa: E402
-from sgl_jax.srt.utils.mesh_utils import create_device_mesh  # noqa: E402
 
 from kvcanary_jax.integrations import sglang_jax as ksj  # noqa: E402
 
@@ -58,8 +64,8 @@ warnings.filterwarnings("ignore", message=".*donated buffers.*")
 
 CONFIG = {
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 512,
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+    "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 128,
     "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
     "torch_dtype": "bfloat16", "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
 }
@@ -70,10 +76,25 @@ def make_runner(model_dir, mesh):
     args = ServerArgs(model_path=model_dir, device="cpu", load_format="dummy",
                       attention_backend="native", page_size=1, max_running_requests=MAX_BS,
                       max_total_tokens=64, tp_size=2, skip_server_warmup=True)
+    ranks = {"dp_size": 1} if compat.V01 else {}
     with jax.set_mesh(mesh):
-        return ModelRunner(model_config=ModelConfig(model_path=model_dir, dtype="bfloat16"),
-                           mem_fraction_static=0.5, tp_size=2, server_args=args, mesh=mesh,
-                           rngs=nnx.Rngs(0))
+        runner = ModelRunner(model_config=ModelConfig(model_path=model_dir, dtype="bfloat16"),
+                             mem_fraction_static=0.5, tp_size=2, server_args=args, mesh=mesh,
+                             rngs=nnx.Rngs(0), **ranks)
+    compat.prepare_req_pool(runner.req_to_token_pool, CACHE_LOC)
+    if compat.V01:
+        # 0.1.0rc0's dummy loader writes zeros (zero KV, zero logits); the step reads the
+        # weights from model_state_leaves at every call, so random ones (the same for every
+        # runner of the process) make the tokens and KV worth comparing.
+        rng = np.random.default_rng(0)
+        runner.model_state_leaves = [
+            jax.device_put((rng.standard_normal(x.shape) * 0.5).astype(x.dtype), x.sharding)
+            if jnp.issubdtype(x.dtype, jnp.floating) else x for x in runner.model_state_leaves]
+    return runner
+
+
+def make_mesh():
+    return compat.runner_mesh(jax.devices()[:2])
 
 
 class Life:
@@ -92,9 +113,11 @@ class Life:
             req.extend_input_len = len(prompt)
             reqs.append(req)
         self.reqs = reqs
-        self.batch = ScheduleBatch.init_new(
-            reqs=reqs, req_to_token_pool=runner.req_to_token_pool,
-            token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator, tree_cache=None,
+        self.batch = compat.schedule_batch(
+            [reqs], req_to_token_pool=runner.req_to_token_pool,
+            token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+            tree_cache=compat.no_prefix_cache(runner.req_to_token_pool,
+                                              runner.token_to_kv_pool_allocator, 1),
             model_config=runner.model_config, enable_overlap=False, mesh=mesh)
         self.batch.prepare_for_extend()
 
@@ -108,7 +131,7 @@ class Life:
             hook.expect(hook.feed.delta(batch.reqs, mwb))  # the ids the device lacks
             before = ksj.violation_counts(hook.state)
         with jax.set_mesh(self.mesh):
-            logits, _ = runner.forward(fb, logits_metadata=LogitsMetadata.from_model_worker_batch(
+            logits, *_ = runner.forward(fb, logits_metadata=LogitsMetadata.from_model_worker_batch(
                 mwb, self.mesh))
         # Greedy choice from the model's logits (sglang-jax 0.0.2's sampler does not trace off
         # TPU, see the module docstring).
@@ -130,16 +153,24 @@ class Life:
         self.forward()
 
     def kv_digest(self):
-        return [hashlib.sha256(np.asarray(jax.lax.bitcast_convert_type(b, jnp.uint16)).tobytes())
+        return [hashlib.sha256(np.asarray(jax.device_get(b)).view(np.uint16).tobytes())
                 .hexdigest() for b in self.runner.token_to_kv_pool.kv_buffer]
+
+
+def flip_k_byte(buf, slot):
+    """``buf`` with one bit of head 0's K at ``slot`` flipped (made on the host and put back with
+    the buffer's sharding: 0.1.0rc0's Explicit mesh refuses eager updates of a sharded buffer)."""
+    words = np.asarray(jax.device_get(buf)).view(np.uint16).copy()
+    rows = words.reshape(words.shape[0] * (words.shape[1] if words.ndim == 5 else 1), -1)
+    rows[slot, 3] ^= np.uint16(0x0100)
+    return jax.device_put(words.view(buf.dtype), buf.sharding)
 
 
 def main():
     model_dir = tempfile.mkdtemp()
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(CONFIG, f)
-    mesh = create_device_mesh(ici_parallelism=[-1, 2, 1], dcn_parallelism=[1, 1, 1],
-                              devices=jax.devices()[:2])
+    mesh = make_mesh()
 
     # sglang-jax alone: the reference tokens and KV bytes.
     plain = Life(make_runner(model_dir, mesh), mesh)
@@ -164,10 +195,7 @@ def main():
     # Flip one K byte of the canary layer at request 0's position 2; the next step's TAIL verify
     # of its prefix finds it, on the shard that holds head 0.
     slot = int(runner.req_to_token_pool.req_to_token[guarded.reqs[0].req_pool_idx, 2])
-    buf = pool.kv_buffer[0]
-    words = jax.lax.bitcast_convert_type(buf, jnp.uint16)
-    words = words.at[slot, 0, 3].set(words[slot, 0, 3] ^ jnp.uint16(0x0100))
-    pool.kv_buffer[0] = jax.device_put(jax.lax.bitcast_convert_type(words, buf.dtype), buf.sharding)
+    pool.kv_buffer[0] = flip_k_byte(pool.kv_buffer[0], slot)
     report["flip"] = {"slot": slot, "position": 2}
     guarded.decode()
     report["guarded_steps"] = guarded.steps

@@ -35,8 +35,10 @@ from kvcanary_jax.integrations.sglang_jax.hooks import (
 from kvcanary_jax.integrations.sglang_jax.layout import SglangJaxCanary, fused_kv_sources
 from kvcanary_jax.integrations.sglang_jax.remediation import (
     Remediator,
+    abort_pending,
     abort_request,
     canary_manager,
+    observe,
     drop_radix_slot,
     request_resolver,
 )
@@ -77,8 +79,10 @@ __all__ = [
     "read_violations",
     "violation_counts",
     "canary_manager",
+    "observe",
     "request_resolver",
     "abort_request",
+    "abort_pending",
     "drop_radix_slot",
     "Remediator",
     "ManagedModelRunnerHook",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvcanary_jax.integrations.sglang_jax.layout import SglangJaxCanary
-from kvcanary_jax.integrations.sglang_jax.remediation import request_resolver
+from kvcanary_jax.integrations.sglang_jax.remediation import observe, request_resolver
 from kvcanary_jax.integrations.sglang_jax.runners import RunnerApi, runner_api
 from kvcanary_jax.integrations.sglang_jax.step import guard_model_step
 from kvcanary_jax.integrations.sglang_jax.tokens import TokenDelta, TokenFeed
@@ -173,7 +173,7 @@ class ManagedModelRunnerHook(ModelRunnerHook):
         try:
             resolve = (request_resolver(reqs, self._runner.req_to_token_pool)
                        if reqs is not None else None)
-            self.manager.observe(self.state, resolve=resolve)
+            observe(self.manager, self.canary, self.state, resolve=resolve)
         except BaseException as e:
             # The step ran: the pools passed in were donated, and the runner stores the step's
             # buffers only when this returns. Store them now, as the runner would, so it keeps

@@ -42,7 +42,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import kvcanary_jax as kc
 from kvcanary_jax import _config
@@ -275,6 +275,16 @@ class SglangJaxCanary:
             enable_write_input_assert=self.token_checks,
             implementation=self.implementation,
         )
+
+    def auto_mesh(self) -> Mesh | None:
+        """The canary's mesh with Auto axes when sglang-jax built it with Explicit ones (0.1.0rc0),
+        else None. Explicit axes type every array's sharding, which the runtime manager's host
+        side (its readback slices the stacked shards) does not expect."""
+        if self.mesh is None or not any(t == AxisType.Explicit
+                                        for t in getattr(self.mesh, "axis_types", ())):
+            return None
+        return Mesh(self.mesh.devices, self.mesh.axis_names,
+                    axis_types=(AxisType.Auto,) * len(self.mesh.axis_names))
 
     @_config.with_x64
     def init_state(self):

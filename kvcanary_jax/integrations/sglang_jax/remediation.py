@@ -1,23 +1,30 @@
 """The runtime manager over the canary's state, and remediation with sglang-jax's own objects.
 
 :func:`canary_manager` builds a :class:`kvcanary_jax.runtime.CanaryManager` in observe mode (the
-guarded step runs in :func:`guard_model_step`; the manager runs the host side after it).
+guarded step runs in :func:`guard_model_step`; the manager runs the host side after it, through
+:func:`observe`).
 :func:`request_resolver` maps a violation's slot to the step's request, :func:`abort_request`
-aborts it through sglang-jax's ``to_abort``, :func:`drop_radix_slot` drops the radix-cache nodes
+aborts it as sglang-jax's scheduler does, :func:`drop_radix_slot` drops the radix-cache nodes
 over a corrupted slot, and :class:`Remediator` is the ``on_violation`` callback doing both.
 """
 
 from __future__ import annotations
 
+import sys
+
+import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from kvcanary_jax.integrations.sglang_jax.layout import SglangJaxCanary
 from kvcanary_jax.integrations.sglang_jax.sweep import node_dp_rank
 
 __all__ = [
     "canary_manager",
+    "observe",
     "request_resolver",
     "abort_request",
+    "abort_pending",
     "drop_radix_slot",
     "Remediator",
 ]
@@ -42,6 +49,19 @@ def canary_manager(canary: SglangJaxCanary, mode: str = "log", *, on_violation=N
                            enable_verify_token_assert=cfg.enable_verify_token_assert,
                            enable_write_input_assert=cfg.enable_write_input_assert, **fields)
     return CanaryManager(config, cfg, on_violation=on_violation, allocate=False)
+
+
+def observe(manager, canary: SglangJaxCanary, state, *, resolve=None) -> None:
+    """``manager.observe(state, resolve=resolve)`` (the host side after a guarded step) on any
+    mesh: on sglang-jax 0.1.0rc0's Explicit mesh the state is handed over as the same buffers
+    (no copy) on the mesh with Auto axes (:meth:`SglangJaxCanary.auto_mesh`), under that mesh."""
+    auto = canary.auto_mesh()
+    if auto is None:
+        manager.observe(state, resolve=resolve)
+        return
+    view = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(auto, x.sharding.spec)), state)
+    with jax.set_mesh(auto):
+        manager.observe(view, resolve=resolve)
 
 
 def request_resolver(reqs, req_to_token_pool):
@@ -75,10 +95,25 @@ def request_resolver(reqs, req_to_token_pool):
 
 
 def abort_request(req, message: str) -> None:
-    """sglang-jax's own abort: ``to_abort`` is turned into ``FINISH_ABORT(message)`` by
-    ``Req.check_finished`` at the end of the step, and the scheduler releases the request."""
+    """sglang-jax's own abort, as its scheduler aborts a request: 0.1.0rc0, ``to_finish =
+    FINISH_ABORT(message)``; 0.0.2, ``to_abort`` (with ``to_abort_message``). Either becomes the
+    request's ``finished_reason`` in ``Req.check_finished`` at the end of the step, and the
+    scheduler releases the request. (The version is read from the ``Req``: 0.1.0rc0's has
+    ``to_finish``, its ``FINISH_ABORT`` lives in the ``Req``'s module.)"""
+    if hasattr(req, "to_finish"):
+        finish_abort = getattr(sys.modules[type(req).__module__], "FINISH_ABORT")
+        req.to_finish = finish_abort(message)
+        return
     req.to_abort = True
     req.to_abort_message = message
+
+
+def abort_pending(req) -> bool:
+    """Whether :func:`abort_request` (or sglang-jax's scheduler) already aborted ``req``."""
+    pending = getattr(req, "to_finish", None)
+    if pending is not None:
+        return type(pending).__name__ == "FINISH_ABORT"
+    return bool(getattr(req, "to_abort", False))
 
 
 def _subtree(node):
@@ -142,7 +177,7 @@ class Remediator:
 
     def __call__(self, report) -> None:
         v = report.violation
-        if report.request is not None and not getattr(report.request, "to_abort", False):
+        if report.request is not None and not abort_pending(report.request):
             abort_request(report.request, f"{self.message} (slot {v.slot}, {v.tag}, "
                                           f"{'|'.join(v.reasons)})")
             self.aborted.append(report.request)
