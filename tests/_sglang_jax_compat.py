@@ -44,13 +44,18 @@ def mesh(devices, *, dp: int = 1) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.array(devices).reshape(dp, -1), ("data", "tensor"))
 
 
-def runner_mesh(devices) -> jax.sharding.Mesh:
-    """The mesh a ``ModelRunner`` gets from the server (tensor parallel over ``devices``)."""
+def runner_mesh(devices, *, auto_data: bool = False) -> jax.sharding.Mesh:
+    """The mesh a ``ModelRunner`` gets from the server (tensor parallel over ``devices``;
+    0.1.0rc0: Explicit axes, or with ``auto_data`` its ``data`` axis Auto)."""
     from sgl_jax.srt.utils.mesh_utils import create_device_mesh
 
     if V01:
-        return create_device_mesh(ici_parallelism=[1, -1], dcn_parallelism=[1, 1],
-                                  devices=devices)
+        mesh_ = create_device_mesh(ici_parallelism=[1, -1], dcn_parallelism=[1, 1],
+                                   devices=devices)
+        if auto_data:
+            mesh_ = jax.sharding.Mesh(mesh_.devices, mesh_.axis_names, axis_types=(
+                jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit))
+        return mesh_
     return create_device_mesh(ici_parallelism=[-1, len(devices), 1], dcn_parallelism=[1, 1, 1],
                               devices=devices)
 

@@ -72,7 +72,17 @@ CONFIG = {
 MAX_BS, TOKENS, CACHE_LOC = 4, 32, 64
 
 
-def make_runner(model_dir, mesh):
+class GreedySampler(nnx.Module):
+    """A stand-in for 0.1.0rc0's ``Sampler`` in its fused step: the argmax of the model's
+    logits, with the real one's call and result shape."""
+
+    def __call__(self, logits_output, sampling_metadata, use_sort_for_toppk_minp=False,
+                 rng_override=None):
+        ids = jnp.argmax(logits_output.next_token_logits, axis=-1).astype(jnp.int32)
+        return ids, None, logits_output
+
+
+def make_runner(model_dir, mesh, greedy_sampler: bool = False):
     args = ServerArgs(model_path=model_dir, device="cpu", load_format="dummy",
                       attention_backend="native", page_size=1, max_running_requests=MAX_BS,
                       max_total_tokens=64, tp_size=2, skip_server_warmup=True)
@@ -82,6 +92,9 @@ def make_runner(model_dir, mesh):
                              mem_fraction_static=0.5, tp_size=2, server_args=args, mesh=mesh,
                              rngs=nnx.Rngs(0), **ranks)
     compat.prepare_req_pool(runner.req_to_token_pool, CACHE_LOC)
+    if greedy_sampler:  # the runner's steps built again around it
+        runner.sampler = GreedySampler()
+        runner.initialize_jit()
     if compat.V01:
         # 0.1.0rc0's dummy loader writes zeros (zero KV, zero logits); the step reads the
         # weights from model_state_leaves at every call, so random ones (the same for every
@@ -93,8 +106,8 @@ def make_runner(model_dir, mesh):
     return runner
 
 
-def make_mesh():
-    return compat.runner_mesh(jax.devices()[:2])
+def make_mesh(auto_data: bool = False):
+    return compat.runner_mesh(jax.devices()[:2], auto_data=auto_data)
 
 
 class Life:
@@ -121,7 +134,11 @@ class Life:
             model_config=runner.model_config, enable_overlap=False, mesh=mesh)
         self.batch.prepare_for_extend()
 
-    def forward(self):
+    def forward(self, fused: bool = False, placeholders: bool = False):
+        """One step through ``model_runner.forward`` or, with ``fused``, 0.1.0rc0's fused decode
+        step ``forward_and_sample`` (the model, the sampler and the future token map in one jit),
+        whose input ids are, with ``placeholders``, the overlap scheduler's future placeholders
+        (``-(req_pool_idx + 1)``) resolved from the future token map on the device."""
         runner, batch, hook = self.runner, self.batch, self.hook
         mwb = batch.get_model_worker_batch([TOKENS], [MAX_BS], [CACHE_LOC], 1)
         runner.attn_backend.forward_metadata = runner.attn_backend.get_forward_metadata(mwb)
@@ -130,12 +147,15 @@ class Life:
         if hook is not None:
             hook.expect(hook.feed.delta(batch.reqs, mwb))  # the ids the device lacks
             before = ksj.violation_counts(hook.state)
-        with jax.set_mesh(self.mesh):
-            logits, *_ = runner.forward(fb, logits_metadata=LogitsMetadata.from_model_worker_batch(
-                mwb, self.mesh))
-        # Greedy choice from the model's logits (sglang-jax 0.0.2's sampler does not trace off
-        # TPU, see the module docstring).
-        next_ids = np.asarray(jnp.argmax(logits.next_token_logits, axis=-1))
+        metadata = LogitsMetadata.from_model_worker_batch(mwb, self.mesh)
+        if fused:
+            next_ids = self._fused(mwb, fb, metadata, placeholders)
+        else:
+            with jax.set_mesh(self.mesh):
+                logits, *_ = runner.forward(fb, logits_metadata=metadata)
+            # Greedy choice from the model's logits (sglang-jax 0.0.2's sampler does not trace
+            # off TPU, see the module docstring).
+            next_ids = np.asarray(jnp.argmax(logits.next_token_logits, axis=-1))
         next_ids = next_ids[: mwb.real_bs].astype(np.int32)
         for req, tok in zip(batch.reqs, next_ids.tolist()):
             req.output_ids.append(int(tok))
@@ -148,9 +168,27 @@ class Life:
         self.steps.append({"mode": mwb.forward_mode.name, "seq_lens": mwb.seq_lens.tolist(),
                            "next_ids": next_ids.tolist(), "violations": found})
 
-    def decode(self):
+    def _fused(self, mwb, fb, metadata, placeholders):
+        from sgl_jax.srt.sampling.sampling_batch_info import SamplingMetadata
+
+        sampling = SamplingMetadata.from_model_worker_batch(mwb, 0, self.mesh,
+                                                            CONFIG["vocab_size"])
+        future = np.zeros((MAX_BS * 5,), np.int32)
+        ids = np.asarray(mwb.input_ids).copy()
+        if placeholders:
+            for i in range(mwb.real_bs):
+                future[mwb.req_pool_indices[i] + 1] = ids[i]
+                ids[i] = -(mwb.req_pool_indices[i] + 1)
+        fb.input_ids = jax.device_put(ids, fb.input_ids.sharding)
+        future = jax.device_put(future, jax.sharding.NamedSharding(
+            self.mesh, jax.sharding.PartitionSpec(None)))
+        with jax.set_mesh(self.mesh):
+            next_ids, *_ = self.runner.forward_and_sample(fb, metadata, sampling, future)
+        return np.asarray(next_ids)
+
+    def decode(self, fused: bool = False, placeholders: bool = False):
         self.batch.prepare_for_decode()
-        self.forward()
+        self.forward(fused, placeholders)
 
     def kv_digest(self):
         return [hashlib.sha256(np.asarray(jax.device_get(b)).view(np.uint16).tobytes())
@@ -164,6 +202,73 @@ def flip_k_byte(buf, slot):
     rows = words.reshape(words.shape[0] * (words.shape[1] if words.ndim == 5 else 1), -1)
     rows[slot, 3] ^= np.uint16(0x0100)
     return jax.device_put(words.view(buf.dtype), buf.sharding)
+
+
+def _reshard_on_explicit_meshes() -> None:
+    """``jax.lax.with_sharding_constraint`` as ``jax.sharding.reshard`` for a NamedSharding over
+    Explicit axes (this process only: the fused-step script)."""
+    constrain = jax.lax.with_sharding_constraint
+
+    def constrain_or_reshard(x, shardings):
+        mesh_ = getattr(shardings, "mesh", None)
+        types_ = getattr(mesh_, "axis_types", ())
+        if types_ and all(t == jax.sharding.AxisType.Explicit for t in types_):
+            return jax.sharding.reshard(x, shardings)
+        return constrain(x, shardings)
+
+    jax.lax.with_sharding_constraint = constrain_or_reshard
+
+
+def fused_main():
+    """0.1.0rc0's fused decode step (``forward_and_sample``) with the hook installed: the same
+    tokens and KV as sglang-jax alone, future placeholders resolved, and a flipped K byte found
+    in a fused step.
+
+    sglang-jax 0.1.0rc0's fused step does not trace on its own Explicit mesh, canary or not:
+    ``jitted_run_and_sample`` places the ids with ``jax.lax.with_sharding_constraint``, which
+    Explicit axes refuse ("can only refer to Auto axes. You probably meant to use `reshard`"; jax
+    0.10.2 and 0.12 alike; its models need Explicit axes). This process routes
+    ``with_sharding_constraint`` on Explicit shardings to ``jax.sharding.reshard``, what the step
+    means (:func:`_reshard_on_explicit_meshes`). Its sampler does not trace in the mesh its model
+    needs (``binary_search``'s select over ``P(None)`` and ``P("data")``): the runner's steps are
+    built around :class:`GreedySampler` instead; the model, the pools and the future token map
+    are sglang-jax's."""
+    _reshard_on_explicit_meshes()
+    model_dir = tempfile.mkdtemp()
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(CONFIG, f)
+    mesh = make_mesh()
+
+    def life(hook_it):
+        runner = make_runner(model_dir, mesh, greedy_sampler=True)
+        hook = None
+        if hook_it:
+            canary = ksj.SglangJaxCanary.from_pools(runner.req_to_token_pool,
+                                                    runner.token_to_kv_pool, max_bs=MAX_BS,
+                                                    incremental_tokens=True)
+            hook = ksj.ModelRunnerHook(canary, runner)
+        one = Life(runner, mesh, hook)
+        one.forward()
+        one.decode()
+        one.decode(fused=True)
+        one.decode(fused=True, placeholders=True)
+        return one, hook
+
+    plain, _ = life(False)
+    guarded, hook = life(True)
+    report = {"plain_steps": plain.steps, "plain_kv": plain.kv_digest(),
+              "guarded_kv": guarded.kv_digest(), "version": hook.version,
+              "fused_guarded": hook.feed is not None and "jitted_run_and_sample" in hook._unguarded}
+    pool = guarded.runner.token_to_kv_pool
+    slot = int(guarded.runner.req_to_token_pool.req_to_token[guarded.reqs[1].req_pool_idx, 3])
+    pool.kv_buffer[0] = flip_k_byte(pool.kv_buffer[0], slot)
+    report["flip"] = {"slot": slot, "position": 3}
+    guarded.decode(fused=True, placeholders=True)
+    report["guarded_steps"] = guarded.steps
+    hook.uninstall()
+    report["uninstalled"] = guarded.runner.jitted_run_and_sample is hook._unguarded[
+        "jitted_run_and_sample"]
+    json.dump(report, sys.stdout)
 
 
 def main():
@@ -203,4 +308,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    fused_main() if sys.argv[1:] == ["--fused"] else main()

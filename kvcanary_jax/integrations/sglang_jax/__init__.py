@@ -20,6 +20,8 @@ the details of its part:
   ``ModelRunner`` is (0.0.2, 0.1.0rc0) and where its step body is (:func:`runner_api`);
 * :mod:`~kvcanary_jax.integrations.sglang_jax.hooks`: the step installed in sglang-jax's
   ``ModelRunner`` (:class:`ModelRunnerHook`, :class:`ManagedModelRunnerHook`);
+* :mod:`~kvcanary_jax.integrations.sglang_jax.hicache`: the canary of a KV page carried to host
+  memory and back with it through 0.1.0rc0's HiCache (:class:`HiCacheHook`);
 * :mod:`~kvcanary_jax.integrations.sglang_jax.sweep`: the sweep of radix-cached prefixes, and the
   violations each shard recorded;
 * :mod:`~kvcanary_jax.integrations.sglang_jax.remediation`: the runtime manager over the state,
@@ -27,6 +29,7 @@ the details of its part:
 """
 
 from kvcanary_jax.integrations.sglang_jax.batch import canary_batch
+from kvcanary_jax.integrations.sglang_jax.hicache import HiCacheHook
 from kvcanary_jax.integrations.sglang_jax.hooks import (
     ManagedModelRunnerHook,
     ModelRunnerHook,
@@ -93,4 +96,5 @@ __all__ = [
     "RunnerApi",
     "runner_api",
     "node_dp_rank",
+    "HiCacheHook",
 ]
