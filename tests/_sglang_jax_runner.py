@@ -292,7 +292,7 @@ def main():
     guarded.forward()
     for _ in range(3):
         guarded.decode()
-    report = {"kv_shape": list(pool.kv_buffer[0].shape),
+    report = {"version": hook.version, "kv_shape": list(pool.kv_buffer[0].shape),
               "kv_spec": str(pool.kv_buffer[0].sharding.spec), "num_shards": canary.num_shards,
               "plain_steps": plain.steps, "plain_kv": plain.kv_digest(),
               "guarded_kv": guarded.kv_digest()}

@@ -211,7 +211,7 @@ def test_sweep_finds_a_flipped_byte_in_a_radix_cached_slot(life):
 
 
 def test_model_runner_with_the_canary_installed(runner):
-    assert runner["num_shards"] == 2
+    assert runner["num_shards"] == 2 and runner["version"] == VERSION  # read from the runner
     assert runner["kv_spec"] == ("P('data', None, 'tensor', None, None)" if V01
                                  else "P(None, 'tensor')")
     plain, guarded = runner["plain_steps"], runner["guarded_steps"]

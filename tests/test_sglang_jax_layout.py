@@ -538,3 +538,64 @@ def test_extend_batch_with_a_token_delta():
         assert np.asarray(rows).tolist() == [kept[0].tolist(), kept[3].tolist(), kept[1].tolist(),
                                              kept[0].tolist(), kept[0].tolist()]
         assert not np.asarray(state.expected_valid_lens).any()  # not kept with token_rows
+
+
+def _wrapped_runner(version: str):
+    """A stand-in ModelRunner shaped as each sglang-jax version's (its jitted_run_model a wrapper
+    closing over the jitted body, model_def and model_state_def; the rest of the runner as that
+    version has it)."""
+    model_def, model_state_def, model_state_leaves = object(), object(), []
+    jitted_run_model = jax.jit(lambda *args: args, static_argnums=(0, 1))
+    if version == "0.0.2":
+        def run_model_wrapper(forward_batch, logits_metadata):
+            return jitted_run_model(model_def, model_state_def, model_state_leaves,
+                                    forward_batch, None, logits_metadata)
+
+        return types.SimpleNamespace(jitted_run_model=run_model_wrapper, token_to_kv_pool=None,
+                                     _set_kv_cache_after_forward=lambda *a: None)
+    runner = types.SimpleNamespace(model_state_leaves=[], token_to_kv_pool=None,
+                                   memory_pools=types.SimpleNamespace(replace_all=print))
+
+    def run_model_wrapper(forward_batch, logits_metadata):
+        return jitted_run_model(model_def, model_state_def, runner.model_state_leaves,
+                                forward_batch, runner.memory_pools, logits_metadata)
+
+    runner.jitted_run_model = run_model_wrapper
+    return runner
+
+
+def test_the_runner_s_version_is_read_from_its_objects():
+    """0.0.2: the wrapper passes token_to_kv_pool, the runner stores with
+    _set_kv_cache_after_forward; 0.1.0rc0: a MemoryPools with replace_all, the weights read from
+    model_state_leaves. The body is the wrapper's own jitted function."""
+    for version in ksj.SUPPORTED_VERSIONS:
+        api = ksj.runner_api(_wrapped_runner(version))
+        assert api.version == version and callable(api.run_model)
+        assert api.pooled == (version == "0.1.0rc0")
+
+
+def test_an_unsupported_runner_is_refused_when_the_hook_is_installed():
+    """A runner of neither version (a renamed pool, a wrapper without the jitted body): refused
+    before anything is installed, naming what was found and what is supported."""
+    odd = types.SimpleNamespace(jitted_run_model=lambda fb, lm: None, token_to_kv_pool=None)
+    with pytest.raises(TypeError) as err:
+        ksj.ModelRunnerHook(_canary(), odd)
+    text = str(err.value)
+    assert text.startswith("kv-canary sglang-jax: unsupported sglang-jax ModelRunner: found {")
+    assert "'memory_pools': 'NoneType'" in text and "'jitted_run_model closes over': []" in text
+    assert "supported: sglang-jax 0.0.2 (" in text and "and 0.1.0rc0 (" in text
+    runner = _wrapped_runner("0.1.0rc0")
+    runner.memory_pools = types.SimpleNamespace()  # a pool container without replace_all
+    with pytest.raises(TypeError, match="unsupported sglang-jax ModelRunner"):
+        ksj.ModelRunnerHook(_canary(), runner)
+    assert odd.jitted_run_model.__name__ == "<lambda>"  # nothing installed
+
+
+def test_a_second_hook_is_refused():
+    runner = _wrapped_runner("0.0.2")
+    hook = ksj.ModelRunnerHook(_canary(), runner)
+    assert hook.version == "0.0.2"
+    with pytest.raises(ValueError, match="already has a canary hook installed"):
+        ksj.ModelRunnerHook(_canary(), runner)
+    hook.uninstall()
+    assert ksj.runner_api(runner).version == "0.0.2"
