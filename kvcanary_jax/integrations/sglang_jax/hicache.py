@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvcanary_jax.consts import CANARY_SLOT_BYTES
 from kvcanary_jax.integrations.sglang_jax.layout import SglangJaxCanary
 from kvcanary_jax.integrations.sglang_jax.step import per_shard
 
@@ -44,8 +45,8 @@ __all__ = ["HiCacheHook"]
 
 logger = logging.getLogger("kvcanary_jax")
 
-# The canary record of a slot (CANARY_FIELDS_PER_SLOT int64 fields): what travels with a page.
-_ROW_BYTES = 32
+# The canary record of a slot (its int64 fields): what travels with a page.
+_ROW_BYTES = CANARY_SLOT_BYTES
 
 
 @functools.partial(jax.jit, static_argnames=("canary",))
