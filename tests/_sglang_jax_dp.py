@@ -27,7 +27,6 @@ sys.path[:0] = [os.path.dirname(_HERE), _HERE]
 
 import _sglang_jax_life as life  # noqa: E402  (sets the 2-device mesh before JAX starts)
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402

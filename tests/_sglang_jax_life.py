@@ -58,7 +58,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
 
 import _sglang_jax_compat as compat  # noqa: E402
 from sgl_jax.srt.configs.model_config import MockModelConfig  # noqa: E402

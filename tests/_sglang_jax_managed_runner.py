@@ -24,7 +24,6 @@ sys.path[:0] = [os.path.dirname(_HERE), _HERE]
 
 import _sglang_jax_runner  # noqa: E402  (sets the 2-device mesh before JAX starts)
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from sgl_jax.srt.layers.logits_processor import LogitsMetadata  # noqa: E402
 from sgl_jax.srt.model_executor.forward_batch_info import ForwardBatch  # noqa: E402
