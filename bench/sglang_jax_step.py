@@ -5,7 +5,8 @@
                                     [--tokens feed|full|full,feed]
 
 Needs Python >= 3.12 and sglang-jax 0.0.2 with the dependencies of the modules imported
-(``requirements-sglang-jax.txt``); set ``JAX_PLATFORMS`` (``cuda`` on the H200, ``cpu`` for
+(``requirements-sglang-jax.txt``; the ``kv`` stack and ``--glue`` also run on 0.1.0rc0,
+``requirements-sglang-jax-0.1.txt``); set ``JAX_PLATFORMS`` (``cuda`` on the H200, ``cpu`` for
 ``--smoke``). Both steps are sglang-jax's GPU/CPU paths: native attention, KV written by
 ``MHATokenToKVPool.set_kv_buffer_legacy`` (its Pallas write kernel is TPU-only).
 
@@ -53,7 +54,16 @@ import sys
 import tempfile
 import warnings
 
-os.environ.setdefault("FLAX_PYTREE_MODULE", "false")  # see tests/test_sglang_jax.py
+import importlib.metadata  # noqa: E402
+
+# sglang-jax 0.0.2 registers its attention backends as pytrees itself, which flax >= 0.12.10
+# does too unless told not to (tests/_sglang_jax_runner.py); 0.1.0rc0 relies on flax's. Set
+# before flax is imported, so read from the installed package, not from its objects.
+if importlib.metadata.version("sglang-jax").startswith("0.0."):
+    os.environ.setdefault("FLAX_PYTREE_MODULE", "false")
+
+import inspect  # noqa: E402
+import types  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -77,6 +87,13 @@ def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
+def _v01() -> bool:
+    """sglang-jax 0.1.0rc0 (its ``ScheduleBatch.init_new`` takes per-DP lists and ``dp_size``)."""
+    from sgl_jax.srt.managers.schedule_batch import ScheduleBatch
+
+    return "dp_size" in inspect.signature(ScheduleBatch.init_new).parameters
+
+
 class Stack:
     """sglang-jax's pools, allocator and batches for ``bs`` requests of ``ctx`` tokens."""
 
@@ -88,6 +105,10 @@ class Stack:
         total = bs * (ctx + iters) + 64
         self.mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
         self.cache_loc_bucket = bs * (ctx + iters)
+        self.v01 = _v01()
+        if what == "runner" and self.v01:
+            raise NotImplementedError("kv-canary bench: --what runner runs sglang-jax 0.0.2's "
+                                      "ModelRunner; with 0.1.0rc0 run --what kv (or --glue)")
         if what == "runner":
             self._init_runner(total)
         else:
@@ -110,6 +131,13 @@ class Stack:
                                             num_kv_heads=KV_HEADS, context_len=self.context_len - 4,
                                             num_hidden_layers=LAYERS)
         self.model_config.vocab_size = VOCAB
+        self.tree_cache = None
+        if self.v01:  # what the server sets up at start: a tree cache, the cache_loc host buffer
+            from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
+
+            self.model_config.hf_config = types.SimpleNamespace(architectures=[])
+            self.tree_cache = ChunkCache(self.req_pool, self.allocator, 1)
+            self.req_pool.init_cache_loc_host_buffer(self.cache_loc_bucket)
         self.emb = jax.random.normal(jax.random.key(0), (VOCAB, HEADS * HEAD_DIM), jnp.bfloat16)
 
     def _init_runner(self, total):
@@ -151,10 +179,18 @@ class Stack:
             k = (x * (layer + 1)).reshape(-1, KV_HEADS, HEAD_DIM)
             fused = pool.set_kv_buffer_legacy(layer, fb.out_cache_loc, k, -k)
             pool.kv_buffer[layer] = fused
-            out = forward_attention(q, fused[:, ::2, :], fused[:, 1::2, :], fb.seq_lens,
-                                    fb.cache_loc, fb.extend_prefix_lens, fb.extend_seq_lens,
-                                    HEADS, KV_HEADS, HEAD_DIM ** -0.5,
-                                    fb.forward_mode != ForwardMode.DECODE, fb.forward_mode)
+            rows = fused.reshape(-1, 2 * KV_HEADS, HEAD_DIM)  # either layout, slot rows
+            extend = fb.forward_mode != ForwardMode.DECODE
+            if self.v01:
+                out = forward_attention(q, rows[:, ::2, :], rows[:, 1::2, :], fb.seq_lens,
+                                        fb.cache_loc, fb.extend_prefix_lens, fb.extend_seq_lens,
+                                        HEADS, KV_HEADS, page_size=1, scale=HEAD_DIM ** -0.5,
+                                        is_causal=extend, mode=fb.forward_mode)
+            else:
+                out = forward_attention(q, rows[:, ::2, :], rows[:, 1::2, :], fb.seq_lens,
+                                        fb.cache_loc, fb.extend_prefix_lens, fb.extend_seq_lens,
+                                        HEADS, KV_HEADS, HEAD_DIM ** -0.5, extend,
+                                        fb.forward_mode)
             q = out.reshape(-1, HEADS, HEAD_DIM).astype(q.dtype)
         return out, list(pool.kv_buffer), None
 
@@ -188,10 +224,11 @@ class Stack:
             req = Req(rid=str(r), origin_input_text="", sampling_params=params,
                       origin_input_ids=rng.integers(3, VOCAB, self.ctx).tolist())
             req.fill_ids, req.extend_input_len = list(req.origin_input_ids), self.ctx
+            ranks = {"reqs": [[req]], "dp_size": 1} if self.v01 else {"reqs": [req]}
             batch = ScheduleBatch.init_new(
-                reqs=[req], req_to_token_pool=self.req_pool,
-                token_to_kv_pool_allocator=self.allocator, tree_cache=None,
-                model_config=self.model_config, enable_overlap=False, mesh=self.mesh)
+                req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.allocator,
+                tree_cache=getattr(self, "tree_cache", None), model_config=self.model_config,
+                enable_overlap=False, mesh=self.mesh, **ranks)
             batch.prepare_for_extend()
             self.prefills.append(self.worker_batch(batch, 1, self.ctx, self.ctx))
             req.output_ids.append(int(rng.integers(3, VOCAB)))
@@ -211,10 +248,13 @@ class Stack:
 
 
 class _NoRunner:
-    """What ``ForwardBatch.init_new`` reads of a model runner (kv mode has none)."""
+    """What ``ForwardBatch.init_new`` reads of a model runner (kv mode has none; 0.1.0rc0 also
+    reads whether the model is an embedding or multimodal one)."""
 
     def __init__(self, mesh):
         self.mesh, self.attn_backend = mesh, None
+        self.model_config = types.SimpleNamespace(
+            is_embedding=False, hf_config=types.SimpleNamespace(architectures=[]))
 
 
 def _run_case(what: str, bs: int, ctx: int, iters: int, manager: bool = False,

@@ -1,4 +1,4 @@
-"""The TokenFeed under ordinary server events, through sglang-jax 0.0.2's own pools, allocator,
+"""The TokenFeed under ordinary server events, through sglang-jax's own pools (0.0.2 or 0.1.0rc0), allocator,
 radix cache, ``Req`` and ``ScheduleBatch`` (the world of tests/_sglang_jax_life.py, the token ids
 kept on the device). Run as a script (its own process: the 2-device CPU mesh is set through
 XLA_FLAGS before JAX starts); prints one JSON document that tests/test_sglang_jax.py checks.
@@ -30,6 +30,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(_HERE), _HERE]
 
 import _sglang_jax_life as life  # noqa: E402  (sets the 2-device mesh before JAX starts)
+import _sglang_jax_compat as compat  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from sgl_jax.srt.managers.schedule_batch import Req  # noqa: E402
@@ -42,7 +43,7 @@ R3_PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 31, 32, 33]  # R1's prompt, then it
 
 
 def world():
-    return life.World(page_size=1, pool_size=36, layout="0.0.2", kv_write="legacy",
+    return life.World(page_size=1, pool_size=36, layout="pool", kv_write="legacy",
                       tokens="feed")
 
 
@@ -52,6 +53,7 @@ def first_life(w):
     r2 = w.new_req("2", [21, 22, 23, 24, 25], max_new_tokens=12)
     running = w.extend_batch([r1, r2])
     w.live_step("prefill r1 r2", running, extend=True)
+    w.r1_row = r1.req_pool_idx  # 0.1.0rc0 clears it when R1's row is freed
     for i in range(3):
         running.prepare_for_decode()
         w.live_step(f"decode {i}", running, extend=False)
@@ -127,7 +129,7 @@ def two_states() -> dict:
 def recycled_id() -> dict:
     w = world()
     r1, r2, running = first_life(w)
-    row = r1.req_pool_idx
+    row = w.r1_row
     # R3 takes the row nobody used yet, so the next request gets R1's.
     r3 = w.new_req("3", [61, 62, 63], max_new_tokens=2)
     new = w.extend_batch([r3])
@@ -143,9 +145,10 @@ def recycled_id() -> dict:
     # A new Req with R1's rid; CPython reuses a freed object's memory, so one of the first
     # candidates usually gets R1's address (if nothing keeps R1 alive).
     keep, again = [], None
+    ranked = {"dp_rank": 0} if compat.V01 else {}  # the rank R2's radix nodes are keyed by
     for _ in range(2000):
         cand = Req(rid="1", origin_input_text="", origin_input_ids=list(prompt),
-                   sampling_params=params)
+                   sampling_params=params, **ranked)
         if id(cand) == old_id:
             again = cand
             break
@@ -158,9 +161,10 @@ def recycled_id() -> dict:
     prefix = len(again.prefix_indices)
     new = w.extend_batch([again])
     w.live_step("prefill r1 again", new, extend=True)
+    again_row = int(again.req_pool_idx)  # 0.1.0rc0 clears it when the row is freed
     decode_on(w, running, new, 2)
     return {"id_recycled": recycled, "r1_alive": alive,
-            "row": int(again.req_pool_idx), "r1_row": int(row),
+            "row": again_row, "r1_row": int(row),
             "prefix_len": prefix, "violations": found(w)}
 
 

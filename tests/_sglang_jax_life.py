@@ -1,5 +1,5 @@
-"""A scripted life of requests through sglang-jax 0.0.2's own pools, allocator, radix cache and
-batch builders, with the canary around every model step; then faults injected into the real pool
+"""A scripted life of requests through sglang-jax's own pools, allocator, radix cache and batch
+builders (0.0.2 or 0.1.0rc0, whichever is installed: tests/_sglang_jax_compat.py), with the canary around every model step; then faults injected into the real pool
 arrays and batch fields. Run as a script (it needs its own process: the CPU mesh is set through
 XLA_FLAGS before JAX starts); prints one JSON document that tests/test_sglang_jax.py checks.
 
@@ -9,7 +9,9 @@ XLA_FLAGS before JAX starts); prints one JSON document that tests/test_sglang_ja
     python tests/_sglang_jax_life.py ... --tokens feed   (the ids kept on the device: TokenFeed)
 
 What is sglang-jax's own code here: ``ReqToTokenPool``, ``MHATokenToKVPool`` (allocated on a
-("data", "tensor") mesh of 2 CPU devices, sharded ``P(None, "tensor")``), ``TokenToKVPoolAllocator``
+("data", "tensor") mesh of 2 CPU devices, sharded ``P(None, "tensor")``; 0.1.0rc0: its 5-D
+layout, ``P("data", None, "tensor", None, None)``, and with ``--dp 2`` two DP ranks of one
+device each, ``P("data", ...)`` over 2, every rank its own slots and batch segment), ``TokenToKVPoolAllocator``
 / ``PagedTokenToKVPoolAllocator``, ``RadixCache``, ``Req``, ``SamplingParams``, ``ScheduleBatch``
 (``prepare_for_extend``, ``prepare_for_decode``, ``merge_batch``, ``filter_batch``,
 ``get_model_worker_batch``: input_ids, positions, out_cache_loc, cache_loc, lengths), the
@@ -30,10 +32,11 @@ What is not, and why:
   model below does not attend). The real ``ModelRunner`` runs in tests/_sglang_jax_runner.py.
 * The model: a stand-in whose K/V are a fixed function of (token, position, head, lane), written
   through the pool's own write path; it returns ``(logits, layers_kv_fused, None)`` as sglang-jax
-  0.0.2's model does. Its "sampler" picks next tokens by a fixed rule.
-* ``--layout head``: sglang-jax HEAD (pins jax 0.10.2, not on the registry) cannot be installed;
-  the pool is a stand-in with HEAD's layout, sharding and write (:class:`HeadLayoutPool`), the rest
-  is 0.0.2's.
+  0.0.2's model does (0.1.0rc0: it takes the ``MemoryPools`` and returns ``(logits,
+  {"token_to_kv_pool": layers}, None, None)``, as 0.1.0rc0's models do). Its "sampler" picks
+  next tokens by a fixed rule.
+* ``--layout head`` (0.0.2 only): a stand-in pool with 0.1.0rc0's layout, sharding and write
+  (:class:`HeadLayoutPool`) inside 0.0.2's world; under 0.1.0rc0 the real pool has that layout.
 """
 
 from __future__ import annotations
@@ -55,10 +58,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
 
+import _sglang_jax_compat as compat  # noqa: E402
 from sgl_jax.srt.configs.model_config import MockModelConfig  # noqa: E402
-from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
+from sgl_jax.srt.managers.schedule_batch import Req  # noqa: E402
 from sgl_jax.srt.mem_cache.allocator import (  # noqa: E402
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
@@ -84,14 +87,22 @@ def kv_of(ids, pos, layer):
     return jnp.sin(base).astype(jnp.bfloat16), jnp.cos(base).astype(jnp.bfloat16)
 
 
+def step_layers(out) -> list:
+    """The KV layers of a model step's output (either version's contract)."""
+    return out[1]["token_to_kv_pool"] if compat.V01 else out[1]
+
+
 def make_model_step(kv_write: str):
-    """sglang-jax 0.0.2's model contract: write each layer's KV of ``out_cache_loc`` through the
-    pool, return (output, layers_kv_fused, aux). ``kv_write``: "kernel" = ``set_kv_buffer``, the
+    """sglang-jax's model contract: write each layer's KV of ``out_cache_loc`` through the pool,
+    return (output, layers_kv_fused, aux) (0.1.0rc0: take the ``MemoryPools``, return (output,
+    {"token_to_kv_pool": layers}, flag, topk_ids)). ``kv_write``: "kernel" = ``set_kv_buffer``, the
     TPU path (its Pallas kernel, simulated in TPU interpret mode); "legacy" =
     ``set_kv_buffer_legacy``, the path its native attention backend takes off TPU; "head" = the
     HEAD-layout stand-in's write."""
 
     def model_step(forward_batch, pool):
+        if compat.V01:
+            pool = pool.token_to_kv_pool
         for layer in range(LAYERS):
             k, v = kv_of(forward_batch.input_ids, forward_batch.positions, layer)
             if kv_write == "legacy":
@@ -101,12 +112,18 @@ def make_model_step(kv_write: str):
             if kv_write == "head":
                 pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
                 continue
+            if compat.V01:  # a model's K/V come sharded over tokens (data) and heads (tensor)
+                spec = jax.sharding.NamedSharding(pool.mesh, jax.sharding.PartitionSpec(
+                    "data", "tensor", None))
+                k, v = jax.sharding.reshard(k, spec), jax.sharding.reshard(v, spec)
             # Only sglang-jax's kernel runs in TPU interpret mode; the canary's kernels, outside
             # this scope, run as they would on this machine.
             with pltpu.force_tpu_interpret_mode():
                 pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v,
                                    is_decode=forward_batch.forward_mode.is_decode())
         logits = jnp.zeros((forward_batch.input_ids.shape[0], 8), jnp.float32)
+        if compat.V01:
+            return logits, {"token_to_kv_pool": list(pool.kv_buffer)}, None, None
         return logits, list(pool.kv_buffer), None
 
     return model_step
@@ -152,23 +169,34 @@ class HeadLayoutPool:
 class World:
     """sglang-jax's pools, allocator and radix cache, the canary, and one guarded model step."""
 
-    def __init__(self, page_size: int, pool_size: int, layout: str, kv_write: str, tokens: str):
-        self.page_size = page_size
-        devices = np.array(jax.devices()[:2]).reshape(1, 2)
-        self.mesh = Mesh(devices, ("data", "tensor"))
+    def __init__(self, page_size: int, pool_size: int, layout: str, kv_write: str, tokens: str,
+                 dp: int = 1):
+        self.page_size, self.dp = page_size, dp
+        self.mesh = compat.mesh(jax.devices()[:2], dp=dp)
         # Three rows for four requests: R4 gets R1's row (a row another request held before).
-        self.req_pool = ReqToTokenPool(size=3, max_context_len=CONTEXT)
-        if layout == "0.0.2":
-            self.kv_pool = MHATokenToKVPool(size=pool_size, page_size=page_size,
+        self.req_pool = ReqToTokenPool(size=3 * dp, max_context_len=CONTEXT)
+        compat.prepare_req_pool(self.req_pool, CACHE_LOC)
+        ranks = {"dp_size": dp} if dp > 1 else {}
+        if layout == "pool":
+            self.kv_pool = MHATokenToKVPool(size=pool_size * dp, page_size=page_size,
                                             dtype=jnp.bfloat16, head_num=HEADS, head_dim=HEAD_DIM,
-                                            layer_num=LAYERS, mesh=self.mesh)
+                                            layer_num=LAYERS, mesh=self.mesh, **ranks)
         else:
             self.kv_pool = HeadLayoutPool(pool_size, page_size, self.mesh)
+        # 0.1.0rc0's model step takes every pool in one MemoryPools pytree.
+        self.pools = self.kv_pool
+        if compat.V01:
+            from sgl_jax.srt.mem_cache.memory_pool import MemoryPools
+
+            self.pools = MemoryPools(token_to_kv_pool=self.kv_pool)
         if page_size == 1:
-            self.allocator = TokenToKVPoolAllocator(size=pool_size, kvcache=self.kv_pool)
+            self.allocator = TokenToKVPoolAllocator(size=pool_size * dp, kvcache=self.kv_pool,
+                                                    **ranks)
         else:
-            self.allocator = PagedTokenToKVPoolAllocator(size=pool_size, page_size=page_size,
-                                                         kvcache=self.kv_pool, debug_mode=True)
+            self.allocator = PagedTokenToKVPoolAllocator(size=pool_size * dp,
+                                                         page_size=page_size,
+                                                         kvcache=self.kv_pool, debug_mode=True,
+                                                         **ranks)
         self.tree = RadixCache(self.req_pool, self.allocator, page_size=page_size,
                                kv_head_num=HEADS, head_dim=HEAD_DIM, layer_num=LAYERS,
                                max_seq_len=CONTEXT, dtype=jnp.bfloat16)
@@ -176,7 +204,8 @@ class World:
                                             num_kv_heads=HEADS, context_len=CONTEXT - 4,
                                             num_hidden_layers=LAYERS)
         self.model_config.vocab_size = 1000
-        self.runner = types.SimpleNamespace(mesh=self.mesh, attn_backend=None)
+        compat.prepare_model_config(self.model_config)
+        self.runner = compat.runner_stand_in(self.mesh)
         self.canary = ksj.SglangJaxCanary.from_pools(self.req_pool, self.kv_pool, max_bs=MAX_BS,
                                                      k_heads=1,
                                                      incremental_tokens=tokens == "feed")
@@ -184,25 +213,27 @@ class World:
         self.state = self.canary.init_state()
         self.step_fn = ksj.guard_model_step(self.canary, make_model_step(kv_write),
                                             batch_argnum=0, pool_argnum=1,
-                                            fused_kv=lambda out, pool: out[1][0])
+                                            fused_kv=lambda out, pool: step_layers(out)[0])
         self.log = []
 
     # -- sglang-jax's scheduler, the parts that touch pools and batches -----------------------
 
-    def new_req(self, rid, prompt, max_new_tokens):
+    def new_req(self, rid, prompt, max_new_tokens, dp_rank=0):
         params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
         params.normalize(None)  # as the tokenizer manager does (no stop strings here)
+        ranked = {"dp_rank": dp_rank} if compat.V01 else {}
         req = Req(rid=rid, origin_input_text="", origin_input_ids=list(prompt),
-                  sampling_params=params)
+                  sampling_params=params, **ranked)
         req.init_next_round_input(self.tree)
         self.tree.inc_lock_ref(req.last_node)
         return req
 
     def extend_batch(self, reqs):
-        batch = ScheduleBatch.init_new(reqs=reqs, req_to_token_pool=self.req_pool,
-                                       token_to_kv_pool_allocator=self.allocator,
-                                       tree_cache=self.tree, model_config=self.model_config,
-                                       enable_overlap=False, mesh=self.mesh)
+        """An extend batch of ``reqs`` (with ``dp > 1``: ``reqs[d]`` on DP rank ``d``)."""
+        batch = compat.schedule_batch(reqs if self.dp > 1 else [reqs], dp_size=self.dp, req_to_token_pool=self.req_pool,
+                                      token_to_kv_pool_allocator=self.allocator,
+                                      tree_cache=self.tree, model_config=self.model_config,
+                                      enable_overlap=False, mesh=self.mesh)
         batch.prepare_for_extend()
         return batch
 
@@ -210,36 +241,40 @@ class World:
         mwb = batch.get_model_worker_batch([TOKENS], [MAX_BS], [CACHE_LOC], self.page_size)
         fb = ForwardBatch.init_new(mwb, self.runner)
         if self.feed is not None:  # only the ids the device lacks
-            return mwb, fb, self.feed.delta(batch.reqs, mwb)
-        ids = ksj.expected_tokens(ksj.request_token_ids(batch.reqs), mwb.seq_lens, CACHE_LOC,
-                                  self.page_size)
+            return mwb, fb, self.feed.delta(compat.reqs_per_dp(batch), mwb)
+        ranks = [ksj.request_token_ids(reqs) for reqs in compat.reqs_per_dp(batch)]
+        ids = ksj.expected_tokens(ranks if self.dp > 1 else ranks[0], mwb.seq_lens, CACHE_LOC,
+                                  self.page_size, dp_size=self.dp)
         return mwb, fb, ids
 
     @staticmethod
-    def next_tokens(batch):
-        return np.array([(7 * r.seqlen + 3 * int(r.rid)) % 997 + 1 for r in batch.reqs], np.int32)
+    def next_tokens(reqs):
+        return np.array([(7 * r.seqlen + 3 * int(r.rid)) % 997 + 1 for r in reqs], np.int32)
 
     def finish_step(self, batch, extend):
         """The scheduler's bookkeeping after a step: outputs appended, radix cache updated."""
-        out = self.next_tokens(batch)
-        for req, tok in zip(batch.reqs, out.tolist()):
-            req.output_ids.append(tok)
-            req.check_finished()
-            if req.finished():
-                self.tree.cache_finished_req(req)
-            elif extend:
-                self.tree.cache_unfinished_req(req)
-        batch.output_ids = out
+        outs = []
+        for reqs in compat.reqs_per_dp(batch):
+            out = self.next_tokens(reqs)
+            for req, tok in zip(reqs, out.tolist()):
+                req.output_ids.append(tok)
+                req.check_finished()
+                if req.finished():
+                    compat.release_finished(req, self.tree)
+                elif extend:
+                    self.tree.cache_unfinished_req(req)
+            outs.append(out)
+        compat.set_output_ids(batch, outs)
 
     # -- the guarded step ---------------------------------------------------------------------
 
     def run(self, fb, ids, *, state=None, kv=None, table=None):
         """One guarded model step; returns (state, fused buffers). Defaults: the live world."""
         state = self.state if state is None else state
-        pool = self.kv_pool if kv is None else _pool_with(self.kv_pool, kv)
+        pool = self.pools if kv is None else _pool_with(self.pools, kv)
         with jax.set_mesh(self.mesh):
             state, out = self.step_fn(state, fb, pool, expected=ids, table=table)
-        return state, out[1]
+        return state, step_layers(out)
 
     def live_step(self, name, batch, extend):
         mwb, fb, ids = self.worker_batch(batch)
@@ -248,7 +283,7 @@ class World:
         self.kv_pool.kv_buffer = layers
         self.log.append({"step": name, "mode": "extend" if extend else "decode",
                          "bs": int(mwb.real_bs), "seq_lens": mwb.seq_lens.tolist(),
-                         "rows": mwb.req_pool_indices.tolist()[: int(mwb.real_bs)],
+                         "rows": [r for r in mwb.req_pool_indices.tolist() if r >= 0],
                          "out_cache_loc": mwb.out_cache_loc.tolist(),
                          "new_violations": _dump(ksj.read_violations(self.state, start=before))})
         print(f"{name}: seq_lens {mwb.seq_lens.tolist()} out_cache_loc "
@@ -270,21 +305,34 @@ def _dump(violations):
 
 
 def _copy(tree):
-    return jax.tree.map(jnp.copy, tree)
+    """A copy in buffers of its own, finished before this returns: a snapshot that the steps
+    dispatched next, which donate the state and KV it was taken from, can never consume. (With
+    ``jnp.copy`` alone, dispatched asynchronously, 0.1.0rc0's replays from a snapshot have been
+    seen to start from the state of the step after it, now and then, on a cold persistent
+    compilation cache.)"""
+    out = jax.tree.map(lambda x: jax.device_put(x, may_alias=False), tree)
+    jax.block_until_ready(out)
+    return out
 
 
 def _slot_rows(buf):
-    """Either layout as [slots, heads * 2, head_dim] (both are row-major slot rows)."""
-    return buf.reshape(-1, 2 * HEADS, HEAD_DIM)
+    """Either layout, on the host, as [slots, heads * 2, head_dim] uint16 words (both are
+    row-major slot rows). Faults are made on the host and put back with the buffer's sharding:
+    0.1.0rc0's Explicit mesh refuses eager reshapes of a sharded buffer."""
+    words = np.asarray(jax.device_get(buf)).view(np.uint16)
+    return words.reshape(-1, 2 * HEADS, HEAD_DIM)
+
+
+def _put_rows(rows, buf):
+    return jax.device_put(rows.view(jnp.bfloat16).reshape(buf.shape), buf.sharding)
 
 
 def _flip_byte(buf, slot, head_row, byte):
     """Flip one bit of byte ``byte`` of row ``head_row`` (a combined K/V head) of ``slot``."""
-    words = jax.lax.bitcast_convert_type(_slot_rows(buf), jnp.uint16)
+    words = _slot_rows(buf).copy()
     i, shift = byte // 2, 8 * (byte % 2)
-    flipped = words.at[slot, head_row, i].set(words[slot, head_row, i] ^ jnp.uint16(1 << shift))
-    out = jax.lax.bitcast_convert_type(flipped, jnp.bfloat16).reshape(buf.shape)
-    return jax.device_put(out, buf.sharding)
+    words[slot, head_row, i] ^= np.uint16(1 << shift)
+    return _put_rows(words, buf)
 
 
 def main(page_size: int, layout: str, kv_write: str, host_table: bool, tokens: str):
@@ -301,6 +349,7 @@ def main(page_size: int, layout: str, kv_write: str, host_table: bool, tokens: s
     r2 = w.new_req("2", [21, 22, 23, 24, 25], max_new_tokens=7)
     running = w.extend_batch([r1, r2])
     w.live_step("prefill r1 r2", running, extend=True)
+    r2_row = r2.req_pool_idx  # 0.1.0rc0 clears it when the row is freed
     for i in range(3):
         running.prepare_for_decode()
         w.live_step(f"decode {i}", running, extend=False)
@@ -321,7 +370,7 @@ def main(page_size: int, layout: str, kv_write: str, host_table: bool, tokens: s
 
     # R4 needs more slots than are free: the allocator evicts R2's cached tokens from the radix
     # cache and hands their slots out again.
-    freed_before = set(np.asarray(w.req_pool.req_to_token[r2.req_pool_idx, :12]).tolist())
+    freed_before = set(np.asarray(w.req_pool.req_to_token[r2_row, :12]).tolist())
     r4 = w.new_req("4", list(range(41, 41 + 13)), max_new_tokens=8)
     new = w.extend_batch([r4])
     w.live_step("prefill r4 (reused slots)", new, extend=True)
@@ -413,9 +462,9 @@ def main(page_size: int, layout: str, kv_write: str, host_table: bool, tokens: s
     def swap(kv):
         out = []
         for buf in kv:
-            rows = _slot_rows(buf)
-            swapped = rows.at[jnp.array([sa, sb])].set(rows[jnp.array([sb, sa])])
-            out.append(jax.device_put(swapped.reshape(buf.shape), buf.sharding))
+            rows = _slot_rows(buf).copy()
+            rows[[sa, sb]] = rows[[sb, sa]]
+            out.append(_put_rows(rows, buf))
         return out
 
     faults.append(replay("swap two slots", kv_fault=swap))
@@ -465,7 +514,7 @@ if __name__ == "__main__":
         pltpu.TPUMemorySpace = types.SimpleNamespace(ANY=pl.ANY)
     parser = argparse.ArgumentParser()
     parser.add_argument("--page-size", type=int, default=1)
-    parser.add_argument("--layout", choices=("0.0.2", "head"), default="0.0.2")
+    parser.add_argument("--layout", choices=("pool", "head"), default="pool")
     parser.add_argument("--kv-write", choices=("kernel", "legacy", "head"), default="kernel")
     parser.add_argument("--host-table", action="store_true")
     parser.add_argument("--tokens", choices=("full", "feed"), default="full")

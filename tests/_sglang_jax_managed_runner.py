@@ -1,4 +1,4 @@
-"""sglang-jax 0.0.2's own ``ModelRunner`` (tests/_sglang_jax_runner.py's tiny Qwen2, tensor
+"""sglang-jax's own ``ModelRunner`` (0.0.2 or 0.1.0rc0) (tests/_sglang_jax_runner.py's tiny Qwen2, tensor
 parallel 2 on CPU devices) with :class:`ManagedModelRunnerHook`: the runtime manager runs the host
 side after every guarded step, and a flipped K byte reaches ``on_violation`` one step after the
 step that found it, with the request that owns the slot (through the step's ``reqs``), which is
@@ -24,7 +24,6 @@ sys.path[:0] = [os.path.dirname(_HERE), _HERE]
 
 import _sglang_jax_runner  # noqa: E402  (sets the 2-device mesh before JAX starts)
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from sgl_jax.srt.layers.logits_processor import LogitsMetadata  # noqa: E402
 from sgl_jax.srt.model_executor.forward_batch_info import ForwardBatch  # noqa: E402
@@ -38,9 +37,7 @@ def _mesh_and_model():
     model_dir = tempfile.mkdtemp()
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(_sglang_jax_runner.CONFIG, f)
-    mesh = _sglang_jax_runner.create_device_mesh(ici_parallelism=[-1, 2, 1],
-                                                 dcn_parallelism=[1, 1, 1],
-                                                 devices=jax.devices()[:2])
+    mesh = _sglang_jax_runner.make_mesh()
     return mesh, model_dir
 
 
@@ -48,11 +45,7 @@ def _flip(runner, req):
     """Flip one K byte of the canary layer at ``req``'s position 2; returns the slot."""
     pool = runner.token_to_kv_pool
     slot = int(runner.req_to_token_pool.req_to_token[req.req_pool_idx, 2])
-    buf = pool.kv_buffer[0]
-    words = jax.lax.bitcast_convert_type(buf, jnp.uint16)
-    words = words.at[slot, 0, 3].set(words[slot, 0, 3] ^ jnp.uint16(0x0100))
-    pool.kv_buffer[0] = jax.device_put(jax.lax.bitcast_convert_type(words, buf.dtype),
-                                       buf.sharding)
+    pool.kv_buffer[0] = _sglang_jax_runner.flip_k_byte(pool.kv_buffer[0], slot)
     return slot
 
 
@@ -88,7 +81,7 @@ def main() -> None:
     out["reports_after_finding_step"] = list(reports)
     life.decode()  # ... and this step's host side reports it
     out["reports"] = reports
-    out["to_abort"] = [bool(r.to_abort) for r in life.reqs]
+    out["to_abort"] = [ksj.abort_pending(r) for r in life.reqs]
     json.dump(out, sys.stdout)
 
 

@@ -1,4 +1,4 @@
-"""Remediation through sglang-jax 0.0.2's own objects (run as a script: the 2-device CPU mesh is
+"""Remediation through sglang-jax's own objects (0.0.2 or 0.1.0rc0) (run as a script: the 2-device CPU mesh is
 set before JAX starts; prints one JSON document that tests/test_sglang_jax_remediation.py checks).
 
 The world of tests/_sglang_jax_life.py (sglang-jax's ``ReqToTokenPool``, ``MHATokenToKVPool`` on
@@ -25,6 +25,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(_HERE), _HERE]
 
 import _sglang_jax_life as life  # noqa: E402  (sets the 2-device mesh before JAX starts)
+import _sglang_jax_compat as compat  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
@@ -33,7 +34,7 @@ from kvcanary_jax.integrations import sglang_jax as ksj  # noqa: E402
 
 
 def main() -> None:
-    w = life.World(page_size=1, pool_size=36, layout="0.0.2", kv_write="legacy", tokens="feed")
+    w = life.World(page_size=1, pool_size=36, layout="pool", kv_write="legacy", tokens="feed")
     remedy = ksj.Remediator(w.tree)
     mgr = ksj.canary_manager(w.canary, "log", on_violation=remedy)
     report = {"reports": []}
@@ -48,7 +49,7 @@ def main() -> None:
 
     def step(name, batch, extend):
         w.live_step(name, batch, extend)
-        mgr.observe(w.state, resolve=ksj.request_resolver(batch.reqs, w.req_pool))
+        ksj.observe(mgr, w.canary, w.state, resolve=ksj.request_resolver(batch.reqs, w.req_pool))
 
     r1 = w.new_req("1", [11, 12, 13, 14, 15, 16, 17, 18], max_new_tokens=4)
     r2 = w.new_req("2", [21, 22, 23, 24, 25], max_new_tokens=12)
@@ -64,7 +65,7 @@ def main() -> None:
     # 1. A running request's prefix slot.
     bad = int(np.asarray(w.req_pool.req_to_token[r2.req_pool_idx, 2]))
     report["running_slot"] = bad
-    report["r2_match_before"] = len(w.tree.match_prefix(r2.origin_input_ids).device_indices)
+    report["r2_match_before"] = compat.match_len(w.tree, r2.origin_input_ids)
     w.kv_pool.kv_buffer = [life._flip_byte(w.kv_pool.kv_buffer[0], bad, 0, 3),
                            *w.kv_pool.kv_buffer[1:]]
     steps_to_abort = 0
@@ -79,24 +80,23 @@ def main() -> None:
     remedy.retry()  # the scheduler released r2: its node is unlocked now
     report["pending_after_retry"] = sorted(remedy.pending)
     report["dropped"] = {str(k): v for k, v in remedy.dropped.items()}
-    report["r2_match_after"] = len(w.tree.match_prefix(r2.origin_input_ids).device_indices)
+    report["r2_match_after"] = compat.match_len(w.tree, r2.origin_input_ids)
     report["aborted"] = [r.rid for r in remedy.aborted]
 
     # 2. A finished request's cached prefix, found by the sweep.
     prefixes = ksj.radix_prefixes(w.tree)
     r1_prefix = next(p for p in prefixes if len(p) >= 8 and
-                     int(p[0]) == int(np.asarray(w.tree.match_prefix(r1.origin_input_ids)
-                                                 .device_indices)[0]))
+                     int(p[0]) == int(compat.matched_slots(w.tree, r1.origin_input_ids)[0]))
     target = int(r1_prefix[5])
     report["sweep_slot"] = target
     free_before = w.allocator.available_size()
-    report["r1_match_before"] = len(w.tree.match_prefix(r1.origin_input_ids).device_indices)
+    report["r1_match_before"] = compat.match_len(w.tree, r1.origin_input_ids)
     w.kv_pool.kv_buffer = [life._flip_byte(w.kv_pool.kv_buffer[0], target, 0, 9),
                            *w.kv_pool.kv_buffer[1:]]
     w.state = ksj.sweep(w.canary, w.state, w.kv_pool.kv_buffer[0], prefixes)
-    mgr.observe(w.state)
+    ksj.observe(mgr, w.canary, w.state)
     mgr.flush()
-    report["r1_match_after"] = len(w.tree.match_prefix(r1.origin_input_ids).device_indices)
+    report["r1_match_after"] = compat.match_len(w.tree, r1.origin_input_ids)
     report["freed_by_sweep_drop"] = w.allocator.available_size() - free_before
     report["dropped_final"] = {str(k): v for k, v in remedy.dropped.items()}
     json.dump(report, sys.stdout)

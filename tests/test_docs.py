@@ -4,7 +4,8 @@ process (``JAX_PLATFORMS=cpu``, a timeout), and print what their comments say th
 Which blocks are runnable, and what they need, is said by a comment before each fence
 (tests/_markdown.py; docs/testing.md, "Runnable examples"): those that need torch and SGLang
 carry the ``torch`` marker (the Python 3.11 leg), those that need sglang-jax the ``sglang_jax``
-marker (deselected where it is not installed). Every Python block carries a marker, so that no
+marker (deselected where it is not installed) and the version's (``sglang_jax_002`` or
+``sglang_jax_01``: deselected where the other version is installed). Every Python block carries a marker, so that no
 example goes untested by omission; the docs include the README's examples (pymdownx.snippets)
 rather than copying them, so each runs once.
 
@@ -25,7 +26,12 @@ import pytest
 
 import _markdown as md
 
-NEEDS = {"torch": pytest.mark.torch, "sglang_jax": pytest.mark.sglang_jax}
+# What a block needs -> its markers: "sglang_jax" is sglang-jax 0.0.2 (the README's wiring),
+# "sglang_jax_01" sglang-jax 0.1.0rc0 (tests/conftest.py deselects each where the other version is
+# installed).
+NEEDS = {"torch": (pytest.mark.torch,),
+         "sglang_jax": (pytest.mark.sglang_jax, pytest.mark.sglang_jax_002),
+         "sglang_jax_01": (pytest.mark.sglang_jax, pytest.mark.sglang_jax_01)}
 PYTHON = [b for page in md.pages() for b in md.blocks(page) if b.is_python]
 RUNNABLE = [b for b in PYTHON if b.marker == "runnable"]
 # A fresh process imports JAX (and torch and SGLang, or sglang-jax) and compiles the example.
@@ -35,7 +41,8 @@ TIMEOUT_S = 300
 def test_every_python_block_is_marked():
     unmarked = [b.where for b in PYTHON if b.marker is None]
     assert unmarked == [], ("a ```python block needs <!-- runnable -->, <!-- runnable: torch -->, "
-                            "<!-- runnable: sglang_jax --> or <!-- fragment --> before it")
+                            "<!-- runnable: sglang_jax -->, <!-- runnable: sglang_jax_01 --> or "
+                            "<!-- fragment --> before it")
     unknown = [f"{b.where}: {n}" for b in PYTHON for n in b.needs if n not in NEEDS]
     assert unknown == []
 
@@ -62,7 +69,7 @@ def test_the_docs_include_readme_sections_that_exist():
 
 
 def _param(block: md.Block):
-    return pytest.param(block, marks=[NEEDS[n] for n in block.needs if n in NEEDS],
+    return pytest.param(block, marks=[m for n in block.needs if n in NEEDS for m in NEEDS[n]],
                         id=block.where)
 
 

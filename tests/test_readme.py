@@ -62,19 +62,20 @@ def _section_of(line: int) -> str | None:
 
 
 def _ci_markers() -> list[str]:
-    """Every README marker a leg of .ci/run names (``leg <name> <python> <marker>...``)."""
+    """Every README marker a leg of .ci/run names (``leg <name> <python> <marker>...``; a
+    ``fresh:`` marker runs in a fresh venv)."""
     markers = []
     for line in CI.read_text(encoding="utf-8").splitlines():
         words = re.split(r"\|\||&", line)[0].split()
         if words[:1] == ["leg"]:
-            markers += words[3:]  # after the leg's name and its python
+            markers += [w.removeprefix("fresh:") for w in words[3:]]  # after its name, python
     return markers
 
 
 def test_ci_finds_every_command_between_its_markers():
     markers = _ci_markers()
     assert {"test-command", "test-command-e2e", "test-command-long", "test-command-py312",
-            "test-command-tpu-compile", "docs-command"} <= set(markers)
+            "test-command-tpu-compile", "docs-command", "test-command-sglang-jax-0.1"} <= set(markers)
     for marker in set(markers):
         # .ci/run's own extraction, run as CI runs it.
         proc = subprocess.run(

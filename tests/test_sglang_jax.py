@@ -38,6 +38,7 @@ what the scripts do instead (details in their docstrings):
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -51,12 +52,26 @@ pytestmark = pytest.mark.sglang_jax
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 
+
+def _installed() -> str | None:
+    """The installed sglang-jax's version, to pick the lives to run (the scripts and the
+    integration read it from sglang-jax's objects; this process does not import sglang-jax)."""
+    try:
+        return importlib.metadata.version("sglang-jax")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+VERSION = _installed()
+V01 = VERSION is not None and not VERSION.startswith("0.0.")
 LIVES = {
-    "0.0.2-page1-tpu-kernel-feed": ("--page-size", "1", "--kv-write", "kernel", "--tokens", "feed"),
-    "0.0.2-page4-native-path": ("--page-size", "4", "--kv-write", "legacy", "--host-table"),
-    "head-layout-page4-feed": ("--page-size", "4", "--layout", "head", "--kv-write", "head",
-                               "--tokens", "feed"),
+    f"{VERSION}-page1-tpu-kernel-feed": ("--page-size", "1", "--kv-write", "kernel",
+                                         "--tokens", "feed"),
+    f"{VERSION}-page4-native-path": ("--page-size", "4", "--kv-write", "legacy", "--host-table"),
 }
+if not V01:  # 0.1.0rc0's own pool has the layout this stand-in gives 0.0.2's world
+    LIVES["head-layout-page4-feed"] = ("--page-size", "4", "--layout", "head", "--kv-write",
+                                       "head", "--tokens", "feed")
 R3_TOKENS = [11, 12, 13, 14, 15, 16, 17, 18, 31, 32, 33]  # the life's third request's prompt
 
 
@@ -196,7 +211,9 @@ def test_sweep_finds_a_flipped_byte_in_a_radix_cached_slot(life):
 
 
 def test_model_runner_with_the_canary_installed(runner):
-    assert runner["num_shards"] == 2 and runner["kv_spec"] == "P(None, 'tensor')"
+    assert runner["num_shards"] == 2 and runner["version"] == VERSION  # read from the runner
+    assert runner["kv_spec"] == ("P('data', None, 'tensor', None, None)" if V01
+                                 else "P(None, 'tensor')")
     plain, guarded = runner["plain_steps"], runner["guarded_steps"]
     assert [s["mode"] for s in guarded] == ["EXTEND"] + ["DECODE"] * 4
     # The canary changes nothing the model computes: same tokens, byte-identical KV.

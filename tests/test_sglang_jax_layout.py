@@ -197,13 +197,39 @@ def test_batch_errors():
         ksj.expected_tokens([[5]], [2], 8, PAGE)
 
 
-def test_slot_dimension_sharded_over_data_is_refused():
-    mesh = types.SimpleNamespace(shape={"data": 2, "tensor": 1})  # only its axis sizes are read
-    with pytest.raises(NotImplementedError, match=r"slot dimension is sharded over \['data'\]"):
-        _canary(mesh=mesh, kv_spec=P("data", None, "tensor", None, None))
+def test_slot_dimension_sharded_over_data_gives_one_canary_per_rank():
+    """sglang-jax 0.1.0rc0's DP layout (slots sharded over ``data``): one canary per DP rank and
+    head shard, shard ``i`` of rank ``i // head_shards`` (the step splits the batch per rank:
+    tests/test_sglang_jax.py's DP life)."""
+    mesh = types.SimpleNamespace(shape={"data": 2, "tensor": 3})  # only its axis sizes are read
+    canary = _canary(mesh=mesh, kv_spec=P("data", None, "tensor", None, None))
+    assert canary.axes == ("data", "tensor") and canary.dp_axes == ("data",)
+    assert (canary.dp_size, canary.head_shards, canary.num_shards) == (2, 3, 6)
+    assert [canary.dp_rank(i) for i in range(6)] == [0, 0, 0, 1, 1, 1]
     one = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
     canary = _canary(mesh=one, kv_spec=P("data", None, "tensor", None, None))
-    assert canary.axes == ("tensor",) and canary.num_shards == 1
+    assert canary.axes == ("data", "tensor") and canary.num_shards == 1
+    with pytest.raises(ValueError, match=r"names mesh axes \['expert'\] that the mesh"):
+        _canary(mesh=mesh, kv_spec=P("expert", None, "tensor", None, None))
+
+
+def test_per_rank_host_layouts():
+    """With DP every host array is one segment per rank, each laid out as a batch of its own."""
+    ids = ksj.expected_tokens([[[5, 6, 7]], [[8, 9]]], [3, 0, 2, 0], 16, PAGE, dp_size=2)
+    want = np.zeros(16, np.int32)
+    want[:3], want[8:10] = [5, 6, 7], [8, 9]
+    assert ids.tolist() == want.tolist()
+    table = np.arange(40, dtype=np.int32).reshape(4, 10)
+    got = ksj.host_table(table, [1, -1, 3, -1], [2, 0, 3, 0], 10, dp_size=2)
+    assert got.shape == (6, 10)
+    assert got[1, :2].tolist() == [10, 11] and got[4, :3].tolist() == [30, 31, 32]
+    assert not got[[0, 2, 3, 5]].any()
+    with pytest.raises(ValueError, match="token_ids is one list per rank"):
+        ksj.expected_tokens([[[5, 6, 7]]], [3, 0, 2, 0], 16, PAGE, dp_size=2)
+    with pytest.raises(ValueError, match="token_ids\\[d\\] is DP rank d's list of requests"):
+        ksj.expected_tokens([[5, 6, 7], [8, 9]], [3, 0, 2, 0], 16, PAGE, dp_size=2)
+    with pytest.raises(ValueError, match="seq_lens has 3 entries, not 2 equal segments"):
+        ksj.expected_tokens([[[5]], [[8]]], [1, 0, 1], 16, PAGE, dp_size=2)
 
 
 def _req(rid, prompt, output=()):
@@ -512,3 +538,4 @@ def test_extend_batch_with_a_token_delta():
         assert np.asarray(rows).tolist() == [kept[0].tolist(), kept[3].tolist(), kept[1].tolist(),
                                              kept[0].tolist(), kept[0].tolist()]
         assert not np.asarray(state.expected_valid_lens).any()  # not kept with token_rows
+

@@ -16,8 +16,12 @@ the details of its part:
   (:func:`expected_tokens`, :func:`host_table`, :class:`TokenFeed` and its :class:`TokenDelta`);
 * :mod:`~kvcanary_jax.integrations.sglang_jax.step`: the guarded step
   (:func:`guard_model_step`), once per KV shard, and its cost;
+* :mod:`~kvcanary_jax.integrations.sglang_jax.runners`: which sglang-jax version a
+  ``ModelRunner`` is (0.0.2, 0.1.0rc0) and where its step body is (:func:`runner_api`);
 * :mod:`~kvcanary_jax.integrations.sglang_jax.hooks`: the step installed in sglang-jax's
   ``ModelRunner`` (:class:`ModelRunnerHook`, :class:`ManagedModelRunnerHook`);
+* :mod:`~kvcanary_jax.integrations.sglang_jax.hicache`: the canary of a KV page carried to host
+  memory and back with it through 0.1.0rc0's HiCache (:class:`HiCacheHook`);
 * :mod:`~kvcanary_jax.integrations.sglang_jax.sweep`: the sweep of radix-cached prefixes, and the
   violations each shard recorded;
 * :mod:`~kvcanary_jax.integrations.sglang_jax.remediation`: the runtime manager over the state,
@@ -25,6 +29,7 @@ the details of its part:
 """
 
 from kvcanary_jax.integrations.sglang_jax.batch import canary_batch
+from kvcanary_jax.integrations.sglang_jax.hicache import HiCacheHook
 from kvcanary_jax.integrations.sglang_jax.hooks import (
     ManagedModelRunnerHook,
     ModelRunnerHook,
@@ -33,14 +38,18 @@ from kvcanary_jax.integrations.sglang_jax.hooks import (
 from kvcanary_jax.integrations.sglang_jax.layout import SglangJaxCanary, fused_kv_sources
 from kvcanary_jax.integrations.sglang_jax.remediation import (
     Remediator,
+    abort_pending,
     abort_request,
     canary_manager,
+    observe,
     drop_radix_slot,
     request_resolver,
 )
+from kvcanary_jax.integrations.sglang_jax.runners import SUPPORTED_VERSIONS, RunnerApi, runner_api
 from kvcanary_jax.integrations.sglang_jax.step import guard_model_step
 from kvcanary_jax.integrations.sglang_jax.sweep import (
     ShardViolation,
+    node_dp_rank,
     radix_prefixes,
     read_violations,
     sweep,
@@ -73,12 +82,19 @@ __all__ = [
     "read_violations",
     "violation_counts",
     "canary_manager",
+    "observe",
     "request_resolver",
     "abort_request",
+    "abort_pending",
     "drop_radix_slot",
     "Remediator",
     "ManagedModelRunnerHook",
     "store_kv",
     "RequestIds",
     "DeltaBatch",
+    "SUPPORTED_VERSIONS",
+    "RunnerApi",
+    "runner_api",
+    "node_dp_rank",
+    "HiCacheHook",
 ]

@@ -1,20 +1,23 @@
-"""The canary installed in sglang-jax 0.0.2's ``ModelRunner``.
+"""The canary installed in sglang-jax's ``ModelRunner`` (0.0.2 and 0.1.0rc0).
 
 :class:`ModelRunnerHook` replaces the runner's ``jitted_run_model`` (the hook sglang-jax's
-``_forward`` calls) with the guarded step (:func:`guard_model_step`) over the same model
-definition, weights and KV pool; the runner keeps storing the KV buffers the step returns.
+``_forward`` calls) with the guarded step (:func:`guard_model_step`) around the runner's own
+step body (:mod:`~kvcanary_jax.integrations.sglang_jax.runners`: found in the runner, never
+re-implemented), over the same model definition, weights and pools; the runner keeps storing
+the pools the step returns. On 0.1.0rc0 it also replaces ``jitted_run_and_sample``, the fused
+decode step of ``forward_and_sample``, with the guarded fused body, so no step runs unguarded.
 :class:`ManagedModelRunnerHook` adds a :func:`canary_manager` running the host side after every
-step, and, when that raises, stores the step's new buffers in the runner's pool
+step, and, when that raises, stores the step's new buffers in the runner's pools
 (:func:`store_kv`, as the runner would have) before the error propagates.
 """
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 
 from kvcanary_jax.integrations.sglang_jax.layout import SglangJaxCanary
-from kvcanary_jax.integrations.sglang_jax.remediation import request_resolver
+from kvcanary_jax.integrations.sglang_jax.remediation import observe, request_resolver
+from kvcanary_jax.integrations.sglang_jax.runners import RunnerApi, runner_api
 from kvcanary_jax.integrations.sglang_jax.step import guard_model_step
 from kvcanary_jax.integrations.sglang_jax.tokens import TokenDelta, TokenFeed
 from kvcanary_jax.runtime import CanaryViolationError
@@ -26,20 +29,15 @@ __all__ = [
 ]
 
 
-def _run_model(model_def, model_state_def, model_state_leaves, forward_batch, token_to_kv_pool,
-               logits_metadata):
-    """sglang-jax 0.0.2's ``jitted_run_model`` body (``ModelRunner.initialize_jit``)."""
-    from flax import nnx
-
-    state = jax.tree_util.tree_unflatten(model_state_def, model_state_leaves)
-    return nnx.merge(model_def, state)(forward_batch, token_to_kv_pool, logits_metadata)
-
-
 def store_kv(model_runner, layers, forward_batch) -> None:
-    """Store a step's new fused KV buffers in the runner's pool, as sglang-jax 0.0.2's
-    ``ModelRunner._forward`` does after ``jitted_run_model`` (its
-    ``_set_kv_cache_after_forward``; a runner without it: the pool's ``kv_buffer`` slice from
-    ``start_layer``)."""
+    """Store a step's new pool buffers in the runner, as sglang-jax's ``ModelRunner._forward``
+    does after ``jitted_run_model``: 0.1.0rc0, ``memory_pools.replace_all(layers)`` (the step's
+    pool-update dict, or the KV layers alone); 0.0.2, ``_set_kv_cache_after_forward`` (a runner
+    without either: the pool's ``kv_buffer`` slice from ``start_layer``)."""
+    pools = getattr(model_runner, "memory_pools", None)
+    if hasattr(pools, "replace_all"):
+        pools.replace_all(layers)
+        return
     set_after = getattr(model_runner, "_set_kv_cache_after_forward", None)
     if set_after is not None:
         set_after(layers, forward_batch)
@@ -49,35 +47,55 @@ def store_kv(model_runner, layers, forward_batch) -> None:
     pool.kv_buffer[start : start + len(layers)] = layers
 
 
-class ModelRunnerHook:
-    """The canary installed in an sglang-jax 0.0.2 ``ModelRunner``.
+# The guarded steps' argument positions: the runner's own order.
+_MODEL_ARGS = {"batch_argnum": 3, "pool_argnum": 4, "static_argnums": (1,)}
+# jitted_run_and_sample(model_def, model_state_def, leaves, forward_batch, memory_pools,
+# logits_metadata, sampler_def, sampler_state_def, sampler_leaves, use_sort_for_toppk_minp,
+# rng_step, sampling_metadata, future_token_ids_map)
+_FUSED_ARGS = {"batch_argnum": 3, "pool_argnum": 4, "static_argnums": (1, 7, 9),
+               "future_map_argnum": 12}
+_FUSED_UPDATES = 2  # the pool updates' place in jitted_run_and_sample's result
 
-    Replaces the runner's ``jitted_run_model`` (the hook sglang-jax's ``_forward`` calls) with the
-    guarded step over the same model definition, weights and KV pool; the runner keeps storing
-    the KV buffers the step returns. Before each ``model_runner.forward``, give the step's expected
-    token ids with :meth:`expect` (with ``token_checks``): with ``token_rows``,
-    ``hook.expect(hook.feed.delta(batch.reqs, model_worker_batch))``, else
-    :func:`expected_tokens`. ``state`` is the canary's device state; ``feed`` its
-    :class:`TokenFeed` (None without ``token_rows``). A step refused before it runs (a delta
-    made for another batch, ...) leaves the runner's pool, the state and the feed as they were.
+
+class ModelRunnerHook:
+    """The canary installed in an sglang-jax ``ModelRunner`` (0.0.2 or 0.1.0rc0, read from the
+    runner: another version is refused here, with what was found).
+
+    Replaces the runner's ``jitted_run_model`` (the hook sglang-jax's ``_forward`` calls), and on
+    0.1.0rc0 its fused ``jitted_run_and_sample``, with the guarded step over the runner's own
+    body, model definition, weights and pools; the runner keeps storing the buffers the step
+    returns. Before each ``model_runner.forward`` (or ``forward_and_sample``), give the step's
+    expected token ids with :meth:`expect` (with ``token_checks``): with ``token_rows``,
+    ``hook.expect(hook.feed.delta(reqs, model_worker_batch))`` (``reqs``: ``batch.reqs``, or per
+    DP rank ``[info.reqs for info in batch.reqs_info]``), else :func:`expected_tokens`.
+    ``state`` is the canary's device state; ``feed`` its :class:`TokenFeed` (None without
+    ``token_rows``); ``version`` the sglang-jax version found. A step refused before it runs (a
+    delta made for another batch, ...) leaves the runner's pools, the state and the feed as they
+    were.
     """
 
     def __init__(self, canary: SglangJaxCanary, model_runner):
-        from flax import nnx
-
-        model_def, model_state = nnx.split(model_runner.model)
-        leaves, state_def = jax.tree_util.tree_flatten(model_state)
+        api = runner_api(model_runner)
         self.canary = canary
+        self.version = api.version
         self.state = canary.init_state()
         self.feed = TokenFeed(canary) if canary.token_rows is not None else None
+        self._api: RunnerApi = api
         self._runner = model_runner
-        self._model = (model_def, state_def, leaves)
         self._pending: dict = {}
-        self._unguarded = model_runner.jitted_run_model
+        self._unguarded = {"jitted_run_model": model_runner.jitted_run_model}
+        layer = canary.layer
         self._step = guard_model_step(
-            canary, _run_model, batch_argnum=3, pool_argnum=4, static_argnums=(1,),
-            fused_kv=lambda out, pool: out[1][canary.layer - pool.start_layer])
+            canary, api.run_model, **_MODEL_ARGS,
+            fused_kv=lambda out, pools: api.canary_layer(out[1], pools, layer))
         model_runner.jitted_run_model = self._run
+        self._fused = None
+        if api.run_and_sample is not None and api.sampler is not None:
+            self._fused = guard_model_step(
+                canary, api.run_and_sample, **_FUSED_ARGS,
+                fused_kv=lambda out, pools: api.canary_layer(out[_FUSED_UPDATES], pools, layer))
+            self._unguarded["jitted_run_and_sample"] = model_runner.jitted_run_and_sample
+            model_runner.jitted_run_and_sample = self._run_and_sample
 
     def expect(self, expected: np.ndarray | TokenDelta | None = None,
                table: np.ndarray | None = None) -> None:
@@ -87,22 +105,39 @@ class ModelRunnerHook:
 
     def _run(self, forward_batch, logits_metadata):
         # A step refused before it runs donates nothing and records nothing in the feed: the
-        # runner's pool, the state and the feed are as they were.
-        model_def, state_def, leaves = self._model
+        # runner's pools, the state and the feed are as they were.
+        api = self._api
         pending, self._pending = self._pending, {}
-        self.state, out = self._step(self.state, model_def, state_def, leaves, forward_batch,
-                                     self._runner.token_to_kv_pool, logits_metadata, **pending)
+        self.state, out = self._step(self.state, api.model_def, api.model_state_def,
+                                     api.leaves(), forward_batch, api.pools(), logits_metadata,
+                                     **pending)
+        return out
+
+    def _run_and_sample(self, forward_batch, logits_metadata, sampling_metadata, future_map):
+        # As 0.1.0rc0's run_and_sample_wrapper: one sampler step per call, the weights and
+        # pools as the runner holds them now.
+        api, runner = self._api, self._runner
+        runner._sampler_step += 1
+        sampler_def, sampler_state_def, sampler_leaves = api.sampler
+        pending, self._pending = self._pending, {}
+        self.state, out = self._fused(
+            self.state, api.model_def, api.model_state_def, api.leaves(), forward_batch,
+            api.pools(), logits_metadata, sampler_def, sampler_state_def, sampler_leaves,
+            runner.use_sort_for_toppk_minp, runner._sampler_step, sampling_metadata, future_map,
+            **pending)
         return out
 
     def uninstall(self) -> None:
-        """Give the runner its own ``jitted_run_model`` back."""
-        self._runner.jitted_run_model = self._unguarded
+        """Give the runner its own steps back."""
+        for name, fn in self._unguarded.items():
+            setattr(self._runner, name, fn)
 
 
 class ManagedModelRunnerHook(ModelRunnerHook):
     """:class:`ModelRunnerHook` with a :func:`canary_manager` running the host side after every
-    guarded step (``manager.observe``). Give each step's requests with
-    ``expect(..., reqs=batch.reqs)`` so violations reach ``on_violation`` with their request.
+    guarded step (``manager.observe``), the fused decode step's too. Give each step's requests
+    with ``expect(..., reqs=batch.reqs)`` (per DP rank: the ranks' lists) so violations reach
+    ``on_violation`` with their request.
 
     When the manager raises after a step (raise mode, the health and phase checks), the step
     has run and its new KV buffers are stored in the runner's pool (:func:`store_kv`) before the
@@ -124,18 +159,26 @@ class ManagedModelRunnerHook(ModelRunnerHook):
 
     def _run(self, forward_batch, logits_metadata):
         out = super()._run(forward_batch, logits_metadata)
+        self._observe(out[1], forward_batch)
+        return out
+
+    def _run_and_sample(self, forward_batch, logits_metadata, sampling_metadata, future_map):
+        out = super()._run_and_sample(forward_batch, logits_metadata, sampling_metadata,
+                                      future_map)
+        self._observe(out[_FUSED_UPDATES], forward_batch)
+        return out
+
+    def _observe(self, updates, forward_batch) -> None:
         reqs, self._reqs = self._reqs, None
         try:
             resolve = (request_resolver(reqs, self._runner.req_to_token_pool)
                        if reqs is not None else None)
-            self.manager.observe(self.state, resolve=resolve)
+            observe(self.manager, self.canary, self.state, resolve=resolve)
         except BaseException as e:
-            # The step ran: the pool passed in was donated, and the runner stores the step's
+            # The step ran: the pools passed in were donated, and the runner stores the step's
             # buffers only when this returns. Store them now, as the runner would, so it keeps
-            # serving-ready KV, and hand them with the error as CanaryManager.step does.
-            layers = out[1]
-            store_kv(self._runner, layers, forward_batch)
+            # serving-ready KV, and hand the KV layers with the error as CanaryManager.step does.
+            store_kv(self._runner, updates, forward_batch)
             if isinstance(e, CanaryViolationError):
-                e.kv = layers
+                e.kv = self._api.kv_layers(updates)
             raise
-        return out

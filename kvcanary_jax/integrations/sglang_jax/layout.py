@@ -3,7 +3,8 @@
 **The KV layout.** One fused, head-interleaved buffer per layer, ``[K0, V0, K1, V1, ...]``:
 
 * sglang-jax 0.0.2: ``[size + page_size, heads * 2, head_dim]``;
-* sglang-jax HEAD:  ``[pages, page_size, heads * 2 // packing, packing, head_dim]``.
+* sglang-jax 0.1.0rc0 (and HEAD): ``[(size + page_size * dp_size) / page_size, page_size,
+  heads * 2 // packing, packing, head_dim]``, sharded ``P("data", None, "tensor", None, None)``.
 
 Both are row-major, so slot ``s`` (``page * page_size + offset`` at HEAD) is row ``s`` of a
 ``[slots, 2 * heads * head_dim]`` view and head ``h``'s K strip is its elements
@@ -17,7 +18,18 @@ off by default as well).
 :class:`SglangJaxCanary` is the canary's static description (sizes, mesh, sharding, token
 mode), read from sglang-jax's pools by :meth:`SglangJaxCanary.from_pools`; its ``config`` is the
 runtime's :class:`kvcanary_jax.CanaryConfig` and its ``init_state()`` the per-shard states,
-stacked. :func:`require_int` / :func:`require_positive_int` are the integration's argument
+stacked.
+
+**Data parallelism** (0.1.0rc0, ``dp_size > 1``): the slot dimension is sharded over ``data``.
+Each DP rank owns its slots (its allocator hands out rank-local slot numbers, from 1, into its
+``size / dp_size + page_size`` slots), its requests and its segment of every batch array
+(``input_ids``, ``out_cache_loc``, ``seq_lens``, ``cache_loc``, ... each split in ``dp_size``
+equal segments, rank after rank). So each rank runs its own canary over its local slots and its
+batch segment, as SGLang runs one per DP rank (and :func:`kvcanary_jax.make_sharded_step`): the
+canary is stacked over the DP axes and the head axes (:attr:`SglangJaxCanary.axes`), shard ``i``
+being DP rank ``i // head_shards``; ``num_slots`` and ``max_bs`` are per rank.
+
+:func:`require_int` / :func:`require_positive_int` are the integration's argument
 checks (our rules: sglang-jax has none to follow).
 """
 
@@ -30,7 +42,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import kvcanary_jax as kc
 from kvcanary_jax import _config
@@ -108,9 +120,9 @@ def _mesh_axes(entry) -> tuple[str, ...]:
 class SglangJaxCanary:
     """Static description of one canary over an sglang-jax KV pool (hashable: a jit constant).
 
-    ``num_slots``: slots of the fused buffer (0.0.2: ``size + page_size``; HEAD: ``pages *
-    page_size``). ``context_len``: ``req_to_token`` columns (no request is longer). ``max_bs``:
-    the largest batch-size bucket. ``layer`` / ``k_heads``: which layer's K strips are
+    ``num_slots``: slots of the fused buffer per DP rank (0.0.2: ``size + page_size``;
+    0.1.0rc0: ``pages * page_size / dp_size``). ``context_len``: ``req_to_token`` columns (no
+    request is longer). ``max_bs``: the largest batch-size bucket per DP rank. ``layer`` / ``k_heads``: which layer's K strips are
     fingerprinted. ``mesh`` / ``kv_spec``: the pool's mesh and the buffers' PartitionSpec (None:
     one device). ``token_checks``: every step takes the expected token ids (see
     :mod:`~kvcanary_jax.integrations.sglang_jax.tokens`). ``sweep_rows``: prefixes per :func:`sweep` launch. ``token_rows``: sglang-jax's
@@ -164,20 +176,16 @@ class SglangJaxCanary:
             raise ValueError(f"kv-canary sglang-jax: k_heads must be in [1, {MAX_REAL_KV_SOURCES}] "
                              f"(the canary's source limit), got {self.k_heads}")
         if self.mesh is not None and self.kv_spec is not None:
-            spec = tuple(self.kv_spec)
-            slot_axes = [a for entry in spec[:1] for a in _mesh_axes(entry)]
-            if math.prod(self.mesh.shape[a] for a in slot_axes) > 1:
-                raise NotImplementedError(
-                    f"kv-canary sglang-jax: the KV's slot dimension is sharded over {slot_axes} "
-                    "(data-parallel attention: each rank owns its slots and batch segment); run "
-                    "one canary per rank (kvcanary_jax.make_sharded_step)"
-                )
+            unknown = [a for a in (*self.dp_axes, *self.head_axes) if a not in self.mesh.shape]
+            if unknown:
+                raise ValueError(f"kv-canary sglang-jax: kv_spec {self.kv_spec} names mesh axes "
+                                 f"{unknown} that the mesh {dict(self.mesh.shape)} lacks")
 
     @classmethod
     def from_pools(cls, req_to_token_pool, token_to_kv_pool, *, max_bs: int,
                    incremental_tokens: bool = False, **kwargs):
         """Read sizes, mesh and sharding from sglang-jax's ``ReqToTokenPool`` and
-        ``MHATokenToKVPool`` (0.0.2 or HEAD). ``incremental_tokens``: ``token_rows`` from the
+        ``MHATokenToKVPool`` (0.0.2 or 0.1.0rc0; ``max_bs`` per DP rank). ``incremental_tokens``: ``token_rows`` from the
         ``ReqToTokenPool`` (its ``size``), for a :class:`TokenFeed`."""
         if incremental_tokens:
             kwargs["token_rows"] = int(req_to_token_pool.size)
@@ -192,26 +200,61 @@ class SglangJaxCanary:
                 f"buffer {tuple(buf.shape)} has pages of {buf.shape[1]} slots (dimension 1)")
         sharding = getattr(token_to_kv_pool, "kv_sharding", None) or getattr(buf, "sharding", None)
         mesh = getattr(sharding, "mesh", None) if isinstance(sharding, NamedSharding) else None
+        spec = sharding.spec if mesh is not None else None
+        slots = _layout(buf.shape)[0]
+        dp = math.prod(mesh.shape[a] for a in _mesh_axes(tuple(spec)[0])) if spec else 1
+        if slots % dp:
+            raise ValueError(f"kv-canary sglang-jax: the fused buffer {tuple(buf.shape)} has "
+                             f"{slots} slots, not a multiple of its {dp} data-parallel ranks")
         return cls(
-            num_slots=_layout(buf.shape)[0],
+            num_slots=slots // dp,
             page_size=int(page_size),
             context_len=int(req_to_token_pool.max_context_len),
             max_bs=max_bs,
             mesh=mesh,
-            kv_spec=sharding.spec if mesh is not None else None,
+            kv_spec=spec,
             **kwargs,
         )
 
     @property
-    def axes(self) -> tuple[str, ...]:
-        """Mesh axes the canary is stacked over: those sharding the buffer's head dimensions."""
+    def dp_axes(self) -> tuple[str, ...]:
+        """Mesh axes sharding the buffer's slot dimension (dimension 0 of either layout): the
+        data-parallel ranks (sglang-jax 0.1.0rc0: ``"data"``). Each rank owns its slots (its
+        allocator hands out rank-local slot numbers) and its segment of every batch array."""
+        if self.mesh is None or self.kv_spec is None or not tuple(self.kv_spec):
+            return ()
+        return _mesh_axes(tuple(self.kv_spec)[0])
+
+    @property
+    def head_axes(self) -> tuple[str, ...]:
+        """Mesh axes sharding the buffer's head dimensions (tensor parallelism)."""
         if self.mesh is None or self.kv_spec is None:
             return ()
         return tuple(a for entry in tuple(self.kv_spec)[1:] for a in _mesh_axes(entry))
 
     @property
+    def axes(self) -> tuple[str, ...]:
+        """Mesh axes the canary is stacked over: the data-parallel ones, then those sharding the
+        buffer's head dimensions. Shard ``i`` is DP rank ``i // head_shards``, head shard
+        ``i % head_shards``."""
+        return self.dp_axes + self.head_axes
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: one canary per rank (and per head shard within it)."""
+        return math.prod(self.mesh.shape[a] for a in self.dp_axes) if self.dp_axes else 1
+
+    @property
+    def head_shards(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.head_axes) if self.head_axes else 1
+
+    @property
     def num_shards(self) -> int:
-        return math.prod(self.mesh.shape[a] for a in self.axes) if self.axes else 1
+        return self.dp_size * self.head_shards
+
+    def dp_rank(self, shard: int) -> int:
+        """The data-parallel rank of canary shard ``shard`` (a :class:`ShardViolation`'s)."""
+        return int(shard) // self.head_shards
 
     @property
     def config(self) -> kc.CanaryConfig:
@@ -232,6 +275,16 @@ class SglangJaxCanary:
             enable_write_input_assert=self.token_checks,
             implementation=self.implementation,
         )
+
+    def auto_mesh(self) -> Mesh | None:
+        """The canary's mesh with Auto axes when sglang-jax built it with Explicit ones (0.1.0rc0),
+        else None. Explicit axes type every array's sharding, which the runtime manager's host
+        side (its readback slices the stacked shards) does not expect."""
+        if self.mesh is None or not any(t == AxisType.Explicit
+                                        for t in getattr(self.mesh, "axis_types", ())):
+            return None
+        return Mesh(self.mesh.devices, self.mesh.axis_names,
+                    axis_types=(AxisType.Auto,) * len(self.mesh.axis_names))
 
     @_config.with_x64
     def init_state(self):

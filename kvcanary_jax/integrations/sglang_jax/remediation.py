@@ -1,22 +1,30 @@
 """The runtime manager over the canary's state, and remediation with sglang-jax's own objects.
 
 :func:`canary_manager` builds a :class:`kvcanary_jax.runtime.CanaryManager` in observe mode (the
-guarded step runs in :func:`guard_model_step`; the manager runs the host side after it).
+guarded step runs in :func:`guard_model_step`; the manager runs the host side after it, through
+:func:`observe`).
 :func:`request_resolver` maps a violation's slot to the step's request, :func:`abort_request`
-aborts it through sglang-jax's ``to_abort``, :func:`drop_radix_slot` drops the radix-cache nodes
+aborts it as sglang-jax's scheduler does, :func:`drop_radix_slot` drops the radix-cache nodes
 over a corrupted slot, and :class:`Remediator` is the ``on_violation`` callback doing both.
 """
 
 from __future__ import annotations
 
+import sys
+
+import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from kvcanary_jax.integrations.sglang_jax.layout import SglangJaxCanary
+from kvcanary_jax.integrations.sglang_jax.sweep import node_dp_rank
 
 __all__ = [
     "canary_manager",
+    "observe",
     "request_resolver",
     "abort_request",
+    "abort_pending",
     "drop_radix_slot",
     "Remediator",
 ]
@@ -43,32 +51,69 @@ def canary_manager(canary: SglangJaxCanary, mode: str = "log", *, on_violation=N
     return CanaryManager(config, cfg, on_violation=on_violation, allocate=False)
 
 
+def observe(manager, canary: SglangJaxCanary, state, *, resolve=None) -> None:
+    """``manager.observe(state, resolve=resolve)`` (the host side after a guarded step) on any
+    mesh: on sglang-jax 0.1.0rc0's Explicit mesh the state is handed over as the same buffers
+    (no copy) on the mesh with Auto axes (:meth:`SglangJaxCanary.auto_mesh`), under that mesh."""
+    auto = canary.auto_mesh()
+    if auto is None:
+        manager.observe(state, resolve=resolve)
+        return
+    view = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(auto, x.sharding.spec)), state)
+    with jax.set_mesh(auto):
+        manager.observe(view, resolve=resolve)
+
+
 def request_resolver(reqs, req_to_token_pool):
     """``resolve(slot, violation) -> Req | None`` for one step's requests (sglang-jax ``Req``:
     ``req_pool_idx``, ``origin_input_ids``, ``output_ids``): the request whose
     ``req_to_token`` row holds ``slot`` among its first ``len(origin_input_ids) +
-    len(output_ids)`` entries. Reads the pool's table only when called (a violation)."""
+    len(output_ids)`` entries. Reads the pool's table only when called (a violation).
+
+    ``reqs`` may be per-DP lists (``[info.reqs for info in batch.reqs_info]``). Slots are
+    rank-local there and the manager's ``resolve`` is given no rank, so a slot that requests of
+    two ranks hold resolves to None (no request is aborted for another's fault; the report
+    still names its shard, :meth:`SglangJaxCanary.dp_rank`)."""
     reqs = list(reqs)
+    if reqs and all(isinstance(r, (list, tuple)) for r in reqs):
+        reqs = [r for rank in reqs for r in rank]
 
     def resolve(slot, violation=None):
         table = np.asarray(req_to_token_pool.req_to_token)
+        found = []
         for req in reqs:
             row = getattr(req, "req_pool_idx", None)
             if row is None:
                 continue
             n = len(req.origin_input_ids) + len(req.output_ids)
             if int(slot) in set(np.asarray(table[int(row), :n]).tolist()):
-                return req
-        return None
+                found.append(req)
+        ranks = {getattr(r, "dp_rank", None) or 0 for r in found}
+        return found[0] if found and len(ranks) == 1 else None
 
     return resolve
 
 
 def abort_request(req, message: str) -> None:
-    """sglang-jax's own abort: ``to_abort`` is turned into ``FINISH_ABORT(message)`` by
-    ``Req.check_finished`` at the end of the step, and the scheduler releases the request."""
+    """sglang-jax's own abort, as its scheduler aborts a request: 0.1.0rc0, ``to_finish =
+    FINISH_ABORT(message)``; 0.0.2, ``to_abort`` (with ``to_abort_message``). Either becomes the
+    request's ``finished_reason`` in ``Req.check_finished`` at the end of the step, and the
+    scheduler releases the request. (The version is read from the ``Req``: 0.1.0rc0's has
+    ``to_finish``, its ``FINISH_ABORT`` lives in the ``Req``'s module.)"""
+    if hasattr(req, "to_finish"):
+        finish_abort = getattr(sys.modules[type(req).__module__], "FINISH_ABORT")
+        req.to_finish = finish_abort(message)
+        return
     req.to_abort = True
     req.to_abort_message = message
+
+
+def abort_pending(req) -> bool:
+    """Whether :func:`abort_request` (or sglang-jax's scheduler) already aborted ``req``."""
+    pending = getattr(req, "to_finish", None)
+    if pending is not None:
+        return type(pending).__name__ == "FINISH_ABORT"
+    return bool(getattr(req, "to_abort", False))
 
 
 def _subtree(node):
@@ -80,15 +125,17 @@ def _subtree(node):
     return out
 
 
-def drop_radix_slot(tree_cache, slot: int) -> tuple[int, bool]:
+def drop_radix_slot(tree_cache, slot: int, *, dp_rank: int = 0) -> tuple[int, bool]:
     """Drop from sglang-jax's ``RadixCache`` the node holding ``slot`` and every node below it
     (their KV extends the bad one), freeing their slots through the cache's allocator, as its
     ``evict`` does, so no later request matches the corrupted prefix. Nodes a running request
     still locks (``lock_ref > 0``) cannot be freed yet. Returns ``(tokens dropped, whether
-    locked nodes remain)``; a slot no node holds drops nothing."""
+    locked nodes remain)``; a slot no node holds drops nothing. ``dp_rank``: with data
+    parallelism (0.1.0rc0), the rank whose nodes hold the (rank-local) slot, freed to that
+    rank's allocator."""
     target = None
     for node in _subtree(tree_cache.root_node):
-        if node is tree_cache.root_node or node.value is None:
+        if node is tree_cache.root_node or node.value is None or node_dp_rank(node) != dp_rank:
             continue
         if int(slot) in set(np.asarray(node.value).reshape(-1).tolist()):
             target = node
@@ -101,7 +148,10 @@ def drop_radix_slot(tree_cache, slot: int) -> tuple[int, bool]:
         if node.lock_ref > 0 or node.children:
             locked = locked or node.lock_ref > 0
             continue
-        tree_cache.token_to_kv_pool_allocator.free(node.value)
+        if dp_rank:  # 0.1.0rc0's allocators free per rank (0.0.2's have no rank)
+            tree_cache.token_to_kv_pool_allocator.free(node.value, dp_rank=dp_rank)
+        else:
+            tree_cache.token_to_kv_pool_allocator.free(node.value)
         dropped += len(node.value)
         tree_cache._delete_leaf(node)
     return dropped, locked
@@ -112,29 +162,39 @@ class Remediator:
     belongs to (:func:`abort_request`) and drops the radix-cache node holding the slot
     (:func:`drop_radix_slot`). Slots whose nodes were still locked are kept in ``pending`` and
     retried at every later violation and by :meth:`retry` (call it after the scheduler released
-    the aborted requests). ``aborted`` / ``dropped`` record what was done."""
+    the aborted requests). ``aborted`` / ``dropped`` record what was done. ``canary``: with data
+    parallelism, the canary whose shards report (a slot is its rank's: ``pending`` and
+    ``dropped`` are then keyed ``(dp_rank, slot)``)."""
 
-    def __init__(self, tree_cache, *, message: str = "kv-canary: KV cache corruption detected"):
+    def __init__(self, tree_cache, *, message: str = "kv-canary: KV cache corruption detected",
+                 canary: SglangJaxCanary | None = None):
         self.tree_cache = tree_cache
         self.message = message
-        self.pending: set[int] = set()
+        self.canary = canary
+        self.pending: set = set()
         self.aborted: list = []
-        self.dropped: dict[int, int] = {}
+        self.dropped: dict = {}
 
     def __call__(self, report) -> None:
         v = report.violation
-        if report.request is not None and not getattr(report.request, "to_abort", False):
+        if report.request is not None and not abort_pending(report.request):
             abort_request(report.request, f"{self.message} (slot {v.slot}, {v.tag}, "
                                           f"{'|'.join(v.reasons)})")
             self.aborted.append(report.request)
         if v.slot > 0:  # slot 0 is the padding slot: no node holds it
-            self.pending.add(int(v.slot))
+            self.pending.add(self._key(report.shard, int(v.slot)))
         self.retry()
 
+    def _key(self, shard: int, slot: int):
+        if self.canary is None or self.canary.dp_size == 1:
+            return slot
+        return self.canary.dp_rank(shard), slot
+
     def retry(self) -> None:
-        for slot in sorted(self.pending):
-            n, locked = drop_radix_slot(self.tree_cache, slot)
+        for key in sorted(self.pending):
+            rank, slot = key if isinstance(key, tuple) else (0, key)
+            n, locked = drop_radix_slot(self.tree_cache, slot, dp_rank=rank)
             if n:
-                self.dropped[slot] = self.dropped.get(slot, 0) + n
+                self.dropped[key] = self.dropped.get(key, 0) + n
             if not locked:
-                self.pending.discard(slot)
+                self.pending.discard(key)

@@ -1,23 +1,24 @@
 """The guarded model step: HEAD -> sglang-jax's model -> TAIL in one ``jax.jit``, once per KV
 shard.
 
-**Sharding: one canary per KV shard.** sglang-jax 0.0.2 shards each layer buffer over its head
-dimension (``P(None, "tensor")``; HEAD: ``P("data", None, "tensor", None, None)``), so every
-device holds every slot but only its own heads. The canary runs once per shard, under
-``shard_map``: each shard keeps its own state (canary buffers, plans, ring, counters: stacked
-along a leading axis sharded over the KV's head-dimension mesh axes), reads the replicated batch,
-and fingerprints the first K strip(s) of *its own* heads. This is what SGLang does under tensor
-parallelism (each TP rank has its own canary over its own KV shard), and the alternative (one
-canary on replicated slot metadata with a sharded source) does not work here: the fingerprint
-chains the bytes of one slot through a non-linear hash, so a shard cannot hash its part alone and
-combine; a replicated kernel would make XLA gather the sharded buffer onto every device each step,
-and it would only ever fingerprint the heads of one shard. Per shard costs no communication and
-covers every device's KV. The price: the metadata checks run on every shard (in parallel, no
-wall-time cost), 32 bytes per slot per canary buffer per shard, and a metadata fault is reported
-once per shard (:func:`read_violations` says which shard reported what). A buffer whose slot
-dimension is sharded over a mesh axis of size > 1 (HEAD's data-parallel attention) is refused:
-there each rank owns its slots and its own batch segment; run one canary per rank
-(:func:`kvcanary_jax.make_sharded_step`).
+**Sharding: one canary per KV shard.** sglang-jax shards each layer buffer over its head
+dimension (0.0.2: ``P(None, "tensor")``; 0.1.0rc0: ``P("data", None, "tensor", None, None)``), so
+every device of a DP rank holds every slot of that rank but only its own heads. The canary runs
+once per shard, under ``shard_map``: each shard keeps its own state (canary buffers, plans, ring,
+counters: stacked along a leading axis sharded over the KV's DP and head mesh axes), reads its
+rank's batch segment, and fingerprints the first K strip(s) of *its own* heads. This is what
+SGLang does under tensor parallelism (each TP rank has its own canary over its own KV shard), and
+the alternative (one canary on replicated slot metadata with a sharded source) does not work
+here: the fingerprint chains the bytes of one slot through a non-linear hash, so a shard cannot
+hash its part alone and combine; a replicated kernel would make XLA gather the sharded buffer
+onto every device each step, and it would only ever fingerprint the heads of one shard. Per shard
+costs no communication and covers every device's KV. The price: the metadata checks run on every
+shard (in parallel, no wall-time cost), 32 bytes per slot per canary buffer per shard, and a
+metadata fault is reported once per head shard (:func:`read_violations` says which shard reported
+what). With data parallelism (0.1.0rc0, ``dp_size > 1``, the slot dimension sharded over
+``data``) each rank owns its slots and its batch segment: each rank's canaries see that segment
+only (split on the device, no host work), as :func:`kvcanary_jax.make_sharded_step` runs one
+canary per rank.
 
 **The step.** :func:`guard_model_step` wraps a jitted model step: one ``jax.jit`` runs
 HEAD (scatter, plan, verify + write) -> the model -> TAIL (verify + write with the plans HEAD
@@ -39,7 +40,7 @@ without, one int32 array the size of ``cache_loc`` from the host every step (23 
 scatter. ``bench/sglang_jax_step.py`` measures the whole against sglang-jax's step.
 
 :func:`per_shard` and :func:`kv_dict` (the per-shard execution and the fused buffer as the
-canary's real-KV sources) serve the sweep as well.
+canary's real-KV sources) serve the sweep and the HiCache hook as well.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from kvcanary_jax import _config
 from kvcanary_jax.integrations.sglang_jax.batch import device_batch, fed_pool
@@ -75,18 +76,41 @@ def _stack1(tree):
     return jax.tree.map(lambda x: x[None], tree)
 
 
-def per_shard(canary: SglangJaxCanary, fn, state, replicated, kv=None):
-    """Run ``fn(shard_state, replicated, local_kv)`` once per KV shard; returns stacked states."""
+def per_shard(canary: SglangJaxCanary, fn, state, *, rank=None, shared=None, kv=None,
+              stacked=None):
+    """Run ``fn(shard_state, rank_inputs, shared, local_kv, shard_stacked) -> (shard_state,
+    extra)`` once per canary shard, under ``shard_map`` over the canary's mesh; returns the
+    stacked states and extras. ``state`` and ``stacked`` are stacked per shard; ``rank`` is
+    split in equal segments over the DP axes (each rank's batch segment; whole without DP);
+    ``shared`` is replicated; ``kv`` is a fused buffer, each shard its local block."""
     if not canary.axes:
-        return _stack1(fn(_first(state), replicated, kv))
+        st, extra = fn(_first(state), rank, shared, kv,
+                       None if stacked is None else _first(stacked))
+        return _stack1(st), _stack1(extra)
 
-    def body(st, rep, local):
-        return _stack1(fn(_first(st), rep, local))
+    def body(st, rk, sh, local, stk):
+        st, extra = fn(_first(st), rk, sh, local, None if stk is None else _first(stk))
+        return _stack1(st), _stack1(extra)
 
     spec = P(canary.axes)
+    rank_spec = P(canary.dp_axes) if canary.dp_axes else P()
     kv_spec = P() if kv is None else canary.kv_spec
-    return jax.shard_map(body, mesh=canary.mesh, in_specs=(spec, P(), kv_spec), out_specs=spec,
-                         check_vma=False)(state, replicated, kv)
+    specs = (spec, rank_spec, P(), kv_spec, spec)
+    args = tuple(_placed(canary.mesh, x, sp) for x, sp in
+                 zip((state, rank, shared, kv, stacked), specs))
+    return jax.shard_map(body, mesh=canary.mesh, in_specs=specs, out_specs=(spec, spec),
+                         check_vma=False)(*args)
+
+
+def _placed(mesh, tree, spec):
+    """``tree``'s arrays laid out as ``spec`` over ``mesh`` (inside the jit). sglang-jax
+    0.1.0rc0 builds its mesh with Explicit axes, where ``shard_map`` takes only inputs already
+    sharded as its ``in_specs`` say (host arrays, e.g. the expected ids, arrive unsharded):
+    resharded there; a constraint on other meshes."""
+    sharding = NamedSharding(mesh, spec)
+    explicit = all(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+    place = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
+    return jax.tree.map(lambda x: place(x, sharding), tree)
 
 
 def kv_dict(canary: SglangJaxCanary, local_buffer):
@@ -97,62 +121,108 @@ def _no_lut():
     return jnp.zeros((1,), jnp.int64)  # the runtime's placeholder when there is no SWA group
 
 
-def _head(canary: SglangJaxCanary, state, batch, table, fed=None):
+# The ForwardBatch fields the canary reads (both versions have them): each DP rank's segment is
+# handed to its canary; the rest of the batch (attention metadata, LoRA, ...) stays the model's.
+_BATCH_FIELDS = ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions",
+                 "cache_loc", "extend_prefix_lens", "extend_seq_lens")
+
+
+def _batch_fields(forward_batch) -> dict:
+    return {name: getattr(forward_batch, name) for name in _BATCH_FIELDS}
+
+
+def _resolved_ids(ids, future_map):
+    """Input ids with sglang-jax's future placeholders (negative: ``-i`` is entry ``i`` of the
+    future token map) resolved, as ``jitted_run_and_sample`` resolves them (clamped: no read
+    out of bounds)."""
+    top = future_map.shape[0] - 1
+    return jnp.where(ids < 0, future_map[jnp.clip(-ids, 0, top)].astype(ids.dtype), ids)
+
+
+def _head(canary: SglangJaxCanary, state, mode, fields, expected, table, future_map):
     cfg = canary.config
 
-    def fn(st, rep, _):
-        b, t, f = rep
+    def fn(st, rank, fut, _kv, _stacked):
+        f, exp, tab = rank
+        if fut is not None:
+            f = {**f, "input_ids": _resolved_ids(f["input_ids"], fut)}
+        b, cache_table, fed = device_batch(canary, _LocalBatch(mode, f), exp)
         pool = None
-        if f is not None:
+        if fed is not None:
             seq = b.all_ids_offsets[1:] - b.all_ids_offsets[:-1]
-            st, pool = fed_pool(canary, st, seq, f)
-        return head(cfg, st, b, t, _no_lut(), expected_pool=pool)
+            st, pool = fed_pool(canary, st, seq, fed)
+        st = head(cfg, st, b, cache_table if tab is None else tab, _no_lut(), expected_pool=pool)
+        return st, b
 
-    return per_shard(canary, fn, state, (batch, table, fed))
+    return per_shard(canary, fn, state, rank=(fields, expected, table), shared=future_map)
 
 
-def _tail(canary: SglangJaxCanary, state, batch, kv_buffer):
+def _tail(canary: SglangJaxCanary, state, batches, kv_buffer):
     cfg = canary.config
-    return per_shard(canary, lambda st, b, kv: tail(cfg, st, b, _no_lut(), kv_dict(canary, kv)),
-                      state, batch, kv_buffer)
+
+    def fn(st, _rank, _shared, kv, b):
+        return tail(cfg, st, b, _no_lut(), kv_dict(canary, kv)), None
+
+    state, _ = per_shard(canary, fn, state, kv=kv_buffer, stacked=batches)
+    return state
+
+
+class _LocalBatch:
+    """One DP rank's segment of the batch fields, read by :func:`device_batch` as a
+    ``ForwardBatch``."""
+
+    def __init__(self, forward_mode, fields: dict):
+        self.forward_mode = forward_mode
+        self.__dict__.update(fields)
 
 
 def guard_model_step(canary: SglangJaxCanary, model_step: Callable, *, batch_argnum: int,
                      pool_argnum: int, fused_kv: Callable[[Any, Any], jax.Array],
-                     static_argnums: Sequence[int] = ()):
+                     static_argnums: Sequence[int] = (), future_map_argnum: int | None = None):
     """Wrap sglang-jax's jitted model step with the canary: HEAD before it, TAIL after it.
 
     ``model_step(*args)`` is the model call (sglang-jax 0.0.2: ``ModelRunner``'s
     ``jitted_run_model(model_def, model_state_def, model_state_leaves, forward_batch,
-    token_to_kv_pool, logits_metadata)``), ``args[batch_argnum]`` its ``ForwardBatch`` and
-    ``args[pool_argnum]`` its KV pool; ``fused_kv(out, pool)`` picks the canary layer's new fused
-    buffer from the step's output (0.0.2: ``out[1][layer]``). Returns
-    ``step(state, *args, expected=None, table=None) -> (state, out)``, one ``jax.jit`` with the
-    canary state and the pool donated (use the buffers ``out`` returns, as sglang-jax does).
-    ``expected``: :func:`expected_tokens` (required with ``token_checks``); ``table``:
-    :func:`host_table` to plan from ``req_to_token`` instead of ``cache_loc``.
+    token_to_kv_pool, logits_metadata)``; 0.1.0rc0: the same over ``memory_pools``, or its
+    fused ``jitted_run_and_sample``), ``args[batch_argnum]`` its ``ForwardBatch`` and
+    ``args[pool_argnum]`` its KV pool (0.1.0rc0: its ``MemoryPools``); ``fused_kv(out, pool)``
+    picks the canary layer's new fused buffer from the step's output (0.0.2: ``out[1][layer]``;
+    0.1.0rc0: ``out[1]["token_to_kv_pool"][layer]``). ``future_map_argnum``: the argument holding
+    sglang-jax's future token map (the fused decode step), whose entries resolve the batch's
+    negative input ids for the canary as the step resolves them. Returns ``step(state, *args,
+    expected=None, table=None) -> (state, out)``, one ``jax.jit`` with the canary state and the
+    pool donated (use the buffers ``out`` returns, as sglang-jax does). ``expected``:
+    :func:`expected_tokens` (required with ``token_checks``); ``table``: :func:`host_table` to
+    plan from ``req_to_token`` instead of ``cache_loc``. With ``dp_size > 1`` every batch array,
+    ``expected`` and ``table`` are split in ``dp_size`` equal segments, one per DP rank, each
+    checked by that rank's canary.
     """
-    for name, value in (("batch_argnum", batch_argnum), ("pool_argnum", pool_argnum)):
+    named = {"batch_argnum": batch_argnum, "pool_argnum": pool_argnum}
+    if future_map_argnum is not None:
+        named["future_map_argnum"] = future_map_argnum
+    for name, value in named.items():
         require_int(name, value)
         if value < 0:
             raise ValueError(f"kv-canary sglang-jax: {name} must be >= 0 (an index into the "
                              f"model step's positional arguments), got {value}")
-    if batch_argnum == pool_argnum:
-        raise ValueError(f"kv-canary sglang-jax: batch_argnum and pool_argnum are both "
-                         f"{batch_argnum}; the batch and the KV pool are different arguments")
-    if batch_argnum in static_argnums or pool_argnum in static_argnums:
-        raise ValueError("kv-canary sglang-jax: the batch and the KV pool cannot be static "
-                         f"arguments (static_argnums={tuple(static_argnums)})")
+    if len(set(named.values())) != len(named):
+        raise ValueError(f"kv-canary sglang-jax: {named} name the same argument twice; the "
+                         "batch, the KV pool and the future map are different arguments")
+    if set(named.values()) & set(static_argnums):
+        raise ValueError("kv-canary sglang-jax: the batch, the KV pool and the future map "
+                         f"cannot be static arguments (static_argnums={tuple(static_argnums)})")
     if not callable(model_step) or not callable(fused_kv):
         raise TypeError("kv-canary sglang-jax: model_step and fused_kv must be callables")
     nfixed = 4  # state, expected, table, model_x64
 
     def traced(state, expected, table, model_x64, *args):
-        batch, cache_table, fed = device_batch(canary, args[batch_argnum], expected)
-        state = _head(canary, state, batch, cache_table if table is None else table, fed)
+        fb = args[batch_argnum]
+        fut = None if future_map_argnum is None else args[future_map_argnum]
+        state, batches = _head(canary, state, fb.forward_mode, _batch_fields(fb), expected,
+                               table, fut)
         with jax.enable_x64(model_x64):
             out = model_step(*args)
-        state = _tail(canary, state, batch, fused_kv(out, args[pool_argnum]))
+        state = _tail(canary, state, batches, fused_kv(out, args[pool_argnum]))
         return state, out
 
     jitted = jax.jit(
@@ -163,11 +233,12 @@ def guard_model_step(canary: SglangJaxCanary, model_step: Callable, *, batch_arg
 
     @_config.entry_point
     def step(state, *args, expected=None, table=None):
-        if len(args) <= max(batch_argnum, pool_argnum):
-            raise TypeError(f"kv-canary sglang-jax: the model step takes its batch at "
-                            f"{batch_argnum} and its KV pool at {pool_argnum}, got "
+        if len(args) <= max(named.values()):
+            raise TypeError(f"kv-canary sglang-jax: the model step takes {named}, got "
                             f"{len(args)} arguments")
-        array, sent = _expected_array(canary, expected, state, args[batch_argnum])
+        fb = args[batch_argnum]
+        array, sent = _expected_array(canary, expected, state, fb)
+        _check_segments(canary, fb, array, table)
         new_state, out = jitted(state, array, table, _config.caller_had_x64(), *args)
         if sent is not None:  # dispatched: the state it returned holds the delta's ids
             sent.feed.commit(sent, state, new_state)
@@ -175,6 +246,24 @@ def guard_model_step(canary: SglangJaxCanary, model_step: Callable, *, batch_arg
 
     step.jitted = jitted
     return step
+
+
+def _check_segments(canary: SglangJaxCanary, forward_batch, expected, table) -> None:
+    """With data parallelism every batch array splits in ``dp_size`` equal segments (sglang-jax
+    pads each rank's to the same size): refuse one that does not, before anything runs."""
+    dp = canary.dp_size
+    if dp == 1:
+        return
+    sizes = {name: getattr(forward_batch, name).shape[0] for name in _BATCH_FIELDS
+             if getattr(forward_batch, name, None) is not None}
+    if expected is not None:
+        sizes["expected"] = expected.shape[0]
+    if table is not None:
+        sizes["table"] = table.shape[0]
+    odd = {name: n for name, n in sizes.items() if n % dp}
+    if odd:
+        raise ValueError(f"kv-canary sglang-jax: with {dp} data-parallel ranks every batch "
+                         f"array splits in {dp} equal segments (one per rank); {odd} do not")
 
 
 def _expected_array(canary: SglangJaxCanary, expected, state, forward_batch):

@@ -11,20 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
-
 import jax
 import numpy as np
 
 import kvcanary_jax as kc
 from kvcanary_jax import _config
-from kvcanary_jax.integrations.sglang_jax.layout import SglangJaxCanary
+from kvcanary_jax.integrations.sglang_jax.layout import SglangJaxCanary, require_positive_int
 from kvcanary_jax.integrations.sglang_jax.step import kv_dict, per_shard
 from kvcanary_jax.integrations.sglang_jax.tokens import host_ints
 from kvcanary_jax.runtime import decode_ring
 
 __all__ = [
     "radix_prefixes",
+    "node_dp_rank",
     "sweep",
     "ShardViolation",
     "violation_counts",
@@ -32,23 +31,41 @@ __all__ = [
 ]
 
 
-def radix_prefixes(tree_cache) -> list[np.ndarray]:
+def radix_prefixes(tree_cache, *, dp_size: int | None = None):
     """Slot lists of every root-to-leaf path of sglang-jax's ``RadixCache`` (evicted subtrees
-    skipped): the cached prefixes a sweep re-verifies."""
+    skipped): the cached prefixes a sweep re-verifies. ``dp_size``: with data parallelism
+    (0.1.0rc0), one list per DP rank (``[rank][prefix]``, each node's rank from its key's
+    ``dp_rank``; its slots are that rank's)."""
     root = getattr(tree_cache, "root_node", None)
     if root is None or not hasattr(root, "children"):
         raise TypeError("kv-canary sglang-jax: tree_cache must be an sglang-jax RadixCache (with "
                         f"root_node.children), got {type(tree_cache).__name__}")
+    if dp_size is not None:
+        require_positive_int("dp_size", dp_size)
     out = []
     stack = [(root, np.zeros((0,), np.int64))]
     while stack:
         node, prefix = stack.pop()
         kids = [c for c in node.children.values() if c.value is not None]
         if not kids and prefix.shape[0]:
-            out.append(prefix)
+            out.append((node_dp_rank(node), prefix))
         for child in kids:
             stack.append((child, np.concatenate([prefix, np.asarray(child.value, np.int64)])))
-    return out
+    if dp_size is None:
+        return [prefix for _, prefix in out]
+    ranks = [[] for _ in range(dp_size)]
+    for rank, prefix in out:
+        if not 0 <= rank < dp_size:
+            raise ValueError(f"kv-canary sglang-jax: a radix node of DP rank {rank} for "
+                             f"dp_size={dp_size}")
+        ranks[rank].append(prefix)
+    return ranks
+
+
+def node_dp_rank(node) -> int:
+    """The DP rank of a radix-cache node (its key's ``dp_rank``; 0 without one, and on 0.0.2)."""
+    rank = getattr(getattr(node, "key", None), "dp_rank", None)
+    return 0 if rank is None else int(rank)
 
 
 @functools.partial(jax.jit, static_argnames=("canary",), donate_argnames=("state",))
@@ -58,47 +75,65 @@ def _sweep_jit(state, expected_tokens, rows_table, row_indices, lengths, kv_buff
     # its TokenFeed knows.
     cfg = canary.config
 
-    def fn(st, rep, kv):
-        return kc.canary_sweep(cfg, st, rows_table=rep[0], row_indices=rep[1], lengths=rep[2],
-                               kv=kv_dict(canary, kv))
+    def fn(st, rank, _shared, kv, _stacked):
+        table, rows, lens = rank
+        return kc.canary_sweep(cfg, st, rows_table=table, row_indices=rows, lengths=lens,
+                               kv=kv_dict(canary, kv)), None
 
     state = dataclasses.replace(state, expected_tokens=expected_tokens)
-    state = per_shard(canary, fn, state, (rows_table, row_indices, lengths), kv_buffer)
+    state, _ = per_shard(canary, fn, state, rank=(rows_table, row_indices, lengths), kv=kv_buffer)
     return dataclasses.replace(state, expected_tokens=None)
 
 
 @_config.entry_point
-def sweep(canary: SglangJaxCanary, state, kv_buffer: jax.Array, prefixes: Sequence[Sequence[int]]):
+def sweep(canary: SglangJaxCanary, state, kv_buffer: jax.Array, prefixes):
     """Verify cached prefixes (slot lists, position ``j`` at index ``j``) against the TAIL
     buffers with the SWEEP tags (token check off), ``canary.sweep_rows`` prefixes per launch.
-    ``kv_buffer`` is the canary layer's current fused buffer. ``state`` is donated.
+    ``kv_buffer`` is the canary layer's current fused buffer. ``state`` is donated. With
+    ``canary.dp_size > 1``, ``prefixes[rank]`` are DP rank ``rank``'s (rank-local slots:
+    :func:`radix_prefixes` with ``dp_size``), each verified by that rank's canaries.
 
     Raises ValueError (our rule, before anything runs or is donated) for a prefix longer than
     ``canary.context_len`` (its tail would go unchecked) or holding a slot outside
-    ``[0, canary.num_slots)`` (never verified). The state's expected-token pool is not donated:
-    the returned state keeps that very array (a :class:`TokenFeed` still knows the state)."""
-    n = canary.sweep_rows
-    prefixes = [host_ints(f"prefixes[{i}]", p) for i, p in enumerate(prefixes)]
-    for i, p in enumerate(prefixes):
-        if p.shape[0] > canary.context_len:
-            raise ValueError(f"kv-canary sglang-jax: prefixes[{i}] has {p.shape[0]} slots, more "
-                             f"than context_len={canary.context_len}")
-        bad = np.nonzero((p < 0) | (p >= canary.num_slots))[0]
-        if bad.size:
-            raise ValueError(f"kv-canary sglang-jax: prefixes[{i}][{bad[0]}] must be a slot in "
-                             f"[0, {canary.num_slots}), got {p[bad[0]]}")
+    ``[0, canary.num_slots)`` (never verified), and for per-rank lists that are not one per DP
+    rank. The state's expected-token pool is not donated: the returned state keeps that very
+    array (a :class:`TokenFeed` still knows the state)."""
+    n, dp = canary.sweep_rows, canary.dp_size
+    if dp == 1:
+        per_rank = [prefixes]
+    else:
+        per_rank = list(prefixes)
+        if len(per_rank) != dp:
+            raise ValueError(f"kv-canary sglang-jax: with {dp} data-parallel ranks, prefixes is "
+                             f"one list per rank (radix_prefixes(..., dp_size={dp})), got "
+                             f"{len(per_rank)} lists")
+    checked = []
+    for d, rank_prefixes in enumerate(per_rank):
+        where = "prefixes" if dp == 1 else f"prefixes[{d}]"
+        rank_prefixes = [host_ints(f"{where}[{i}]", p) for i, p in enumerate(rank_prefixes)]
+        for i, p in enumerate(rank_prefixes):
+            if p.shape[0] > canary.context_len:
+                raise ValueError(f"kv-canary sglang-jax: {where}[{i}] has {p.shape[0]} slots, "
+                                 f"more than context_len={canary.context_len}")
+            bad = np.nonzero((p < 0) | (p >= canary.num_slots))[0]
+            if bad.size:
+                raise ValueError(f"kv-canary sglang-jax: {where}[{i}][{bad[0]}] must be a slot "
+                                 f"in [0, {canary.num_slots}), got {p[bad[0]]}")
+        checked.append(rank_prefixes)
     pool = state.expected_tokens
     state = dataclasses.replace(state, expected_tokens=None)
-    for start in range(0, max(len(prefixes), 1), n):
-        chunk = prefixes[start : start + n]
-        table = np.zeros((n + 1, canary.context_len), np.int32)
-        rows = np.zeros((n,), np.int64)
-        lens = np.zeros((n,), np.int64)
-        for i, slots in enumerate(chunk):
-            k = slots.shape[0]
-            table[i + 1, :k] = slots
-            rows[i], lens[i] = i + 1, k
-        state = _sweep_jit(state, pool, table, rows, lens, kv_buffer, canary=canary)
+    launches = max(max((len(r) for r in checked), default=0), 1)
+    for start in range(0, launches, n):
+        table = np.zeros((dp, n + 1, canary.context_len), np.int32)
+        rows = np.zeros((dp, n), np.int64)
+        lens = np.zeros((dp, n), np.int64)
+        for d, rank_prefixes in enumerate(checked):
+            for i, slots in enumerate(rank_prefixes[start : start + n]):
+                k = slots.shape[0]
+                table[d, i + 1, :k] = slots
+                rows[d, i], lens[d, i] = i + 1, k
+        state = _sweep_jit(state, pool, table.reshape(dp * (n + 1), -1), rows.reshape(-1),
+                           lens.reshape(-1), kv_buffer, canary=canary)
     return dataclasses.replace(state, expected_tokens=pool)
 
 

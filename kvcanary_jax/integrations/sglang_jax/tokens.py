@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -40,6 +40,8 @@ __all__ = [
     "expected_tokens",
     "host_table",
     "host_ints",
+    "dp_segments",
+    "per_dp",
     "RequestIds",
     "DeltaBatch",
     "TokenDelta",
@@ -67,11 +69,32 @@ def host_ints(name: str, values) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def expected_tokens(token_ids: Sequence[Sequence[int]], seq_lens, cache_loc_len: int,
-                    page_size: int) -> np.ndarray:
+def dp_segments(name: str, values: np.ndarray, dp_size: int) -> list[np.ndarray]:
+    """``values`` split in ``dp_size`` equal segments, one per DP rank (sglang-jax pads every
+    rank's part of a batch array to the same size)."""
+    if values.shape[0] % dp_size:
+        raise ValueError(f"kv-canary sglang-jax: {name} has {values.shape[0]} entries, not "
+                         f"{dp_size} equal segments (one per data-parallel rank)")
+    return np.split(values, dp_size)
+
+
+def per_dp(name: str, lists, dp_size: int) -> list:
+    """Per-DP lists (``lists[d]``: rank ``d``'s), checked to be one per rank."""
+    lists = list(lists)
+    if len(lists) != dp_size or not all(isinstance(x, (list, tuple)) for x in lists):
+        raise ValueError(f"kv-canary sglang-jax: with {dp_size} data-parallel ranks, {name} is "
+                         f"one list per rank ([info.reqs for info in batch.reqs_info]), got "
+                         f"{len(lists)} entries")
+    return lists
+
+
+def expected_tokens(token_ids, seq_lens, cache_loc_len: int, page_size: int, *,
+                    dp_size: int = 1) -> np.ndarray:
     """Token ids laid out like ``cache_loc``: request ``r``'s first ``seq_lens[r]`` ids at its
     page-aligned segment, zeros elsewhere (int32 ``[cache_loc_len]``). Rows of ``seq_lens``
-    past ``len(token_ids)`` (batch padding) must be 0.
+    past ``len(token_ids)`` (batch padding) must be 0. With ``dp_size > 1`` (sglang-jax
+    0.1.0rc0's data parallelism) ``token_ids[d]`` are DP rank ``d``'s requests and ``seq_lens``
+    and ``cache_loc`` split in ``dp_size`` equal segments, rank ``d``'s laid out in its own.
 
     Raises (our rules, checked before anything is laid out) TypeError / ValueError for a
     ``page_size`` that is not a positive int, a negative ``cache_loc_len`` or ``seq_lens``
@@ -79,9 +102,21 @@ def expected_tokens(token_ids: Sequence[Sequence[int]], seq_lens, cache_loc_len:
     segments that do not fit ``cache_loc_len``."""
     require_positive_int("page_size", page_size)
     require_int("cache_loc_len", cache_loc_len)
+    require_positive_int("dp_size", dp_size)
     if cache_loc_len < 0:
         raise ValueError(f"kv-canary sglang-jax: cache_loc_len must be >= 0, got {cache_loc_len}")
     seq = host_ints("seq_lens", seq_lens)
+    if dp_size > 1:
+        seqs = dp_segments("seq_lens", seq, dp_size)
+        if cache_loc_len % dp_size:
+            raise ValueError(f"kv-canary sglang-jax: cache_loc_len {cache_loc_len} is not "
+                             f"{dp_size} equal segments (one per data-parallel rank)")
+        ranks = per_dp("token_ids", token_ids, dp_size)
+        if not all(isinstance(ids, (list, tuple, np.ndarray)) for rank in ranks for ids in rank):
+            raise ValueError("kv-canary sglang-jax: with data parallelism, token_ids[d] is DP "
+                             "rank d's list of requests' token id lists")
+        return np.concatenate([expected_tokens(ranks[d], seqs[d], cache_loc_len // dp_size,
+                                               page_size) for d in range(dp_size)])
     if (seq < 0).any():
         r = int(np.nonzero(seq < 0)[0][0])
         raise ValueError(f"kv-canary sglang-jax: seq_lens[{r}] must be >= 0, got {seq[r]}")
@@ -105,10 +140,13 @@ def expected_tokens(token_ids: Sequence[Sequence[int]], seq_lens, cache_loc_len:
     return out
 
 
-def host_table(req_to_token: np.ndarray, req_pool_indices, seq_lens, context_len: int | None = None
-               ) -> np.ndarray:
+def host_table(req_to_token: np.ndarray, req_pool_indices, seq_lens, context_len: int | None = None,
+               *, dp_size: int = 1) -> np.ndarray:
     """The slot table from sglang-jax's host ``req_to_token`` (the batch's rows only): int32
-    ``[bs + 1, context_len]``, row ``r + 1`` = request ``r``'s first ``seq_len`` slots.
+    ``[bs + 1, context_len]``, row ``r + 1`` = request ``r``'s first ``seq_len`` slots. With
+    ``dp_size > 1`` the batch splits in ``dp_size`` equal segments and each DP rank gets its own
+    table of its segment, stacked rank after rank (``[dp_size * (bs / dp_size + 1),
+    context_len]``).
 
     Raises ValueError (our rules) for a ``req_to_token`` that is not 2-D, lists of different
     lengths, a negative ``seq_len``, an active request (``seq_len > 0``) whose row is outside
@@ -128,6 +166,11 @@ def host_table(req_to_token: np.ndarray, req_pool_indices, seq_lens, context_len
     if rp.shape != seq.shape:
         raise ValueError(f"kv-canary sglang-jax: req_pool_indices ({rp.shape[0]}) and seq_lens "
                          f"({seq.shape[0]}) must have one entry per request")
+    require_positive_int("dp_size", dp_size)
+    if dp_size > 1:
+        rps, seqs = (dp_segments(name, x, dp_size)
+                     for name, x in (("req_pool_indices", rp), ("seq_lens", seq)))
+        return np.concatenate([host_table(table, a, b, ctx) for a, b in zip(rps, seqs)])
     for r in range(seq.shape[0]):
         if seq[r] < 0 or seq[r] > ctx:
             raise ValueError(f"kv-canary sglang-jax: seq_lens[{r}] must be in [0, {ctx}] "
@@ -148,22 +191,29 @@ class RequestIds(NamedTuple):
     the row holds the request's first ``seq_len`` ids: a :class:`TokenFeed` records it as is.
     The ``Req`` itself is kept (one per row, released when another request takes the row or the
     feed is reset) and compared with ``is``: a request is never taken for another, not even one
-    with the same ``rid`` that CPython placed at a finished request's address (its ``id()``)."""
+    with the same ``rid`` that CPython placed at a finished request's address (its ``id()``).
+    ``dp_rank``: the data-parallel rank whose canary holds the row's ids."""
 
     index: int
     row: int
     req: Any
     seq_len: int
     new: int
+    dp_rank: int = 0
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Where the ids live: the rank's expected-token pool, the row."""
+        return self.dp_rank, self.row
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DeltaBatch:
     """The batch a :class:`TokenDelta` was made for, as sglang-jax padded it: ``bs`` rows, the
     token bucket (``tokens``, ``input_ids``'s length), the ``cache_loc`` bucket, the forward
-    mode, the rows and lengths (numpy, padding rows included), and sglang-jax's batch id
+    mode, the rows and lengths (numpy, padding rows included), sglang-jax's batch id
     (``bid``, which ``ForwardBatch.init_new`` copies from the ``ModelWorkerBatch``; None when
-    the batch has none)."""
+    the batch has none) and the data-parallel ranks it splits over (``dp_size``)."""
 
     bs: int
     tokens: int
@@ -173,6 +223,7 @@ class DeltaBatch:
     seq_lens: np.ndarray
     extend_seq_lens: np.ndarray | None
     bid: int | None
+    dp_size: int = 1
 
     def check(self, forward_batch) -> None:
         """Raise ValueError unless ``forward_batch`` is the batch this delta was made for (its
@@ -212,7 +263,9 @@ class TokenDelta:
     is each batch row's first column sent (``bs`` entries, 0 for padding rows), then, request
     after request, its ids from that column to its ``seq_len`` (zeros after). ``n`` is the
     batch's token bucket when the ids fit it, else its ``cache_loc`` bucket (two shapes per
-    bucket at most; a decode step sends one id per request). ``batch`` is the batch it was made
+    bucket at most; a decode step sends one id per request). With ``dp_size > 1`` it is one such
+    array per DP rank, of its batch segment and buckets (``bs``, ``n`` divided by ``dp_size``),
+    rank after rank. ``batch`` is the batch it was made
     for, ``requests`` what it sends for each request (the guarded step checks the one and
     recomputes ``array`` from the other when the state does not hold what it was made on)."""
 
@@ -251,11 +304,11 @@ class TokenFeed:
         self.canary = canary
         # What the state the last guarded step returned holds, per row, and that state's pool
         # (a weak reference: the feed keeps no device memory alive).
-        self._held: dict[int, RequestIds] = {}
+        self._held: dict[tuple[int, int], RequestIds] = {}
         self._fed: weakref.ref | None = None
         # What the rows will hold once every delta made so far has run: deltas made ahead are
         # made on it (the steps check them against _held).
-        self._ahead: dict[int, RequestIds] = {}
+        self._ahead: dict[tuple[int, int], RequestIds] = {}
 
     def reset(self) -> None:
         """Forget what the device holds: the next delta sends each of its requests whole."""
@@ -266,8 +319,9 @@ class TokenFeed:
         """The ids the device lacks for sglang-jax's ``ModelWorkerBatch`` (its
         ``req_pool_indices``, ``seq_lens``, ``forward_mode``, ``extend_seq_lens``, ``input_ids``
         and ``cache_loc``, padded as sglang-jax pads them, and its ``bid``) of ``reqs``
-        (``batch.reqs``, batch order: prompt then output ids each). Give it to the step of that
-        very batch.
+        (``batch.reqs``, batch order: prompt then output ids each; with data parallelism, one
+        list per DP rank, ``[info.reqs for info in batch.reqs_info]``, each rank's requests in
+        the first rows of its batch segment). Give it to the step of that very batch.
 
         Raises (our rules, before anything is recorded) TypeError / ValueError for a request
         that is not a ``Req``, lists of different lengths, a padding row with a length, a row
@@ -289,20 +343,36 @@ class TokenFeed:
                 raise ValueError(f"kv-canary sglang-jax: extend_seq_lens ({new.shape[0]}) and "
                                  f"seq_lens ({seq.shape[0]}) must have one entry per request")
         bid = getattr(mwb, "bid", None)
-        batch = DeltaBatch(bs=int(seq.shape[0]), tokens=int(np.asarray(mwb.input_ids).shape[0]),
-                           cache_loc=int(np.asarray(mwb.cache_loc).shape[0]), decode=decode,
-                           req_pool_indices=rp, seq_lens=seq, extend_seq_lens=extend,
-                           bid=int(bid) if isinstance(bid, (int, np.integer)) else None)
+        dp = self.canary.dp_size
+        tokens = int(np.asarray(mwb.input_ids).shape[0])
+        cache_loc = int(np.asarray(mwb.cache_loc).shape[0])
+        if dp > 1:
+            for name, n in (("req_pool_indices", seq.shape[0]), ("input_ids", tokens),
+                            ("cache_loc", cache_loc)):
+                dp_segments(name, np.zeros((n,)), dp)
+            ranks = per_dp("reqs", reqs, dp)
+        elif reqs and all(isinstance(x, (list, tuple)) for x in reqs):
+            ranks = per_dp("reqs", reqs, dp)  # the one rank's list, as 0.1.0rc0's reqs_info
+        else:
+            ranks = [list(reqs)]
+        batch = DeltaBatch(bs=int(seq.shape[0]), tokens=tokens, cache_loc=cache_loc,
+                           decode=decode, req_pool_indices=rp, seq_lens=seq,
+                           extend_seq_lens=extend,
+                           bid=int(bid) if isinstance(bid, (int, np.integer)) else None,
+                           dp_size=dp)
         rows, ctx = self.canary.token_rows, self.canary.context_len
+        per_rank = batch.bs // dp
         requests, seen = [], {}
         for r, (row, n, k) in enumerate(zip(rp.tolist(), seq.tolist(), new.tolist())):
             if n < 0:
                 raise ValueError(f"kv-canary sglang-jax: seq_lens[{r}] must be >= 0, got {n}")
             if n == 0:
                 continue
-            if r >= len(reqs):
-                raise ValueError(f"kv-canary sglang-jax: seq_lens[{r}] is {n} but reqs has "
-                                 f"{len(reqs)} requests (padding rows must have seq_len 0)")
+            d, j = divmod(r, per_rank)
+            if j >= len(ranks[d]):
+                where = "reqs" if dp == 1 else f"reqs[{d}] (DP rank {d}'s segment)"
+                raise ValueError(f"kv-canary sglang-jax: seq_lens[{r}] is {n} but {where} has "
+                                 f"{len(ranks[d])} requests (padding rows must have seq_len 0)")
             if not 0 <= row < rows:
                 raise ValueError(f"kv-canary sglang-jax: req_pool_indices[{r}] must be a row in "
                                  f"[0, {rows}) (token_rows), got {row}")
@@ -316,11 +386,12 @@ class TokenFeed:
             if not 0 <= k <= n:
                 raise ValueError(f"kv-canary sglang-jax: request {r} extends {k} tokens with "
                                  f"seq_len {n}")
-            _history(reqs[r], r, n)
-            requests.append(RequestIds(index=r, row=row, req=reqs[r], seq_len=n, new=k))
+            _history(ranks[d][j], r, n)
+            requests.append(RequestIds(index=r, row=row, req=ranks[d][j], seq_len=n, new=k,
+                                       dp_rank=d))
         delta = TokenDelta(array=_lay_out(batch, requests, self._ahead), feed=self, batch=batch,
                            requests=tuple(requests))
-        self._ahead.update((req.row, req) for req in requests)
+        self._ahead.update((req.key, req) for req in requests)
         return delta
 
     def prepare(self, delta: TokenDelta, state, forward_batch) -> TokenDelta:
@@ -332,10 +403,9 @@ class TokenFeed:
         batch (:meth:`DeltaBatch.check`) or whose requests no longer hold its ids."""
         delta.batch.check(forward_batch)
         held = self._held_by(state)
-        starts = delta.array[: delta.batch.bs].tolist()
         for req in delta.requests:
-            start = starts[req.index]
-            mine = held.get(req.row)
+            start = _start_of(delta, req)
+            mine = held.get(req.key)
             if start and (mine is None or mine.req is not req.req or mine.seq_len < start):
                 return dataclasses.replace(delta, array=_lay_out(delta.batch, delta.requests, held))
         return delta
@@ -345,10 +415,10 @@ class TokenFeed:
         state the guarded step returned, holds it. The guarded step calls this once it has
         dispatched the step."""
         held = self._held_by(state)
-        held.update((req.row, req) for req in sent.requests)
+        held.update((req.key, req) for req in sent.requests)
         self._held, self._fed = held, weakref.ref(new_state.expected_tokens)
 
-    def _held_by(self, state) -> dict[int, RequestIds]:
+    def _held_by(self, state) -> dict[tuple[int, int], RequestIds]:
         fed = None if self._fed is None else self._fed()
         return self._held if fed is not None and fed is state.expected_tokens else {}
 
@@ -367,27 +437,42 @@ def _history(req, r: int, n: int):
     return prompt, output
 
 
-def _lay_out(batch: DeltaBatch, requests, held: dict[int, RequestIds]) -> np.ndarray:
-    """A delta's array for ``requests`` sent to rows holding ``held``."""
-    starts = [0] * batch.bs
-    ids = []
+def _start_of(delta: TokenDelta, req: RequestIds) -> int:
+    """The first column ``delta`` sends for ``req`` (its rank's array, its row there)."""
+    batch = delta.batch
+    per_rank = batch.bs // batch.dp_size
+    d, j = divmod(req.index, per_rank)
+    return int(delta.array.reshape(batch.dp_size, -1)[d, j])
+
+
+def _lay_out(batch: DeltaBatch, requests, held: dict) -> np.ndarray:
+    """A delta's array for ``requests`` sent to rows holding ``held`` (one array per DP rank,
+    each of its batch segment, rank after rank)."""
+    dp = batch.dp_size
+    per_rank = batch.bs // dp
+    starts = np.zeros((dp, per_rank), np.int64)
+    ids: list[list[int]] = [[] for _ in range(dp)]
     for req in requests:
-        mine = held.get(req.row)
+        mine = held.get(req.key)
         known = mine.seq_len if mine is not None and mine.req is req.req else 0
         n = req.seq_len
         start = min(known, n - req.new)
-        starts[req.index] = start
+        d, j = divmod(req.index, per_rank)
+        starts[d, j] = start
         # Only the ids sent, sliced from the prompt and the output (no whole-history copy).
         prompt, output = _history(req.req, req.index, n)
         p = len(prompt)
-        ids.extend(prompt[start:min(n, p)])
-        ids.extend(output[max(start - p, 0):max(n - p, 0)])
-    total = len(ids)
-    size = batch.tokens if total <= batch.tokens else batch.cache_loc
+        ids[d].extend(prompt[start:min(n, p)])
+        ids[d].extend(output[max(start - p, 0):max(n - p, 0)])
+    total = max(len(rank_ids) for rank_ids in ids)
+    tokens, cache_loc = batch.tokens // dp, batch.cache_loc // dp
+    size = tokens if total <= tokens else cache_loc
     if total > size:
         raise ValueError(f"kv-canary sglang-jax: {total} token ids to send do not fit the "
-                         f"cache_loc bucket of {batch.cache_loc}")
-    out = np.zeros((batch.bs + size,), np.int32)
-    out[: batch.bs] = starts
-    out[batch.bs : batch.bs + total] = ids
-    return out
+                         f"cache_loc bucket of {cache_loc}"
+                         + ("" if dp == 1 else f" (per data-parallel rank, of {dp})"))
+    out = np.zeros((dp, per_rank + size), np.int32)
+    out[:, :per_rank] = starts
+    for d, rank_ids in enumerate(ids):
+        out[d, per_rank : per_rank + len(rank_ids)] = rank_ids
+    return out.reshape(-1)

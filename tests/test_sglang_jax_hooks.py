@@ -1,0 +1,140 @@
+"""The sglang-jax hooks without sglang-jax: the runner's version read from its objects (a
+stand-in shaped as each version's ``ModelRunner``), an unsupported runner and a second hook
+refused when installed, and :class:`HiCacheHook` moving a page's canary rows with it through a
+stand-in controller. (The real runners and HiCache: tests/test_sglang_jax.py,
+tests/test_sglang_jax_01.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from kvcanary_jax.integrations import sglang_jax as ksj
+
+PAGE = 4
+
+
+def _canary(**kw):
+    return ksj.SglangJaxCanary(num_slots=64, page_size=PAGE, context_len=10, max_bs=4, **kw)
+
+
+def _wrapped_runner(version: str):
+    """A stand-in ModelRunner shaped as each sglang-jax version's (its jitted_run_model a wrapper
+    closing over the jitted body, model_def and model_state_def; the rest of the runner as that
+    version has it)."""
+    model_def, model_state_def, model_state_leaves = object(), object(), []
+    jitted_run_model = jax.jit(lambda *args: args, static_argnums=(0, 1))
+    if version == "0.0.2":
+        def run_model_wrapper(forward_batch, logits_metadata):
+            return jitted_run_model(model_def, model_state_def, model_state_leaves,
+                                    forward_batch, None, logits_metadata)
+
+        return types.SimpleNamespace(jitted_run_model=run_model_wrapper, token_to_kv_pool=None,
+                                     _set_kv_cache_after_forward=lambda *a: None)
+    runner = types.SimpleNamespace(model_state_leaves=[], token_to_kv_pool=None,
+                                   memory_pools=types.SimpleNamespace(replace_all=print))
+
+    def run_model_wrapper(forward_batch, logits_metadata):
+        return jitted_run_model(model_def, model_state_def, runner.model_state_leaves,
+                                forward_batch, runner.memory_pools, logits_metadata)
+
+    runner.jitted_run_model = run_model_wrapper
+    return runner
+
+
+def test_the_runner_s_version_is_read_from_its_objects():
+    """0.0.2: the wrapper passes token_to_kv_pool, the runner stores with
+    _set_kv_cache_after_forward; 0.1.0rc0: a MemoryPools with replace_all, the weights read from
+    model_state_leaves. The body is the wrapper's own jitted function."""
+    for version in ksj.SUPPORTED_VERSIONS:
+        api = ksj.runner_api(_wrapped_runner(version))
+        assert api.version == version and callable(api.run_model)
+        assert api.pooled == (version == "0.1.0rc0")
+
+
+def test_an_unsupported_runner_is_refused_when_the_hook_is_installed():
+    """A runner of neither version (a renamed pool, a wrapper without the jitted body): refused
+    before anything is installed, naming what was found and what is supported."""
+    odd = types.SimpleNamespace(jitted_run_model=lambda fb, lm: None, token_to_kv_pool=None)
+    with pytest.raises(TypeError) as err:
+        ksj.ModelRunnerHook(_canary(), odd)
+    text = str(err.value)
+    assert text.startswith("kv-canary sglang-jax: unsupported sglang-jax ModelRunner: found {")
+    assert "'memory_pools': 'NoneType'" in text and "'jitted_run_model closes over': []" in text
+    assert "supported: sglang-jax 0.0.2 (" in text and "and 0.1.0rc0 (" in text
+    runner = _wrapped_runner("0.1.0rc0")
+    runner.memory_pools = types.SimpleNamespace()  # a pool container without replace_all
+    with pytest.raises(TypeError, match="unsupported sglang-jax ModelRunner"):
+        ksj.ModelRunnerHook(_canary(), runner)
+    assert odd.jitted_run_model.__name__ == "<lambda>"  # nothing installed
+
+
+def test_a_second_hook_is_refused():
+    runner = _wrapped_runner("0.0.2")
+    hook = ksj.ModelRunnerHook(_canary(), runner)
+    assert hook.version == "0.0.2"
+    with pytest.raises(ValueError, match="already has a canary hook installed"):
+        ksj.ModelRunnerHook(_canary(), runner)
+    hook.uninstall()
+    assert ksj.runner_api(runner).version == "0.0.2"
+
+
+class _Controller:
+    """What HiCacheHook wraps of sglang-jax's HiCacheController (the KV transfers elided)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def write(self, device_indices, host_buffer_ids):
+        self.calls.append(("write", list(device_indices), list(host_buffer_ids)))
+
+    def load(self, host_buffer_ids, device_indices):
+        self.calls.append(("load", list(host_buffer_ids), list(device_indices)))
+
+    def flush_load(self, host_buffer_ids, device_indices):
+        self.calls.append(("flush_load", list(host_buffer_ids), list(device_indices)))
+
+    def evict_callback(self, host_buffer_ids):
+        self.calls.append(("evict", list(host_buffer_ids)))
+
+
+def test_hicache_hook_moves_a_page_s_canary_rows(caplog):
+    """A page's rows go to the host with it and come back into the slots it is loaded into;
+    a page loaded without rows gets cleared rows and a warning; evicted pages drop theirs."""
+    canary = _canary()
+    holder = types.SimpleNamespace(canary=canary, state=canary.init_state())
+    rows = np.arange(PAGE * 32, dtype=np.uint8).reshape(PAGE, 32) + 1
+    holder.state = dataclasses.replace(holder.state, bufs={
+        name: b.at[0, PAGE:2 * PAGE, :32].set(rows) for name, b in holder.state.bufs.items()})
+    controller = _Controller()
+    hook = ksj.HiCacheHook(holder, controller)
+    controller.write([1], [7])  # page 1: slots PAGE .. 2 * PAGE - 1
+    assert sorted(hook.host_rows) == [7]
+    controller.flush_load([7], [3])
+    for b in holder.state.bufs.values():
+        assert np.array_equal(np.asarray(b[0, 3 * PAGE:4 * PAGE, :32]), rows)
+    with caplog.at_level("WARNING", logger="kvcanary_jax"):
+        controller.load([9], [1])  # never backed up through the hook
+    assert "whose canary rows were never backed up" in caplog.text
+    for b in holder.state.bufs.values():
+        assert not np.asarray(b[0, PAGE:2 * PAGE, :32]).any()
+    controller.evict_callback([7])
+    assert hook.host_rows == {}
+    assert [c[0] for c in controller.calls] == ["write", "flush_load", "load", "evict"]
+    hook.uninstall()
+    assert controller.write.__func__ is _Controller.write
+
+
+def test_hicache_hook_refuses_what_it_cannot_hook():
+    with pytest.raises(TypeError, match="needs a holder with .canary"):
+        ksj.HiCacheHook(types.SimpleNamespace(state=None), _Controller())
+    canary = _canary()
+    holder = types.SimpleNamespace(canary=canary, state=canary.init_state())
+    with pytest.raises(TypeError, match=r"lacks \['load', 'flush_load'\]"):
+        ksj.HiCacheHook(holder, types.SimpleNamespace(write=print, evict_callback=print))
+    with pytest.raises(ValueError, match="device page 99 is outside the 16 pages"):
+        ksj.HiCacheHook(holder, _Controller()).controller.write([99], [0])
