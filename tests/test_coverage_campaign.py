@@ -23,6 +23,9 @@ from kvcanary_jax import sim as sm
 
 warnings.filterwarnings("ignore", message=".*donated buffers.*")
 
+# Random flips: a fast-tier count, the full one with --long (docs/testing.md, "Fuzz counts").
+pytestmark = pytest.mark.fuzz
+
 MODES = {
     # A window shorter than the sweep interval, so TAIL checks are what bound the read slots;
     # FULL and SWA groups; SGLang's K half only.

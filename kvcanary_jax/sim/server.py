@@ -162,7 +162,10 @@ def kv_salt(layer: int, half: str) -> int:
 
 def make_forward(cfg: rt.CanaryConfig, width: int):
     """The "model": writes each token's K and V bytes (derived from token, position, layer and
-    half) into its slot of every layer of every group; padding tokens (slot -1) go nowhere."""
+    half) into its slot of every layer of every group; padding tokens (slot -1) go nowhere. It
+    takes the KV as the server holds it (every layer, ``{group: {"layers": {"K": ..., "V":
+    ...}}}``) or in SGLang's per-half form (``{group: {half: (arrays,)}}``, each array written as
+    that half's layer 0)."""
 
     def forward(kv, batch, req_to_token, lut):
         loc = batch.out_cache_loc
@@ -172,13 +175,18 @@ def make_forward(cfg: rt.CanaryConfig, width: int):
                 dst = jnp.where(loc < 0, cfg.num_slots, loc)
             else:
                 dst = jnp.where(loc < 0, cfg.swa_num_slots, lut[jnp.clip(loc, 0, lut.shape[0] - 1)])
-            layers = {}
-            for half in HALVES:
-                layers[half] = tuple(
+
+            def write(arrays, half, layered):
+                return tuple(
                     a.at[dst].set(_kv_values(batch.input_ids, batch.positions, width,
-                                             kv_salt(layer, half)), mode="drop")
-                    for layer, a in enumerate(kv[group]["layers"][half]))
-            out[group] = {"layers": layers}
+                                             kv_salt(layer if layered else 0, half)), mode="drop")
+                    for layer, a in enumerate(arrays))
+
+            entry = kv[group]
+            if "layers" in entry:
+                out[group] = {"layers": {h: write(entry["layers"][h], h, True) for h in HALVES}}
+            else:
+                out[group] = {h: write(entry[h], h, False) for h in entry}
         return out
 
     return forward
