@@ -100,7 +100,8 @@ def _candidates(srv, group, kind):
     return sorted(out)
 
 
-def _plan_slots(vplan) -> np.ndarray:
+def plan_slots(vplan) -> np.ndarray:
+    """The slots a verify plan reads (entries below its count, plan enabled, slot 0 left out)."""
     n, enable = int(np.asarray(vplan.verify_num_valid)[0]), int(np.asarray(vplan.enable)[0])
     slots = np.asarray(vplan.verify_slot_indices)[:n] if enable else np.zeros((0,), np.int64)
     return slots[slots > 0]
@@ -121,7 +122,7 @@ def _sweep_slots(cfg, table, rows, lengths, lut, group):
         verify_capacity=cap, req_to_verify_expected_tokens=None,
         req_to_verify_expected_tokens_valid_lens=None, kv_token_id_vs_position_offset=0,
         implementation="xla")
-    return set(int(s) for s in _plan_slots(vplan))
+    return set(int(s) for s in plan_slots(vplan))
 
 
 def run(sim: sm.SimConfig, *, steps: int, flips_per_step: int, seed: int,
@@ -163,7 +164,7 @@ def run(sim: sm.SimConfig, *, steps: int, flips_per_step: int, seed: int,
         sched, batch, rtt, lut = srv.prepare()
         written = {g: _group_slots(srv, g, [s for _, ss in sched for s in ss]) for g in cfg.groups}
         srv.state, srv.kv = srv.device_step(srv.state, srv.kv, batch, rtt, lut)
-        reads = {g: set(int(s) for s in _plan_slots(srv.state.plans[g][0])) for g in cfg.groups}
+        reads = {g: set(int(s) for s in plan_slots(srv.state.plans[g][0])) for g in cfg.groups}
         swept.clear()
         srv.complete(sched, 0.0, poll=False)  # sweeps after step t when it is due
         walked = {g: _sweep_slots(cfg, swept["table"], swept["rows"], swept["lengths"],

@@ -18,6 +18,7 @@ import pytest
 
 import _flip_campaign as fc
 import _tier
+from _impls import implementations
 from kvcanary_jax import runtime as rt
 from kvcanary_jax import sim as sm
 
@@ -39,8 +40,17 @@ FLIPS_PER_STEP = 6
 MIN_FOUND = _tier.n(200, 1200)
 
 
-def _sim(mode: str, seed: int = 11) -> sm.SimConfig:
-    return sm.SimConfig(steps=0, seed=seed, implementation="xla", **MODES[mode])
+def _cases(interpreter: bool) -> list:
+    """Every mode on every implementation of the step (pallas_triton on a GPU); the Pallas
+    interpreter (the Triton path's kernels, slow on a CPU) in the first mode, when asked."""
+    first = next(iter(MODES))
+    return [pytest.param(mode, impl, id=f"{mode}-{impl}") for mode in MODES
+            for impl in implementations()
+            if impl != "pallas_interpret" or (interpreter and mode == first)]
+
+
+def _sim(mode: str, impl: str, seed: int = 11) -> sm.SimConfig:
+    return sm.SimConfig(steps=0, seed=seed, implementation=impl, **MODES[mode])
 
 
 def _read_run_before(f: fc.Flip, window: int) -> int | None:
@@ -56,9 +66,9 @@ def _read_run_before(f: fc.Flip, window: int) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_every_flip_is_found_at_its_first_check(mode):
-    sim = _sim(mode)
+@pytest.mark.parametrize("mode, impl", _cases(interpreter=_tier.LONG))
+def test_every_flip_is_found_at_its_first_check(mode, impl):
+    sim = _sim(mode, impl)
     window, interval = sim.coverage_window, sim.sweep_interval
     _tier.seeded(f"coverage flips {mode}", 5, STEPS)
     res = fc.run(sim, steps=STEPS, flips_per_step=FLIPS_PER_STEP, seed=5)
@@ -82,19 +92,27 @@ def test_every_flip_is_found_at_its_first_check(mode):
             assert f.detected[0] <= first_sweep <= f.placed + interval - 1, f
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_a_clean_run_reports_nothing_and_verifies_every_live_byte(mode):
+@pytest.mark.parametrize("mode, impl", _cases(interpreter=True))
+def test_a_clean_run_reports_nothing_and_verifies_every_live_byte(mode, impl):
     """No flip: no ring row at all, and from the first full window on every live KV byte (a slot
     read in each of the last `window` steps, or walked by the last sweep) was verified in it."""
-    sim = _sim(mode, seed=12)
+    sim = _sim(mode, impl, seed=12)
+    window = sim.coverage_window
     server = sm.Server(sim)
     shares = []
-    for _ in range(_tier.n(24, 120)):
+    runs = {g: 0 for g in server.cfg.groups}
+    for t in range(1, _tier.n(24, 120) + 1):
         server.step()
         cov = server.coverage()
-        assert cov.step == server.step_idx
+        assert cov.step == server.step_idx == t
         if cov.live_bytes:
             shares.append(cov.share)
             assert cov.verified_bytes == cov.live_bytes, cov
+        # Step t's TAIL checked exactly the entries of its plan with slot % window == t % window.
+        for g, sc in server.state.coverage.groups.items():
+            slots = fc.plan_slots(server.state.plans[g][0])
+            checked = int(sc.tail_slot_runs[0])
+            assert checked - runs[g] == int(np.sum(slots % window == t % window)), (g, t)
+            runs[g] = checked
     assert rt.violation_count(server.state) == 0, [str(v) for v in rt.read_violations(server.state)]
     assert len(shares) >= 10 and np.all(np.asarray(shares) == 1.0)
