@@ -7,9 +7,10 @@ model of ``--layers`` layers, K and V) with the canary on (run by
 :class:`kvcanary_jax.runtime.CanaryManager`), then runs the fault campaign and prints, per fault
 kind, how many faults were injected and detected, the first detecting step, and the clean run's
 false positives; then the share of each slot's KV bytes SGLang's real-KV check reads, and the
-coverage window's report (the share of live KV bytes verified in the window). ``demo`` is the default subcommand. Ctrl-C stops the demo before its next step: it
-prints the partial report and exits with status 130 (a second Ctrl-C aborts at once); the console
-script takes Ctrl-C from its first line, while JAX imports (:mod:`kvcanary_jax._interrupt`).
+coverage window's report (the share of live KV bytes verified in the window). ``demo`` is the
+default subcommand. Ctrl-C stops the demo before its next step: it prints the partial report and
+exits with status 130 (a second Ctrl-C aborts at once); the console script takes Ctrl-C from its
+first line, while JAX imports (:mod:`kvcanary_jax._interrupt`).
 
 ``kvcanary-jax bench [options]`` is ``python -m kvcanary_jax.bench [options]`` (the benchmark,
 installed with the package; ``python -m bench`` from a checkout's root;

@@ -17,8 +17,10 @@ SGLang                                :class:`ManagerConfig` field              
 (``model_runner.is_draft_worker``)    ``draft_worker`` (token/position offset 1)       ``False``
 (health checker constants)            ``health_check_warmup_steps`` / ``_every_n_steps``  ``100``
 ours: ``--kv-canary-padding-guard``   ``padding_guard`` (the sweep checks slot 0)      ``False``
-ours: ``--kv-canary-coverage-window N`` ``coverage_window`` (every layer's K and V of    ``0``
-``SGLANG_KV_CANARY_COVERAGE_WINDOW``  every live slot verified within N steps; 0: off)
+ours                                  ``coverage_window``: every layer's K and V of    ``0``
+                                      every live slot verified within N steps (0: off)
+                                      ``--kv-canary-coverage-window N``,
+                                      ``SGLANG_KV_CANARY_COVERAGE_WINDOW``
 ours                                  ``agree_across_processes`` (``None``: when       ``None``
                                       ``jax.process_count() > 1``)
 ours                                  ``agreement_timeout_s``: how long a process      ``300``

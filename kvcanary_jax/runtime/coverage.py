@@ -39,7 +39,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvcanary_jax import _config
 from kvcanary_jax.context import DigestContext
@@ -73,19 +72,20 @@ def _plan_reads(vplan, num_slots: int):
     return slots, read
 
 
-def _check(cfg, sc, slots, read, positions, num_valid, phase, window, sources, group, ring,
-           widx, copy):
-    """One digest check of the entries ``read`` holds whose slot was stamped; returns
-    ``(context after the launch, the entries it checked)``."""
-    digested = _at(sc.written_at, slots, read) >= 0
-    checkable = read & digested
-    runs = {"TAIL": (sc.tail_slot_runs, sc.tail_kernel_runs),
-            "SWEEP": (sc.sweep_slot_runs, sc.sweep_kernel_runs)}[copy]
+def _check(cfg, sc, vplan, read, *, phase, window, sources, group, ring, widx, copy):
+    """One digest check (``copy``: ``"TAIL"`` or ``"SWEEP"``) of the plan's entries that
+    ``read`` holds and whose slot was stamped; returns ``(context after the launch, the entries
+    it checked)``."""
+    slots = vplan.verify_slot_indices
+    checkable = read & (_at(sc.written_at, slots, read) >= 0)
+    prefix = copy.lower()
     ctx = DigestContext(digest_buf=sc.digest, kernel_kind=int(tag(copy, "K", group)),
                         violation_ring=ring, violation_write_index=widx,
-                        slot_run_counter=runs[0], kernel_run_counter=runs[1])
-    ctx = digest_verify(ctx, jnp.where(checkable, slots, -1), positions, num_valid, phase,
-                        window=window, sources=sources, implementation=cfg.implementation)
+                        slot_run_counter=getattr(sc, f"{prefix}_slot_runs"),
+                        kernel_run_counter=getattr(sc, f"{prefix}_kernel_runs"))
+    ctx = digest_verify(ctx, jnp.where(checkable, slots, -1), vplan.verify_expected_positions,
+                        vplan.verify_num_valid, phase, window=window, sources=sources,
+                        implementation=cfg.implementation)
     # The op's selection (docs/spec.md §16.3), on the entries handed to it.
     p = jnp.remainder(phase[0].astype(jnp.int64), window)
     checked = checkable & (jnp.remainder(jnp.where(checkable, slots, 0), window) == p)
@@ -110,9 +110,8 @@ def at_tail(cfg: CanaryConfig, state: CanaryState, batch, lut, kv) -> CanaryStat
             written_at=_stamp(sc.written_at, (loc >= 0) & (loc < n), loc, t))
         vplan = state.plans[group][0]
         slots, read = _plan_reads(vplan, n)
-        ctx, checked = _check(cfg, sc, slots, read, vplan.verify_expected_positions,
-                              vplan.verify_num_valid, t, window, sources, group, ring, widx,
-                              "TAIL")
+        ctx, checked = _check(cfg, sc, vplan, read, phase=t, window=window, sources=sources,
+                              group=group, ring=ring, widx=widx, copy="TAIL")
         ring, widx = ctx.violation_ring, ctx.violation_write_index
         # A read run goes on when the slot was read by the step before.
         run_from = jnp.where(_at(sc.read_at, slots, read) == t - 1,
@@ -138,9 +137,10 @@ def at_sweep(cfg: CanaryConfig, state: CanaryState, plans: dict, kv) -> CanarySt
         sc = cov.groups[group]
         vplan = plans[group]
         slots, read = _plan_reads(vplan, cfg.group_slots(group))
-        ctx, checked = _check(cfg, sc, slots, read, vplan.verify_expected_positions,
-                              vplan.verify_num_valid, jnp.zeros((1,), jnp.int32), 1,
-                              digest_sources(cfg, kv, group), group, ring, widx, "SWEEP")
+        # Every walked slot, whatever the phase: window 1.
+        ctx, checked = _check(cfg, sc, vplan, read, phase=jnp.zeros((1,), jnp.int32), window=1,
+                              sources=digest_sources(cfg, kv, group), group=group, ring=ring,
+                              widx=widx, copy="SWEEP")
         ring, widx = ctx.violation_ring, ctx.violation_write_index
         groups[group] = dataclasses.replace(
             sc, checked_at=_stamp(sc.checked_at, checked, slots, t),
@@ -152,17 +152,13 @@ def at_sweep(cfg: CanaryConfig, state: CanaryState, plans: dict, kv) -> CanarySt
 
 # ----------------------------------------------------------------------------------- the report
 
-# The columns of :func:`counts`' ``groups`` rows.
-COLUMNS = ("live_slots", "verified_slots", "read_slots", "bytes_per_slot")
-
-
 def counts(cfg: CanaryConfig, state: CanaryState) -> dict:
-    """The report's counts (traceable; a stack of per-shard states is summed): ``groups`` int64
-    ``[groups, 4]`` (:data:`COLUMNS`) and ``steps`` int64 ``[2]`` (the step, the last sweep)."""
+    """The report's counts (traceable; a stack of per-shard states is summed), int64 scalars:
+    ``groups[group]`` by :class:`GroupCoverage` field, ``step`` and ``last_sweep``."""
     cov = state.coverage
     window = cfg.coverage_window
     t, last = cov.step, cov.last_sweep  # [1], or [shards, 1]: broadcast against [..., slots]
-    rows = []
+    groups = {}
     for group in cfg.groups:
         sc = cov.groups[group]
         in_run = (sc.read_at == t) & (sc.read_from <= t - window + 1)
@@ -170,12 +166,12 @@ def counts(cfg: CanaryConfig, state: CanaryState) -> dict:
         verified = ((in_run & (sc.checked_at > t - window))
                     | (walked & (sc.checked_at >= last)))
         read = (sc.read_at >= 1) & (sc.read_at > t - window)
-        rows.append(jnp.stack([jnp.sum(in_run | walked, dtype=jnp.int64),
-                               jnp.sum(verified, dtype=jnp.int64),
-                               jnp.sum(read, dtype=jnp.int64),
-                               jnp.max(sc.digest_bytes).astype(jnp.int64)]))
-    return {"groups": jnp.stack(rows),
-            "steps": jnp.stack([jnp.max(t), jnp.max(last)]).astype(jnp.int64)}
+        groups[group] = dict(live_slots=jnp.sum(in_run | walked, dtype=jnp.int64),
+                             verified_slots=jnp.sum(verified, dtype=jnp.int64),
+                             read_slots=jnp.sum(read, dtype=jnp.int64),
+                             bytes_per_slot=jnp.max(sc.digest_bytes).astype(jnp.int64))
+    return {"groups": groups, "step": jnp.max(t).astype(jnp.int64),
+            "last_sweep": jnp.max(last).astype(jnp.int64)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,15 +217,14 @@ class CoverageStats:
 def from_counts(cfg: CanaryConfig, host: dict, *, sweep_interval: int | None = None
                 ) -> CoverageStats:
     """:class:`CoverageStats` from :func:`counts`' arrays on the host."""
-    rows = np.asarray(host["groups"]).reshape(len(cfg.groups), len(COLUMNS))
-    groups = {g: GroupCoverage(**{c: int(v) for c, v in zip(COLUMNS, row)})
-              for g, row in zip(cfg.groups, rows)}
-    step, last = (int(x) for x in np.asarray(host["steps"]).reshape(2))
+    groups = {g: GroupCoverage(**{f: int(v) for f, v in fields.items()})
+              for g, fields in host["groups"].items()}
 
     def total(field):
         return sum(getattr(c, field) * c.bytes_per_slot for c in groups.values())
 
-    return CoverageStats(window=cfg.coverage_window, step=step, last_sweep=last,
+    return CoverageStats(window=cfg.coverage_window, step=int(host["step"]),
+                         last_sweep=int(host["last_sweep"]),
                          live_bytes=total("live_slots"), verified_bytes=total("verified_slots"),
                          read_bytes=total("read_slots"), groups=groups,
                          sweep_interval=sweep_interval)

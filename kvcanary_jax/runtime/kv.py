@@ -157,14 +157,13 @@ def digest_sources(cfg: CanaryConfig, kv, group: str) -> tuple[RealKvSource, ...
             f"{_where(group)} = {{'layers': {{'K': [every layer], 'V': [every layer]}}}} (or "
             "{'KV': [...]} for fused layers); SGLang's per-half form holds the fingerprint's "
             "sources only")
-    names = tuple(layers)
-    count = len(layers[names[0]])
-    if any(len(layers[n]) != count for n in names):
+    lengths = {name: len(arrays) for name, arrays in layers.items()}
+    if len(set(lengths.values())) != 1:
         raise ValueError(f"kv-canary runtime: {_where(group, 'layers')} lists "
-                         f"{', '.join(f'{len(layers[n])} {n}' for n in names)} layers: each "
-                         "layer has its K and its V")
-    ordered = [layers[n][i] for i in range(count) for n in names]
-    return kv_sources(ordered)
+                         f"{', '.join(f'{n} {name}' for name, n in lengths.items())} layers: "
+                         "each layer has its K and its V")
+    count = max(lengths.values())
+    return kv_sources([arrays[i] for i in range(count) for arrays in layers.values()])
 
 
 def translate(group: str, loc, lut):
