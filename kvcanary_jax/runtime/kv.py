@@ -137,7 +137,10 @@ def as_kv_dict(cfg: CanaryConfig, kv) -> dict:
                         f"sources for SGLang's fingerprint of the {h} half: list them beside "
                         f"'layers' ({_where(g)}[{h!r}] = [sources])")
                 else:
-                    halves[h] = tuple(entry[h])
+                    raise ValueError(
+                        f"kv-canary runtime: {_where(g)} has no {h!r} sources for SGLang's "
+                        f"fingerprint of the {h} half (the config runs halves "
+                        f"{', '.join(cfg.halves)}; enable_v_half adds V)")
             out[g] = halves
         else:
             out[g] = {h: tuple(entry[i]) for i, h in enumerate(HALVES) if h in cfg.halves}
@@ -157,12 +160,8 @@ def digest_sources(cfg: CanaryConfig, kv, group: str) -> tuple[RealKvSource, ...
             f"{_where(group)} = {{'layers': {{'K': [every layer], 'V': [every layer]}}}} (or "
             "{'KV': [...]} for fused layers); SGLang's per-half form holds the fingerprint's "
             "sources only")
-    lengths = {name: len(arrays) for name, arrays in layers.items()}
-    if len(set(lengths.values())) != 1:
-        raise ValueError(f"kv-canary runtime: {_where(group, 'layers')} lists "
-                         f"{', '.join(f'{n} {name}' for name, n in lengths.items())} layers: "
-                         "each layer has its K and its V")
-    count = max(lengths.values())
+    # Every list holds the config's count (checked above: a window needs num_layers).
+    count = cfg.layers(group)
     return kv_sources([arrays[i] for i in range(count) for arrays in layers.values()])
 
 
