@@ -2,13 +2,15 @@
 
 ``kvcanary-jax [demo] [--steps N] [--seed S] [--faults a,b] [--device cpu|gpu]
 [--implementation NAME] [--kv-canary log|raise] [--real-data none|partial|all]
-[--sweep-interval N] [--json]`` simulates
-a small server with the canary on (run by :class:`kvcanary_jax.runtime.CanaryManager`), then runs
-the fault campaign and prints, per fault kind, how
-many faults were injected and detected, the first detecting step, and the clean run's false
-positives. ``demo`` is the default subcommand. Ctrl-C stops the demo before its next step: it
-prints the partial report and exits with status 130 (a second Ctrl-C aborts at once); the console
-script takes Ctrl-C from its first line, while JAX imports (:mod:`kvcanary_jax._interrupt`).
+[--sweep-interval N] [--layers N] [--coverage-window N] [--json]`` simulates a small server (a
+model of ``--layers`` layers, K and V) with the canary on (run by
+:class:`kvcanary_jax.runtime.CanaryManager`), then runs the fault campaign and prints, per fault
+kind, how many faults were injected and detected, the first detecting step, and the clean run's
+false positives; then the share of each slot's KV bytes SGLang's real-KV check reads, and the
+coverage window's report (the share of live KV bytes verified in the window). ``demo`` is the
+default subcommand. Ctrl-C stops the demo before its next step: it prints the partial report and
+exits with status 130 (a second Ctrl-C aborts at once); the console script takes Ctrl-C from its
+first line, while JAX imports (:mod:`kvcanary_jax._interrupt`).
 
 ``kvcanary-jax bench [options]`` is ``python -m kvcanary_jax.bench [options]`` (the benchmark,
 installed with the package; ``python -m bench`` from a checkout's root;
@@ -111,6 +113,14 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
                    help="check the real KV bytes (SGLang's --kv-canary-real-data): none, the "
                         "first 16 bytes of each slot, or all of them (default all; with none the "
                         "faults that only touch KV bytes go undetected)")
+    p.add_argument("--layers", type=_count(1), default=4,
+                   help="attention layers of the simulated model, each with a K and a V array "
+                        "(default 4)")
+    p.add_argument("--coverage-window", type=_count(0), default=4,
+                   help="ours (--kv-canary-coverage-window): every layer's K and V of every live "
+                        "slot verified within N steps (cached slots at each sweep); 0: off, "
+                        "SGLang's check of layer 0 only, so the layer_flip faults go undetected "
+                        "(default 4; needs a sweep)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
@@ -233,7 +243,8 @@ def _demo(args, interrupt: _StopOnInterrupt) -> int:
             steps=args.steps, seed=args.seed, swa_window_size=args.swa_window,
             enable_v_half=args.v_half, sweep_interval=args.sweep_interval,
             implementation=args.implementation, kv_canary=args.kv_canary,
-            real_kv_hash_mode=args.real_data,
+            real_kv_hash_mode=args.real_data, num_layers=args.layers,
+            coverage_window=args.coverage_window,
         )
         with warnings.catch_warnings():
             # CPU backends cannot donate every buffer the step donates; that is expected here.
@@ -262,6 +273,7 @@ def _demo(args, interrupt: _StopOnInterrupt) -> int:
         f.detected == f.injected and (f.injected > 0 or args.injections == 0)
         for f in res.faults)
     out["ok"] = ok
+    out["fingerprint_share"] = _fingerprint_share(sim)
     out["failures"] = [] if ok or res.interrupted else _failures(res, args)
     rc = EXIT_INTERRUPTED if res.interrupted else 0 if ok else 1
     if res.interrupted:
@@ -283,12 +295,38 @@ def _demo(args, interrupt: _StopOnInterrupt) -> int:
     print()
     print(_table(res) if res.faults else "(no fault trial ran)")
     print()
+    for line in _coverage_lines(sim, res):
+        print(line)
+    print()
     verdict = "INTERRUPTED" if res.interrupted else "OK" if ok else "FAILED"
     print(f"{verdict}: {sum(f.detected for f in res.faults)}/"
           f"{sum(f.injected for f in res.faults)} injected faults detected; wall {wall:.1f} s")
     for line in out["failures"]:
         print(f"  - {line}")
     return rc
+
+
+def _fingerprint_share(sim) -> float:
+    """The share of a slot's KV bytes (every layer's K and V) SGLang's real-KV check reads: layer
+    0 of each half it runs, 16 bytes of each (partial) or all of them."""
+    row = 2 * sim.kv_width  # bf16 bytes of one layer's K (or V) of a slot
+    read = {"none": 0, "partial": 16, "all": row}[sim.real_kv_hash_mode]
+    halves = 2 if sim.enable_v_half else 1
+    return halves * read / (2 * sim.num_layers * row)
+
+
+def _coverage_lines(sim, res) -> list[str]:
+    """The report's coverage, per mode: SGLang's check (the share of each slot it reads), ours
+    (the clean run's coverage report at its end)."""
+    halves = "K and V" if sim.enable_v_half else "K"
+    sglang = (f"  SGLang's real-KV check (--real-data {sim.real_kv_hash_mode}): layer 0's "
+              f"{halves}, {100 * _fingerprint_share(sim):.1f}% of each slot's KV bytes, at every "
+              "read" if sim.real_kv_hash_mode != "none" else
+              "  SGLang's real-KV check: off (--real-data none)")
+    cov = res.coverage
+    ours = ("  ours: off (--coverage-window 0)" if cov is None else
+            f"  ours (--coverage-window {cov.window}): every byte; clean run: {cov.summary()}")
+    return [f"real-KV coverage ({sim.num_layers} layers, K and V):", sglang, ours]
 
 
 def _failures(res, args) -> list[str]:

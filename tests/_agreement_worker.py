@@ -191,10 +191,11 @@ def _mesh_run(a, config) -> dict:
             if step == a.inject_step:
                 req = next(r for r in servers[a.victim].live if r.slots)
                 slot = req.slots[0]
-                k = kvs["FULL"]["K"][0]
+                k = kvs["FULL"]["layers"]["K"][0]
                 u16 = jax.lax.bitcast_convert_type(k, jnp.uint16)
                 u16 = u16.at[a.victim, slot, 0].set(u16[a.victim, slot, 0] ^ jnp.uint16(0xFF))
-                kvs["FULL"]["K"] = (jax.lax.bitcast_convert_type(u16, jnp.bfloat16),)
+                kvs["FULL"]["layers"]["K"] = ((jax.lax.bitcast_convert_type(u16, jnp.bfloat16),)
+                                              + kvs["FULL"]["layers"]["K"][1:])
                 out["slot"] = slot
             t0 = time.perf_counter()
             prepared = [s.prepare() for s in servers]

@@ -95,12 +95,10 @@ class Harness:
         faults._flip_kv_byte(self.srv, "FULL", slot)
 
     def dirty_padding_slot(self):
-        kv = dict(self.srv.kv)
-        full = dict(kv["FULL"])
-        k = full["K"][0]
-        full["K"] = (k.at[0, 0].set(jnp.asarray(1.0, k.dtype)),) + full["K"][1:]
-        kv["FULL"] = full
-        self.srv.kv = kv
+        layers = self.srv.kv["FULL"]["layers"]
+        k = layers["K"][0]  # layer 0: the padding guard reads SGLang's fingerprint sources
+        k = (k.at[0, 0].set(jnp.asarray(1.0, k.dtype)),) + layers["K"][1:]
+        self.srv.kv = {**self.srv.kv, "FULL": {"layers": {**layers, "K": k}}}
 
 
 def device_inputs(h: Harness):

@@ -97,9 +97,9 @@ def test_processes_with_different_settings_are_refused():
     for o in outs:
         assert o["config_error"] == ("kv-canary: the processes run different canary settings, "
                                      "so they cannot agree on when to raise: rank 0: mode=raise "
-                                     "sweep_interval=0 ring_capacity=1024 padding_guard=False; "
-                                     "rank 1: mode=log sweep_interval=0 ring_capacity=1024 "
-                                     "padding_guard=False")
+                                     "sweep_interval=0 ring_capacity=1024 padding_guard=False "
+                                     "coverage_window=0; rank 1: mode=log sweep_interval=0 "
+                                     "ring_capacity=1024 padding_guard=False coverage_window=0")
 
 
 # Short: the workers compile before they meet, so the timeout measures the peers alone.

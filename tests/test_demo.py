@@ -14,7 +14,7 @@ warnings.filterwarnings("ignore", message=".*donated buffers.*")
 
 
 def test_campaign_detects_every_fault_kind():
-    res = sm.run_campaign(sm.SimConfig(steps=24, seed=1), injections=1)
+    res = sm.run_campaign(sm.SimConfig(steps=24, seed=1, coverage_window=4), injections=1)
     assert res.false_positives == 0, [str(v) for v in res.clean_violations]
     assert [f.kind for f in res.faults] == list(sm.FAULT_KINDS)
     for f in res.faults:

@@ -18,7 +18,8 @@ warnings.filterwarnings("ignore", message=".*donated buffers.*")
 
 @pytest.mark.parametrize("mode", ["log", "raise"])
 def test_campaign_through_the_manager_detects_every_fault_kind(mode):
-    res = sm.run_campaign(sm.SimConfig(steps=24, seed=1, kv_canary=mode), injections=1)
+    res = sm.run_campaign(sm.SimConfig(steps=24, seed=1, kv_canary=mode, coverage_window=4),
+                          injections=1)
     assert res.false_positives == 0, [str(v) for v in res.clean_violations]
     assert [f.kind for f in res.faults] == list(sm.FAULT_KINDS)
     for f in res.faults:

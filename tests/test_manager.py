@@ -265,7 +265,8 @@ def test_hot_path_never_waits_for_the_device():
     def slow_forward(kv, batch, rtt, lut):
         spin = jax.lax.fori_loop(0, 60, lambda i, a: jnp.tanh(a @ a), w)
         kv = base(kv, batch, rtt, lut)
-        kv["FULL"]["K"] = (kv["FULL"]["K"][0] + (spin[0, 0] * 0).astype(jnp.bfloat16),)
+        k = kv["FULL"]["layers"]["K"]
+        kv["FULL"]["layers"]["K"] = (k[0] + (spin[0, 0] * 0).astype(jnp.bfloat16),) + k[1:]
         return kv
 
     slow = rt.CanaryManager(h.mgr.config, h.mgr.cfg, forward=slow_forward)

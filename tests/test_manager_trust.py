@@ -377,6 +377,6 @@ def test_mode_none_steps_without_a_lut():
     h = Harness(rt.ManagerConfig(mode="none"))
     sched, batch, rtt, _ = h.prepare()
     kv = h.mgr.step(h.srv.kv, batch, rtt, requests=[r for r, _ in sched])
-    assert kv["FULL"]["K"][0].shape == h.srv.kv["FULL"]["K"][0].shape
+    assert kv["FULL"]["layers"]["K"][0].shape == h.srv.kv["FULL"]["layers"]["K"][0].shape
     h.mgr.flush()
     h.mgr.close()

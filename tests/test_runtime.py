@@ -102,7 +102,7 @@ class OracleCanary:
                     loc = torch.where(loc < 0, loc, lut_t[loc.clamp(min=0)])
                 for h in cfg.halves:
                     key, tag = f"{copy}_{h}_{g}", rt.TAG_NAMES.index(f"{copy}_{h}_{g}")
-                    srcs = self._sources(kv[g][h]) if copy == "TAIL" else []
+                    srcs = self._sources(kv[g]["layers"][h][:1]) if copy == "TAIL" else []
                     sgl.verify_ref.launch_canary_verify_kernel_torch_reference(
                         context=self._ctx(key, tag, srcs), plan=vp, check_verify_expected_token=True)
                     sgl.write_ref.launch_canary_write_kernel_torch_reference(
@@ -128,7 +128,8 @@ class OracleCanary:
             for h in cfg.halves:
                 tag = rt.TAG_NAMES.index(f"SWEEP_{h}_{g}")
                 sgl.verify_ref.launch_canary_verify_kernel_torch_reference(
-                    context=self._ctx(f"TAIL_{h}_{g}", tag, self._sources(kv[g][h])), plan=vp,
+                    context=self._ctx(f"TAIL_{h}_{g}", tag, self._sources(kv[g]["layers"][h][:1])),
+                    plan=vp,
                     check_verify_expected_token=False)
 
     def assert_equal(self, state: rt.CanaryState, step: int):

@@ -1,8 +1,10 @@
 """Serving runtime: the canary's device state and one jitted step per forward batch.
 
 :mod:`.state` (:class:`CanaryConfig`, :class:`CanaryState`, :class:`ForwardBatch`,
-:func:`init_state`), :mod:`.step` (the device step: HEAD -> forward -> TAIL, the sweep) and
-:mod:`.host` (batch padding, violation and counter decoding), :mod:`.sharded` (one canary per
+:func:`init_state`), :mod:`.step` (the device step: HEAD -> forward -> TAIL, the sweep), :mod:`.kv`
+(the KV a step takes: SGLang's sources per half, or every layer), :mod:`.coverage` (ours: every
+layer's K and V verified within a window, and its report) and :mod:`.host` (batch padding,
+violation and counter decoding), :mod:`.sharded` (one canary per
 data-parallel shard), :mod:`.config` and :mod:`.manager` (:class:`CanaryManager`, the runtime a
 server holds, orchestrating :mod:`.device` (its jitted calls), :mod:`.readback` (one step late),
 :mod:`.reporting` (SGLang's messages, each violation once), :mod:`.health` (launch health, the
@@ -21,6 +23,7 @@ from kvcanary_jax.runtime.host import (
     violation_count,
 )
 from kvcanary_jax.runtime.config import ManagerConfig
+from kvcanary_jax.runtime.coverage import CoverageStats, GroupCoverage, coverage_stats
 from kvcanary_jax.runtime.manager import (
     PADDING_SLOT_NOT_ZERO,
     CanaryAgreementError,
@@ -60,6 +63,9 @@ __all__ = [
     "CanaryConfig",
     "CanaryState",
     "ForwardBatch",
+    "CoverageStats",
+    "GroupCoverage",
+    "coverage_stats",
     "Violation",
     "TAG_NAMES",
     "init_state",

@@ -14,10 +14,10 @@ in lockstep) makes every live process raise :class:`~kvcanary_jax.runtime.report
 CanaryAgreementError` naming the peer (``peers``), with the step's KV attached when raised from a
 step, instead of blocking. A peer at another step of the same exchange (one process called
 ``step``/``observe``/``flush`` more often than another) is named the same way. Every process
-checks the settings that must match (mode, sweep interval, ring capacity, padding guard) when its
-manager is built, with the same timeout, mode ``none`` included: a mismatch is a ``ValueError``
-naming every rank's settings on every process; a process that never builds its manager is named
-after the timeout.
+checks the settings that must match (mode, sweep interval, ring capacity, padding guard, coverage
+window) when its manager is built, with the same timeout, mode ``none`` included: a mismatch is a
+``ValueError`` naming every rank's settings on every process; a process that never builds its
+manager is named after the timeout.
 
 Set the timeout above the longest step any process can take (a first compilation included) and
 above the spread of the moments the processes build their managers.
@@ -51,7 +51,7 @@ from kvcanary_jax.runtime.reporting import CanaryAgreementError, logger
 __all__ = ["SETTINGS", "Finding", "AgreementFailure", "Agreement"]
 
 # The settings every process must share to agree on when to raise.
-SETTINGS = ("mode", "sweep_interval", "ring_capacity", "padding_guard")
+SETTINGS = ("mode", "sweep_interval", "ring_capacity", "padding_guard", "coverage_window")
 
 _KEY_ROOT = "kvcanary_jax/agreement"
 # Managers that agree across processes, numbered in the order each process builds them: the n-th

@@ -17,6 +17,10 @@ SGLang                                :class:`ManagerConfig` field              
 (``model_runner.is_draft_worker``)    ``draft_worker`` (token/position offset 1)       ``False``
 (health checker constants)            ``health_check_warmup_steps`` / ``_every_n_steps``  ``100``
 ours: ``--kv-canary-padding-guard``   ``padding_guard`` (the sweep checks slot 0)      ``False``
+ours                                  ``coverage_window``: every layer's K and V of    ``0``
+                                      every live slot verified within N steps (0: off)
+                                      ``--kv-canary-coverage-window N``,
+                                      ``SGLANG_KV_CANARY_COVERAGE_WINDOW``
 ours                                  ``agree_across_processes`` (``None``: when       ``None``
                                       ``jax.process_count() > 1``)
 ours                                  ``agreement_timeout_s``: how long a process      ``300``
@@ -26,7 +30,12 @@ ours                                  ``agreement_timeout_s``: how long a proces
 Every value is checked when the config is built (``ValueError`` naming the flag or variable, the
 value and the rule), never mid-serving; so are the contradictory settings SGLang refuses (a sweep
 interval with mode ``none``) and ours (a padding guard without a sweep, real-KV checks with mode
-``none``).
+``none``, a coverage window with mode ``none``, without a sweep, or on a draft worker).
+
+The coverage window (ours; :mod:`kvcanary_jax.runtime.coverage`, docs/spec.md §17) bounds two
+delays, each stated: a slot that steps keep reading is verified within ``coverage_window`` steps
+of them, a cached slot no step reads at the next sweep (``sweep_interval`` steps). So a window
+needs the sweep: without one, cached slots would never be verified, less coverage than asked.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ import dataclasses
 import os
 from typing import Mapping
 
-__all__ = ["ManagerConfig", "MODES", "REAL_DATA", "ENV_VARS", "add_arguments"]
+__all__ = ["ManagerConfig", "MODES", "REAL_DATA", "ENV_VARS", "OUR_ENV_VARS", "add_arguments"]
 
 MODES = ("none", "log", "raise")
 REAL_DATA = ("none", "partial", "all")
@@ -48,6 +57,9 @@ ENV_VARS = {
     "enable_write_input_assert": "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT",
     "enable_verify_token_assert": "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT",
 }
+# field -> our environment variable, named like SGLang's.
+OUR_ENV_VARS = {"coverage_window": "SGLANG_KV_CANARY_COVERAGE_WINDOW"}
+_ENV = {**ENV_VARS, **OUR_ENV_VARS}
 
 # field -> the flag that sets it (named in errors).
 _FLAGS = {
@@ -55,6 +67,7 @@ _FLAGS = {
     "real_data": "--kv-canary-real-data",
     "sweep_interval": "--kv-canary-sweep-interval",
     "padding_guard": "--kv-canary-padding-guard",
+    "coverage_window": "--kv-canary-coverage-window",
 }
 
 # Integer fields and their minimum.
@@ -64,13 +77,14 @@ _INTS = {
     "stats_print_every_n_steps": 0,
     "health_check_warmup_steps": 0,
     "health_check_every_n_steps": 1,
+    "coverage_window": 0,
 }
 _BOOLS = ("enable_write_input_assert", "enable_verify_token_assert", "draft_worker",
           "padding_guard")
 
 
 def _origin(field: str) -> str:
-    names = [n for n in (_FLAGS.get(field), ENV_VARS.get(field)) if n]
+    names = [n for n in (_FLAGS.get(field), _ENV.get(field)) if n]
     return f"{field} ({' / '.join(names)})" if names else field
 
 
@@ -110,6 +124,7 @@ class ManagerConfig:
     padding_guard: bool = False
     agree_across_processes: bool | None = None
     agreement_timeout_s: float = 300.0
+    coverage_window: int = 0
 
     def __post_init__(self):
         for field, choices in (("mode", MODES), ("real_data", REAL_DATA)):
@@ -149,6 +164,26 @@ class ManagerConfig:
         if self.padding_guard and self.sweep_interval == 0:
             raise ValueError("--kv-canary-padding-guard runs with the sweep: it requires "
                              "--kv-canary-sweep-interval > 0")
+        self._check_coverage()
+
+    def _check_coverage(self):
+        """Ours: a coverage window whose bound could not hold is refused (module docstring)."""
+        window = self.coverage_window
+        if window == 0:
+            return
+        flag = f"--kv-canary-coverage-window {window}"
+        if self.mode == "none":
+            raise ValueError(f"{flag} requires --kv-canary in {{log, raise}}")
+        if self.sweep_interval == 0:
+            raise ValueError(
+                f"{flag} verifies the slots steps read within {window} steps and cached slots "
+                "at each sweep: it requires --kv-canary-sweep-interval > 0 (without a sweep, "
+                "cached slots no request reads would never be verified)")
+        if self.draft_worker:
+            raise ValueError(
+                f"{flag} needs the sweep for cached slots, and a draft worker's manager runs "
+                "none (SGLang attaches the radix cache to the target worker only): leave the "
+                "window at 0 on the draft worker")
 
     @property
     def enabled(self) -> bool:
@@ -164,13 +199,14 @@ class ManagerConfig:
                  kv_canary_sweep_interval: int = 0, environ: Mapping[str, str] | None = None,
                  **fields) -> "ManagerConfig":
         """SGLang's ``CanaryConfig.from_env``: the three flags as arguments, the rest from the
-        ``SGLANG_KV_CANARY_*`` variables of ``environ`` (default ``os.environ``) where set, and
+        ``SGLANG_KV_CANARY_*`` variables (SGLang's and :data:`OUR_ENV_VARS`) of ``environ``
+        (default ``os.environ``) where set, and
         ``fields`` last (they override both). A variable that does not parse, or parses to a
         value out of range, is refused naming the variable."""
         environ = os.environ if environ is None else environ
         values = dict(mode=kv_canary, real_data=kv_canary_real_data,
                       sweep_interval=kv_canary_sweep_interval)
-        for field, name in ENV_VARS.items():
+        for field, name in _ENV.items():
             if name not in environ:
                 continue
             text = environ[name]
@@ -190,6 +226,9 @@ class ManagerConfig:
         """From a namespace parsed with :func:`add_arguments` (and the environment)."""
         if getattr(args, "kv_canary_padding_guard", False):
             fields.setdefault("padding_guard", True)
+        if getattr(args, "kv_canary_coverage_window", None) is not None:
+            # The flag, when given, over the environment variable.
+            fields.setdefault("coverage_window", args.kv_canary_coverage_window)
         return cls.from_env(kv_canary=args.kv_canary, kv_canary_real_data=args.kv_canary_real_data,
                             kv_canary_sweep_interval=args.kv_canary_sweep_interval,
                             environ=environ, **fields)
@@ -197,8 +236,8 @@ class ManagerConfig:
 
 def add_arguments(parser: argparse.ArgumentParser, *, prefix: str = "--kv-canary",
                   default_mode: str = "none", default_sweep_interval: int = 0) -> None:
-    """SGLang's three flags (and our padding guard) on an argparse parser. ``prefix`` renames
-    them (``--kv-canary``, ``--kv-canary-real-data``, ...)."""
+    """SGLang's three flags (and our padding guard and coverage window) on an argparse parser.
+    ``prefix`` renames them (``--kv-canary``, ``--kv-canary-real-data``, ...)."""
     parser.add_argument(prefix, dest="kv_canary", choices=MODES, default=default_mode,
                         help="KV cache canary mode. 'none' disables the canary. 'log' logs "
                              "violations while serving continues. 'raise' fails on the first "
@@ -215,3 +254,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, prefix: str = "--kv-canary
                         action="store_true",
                         help="the sweep also checks that the padding slot 0 of the real KV stays "
                              "all zero (not an SGLang check)")
+    parser.add_argument(f"{prefix}-coverage-window", dest="kv_canary_coverage_window",
+                        type=int, default=None, metavar="N",
+                        help="verify every byte of every layer's K and V of every live slot: "
+                             "slots steps keep reading within N steps (each step checks 1/N of "
+                             "the slots it reads), cached slots at each sweep; needs "
+                             f"{prefix}-sweep-interval > 0 (not an SGLang check; default "
+                             "SGLANG_KV_CANARY_COVERAGE_WINDOW, else 0: off)")

@@ -9,7 +9,9 @@
   (the padding slot SGLang's and sglang-jax's allocators never hand out) must stay all zero; a
   nonzero byte appends a ring row with reason ``PADDING_SLOT_NOT_ZERO`` (bit 16, ours);
 * **the readback of a state** (:func:`observe_fn`): for a step the server jitted itself, and for
-  a readback taken by ``flush()`` after a sweep.
+  a readback taken by ``flush()`` after a sweep;
+* **the coverage counts** (:func:`kvcanary_jax.runtime.coverage.counts`, with a coverage window):
+  for the stats line and ``coverage()``, summed over the shards of a stacked state.
 
 Every step updates the phase array of :mod:`kvcanary_jax.runtime.health`. :class:`DeviceSteps`
 holds the jitted callables of one manager: without a mesh, module-level jits keyed by ``(cfg,
@@ -30,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from kvcanary_jax import consts
+from kvcanary_jax.runtime import coverage as _coverage
 from kvcanary_jax.runtime import step as _step
 from kvcanary_jax.runtime.health import AFTER_HEAD, IDLE, phase_update
 from kvcanary_jax.runtime.readback import readback, word_fields
@@ -127,17 +130,21 @@ _head_jit = jax.jit(head_only, static_argnames=("cfg",), donate_argnums=(0, 1))
 _tail_jit = jax.jit(tail_only, static_argnames=("cfg",), donate_argnums=(0, 1))
 _sweep_jit = jax.jit(sweep_fn, static_argnames=("cfg", "guard"), donate_argnums=(0,))
 _observe_jit = jax.jit(observe_fn, static_argnames=("cfg",))
+_coverage_jit = jax.jit(_coverage.counts, static_argnums=0)
 
 
 class DeviceSteps:
     """The jitted calls of one manager (see the module docstring): ``fused`` (``None`` without
-    a forward), ``head``, ``tail``, ``sweep``, ``observe``; and ``stack(tree)``, one tree
-    repeated on every shard (identity without a mesh)."""
+    a forward), ``head``, ``tail``, ``sweep``, ``observe``, ``coverage`` (``None`` without a
+    coverage window); and ``stack(tree)``, one tree repeated on every shard (identity without a
+    mesh)."""
 
     def __init__(self, cfg: CanaryConfig, forward: Callable | None, *, guard: bool,
                  mesh: jax.sharding.Mesh | None = None, axis: str = "dp"):
         self.cfg, self._mesh, self._axis = cfg, mesh, axis
         self.shards = 1 if mesh is None else mesh.shape[axis]
+        # Reductions over the (stacked) state: the same call with or without a mesh.
+        self.coverage = functools.partial(_coverage_jit, cfg) if cfg.coverage_window else None
         if mesh is None:
             self.fused = (functools.partial(_fused_jit, cfg=cfg, forward=forward)
                           if forward is not None else None)

@@ -15,7 +15,9 @@
 * **the overflow warner** (:class:`OverflowWarner`): a verify plan over its capacity is skipped; a
   warning with the running total says so, once per skipped plan.
 * **stats** (:func:`log_stats`): "[canary] step=... protected_tokens=... sweep_passes=...
-  violations=..." every ``stats_print_every_n_steps`` steps.
+  violations=..." every ``stats_print_every_n_steps`` steps; with a coverage window (ours), the
+  line goes on with the window and the share of live KV bytes verified in it
+  (:class:`~kvcanary_jax.runtime.coverage.CoverageStats`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ __all__ = [
     "LaunchHealth",
     "OverflowWarner",
     "log_stats",
+    "stats_due",
     "stalled_message",
     "phase_message",
 ]
@@ -130,14 +133,27 @@ class OverflowWarner:
                         self.total, self.cfg.verify_cap)
 
 
-def log_stats(config: ManagerConfig, step_no: int, *, slot_runs, write_index, sweep_passes: int,
-              active_tags: int) -> None:
-    """SGLang's periodic stats line, every ``stats_print_every_n_steps`` steps (0: never)."""
+def stats_due(config: ManagerConfig, step_no: int) -> bool:
+    """Whether step ``step_no`` logs the stats line."""
     n = config.stats_print_every_n_steps
-    if n > 0 and step_no % n == 0:
-        logger.info("[canary] step=%d protected_tokens=%d sweep_passes=%d violations=%d "
-                    "launch_tags_active=%d/%d", step_no, int(np.sum(slot_runs)), sweep_passes,
-                    int(np.sum(np.maximum(write_index, 0))), active_tags, NUM_TAGS)
+    return n > 0 and step_no % n == 0
+
+
+def log_stats(config: ManagerConfig, step_no: int, *, slot_runs, write_index, sweep_passes: int,
+              active_tags: int, coverage=None) -> None:
+    """SGLang's periodic stats line, every ``stats_print_every_n_steps`` steps (0: never), then
+    (ours) the coverage window and share when ``coverage`` (a ``CoverageStats``) is given."""
+    if not stats_due(config, step_no):
+        return
+    line = ("[canary] step=%d protected_tokens=%d sweep_passes=%d violations=%d "
+            "launch_tags_active=%d/%d")
+    args = [step_no, int(np.sum(slot_runs)), sweep_passes,
+            int(np.sum(np.maximum(write_index, 0))), active_tags, NUM_TAGS]
+    if coverage is not None:
+        line += " coverage_window=%d coverage=%s live_kv_bytes=%d verified_kv_bytes=%d"
+        share = "n/a" if coverage.share is None else f"{100 * coverage.share:.2f}%"
+        args += [coverage.window, share, coverage.live_bytes, coverage.verified_bytes]
+    logger.info(line, *args)
 
 
 def stalled_message(stalled: list[str], step_no: int) -> str:

@@ -29,6 +29,8 @@ __all__ = [
 TAG_NAMES = tuple(t.name for t in consts.CanaryLaunchTag)
 
 _WRITE_REASONS = consts.FailReason.WRITE_TOKEN_MISMATCH | consts.FailReason.WRITE_POSITION_MISMATCH
+# Our reason bits, beside SGLang's FailReason (kvcanary_jax.consts).
+_OUR_REASONS = ("PADDING_SLOT_NOT_ZERO", "KV_DIGEST_MISMATCH")
 
 
 def make_batch(
@@ -192,10 +194,12 @@ class Violation:
 
 
 def reason_names(bits: int) -> tuple[str, ...]:
-    """SGLang's FailReason names of ``bits``, then ours (``PADDING_SLOT_NOT_ZERO``)."""
+    """SGLang's FailReason names of ``bits``, then ours (``PADDING_SLOT_NOT_ZERO``,
+    ``KV_DIGEST_MISMATCH``)."""
     names = tuple(r.name for r in consts.FailReason if bits & r)
-    if bits & consts.PADDING_SLOT_NOT_ZERO:
-        names += ("PADDING_SLOT_NOT_ZERO",)
+    for name in _OUR_REASONS:
+        if bits & getattr(consts, name):
+            names += (name,)
     return names
 
 

@@ -18,7 +18,9 @@ runtime (``sglang/srt/kv_canary/runner/``) runs around its kernels. It orchestra
   :class:`CanaryViolationError` (a ``RuntimeError``);
 * **health and phase checks** (:mod:`~kvcanary_jax.runtime.health`): launch health ("canary path
   is not executing"), the phase check (SGLang's ``SimplePhaseChecker``, on once
-  :meth:`~CanaryManager.mark_init_finished` ran), the overflow warner, the periodic stats;
+  :meth:`~CanaryManager.mark_init_finished` ran), the overflow warner, the periodic stats (with
+  the coverage window's report, :meth:`~CanaryManager.coverage`, counted on the device after a
+  stats step and read with its readback);
 * **agreement** (:mod:`~kvcanary_jax.runtime.agreement`, ours): the decision to raise is agreed
   before anyone raises, over a device mesh inside the step and across processes through
   jax.distributed's key-value store, within ``agreement_timeout_s``;
@@ -66,6 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvcanary_jax import _config, consts
+from kvcanary_jax.runtime import coverage as _coverage
 from kvcanary_jax.runtime import health
 from kvcanary_jax.runtime.agreement import Agreement, AgreementFailure, Finding
 from kvcanary_jax.runtime.config import ManagerConfig
@@ -114,6 +117,8 @@ def _settings_over_sizes(config: ManagerConfig) -> dict:
         "kv_token_id_vs_position_offset": (
             c.kv_token_id_vs_position_offset,
             f"draft_worker {c.draft_worker} (offset {c.kv_token_id_vs_position_offset})"),
+        "coverage_window": (c.coverage_window, "coverage_window (--kv-canary-coverage-window / "
+                            f"SGLANG_KV_CANARY_COVERAGE_WINDOW) {c.coverage_window}"),
     }
 
 
@@ -131,6 +136,11 @@ def _sizes_for(config: ManagerConfig, sizes: CanaryConfig) -> CanaryConfig:
             f"kv-canary: the sizes ask for CanaryConfig.{field}={asked!r}, but the manager's "
             f"config has {setting}, and the manager runs what its config says: set the config "
             f"to match, or leave {field} at its default ({_SIZES_DEFAULTS[field]!r}) in the sizes")
+    if config.coverage_window and sizes.num_layers is None:
+        raise ValueError(
+            f"kv-canary: --kv-canary-coverage-window {config.coverage_window} digests every layer "
+            "of the KV: the sizes must state CanaryConfig.num_layers (the KV layers of each "
+            "group), so that a step whose KV misses a layer is refused")
     return dataclasses.replace(sizes, **{field: value for field, (value, _) in taken.items()})
 
 
@@ -228,6 +238,18 @@ class CanaryManager:
     @property
     def enabled(self) -> bool:
         return self.config.enabled
+
+    @_serialized
+    def coverage(self) -> _coverage.CoverageStats | None:
+        """The coverage report of the state now (``coverage_window``; ``None`` when off): the
+        window, the sweep interval (the bound for cached slots), the share of live KV bytes
+        verified in the window. A device reduction and a host read: not for the hot path (the
+        stats line carries the same report one step late, without waiting)."""
+        if not self.enabled or self._device.coverage is None or self.state is None:
+            return None
+        with _config.x64_scope():
+            host = jax.device_get(self._device.coverage(self.state))
+        return _coverage.from_counts(self.cfg, host, sweep_interval=self.config.sweep_interval)
 
     @property
     def overflow_count_total(self) -> int:
@@ -473,6 +495,8 @@ class CanaryManager:
             except CanaryCallbackError as e:
                 walk_failed = e  # raised once the step is counted and its readback staged
         self.step_count += 1
+        if self._device.coverage is not None and health.stats_due(self.config, self.step_count):
+            rb = {**rb, "coverage": self._device.coverage(self.state)}  # after the sweep, if any
         previous = self._readbacks.stage(Staged(self.step_count, rb, ctx))
         if previous is not None:
             try:
@@ -500,9 +524,12 @@ class CanaryManager:
         stalled = []
         if not staged.final:
             stalled = self._health.stalled(step_no, host["kernel_runs"])
+            counts = self._readbacks.coverage(staged)
             health.log_stats(self.config, step_no, slot_runs=host["slot_runs"],
                              write_index=write_index, sweep_passes=self.sweep_passes,
-                             active_tags=len(self._health.active_tags()))
+                             active_tags=len(self._health.active_tags()),
+                             coverage=None if counts is None else _coverage.from_counts(
+                                 self.cfg, counts, sweep_interval=self.config.sweep_interval))
         # Remediation: the callback sees every new violation, with its request, before a raise.
         failure = None
         if reports:

@@ -7,9 +7,10 @@ write index, the run counters, the plans' enable flags and the phase packed into
 violation ring.
 
 Host side (:class:`Readbacks`): the manager stages each step's readback and starts
-``copy_to_host_async`` on its ``words``; it reads them (``jax.device_get``, an explicit transfer,
-allowed under ``jax.transfer_guard("disallow")``) after the *next* step is dispatched, so the step
-never waits on the host and the host never waits on the step it just launched. The ring is copied
+``copy_to_host_async`` on its ``words`` (and on the coverage counts a stats step adds); it reads
+them (``jax.device_get``, an explicit transfer, allowed under ``jax.transfer_guard("disallow")``)
+after the *next* step is dispatched, so the step never waits on the host and the host never waits
+on the step it just launched. The ring is copied
 to the host only for a readback whose write index shows rows not yet reported (one copy a step
 instead of one per field). One readback is staged at a time; a readback handed back by
 :meth:`Readbacks.stage` or :meth:`Readbacks.take` is the caller's to consume.
@@ -88,8 +89,11 @@ class Readbacks:
         return self._staged
 
     def stage(self, staged: Staged) -> Staged | None:
-        """Start the host copy of ``staged``'s words; return the readback staged before it."""
+        """Start the host copy of ``staged``'s words (and coverage counts, when it carries
+        them); return the readback staged before it."""
         staged.arrays["words"].copy_to_host_async()
+        for arr in jax.tree.leaves(staged.arrays.get("coverage")):
+            arr.copy_to_host_async()
         previous, self._staged = self._staged, staged
         return previous
 
@@ -106,6 +110,12 @@ class Readbacks:
         plain = word_fields(self.cfg, mesh=False)
         fields = word_fields(self.cfg, mesh=words.shape[-1] > max(f.stop for f in plain.values()))
         return {name: words[:, at] for name, at in fields.items()}
+
+    @staticmethod
+    def coverage(staged: Staged) -> dict | None:
+        """``staged``'s coverage counts on the host (``None``: it carries none)."""
+        counts = staged.arrays.get("coverage")
+        return None if counts is None else jax.device_get(counts)
 
     def ring(self, staged: Staged, shards: int) -> np.ndarray:
         """``staged``'s rings on the host, ``[shards, capacity, fields]`` (copied once)."""

@@ -120,17 +120,20 @@ class ViolationReport:
     message: str = ""
 
 
+# Ours, beside SGLang's FailReason bits: bit -> label.
+_OUR_LABELS = {PADDING_SLOT_NOT_ZERO: "padding_slot_not_zero",
+               consts.KV_DIGEST_MISMATCH: "kv_digest"}
+
+
 def _reason_label(bit: int) -> str:
-    if bit == PADDING_SLOT_NOT_ZERO:
-        return "padding_slot_not_zero"
+    if bit in _OUR_LABELS:
+        return _OUR_LABELS[bit]
     return consts.FailReason(bit).name.lower().removesuffix("_mismatch")
 
 
 def _reasons(bits: int) -> list[str]:
     out = [_reason_label(b) for b in consts.FailReason if bits & int(b)]
-    if bits & PADDING_SLOT_NOT_ZERO:
-        out.append(_reason_label(PADDING_SLOT_NOT_ZERO))
-    return out
+    return out + [label for bit, label in _OUR_LABELS.items() if bits & bit]
 
 
 def format_violation(row: Sequence[int], *, total: int, ring_overflow: bool,
@@ -154,7 +157,13 @@ def format_violation(row: Sequence[int], *, total: int, ring_overflow: bool,
     )
     header = (f"KV cache canary violation detected (kernel_kind={tag_label}, slot_idx={slot}, "
               f"position={position})")
-    if bits & int(_WRITE_BITS):
+    if bits & consts.KV_DIGEST_MISMATCH:
+        # Ours (the coverage digest): the stored digest in the chain-hash field, the one
+        # recomputed from the KV bytes in the aux field.
+        body = [f"  stored:   kv_digest={stored_chain_hash & _U64:#018x}   position={position}",
+                f"  expected: kv_digest={expected_aux & _U64:#018x} (every layer's K and V, "
+                "recomputed)"]
+    elif bits & int(_WRITE_BITS):
         body = [f"  actual:   token_id={stored_token}   position={position} "
                 f"prev_hash={stored_chain_hash & _U64:#018x}",
                 f"  expected: token_id={expected_token}   position={expected_aux}"]

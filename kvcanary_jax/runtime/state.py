@@ -8,6 +8,10 @@ padded on the host (:func:`kvcanary_jax.runtime.host.make_batch`) to the config'
 Buffer groups: ``FULL`` always; ``SWA`` when ``swa_window_size > 0`` (its canary slots are SWA pool
 slots, addressed through the full->SWA LUT of length ``num_slots``; evicted entries map to 0). Each
 group has a K half and, if ``enable_v_half``, a V half, each in a HEAD and a TAIL copy.
+
+Coverage (ours, ``coverage_window > 0``; docs/spec.md §17): :class:`CoverageState` adds, per
+group, the per-slot KV digest of every layer's K and V (:mod:`kvcanary_jax.runtime.coverage`) and
+the per-slot step counters the coverage report is measured from.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from kvcanary_jax.plans import VerifyPlan, WritePlan
 __all__ = [
     "CanaryConfig",
     "CanaryState",
+    "CoverageState",
+    "SlotCoverage",
     "ForwardBatch",
     "init_state",
     "check_state",
@@ -34,6 +40,8 @@ __all__ = [
 ]
 
 _HASH_MODES = tuple(m.name.lower() for m in consts.RealKvHashMode)
+_OPTIONAL_SIZES = ("verify_capacity", "write_req_capacity", "sweep_rows", "num_layers",
+                   "swa_num_layers")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,6 +57,12 @@ class CanaryConfig:
     ``real_kv_hash_mode``: ``"none"``, ``"partial"`` or ``"all"``. ``implementation``: what every
     op of the step runs (``"xla"``, ``"pallas_triton"``, ...; default: the platform's, see
     :mod:`kvcanary_jax.ops._registry`).
+
+    Coverage (ours): ``coverage_window`` N >= 1 digests every layer's K and V of each slot a step
+    writes and verifies, at step T's TAIL, the read slots with ``slot % N == T % N`` (0: off,
+    SGLang's behaviour). ``num_layers``: the KV layers of each group (the FULL group's; the SWA
+    group's is ``swa_num_layers``, default the same), required with a window: a step whose KV
+    holds another count of layers is refused, so no layer goes unverified unnoticed.
     """
 
     max_reqs: int
@@ -68,15 +82,19 @@ class CanaryConfig:
     enable_write_input_assert: bool = True
     kv_token_id_vs_position_offset: int = 0
     implementation: str | None = None
+    coverage_window: int = 0
+    num_layers: int | None = None
+    swa_num_layers: int | None = None
 
     def __post_init__(self):
         # Our rule, first: sizes are integers (4.5 or True was taken and failed, or was
         # truncated, far from here; "16" failed with an unrelated comparison TypeError).
         for field in ("max_reqs", "context_len", "num_slots", "max_bs", "max_tokens",
                       "verify_capacity", "write_req_capacity", "sweep_rows", "ring_capacity",
-                      "swa_window_size", "swa_num_slots", "kv_token_id_vs_position_offset"):
+                      "swa_window_size", "swa_num_slots", "kv_token_id_vs_position_offset",
+                      "coverage_window", "num_layers", "swa_num_layers"):
             value = getattr(self, field)
-            if value is None and field in ("verify_capacity", "write_req_capacity", "sweep_rows"):
+            if value is None and field in _OPTIONAL_SIZES:
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise TypeError(f"kv-canary runtime: CanaryConfig.{field} must be an int, got "
@@ -110,6 +128,25 @@ class CanaryConfig:
         if self.implementation is not None and self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"kv-canary runtime: unknown implementation {self.implementation!r};"
                              f" known: {', '.join(IMPLEMENTATIONS)}")
+        self._check_coverage()
+
+    def _check_coverage(self):
+        if self.coverage_window < 0:
+            raise ValueError("kv-canary runtime: coverage_window must be >= 0 (0: off), got "
+                             f"{self.coverage_window}")
+        for field in ("num_layers", "swa_num_layers"):
+            value = getattr(self, field)
+            if value is not None and value < 1:
+                raise ValueError(f"kv-canary runtime: {field} must be >= 1 (the KV layers of a "
+                                 f"group), got {value}")
+        if self.swa_num_layers is not None and self.swa_window_size == 0:
+            raise ValueError("kv-canary runtime: swa_num_layers is the SWA group's layer count, "
+                             "but there is no SWA group (swa_window_size 0)")
+        if self.coverage_window > 0 and self.num_layers is None:
+            raise ValueError(
+                f"kv-canary runtime: coverage_window {self.coverage_window} digests every layer "
+                "of the KV: set num_layers (the KV layers of each group), so that a step whose "
+                "KV misses a layer is refused instead of leaving that layer unverified")
 
     @property
     def groups(self) -> tuple[str, ...]:
@@ -143,10 +180,63 @@ class CanaryConfig:
     def window(self, group: str) -> int:
         return self.swa_window_size if group == "SWA" else 0
 
+    def layers(self, group: str) -> int | None:
+        """The KV layers of ``group`` (``None``: not stated)."""
+        if group == "SWA" and self.swa_num_layers is not None:
+            return self.swa_num_layers
+        return self.num_layers
+
 
 def tag(copy: str, half: str, group: str) -> consts.CanaryLaunchTag:
     """The launch tag of ``{HEAD|TAIL|SWEEP}_{K|V}_{FULL|SWA}``."""
     return consts.CanaryLaunchTag[f"{copy}_{half}_{group}"]
+
+
+# The per-slot step counters of :class:`SlotCoverage` (int32, -1: never).
+SLOT_STEPS = ("written_at", "read_from", "read_at", "checked_at", "swept_at")
+# Its launch counters (int64 [1]): the digest launches, apart from SGLang's per-tag counters.
+DIGEST_RUNS = ("tail_slot_runs", "tail_kernel_runs", "sweep_slot_runs", "sweep_kernel_runs")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SlotCoverage:
+    """The coverage state of one buffer group (docs/spec.md §17).
+
+    ``digest``: int64 ``[slots]``, each slot's KV digest (every layer's K and V) as its last
+    write left it. Steps are numbered from 1 (TAILs run under this state); per slot, int32
+    ``[slots]``, -1 for never: ``written_at`` the step whose TAIL stamped its digest (a slot
+    never stamped has no digest to check, and is not checked), ``read_from`` / ``read_at`` the
+    first and last step of its current run of consecutive TAIL reads, ``checked_at`` the step
+    of its last digest check (a TAIL's or a sweep's), ``swept_at`` the step of the last sweep
+    that walked it. ``digest_bytes``: int64 ``[1]``, the KV bytes a digest covers per slot.
+    ``tail_slot_runs`` ... ``sweep_kernel_runs``: int64 ``[1]``, slots checked and launches of the
+    TAIL and SWEEP digest checks.
+    """
+
+    digest: jax.Array
+    written_at: jax.Array
+    read_from: jax.Array
+    read_at: jax.Array
+    checked_at: jax.Array
+    swept_at: jax.Array
+    digest_bytes: jax.Array
+    tail_slot_runs: jax.Array
+    tail_kernel_runs: jax.Array
+    sweep_slot_runs: jax.Array
+    sweep_kernel_runs: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CoverageState:
+    """``groups``: a :class:`SlotCoverage` per buffer group; ``step``: int32 ``[1]``, the TAILs
+    run so far (step T's TAIL checks the slots with ``slot % window == T % window``);
+    ``last_sweep``: int32 ``[1]``, the step of the last sweep (-1: none yet)."""
+
+    groups: dict
+    step: jax.Array
+    last_sweep: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -164,6 +254,7 @@ class CanaryState:
     tag (0 for tags never launched); a leading shard axis is kept.
     ``expected_tokens``: int32 ``[max_reqs, context_len]`` expected-token pool and
     ``expected_valid_lens`` int64 ``[max_reqs]`` (tokens known per row).
+    ``coverage``: the :class:`CoverageState` of ``coverage_window > 0`` (``None`` when off).
     """
 
     bufs: dict
@@ -175,6 +266,7 @@ class CanaryState:
     expected_tokens: jax.Array
     expected_valid_lens: jax.Array
     enable_chain_position_assert: jax.Array
+    coverage: CoverageState | None = None
 
     @property
     def slot_run_counters(self) -> jax.Array:
@@ -231,7 +323,19 @@ def init_state(cfg: CanaryConfig, *, chain_position_assert: bool = True,
         expected_tokens=put(jnp.zeros((cfg.max_reqs, cfg.context_len), jnp.int32)),
         expected_valid_lens=put(jnp.zeros((cfg.max_reqs,), jnp.int64)),
         enable_chain_position_assert=put(jnp.full((1,), int(chain_position_assert), jnp.int32)),
+        coverage=_init_coverage(cfg, put) if cfg.coverage_window else None,
     )
+
+
+def _init_coverage(cfg: CanaryConfig, put) -> CoverageState:
+    def group(slots):
+        never = {f: put(jnp.full((slots,), -1, jnp.int32)) for f in SLOT_STEPS}
+        zero = {f: put(jnp.zeros((1,), jnp.int64)) for f in DIGEST_RUNS + ("digest_bytes",)}
+        return SlotCoverage(digest=put(jnp.zeros((slots,), jnp.int64)), **never, **zero)
+
+    return CoverageState(groups={g: group(cfg.group_slots(g)) for g in cfg.groups},
+                         step=put(jnp.zeros((1,), jnp.int32)),
+                         last_sweep=put(jnp.full((1,), -1, jnp.int32)))
 
 
 def _layout(cfg: CanaryConfig) -> dict:
@@ -265,6 +369,18 @@ def _layout(cfg: CanaryConfig) -> dict:
                               f"max_reqs={cfg.max_reqs}, context_len={cfg.context_len}")
     out["expected_valid_lens"] = ((cfg.max_reqs,), "int64", f"max_reqs={cfg.max_reqs}")
     out["enable_chain_position_assert"] = ((1,), "int32", "one element")
+    if cfg.coverage_window:
+        for group in cfg.groups:
+            slots = "num_slots" if group == "FULL" else "swa_num_slots"
+            why = f"{slots}={cfg.group_slots(group)}, coverage_window={cfg.coverage_window}"
+            at = f"coverage.groups[{group}]"
+            out[f"{at}.digest"] = ((cfg.group_slots(group),), "int64", why)
+            for f in SLOT_STEPS:
+                out[f"{at}.{f}"] = ((cfg.group_slots(group),), "int32", why)
+            for f in DIGEST_RUNS + ("digest_bytes",):
+                out[f"{at}.{f}"] = ((1,), "int64", "one element")
+        out["coverage.step"] = ((1,), "int32", "one element")
+        out["coverage.last_sweep"] = ((1,), "int32", "one element")
     return out
 
 
@@ -283,6 +399,13 @@ def _buffers(state: CanaryState) -> dict:
     for name in ("violation_ring", "violation_write_index", "expected_tokens",
                  "expected_valid_lens", "enable_chain_position_assert"):
         out[name] = getattr(state, name)
+    cov = state.coverage
+    if cov is not None:
+        for group, sc in cov.groups.items():
+            for f in dataclasses.fields(sc):
+                out[f"coverage.groups[{group}].{f.name}"] = getattr(sc, f.name)
+        out["coverage.step"] = cov.step
+        out["coverage.last_sweep"] = cov.last_sweep
     return out
 
 
@@ -300,8 +423,8 @@ def check_state(cfg: CanaryConfig, state: CanaryState) -> None:
             "kv-canary runtime: the state does not fit its config: "
             + "; ".join(filter(None, (missing and f"missing {', '.join(missing)}",
                                       extra and f"unexpected {', '.join(extra)}")))
-            + " (groups and halves come from swa_window_size and enable_v_half); build it "
-            "with init_state(cfg)")
+            + " (groups and halves come from swa_window_size and enable_v_half, the coverage "
+            "buffers from coverage_window); build it with init_state(cfg)")
     for path, (shape, dtype, why) in want.items():
         arr = have[path]
         got_shape, got_dtype = tuple(arr.shape), jnp.dtype(arr.dtype).name

@@ -9,6 +9,12 @@
   buffers, now fingerprinting the real KV bytes of every verified and written slot.
 * **SWEEP** (every few steps, outside the forward): verify every cached prefix (radix-cache rows or
   live rows) against the TAIL buffers with the token check off.
+* **coverage** (ours, ``cfg.coverage_window > 0``; :mod:`kvcanary_jax.runtime.coverage`): TAIL
+  also stamps the KV digest (every layer's K and V) of the slots the step wrote and checks it
+  for a rotating share of the slots it read; the sweep checks it for every slot it walks.
+
+The KV a step takes (``kv``) is described in :mod:`kvcanary_jax.runtime.kv`: SGLang's real-KV
+sources per half, or every layer of each group (SGLang's fingerprint then reads layer 0).
 
 The jitted entry points donate the state, so XLA updates the canary buffers, ring and counters in
 place. Every op runs ``cfg.implementation`` (see :class:`~kvcanary_jax.runtime.state.CanaryConfig`).
@@ -24,12 +30,14 @@ import jax
 import jax.numpy as jnp
 
 from kvcanary_jax import _config, consts
-from kvcanary_jax.context import RealKvSource, VerifyOrWriteContext
+from kvcanary_jax.context import VerifyOrWriteContext
 from kvcanary_jax.ops.plan import canary_plan
 from kvcanary_jax.ops.scatter import scatter_req_token_ids
 from kvcanary_jax.ops.verify import canary_verify
 from kvcanary_jax.ops.write import canary_write
 from kvcanary_jax.plans import VerifyPlan, WritePlan
+from kvcanary_jax.runtime import coverage
+from kvcanary_jax.runtime.kv import as_kv_dict, kv_sources, translate
 from kvcanary_jax.runtime.state import CanaryConfig, CanaryState, ForwardBatch, check_state, tag
 
 __all__ = [
@@ -44,31 +52,6 @@ __all__ = [
     "make_canary_step",
     "canary_sweep",
 ]
-
-
-def kv_sources(kv: Sequence[jax.Array] | None, *, read_bytes: int | None = None):
-    """Real-KV sources over 2-D KV arrays ``[slots, width]`` of any dtype (bf16 in the demo), as
-    they are: one slot per row (its bytes folded), page size 1. A :class:`~kvcanary_jax.RealKvSource` in the
-    list is taken as it is (a strip of a fused or paged buffer, addressed by the caller)."""
-    if not kv:
-        return ()
-    out = []
-    for arr in kv:
-        if isinstance(arr, RealKvSource):
-            out.append(arr)
-            continue
-        # The array as it is (a source may be of any dtype; the fingerprint reads its bytes):
-        # a bitcast to uint8 would be a real op on a TPU, whose layout for the [slots, width, 2]
-        # bytes of a bf16 array pads the 2 to 128 lanes (16 GiB for a 256 MiB KV layer).
-        b = arr.reshape(arr.shape[0], -1)
-        nbytes = int(b.shape[1]) * b.dtype.itemsize
-        out.append(
-            RealKvSource(
-                tensor=b, page_size=1, num_bytes_per_token=nbytes,
-                read_bytes=nbytes if read_bytes is None else read_bytes,
-            )
-        )
-    return tuple(out)
 
 
 def _context(cfg, state, buf_key, t, sources):
@@ -99,17 +82,9 @@ def _absorb(state, ctx, buf_key, t):
     )
 
 
-def _translate(group, loc, lut):
-    """Full-pool slots -> the group's canary slots (negative = skip, passes through)."""
-    if group == "FULL":
-        return loc
-    safe = jnp.clip(loc, 0, lut.shape[0] - 1)
-    return jnp.where(loc < 0, loc, lut[safe])
-
-
 def _verify_then_write(cfg, state, batch, group, copy, sources_by_half, lut):
     vplan, wplan = state.plans[group]
-    loc = _translate(group, batch.out_cache_loc, lut)
+    loc = translate(group, batch.out_cache_loc, lut)
     for half in cfg.halves:
         key, t = f"{copy}_{half}_{group}", tag(copy, half, group)
         srcs = sources_by_half.get(half, ())
@@ -191,28 +166,19 @@ def head(cfg: CanaryConfig, state: CanaryState, batch: ForwardBatch, req_to_toke
     return state
 
 
-def as_kv_dict(cfg, kv):
-    """Accept ``{"FULL": {"K": [arrays], "V": [arrays]}, ...}`` or ``{"FULL": ([K], [V])}``."""
-    out = {}
-    for g in cfg.groups:
-        entry = kv[g]
-        if isinstance(entry, Mapping):
-            out[g] = {h: tuple(entry[h]) for h in cfg.halves}
-        else:
-            out[g] = {h: tuple(entry[i]) for i, h in enumerate(("K", "V")) if h in cfg.halves}
-    return out
-
-
 def tail(cfg: CanaryConfig, state: CanaryState, batch: ForwardBatch, lut: jax.Array,
          kv) -> CanaryState:
     """The TAIL half of a step, traceable: TAIL verify + write with the plans HEAD built,
-    fingerprinting ``kv``. Raises ValueError (while tracing) for a state that does not fit
-    ``cfg``."""
+    fingerprinting ``kv`` (:mod:`kvcanary_jax.runtime.kv`), then the coverage digest (with
+    ``cfg.coverage_window``). Raises ValueError (while tracing) for a state that does not fit
+    ``cfg``, or a KV that does not fit it."""
     check_state(cfg, state)
-    kv = as_kv_dict(cfg, kv)
+    halves = as_kv_dict(cfg, kv)
     for group in cfg.groups:
-        srcs = {h: kv_sources(kv[group][h]) for h in cfg.halves}
+        srcs = {h: kv_sources(halves[group][h]) for h in cfg.halves}
         state = _verify_then_write(cfg, state, batch, group, "TAIL", srcs, lut)
+    if cfg.coverage_window:
+        state = coverage.at_tail(cfg, state, batch, lut, kv)
     return state
 
 
@@ -230,9 +196,10 @@ def step_fn(cfg: CanaryConfig, forward: Callable):
 
 def _sweep(cfg, state, rows_table, row_indices, lengths, lut, kv):
     check_state(cfg, state)
-    kv = as_kv_dict(cfg, kv)
+    halves = as_kv_dict(cfg, kv)
     n = row_indices.shape[0]
     cap = max(1, n * rows_table.shape[1])
+    plans = {}
     for group in cfg.groups:
         # SGLang's sweep plans hold max(1, n) rows; with no row the plan is an empty batch.
         vplan, _ = canary_plan(
@@ -250,16 +217,19 @@ def _sweep(cfg, state, rows_table, row_indices, lengths, lut, kv):
             kv_token_id_vs_position_offset=0,
             implementation=cfg.implementation,
         )
+        plans[group] = vplan
         for half in cfg.halves:
             t = tag("SWEEP", half, group)
             key = f"TAIL_{half}_{group}"  # SWEEP endpoints read the TAIL buffers
             ctx = canary_verify(
-                context=_context(cfg, state, key, t, kv_sources(kv[group][half])),
+                context=_context(cfg, state, key, t, kv_sources(halves[group][half])),
                 plan=vplan,
                 check_verify_expected_token=False,
                 implementation=cfg.implementation,
             )
             state = _absorb(state, ctx, key, t)
+    if cfg.coverage_window:
+        state = coverage.at_sweep(cfg, state, plans, kv)
     return state
 
 
@@ -300,7 +270,9 @@ def canary_step_head(cfg: CanaryConfig, state: CanaryState, batch: ForwardBatch,
 def canary_step_tail(cfg: CanaryConfig, state: CanaryState, batch: ForwardBatch, *, kv,
                      lut: jax.Array | None = None) -> CanaryState:
     """After the model forward: TAIL verify + write with the plans HEAD built, fingerprinting
-    ``kv`` (``{"FULL": {"K": [arrays], "V": [arrays]}, "SWA": ...}``, rows = the group's slots)."""
+    ``kv`` (``{"FULL": {"K": [arrays], "V": [arrays]}, "SWA": ...}``, rows = the group's slots;
+    or every layer, ``{"FULL": {"layers": {"K": [...], "V": [...]}}}``: see
+    :mod:`kvcanary_jax.runtime.kv`), then the coverage digest."""
     return _tail_jit(state, batch, _lut_or_dummy(lut), kv, cfg=cfg)
 
 
@@ -330,7 +302,8 @@ def make_canary_step(cfg: CanaryConfig, forward: Callable, *, implementation: st
 def canary_sweep(cfg: CanaryConfig, state: CanaryState, *, rows_table: jax.Array,
                  row_indices: jax.Array, lengths: jax.Array, kv,
                  lut: jax.Array | None = None) -> CanaryState:
-    """Verify every listed prefix against the TAIL buffers (SWEEP tags, token check off).
+    """Verify every listed prefix against the TAIL buffers (SWEEP tags, token check off), and
+    (with ``cfg.coverage_window``) the KV digest of every slot of those prefixes.
 
     ``rows_table`` is an int32 slot table shaped like ``req_to_token`` (the live pool itself, or
     rows built from a radix-cache walk); ``row_indices`` int64 ``[n]`` selects rows (0 = unused

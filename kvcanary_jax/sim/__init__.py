@@ -10,8 +10,26 @@ from kvcanary_jax.sim.campaign import (
     run_clean,
     run_trial,
 )
-from kvcanary_jax.sim.faults import FAULT_KINDS, FAULTS, Fault, disarm, fault, hooks_armed, inject
-from kvcanary_jax.sim.server import CacheEntry, Request, Server, SimConfig, StepInfo, make_forward
+from kvcanary_jax.sim.faults import (
+    FAULT_KINDS,
+    FAULTS,
+    Fault,
+    disarm,
+    fault,
+    flip_kv_bit,
+    hooks_armed,
+    inject,
+)
+from kvcanary_jax.sim.server import (
+    HALVES,
+    CacheEntry,
+    Request,
+    Server,
+    SimConfig,
+    StepInfo,
+    kv_salt,
+    make_forward,
+)
 
 __all__ = [
     "SimConfig",
@@ -20,11 +38,14 @@ __all__ = [
     "CacheEntry",
     "StepInfo",
     "make_forward",
+    "kv_salt",
+    "HALVES",
     "Fault",
     "FAULTS",
     "FAULT_KINDS",
     "fault",
     "inject",
+    "flip_kv_bit",
     "hooks_armed",
     "disarm",
     "FaultReport",

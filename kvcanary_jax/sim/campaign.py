@@ -68,13 +68,19 @@ class CampaignResult:
     campaign_seconds: float
     counters: dict
     interrupted: bool = False
+    coverage: rt.CoverageStats | None = None  # the clean run's, at its end (window 0: None)
 
     def as_dict(self):
         s = sorted(self.step_seconds[1:]) or [0.0]
+        cov = self.coverage
         return {
             "steps": self.steps,
             "interrupted": self.interrupted,
             "false_positives": self.false_positives,
+            "coverage": None if cov is None else {
+                "window": cov.window, "sweep_interval": cov.sweep_interval, "share": cov.share,
+                "live_bytes": cov.live_bytes, "verified_bytes": cov.verified_bytes,
+                "read_bytes": cov.read_bytes},
             "faults": [f.as_dict() for f in self.faults],
             "timing": {
                 "first_step_s": round(self.first_step_seconds, 4),
@@ -214,6 +220,7 @@ def run_campaign(sim: SimConfig, *, faults=None, injections: int = 2, window: in
         clean_count = rt.violation_count(server.state)
         clean_viol = rt.read_violations(server.state)
         counters = rt.read_counters(server.state)
+        clean_coverage = server.coverage()
         t_campaign = time.perf_counter()
         reports = []
         steps_order = sorted(ckpts)
@@ -252,4 +259,5 @@ def run_campaign(sim: SimConfig, *, faults=None, injections: int = 2, window: in
         campaign_seconds=time.perf_counter() - t_campaign,
         counters=counters,
         interrupted=len(infos) < sim.steps or stopped(),
+        coverage=clean_coverage,
     )

@@ -1,5 +1,6 @@
-"""Fault injectors for the simulated server: SGLang's perturbers (``sglang.srt.kv_canary.perturb``)
-and two canary-level faults, as a registry.
+"""Fault injectors for the simulated server: SGLang's perturbers (``sglang.srt.kv_canary.perturb``),
+two canary-level faults and two of ours that flip one bit of a random layer's K or V (caught by
+the coverage digest, ``coverage_window``; SGLang's check reads layer 0 only), as a registry.
 
 Each fault is a :class:`Fault`: the server hook it arms for one step and a placement function
 ``place(server, pick, rng, *hook_args)`` that corrupts something and returns the fields that
@@ -19,7 +20,8 @@ import numpy as np
 
 from kvcanary_jax.sim.server import Server
 
-__all__ = ["Fault", "FAULTS", "FAULT_KINDS", "WAIT", "fault", "inject", "hooks_armed", "disarm"]
+__all__ = ["Fault", "FAULTS", "FAULT_KINDS", "WAIT", "fault", "inject", "hooks_armed", "disarm",
+           "flip_kv_bit"]
 
 _HOOKS = ("pre_step_hook", "post_sample_hook", "post_step_hook", "admit_hook")
 
@@ -89,14 +91,48 @@ def disarm(server: Server) -> None:
 # Helpers
 
 
-def _flip_kv_byte(server: Server, group: str, slot: int):
-    arr = server.kv[group]["K"][0]
+def _xor_kv(server: Server, group: str, slot: int, layer: int, half: str, element: int,
+            mask: int):
+    layers = server.kv[group]["layers"]
+    arr = layers[half][layer]
     u16 = jax.lax.bitcast_convert_type(arr, jnp.uint16)
-    u16 = u16.at[slot, 0].set(u16[slot, 0] ^ jnp.uint16(0x00FF))  # first byte (little-endian)
-    kv = dict(server.kv)
-    kv[group] = dict(kv[group])
-    kv[group]["K"] = (jax.lax.bitcast_convert_type(u16, jnp.bfloat16),) + kv[group]["K"][1:]
-    server.kv = kv
+    u16 = u16.at[slot, element].set(u16[slot, element] ^ jnp.uint16(mask))
+    arrays = list(layers[half])
+    arrays[layer] = jax.lax.bitcast_convert_type(u16, arr.dtype)
+    server.kv = {**server.kv, group: {**server.kv[group],
+                                      "layers": {**layers, half: tuple(arrays)}}}
+
+
+def _flip_kv_byte(server: Server, group: str, slot: int):
+    """Flip the bits of the first byte of ``slot``'s layer-0 K (the bytes SGLang's check reads)."""
+    _xor_kv(server, group, slot, 0, "K", 0, 0x00FF)  # the first byte (little-endian)
+
+
+def flip_kv_bit(server: Server, group: str, slot: int, layer: int, half: str, byte: int,
+                bit: int) -> None:
+    """Flip bit ``bit`` of byte ``byte`` of ``slot``'s KV in ``layer``'s ``half`` (``"K"`` or
+    ``"V"``) of ``group`` (bf16 elements, little-endian: byte ``b`` is in element ``b // 2``).
+    Flipping it again restores it."""
+    _xor_kv(server, group, slot, layer, half, byte // 2, 1 << (8 * (byte % 2) + bit))
+
+
+def _random_bit(server: Server, rng) -> dict:
+    """A random layer, half, byte and bit of a slot's KV."""
+    return dict(layer=int(rng.integers(server.sim.num_layers)),
+                half=("K", "V")[int(rng.integers(2))],
+                byte=int(rng.integers(2 * server.sim.kv_width)), bit=int(rng.integers(8)))
+
+
+def _group_slot(server: Server, group: str, slot: int) -> int:
+    """``slot``'s canary slot in ``group`` (the SWA group's through the LUT; 0: none)."""
+    return slot if group == "FULL" else int(server.lut[slot])
+
+
+def _in_window(server: Server, group: str, j: int, length: int, ahead: int = 0) -> bool:
+    """Whether position ``j`` of a prefix of ``length`` tokens is verified in ``group`` now and
+    while the prefix grows by ``ahead`` tokens (the SWA group's plans verify the last
+    ``swa_window_size`` positions only: a position that leaves the window is read no more)."""
+    return group == "FULL" or j >= length + ahead - server.sim.swa_window_size
 
 
 def _prefix_targets(server: Server, sched):
@@ -181,6 +217,50 @@ def _real_kv_unused_cache(srv, pick, rng, sched):
         return None
     _flip_kv_byte(srv, "FULL", slot)
     return dict(slot=slot)
+
+
+@fault("layer_flip_used", "flip one bit of a random byte of a random layer, K or V, of a slot in "
+       "a running request's prefix (TAIL digest, within the coverage window)", "pre_step_hook")
+def _layer_flip_used(srv, pick, rng, sched):
+    group = pick(list(srv.cfg.groups))
+    # Read by this step and the window's worth after it (the prefix grows by this step's new
+    # tokens, then by one a step): an SWA position must stay in the window that long.
+    new = {req.rid: len(slots) for req, slots in sched}
+    ahead = max(srv.sim.coverage_window, 1) - 1
+    targets = [(req, j) for req, j in _prefix_targets(srv, sched)
+               if _in_window(srv, group, j, len(req.slots), new[req.rid] + ahead - 1)
+               and _group_slot(srv, group, req.slots[j]) > 0]
+    t = pick(targets)
+    if t is None:
+        return None
+    req, j = t
+    slot = _group_slot(srv, group, req.slots[j])
+    where = _random_bit(srv, rng)
+    flip_kv_bit(srv, group, slot, **where)
+    return dict(group=group, slot=slot, position=j, **where)
+
+
+@fault("layer_flip_cached", "flip one bit of a random byte of a random layer, K or V, of a cached "
+       "slot no running request uses (SWEEP digest)", "post_step_hook")
+def _layer_flip_cached(srv, pick, rng, sched):
+    # As real_kv_unused_cache: on a sweep step, in the most recently used entry (a slot evicted
+    # and rewritten before the sweep looks at it would no longer be corrupt).
+    if srv.sim.sweep_interval <= 0 or (srv.step_idx + 1) % srv.sim.sweep_interval:
+        return WAIT
+    recent = max(srv.cache, key=lambda e: e.last_used) if srv.cache else None
+    if recent is None:
+        return None
+    group = pick(list(srv.cfg.groups))
+    unused = set(srv.cached_unused_slots())
+    n = len(recent.slots)
+    j = pick([j for j, s in enumerate(recent.slots) if s in unused
+              and _in_window(srv, group, j, n) and _group_slot(srv, group, s) > 0])
+    if j is None:
+        return None
+    slot = _group_slot(srv, group, recent.slots[j])
+    where = _random_bit(srv, rng)
+    flip_kv_bit(srv, group, slot, **where)
+    return dict(group=group, slot=slot, position=j, **where)
 
 
 @fault("req_to_token", "point a running request's req_to_token entry at another live slot "

@@ -8,9 +8,12 @@ tokens in the cache; the cache is evicted LRU when slots run out, so slots are r
 ``swa_window_size > 0`` a second (SWA) buffer group is addressed through a full->SWA LUT.
 
 Tokens come from a deterministic oracle ``token(rid, position)`` (SGLang's token-oracle sampler),
-which also supplies the write op's expected inputs. The "model forward" (:func:`make_forward`)
-writes KV bytes derived from (token, position) into bf16 K/V arrays between the HEAD and TAIL
-canary launches.
+which also supplies the write op's expected inputs. The "model" has ``num_layers`` attention
+layers, each with a K and a V array per buffer group; its forward (:func:`make_forward`) writes
+KV bytes derived from (token, position, layer, half) into every layer's bf16 K and V arrays
+between the HEAD and TAIL canary launches. The KV is handed to the canary as every layer of each
+group (``{group: {"layers": {"K": [...], "V": [...]}}}``, :mod:`kvcanary_jax.runtime.kv`):
+SGLang's real-KV fingerprint reads layer 0, the coverage digest (``coverage_window``) every layer.
 
 Fault hooks (``pre_step_hook``, ``post_sample_hook``, ``post_step_hook``, ``admit_hook``) are
 one-shot callables the fault injectors of :mod:`kvcanary_jax.sim.faults` arm for a step.
@@ -30,7 +33,8 @@ import numpy as np
 from kvcanary_jax import _config, hashing
 from kvcanary_jax import runtime as rt
 
-__all__ = ["SimConfig", "Request", "CacheEntry", "StepInfo", "Server", "make_forward"]
+__all__ = ["SimConfig", "Request", "CacheEntry", "StepInfo", "Server", "make_forward", "kv_salt",
+           "HALVES"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,7 +50,10 @@ class SimConfig:
     max_tokens: int = 32
     chunk_size: int = 12
     vocab: int = 32000
-    kv_width: int = 32  # bf16 elements per slot and K/V half (64 bytes)
+    kv_width: int = 32  # bf16 elements per slot, layer and K/V half (64 bytes)
+    num_layers: int = 4
+    # Ours: the coverage digest's window (0: off, SGLang's real-KV check of layer 0 only).
+    coverage_window: int = 0
     swa_window_size: int = 8
     enable_v_half: bool = False
     sweep_interval: int = 4
@@ -64,6 +71,8 @@ class SimConfig:
     def __post_init__(self):
         if self.steps < 0:
             raise ValueError(f"steps must be >= 0, got {self.steps}")
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
         if self.kv_canary is not None:
             self.manager_config()  # every bad setting refused here, before a server is built
 
@@ -78,7 +87,8 @@ class SimConfig:
             mode=self.kv_canary, real_data=self.real_kv_hash_mode,
             sweep_interval=self.sweep_interval, ring_capacity=self.ring_capacity,
             enable_verify_token_assert=True, enable_write_input_assert=True,
-            stats_print_every_n_steps=0, draft_worker=self.kv_token_id_vs_position_offset == 1)
+            stats_print_every_n_steps=0, draft_worker=self.kv_token_id_vs_position_offset == 1,
+            coverage_window=self.coverage_window)
 
     def canary_config(self) -> rt.CanaryConfig:
         return rt.CanaryConfig(
@@ -95,6 +105,8 @@ class SimConfig:
             real_kv_hash_mode=self.real_kv_hash_mode,
             kv_token_id_vs_position_offset=self.kv_token_id_vs_position_offset,
             implementation=self.implementation,
+            coverage_window=self.coverage_window,
+            num_layers=self.num_layers,
         )
 
 
@@ -133,15 +145,27 @@ class StepInfo:
     swept: bool
 
 
+HALVES = ("K", "V")
+
+
 def _kv_values(ids, pos, width, salt):
     lane = jnp.arange(width, dtype=jnp.int64)[None, :]
     v = (ids[:, None] * 131 + pos[:, None] * 17 + lane * 3 + salt) % 251 - 125
     return v.astype(jnp.bfloat16)
 
 
+def kv_salt(layer: int, half: str) -> int:
+    """What sets one layer's and half's values apart (layer 0's K and V keep the values of the
+    one-layer model this simulator had)."""
+    return 7 + 101 * HALVES.index(half) + 1009 * layer
+
+
 def make_forward(cfg: rt.CanaryConfig, width: int):
-    """The "model": writes each token's K/V bytes (derived from token and position) into its slot
-    of every group's KV arrays; padding tokens (slot -1) go nowhere."""
+    """The "model": writes each token's K and V bytes (derived from token, position, layer and
+    half) into its slot of every layer of every group; padding tokens (slot -1) go nowhere. It
+    takes the KV as the server holds it (every layer, ``{group: {"layers": {"K": ..., "V":
+    ...}}}``) or in SGLang's per-half form (``{group: {half: (arrays,)}}``, each array written as
+    that half's layer 0)."""
 
     def forward(kv, batch, req_to_token, lut):
         loc = batch.out_cache_loc
@@ -151,10 +175,18 @@ def make_forward(cfg: rt.CanaryConfig, width: int):
                 dst = jnp.where(loc < 0, cfg.num_slots, loc)
             else:
                 dst = jnp.where(loc < 0, cfg.swa_num_slots, lut[jnp.clip(loc, 0, lut.shape[0] - 1)])
-            out[group] = {}
-            for i, half in enumerate(cfg.halves):
-                vals = _kv_values(batch.input_ids, batch.positions, width, 7 + 101 * i)
-                out[group][half] = tuple(a.at[dst].set(vals, mode="drop") for a in kv[group][half])
+
+            def write(arrays, half, layered):
+                return tuple(
+                    a.at[dst].set(_kv_values(batch.input_ids, batch.positions, width,
+                                             kv_salt(layer if layered else 0, half)), mode="drop")
+                    for layer, a in enumerate(arrays))
+
+            entry = kv[group]
+            if "layers" in entry:
+                out[group] = {"layers": {h: write(entry["layers"][h], h, True) for h in HALVES}}
+            else:
+                out[group] = {h: write(entry[h], h, False) for h in entry}
         return out
 
     return forward
@@ -194,8 +226,9 @@ class Server:
             self.state = rt.init_state(self.cfg)
         with _config.x64_scope():
             self.kv = {
-                g: {h: (jnp.zeros((self.cfg.group_slots(g), sim.kv_width), jnp.bfloat16),)
-                    for h in self.cfg.halves}
+                g: {"layers": {h: tuple(jnp.zeros((self.cfg.group_slots(g), sim.kv_width),
+                                                  jnp.bfloat16) for _ in range(sim.num_layers))
+                               for h in HALVES}}
                 for g in self.cfg.groups
             }
         if self.manager is None:
@@ -398,6 +431,12 @@ class Server:
                         num_tokens=sum(len(s) for _, s in sched), violations=n_viol, swept=swept)
         self.step_idx += 1
         return info
+
+    def coverage(self) -> rt.CoverageStats | None:
+        """The coverage report now (``None`` with ``coverage_window`` 0)."""
+        if self.manager is not None:
+            return self.manager.coverage()
+        return rt.coverage_stats(self.cfg, self.state, sweep_interval=self.sim.sweep_interval)
 
     @property
     def state(self):

@@ -1,0 +1,244 @@
+"""Coverage (ours, not SGLang's; docs/spec.md §17): every byte of every layer's K and V of every
+live slot verified within a stated window of steps, at a share of the read traffic per step.
+
+SGLang's real-KV fingerprint (``none`` / ``partial`` / ``all``) reads layer 0 only; it is left as it
+is. With ``CanaryConfig.coverage_window`` N >= 1, each buffer group also keeps a per-slot KV digest
+(:func:`kvcanary_jax.digest_write` / :func:`kvcanary_jax.digest_verify`, docs/spec.md §16) over
+every layer of the group's KV (:func:`kvcanary_jax.runtime.kv.digest_sources`):
+
+* **TAIL of step T** (steps numbered from 1, after the forward wrote the KV): stamp the digest of
+  every slot the step wrote (``out_cache_loc``, SWA slots through the LUT), then check the digest
+  of the TAIL verify plan's slots with ``slot % N == T % N``. A slot read by N consecutive steps
+  is checked in one of them.
+* **the sweep** (after a step): check the digest of every slot its plan walks (the cached
+  prefixes), whatever the phase.
+* **never-stamped slots are not checked**: a slot whose digest was never stamped under this
+  state (warm-up or capture batches that read slots no guarded forward wrote, a state built over
+  a pool that already held KV) has nothing to be checked against; it is left out of the launch
+  (its slot passed as -1) instead of reported against a digest of 0. It counts as live and
+  unverified in the report below, so the gap shows.
+* **the report** (:func:`counts`, on the device; :class:`CoverageStats` on the host): per slot,
+  the step counters of :class:`~kvcanary_jax.runtime.state.SlotCoverage`. The guarantee is due
+  for the slots *read in each of the last N steps* (a read run of N steps) and the slots *the
+  last sweep walked*; these are the live slots, and a live slot is verified when its digest was
+  checked in the last N steps (a read run) or at or after the last sweep (a walked slot). The
+  share is over KV bytes (each slot counts its group's digest bytes), and is exactly 1 when the
+  guarantee held; ``read`` bytes (slots read at least once in the last N steps) are given beside
+  it. Computing it reads every counter of the pool once: the manager does it only for its stats
+  line (``stats_print_every_n_steps``) and on request.
+
+Digest mismatches are ring rows with reason ``KV_DIGEST_MISMATCH`` (1 << 17) under the group's
+``TAIL_K`` or ``SWEEP_K`` launch tag (the digest covers both halves of every layer); the digest
+launches count in :class:`~kvcanary_jax.runtime.state.SlotCoverage`'s own counters, so SGLang's
+per-tag counters keep their meaning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from kvcanary_jax import _config
+from kvcanary_jax.context import DigestContext
+from kvcanary_jax.ops.digest import digest_verify, digest_write
+from kvcanary_jax.runtime.kv import digest_sources, translate
+from kvcanary_jax.runtime.state import CanaryConfig, CanaryState, tag
+
+__all__ = ["at_tail", "at_sweep", "counts", "GroupCoverage", "CoverageStats", "from_counts",
+           "coverage_stats"]
+
+
+def _stamp(arr, where, idx, value):
+    """``arr[idx[e]] = value`` for the entries ``where`` holds (the others dropped)."""
+    at = jnp.where(where, idx, arr.shape[0])
+    return arr.at[at].set(jnp.broadcast_to(value, idx.shape).astype(arr.dtype), mode="drop")
+
+
+def _at(arr, idx, where):
+    """``arr[idx[e]]`` where ``where`` holds (slot 0's value elsewhere, to be masked)."""
+    return arr[jnp.where(where, idx, 0)]
+
+
+def _plan_reads(vplan, num_slots: int):
+    """The plan's slots and which entries a verify reads: below its count, plan enabled (an
+    overflowed plan verifies nothing, and says so through the overflow warning), slot in
+    ``(0, num_slots)`` (slot 0 is the padding slot)."""
+    slots = vplan.verify_slot_indices
+    cap = slots.shape[0]
+    n = jnp.clip(vplan.verify_num_valid[0], 0, cap)
+    read = ((jnp.arange(cap) < n) & (vplan.enable[0] != 0) & (slots > 0) & (slots < num_slots))
+    return slots, read
+
+
+def _check(cfg, sc, vplan, read, *, phase, window, sources, group, ring, widx, copy):
+    """One digest check (``copy``: ``"TAIL"`` or ``"SWEEP"``) of the plan's entries that
+    ``read`` holds and whose slot was stamped; returns ``(context after the launch, the entries
+    it checked)``."""
+    slots = vplan.verify_slot_indices
+    checkable = read & (_at(sc.written_at, slots, read) >= 0)
+    prefix = copy.lower()
+    ctx = DigestContext(digest_buf=sc.digest, kernel_kind=int(tag(copy, "K", group)),
+                        violation_ring=ring, violation_write_index=widx,
+                        slot_run_counter=getattr(sc, f"{prefix}_slot_runs"),
+                        kernel_run_counter=getattr(sc, f"{prefix}_kernel_runs"))
+    ctx = digest_verify(ctx, jnp.where(checkable, slots, -1), vplan.verify_expected_positions,
+                        vplan.verify_num_valid, phase, window=window, sources=sources,
+                        implementation=cfg.implementation)
+    # The op's selection (docs/spec.md §16.3), on the entries handed to it.
+    p = jnp.remainder(phase[0].astype(jnp.int64), window)
+    checked = checkable & (jnp.remainder(jnp.where(checkable, slots, 0), window) == p)
+    return ctx, checked
+
+
+def at_tail(cfg: CanaryConfig, state: CanaryState, batch, lut, kv) -> CanaryState:
+    """The coverage part of step T's TAIL (traceable; after SGLang's TAIL launches): stamp the
+    written slots' digests, check the read slots of phase ``T % N``, advance the counters."""
+    cov = state.coverage
+    window = cfg.coverage_window
+    t = cov.step + 1
+    ring, widx = state.violation_ring, state.violation_write_index
+    groups = {}
+    for group in cfg.groups:
+        sc = cov.groups[group]
+        n = cfg.group_slots(group)
+        sources = digest_sources(cfg, kv, group)
+        loc = translate(group, batch.out_cache_loc, lut)
+        sc = dataclasses.replace(
+            sc, digest=digest_write(sc.digest, loc, sources, implementation=cfg.implementation),
+            written_at=_stamp(sc.written_at, (loc >= 0) & (loc < n), loc, t))
+        vplan = state.plans[group][0]
+        slots, read = _plan_reads(vplan, n)
+        ctx, checked = _check(cfg, sc, vplan, read, phase=t, window=window, sources=sources,
+                              group=group, ring=ring, widx=widx, copy="TAIL")
+        ring, widx = ctx.violation_ring, ctx.violation_write_index
+        # A read run goes on when the slot was read by the step before.
+        run_from = jnp.where(_at(sc.read_at, slots, read) == t - 1,
+                             _at(sc.read_from, slots, read), t)
+        groups[group] = dataclasses.replace(
+            sc, read_from=_stamp(sc.read_from, read, slots, run_from),
+            read_at=_stamp(sc.read_at, read, slots, t),
+            checked_at=_stamp(sc.checked_at, checked, slots, t),
+            digest_bytes=jnp.full((1,), sum(s.read_bytes for s in sources), jnp.int64),
+            tail_slot_runs=ctx.slot_run_counter, tail_kernel_runs=ctx.kernel_run_counter)
+    return dataclasses.replace(state, violation_ring=ring, violation_write_index=widx,
+                               coverage=dataclasses.replace(cov, groups=groups, step=t))
+
+
+def at_sweep(cfg: CanaryConfig, state: CanaryState, plans: dict, kv) -> CanaryState:
+    """The coverage part of a sweep (traceable): check every slot of each group's sweep plan
+    (``plans[group]``, a :class:`~kvcanary_jax.VerifyPlan`) whose digest was stamped."""
+    cov = state.coverage
+    t = cov.step
+    ring, widx = state.violation_ring, state.violation_write_index
+    groups = {}
+    for group in cfg.groups:
+        sc = cov.groups[group]
+        vplan = plans[group]
+        slots, read = _plan_reads(vplan, cfg.group_slots(group))
+        # Every walked slot, whatever the phase: window 1.
+        ctx, checked = _check(cfg, sc, vplan, read, phase=jnp.zeros((1,), jnp.int32), window=1,
+                              sources=digest_sources(cfg, kv, group), group=group, ring=ring,
+                              widx=widx, copy="SWEEP")
+        ring, widx = ctx.violation_ring, ctx.violation_write_index
+        groups[group] = dataclasses.replace(
+            sc, checked_at=_stamp(sc.checked_at, checked, slots, t),
+            swept_at=_stamp(sc.swept_at, read, slots, t),
+            sweep_slot_runs=ctx.slot_run_counter, sweep_kernel_runs=ctx.kernel_run_counter)
+    return dataclasses.replace(state, violation_ring=ring, violation_write_index=widx,
+                               coverage=dataclasses.replace(cov, groups=groups, last_sweep=t))
+
+
+# ----------------------------------------------------------------------------------- the report
+
+def counts(cfg: CanaryConfig, state: CanaryState) -> dict:
+    """The report's counts (traceable; a stack of per-shard states is summed), int64 scalars:
+    ``groups[group]`` by :class:`GroupCoverage` field, ``step`` and ``last_sweep``."""
+    cov = state.coverage
+    window = cfg.coverage_window
+    t, last = cov.step, cov.last_sweep  # [1], or [shards, 1]: broadcast against [..., slots]
+    groups = {}
+    for group in cfg.groups:
+        sc = cov.groups[group]
+        in_run = (sc.read_at == t) & (sc.read_from <= t - window + 1)
+        walked = (sc.swept_at == last) & (last >= 0)
+        verified = ((in_run & (sc.checked_at > t - window))
+                    | (walked & (sc.checked_at >= last)))
+        read = (sc.read_at >= 1) & (sc.read_at > t - window)
+        groups[group] = dict(live_slots=jnp.sum(in_run | walked, dtype=jnp.int64),
+                             verified_slots=jnp.sum(verified, dtype=jnp.int64),
+                             read_slots=jnp.sum(read, dtype=jnp.int64),
+                             bytes_per_slot=jnp.max(sc.digest_bytes).astype(jnp.int64))
+    return {"groups": groups, "step": jnp.max(t).astype(jnp.int64),
+            "last_sweep": jnp.max(last).astype(jnp.int64)}
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupCoverage:
+    """One group's report: slots live, verified, read in the window; digest bytes per slot."""
+
+    live_slots: int
+    verified_slots: int
+    read_slots: int
+    bytes_per_slot: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CoverageStats:
+    """The coverage report (see the module docstring): ``window`` (N: a slot read in N
+    consecutive steps is verified in them), ``step`` (steps run), ``last_sweep`` (its step,
+    -1: none), the KV bytes ``live`` (the guarantee is due for them), ``verified`` (of those)
+    and ``read`` (slots read at least once in the last N steps), ``groups`` by group, and the
+    manager's ``sweep_interval`` (the bound for cached slots; ``None`` outside a manager)."""
+
+    window: int
+    step: int
+    last_sweep: int
+    live_bytes: int
+    verified_bytes: int
+    read_bytes: int
+    groups: dict
+    sweep_interval: int | None = None
+
+    @property
+    def share(self) -> float | None:
+        """Verified / live KV bytes (``None`` while nothing is live)."""
+        return self.verified_bytes / self.live_bytes if self.live_bytes else None
+
+    def summary(self) -> str:
+        share = "n/a" if self.share is None else f"{100 * self.share:.1f}%"
+        sweep = "" if self.sweep_interval is None else f", cached slots every {self.sweep_interval}"
+        return (f"window {self.window} steps{sweep}: {share} of live KV bytes verified "
+                f"({self.verified_bytes} of {self.live_bytes} B; {self.read_bytes} B read in "
+                "the window)")
+
+
+def from_counts(cfg: CanaryConfig, host: dict, *, sweep_interval: int | None = None
+                ) -> CoverageStats:
+    """:class:`CoverageStats` from :func:`counts`' arrays on the host."""
+    groups = {g: GroupCoverage(**{f: int(v) for f, v in fields.items()})
+              for g, fields in host["groups"].items()}
+
+    def total(field):
+        return sum(getattr(c, field) * c.bytes_per_slot for c in groups.values())
+
+    return CoverageStats(window=cfg.coverage_window, step=int(host["step"]),
+                         last_sweep=int(host["last_sweep"]),
+                         live_bytes=total("live_slots"), verified_bytes=total("verified_slots"),
+                         read_bytes=total("read_slots"), groups=groups,
+                         sweep_interval=sweep_interval)
+
+
+_counts_jit = jax.jit(counts, static_argnums=0)
+
+
+@_config.with_x64
+def coverage_stats(cfg: CanaryConfig, state: CanaryState, *,
+                   sweep_interval: int | None = None) -> CoverageStats | None:
+    """The coverage report of ``state`` now (a device computation and a host read: not for the
+    hot path); ``None`` when ``cfg`` runs no coverage."""
+    if not cfg.coverage_window:
+        return None
+    host = jax.device_get(_counts_jit(cfg, state))
+    return from_counts(cfg, host, sweep_interval=sweep_interval)
