@@ -162,9 +162,15 @@ def step_case(**kw):
         batch = _shape(lambda: rt.make_batch(
             cfg, req_pool_indices=[1], prefix_lens=[0], extend_seq_lens=[2], all_ids=[[5, 6]],
             input_ids=[5, 6], positions=[0, 1], out_cache_loc=[1, 2]))
-        kv = {g: {h: (jax.ShapeDtypeStruct((cfg.group_slots(g), KV_BYTES_PER_TOKEN // 2),
-                                           jnp.bfloat16),) for h in cfg.halves}
-              for g in cfg.groups}
+        if cfg.coverage_window:
+            # Every layer of each group, K and V (the coverage window's KV form).
+            kv = {g: {"layers": {h: tuple(
+                jax.ShapeDtypeStruct((cfg.group_slots(g), KV_BYTES_PER_TOKEN // 2), jnp.bfloat16)
+                for _ in range(cfg.num_layers)) for h in ("K", "V")}} for g in cfg.groups}
+        else:
+            kv = {g: {h: (jax.ShapeDtypeStruct((cfg.group_slots(g), KV_BYTES_PER_TOKEN // 2),
+                                               jnp.bfloat16),) for h in cfg.halves}
+                  for g in cfg.groups}
         rtt = _i32(cfg.max_reqs, cfg.context_len)
         lut = _i64(1)
         return step.jitted, (state, kv, batch, rtt, lut)
@@ -220,6 +226,8 @@ CASES = (
     Case("verify 64k rkv page 1", "verify", verify_case(1 << 16, 1)),
     Case("verify 64k rkv page 16", "verify", verify_case(1 << 16, 16)),
     Case("step serving", "step", step_case()),
+    # The coverage window on: every one of 8 layers' K and V digested at TAIL, a window of 64.
+    Case("step serving coverage w64 x8", "step", step_case(coverage_window=64, num_layers=8)),
     Case("digest verify 64k w64 x32 pages", "digest",
          digest_case(1 << 16, verify=True, slots=SLOTS, token_bytes=256, page_size=16)),
     Case("digest write 8192 x32 4KiB tokens", "digest",

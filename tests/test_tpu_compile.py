@@ -46,6 +46,9 @@ SMALL = (
     tc.Case("step small", "step", tc.step_case(
         max_reqs=8, context_len=128, num_slots=1024, max_bs=4, max_tokens=64,
         verify_capacity=512, ring_capacity=64)),
+    tc.Case("step small coverage", "step", tc.step_case(
+        max_reqs=8, context_len=128, num_slots=1024, max_bs=4, max_tokens=64,
+        verify_capacity=512, ring_capacity=64, coverage_window=4, num_layers=2)),
 )
 
 
