@@ -165,6 +165,11 @@ def pytest_collection_modifyitems(config, items):
     # (and fails on "no tests ran" if it did not); elsewhere they are deselected.
     if importlib.util.find_spec("sgl_jax") is None:
         _deselect(config, items, "sglang_jax")
+    # tpu-inference 0.32 needs Python 3.12 and jax 0.11.2: its tests run in a CI leg of their own
+    # (test-command-tpu-inference in the README), which installs it; elsewhere they are
+    # deselected.
+    if importlib.util.find_spec("tpu_inference") is None:
+        _deselect(config, items, "tpu_inference")
     # Compiling for TPU topologies needs libtpu (jax[tpu]); where it is not installed these tests
     # are deselected (the Python 3.12 CI leg installs it).
     if importlib.util.find_spec("libtpu") is None:

@@ -176,9 +176,8 @@ class TpuInferenceGuard:
                       "update_states": runner.persistent_batch_manager.update_states,
                       "continue": runner._execute_continue_decode}
         self._normal_jits: dict = {}
-        self._pack = jax.jit(device.pack_state, donate_argnums=0)
-        self._unpack = jax.jit(lambda p: device.unpack_state(p, device.state_shapes(canary)),
-                               donate_argnums=0)
+        self._pack = jax.jit(device.pack_state)
+        self._unpack = jax.jit(lambda p: device.unpack_state(p, device.state_shapes(canary)))
         runner.persistent_batch_manager.update_states = self._update_states
         runner.model_fn = self._model_fn
         runner.model.step_fn_no_options = self._loop_step
@@ -432,7 +431,8 @@ class Remediator:
             self.aborted.append(req_id)
         if bs is not None and v.slot >= bs:  # block 0 is vLLM's null block
             block = int(v.slot) // bs
-            self.scheduler.kv_cache_manager.block_pool.evict_blocks({block})
-            heads = self.guard.canary.num_shards // self.guard.canary.data_shards
-            self.guard.cached.drop(report.shard // max(heads, 1), block)
-            self.evicted.append(block)
+            if block not in self.evicted:
+                self.scheduler.kv_cache_manager.block_pool.evict_blocks({block})
+                heads = self.guard.canary.num_shards // self.guard.canary.data_shards
+                self.guard.cached.drop(report.shard // max(heads, 1), block)
+                self.evicted.append(block)

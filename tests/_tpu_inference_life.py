@@ -1,0 +1,207 @@
+"""A life of a real tpu-inference 0.32 runner on the CPU with the canary installed, then faults.
+
+Run as a script in a process of its own (``tests/_tpu_inference_runner.py`` says why and what
+it patches); prints one JSON document that tests/test_tpu_inference.py checks. ``--head-dim
+64`` runs the head_dim 64 layout (a shorter life: prefill, the decode loop, a flipped byte).
+
+The clean life, driven by vLLM's own scheduler: two requests sharing a 16-token block in the
+step that fills it (a same-step prefix hit), their decode through the on-device decode loop
+(``enable_continue_decode``, 4 steps per loop), a request after them that hits the cached
+block, then three long requests on a cache too small for all of them (vLLM preempts one and
+resumes it), and the sweep over the cached blocks. Then the faults, each on its own request
+and counted by the violations its step added (read after the manager's readback of that step):
+
+* a flipped K byte of the canary layer in a slot a running request reads;
+* a wrong block-table entry (``input_batch.block_table[0]``) of a running request;
+* a stale block reused: a new request's cached block swapped, in the scheduler's output, for a
+  block another prefix fills;
+* the decode loop's EOS lead: with ``CONTINUE_DECODE_EOS_CHECK_INTERVAL`` 0, a lane that
+  sampled EOS keeps writing the padding token's KV over its last real token's slot; the same
+  request with the interval 1 (the default) is the control.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+_env_before = os.environ.get("XLA_FLAGS", "")
+import _tpu_inference_runner as R  # noqa: E402
+
+R.patch_for_cpu()
+_env_after = os.environ.get("XLA_FLAGS", "")
+
+import numpy as np  # noqa: E402
+
+from kvcanary_jax.integrations import tpu_inference as kti  # noqa: E402
+
+
+def rows(found):
+    return [dict(shard=s, tag=v.tag, slot=v.slot, position=v.position, token=v.stored_token,
+                 expected_token=v.expected_token, reasons=list(v.reasons)) for s, v in found]
+
+
+class Life:
+    def __init__(self, head_dim: int, num_blocks: int):
+        self.e = R.Engine(head_dim=head_dim, num_blocks=num_blocks)
+        self.rem = kti.Remediator(self.e.scheduler)
+        self.guard = kti.install(self.e.runner, mode="log", real_data="all",
+                                 on_violation=self.rem)
+        self.rem.guard = self.guard
+        self.tamper = None
+        self.preempted, self.prefix_hits, self.loops = set(), {}, 0
+        self.log = []
+
+    def step(self, name: str):
+        before = kti.violation_counts(self.guard)
+        out = self.e.scheduler.schedule()
+        if self.tamper is not None:
+            self.tamper(out)
+            self.tamper = None
+        self.preempted.update(getattr(out, "preempted_req_ids", ()) or ())
+        for nr in out.scheduled_new_reqs:
+            self.prefix_hits[nr.req_id] = nr.num_computed_tokens
+        result = self.e.runner.execute_model(out)
+        if result is None:
+            result = self.e.runner.sample_tokens(None)
+        for eo in self.e.scheduler.update_from_output(out, result).values():
+            for o in eo.outputs:
+                self.e.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        self.guard.manager.flush()
+        found = kti.read_violations(self.guard, start=before)
+        self.log.append({"step": name, "scheduled": dict(out.num_scheduled_tokens),
+                         "new_violations": rows(found)})
+        return found
+
+    def run(self, name: str, limit: int = 40):
+        found = []
+        n = 0
+        while self.e.scheduler.has_requests() and n < limit:
+            found += self.step(f"{name} {n}")
+            n += 1
+        return found
+
+    def slot(self, req_id: str, position: int) -> int:
+        blocks = self.e.runner.requests[req_id].block_ids[0]
+        return blocks[position // R.BLOCK_SIZE] * R.BLOCK_SIZE + position % R.BLOCK_SIZE
+
+    def flip(self, slot: int, lane: int = 3) -> None:
+        idx = self.guard.canary.layer_index
+        kv = self.e.runner.kv_caches[idx]
+        flat = kv.reshape(-1, *kv.shape[2:])
+        b = np.asarray(flat[slot]).view(np.uint16).copy()
+        b.reshape(-1)[lane] ^= 0x0100
+        self.e.runner.kv_caches[idx] = flat.at[slot].set(
+            np.frombuffer(b.tobytes(), dtype=kv.dtype).reshape(flat.shape[1:])).reshape(kv.shape)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--head-dim", type=int, default=128)
+    args = ap.parse_args()
+    life = Life(args.head_dim, num_blocks=14)
+    e, out = life.e, {"head_dim": args.head_dim}
+    out["xla_flags"] = {"before": _env_before, "after": _env_after}
+    out["layout"] = life.guard.canary.layout.kind
+    out["layers"] = list(life.guard.layers)
+    out["num_shards"] = life.guard.canary.num_shards
+    prefix = list(range(100, 116))
+
+    # --- the clean life
+    e.add("a", prefix + [7, 8, 9, 10], 9)
+    e.add("b", prefix + [20, 21], 5)
+    life.run("a b")
+    e.add("c", prefix + [30, 31, 32], 3)
+    life.run("c")
+    if args.head_dim == 128:
+        for i, r in enumerate(("p", "q", "r")):
+            e.add(r, [200 + 10 * i + k for k in range(40)], 40)
+        life.run("p q r", limit=80)
+    life.guard.sweep()
+    life.guard.manager.flush()
+    out["clean_total"] = kti.violation_counts(life.guard).tolist()
+    out["life"] = life.log
+    out["prefix_hits"] = life.prefix_hits
+    out["preempted"] = sorted(life.preempted)
+    out["loops"] = sum(1 for s in life.log if s["scheduled"] and all(
+        n == 4 for n in s["scheduled"].values()))
+    out["outputs"] = e.outputs
+    out["cached_chains"] = [list(c) for c in life.guard.cached.prefixes(0)]
+    faults = out["faults"] = {}
+
+    # --- a flipped K byte in a slot a running request reads (position 3)
+    e.add("f", [300 + k for k in range(20)], 6)
+    life.step("f prefill")
+    s = life.slot("f", 3)
+    life.flip(s)
+    faults["flip"] = {"slot": s, "position": 3, "found": rows(life.step("f decode"))}
+    life.run("f rest")
+    if args.head_dim != 128:
+        print(json.dumps(out))
+        return
+
+    # --- a wrong block-table entry (block 1 of g, positions 16..31) for one step
+    e.add("g", [400 + k for k in range(36)], 6)
+    life.step("g prefill")
+    bt = e.runner.input_batch.block_table[0]
+    row = e.runner.input_batch.req_id_to_index["g"]
+    right = int(bt.block_table_cpu[row, 1])
+    wrong = next(b for b in range(1, e.runner.kv_caches[0].shape[0])
+                 if b not in e.runner.requests["g"].block_ids[0])
+    bt.block_table_cpu[row, 1] = wrong
+    found = life.step("g decode, wrong table entry")
+    bt.block_table_cpu[row, 1] = right
+    faults["table"] = {"right": right, "wrong": wrong, "found": rows(found),
+                       "aborted": "g" in life.rem.aborted}
+    life.run("g rest")
+
+    # --- a stale block reused: h fills a block with other tokens; i, hitting the cached block
+    # of ``prefix``, is handed h's block instead (the scheduler's output altered)
+    e.add("j", [60 + k for k in range(16)] + [1, 2], 2)
+    life.run("j")
+    e.add("h", [450 + k for k in range(16)] + [1, 2], 2)
+    life.step("h prefill")
+    h_block = int(e.runner.requests["h"].block_ids[0][0])
+    life.run("h rest")
+    e.add("i", [60 + k for k in range(16)] + [40, 41], 2)
+    stale = faults["stale"] = {"stale_block": h_block}
+
+    def swap(sched_out):
+        for nr in sched_out.scheduled_new_reqs:
+            if nr.req_id == "i":
+                stale["right_block"], stale["computed"] = nr.block_ids[0][0], nr.num_computed_tokens
+                nr.block_ids[0][0] = h_block
+
+    life.tamper = swap
+    found = life.step("i prefill, stale block")
+    stale.update(found=rows(found), aborted="i" in life.rem.aborted,
+                 evicted=list(life.rem.evicted))
+    life.run("i rest")
+
+    # --- the EOS lead: w learns the loop's tokens; w0 (interval 0) and w1 (interval 1) stop
+    # at the second token the loop samples
+    q = [480 + k for k in range(12)]
+    e.add("w", q, 6)
+    life.run("w")
+    t = e.outputs["w"]
+    pad = int(e.runner.pad_token_id)
+    faults["eos"] = {"tokens": t, "pad": pad}
+    for name, interval in (("w1", 1), ("w0", 0)):
+        e.runner.eos_token_id = (t[2],)
+        e.runner.continue_decode_eos_check_interval = interval
+        e.add(name, q, 6)
+        life.step(f"{name} prefill")
+        s = life.slot(name, len(q) + 1)
+        found = life.step(f"{name} decode loop, EOS at the loop's second token")
+        faults["eos"][name] = {"slot": s, "position": len(q) + 1, "found": rows(found),
+                               "outputs": list(e.outputs[name])}
+        e.runner.eos_token_id = R.qwen3_config(128)["eos_token_id"]
+        e.runner.continue_decode_eos_check_interval = 1
+        life.run(f"{name} rest")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

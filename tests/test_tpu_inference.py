@@ -1,0 +1,128 @@
+"""The canary inside vLLM's TPU backend, tpu-inference 0.32 (Python 3.12, jax 0.11.2: ``pip
+install --no-deps -r requirements-tpu-inference.txt``, the packages the imported modules need).
+
+Each life runs in a process of its own (``tests/_tpu_inference_life.py``): tpu-inference
+prepends ``--xla_cpu_max_isa=AVX2`` to ``XLA_FLAGS`` and sets TPU and vLLM variables when it is
+imported, so this process never imports it (checked below). The life drives a real
+``TPUModelRunner`` (a tiny dummy-weight Qwen3, the jnp stand-in of its attention kernel, the
+CPU patches of ``tests/_tpu_inference_runner.py``) with vLLM's own scheduler: prefill, a
+same-step prefix hit, the on-device decode loop, a later prefix hit, preemption and the sweep
+of cached blocks, all clean; then a flipped K byte, a wrong block-table entry, a stale block
+handed out as a prefix hit and the decode loop's EOS lead, each detected where it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.tpu_inference
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+REAL_KV = ["VERIFY_REAL_KV_HASH_MISMATCH"]
+
+
+def _run(*args: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(HERE),
+                                                    env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, str(HERE / "_tpu_inference_life.py"), *args],
+                          capture_output=True, text=True, env=env, timeout=900, cwd=HERE)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module", params=[128, 64], ids=["head_dim128", "head_dim64"])
+def life(request):
+    return _run("--head-dim", str(request.param))
+
+
+def _rows(found):
+    return sorted({(v["tag"], v["slot"], v["position"], tuple(v["reasons"])) for v in found})
+
+
+def test_this_process_never_imports_tpu_inference_and_keeps_its_xla_flags(life):
+    assert "tpu_inference" not in sys.modules and "vllm" not in sys.modules
+    assert "xla_cpu_max_isa" not in os.environ.get("XLA_FLAGS", "")
+    # The life's own process shows what importing tpu-inference does to the variable.
+    assert "--xla_cpu_max_isa=AVX2" in life["xla_flags"]["after"]
+    assert "xla_cpu_max_isa" not in life["xla_flags"]["before"]
+
+
+def test_the_life_is_vllm_s(life):
+    assert life["layout"] == ("rpa_v3" if life["head_dim"] == 128 else "rpa_v3_hd64")
+    assert life["layers"] == ["layer.0"] and life["num_shards"] == 1
+    assert life["prefix_hits"]["b"] == 16  # in the step that fills the block
+    assert life["prefix_hits"]["c"] == 16  # after it
+    assert life["loops"] >= 3  # decode ran in the on-device loop, 4 steps a call
+    assert life["cached_chains"]  # the sweep had cached blocks to re-verify
+    if life["head_dim"] == 128:
+        assert life["preempted"] == ["r"]
+        assert life["prefix_hits"]["i"] == 16
+
+
+def test_clean_life_has_no_violations(life):
+    assert [s["new_violations"] for s in life["life"] if "," not in s["step"]
+            and not s["step"].startswith(("f decode", "g decode", "i prefill", "w0 decode"))
+            ] == [[] for s in life["life"] if "," not in s["step"]
+                  and not s["step"].startswith(("f decode", "g decode", "i prefill",
+                                                "w0 decode"))]
+    assert life["clean_total"] == [0]
+
+
+def test_flipped_k_byte_is_found_by_tail_in_every_loop_step(life):
+    flip = life["faults"]["flip"]
+    assert _rows(flip["found"]) == [("TAIL_K_FULL", flip["slot"], flip["position"],
+                                     tuple(REAL_KV))]
+    assert len(flip["found"]) == 4  # once per on-device decode step of the loop
+
+
+@pytest.fixture
+def full(life):
+    if life["head_dim"] != 128:
+        pytest.skip("the head_dim 64 life runs the layout's faults only")  # not a skip of a fault
+    return life
+
+
+def test_wrong_block_table_entry_is_verified_and_remediated(full):
+    table = full["faults"]["table"]
+    found = table["found"]
+    wrong = range(table["wrong"] * 16, table["wrong"] * 16 + 16)
+    assert found and all(v["slot"] in wrong and v["position"] in range(16, 32) for v in found)
+    assert all("VERIFY_TOKEN_MISMATCH" in v["reasons"] for v in found)
+    assert {v["tag"] for v in found} == {"HEAD_K_FULL", "TAIL_K_FULL"}
+    assert table["aborted"]
+
+
+def test_stale_block_handed_out_as_a_prefix_hit(full):
+    stale = full["faults"]["stale"]
+    assert stale["computed"] == 16
+    slots = list(range(stale["stale_block"] * 16, stale["stale_block"] * 16 + 16))
+    rows = _rows(stale["found"])
+    assert rows == sorted((t, s, p, ("VERIFY_TOKEN_MISMATCH",))
+                          for t in ("HEAD_K_FULL", "TAIL_K_FULL") for p, s in enumerate(slots))
+    assert {(v["token"], v["expected_token"]) for v in stale["found"]} == {
+        (450 + p, 60 + p) for p in range(16)}
+    assert stale["aborted"] and stale["stale_block"] in stale["evicted"]
+
+
+def test_the_decode_loop_eos_lead(full):
+    """With the loop's EOS check interval 0, the lane that sampled EOS keeps writing the padding
+    token's KV over its last real token's slot: the write's input check sees the padding token
+    where the request's token was; with the default interval 1 the loop stops and nothing is
+    reported."""
+    eos = full["faults"]["eos"]
+    t, pad = eos["tokens"], eos["pad"]
+    assert pad not in t[:3]
+    assert eos["w1"]["found"] == []
+    w0 = eos["w0"]
+    assert _rows(w0["found"]) == [(tag, w0["slot"], w0["position"], ("WRITE_TOKEN_MISMATCH",))
+                                  for tag in ("HEAD_K_FULL", "TAIL_K_FULL")]
+    assert {(v["token"], v["expected_token"]) for v in w0["found"]} == {(pad, t[1])}
+    assert len(w0["found"]) == 4  # the loop's third and fourth steps, HEAD and TAIL each
