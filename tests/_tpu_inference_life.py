@@ -47,12 +47,22 @@ class Life:
     def __init__(self, head_dim: int, num_blocks: int):
         self.e = R.Engine(head_dim=head_dim, num_blocks=num_blocks)
         self.rem = kti.Remediator(self.e.scheduler)
+        self.reports = []  # (slot, request) of every report the manager made
         self.guard = kti.install(self.e.runner, mode="log", real_data="all",
-                                 on_violation=self.rem)
+                                 on_violation=self.remediate)
         self.rem.guard = self.guard
         self.tamper = None
         self.preempted, self.prefix_hits, self.loops = set(), {}, 0
         self.log = []
+
+    def remediate(self, report) -> None:
+        self.reports.append((report.violation.slot, report.request))
+        self.rem(report)
+
+    def stamps(self, slots) -> list[tuple[int, int]]:
+        """(token, position) stamped in ``slots`` of the HEAD K buffer (shard 0)."""
+        buf = np.asarray(self.guard.state.bufs["HEAD_K_FULL"])[0]
+        return [tuple(int(x) for x in buf[s].view(np.int64)[:2]) for s in slots]
 
     def step(self, name: str):
         before = kti.violation_counts(self.guard)
@@ -148,12 +158,18 @@ def main() -> None:
     bt = e.runner.input_batch.block_table[0]
     row = e.runner.input_batch.req_id_to_index["g"]
     right = int(bt.block_table_cpu[row, 1])
-    wrong = next(b for b in range(1, e.runner.kv_caches[0].shape[0])
-                 if b not in e.runner.requests["g"].block_ids[0])
+    g_blocks = [int(b) for b in e.runner.requests["g"].block_ids[0]]
+    wrong = next(b for b in range(1, e.runner.kv_caches[0].shape[0]) if b not in g_blocks)
+    held = life.stamps(range(wrong * R.BLOCK_SIZE, (wrong + 1) * R.BLOCK_SIZE))
     bt.block_table_cpu[row, 1] = wrong
+    reports, evicted = len(life.reports), len(life.rem.evicted)
     found = life.step("g decode, wrong table entry")
     bt.block_table_cpu[row, 1] = right
-    faults["table"] = {"right": right, "wrong": wrong, "found": rows(found),
+    faults["table"] = {"right": right, "wrong": wrong, "held": held,
+                       "after": life.slot("g", 2 * R.BLOCK_SIZE), "found": rows(found),
+                       "loop_steps": life.log[-1]["scheduled"]["g"],
+                       "requests": sorted({str(r) for _, r in life.reports[reports:]}),
+                       "evicted": life.rem.evicted[evicted:],
                        "aborted": "g" in life.rem.aborted}
     life.run("g rest")
 

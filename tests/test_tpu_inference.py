@@ -99,16 +99,39 @@ def test_flipped_k_byte_is_found_by_tail_in_every_loop_step(life):
 
 
 def test_wrong_block_table_entry_is_verified_and_remediated(full):
+    """g's second block-table entry points at another block for one decode-loop call: every
+    loop step reads g's positions 16..31 from the wrong block (their stamps are the other
+    request's, g's tokens 416..431 were expected there) and the chain breaks twice, where g's
+    sequence enters the wrong block (its first slot) and where it leaves it (g's position 32,
+    whose predecessor is read from the wrong block's last slot); nothing else is reported."""
     table = full["faults"]["table"]
-    found = table["found"]
-    wrong = range(table["wrong"] * 16, table["wrong"] * 16 + 16)
-    # The wrong block's slots are read for g's positions 16..31: their stamps are another
-    # request's, g's own tokens (416..431) were expected there.
-    in_wrong = [v for v in found if v["slot"] in wrong]
-    assert {v["expected_token"] for v in in_wrong} == set(range(416, 432))
-    assert all("VERIFY_TOKEN_MISMATCH" in v["reasons"] for v in in_wrong)
-    assert {v["tag"] for v in in_wrong} == {"HEAD_K_FULL", "TAIL_K_FULL"}
+    bs = 16
+    held = table["held"]
+    # The wrong block holds one chain of 16 consecutive positions, so inside it every slot
+    # links to the one before it.
+    assert [p for _, p in held] == list(range(held[0][1], held[0][1] + bs))
+    expected = []
+    for k, (token, position) in enumerate(held):
+        reasons = {"VERIFY_CHAIN_HASH_MISMATCH"} if k == 0 else set()
+        if position != bs + k:
+            reasons.add("VERIFY_POSITION_MISMATCH")
+        if token != 400 + bs + k:
+            reasons.add("VERIFY_TOKEN_MISMATCH")
+        expected.append((table["wrong"] * bs + k, position, token, 400 + bs + k, reasons))
+    expected.append((table["after"], 2 * bs, 400 + 2 * bs, 400 + 2 * bs,
+                     {"VERIFY_CHAIN_HASH_MISMATCH"}))
+    want = sorted((tag, slot, pos, tok, exp, tuple(sorted(r)))
+                  for tag in ("HEAD_K_FULL", "TAIL_K_FULL")
+                  for slot, pos, tok, exp, r in expected) * table["loop_steps"]
+    got = [(v["tag"], v["slot"], v["position"], v["token"], v["expected_token"],
+            tuple(sorted(v["reasons"]))) for v in table["found"]]
+    assert table["loop_steps"] == 4
+    assert sorted(got) == sorted(want)
+    # Every row is g's (the block table the step read says so, the wrong block included); g
+    # is aborted and both blocks are evicted from the prefix cache.
+    assert table["requests"] == ["g"]
     assert table["aborted"]
+    assert sorted(table["evicted"]) == sorted({table["wrong"], table["after"] // bs})
 
 
 def test_stale_block_handed_out_as_a_prefix_hit(full):

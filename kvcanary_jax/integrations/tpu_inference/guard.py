@@ -166,7 +166,7 @@ class TpuInferenceGuard:
         self.steps = 0
         self.sweeps = 0
         self._pending = None
-        self._owners: dict[int, str] = {}
+        self._owners: list[dict[int, str]] = []
         self._late = np.zeros((canary.data_shards * canary.max_reqs,), np.int32)
         from tpu_inference.models.common import compiler_options
 
@@ -199,11 +199,7 @@ class TpuInferenceGuard:
             return out
         order = host.batch_order(self.runner, scheduler_output, self.canary.data_shards)
         self.cached.observe(self.runner, order)
-        self._owners = {}
-        for req_ids in order:
-            for req_id in req_ids:
-                for b in self.runner.requests[req_id].block_ids[0]:
-                    self._owners[int(b)] = req_id
+        self._owners = host.block_owners(self.runner, order)
         self._pending = self.book.plan(self.runner, order) if self.canary.token_checks else None
         self._late = host.late_requests(self.runner, order, scheduler_output,
                                         self.canary.max_reqs, self.canary.layout.block_size)
@@ -311,8 +307,18 @@ class TpuInferenceGuard:
 
     # ------------------------------------------------------------------- host side
     def _resolve(self, owners):
+        """The manager's ``resolve(slot, violation)``: the request whose block table maps the
+        slot's block in the step, or, where requests of several data-parallel ranks do (each
+        rank numbers its own blocks), ``((rank, request), ...)`` (:class:`Remediator` picks
+        the report's rank)."""
+        bs = self.canary.layout.block_size
+
         def resolve(slot, violation=None):
-            return owners.get(int(slot) // self.canary.layout.block_size)
+            found = tuple((rank, mine[int(slot) // bs]) for rank, mine in enumerate(owners)
+                          if int(slot) // bs in mine)
+            if not found:
+                return None
+            return found[0][1] if len(found) == 1 else found
         return resolve
 
     def _after_step(self, pending) -> None:
@@ -321,7 +327,7 @@ class TpuInferenceGuard:
         self._pending = None
         self.steps += 1
         if self.manager is not None:
-            self.manager.observe(self.state, resolve=self._resolve(dict(self._owners)))
+            self.manager.observe(self.state, resolve=self._resolve(self._owners))
         if self.sweep_interval and self.steps % self.sweep_interval == 0:
             self.sweep()
 
@@ -425,7 +431,13 @@ class Remediator:
 
         v = report.violation
         bs = self.guard.canary.layout.block_size if self.guard is not None else None
+        heads = 1
+        if self.guard is not None:
+            heads = max(self.guard.canary.num_shards // self.guard.canary.data_shards, 1)
+        rank = report.shard // heads
         req_id = report.request
+        if isinstance(req_id, tuple):  # the block's owners on several ranks: the report's
+            req_id = dict(req_id).get(rank)
         if req_id is not None and req_id not in self.aborted:
             self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
             self.aborted.append(req_id)
@@ -433,6 +445,5 @@ class Remediator:
             block = int(v.slot) // bs
             if block not in self.evicted:
                 self.scheduler.kv_cache_manager.block_pool.evict_blocks({block})
-                heads = self.guard.canary.num_shards // self.guard.canary.data_shards
-                self.guard.cached.drop(report.shard // max(heads, 1), block)
+                self.guard.cached.drop(rank, block)
                 self.evicted.append(block)

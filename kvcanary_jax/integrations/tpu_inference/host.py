@@ -30,7 +30,8 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["TokenBook", "CachedBlocks", "batch_order", "late_requests", "next_bucket"]
+__all__ = ["TokenBook", "CachedBlocks", "batch_order", "block_owners", "late_requests",
+           "next_bucket"]
 
 MIN_IDS = 16
 
@@ -48,6 +49,20 @@ def batch_order(runner, scheduler_output, dp_size: int) -> list[list[str]]:
     for req_id in batch.req_ids[:batch.num_reqs]:
         ranks[int(assigned.get(req_id, 0)) if dp_size > 1 else 0].append(req_id)
     return ranks
+
+
+def block_owners(runner, order: list[list[str]]) -> list[dict[int, str]]:
+    """Per data-parallel rank, block id -> the request of the step whose block-table row (the
+    one the step's attention reads, ``input_batch.block_table[0]``) holds it."""
+    batch = runner.input_batch
+    table = batch.block_table[0]
+    owners: list[dict[int, str]] = [{} for _ in order]
+    for rank, req_ids in enumerate(order):
+        for req_id in req_ids:
+            idx = batch.req_id_to_index[req_id]
+            for b in table.block_table_cpu[idx, :int(table.num_blocks_per_row[idx])]:
+                owners[rank][int(b)] = req_id
+    return owners
 
 
 @dataclasses.dataclass
