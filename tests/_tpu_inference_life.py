@@ -46,6 +46,7 @@ def rows(found):
 class Life:
     def __init__(self, head_dim: int, num_blocks: int):
         self.e = R.Engine(head_dim=head_dim, num_blocks=num_blocks)
+        self.refused = self.refusals()
         self.rem = kti.Remediator(self.e.scheduler)
         self.reports = []  # (slot, request) of every report the manager made
         self.guard = kti.install(self.e.runner, mode="log", real_data="all",
@@ -54,6 +55,23 @@ class Life:
         self.tamper = None
         self.preempted, self.prefix_hits, self.loops = set(), {}, 0
         self.log = []
+
+    def refusals(self) -> dict:
+        """Installs the real runner refuses: the message, and whether the runner kept its own
+        functions."""
+        r = self.e.runner
+        own = lambda: (r.model_fn, r.model.step_fn_no_options,  # noqa: E731
+                       r.persistent_batch_manager.update_states, r.__dict__.get(
+                           "_execute_continue_decode"), len(r.kv_caches))
+        before, out = own(), {}
+        for name, kwargs in (("layer", dict(layer=2)), ("k_heads", dict(k_heads=3)),
+                             ("real_data", dict(real_data="some"))):
+            try:
+                kti.install(r, **kwargs)
+                out[name] = None
+            except (ValueError, NotImplementedError) as e:
+                out[name] = {"error": str(e), "untouched": own() == before}
+        return out
 
     def remediate(self, report) -> None:
         self.reports.append((report.violation.slot, report.request))
@@ -117,6 +135,7 @@ def main() -> None:
     out["layout"] = life.guard.canary.layout.kind
     out["layers"] = list(life.guard.layers)
     out["num_shards"] = life.guard.canary.num_shards
+    out["refused"] = life.refused
     prefix = list(range(100, 116))
 
     # --- the clean life

@@ -82,6 +82,17 @@ def test_the_life_is_vllm_s(life):
         assert life["prefix_hits"]["i"] == 16
 
 
+def test_the_real_runner_s_bad_installs_are_refused_and_change_nothing(life):
+    refused = life["refused"]
+    assert {k: v["untouched"] for k, v in refused.items()} == dict.fromkeys(refused, True)
+    assert refused["layer"]["error"] == ("kv-canary tpu-inference: no KV cache for layer.2 "
+                                         "(layers: layer.0, layer.1)")
+    assert refused["k_heads"]["error"] == (
+        "kv-canary tpu-inference: k_heads must be in [1, 2] (at most 4 sources, 2 KV heads per "
+        "shard), got 3")
+    assert refused["real_data"]["error"].startswith("kv-canary: real_data")
+
+
 def test_clean_life_has_no_violations(life):
     assert [s["new_violations"] for s in life["life"] if "," not in s["step"]
             and not s["step"].startswith(("f decode", "g decode", "i prefill", "w0 decode"))

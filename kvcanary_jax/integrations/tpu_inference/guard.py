@@ -378,10 +378,11 @@ def install(runner, *, mode: str = "log", real_data: str = "all", sweep_interval
     if not config.enabled:
         raise ValueError("kv-canary tpu-inference: mode 'none' installs no guard (the canary is "
                          "off): leave the runner as it is")
-    if not isinstance(sweep_interval, int) or isinstance(sweep_interval, bool) \
-            or sweep_interval < 0:
-        raise ValueError(f"kv-canary tpu-inference: sweep_interval must be an int >= 0, got "
-                         f"{sweep_interval!r}")
+    for name, value, least in (("sweep_interval", sweep_interval, 0), ("layer", layer, 0),
+                               ("k_heads", k_heads, 1), ("sweep_rows", sweep_rows, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"kv-canary tpu-inference: {name} must be an int >= {least}, got "
+                             f"{value!r}")
     _check_runner(runner)
     if token_checks and runner.vllm_config.scheduler_config.async_scheduling:
         raise NotImplementedError(
