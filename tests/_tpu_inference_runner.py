@@ -20,7 +20,10 @@ it). What a TPU-less machine needs, and why:
   block_size + pos % block_size``), attending causally over each request's slots;
 * ``set_current_vllm_config`` around everything, as vLLM's worker does.
 
-The model is a tiny Qwen3 (a local ``config.json``, dummy weights, no download). The runner is
+The model is a tiny Qwen3 (a local ``config.json``, dummy weights, no download). With
+``dp_size`` 2 (two CPU devices: the caller's ``XLA_FLAGS``) the runner splits its blocks and
+batch over a ``data`` mesh axis and the scheduler is tpu-inference's ``DPScheduler`` (a vLLM
+scheduler per rank, each forked into a process of its own, each with half the blocks). The runner is
 driven as vLLM's engine core drives it: ``scheduler.schedule()``, ``runner.execute_model``,
 ``runner.sample_tokens``, ``scheduler.update_from_output``, so prefix-cache hits, preemption and
 finishing are vLLM's own.
@@ -136,7 +139,8 @@ class Engine:
 
     def __init__(self, *, head_dim: int = 128, num_blocks: int = 32, max_num_seqs: int = 4,
                  max_model_len: int = 128, continue_decode: bool = True,
-                 max_decode_steps: int = 4, eos: int = 2, prefix_caching: bool = True):
+                 max_decode_steps: int = 4, eos: int = 2, prefix_caching: bool = True,
+                 dp_size: int = 1):
         from vllm.config import (CacheConfig, LoadConfig, ModelConfig, ParallelConfig,
                                  SchedulerConfig, VllmConfig, set_current_vllm_config)
         from vllm.utils.hashing import get_hash_fn_by_name
@@ -164,7 +168,7 @@ class Engine:
                                              max_model_len=max_model_len,
                                              is_encoder_decoder=False,
                                              async_scheduling=False),
-            parallel_config=ParallelConfig(),
+            parallel_config=ParallelConfig(data_parallel_size=dp_size),
             load_config=LoadConfig(load_format="dummy"),
             additional_config=additional,
         )
@@ -173,7 +177,7 @@ class Engine:
         # The worker's one-stage pipeline group (no transfer server without pipeline stages).
         jax_parallel_state.init_pp_distributed_environment("127.0.0.1", 0, 1, jax.devices()[0],
                                                            need_pp=False)
-        self.runner = TPUModelRunner(self.config, devices=jax.devices()[:1])
+        self.runner = TPUModelRunner(self.config, devices=jax.devices()[:dp_size])
         self.runner.load_model()
         # The engine core resolves one layout for the model before sizing the cache (the
         # identity layout: tpu-inference lays its caches out itself).
@@ -184,8 +188,14 @@ class Engine:
         kv_config.num_blocks = num_blocks
         self.runner.initialize_kv_cache(kv_config)
         self.config.cache_config.num_gpu_blocks = num_blocks  # the engine core's record
-        self.scheduler = Scheduler(self.config, kv_config, StructuredOutputManager(self.config),
-                                   block_size=BLOCK_SIZE)
+        scheduler_cls = Scheduler
+        if dp_size > 1:
+            from tpu_inference.core.sched.dp_scheduler import (
+                DPScheduler, update_vllm_config_for_dp_scheduler)
+            update_vllm_config_for_dp_scheduler(self.config)
+            scheduler_cls = DPScheduler
+        self.scheduler = scheduler_cls(self.config, kv_config,
+                                       StructuredOutputManager(self.config), block_size=BLOCK_SIZE)
         hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self._hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)

@@ -28,8 +28,11 @@ ROOT = HERE.parent
 REAL_KV = ["VERIFY_REAL_KV_HASH_MISMATCH"]
 
 
-def _run(*args: str) -> dict:
+def _run(*args: str, devices: int = 1) -> dict:
     env = dict(os.environ)
+    if devices > 1:  # the life's own process only
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
+                            + f" --xla_force_host_platform_device_count={devices}").strip()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(HERE),
                                                     env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, str(HERE / "_tpu_inference_life.py"), *args],
@@ -56,6 +59,12 @@ def life(request):
 def full():
     """The head_dim 128 life, the one that also runs the table, stale-block and EOS faults."""
     return _life(128)
+
+
+@pytest.fixture(scope="module")
+def dp():
+    """Data parallelism 2 on two CPU devices, with tpu-inference's DPScheduler."""
+    return _run("--dp", "2", devices=2)
 
 
 def _rows(found):
@@ -109,40 +118,51 @@ def test_flipped_k_byte_is_found_by_tail_in_every_loop_step(life):
     assert len(flip["found"]) == 4  # once per on-device decode step of the loop
 
 
-def test_wrong_block_table_entry_is_verified_and_remediated(full):
-    """g's second block-table entry points at another block for one decode-loop call: every
-    loop step reads g's positions 16..31 from the wrong block (their stamps are the other
-    request's, g's tokens 416..431 were expected there) and the chain breaks twice, where g's
-    sequence enters the wrong block (its first slot) and where it leaves it (g's position 32,
-    whose predecessor is read from the wrong block's last slot); nothing else is reported."""
-    table = full["faults"]["table"]
-    bs = 16
-    held = table["held"]
-    # The wrong block holds one chain of 16 consecutive positions, so inside it every slot
-    # links to the one before it.
-    assert [p for _, p in held] == list(range(held[0][1], held[0][1] + bs))
+def _table_fault_rows(table, first_token: int, bs: int = 16):
+    """Every row a wrong entry for block 1 of a request (token ``first_token + p`` at position
+    ``p``) gives in one loop call: its positions 16..31 read from the wrong block, whose stamps
+    (``held``) are not the request's, and the chain broken twice, where the request's sequence
+    enters the wrong block (its first slot) and where it leaves it (position 32, whose
+    predecessor is read from the wrong block's last slot). Inside the wrong block every slot
+    links to the one before it: it holds one chain of consecutive positions, or nothing (an
+    unwritten block: zero stamps, and a zero link hashes to zero)."""
+    held = [tuple(h) for h in table["held"]]
+    assert held == [(0, 0)] * bs or [p for _, p in held] == list(
+        range(held[0][1], held[0][1] + bs))
     expected = []
     for k, (token, position) in enumerate(held):
         reasons = {"VERIFY_CHAIN_HASH_MISMATCH"} if k == 0 else set()
         if position != bs + k:
             reasons.add("VERIFY_POSITION_MISMATCH")
-        if token != 400 + bs + k:
+        if token != first_token + bs + k:
             reasons.add("VERIFY_TOKEN_MISMATCH")
-        expected.append((table["wrong"] * bs + k, position, token, 400 + bs + k, reasons))
-    expected.append((table["after"], 2 * bs, 400 + 2 * bs, 400 + 2 * bs,
+        expected.append((table["wrong"] * bs + k, position, token, first_token + bs + k, reasons))
+    expected.append((table["after"], 2 * bs, first_token + 2 * bs, first_token + 2 * bs,
                      {"VERIFY_CHAIN_HASH_MISMATCH"}))
-    want = sorted((tag, slot, pos, tok, exp, tuple(sorted(r)))
+    return sorted((tag, slot, pos, tok, exp, tuple(sorted(r)))
                   for tag in ("HEAD_K_FULL", "TAIL_K_FULL")
                   for slot, pos, tok, exp, r in expected) * table["loop_steps"]
-    got = [(v["tag"], v["slot"], v["position"], v["token"], v["expected_token"],
-            tuple(sorted(v["reasons"]))) for v in table["found"]]
+
+
+def _found_rows(found):
+    return sorted((v["tag"], v["slot"], v["position"], v["token"], v["expected_token"],
+                   tuple(sorted(v["reasons"]))) for v in found)
+
+
+def test_wrong_block_table_entry_is_verified_and_remediated(full):
+    """g's second block-table entry points at another block for one decode-loop call: every
+    loop step reads g's positions 16..31 from the wrong block (their stamps are another
+    request's, g's tokens 416..431 were expected there) and the chain breaks where g enters
+    and leaves it; nothing else is reported."""
+    table = full["faults"]["table"]
     assert table["loop_steps"] == 4
-    assert sorted(got) == sorted(want)
+    assert _found_rows(table["found"]) == sorted(_table_fault_rows(table, 400))
     # Every row is g's (the block table the step read says so, the wrong block included); g
     # is aborted and both blocks are evicted from the prefix cache.
     assert table["requests"] == ["g"]
     assert table["aborted"]
-    assert sorted(table["evicted"]) == sorted({table["wrong"], table["after"] // bs})
+    assert sorted(table["evicted"]) == [[0, b] for b in sorted({table["wrong"],
+                                                                 table["after"] // 16})]
 
 
 def test_stale_block_handed_out_as_a_prefix_hit(full):
@@ -154,7 +174,7 @@ def test_stale_block_handed_out_as_a_prefix_hit(full):
                           for t in ("HEAD_K_FULL", "TAIL_K_FULL") for p, s in enumerate(slots))
     assert {(v["token"], v["expected_token"]) for v in stale["found"]} == {
         (450 + p, 60 + p) for p in range(16)}
-    assert stale["aborted"] and stale["stale_block"] in stale["evicted"]
+    assert stale["aborted"] and [0, stale["stale_block"]] in stale["evicted"]
 
 
 def test_the_decode_loop_eos_lead(full):
@@ -171,3 +191,51 @@ def test_the_decode_loop_eos_lead(full):
                                   for tag in ("HEAD_K_FULL", "TAIL_K_FULL")]
     assert {(v["token"], v["expected_token"]) for v in w0["found"]} == {(pad, t[1])}
     assert len(w0["found"]) == 4  # the loop's third and fourth steps, HEAD and TAIL each
+
+
+@pytest.mark.parametrize("mode, covered", [("all", {2, 4}), ("partial", {2}), ("none", set())])
+def test_real_kv_modes_cover_what_they_say(life, mode, covered):
+    """Three bits flipped after the prefill: K_0 in the strip's first 16 bytes (position 2),
+    K_0 past them (position 4), V_0 (position 6). ``all`` fingerprints the whole K strip,
+    ``partial`` its first 16 bytes, ``none`` nothing; V is not covered (SGLang's coverage: K of
+    layer 0). Each covered flip is found by TAIL in every step of the loop, nothing else."""
+    got = life["faults"]["real_data"][mode]
+    first = 10 + 20 * ("all", "partial", "none").index(mode)  # the request's token at 0
+    assert got["real_kv_hash_mode"] == mode and got["loop_steps"] == 4
+    assert _found_rows(got["found"]) == sorted(
+        ("TAIL_K_FULL", got["slots"][str(p)], p, first + p, first + p, tuple(REAL_KV))
+        for p in covered for _ in range(4))
+
+
+def test_data_parallel_clean_life(dp):
+    """Two ranks, one canary each: the guarded run samples what the bare run sampled, both
+    ranks served requests and ran their canary, nothing is reported."""
+    assert dp["dp_size"] == 2 and dp["num_shards"] == 2
+    assert dp["reset"]  # the bare run's blocks left vLLM's prefix cache before the guarded one
+    assert dp["guarded"] == dp["bare"]
+    assert set(dp["ranks"].values()) == {0, 1}
+    assert dp["clean_total"] == [0, 0]
+    assert all(n > 0 for n in dp["slot_runs"])
+
+
+def test_data_parallel_flip_on_rank_1(dp):
+    flip = dp["faults"]["flip"]
+    assert [(v["shard"], v["tag"], v["slot"], v["position"], tuple(v["reasons"]))
+            for v in flip["found"]] == [(1, "TAIL_K_FULL", flip["slot"], 3, tuple(REAL_KV))] * 4
+    assert flip["requests"] == [flip["request"]] and flip["aborted"] == [flip["request"]]
+    assert flip["evicted"] == [[1, flip["slot"] // 16]]
+
+
+def test_data_parallel_wrong_entry_names_a_block_id_of_the_other_rank(dp):
+    """Rank 0's request reads its positions 16..31 from block id ``wrong``, which rank 1's
+    request holds; on rank 0 that id is a block nobody wrote. Rank 0's canary reports it (its
+    own numbering), the block id alone names a request on each rank, and the remediation takes
+    the report's rank: rank 0's request is aborted, rank 1's goes on."""
+    table = dp["faults"]["table"]
+    assert {v["shard"] for v in table["found"]} == {0}
+    assert _found_rows(table["found"]) == sorted(_table_fault_rows(table, 380))
+    assert table["aborted"] == [table["tampered"]]
+    ambiguous = [[0, table["tampered"]], [1, table["holder"]]]
+    assert {json.dumps(r) for r in table["requests"]} == {json.dumps(ambiguous),
+                                                          json.dumps(table["tampered"])}
+    assert sorted(table["evicted"]) == sorted([[0, table["wrong"]], [0, table["after"] // 16]])

@@ -210,3 +210,31 @@ def test_heads_that_do_not_split_over_the_head_shards_are_refused():
     with pytest.raises(ValueError, match=r"layout not recognised .*2 head shard\(s\)"):
         L.kv_layout((32, BLOCK_SIZE, 4, 2, 128), jnp.bfloat16, head_dim=128, kv_heads=3,
                     head_shards=2, block_size=BLOCK_SIZE)
+
+
+class DPScheduler:
+    """tpu-inference's data-parallel scheduler as the remediation sees it: no block pool here
+    (each rank's lives in a process of its own)."""
+
+    def finish_requests(self, request_ids, status):
+        pass
+
+
+def test_a_remediator_without_a_block_pool_is_given_evict():
+    with pytest.raises(ValueError, match=r"kv-canary tpu-inference: DPScheduler has no "
+                       r"kv_cache_manager\.block_pool .* pass evict=\(rank, block\) -> None$"):
+        kti.Remediator(DPScheduler())
+    with pytest.raises(ValueError, match=r"evict must be callable \(rank, block\)"):
+        kti.Remediator(DPScheduler(), evict="drop")
+    evicted = []
+    rem = kti.Remediator(DPScheduler(), evict=lambda rank, block: evicted.append((rank, block)))
+    assert rem.evict is not None and rem.evicted == [] and evicted == []
+
+
+def test_a_remediator_evicts_through_the_scheduler_s_block_pool_by_default():
+    pool = types.SimpleNamespace(evicted=[])
+    pool.evict_blocks = lambda blocks: pool.evicted.append(set(blocks))
+    rem = kti.Remediator(types.SimpleNamespace(kv_cache_manager=types.SimpleNamespace(
+        block_pool=pool)))
+    rem.evict(0, 7)
+    assert pool.evicted == [{7}]

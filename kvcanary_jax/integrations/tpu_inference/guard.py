@@ -416,16 +416,33 @@ def read_violations(guard: TpuInferenceGuard, *, start=0) -> list[tuple[int, Any
 class Remediator:
     """The ``on_violation`` callback: aborts the request a violation belongs to through vLLM's
     scheduler (``finish_requests(..., FINISHED_ABORTED)``: its blocks are freed) and evicts the
-    violation's block from vLLM's prefix cache (``block_pool.evict_blocks``), so no later
-    request is served the corrupted prefix; the guard forgets every chain through the block.
-    ``scheduler``: vLLM's ``Scheduler`` (in the engine core's process: with vLLM's multiprocess
-    executors the callback must forward the request ids and blocks there). ``aborted`` /
-    ``evicted`` record what was done."""
+    violation's block from vLLM's prefix cache, so no later request is served the corrupted
+    prefix; the guard forgets every chain through the block.
 
-    def __init__(self, scheduler, guard: TpuInferenceGuard | None = None):
-        self.scheduler, self.guard = scheduler, guard
+    ``scheduler``: vLLM's ``Scheduler`` or tpu-inference's ``DPScheduler`` (in the engine
+    core's process: with vLLM's multiprocess executors the callback must forward the request
+    ids and blocks there). ``evict(rank, block)``: evicts a data-parallel rank's block; by
+    default ``scheduler.kv_cache_manager.block_pool.evict_blocks``, which a ``DPScheduler``
+    lacks (each rank's scheduler and block pool live in a process of their own, which takes no
+    such command): give it one there. ``aborted`` / ``evicted`` (``(rank, block)``) record what
+    was done."""
+
+    def __init__(self, scheduler, guard: TpuInferenceGuard | None = None, *,
+                 evict: Callable[[int, int], Any] | None = None):
+        if evict is None:
+            pool = getattr(getattr(scheduler, "kv_cache_manager", None), "block_pool", None)
+            if pool is None:
+                raise ValueError(
+                    f"kv-canary tpu-inference: {type(scheduler).__name__} has no "
+                    "kv_cache_manager.block_pool to evict a corrupted block from (a DPScheduler "
+                    "keeps one per data-parallel rank, in processes of their own): pass "
+                    "evict=(rank, block) -> None")
+            evict = _pool_evict(pool)
+        if not callable(evict):
+            raise ValueError("kv-canary tpu-inference: evict must be callable (rank, block)")
+        self.scheduler, self.guard, self.evict = scheduler, guard, evict
         self.aborted: list[str] = []
-        self.evicted: list[int] = []
+        self.evicted: list[tuple[int, int]] = []
 
     def __call__(self, report) -> None:
         from vllm.v1.request import RequestStatus
@@ -435,7 +452,7 @@ class Remediator:
         heads = 1
         if self.guard is not None:
             heads = max(self.guard.canary.num_shards // self.guard.canary.data_shards, 1)
-        rank = report.shard // heads
+        rank = report.shard // heads  # shards are numbered rank-major
         req_id = report.request
         if isinstance(req_id, tuple):  # the block's owners on several ranks: the report's
             req_id = dict(req_id).get(rank)
@@ -444,7 +461,13 @@ class Remediator:
             self.aborted.append(req_id)
         if bs is not None and v.slot >= bs:  # block 0 is vLLM's null block
             block = int(v.slot) // bs
-            if block not in self.evicted:
-                self.scheduler.kv_cache_manager.block_pool.evict_blocks({block})
+            if (rank, block) not in self.evicted:
+                self.evict(rank, block)
                 self.guard.cached.drop(rank, block)
-                self.evicted.append(block)
+                self.evicted.append((rank, block))
+
+
+def _pool_evict(pool):
+    def evict(rank, block):
+        pool.evict_blocks({block})
+    return evict
