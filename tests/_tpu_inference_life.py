@@ -283,9 +283,19 @@ def main() -> None:
     out["cached_chains"] = [list(c) for c in life.guard.cached.prefixes(0)]
     faults = out["faults"] = {}
 
-    # --- a flipped K byte in a slot a running request reads (position 3)
+    # --- a flipped K byte in a slot a running request reads (position 3); before it, f's
+    # prefill called again through runner.model_fn, update_states not run again
     e.add("f", [300 + k for k in range(20)], 6)
+    kept, guarded = [], e.runner.model_fn
+    e.runner.model_fn = lambda *a, **k: (kept.append((a, k)), guarded(*a, **k))[1]
     life.step("f prefill")
+    e.runner.model_fn = guarded
+    ((call, call_kwargs),) = kept
+    before = (life.guard.steps, kti.violation_counts(life.guard).tolist())
+    replayed = e.runner.model_fn(call[0], e.runner.kv_caches, *call[2:], **call_kwargs)
+    e.runner.kv_caches = list(replayed[0])
+    faults["replay"] = {"before": before, "after": (life.guard.steps,
+                                                    kti.violation_counts(life.guard).tolist())}
     s = life.slot("f", 3)
     life.flip(s)
     faults["flip"] = {"slot": s, "position": 3, "found": rows(life.step("f decode"))}

@@ -11,7 +11,10 @@ changes anything. Then it wraps four attributes of that runner instance:
   the model's options-free step (``runner.model.step_fn_no_options``, whose jit may nest:
   JAX refuses compiler options on a nested jit, so the guarded jit carries the step's own,
   ``get_step_fn_compiler_options()``) -> TAIL, the canary state and the KV donated, the KV
-  outputs placed as their inputs;
+  outputs placed as their inputs. Only a step ``update_states`` described is guarded (its
+  batch rows, expected ids and block owners come from there); any other call (a warm-up, a
+  second call of the same step) runs the runner's own ``model_fn``, and so does
+  ``_execute_continue_decode``;
 * ``runner.model.step_fn_no_options``, the step ``continue_decode`` calls in its
   ``lax.while_loop``: HEAD -> step -> TAIL in every iteration, the canary state travelling in
   the loop's carry as a trailing entry of its ``kv_caches`` (a :class:`Carried`: the loop
@@ -47,7 +50,7 @@ from kvcanary_jax.integrations.tpu_inference import device, host, layout as _lay
 from kvcanary_jax.runtime import CanaryManager, ManagerConfig
 
 __all__ = ["SUPPORTED_VERSIONS", "Carried", "TpuInferenceGuard", "install", "Remediator",
-           "read_violations", "violation_counts"]
+           "read_violations", "violation_counts", "guarded_model_fn"]
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +169,7 @@ class TpuInferenceGuard:
         self.steps = 0
         self.sweeps = 0
         self._pending = None
+        self._prepared = False  # update_states described the step the runner runs next
         self._owners: list[dict[int, str]] = []
         self._late = np.zeros((canary.data_shards * canary.max_reqs,), np.int32)
         from tpu_inference.models.common import compiler_options
@@ -203,6 +207,7 @@ class TpuInferenceGuard:
         self._pending = self.book.plan(self.runner, order) if self.canary.token_checks else None
         self._late = host.late_requests(self.runner, order, scheduler_output,
                                         self.canary.max_reqs, self.canary.layout.block_size)
+        self._prepared = True
         return out
 
     def _take_delta(self):
@@ -219,29 +224,20 @@ class TpuInferenceGuard:
         key = tuple(getattr(c, "sharding", None) for c in kv_caches)
         fn = self._normal_jits.get(key)
         if fn is None:
-            canary, step = self.canary, self._orig["step_fn_no_options"]
-            state_sharding = NamedSharding(canary.mesh, P(canary.axes or None))
-            kv_out = [getattr(c, "sharding", None) for c in kv_caches]
-
-            def traced(state, delta, late, split, model_x64, state_leaves, kv, input_ids, md,
-                       inputs_embeds, input_positions, layer_map, lora, inter, first, last):
-                def model(kv_in):
-                    with jax.enable_x64(model_x64):
-                        return step(state_leaves, kv_in, input_ids, md, inputs_embeds,
-                                    input_positions, layer_map, lora, inter, first, last)
-
-                return device.guarded_step(canary, model, state, delta, True, md, input_ids,
-                                           input_positions, list(kv), late, split)
-
-            fn = jax.jit(traced, static_argnums=(3, 4, 11, 14, 15), donate_argnums=(0, 6),
-                         out_shardings=(state_sharding, (kv_out, None, None, None)),
-                         compiler_options=self._options or None)
+            fn = guarded_model_fn(self.canary, self._orig["step_fn_no_options"],
+                                  [getattr(c, "sharding", None) for c in kv_caches],
+                                  self._options)
             self._normal_jits[key] = fn
         return fn
 
     def _model_fn(self, state_leaves, kv_caches, input_ids, attn_metadata, inputs_embeds,
                   input_positions, layer_map, lora_metadata, intermediate_tensors, is_first_rank,
                   is_last_rank, **kwargs):
+        if not self._prepared:  # no step described (a warm-up, a replay): not guarded
+            return self._orig["model_fn"](state_leaves, kv_caches, input_ids, attn_metadata,
+                                          inputs_embeds, input_positions, layer_map,
+                                          lora_metadata, intermediate_tensors, is_first_rank,
+                                          is_last_rank, **kwargs)
         pending, delta = self._take_delta()
         model_x64 = bool(jax.config.read("jax_enable_x64"))
         jitted = self._normal_jit(kv_caches)
@@ -254,6 +250,7 @@ class TpuInferenceGuard:
                                          intermediate_tensors, is_first_rank, is_last_rank)
         except BaseException:
             self.book.reset()
+            self._prepared = False
             raise
         self._after_step(pending)
         return out
@@ -282,6 +279,8 @@ class TpuInferenceGuard:
         return (list(out[0]) + [new], *out[1:])
 
     def _continue_decode(self, scheduler_output):
+        if not self._prepared:
+            return self._orig["continue"](scheduler_output)
         pending, delta = self._take_delta()
         runner = self.runner
         with jax.enable_x64(True):
@@ -293,6 +292,7 @@ class TpuInferenceGuard:
             out = self._orig["continue"](scheduler_output)
         except BaseException:
             self.book.reset()
+            self._prepared = False
             raise
         finally:
             kvs = list(runner.kv_caches)
@@ -325,6 +325,7 @@ class TpuInferenceGuard:
         if pending is not None:
             self.book.commit(pending)
         self._pending = None
+        self._prepared = False
         self.steps += 1
         if self.manager is not None:
             self.manager.observe(self.state, resolve=self._resolve(self._owners))
@@ -351,6 +352,32 @@ class TpuInferenceGuard:
                 self.state = _sweep_jit(self.state, jnp.asarray(tables), jnp.asarray(rows),
                                         jnp.asarray(lengths), kv, canary=c)
         self.sweeps += 1
+
+
+def guarded_model_fn(canary: device.TpuInferenceCanary, step: Callable, kv_shardings,
+                     compiler_options: dict | None = None):
+    """The guarded step's jit (what the guard's ``runner.model_fn`` calls): HEAD -> ``step``
+    (the model's options-free step, ``runner.model.step_fn_no_options``) -> TAIL, called as
+    ``fn(state, delta, late, split, model_x64, state_leaves, kv_caches, input_ids,
+    attn_metadata, inputs_embeds, input_positions, layer_map, lora_metadata,
+    intermediate_tensors, is_first_rank, is_last_rank)`` under x64 and returning ``(state,
+    step's output)``; the state and the KV donated, the KV placed as ``kv_shardings``, the
+    step's own ``compiler_options`` (JAX refuses them on a nested jit)."""
+    state_sharding = NamedSharding(canary.mesh, P(canary.axes or None))
+
+    def traced(state, delta, late, split, model_x64, state_leaves, kv, input_ids, md,
+               inputs_embeds, input_positions, layer_map, lora, inter, first, last):
+        def model(kv_in):
+            with jax.enable_x64(model_x64):
+                return step(state_leaves, kv_in, input_ids, md, inputs_embeds,
+                            input_positions, layer_map, lora, inter, first, last)
+
+        return device.guarded_step(canary, model, state, delta, True, md, input_ids,
+                                   input_positions, list(kv), late, split)
+
+    return jax.jit(traced, static_argnums=(3, 4, 11, 14, 15), donate_argnums=(0, 6),
+                   out_shardings=(state_sharding, (list(kv_shardings), None, None, None)),
+                   compiler_options=compiler_options or None)
 
 
 def _sweep_impl(state, tables, rows, lengths, kv, *, canary):
