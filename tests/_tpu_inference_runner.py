@@ -101,10 +101,18 @@ def _jnp_rpa(mesh, q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribu
     return out.astype(q.dtype), flat.reshape(kv_cache.shape)
 
 
-def patch_for_cpu() -> None:
-    """The CPU patches of the module docstring (process-wide: this process is the test's)."""
+TPU_STEP_OPTIONS = {}  # the model step's TPU compiler options, kept by patch_for_cpu
+_ENTERED = []  # the vLLM config contexts vllm_config entered (never exited: one per process)
+
+
+def patch_for_cpu(stand_in_attention: bool = True) -> None:
+    """The CPU patches of the module docstring (process-wide: this process is the test's).
+    ``stand_in_attention=False`` keeps the Pallas kernel (to compile the step for a TPU
+    topology: ``bench/tpu_inference_step.py``); :data:`TPU_STEP_OPTIONS` keeps the step's TPU
+    compiler options."""
     from tpu_inference.models.common import compiler_options
 
+    TPU_STEP_OPTIONS.update(compiler_options.get_step_fn_compiler_options())
     compiler_options.get_step_fn_compiler_options = lambda: {}
     compiler_options.get_sampling_compiler_options = lambda: {}
     import vllm.platforms
@@ -130,7 +138,48 @@ def patch_for_cpu() -> None:
     tpu_runner.make_optimized_mesh = plain_mesh
     utils.hbm_usage_gb = lambda devices: [(0.0, 16.0) for _ in devices]
     utils.hbm_usage_bytes = lambda devices: [(0, 16 << 30) for _ in devices]
-    attention_interface.sharded_ragged_paged_attention = _jnp_rpa
+    if stand_in_attention:
+        attention_interface.sharded_ragged_paged_attention = _jnp_rpa
+
+
+def vllm_config(*, head_dim: int = 128, max_num_seqs: int = 4, max_model_len: int = 128,
+                max_num_batched_tokens: int = 64, continue_decode: bool = True,
+                max_decode_steps: int = 4, eos: int = 2, prefix_caching: bool = True,
+                dp_size: int = 1, model: dict | None = None):
+    """The tiny Qwen3's ``VllmConfig`` (a local ``config.json``; ``model``: fields of it
+    changed), entered as the current one (as vLLM's worker does), with the worker's one-stage
+    pipeline group set up."""
+    from vllm.config import (CacheConfig, LoadConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig, VllmConfig, set_current_vllm_config)
+
+    from tpu_inference.distributed import jax_parallel_state
+
+    model_dir = tempfile.mkdtemp(prefix="kvcanary-qwen3-")
+    config = qwen3_config(head_dim, eos)
+    config.update(max_position_embeddings=max(256, max_model_len), **(model or {}))
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    additional = {"enable_continue_decode": continue_decode,
+                  "max_decode_steps": max_decode_steps}
+    cfg = VllmConfig(
+        model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16",
+                                 max_model_len=max_model_len, seed=0),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching),
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                         max_num_batched_tokens=max_num_batched_tokens,
+                                         max_model_len=max_model_len,
+                                         is_encoder_decoder=False, async_scheduling=False),
+        parallel_config=ParallelConfig(data_parallel_size=dp_size),
+        load_config=LoadConfig(load_format="dummy"),
+        additional_config=additional,
+    )
+    entered = set_current_vllm_config(cfg)
+    entered.__enter__()
+    _ENTERED.append(entered)  # kept: a collected context would exit, unsetting the config
+    # The worker's one-stage pipeline group (no transfer server without pipeline stages).
+    jax_parallel_state.init_pp_distributed_environment("127.0.0.1", 0, 1, jax.devices()[0],
+                                                       need_pp=False)
+    return cfg
 
 
 class Engine:
@@ -140,9 +189,8 @@ class Engine:
     def __init__(self, *, head_dim: int = 128, num_blocks: int = 32, max_num_seqs: int = 4,
                  max_model_len: int = 128, continue_decode: bool = True,
                  max_decode_steps: int = 4, eos: int = 2, prefix_caching: bool = True,
-                 dp_size: int = 1):
-        from vllm.config import (CacheConfig, LoadConfig, ModelConfig, ParallelConfig,
-                                 SchedulerConfig, VllmConfig, set_current_vllm_config)
+                 dp_size: int = 1, max_num_batched_tokens: int = 64,
+                 model: dict | None = None):
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.attention.backends.utils import record_kv_cache_layout
         from vllm.v1.core.kv_cache_planning import get_kv_cache_configs
@@ -150,33 +198,13 @@ class Engine:
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
-        from tpu_inference.distributed import jax_parallel_state
         from tpu_inference.runner.tpu_runner import TPUModelRunner
 
-        self.dir = tempfile.mkdtemp(prefix="kvcanary-qwen3-")
-        with open(os.path.join(self.dir, "config.json"), "w") as f:
-            json.dump(qwen3_config(head_dim, eos), f)
-        additional = {"enable_continue_decode": continue_decode,
-                      "max_decode_steps": max_decode_steps}
-        self.config = VllmConfig(
-            model_config=ModelConfig(model=self.dir, skip_tokenizer_init=True, dtype="bfloat16",
-                                     max_model_len=max_model_len, seed=0),
-            cache_config=CacheConfig(block_size=BLOCK_SIZE,
-                                     enable_prefix_caching=prefix_caching),
-            scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                             max_num_batched_tokens=64,
-                                             max_model_len=max_model_len,
-                                             is_encoder_decoder=False,
-                                             async_scheduling=False),
-            parallel_config=ParallelConfig(data_parallel_size=dp_size),
-            load_config=LoadConfig(load_format="dummy"),
-            additional_config=additional,
-        )
-        self._ctx = set_current_vllm_config(self.config)
-        self._ctx.__enter__()
-        # The worker's one-stage pipeline group (no transfer server without pipeline stages).
-        jax_parallel_state.init_pp_distributed_environment("127.0.0.1", 0, 1, jax.devices()[0],
-                                                           need_pp=False)
+        self.config = vllm_config(
+            head_dim=head_dim, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens, continue_decode=continue_decode,
+            max_decode_steps=max_decode_steps, eos=eos, prefix_caching=prefix_caching,
+            dp_size=dp_size, model=model)
         self.runner = TPUModelRunner(self.config, devices=jax.devices()[:dp_size])
         self.runner.load_model()
         # The engine core resolves one layout for the model before sizing the cache (the
