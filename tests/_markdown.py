@@ -3,7 +3,8 @@
 A block is runnable when the line before its ```` ```python ```` fence (blank lines between
 allowed) is an HTML comment: ``<!-- runnable -->`` (this package only), ``<!-- runnable: torch
 -->`` (needs torch and SGLang 0.5.23), ``<!-- runnable: sglang_jax -->`` (needs sglang-jax
-0.0.2) or ``<!-- runnable: sglang_jax_01 -->`` (needs sglang-jax 0.1.0rc0);
+0.0.2), ``<!-- runnable: sglang_jax_01 -->`` (needs sglang-jax 0.1.0rc0) or
+``<!-- runnable: tpu_inference -->`` (needs tpu-inference and vllm-tpu);
 ``<!-- fragment -->`` marks code that does not run alone. docs/testing.md ("Runnable examples")
 documents the markers; tests/test_docs.py runs the runnable blocks and tests/test_readme.py holds
 the README to them."""

@@ -5,7 +5,9 @@ Which blocks are runnable, and what they need, is said by a comment before each 
 (tests/_markdown.py; docs/testing.md, "Runnable examples"): those that need torch and SGLang
 carry the ``torch`` marker (the Python 3.11 leg), those that need sglang-jax the ``sglang_jax``
 marker (deselected where it is not installed) and the version's (``sglang_jax_002`` or
-``sglang_jax_01``: deselected where the other version is installed). Every Python block carries a marker, so that no
+``sglang_jax_01``: deselected where the other version is installed), and those that need
+tpu-inference the ``tpu_inference`` marker (deselected where it is not installed). Every
+Python block carries a marker, so that no
 example goes untested by omission; the docs include the README's examples (pymdownx.snippets)
 rather than copying them, so each runs once.
 
@@ -31,7 +33,8 @@ import _markdown as md
 # installed).
 NEEDS = {"torch": (pytest.mark.torch,),
          "sglang_jax": (pytest.mark.sglang_jax, pytest.mark.sglang_jax_002),
-         "sglang_jax_01": (pytest.mark.sglang_jax, pytest.mark.sglang_jax_01)}
+         "sglang_jax_01": (pytest.mark.sglang_jax, pytest.mark.sglang_jax_01),
+         "tpu_inference": (pytest.mark.tpu_inference,)}
 PYTHON = [b for page in md.pages() for b in md.blocks(page) if b.is_python]
 RUNNABLE = [b for b in PYTHON if b.marker == "runnable"]
 # A fresh process imports JAX (and torch and SGLang, or sglang-jax) and compiles the example.
@@ -41,7 +44,7 @@ TIMEOUT_S = 300
 def test_every_python_block_is_marked():
     unmarked = [b.where for b in PYTHON if b.marker is None]
     assert unmarked == [], ("a ```python block needs <!-- runnable -->, <!-- runnable: torch -->, "
-                            "<!-- runnable: sglang_jax -->, <!-- runnable: sglang_jax_01 --> or "
+                            "<!-- runnable: sglang_jax -->, <!-- runnable: sglang_jax_01 -->, <!-- runnable: tpu_inference --> or "
                             "<!-- fragment --> before it")
     unknown = [f"{b.where}: {n}" for b in PYTHON for n in b.needs if n not in NEEDS]
     assert unknown == []
@@ -53,7 +56,9 @@ def test_the_examples_are_found():
     readme = sorted(b.needs for b in RUNNABLE if b.page == md.README)
     assert readme == [(), ("sglang_jax",), ("torch",)]
     assert {b.page.name for b in RUNNABLE} >= {"README.md", "getting-started.md", "serving.md",
-                                                "torch.md"}
+                                                "torch.md", "tpu-inference.md"}
+    assert [b.needs for b in RUNNABLE if b.page.name == "tpu-inference.md"] == [
+        ("tpu_inference",)]
 
 
 def test_the_docs_include_readme_sections_that_exist():

@@ -1,0 +1,53 @@
+"""The canary inside vLLM's TPU backend, tpu-inference 0.32 (``TPUModelRunner``), with no fork.
+
+tpu-inference has no KV integrity check. :func:`install` guards a runner as it is (nothing here
+imports ``tpu_inference`` or ``vllm`` until a guard is installed; attributes are read by name)
+and runs kv-canary's HEAD -> model -> TAIL around every model step, the on-device decode loop's
+included, as SGLang's runtime does around its forward (:mod:`kvcanary_jax.runtime`):
+
+* :mod:`.layout`: the two KV layouts (RPA v3 with head_dim padded to 128 lanes; head_dim 64
+  with K and V in one 128-lane row), recognised from the arrays and refused otherwise;
+* :mod:`.device`: the step's batch derived on the device from ``AttentionMetadata`` (block
+  tables, ``seq_lens``, ``query_start_loc``, ``request_distribution``, ``input_positions``,
+  padding masked), the expected-token pool kept on the device, HEAD / TAIL / SWEEP per shard
+  (one canary per data-parallel rank and per KV-head shard);
+* :mod:`.host`: the request lifecycle (expected-id deltas, the fully written blocks the sweep
+  re-verifies);
+* :mod:`.guard`: the hooks (``model_fn``, ``model.step_fn_no_options`` with the state in the
+  decode loop's carry, ``persistent_batch_manager.update_states``,
+  ``_execute_continue_decode``), the runtime manager (modes, reporting, agreement) and
+  remediation (:class:`Remediator`: abort the request, evict its block from vLLM's prefix
+  cache).
+
+Real-KV coverage is SGLang's: one layer's K strips (``layer``, 0 by default; ``guard.layers``
+lists the layers covered), ``real_data`` ``none`` / ``partial`` / ``all``.
+"""
+
+from kvcanary_jax.integrations.tpu_inference.device import TokenDelta, TpuInferenceCanary
+from kvcanary_jax.integrations.tpu_inference.guard import (
+    SUPPORTED_VERSIONS,
+    Carried,
+    Remediator,
+    TpuInferenceGuard,
+    guarded_model_fn,
+    install,
+    read_violations,
+    violation_counts,
+)
+from kvcanary_jax.integrations.tpu_inference.layout import SUPPORTED_LAYOUTS, KvLayout, kv_layout
+
+__all__ = [
+    "install",
+    "TpuInferenceGuard",
+    "Remediator",
+    "read_violations",
+    "violation_counts",
+    "TpuInferenceCanary",
+    "TokenDelta",
+    "Carried",
+    "guarded_model_fn",
+    "KvLayout",
+    "kv_layout",
+    "SUPPORTED_LAYOUTS",
+    "SUPPORTED_VERSIONS",
+]

@@ -1,0 +1,391 @@
+"""The canary's device side over tpu-inference's step: its description, the batch it derives
+from ``AttentionMetadata``, the kept expected-token pool, and HEAD / TAIL / SWEEP per shard.
+
+**The batch, derived on the device.** A step has no slot mapping: the attention kernel writes
+the KV of request ``i``'s ``q_len`` new tokens (``q_len = query_start_loc[i + 1] -
+query_start_loc[i]``) at positions ``[seq_lens[i] - q_len, seq_lens[i])``, slot
+``block_tables[i * max_blocks + pos // block_size] * block_size + pos % block_size``, for the
+first ``request_distribution[2]`` requests; tokens past ``query_start_loc[n]`` are padding
+(their ``input_positions`` keep stale values: they are masked by ``query_start_loc``, never by
+position). :func:`step_batch` turns one data shard's metadata into the runtime's
+:class:`~kvcanary_jax.ForwardBatch` (prefix ``seq_len - q_len``, extend ``q_len``, the written
+slots as ``out_cache_loc``, ``-1`` for padding) and a slot table whose row ``i + 1`` holds
+request ``i``'s slots for positions ``[0, seq_len)`` (row 0: the padding row). The plan
+therefore verifies the very slots the attention reads, from the very block table it reads:
+a wrong block-table entry is checked, not hidden.
+
+**Expected token ids, kept on the device.** The state's expected-token pool has a row per
+request (``pool row``, stable while the request lives, :mod:`.host`), ``+ 1`` (row 0 unused).
+Each step takes a :class:`TokenDelta` (per batch row: its pool row + 1, the first position sent
+and how many; then the ids): the ids the host knows and the device lacks. Positions a step
+writes past what the pool holds (the on-device decode loop's own samples, which the host learns
+only after the loop) are taken from the step's input ids when first written; a later write of a
+position the pool holds is checked against it (the write's input check) and so is every read
+(the verify's token check). ``valid`` (the state's ``expected_valid_lens``) is how many leading
+positions of each row the pool holds.
+
+**Shards.** One canary per KV shard: over the data-parallel axis (each rank its blocks, its
+block-table rows, its slice of every metadata array) and the KV-head axis (each its own heads).
+The states are stacked along a leading axis sharded over both (:attr:`TpuInferenceCanary.axes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import kvcanary_jax as kc
+from kvcanary_jax.integrations.tpu_inference.layout import KvLayout
+from kvcanary_jax.runtime.step import head, tail
+
+__all__ = ["TpuInferenceCanary", "TokenDelta", "step_batch", "guarded_step", "sweep_step",
+           "pack_state", "unpack_state"]
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TpuInferenceCanary:
+    """Static description of one canary over a tpu-inference runner (hashable: a jit constant).
+
+    ``layout``: the canary layer's :class:`KvLayout`; ``layer_index``: its index in
+    ``runner.kv_caches``; ``layers``: the layer names whose real KV is fingerprinted (layer 0's
+    today, SGLang's coverage). ``num_slots``: slots of one data shard; ``max_reqs``: batch rows
+    of one data shard (``max_num_reqs // dp``); ``max_blocks``: block-table columns;
+    ``pool_rows``: expected-token pool rows; ``mesh`` / ``kv_spec``: the cache's. The rest is
+    :class:`kvcanary_jax.CanaryConfig`'s."""
+
+    layout: KvLayout
+    layer_index: int
+    layers: tuple[str, ...]
+    num_slots: int
+    max_reqs: int
+    max_blocks: int
+    pool_rows: int
+    mesh: Mesh
+    kv_spec: P
+    k_heads: int = 1
+    token_checks: bool = True
+    sweep_rows: int = 16
+    ring_capacity: int = 1024
+    real_kv_hash_mode: str = "all"
+    implementation: str | None = None
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        return _axes(tuple(self.kv_spec)[0]) if len(tuple(self.kv_spec)) else ()
+
+    @property
+    def head_axes(self) -> tuple[str, ...]:
+        spec = tuple(self.kv_spec)
+        return _axes(spec[2]) if len(spec) > 2 else ()
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return self.data_axes + self.head_axes
+
+    def _size(self, axes) -> int:
+        return math.prod(self.mesh.shape[a] for a in axes)
+
+    @property
+    def data_shards(self) -> int:
+        return self._size(self.data_axes)
+
+    @property
+    def num_shards(self) -> int:
+        return self._size(self.axes)
+
+    @property
+    def context_len(self) -> int:
+        return self.max_blocks * self.layout.block_size
+
+    @property
+    def config(self) -> kc.CanaryConfig:
+        return kc.CanaryConfig(
+            max_reqs=self.pool_rows + 1, write_req_capacity=self.max_reqs + 1,
+            context_len=self.context_len, num_slots=self.num_slots, max_bs=self.max_reqs,
+            max_tokens=self.max_reqs, ring_capacity=self.ring_capacity,
+            real_kv_hash_mode=self.real_kv_hash_mode,
+            enable_verify_token_assert=self.token_checks,
+            enable_write_input_assert=self.token_checks, implementation=self.implementation)
+
+    def init_state(self):
+        """Zero-filled per-shard states, stacked on a leading axis placed over :attr:`axes`."""
+        with jax.enable_x64(True):
+            one = kc.init_state(self.config)
+            n = self.num_shards
+            stacked = jax.tree.map(lambda x: jnp.broadcast_to(x[None], (n,) + x.shape), one)
+            return jax.device_put(stacked, NamedSharding(self.mesh, P(self.axes or None)))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenDelta:
+    """One step's expected ids from the host, per data shard stacked (int32): ``rows``
+    ``[shards * max_reqs]`` (pool row + 1 of each batch row, 0 = padding), ``starts`` and
+    ``counts`` (first position sent, ids sent), ``ids`` ``[shards * n]``."""
+
+    rows: jax.Array
+    starts: jax.Array
+    counts: jax.Array
+    ids: jax.Array
+
+
+def _owner(offsets, idx, n):
+    """For exclusive prefix sums ``offsets`` [n + 1], the entry whose range holds each index."""
+    return jnp.clip(jnp.searchsorted(offsets[1:], idx, side="right"), 0, max(n - 1, 0))
+
+
+def _gather(values, idx):
+    # A clamped gather: masked lanes may compute any index; none reads out of bounds.
+    return values[jnp.clip(idx, 0, max(values.shape[0] - 1, 0))]
+
+
+def step_batch(canary: TpuInferenceCanary, md, input_ids, input_positions):
+    """One data shard's metadata -> (lengths, written positions, table) (trace under x64).
+    ``md``: the shard's ``seq_lens`` [M], ``query_start_loc`` [M + 1], ``block_tables``
+    [M * max_blocks], ``request_distribution`` [3]."""
+    seq_lens, qsl, block_tables, dist = md
+    m = seq_lens.shape[0]
+    if m != canary.max_reqs or block_tables.shape[0] != m * canary.max_blocks:
+        raise ValueError(f"kv-canary tpu-inference: a shard's metadata has {m} requests and "
+                         f"{block_tables.shape[0]} block-table entries; the canary was built for "
+                         f"{canary.max_reqs} x {canary.max_blocks}")
+    bs = canary.layout.block_size
+    i64 = lambda x: x.astype(jnp.int64)  # noqa: E731
+    r = jnp.arange(m, dtype=jnp.int64)
+    n = i64(dist[2])
+    live = r < n
+    qsl = i64(qsl)
+    q_len = jnp.where(live, qsl[1:] - qsl[:-1], 0)
+    seq = jnp.where(live, i64(seq_lens), 0)
+    prefix = jnp.where(live, seq - q_len, 0)
+    cols = jnp.arange(canary.context_len, dtype=jnp.int64)
+    bt = i64(block_tables).reshape(m, canary.max_blocks)
+    table = bt[:, cols // bs] * bs + cols % bs
+    table = jnp.where(cols[None, :] < seq[:, None], table, 0).astype(jnp.int32)
+    table = jnp.concatenate([jnp.zeros((1, canary.context_len), jnp.int32), table])
+    ntok = input_ids.shape[0]
+    tok = jnp.arange(ntok, dtype=jnp.int64)
+    owner = _owner(qsl, tok, m)
+    valid_tok = tok < qsl[jnp.clip(n, 0, m)]
+    pos = prefix[owner] + tok - qsl[owner]
+    flat_table = table[1:].reshape(-1).astype(jnp.int64)
+    slot = jnp.where(valid_tok, _gather(flat_table, owner * canary.context_len + pos), -1)
+    return dict(seq=seq, prefix=prefix, q_len=q_len, rows=jnp.where(live & (seq > 0), r + 1, 0),
+                owner=owner, valid_tok=valid_tok, pos=jnp.where(valid_tok, pos, 0), slot=slot,
+                table=table)
+
+
+def _pool(canary: TpuInferenceCanary, st, b, delta: TokenDelta | None, pending, input_ids):
+    """The delta applied, the step's first writes adopted; returns (state, batch rows of the
+    pool [M + 1, ctx], expected id per token)."""
+    pool, valid = st.expected_tokens, st.expected_valid_lens
+    m, ctx, rows_total = canary.max_reqs, canary.context_len, pool.shape[0]
+    prow = jnp.zeros((m,), jnp.int64)
+    if delta is not None:
+        prow = delta.rows.astype(jnp.int64)
+        starts, counts = delta.starts.astype(jnp.int64), delta.counts.astype(jnp.int64)
+        zero = jnp.zeros((1,), jnp.int64)
+        doff = jnp.concatenate([zero, jnp.cumsum(counts)])
+        i = jnp.arange(delta.ids.shape[0], dtype=jnp.int64)
+        r = _owner(doff, i, m)
+        ok = (i < doff[m]) & (prow[r] > 0)
+        col = jnp.where(ok, starts[r] + i - doff[r], ctx)  # past the width: dropped
+        pool = pool.at[prow[r], col].set(delta.ids.astype(jnp.int32), mode="drop")
+        base = jnp.where(pending & (starts == 0), 0, valid[prow])
+        held = jnp.where(prow > 0, jnp.maximum(base, starts + counts), valid[prow])
+        valid = valid.at[jnp.where(prow > 0, prow, rows_total)].set(held, mode="drop")
+    row_t = jnp.where(b["valid_tok"], prow[b["owner"]], 0)
+    tok_ids = input_ids.astype(jnp.int32)
+    adopt = (row_t > 0) & (b["pos"] >= valid[row_t])
+    pool = pool.at[jnp.where(adopt, row_t, rows_total), b["pos"]].set(tok_ids, mode="drop")
+    valid = valid.at[row_t].max(jnp.where(row_t > 0, b["pos"] + 1, 0))
+    valid = valid.at[0].set(0)
+    expected = pool[row_t, jnp.clip(b["pos"], 0, ctx - 1)].astype(jnp.int64)
+    rows_b = jnp.concatenate([jnp.zeros((1,), jnp.int64), prow])
+    st = dataclasses.replace(st, expected_tokens=pool, expected_valid_lens=valid)
+    return st, pool[rows_b], expected
+
+
+def _canary_batch(b, input_ids, input_positions, expected, keep=None):
+    """The runtime's batch; with ``keep`` (per request), the other requests masked out: no
+    row, no length, their tokens moved after the kept ones (the plan reads each request's
+    tokens at the running sum of the lengths) and written nowhere (``out_cache_loc`` -1)."""
+    i64 = lambda x: x.astype(jnp.int64)  # noqa: E731
+    zero = jnp.zeros((1,), jnp.int64)
+    rows, prefix, q_len, seq = b["rows"], b["prefix"], b["q_len"], b["seq"]
+    ids, pos, slot = i64(input_ids), jnp.where(b["valid_tok"], i64(input_positions), 0), b["slot"]
+    exp_pos = b["pos"]
+    if keep is not None:
+        rows, prefix, q_len, seq = (jnp.where(keep, x, 0) for x in (rows, prefix, q_len, seq))
+        keep_tok = b["valid_tok"] & keep[b["owner"]]
+        tok = jnp.arange(ids.shape[0], dtype=jnp.int64)
+        perm = jnp.argsort(jnp.where(keep_tok, 0, ids.shape[0]) + tok)
+        ids, pos, exp_pos, expected = ids[perm], pos[perm], exp_pos[perm], expected[perm]
+        slot = jnp.where(keep_tok[perm], slot[perm], -1)
+    return kc.ForwardBatch(
+        req_pool_indices=rows, prefix_lens=prefix, extend_seq_lens=q_len,
+        all_ids_flat=zero, all_ids_offsets=jnp.concatenate([zero, jnp.cumsum(seq)]),
+        input_ids=ids, positions=pos, out_cache_loc=slot, expected_input_tokens=expected,
+        expected_input_positions=exp_pos)
+
+
+def _passes(late, split: bool):
+    """The request masks HEAD and TAIL run in turn: one pass over everyone; or, when a request
+    reads slots another request of the step writes (vLLM hands out a block to a second request
+    in the step that fills it), the writers first and the readers after, so that each verify
+    sees the stamps of this step's writes (SGLang's verify runs before its write)."""
+    if not split:
+        return (None,)
+    return (late == 0, late != 0)
+
+
+def _first(tree):
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def _stack1(tree):
+    return jax.tree.map(lambda x: x[None], tree)
+
+
+def _no_lut():
+    return jnp.zeros((1,), jnp.int64)  # the runtime's placeholder when there is no SWA group
+
+
+def _k_dict(canary, local_kv):
+    return {"FULL": {"K": list(canary.layout.k_sources(local_kv, canary.k_heads))}}
+
+
+def _shard_map(canary, fn, state, per_data, kv):
+    """``fn(shard state, shard's data, local kv)`` once per shard; its result (a state, or any
+    pytree of per-shard values) stacked along the leading axis."""
+    spec = P(canary.axes or None)
+    dspec = P(canary.data_axes or None)
+    in_specs = (spec, jax.tree.map(lambda _: dspec, per_data), canary.kv_spec)
+
+    def body(st, data, local):
+        return _stack1(fn(_first(st), data, local))
+
+    return jax.shard_map(body, mesh=canary.mesh, in_specs=in_specs, out_specs=spec,
+                         check_vma=False)(state, per_data, kv)
+
+
+def _shard_map_plans(canary, fn, state, per_data, kv):
+    """:func:`_shard_map` with ``per_data["plans"]`` split over every shard axis."""
+    spec = P(canary.axes or None)
+    dspec = P(canary.data_axes or None)
+    plans = per_data.pop("plans")
+    in_specs = (spec, jax.tree.map(lambda _: dspec, per_data), spec, canary.kv_spec)
+
+    def body(st, data, pl, local):
+        return _stack1(fn(_first(st), {**data, "plans": pl}, local))
+
+    return jax.shard_map(body, mesh=canary.mesh, in_specs=in_specs, out_specs=spec,
+                         check_vma=False)(state, per_data, plans, kv)
+
+
+def _metadata(md):
+    return (md.seq_lens, md.query_start_loc, md.block_tables, md.request_distribution)
+
+
+def guarded_step(canary: TpuInferenceCanary, model, state, delta, pending, md, input_ids,
+                 input_positions, kv_caches, late=None, split: bool = False):
+    """HEAD -> ``model(kv_caches) -> out`` -> TAIL, traceable under x64 (the model is traced
+    under the caller's own setting: ``model`` enters it). ``out[0]`` is the new KV list.
+    ``pending``: whether ``delta`` is new (applied with its resets) or seen already (the
+    decode loop's later iterations). ``late`` [data shards * max_reqs]: requests that read a
+    slot another request of the step writes; ``split`` (static): whether any does."""
+    cfg = canary.config
+    pend = jnp.broadcast_to(jnp.asarray(pending, jnp.bool_), (canary.data_shards,))
+    if late is None:
+        late = jnp.zeros((canary.data_shards * canary.max_reqs,), jnp.int32)
+    per_data = dict(md=_metadata(md), ids=input_ids, pos=input_positions, delta=delta,
+                    pending=pend, late=late)
+
+    def head_fn(st, data, _local):
+        b = step_batch(canary, data["md"], data["ids"], data["pos"])
+        expected_pool, expected = None, jnp.zeros(data["ids"].shape, jnp.int64)
+        if canary.token_checks:
+            st, expected_pool, expected = _pool(canary, st, b, data["delta"],
+                                                data["pending"][0], data["ids"])
+        plans = []  # each pass's plans, for its TAIL (the state keeps the last pass's)
+        for keep in _passes(data["late"], split):
+            batch = _canary_batch(b, data["ids"], data["pos"], expected, keep)
+            st = head(cfg, st, batch, b["table"], _no_lut(), expected_pool=expected_pool)
+            plans.append(st.plans)
+        return {"state": st, "plans": plans}
+
+    both = _shard_map(canary, head_fn, state, per_data, kv_caches[canary.layer_index])
+    state, per_data["plans"] = both["state"], both["plans"]
+    out = model(kv_caches)
+    new_kv = out[0][canary.layer_index]
+
+    def tail_fn(st, data, local):
+        b = step_batch(canary, data["md"], data["ids"], data["pos"])
+        expected = jnp.zeros(data["ids"].shape, jnp.int64)
+        if canary.token_checks:
+            # HEAD updated the pool already; the expected ids are re-read, not re-adopted.
+            row_t = jnp.where(b["valid_tok"], data["delta"].rows.astype(jnp.int64)[b["owner"]], 0)
+            expected = st.expected_tokens[row_t, jnp.clip(b["pos"], 0, canary.context_len - 1)]
+            expected = expected.astype(jnp.int64)
+        for keep, plans in zip(_passes(data["late"], split), data["plans"]):
+            batch = _canary_batch(b, data["ids"], data["pos"], expected, keep)
+            st = tail(cfg, dataclasses.replace(st, plans=_first(plans)), batch, _no_lut(),
+                      _k_dict(canary, local))
+        return st
+
+    # The plans travel as per-shard values: stacked over every shard axis, not only the data
+    # axes the other per-step arrays are split over.
+    return _shard_map_plans(canary, tail_fn, state, per_data, new_kv), out
+
+
+def sweep_step(canary: TpuInferenceCanary, state, tables, rows, lengths, kv):
+    """Verify cached prefixes against the TAIL buffers, per shard (``tables`` [data shards *
+    (n + 1), ctx], ``rows`` / ``lengths`` [data shards * n], stacked per data shard)."""
+    cfg = canary.config
+    n = canary.sweep_rows
+
+    def fn(st, data, local):
+        return kc.canary_sweep(cfg, st, rows_table=data["table"].reshape(n + 1, -1),
+                               row_indices=data["rows"], lengths=data["lengths"],
+                               kv=_k_dict(canary, local))
+
+    per_data = dict(table=tables.reshape(-1), rows=rows, lengths=lengths)
+    return _shard_map(canary, fn, state, per_data, kv)
+
+
+# The decode loop carries the canary state inside its opaque ``kv_caches``, traced without
+# 64-bit types: 64-bit leaves travel as int32 pairs.
+_WIDE = (jnp.dtype(jnp.int64), jnp.dtype(jnp.uint64))
+
+
+def pack_state(state) -> Any:
+    """The state's 64-bit leaves as int32 ``[..., 2]`` (trace or call under x64)."""
+    return jax.tree.map(lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
+                        if x.dtype in _WIDE else x, state)
+
+
+def unpack_state(packed, like) -> Any:
+    """:func:`pack_state` undone, the dtypes taken from ``like`` (a state's abstract shape)."""
+    return jax.tree.map(lambda x, ref: jax.lax.bitcast_convert_type(x, ref.dtype)
+                        if ref.dtype in _WIDE else x, packed, like)
+
+
+@functools.lru_cache(maxsize=None)
+def state_shapes(canary: TpuInferenceCanary):
+    """The abstract stacked state (shapes and dtypes), for :func:`unpack_state`."""
+    with jax.enable_x64(True):
+        one = jax.eval_shape(lambda: kc.init_state(canary.config))
+    n = canary.num_shards
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((n,) + x.shape, x.dtype), one)

@@ -1,0 +1,500 @@
+"""The guard installed in a tpu-inference 0.32 ``TPUModelRunner``, with no fork.
+
+:func:`install` checks the runner (its version, the attributes the guard wraps, the features it
+does not cover, the canary layer's KV layout) and refuses what it cannot guard, before it
+changes anything. Then it wraps four attributes of that runner instance:
+
+* ``runner.persistent_batch_manager.update_states``: after the runner's own update, the step's
+  batch order, its expected-id delta (:class:`~.host.TokenBook`) and the blocks it writes
+  (:class:`~.host.CachedBlocks`);
+* ``runner.model_fn`` (every step but the on-device decode loop): one ``jax.jit`` of HEAD ->
+  the model's options-free step (``runner.model.step_fn_no_options``, whose jit may nest:
+  JAX refuses compiler options on a nested jit, so the guarded jit carries the step's own,
+  ``get_step_fn_compiler_options()``) -> TAIL, the canary state and the KV donated, the KV
+  outputs placed as their inputs. Only a step ``update_states`` described is guarded (its
+  batch rows, expected ids and block owners come from there); any other call (a warm-up, a
+  second call of the same step) runs the runner's own ``model_fn``, and so does
+  ``_execute_continue_decode``;
+* ``runner.model.step_fn_no_options``, the step ``continue_decode`` calls in its
+  ``lax.while_loop``: HEAD -> step -> TAIL in every iteration, the canary state travelling in
+  the loop's carry as a trailing entry of its ``kv_caches`` (a :class:`Carried`: the loop
+  passes ``kv_caches`` through untouched). A call without that entry (a warm-up) runs the step
+  unguarded;
+* ``runner._execute_continue_decode``: appends the :class:`Carried` entry to
+  ``runner.kv_caches`` for the loop and takes it back after (everything else that walks
+  ``runner.kv_caches`` never sees it).
+
+After every guarded step the guard runs the host side: the runtime manager
+(:class:`~kvcanary_jax.runtime.CanaryManager` in observe mode: SGLang's modes, readback one step
+late, reporting, launch health, agreement across processes, ``on_violation`` with the request
+each violation belongs to) and, every ``sweep_interval`` steps, the sweep of cached blocks.
+:class:`Remediator` aborts the request and evicts its block from vLLM's prefix cache.
+
+Install after ``load_model()``, ``initialize_kv_cache()`` and any ``capture_model()``
+(warm-ups of every bucket would otherwise stamp the null block's slots, harmless but slow).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import logging
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from kvcanary_jax.integrations.tpu_inference import device, host, layout as _layout
+from kvcanary_jax.runtime import CanaryManager, ManagerConfig
+
+__all__ = ["SUPPORTED_VERSIONS", "Carried", "TpuInferenceGuard", "install", "Remediator",
+           "read_violations", "violation_counts", "guarded_model_fn"]
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_VERSIONS = ("0.32",)
+_WRAPPED = ("model_fn", "model.step_fn_no_options", "persistent_batch_manager.update_states",
+            "_execute_continue_decode", "kv_caches", "layer_name_to_kvcache_index",
+            "input_batch.token_ids_cpu", "input_batch.num_tokens_no_spec", "requests", "mesh",
+            "max_num_reqs", "dp_size", "model_config", "vllm_config", "state_leaves")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Carried:
+    """The canary's entry in the decode loop's ``kv_caches``: the packed state
+    (:func:`~.device.pack_state`), the step's delta and whether it is still to be applied."""
+
+    state: Any
+    delta: Any
+    pending: jax.Array
+
+
+def _get(obj, dotted):
+    for name in dotted.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def _check_runner(runner) -> None:
+    try:
+        version = importlib.metadata.version("tpu-inference")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    if version is None or not version.startswith(tuple(v + "." for v in SUPPORTED_VERSIONS)):
+        raise ValueError(f"kv-canary tpu-inference: found tpu-inference {version}; supported: "
+                         f"{', '.join(v + '.x' for v in SUPPORTED_VERSIONS)}")
+    missing = []
+    for name in _WRAPPED:
+        try:
+            _get(runner, name)
+        except AttributeError:
+            missing.append(name)
+    if missing:
+        raise ValueError(f"kv-canary tpu-inference: {type(runner).__name__} has no "
+                         f"{', '.join(missing)}: not a TPUModelRunner of tpu-inference "
+                         f"{'/'.join(SUPPORTED_VERSIONS)}")
+    refused = {
+        "speculative decoding": getattr(runner, "speculative_config", None) is not None,
+        "pipeline parallelism": not (getattr(runner, "is_first_rank", True)
+                                     and getattr(runner, "is_last_rank", True)),
+        "prefill context parallelism": getattr(runner, "pcp_preprocessor", None) is not None,
+    }
+    found = [k for k, v in refused.items() if v]
+    if found:
+        raise NotImplementedError(f"kv-canary tpu-inference: the runner uses {', '.join(found)}, "
+                                  "which the guard does not cover (rejected drafts and other "
+                                  "KV writers are out of its view)")
+
+
+def _canary(runner, *, layer: int, k_heads: int, token_checks: bool, ring_capacity: int,
+            real_data: str, sweep_rows: int, implementation) -> device.TpuInferenceCanary:
+    names = dict(runner.layer_name_to_kvcache_index)
+    name = f"layer.{layer}"
+    if name not in names:
+        raise ValueError(f"kv-canary tpu-inference: no KV cache for {name} (layers: "
+                         f"{', '.join(sorted(names))})")
+    index = names[name]
+    kv = runner.kv_caches[index]
+    sharding = getattr(kv, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        raise ValueError(f"kv-canary tpu-inference: {name}'s KV cache is not placed with a "
+                         f"NamedSharding (found {type(sharding).__name__})")
+    mesh, spec = sharding.mesh, sharding.spec
+    spec = P(*(tuple(spec) + (None,) * (5 - len(tuple(spec)))))
+    hf = runner.model_config.hf_text_config
+    kv_heads = int(runner.model_config.get_total_num_kv_heads())
+    head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    head_axes = [a for a in device._axes(tuple(spec)[2])]
+    head_shards = int(np.prod([mesh.shape[a] for a in head_axes])) if head_axes else 1
+    data_axes = [a for a in device._axes(tuple(spec)[0])]
+    data_shards = int(np.prod([mesh.shape[a] for a in data_axes])) if data_axes else 1
+    if data_shards != runner.dp_size:
+        raise ValueError(f"kv-canary tpu-inference: {name}'s blocks are split over {data_shards} "
+                         f"data shards but the runner has dp_size {runner.dp_size}")
+    cache_heads = max(kv_heads, head_shards)  # GQA heads replicated to the head shards
+    block_size = int(runner.cache_config.block_size)
+    lay = _layout.kv_layout(kv.shape, kv.dtype, head_dim=head_dim, kv_heads=cache_heads,
+                            head_shards=head_shards, block_size=block_size, k_heads=k_heads,
+                            where=f"{name}'s KV cache")
+    max_reqs = int(getattr(runner, "attn_max_num_seqs", runner.max_num_reqs)) // runner.dp_size
+    max_blocks = int(runner.input_batch.block_table[0].max_num_blocks_per_req)
+    return device.TpuInferenceCanary(
+        layout=lay, layer_index=index, layers=(name,),
+        num_slots=_layout.local_slots(kv.shape, data_shards), max_reqs=max_reqs,
+        max_blocks=max_blocks, pool_rows=2 * int(runner.max_num_reqs), mesh=mesh, kv_spec=spec,
+        k_heads=k_heads, token_checks=token_checks, sweep_rows=sweep_rows,
+        ring_capacity=ring_capacity, real_kv_hash_mode=real_data,
+        implementation=implementation)
+
+
+class TpuInferenceGuard:
+    """The installed guard (:func:`install` builds it). ``state``: the canary's stacked device
+    state; ``canary``: its :class:`~.device.TpuInferenceCanary`; ``manager``: the runtime
+    manager; ``book`` / ``cached``: the host side; ``layers``: the layers whose real KV is
+    fingerprinted; ``steps``: guarded steps run (a decode loop counts once)."""
+
+    def __init__(self, runner, canary: device.TpuInferenceCanary, manager: CanaryManager,
+                 sweep_interval: int):
+        self.runner, self.canary, self.manager = runner, canary, manager
+        self.sweep_interval = sweep_interval
+        self.layers = canary.layers
+        self.state = canary.init_state()
+        self.book = host.TokenBook(pool_rows=canary.pool_rows, max_reqs=canary.max_reqs,
+                                   dp_size=canary.data_shards, context_len=canary.context_len)
+        self.cached = host.CachedBlocks(dp_size=canary.data_shards,
+                                        block_size=canary.layout.block_size)
+        self.steps = 0
+        self.sweeps = 0
+        self._pending = None
+        self._prepared = False  # update_states described the step the runner runs next
+        self._owners: list[dict[int, str]] = []
+        self._late = np.zeros((canary.data_shards * canary.max_reqs,), np.int32)
+        from tpu_inference.models.common import compiler_options
+
+        self._options = compiler_options.get_step_fn_compiler_options()
+        self._orig = {"model_fn": runner.model_fn,
+                      "step_fn_no_options": runner.model.step_fn_no_options,
+                      "update_states": runner.persistent_batch_manager.update_states,
+                      "continue": runner._execute_continue_decode}
+        self._normal_jits: dict = {}
+        self._pack = jax.jit(device.pack_state)
+        self._unpack = jax.jit(lambda p: device.unpack_state(p, device.state_shapes(canary)))
+        runner.persistent_batch_manager.update_states = self._update_states
+        runner.model_fn = self._model_fn
+        runner.model.step_fn_no_options = self._loop_step
+        runner._execute_continue_decode = self._continue_decode
+
+    def uninstall(self) -> None:
+        """Give the runner its own functions back."""
+        r = self.runner
+        r.model_fn = self._orig["model_fn"]
+        r.model.step_fn_no_options = self._orig["step_fn_no_options"]
+        r.persistent_batch_manager.update_states = self._orig["update_states"]
+        del r._execute_continue_decode  # the class's method again
+
+    # ----------------------------------------------------------------- request lifecycle
+    def _update_states(self, scheduler_output, *args, **kwargs):
+        out = self._orig["update_states"](scheduler_output, *args, **kwargs)
+        self.book.finish(scheduler_output.finished_req_ids)
+        if not scheduler_output.total_num_scheduled_tokens:
+            return out
+        order = host.batch_order(self.runner, scheduler_output, self.canary.data_shards)
+        self.cached.observe(self.runner, order)
+        self._owners = host.block_owners(self.runner, order)
+        self._pending = self.book.plan(self.runner, order) if self.canary.token_checks else None
+        self._late = host.late_requests(self.runner, order, scheduler_output,
+                                        self.canary.max_reqs, self.canary.layout.block_size)
+        self._prepared = True
+        return out
+
+    def _take_delta(self):
+        pending = self._pending
+        if pending is None:
+            return None, None
+        return pending, device.TokenDelta(rows=jnp.asarray(pending.rows),
+                                          starts=jnp.asarray(pending.starts),
+                                          counts=jnp.asarray(pending.counts),
+                                          ids=jnp.asarray(pending.ids))
+
+    # -------------------------------------------------------------------- normal steps
+    def _normal_jit(self, kv_caches):
+        key = tuple(getattr(c, "sharding", None) for c in kv_caches)
+        fn = self._normal_jits.get(key)
+        if fn is None:
+            fn = guarded_model_fn(self.canary, self._orig["step_fn_no_options"],
+                                  [getattr(c, "sharding", None) for c in kv_caches],
+                                  self._options)
+            self._normal_jits[key] = fn
+        return fn
+
+    def _model_fn(self, state_leaves, kv_caches, input_ids, attn_metadata, inputs_embeds,
+                  input_positions, layer_map, lora_metadata, intermediate_tensors, is_first_rank,
+                  is_last_rank, **kwargs):
+        if not self._prepared:  # no step described (a warm-up, a replay): not guarded
+            return self._orig["model_fn"](state_leaves, kv_caches, input_ids, attn_metadata,
+                                          inputs_embeds, input_positions, layer_map,
+                                          lora_metadata, intermediate_tensors, is_first_rank,
+                                          is_last_rank, **kwargs)
+        pending, delta = self._take_delta()
+        model_x64 = bool(jax.config.read("jax_enable_x64"))
+        jitted = self._normal_jit(kv_caches)
+        try:
+            with jax.enable_x64(True):
+                self.state, out = jitted(self.state, delta, jnp.asarray(self._late),
+                                         bool(self._late.any()), model_x64, state_leaves,
+                                         list(kv_caches), input_ids, attn_metadata, inputs_embeds,
+                                         input_positions, layer_map, lora_metadata,
+                                         intermediate_tensors, is_first_rank, is_last_rank)
+        except BaseException:
+            self.book.reset()
+            self._prepared = False
+            raise
+        self._after_step(pending)
+        return out
+
+    # --------------------------------------------------------------- the decode loop
+    def _loop_step(self, state_leaves, kv_caches, *args, **kwargs):
+        step = self._orig["step_fn_no_options"]
+        if not (isinstance(kv_caches, (list, tuple)) and kv_caches
+                and isinstance(kv_caches[-1], Carried)):
+            return step(state_leaves, kv_caches, *args, **kwargs)
+        carried, real = kv_caches[-1], list(kv_caches[:-1])
+        input_ids, md, _embeds, input_positions = args[0], args[1], args[2], args[3]
+        model_x64 = bool(jax.config.read("jax_enable_x64"))
+
+        def model(kv_in):
+            with jax.enable_x64(model_x64):
+                return step(state_leaves, kv_in, *args, **kwargs)
+
+        with jax.enable_x64(True):
+            state = device.unpack_state(carried.state, device.state_shapes(self.canary))
+            state, out = device.guarded_step(self.canary, model, state, carried.delta,
+                                             carried.pending, md, input_ids, input_positions,
+                                             real)
+            new = Carried(state=device.pack_state(state), delta=carried.delta,
+                          pending=jnp.zeros_like(carried.pending))
+        return (list(out[0]) + [new], *out[1:])
+
+    def _continue_decode(self, scheduler_output):
+        if not self._prepared:
+            return self._orig["continue"](scheduler_output)
+        pending, delta = self._take_delta()
+        runner = self.runner
+        with jax.enable_x64(True):
+            packed = self._pack(self.state)
+        self.state = None  # donated into the loop's carry
+        runner.kv_caches = list(runner.kv_caches) + [
+            Carried(state=packed, delta=delta, pending=jnp.ones((), jnp.bool_))]
+        try:
+            out = self._orig["continue"](scheduler_output)
+        except BaseException:
+            self.book.reset()
+            self._prepared = False
+            raise
+        finally:
+            kvs = list(runner.kv_caches)
+            if kvs and isinstance(kvs[-1], Carried):
+                with jax.enable_x64(True):
+                    self.state = self._unpack(kvs[-1].state)
+                runner.kv_caches = kvs[:-1]
+            if self.state is None:  # the loop failed after taking the state: start afresh
+                self.state = self.canary.init_state()
+        self._after_step(pending)
+        return out
+
+    # ------------------------------------------------------------------- host side
+    def _resolve(self, owners):
+        """The manager's ``resolve(slot, violation)``: the request whose block table maps the
+        slot's block in the step, or, where requests of several data-parallel ranks do (each
+        rank numbers its own blocks), ``((rank, request), ...)`` (:class:`Remediator` picks
+        the report's rank)."""
+        bs = self.canary.layout.block_size
+
+        def resolve(slot, violation=None):
+            found = tuple((rank, mine[int(slot) // bs]) for rank, mine in enumerate(owners)
+                          if int(slot) // bs in mine)
+            if not found:
+                return None
+            return found[0][1] if len(found) == 1 else found
+        return resolve
+
+    def _after_step(self, pending) -> None:
+        if pending is not None:
+            self.book.commit(pending)
+        self._pending = None
+        self._prepared = False
+        self.steps += 1
+        if self.manager is not None:
+            self.manager.observe(self.state, resolve=self._resolve(self._owners))
+        if self.sweep_interval and self.steps % self.sweep_interval == 0:
+            self.sweep()
+
+    def sweep(self) -> None:
+        """Re-verify every cached chain of blocks now (the SWEEP tags, token check off)."""
+        c = self.canary
+        bs, n, ctx = c.layout.block_size, c.sweep_rows, c.context_len
+        per_rank = [self.cached.prefixes(r) for r in range(c.data_shards)]
+        launches = max(1, max(-(-len(p) // n) for p in per_rank))
+        kv = self.runner.kv_caches[c.layer_index]
+        for launch in range(launches):
+            tables = np.zeros((c.data_shards, n + 1, ctx), np.int32)
+            rows = np.zeros((c.data_shards, n), np.int64)
+            lengths = np.zeros((c.data_shards, n), np.int64)
+            for rank, chains in enumerate(per_rank):
+                for i, chain in enumerate(chains[launch * n:(launch + 1) * n]):
+                    slots = (np.asarray(chain, np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
+                    tables[rank, i + 1, :slots.shape[0]] = slots
+                    rows[rank, i], lengths[rank, i] = i + 1, slots.shape[0]
+            with jax.enable_x64(True):
+                self.state = _sweep_jit(self.state, jnp.asarray(tables), jnp.asarray(rows),
+                                        jnp.asarray(lengths), kv, canary=c)
+        self.sweeps += 1
+
+
+def guarded_model_fn(canary: device.TpuInferenceCanary, step: Callable, kv_shardings,
+                     compiler_options: dict | None = None):
+    """The guarded step's jit (what the guard's ``runner.model_fn`` calls): HEAD -> ``step``
+    (the model's options-free step, ``runner.model.step_fn_no_options``) -> TAIL, called as
+    ``fn(state, delta, late, split, model_x64, state_leaves, kv_caches, input_ids,
+    attn_metadata, inputs_embeds, input_positions, layer_map, lora_metadata,
+    intermediate_tensors, is_first_rank, is_last_rank)`` under x64 and returning ``(state,
+    step's output)``; the state and the KV donated, the KV placed as ``kv_shardings``, the
+    step's own ``compiler_options`` (JAX refuses them on a nested jit)."""
+    state_sharding = NamedSharding(canary.mesh, P(canary.axes or None))
+
+    def traced(state, delta, late, split, model_x64, state_leaves, kv, input_ids, md,
+               inputs_embeds, input_positions, layer_map, lora, inter, first, last):
+        def model(kv_in):
+            with jax.enable_x64(model_x64):
+                return step(state_leaves, kv_in, input_ids, md, inputs_embeds,
+                            input_positions, layer_map, lora, inter, first, last)
+
+        return device.guarded_step(canary, model, state, delta, True, md, input_ids,
+                                   input_positions, list(kv), late, split)
+
+    return jax.jit(traced, static_argnums=(3, 4, 11, 14, 15), donate_argnums=(0, 6),
+                   out_shardings=(state_sharding, (list(kv_shardings), None, None, None)),
+                   compiler_options=compiler_options or None)
+
+
+def _sweep_impl(state, tables, rows, lengths, kv, *, canary):
+    return device.sweep_step(canary, state, tables, rows.reshape(-1), lengths.reshape(-1), kv)
+
+
+_sweep_jit = jax.jit(_sweep_impl, static_argnames=("canary",), donate_argnums=(0,))
+
+
+def install(runner, *, mode: str = "log", real_data: str = "all", sweep_interval: int = 0,
+            token_checks: bool = True, layer: int = 0, k_heads: int = 1, sweep_rows: int = 16,
+            on_violation: Callable | None = None, implementation: str | None = None,
+            **manager_fields) -> TpuInferenceGuard:
+    """Guard ``runner`` (a tpu-inference 0.32 ``TPUModelRunner``). ``mode`` / ``real_data``:
+    SGLang's ``--kv-canary`` and ``--kv-canary-real-data`` (``none``/``partial``/``all``: the
+    first 16 bytes or the whole K strip of layer ``layer``'s first ``k_heads`` heads);
+    ``sweep_interval``: every N guarded steps, re-verify the cached blocks (0: never);
+    ``token_checks``: check the written and read token ids against the requests' own (needs
+    ``async_scheduling=False``); ``on_violation``: the remediation callback
+    (:class:`Remediator`); ``manager_fields``: other :class:`~kvcanary_jax.runtime.ManagerConfig`
+    fields. Everything is checked here, before the runner is touched."""
+    config = ManagerConfig(mode=mode, real_data=real_data,
+                           enable_verify_token_assert=token_checks,
+                           enable_write_input_assert=token_checks, **manager_fields)
+    if not config.enabled:
+        raise ValueError("kv-canary tpu-inference: mode 'none' installs no guard (the canary is "
+                         "off): leave the runner as it is")
+    for name, value, least in (("sweep_interval", sweep_interval, 0), ("layer", layer, 0),
+                               ("k_heads", k_heads, 1), ("sweep_rows", sweep_rows, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"kv-canary tpu-inference: {name} must be an int >= {least}, got "
+                             f"{value!r}")
+    _check_runner(runner)
+    if token_checks and runner.vllm_config.scheduler_config.async_scheduling:
+        raise NotImplementedError(
+            "kv-canary tpu-inference: token checks need async_scheduling=False (under async "
+            "scheduling the host does not know the token a step writes); pass "
+            "token_checks=False or turn async scheduling off")
+    canary = _canary(runner, layer=layer, k_heads=k_heads, token_checks=token_checks,
+                     ring_capacity=config.ring_capacity, real_data=real_data,
+                     sweep_rows=sweep_rows, implementation=implementation)
+    manager = CanaryManager(config, canary.config, on_violation=on_violation, allocate=False)
+    return TpuInferenceGuard(runner, canary, manager, sweep_interval)
+
+
+def violation_counts(guard: TpuInferenceGuard) -> np.ndarray:
+    """Violations ever recorded, per shard."""
+    return np.asarray(guard.state.violation_write_index)[:, 0].astype(np.int64)
+
+
+def read_violations(guard: TpuInferenceGuard, *, start=0) -> list[tuple[int, Any]]:
+    """``(shard, Violation)`` for every ring row from ``start`` on (one index for every shard,
+    or one per shard)."""
+    from kvcanary_jax.runtime import decode_ring
+
+    ring = np.asarray(guard.state.violation_ring)
+    counts = violation_counts(guard)
+    starts = np.broadcast_to(np.asarray(start, np.int64), counts.shape)
+    return [(i, v) for i in range(ring.shape[0])
+            for v in decode_ring(ring[i], int(counts[i]), start=int(starts[i]))]
+
+
+class Remediator:
+    """The ``on_violation`` callback: aborts the request a violation belongs to through vLLM's
+    scheduler (``finish_requests(..., FINISHED_ABORTED)``: its blocks are freed) and evicts the
+    violation's block from vLLM's prefix cache, so no later request is served the corrupted
+    prefix; the guard forgets every chain through the block.
+
+    ``scheduler``: vLLM's ``Scheduler`` or tpu-inference's ``DPScheduler`` (in the engine
+    core's process: with vLLM's multiprocess executors the callback must forward the request
+    ids and blocks there). ``evict(rank, block)``: evicts a data-parallel rank's block; by
+    default ``scheduler.kv_cache_manager.block_pool.evict_blocks``, which a ``DPScheduler``
+    lacks (each rank's scheduler and block pool live in a process of their own, which takes no
+    such command): give it one there. ``aborted`` / ``evicted`` (``(rank, block)``) record what
+    was done."""
+
+    def __init__(self, scheduler, guard: TpuInferenceGuard | None = None, *,
+                 evict: Callable[[int, int], Any] | None = None):
+        if evict is None:
+            pool = getattr(getattr(scheduler, "kv_cache_manager", None), "block_pool", None)
+            if pool is None:
+                raise ValueError(
+                    f"kv-canary tpu-inference: {type(scheduler).__name__} has no "
+                    "kv_cache_manager.block_pool to evict a corrupted block from (a DPScheduler "
+                    "keeps one per data-parallel rank, in processes of their own): pass "
+                    "evict=(rank, block) -> None")
+            evict = _pool_evict(pool)
+        if not callable(evict):
+            raise ValueError("kv-canary tpu-inference: evict must be callable (rank, block)")
+        self.scheduler, self.guard, self.evict = scheduler, guard, evict
+        self.aborted: list[str] = []
+        self.evicted: list[tuple[int, int]] = []
+
+    def __call__(self, report) -> None:
+        from vllm.v1.request import RequestStatus
+
+        v = report.violation
+        bs = self.guard.canary.layout.block_size if self.guard is not None else None
+        heads = 1
+        if self.guard is not None:
+            heads = max(self.guard.canary.num_shards // self.guard.canary.data_shards, 1)
+        rank = report.shard // heads  # shards are numbered rank-major
+        req_id = report.request
+        if isinstance(req_id, tuple):  # the block's owners on several ranks: the report's
+            req_id = dict(req_id).get(rank)
+        if req_id is not None and req_id not in self.aborted:
+            self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+            self.aborted.append(req_id)
+        if bs is not None and v.slot >= bs:  # block 0 is vLLM's null block
+            block = int(v.slot) // bs
+            if (rank, block) not in self.evicted:
+                self.evict(rank, block)
+                self.guard.cached.drop(rank, block)
+                self.evicted.append((rank, block))
+
+
+def _pool_evict(pool):
+    def evict(rank, block):
+        pool.evict_blocks({block})
+    return evict

@@ -1,0 +1,377 @@
+"""A life of a real tpu-inference 0.32 runner on the CPU with the canary installed, then faults.
+
+Run as a script in a process of its own (``tests/_tpu_inference_runner.py`` says why and what
+it patches); prints one JSON document that tests/test_tpu_inference.py checks. ``--head-dim
+64`` runs the head_dim 64 layout (a shorter life: prefill, the decode loop, a flipped byte, the
+real-KV modes); ``--dp 2`` data parallelism on two CPU devices (:func:`dp_main`; the caller
+sets ``--xla_force_host_platform_device_count=2``).
+
+The clean life, driven by vLLM's own scheduler: two requests sharing a 16-token block in the
+step that fills it (a same-step prefix hit), their decode through the on-device decode loop
+(``enable_continue_decode``, 4 steps per loop), a request after them that hits the cached
+block, then three long requests on a cache too small for all of them (vLLM preempts one and
+resumes it), and the sweep over the cached blocks. Then the faults, each on its own request
+and counted by the violations its step added (read after the manager's readback of that step):
+
+* a flipped K byte of the canary layer in a slot a running request reads;
+* a wrong block-table entry (``input_batch.block_table[0]``) of a running request;
+* a stale block reused: a new request's cached block swapped, in the scheduler's output, for a
+  block another prefix fills;
+* the decode loop's EOS lead: with ``CONTINUE_DECODE_EOS_CHECK_INTERVAL`` 0, a lane that
+  sampled EOS keeps writing the padding token's KV over its last real token's slot; the same
+  request with the interval 1 (the default) is the control;
+* the real-KV modes (``all``, ``partial``, ``none``), each a fresh guard: K and V bits flipped
+  inside and past what the mode fingerprints (:func:`real_data_modes`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+_env_before = os.environ.get("XLA_FLAGS", "")
+import _tpu_inference_runner as R  # noqa: E402
+
+R.patch_for_cpu()
+_env_after = os.environ.get("XLA_FLAGS", "")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kvcanary_jax.integrations import tpu_inference as kti  # noqa: E402
+
+
+def rows(found):
+    return [dict(shard=s, tag=v.tag, slot=v.slot, position=v.position, token=v.stored_token,
+                 expected_token=v.expected_token, reasons=list(v.reasons)) for s, v in found]
+
+
+class Life:
+    def __init__(self, head_dim: int, num_blocks: int, *, dp_size: int = 1,
+                 guarded: bool = True):
+        self.e = R.Engine(head_dim=head_dim, num_blocks=num_blocks, dp_size=dp_size)
+        self.dp_size = dp_size
+        self.refused = self.refusals()
+        # tpu-inference's DPScheduler keeps each rank's block pool in a process of its own,
+        # which takes no eviction command: the evictions are only recorded there.
+        evict = (lambda rank, block: None) if dp_size > 1 else None
+        self.rem = kti.Remediator(self.e.scheduler, evict=evict)
+        self.reports = []  # (slot, request) of every report the manager made
+        self.guard = None
+        if guarded:
+            self.install("all")
+        self.tamper = None
+        self.preempted, self.prefix_hits, self.loops = set(), {}, 0
+        self.log = []
+
+    def install(self, real_data: str) -> None:
+        """A fresh guard (the one installed, if any, taken off first)."""
+        if self.guard is not None:
+            self.guard.uninstall()
+        self.guard = kti.install(self.e.runner, mode="log", real_data=real_data,
+                                 on_violation=self.remediate)
+        self.rem.guard = self.guard
+
+    def refusals(self) -> dict:
+        """Installs the real runner refuses: the message, and whether the runner kept its own
+        functions."""
+        r = self.e.runner
+        own = lambda: (r.model_fn, r.model.step_fn_no_options,  # noqa: E731
+                       r.persistent_batch_manager.update_states, r.__dict__.get(
+                           "_execute_continue_decode"), len(r.kv_caches))
+        before, out = own(), {}
+        for name, kwargs in (("layer", dict(layer=2)), ("k_heads", dict(k_heads=3)),
+                             ("real_data", dict(real_data="some"))):
+            try:
+                kti.install(r, **kwargs)
+                out[name] = None
+            except (ValueError, NotImplementedError) as e:
+                out[name] = {"error": str(e), "untouched": own() == before}
+        return out
+
+    def remediate(self, report) -> None:
+        self.reports.append((report.violation.slot, report.request))
+        self.rem(report)
+
+    def stamps(self, slots, shard: int = 0) -> list[tuple[int, int]]:
+        """(token, position) stamped in ``slots`` of a shard's HEAD K buffer."""
+        buf = np.asarray(self.guard.state.bufs["HEAD_K_FULL"])[shard]
+        return [tuple(int(x) for x in buf[s].view(np.int64)[:2]) for s in slots]
+
+    def step(self, name: str):
+        before = kti.violation_counts(self.guard)
+        out = self.e.scheduler.schedule()
+        if self.tamper is not None:
+            self.tamper(out)
+            self.tamper = None
+        self.preempted.update(getattr(out, "preempted_req_ids", ()) or ())
+        self.last_ranks = dict(getattr(out, "assigned_dp_rank", None) or {})
+        for nr in out.scheduled_new_reqs:
+            self.prefix_hits[nr.req_id] = nr.num_computed_tokens
+        result = self.e.runner.execute_model(out)
+        if result is None:
+            result = self.e.runner.sample_tokens(None)
+        for eo in self.e.scheduler.update_from_output(out, result).values():
+            for o in eo.outputs:
+                self.e.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        self.guard.manager.flush()
+        found = kti.read_violations(self.guard, start=before)
+        self.log.append({"step": name, "scheduled": dict(out.num_scheduled_tokens),
+                         "new_violations": rows(found)})
+        return found
+
+    def run(self, name: str, limit: int = 40):
+        found = []
+        n = 0
+        while self.e.scheduler.has_requests() and n < limit:
+            found += self.step(f"{name} {n}")
+            n += 1
+        return found
+
+    def slot(self, req_id: str, position: int) -> int:
+        """The slot of a request's position, in its data-parallel rank's own numbering."""
+        blocks = self.e.runner.requests[req_id].block_ids[0]
+        return blocks[position // R.BLOCK_SIZE] * R.BLOCK_SIZE + position % R.BLOCK_SIZE
+
+    def flip(self, slot: int, element: int = 3, rank: int = 0) -> None:
+        """Flips a bit of one bf16 element of the canary layer's row at a rank's ``slot``
+        (element ``e`` of the row ``[head rows, packing, lanes]``: combined head ``e // lanes``
+        for head_dim 128, K lanes 0..63 / V lanes 64..127 of head ``e // 128`` for 64)."""
+        idx = self.guard.canary.layer_index
+        kv = self.e.runner.kv_caches[idx]
+        flat = kv.reshape(-1, *kv.shape[2:])
+        at = rank * (flat.shape[0] // self.dp_size) + slot
+        b = np.asarray(flat[at]).view(np.uint16).copy()
+        b.reshape(-1)[element] ^= 0x0100
+        new = flat.at[at].set(np.frombuffer(b.tobytes(), dtype=kv.dtype).reshape(flat.shape[1:]))
+        self.e.runner.kv_caches[idx] = jax.device_put(new.reshape(kv.shape), kv.sharding)
+
+
+def real_data_modes(life: Life) -> dict:
+    """Per real-KV mode, a fresh guard and a request whose prefill is followed by three flipped
+    bits: K_0's element 3 (inside the first 16 bytes of the strip ``partial`` fingerprints),
+    K_0's element 40 (past them) and V_0's element 3 (no mode covers V); then its decode loop."""
+    lanes = 128
+    v0 = 64 + 3 if life.guard.canary.layout.kind == "rpa_v3_hd64" else lanes + 3
+    flips = {2: 3, 4: 40, 6: v0}  # position -> element of the slot's row
+    found = {}
+    for i, mode in enumerate(("all", "partial", "none")):
+        life.install(mode)
+        name = f"m_{mode}"
+        life.e.add(name, [10 + 20 * i + k for k in range(12)], 6)
+        life.step(f"{name} prefill")
+        slots = {p: life.slot(name, p) for p in flips}
+        for p, element in flips.items():
+            life.flip(slots[p], element)
+        found[mode] = {"slots": {str(p): s for p, s in slots.items()},
+                       "found": rows(life.step(f"{name} decode, flipped K and V bits")),
+                       "loop_steps": life.log[-1]["scheduled"][name],
+                       "real_kv_hash_mode": life.guard.canary.real_kv_hash_mode}
+        life.run(f"{name} rest")
+    return found
+
+
+def dp_main() -> None:
+    """Data parallelism 2 on two CPU devices, tpu-inference's DPScheduler (a vLLM scheduler
+    per rank, each in a process of its own, each with half the blocks): the prompts served
+    bare, then again guarded (the same outputs, no violation, both ranks' canaries at work);
+    a flipped K bit on rank 1; a wrong block-table entry on rank 0 naming a block id that a
+    request of rank 1 holds (each rank numbers its blocks from 0)."""
+    life = Life(128, num_blocks=28, dp_size=2, guarded=False)
+    e, out = life.e, {"dp_size": life.e.runner.dp_size}
+    prefix = list(range(100, 116))
+    prompts = {"a": prefix + [7, 8, 9, 10], "b": [200 + k for k in range(18)],
+               "c": prefix + [30, 31, 32], "d": [260 + k for k in range(5)]}
+    for name, prompt in prompts.items():
+        e.add(name, prompt, 6)
+    e.run()
+    out["bare"] = {name: e.outputs[name] for name in prompts}
+    out["reset"] = bool(e.scheduler.reset_prefix_cache())
+    life.install("all")
+    out["num_shards"] = life.guard.canary.num_shards
+    ranks = {}
+    for name, prompt in prompts.items():
+        e.add(name + "'", prompt, 6)
+    while e.scheduler.has_requests():
+        life.step("guarded")
+        ranks.update(life.last_ranks)
+    out["guarded"] = {name: e.outputs[name + "'"] for name in prompts}
+    out["ranks"] = ranks
+    out["clean_total"] = kti.violation_counts(life.guard).tolist()
+    out["slot_runs"] = np.asarray(life.guard.state.slot_run_counters).sum(axis=1).tolist()
+    out["life"] = life.log
+    faults = out["faults"] = {}
+
+    # --- a flipped K bit at position 3 of the request on rank 1
+    e.add("f0", [300 + k for k in range(20)], 6)
+    e.add("f1", [330 + k for k in range(20)], 6)
+    life.step("f prefill")
+    at = {r: n for n, r in life.last_ranks.items()}
+    s = life.slot(at[1], 3)
+    life.flip(s, rank=1)
+    reports = len(life.reports)
+    faults["flip"] = {"request": at[1], "slot": s, "position": 3,
+                      "found": rows(life.step("f decode, flipped bit")),
+                      "requests": sorted({str(r) for _, r in life.reports[reports:]}),
+                      "aborted": list(life.rem.aborted), "evicted": list(life.rem.evicted)}
+    life.run("f rest")
+
+    # --- rank 0's request t0 reads its positions 16..31 from the block id that rank 1's t1
+    # holds for its own positions 16..31: on rank 0 that id is another block
+    e.add("t0", [380 + k for k in range(36)], 6)
+    e.add("t1", [420 + k for k in range(36)], 6)
+    life.step("t prefill")
+    at = {r: n for n, r in life.last_ranks.items()}
+    bt = e.runner.input_batch.block_table[0]
+    row = e.runner.input_batch.req_id_to_index[at[0]]
+    right = int(bt.block_table_cpu[row, 1])
+    wrong = int(e.runner.requests[at[1]].block_ids[0][1])
+    held = life.stamps(range(wrong * R.BLOCK_SIZE, (wrong + 1) * R.BLOCK_SIZE), shard=0)
+    bt.block_table_cpu[row, 1] = wrong
+    reports, aborted, evicted = len(life.reports), len(life.rem.aborted), len(life.rem.evicted)
+    found = life.step("t decode, wrong table entry")
+    bt.block_table_cpu[row, 1] = right
+    faults["table"] = {"tampered": at[0], "holder": at[1], "right": right, "wrong": wrong,
+                       "held": held, "after": life.slot(at[0], 2 * R.BLOCK_SIZE),
+                       "loop_steps": life.log[-1]["scheduled"][at[0]], "found": rows(found),
+                       "requests": [r if isinstance(r, (str, type(None))) else [list(x) for x in r]
+                                    for _, r in life.reports[reports:]],
+                       "aborted": life.rem.aborted[aborted:],
+                       "evicted": life.rem.evicted[evicted:]}
+    life.run("t rest")
+    e.scheduler.shutdown()
+    print(json.dumps(out))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dp", type=int, default=1)
+    args = ap.parse_args()
+    if args.dp > 1:
+        return dp_main()
+    life = Life(args.head_dim, num_blocks=14)
+    e, out = life.e, {"head_dim": args.head_dim}
+    out["xla_flags"] = {"before": _env_before, "after": _env_after}
+    out["layout"] = life.guard.canary.layout.kind
+    out["layers"] = list(life.guard.layers)
+    out["num_shards"] = life.guard.canary.num_shards
+    out["refused"] = life.refused
+    prefix = list(range(100, 116))
+
+    # --- the clean life
+    e.add("a", prefix + [7, 8, 9, 10], 9)
+    e.add("b", prefix + [20, 21], 5)
+    life.run("a b")
+    e.add("c", prefix + [30, 31, 32], 3)
+    life.run("c")
+    if args.head_dim == 128:
+        for i, r in enumerate(("p", "q", "r")):
+            e.add(r, [200 + 10 * i + k for k in range(40)], 40)
+        life.run("p q r", limit=80)
+    life.guard.sweep()
+    life.guard.manager.flush()
+    out["clean_total"] = kti.violation_counts(life.guard).tolist()
+    out["life"] = life.log
+    out["prefix_hits"] = life.prefix_hits
+    out["preempted"] = sorted(life.preempted)
+    out["loops"] = sum(1 for s in life.log if s["scheduled"] and all(
+        n == 4 for n in s["scheduled"].values()))
+    out["outputs"] = e.outputs
+    out["cached_chains"] = [list(c) for c in life.guard.cached.prefixes(0)]
+    faults = out["faults"] = {}
+
+    # --- a flipped K byte in a slot a running request reads (position 3); before it, f's
+    # prefill called again through runner.model_fn, update_states not run again
+    e.add("f", [300 + k for k in range(20)], 6)
+    kept, guarded = [], e.runner.model_fn
+    e.runner.model_fn = lambda *a, **k: (kept.append((a, k)), guarded(*a, **k))[1]
+    life.step("f prefill")
+    e.runner.model_fn = guarded
+    ((call, call_kwargs),) = kept
+    before = (life.guard.steps, kti.violation_counts(life.guard).tolist())
+    replayed = e.runner.model_fn(call[0], e.runner.kv_caches, *call[2:], **call_kwargs)
+    e.runner.kv_caches = list(replayed[0])
+    faults["replay"] = {"before": before, "after": (life.guard.steps,
+                                                    kti.violation_counts(life.guard).tolist())}
+    s = life.slot("f", 3)
+    life.flip(s)
+    faults["flip"] = {"slot": s, "position": 3, "found": rows(life.step("f decode"))}
+    life.run("f rest")
+    if args.head_dim != 128:
+        faults["real_data"] = real_data_modes(life)
+        print(json.dumps(out))
+        return
+
+    # --- a wrong block-table entry (block 1 of g, positions 16..31) for one step
+    e.add("g", [400 + k for k in range(36)], 6)
+    life.step("g prefill")
+    bt = e.runner.input_batch.block_table[0]
+    row = e.runner.input_batch.req_id_to_index["g"]
+    right = int(bt.block_table_cpu[row, 1])
+    g_blocks = [int(b) for b in e.runner.requests["g"].block_ids[0]]
+    wrong = next(b for b in range(1, e.runner.kv_caches[0].shape[0]) if b not in g_blocks)
+    held = life.stamps(range(wrong * R.BLOCK_SIZE, (wrong + 1) * R.BLOCK_SIZE))
+    bt.block_table_cpu[row, 1] = wrong
+    reports, evicted = len(life.reports), len(life.rem.evicted)
+    found = life.step("g decode, wrong table entry")
+    bt.block_table_cpu[row, 1] = right
+    faults["table"] = {"right": right, "wrong": wrong, "held": held,
+                       "after": life.slot("g", 2 * R.BLOCK_SIZE), "found": rows(found),
+                       "loop_steps": life.log[-1]["scheduled"]["g"],
+                       "requests": sorted({str(r) for _, r in life.reports[reports:]}),
+                       "evicted": life.rem.evicted[evicted:],
+                       "aborted": "g" in life.rem.aborted}
+    life.run("g rest")
+
+    # --- a stale block reused: h fills a block with other tokens; i, hitting the cached block
+    # of ``prefix``, is handed h's block instead (the scheduler's output altered)
+    e.add("j", [60 + k for k in range(16)] + [1, 2], 2)
+    life.run("j")
+    e.add("h", [450 + k for k in range(16)] + [1, 2], 2)
+    life.step("h prefill")
+    h_block = int(e.runner.requests["h"].block_ids[0][0])
+    life.run("h rest")
+    e.add("i", [60 + k for k in range(16)] + [40, 41], 2)
+    stale = faults["stale"] = {"stale_block": h_block}
+
+    def swap(sched_out):
+        for nr in sched_out.scheduled_new_reqs:
+            if nr.req_id == "i":
+                stale["right_block"], stale["computed"] = nr.block_ids[0][0], nr.num_computed_tokens
+                nr.block_ids[0][0] = h_block
+
+    life.tamper = swap
+    found = life.step("i prefill, stale block")
+    stale.update(found=rows(found), aborted="i" in life.rem.aborted,
+                 evicted=list(life.rem.evicted))
+    life.run("i rest")
+
+    # --- the EOS lead: w learns the loop's tokens; w0 (interval 0) and w1 (interval 1) stop
+    # at the second token the loop samples
+    q = [480 + k for k in range(12)]
+    e.add("w", q, 6)
+    life.run("w")
+    t = e.outputs["w"]
+    pad = int(e.runner.pad_token_id)
+    faults["eos"] = {"tokens": t, "pad": pad}
+    for name, interval in (("w1", 1), ("w0", 0)):
+        e.runner.eos_token_id = (t[2],)
+        e.runner.continue_decode_eos_check_interval = interval
+        e.add(name, q, 6)
+        life.step(f"{name} prefill")
+        s = life.slot(name, len(q) + 1)
+        found = life.step(f"{name} decode loop, EOS at the loop's second token")
+        faults["eos"][name] = {"slot": s, "position": len(q) + 1, "found": rows(found),
+                               "outputs": list(e.outputs[name])}
+        e.runner.eos_token_id = R.qwen3_config(128)["eos_token_id"]
+        e.runner.continue_decode_eos_check_interval = 1
+        life.run(f"{name} rest")
+    faults["real_data"] = real_data_modes(life)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,297 @@
+"""The canary inside vLLM's TPU backend, tpu-inference 0.32 (Python 3.12, jax 0.11.2: ``pip
+install --no-deps -r requirements-tpu-inference.txt``, the packages the imported modules need).
+
+Each life runs in a process of its own (``tests/_tpu_inference_life.py``): tpu-inference
+prepends ``--xla_cpu_max_isa=AVX2`` to ``XLA_FLAGS`` and sets TPU and vLLM variables when it is
+imported, so this process never imports it (checked below). The life drives a real
+``TPUModelRunner`` (a tiny dummy-weight Qwen3, the jnp stand-in of its attention kernel, the
+CPU patches of ``tests/_tpu_inference_runner.py``) with vLLM's own scheduler: prefill, a
+same-step prefix hit, the on-device decode loop, a later prefix hit, preemption and the sweep
+of cached blocks, all clean; then a flipped K byte, a wrong block-table entry, a stale block
+handed out as a prefix hit and the decode loop's EOS lead, each detected where it is; then the
+real-KV modes. A third life runs data parallelism 2 on two CPU devices. Last, the step bench's
+CPU smoke run and the guarded step compiled by libtpu for v5e and v6e (``tpu_compile``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.tpu_inference
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+REAL_KV = ["VERIFY_REAL_KV_HASH_MISMATCH"]
+
+
+def _run(*args: str, devices: int = 1) -> dict:
+    env = dict(os.environ)
+    if devices > 1:  # the life's own process only
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
+                            + f" --xla_force_host_platform_device_count={devices}").strip()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(HERE),
+                                                    env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, str(HERE / "_tpu_inference_life.py"), *args],
+                          capture_output=True, text=True, env=env, timeout=900, cwd=HERE)
+    assert proc.returncode == 0, _tail(proc.stderr)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _tail(stderr: str) -> str:
+    # vLLM's scheduler logs this line at every step of a request with nothing left to compute
+    # (the decode loop's last steps): it would drown the traceback.
+    return "\n".join(line for line in stderr.splitlines()
+                     if "Should not schedule a request that does nothing" not in line)[-6000:]
+
+
+_LIVES: dict[int, dict] = {}  # one life per layout per module (each is a whole process)
+
+
+def _life(head_dim: int) -> dict:
+    if head_dim not in _LIVES:
+        _LIVES[head_dim] = _run("--head-dim", str(head_dim))
+    return _LIVES[head_dim]
+
+
+@pytest.fixture(scope="module", params=[128, 64], ids=["head_dim128", "head_dim64"])
+def life(request):
+    return _life(request.param)
+
+
+@pytest.fixture(scope="module")
+def full():
+    """The head_dim 128 life, the one that also runs the table, stale-block and EOS faults."""
+    return _life(128)
+
+
+@pytest.fixture(scope="module")
+def dp():
+    """Data parallelism 2 on two CPU devices, with tpu-inference's DPScheduler."""
+    return _run("--dp", "2", devices=2)
+
+
+def _rows(found):
+    return sorted({(v["tag"], v["slot"], v["position"], tuple(v["reasons"])) for v in found})
+
+
+def test_this_process_never_imports_tpu_inference_and_keeps_its_xla_flags(life):
+    assert "tpu_inference" not in sys.modules and "vllm" not in sys.modules
+    assert "xla_cpu_max_isa" not in os.environ.get("XLA_FLAGS", "")
+    # The life's own process shows what importing tpu-inference does to the variable.
+    assert "--xla_cpu_max_isa=AVX2" in life["xla_flags"]["after"]
+    assert "xla_cpu_max_isa" not in life["xla_flags"]["before"]
+
+
+def test_the_life_is_vllm_s(life):
+    assert life["layout"] == ("rpa_v3" if life["head_dim"] == 128 else "rpa_v3_hd64")
+    assert life["layers"] == ["layer.0"] and life["num_shards"] == 1
+    assert life["prefix_hits"]["b"] == 16  # in the step that fills the block
+    assert life["prefix_hits"]["c"] == 16  # after it
+    assert life["loops"] >= 3  # decode ran in the on-device loop, 4 steps a call
+    assert life["cached_chains"]  # the sweep had cached blocks to re-verify
+    if life["head_dim"] == 128:
+        assert life["preempted"] == ["r"]
+        assert life["prefix_hits"]["i"] == 16
+
+
+def test_the_real_runner_s_bad_installs_are_refused_and_change_nothing(life):
+    refused = life["refused"]
+    assert {k: v["untouched"] for k, v in refused.items()} == dict.fromkeys(refused, True)
+    assert refused["layer"]["error"] == ("kv-canary tpu-inference: no KV cache for layer.2 "
+                                         "(layers: layer.0, layer.1)")
+    assert refused["k_heads"]["error"] == (
+        "kv-canary tpu-inference: k_heads must be in [1, 2] (at most 4 sources, 2 KV heads per "
+        "shard), got 3")
+    assert refused["real_data"]["error"].startswith("kv-canary: real_data")
+
+
+def test_clean_life_has_no_violations(life):
+    assert [s["new_violations"] for s in life["life"] if "," not in s["step"]
+            and not s["step"].startswith(("f decode", "g decode", "i prefill", "w0 decode"))
+            ] == [[] for s in life["life"] if "," not in s["step"]
+                  and not s["step"].startswith(("f decode", "g decode", "i prefill",
+                                                "w0 decode"))]
+    assert life["clean_total"] == [0]
+
+
+def test_flipped_k_byte_is_found_by_tail_in_every_loop_step(life):
+    flip = life["faults"]["flip"]
+    assert _rows(flip["found"]) == [("TAIL_K_FULL", flip["slot"], flip["position"],
+                                     tuple(REAL_KV))]
+    assert len(flip["found"]) == 4  # once per on-device decode step of the loop
+
+
+def _table_fault_rows(table, first_token: int, bs: int = 16):
+    """Every row a wrong entry for block 1 of a request (token ``first_token + p`` at position
+    ``p``) gives in one loop call: its positions 16..31 read from the wrong block, whose stamps
+    (``held``) are not the request's, and the chain broken twice, where the request's sequence
+    enters the wrong block (its first slot) and where it leaves it (position 32, whose
+    predecessor is read from the wrong block's last slot). Inside the wrong block every slot
+    links to the one before it: it holds one chain of consecutive positions, or nothing (an
+    unwritten block: zero stamps, and a zero link hashes to zero)."""
+    held = [tuple(h) for h in table["held"]]
+    assert held == [(0, 0)] * bs or [p for _, p in held] == list(
+        range(held[0][1], held[0][1] + bs))
+    expected = []
+    for k, (token, position) in enumerate(held):
+        reasons = {"VERIFY_CHAIN_HASH_MISMATCH"} if k == 0 else set()
+        if position != bs + k:
+            reasons.add("VERIFY_POSITION_MISMATCH")
+        if token != first_token + bs + k:
+            reasons.add("VERIFY_TOKEN_MISMATCH")
+        expected.append((table["wrong"] * bs + k, position, token, first_token + bs + k, reasons))
+    expected.append((table["after"], 2 * bs, first_token + 2 * bs, first_token + 2 * bs,
+                     {"VERIFY_CHAIN_HASH_MISMATCH"}))
+    return sorted((tag, slot, pos, tok, exp, tuple(sorted(r)))
+                  for tag in ("HEAD_K_FULL", "TAIL_K_FULL")
+                  for slot, pos, tok, exp, r in expected) * table["loop_steps"]
+
+
+def _found_rows(found):
+    return sorted((v["tag"], v["slot"], v["position"], v["token"], v["expected_token"],
+                   tuple(sorted(v["reasons"]))) for v in found)
+
+
+def test_a_call_update_states_did_not_describe_runs_unguarded(life):
+    """``runner.model_fn`` called again for a step that already ran (a warm-up or a replay:
+    ``update_states`` did not describe it) runs the runner's own step: no guarded step
+    counted, nothing reported (the flip test after it still finds exactly its one slot)."""
+    replay = life["faults"]["replay"]
+    assert replay["after"] == replay["before"]
+
+
+def test_wrong_block_table_entry_is_verified_and_remediated(full):
+    """g's second block-table entry points at another block for one decode-loop call: every
+    loop step reads g's positions 16..31 from the wrong block (their stamps are another
+    request's, g's tokens 416..431 were expected there) and the chain breaks where g enters
+    and leaves it; nothing else is reported."""
+    table = full["faults"]["table"]
+    assert table["loop_steps"] == 4
+    assert _found_rows(table["found"]) == sorted(_table_fault_rows(table, 400))
+    # Every row is g's (the block table the step read says so, the wrong block included); g
+    # is aborted and both blocks are evicted from the prefix cache.
+    assert table["requests"] == ["g"]
+    assert table["aborted"]
+    assert sorted(table["evicted"]) == [[0, b] for b in sorted({table["wrong"],
+                                                                 table["after"] // 16})]
+
+
+def test_stale_block_handed_out_as_a_prefix_hit(full):
+    stale = full["faults"]["stale"]
+    assert stale["computed"] == 16
+    slots = list(range(stale["stale_block"] * 16, stale["stale_block"] * 16 + 16))
+    rows = _rows(stale["found"])
+    assert rows == sorted((t, s, p, ("VERIFY_TOKEN_MISMATCH",))
+                          for t in ("HEAD_K_FULL", "TAIL_K_FULL") for p, s in enumerate(slots))
+    assert {(v["token"], v["expected_token"]) for v in stale["found"]} == {
+        (450 + p, 60 + p) for p in range(16)}
+    assert stale["aborted"] and [0, stale["stale_block"]] in stale["evicted"]
+
+
+def test_the_decode_loop_eos_lead(full):
+    """With the loop's EOS check interval 0, the lane that sampled EOS keeps writing the padding
+    token's KV over its last real token's slot: the write's input check sees the padding token
+    where the request's token was; with the default interval 1 the loop stops and nothing is
+    reported."""
+    eos = full["faults"]["eos"]
+    t, pad = eos["tokens"], eos["pad"]
+    assert pad not in t[:3]
+    assert eos["w1"]["found"] == []
+    w0 = eos["w0"]
+    assert _rows(w0["found"]) == [(tag, w0["slot"], w0["position"], ("WRITE_TOKEN_MISMATCH",))
+                                  for tag in ("HEAD_K_FULL", "TAIL_K_FULL")]
+    assert {(v["token"], v["expected_token"]) for v in w0["found"]} == {(pad, t[1])}
+    assert len(w0["found"]) == 4  # the loop's third and fourth steps, HEAD and TAIL each
+
+
+@pytest.mark.parametrize("mode, covered", [("all", {2, 4}), ("partial", {2}), ("none", set())])
+def test_real_kv_modes_cover_what_they_say(life, mode, covered):
+    """Three bits flipped after the prefill: K_0 in the strip's first 16 bytes (position 2),
+    K_0 past them (position 4), V_0 (position 6). ``all`` fingerprints the whole K strip,
+    ``partial`` its first 16 bytes, ``none`` nothing; V is not covered (SGLang's coverage: K of
+    layer 0). Each covered flip is found by TAIL in every step of the loop, nothing else."""
+    got = life["faults"]["real_data"][mode]
+    first = 10 + 20 * ("all", "partial", "none").index(mode)  # the request's token at 0
+    assert got["real_kv_hash_mode"] == mode and got["loop_steps"] == 4
+    assert _found_rows(got["found"]) == sorted(
+        ("TAIL_K_FULL", got["slots"][str(p)], p, first + p, first + p, tuple(REAL_KV))
+        for p in covered for _ in range(4))
+
+
+def test_data_parallel_clean_life(dp):
+    """Two ranks, one canary each: the guarded run samples what the bare run sampled, both
+    ranks served requests and ran their canary, nothing is reported."""
+    assert dp["dp_size"] == 2 and dp["num_shards"] == 2
+    assert dp["reset"]  # the bare run's blocks left vLLM's prefix cache before the guarded one
+    assert dp["guarded"] == dp["bare"]
+    assert set(dp["ranks"].values()) == {0, 1}
+    assert dp["clean_total"] == [0, 0]
+    assert all(n > 0 for n in dp["slot_runs"])
+
+
+def test_data_parallel_flip_on_rank_1(dp):
+    flip = dp["faults"]["flip"]
+    assert [(v["shard"], v["tag"], v["slot"], v["position"], tuple(v["reasons"]))
+            for v in flip["found"]] == [(1, "TAIL_K_FULL", flip["slot"], 3, tuple(REAL_KV))] * 4
+    assert flip["requests"] == [flip["request"]] and flip["aborted"] == [flip["request"]]
+    assert flip["evicted"] == [[1, flip["slot"] // 16]]
+
+
+def test_data_parallel_wrong_entry_names_a_block_id_of_the_other_rank(dp):
+    """Rank 0's request reads its positions 16..31 from block id ``wrong``, which rank 1's
+    request holds; on rank 0 that id is a block nobody wrote. Rank 0's canary reports it (its
+    own numbering), the block id alone names a request on each rank, and the remediation takes
+    the report's rank: rank 0's request is aborted, rank 1's goes on."""
+    table = dp["faults"]["table"]
+    assert {v["shard"] for v in table["found"]} == {0}
+    assert _found_rows(table["found"]) == sorted(_table_fault_rows(table, 380))
+    assert table["aborted"] == [table["tampered"]]
+    ambiguous = [[0, table["tampered"]], [1, table["holder"]]]
+    assert {json.dumps(r) for r in table["requests"]} == {json.dumps(ambiguous),
+                                                          json.dumps(table["tampered"])}
+    assert sorted(table["evicted"]) == sorted([[0, table["wrong"]], [0, table["after"] // 16]])
+
+
+def _bench(*args: str, timeout: int) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-m", "kvcanary_jax.bench.tpu_inference_step", *args],
+                          capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, _tail(proc.stderr)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_step_bench_runs():
+    """``bench/tpu_inference_step.py`` on the CPU (its smoke size, wall clock): a real decode
+    step of the runner replayed bare, guarded and canary-only, every guarded replay clean."""
+    result = _bench("--smoke", timeout=900)
+    assert result["errors"] == []
+    (row,) = result["rows"]
+    assert (row["bs"], row["ctx"], row["violations"]) == (2, 16, 0)
+    assert row["cached_tokens"] == {"min": 17, "max": 17}
+    assert all(row[k]["median_us"] > 0 for k in ("bare", "guarded", "canary_only"))
+
+
+@pytest.mark.tpu_compile
+def test_the_guarded_step_compiles_for_v5e_and_v6e():
+    """The guarded step at a serving size (256 requests of up to 8,192 tokens, 8,192 tokens a
+    step, a 1M-slot cache) with tpu-inference's own attention kernel (RPA v3, Mosaic), both KV
+    layouts, compiled by libtpu for v5e and v6e (nothing runs). The KV stays in place: its
+    inputs are aliased to its outputs. Compile time and memory: docs/tpu-inference.md."""
+    result = _bench("--compile", "v5e:2x2,v6e:2x2", "--head-dim", "128,64", timeout=1800)
+    assert result["errors"] == []
+    rows = result["rows"]
+    assert [(r["head_dim"], r["topology"], r["step"], r["ok"]) for r in rows] == [
+        (h, t, "guarded", True) for h in (128, 64) for t in ("v5e:2x2", "v6e:2x2")]
+    for r in rows:
+        kv_bytes = 2 * 2 * int(np.prod(r["kv_shape"]))  # two layers of bf16
+        assert r["kv_shape"][:2] == [1 << 16, 16] and r["reqs"] == 256 and r["tokens"] == 8192
+        assert r["alias_size_in_bytes"] >= kv_bytes, r
+        assert r["generated_code_size_in_bytes"] > 0 and r["seconds"] > 0

@@ -1,0 +1,240 @@
+"""What ``kvcanary_jax.integrations.tpu_inference.install`` refuses, and that a refusal leaves
+the runner as it was.
+
+Every check runs before the guard touches the runner (and before it imports tpu-inference), so
+these tests need neither tpu-inference nor vLLM: the runner is a stand-in with the attributes a
+tpu-inference 0.32 ``TPUModelRunner`` has, its KV caches abstract arrays (shape, dtype and
+placement: nothing allocated), and the installed version is the one the test says. They run in
+every leg; the real runner's life is ``tests/test_tpu_inference.py``'s.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from kvcanary_jax.integrations import tpu_inference as kti
+from kvcanary_jax.integrations.tpu_inference import layout as L
+
+BLOCK_SIZE = 16
+
+
+def _mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+
+
+def _shape(head_dim=128, kv_heads=2, dtype=jnp.bfloat16, blocks=32):
+    packing = 32 // (jnp.dtype(dtype).itemsize * 8)
+    if head_dim == 64:
+        return (blocks, BLOCK_SIZE, -(-kv_heads // packing), packing, 128)
+    return (blocks, BLOCK_SIZE, -(-2 * kv_heads // packing), packing, -(-head_dim // 128) * 128)
+
+
+def runner(*, head_dim=128, kv_heads=2, dtype=jnp.bfloat16, shape=None, spec=P(None, None, "model"),
+           sharding=None, dp_size=1, async_scheduling=False, **extra):
+    """A stand-in for a tpu-inference 0.32 ``TPUModelRunner`` (the attributes the guard reads)."""
+    shape = shape or _shape(head_dim, kv_heads, dtype)
+    if sharding is None:
+        sharding = NamedSharding(_mesh(), spec)
+    kv = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    hf = types.SimpleNamespace(head_dim=head_dim, hidden_size=4 * head_dim, num_attention_heads=4)
+    model_config = types.SimpleNamespace(hf_text_config=hf,
+                                         get_total_num_kv_heads=lambda: kv_heads)
+    funcs = {name: (lambda *a, **k: None) for name in ("model_fn", "step", "update", "cont")}
+    r = types.SimpleNamespace(
+        model_fn=funcs["model_fn"],
+        model=types.SimpleNamespace(step_fn_no_options=funcs["step"]),
+        persistent_batch_manager=types.SimpleNamespace(update_states=funcs["update"]),
+        _execute_continue_decode=funcs["cont"],
+        kv_caches=[kv, kv], layer_name_to_kvcache_index={"layer.0": 0, "layer.1": 1},
+        input_batch=types.SimpleNamespace(
+            token_ids_cpu=np.zeros((4, 128), np.int32), num_tokens_no_spec=np.zeros(4, np.int32),
+            block_table=[types.SimpleNamespace(max_num_blocks_per_req=8)]),
+        requests={}, mesh=_mesh(), max_num_reqs=4, dp_size=dp_size,
+        model_config=model_config,
+        vllm_config=types.SimpleNamespace(
+            scheduler_config=types.SimpleNamespace(async_scheduling=async_scheduling)),
+        cache_config=types.SimpleNamespace(block_size=BLOCK_SIZE), state_leaves=[],
+        speculative_config=None, is_first_rank=True, is_last_rank=True, pcp_preprocessor=None)
+    for k, v in extra.items():
+        setattr(r, k, v)
+    return r
+
+
+@pytest.fixture
+def version(monkeypatch):
+    """Sets the tpu-inference version ``install`` finds (None: not installed)."""
+    real = importlib.metadata.version
+
+    def set_to(v):
+        def fake(name):
+            if name != "tpu-inference":
+                return real(name)
+            if v is None:
+                raise importlib.metadata.PackageNotFoundError(name)
+            return v
+        monkeypatch.setattr(importlib.metadata, "version", fake)
+
+    set_to("0.32.0")
+    return set_to
+
+
+def _wrapped(r):
+    """What the guard would replace (None where the runner lacks it)."""
+    return (getattr(r, "model_fn", None), r.model.step_fn_no_options,
+            r.persistent_batch_manager.update_states,
+            getattr(r, "_execute_continue_decode", None), list(r.kv_caches))
+
+
+def _refused(r, exc, match, **kwargs):
+    before = _wrapped(r)
+    with pytest.raises(exc, match=match):
+        kti.install(r, **kwargs)
+    assert _wrapped(r) == before
+
+
+@pytest.mark.parametrize("found", [None, "0.31.0", "0.33.1", "0.3.2"])
+def test_another_tpu_inference_is_refused(version, found):
+    version(found)
+    _refused(runner(), ValueError,
+             rf"kv-canary tpu-inference: found tpu-inference {found}; supported: 0\.32\.x$")
+
+
+def test_a_runner_without_the_wrapped_attributes_is_refused(version):
+    r = runner()
+    del r.model_fn, r._execute_continue_decode
+    _refused(r, ValueError, r"kv-canary tpu-inference: SimpleNamespace has no model_fn, "
+             r"_execute_continue_decode: not a TPUModelRunner of tpu-inference 0\.32$")
+
+
+@pytest.mark.parametrize("extra, what", [
+    (dict(speculative_config=object()), "speculative decoding"),
+    (dict(is_last_rank=False), "pipeline parallelism"),
+    (dict(pcp_preprocessor=object()), "prefill context parallelism"),
+])
+def test_features_the_guard_does_not_cover_are_refused(version, extra, what):
+    _refused(runner(**extra), NotImplementedError,
+             rf"kv-canary tpu-inference: the runner uses {what}, which the guard does not cover")
+
+
+def test_token_checks_under_async_scheduling_are_refused(version):
+    _refused(runner(async_scheduling=True), NotImplementedError,
+             r"token checks need async_scheduling=False .* pass token_checks=False")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(mode="none", real_data="none"), r"mode 'none' installs no guard"),
+    (dict(mode="none"), r"--kv-canary-real-data requires --kv-canary in \{log, raise\}"),
+    (dict(mode="warn"), r"mode \(--kv-canary\) must be one of none/log/raise, got 'warn'"),
+    (dict(real_data="some"), r"real_data .* must be one of none/partial/all, got 'some'"),
+    (dict(sweep_interval=-1), r"sweep_interval must be an int >= 0, got -1"),
+    (dict(sweep_interval=True), r"sweep_interval must be an int >= 0, got True"),
+    (dict(sweep_interval=2.0), r"sweep_interval must be an int >= 0, got 2\.0"),
+    (dict(layer=-1), r"layer must be an int >= 0, got -1"),
+    (dict(layer="0"), r"layer must be an int >= 0, got '0'"),
+    (dict(k_heads=0), r"k_heads must be an int >= 1, got 0"),
+    (dict(sweep_rows=0), r"sweep_rows must be an int >= 1, got 0"),
+    (dict(layer=2), r"no KV cache for layer\.2 \(layers: layer\.0, layer\.1\)"),
+    (dict(k_heads=3), r"k_heads must be in \[1, 2\] \(at most 4 sources, 2 KV heads per shard\), "
+                      r"got 3"),
+    (dict(implementation="cuda"), r"unknown implementation 'cuda'"),
+    (dict(on_violation="abort"), r"on_violation must be callable"),
+])
+def test_bad_arguments_are_refused(version, kwargs, match):
+    _refused(runner(), ValueError, match, **kwargs)
+
+
+def test_a_cache_not_placed_by_a_named_sharding_is_refused(version):
+    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    _refused(runner(sharding=single), ValueError,
+             r"layer\.0's KV cache is not placed with a NamedSharding \(found "
+             r"SingleDeviceSharding\)")
+
+
+def test_blocks_split_unlike_the_runner_s_data_parallelism_are_refused(version):
+    _refused(runner(spec=P("data", None, "model"), dp_size=2), ValueError,
+             r"layer\.0's blocks are split over 1 data shards but the runner has dp_size 2")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(shape=(32, BLOCK_SIZE, 2, 2, 128, 1)),
+     r"layout not recognised \(layer\.0's KV cache: shape \(32, 16, 2, 2, 128, 1\), dtype "
+     r"bfloat16, head_dim 128, kv_heads 2\); supported: tpu-inference 0\.32's RPA v3 layouts.* "
+     r"\(MLA and other caches are not\)"),
+    (dict(shape=(32, BLOCK_SIZE, 1, 4, 128)),
+     r"packing 4 does not match dtype bfloat16 \(RPA packs 32 // 16 = 2 per row\)"),
+    (dict(dtype=jnp.float64, shape=(32, BLOCK_SIZE, 4, 1, 128)),
+     r"packing 1 does not match dtype float64 \(RPA packs 32 // 64 = 0 per row\)"),
+    (dict(shape=(16, 2 * BLOCK_SIZE, 2, 2, 128)),
+     r"block dimension 32 is not the cache's block_size 16 .*context parallelism"),
+    (dict(shape=(32, BLOCK_SIZE, 2, 2, 64)),
+     r"layout not recognised .*; expected \[32, 16, align\(2\*2, 2\)/2 per shard, 2, 128\]"),
+    (dict(head_dim=64, shape=(32, BLOCK_SIZE, 2, 2, 128)),
+     r"layout not recognised .*head_dim 64.*; expected \[32, 16, align\(2, 2\)/2 per shard, 2, "
+     r"128\]"),
+    (dict(head_dim=96, shape=(32, BLOCK_SIZE, 2, 2, 96)),
+     r"layout not recognised .*head_dim 96.*; expected \[32, 16, align\(2\*2, 2\)/2 per shard, 2, "
+     r"128\]"),
+])
+def test_layouts_not_recognised_are_refused(version, kwargs, match):
+    _refused(runner(**kwargs), ValueError, "kv-canary tpu-inference: " + match)
+
+
+@pytest.mark.parametrize("head_dim, kv_heads, dtype, kind, row, pitch, k_elems", [
+    (128, 2, jnp.bfloat16, L.RPA_V3, 4 * 128, 256, 128),
+    (96, 2, jnp.bfloat16, L.RPA_V3, 4 * 128, 256, 128),  # head_dim padded to 128 lanes
+    (256, 1, jnp.bfloat16, L.RPA_V3, 2 * 256, 512, 256),
+    (128, 3, jnp.float8_e4m3fn, L.RPA_V3, 8 * 128, 256, 128),  # 6 heads padded to 8
+    (128, 2, jnp.float32, L.RPA_V3, 4 * 128, 256, 128),
+    (64, 2, jnp.bfloat16, L.RPA_V3_HD64, 2 * 128, 128, 64),
+    (64, 3, jnp.float8_e4m3fn, L.RPA_V3_HD64, 4 * 128, 128, 64),
+])
+def test_layouts_recognised(head_dim, kv_heads, dtype, kind, row, pitch, k_elems):
+    lay = L.kv_layout(_shape(head_dim, kv_heads, dtype), dtype, head_dim=head_dim,
+                      kv_heads=kv_heads, head_shards=1, block_size=BLOCK_SIZE)
+    assert (lay.kind, lay.row_elems, lay.k_pitch, lay.k_elems, lay.local_heads) == (
+        kind, row, pitch, k_elems, kv_heads)
+
+
+def test_heads_that_do_not_split_over_the_head_shards_are_refused():
+    with pytest.raises(ValueError, match=r"kv-canary tpu-inference: 3 head rows do not split "
+                                         r"over 2 head shards"):
+        L.kv_layout((32, BLOCK_SIZE, 3, 2, 128), jnp.bfloat16, head_dim=128, kv_heads=3,
+                    head_shards=2, block_size=BLOCK_SIZE)
+    with pytest.raises(ValueError, match=r"layout not recognised .*2 head shard\(s\)"):
+        L.kv_layout((32, BLOCK_SIZE, 4, 2, 128), jnp.bfloat16, head_dim=128, kv_heads=3,
+                    head_shards=2, block_size=BLOCK_SIZE)
+
+
+class DPScheduler:
+    """tpu-inference's data-parallel scheduler as the remediation sees it: no block pool here
+    (each rank's lives in a process of its own)."""
+
+    def finish_requests(self, request_ids, status):
+        pass
+
+
+def test_a_remediator_without_a_block_pool_is_given_evict():
+    with pytest.raises(ValueError, match=r"kv-canary tpu-inference: DPScheduler has no "
+                       r"kv_cache_manager\.block_pool .* pass evict=\(rank, block\) -> None$"):
+        kti.Remediator(DPScheduler())
+    with pytest.raises(ValueError, match=r"evict must be callable \(rank, block\)"):
+        kti.Remediator(DPScheduler(), evict="drop")
+    evicted = []
+    rem = kti.Remediator(DPScheduler(), evict=lambda rank, block: evicted.append((rank, block)))
+    assert rem.evict is not None and rem.evicted == [] and evicted == []
+
+
+def test_a_remediator_evicts_through_the_scheduler_s_block_pool_by_default():
+    pool = types.SimpleNamespace(evicted=[])
+    pool.evict_blocks = lambda blocks: pool.evicted.append(set(blocks))
+    rem = kti.Remediator(types.SimpleNamespace(kv_cache_manager=types.SimpleNamespace(
+        block_pool=pool)))
+    rem.evict(0, 7)
+    assert pool.evicted == [{7}]
