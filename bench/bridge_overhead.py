@@ -22,7 +22,7 @@ import time
 import torch
 
 import kvcanary_jax.bridge as bridge
-from kvcanary_jax.bench import builders
+from kvcanary_jax.testing import cases
 
 
 def make_case(*, device, bs: int = 64, prefix: int = 100, width: int = 256, ring: int = 1024):
@@ -43,11 +43,12 @@ def make_case(*, device, bs: int = 64, prefix: int = 100, width: int = 256, ring
         device=device,
         vp=bridge.VerifyPlan.allocate(verify_capacity=3 * bs * (prefix + 1), device=device),
         wp=bridge.WritePlan.allocate(write_req_capacity=max_reqs, device=device),
-        ctx=builders.torch_context(
-            bridge.VerifyOrWriteContext,
+        ctx=cases.torch_context(
+            cases.TorchApi.bridge(),
             canary_buf=torch.zeros(num_slots, 32, dtype=torch.uint8, device=device),
+            violation_ring=cases.violation_ring(ring),
             kernel_kind=bridge.CanaryLaunchTag.HEAD_K_FULL,
-            real_kv_hash_mode=bridge.RealKvHashMode.NONE, ring=ring),
+            real_kv_hash_mode=bridge.RealKvHashMode.NONE),
         rtt=rtt, rpi=rpi, prefix_lens=prefix_lens, extend=extend,
         pool=torch.zeros(max_reqs, width, dtype=torch.int32, device=device),
         valid=prefix_lens + 1, flat=hist, offs=offs,

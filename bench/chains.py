@@ -22,8 +22,9 @@ def mix3(a, b, c) -> np.ndarray:
 
 def build(num_chains: int, length: int, num_slots: int, rng) -> dict:
     """``num_chains`` chains of ``length`` slots each at random distinct slots (never slot 0),
-    with the canary rows a clean write would store. Returns the canary buffer (uint8
-    ``[num_slots, 32]``) and the verify plan arrays in chain order."""
+    with the canary rows a clean write would store. Returns the canary buffer (``canary_buf``,
+    uint8 ``[num_slots, 32]``) and the verify plan's entry arrays in chain order (``entries``,
+    named as :data:`kvcanary_jax.testing.cases.VERIFY_ENTRY_FIELDS`)."""
     n = num_chains * length
     slots = (rng.permutation(num_slots - 1)[:n] + 1).astype(np.int64).reshape(num_chains, length)
     tokens = rng.integers(0, 1 << 20, (num_chains, length)).astype(np.int64)
@@ -40,6 +41,8 @@ def build(num_chains: int, length: int, num_slots: int, rng) -> dict:
     prev = np.concatenate([np.full((num_chains, 1), -1, np.int64), slots[:, :-1]], axis=1)
     return {
         "canary_buf": rows.view(np.uint8).reshape(num_slots, 32),
-        "slots": slots.reshape(-1), "tokens": tokens.reshape(-1),
-        "positions": np.ascontiguousarray(positions).reshape(-1), "prev": prev.reshape(-1),
+        "entries": dict(verify_slot_indices=slots.reshape(-1),
+                        verify_expected_tokens=tokens.reshape(-1),
+                        verify_expected_positions=np.ascontiguousarray(positions).reshape(-1),
+                        verify_prev_slot_indices=prev.reshape(-1)),
     }

@@ -94,25 +94,6 @@ def sglang(cuda_jit: bool):
     return _SGL["mods"]
 
 
-def sglang_context(sgl, canary_buf: np.ndarray, kind_name: str, ring: int):
-    """SGLang's torch VerifyOrWriteContext over a copy of ``canary_buf`` (fresh ring, counters)."""
-    from kvcanary_jax.bench import builders
-
-    return builders.torch_context(sgl.verify.VerifyOrWriteContext, canary_buf=to_torch(canary_buf),
-                                  kernel_kind=sgl.verify.CanaryLaunchTag[kind_name],
-                                  real_kv_hash_mode=sgl.consts.RealKvHashMode.NONE, ring=ring,
-                                  device=torch_device())
-
-
-def jax_context(canary_buf: np.ndarray, kind_name: str, ring: int):
-    """Our VerifyOrWriteContext over a copy of ``canary_buf`` (fresh ring, counters)."""
-    import kvcanary_jax as kc
-
-    ctx = kc.VerifyOrWriteContext.allocate(num_slots=canary_buf.shape[0],
-                                           kernel_kind=kc.CanaryLaunchTag[kind_name], ring_capacity=ring)
-    return ctx.replace(canary_buf=to_jax(canary_buf))
-
-
 def write_tuned_table(op: str, entries: list[dict], directory: str | None = None) -> str | None:
     """Merge a sweep's best configs into ``kvcanary_jax/tuning/<op>.<device kind>.json`` (the
     table the op's config resolution reads; ``directory`` to write elsewhere). GPU runs only: a

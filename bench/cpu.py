@@ -36,17 +36,13 @@ from kvcanary_jax.bench import op_plan, op_scatter, op_verify, op_write
 from kvcanary_jax.bench.run import positive_int, unwritable
 
 IMPLEMENTATIONS = ("xla", "pallas_interpret")
-RING = 1024
 PLAN_MAX_PREFIX = op_plan.MAX_PREFIX  # the GPU bench's decode prefixes
 
 
 def _verify(entries):
     import kvcanary_jax as kc
-    from kvcanary_jax.bench import builders, common
 
-    d = op_verify._inputs(entries, seed=entries)
-    ctx = common.jax_context(d["canary_buf"], "HEAD_K_FULL", RING)
-    plan = builders.jax_verify_plan(d["slots"], d["tokens"], d["positions"], d["prev"], entries)
+    ctx, plan = op_verify.jax_fresh(entries, seed=entries)
 
     def fn(impl):
         return lambda c, p: kc.canary_verify(context=c, plan=p, check_verify_expected_token=True,
@@ -64,7 +60,8 @@ def _verify_floor(entries):
     from kvcanary_jax.ops import _xla_lib
 
     d = op_verify._inputs(entries, seed=entries)
-    cb, slots = common.to_jax(d["canary_buf"]), common.to_jax(d["slots"])
+    cb = common.to_jax(d["canary_buf"])
+    slots = common.to_jax(d["entries"]["verify_slot_indices"])
 
     def floor(cb, slots):
         f = _xla_lib.canary_fields(cb, slots, slots > 0)
@@ -74,17 +71,9 @@ def _verify_floor(entries):
 
 
 def _write(reqs, tokens):
-    import jax.numpy as jnp
-
     import kvcanary_jax as kc
-    from kvcanary_jax.bench import common
 
-    d = op_write._inputs(reqs, tokens, seed=reqs * tokens)
-    ctx = common.jax_context(d["canary_buf"], "TAIL_K_FULL", RING)
-    plan = kc.WritePlan(write_offsets=common.to_jax(d["write_offsets"]),
-                        write_seed_slot_indices=common.to_jax(d["seeds"]),
-                        write_num_valid_reqs=jnp.array([reqs], jnp.int32))
-    arrays = [common.to_jax(d[k]) for k in ("input_ids", "positions", "out_cache_loc")]
+    ctx, plan, *arrays = op_write.jax_fresh(reqs, tokens, seed=reqs * tokens)
 
     def fn(impl):
         return lambda c, p, ids, pos, loc: kc.canary_write(

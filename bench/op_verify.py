@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvcanary_jax.bench import builders, chains, common, timing
+from kvcanary_jax.bench import chains, common, timing
+from kvcanary_jax.consts import CanaryLaunchTag
+from kvcanary_jax.testing import cases
 
 FULL_CASES = [1 << 10, 1 << 16, 1 << 20, 1 << 22]
 QUICK_CASES = [1 << 10, 1 << 20, 1 << 22]
@@ -21,10 +23,28 @@ def _inputs(entries: int, seed: int):
     c = chains.build(entries // length, length, 4 * entries + 1, rng)
     buf = c["canary_buf"].copy()
     rows = buf.view(np.int64).reshape(-1, 4)
-    for s in rng.choice(c["slots"], 3, replace=False):  # three corrupted tokens
-        rows[s, 0] ^= 1
-    return dict(canary_buf=buf, slots=c["slots"], tokens=c["tokens"], positions=c["positions"],
-                prev=c["prev"])
+    for s in rng.choice(c["entries"]["verify_slot_indices"], 3, replace=False):
+        rows[s, 0] ^= 1  # three corrupted tokens
+    return dict(canary_buf=buf, entries=c["entries"])
+
+
+def jax_fresh(entries: int, seed: int) -> list:
+    """Our context and plan of one input set (``_inputs``), for a timed call (under x64)."""
+    d = _inputs(entries, seed)
+    ctx = cases.jax_context(canary_buf=d["canary_buf"], violation_ring=cases.violation_ring(RING),
+                            kernel_kind=CanaryLaunchTag.HEAD_K_FULL)
+    return [ctx, cases.jax_verify_plan(**d["entries"], verify_num_valid=entries)]
+
+
+def sglang_fresh(sgl, entries: int, seed: int) -> tuple:
+    """SGLang's context and plan of one input set, on the torch device."""
+    api, dev = cases.TorchApi.sglang(sgl), common.torch_device()
+    d = _inputs(entries, seed)
+    ctx = cases.torch_context(api, canary_buf=d["canary_buf"],
+                              violation_ring=cases.violation_ring(RING),
+                              kernel_kind=CanaryLaunchTag.HEAD_K_FULL, device=dev)
+    plan = cases.torch_verify_plan(api, **d["entries"], verify_num_valid=entries, device=dev)
+    return ctx, plan
 
 
 _GATHER_KERNEL = None
@@ -73,7 +93,7 @@ def gather_floor(entries: int, *, iters: int) -> dict:
     sets = []
     for seed in range(k):
         d = _inputs(entries, seed)
-        sets.append([common.to_torch(d[n]) for n in ("slots", "tokens", "positions", "prev")]
+        sets.append([common.to_torch(d["entries"][f]) for f in cases.VERIFY_ENTRY_FIELDS]
                     + [common.to_torch(d["canary_buf"]).view(torch.int64).reshape(-1)])
     res = {}
     for with_plan, key in ((True, "triton"), (False, "gather_only")):
@@ -123,21 +143,14 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
         row["floor_us"] = BYTES_PER_ENTRY * entries / (bw_gbs * 1e3) if bw_gbs == bw_gbs else None
 
         with jax.enable_x64(True):
-            def fresh(seed):
-                d = _inputs(entries, seed)
-                ctx = common.jax_context(d["canary_buf"], "HEAD_K_FULL", RING)
-                plan = builders.jax_verify_plan(d["slots"], d["tokens"], d["positions"],
-                                                d["prev"], entries)
-                return [ctx, plan]
-
             fn = jax.jit(lambda ctx, plan: kc.canary_verify(implementation=common.implementation(),
                                                             context=ctx, plan=plan,
                                                             check_verify_expected_token=True),
                          donate_argnums=0)
-            ctx = fn(*fresh(entries))
+            ctx = fn(*jax_fresh(entries, entries))
             ours = (int(ctx.violation_write_index[0]), int(ctx.slot_run_counter[0]),
                     int(ctx.kernel_run_counter[0]), _rows(ctx.violation_ring, int(ctx.violation_write_index[0])))
-            sets = [fresh(s) for s in range(k)]
+            sets = [jax_fresh(entries, s) for s in range(k)]
 
             def run_ours(i):
                 s = sets[i % k]
@@ -150,29 +163,16 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
 
         import torch
 
-        dev = common.torch_device()
-
-        def sgl_fresh(seed):
-            d = _inputs(entries, seed)
-            t = common.to_torch
-            ctx = common.sglang_context(sgl, d["canary_buf"], "HEAD_K_FULL", RING)
-            plan = sgl.verify.VerifyPlan(
-                verify_slot_indices=t(d["slots"]), verify_expected_tokens=t(d["tokens"]),
-                verify_expected_positions=t(d["positions"]), verify_prev_slot_indices=t(d["prev"]),
-                verify_num_valid=torch.tensor([entries], dtype=torch.int32, device=dev),
-                enable=torch.ones(1, dtype=torch.int32, device=dev))
-            return ctx, plan
-
         launch = sgl.verify.launch_canary_verify_kernel
         if gpu or entries <= 4096:
-            c_t, p_t = sgl_fresh(entries)
+            c_t, p_t = sglang_fresh(sgl, entries, entries)
             launch(context=c_t, plan=p_t, check_verify_expected_token=True)
             ref = (int(c_t.violation_write_index[0]), int(c_t.slot_run_counter[0]),
                    int(c_t.kernel_run_counter[0]), _rows(c_t.violation_ring.cpu(), int(c_t.violation_write_index[0])))
             row["ours_correct"] = ours == ref
             row["violations"] = ref[0]
         if common.time_peers():
-            tsets = [sgl_fresh(s) for s in range(k)]
+            tsets = [sglang_fresh(sgl, entries, s) for s in range(k)]
 
             def run_sgl(i):
                 c, p = tsets[i % k]

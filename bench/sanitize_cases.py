@@ -17,6 +17,7 @@ import numpy as np  # noqa: E402
 import jax  # noqa: E402
 
 import kvcanary_jax as kc  # noqa: E402
+from kvcanary_jax.testing import cases  # noqa: E402
 
 
 def scatter_cases(rng):
@@ -67,10 +68,10 @@ def write_verify_cases(rng):
                 num_slots=num_slots, kernel_kind=CanaryLaunchTag.TAIL_K_FULL, ring_capacity=8,
                 real_kv_sources=(src,), real_kv_hash_mode=RealKvHashMode(i % 3))
             offsets = np.sort(rng.integers(-50, n + 50, cap + 1)).astype(np.int64)
-            wplan = kc.WritePlan(
-                write_offsets=jax.numpy.asarray(offsets),
-                write_seed_slot_indices=jax.numpy.asarray(rng.integers(-3 * num_slots, 3 * num_slots, cap)),
-                write_num_valid_reqs=jax.numpy.asarray([int(rng.integers(-5, 3 * cap))], dtype=np.int32))
+            wplan = cases.jax_write_plan(  # the keyword arguments draw in their order
+                write_offsets=offsets,
+                write_seed_slot_indices=rng.integers(-3 * num_slots, 3 * num_slots, cap),
+                write_num_valid_reqs=int(rng.integers(-5, 3 * cap)))
             ctx = kc.canary_write(
                 context=ctx, plan=wplan,
                 input_ids=rng.integers(0, 9, n).astype(np.int64),
@@ -78,13 +79,12 @@ def write_verify_cases(rng):
                 out_cache_loc=rng.integers(-2 * num_slots, 2 * num_slots, n).astype(np.int64),
                 enable_write_input_assert=False, expected_input_tokens=None, expected_input_positions=None)
             m = 700
-            vplan = kc.VerifyPlan(
-                verify_slot_indices=jax.numpy.asarray(rng.integers(-2 * num_slots, 2 * num_slots, m)),
-                verify_expected_tokens=jax.numpy.asarray(rng.integers(-1, 9, m)),
-                verify_expected_positions=jax.numpy.asarray(rng.integers(0, 9, m)),
-                verify_prev_slot_indices=jax.numpy.asarray(rng.integers(-2 * num_slots, 2 * num_slots, m)),
-                verify_num_valid=jax.numpy.asarray([int(rng.integers(-5, 3 * m))], dtype=np.int32),
-                enable=jax.numpy.ones(1, np.int32))
+            vplan = cases.jax_verify_plan(
+                verify_slot_indices=rng.integers(-2 * num_slots, 2 * num_slots, m),
+                verify_expected_tokens=rng.integers(-1, 9, m),
+                verify_expected_positions=rng.integers(0, 9, m),
+                verify_prev_slot_indices=rng.integers(-2 * num_slots, 2 * num_slots, m),
+                verify_num_valid=int(rng.integers(-5, 3 * m)))
             ctx = kc.canary_verify(context=ctx, plan=vplan, check_verify_expected_token=True)
             jax.block_until_ready(ctx)
     print("write + verify: 20 hostile launches each done")
@@ -100,6 +100,7 @@ def bridge_direct_cases(rng, launches=20):
     import kvcanary_jax.bridge as bridge
 
     dev = torch.device("cuda")
+    api = cases.TorchApi.bridge()
     t = lambda a, dt=torch.int64: torch.as_tensor(np.asarray(a), dtype=dt, device=dev)  # noqa
     bridge.set_value_checks(False)
     for i in range(launches):
@@ -142,10 +143,10 @@ def bridge_direct_cases(rng, launches=20):
             enable_chain_position_assert=t([1], torch.int32))
         # Few distinct shapes (each compiles once): hostile values, not shapes, are the point.
         m = 40 if i % 4 < 2 else 600
-        wplan = bridge.WritePlan(
-            write_offsets=t(np.sort(rng.integers(-50, m + 50, 17))),
-            write_seed_slot_indices=t(rng.integers(-3 * num_slots, 3 * num_slots, 16)),
-            write_num_valid_reqs=t([int(rng.integers(-5, 48))], torch.int32))
+        wplan = cases.torch_write_plan(  # the keyword arguments draw in their order
+            api, write_offsets=np.sort(rng.integers(-50, m + 50, 17)),
+            write_seed_slot_indices=rng.integers(-3 * num_slots, 3 * num_slots, 16),
+            write_num_valid_reqs=int(rng.integers(-5, 48)), device=dev)
         bridge.launch_canary_write_kernel(
             context=ctx, plan=wplan, input_ids=t(rng.integers(0, 9, m)),
             positions=t(rng.integers(-5, 9, m)),
@@ -153,13 +154,12 @@ def bridge_direct_cases(rng, launches=20):
             enable_write_input_assert=bool(i % 2), expected_input_tokens=t(rng.integers(0, 9, m)) if i % 2 else None,
             expected_input_positions=t(rng.integers(0, 9, m)) if i % 2 else None)
         v = 64 if i % 4 < 2 else 700
-        vplan = bridge.VerifyPlan(
-            verify_slot_indices=t(rng.integers(-2 * num_slots, 2 * num_slots, v)),
-            verify_expected_tokens=t(rng.integers(-1, 9, v)),
-            verify_expected_positions=t(rng.integers(0, 9, v)),
-            verify_prev_slot_indices=t(rng.integers(-2 * num_slots, 2 * num_slots, v)),
-            verify_num_valid=t([int(rng.integers(-5, 3 * v))], torch.int32),
-            enable=t([1], torch.int32))
+        vplan = cases.torch_verify_plan(
+            api, verify_slot_indices=rng.integers(-2 * num_slots, 2 * num_slots, v),
+            verify_expected_tokens=rng.integers(-1, 9, v),
+            verify_expected_positions=rng.integers(0, 9, v),
+            verify_prev_slot_indices=rng.integers(-2 * num_slots, 2 * num_slots, v),
+            verify_num_valid=int(rng.integers(-5, 3 * v)), device=dev)
         bridge.launch_canary_verify_kernel(context=ctx, plan=vplan, check_verify_expected_token=True)
     torch.cuda.synchronize()
     print("bridge plan/write/verify:", {k: v["path"] for k, v in bridge.paths().items()})

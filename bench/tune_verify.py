@@ -27,8 +27,8 @@ import sys
 import time
 import traceback
 
-from kvcanary_jax.bench import builders, common, timing
-from kvcanary_jax.bench.op_verify import RING, _inputs
+from kvcanary_jax.bench import common, timing
+from kvcanary_jax.bench.op_verify import _inputs, jax_fresh
 
 # Largest first: the byte-floor target is at 4M entries, and BUDGET_S may cut the tail.
 CASES = [1 << 22, 1 << 20, 1 << 10, 1 << 16]
@@ -53,7 +53,6 @@ def main() -> int:
     import jax
 
     import kvcanary_jax as kc
-    from kvcanary_jax.consts import CanaryLaunchTag
     from kvcanary_jax.ops.verify import pallas_triton
 
     def heuristic(capacity):
@@ -75,16 +74,7 @@ def main() -> int:
         res = {"case": f"entries={entries}", "entries": entries, "times": {}, "errors": {}}
         default = heuristic(entries)  # what a call without a tuned entry uses
         with jax.enable_x64(True):
-            sets = []
-            for seed in range(k):
-                d = _inputs(entries, seed)
-                ctx = kc.VerifyOrWriteContext.allocate(
-                    num_slots=d["canary_buf"].shape[0], kernel_kind=CanaryLaunchTag.HEAD_K_FULL,
-                    ring_capacity=RING)
-                ctx = ctx.replace(canary_buf=common.to_jax(d["canary_buf"]))
-                plan = builders.jax_verify_plan(d["slots"], d["tokens"], d["positions"],
-                                                d["prev"], entries)
-                sets.append([ctx, plan])
+            sets = [jax_fresh(entries, seed) for seed in range(k)]
             expect = None
 
             def measure(kw: dict):

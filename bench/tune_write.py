@@ -27,7 +27,8 @@ import sys
 import numpy as np
 
 from kvcanary_jax.bench import common, timing
-from kvcanary_jax.bench.op_write import FULL_CASES, QUICK_CASES, RING, SMOKE_CASES, _inputs
+from kvcanary_jax.bench.op_write import (FULL_CASES, QUICK_CASES, SMOKE_CASES, _inputs,
+                                         jax_fresh, sglang_fresh)
 
 BLOCKS = (32, 64, 128, 256)
 UNROLLS = (4, 8, 16)
@@ -50,18 +51,7 @@ def variants():
 def _sglang_time(sgl, reqs, tokens, k, iters):
     import torch
 
-    dev = common.torch_device()
-    t = common.to_torch
-
-    def fresh(seed):
-        d = _inputs(reqs, tokens, seed)
-        ctx = common.sglang_context(sgl, d["canary_buf"], "TAIL_K_FULL", RING)
-        plan = sgl.write.WritePlan(
-            write_offsets=t(d["write_offsets"]), write_seed_slot_indices=t(d["seeds"]),
-            write_num_valid_reqs=torch.tensor([reqs], dtype=torch.int32, device=dev))
-        return ctx, plan, t(d["input_ids"]), t(d["positions"]), t(d["out_cache_loc"])
-
-    sets = [fresh(s) for s in range(k)]
+    sets = [sglang_fresh(sgl, reqs, tokens, s) for s in range(k)]
 
     def run(i):
         c, p, ids, pos, loc = sets[i % k]
@@ -78,7 +68,6 @@ def main() -> int:
     import jax.numpy as jnp
 
     import kvcanary_jax as kc
-    from kvcanary_jax.consts import CanaryLaunchTag
     from kvcanary_jax.ops.write.pallas_triton import Config
 
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
@@ -94,20 +83,8 @@ def main() -> int:
         k = timing.num_sets(_inputs(reqs, tokens, 0)["canary_buf"].nbytes + 24 * n)
         res = {"case": f"reqs={reqs} tokens={tokens}", "ours": {}, "mismatch": []}
         with jax.enable_x64(True):
-            def fresh(seed):
-                d = _inputs(reqs, tokens, seed)
-                ctx = kc.VerifyOrWriteContext.allocate(
-                    num_slots=d["canary_buf"].shape[0], kernel_kind=CanaryLaunchTag.TAIL_K_FULL,
-                    ring_capacity=RING)
-                ctx = ctx.replace(canary_buf=common.to_jax(d["canary_buf"]))
-                plan = kc.WritePlan(write_offsets=common.to_jax(d["write_offsets"]),
-                                    write_seed_slot_indices=common.to_jax(d["seeds"]),
-                                    write_num_valid_reqs=jnp.array([reqs], jnp.int32))
-                return [ctx, plan, common.to_jax(d["input_ids"]), common.to_jax(d["positions"]),
-                        common.to_jax(d["out_cache_loc"])]
-
-            check_in = fresh(n + 1)
-            sets = [fresh(s) for s in range(k)]
+            check_in = jax_fresh(reqs, tokens, n + 1)
+            sets = [jax_fresh(reqs, tokens, s) for s in range(k)]
             expect = None
             for block, unroll, warps in variants()[:3] if smoke else variants():
                 name = f"b{block}u{unroll}w{warps}"

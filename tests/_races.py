@@ -190,25 +190,26 @@ class VerifyClaims:
     programs: list
 
 
-def verify_claims(before: support.State, *, config=None, **kw) -> VerifyClaims:
-    """:class:`VerifyClaims` of a verify case (``kw``: :func:`_canary_support.run_verify`'s case
-    arguments) launched with ``config`` (None: the op's choice on this machine). A block's rows
-    are the reference's rows of its entries: the difference of two runs cut at its ends."""
+def verify_claims(before: support.State, *, config=None, **case) -> VerifyClaims:
+    """:class:`VerifyClaims` of a verify case (``case``: :func:`_canary_support.run_verify`'s)
+    launched with ``config`` (None: the op's choice on this machine). A block's rows are the
+    reference's rows of its entries: the difference of two runs cut at its ends."""
     from kvcanary_jax.ops.verify import pallas_triton
 
-    capacity = len(kw["slots"])
+    capacity = len(case["verify_slot_indices"])
     grid = pallas_triton.launch_grid(capacity, support.triton_config("verify", before, config,
-                                                                     **kw))
-    active = min(max(int(kw["num_valid"]), 0), capacity) if kw.get("enable", 1) else 0
+                                                                     **case))
+    active = (min(max(int(case["verify_num_valid"]), 0), capacity)
+              if case.get("enable", 1) else 0)
     start = support.State(before.canary.copy(), np.zeros((capacity + 1, 8), np.int64), 0,
                           before.sctr, before.kctr)
 
     def rows_before(entry):
-        cut = dict(kw, num_valid=entry)
+        cut = dict(case, verify_num_valid=entry)
         out, _ = support.run_verify(None, start, **cut, reference=False, jnp_reference=True)
         return out
 
-    full = rows_before(kw["num_valid"])
+    full = rows_before(case["verify_num_valid"])
     rows = support.new_rows(start, full)
     blocks = -(-active // grid.block)
     ends = [0] + [rows_before(b * grid.block).widx for b in range(1, blocks)] + [len(rows)]
@@ -231,11 +232,11 @@ def verify_mismatch(ours: support.State, before: support.State, claims: VerifyCl
 
 
 def assert_verify_outcome(ours: support.State, before: support.State, *, config=None,
-                          claims: VerifyClaims | None = None, **kw) -> VerifyClaims:
-    """``ours`` is an outcome of the verify case ``kw`` launched from ``before`` with ``config``
-    on ``pallas_triton`` (module docstring); returns the case's claims (pass them back as
-    ``claims`` to check another result of the same case)."""
-    claims = claims or verify_claims(before, config=config, **kw)
+                          claims: VerifyClaims | None = None, **case) -> VerifyClaims:
+    """``ours`` is an outcome of the verify case ``case`` launched from ``before`` with
+    ``config`` on ``pallas_triton`` (module docstring); returns the case's claims (pass them
+    back as ``claims`` to check another result of the same case)."""
+    claims = claims or verify_claims(before, config=config, **case)
     why = verify_mismatch(ours, before, claims)
     assert why is None, f"no order of the verify's claims gives this result: {why}"
     return claims

@@ -52,11 +52,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import inspect
-
 import numpy as np
 
 from kvcanary_jax import consts, hashing
+from kvcanary_jax.testing import cases
 
 import _canary_support as support
 import _races
@@ -71,9 +70,6 @@ REAL_KV = consts.CANARY_FIELD_REAL_KV_HASH
 # suite's launches need at most a few hundred; only launches whose requests all seed on, and
 # write many times, the one slot, with no row landing in the ring, come near it.
 MAX_STEPS = 200_000
-_CONTEXT_DEFAULTS = {k: p.default for k, p in
-                     inspect.signature(support.jax_context).parameters.items()
-                     if k in ("kind", "cpa")}
 _F = consts.FailReason
 
 
@@ -113,15 +109,20 @@ class Launch:
         as_ints = lambda a: [int(v) for v in np.asarray(a, np.int64).reshape(-1)]  # noqa: E731
         self.before, self.launch, self.block = before, launch, block
         self.num_slots = before.canary.shape[0]
-        self.offsets, self.seeds = as_ints(launch["offsets"]), as_ints(launch["seeds"])
-        self.ids, self.pos, self.ocl = (as_ints(launch[k]) for k in ("ids", "pos", "ocl"))
-        self.check_input = bool(launch.get("assert_on", False))
-        self.etok = self.ids if launch.get("etok") is None else as_ints(launch["etok"])
-        self.epos = self.pos if launch.get("epos") is None else as_ints(launch["epos"])
-        self.kind = int(launch.get("kind", _CONTEXT_DEFAULTS["kind"]))
-        self.cpa = int(launch.get("cpa", _CONTEXT_DEFAULTS["cpa"]))
+        self.offsets = as_ints(launch["write_offsets"])
+        self.seeds = as_ints(launch["write_seed_slot_indices"])
+        self.ids, self.pos, self.ocl = (as_ints(launch[k]) for k in
+                                        ("input_ids", "positions", "out_cache_loc"))
+        self.check_input = bool(launch.get("enable_write_input_assert", False))
+        self.etok = (self.ids if launch.get("expected_input_tokens") is None
+                     else as_ints(launch["expected_input_tokens"]))
+        self.epos = (self.pos if launch.get("expected_input_positions") is None
+                     else as_ints(launch["expected_input_positions"]))
+        self.kind = int(launch.get("kernel_kind", cases.ContextCase.kernel_kind))
+        self.cpa = int(launch.get("enable_chain_position_assert",
+                                  cases.ContextCase.enable_chain_position_assert))
         self.capacity = len(self.seeds)
-        self.active = min(max(int(launch["num_valid"]), 0), self.capacity)
+        self.active = min(max(int(launch["write_num_valid_reqs"]), 0), self.capacity)
         self._walks: dict = {}
 
     def tokens(self, r) -> range:
@@ -389,11 +390,11 @@ def _contains(window: tuple, claim: tuple) -> bool:
 def alone(launch: dict, r: int, end: int | None = None) -> dict:
     """``launch`` with only request ``r``'s tokens (through token index ``end``, exclusive,
     when given): the other requests' ranges are emptied."""
-    offsets = np.asarray(launch["offsets"], np.int64)
+    offsets = np.asarray(launch["write_offsets"], np.int64)
     alone = np.empty_like(offsets)
     alone[:r + 1] = offsets[r]
     alone[r + 1:] = offsets[r + 1] if end is None else end
-    return dict(launch, offsets=alone)
+    return dict(launch, write_offsets=alone)
 
 
 def run_alone(before: support.State, launch: dict, sources, mode, r: int, seed_row=None, *,
@@ -401,12 +402,12 @@ def run_alone(before: support.State, launch: dict, sources, mode, r: int, seed_r
     """Request ``r`` alone (:func:`alone`) by the jnp reference from ``before``, its seed slot
     holding ``seed_row`` (fields 0-2) when given, from write index 0 on a ring with room for
     all its rows (the counters are ``before``'s plus the run's)."""
-    st = support.widened(before.copy(), 4 * len(launch["ocl"]) + 8)
+    st = support.widened(before.copy(), 4 * len(launch["out_cache_loc"]) + 8)
     st.widx, st.ring[:] = 0, 0
     if seed_row is not None:
-        st.canary_i64[int(launch["seeds"][r]), :3] = seed_row
-    out, _ = support.run_write(None, st, **alone(launch, r, end), sources=sources, mode=mode,
-                               reference=False, jnp_reference=True)
+        st.canary_i64[int(launch["write_seed_slot_indices"][r]), :3] = seed_row
+    out, _ = support.run_write(None, st, **alone(launch, r, end), real_kv_sources=sources,
+                               real_kv_hash_mode=mode, reference=False, jnp_reference=True)
     return out
 
 
@@ -429,12 +430,12 @@ def explain_write(ours: support.State, before: support.State, launch: dict, sour
                   config=None) -> Execution | str:
     """The execution that gives ``ours`` (a write launch from ``before`` on ``pallas_triton``
     with ``config``; module docstring), or why none does."""
-    block = support.triton_config("write", before, config, **launch, sources=sources,
-                                  mode=mode).block
+    block = support.triton_config("write", before, config, **launch, real_kv_sources=sources,
+                                  real_kv_hash_mode=mode).block
     model = Launch(before, launch, block)
     search = _Search(ours, model)
-    seq, _ = support.run_write(None, before, **launch, sources=sources, mode=mode,
-                               reference=False, jnp_reference=True)
+    seq, _ = support.run_write(None, before, **launch, real_kv_sources=sources,
+                               real_kv_hash_mode=mode, reference=False, jnp_reference=True)
     real_kv = {s: int(seq.canary_i64[s, REAL_KV]) for s in search.stored_at}
     why = search.fixed_mismatch(real_kv)
     if why is not None:
@@ -478,8 +479,8 @@ def apply_write_in_order(before: support.State, launch: dict, sources, mode,
     give."""
     st = before.copy()
     for r in order:
-        st, _ = support.run_write(None, st, **alone(launch, r), sources=sources, mode=mode,
-                                  reference=False, jnp_reference=True)
+        st, _ = support.run_write(None, st, **alone(launch, r), real_kv_sources=sources,
+                                  real_kv_hash_mode=mode, reference=False, jnp_reference=True)
         st.kctr -= 1  # one launch bumps the kernel counter once
     st.kctr += 1
     return st

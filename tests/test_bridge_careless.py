@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvcanary_jax.bridge as bridge
-from kvcanary_jax.bench import builders
+from kvcanary_jax.testing import cases
 
 pytestmark = pytest.mark.torch
 
@@ -21,11 +21,11 @@ def _raises(cls, message):
 
 
 def _ctx(num_slots=16):
-    return builders.torch_context(
-        bridge.VerifyOrWriteContext,
-        canary_buf=torch.full((num_slots, 32), 0xA5, dtype=torch.uint8),
+    return cases.torch_context(
+        cases.TorchApi.bridge(), canary_buf=torch.full((num_slots, 32), 0xA5, dtype=torch.uint8),
+        violation_ring=cases.violation_ring(8, fill=-9),
         kernel_kind=bridge.CanaryLaunchTag.HEAD_K_FULL,
-        real_kv_hash_mode=bridge.RealKvHashMode.NONE, ring=8, ring_fill=-9)
+        real_kv_hash_mode=bridge.RealKvHashMode.NONE)
 
 
 def _step_kw(**change):
@@ -150,10 +150,10 @@ def test_fused_step_refuses_to_scatter_into_req_to_token():
           req_pool_indices=torch.tensor([1]), pool_out=torch.zeros(2, 8, dtype=torch.int32)),
      "kv-canary: flat_in must be contiguous"),
     ("launch_canary_write_kernel",
-     dict(context=_ctx(), plan=bridge.WritePlan(write_offsets=torch.tensor([0, 2]),
-                                                write_seed_slot_indices=torch.tensor([-1]),
-                                                write_num_valid_reqs=torch.tensor(
-                                                    [1], dtype=torch.int32)),
+     dict(context=_ctx(), plan=cases.torch_write_plan(cases.TorchApi.bridge(),
+                                                      write_offsets=[0, 2],
+                                                      write_seed_slot_indices=[-1],
+                                                      write_num_valid_reqs=1),
           input_ids=torch.tensor([5, 0, 6, 0])[::2], positions=torch.arange(2),
           out_cache_loc=torch.tensor([3, 4]), enable_write_input_assert=False,
           expected_input_tokens=None, expected_input_positions=None),

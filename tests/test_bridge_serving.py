@@ -15,10 +15,11 @@ import pytest
 import torch
 
 import kvcanary_jax.bridge as bridge
-from kvcanary_jax.bench import builders
 from kvcanary_jax import buckets
+from kvcanary_jax.testing import cases
 
 CPU = torch.device("cpu")
+BRIDGE = cases.TorchApi.bridge()
 
 
 def _rss_mib() -> float:
@@ -29,12 +30,14 @@ def _rss_mib() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _context(cls, *, num_slots, ring=256, sources=(), mode=None, device=CPU):
-    return builders.torch_context(
-        cls, canary_buf=torch.zeros(num_slots, 32, dtype=torch.uint8, device=device),
-        kernel_kind=bridge.CanaryLaunchTag.HEAD_K_FULL,
-        real_kv_hash_mode=bridge.RealKvHashMode.NONE if mode is None else mode, ring=ring,
-        real_kv_sources=sources)
+def _context(api, *, num_slots, ring=256, real_kv_sources=(),
+             real_kv_hash_mode=bridge.RealKvHashMode.NONE, device=CPU):
+    """``api``'s context (the bridge's or SGLang's) over a zero canary, a zero ring of ``ring``
+    rows."""
+    return cases.torch_context(
+        api, canary_buf=torch.zeros(num_slots, 32, dtype=torch.uint8, device=device),
+        violation_ring=cases.violation_ring(ring), kernel_kind=bridge.CanaryLaunchTag.HEAD_K_FULL,
+        real_kv_sources=real_kv_sources, real_kv_hash_mode=real_kv_hash_mode)
 
 
 class _Compiles:
@@ -88,14 +91,16 @@ def test_decode_loop_with_a_growing_history_compiles_logarithmically_with_flat_m
     rpi = torch.arange(1, bs + 1, dtype=torch.int64)
     hist = [[rng.randrange(50000) for _ in range(start)] for _ in range(bs)]
 
-    def state(VP, WP, Ctx):
-        return dict(vp=VP.allocate(verify_capacity=bs * width, device=CPU).zero_for_testing_(),
-                    wp=WP.allocate(write_req_capacity=max_reqs, device=CPU).zero_for_testing_(),
-                    ctx=_context(Ctx, num_slots=num_slots, ring=4096),
+    def state(api):
+        return dict(vp=api.verify_plan.allocate(verify_capacity=bs * width,
+                                                device=CPU).zero_for_testing_(),
+                    wp=api.write_plan.allocate(write_req_capacity=max_reqs,
+                                               device=CPU).zero_for_testing_(),
+                    ctx=_context(api, num_slots=num_slots, ring=4096),
                     pool=torch.zeros(max_reqs, width, dtype=torch.int32))
 
-    ours = state(bridge.VerifyPlan, bridge.WritePlan, bridge.VerifyOrWriteContext)
-    ref = state(sgl.verify.VerifyPlan, sgl.write.WritePlan, sgl.verify.VerifyOrWriteContext)
+    ours = state(BRIDGE)
+    ref = state(cases.TorchApi.sglang(sgl))
     refs = (sgl.scatter_ref.scatter_req_token_ids_torch_reference,
             sgl.plan_ref.launch_canary_plan_kernels_torch_reference,
             sgl.verify_ref.launch_canary_verify_kernel_torch_reference,
@@ -156,13 +161,12 @@ def test_decode_loop_with_a_growing_history_compiles_logarithmically_with_flat_m
 # Tensors changed in place
 
 
-def _verify_case(VP, Ctx, helpers, *, num_slots=32):
-    ctx = _context(Ctx, num_slots=num_slots)
+def _verify_case(api, helpers, *, num_slots=32):
+    ctx = _context(api, num_slots=num_slots)
     ctx.canary_buf.view(torch.int64)[:, 0] = torch.arange(num_slots)  # tokens = slot index
     plan = helpers.make_verify_plan(slot_indices=[1, 2, 3, 4, 5, 6], positions=[0] * 6,
                                     prev_slot_indices=[0] * 6, device=CPU)
     plan.verify_expected_tokens.copy_(torch.tensor([1, 2, 3, 4, 9, 9]))
-    del VP
     return ctx, plan
 
 
@@ -177,8 +181,8 @@ def test_stride_change_in_place_after_use_is_checked_again(sgl, helpers):
     """A plan tensor re-strided in place (``as_strided_``) after several calls: the next call
     sees the new layout and raises SGLang's contiguity error, writing nothing (a recorded call
     replaying the old layout reported 4 violations where SGLang reports 2)."""
-    ctx, plan = _verify_case(bridge.VerifyPlan, bridge.VerifyOrWriteContext, helpers)
-    rctx, rplan = _verify_case(sgl.verify.VerifyPlan, sgl.verify.VerifyOrWriteContext, helpers)
+    ctx, plan = _verify_case(BRIDGE, helpers)
+    rctx, rplan = _verify_case(cases.TorchApi.sglang(sgl), helpers)
     with bridge.value_checks(False):
         for _ in range(3):
             bridge.launch_canary_verify_kernel(context=ctx, plan=plan,
@@ -238,8 +242,7 @@ def _run_threads(fns):
 @pytest.mark.parametrize("shared", [True, False], ids=["one_buffer_set", "own_buffer_sets"])
 def test_threads_count_every_call_and_get_sglangs_results(sgl, helpers, shared):
     calls, threads = 20, 3
-    sets = [_verify_case(bridge.VerifyPlan, bridge.VerifyOrWriteContext, helpers)
-            for _ in range(1 if shared else threads)]
+    sets = [_verify_case(BRIDGE, helpers) for _ in range(1 if shared else threads)]
     pools = [torch.zeros(4, 64, dtype=torch.int32) for _ in range(1 if shared else threads)]
 
     def worker(i):
@@ -263,7 +266,7 @@ def test_threads_count_every_call_and_get_sglangs_results(sgl, helpers, shared):
         assert int(ctx.slot_run_counter[0]) == 6 * per_set
         assert int(ctx.violation_write_index[0]) == 2 * per_set
     # What SGLang's reference gives for one call, repeated: every ring row is one of its two.
-    rctx, rplan = _verify_case(sgl.verify.VerifyPlan, sgl.verify.VerifyOrWriteContext, helpers)
+    rctx, rplan = _verify_case(cases.TorchApi.sglang(sgl), helpers)
     sgl.verify_ref.launch_canary_verify_kernel_torch_reference(
         context=rctx, plan=rplan, check_verify_expected_token=True)
     want = sorted(map(tuple, rctx.violation_ring[:2].tolist()))
@@ -275,10 +278,10 @@ def test_threads_count_every_call_and_get_sglangs_results(sgl, helpers, shared):
         assert pool[i + 1].tolist() == [calls - 1] * 64
 
 
-def _write_case(WP):
+def _write_case(api):
     """One new chain over slots 10..13 (disjoint from _verify_case's verified slots 1..6)."""
-    plan = WP(write_offsets=torch.tensor([0, 4]), write_seed_slot_indices=torch.tensor([-1]),
-              write_num_valid_reqs=torch.tensor([1], dtype=torch.int32))
+    plan = cases.torch_write_plan(api, write_offsets=[0, 4], write_seed_slot_indices=[-1],
+                                  write_num_valid_reqs=1)
     toks = dict(input_ids=torch.tensor([21, 22, 23, 24]), positions=torch.arange(4),
                 out_cache_loc=torch.tensor([10, 11, 12, 13]))
     return plan, toks
@@ -290,8 +293,8 @@ def test_two_launchers_on_one_context_from_two_threads_match_sglang(sgl, helpers
     "Array has been deleted" and lost counter updates in 3 of 3 trials), and SGLang's
     reference state for the 50 calls run one after the other."""
     calls = 25
-    ctx, vplan = _verify_case(bridge.VerifyPlan, bridge.VerifyOrWriteContext, helpers)
-    wplan, toks = _write_case(bridge.WritePlan)
+    ctx, vplan = _verify_case(BRIDGE, helpers)
+    wplan, toks = _write_case(BRIDGE)
 
     def verifier():
         for _ in range(calls):
@@ -306,8 +309,8 @@ def test_two_launchers_on_one_context_from_two_threads_match_sglang(sgl, helpers
                                               expected_input_positions=None)
 
     _run_threads([verifier, writer])
-    rctx, rvplan = _verify_case(sgl.verify.VerifyPlan, sgl.verify.VerifyOrWriteContext, helpers)
-    rwplan, rtoks = _write_case(sgl.write.WritePlan)
+    rctx, rvplan = _verify_case(cases.TorchApi.sglang(sgl), helpers)
+    rwplan, rtoks = _write_case(cases.TorchApi.sglang(sgl))
     for _ in range(calls):
         sgl.verify_ref.launch_canary_verify_kernel_torch_reference(
             context=rctx, plan=rvplan, check_verify_expected_token=True)
@@ -336,7 +339,7 @@ def test_dropped_buffer_sets_are_released(helpers):
     gone = []
     rss = {}
     for i in range(100):
-        ctx = _context(bridge.VerifyOrWriteContext, num_slots=slots)
+        ctx = _context(BRIDGE, num_slots=slots)
         for _ in range(3):
             bridge.launch_canary_verify_kernel(context=ctx, plan=plan,
                                                check_verify_expected_token=False)
@@ -358,10 +361,11 @@ def test_dropped_buffer_sets_are_released(helpers):
 def test_real_kv_source_that_requires_grad_is_accepted(sgl, helpers):
     weights = torch.randn(32, 16, requires_grad=True)  # 64 bytes per row, float32
     outs = []
-    for Ctx, Src in ((bridge.VerifyOrWriteContext, bridge.RealKvSource),
-                     (sgl.verify.VerifyOrWriteContext, sgl.verify.RealKvSource)):
-        src = Src(tensor=weights, page_size=1, num_bytes_per_token=64, read_bytes=32)
-        ctx = _context(Ctx, num_slots=32, sources=(src,), mode=bridge.RealKvHashMode.ALL)
+    for api in (BRIDGE, cases.TorchApi.sglang(sgl)):
+        src = api.real_kv_source(tensor=weights, page_size=1, num_bytes_per_token=64,
+                                 read_bytes=32)
+        ctx = _context(api, num_slots=32, real_kv_sources=(src,),
+                       real_kv_hash_mode=bridge.RealKvHashMode.ALL)
         plan = helpers.make_write_plan(write_offsets=[0, 3], seed_slot_indices=[-1],
                                        num_valid_reqs=1, req_capacity=2, device=CPU)
         outs.append((ctx, plan))
@@ -458,7 +462,7 @@ def test_bucketed_write_equals_the_unbucketed_op_when_offsets_run_past_the_token
     ocl = torch.tensor([3, 4, 5, 6, 7])
     plan = helpers.make_write_plan(write_offsets=[0, 3, 9], seed_slot_indices=[-1, -1],
                                    num_valid_reqs=2, req_capacity=2, device=CPU)
-    ctx = _context(bridge.VerifyOrWriteContext, num_slots=16)
+    ctx = _context(BRIDGE, num_slots=16)
     with bridge.value_checks(False):
         bridge.launch_canary_write_kernel(context=ctx, plan=plan, input_ids=ids, positions=pos,
                                           out_cache_loc=ocl, enable_write_input_assert=False,
@@ -466,9 +470,9 @@ def test_bucketed_write_equals_the_unbucketed_op_when_offsets_run_past_the_token
                                           expected_input_positions=None)
     with jax.enable_x64(True):
         jctx = kc.VerifyOrWriteContext.allocate(num_slots=16, ring_capacity=256)
-        jplan = kc.WritePlan(write_offsets=plan.write_offsets.numpy(),
-                             write_seed_slot_indices=plan.write_seed_slot_indices.numpy(),
-                             write_num_valid_reqs=plan.write_num_valid_reqs.numpy())
+        jplan = cases.jax_write_plan(write_offsets=plan.write_offsets.numpy(),
+                                     write_seed_slot_indices=plan.write_seed_slot_indices.numpy(),
+                                     write_num_valid_reqs=int(plan.write_num_valid_reqs[0]))
         want = kc.canary_write(context=jctx, plan=jplan, input_ids=ids.numpy(),
                                positions=pos.numpy(), out_cache_loc=ocl.numpy(),
                                enable_write_input_assert=False, expected_input_tokens=None,
@@ -495,7 +499,7 @@ def test_per_call_layout_facts_are_checked_on_every_call(helpers):
     with pytest.raises(bridge.BridgeError, match="runs past its storage"):
         bridge.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp,
                                           req_to_verify_expected_tokens=store[4:, 2:6], **kw)
-    ctx, plan = _verify_case(bridge.VerifyPlan, bridge.VerifyOrWriteContext, helpers)
+    ctx, plan = _verify_case(BRIDGE, helpers)
     bridge.launch_canary_verify_kernel(context=ctx, plan=plan, check_verify_expected_token=True)
     import dataclasses
 

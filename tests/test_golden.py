@@ -90,11 +90,9 @@ def _check_golden_case(op, case, impl, ordered):
             if sum(bool(w.rows) for w in sglang.walks.values()) <= 1:
                 np.testing.assert_array_equal(ours.ring, want.ring)
     else:
-        kw = dict({k: case[k] for k in _golden.VERIFY_ARRAYS}, num_valid=m["num_valid"],
-                  check_token=m["check_token"], sources=_golden.case_sources(case),
-                  mode=m["mode"])
-        claims = _races.assert_verify_outcome(want, before, **kw)
-        _races.assert_verify_outcome(ours, before, claims=claims, **kw)
+        launch = _golden.verify_launch(case)
+        claims = _races.assert_verify_outcome(want, before, **launch)
+        _races.assert_verify_outcome(ours, before, claims=claims, **launch)
 
 
 @pytest.mark.parametrize("op", _golden.OPS)

@@ -106,7 +106,7 @@ def test_the_bench_and_the_command_line_load_every_module_once():
     """From the checkout's root, where the folders are importable by their own names too,
     importing the bench and the command line loads nothing under those names."""
     proc = _python("import kvcanary_jax.bench.run, kvcanary_jax.bench.cpu, "
-                   "kvcanary_jax.bench.builders, kvcanary_jax.cli; " + LOADED_UNDER_FOLDER_NAMES,
+                   "kvcanary_jax.testing.cases, kvcanary_jax.cli; " + LOADED_UNDER_FOLDER_NAMES,
                    cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from kvcanary_jax.contracts import Contract
 from kvcanary_jax.ops.plan import CONTRACT, canary_plan, canary_plan_reference, plan_metas
 from kvcanary_jax.ops.plan import base as plan_base
-from kvcanary_jax.plans import VerifyPlan, WritePlan
+from kvcanary_jax.testing import cases
 import _impls
 import _tier
 from _impls import implementations, pallas, with_tpu
@@ -37,8 +37,7 @@ def _launch(**kw):
     return Config(**kw)
 
 M = -9999
-V_ARRAYS = ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions",
-            "verify_prev_slot_indices")
+V_ARRAYS = plan_base.VERIFY_ARRAYS
 KEYS = V_ARRAYS + ("verify_num_valid", "enable", "write_offsets", "write_seed_slot_indices",
                    "write_num_valid_reqs")
 
@@ -77,16 +76,11 @@ def run_oracle(sgl, c: Case) -> dict:
     import torch
 
     t64 = lambda x: torch.from_numpy(np.array(x, np.int64))  # noqa: E731
-    vp = sgl.verify.VerifyPlan(
-        **{f: torch.full((c.vc,), M, dtype=torch.int64) for f in V_ARRAYS},
-        verify_num_valid=torch.full((1,), M, dtype=torch.int32),
-        enable=torch.full((1,), M, dtype=torch.int32),
-    )
-    wp = sgl.write.WritePlan(
-        write_offsets=torch.full((c.wc + 1,), M, dtype=torch.int64),
-        write_seed_slot_indices=torch.full((c.wc,), M, dtype=torch.int64),
-        write_num_valid_reqs=torch.full((1,), M, dtype=torch.int32),
-    )
+    api = cases.TorchApi.sglang(sgl)
+    vp = cases.torch_verify_plan(api, **{f: [M] * c.vc for f in V_ARRAYS}, verify_num_valid=M,
+                                 enable=M)
+    wp = cases.torch_write_plan(api, write_offsets=[M] * (c.wc + 1),
+                                write_seed_slot_indices=[M] * c.wc, write_num_valid_reqs=M)
     sgl.plan_ref.launch_canary_plan_kernels_torch_reference(
         verify_plan_out=vp, write_plan_out=wp, req_pool_indices=t64(c.rpi),
         prefix_lens=t64(c.prefix), extend_seq_lens=t64(c.extend),
@@ -105,12 +99,10 @@ def run_oracle(sgl, c: Case) -> dict:
 
 
 def marked_plans(vc: int, wc: int):
-    vp = VerifyPlan(**{f: jnp.full((vc,), M, jnp.int64) for f in V_ARRAYS},
-                    verify_num_valid=jnp.full((1,), M, jnp.int32),
-                    enable=jnp.full((1,), M, jnp.int32))
-    wp = WritePlan(write_offsets=jnp.full((wc + 1,), M, jnp.int64),
-                   write_seed_slot_indices=jnp.full((wc,), M, jnp.int64),
-                   write_num_valid_reqs=jnp.full((1,), M, jnp.int32))
+    """Output plans holding ``M`` in every cell (what a launch does not write stays ``M``)."""
+    vp = cases.jax_verify_plan(**{f: [M] * vc for f in V_ARRAYS}, verify_num_valid=M, enable=M)
+    wp = cases.jax_write_plan(write_offsets=[M] * (wc + 1), write_seed_slot_indices=[M] * wc,
+                              write_num_valid_reqs=M)
     return vp, wp
 
 

@@ -22,6 +22,7 @@ import itertools
 import numpy as np
 
 from kvcanary_jax import consts
+from kvcanary_jax.testing import cases
 
 import _canary_support as support
 import _races
@@ -83,8 +84,8 @@ class WriteCase:
         self.before, self.launch, self.sources, self.mode = before, launch, sources, mode
         self.config = _write_config(block=block)
         self.block = block
-        self.offsets = [int(v) for v in launch["offsets"]]
-        self.requests = len(launch["seeds"])
+        self.offsets = [int(v) for v in launch["write_offsets"]]
+        self.requests = len(launch["write_seed_slot_indices"])
 
     def check(self, state) -> str | None:
         """The comparator's verdict: None (accepted) or why not."""
@@ -93,13 +94,13 @@ class WriteCase:
         return None if isinstance(found, _write_races.Execution) else found
 
     def seed_slot(self, r):
-        seed = int(self.launch["seeds"][r])
+        seed = int(self.launch["write_seed_slot_indices"][r])
         return seed if 0 <= seed < self.before.canary.shape[0] else None
 
     def writes(self, r, slot) -> list:
         """The token indices at which request ``r`` stores ``slot``, in order."""
         return [i for i in range(self.offsets[r], self.offsets[r + 1])
-                if int(self.launch["ocl"][i]) == slot]
+                if int(self.launch["out_cache_loc"][i]) == slot]
 
     def pre(self, slot) -> tuple:
         return _row(self.before.canary_i64[slot, :3])
@@ -112,7 +113,7 @@ class WriteCase:
 
     def store(self, r, seed_row, token) -> tuple:
         """The fields 0-2 request ``r`` (its seed reading ``seed_row``) stores at ``token``."""
-        slot = int(self.launch["ocl"][token])
+        slot = int(self.launch["out_cache_loc"][token])
         return _row(self.alone(r, seed_row, token + 1).canary_i64[slot, :3])
 
     def claims(self, r, seed_row) -> list:
@@ -181,9 +182,11 @@ def racing_case(*, ring=32, widx=2, stride=32, sources=(), mode=0) -> WriteCase:
     pos = [0, 1, 2, 4, 5, 6, 5, 9, 0, 1]
     etok = list(ids)
     etok[4], etok[5], etok[8] = 99, 98, 97
-    launch = dict(offsets=[0, 3, 6, 8, 10], seeds=[-1, X, 6, -1], num_valid=4, ids=ids, pos=pos,
-                  ocl=[X, 5, X, 6, 7, X, 8, 9, 5, 10], assert_on=True, etok=etok, epos=pos,
-                  cpa=1, kind=2)
+    launch = dict(write_offsets=[0, 3, 6, 8, 10], write_seed_slot_indices=[-1, X, 6, -1],
+                  write_num_valid_reqs=4, input_ids=ids, positions=pos,
+                  out_cache_loc=[X, 5, X, 6, 7, X, 8, 9, 5, 10], enable_write_input_assert=True,
+                  expected_input_tokens=etok, expected_input_positions=pos,
+                  enable_chain_position_assert=1, kernel_kind=2)
     return WriteCase(st, launch, sources=sources, mode=mode)
 
 
@@ -193,8 +196,9 @@ def crossed_case() -> WriteCase:
     st = support.State.zeros(16, 16)
     st.canary_i64[:, :3] = np.random.default_rng(4).integers(-(2**62), 2**62, (16, 3))
     st.canary_i64[:, 1] = 6
-    launch = dict(offsets=[0, 2, 4], seeds=[Y, X], num_valid=2, ids=[50, 51, 60, 61],
-                  pos=[7, 8, 7, 8], ocl=[X, 11, Y, 12], cpa=1)
+    launch = dict(write_offsets=[0, 2, 4], write_seed_slot_indices=[Y, X], write_num_valid_reqs=2,
+                  input_ids=[50, 51, 60, 61], positions=[7, 8, 7, 8], out_cache_loc=[X, 11, Y, 12],
+                  enable_chain_position_assert=1)
     return WriteCase(st, launch)
 
 
@@ -373,20 +377,24 @@ class VerifyCase:
         st.ring[:] = rng.integers(-9, 9, st.ring.shape)
         st.widx, st.sctr, st.kctr = widx, 5, 9
         self.before = st
-        self.kw = dict(support.verify_plan(rng.integers(1, 64, n), rng.integers(-3, 3, n),
-                                           rng.integers(-3, 3, n), rng.integers(-1, 64, n),
-                                           cap=cap), check_token=True)
+        entries = dict(verify_slot_indices=rng.integers(1, 64, n),
+                       verify_expected_tokens=rng.integers(-3, 3, n),
+                       verify_expected_positions=rng.integers(-3, 3, n),
+                       verify_prev_slot_indices=rng.integers(-1, 64, n))
+        self.kw = dict(cases.padded_verify_plan(entries, capacity=cap),
+                       check_verify_expected_token=True)
         self.config = _verify_config(block=self.BLOCK, max_programs=max_programs, group=1, vec=1)
         self.blocks = [self._rows(b) for b in range(-(-n // self.BLOCK))]
 
     def _rows(self, b) -> list:
         """Block ``b``'s rows: its entries alone, as a plan of their own."""
-        lo, hi = b * self.BLOCK, min((b + 1) * self.BLOCK, self.kw["num_valid"])
-        part = {k: v[lo:hi] for k, v in self.kw.items() if k in ("slots", "etok", "epos", "prev")}
+        lo, hi = b * self.BLOCK, min((b + 1) * self.BLOCK, self.kw["verify_num_valid"])
+        part = {k: self.kw[k][lo:hi] for k in cases.VERIFY_ENTRY_FIELDS}
         start = support.State(self.before.canary.copy(), np.zeros((self.BLOCK, 8), np.int64))
-        out, _ = support.run_verify(None, start, **part, num_valid=hi - lo,
-                                    check_token=self.kw["check_token"], reference=False,
-                                    jnp_reference=True)
+        out, _ = support.run_verify(
+            None, start, **part, verify_num_valid=hi - lo,
+            check_verify_expected_token=self.kw["check_verify_expected_token"], reference=False,
+            jnp_reference=True)
         return support.new_rows(start, out)
 
     def state(self, block_order=None, rows=None, *, widx=None) -> support.State:
@@ -395,7 +403,7 @@ class VerifyCase:
         if rows is None:
             rows = [row for b in block_order for row in self.blocks[b]]
         st = self.before.copy()
-        st.sctr = self.before.sctr + self.kw["num_valid"]
+        st.sctr = self.before.sctr + self.kw["verify_num_valid"]
         st.kctr = self.before.kctr + 1
         return lay(self.before, st, rows, widx=widx)
 
@@ -505,7 +513,7 @@ def test_write_comparator_past_the_canary_bytes_and_real_kv():
     """With real-KV sources and a wider canary slot: the sequential outcome passes, a changed
     byte past the 32 canary bytes or a changed real-KV field of a shared slot fails."""
     rng = np.random.default_rng(8)
-    sources = support.bucket_sources(rng, support.BUCKETS[1][3], num_slots=16)
+    sources = cases.bucket_sources(rng, cases.BUCKETS[1].sources, num_slots=16)
     case = racing_case(stride=48, sources=sources, mode=2)
     good = case.compose(SEQ).state
     assert case.check(good) is None
@@ -519,8 +527,9 @@ def test_write_comparator_accepts_the_implementations_results():
     """The sequential implementations' results (``xla``'s, the jnp reference's) are outcomes."""
     for case in (racing_case(), racing_case(ring=5, widx=2), crossed_case()):
         for impl in ("xla", None):
-            got, _ = support.run_write(None, case.before, **case.launch, sources=case.sources,
-                                       mode=case.mode, reference=False, implementation=impl,
+            got, _ = support.run_write(None, case.before, **case.launch,
+                                       real_kv_sources=case.sources, real_kv_hash_mode=case.mode,
+                                       reference=False, implementation=impl,
                                        jnp_reference=impl is None)
             assert case.check(got) is None, impl
 

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from kvcanary_jax import consts
 from kvcanary_jax import runtime as rt
 from kvcanary_jax.ops.verify import canary_verify, canary_verify_reference
+from kvcanary_jax.testing import cases
 
 import _canary_support as support
-from kvcanary_jax.bench import builders
 import _impls
 from _impls import with_tpu
 
@@ -53,7 +53,9 @@ def _expected_index(w0, n):
 def _verify_entries(n):
     """``n`` entries on zero slots 1..n, each a position mismatch (one row each), chain check off."""
     slots = [1 + i for i in range(n)]
-    return dict(slots=slots, etok=[-1] * n, epos=[7] * n, prev=[0] * n, num_valid=n)
+    return dict(verify_slot_indices=slots, verify_expected_tokens=[-1] * n,
+                verify_expected_positions=[7] * n, verify_prev_slot_indices=[0] * n,
+                verify_num_valid=n)
 
 
 def _run_verify_ours(st, runner, e):
@@ -61,8 +63,7 @@ def _run_verify_ours(st, runner, e):
     kw = {} if runner == "reference" else dict(implementation=runner,
                                                 config=_impls.config("verify", runner))
     with jax.enable_x64(True):
-        plan = builders.jax_verify_plan(e["slots"], e["etok"], e["epos"], e["prev"], e["num_valid"])
-        out = fn(context=support.jax_context(st), plan=plan, check_verify_expected_token=True, **kw)
+        out = fn(**cases.jax_verify_args(context=support.jax_context(st), **e), **kw)
     return support.state_of(out)
 
 
@@ -122,9 +123,11 @@ def _write_launch(nreq, per_req):
     """``nreq`` requests of ``per_req`` tokens, each token an input-assert mismatch (one row)."""
     n = nreq * per_req
     ids = list(range(100, 100 + n))
-    return dict(offsets=[per_req * r for r in range(nreq + 1)], seeds=[-1] * nreq,
-                num_valid=nreq, ids=ids, pos=list(range(n)), ocl=[1 + i for i in range(n)],
-                assert_on=True, etok=[t + 1 for t in ids], epos=list(range(n)))
+    return dict(write_offsets=[per_req * r for r in range(nreq + 1)],
+                write_seed_slot_indices=[-1] * nreq, write_num_valid_reqs=nreq, input_ids=ids,
+                positions=list(range(n)), out_cache_loc=[1 + i for i in range(n)],
+                enable_write_input_assert=True, expected_input_tokens=[t + 1 for t in ids],
+                expected_input_positions=list(range(n)))
 
 
 @pytest.mark.parametrize("runner", WRITE_RUNNERS)
@@ -169,33 +172,15 @@ def test_write_index_saturates_over_launches(sgl, runner):
 
 
 def _torch_verify(sgl, bridge, st, e):
-    import torch
-
     ctx = support.torch_context(sgl, st)
-    plan = sgl.verify.VerifyPlan(
-        verify_slot_indices=support._t64(e["slots"]),
-        verify_expected_tokens=support._t64(e["etok"]),
-        verify_expected_positions=support._t64(e["epos"]),
-        verify_prev_slot_indices=support._t64(e["prev"]),
-        verify_num_valid=torch.tensor([e["num_valid"]], dtype=torch.int32),
-        enable=torch.tensor([1], dtype=torch.int32))
-    return ctx, lambda: bridge.launch_canary_verify_kernel(context=ctx, plan=plan,
-                                                           check_verify_expected_token=True)
+    args = cases.torch_verify_args(cases.TorchApi.sglang(sgl), context=ctx, **e)
+    return ctx, lambda: bridge.launch_canary_verify_kernel(**args)
 
 
 def _torch_write(sgl, bridge, st, launch):
-    import torch
-
     ctx = support.torch_context(sgl, st)
-    plan = sgl.write.WritePlan(
-        write_offsets=support._t64(launch["offsets"]),
-        write_seed_slot_indices=support._t64(launch["seeds"]),
-        write_num_valid_reqs=torch.tensor([launch["num_valid"]], dtype=torch.int32))
-    return ctx, lambda: bridge.launch_canary_write_kernel(
-        context=ctx, plan=plan, input_ids=support._t64(launch["ids"]),
-        positions=support._t64(launch["pos"]), out_cache_loc=support._t64(launch["ocl"]),
-        enable_write_input_assert=True, expected_input_tokens=support._t64(launch["etok"]),
-        expected_input_positions=support._t64(launch["epos"]))
+    args = cases.torch_write_args(cases.TorchApi.sglang(sgl), context=ctx, **launch)
+    return ctx, lambda: bridge.launch_canary_write_kernel(**args)
 
 
 @pytest.mark.parametrize("op", ["verify", "write"])

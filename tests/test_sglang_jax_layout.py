@@ -18,6 +18,7 @@ import kvcanary_jax as kc
 from kvcanary_jax.hashing import splitmix64_int, to_i64
 from kvcanary_jax.integrations import sglang_jax as ksj
 from kvcanary_jax.integrations.sglang_jax import batch as sjb
+from kvcanary_jax.testing import cases
 
 HEADS, HEAD_DIM, SLOTS, PAGE = 2, 8, 12, 4  # bf16: one K strip is 16 bytes, two 8-byte words
 
@@ -54,9 +55,8 @@ def _written_fingerprints(buffer, k_heads: int) -> np.ndarray:
             real_kv_sources=ksj.fused_kv_sources(jnp.asarray(buffer), k_heads=k_heads),
             real_kv_hash_mode=kc.RealKvHashMode.ALL)
         n = SLOTS - 1
-        plan = kc.WritePlan(write_offsets=jnp.array([0, n], jnp.int64),
-                            write_seed_slot_indices=jnp.array([-1], jnp.int64),
-                            write_num_valid_reqs=jnp.array([1], jnp.int32))
+        plan = cases.jax_write_plan(write_offsets=[0, n], write_seed_slot_indices=[-1],
+                                    write_num_valid_reqs=1)
         ctx = kc.canary_write(context=ctx, plan=plan, input_ids=jnp.arange(n, dtype=jnp.int64),
                               positions=jnp.arange(n, dtype=jnp.int64),
                               out_cache_loc=jnp.arange(1, SLOTS, dtype=jnp.int64),

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import kvcanary_jax as kc
 from kvcanary_jax import consts
 from kvcanary_jax.ops.scatter import base as scatter_base
+from kvcanary_jax.testing import cases
 
 import _impls
 import _tier
@@ -33,14 +34,13 @@ MAX = consts.VIOLATION_WRITE_INDEX_MAX
 
 
 def _ctx(rng, canary, w0, sources=(), mode=0):
-    return kc.VerifyOrWriteContext(
-        canary_buf=jnp.asarray(canary), kernel_kind=consts.CanaryLaunchTag(3),
-        violation_ring=jnp.asarray(rng.integers(-9, 9, (RING, 8)), jnp.int64),
-        violation_write_index=jnp.asarray([w0], jnp.int32),
-        slot_run_counter=jnp.asarray([rng.integers(0, 2**40)], jnp.int64),
-        kernel_run_counter=jnp.asarray([rng.integers(0, 2**40)], jnp.int64),
-        real_kv_sources=sources, real_kv_hash_mode=consts.RealKvHashMode(mode),
-        enable_chain_position_assert=jnp.asarray([rng.integers(0, 2)], jnp.int32))
+    # The keyword arguments draw in the order they are written.
+    return cases.jax_context(
+        canary_buf=canary, kernel_kind=consts.CanaryLaunchTag(3),
+        violation_ring=rng.integers(-9, 9, (RING, 8)), violation_write_index=w0,
+        slot_run_counter=rng.integers(0, 2**40), kernel_run_counter=rng.integers(0, 2**40),
+        real_kv_sources=sources, real_kv_hash_mode=mode,
+        enable_chain_position_assert=rng.integers(0, 2))
 
 
 def _w0(rng):
@@ -57,7 +57,7 @@ def _same(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def _write_args(rng, hostile):
+def _write_args(rng, context, hostile):
     lens = rng.integers(0, TOKENS // REQS + 1, REQS)
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     ocl = rng.integers(1, N, TOKENS)  # slots repeat, across requests too
@@ -70,15 +70,13 @@ def _write_args(rng, hostile):
         if rng.random() < 0.5:
             offsets = rng.integers(-5, TOKENS + 5, REQS + 1).astype(np.int64)
     ids = rng.integers(0, 90, TOKENS)
-    plan = kc.WritePlan(write_offsets=jnp.asarray(offsets),
-                        write_seed_slot_indices=jnp.asarray(seeds),
-                        write_num_valid_reqs=jnp.asarray([rng.integers(-1, REQS + 2)], jnp.int32))
-    return dict(plan=plan, input_ids=jnp.asarray(ids, jnp.int64),
-                positions=jnp.asarray(pos, jnp.int64), out_cache_loc=jnp.asarray(ocl, jnp.int64),
-                enable_write_input_assert=True,
-                expected_input_tokens=jnp.asarray(np.where(rng.random(TOKENS) < 0.2, ids + 1, ids),
-                                                  jnp.int64),
-                expected_input_positions=jnp.asarray(pos, jnp.int64))
+    num_valid = rng.integers(-1, REQS + 2)
+    return cases.jax_write_args(
+        context=context, write_offsets=offsets, write_seed_slot_indices=seeds,
+        write_num_valid_reqs=num_valid, input_ids=ids, positions=pos, out_cache_loc=ocl,
+        enable_write_input_assert=True,
+        expected_input_tokens=np.where(rng.random(TOKENS) < 0.2, ids + 1, ids),
+        expected_input_positions=pos)
 
 
 def _sources(rng):
@@ -93,10 +91,9 @@ def test_write_against_the_jnp_reference():
             canary = rng.integers(0, 256, (N, 32), dtype=np.uint8)
             mode = k % 3
             ctx = _ctx(rng, canary, _w0(rng), _sources(rng) if mode else (), mode)
-            args = _write_args(rng, hostile=k % 2 == 1)
-            want = kc.canary_write_reference(context=ctx, **args)
-            got = kc.canary_write(context=ctx, **args, implementation=TPU,
-                                  config=_impls.config("write", TPU))
+            args = _write_args(rng, ctx, hostile=k % 2 == 1)
+            want = kc.canary_write_reference(**args)
+            got = kc.canary_write(**args, implementation=TPU, config=_impls.config("write", TPU))
             _same(got, want)
 
 
@@ -107,7 +104,7 @@ def test_verify_against_the_jnp_reference():
             mode = k % 3
             sources = _sources(rng) if mode else ()
             ctx = _ctx(rng, np.zeros((N, 32), np.uint8), 0, sources, mode)
-            written = kc.canary_write_reference(context=ctx, **_write_args(rng, hostile=False))
+            written = kc.canary_write_reference(**_write_args(rng, ctx, hostile=False))
             canary = np.asarray(written.canary_buf).copy()
             words = canary.view(np.int64)
             for s in rng.integers(1, N, 3):  # corruptions
@@ -117,13 +114,10 @@ def test_verify_against_the_jnp_reference():
             if k % 2:
                 slots[rng.random(CAP) < 0.2] = rng.choice([-1, -N, -N - 1, N, 2**40])
                 prev[rng.random(CAP) < 0.2] = rng.choice([N, -7, 2**40])
-            plan = kc.VerifyPlan(
-                verify_slot_indices=jnp.asarray(slots, jnp.int64),
-                verify_expected_tokens=jnp.asarray(rng.integers(-1, 90, CAP), jnp.int64),
-                verify_expected_positions=jnp.asarray(rng.integers(0, 60, CAP), jnp.int64),
-                verify_prev_slot_indices=jnp.asarray(prev, jnp.int64),
-                verify_num_valid=jnp.asarray([rng.integers(-2, CAP + 3)], jnp.int32),
-                enable=jnp.asarray([int(rng.random() > 0.1)], jnp.int32))
+            plan = cases.jax_verify_plan(  # the keyword arguments draw in their order
+                verify_slot_indices=slots, verify_expected_tokens=rng.integers(-1, 90, CAP),
+                verify_expected_positions=rng.integers(0, 60, CAP), verify_prev_slot_indices=prev,
+                verify_num_valid=rng.integers(-2, CAP + 3), enable=int(rng.random() > 0.1))
             ctx = _ctx(rng, canary, _w0(rng), sources, mode)
             want = kc.canary_verify_reference(context=ctx, plan=plan,
                                               check_verify_expected_token=bool(k % 3))
@@ -165,15 +159,12 @@ def test_plan_against_the_jnp_reference():
                 prefix[rng.random(bs) < 0.3] = 2 * width + 1
             lut = jnp.asarray(rng.integers(-1, 2**40, 40), jnp.int64) if k % 3 else None
             pool = jnp.asarray(rng.integers(-5, 1000, (rows, 6)), jnp.int32) if k % 4 else None
-            marked = lambda n, dt=jnp.int64: jnp.full((n,), -9999, dt)  # noqa: E731
-            vp = kc.VerifyPlan(verify_slot_indices=marked(vcap),
-                               verify_expected_tokens=marked(vcap),
-                               verify_expected_positions=marked(vcap),
-                               verify_prev_slot_indices=marked(vcap),
-                               verify_num_valid=marked(1, jnp.int32),
-                               enable=marked(1, jnp.int32))
-            wp = kc.WritePlan(write_offsets=marked(bs + 3), write_seed_slot_indices=marked(bs + 2),
-                              write_num_valid_reqs=marked(1, jnp.int32))
+            marked = -9999  # in every output cell: what the plan does not write stays
+            vp = cases.jax_verify_plan(**{f: [marked] * vcap for f in cases.VERIFY_ENTRY_FIELDS},
+                                       verify_num_valid=marked, enable=marked)
+            wp = cases.jax_write_plan(write_offsets=[marked] * (bs + 3),
+                                      write_seed_slot_indices=[marked] * (bs + 2),
+                                      write_num_valid_reqs=marked)
             kw = dict(verify_plan_out=vp, write_plan_out=wp, req_pool_indices=jnp.asarray(rpi),
                       prefix_lens=jnp.asarray(prefix),
                       extend_seq_lens=jnp.asarray(rng.integers(-1, 4, bs)),

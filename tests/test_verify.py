@@ -14,7 +14,7 @@ from kvcanary_jax import hashing
 from kvcanary_jax.context import RealKvSource
 from kvcanary_jax.contracts import TensorMeta
 from kvcanary_jax.ops.verify import canary_verify
-from kvcanary_jax.plans import VerifyPlan
+from kvcanary_jax.testing import cases
 
 import _canary_support as support
 import _impls
@@ -38,27 +38,19 @@ def _launch(**kw):
     return Config(**kw)
 
 
-def _written(sgl, chains, *, sources=(), mode=0, stride=32, num_slots=8, ring_cap=4):
+def _written(sgl, chains, *, real_kv_sources=(), real_kv_hash_mode=0, stride=32, num_slots=8,
+             ring_cap=4):
     """A canary holding ``chains`` (lists of (slot, token, position)), written by the reference."""
-    st = support.State.zeros(num_slots, ring_cap, stride)
-    ctx = support.torch_context(sgl, st, sources=sources, mode=mode)
     offsets, ids, pos, ocl = [0], [], [], []
     for ch in chains:
         for s, t, p in ch:
             ocl.append(s), ids.append(t), pos.append(p)
         offsets.append(len(ids))
-    import torch
-
-    sgl.write_ref.launch_canary_write_kernel_torch_reference(
-        context=ctx,
-        plan=sgl.write.WritePlan(
-            write_offsets=torch.tensor(offsets), write_seed_slot_indices=torch.full(
-                (len(chains),), -1, dtype=torch.int64),
-            write_num_valid_reqs=torch.tensor([len(chains)], dtype=torch.int32)),
-        input_ids=torch.tensor(ids), positions=torch.tensor(pos), out_cache_loc=torch.tensor(ocl),
-        enable_write_input_assert=False, expected_input_tokens=None,
-        expected_input_positions=None)
-    st = support.state_of(ctx)
+    _, st = support.run_write(
+        sgl, support.State.zeros(num_slots, ring_cap, stride), write_offsets=offsets,
+        write_seed_slot_indices=[-1] * len(chains), write_num_valid_reqs=len(chains),
+        input_ids=ids, positions=pos, out_cache_loc=ocl, real_kv_sources=real_kv_sources,
+        real_kv_hash_mode=real_kv_hash_mode, ours=False)
     st.sctr = st.kctr = 0
     return st
 
@@ -68,16 +60,18 @@ CHAIN = [(1, 100, 0), (2, 101, 1), (3, 102, 2), (4, 103, 3), (5, 104, 4)]
 
 def _entries(chain=CHAIN):
     slots = [s for s, _, _ in chain]
-    return dict(slots=slots, etok=[t for _, t, _ in chain], epos=[p for _, _, p in chain],
-                prev=[-1] + slots[:-1])
+    return dict(verify_slot_indices=slots, verify_expected_tokens=[t for _, t, _ in chain],
+                verify_expected_positions=[p for _, _, p in chain],
+                verify_prev_slot_indices=[-1] + slots[:-1])
 
 
-def _check(sgl, st, impl, *, cap=None, num_valid=None, expect_rows=None, **kw):
-    e = {k: kw.pop(k) for k in ("slots", "etok", "epos", "prev")}
-    n = len(e["slots"])
-    plan = support.verify_plan(e["slots"], e["etok"], e["epos"], e["prev"], cap=cap or n)
-    if num_valid is not None:
-        plan["num_valid"] = num_valid
+def _check(sgl, st, impl, *, verify_num_valid=None, expect_rows=None, **kw):
+    """A verify of the entries in ``kw`` (a plan of their number unless ``verify_num_valid``)
+    on ``impl`` and SGLang's reference, compared (:func:`support.check_verify`)."""
+    e = {k: kw.pop(k) for k in cases.VERIFY_ENTRY_FIELDS}
+    plan = cases.padded_verify_plan(e, capacity=len(e["verify_slot_indices"]))
+    if verify_num_valid is not None:
+        plan["verify_num_valid"] = verify_num_valid
     ours, ref = support.check_verify(sgl, st, implementation=impl, **plan, **kw)
     if expect_rows is not None:
         assert ref.widx - st.widx == expect_rows
@@ -89,7 +83,7 @@ def _check(sgl, st, impl, *, cap=None, num_valid=None, expect_rows=None, **kw):
 
 def test_clean_chain(sgl, impl):
     st = _written(sgl, [CHAIN])
-    _, ref = _check(sgl, st, impl, **_entries(), check_token=True, expect_rows=0)
+    _, ref = _check(sgl, st, impl, **_entries(), check_verify_expected_token=True, expect_rows=0)
     assert ref.sctr == 5 and ref.kctr == 1
 
 
@@ -97,7 +91,7 @@ def test_clean_chain(sgl, impl):
 def test_corrupted_token(sgl, check_token, impl):
     st = _written(sgl, [CHAIN])
     st.canary_i64[2, 0] = 999
-    _, ref = _check(sgl, st, impl, **_entries(), check_token=check_token,
+    _, ref = _check(sgl, st, impl, **_entries(), check_verify_expected_token=check_token,
                     expect_rows=2 if check_token else 1)
     bits = sorted(int(r[7]) for r in ref.ring[:ref.widx])
     assert bits == ([1, 32] if check_token else [1])
@@ -106,31 +100,32 @@ def test_corrupted_token(sgl, check_token, impl):
 def test_position_mismatch_records_stored_position(sgl, impl):
     st = _written(sgl, [CHAIN])
     e = _entries()
-    e["epos"] = [0, 2, 3, 3, 4]
-    _, ref = _check(sgl, st, impl, **e, check_token=True, expect_rows=2)
+    e["verify_expected_positions"] = [0, 2, 3, 3, 4]
+    _, ref = _check(sgl, st, impl, **e, check_verify_expected_token=True, expect_rows=2)
     assert sorted(int(r[2]) for r in ref.ring[:2]) == [1, 2]
 
 
 def test_chain_head_anchor_mismatch(sgl, impl):
     st = _written(sgl, [CHAIN])
     st.canary_i64[1, 2] ^= 0x55
-    _, ref = _check(sgl, st, impl, **_entries(), check_token=True, expect_rows=2)
+    _, ref = _check(sgl, st, impl, **_entries(), check_verify_expected_token=True, expect_rows=2)
     assert ANCHOR in [int(r[6]) for r in ref.ring[:2]]
 
 
 def test_slot_zero_skipped_but_counted_and_prev_zero(sgl, impl):
     st = _written(sgl, [CHAIN])
     st.canary_i64[3, 2] ^= 1  # would fail the chain check, which prev 0 disables
-    e = dict(slots=[0, 1, 0, 3, 4], etok=[-1, 100, 7, 102, 103], epos=[9, 0, 9, 5, 3],
-             prev=[-1, -1, 0, 0, 3])
-    _, ref = _check(sgl, st, impl, **e, check_token=True)
+    e = dict(verify_slot_indices=[0, 1, 0, 3, 4], verify_expected_tokens=[-1, 100, 7, 102, 103],
+             verify_expected_positions=[9, 0, 9, 5, 3], verify_prev_slot_indices=[-1, -1, 0, 0, 3])
+    _, ref = _check(sgl, st, impl, **e, check_verify_expected_token=True)
     assert ref.sctr == 5
 
 
 def test_enable_zero_only_bumps_kernel_counter(sgl, impl):
     st = _written(sgl, [CHAIN])
     st.canary_i64[2, 0] = 999
-    _, ref = _check(sgl, st, impl, **_entries(), enable=0, check_token=True, expect_rows=0)
+    _, ref = _check(sgl, st, impl, **_entries(), enable=0, check_verify_expected_token=True,
+                    expect_rows=0)
     assert (ref.sctr, ref.kctr) == (0, 1)
 
 
@@ -138,33 +133,35 @@ def test_enable_zero_only_bumps_kernel_counter(sgl, impl):
 def test_num_valid_clamped(sgl, num_valid, impl):
     st = _written(sgl, [CHAIN])
     e = _entries()
-    e["epos"] = [0, 1, 7, 7, 7]  # entries past an active prefix of 2 would fail
-    _check(sgl, st, impl, **e, num_valid=num_valid, check_token=True)
+    # entries past an active prefix of 2 would fail
+    e["verify_expected_positions"] = [0, 1, 7, 7, 7]
+    _check(sgl, st, impl, **e, verify_num_valid=num_valid, check_verify_expected_token=True)
 
 
 def test_expected_token_sentinel_and_mismatch(sgl, impl):
     st = _written(sgl, [CHAIN])
     e = _entries()
-    e["etok"] = [-1, 5, 102, -1, 104]
-    _check(sgl, st, impl, **e, check_token=True, expect_rows=1)
+    e["verify_expected_tokens"] = [-1, 5, 102, -1, 104]
+    _check(sgl, st, impl, **e, check_verify_expected_token=True, expect_rows=1)
 
 
 def _kv_source(rng, num_slots=8, page=1, nbpt=32, read=32, pad=0, dtype="uint8"):
     rows = -(-num_slots // page)
-    return support.Src(rng.integers(0, 256, (rows, page * nbpt), dtype=np.uint8), page, nbpt, read,
-                       dtype, pad)
+    return cases.KvSource(rng.integers(0, 256, (rows, page * nbpt), dtype=np.uint8), page, nbpt,
+                          read, dtype, pad)
 
 
 @pytest.mark.parametrize("mode", [1, 2])
 def test_real_kv_clean_then_bit_flip(sgl, mode, impl):
     rng = np.random.default_rng(3)
     src = _kv_source(rng)
-    st = _written(sgl, [CHAIN], sources=[src], mode=mode)
-    _check(sgl, st, impl, **_entries(), sources=[src], mode=mode, check_token=True, expect_rows=0)
-    flipped = support.Src(src.u8.copy(), 1, 32, 32)
+    st = _written(sgl, [CHAIN], real_kv_sources=[src], real_kv_hash_mode=mode)
+    _check(sgl, st, impl, **_entries(), real_kv_sources=[src], real_kv_hash_mode=mode,
+           check_verify_expected_token=True, expect_rows=0)
+    flipped = cases.KvSource(src.u8.copy(), 1, 32, 32)
     flipped.u8[2, 20 if mode == 2 else 5] ^= 0x10
-    _, ref = _check(sgl, st, impl, **_entries(), sources=[flipped], mode=mode, check_token=True,
-                    expect_rows=1)
+    _, ref = _check(sgl, st, impl, **_entries(), real_kv_sources=[flipped], real_kv_hash_mode=mode,
+                    check_verify_expected_token=True, expect_rows=1)
     assert int(ref.ring[0, 1]) == 2 and int(ref.ring[0, 7]) == 4
 
 
@@ -174,19 +171,21 @@ def test_real_kv_long_strips_clean_then_last_word_flipped(sgl, impl):
     clean, no row; a flip in the last word of one slot's 34-word strip, that slot's row."""
     rng = np.random.default_rng(12)
     srcs = [_kv_source(rng, nbpt=112, read=112), _kv_source(rng, nbpt=272, read=272)]
-    st = _written(sgl, [CHAIN], sources=srcs, mode=2)
-    _check(sgl, st, impl, **_entries(), sources=srcs, mode=2, check_token=True, expect_rows=0)
-    flipped = support.Src(srcs[1].u8.copy(), 1, 272, 272)
+    st = _written(sgl, [CHAIN], real_kv_sources=srcs, real_kv_hash_mode=2)
+    _check(sgl, st, impl, **_entries(), real_kv_sources=srcs, real_kv_hash_mode=2,
+           check_verify_expected_token=True, expect_rows=0)
+    flipped = cases.KvSource(srcs[1].u8.copy(), 1, 272, 272)
     flipped.u8[4, 271] ^= 0x01
-    _, ref = _check(sgl, st, impl, **_entries(), sources=[srcs[0], flipped], mode=2,
-                    check_token=True, expect_rows=1)
+    _, ref = _check(sgl, st, impl, **_entries(), real_kv_sources=[srcs[0], flipped],
+                    real_kv_hash_mode=2, check_verify_expected_token=True, expect_rows=1)
     assert int(ref.ring[0, 1]) == 4
 
 
 def test_real_kv_mode_mismatch_flags_every_slot(sgl, impl):
     src = _kv_source(np.random.default_rng(4))
-    st = _written(sgl, [CHAIN], sources=[src], mode=2)
-    _check(sgl, st, impl, **_entries(), sources=[src], mode=1, check_token=True, expect_rows=5)
+    st = _written(sgl, [CHAIN], real_kv_sources=[src], real_kv_hash_mode=2)
+    _check(sgl, st, impl, **_entries(), real_kv_sources=[src], real_kv_hash_mode=1,
+           check_verify_expected_token=True, expect_rows=5)
 
 
 def test_ring_overflow_with_preexisting_index(sgl, impl):
@@ -194,8 +193,8 @@ def test_ring_overflow_with_preexisting_index(sgl, impl):
     st.widx = 1
     st.ring[0] = np.arange(8) + 7
     e = _entries()
-    e["epos"] = [5, 5, 5, 3, 4]
-    _, ref = _check(sgl, st, impl, **e, check_token=True)
+    e["verify_expected_positions"] = [5, 5, 5, 3, 4]
+    _, ref = _check(sgl, st, impl, **e, check_verify_expected_token=True)
     assert ref.widx == 4
 
 
@@ -204,9 +203,9 @@ def test_ring_overflow_with_preexisting_index(sgl, impl):
 
 def test_negative_slot_reads_wrapped_row_like_the_reference(sgl, impl):
     st = _written(sgl, [CHAIN])
-    e = dict(slots=[-3, -8, -7, 4], etok=[102, 1, 100, 103], epos=[2, 0, 0, 3],
-             prev=[2, -1, -1, -9])
-    _check(sgl, st, impl, **e, check_token=True)
+    e = dict(verify_slot_indices=[-3, -8, -7, 4], verify_expected_tokens=[102, 1, 100, 103],
+             verify_expected_positions=[2, 0, 0, 3], verify_prev_slot_indices=[2, -1, -1, -9])
+    _check(sgl, st, impl, **e, check_verify_expected_token=True)
 
 
 def test_out_of_range_slot_and_prev_read_as_zero_rows(impl):
@@ -214,12 +213,10 @@ def test_out_of_range_slot_and_prev_read_as_zero_rows(impl):
     st.canary_i64[3] = [5, 6, 7, 0]
     with jax.enable_x64(True):
         ctx = support.jax_context(st)
-        plan = VerifyPlan(
-            verify_slot_indices=jnp.array([8, -9, 3, 3], jnp.int64),
-            verify_expected_tokens=jnp.array([-1, -1, 5, 5], jnp.int64),
-            verify_expected_positions=jnp.array([0, 1, 6, 6], jnp.int64),
-            verify_prev_slot_indices=jnp.array([0, 0, 100, 0], jnp.int64),
-            verify_num_valid=jnp.array([4], jnp.int32), enable=jnp.array([1], jnp.int32))
+        plan = cases.jax_verify_plan(
+            verify_slot_indices=[8, -9, 3, 3], verify_expected_tokens=[-1, -1, 5, 5],
+            verify_expected_positions=[0, 1, 6, 6], verify_prev_slot_indices=[0, 0, 100, 0],
+            verify_num_valid=4)
         out = support.state_of(canary_verify(context=ctx, plan=plan,
                                              check_verify_expected_token=True, implementation=impl,
                                              config=_impls.config("verify", impl)))
@@ -240,27 +237,23 @@ def test_many_blocks_grid_stride(sgl, structure, impl):
     slots = rng.integers(1, num_slots, n)
     st = support.State.zeros(num_slots, 2048)
     st.canary_i64[:, :4] = rng.integers(-5, 5, (num_slots, 4))
-    e = dict(slots=slots, etok=rng.integers(-5, 5, n), epos=rng.integers(-5, 5, n),
-             prev=rng.integers(-2, num_slots, n))
-    plan = support.verify_plan(**e, cap=2048)
-    plan["num_valid"] = 1400
-    ours, ref = support.check_verify(sgl, st, implementation=impl, **plan, check_token=True)
+    e = dict(verify_slot_indices=slots, verify_expected_tokens=rng.integers(-5, 5, n),
+             verify_expected_positions=rng.integers(-5, 5, n),
+             verify_prev_slot_indices=rng.integers(-2, num_slots, n))
+    plan = cases.padded_verify_plan(e, capacity=2048)
+    plan["verify_num_valid"] = 1400
+    ours, ref = support.check_verify(sgl, st, implementation=impl, **plan,
+                                     check_verify_expected_token=True)
     tight_config = _launch(block=128, max_programs=3, **structure)
     with jax.enable_x64(True):
         tight = canary_verify(
-            context=support.jax_context(st),
-            plan=VerifyPlan(
-                verify_slot_indices=support._i64(plan["slots"]),
-                verify_expected_tokens=support._i64(
-                    plan["etok"]), verify_expected_positions=support._i64(plan["epos"]),
-                verify_prev_slot_indices=support._i64(plan["prev"]),
-                verify_num_valid=jnp.array([1400], jnp.int32), enable=jnp.array([1], jnp.int32)),
-            check_verify_expected_token=True, implementation=impl, config=tight_config)
+            **cases.jax_verify_args(context=support.jax_context(st), **plan),
+            implementation=impl, config=tight_config)
     # Three programs take the blocks in turns: interpret mode runs them one after another, so
     # its rows come program by program, one of the GPU's outcomes.
     claims = _races.assert_verify_outcome(support.state_of(tight), st, config=tight_config,
-                                          **plan, check_token=True)
-    _races.assert_verify_outcome(ref, st, claims=claims, **plan, check_token=True)
+                                          **plan, check_verify_expected_token=True)
+    _races.assert_verify_outcome(ref, st, claims=claims, **plan, check_verify_expected_token=True)
 
 
 # --- round trips: write then verify, clean, per hash mode --------------------------------------
@@ -276,11 +269,12 @@ TRIP_IMPLS = tuple(i for i in IMPLS if i in implementations("write"))
 def test_round_trips_clean(sgl, mode, impl):
     rng = np.random.default_rng(100 + mode)
     for k in _tier.cases("verify round trips", 100 + mode, TRIPS_PER_MODE):
-        trip = support.make_trip(rng, mode, k % len(support.BUCKETS))
+        trip = cases.make_trip(rng, mode, k % len(cases.BUCKETS))
         st = support.run_trip(sgl, rng, trip, implementation=impl)
-        plan = support.verify_plan(*support.verify_entries(rng, trip.chains))
-        ours, ref = support.run_verify(sgl, st, **plan, sources=trip.sources, mode=mode,
-                                       check_token=trip.check_token, implementation=impl)
+        plan = cases.padded_verify_plan(cases.verify_entries(rng, trip.chains))
+        ours, ref = support.run_verify(
+            sgl, st, **plan, real_kv_sources=trip.real_kv_sources, real_kv_hash_mode=mode,
+            check_verify_expected_token=trip.check_verify_expected_token, implementation=impl)
         support.assert_same(ours, ref, st)
         assert ref.widx == 0, (k, ref.ring)
 
@@ -291,7 +285,10 @@ KINDS = ("token", "position", "prev_hash", "real_kv_byte", "swapped_slot", "stal
 
 
 def corrupt(rng, kind, trip, st, entries):
-    slots, etok, epos, prev = (list(x) for x in entries)
+    """``entries`` (:func:`cases.verify_entries`) and ``st`` with one corruption of ``kind``,
+    or None where there is none to make; the entries returned are a copy."""
+    e = {f: list(v) for f, v in entries.items()}
+    slots, prev = e["verify_slot_indices"], e["verify_prev_slot_indices"]
     live = [i for i, s in enumerate(slots) if s != 0]
     i = live[int(rng.integers(len(live)))]
     s = slots[i]
@@ -303,9 +300,10 @@ def corrupt(rng, kind, trip, st, entries):
     elif kind == "prev_hash":
         c[s, 2] ^= np.int64(1) << np.int64(rng.integers(64))  # bit 63 included
     elif kind == "real_kv_byte":
-        src = trip.sources[int(rng.integers(len(trip.sources)))]
-        nbytes = 16 if trip.mode == 1 else src.read_bytes
-        row, col = s // src.page_size, (s % src.page_size) * src.nbpt + int(rng.integers(nbytes))
+        src = trip.real_kv_sources[int(rng.integers(len(trip.real_kv_sources)))]
+        nbytes = 16 if trip.real_kv_hash_mode == 1 else src.read_bytes
+        row = s // src.page_size
+        col = (s % src.page_size) * src.num_bytes_per_token + int(rng.integers(nbytes))
         src.u8[row, col] ^= 1 << int(rng.integers(8))
     elif kind == "swapped_slot":
         others = [j for j in live if slots[j] != s]
@@ -316,12 +314,12 @@ def corrupt(rng, kind, trip, st, entries):
     elif kind == "stale_entry":
         # req_to_token holds a stale slot at this position: the entry and its successor's
         # predecessor both name it.
-        stale = int(rng.integers(1, support.NUM_SLOTS))
+        stale = int(rng.integers(1, cases.NUM_SLOTS))
         for j in range(len(slots)):
             if prev[j] == s and slots[j] != 0:
                 prev[j] = stale
         slots[i] = stale
-    return slots, etok, epos, prev
+    return e
 
 
 # Small plans run the Pallas kernel's one-entry-per-lane structure, large ones the grouped /
@@ -343,17 +341,19 @@ def test_single_corruptions(sgl, mode, impl, launch):
     detected = {k: 0 for k in KINDS}
     for k in _tier.cases("verify single corruptions", 200 + mode, _tier.n(6, 60) * len(KINDS)):
         kind = KINDS[k % len(KINDS)]
-        trip = support.make_trip(rng, mode, (k // len(KINDS)) % len(support.BUCKETS))
-        if not any(trip.chains) or not trip.sources and kind == "real_kv_byte":
+        trip = cases.make_trip(rng, mode, (k // len(KINDS)) % len(cases.BUCKETS))
+        if not any(trip.chains) or not trip.real_kv_sources and kind == "real_kv_byte":
             continue
         st = support.run_trip(sgl, rng, trip, implementation=impl)
-        entries = support.verify_entries(rng, trip.chains)
+        entries = cases.verify_entries(rng, trip.chains)
         got = corrupt(rng, kind, trip, st, entries)
         if got is None:
             continue
-        plan = support.verify_plan(*got)
-        ours, ref = support.check_verify(sgl, st, implementation=impl, **plan, sources=trip.sources,
-                                         mode=mode, check_token=trip.check_token, config=config)
+        plan = cases.padded_verify_plan(got)
+        ours, ref = support.check_verify(
+            sgl, st, implementation=impl, **plan, real_kv_sources=trip.real_kv_sources,
+            real_kv_hash_mode=mode, check_verify_expected_token=trip.check_verify_expected_token,
+            config=config)
         detected[kind] += ref.widx > 0
     for kind, n in detected.items():
         if kind == "real_kv_byte" and mode == 0:
@@ -370,24 +370,22 @@ def _ctx(**kw):
 
 
 def _vplan(n=4, **over):
+    """A zero plan of ``n`` entries, none valid, its fields in ``over`` replaced."""
     with jax.enable_x64(True):
-        d = dict(verify_slot_indices=jnp.zeros((n,), jnp.int64),
-                 verify_expected_tokens=jnp.zeros((n,), jnp.int64),
-                 verify_expected_positions=jnp.zeros((n,), jnp.int64),
-                 verify_prev_slot_indices=jnp.zeros((n,), jnp.int64),
-                 verify_num_valid=jnp.zeros((1,), jnp.int32), enable=jnp.ones((1,), jnp.int32))
-        d.update(over)
-        return VerifyPlan(**d)
+        plan = cases.jax_verify_plan(**{f: [0] * n for f in cases.VERIFY_ENTRY_FIELDS},
+                                     verify_num_valid=0)
+        return dataclasses.replace(plan, **over)
 
 
 def test_too_many_sources(sgl):
-    src = support.Src(np.zeros((8, 16), np.uint8), 1, 16, 16)
+    src = cases.KvSource(np.zeros((8, 16), np.uint8), 1, 16, 16)
     with pytest.raises(ValueError) as ours:
-        canary_verify(context=_ctx(sources=[src] * 5), plan=_vplan(),
+        canary_verify(context=_ctx(real_kv_sources=[src] * 5), plan=_vplan(),
                       check_verify_expected_token=False)
     with pytest.raises(ValueError) as ref:
         sgl.verify.launch_canary_verify_kernel(
-            context=support.torch_context(sgl, support.State.zeros(8, 4), sources=[src] * 5),
+            context=support.torch_context(sgl, support.State.zeros(8, 4),
+                                          real_kv_sources=[src] * 5),
             plan=sgl.verify.VerifyPlan.allocate(verify_capacity=4, device="cpu"),
             check_verify_expected_token=False)
     assert str(ours.value) == str(ref.value)
@@ -406,17 +404,11 @@ def test_canary_stride(stride, cls, msg):
 
 
 def test_canary_stride_message_is_the_references(sgl):
-    import torch
-
     st = support.State(np.zeros((8, 24), np.uint8), np.zeros((4, 8), np.int64))
     ctx = support.torch_context(sgl, st)
-    plan = sgl.verify.VerifyPlan(
-        verify_slot_indices=torch.ones(2, dtype=torch.int64),
-        verify_expected_tokens=torch.zeros(2, dtype=torch.int64),
-        verify_expected_positions=torch.zeros(2, dtype=torch.int64),
-        verify_prev_slot_indices=torch.zeros(2, dtype=torch.int64),
-        verify_num_valid=torch.tensor([2], dtype=torch.int32),
-        enable=torch.tensor([1], dtype=torch.int32))
+    plan = cases.torch_verify_plan(
+        cases.TorchApi.sglang(sgl), verify_slot_indices=[1, 1], verify_expected_tokens=[0, 0],
+        verify_expected_positions=[0, 0], verify_prev_slot_indices=[0, 0], verify_num_valid=2)
     with pytest.raises(ValueError) as ref:
         sgl.verify_ref.launch_canary_verify_kernel_torch_reference(
             context=ctx, plan=plan, check_verify_expected_token=False)
@@ -497,9 +489,10 @@ def test_source_abi_checks(sgl):
 def test_lowers_through_triton_for_the_gpu(check_token, mode):
     """The GPU (Triton) lowering runs on any machine: every primitive the kernel uses must have a
     lowering rule there (a GPU run is still needed to compile and execute it)."""
-    src = support.Src(np.zeros((64, 32), np.uint8), 1, 32, 32, "float32")
+    src = cases.KvSource(np.zeros((64, 32), np.uint8), 1, 32, 32, "float32")
     with jax.enable_x64(True):
-        ctx = support.jax_context(support.State.zeros(64, 16), sources=[src], mode=mode)
+        ctx = support.jax_context(support.State.zeros(64, 16), real_kv_sources=[src],
+                                  real_kv_hash_mode=mode)
         f = jax.jit(lambda context, plan: canary_verify(
             context=context, plan=plan, check_verify_expected_token=check_token,
             implementation="pallas_triton"), donate_argnums=0)
@@ -515,14 +508,15 @@ def test_round_trips_and_corruptions_against_jnp_reference(mode, impl):
     rng = np.random.default_rng(900 + mode)
     count = _tier.n(1, 60) if _impls.tpu_interpreted(impl) else _tier.n(12, 60)
     for k in _tier.cases("verify vs jnp reference", 900 + mode, count):
-        trip = support.make_trip(rng, mode, k % len(support.BUCKETS))
+        trip = cases.make_trip(rng, mode, k % len(cases.BUCKETS))
         st = support.run_trip(None, rng, trip, jnp_reference=True, reference=False)
-        entries = support.verify_entries(rng, trip.chains)
+        entries = cases.verify_entries(rng, trip.chains)
         kind = KINDS[k % len(KINDS)]
-        if any(trip.chains) and (trip.sources or kind != "real_kv_byte"):
+        if any(trip.chains) and (trip.real_kv_sources or kind != "real_kv_byte"):
             entries = corrupt(rng, kind, trip, st, entries) or entries
-        case = dict(**support.verify_plan(*entries), sources=trip.sources, mode=mode,
-                    check_token=trip.check_token)
+        case = dict(**cases.padded_verify_plan(entries), real_kv_sources=trip.real_kv_sources,
+                    real_kv_hash_mode=mode,
+                    check_verify_expected_token=trip.check_verify_expected_token)
         want, _ = support.run_verify(None, st, jnp_reference=True, reference=False, **case)
         got, _ = support.run_verify(None, st, implementation=impl, reference=False, **case)
         if in_reference_order(impl):
@@ -554,12 +548,13 @@ def test_xla_blocks_and_branches(sgl, config):
     st.widx = 5
     st.canary_i64[:, :4] = rng.integers(-5, 5, (num_slots, 4))
     prev = np.where(rng.random(n) < 0.6, np.roll(slots, 1), rng.integers(-2, num_slots, n))
-    e = dict(slots=slots, etok=rng.integers(-5, 5, n), epos=rng.integers(-5, 5, n), prev=prev)
+    e = dict(verify_slot_indices=slots, verify_expected_tokens=rng.integers(-5, 5, n),
+             verify_expected_positions=rng.integers(-5, 5, n), verify_prev_slot_indices=prev)
     for cap, num_valid in ((1500, 1500), (2000, 1399), (2000, 77)):
-        plan = support.verify_plan(**{k: v[:cap] for k, v in e.items()}, cap=cap)
-        plan["num_valid"] = num_valid
+        plan = cases.padded_verify_plan({k: v[:cap] for k, v in e.items()}, capacity=cap)
+        plan["verify_num_valid"] = num_valid
         support.check_verify(sgl, st, implementation="xla", config=_xla_config(**config), **plan,
-                             check_token=True)
+                             check_verify_expected_token=True)
 
 
 # --- the pure-jnp references against SGLang's ---------------------------------------------------
@@ -570,15 +565,16 @@ def test_xla_blocks_and_branches(sgl, config):
 def test_jnp_references_round_trips_and_corruptions(sgl, mode):
     rng = np.random.default_rng(400 + mode)
     for k in _tier.cases("verify jnp reference vs SGLang", 400 + mode, _tier.n(12, 60)):
-        trip = support.make_trip(rng, mode, k % len(support.BUCKETS))
+        trip = cases.make_trip(rng, mode, k % len(cases.BUCKETS))
         st = support.run_trip(sgl, rng, trip, jnp_reference=True)
-        entries = support.verify_entries(rng, trip.chains)
+        entries = cases.verify_entries(rng, trip.chains)
         kind = KINDS[k % len(KINDS)]
-        if any(trip.chains) and (trip.sources or kind != "real_kv_byte"):
+        if any(trip.chains) and (trip.real_kv_sources or kind != "real_kv_byte"):
             entries = corrupt(rng, kind, trip, st, entries) or entries
-        ours, ref = support.run_verify(sgl, st, **support.verify_plan(*entries),
-                                       sources=trip.sources,
-                                       mode=mode, check_token=trip.check_token, jnp_reference=True)
+        ours, ref = support.run_verify(
+            sgl, st, **cases.padded_verify_plan(entries), real_kv_sources=trip.real_kv_sources,
+            real_kv_hash_mode=mode, check_verify_expected_token=trip.check_verify_expected_token,
+            jnp_reference=True)
         support.assert_same(ours, ref, st)
 
 
@@ -616,14 +612,16 @@ def _draw_hostile_case(sgl, rng, k) -> HostileCase:
     """Hostile case ``k`` (above), its reference checked against SGLang's where that is
     defined."""
     mode = k % 3
-    trip = support.make_trip(rng, mode, (k // 3) % len(support.BUCKETS), contiguous=k % 2 == 1)
+    trip = cases.make_trip(rng, mode, (k // 3) % len(cases.BUCKETS), contiguous=k % 2 == 1)
     st = support.reference_trip_state(sgl, rng, trip)
-    entries = support.verify_entries(rng, trip.chains)
+    entries = cases.verify_entries(rng, trip.chains)
     kind = KINDS[int(rng.integers(len(KINDS)))]
-    if any(trip.chains) and (trip.sources or kind != "real_kv_byte") and rng.random() < 0.6:
+    if (any(trip.chains) and (trip.real_kv_sources or kind != "real_kv_byte")
+            and rng.random() < 0.6):
         entries = corrupt(rng, kind, trip, st, entries) or entries
-    slots, etok, epos, prev = (list(x) for x in entries)
-    n = support.NUM_SLOTS
+    e = {f: list(v) for f, v in entries.items()}
+    slots, prev = e["verify_slot_indices"], e["verify_prev_slot_indices"]
+    n = cases.NUM_SLOTS
     hostile = rng.random() < 0.35 and len(slots) > 0
     if hostile:
         for i in range(len(slots)):
@@ -631,24 +629,25 @@ def _draw_hostile_case(sgl, rng, k) -> HostileCase:
                 slots[i] = int(rng.choice([-1, -n, -n - 1, n, n + 5, 2**40, -(2**40)]))
             if rng.random() < 0.2:
                 prev[i] = int(rng.choice([n, n + 3, -7, 2**40, -(2**40), 0]))
-    plan = support.verify_plan(slots, etok, epos, prev)
+    plan = cases.padded_verify_plan(e)
     u = rng.random()
     if u < 0.1:
-        plan["num_valid"] = int(rng.integers(-3, 0))
+        plan["verify_num_valid"] = int(rng.integers(-3, 0))
     elif u < 0.2:
-        plan["num_valid"] = support.VERIFY_CAP + int(rng.integers(0, 9))
+        plan["verify_num_valid"] = cases.VERIFY_CAP + int(rng.integers(0, 9))
     enable = int(rng.random() > 0.05)
     u = rng.random()
-    w0 = int(rng.integers(0, support.RING_CAP + 4))
+    w0 = int(rng.integers(0, cases.RING_CAP + 4))
     if u < 0.1:
         w0 = int(rng.choice([-1, -5, -(2**31)]))
     elif u < 0.2:
         w0 = 2**31 - 1 - int(rng.integers(0, 3))
     st.widx = 0
     st.sctr, st.kctr = (int(x) for x in rng.integers(0, 2**40, 2))
-    kw = dict(**plan, enable=enable, sources=trip.sources, mode=mode, kind=2 + mode % 2,
-              check_token=trip.check_token)
-    wide = support.widened(st, 2 * support.VERIFY_CAP)
+    kw = dict(**plan, enable=enable, real_kv_sources=trip.real_kv_sources, real_kv_hash_mode=mode,
+              kernel_kind=2 + mode % 2,
+              check_verify_expected_token=trip.check_verify_expected_token)
+    wide = support.widened(st, 2 * cases.VERIFY_CAP)
     full, _ = support.run_verify(sgl, wide, **kw, reference=False, jnp_reference=True)
     try:  # SGLang's reference too, wherever it is defined (it raises on slots past the buffer)
         _, sg = support.run_verify(sgl, wide, **kw, ours=False)
@@ -752,11 +751,10 @@ def test_tpu_long_runs_across_slabs_and_blocks(sgl):
     st = _written(sgl, [chain], num_slots=n + 8, ring_cap=16)
     for s in (1, 127, 128, 129, 511, 512, 700, 1024, 1099):
         st.canary_i64[s, int(s % 3)] ^= 1 << int(s % 50)
-    e = _entries(chain)
-    plan = support.verify_plan(e["slots"], e["etok"], e["epos"], e["prev"], cap=n)
-    _, ref = support.run_verify(sgl, st, **plan, check_token=True, ours=False)
-    ours, _ = support.run_verify(sgl, st, **plan, check_token=True, reference=False,
-                                 implementation=_impls.TPU,
+    plan = cases.padded_verify_plan(_entries(chain), capacity=n)
+    _, ref = support.run_verify(sgl, st, **plan, check_verify_expected_token=True, ours=False)
+    ours, _ = support.run_verify(sgl, st, **plan, check_verify_expected_token=True,
+                                 reference=False, implementation=_impls.TPU,
                                  config=_impls.config("verify", _impls.TPU, block=512))
     support.assert_same(ours, ref, st)
     assert ref.widx >= 9

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from kvcanary_jax import consts, hashing
 from kvcanary_jax.context import RealKvSource, VerifyOrWriteContext
 from kvcanary_jax.ops.write import canary_write
-from kvcanary_jax.plans import WritePlan
+from kvcanary_jax.testing import cases
 
 import _canary_support as support
 import _impls
@@ -32,15 +32,19 @@ def impl(request):
     return request.param
 
 
-def _w(sgl, st, impl, *, offsets, ids, pos, ocl, seeds=None, num_valid=None, config=None,
-       sources=(), mode=0, **kw):
-    n = len(offsets) - 1
-    launch = dict(offsets=offsets, seeds=[-1] * n if seeds is None else seeds,
-                  num_valid=n if num_valid is None else num_valid, ids=ids, pos=pos, ocl=ocl,
-                  **kw)
-    ours, ref = support.run_write(sgl, st, **launch, sources=sources, mode=mode,
-                                  implementation=impl, config=config)
-    _assert_write(ours, ref, st, impl, launch, sources, mode, config)
+def _w(sgl, st, impl, *, write_offsets, write_seed_slot_indices=None,
+       write_num_valid_reqs=None, config=None, real_kv_sources=(), real_kv_hash_mode=0, **case):
+    """A write case (no seeds, every request valid unless given) on ``impl`` and SGLang's
+    reference, compared (:func:`_assert_write`)."""
+    n = len(write_offsets) - 1
+    launch = dict(case, write_offsets=write_offsets,
+                  write_seed_slot_indices=([-1] * n if write_seed_slot_indices is None
+                                           else write_seed_slot_indices),
+                  write_num_valid_reqs=n if write_num_valid_reqs is None else write_num_valid_reqs)
+    ours, ref = support.run_write(sgl, st, **launch, real_kv_sources=real_kv_sources,
+                                  real_kv_hash_mode=real_kv_hash_mode, implementation=impl,
+                                  config=config)
+    _assert_write(ours, ref, st, impl, launch, real_kv_sources, real_kv_hash_mode, config)
     return ours, ref
 
 
@@ -61,7 +65,8 @@ def _assert_write(ours, ref, st, impl, launch, sources, mode, config=None):
 
 def test_anchor_chain_single_request(sgl, impl):
     st = support.State.zeros(8, 4)
-    ours, _ = _w(sgl, st, impl, offsets=[0, 3], ids=[100, 101, 102], pos=[0, 1, 2], ocl=[1, 2, 3])
+    ours, _ = _w(sgl, st, impl, write_offsets=[0, 3], input_ids=[100, 101, 102],
+                 positions=[0, 1, 2], out_cache_loc=[1, 2, 3])
     # Hand-checked links (docs/spec.md §2.5): the anchor hash, then mix3(anchor hash, 100, 0).
     assert int(ours.canary_i64[1, 2]) == -2414019407054260458 == ANCHOR
     assert int(ours.canary_i64[2, 2]) == -4923688959175860244
@@ -76,39 +81,45 @@ def _seeded_state():
 
 @pytest.mark.parametrize("positions,cpa", [([3, 4], 1), ([4, 5], 1), ([4, 5], 0), ([3, 3], 1)])
 def test_continue_from_seed_and_chain_position_assert(sgl, positions, cpa, impl):
-    _w(sgl, _seeded_state(), impl, offsets=[0, 2], seeds=[3], ids=[5, 6], pos=positions, ocl=[4, 5],
-       cpa=cpa)
+    _w(sgl, _seeded_state(), impl, write_offsets=[0, 2], write_seed_slot_indices=[3],
+       input_ids=[5, 6], positions=positions, out_cache_loc=[4, 5],
+       enable_chain_position_assert=cpa)
 
 
 def test_write_input_assert_mismatches(sgl, impl):
     st = _seeded_state()
-    _, ref = _w(sgl, st, impl, offsets=[0, 3], seeds=[3], ids=[5, 6, 7], pos=[3, 4, 9], ocl=[4, 5, 6],
-                assert_on=True, etok=[9, 6, 8], epos=[3, 5, 7])
+    _, ref = _w(sgl, st, impl, write_offsets=[0, 3], write_seed_slot_indices=[3],
+                input_ids=[5, 6, 7], positions=[3, 4, 9], out_cache_loc=[4, 5, 6],
+                enable_write_input_assert=True, expected_input_tokens=[9, 6, 8],
+                expected_input_positions=[3, 5, 7])
     assert [int(r[7]) for r in ref.ring[:ref.widx]] == [8, 16, 24, 16]
 
 
 def test_skip_negative_slots(sgl, impl):
-    _w(sgl, _seeded_state(), impl, offsets=[0, 4], seeds=[3], ids=[5, 6, 7, 8], pos=[3, 99, 4, 5],
-       ocl=[4, -1, 5, -7])
+    _w(sgl, _seeded_state(), impl, write_offsets=[0, 4], write_seed_slot_indices=[3],
+       input_ids=[5, 6, 7, 8], positions=[3, 99, 4, 5], out_cache_loc=[4, -1, 5, -7])
 
 
 def test_multi_request_with_padding_and_capacity(sgl, impl):
-    _w(sgl, support.State.zeros(16, 4), impl, offsets=[0, 2, 2, 5, 5], seeds=[-1, -1, -1, -1],
-       num_valid=3, ids=[1, 2, 3, 4, 5, 6, 7], pos=[0, 1, 0, 1, 2, 0, 0], ocl=[1, 2, 3, 4, 5, 6, 7])
+    _w(sgl, support.State.zeros(16, 4), impl, write_offsets=[0, 2, 2, 5, 5],
+       write_seed_slot_indices=[-1, -1, -1, -1], write_num_valid_reqs=3,
+       input_ids=[1, 2, 3, 4, 5, 6, 7], positions=[0, 1, 0, 1, 2, 0, 0],
+       out_cache_loc=[1, 2, 3, 4, 5, 6, 7])
 
 
 def _src(rng, num_slots, page, nbpt, read, extra=0, dtype="uint8", pad=0):
     rows = -(-num_slots // page)
-    return support.Src(rng.integers(0, 256, (rows, page * nbpt + extra), dtype=np.uint8), page,
-                       nbpt, read, dtype, pad)
+    return cases.KvSource(rng.integers(0, 256, (rows, page * nbpt + extra), dtype=np.uint8),
+                          page, nbpt, read, dtype, pad)
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_real_kv_sources(sgl, mode, impl):
     rng = np.random.default_rng(mode)
     sources = [_src(rng, 6, 1, 32, 32), _src(rng, 6, 2, 16, 16, extra=16, dtype="bfloat16")]
-    ours, _ = _w(sgl, support.State.zeros(6, 3), impl, offsets=[0, 3], ids=[5, 6, 7], pos=[0, 1, 2],
-                 ocl=[1, 2, 3], sources=sources, mode=mode)
+    ours, _ = _w(sgl, support.State.zeros(6, 3), impl, write_offsets=[0, 3], input_ids=[5, 6, 7],
+                 positions=[0, 1, 2], out_cache_loc=[1, 2, 3], real_kv_sources=sources,
+                 real_kv_hash_mode=mode)
     assert (ours.canary_i64[1:4, 3] != 0).all() == (mode != 0)
 
 
@@ -118,8 +129,9 @@ def test_real_kv_long_strips(sgl, impl):
     fingerprints equal SGLang's word-by-word fold."""
     rng = np.random.default_rng(11)
     sources = [_src(rng, 6, 1, 112, 112), _src(rng, 6, 2, 272, 272, extra=16)]
-    ours, _ = _w(sgl, support.State.zeros(6, 3), impl, offsets=[0, 3], ids=[5, 6, 7], pos=[0, 1, 2],
-                 ocl=[1, 2, 3], sources=sources, mode=2)
+    ours, _ = _w(sgl, support.State.zeros(6, 3), impl, write_offsets=[0, 3], input_ids=[5, 6, 7],
+                 positions=[0, 1, 2], out_cache_loc=[1, 2, 3], real_kv_sources=sources,
+                 real_kv_hash_mode=2)
     assert (ours.canary_i64[1:4, 3] != 0).all()
 
 
@@ -136,47 +148,52 @@ def test_real_kv_nan_payloads_hash_as_stored_bytes(sgl, dtype, impl):
     words = (exp | payloads).astype(width)  # signalling NaNs: the quiet bit is 0
     words[1::3] |= np.array(1 << (8 * width.itemsize - 1), width)  # negative ones
     words[2::3] |= np.array(quiet, width)  # quiet NaNs with payloads
-    src = support.Src(words.view(np.uint8).reshape(3, 64), 2, 32, 32, dtype)
-    ours, _ = _w(sgl, support.State.zeros(6, 3), impl, offsets=[0, 4], ids=[5, 6, 7, 8],
-                 pos=[0, 1, 2, 3], ocl=[1, 2, 3, 5], sources=[src], mode=2)
+    src = cases.KvSource(words.view(np.uint8).reshape(3, 64), 2, 32, 32, dtype)
+    ours, _ = _w(sgl, support.State.zeros(6, 3), impl, write_offsets=[0, 4], input_ids=[5, 6, 7, 8],
+                 positions=[0, 1, 2, 3], out_cache_loc=[1, 2, 3, 5], real_kv_sources=[src],
+                 real_kv_hash_mode=2)
     assert (ours.canary_i64[[1, 2, 3, 5], 3] != 0).all()
 
 
 def test_real_kv_hash_of_bytes_0_to_15_is_the_hand_checked_value(sgl, impl):
-    src = support.Src(np.arange(16, dtype=np.uint8).reshape(1, 16).repeat(4, 0), 1, 16, 16)
-    ours, _ = _w(sgl, support.State.zeros(4, 2), impl, offsets=[0, 1], ids=[1], pos=[0], ocl=[2],
-                 sources=[src], mode=2)
+    src = cases.KvSource(np.arange(16, dtype=np.uint8).reshape(1, 16).repeat(4, 0), 1, 16, 16)
+    ours, _ = _w(sgl, support.State.zeros(4, 2), impl, write_offsets=[0, 1], input_ids=[1],
+                 positions=[0], out_cache_loc=[2], real_kv_sources=[src], real_kv_hash_mode=2)
     assert int(ours.canary_i64[2, 3]) == -2965813710295743732
 
 
 def test_ring_overflow(sgl, impl):
-    _w(sgl, _seeded_state().copy(), impl, offsets=[0, 3], seeds=[3], ids=[5, 6, 7], pos=[9, 9, 9],
-       ocl=[4, 5, 6])
+    _w(sgl, _seeded_state().copy(), impl, write_offsets=[0, 3], write_seed_slot_indices=[3],
+       input_ids=[5, 6, 7], positions=[9, 9, 9], out_cache_loc=[4, 5, 6])
     st = support.State.zeros(8, 1)
-    _, ref = _w(sgl, st, impl, offsets=[0, 3], seeds=[0], ids=[5, 6, 7], pos=[5, 9, 9], ocl=[4, 5, 6])
+    _, ref = _w(sgl, st, impl, write_offsets=[0, 3], write_seed_slot_indices=[0],
+                input_ids=[5, 6, 7], positions=[5, 9, 9], out_cache_loc=[4, 5, 6])
     assert ref.widx == 3
 
 
 @pytest.mark.parametrize("num_valid", [0, -2])
 def test_no_valid_requests_only_bumps_kernel_counter(sgl, num_valid, impl):
-    _, ref = _w(sgl, support.State.zeros(8, 2), impl, offsets=[0, 2], num_valid=num_valid,
-                ids=[1, 2], pos=[0, 1], ocl=[1, 2])
+    _, ref = _w(sgl, support.State.zeros(8, 2), impl, write_offsets=[0, 2],
+                write_num_valid_reqs=num_valid, input_ids=[1, 2], positions=[0, 1],
+                out_cache_loc=[1, 2])
     assert (ref.sctr, ref.kctr) == (0, 1)
 
 
 def test_seed_slot_zero_is_a_real_seed(sgl, impl):
-    _w(sgl, support.State.zeros(8, 2), impl, offsets=[0, 2], seeds=[0], ids=[1, 2], pos=[0, 1],
-       ocl=[1, 2])
+    _w(sgl, support.State.zeros(8, 2), impl, write_offsets=[0, 2], write_seed_slot_indices=[0],
+       input_ids=[1, 2], positions=[0, 1], out_cache_loc=[1, 2])
 
 
 def test_wide_slot_stride_keeps_trailing_bytes(sgl, impl):
     st = support.State.zeros(6, 2, stride=48)
     st.canary[:, 32:] = 0xEE
-    _w(sgl, st, impl, offsets=[0, 2], ids=[1, 2], pos=[0, 1], ocl=[1, 2])
+    _w(sgl, st, impl, write_offsets=[0, 2], input_ids=[1, 2], positions=[0, 1],
+       out_cache_loc=[1, 2])
 
 
 def test_empty_batch(sgl, impl):
-    _w(sgl, support.State.zeros(8, 2), impl, offsets=[0, 0], ids=[], pos=[], ocl=[])
+    _w(sgl, support.State.zeros(8, 2), impl, write_offsets=[0, 0], input_ids=[], positions=[],
+       out_cache_loc=[])
 
 
 # --- sequential semantics inside a request ------------------------------------------------------
@@ -190,8 +207,9 @@ def test_repeated_slots_within_a_request_last_write_wins(sgl, impl):
     n = 3 * LONG + 17 if impl != _impls.TPU else 97
     ocl = rng.integers(1, 40, n)
     ocl[rng.random(n) < 0.1] = -1
-    _w(sgl, support.State.zeros(64, 8), impl, offsets=[0, n], seeds=[5], ids=rng.integers(0, 9, n),
-       pos=np.arange(n) + rng.integers(0, 2, n), ocl=ocl)
+    _w(sgl, support.State.zeros(64, 8), impl, write_offsets=[0, n], write_seed_slot_indices=[5],
+       input_ids=rng.integers(0, 9, n), positions=np.arange(n) + rng.integers(0, 2, n),
+       out_cache_loc=ocl)
 
 
 @pytest.mark.parametrize("impl", pallas("write"))
@@ -201,13 +219,15 @@ def test_repeated_slots_with_four_warps(sgl, impl):
     rng = np.random.default_rng(8)
     n = LONG + 9
     ocl = rng.integers(1, 24, n)
-    _w(sgl, support.State.zeros(32, 8), impl, offsets=[0, n], seeds=[3], ids=rng.integers(0, 9, n),
-       pos=np.arange(n), ocl=ocl, config=_launch(num_warps=4))
+    _w(sgl, support.State.zeros(32, 8), impl, write_offsets=[0, n], write_seed_slot_indices=[3],
+       input_ids=rng.integers(0, 9, n), positions=np.arange(n), out_cache_loc=ocl,
+       config=_launch(num_warps=4))
 
 
 def test_request_rewrites_its_own_seed(sgl, impl):
     st = _seeded_state()
-    _w(sgl, st, impl, offsets=[0, 3], seeds=[3], ids=[5, 6, 7], pos=[3, 4, 5], ocl=[4, 3, 6])
+    _w(sgl, st, impl, write_offsets=[0, 3], write_seed_slot_indices=[3], input_ids=[5, 6, 7],
+       positions=[3, 4, 5], out_cache_loc=[4, 3, 6])
 
 
 @pytest.mark.parametrize("impl", pallas("write"))
@@ -228,16 +248,17 @@ def test_small_blocks_remainders_and_violations_in_later_blocks(sgl, impl):
     ocl = np.concatenate([32 * r + 1 + rng.integers(0, 12, k) for r, k in enumerate(lens)])
     ocl[rng.random(n) < 0.1] = -1
     ids = rng.integers(0, 9, n)
-    ours, ref = _w(sgl, st, impl, offsets=offsets, seeds=[32 * r for r in range(len(lens))],
-                   ids=ids, pos=pos, ocl=ocl, assert_on=True,
-                   etok=np.where(rng.random(n) < 0.2, 0, ids), epos=pos,
-                   config=_launch(block=8, unroll=3))
+    ours, ref = _w(sgl, st, impl, write_offsets=offsets,
+                   write_seed_slot_indices=[32 * r for r in range(len(lens))], input_ids=ids,
+                   positions=pos, out_cache_loc=ocl, enable_write_input_assert=True,
+                   expected_input_tokens=np.where(rng.random(n) < 0.2, 0, ids),
+                   expected_input_positions=pos, config=_launch(block=8, unroll=3))
     assert ref.widx > 10
 
 
 def test_zero_capacity_still_bumps_kernel_counter(sgl, impl):
-    _, ref = _w(sgl, support.State.zeros(8, 2), impl, offsets=[0], seeds=[], num_valid=1,
-                ids=[1, 2], pos=[0, 1], ocl=[1, 2])
+    _, ref = _w(sgl, support.State.zeros(8, 2), impl, write_offsets=[0], write_seed_slot_indices=[],
+                write_num_valid_reqs=1, input_ids=[1, 2], positions=[0, 1], out_cache_loc=[1, 2])
     assert (ref.sctr, ref.kctr) == (0, 1)
 
 
@@ -245,19 +266,20 @@ def test_zero_capacity_still_bumps_kernel_counter(sgl, impl):
 def test_long_chain(sgl, impl):
     rng = np.random.default_rng(8)
     n = 4096
-    _w(sgl, support.State.zeros(n + 1, 8), impl, offsets=[0, n], seeds=[-1],
-       ids=rng.integers(0, 9, n), pos=np.arange(n), ocl=rng.permutation(np.arange(1, n + 1)),
-       sources=[_src(rng, n + 1, 2, 32, 32)], mode=2)
+    _w(sgl, support.State.zeros(n + 1, 8), impl, write_offsets=[0, n], write_seed_slot_indices=[-1],
+       input_ids=rng.integers(0, 9, n), positions=np.arange(n),
+       out_cache_loc=rng.permutation(np.arange(1, n + 1)),
+       real_kv_sources=[_src(rng, n + 1, 2, 32, 32)], real_kv_hash_mode=2)
 
 
 # --- fuzz: random launches with violations, against the reference --------------------------------
 
-# (stride, input assert, mode, sources layout as in _canary_support.BUCKETS)
+# (stride, input assert, hash mode, sources layout as in cases.BUCKETS)
 WRITE_BUCKETS = (
     (32, True, 0, ()),
-    (48, False, 2, support.BUCKETS[1][3]),
-    (32, True, 1, support.BUCKETS[2][3]),
-    (32, False, 2, support.BUCKETS[0][3]),
+    (48, False, 2, cases.BUCKETS[1].sources),
+    (32, True, 1, cases.BUCKETS[2].sources),
+    (32, False, 2, cases.BUCKETS[0].sources),
 )
 CASES_PER_BUCKET = _tier.n(15, 500)
 
@@ -276,48 +298,10 @@ def _launch(**kw):
 # (as in SGLang's kernel).
 
 
-def random_launch(rng, st, assert_on, kind=2, hazards=False):
-    """Requests over their own slot pools, slots repeating inside a request, seeds of every kind,
-    noisy positions and expectations. With ``hazards`` some tokens write, and some seeds read,
-    slots of other requests' pools (only a sequential run makes that deterministic)."""
-    nreq = int(rng.integers(1, support.REQ_CAP + 1))
-    pool = support.NUM_SLOTS // support.REQ_CAP
-    lens = rng.integers(0, support.NUM_TOKENS // nreq + 1, nreq)
-    offsets = np.zeros(support.REQ_CAP + 1, np.int64)
-    offsets[1:nreq + 1] = np.cumsum(lens)
-    offsets[nreq + 1:] = offsets[nreq]
-    n = support.NUM_TOKENS
-    ids = rng.integers(-3, 50, n)
-    pos = np.zeros(n, np.int64)
-    ocl = np.full(n, -1, np.int64)
-    seeds = np.full(support.REQ_CAP, -1, np.int64)
-    for r in range(support.REQ_CAP):
-        lo = r * pool
-        choices = [-1, -5, lo, lo + int(rng.integers(pool))]
-        if hazards:
-            choices.append(int(rng.integers(support.NUM_SLOTS)))
-        seeds[r] = int(rng.choice(choices))
-        a, b = int(offsets[r]), int(offsets[r + 1])
-        p0 = int(rng.integers(-2, 30))
-        pos[a:b] = p0 + np.cumsum(rng.choice([0, 1, 1, 1, 2], b - a))
-        ocl[a:b] = lo + rng.integers(0, pool, b - a)
-        if hazards:
-            shared = rng.random(b - a) < 0.2
-            ocl[a:b][shared] = rng.integers(0, support.NUM_SLOTS, int(shared.sum()))
-        ocl[a:b][rng.random(b - a) < 0.15] = -1
-    etok = np.where(rng.random(n) < 0.2, ids + 1, ids)
-    epos = np.where(rng.random(n) < 0.2, pos - 1, pos)
-    return dict(offsets=offsets, seeds=seeds,
-                num_valid=int(rng.choice([nreq, nreq, support.REQ_CAP, 0, -1])), ids=ids, pos=pos,
-                ocl=ocl, assert_on=assert_on, etok=etok if assert_on else None,
-                epos=epos if assert_on else None, cpa=int(rng.integers(0, 2)),
-                kind=kind)
-
-
 def _check_launch(sgl, st, launch, sources, mode, impl):
     """Ours against SGLang's reference (:func:`_assert_write`); returns SGLang's result."""
-    ours, ref = support.run_write(sgl, st, **launch, sources=sources, mode=mode,
-                                  implementation=impl)
+    ours, ref = support.run_write(sgl, st, **launch, real_kv_sources=sources,
+                                  real_kv_hash_mode=mode, implementation=impl)
     _assert_write(ours, ref, st, impl, launch, sources, mode)
     return ref
 
@@ -331,18 +315,19 @@ def test_write_fuzz(sgl, bucket, impl):
     rng = np.random.default_rng(seed)
     rows = overflows = 0
     for i in _tier.cases(f"write fuzz, bucket {bucket}", seed, CASES_PER_BUCKET):
-        st = support.State.zeros(support.NUM_SLOTS, support.RING_CAP, stride)
+        st = support.State.zeros(cases.NUM_SLOTS, cases.RING_CAP, stride)
         st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape,
                                         dtype=np.int64)
-        st.canary_i64[:, 1] = rng.integers(-2, 30, support.NUM_SLOTS)
-        st.widx = int(rng.integers(0, support.RING_CAP + 4))
-        filled = min(st.widx, support.RING_CAP)
+        st.canary_i64[:, 1] = rng.integers(-2, 30, cases.NUM_SLOTS)
+        st.widx = int(rng.integers(0, cases.RING_CAP + 4))
+        filled = min(st.widx, cases.RING_CAP)
         st.ring[:filled] = rng.integers(-9, 9, (filled, 8))
         st.sctr, st.kctr = (int(x) for x in rng.integers(0, 100, 2))
         # kernel_kind is static (one compile per tag): one tag per bucket.
-        launch = random_launch(rng, st, assert_on, kind=(2, 8, 5, 11)[bucket], hazards=True)
+        launch = cases.random_write_launch(rng, assert_on, kernel_kind=(2, 8, 5, 11)[bucket],
+                                           hazards=True)
         with _tier.case("write fuzz", seed, i, bucket=bucket, implementation=impl):
-            ref = _check_launch(sgl, st, launch, support.bucket_sources(rng, layout), mode, impl)
+            ref = _check_launch(sgl, st, launch, cases.bucket_sources(rng, layout), mode, impl)
         rows += ref.widx - st.widx
         overflows += support.rows_dropped(st, ref)
     assert rows > 0  # the fuzz does exercise the violation paths
@@ -359,18 +344,20 @@ def test_write_fuzz_against_jnp_reference(impl):
     count = _tier.n(2, 160) if _impls.tpu_interpreted(impl) else _tier.n(20, 160)
     for k in _tier.cases("write vs jnp reference", 800, count):
         stride, assert_on, mode, layout = WRITE_BUCKETS[k % len(WRITE_BUCKETS)]
-        st = support.State.zeros(support.NUM_SLOTS, support.RING_CAP, stride)
+        st = support.State.zeros(cases.NUM_SLOTS, cases.RING_CAP, stride)
         st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape, dtype=np.int64)
-        st.canary_i64[:, 1] = rng.integers(-2, 30, support.NUM_SLOTS)
-        st.widx = int(rng.integers(0, support.RING_CAP + 4))
-        launch = random_launch(rng, st, assert_on, kind=(2, 8, 5, 11)[k % 4], hazards=True)
-        sources = support.bucket_sources(rng, layout)
+        st.canary_i64[:, 1] = rng.integers(-2, 30, cases.NUM_SLOTS)
+        st.widx = int(rng.integers(0, cases.RING_CAP + 4))
+        launch = cases.random_write_launch(rng, assert_on, kernel_kind=(2, 8, 5, 11)[k % 4],
+                                           hazards=True)
+        sources = cases.bucket_sources(rng, layout)
         with _tier.case("write vs jnp reference", 800, k, implementation=impl):
-            got, _ = support.run_write(None, st, **launch, sources=sources, mode=mode,
-                                       reference=False, implementation=impl)
+            got, _ = support.run_write(None, st, **launch, real_kv_sources=sources,
+                                       real_kv_hash_mode=mode, reference=False, implementation=impl)
             if in_reference_order(impl):
-                want, _ = support.run_write(None, st, **launch, sources=sources, mode=mode,
-                                            reference=False, jnp_reference=True)
+                want, _ = support.run_write(None, st, **launch, real_kv_sources=sources,
+                                            real_kv_hash_mode=mode, reference=False,
+                                            jnp_reference=True)
                 support.assert_same(got, want, st)
             else:
                 _write_races.assert_write_outcome(got, st, launch, sources, mode)
@@ -398,15 +385,16 @@ def test_xla_windows_and_hazards(sgl, config):
     rng = np.random.default_rng(600 + config["lanes"])
     stride, assert_on, mode, layout = WRITE_BUCKETS[2]
     for _ in _tier.cases("xla write windows", 600 + config["lanes"], _tier.n(12, 80)):
-        st = support.State.zeros(support.NUM_SLOTS, support.RING_CAP, stride)
+        st = support.State.zeros(cases.NUM_SLOTS, cases.RING_CAP, stride)
         st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape,
                                         dtype=np.int64)
-        st.canary_i64[:, 1] = rng.integers(-2, 30, support.NUM_SLOTS)
-        st.widx = int(rng.integers(0, support.RING_CAP + 4))
-        launch = random_launch(rng, st, assert_on, hazards=True)
+        st.canary_i64[:, 1] = rng.integers(-2, 30, cases.NUM_SLOTS)
+        st.widx = int(rng.integers(0, cases.RING_CAP + 4))
+        launch = cases.random_write_launch(rng, assert_on, hazards=True)
         ours, ref = support.run_write(sgl, st, **launch,
-                                      sources=support.bucket_sources(rng, layout),
-                                      mode=mode, implementation="xla", config=_xla_config(**config))
+                                      real_kv_sources=cases.bucket_sources(rng, layout),
+                                      real_kv_hash_mode=mode, implementation="xla",
+                                      config=_xla_config(**config))
         support.assert_same(ours, ref, st)
 
 
@@ -417,10 +405,10 @@ def test_xla_seeds_written_earlier_in_the_launch(sgl, config):
     the earlier request left, three levels deep."""
     st = support.State.zeros(16, 8)
     st.canary_i64[:, :3] = np.random.default_rng(5).integers(-9, 9, (16, 3))
-    _, ref = _w(sgl, st, "xla", offsets=[0, 5, 8, 10, 12], seeds=[2, 3, 7, 11], num_valid=4,
-                ids=np.arange(12) + 100, pos=[0, 1, 2, 3, 4, 4, 5, 6, 7, 8, 9, 10],
-                ocl=[1, 3, 4, 5, 3, 6, 7, 8, 9, 11, 12, 7],
-                config=_xla_config(**config))
+    _, ref = _w(sgl, st, "xla", write_offsets=[0, 5, 8, 10, 12],
+                write_seed_slot_indices=[2, 3, 7, 11], write_num_valid_reqs=4,
+                input_ids=np.arange(12) + 100, positions=[0, 1, 2, 3, 4, 4, 5, 6, 7, 8, 9, 10],
+                out_cache_loc=[1, 3, 4, 5, 3, 6, 7, 8, 9, 11, 12, 7], config=_xla_config(**config))
     assert ref.widx > 0
 
 
@@ -428,17 +416,18 @@ def _racy_launch(rng, bucket):
     """A state and a launch whose requests race: a few slots shared by every request, and seeds
     on slots other requests write (some continuing a chain another request extends)."""
     stride, assert_on, mode, layout = WRITE_BUCKETS[bucket]
-    st = support.State.zeros(support.NUM_SLOTS, support.RING_CAP, stride)
+    st = support.State.zeros(cases.NUM_SLOTS, cases.RING_CAP, stride)
     st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape, dtype=np.int64)
-    st.canary_i64[:, 1] = rng.integers(-2, 30, support.NUM_SLOTS)
-    st.widx = int(rng.integers(0, support.RING_CAP))
-    launch = random_launch(rng, st, assert_on, kind=(2, 8, 5, 11)[bucket], hazards=True)
-    launch["num_valid"] = support.REQ_CAP
-    shared = rng.integers(1, support.NUM_SLOTS, 3)
-    hot = rng.random(support.NUM_TOKENS) < 0.35
-    launch["ocl"][hot] = rng.choice(shared, int(hot.sum()))
-    launch["seeds"][rng.random(support.REQ_CAP) < 0.6] = int(rng.choice(shared))
-    return st, launch, support.bucket_sources(rng, layout), mode
+    st.canary_i64[:, 1] = rng.integers(-2, 30, cases.NUM_SLOTS)
+    st.widx = int(rng.integers(0, cases.RING_CAP))
+    launch = cases.random_write_launch(rng, assert_on, kernel_kind=(2, 8, 5, 11)[bucket],
+                                       hazards=True)
+    launch["write_num_valid_reqs"] = cases.REQ_CAP
+    shared = rng.integers(1, cases.NUM_SLOTS, 3)
+    hot = rng.random(cases.NUM_TOKENS) < 0.35
+    launch["out_cache_loc"][hot] = rng.choice(shared, int(hot.sum()))
+    launch["write_seed_slot_indices"][rng.random(cases.REQ_CAP) < 0.6] = int(rng.choice(shared))
+    return st, launch, cases.bucket_sources(rng, layout), mode
 
 
 @pytest.mark.fuzz
@@ -456,8 +445,8 @@ def test_cross_request_races_give_one_order(sgl, impl):
         st, launch, sources, mode = _racy_launch(rng, i % len(WRITE_BUCKETS))
         races += _write_races.write_races(st, launch)
         with _tier.case("write races", 31, i, implementation=impl):
-            ours, ref = support.run_write(sgl, st, **launch, sources=sources, mode=mode,
-                                          implementation=impl)
+            ours, ref = support.run_write(sgl, st, **launch, real_kv_sources=sources,
+                                          real_kv_hash_mode=mode, implementation=impl)
             _write_races.assert_write_outcome(ref, st, launch, sources, mode)
             _write_races.assert_write_outcome(ours, st, launch, sources, mode)
             if in_reference_order(impl):
@@ -475,7 +464,7 @@ def test_write_race_check_accepts_every_order_and_nothing_else(sgl):
     while checked < 4:
         st, launch, sources, mode = _racy_launch(rng, checked % len(WRITE_BUCKETS))
         results = [_write_races.apply_write_in_order(st, launch, sources, mode, order)
-                   for order in itertools.permutations(range(support.REQ_CAP))]
+                   for order in itertools.permutations(range(cases.REQ_CAP))]
         if all(np.array_equal(r.canary, results[0].canary) for r in results):
             continue  # no order-dependent result here
         checked += 1
@@ -505,18 +494,18 @@ def test_xla_overlapping_and_unsorted_ranges_match_the_sequential_reference(sgl)
     rng = np.random.default_rng(700)
     for k in _tier.cases("xla write malformed offsets", 700, _tier.n(12, 60)):
         stride, assert_on, mode, layout = WRITE_BUCKETS[k % len(WRITE_BUCKETS)]
-        st = support.State.zeros(support.NUM_SLOTS, support.RING_CAP, stride)
+        st = support.State.zeros(cases.NUM_SLOTS, cases.RING_CAP, stride)
         st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape,
                                         dtype=np.int64)
-        st.widx = int(rng.integers(0, support.RING_CAP + 4))
-        launch = random_launch(rng, st, assert_on, hazards=True)
-        launch["offsets"] = rng.integers(-3, support.NUM_TOKENS + 3, support.REQ_CAP + 1)
-        sources = support.bucket_sources(rng, layout)
-        want, _ = support.run_write(sgl, st, **launch, sources=sources, mode=mode, reference=False,
-                                    jnp_reference=True)
+        st.widx = int(rng.integers(0, cases.RING_CAP + 4))
+        launch = cases.random_write_launch(rng, assert_on, hazards=True)
+        launch["write_offsets"] = rng.integers(-3, cases.NUM_TOKENS + 3, cases.REQ_CAP + 1)
+        sources = cases.bucket_sources(rng, layout)
+        want, _ = support.run_write(sgl, st, **launch, real_kv_sources=sources,
+                                    real_kv_hash_mode=mode, reference=False, jnp_reference=True)
         for config in XLA_CONFIGS[:3]:
-            got, _ = support.run_write(sgl, st, **launch, sources=sources, mode=mode,
-                                       reference=False,
+            got, _ = support.run_write(sgl, st, **launch, real_kv_sources=sources,
+                                       real_kv_hash_mode=mode, reference=False,
                                        implementation="xla", config=_xla_config(**config))
             support.assert_same(got, want, st)
 
@@ -526,32 +515,35 @@ def test_xla_overlapping_and_unsorted_ranges_match_the_sequential_reference(sgl)
 
 def test_slot_past_the_buffer_is_skipped_like_a_negative_one(sgl, impl):
     st = _seeded_state()
-    ours, _ = support.run_write(sgl, st, offsets=[0, 3], seeds=[3], num_valid=1, ids=[5, 6, 7],
-                                pos=[3, 4, 5], ocl=[4, 8 + 3, 5], reference=False,
-                                implementation=impl)
-    _, ref = support.run_write(sgl, st, offsets=[0, 3], seeds=[3], num_valid=1, ids=[5, 6, 7],
-                               pos=[3, 4, 5], ocl=[4, -1, 5])
+    ours, _ = support.run_write(sgl, st, write_offsets=[0, 3], write_seed_slot_indices=[3],
+                                write_num_valid_reqs=1, input_ids=[5, 6, 7], positions=[3, 4, 5],
+                                out_cache_loc=[4, 8 + 3, 5], reference=False, implementation=impl)
+    _, ref = support.run_write(sgl, st, write_offsets=[0, 3], write_seed_slot_indices=[3],
+                               write_num_valid_reqs=1, input_ids=[5, 6, 7], positions=[3, 4, 5],
+                               out_cache_loc=[4, -1, 5])
     support.assert_same(ours, ref, st)
 
 
 def test_seed_past_the_buffer_reads_as_a_zero_slot(sgl, impl):
     st = support.State.zeros(8, 4)
-    ours, _ = support.run_write(sgl, st, offsets=[0, 2], seeds=[100], num_valid=1, ids=[5, 6],
-                                pos=[1, 3], ocl=[4, 5], reference=False,
-                                implementation=impl)
-    _, ref = support.run_write(sgl, st, offsets=[0, 2], seeds=[7], num_valid=1, ids=[5, 6],
-                               pos=[1, 3], ocl=[4, 5])
+    ours, _ = support.run_write(sgl, st, write_offsets=[0, 2], write_seed_slot_indices=[100],
+                                write_num_valid_reqs=1, input_ids=[5, 6], positions=[1, 3],
+                                out_cache_loc=[4, 5], reference=False, implementation=impl)
+    _, ref = support.run_write(sgl, st, write_offsets=[0, 2], write_seed_slot_indices=[7],
+                               write_num_valid_reqs=1, input_ids=[5, 6], positions=[1, 3],
+                               out_cache_loc=[4, 5])
     support.assert_same(ours, ref, st)
 
 
 def test_offsets_past_the_token_arrays_are_skipped(sgl, impl):
     st = support.State.zeros(8, 4)
-    ours, _ = support.run_write(sgl, st, offsets=[0, 2, 6], seeds=[-1, -1], num_valid=2,
-                                ids=[5, 6, 7], pos=[0, 1, 0], ocl=[1, 2, 3], reference=False,
-                                implementation=impl)
+    ours, _ = support.run_write(sgl, st, write_offsets=[0, 2, 6], write_seed_slot_indices=[-1, -1],
+                                write_num_valid_reqs=2, input_ids=[5, 6, 7], positions=[0, 1, 0],
+                                out_cache_loc=[1, 2, 3], reference=False, implementation=impl)
     # request 1 owns tokens [2, 6): only token 2 exists.
-    _, ref = support.run_write(sgl, st, offsets=[0, 2, 3], seeds=[-1, -1], num_valid=2,
-                               ids=[5, 6, 7], pos=[0, 1, 0], ocl=[1, 2, 3])
+    _, ref = support.run_write(sgl, st, write_offsets=[0, 2, 3], write_seed_slot_indices=[-1, -1],
+                               write_num_valid_reqs=2, input_ids=[5, 6, 7], positions=[0, 1, 0],
+                               out_cache_loc=[1, 2, 3])
     support.assert_same(ours, ref, st)
 
 
@@ -561,21 +553,17 @@ def test_offsets_past_the_token_arrays_are_skipped(sgl, impl):
 def test_donated_jit_updates_in_place(sgl, impl):
     st = _seeded_state()
     st.canary_i64[6] = [1, 2, 3, 4]
+    launch = dict(write_offsets=[0, 2], write_seed_slot_indices=[3], write_num_valid_reqs=1,
+                  input_ids=[5, 6], positions=[3, 9], out_cache_loc=[4, 5])
     with jax.enable_x64(True):
-        ctx = support.jax_context(st)
-        plan = WritePlan(write_offsets=jnp.array([0, 2], jnp.int64),
-                         write_seed_slot_indices=jnp.array([3], jnp.int64),
-                         write_num_valid_reqs=jnp.array([1], jnp.int32))
+        args = cases.jax_write_args(context=support.jax_context(st), **launch)
+        ctx = args.pop("context")
         f = jax.jit(lambda context, **kw: canary_write(
             context=context, implementation=impl, config=_impls.config("write", impl), **kw),
                     donate_argnames="context", static_argnames="enable_write_input_assert")
-        out = f(ctx, plan=plan, input_ids=jnp.array([5, 6], jnp.int64),
-                positions=jnp.array([3, 9], jnp.int64),
-                out_cache_loc=jnp.array([4, 5], jnp.int64), enable_write_input_assert=False,
-                expected_input_tokens=None, expected_input_positions=None)
+        out = f(ctx, **args)
         assert ctx.canary_buf.is_deleted()
-    _, ref = support.run_write(sgl, st, offsets=[0, 2], seeds=[3], num_valid=1, ids=[5, 6],
-                               pos=[3, 9], ocl=[4, 5])
+    _, ref = support.run_write(sgl, st, **launch)
     support.assert_same(support.state_of(out), ref, st)
 
 
@@ -584,34 +572,38 @@ def test_donated_jit_updates_in_place(sgl, impl):
 
 def _plan(c=1):
     with jax.enable_x64(True):
-        return WritePlan(write_offsets=jnp.zeros((c + 1,), jnp.int64),
-                         write_seed_slot_indices=jnp.zeros((c,), jnp.int64),
-                         write_num_valid_reqs=jnp.zeros((1,), jnp.int32))
+        return cases.jax_write_plan(write_offsets=[0] * (c + 1), write_seed_slot_indices=[0] * c,
+                                    write_num_valid_reqs=0)
 
 
-def _call(ctx=None, plan=None, n=3, assert_on=False, etok=None, epos=None, **over):
+def _call(ctx=None, plan=None, n=3, enable_write_input_assert=False, expected_input_tokens=None,
+          expected_input_positions=None, **over):
     with jax.enable_x64(True):
         args = dict(input_ids=jnp.zeros((n,), jnp.int64), positions=jnp.zeros((n,), jnp.int64),
                     out_cache_loc=jnp.zeros((n,), jnp.int64))
         args.update(over)
         return canary_write(context=ctx or support.jax_context(support.State.zeros(8, 4)),
-                            plan=plan or _plan(), enable_write_input_assert=assert_on,
-                            expected_input_tokens=etok, expected_input_positions=epos, **args)
+                            plan=plan or _plan(),
+                            enable_write_input_assert=enable_write_input_assert,
+                            expected_input_tokens=expected_input_tokens,
+                            expected_input_positions=expected_input_positions, **args)
 
 
-def _torch_call(sgl, *, sources=(), assert_on=False, etok=None, epos=None):
+def _torch_call(sgl, *, real_kv_sources=(), enable_write_input_assert=False,
+                expected_input_tokens=None, expected_input_positions=None):
     import torch
 
-    ctx = support.torch_context(sgl, support.State.zeros(8, 4), sources=sources)
-    plan = sgl.write.WritePlan(write_offsets=torch.tensor([0, 1]),
-                               write_seed_slot_indices=torch.tensor([-1]),
-                               write_num_valid_reqs=torch.tensor([1], dtype=torch.int32))
+    ctx = support.torch_context(sgl, support.State.zeros(8, 4), real_kv_sources=real_kv_sources)
+    plan = cases.torch_write_plan(cases.TorchApi.sglang(sgl), write_offsets=[0, 1],
+                                  write_seed_slot_indices=[-1], write_num_valid_reqs=1)
     t = lambda x: None if x is None else torch.zeros(1, dtype=torch.int64)  # noqa: E731
     sgl.write.launch_canary_write_kernel(
         context=ctx, plan=plan, input_ids=torch.zeros(1, dtype=torch.int64),
         positions=torch.zeros(1, dtype=torch.int64),
-        out_cache_loc=torch.ones(1, dtype=torch.int64), enable_write_input_assert=assert_on,
-        expected_input_tokens=t(etok), expected_input_positions=t(epos))
+        out_cache_loc=torch.ones(1, dtype=torch.int64),
+        enable_write_input_assert=enable_write_input_assert,
+        expected_input_tokens=t(expected_input_tokens),
+        expected_input_positions=t(expected_input_positions))
 
 
 @pytest.mark.parametrize("assert_on,has_tok,has_pos", [
@@ -620,22 +612,24 @@ def _torch_call(sgl, *, sources=(), assert_on=False, etok=None, epos=None):
 def test_expected_tensor_presence(sgl, assert_on, has_tok, has_pos):
     z = np.zeros(3)
     with pytest.raises(ValueError) as ref:
-        _torch_call(sgl, assert_on=assert_on, etok=z if has_tok else None,
-                    epos=z if has_pos else None)
+        _torch_call(sgl, enable_write_input_assert=assert_on,
+                    expected_input_tokens=z if has_tok else None,
+                    expected_input_positions=z if has_pos else None)
     with jax.enable_x64(True):
         z3 = jnp.zeros((3,), jnp.int64)
         with pytest.raises(ValueError) as ours:
-            _call(assert_on=assert_on, etok=z3 if has_tok else None,
-                  epos=z3 if has_pos else None)
+            _call(enable_write_input_assert=assert_on,
+                  expected_input_tokens=z3 if has_tok else None,
+                  expected_input_positions=z3 if has_pos else None)
     assert str(ours.value) == str(ref.value)
 
 
 def test_too_many_sources(sgl):
-    src = support.Src(np.zeros((8, 16), np.uint8), 1, 16, 16)
+    src = cases.KvSource(np.zeros((8, 16), np.uint8), 1, 16, 16)
     with pytest.raises(ValueError) as ref:
-        _torch_call(sgl, sources=[src] * 5)
+        _torch_call(sgl, real_kv_sources=[src] * 5)
     with pytest.raises(ValueError) as ours:
-        _call(ctx=support.jax_context(support.State.zeros(8, 4), sources=[src] * 5))
+        _call(ctx=support.jax_context(support.State.zeros(8, 4), real_kv_sources=[src] * 5))
     assert str(ours.value) == str(ref.value)
     assert str(ours.value).endswith("got 5")
 
@@ -670,13 +664,10 @@ def test_guard_errors(over, msg):
         kw = {k: arrays[v] for k, v in over.items() if k not in ("plan", "ctx")}
         plan = _plan()
         if over.get("plan") == "offsets":
-            plan = WritePlan(write_offsets=jnp.zeros((3,), jnp.int64),
-                             write_seed_slot_indices=jnp.zeros((1,), jnp.int64),
-                             write_num_valid_reqs=jnp.zeros((1,), jnp.int32))
+            plan = cases.jax_write_plan(write_offsets=[0, 0, 0], write_seed_slot_indices=[0],
+                                        write_num_valid_reqs=0)
         elif over.get("plan") == "nvalid":
-            plan = WritePlan(write_offsets=jnp.zeros((2,), jnp.int64),
-                             write_seed_slot_indices=jnp.zeros((1,), jnp.int64),
-                             write_num_valid_reqs=jnp.zeros((1,), jnp.int64))
+            plan = dataclasses.replace(_plan(), write_num_valid_reqs=jnp.zeros((1,), jnp.int64))
         ctx = support.jax_context(support.State.zeros(8, 4))
         if over.get("ctx") == "cpa":
             ctx = ctx.replace(enable_chain_position_assert=jnp.ones((2,), jnp.int32))
@@ -742,8 +733,8 @@ def test_real_kv_source_strided_view_checks_run_on_the_view(sgl):
 
 
 def test_context_is_a_pytree_with_static_meta():
-    src = support.Src(np.zeros((8, 16), np.uint8), 1, 16, 16)
-    ctx = support.jax_context(support.State.zeros(8, 4), sources=[src], mode=1)
+    src = cases.KvSource(np.zeros((8, 16), np.uint8), 1, 16, 16)
+    ctx = support.jax_context(support.State.zeros(8, 4), real_kv_sources=[src], real_kv_hash_mode=1)
     leaves, tree = jax.tree_util.tree_flatten(ctx)
     assert len(leaves) == 7
     again = jax.tree_util.tree_unflatten(tree, leaves)
@@ -756,9 +747,10 @@ def test_context_is_a_pytree_with_static_meta():
 def test_lowers_through_triton_for_the_gpu(assert_on, mode):
     """The GPU (Triton) lowering runs on any machine: every primitive the kernel uses must have a
     lowering rule there (a GPU run is still needed to compile and execute it)."""
-    src = support.Src(np.zeros((32, 64), np.uint8), 2, 32, 32, "bfloat16", 16)
+    src = cases.KvSource(np.zeros((32, 64), np.uint8), 2, 32, 32, "bfloat16", 16)
     with jax.enable_x64(True):
-        ctx = support.jax_context(support.State.zeros(64, 16), sources=[src], mode=mode)
+        ctx = support.jax_context(support.State.zeros(64, 16), real_kv_sources=[src],
+                                  real_kv_hash_mode=mode)
         n = 300
         e = jnp.zeros((n,), jnp.int64) if assert_on else None
         f = jax.jit(lambda context, plan, ids, e1, e2: canary_write(
@@ -774,14 +766,14 @@ def test_jnp_reference_write_fuzz(sgl):
     rng = np.random.default_rng(500)
     for k in _tier.cases("write jnp reference vs SGLang", 500, _tier.n(16, 60)):
         stride, assert_on, mode, layout = WRITE_BUCKETS[k % len(WRITE_BUCKETS)]
-        st = support.State.zeros(support.NUM_SLOTS, support.RING_CAP, stride)
+        st = support.State.zeros(cases.NUM_SLOTS, cases.RING_CAP, stride)
         st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape, dtype=np.int64)
-        st.widx = int(rng.integers(0, support.RING_CAP + 4))
+        st.widx = int(rng.integers(0, cases.RING_CAP + 4))
         # The jnp reference is sequential on every backend: cross-request hazards included.
-        launch = random_launch(rng, st, assert_on, hazards=True)
+        launch = cases.random_write_launch(rng, assert_on, hazards=True)
         ours, ref = support.run_write(sgl, st, **launch,
-                                      sources=support.bucket_sources(rng, layout),
-                                      mode=mode, jnp_reference=True)
+                                      real_kv_sources=cases.bucket_sources(rng, layout),
+                                      real_kv_hash_mode=mode, jnp_reference=True)
         support.assert_same(ours, ref, st)
 
 
@@ -806,16 +798,10 @@ def test_source_addressing_errors():
                           framework="jax")
         short = RealKvSource(tensor=jnp.zeros((8, 16), jnp.uint8), page_size=1,
                              num_bytes_per_token=16, read_bytes=16, view=wide)
-        ctx = VerifyOrWriteContext(
-            canary_buf=jnp.asarray(st.canary), kernel_kind=0, violation_ring=jnp.asarray(st.ring),
-            violation_write_index=jnp.zeros((1,), jnp.int32),
-            slot_run_counter=jnp.zeros((1,), jnp.int64),
-            kernel_run_counter=jnp.zeros((1,), jnp.int64), real_kv_sources=(short,),
-            real_kv_hash_mode=2, enable_chain_position_assert=jnp.ones((1,), jnp.int32))
+        ctx = support.jax_context(st, kernel_kind=0, real_kv_sources=(short,),
+                                  real_kv_hash_mode=2)
         write_run(
-            ctx, WritePlan(write_offsets=jnp.zeros((2,), jnp.int64),
-                           write_seed_slot_indices=jnp.zeros((1,), jnp.int64),
-                           write_num_valid_reqs=jnp.zeros((1,), jnp.int32)),
+            ctx, _plan(),
             WriteTokens(input_ids=jnp.zeros((1,), jnp.int64),
                         positions=jnp.zeros((1,), jnp.int64),
                         out_cache_loc=jnp.zeros((1,), jnp.int64)),
@@ -860,23 +846,25 @@ def _draw_hostile_launch(sgl, rng, bucket, aux=None) -> HostileLaunch:
     """A hostile launch (above), its reference checked against SGLang's where that is
     defined."""
     stride, assert_on, mode, layout = WRITE_BUCKETS[bucket]
-    st = support.State.zeros(support.NUM_SLOTS, support.RING_CAP, stride)
+    st = support.State.zeros(cases.NUM_SLOTS, cases.RING_CAP, stride)
     st.canary_i64[:] = rng.integers(-(2**63), 2**63 - 1, st.canary_i64.shape, dtype=np.int64)
-    st.canary_i64[:, 1] = rng.integers(-2, 30, support.NUM_SLOTS)
+    st.canary_i64[:, 1] = rng.integers(-2, 30, cases.NUM_SLOTS)
     st.sctr, st.kctr = (int(x) for x in rng.integers(0, 2**40, 2))
-    launch = random_launch(rng, st, assert_on, kind=(2, 8, 5, 11)[bucket], hazards=True)
+    launch = cases.random_write_launch(rng, assert_on, kernel_kind=(2, 8, 5, 11)[bucket],
+                                       hazards=True)
     if aux is not None and aux.random() < 0.4:
         # Races on purpose (``aux``, a stream of its own: the main draws stay as they were):
         # two slots that many tokens of every request write, seeds on them.
-        hot = aux.integers(1, support.NUM_SLOTS, 2)
-        tokens = aux.random(support.NUM_TOKENS) < 0.3
-        launch["ocl"][tokens] = aux.choice(hot, int(tokens.sum()))
-        seeds = aux.random(support.REQ_CAP) < 0.5
-        launch["seeds"][seeds] = aux.choice(hot, int(seeds.sum()))
+        hot = aux.integers(1, cases.NUM_SLOTS, 2)
+        tokens = aux.random(cases.NUM_TOKENS) < 0.3
+        launch["out_cache_loc"][tokens] = aux.choice(hot, int(tokens.sum()))
+        seeds = aux.random(cases.REQ_CAP) < 0.5
+        launch["write_seed_slot_indices"][seeds] = aux.choice(hot, int(seeds.sum()))
     hostile = rng.random() < 0.35
     if hostile:
-        n = support.NUM_SLOTS
-        ocl, seeds, offsets = launch["ocl"], launch["seeds"], launch["offsets"]
+        n = cases.NUM_SLOTS
+        ocl, seeds = launch["out_cache_loc"], launch["write_seed_slot_indices"]
+        offsets = launch["write_offsets"]
         bad = rng.random(ocl.shape[0]) < 0.1
         ocl[bad] = rng.choice([n, n + 3, 2**40], int(bad.sum()))
         bad = rng.random(seeds.shape[0]) < 0.3
@@ -885,21 +873,22 @@ def _draw_hostile_launch(sgl, rng, bucket, aux=None) -> HostileLaunch:
         if u < 0.3:
             offsets[int(rng.integers(1, offsets.shape[0]))] += int(rng.integers(1, 40))
         elif u < 0.5:
-            offsets[:] = rng.integers(-10, support.NUM_TOKENS + 10, offsets.shape[0])
+            offsets[:] = rng.integers(-10, cases.NUM_TOKENS + 10, offsets.shape[0])
         if rng.random() < 0.2:
-            launch["num_valid"] = support.REQ_CAP + int(rng.integers(1, 5))
+            launch["write_num_valid_reqs"] = cases.REQ_CAP + int(rng.integers(1, 5))
     u = rng.random()
-    w0 = int(rng.integers(0, support.RING_CAP + 4))
+    w0 = int(rng.integers(0, cases.RING_CAP + 4))
     if u < 0.1:
         w0 = int(rng.choice([-1, -3, -(2**31)]))
     elif u < 0.2:
         w0 = 2**31 - 1 - int(rng.integers(0, 3))
-    sources = support.bucket_sources(rng, layout)
-    wide = support.widened(st, 4 * support.NUM_TOKENS)
-    full, _ = support.run_write(sgl, wide, **launch, sources=sources, mode=mode, reference=False,
-                                jnp_reference=True)
+    sources = cases.bucket_sources(rng, layout)
+    wide = support.widened(st, 4 * cases.NUM_TOKENS)
+    full, _ = support.run_write(sgl, wide, **launch, real_kv_sources=sources,
+                                real_kv_hash_mode=mode, reference=False, jnp_reference=True)
     if _sglang_defined(launch):
-        _, sg = support.run_write(sgl, wide, **launch, sources=sources, mode=mode, ours=False)
+        _, sg = support.run_write(sgl, wide, **launch, real_kv_sources=sources,
+                                  real_kv_hash_mode=mode, ours=False)
         support.assert_same(full, sg, wide)
     start = st.copy()
     start.widx = w0
@@ -913,8 +902,9 @@ def _run_hostile_launch(sgl, h: HostileLaunch, implementation, ordered=None) -> 
     """``h`` run on ``implementation``: exactly the reference's under the ring guard
     (``ordered``, by default where the implementation keeps request order), or an outcome of
     the GPU's racing requests."""
-    ours, _ = support.run_write(sgl, h.start, **h.launch, sources=h.sources, mode=h.mode,
-                                reference=False, implementation=implementation)
+    ours, _ = support.run_write(sgl, h.start, **h.launch, real_kv_sources=h.sources,
+                                real_kv_hash_mode=h.mode, reference=False,
+                                implementation=implementation)
     if ordered is None:
         ordered = _impls.in_reference_order(implementation)
     if ordered:
@@ -930,10 +920,10 @@ def _sglang_defined(launch) -> bool:
     """Whether SGLang's reference is defined on a launch: offsets non-decreasing inside the
     tokens (its loop stops early on ``write_offsets[A] <= 0``), every slot and seed below the
     buffer's end (it raises IndexError past it)."""
-    off, n = np.asarray(launch["offsets"]), len(launch["ocl"])
+    off, n = np.asarray(launch["write_offsets"]), len(launch["out_cache_loc"])
     return bool(off[0] >= 0 and (np.diff(off) >= 0).all() and off[-1] <= n
-                and (np.asarray(launch["ocl"]) < support.NUM_SLOTS).all()
-                and (np.asarray(launch["seeds"]) < support.NUM_SLOTS).all())
+                and (np.asarray(launch["out_cache_loc"]) < cases.NUM_SLOTS).all()
+                and (np.asarray(launch["write_seed_slot_indices"]) < cases.NUM_SLOTS).all())
 
 
 def _hostile_fuzz(sgl, bucket, n_cases, seed, implementation):

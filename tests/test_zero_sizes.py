@@ -15,9 +15,9 @@ import torch
 import jax
 
 import kvcanary_jax as kc
+from kvcanary_jax.testing import cases
 
 import _canary_support as support
-from kvcanary_jax.bench import builders
 import test_plan
 from _impls import implementations
 
@@ -50,13 +50,16 @@ def _kw(runner):
 def test_verify_zero_length_plan(sgl, runner, num_valid, enable):
     """SGLang: only kernel_run_counter is bumped."""
     st = _sentinel_state(8, 4)
-    ours, ref = support.run_verify(sgl, st, slots=[], etok=[], epos=[], prev=[],
-                                   num_valid=num_valid, enable=enable, **_kw(runner))
+    ours, ref = support.run_verify(sgl, st, verify_slot_indices=[], verify_expected_tokens=[],
+                                   verify_expected_positions=[], verify_prev_slot_indices=[],
+                                   verify_num_valid=num_valid, enable=enable, **_kw(runner))
     support.assert_same(ours, ref, st)
     assert (ref.widx, ref.sctr, ref.kctr) == (st.widx, st.sctr, st.kctr + 1)
 
 
-CHAIN_BREAKS = dict(slots=[1, 2, 3], etok=[5, 6, 7], epos=[0, 1, 9], prev=[-1, 1, 2], num_valid=3)
+CHAIN_BREAKS = dict(verify_slot_indices=[1, 2, 3], verify_expected_tokens=[5, 6, 7],
+                    verify_expected_positions=[0, 1, 9], verify_prev_slot_indices=[-1, 1, 2],
+                    verify_num_valid=3)
 
 
 @pytest.mark.parametrize("runner", _runners("verify"))
@@ -73,8 +76,12 @@ def test_verify_zero_row_ring(sgl, runner, widx):
 def test_verify_zero_slot_canary_without_work(sgl, runner):
     """Only slot-0 entries (skipped, counted) or none: SGLang accepts it."""
     st = _sentinel_state(0, 4)
-    for e in (dict(slots=[0, 0], etok=[1, 2], epos=[0, 1], prev=[-1, 0], num_valid=2),
-              dict(slots=[4, 5], etok=[1, 2], epos=[0, 1], prev=[-1, 4], num_valid=0)):
+    for e in (dict(verify_slot_indices=[0, 0], verify_expected_tokens=[1, 2],
+                   verify_expected_positions=[0, 1], verify_prev_slot_indices=[-1, 0],
+                   verify_num_valid=2),
+              dict(verify_slot_indices=[4, 5], verify_expected_tokens=[1, 2],
+                   verify_expected_positions=[0, 1], verify_prev_slot_indices=[-1, 4],
+                   verify_num_valid=0)):
         ours, ref = support.run_verify(sgl, st, **e, **_kw(runner))
         support.assert_same(ours, ref, st)
         assert ours.canary.shape == (0, 32)
@@ -85,8 +92,9 @@ def test_verify_zero_slot_canary_reads_zero_rows(sgl, runner):
     """Entries that read slots (SGLang's reference: IndexError; its GPU: reads outside the
     buffer): every slot is out of range and reads as a zero row, i.e. SGLang on a zero canary
     large enough to hold them. Slot -1 included."""
-    e = dict(slots=[1, 2, -1, 3], etok=[5, 0, 0, 7], epos=[0, 0, 4, 1], prev=[-1, 1, 2, 2],
-             num_valid=4)
+    e = dict(verify_slot_indices=[1, 2, -1, 3], verify_expected_tokens=[5, 0, 0, 7],
+             verify_expected_positions=[0, 0, 4, 1], verify_prev_slot_indices=[-1, 1, 2, 2],
+             verify_num_valid=4)
     st = _sentinel_state(0, 8)
     big = st.copy()
     big.canary = np.zeros((8, 32), np.uint8)
@@ -99,10 +107,9 @@ def test_verify_zero_slot_canary_reads_zero_rows(sgl, runner):
     assert ref.widx - st.widx == 3  # slot 2 holds what its zero row says
 
 
-def _verify_ours(st, runner, e, **ctx_kw):
+def _verify_ours(st, runner, e, **options):
     fn = kc.canary_verify_reference if runner == "reference" else kc.canary_verify
-    plan = builders.jax_verify_plan(e["slots"], e["etok"], e["epos"], e["prev"], e["num_valid"])
-    out = fn(context=support.jax_context(st, **ctx_kw), plan=plan, check_verify_expected_token=True,
+    out = fn(**cases.jax_verify_args(context=support.jax_context(st, **options), **e),
              **({} if runner == "reference" else dict(implementation=runner)))
     return support.state_of(out)
 
@@ -111,15 +118,19 @@ def _verify_ours(st, runner, e, **ctx_kw):
 def test_verify_zero_row_real_kv_source(sgl, runner):
     """SGLang's reference raises from index_select on a 0-row source; every row past a source's
     rows reads as zero words: SGLang on a zero source with rows for every slot."""
-    e = dict(slots=[1, 2, 0], etok=[-1, -1, -1], epos=[0, 1, 0], prev=[-1, 1, 0], num_valid=3)
+    e = dict(verify_slot_indices=[1, 2, 0], verify_expected_tokens=[-1, -1, -1],
+             verify_expected_positions=[0, 1, 0], verify_prev_slot_indices=[-1, 1, 0],
+             verify_num_valid=3)
     st = _sentinel_state(8, 4)
-    empty = support.Src(np.zeros((0, 32), np.uint8), 1, 32, 32)
-    zeros = support.Src(np.zeros((8, 32), np.uint8), 1, 32, 32)
-    other = support.Src(np.arange(8 * 16, dtype=np.uint8).reshape(8, 16), 1, 16, 16)
+    empty = cases.KvSource(np.zeros((0, 32), np.uint8), 1, 32, 32)
+    zeros = cases.KvSource(np.zeros((8, 32), np.uint8), 1, 32, 32)
+    other = cases.KvSource(np.arange(8 * 16, dtype=np.uint8).reshape(8, 16), 1, 16, 16)
     for mode in (1, 2):
-        _, ref = support.run_verify(sgl, st, ours=False, sources=[zeros, other], mode=mode, **e)
+        _, ref = support.run_verify(sgl, st, ours=False, real_kv_sources=[zeros, other],
+                                    real_kv_hash_mode=mode, **e)
         with jax.enable_x64(True):
-            ours = _verify_ours(st, runner, e, sources=[empty, other], mode=mode)
+            ours = _verify_ours(st, runner, e, real_kv_sources=[empty, other],
+                                real_kv_hash_mode=mode)
         support.assert_same(ours, ref, st)
 
 
@@ -134,8 +145,9 @@ def _write(sgl, st, runner, **launch):
 @pytest.mark.parametrize("num_valid", [0, 2])
 def test_write_zero_capacity_plan(sgl, runner, num_valid):
     st = _sentinel_state(8, 4)
-    ours, ref = _write(sgl, st, runner, offsets=[0], seeds=[], num_valid=num_valid, ids=[5, 6],
-                       pos=[0, 1], ocl=[1, 2])
+    ours, ref = _write(sgl, st, runner, write_offsets=[0], write_seed_slot_indices=[],
+                       write_num_valid_reqs=num_valid, input_ids=[5, 6], positions=[0, 1],
+                       out_cache_loc=[1, 2])
     support.assert_same(ours, ref, st)
     assert (ref.sctr, ref.kctr) == (st.sctr, st.kctr + 1)
 
@@ -143,8 +155,10 @@ def test_write_zero_capacity_plan(sgl, runner, num_valid):
 @pytest.mark.parametrize("runner", _runners("write"))
 def test_write_zero_tokens(sgl, runner):
     st = _sentinel_state(8, 4)
-    ours, ref = _write(sgl, st, runner, offsets=[0, 0, 0], seeds=[3, -1], num_valid=2, ids=[],
-                       pos=[], ocl=[], assert_on=True, etok=[], epos=[])
+    ours, ref = _write(sgl, st, runner, write_offsets=[0, 0, 0], write_seed_slot_indices=[3, -1],
+                       write_num_valid_reqs=2, input_ids=[], positions=[], out_cache_loc=[],
+                       enable_write_input_assert=True, expected_input_tokens=[],
+                       expected_input_positions=[])
     support.assert_same(ours, ref, st)
     assert (ref.sctr, ref.kctr) == (st.sctr, st.kctr + 1)
 
@@ -155,9 +169,10 @@ def test_write_zero_row_ring(sgl, runner, widx):
     st = _sentinel_state(8, 0, widx=widx)
     # Request 1 seeds from slot 4, which no request writes: requests run concurrently on a GPU,
     # so a seed written in the same launch would be a race (SGLang's kernel has it too).
-    ours, ref = _write(sgl, st, runner, offsets=[0, 2, 3], seeds=[-1, 4], num_valid=2,
-                       ids=[5, 6, 7], pos=[0, 1, 5], ocl=[1, 2, 3], assert_on=True,
-                       etok=[5, 9, 7], epos=[0, 1, 4])
+    ours, ref = _write(sgl, st, runner, write_offsets=[0, 2, 3], write_seed_slot_indices=[-1, 4],
+                       write_num_valid_reqs=2, input_ids=[5, 6, 7], positions=[0, 1, 5],
+                       out_cache_loc=[1, 2, 3], enable_write_input_assert=True,
+                       expected_input_tokens=[5, 9, 7], expected_input_positions=[0, 1, 4])
     support.assert_same(ours, ref, st)
     assert ref.widx == widx + 3
 
@@ -168,31 +183,35 @@ def test_write_zero_slot_canary(sgl, runner):
     outside the buffer) every slot is out of range and skipped like a negative one, i.e. SGLang
     on the same launch with every slot negative: only kernel_run_counter moves."""
     st = _sentinel_state(0, 4)
-    launch = dict(offsets=[0, 2, 3], seeds=[-1, 4], num_valid=2, ids=[5, 6, 7], pos=[0, 1, 9],
-                  ocl=[1, 2, 3], assert_on=True, etok=[5, 9, 7], epos=[0, 1, 4])
+    launch = dict(write_offsets=[0, 2, 3], write_seed_slot_indices=[-1, 4], write_num_valid_reqs=2,
+                  input_ids=[5, 6, 7], positions=[0, 1, 9], out_cache_loc=[1, 2, 3],
+                  enable_write_input_assert=True, expected_input_tokens=[5, 9, 7],
+                  expected_input_positions=[0, 1, 4])
     big = st.copy()
     big.canary = np.zeros((8, 32), np.uint8)
-    _, ref = support.run_write(sgl, big, ours=False, **{**launch, "ocl": [-1, -1, -1],
-                                                        "seeds": [-1, -1]})
+    _, ref = support.run_write(sgl, big, ours=False,
+                               **{**launch, "out_cache_loc": [-1, -1, -1],
+                                  "write_seed_slot_indices": [-1, -1]})
     ours, _ = support.run_write(sgl, st, reference=False, **launch, **_kw(runner))
     assert ours.canary.shape == (0, 32)
     ref.canary = ours.canary
     support.assert_same(ours, ref, st)
     assert (ours.widx, ours.sctr, ours.kctr) == (st.widx, st.sctr, st.kctr + 1)
-    ours, ref = _write(sgl, st, runner, **{**launch, "offsets": [0, 0, 0]})  # no work
+    ours, ref = _write(sgl, st, runner, **{**launch, "write_offsets": [0, 0, 0]})  # no work
     support.assert_same(ours, ref, st)
 
 
 @pytest.mark.parametrize("runner", _runners("write"))
 def test_write_zero_row_real_kv_source(sgl, runner):
     st = _sentinel_state(8, 4)
-    launch = dict(offsets=[0, 3], seeds=[-1], num_valid=1, ids=[5, 6, 7], pos=[0, 1, 2],
-                  ocl=[1, 2, 3])
-    empty = support.Src(np.zeros((0, 32), np.uint8), 1, 32, 32)
-    zeros = support.Src(np.zeros((8, 32), np.uint8), 1, 32, 32)
-    _, ref = support.run_write(sgl, st, ours=False, sources=[zeros], mode=2, **launch)
-    ours, _ = support.run_write(sgl, st, reference=False, sources=[empty], mode=2, **launch,
-                                **_kw(runner))
+    launch = dict(write_offsets=[0, 3], write_seed_slot_indices=[-1], write_num_valid_reqs=1,
+                  input_ids=[5, 6, 7], positions=[0, 1, 2], out_cache_loc=[1, 2, 3])
+    empty = cases.KvSource(np.zeros((0, 32), np.uint8), 1, 32, 32)
+    zeros = cases.KvSource(np.zeros((8, 32), np.uint8), 1, 32, 32)
+    _, ref = support.run_write(sgl, st, ours=False, real_kv_sources=[zeros], real_kv_hash_mode=2,
+                               **launch)
+    ours, _ = support.run_write(sgl, st, reference=False, real_kv_sources=[empty],
+                                real_kv_hash_mode=2, **launch, **_kw(runner))
     support.assert_same(ours, ref, st)
 
 
