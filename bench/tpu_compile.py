@@ -20,15 +20,18 @@ Every op runs with ``implementation="pallas_mosaic_tpu"``, fallbacks refused (a
 
 Sizes (:data:`CASES`): the serving sizes (a 1M-slot canary; scatter 256 x 8,192 and 1 x 5; plan
 at 4,096 requests and 1; write 1 x 8,192 and 64 x 1; verify 64k entries; real-KV sources of page
-size 1 and 16), the step at a serving config (:func:`serving_config`), and the KV digest over
-every layer of a 32-layer model (:func:`digest_case`: 8 GiB of KV as 32 int32 sources, a 64k-entry
-verify at window 64 over 1M slots in 4 KiB pages, a 8,192-slot write of 4 KiB tokens).
+size 1 and 16), the step at a serving config (:func:`serving_config`), also with the coverage
+window on (8 layers' K and V, bf16, digested every step), and the KV digest over every layer of a
+32-layer model (:func:`digest_case`: 8 GiB of KV as 32 int32 or bf16 sources, a 64k-entry verify
+at window 64 over 1M slots in 4 KiB pages, a 8,192-slot write of 4 KiB tokens; and 8 GiB of fused
+bf16 layers, 8 of ``[1M, 4, 128]``, as the strided views of their heads' K and V strips).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -180,35 +183,62 @@ def step_case(**kw):
 DIGEST_LAYERS = 32
 
 
-def digest_sources(slots: int, token_bytes: int, page_size: int,
-                   layers: int = DIGEST_LAYERS, dtype=jnp.int32):
-    """``layers`` sources of ``slots`` tokens of ``token_bytes``, in pages of ``page_size``
-    (one per layer: a fused K/V row, or a layer's K or V); 32-bit buffers are read in place."""
-    rows = -(-slots // page_size)
+def digest_layers(slots: int, token_bytes: int, page_size: int,
+                  layers: int = DIGEST_LAYERS, dtype=jnp.int32, fused_heads: int = 0) -> tuple:
+    """``layers`` KV arrays of ``slots`` tokens of ``token_bytes``: rows ``[pages, page_size *
+    token]`` (one per layer: a fused K/V row, or a layer's K or V), or with ``fused_heads``
+    sglang-jax's fused layers ``[slots, 2 * heads, head_dim]`` (``token_bytes`` a head)."""
     item = jnp.dtype(dtype).itemsize
-    kv = jax.ShapeDtypeStruct((rows, page_size * token_bytes // item), dtype)
-    return tuple(kc.RealKvSource(tensor=kv, page_size=page_size, num_bytes_per_token=token_bytes,
-                                 read_bytes=token_bytes) for _ in range(layers))
+    if fused_heads:
+        shape = (slots, 2 * fused_heads, token_bytes // item)
+    else:
+        shape = (-(-slots // page_size), page_size * token_bytes // item)
+    return tuple(jax.ShapeDtypeStruct(shape, dtype) for _ in range(layers))
+
+
+def digest_sources(kv, *, token_bytes: int, page_size: int, fused: bool) -> tuple:
+    """The digest's sources over the arrays of :func:`digest_layers` (traced in the jitted
+    function, so that the views of one layer share its array): each array whole, or each fused
+    layer as the strided views of its heads' K and V strips (``fused_kv_sources``'
+    construction, V included)."""
+    from kvcanary_jax.contracts import TensorMeta
+
+    if not fused:
+        return tuple(kc.RealKvSource(tensor=a, page_size=page_size,
+                                     num_bytes_per_token=token_bytes, read_bytes=token_bytes)
+                     for a in kv)
+    out = []
+    for a in kv:
+        slots, strips, head_dim = a.shape
+        view = TensorMeta(shape=(slots, head_dim), dtype=jnp.dtype(a.dtype).name,
+                          strides=(strips * head_dim, 1), device=None, framework="jax")
+        out += [kc.RealKvSource(tensor=a, page_size=1, num_bytes_per_token=token_bytes,
+                                read_bytes=token_bytes, view=view, offset_bytes=k * token_bytes)
+                for k in range(strips)]
+    return tuple(out)
 
 
 def digest_case(entries: int, *, verify: bool, slots: int, token_bytes: int, page_size: int,
-                layers: int = DIGEST_LAYERS, window: int = 64, dtype=jnp.int32):
+                layers: int = DIGEST_LAYERS, window: int = 64, dtype=jnp.int32,
+                fused_heads: int = 0):
     """digest_write of ``entries`` slots, or digest_verify of ``entries`` entries at ``window``,
-    over :func:`digest_sources`."""
+    over :func:`digest_sources` of :func:`digest_layers`."""
     def build(impl):
-        sources = digest_sources(slots, token_bytes, page_size, layers, dtype)
+        kv = digest_layers(slots, token_bytes, page_size, layers, dtype, fused_heads)
+        sources = functools.partial(digest_sources, token_bytes=token_bytes,
+                                    page_size=page_size, fused=bool(fused_heads))
         if not verify:
-            fn = jax.jit(lambda b, s, src: kc.digest_write(b, s, src, implementation=impl),
+            fn = jax.jit(lambda b, s, kv: kc.digest_write(b, s, sources(kv), implementation=impl),
                          donate_argnums=0)
-            return fn, (_i64(slots), _i64(entries), sources)
+            return fn, (_i64(slots), _i64(entries), kv)
 
-        def verify_fn(ctx, s, pos, nv, phase, src):
-            return kc.digest_verify(ctx, s, pos, nv, phase, window=window, sources=src,
+        def verify_fn(ctx, s, pos, nv, phase, kv):
+            return kc.digest_verify(ctx, s, pos, nv, phase, window=window, sources=sources(kv),
                                     implementation=impl)
 
         ctx = _shape(kc.DigestContext.allocate, num_slots=slots, ring_capacity=1024)
         return (jax.jit(verify_fn, donate_argnums=0),
-                (ctx, _i64(entries), _i64(entries), _i32(1), _i32(1), sources))
+                (ctx, _i64(entries), _i64(entries), _i32(1), _i32(1), kv))
     return build
 
 
@@ -232,6 +262,17 @@ CASES = (
          digest_case(1 << 16, verify=True, slots=SLOTS, token_bytes=256, page_size=16)),
     Case("digest write 8192 x32 4KiB tokens", "digest",
          digest_case(8192, verify=False, slots=1 << 16, token_bytes=4096, page_size=1)),
+    # The same over bf16 KV (every server's dtype), read in place in row groups (two bf16 rows
+    # share a 32-bit word), and over 8 fused layers of 2 heads of 128 bf16 (K and V: 32 views).
+    Case("digest verify 64k w64 x32 pages bf16", "digest",
+         digest_case(1 << 16, verify=True, slots=SLOTS, token_bytes=256, page_size=16,
+                     dtype=jnp.bfloat16)),
+    Case("digest write 8192 x32 4KiB tokens bf16", "digest",
+         digest_case(8192, verify=False, slots=1 << 16, token_bytes=4096, page_size=1,
+                     dtype=jnp.bfloat16)),
+    Case("digest verify 64k w64 x8 fused bf16", "digest",
+         digest_case(1 << 16, verify=True, slots=SLOTS, token_bytes=256, page_size=1,
+                     layers=8, dtype=jnp.bfloat16, fused_heads=2)),
 )
 
 

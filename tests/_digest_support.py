@@ -166,6 +166,52 @@ def random_sources(rng, num_slots: int, *, small: bool = False):
     return [out[i] for i in order]
 
 
+def _strips_of(base: np.ndarray, slots: int, width: int, count: int) -> list:
+    """``count`` strips of ``width`` elements of each slot's ``base`` row (a fused layer's K and
+    V heads, interleaved), as strided views: slot ``s`` is elements ``[s * per_slot, ...)``."""
+    per_slot = base.size // slots
+    strip = width * base.dtype.itemsize
+    view = ((slots, width), (per_slot, 1))
+    return [NpSource(base, 1, strip, strip, view, k * strip) for k in range(count)]
+
+
+def in_place_layouts(rng, slots: int) -> dict:
+    """Sources of every dtype and layout the Mosaic kernel reads in place (rows of 128 elements
+    or more, whole 512-byte slices), by name: 2-D rows of each serving dtype, row counts that are
+    not a multiple of a 32-bit word's rows (a partial last group), strips read in part at an
+    offset, pages, views at a row offset and a row stride, and fused K/V layers as
+    ``fused_kv_sources`` sees them (sglang-jax 0.0.2's ``[slots, 2 * heads, head_dim]``, its
+    HEAD's paged ``[pages, page_size, 2 * heads / packing, packing, head_dim]``, and a 2-D
+    ``[slots, 2 * heads * head_dim]`` one)."""
+    import ml_dtypes
+
+    bf16, n = jnp.bfloat16, slots
+    pages = -(-n // 4)
+    head = _random_bytes(rng, (pages, 4, 2, 2, 128), bf16)  # 2 heads, packing 2
+    return {
+        "bf16 rows": [NpSource(_random_bytes(rng, (n, 128), bf16), 1, 256, 256)],
+        "int16 rows read in part at an offset": [
+            NpSource(_random_bytes(rng, (n, 256), np.int16), 1, 256, 128, None, 256)],
+        "uint8 rows": [NpSource(_random_bytes(rng, (n, 128), np.uint8), 1, 128, 128)],
+        "fp8 e4m3 rows": [
+            NpSource(_random_bytes(rng, (n, 256), ml_dtypes.float8_e4m3fn), 1, 256, 256)],
+        "fp8 e5m2 rows": [
+            NpSource(_random_bytes(rng, (n, 128), ml_dtypes.float8_e5m2), 1, 128, 128)],
+        "float32 rows": [NpSource(_random_bytes(rng, (n, 128), np.float32), 1, 512, 512)],
+        "bf16 pages of 4": [NpSource(_random_bytes(rng, (pages, 512), bf16), 4, 256, 256)],
+        "int8 pages of 2 read in part": [
+            NpSource(_random_bytes(rng, (-(-n // 2), 256), np.int8), 2, 128, 64)],
+        "int8 rows at a row offset": [NpSource(_random_bytes(rng, (n + 3, 128), np.int8), 1,
+                                               128, 128, ((n, 128), (128, 1)), 3 * 128)],
+        "bf16 odd rows": [NpSource(_random_bytes(rng, (2 * n, 128), bf16), 1, 256, 256,
+                                   ((n, 128), (256, 1)), 256)],
+        "bf16 fused layer": fused(rng, n, 2, 128),
+        "int8 fused layer": fused(rng, n, 2, 128, np.int8),
+        "bf16 fused 2-D layer": _strips_of(_random_bytes(rng, (n, 512), bf16), n, 128, 4),
+        "bf16 paged fused layer": _strips_of(head, pages * 4, 128, 4),
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # The ops, entry by entry.
 

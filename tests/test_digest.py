@@ -447,6 +447,106 @@ def test_tpu_long_strips_paged_rows_and_shared_operands():
     np.testing.assert_array_equal(got, ds.np_write(np.zeros(n, np.int64), slots, sources))
 
 
+# Every in-place layout of the Mosaic kernel, and a float16 source, which it reads through a
+# copy (Mosaic loads no float16).
+LAYOUT_SLOTS = 19  # odd, and not a multiple of 4: 2-D sources end in a partial row group
+LAYOUTS = sorted(ds.in_place_layouts(np.random.default_rng(0), LAYOUT_SLOTS)) + ["float16 rows"]
+
+
+def _layout(rng, name):
+    if name == "float16 rows":
+        return [ds.NpSource(ds._random_bytes(rng, (LAYOUT_SLOTS, 128), np.float16), 1, 256, 256)]
+    return ds.in_place_layouts(rng, LAYOUT_SLOTS)[name]
+
+
+@pytest.mark.tpu_interpret
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mosaic_tpu_every_dtype_and_layout(layout):
+    """The Mosaic kernel over each layout it reads in place (row groups of 16- and 8-bit types,
+    a partial last group, strips read in part, pages, views at a row offset and stride, fused
+    layers of 2, 3 and 5 dimensions) against numpy: a write of hostile and repeated slots, then a
+    verify at window 2 that finds the slots whose stored digest is stale."""
+    impl = _impls.TPU
+    n = LAYOUT_SLOTS
+    rng = np.random.default_rng(37)
+    sources = _layout(rng, layout)
+    slots = np.concatenate([[-1, n, 0], rng.permutation(n), [n - 1, 2, -5]])
+    got = _write(impl, np.zeros(n, np.int64), slots, sources)
+    np.testing.assert_array_equal(got, ds.np_write(np.zeros(n, np.int64), slots, sources))
+    st = _state(rng, n, 8, widx=1)
+    st.digest = got.copy()
+    st.digest[[3, 6, n - 1]] ^= 1  # stale: found where the phase selects them
+    checked = np.concatenate([rng.permutation(n), [n - 1, -1]])
+    _check_verify(impl, st, checked, checked * 3, len(checked), 1, 2, sources)
+
+
+def _small_slice(eqn) -> bool:
+    return eqn.primitive.name == "slice" and eqn.outvars[0].aval.shape[0] < 4
+
+
+def _consumers(jaxpr, var) -> list:
+    """The equations that read ``var``, through calls (into the called jaxpr) and same-width
+    bitcasts that only small slices read (to those slices; a bitcast read by anything else is
+    itself a reader: on a TPU it is a copy)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        for at, v in enumerate(eqn.invars):
+            if v is not var:
+                continue
+            called = None if eqn.primitive.name == "pallas_call" else eqn.params.get("jaxpr")
+            if called is not None:
+                inner = getattr(called, "jaxpr", called)
+                out += _consumers(inner, inner.invars[at])
+            elif eqn.primitive.name == "bitcast_convert_type" and \
+                    eqn.outvars[0].aval.shape == var.aval.shape:
+                sliced = _consumers(jaxpr, eqn.outvars[0])
+                out += sliced if all(_small_slice(e) for e in sliced) else [eqn]
+            else:
+                out.append(eqn)
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[:-1])
+def test_mosaic_tpu_sources_reach_the_kernel_as_they_are(layout):
+    """The Mosaic implementation hands each in-place layout's buffers to its kernel untouched:
+    in the traced write and verify, a buffer is read by the kernel and by nothing else, but a
+    slice of fewer than 4 rows (a 2-D buffer's partial last row group, its words an operand of
+    their own; sliced from a bitcast to unsigned integers, which XLA fuses into the slice).
+    Before, XLA bitcast every buffer to int32 rows first (for a 16- or 8-bit buffer a relayout
+    the size of the KV on a TPU, every call)."""
+    rng = np.random.default_rng(41)
+    n = LAYOUT_SLOTS
+    with jax.enable_x64(True):
+        sources = ds.jax_sources(_layout(rng, layout))
+        arrays = tuple({id(s.tensor): s.tensor for s in sources}.values())
+        config = _impls.config("digest", _impls.TPU)
+
+        def with_arrays(kv):
+            at = {id(a): x for a, x in zip(arrays, kv)}
+            return tuple(dataclasses.replace(s, tensor=at[id(s.tensor)]) for s in sources)
+
+        def write(kv):
+            return kc.digest_write(jnp.zeros(n, jnp.int64), jnp.arange(n, dtype=jnp.int64),
+                                   with_arrays(kv), implementation=_impls.TPU, config=config)
+
+        def verify(kv):
+            ctx = kc.DigestContext.allocate(num_slots=n, ring_capacity=4)
+            s = jnp.arange(n, dtype=jnp.int64)
+            return kc.digest_verify(ctx, s, s, jnp.asarray([n], jnp.int32),
+                                    jnp.asarray([0], jnp.int32), window=2,
+                                    sources=with_arrays(kv), implementation=_impls.TPU,
+                                    config=config)
+
+        for fn in (write, verify):
+            closed = jax.make_jaxpr(fn)(arrays)
+            for var in closed.jaxpr.invars:
+                readers = _consumers(closed.jaxpr, var)
+                kinds = [e.primitive.name for e in readers]
+                assert "pallas_call" in kinds, (fn.__name__, kinds)
+                others = [e for e in readers if e.primitive.name != "pallas_call"]
+                assert all(_small_slice(e) for e in others), (fn.__name__, var.aval, kinds)
+
+
 def test_selection_and_compaction():
     rng = np.random.default_rng(23)
     with jax.enable_x64(True):
