@@ -34,6 +34,9 @@ RUNTIME = oracle.load_runtime()  # SGLang's canary runtime importable before the
 import _sglang_coverage as sc  # noqa: E402
 from _sglang_runtime import ToyRadix, ToyServer  # noqa: E402
 
+CPU = torch.device("cpu")
+DEVICES = [pytest.param(CPU, id="cpu"),
+           pytest.param(torch.device("cuda"), id="cuda", marks=pytest.mark.gpu)]
 MODES = {
     # A window shorter than the sweep interval: TAIL checks bound the read slots. SGLang's ALL
     # fingerprint and V half on: its own rows for layer-0 flips beside the digest's.
@@ -54,10 +57,10 @@ def _env(monkeypatch, mode):
         monkeypatch.delenv("SGLANG_KV_CANARY_ENABLE_MHA_V", raising=False)
 
 
-def _run(mode, *, steps, flips_per_step, seed=5):
+def _run(mode, *, steps, flips_per_step, seed=5, device=CPU):
     window = MODES[mode]["window"]
     with bridge.install_into_sglang(coverage_window=window) as handle:
-        server = sc.LayeredServer(seed=3, **MODES[mode]["server"])
+        server = sc.LayeredServer(seed=3, device=device, **MODES[mode]["server"])
         res = sc.campaign(server, steps=steps, flips_per_step=flips_per_step, window=window,
                           seed=seed)
         stats = handle.coverage.stats()
@@ -77,11 +80,13 @@ def _assert_counts(res, stats, window):
 
 
 @pytest.mark.fuzz
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", list(MODES))
-def test_every_flip_is_found_at_its_first_check(mode, monkeypatch):
+def test_every_flip_is_found_at_its_first_check(mode, device, monkeypatch):
+    """On a GPU the bridge's launchers and the digest's take the direct Triton path."""
     _env(monkeypatch, mode)
     _tier.seeded(f"sglang coverage flips {mode}", 5, STEPS)
-    server, res, stats = _run(mode, steps=STEPS, flips_per_step=6)
+    server, res, stats = _run(mode, steps=STEPS, flips_per_step=6, device=device)
     assert res.problems() == []
     found = res.detected
     assert len(found) >= MIN_FOUND, (len(found), len(res.flips))
@@ -97,12 +102,17 @@ def test_every_flip_is_found_at_its_first_check(mode, monkeypatch):
     if MODES[mode]["server"]["hash_mode"] == "ALL":
         assert res.sglang_rows > 0  # SGLang's own layer-0 check found some, as it does
     _assert_counts(res, stats, window)
+    if device.type == "cuda":
+        assert {bridge.paths()[n]["path"] for n in ("launch_kv_digest_write",
+                                                    "launch_kv_digest_verify")} == \
+            {"triton_direct"}
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", list(MODES))
-def test_a_clean_run_reports_nothing(mode, monkeypatch):
+def test_a_clean_run_reports_nothing(mode, device, monkeypatch):
     _env(monkeypatch, mode)
-    server, res, stats = _run(mode, steps=_tier.n(40, 150), flips_per_step=0)
+    server, res, stats = _run(mode, steps=_tier.n(40, 150), flips_per_step=0, device=device)
     assert res.problems() == [] and res.sglang_rows == 0
     _assert_counts(res, stats, MODES[mode]["window"])
 
@@ -155,6 +165,46 @@ def test_sglangs_own_canary_is_unchanged_with_the_window_on(monkeypatch):
         assert torch.equal(a["expected_tokens"], b["expected_tokens"])
     assert sum(len(a["violations"]) for a in want) >= 20
     assert digest_rows > 0  # SGLang's perturbers changed real KV bytes: the digest saw them
+
+
+class _Rerun:
+    """A stand-in for a CUDA graph on the CPU: warmed up twice, then "replayed" by running the
+    same Python again on the same static batch tensors."""
+
+    def __init__(self, fn):
+        fn()
+        fn()
+        self.replay = fn
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_window_runs_inside_a_captured_decode_step(device, monkeypatch):
+    """Decode steps through static batch tensors, the forward with its TAIL (and the digest's
+    launches, the step counter's increment) captured once and replayed, as SGLang's decode graph
+    runner does (a CUDA graph on a GPU; a rerun of the same Python on the CPU), against the same
+    steps run eagerly: every step's rows (the digest's included), counters and buffers equal.
+    Window 1: the capture's warm-up forwards advance the step counter, which only a window of 1
+    leaves without effect."""
+    monkeypatch.setenv("SGLANG_KV_CANARY_ENABLE_MHA_V", "1")
+    runs = {}
+    for graph in (False, True):
+        server = ToyServer(device=str(device), seed=1, num_slots=256, max_reqs=6,
+                           context_len=48, perturb_prob=0.1, warmup_steps=2, sweep_interval=5)
+        server.config = dataclasses.replace(server.config, ring_capacity=1 << 14)
+        with bridge.install_into_sglang(coverage_window=1) as handle:
+            handle.coverage.register(types.SimpleNamespace(
+                k_buffer=[server.k_pool], v_buffer=[server.v_pool]), server.group)
+            runs[graph] = server.run_graphed(
+                12, graph=graph, capture=_Rerun if device.type == "cpu" else None)
+            runs[graph, "stats"] = handle.coverage.stats()["FULL"]
+    from _sglang_runtime import compare_runs
+
+    compare_runs(runs[False], runs[True], ordered=device.type == "cpu")
+    digest = [v for s in runs[True] for v in s["violations"] if v[7] & consts.KV_DIGEST_MISMATCH]
+    assert digest  # the perturbers changed real KV bytes: the digest, replayed, saw them
+    eager, graphed = runs[False, "stats"], runs[True, "stats"]
+    assert graphed["tail_kernel_runs"] == eager["tail_kernel_runs"] + 2 + (device.type == "cuda")
+    assert graphed["sweep_kernel_runs"] == eager["sweep_kernel_runs"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import kvcanary_jax.bridge as bridge  # noqa: E402
 from kvcanary_jax import consts  # noqa: E402
 from kvcanary_jax.bridge import declarations  # noqa: E402
 from kvcanary_jax.bridge import triton_direct as td  # noqa: E402
-from kvcanary_jax.bridge.launcher import bind, lowered_specs  # noqa: E402
+from kvcanary_jax.bridge.launcher import Launcher, Prepared, bind, lowered_specs  # noqa: E402
 
 import _digest_support as ds  # noqa: E402
 import _tier  # noqa: E402
@@ -178,6 +178,24 @@ def test_zero_sizes():
                                    num_valid=_i32(5, CPU), phase=_i32(0, CPU), window=2,
                                    sources=src)
     assert (int(ctx.kernel_run_counter[0]), int(ctx.slot_run_counter[0])) == (1, 0)
+
+
+def test_a_writes_slots_are_lowered_at_their_bucket_padded_with_a_skipped_slot():
+    """A step's written tokens change in number every step: their slots are lowered at
+    ``bucket(len)`` and handed over padded with -1 (a per-call copy), so lengths within a bucket
+    share one program, and the padding writes nothing."""
+    src = _model(2, 32)
+    digest = torch.zeros(40, dtype=torch.int64)
+    for n in (5, 7, 64, 65):
+        kw = dict(digest_buf=digest, slots=torch.arange(n) % 40, sources=src)
+        args, _, _ = declarations.DIGEST_WRITE.arguments(kw, declarations.DIGEST_WRITE.tensors(kw))
+        (slots,) = [a for a in args if a.name == "slots"]
+        assert slots.shape == ((64,) if n <= 64 else (128,))
+        assert slots.pad == (None if n == 64 else -1)
+    before = bridge.stats().get("bucket_copies", 0)  # a Counter's key, absent until counted
+    bridge.launch_kv_digest_write(digest_buf=digest, slots=torch.tensor([3, 9]), sources=src)
+    assert bridge.stats()["bucket_copies"] == before + 1
+    assert torch.count_nonzero(digest).item() == 2  # slots 3 and 9 (all-zero KV): no other
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,6 +383,24 @@ def test_direct_path_programs_map_every_source_and_compile_for_sm90(layers, widt
                                          target=GPUTarget("cuda", 90, 32))
             assert compiled.metadata.name == k.name
             assert compiled.metadata.global_scratch_size == 0
+
+
+def test_direct_path_hands_the_kernels_a_padded_copy_of_the_slots():
+    """The kernels read every lowered slot: the direct path's pointer for ``slots`` is a per-call
+    copy of the caller's 5 slots then -1 up to the bucket, never the caller's shorter tensor."""
+    src = _model(1, 32)
+    kw = dict(digest_buf=torch.zeros(40, dtype=torch.int64),
+              slots=torch.tensor([3, 1, 4, 1, 5]), sources=src)
+    ts = declarations.DIGEST_WRITE.tensors(kw)
+    args, _, _ = declarations.DIGEST_WRITE.arguments(kw, ts)
+    names = tuple(a.name for a in args)
+    prep = Prepared(skip=False, args=tuple(args), arg_names=names,
+                    padded=tuple(i for i, a in enumerate(args) if a.pad is not None))
+    ptrs, keep = Launcher.pointers(prep, ts)
+    (copy,) = keep
+    assert copy.tolist() == [3, 1, 4, 1, 5] + [-1] * 59
+    assert ptrs[names.index("slots")] == copy.data_ptr() != kw["slots"].data_ptr()
+    assert ptrs[names.index("digest_buf")] == kw["digest_buf"].data_ptr()
 
 
 @pytest.mark.gpu
