@@ -88,8 +88,9 @@ class LayeredServer(ToyServer):
 
     def __init__(self, *, layers=4, heads=2, head_dim=8, swa_window=0, swa_layers=2,
                  hash_mode="NONE", sweep_interval=7, seed=0, num_slots=160, context_len=28,
-                 max_reqs=6, ring=1 << 14):
-        super().__init__(num_slots=num_slots, max_reqs=max_reqs, context_len=context_len,
+                 max_reqs=6, ring=1 << 14, device="cpu"):
+        super().__init__(device=str(device), num_slots=num_slots, max_reqs=max_reqs,
+                         context_len=context_len,
                          seed=seed, perturb_prob=0.0, sweep_interval=sweep_interval,
                          verify_token=False)
         rt, dev = self.rt, self.device
@@ -105,14 +106,15 @@ class LayeredServer(ToyServer):
             # trailing -1 after them.
             perm = torch.randperm(num_slots - 1, generator=torch.Generator().manual_seed(seed))
             self.lut = torch.cat([torch.zeros(1, dtype=torch.int64), perm + 1,
-                                  torch.tensor([-1])]).to(dev)
+                                  torch.tensor([-1])])
+            self.lut_host, self.lut = self.lut, self.lut.to(dev)
             self.pools["SWA"] = ToyMhaPool(num_slots, swa_layers, heads, head_dim, dev)
             pool = ToySwaPool(self.pools["FULL"], self.pools["SWA"], self.lut)
             adapter = importlib.import_module("sglang.srt.kv_canary.pool_patcher.adapters.swa")
             groups = adapter.attach_swa(pool=pool, device=dev, read_bytes=read_bytes,
                                         kv_token_id_vs_position_offset=0)
         else:
-            self.lut = None
+            self.lut = self.lut_host = None
             pool = self.pools["FULL"]
             adapter = importlib.import_module("sglang.srt.kv_canary.pool_patcher.adapters.mha")
             groups = adapter.attach_mha(pool=pool, device=dev, read_bytes=read_bytes,
@@ -125,7 +127,8 @@ class LayeredServer(ToyServer):
         """``full_slots`` as ``group``'s slots (through the LUT for SWA; 0 left out)."""
         slots = [int(s) for s in full_slots if s > 0]
         if group == "SWA":
-            return [int(self.lut[s]) for s in slots if int(self.lut[s]) > 0]
+            lut = self.lut_host
+            return [int(lut[s]) for s in slots if int(lut[s]) > 0]
         return slots
 
     def _model_forward(self, batch):
