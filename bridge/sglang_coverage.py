@@ -40,12 +40,14 @@ then splice them into its buffer infos (``patch_buf_info_method(pool, group=...)
 hands over the pool and the group, and the group is registered there (:meth:`attach_hook`), or by
 :meth:`SglangCoverage.register` for a group built otherwise. Refused with a
 :class:`~kvcanary_jax.bridge.dlpack.BridgeError` naming ``coverage_window``, never a silent
-drop to less coverage: a pool without ``k_buffer`` / ``v_buffer`` lists of layers (MLA,
-DeepSeek-V4), a quantized pool (its scale buffers would go unchecked), a layer that does not
-hold exactly the group's slots as rows of bytes (a paged HND or vectorised layout), more than
-256 layers; when the manager is built (:meth:`manager_hook`), a group that was not registered
-or a manager without a sweep (``sweep_interval`` 0: cached slots would never be checked); at a
-launch, a group that was not registered (the canary was built before the install).
+drop to less coverage: when a pool is attached, a pool without ``k_buffer`` / ``v_buffer`` lists
+of layers, a quantized pool (its scale buffers would go unchecked), a layer that does not hold
+exactly the group's slots as rows of bytes (a paged HND or vectorised layout), more than 256
+layers; when the manager is built (:meth:`manager_hook`), a group that was not registered (an
+adapter other than SGLang's MHA and SWA ones, e.g. DeepSeek-V4's, or a group attached before the
+install) or a manager without a sweep (``sweep_interval`` 0: cached slots would never be
+checked); at a launch, a group that was not registered (the manager was built before the
+install).
 
 Not supported: KV a server copies into slots without a forward (HiCache load-back,
 PD-disaggregation transfers) carries SGLang's canary rows with it but not the digest, so such a
@@ -58,9 +60,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-import torch
-
 import numpy as np
+import torch
 
 from kvcanary_jax import buckets, consts, hashing
 from kvcanary_jax.bridge.dlpack import BridgeError
@@ -68,7 +69,8 @@ from kvcanary_jax.bridge.entry_points import launch_kv_digest_verify, launch_kv_
 from kvcanary_jax.bridge.types import DigestContext, RealKvSource
 from kvcanary_jax.runtime import reporting
 
-__all__ = ["SglangCoverage", "GroupCoverage", "layer_sources", "TAIL_K_TAGS", "SWEEP_K_TAGS"]
+__all__ = ["SglangCoverage", "GroupCoverage", "layer_sources", "zero_kv_digest", "TAIL_K_TAGS",
+           "SWEEP_K_TAGS"]
 
 _TAGS = consts.CanaryLaunchTag
 TAIL_K_TAGS = {"FULL": int(_TAGS.TAIL_K_FULL), "SWA": int(_TAGS.TAIL_K_SWA)}
@@ -98,8 +100,8 @@ def layer_sources(pool, group, *, setting: str) -> tuple[RealKvSource, ...]:
     layers = {h: getattr(sub, f"{h}_buffer", None) for h in _HALVES}
     if not all(isinstance(v, (list, tuple)) and len(v) > 0 for v in layers.values()):
         raise BridgeError(
-            f"{_where(setting)} covers pools whose layers are k_buffer and v_buffer lists (SGLang's "
-            f"MHA and SWA pools); {where} ({type(sub).__name__}) has "
+            f"{_where(setting)} covers pools whose layers are k_buffer and v_buffer lists "
+            f"(SGLang's MHA and SWA pools); {where} ({type(sub).__name__}) has "
             f"k_buffer={type(layers['k']).__name__}, v_buffer={type(layers['v']).__name__}")
     if len(layers["k"]) != len(layers["v"]):
         raise BridgeError(f"{_where(setting)}: {where} has {len(layers['k'])} K layers and "
