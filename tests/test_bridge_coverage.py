@@ -14,8 +14,8 @@ SGLang's own canary keeps its rows, counters and buffers step by step."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import random
-import sys
 import types
 
 import pytest
@@ -121,7 +121,7 @@ def test_digest_rows_are_reported_by_sglangs_reporter_as_kv_digest(monkeypatch, 
     """SGLang's violation manager logs the digest rows (log mode) through its own reporter,
     labelled ``kv_digest``; its own rows keep SGLang's words."""
     _env(monkeypatch, "swa-window2-sweep5-none")
-    reporter = sys.modules["sglang.srt.kv_canary.runner.violation_reporter"]
+    reporter = importlib.import_module("sglang.srt.kv_canary.runner.violation_reporter")
     sglang_format = reporter._format_violation
     with caplog.at_level("WARNING", logger=reporter.__name__):
         _, res, _ = _run("swa-window2-sweep5-none", steps=20, flips_per_step=3)
@@ -213,7 +213,7 @@ def test_the_window_runs_inside_a_captured_decode_step(device, monkeypatch):
 
 def _bindings():
     targets = sglang_install.TARGETS + sglang_install.COVERAGE_TARGETS
-    return {t.dotted: getattr(sys.modules[t.module], t.name) for t in targets}
+    return {t.dotted: getattr(importlib.import_module(t.module), t.name) for t in targets}
 
 
 def test_install_with_a_window_rebinds_eight_names_and_restores_them():
@@ -242,7 +242,7 @@ def test_install_refuses_a_window_that_is_not_an_int(window):
 
 
 def test_install_refuses_a_hook_target_that_is_not_sglangs(monkeypatch):
-    manager = sys.modules["sglang.srt.kv_canary.runner.canary_manager"]
+    manager = importlib.import_module("sglang.srt.kv_canary.runner.canary_manager")
 
     def SweepOrchestrator(**kw):  # noqa: N802
         raise AssertionError("never called")
@@ -313,7 +313,7 @@ def _pool(**change):
      r"of bytes per slot"),
 ])
 def test_a_pool_the_coverage_cannot_read_whole_is_refused_at_attach(change, message):
-    mha = sys.modules["sglang.srt.kv_canary.pool_patcher.adapters.mha"]
+    mha = importlib.import_module("sglang.srt.kv_canary.pool_patcher.adapters.mha")
     with bridge.install_into_sglang(coverage_window=3):
         with pytest.raises(bridge.BridgeError, match=r"^kv-canary bridge: coverage_window=3.* "
                                                      + message):
