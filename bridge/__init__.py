@@ -44,6 +44,10 @@ Where the bridge differs from SGLang's launchers, on purpose:
   vectors are bucketed too (``launch_canary_step``'s batch size is exact).
 * :func:`launch_canary_step` (no SGLang counterpart) runs scatter + plan + verify + write of one
   endpoint in one call (one program of kernels).
+* :func:`launch_kv_digest_write` / :func:`launch_kv_digest_verify` (no SGLang counterpart: the
+  per-slot KV digest of docs/spec.md §16, with :class:`DigestContext`) take any number of
+  real-KV sources (every layer's K and V of a pool), in SGLang's style: torch tensors in, the
+  caller's tensors updated in place, on the same two paths.
 
 Importing the bridge sets ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless the environment sets it,
 so JAX does not reserve the GPU memory the hosting torch process needs.
@@ -71,6 +75,8 @@ from kvcanary_jax.bridge.entry_points import (  # noqa: E402
     launch_canary_step,
     launch_canary_verify_kernel,
     launch_canary_write_kernel,
+    launch_kv_digest_verify,
+    launch_kv_digest_write,
     launch_scatter_req_token_ids_kernel,
 )
 from kvcanary_jax.bridge.launcher import call_paths as _call_paths  # noqa: E402
@@ -82,6 +88,7 @@ from kvcanary_jax.bridge.types import (  # noqa: E402
     CANARY_SLOT_BYTES,
     MAX_REAL_KV_SOURCES,
     CanaryLaunchTag,
+    DigestContext,
     RealKvHashMode,
     RealKvSource,
     VerifyOrWriteContext,
@@ -95,6 +102,9 @@ __all__ = [
     "launch_canary_write_kernel",
     "launch_canary_verify_kernel",
     "launch_canary_step",
+    "launch_kv_digest_write",
+    "launch_kv_digest_verify",
+    "DigestContext",
     "VerifyPlan",
     "WritePlan",
     "VerifyOrWriteContext",

@@ -1,5 +1,6 @@
-"""The bridge's launchers, SGLang 0.5.23's names and keywords (see :mod:`kvcanary_jax.bridge`):
-each runs its declaration (:mod:`kvcanary_jax.bridge.declarations`) through the generic
+"""The bridge's launchers, SGLang 0.5.23's names and keywords (see :mod:`kvcanary_jax.bridge`),
+and the KV digest's (ours, in SGLang's style): each runs its declaration
+(:mod:`kvcanary_jax.bridge.declarations`) through the generic
 :class:`~kvcanary_jax.bridge.launcher.Launcher`. Importable from :mod:`kvcanary_jax.bridge`;
 :mod:`kvcanary_jax.bridge.sglang_install` binds SGLang's names to them."""
 
@@ -12,6 +13,8 @@ __all__ = [
     "launch_canary_write_kernel",
     "launch_canary_verify_kernel",
     "launch_canary_step",
+    "launch_kv_digest_write",
+    "launch_kv_digest_verify",
 ]
 
 _SCATTER = _Launcher(_decl.SCATTER)
@@ -19,6 +22,8 @@ _PLAN = _Launcher(_decl.PLAN)
 _VERIFY = _Launcher(_decl.VERIFY)
 _WRITE = _Launcher(_decl.WRITE)
 _STEP = _Launcher(_decl.STEP)
+_DIGEST_WRITE = _Launcher(_decl.DIGEST_WRITE)
+_DIGEST_VERIFY = _Launcher(_decl.DIGEST_VERIFY)
 
 
 def launch_scatter_req_token_ids_kernel(*, flat_in, offsets, req_pool_indices, pool_out) -> None:
@@ -117,3 +122,32 @@ def launch_canary_step(*, context, verify_plan_out, write_plan_out, req_pool_ind
           enable_write_input_assert=enable_write_input_assert,
           expected_input_tokens=expected_input_tokens,
           expected_input_positions=expected_input_positions)
+
+
+def launch_kv_digest_write(*, digest_buf, slots, sources) -> None:
+    """Store the KV digest of every slot of ``slots`` into ``digest_buf``, in place (ours:
+    docs/spec.md §16; :func:`kvcanary_jax.digest_write` on torch tensors).
+
+    ``digest_buf`` int64 ``[num_slots]``; ``slots`` int64 ``[n]`` (negative: padding, skipped; at
+    or past ``num_slots``: skipped); ``sources``: 1 to 512 real-KV sources over torch tensors
+    (SGLang's ``RealKvSource`` or the bridge's; e.g. every layer's K and V of a KV pool, each
+    ``layer.view(torch.uint8).view(slots, -1)``), every byte of each slot's strip hashed. All on
+    one device."""
+    _DIGEST_WRITE(digest_buf=digest_buf, slots=slots, sources=sources)
+
+
+def launch_kv_digest_verify(*, context, slots, positions, num_valid, phase, window,
+                            sources) -> None:
+    """Check the stored digests of the selected entries' slots; records each mismatch in the
+    context's ring (SGLang's 8 fields, reason ``KV_DIGEST_MISMATCH``) and updates its write
+    index and counters in place (ours: docs/spec.md §16; :func:`kvcanary_jax.digest_verify` on
+    torch tensors).
+
+    ``context``: a :class:`~kvcanary_jax.bridge.DigestContext` (or any object with its fields);
+    ``slots``, ``positions`` int64 ``[capacity]``; ``num_valid``, ``phase`` int32 ``[1]`` (device
+    values: the entries below ``num_valid[0]`` whose slot ``s`` has ``s % window == phase[0] mod
+    window`` are checked, slot 0 and slots outside the buffer never); ``window`` a static int
+    >= 1; ``sources`` as :func:`launch_kv_digest_write` (the same ones the digests were written
+    with)."""
+    _DIGEST_VERIFY(context=context, slots=slots, positions=positions, num_valid=num_valid,
+                   phase=phase, window=window, sources=sources)

@@ -66,6 +66,9 @@ class Arg:
       ``"bytes"``   a real-KV source: ``shape[0]`` bytes from the view's first element.
     ``out``: updated in place (donated on the DLPack path). ``clamp``: pass ``min(tensor,
     clamp)`` (a per-call temporary) instead of the tensor: offsets into a bucketed token array.
+    ``pad``: a dense array lowered at a ``shape[0]`` above the tensor's length whose tail the op
+    does read (a digest's slots): passed as a per-call temporary, the tensor then ``pad`` (a
+    value the op skips), on both paths.
     ``whole_rows``: the op reads a pitched base's whole rows, so the base must lie inside the
     tensor's storage (checked on every call). Holds no tensor: arguments are cached per call
     signature.
@@ -79,6 +82,7 @@ class Arg:
     cols: int | None = None
     clamp: int | None = None
     whole_rows: bool = False
+    pad: int | None = None
 
 
 class Signature(NamedTuple):
@@ -131,7 +135,8 @@ class Prepared:
     passed; whether there is nothing to launch; the function's arguments, static arguments,
     the names of the arguments its results update (``result_names``) and their positions
     (``results``), bound once here. ``arg_names`` and ``clamped`` (the positions of the
-    arguments clamped per call) let the direct path read the pointers in one pass."""
+    arguments clamped per call) and ``padded`` (those staged with their ``pad`` per call) let the
+    direct path read the pointers in one pass."""
 
     skip: bool
     args: tuple[Arg, ...] = ()
@@ -142,6 +147,7 @@ class Prepared:
     whole_rows: tuple[Arg, ...] = ()  # arguments checked against their storage on every call
     arg_names: tuple[str, ...] = ()
     clamped: tuple[int, ...] = ()
+    padded: tuple[int, ...] = ()
     program: _ProgramSlot = dataclasses.field(default_factory=_ProgramSlot)
 
 
@@ -301,7 +307,8 @@ class Launcher:
         return Prepared(skip=False, args=tuple(args), static=static, results=results,
                         result_names=tuple(result_names), program_key=key,
                         whole_rows=tuple(a for a in args if a.whole_rows), arg_names=names,
-                        clamped=tuple(i for i, a in enumerate(args) if a.clamp is not None))
+                        clamped=tuple(i for i, a in enumerate(args) if a.clamp is not None),
+                        padded=tuple(i for i, a in enumerate(args) if a.pad is not None))
 
     # ---------------------------------------------------------------------------------------
     # Direct path
@@ -340,7 +347,8 @@ class Launcher:
     @staticmethod
     def pointers(prep: Prepared, tensors, clamp: bool = True) -> tuple[list, list]:
         """Each argument's address, and the per-call temporaries behind them (offsets clamped to
-        a bucketed token array's true length, a torch op on the tensors' stream)."""
+        a bucketed token array's true length; arrays padded to their bucket: torch ops on the
+        tensors' stream)."""
         ptrs = [tensors[n].data_ptr() for n in prep.arg_names]
         keep = []
         if clamp:
@@ -348,6 +356,10 @@ class Launcher:
                 t = torch.clamp(tensors[prep.arg_names[i]], max=prep.args[i].clamp)
                 keep.append(t)
                 ptrs[i] = t.data_ptr()
+        for i in prep.padded:
+            t = _padded(prep.args[i], tensors[prep.arg_names[i]])
+            keep.append(t)
+            ptrs[i] = t.data_ptr()
         return ptrs, keep
 
     # ---------------------------------------------------------------------------------------
@@ -376,6 +388,13 @@ class Launcher:
             streams.finish(info, outs[:1], stream)
             for r, i in zip(outs, prep.results):
                 _commit(prep.args[i], tensors[prep.args[i].name], presented[i], r, cache)
+
+
+def _padded(a: Arg, t):
+    """``t`` then ``a.pad`` up to ``a.shape`` (a per-call temporary, never cached)."""
+    staged = torch.full(a.shape, a.pad, dtype=t.dtype, device=t.device)
+    staged[: t.shape[0]].copy_(t)
+    return staged
 
 
 def _byte_view(t, a: Arg):
@@ -420,10 +439,9 @@ def _present(a: Arg, t, info, cache) -> _Presented:
         return _Presented(_import(t, info), None, None, None)
     if a.layout == "dense":
         if tuple(t.shape) != a.shape:
-            # A bucketed token array: the tensor's elements, then a tail the op never reads
-            # (the declaration clamps the offsets that index it).
-            staged = torch.full(a.shape, -7, dtype=t.dtype, device=t.device)
-            staged[: t.shape[0]].copy_(t)
+            # A bucketed array: the tensor's elements, then a tail the op never reads (the
+            # declaration clamps the offsets that index it) or skips (its ``pad``).
+            staged = _padded(dataclasses.replace(a, pad=-7) if a.pad is None else a, t)
             STATS["bucket_copies"] += 1
             return _Presented(_import(staged, info), None, None, None)
         if not t.is_contiguous():

@@ -23,6 +23,22 @@ Any failure raises :class:`~kvcanary_jax.bridge.dlpack.BridgeError` naming the v
 and both signatures, with nothing rebound. The returned :class:`SglangInstall` restores SGLang's
 launchers on :meth:`~SglangInstall.uninstall` or at the end of a ``with`` block;
 :func:`kvcanary_jax.bridge.paths` lists, per launcher, the runtime names it is installed as.
+
+``coverage_window=N`` (N >= 1; ours, default 0: off, SGLang's behaviour and bytes unchanged) also
+covers every layer's K and V of SGLang's pool within a window of N steps
+(:mod:`kvcanary_jax.bridge.sglang_coverage`): the verify and write names are then bound to the
+bridge's launchers followed by the digest's launches, and four more names of the runtime are
+rebound, checked the same way (each holds SGLang's own object, with the signature of the hook
+that replaces it), all restored by the handle (:data:`COVERAGE_TARGETS`):
+
+    sglang.srt.kv_canary.pool_patcher.adapters.mha.patch_buf_info_method   (the pool's layers)
+    sglang.srt.kv_canary.pool_patcher.adapters.swa.patch_buf_info_method   (the pool's layers)
+    sglang.srt.kv_canary.runner.canary_manager.SweepOrchestrator   (refusals at manager build)
+    sglang.srt.kv_canary.runner.violation_reporter._format_violation   (the digest rows' label)
+
+The pools are seen when SGLang attaches its canary to them, so in a server the install must come
+before the model runner builds its canary (``install_canary``): in the scheduler process, e.g. from
+an SGLang general plugin (entry point group ``sglang.srt.plugins``), which SGLang loads there first.
 """
 
 from __future__ import annotations
@@ -35,9 +51,10 @@ import threading
 
 from kvcanary_jax.bridge import entry_points
 from kvcanary_jax.bridge.dlpack import BridgeError
+from kvcanary_jax.bridge.sglang_coverage import SglangCoverage
 
-__all__ = ["SGLANG_VERSION", "TARGETS", "Target", "SglangInstall", "install_into_sglang",
-           "installed"]
+__all__ = ["SGLANG_VERSION", "TARGETS", "COVERAGE_TARGETS", "Target", "SglangInstall",
+           "install_into_sglang", "installed"]
 
 SGLANG_VERSION = "0.5.23"
 
@@ -67,6 +84,19 @@ TARGETS = (
     Target("sglang.srt.kv_canary.endpoint", "launch_canary_write_kernel",
            "sglang.kernels.ops.kv_canary.write"),
 )
+_SCATTER_T, _PLAN_T, _VERIFY_T, _WRITE_T = TARGETS
+
+_SPLICE = "sglang.srt.kv_canary.pool_patcher.buf_info_splice"
+_MHA_T = Target("sglang.srt.kv_canary.pool_patcher.adapters.mha", "patch_buf_info_method",
+                _SPLICE)
+_SWA_T = Target("sglang.srt.kv_canary.pool_patcher.adapters.swa", "patch_buf_info_method",
+                _SPLICE)
+_SWEEP_T = Target("sglang.srt.kv_canary.runner.canary_manager", "SweepOrchestrator",
+                  "sglang.srt.kv_canary.runner.sweep")
+_FORMAT_T = Target("sglang.srt.kv_canary.runner.violation_reporter", "_format_violation",
+                   "sglang.srt.kv_canary.runner.violation_reporter")
+# The names a coverage window rebinds besides the four launchers (module docstring).
+COVERAGE_TARGETS = (_MHA_T, _SWA_T, _SWEEP_T, _FORMAT_T)
 
 _LOCK = threading.Lock()
 _ACTIVE: list[SglangInstall] = []  # at most one
@@ -93,16 +123,32 @@ def _render(fn) -> str:
         for i, p in enumerate(params)) + ")"
 
 
-def _replacement(target: Target):
-    return getattr(entry_points, target.name)
+def _replacements(coverage: SglangCoverage | None, originals: dict) -> dict:
+    """What each target is rebound to: the bridge launcher of its name; with a coverage, the
+    verify and write launchers followed by the digest's, and its hooks over SGLang's own
+    objects (``originals``)."""
+    out = {t: getattr(entry_points, t.name) for t in TARGETS}
+    if coverage is not None:
+        out[_VERIFY_T] = coverage.verify_launcher(entry_points.launch_canary_verify_kernel)
+        out[_WRITE_T] = coverage.write_launcher(entry_points.launch_canary_write_kernel)
+        out[_MHA_T] = coverage.attach_hook(originals[_MHA_T])
+        out[_SWA_T] = coverage.attach_hook(originals[_SWA_T])
+        out[_SWEEP_T] = coverage.manager_hook(originals[_SWEEP_T])
+        out[_FORMAT_T] = coverage.formatter(originals[_FORMAT_T])
+    return out
 
 
 class SglangInstall:
-    """The four rebound names (:attr:`patched`) and SGLang's launchers they held; restores them
-    on :meth:`uninstall` (idempotent) or when its ``with`` block ends."""
+    """The rebound names (:attr:`patched`) and SGLang's objects they held; restores them on
+    :meth:`uninstall` (idempotent) or when its ``with`` block ends. :attr:`coverage`: the
+    :class:`~kvcanary_jax.bridge.sglang_coverage.SglangCoverage` of ``coverage_window`` (its
+    ``stats()``, its ``register(pool, group)``), ``None`` when off."""
 
-    def __init__(self, originals: dict[Target, object]):
+    def __init__(self, originals: dict[Target, object], replacements: dict[Target, object],
+                 coverage: SglangCoverage | None = None):
         self._originals = originals
+        self._replacements = replacements
+        self.coverage = coverage
         self.version = SGLANG_VERSION
         self.active = True
 
@@ -117,7 +163,7 @@ class SglangInstall:
             replaced = []
             for target, original in self._originals.items():
                 module = importlib.import_module(target.module)
-                if getattr(module, target.name) is not _replacement(target):
+                if getattr(module, target.name) is not self._replacements[target]:
                     replaced.append(target.dotted)
                     continue  # someone rebound it after us: theirs stays
                 setattr(module, target.name, original)
@@ -137,17 +183,28 @@ class SglangInstall:
 
     def __repr__(self) -> str:
         state = "active" if self.active else "uninstalled"
-        return f"SglangInstall(sglang {self.version}, {state}, {len(self._originals)} launchers)"
+        window = "" if self.coverage is None else f", coverage_window={self.coverage.window}"
+        launchers = sum(t in TARGETS for t in self._originals)
+        return f"SglangInstall(sglang {self.version}, {state}, {launchers} launchers{window})"
 
 
-def install_into_sglang() -> SglangInstall:
-    """Make SGLang 0.5.23's canary runtime launch the bridge's kernels (module docstring).
+def install_into_sglang(*, coverage_window: int = 0) -> SglangInstall:
+    """Make SGLang 0.5.23's canary runtime launch the bridge's kernels (module docstring);
+    with ``coverage_window`` N >= 1, also verify every layer's K and V of its pool within N
+    steps (:mod:`kvcanary_jax.bridge.sglang_coverage`).
 
     SGLang's runtime modules are imported if they are not yet (in a server they are); that needs
     the ``sglang`` package importable with its runtime's own imports satisfied (a server, or
     :func:`kvcanary_jax.oracle.load_runtime` without one). Raises :class:`BridgeError`, rebinding
-    nothing, on another SGLang version, a second install, or a launcher that is not SGLang's or
-    whose signature differs from the bridge's."""
+    nothing, on a window that is not an int >= 0, another SGLang version, a second install, or a
+    name that does not hold SGLang's own object or whose signature differs from its
+    replacement's."""
+    if isinstance(coverage_window, bool) or not isinstance(coverage_window, int) or \
+            coverage_window < 0:
+        raise BridgeError(f"kv-canary bridge: coverage_window must be an int >= 0 (0: off), got "
+                          f"{coverage_window!r}")
+    coverage = SglangCoverage(coverage_window) if coverage_window else None
+    targets = TARGETS + (COVERAGE_TARGETS if coverage is not None else ())
     version = _sglang_version()
     if version != SGLANG_VERSION:
         raise BridgeError(
@@ -160,7 +217,7 @@ def install_into_sglang() -> SglangInstall:
                 "kv-canary bridge: install_into_sglang() is already active "
                 f"({_ACTIVE[0]!r}); uninstall it first")
         originals: dict[Target, object] = {}
-        for target in TARGETS:
+        for target in targets:
             try:
                 module = importlib.import_module(target.module)
             except ImportError as e:
@@ -170,22 +227,25 @@ def install_into_sglang() -> SglangInstall:
                     "a runtime that imports (in a server, or after "
                     "kvcanary_jax.oracle.load_runtime())") from e
             current = getattr(module, target.name, None)
-            ours = _replacement(target)
+            what = "launcher" if target in TARGETS else "object"
             if current is None or getattr(current, "__module__", None) != target.origin:
                 where = getattr(current, "__module__", None)
                 raise BridgeError(
                     f"kv-canary bridge: {target.dotted} is not SGLang {SGLANG_VERSION}'s "
-                    f"launcher from {target.origin} (it is {current!r}"
+                    f"{what} from {target.origin} (it is {current!r}"
                     f"{f' from {where}' if where else ''}); not installed")
+            originals[target] = current
+        replacements = _replacements(coverage, originals)
+        for target in targets:
+            current, ours = originals[target], replacements[target]
             if _shape(current) != _shape(ours):
                 raise BridgeError(
                     f"kv-canary bridge: SGLang {version}'s {target.dotted} has signature "
                     f"{_render(current)}, the bridge's {target.name} takes {_render(ours)}; "
                     "not installed")
-            originals[target] = current
-        for target in TARGETS:
-            setattr(importlib.import_module(target.module), target.name, _replacement(target))
-        handle = SglangInstall(originals)
+        for target in targets:
+            setattr(importlib.import_module(target.module), target.name, replacements[target])
+        handle = SglangInstall(originals, replacements, coverage)
         _ACTIVE.append(handle)
         return handle
 
@@ -196,5 +256,6 @@ def installed() -> dict[str, list[str]]:
     with _LOCK:
         for handle in _ACTIVE:
             for target in handle._originals:
-                out.setdefault(target.name, []).append(target.dotted)
+                if target in TARGETS:
+                    out.setdefault(target.name, []).append(target.dotted)
     return out

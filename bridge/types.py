@@ -1,4 +1,5 @@
-"""SGLang-compatible torch dataclasses: VerifyPlan, WritePlan, VerifyOrWriteContext, RealKvSource.
+"""SGLang-compatible torch dataclasses: VerifyPlan, WritePlan, VerifyOrWriteContext, RealKvSource;
+and ours beside them, DigestContext (the KV digest's launch context, docs/spec.md §16).
 
 Same field names, frozen/slotted/keyword-only dataclasses, ``allocate()``, ``allocation_bytes()``
 and ``zero_for_testing_()`` as SGLang 0.5.23, holding torch tensors, so serving code written
@@ -14,6 +15,7 @@ import torch
 
 from kvcanary_jax.consts import (
     CANARY_SLOT_BYTES,
+    VIOLATION_FIELDS,
     MAX_REAL_KV_SOURCES,
     CanaryLaunchTag,
     RealKvHashMode,
@@ -26,6 +28,7 @@ __all__ = [
     "RealKvHashMode",
     "RealKvSource",
     "VerifyOrWriteContext",
+    "DigestContext",
     "VerifyPlan",
     "WritePlan",
     "CANARY_SLOT_BYTES",
@@ -147,3 +150,34 @@ class WritePlan:
         self.write_seed_slot_indices.zero_()
         self.write_num_valid_reqs.zero_()
         return self
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DigestContext:
+    """Launch context of ``launch_kv_digest_verify`` (ours, not SGLang's; docs/spec.md §16): the
+    per-slot KV digests int64 ``[num_slots]``, the launch tag stamped into the rows it records
+    (an int in ``[0, 2**31)``, e.g. a :class:`CanaryLaunchTag`), the violation ring int64
+    ``[cap, 8]`` and its write index int32 ``[1]`` (SGLang's ``ViolationLog`` may be passed: the
+    rows are SGLang's 8 fields), and its own counters int64 ``[1]``. Any object with these fields
+    is accepted by the launcher."""
+
+    digest_buf: torch.Tensor
+    kernel_kind: int
+    violation_ring: torch.Tensor
+    violation_write_index: torch.Tensor
+    slot_run_counter: torch.Tensor
+    kernel_run_counter: torch.Tensor
+
+    @classmethod
+    def allocate(cls, *, num_slots: int, device: torch.device, kernel_kind: int = 0,
+                 ring_capacity: int = 1024) -> "DigestContext":
+        """Zero-filled digests, ring and counters on ``device``."""
+        return cls(
+            digest_buf=torch.zeros(num_slots, dtype=torch.int64, device=device),
+            kernel_kind=kernel_kind,
+            violation_ring=torch.zeros(ring_capacity, VIOLATION_FIELDS, dtype=torch.int64,
+                                       device=device),
+            violation_write_index=torch.zeros(1, dtype=torch.int32, device=device),
+            slot_run_counter=torch.zeros(1, dtype=torch.int64, device=device),
+            kernel_run_counter=torch.zeros(1, dtype=torch.int64, device=device),
+        )

@@ -53,7 +53,7 @@ class _Mode:
         return self.name == "extend"
 
 
-class _Radix:
+class ToyRadix:
     """What the walker and the sweep read of SGLang's radix cache: the cached chains' slots."""
 
     def __init__(self, cls, req_to_token_pool, device):
@@ -145,7 +145,7 @@ class ToyServer:
             config=self.config, perturb_config=self.perturb, buffer_groups=(self.group,),
             device=self.device, req_to_token_pool=self.req_to_token_pool,
             launch_capacities=self.caps)
-        radix = _Radix(self.rt.radix_walker.UnifiedRadixCache, self.req_to_token_pool,
+        radix = ToyRadix(self.rt.radix_walker.UnifiedRadixCache, self.req_to_token_pool,
                        self.device)
         manager.attach_radix_cache(radix.obj)
         manager.mark_init_finished()
@@ -247,7 +247,7 @@ class ToyServer:
         for t in (state.violation_log.violation_ring, state.violation_log.violation_write_index,
                   state.kernel_run_counters, state.slot_run_counters):
             t.zero_()
-        radix = _Radix(self.rt.radix_walker.UnifiedRadixCache, self.req_to_token_pool, dev)
+        radix = ToyRadix(self.rt.radix_walker.UnifiedRadixCache, self.req_to_token_pool, dev)
         manager.attach_radix_cache(radix.obj)
         free_slots = list(range(1, self.num_slots))
         reqs = [_Req(row=1 + i, tokens=[rng.randint(1, 30000) for _ in range(self.context_len)])

@@ -97,3 +97,42 @@ def test_cpu_bench_refuses_values_that_make_no_sense(argv, message, capsys):
         cpu.main(argv)
     assert e.value.code == 2
     assert capsys.readouterr().err.rstrip().endswith(f"error: {message}")
+
+
+@pytest.mark.e2e
+@pytest.mark.torch  # SGLang's launchers (its torch references on CPU) and the torch bridge
+def test_bridge_coverage_bench_smoke(tmp_path, capsys):
+    """bench/bridge_coverage.py in its smoke mode (tiny pool, any machine): SGLang's kernels with
+    every layer as sources in chunks of 4 against our digest launchers, each side clean after
+    timing and finding a flipped bit of the last layer's V, every figure timed."""
+    from kvcanary_jax.bench import bridge_coverage as bc
+
+    assert bc.main(["--smoke", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "bridge_coverage.json").read_text())
+    assert result["mode"] == "smoke"
+    (row,) = result["rows"]
+    assert (row["sources"], row["sglang_launches_per_half"]) == (6, 2)  # 3 layers: 4 + 2
+    assert row["ours_correct"] == {"clean": True, "flip_found": True}
+    windows = bc.SMOKE_WINDOWS
+    want = {"sglang_verify", "sglang_write", "sglang_step", "ours_write",
+            *(f"ours_{k}_w{w}" for k in ("verify", "step") for w in windows)}
+    assert set(row["times"]) == want
+    assert all(t["median_us"] > 0 for t in row["times"].values())
+    assert {result["paths"][k]["path"] for k in ("launch_kv_digest_write",
+                                                  "launch_kv_digest_verify")} == {"dlpack"}
+    assert "| 3 layers (6 sources) | bs=2 ctx=16 |" in capsys.readouterr().out
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("argv,message", [
+    (["--iters", "0"], "argument --iters: must be >= 1, got 0"),
+    (["--windows", "1,0"], "argument --windows: must be >= 1, got 0"),
+    (["--windows", "64,x"], "argument --windows: must be an int >= 1, got 'x'"),
+])
+def test_bridge_coverage_bench_refuses_values_that_make_no_sense(argv, message, capsys):
+    from kvcanary_jax.bench import bridge_coverage as bc
+
+    with pytest.raises(SystemExit) as e:
+        bc.main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.rstrip().endswith(f"error: {message}")

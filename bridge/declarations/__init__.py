@@ -33,9 +33,18 @@ docstring has the details of its part):
   ``launch_canary_verify_kernel``;
 * :mod:`~kvcanary_jax.bridge.declarations.write`: :data:`WRITE`, ``launch_canary_write_kernel``;
 * :mod:`~kvcanary_jax.bridge.declarations.step`: :data:`STEP`, ``launch_canary_step``, the four
-  in one function, from the pieces of the other four.
+  in one function, from the pieces of the other four;
+* :mod:`~kvcanary_jax.bridge.declarations.digest`: :data:`DIGEST_WRITE`, :data:`DIGEST_VERIFY`,
+  ``launch_kv_digest_write`` and ``launch_kv_digest_verify`` (ours: the per-slot KV digest of
+  every source, docs/spec.md §16).
 """
 
+from kvcanary_jax.bridge.declarations.digest import (
+    DIGEST_VERIFY,
+    DIGEST_WRITE,
+    digest_verify_fn,
+    digest_write_fn,
+)
 from kvcanary_jax.bridge.declarations.plan import PLAN, plan_fn, plan_lanes
 from kvcanary_jax.bridge.declarations.scatter import SCATTER, scatter_fn
 from kvcanary_jax.bridge.declarations.shared import Declaration, check_distinct_outputs
@@ -43,5 +52,6 @@ from kvcanary_jax.bridge.declarations.step import STEP, step_fn
 from kvcanary_jax.bridge.declarations.verify import VERIFY, verify_fn
 from kvcanary_jax.bridge.declarations.write import WRITE, write_fn
 
-__all__ = ["Declaration", "SCATTER", "PLAN", "VERIFY", "WRITE", "STEP", "check_distinct_outputs",
-           "scatter_fn", "plan_fn", "plan_lanes", "verify_fn", "write_fn", "step_fn"]
+__all__ = ["Declaration", "SCATTER", "PLAN", "VERIFY", "WRITE", "STEP", "DIGEST_WRITE",
+           "DIGEST_VERIFY", "check_distinct_outputs", "scatter_fn", "plan_fn", "plan_lanes",
+           "verify_fn", "write_fn", "step_fn", "digest_write_fn", "digest_verify_fn"]

@@ -9,7 +9,7 @@
 * the arguments' forms (:class:`~kvcanary_jax.bridge.launcher.Arg`): a dense tensor
   (:func:`dense`), a 2-D view with packed rows as its base (:func:`pitched`), offsets clamped to
   a bucketed token array's true length (:func:`offsets_arg`), a real-KV source as the bytes its
-  kernels read (:func:`source_args`);
+  kernels read (:func:`source_args`, :func:`named_source_args`);
 * the context's tensors each op hands over (:func:`ctx_tensors`, :func:`ctx_args`,
   :func:`required_of`, :func:`source_statics`), and the context as the ops' contracts read it
   (:func:`ctx_for_checks`);
@@ -54,6 +54,7 @@ __all__ = [
     "ctx_tensors",
     "ctx_args",
     "source_args",
+    "named_source_args",
 ]
 
 
@@ -125,9 +126,9 @@ def context_from(named: dict, *, op: str, kind: int, mode: int, sources: tuple):
                               for i, s in enumerate(sources)))
 
 
-def dense(name, t, *, out=False, shape=None, clamp=None) -> Arg:
+def dense(name, t, *, out=False, shape=None, clamp=None, pad=None) -> Arg:
     return Arg(name=name, shape=tuple(t.shape) if shape is None else shape, dtype=t.dtype,
-               out=out, clamp=clamp)
+               out=out, clamp=clamp, pad=pad)
 
 
 def pitched(name, t, *, out, check_fits: bool) -> Arg:
@@ -148,17 +149,16 @@ def pitched(name, t, *, out, check_fits: bool) -> Arg:
                cols=cols, whole_rows=check_fits)
 
 
-def _source_arg(i, s) -> tuple[Arg, RealKvSource]:
+def _source_arg(name, s) -> tuple[Arg, RealKvSource]:
     """A real-KV source as the bytes its kernels read, from the view's first element, and its
     static description: the view as uint8 rows (row stride, row count), with its tensor bound
-    by name when the function runs."""
+    by ``name`` when the function runs."""
     t = s.tensor
     item = t.element_size()
     rows = int(t.shape[0])
     stride_bytes = int(t.stride(0)) * item
     need = 0 if rows == 0 else (rows - 1) * stride_bytes + int(s.page_size) * int(
         s.num_bytes_per_token)
-    name = f"real_kv_sources[{i}].tensor"
     view = TensorMeta(shape=(rows, int(t.shape[1]) * item), dtype="uint8",
                       strides=(stride_bytes, 1), device=None, framework="torch")
     static = RealKvSource(tensor=None, page_size=int(s.page_size),
@@ -250,5 +250,12 @@ def ctx_args(ts, op: str, outputs: tuple[str, ...]) -> list[Arg]:
 
 
 def source_args(context):
-    pairs = [_source_arg(i, s) for i, s in enumerate(context.real_kv_sources)]
+    return named_source_args(context.real_kv_sources, "real_kv_sources")
+
+
+def named_source_args(sources, field: str):
+    """``(args, statics)`` of the sources of argument ``field``: each as its bytes, named
+    ``field[i].tensor``, and its static description (the function rebinds the tensors by those
+    names)."""
+    pairs = [_source_arg(f"{field}[{i}].tensor", s) for i, s in enumerate(sources)]
     return [a for a, _ in pairs], tuple(s for _, s in pairs)
