@@ -3,12 +3,15 @@
     python -m bench.sglang_jax_step [--what kv,runner] [--bs 8,64] [--ctx 512,2048]
                                     [--iters 20] [--out DIR] [--smoke] [--glue] [--manager]
                                     [--tokens feed|full|full,feed]
+                                    [--coverage-window N] [--sweep-interval K]
 
 Needs Python >= 3.12 and sglang-jax 0.0.2 with the dependencies of the modules imported
-(``requirements-sglang-jax.txt``; the ``kv`` stack and ``--glue`` also run on 0.1.0rc0,
-``requirements-sglang-jax-0.1.txt``); set ``JAX_PLATFORMS`` (``cuda`` on the H200, ``cpu`` for
-``--smoke``). Both steps are sglang-jax's GPU/CPU paths: native attention, KV written by
-``MHATokenToKVPool.set_kv_buffer_legacy`` (its Pallas write kernel is TPU-only).
+(``requirements-sglang-jax.txt``; ``--glue`` also runs on 0.1.0rc0,
+``requirements-sglang-jax-0.1.txt``, whose ``set_kv_buffer_legacy`` refuses the timed ``kv``
+model's writes on this single-device mesh with Auto axes); set ``JAX_PLATFORMS`` (``cuda`` on
+the H200, ``cpu`` for ``--smoke``). Both steps are sglang-jax's GPU/CPU paths: native
+attention, KV written by ``MHATokenToKVPool.set_kv_buffer_legacy`` (its Pallas write kernel is
+TPU-only).
 
 What runs, per case (``what``, ``bs`` requests decoding with ``ctx`` cached tokens each):
 
@@ -36,6 +39,14 @@ between steps and sends each step's :class:`~kvcanary_jax.integrations.sglang_ja
 (one id per request in decode), ``full`` sends every request's whole history each step
 (:func:`~kvcanary_jax.integrations.sglang_jax.expected_tokens`); ``full,feed`` runs both, one
 after the other in the same process.
+
+``--coverage-window N`` (ours; 0, the default: SGLang's layer-0 K fingerprint alone): the canary
+also digests every layer's K and V (docs/spec.md §17): each guarded and canary-only step stamps
+the written slots' digests and checks about 1/N of the slots it reads. The sweep that bounds
+cached slots is not part of a step: it is timed on its own (``sweep``: every request's cached
+prompt, every layer, digest and SGLang's SWEEP fingerprint) and given per step at one sweep
+every ``--sweep-interval`` steps (``sweep_per_step_us``; also the manager's stated interval with
+``--manager``).
 
 Device time per step from CUPTI (``bench.timing.device_time``: every kernel between two markers,
 idle gaps excluded; wall clock on CPU). Replaying a decode batch is idempotent for both the KV and
@@ -97,7 +108,8 @@ def _v01() -> bool:
 class Stack:
     """sglang-jax's pools, allocator and batches for ``bs`` requests of ``ctx`` tokens."""
 
-    def __init__(self, what: str, bs: int, ctx: int, iters: int, tokens: str = "feed"):
+    def __init__(self, what: str, bs: int, ctx: int, iters: int, tokens: str = "feed",
+                 window: int = 0):
         from jax.sharding import Mesh
 
         self.what, self.bs, self.ctx, self.iters, self.tokens = what, bs, ctx, iters, tokens
@@ -114,7 +126,10 @@ class Stack:
         else:
             self._init_kv(total)
         self.canary = ksj.SglangJaxCanary.from_pools(self.req_pool, self.kv_pool, max_bs=bs,
-                                                     incremental_tokens=tokens == "feed")
+                                                     incremental_tokens=tokens == "feed",
+                                                     coverage_window=window)
+        # With a window the step hands the canary every layer it returns.
+        self.layers = {"kv_layers": lambda out, pool: out[1]} if window else {}
         self.feed = ksj.TokenFeed(self.canary) if tokens == "feed" else None
 
     def _init_kv(self, total):
@@ -217,13 +232,14 @@ class Stack:
         from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
         rng = np.random.default_rng(0)
-        self.prefills, running = [], None
+        self.prefills, self.reqs, running = [], [], None
         for r in range(self.bs):
             params = SamplingParams(max_new_tokens=self.iters + 4, temperature=0, ignore_eos=True)
             params.normalize(None)
             req = Req(rid=str(r), origin_input_text="", sampling_params=params,
                       origin_input_ids=rng.integers(3, VOCAB, self.ctx).tolist())
             req.fill_ids, req.extend_input_len = list(req.origin_input_ids), self.ctx
+            self.reqs.append(req)
             ranks = {"reqs": [[req]], "dp_size": 1} if self.v01 else {"reqs": [req]}
             batch = ScheduleBatch.init_new(
                 req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.allocator,
@@ -246,6 +262,12 @@ class Stack:
                 req.output_ids.append(tok)
             running.output_ids = out
 
+    def prompts(self) -> list[np.ndarray]:
+        """Each request's prompt slots (written by its guarded prefill): the cached prefixes a
+        sweep walks."""
+        table = np.asarray(self.req_pool.req_to_token)
+        return [table[r.req_pool_idx, :self.ctx].copy() for r in self.reqs]
+
 
 class _NoRunner:
     """What ``ForwardBatch.init_new`` reads of a model runner (kv mode has none; 0.1.0rc0 also
@@ -258,10 +280,10 @@ class _NoRunner:
 
 
 def _run_case(what: str, bs: int, ctx: int, iters: int, manager: bool = False,
-              tokens: str = "feed") -> dict:
+              tokens: str = "feed", window: int = 0, sweep_interval: int = 64) -> dict:
     from sgl_jax.srt.layers.logits_processor import LogitsMetadata
 
-    st = Stack(what, bs, ctx, iters, tokens)
+    st = Stack(what, bs, ctx, iters, tokens, window)
     st.build()
     mesh, canary = st.mesh, st.canary
     state = canary.init_state()
@@ -282,7 +304,7 @@ def _run_case(what: str, bs: int, ctx: int, iters: int, manager: bool = False,
         state = hook.state
     else:
         guarded_kv = ksj.guard_model_step(canary, st.kv_model, batch_argnum=0, pool_argnum=1,
-                                          fused_kv=lambda out, pool: out[1][0])
+                                          fused_kv=lambda out, pool: out[1][0], **st.layers)
         plain_kv = jax.jit(st.kv_model, donate_argnums=1)
         for _, fb, ids in st.prefills:
             with jax.set_mesh(mesh):
@@ -292,7 +314,7 @@ def _run_case(what: str, bs: int, ctx: int, iters: int, manager: bool = False,
         raise RuntimeError("violations while filling the pools")
     snap_kv, snap_state = _copy(st.kv_pool.kv_buffer), _copy(state)
     result = {"what": what, "bs": bs, "ctx": ctx, "tokens": tokens,
-              "verify_entries_per_step": bs * ctx}
+              "verify_entries_per_step": bs * ctx, "coverage_window": window}
 
     # 1. sglang-jax alone.
     st.kv_pool.kv_buffer = _copy(snap_kv)
@@ -314,7 +336,10 @@ def _run_case(what: str, bs: int, ctx: int, iters: int, manager: bool = False,
     # 2. The same step, guarded (with --manager: the runtime manager's host side after each
     # step, log mode: its readback staged with copy_to_host_async and read one step late).
     st.kv_pool.kv_buffer = _copy(snap_kv)
-    mgr = ksj.canary_manager(canary, "log", stats_print_every_n_steps=0) if manager else None
+    # A window states the interval of the caller's sweeps (timed on their own, below).
+    stated = {"sweep_interval": sweep_interval} if window else {}
+    mgr = (ksj.canary_manager(canary, "log", stats_print_every_n_steps=0, **stated) if manager
+           else None)
     if what == "runner":
         hook = (ksj.ManagedModelRunnerHook(canary, st.runner, mgr) if mgr is not None
                 else ksj.ModelRunnerHook(canary, st.runner))
@@ -334,7 +359,7 @@ def _run_case(what: str, bs: int, ctx: int, iters: int, manager: bool = False,
                                                   expected=ids)
             st.kv_pool.kv_buffer = out[1]
             if mgr is not None:
-                mgr.observe(holder["state"])
+                ksj.observe(mgr, canary, holder["state"])  # on any mesh
 
         sync_g = lambda: jax.block_until_ready((st.kv_pool.kv_buffer, holder["state"]))  # noqa: E731
     result["guarded"] = timing.device_time(guarded, sync_g, iters=iters)
@@ -349,7 +374,7 @@ def _run_case(what: str, bs: int, ctx: int, iters: int, manager: bool = False,
     # 3. The canary alone, around a model that writes nothing.
     st.kv_pool.kv_buffer = _copy(snap_kv)
     idle = ksj.guard_model_step(canary, st.idle_model, batch_argnum=0, pool_argnum=1,
-                                fused_kv=lambda out, pool: out[1][0])
+                                fused_kv=lambda out, pool: out[1][0], **st.layers)
     only = {"state": _copy(snap_state)}
 
     def canary_only(i):
@@ -360,10 +385,30 @@ def _run_case(what: str, bs: int, ctx: int, iters: int, manager: bool = False,
 
     result["canary_only"] = timing.device_time(
         canary_only, lambda: jax.block_until_ready(only["state"]), iters=iters)
+    if window:
+        result.update(_time_sweep(st, snap_kv, snap_state, iters, sweep_interval))
     base, g, c = (result[k]["median_us"] for k in ("sglang_jax", "guarded", "canary_only"))
     result["share_pct"] = 100.0 * (g - base) / g
     result["canary_only_share_pct"] = 100.0 * c / (base + c)
     return result
+
+
+def _time_sweep(st: Stack, snap_kv, snap_state, iters: int, interval: int) -> dict:
+    """The sweep of every request's cached prompt (every layer's digest and SGLang's SWEEP
+    fingerprint, ``canary.sweep_rows`` prefixes a launch), and its share of a step at one sweep
+    every ``interval`` steps."""
+    kv = _copy(snap_kv)
+    held = {"state": _copy(snap_state)}
+    prefixes = st.prompts()
+
+    def sweep(_):
+        with jax.set_mesh(st.mesh):
+            held["state"] = ksj.sweep(st.canary, held["state"], kv[0], prefixes, layers=kv)
+
+    timed = timing.device_time(sweep, lambda: jax.block_until_ready(held["state"]), iters=iters)
+    return {"sweep": timed, "sweep_interval": interval,
+            "sweep_per_step_us": timed["median_us"] / interval,
+            "sweep_violations": int(ksj.violation_counts(held["state"]).sum())}
 
 
 def glue(bs: int, ctx: int, tokens: str = "feed") -> dict:
@@ -421,6 +466,12 @@ def _main(argv) -> int:
     p.add_argument("--tokens", default="feed",
                    help="feed (the ids kept on the device, deltas sent), full (whole histories "
                         "every step), or full,feed (both, in this order)")
+    p.add_argument("--coverage-window", type=int, default=0, metavar="N",
+                   help="the canary also digests every layer's K and V, checking about 1/N of "
+                        "the read slots a step (0: off, SGLang's fingerprint alone)")
+    p.add_argument("--sweep-interval", type=int, default=64, metavar="K",
+                   help="with a window: the steps between sweeps the sweep's time is spread "
+                        "over (default 64)")
     p.add_argument("--glue", action="store_true",
                    help="print the canary-only step's op counts, lowered for CUDA (any machine; "
                         "first --bs / --ctx), as JSON, and time nothing")
@@ -434,12 +485,17 @@ def _main(argv) -> int:
     tokens = a.tokens.split(",")
     if not tokens or any(t not in ("feed", "full") for t in tokens):
         p.error(f"--tokens takes feed, full or both (comma-separated), got {a.tokens!r}")
+    if a.coverage_window < 0:
+        p.error(f"argument --coverage-window: must be >= 0 (0: off), got {a.coverage_window}")
+    if a.sweep_interval < 1:
+        p.error(f"argument --sweep-interval: must be >= 1, got {a.sweep_interval}")
     rows, errors = [], []
     cases = itertools.product(a.what.split(","), (int(x) for x in a.bs.split(",")),
                               (int(x) for x in a.ctx.split(",")), tokens)
     for what, bs, ctx, tok in cases:
         try:
-            row = _run_case(what, bs, ctx, a.iters, manager=a.manager, tokens=tok)
+            row = _run_case(what, bs, ctx, a.iters, manager=a.manager, tokens=tok,
+                            window=a.coverage_window, sweep_interval=a.sweep_interval)
         except Exception as e:  # one failing case must not hide the others
             errors.append(f"{what} bs={bs} ctx={ctx} tokens={tok}: {type(e).__name__}: {e}")
             print(errors[-1], file=sys.stderr)
@@ -450,13 +506,16 @@ def _main(argv) -> int:
               f"{row['guarded']['median_us']:9.1f} us  canary alone "
               f"{row['canary_only']['median_us']:8.1f} us  share "
               f"{row['share_pct']:5.1f}% / {row['canary_only_share_pct']:5.1f}%  "
-              f"violations {row['violations']}", flush=True)
+              f"violations {row['violations']}" + (
+                  f"  window {row['coverage_window']}: sweep {row['sweep']['median_us']:.1f} us "
+                  f"= {row['sweep_per_step_us']:.2f} us/step" if row["coverage_window"] else ""),
+              flush=True)
     result = {"environment": common.environment(), "rows": rows, "errors": errors}
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "sglang_jax_step.json"), "w") as f:
             json.dump(result, f, indent=1)
-    bad = errors or any(r["violations"] for r in rows)
+    bad = errors or any(r["violations"] or r.get("sweep_violations") for r in rows)
     return 1 if bad else 0
 
 

@@ -17,7 +17,12 @@ Scenarios, each in a world of its own:
   host pool's copy of the page) before the load;
 * ``no hook``: the page reloaded intact without the hook (the canary rows stay behind);
 * ``dp intact`` / ``dp corrupted``: the same on DP rank 1 of two (the controller's global page
-  ids, ``rank * pages_per_rank + local``; rank 1's canary).
+  ids, ``rank * pages_per_rank + local``; rank 1's canary);
+* ``coverage intact`` / ``coverage corrupted`` / ``coverage dp corrupted``: the canary with a
+  coverage window of 2 (every layer digested), the byte flipped in host memory in layer 1's V
+  strip of head 1 (bytes SGLang's layer-0 K fingerprint never reads): the page's digests travel
+  with it, so the reloaded slots are checked (the report's share stays 1) and the flip is
+  reported by the digest check of the shard holding head 1, within the window.
 """
 
 from __future__ import annotations
@@ -43,19 +48,23 @@ from kvcanary_jax.integrations import sglang_jax as ksj  # noqa: E402
 PAGE = 4
 
 
-def _flip_host_byte(host_pool, host_id: int, slot_in_page: int) -> None:
-    """One bit of K head 0 (element 5) of the canary layer, in the host pool's copy of a page
-    (its packed ``(layers, page_size, 2H/packing, packing, head_dim)`` array)."""
+def _flip_host_byte(host_pool, host_id: int, slot_in_page: int, layer: int = 0,
+                    row: int = 0) -> None:
+    """One bit of element 5 of fused row ``row`` (``2h``: K of head ``h``, ``2h + 1``: its V) of
+    ``layer``, in the host pool's copy of a page (its packed ``(layers, page_size,
+    2H/packing, packing, head_dim)`` array)."""
     packed = host_pool._slots[host_id]  # sglang-jax's host memory itself: the fault goes there
     words = np.asarray(jax.device_get(packed)).view(np.uint16).copy()
-    words[0, slot_in_page, 0, 0, 5] ^= np.uint16(0x0100)
+    packing = words.shape[3]
+    words[layer, slot_in_page, row // packing, row % packing, 5] ^= np.uint16(0x0100)
     host_pool._slots[host_id] = jax.device_put(words.view(packed.dtype), packed.sharding)
 
 
-def scenario(hooked: bool, corrupt: bool, dp: int = 1) -> dict:
+def scenario(hooked: bool, corrupt: bool, dp: int = 1, window: int = 0) -> dict:
     # With DP the KV is written by the pool's kernel (per rank, under shard_map over data).
     w = life.World(page_size=PAGE, pool_size=40, layout="pool",
-                   kv_write="legacy" if dp == 1 else "kernel", tokens="feed", dp=dp)
+                   kv_write="legacy" if dp == 1 else "kernel", tokens="feed", dp=dp,
+                   coverage_window=window)
     rank = dp - 1  # R1 on the last rank
     per_rank_pages = w.kv_pool.kv_buffer[0].shape[0] // dp
     pool = w.kv_pool
@@ -89,7 +98,9 @@ def scenario(hooked: bool, corrupt: bool, dp: int = 1) -> dict:
     new_slots = np.asarray(w.allocator.alloc(2 * PAGE, dp_rank=rank))
     new_pages = [rank * per_rank_pages + int(p) for p in new_slots[::PAGE] // PAGE]
     if corrupt:
-        _flip_host_byte(host_pool, host_ids[1], 2)  # R1's position 6 (page 1, slot 2)
+        # R1's position 6 (page 1, slot 2): K of head 0 in the canary layer, or with a window
+        # layer 1's V of head 1.
+        _flip_host_byte(host_pool, host_ids[1], 2, *((1, 3) if window else (0, 0)))
     with pltpu.force_tpu_interpret_mode():  # write_kv_layer's Pallas kernel, on the CPU
         controller.load(host_ids, new_pages)
     w.req_pool.req_to_token[row, :2 * PAGE] = new_slots
@@ -106,6 +117,12 @@ def scenario(hooked: bool, corrupt: bool, dp: int = 1) -> dict:
         w.live_step(f"decode after the load {i}", running, extend=False)
     out["after_load"] = [v for step in w.log[before:] for v in step["new_violations"]]
     out["before_load"] = [v for step in w.log[:before] for v in step["new_violations"]]
+    if window:  # the coverage report of the state now, through the manager
+        manager = ksj.canary_manager(w.canary, "log", sweep_interval=8)
+        ksj.observe(manager, w.canary, w.state)
+        cov = ksj.coverage(manager, w.canary)
+        out["coverage"] = {"live": cov.live_bytes, "verified": cov.verified_bytes,
+                           "read": cov.read_bytes}
     if hook is not None:
         controller.evict_callback(host_ids)
         out["rows_after_evict"] = sorted(hook.host_rows)
@@ -127,4 +144,8 @@ if __name__ == "__main__":
                "corrupted": scenario(hooked=True, corrupt=True),
                "no hook": scenario(hooked=False, corrupt=False),
                "dp intact": scenario(hooked=True, corrupt=False, dp=2),
-               "dp corrupted": scenario(hooked=True, corrupt=True, dp=2)}, sys.stdout)
+               "dp corrupted": scenario(hooked=True, corrupt=True, dp=2),
+               "coverage intact": scenario(hooked=True, corrupt=False, window=2),
+               "coverage corrupted": scenario(hooked=True, corrupt=True, window=2),
+               "coverage dp corrupted": scenario(hooked=True, corrupt=True, dp=2, window=2)},
+              sys.stdout)

@@ -170,11 +170,13 @@ class World:
     """sglang-jax's pools, allocator and radix cache, the canary, and one guarded model step."""
 
     def __init__(self, page_size: int, pool_size: int, layout: str, kv_write: str, tokens: str,
-                 dp: int = 1):
+                 dp: int = 1, *, req_rows: int = 3, **canary_settings):
+        """``canary_settings``: more :class:`SglangJaxCanary` fields (``coverage_window``,
+        ``ring_capacity``); with a window the step hands the canary every layer."""
         self.page_size, self.dp = page_size, dp
         self.mesh = compat.mesh(jax.devices()[:2], dp=dp)
         # Three rows for four requests: R4 gets R1's row (a row another request held before).
-        self.req_pool = ReqToTokenPool(size=3 * dp, max_context_len=CONTEXT)
+        self.req_pool = ReqToTokenPool(size=req_rows * dp, max_context_len=CONTEXT)
         compat.prepare_req_pool(self.req_pool, CACHE_LOC)
         ranks = {"dp_size": dp} if dp > 1 else {}
         if layout == "pool":
@@ -208,12 +210,16 @@ class World:
         self.runner = compat.runner_stand_in(self.mesh)
         self.canary = ksj.SglangJaxCanary.from_pools(self.req_pool, self.kv_pool, max_bs=MAX_BS,
                                                      k_heads=1,
-                                                     incremental_tokens=tokens == "feed")
+                                                     incremental_tokens=tokens == "feed",
+                                                     **canary_settings)
         self.feed = ksj.TokenFeed(self.canary) if tokens == "feed" else None
         self.state = self.canary.init_state()
+        every = ({"kv_layers": lambda out, pool: step_layers(out)}
+                 if self.canary.coverage_window else {})
         self.step_fn = ksj.guard_model_step(self.canary, make_model_step(kv_write),
                                             batch_argnum=0, pool_argnum=1,
-                                            fused_kv=lambda out, pool: step_layers(out)[0])
+                                            fused_kv=lambda out, pool: step_layers(out)[0],
+                                            **every)
         self.log = []
 
     # -- sglang-jax's scheduler, the parts that touch pools and batches -----------------------

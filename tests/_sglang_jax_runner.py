@@ -1,7 +1,9 @@
 """A tiny random-weight Qwen2 through sglang-jax's own ``ModelRunner`` on CPU (0.0.2 or
 0.1.0rc0, whichever is installed; native attention, tensor parallel over 2 CPU devices), with the canary installed in the runner
 (:class:`kvcanary_jax.integrations.sglang_jax.ModelRunnerHook`): prefill and decode steps with
-the model's own sampling, then one cached K byte flipped in the runner's pool. Run as a script
+the model's own sampling, then one cached K byte flipped in the runner's pool (with
+``--coverage-window N``: the canary digests every layer, and the flipped byte is the last
+layer's V of head 1). Run as a script
 (own process: XLA_FLAGS); prints one JSON document that tests/test_sglang_jax.py checks.
 
 Environment it needs, and why:
@@ -195,13 +197,22 @@ class Life:
                 .hexdigest() for b in self.runner.token_to_kv_pool.kv_buffer]
 
 
-def flip_k_byte(buf, slot):
-    """``buf`` with one bit of head 0's K at ``slot`` flipped (made on the host and put back with
-    the buffer's sharding: 0.1.0rc0's Explicit mesh refuses eager updates of a sharded buffer)."""
+def flip_k_byte(buf, slot, word: int = 3):
+    """``buf`` with one bit of element ``word`` of ``slot``'s fused row flipped (3: head 0's K;
+    the row is ``K0 V0 K1 V1``, head_dim elements each), made on the host and put back with the
+    buffer's sharding (0.1.0rc0's Explicit mesh refuses eager updates of a sharded buffer)."""
     words = np.asarray(jax.device_get(buf)).view(np.uint16).copy()
     rows = words.reshape(words.shape[0] * (words.shape[1] if words.ndim == 5 else 1), -1)
-    rows[slot, 3] ^= np.uint16(0x0100)
+    rows[slot, word] ^= np.uint16(0x0100)
     return jax.device_put(words.view(buf.dtype), buf.sharding)
+
+
+def _flip_place(pool, window: int) -> tuple[int, int]:
+    """(layer, row element) of the flipped byte: head 0's K of the canary layer, or with a
+    coverage window the last layer's V of head 1."""
+    if not window:
+        return 0, 3
+    return len(pool.kv_buffer) - 1, 3 * CONFIG["hidden_size"] // CONFIG["num_attention_heads"] + 3
 
 
 def _reshard_on_explicit_meshes() -> None:
@@ -219,7 +230,7 @@ def _reshard_on_explicit_meshes() -> None:
     jax.lax.with_sharding_constraint = constrain_or_reshard
 
 
-def fused_main():
+def fused_main(window: int = 0):
     """0.1.0rc0's fused decode step (``forward_and_sample``) with the hook installed: the same
     tokens and KV as sglang-jax alone, future placeholders resolved, and a flipped K byte found
     in a fused step.
@@ -232,7 +243,7 @@ def fused_main():
     means (:func:`_reshard_on_explicit_meshes`). Its sampler does not trace in the mesh its model
     needs (``binary_search``'s select over ``P(None)`` and ``P("data")``): the runner's steps are
     built around :class:`GreedySampler` instead; the model, the pools and the future token map
-    are sglang-jax's."""
+    are sglang-jax's. ``window``: as :func:`main`'s."""
     _reshard_on_explicit_meshes()
     model_dir = tempfile.mkdtemp()
     with open(os.path.join(model_dir, "config.json"), "w") as f:
@@ -245,7 +256,8 @@ def fused_main():
         if hook_it:
             canary = ksj.SglangJaxCanary.from_pools(runner.req_to_token_pool,
                                                     runner.token_to_kv_pool, max_bs=MAX_BS,
-                                                    incremental_tokens=True)
+                                                    incremental_tokens=True,
+                                                    coverage_window=window)
             hook = ksj.ModelRunnerHook(canary, runner)
         one = Life(runner, mesh, hook)
         one.forward()
@@ -261,8 +273,9 @@ def fused_main():
               "fused_guarded": hook.feed is not None and "jitted_run_and_sample" in hook._unguarded}
     pool = guarded.runner.token_to_kv_pool
     slot = int(guarded.runner.req_to_token_pool.req_to_token[guarded.reqs[1].req_pool_idx, 3])
-    pool.kv_buffer[0] = flip_k_byte(pool.kv_buffer[0], slot)
-    report["flip"] = {"slot": slot, "position": 3}
+    layer, word = _flip_place(pool, window)
+    pool.kv_buffer[layer] = flip_k_byte(pool.kv_buffer[layer], slot, word)
+    report["flip"] = {"slot": slot, "position": 3, "layer": layer}
     guarded.decode(fused=True, placeholders=True)
     report["guarded_steps"] = guarded.steps
     hook.uninstall()
@@ -271,7 +284,9 @@ def fused_main():
     json.dump(report, sys.stdout)
 
 
-def main():
+def main(window: int = 0):
+    """``window``: the canary's coverage window (every layer digested); the flip then goes to the
+    last layer's V strip of head 1 (bytes SGLang's fingerprint of layer 0's K never reads)."""
     model_dir = tempfile.mkdtemp()
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(CONFIG, f)
@@ -286,7 +301,7 @@ def main():
     runner = make_runner(model_dir, mesh)
     pool = runner.token_to_kv_pool
     canary = ksj.SglangJaxCanary.from_pools(runner.req_to_token_pool, pool, max_bs=MAX_BS,
-                                            incremental_tokens=True)
+                                            incremental_tokens=True, coverage_window=window)
     hook = ksj.ModelRunnerHook(canary, runner)
     guarded = Life(runner, mesh, hook)
     guarded.forward()
@@ -298,14 +313,19 @@ def main():
               "guarded_kv": guarded.kv_digest()}
 
     # Flip one K byte of the canary layer at request 0's position 2; the next step's TAIL verify
-    # of its prefix finds it, on the shard that holds head 0.
+    # of its prefix finds it, on the shard that holds head 0. With a window: a byte of the last
+    # layer's V of head 1, found by the digest check of the shard holding head 1.
     slot = int(runner.req_to_token_pool.req_to_token[guarded.reqs[0].req_pool_idx, 2])
-    pool.kv_buffer[0] = flip_k_byte(pool.kv_buffer[0], slot)
-    report["flip"] = {"slot": slot, "position": 2}
+    layer, word = _flip_place(pool, window)
+    pool.kv_buffer[layer] = flip_k_byte(pool.kv_buffer[layer], slot, word)
+    report["flip"] = {"slot": slot, "position": 2, "layer": layer}
+    report["num_layers"] = canary.num_layers
     guarded.decode()
     report["guarded_steps"] = guarded.steps
     json.dump(report, sys.stdout)
 
 
 if __name__ == "__main__":
-    fused_main() if sys.argv[1:] == ["--fused"] else main()
+    args = sys.argv[1:]
+    window = int(args[args.index("--coverage-window") + 1]) if "--coverage-window" in args else 0
+    fused_main(window) if "--fused" in args else main(window)

@@ -133,7 +133,8 @@ LONGEST_FIRST = (
     "test_zero_sizes.py", "test_golden.py", "test_careless_inputs.py", "test_bridge.py",
     "test_runtime.py", "test_cli.py", "test_tpu_vs_reference.py", "test_agreement.py",
     "test_bench_smoke.py", "test_bridge_sglang.py", "test_manager.py", "test_runtime_guards.py",
-    "test_demo_manager.py", "test_bridge_serving.py", "test_sglang_jax.py",
+    "test_demo_manager.py", "test_bridge_serving.py", "test_sglang_jax_coverage_campaign.py",
+    "test_sglang_jax.py",
     "test_sglang_jax_remediation.py", "test_sharded_manager.py", "test_sharded.py",
     "test_demo.py", "test_registry.py", "test_lowering.py",
 )

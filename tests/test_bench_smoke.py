@@ -1,11 +1,16 @@
 """The benchmark itself, run as the README types it (``kvcanary-jax bench --quick``) through the
 installed entry point on the CPU, where it falls back to its smoke mode (interpret kernels,
 wall-clock timing), so it cannot rot between H200 runs: every op runs, and every result is
-checked against SGLang first."""
+checked against SGLang first. The canary inside sglang-jax's step (bench/sglang_jax_step.py) has
+its own smoke run with the coverage window (sglang-jax 0.0.2, the Python 3.12 leg)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -136,3 +141,31 @@ def test_bridge_coverage_bench_refuses_values_that_make_no_sense(argv, message, 
         bc.main(argv)
     assert e.value.code == 2
     assert capsys.readouterr().err.rstrip().endswith(f"error: {message}")
+
+
+@pytest.mark.sglang_jax
+@pytest.mark.sglang_jax_002  # the timed modes run on 0.0.2 (the bench's docstring says why)
+def test_sglang_jax_step_bench_smoke_with_the_coverage_window(tmp_path):
+    """bench/sglang_jax_step.py --coverage-window on the CPU (wall clock): the guarded,
+    canary-only and sweep timings of both modes (the kv stack, sglang-jax's ModelRunner), with
+    the manager, each ending with no violation."""
+    assert importlib.metadata.version("sglang-jax").startswith("0.0.")
+    what = "kv,runner"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-m", "kvcanary_jax.bench.sglang_jax_step", "--smoke",
+                           "--what", what, "--coverage-window", "2", "--sweep-interval", "8",
+                           "--manager", "--out", str(tmp_path)], capture_output=True, text=True,
+                          env=env, timeout=1200, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    result = json.loads((tmp_path / "sglang_jax_step.json").read_text())
+    assert result["errors"] == []
+    assert [r["what"] for r in result["rows"]] == what.split(",")
+    for row in result["rows"]:
+        assert row["coverage_window"] == 2 and row["manager"] is True
+        assert row["violations"] == 0 and row["sweep_violations"] == 0
+        assert row["sweep_interval"] == 8
+        assert row["sweep_per_step_us"] == row["sweep"]["median_us"] / 8 > 0
+        assert all(row[k]["median_us"] > 0 for k in ("sglang_jax", "guarded", "canary_only"))
+    assert "window 2: sweep" in proc.stdout

@@ -8,7 +8,8 @@ Each life runs in its own process (a mesh of 2 CPU devices needs XLA_FLAGS befor
 evicted and handed out again, and a prefix-cache hit, with the canary around every model step;
 then replays one decode step with faults injected into the real pool arrays and batch fields.
 ``tests/_sglang_jax_runner.py`` runs a tiny random-weight Qwen2 through sglang-jax's own
-``ModelRunner`` (native attention, tensor parallel 2) with the canary installed in it.
+``ModelRunner`` (native attention, tensor parallel 2) with the canary installed in it (and once
+with the coverage window, every layer digested).
 ``tests/_sglang_jax_feed.py`` hands the TokenFeed the ordinary events of a server (a delta never
 run, a step that failed before it ran, two states, a recycled ``id()``, a delta for another
 batch) in the same world.
@@ -92,6 +93,11 @@ def life(request):
 @pytest.fixture(scope="module")
 def runner():
     return _run("_sglang_jax_runner.py")
+
+
+@pytest.fixture(scope="module")
+def runner_window():
+    return _run("_sglang_jax_runner.py", "--coverage-window", "1")
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +229,23 @@ def test_model_runner_with_the_canary_installed(runner):
     flip = runner["flip"]
     assert _rows(guarded[4]["violations"]) == [
         (0, "TAIL_K_FULL", flip["slot"], flip["position"], REAL_KV)]
+
+
+def test_model_runner_hook_with_the_coverage_window_digests_every_layer(runner_window):
+    """The hook with a coverage window (1: every read slot checked every step) hands the canary
+    every layer the runner's step returns: the model's tokens and KV are unchanged, clean steps
+    are silent, and a bit flipped in the last layer's V strip of head 1 (bytes SGLang's
+    fingerprint of layer 0's K never reads) is reported by the next step's digest check, on the
+    shard holding head 1."""
+    run = runner_window
+    assert run["num_layers"] == 2 and run["flip"]["layer"] == 1
+    plain, guarded = run["plain_steps"], run["guarded_steps"]
+    assert [s["next_ids"] for s in guarded[:4]] == [s["next_ids"] for s in plain]
+    assert run["guarded_kv"] == run["plain_kv"]
+    assert [s["violations"] for s in guarded[:4]] == [[]] * 4
+    flip = run["flip"]
+    assert _rows(guarded[4]["violations"]) == [
+        (1, "TAIL_K_FULL", flip["slot"], flip["position"], ("KV_DIGEST_MISMATCH",))]
 
 
 def test_the_guarded_step_lowered_for_cuda_has_no_loop_around_its_kernels():

@@ -5,10 +5,11 @@ is installed; tests/test_sglang_jax*.py run on both versions):
 * data parallelism (tests/_sglang_jax_dp.py): two DP ranks, one canary each over its own slots
   and batch segment; clean steps silent, a fault reported by its rank's canary only;
 * the fused decode step ``forward_and_sample`` (tests/_sglang_jax_runner.py ``--fused``): guarded
-  as the ordinary step, its future-token placeholders resolved for the canary;
+  as the ordinary step, its future-token placeholders resolved for the canary (and with the
+  coverage window, every layer of its pool updates digested);
 * HiCache (tests/_sglang_jax_hicache.py): the canary of a KV page backed up to host memory with
   it and restored with it on load, so an intact reload verifies clean and a corrupted one is
-  reported when the page is next read.
+  reported when the page is next read; with a coverage window its digests travel with it too.
 
 Each script runs in its own process (a 2-device CPU mesh needs XLA_FLAGS before JAX starts).
 """
@@ -52,6 +53,11 @@ def dp(request):
 @pytest.fixture(scope="module")
 def fused():
     return _run("_sglang_jax_runner.py", "--fused")
+
+
+@pytest.fixture(scope="module")
+def fused_window():
+    return _run("_sglang_jax_runner.py", "--fused", "--coverage-window", "1")
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +130,21 @@ def test_fused_decode_step_is_guarded(fused):
     assert fused["uninstalled"]
 
 
+def test_fused_decode_step_with_the_coverage_window(fused_window):
+    """The fused step guarded with a coverage window hands the canary every layer of its pool
+    updates: tokens and KV as sglang-jax alone, and a bit flipped in the last layer's V of head
+    1 reported by a fused step's digest check, on the shard holding head 1."""
+    run = fused_window
+    assert run["fused_guarded"] and run["flip"]["layer"] == 1
+    assert [s["next_ids"] for s in run["guarded_steps"][:4]] == [
+        s["next_ids"] for s in run["plain_steps"]]
+    assert run["guarded_kv"] == run["plain_kv"]
+    assert [s["violations"] for s in run["guarded_steps"][:4]] == [[]] * 4
+    flip = run["flip"]
+    assert _rows(run["guarded_steps"][4]["violations"]) == [
+        (1, "TAIL_K_FULL", flip["slot"], flip["position"], ("KV_DIGEST_MISMATCH",))]
+
+
 def test_hicache_reload_of_an_intact_page_is_silent(hicache):
     for name in ("intact", "dp intact"):
         run = hicache[name]
@@ -148,3 +169,21 @@ def test_hicache_reload_without_the_hook_leaves_the_canary_behind(hicache):
     assert run["before_load"] == []
     flagged = {v["slot"] for v in run["after_load"]}
     assert set(run["new_slots"]) <= flagged
+
+
+def test_hicache_reload_carries_the_page_s_digests(hicache):
+    """With a coverage window of 2 the page's digests travel with it: an intact reload is
+    silent and every reloaded slot read since is verified (no gap: the report's share is 1), and
+    a bit flipped in host memory in layer 1's V strip of head 1 (bytes SGLang's fingerprint of
+    layer 0's K never reads) is reported once, within the window, by the digest check of the
+    shard holding head 1 (of the page's DP rank)."""
+    intact = hicache["coverage intact"]
+    assert intact["before_load"] == [] and intact["after_load"] == []
+    assert intact["coverage"]["live"] == intact["coverage"]["verified"] > 0
+    for name in ("coverage corrupted", "coverage dp corrupted"):
+        run = hicache[name]
+        slot, pos = run["corrupt_slot"], run["corrupt_position"]
+        assert run["before_load"] == []
+        assert _rows(run["after_load"]) == [(1, "TAIL_K_FULL", slot, pos,
+                                             ("KV_DIGEST_MISMATCH",))], name
+        assert run["coverage"]["live"] == run["coverage"]["verified"] > 0, name

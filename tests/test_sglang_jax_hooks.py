@@ -129,6 +129,42 @@ def test_hicache_hook_moves_a_page_s_canary_rows(caplog):
     assert controller.write.__func__ is _Controller.write
 
 
+def test_hicache_hook_moves_a_page_s_digests_with_it():
+    """With a coverage window a page also carries each slot's KV digest and its stamp: restored
+    at the slots it is loaded into (whose read, check and sweep counters start afresh); a page
+    loaded without them gets a digest of 0 stamped at step 0, so its slots fail their next
+    digest check instead of going unchecked."""
+    canary = _canary(coverage_window=2, num_layers=1)
+    holder = types.SimpleNamespace(canary=canary, state=canary.init_state())
+    sc = holder.state.coverage.groups["FULL"]
+    digests = np.arange(PAGE, dtype=np.int64) * 0x1_0000_0001 - 7
+    with jax.enable_x64(True):
+        sc = dataclasses.replace(
+            sc, digest=sc.digest.at[0, PAGE:2 * PAGE].set(digests),
+            written_at=sc.written_at.at[0, PAGE:2 * PAGE].set(5),
+            checked_at=sc.checked_at.at[0, 3 * PAGE:4 * PAGE].set(9),
+            read_at=sc.read_at.at[0, 3 * PAGE:4 * PAGE].set(9))
+        cov = holder.state.coverage
+        holder.state = dataclasses.replace(holder.state, coverage=dataclasses.replace(
+            cov, groups={"FULL": sc}))
+    controller = _Controller()
+    ksj.HiCacheHook(holder, controller)
+    controller.write([1], [7])  # page 1: slots PAGE .. 2 * PAGE - 1
+    controller.load([7], [3])  # into page 3
+    sc = holder.state.coverage.groups["FULL"]
+    new = slice(3 * PAGE, 4 * PAGE)
+    assert np.asarray(sc.digest)[0, new].tolist() == digests.tolist()
+    assert np.asarray(sc.written_at)[0, new].tolist() == [5] * PAGE
+    for field in ("read_from", "read_at", "checked_at", "swept_at"):
+        assert np.asarray(getattr(sc, field))[0, new].tolist() == [-1] * PAGE, field
+    assert np.asarray(sc.digest).dtype == np.int64
+    controller.load([9], [2])  # never backed up through the hook
+    sc = holder.state.coverage.groups["FULL"]
+    lost = slice(2 * PAGE, 3 * PAGE)
+    assert np.asarray(sc.digest)[0, lost].tolist() == [0] * PAGE
+    assert np.asarray(sc.written_at)[0, lost].tolist() == [0] * PAGE
+
+
 def test_hicache_hook_refuses_what_it_cannot_hook():
     with pytest.raises(TypeError, match="needs a holder with .canary"):
         ksj.HiCacheHook(types.SimpleNamespace(state=None), _Controller())

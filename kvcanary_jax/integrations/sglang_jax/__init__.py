@@ -35,12 +35,17 @@ from kvcanary_jax.integrations.sglang_jax.hooks import (
     ModelRunnerHook,
     store_kv,
 )
-from kvcanary_jax.integrations.sglang_jax.layout import SglangJaxCanary, fused_kv_sources
+from kvcanary_jax.integrations.sglang_jax.layout import (
+    SglangJaxCanary,
+    fused_kv_sources,
+    layer_source,
+)
 from kvcanary_jax.integrations.sglang_jax.remediation import (
     Remediator,
     abort_pending,
     abort_request,
     canary_manager,
+    coverage,
     observe,
     drop_radix_slot,
     request_resolver,
@@ -69,6 +74,7 @@ __all__ = [
     "SglangJaxCanary",
     "ShardViolation",
     "fused_kv_sources",
+    "layer_source",
     "canary_batch",
     "expected_tokens",
     "TokenFeed",
@@ -83,6 +89,7 @@ __all__ = [
     "violation_counts",
     "canary_manager",
     "observe",
+    "coverage",
     "request_resolver",
     "abort_request",
     "abort_pending",

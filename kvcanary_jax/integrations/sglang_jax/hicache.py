@@ -18,12 +18,21 @@ page moved intact verifies clean at its new slots, and a page whose bytes change
 (or on the way) fails the next verify that reads it (``VERIFY_REAL_KV_HASH_MISMATCH``), before
 its KV serves a request.
 
+With a coverage window (ours, ``coverage_window``; docs/spec.md §17.7) a page also carries each
+slot's KV digest (every layer's K and V) and the step that stamped it: restored at the new slots,
+an intact page is checked there like any other slot (a slot stamped by nothing would go unchecked,
+one holding its previous occupant's digest would be a false alarm), and a byte changed in host
+memory, in any layer, K or V, fails the next digest check of the slot (``KV_DIGEST_MISMATCH``). The
+new slots' report counters (reads, checks, sweeps) start afresh. A page whose digests were never
+stamped is restored unstamped (unchecked, and shown unverified in the coverage report).
+
 Page ids are the controller's: global device pages (``dp_rank * pages_per_rank + local``), each
 ``page_size`` rank-local slots. Rows of host pages evicted through the controller
 (``evict_callback``) are dropped. A page loaded whose rows were never backed up (backed up before
 the hook was installed, or through the host pool directly: ``copy_into``, ``precompile_transfers``)
-gets zeroed rows: its slots fail their next verify (the page cannot be vouched for), and a
-``kv-canary`` warning says so.
+gets zeroed rows (and, with a window, a digest of 0 stamped at step 0): its slots fail their
+next verify and digest check (the page cannot be vouched for), and a ``kv-canary`` warning says
+so.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvcanary_jax.consts import CANARY_SLOT_BYTES
+from kvcanary_jax import _config
 from kvcanary_jax.integrations.sglang_jax.layout import SglangJaxCanary
 from kvcanary_jax.integrations.sglang_jax.step import per_shard
 
@@ -45,34 +54,62 @@ __all__ = ["HiCacheHook"]
 
 logger = logging.getLogger("kvcanary_jax")
 
-# The canary record of a slot (its int64 fields): what travels with a page.
-_ROW_BYTES = CANARY_SLOT_BYTES
+# Per slot, what travels with a page: the canary record of each buffer and, with a coverage
+# window, the digest's per-slot fields that travel with it (the digest and its
+# stamp), and those a reloaded slot starts afresh (-1: never).
+_CARRIED_COVERAGE = ("digest", "written_at")
+_FRESH_COVERAGE = ("read_from", "read_at", "checked_at", "swept_at")
+
+
+def _carried(state) -> dict:
+    """The per-slot arrays a page carries, by name: each canary buffer (``[shards, slots,
+    32]``), and with a coverage window the digest and its stamp (``[shards, slots]``)."""
+    out = {f"bufs.{name}": b for name, b in state.bufs.items()}
+    if state.coverage is not None:
+        sc = state.coverage.groups["FULL"]
+        out.update({f"coverage.{f}": getattr(sc, f) for f in _CARRIED_COVERAGE})
+    return out
+
+
+def _with_carried(state, arrays: dict):
+    """``state`` with the arrays of :func:`_carried` (and the fresh counters) replaced."""
+    bufs = {name: arrays[f"bufs.{name}"] for name in state.bufs}
+    state = dataclasses.replace(state, bufs=bufs)
+    if state.coverage is None:
+        return state
+    cov = state.coverage
+    sc = dataclasses.replace(cov.groups["FULL"], **{
+        f: arrays[f"coverage.{f}"] for f in _CARRIED_COVERAGE + _FRESH_COVERAGE})
+    return dataclasses.replace(state, coverage=dataclasses.replace(
+        cov, groups={**cov.groups, "FULL": sc}))
 
 
 @functools.partial(jax.jit, static_argnames=("canary",))
-def _gather_rows(bufs: dict, slots, *, canary: SglangJaxCanary) -> dict:
-    """Each buffer's rows at ``slots`` (``[shards, m]``, rank-local; out of range: clamped, the
-    caller drops those): ``[shards, m, 32]``."""
+def _gather_rows(arrays: dict, slots, *, canary: SglangJaxCanary) -> dict:
+    """Each array's rows at ``slots`` (``[shards, m]``, rank-local; out of range: clamped, the
+    caller drops those): ``[shards, m, ...]``."""
 
     def fn(local, _rank, _shared, _kv, shard_slots):
-        return None, {name: b[jnp.clip(shard_slots, 0, b.shape[0] - 1), :_ROW_BYTES]
+        return None, {name: b[jnp.clip(shard_slots, 0, b.shape[0] - 1)]
                       for name, b in local.items()}
 
-    _, rows = per_shard(canary, fn, bufs, stacked=slots)
+    _, rows = per_shard(canary, fn, arrays, stacked=slots)
     return rows
 
 
-@functools.partial(jax.jit, static_argnames=("canary",), donate_argnames=("bufs",))
-def _scatter_rows(bufs: dict, slots, rows: dict, *, canary: SglangJaxCanary) -> dict:
-    """``bufs`` with ``rows[name]`` (``[shards, m, 32]``) at ``slots`` (``[shards, m]``; out of
-    range: dropped, nothing written)."""
+@functools.partial(jax.jit, static_argnames=("canary",), donate_argnames=("arrays",))
+def _scatter_rows(arrays: dict, slots, rows: dict, *, canary: SglangJaxCanary) -> dict:
+    """``arrays`` with ``rows[name]`` (``[shards, m, ...]``) at ``slots`` (``[shards, m]``; out
+    of range: dropped, nothing written); the arrays ``rows`` does not name (the coverage
+    counters a reloaded slot starts afresh) get -1 there."""
 
     def fn(local, _rank, _shared, _kv, stacked):
         shard_slots, shard_rows = stacked
-        return {name: b.at[shard_slots, :_ROW_BYTES].set(shard_rows[name], mode="drop")
+        return {name: b.at[shard_slots].set(shard_rows[name] if name in shard_rows else -1,
+                                            mode="drop")
                 for name, b in local.items()}, None
 
-    new, _ = per_shard(canary, fn, bufs, stacked=(slots, rows))
+    new, _ = per_shard(canary, fn, arrays, stacked=(slots, rows))
     return new
 
 
@@ -161,13 +198,14 @@ class HiCacheHook:
             slots[shards, i * ps:(i + 1) * ps] = local * ps + np.arange(ps)
         return slots
 
+    @_config.with_x64  # the digests are int64
     def _backup(self, pages, host_ids) -> None:
         if not pages:
             return
         canary = self.holder.canary
         slots = self._page_slots(pages)
         rows = {name: np.asarray(jax.device_get(r)) for name, r in
-                _gather_rows(self.holder.state.bufs, slots, canary=canary).items()}
+                _gather_rows(_carried(self.holder.state), slots, canary=canary).items()}
         ps, t = canary.page_size, canary.head_shards
         per_rank = canary.num_slots // ps
         for i, (page, host_id) in enumerate(zip(pages, host_ids)):
@@ -175,6 +213,7 @@ class HiCacheHook:
             self.host_rows[int(host_id)] = {
                 name: r[shards, i * ps:(i + 1) * ps].copy() for name, r in rows.items()}
 
+    @_config.with_x64
     def _restore(self, host_ids, pages) -> None:
         if not pages:
             return
@@ -182,7 +221,9 @@ class HiCacheHook:
         slots = self._page_slots(pages)
         ps, t = canary.page_size, canary.head_shards
         per_rank = canary.num_slots // ps
-        rows = {name: np.zeros(slots.shape + (_ROW_BYTES,), np.uint8) for name in state.bufs}
+        carried = _carried(state)
+        # Zero rows (no record; a digest of 0 stamped at step 0) for a page never backed up.
+        rows = {name: np.zeros(slots.shape + a.shape[2:], a.dtype) for name, a in carried.items()}
         lost = []
         for i, (host_id, page) in enumerate(zip(host_ids, pages)):
             kept = self.host_rows.get(int(host_id))
@@ -196,7 +237,10 @@ class HiCacheHook:
             logger.warning("kv-canary: HiCache loaded host page(s) %s whose canary rows were "
                            "never backed up through the hook: their slots are cleared and fail "
                            "their next verify", lost)
-        # Only the canary buffers are replaced: the state keeps its expected-token pool (a
+        if state.coverage is not None:
+            sc = state.coverage.groups["FULL"]
+            carried.update({f"coverage.{f}": getattr(sc, f) for f in _FRESH_COVERAGE})
+        # Only the per-slot arrays are replaced: the state keeps its expected-token pool (a
         # TokenFeed still knows the state).
-        bufs = _scatter_rows(state.bufs, slots, rows, canary=canary)
-        self.holder.state = dataclasses.replace(state, bufs=bufs)
+        new = _scatter_rows(carried, slots, rows, canary=canary)
+        self.holder.state = _with_carried(state, new)

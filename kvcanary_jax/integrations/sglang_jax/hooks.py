@@ -68,6 +68,8 @@ class ModelRunnerHook:
     expected token ids with :meth:`expect` (with ``token_checks``): with ``token_rows``,
     ``hook.expect(hook.feed.delta(reqs, model_worker_batch))`` (``reqs``: ``batch.reqs``, or per
     DP rank ``[info.reqs for info in batch.reqs_info]``), else :func:`expected_tokens`.
+    With the canary's ``coverage_window`` both guarded steps hand it every layer of the pool
+    they return (sweep with ``sweep(..., layers=runner.token_to_kv_pool.kv_buffer)``).
     ``state`` is the canary's device state; ``feed`` its :class:`TokenFeed` (None without
     ``token_rows``); ``version`` the sglang-jax version found. A step refused before it runs (a
     delta made for another batch, ...) leaves the runner's pools, the state and the feed as they
@@ -85,14 +87,20 @@ class ModelRunnerHook:
         self._pending: dict = {}
         self._unguarded = {"jitted_run_model": model_runner.jitted_run_model}
         layer = canary.layer
+        # With a coverage window the TAIL digests every layer of the pool the step returns.
+        every = {}
+        if canary.coverage_window:
+            every = {"kv_layers": lambda out, pools: api.kv_layers(out[1])}
         self._step = guard_model_step(
-            canary, api.run_model, **_MODEL_ARGS,
+            canary, api.run_model, **_MODEL_ARGS, **every,
             fused_kv=lambda out, pools: api.canary_layer(out[1], pools, layer))
         model_runner.jitted_run_model = self._run
         self._fused = None
         if api.run_and_sample is not None and api.sampler is not None:
+            if canary.coverage_window:
+                every = {"kv_layers": lambda out, pools: api.kv_layers(out[_FUSED_UPDATES])}
             self._fused = guard_model_step(
-                canary, api.run_and_sample, **_FUSED_ARGS,
+                canary, api.run_and_sample, **_FUSED_ARGS, **every,
                 fused_kv=lambda out, pools: api.canary_layer(out[_FUSED_UPDATES], pools, layer))
             self._unguarded["jitted_run_and_sample"] = model_runner.jitted_run_and_sample
             model_runner.jitted_run_and_sample = self._run_and_sample

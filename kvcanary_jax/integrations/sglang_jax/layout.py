@@ -15,6 +15,15 @@ TAIL and SWEEP launches fingerprint exactly those bytes of the canary layer (``l
 default, as SGLang fingerprints one layer). The V strips are not fingerprinted (SGLang's V half is
 off by default as well).
 
+**The coverage window** (ours, ``coverage_window`` N >= 1; docs/spec.md §17): besides SGLang's
+fingerprint, every layer of the pool is handed to the runtime's per-slot KV digest, each as one
+:func:`layer_source`: the slot's whole row of the fused buffer (every head's K and V strips, in
+place, a strided view as above), so a slot's digest covers every byte of its K and V in every
+layer. Under tensor parallelism each KV shard digests its own heads of every layer. What the
+window cannot cover is refused when the canary is built (a ValueError naming the setting): a
+window without ``num_layers``, more layers than a digest takes (``MAX_DIGEST_SOURCES``), a pool
+whose layers differ in shape (slot counts or widths), a canary ``layer`` the pool lacks.
+
 :class:`SglangJaxCanary` is the canary's static description (sizes, mesh, sharding, token
 mode), read from sglang-jax's pools by :meth:`SglangJaxCanary.from_pools`; its ``config`` is the
 runtime's :class:`kvcanary_jax.CanaryConfig` and its ``init_state()`` the per-shard states,
@@ -46,12 +55,13 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import kvcanary_jax as kc
 from kvcanary_jax import _config
-from kvcanary_jax.consts import MAX_REAL_KV_SOURCES
+from kvcanary_jax.consts import MAX_DIGEST_SOURCES, MAX_REAL_KV_SOURCES
 from kvcanary_jax.contracts import TensorMeta
 
 __all__ = [
     "SglangJaxCanary",
     "fused_kv_sources",
+    "layer_source",
     "require_int",
     "require_positive_int",
 ]
@@ -98,6 +108,45 @@ def fused_kv_sources(buffer: jax.Array, *, k_heads: int = 1) -> tuple[kc.RealKvS
     )
 
 
+def layer_source(buffer: jax.Array) -> kc.RealKvSource:
+    """The coverage digest's source over one layer's fused buffer (either layout; under
+    ``shard_map``: the local block): slot ``s``'s whole row, every head's K and V strips, as a
+    strided view of the buffer itself (page size 1, no copy)."""
+    slots, width, _ = _layout(buffer.shape)
+    row = width * jnp.dtype(buffer.dtype).itemsize
+    view = TensorMeta(shape=(slots, width), dtype=jnp.dtype(buffer.dtype).name,
+                      strides=(width, 1), device=None, framework="jax")
+    return kc.RealKvSource(tensor=buffer, page_size=1, num_bytes_per_token=row, read_bytes=row,
+                           view=view)
+
+
+def _check_pool_layers(layers: list, start: int, kwargs: dict) -> None:
+    """:meth:`SglangJaxCanary.from_pools`' checks of the pool's layers against the canary's
+    settings (``kwargs``; ``num_layers`` filled in from the pool)."""
+    if not layers:
+        raise ValueError("kv-canary sglang-jax: token_to_kv_pool.kv_buffer holds no layer")
+    count = len(layers)
+    asked = kwargs.setdefault("num_layers", count)
+    if asked != count:
+        raise ValueError(f"kv-canary sglang-jax: num_layers={asked!r}, but the pool holds "
+                         f"{count} layers (token_to_kv_pool.kv_buffer)")
+    layer = kwargs.get("layer", 0)
+    if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool) and not (
+            start <= layer < start + count):
+        raise ValueError(f"kv-canary sglang-jax: layer={layer} names a layer the pool lacks "
+                         f"(it holds layers {start} .. {start + count - 1})")
+    if not kwargs.get("coverage_window"):
+        return
+    shape = tuple(layers[0].shape)
+    for i, buf in enumerate(layers):
+        if tuple(buf.shape) != shape:
+            raise ValueError(
+                f"kv-canary sglang-jax: coverage_window {kwargs['coverage_window']} digests "
+                f"every layer of a slot, but token_to_kv_pool.kv_buffer[{i}] is "
+                f"{tuple(buf.shape)} and layer 0 is {shape} (layers of different slot counts "
+                "or widths)")
+
+
 def require_int(name: str, value, where: str | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"kv-canary sglang-jax: {where or name} must be an int, got "
@@ -134,9 +183,17 @@ class SglangJaxCanary:
     :class:`kvcanary_jax.CanaryConfig`'s (``implementation``: what every op runs; default: the
     platform's).
 
+    ``coverage_window`` (ours; 0: off, SGLang's behaviour): N >= 1 also digests every layer's K
+    and V of each slot the step writes and checks the slots a step reads within N steps, and
+    every slot a :func:`sweep` walks (docs/spec.md §17). ``num_layers``: the pool's layers
+    (:meth:`from_pools` reads it), required with a window: a step or sweep handing another
+    count of layers is refused.
+
     Sizes are checked when the canary is built (our rules, sglang-jax has none to follow):
     ``num_slots``, ``page_size``, ``context_len``, ``max_bs``, ``k_heads`` (at most 4) and
-    ``sweep_rows`` positive ints, ``layer >= 0``; a TypeError or ValueError names the field.
+    ``sweep_rows`` positive ints, ``layer >= 0``, ``coverage_window >= 0``, ``num_layers``
+    positive (at most ``MAX_DIGEST_SOURCES`` with a window); a TypeError or ValueError names the
+    field.
     A page size that is not the pool's would misplace every request's ``cache_loc`` segment:
     0 checked request ``r`` against request 0's slots (a corrupted slot unseen), a negative one
     raised false alarms on clean steps.
@@ -157,6 +214,8 @@ class SglangJaxCanary:
     verify_capacity: int | None = None
     real_kv_hash_mode: str = "all"
     implementation: str | None = None
+    coverage_window: int = 0
+    num_layers: int | None = None
 
     def __post_init__(self):
         # Our rules (sglang-jax has no canary): a page size of 0 would start every request's
@@ -175,21 +234,48 @@ class SglangJaxCanary:
         if self.k_heads > MAX_REAL_KV_SOURCES:
             raise ValueError(f"kv-canary sglang-jax: k_heads must be in [1, {MAX_REAL_KV_SOURCES}] "
                              f"(the canary's source limit), got {self.k_heads}")
+        self._check_coverage()
         if self.mesh is not None and self.kv_spec is not None:
             unknown = [a for a in (*self.dp_axes, *self.head_axes) if a not in self.mesh.shape]
             if unknown:
                 raise ValueError(f"kv-canary sglang-jax: kv_spec {self.kv_spec} names mesh axes "
                                  f"{unknown} that the mesh {dict(self.mesh.shape)} lacks")
 
+    def _check_coverage(self):
+        """Ours: a window the canary cannot honour is refused here, naming the setting."""
+        require_int("coverage_window", self.coverage_window)
+        if self.coverage_window < 0:
+            raise ValueError("kv-canary sglang-jax: coverage_window must be >= 0 (0: off), got "
+                             f"{self.coverage_window}")
+        if self.num_layers is not None:
+            require_positive_int("num_layers", self.num_layers)
+        if not self.coverage_window:
+            return
+        if self.num_layers is None:
+            raise ValueError(
+                f"kv-canary sglang-jax: coverage_window {self.coverage_window} digests every "
+                "layer of the pool: set num_layers (SglangJaxCanary.from_pools reads it from "
+                "the pool), so that a step handing fewer layers is refused")
+        if self.num_layers > MAX_DIGEST_SOURCES:
+            raise ValueError(
+                f"kv-canary sglang-jax: coverage_window {self.coverage_window} cannot cover "
+                f"num_layers={self.num_layers}: a slot's digest takes at most "
+                f"{MAX_DIGEST_SOURCES} sources (one per fused layer)")
+
     @classmethod
     def from_pools(cls, req_to_token_pool, token_to_kv_pool, *, max_bs: int,
                    incremental_tokens: bool = False, **kwargs):
         """Read sizes, mesh and sharding from sglang-jax's ``ReqToTokenPool`` and
         ``MHATokenToKVPool`` (0.0.2 or 0.1.0rc0; ``max_bs`` per DP rank). ``incremental_tokens``: ``token_rows`` from the
-        ``ReqToTokenPool`` (its ``size``), for a :class:`TokenFeed`."""
+        ``ReqToTokenPool`` (its ``size``), for a :class:`TokenFeed`. ``num_layers`` is the
+        pool's layer count; the canary ``layer`` must be one of the pool's layers (from its
+        ``start_layer``), and with a ``coverage_window`` every layer must have layer 0's shape
+        (ValueError otherwise, naming the setting)."""
         if incremental_tokens:
             kwargs["token_rows"] = int(req_to_token_pool.size)
-        buf = token_to_kv_pool.kv_buffer[0]
+        layers = list(token_to_kv_pool.kv_buffer)
+        _check_pool_layers(layers, int(getattr(token_to_kv_pool, "start_layer", 0) or 0), kwargs)
+        buf = layers[0]
         page_size = token_to_kv_pool.page_size
         require_positive_int("page_size", page_size, where="token_to_kv_pool.page_size")
         if len(buf.shape) == 5 and int(buf.shape[1]) != int(page_size):
@@ -274,6 +360,8 @@ class SglangJaxCanary:
             enable_verify_token_assert=self.token_checks,
             enable_write_input_assert=self.token_checks,
             implementation=self.implementation,
+            coverage_window=self.coverage_window,
+            num_layers=self.num_layers,
         )
 
     def auto_mesh(self) -> Mesh | None:

@@ -3,6 +3,7 @@
 :func:`canary_manager` builds a :class:`kvcanary_jax.runtime.CanaryManager` in observe mode (the
 guarded step runs in :func:`guard_model_step`; the manager runs the host side after it, through
 :func:`observe`).
+:func:`coverage` reads its coverage report (the window's share of live KV bytes verified).
 :func:`request_resolver` maps a violation's slot to the step's request, :func:`abort_request`
 aborts it as sglang-jax's scheduler does, :func:`drop_radix_slot` drops the radix-cache nodes
 over a corrupted slot, and :class:`Remediator` is the ``on_violation`` callback doing both.
@@ -22,6 +23,7 @@ from kvcanary_jax.integrations.sglang_jax.sweep import node_dp_rank
 __all__ = [
     "canary_manager",
     "observe",
+    "coverage",
     "request_resolver",
     "abort_request",
     "abort_pending",
@@ -35,14 +37,30 @@ def canary_manager(canary: SglangJaxCanary, mode: str = "log", *, on_violation=N
     """A :class:`kvcanary_jax.runtime.CanaryManager` over the canary's state (observe mode: the
     guarded step runs in :func:`guard_model_step`, the manager runs the host side after it:
     readback one step late, reporting, health, stats, remediation). Its ring capacity, real-KV
-    mode and token checks are the canary's; ``fields`` are the other
+    mode, token checks and coverage window are the canary's; ``fields`` are the other
     :class:`~kvcanary_jax.runtime.ManagerConfig` fields (``stats_print_every_n_steps``, ...).
-    The sweep stays :func:`sweep`'s: a ``sweep_interval`` here is refused."""
+
+    The sweep stays :func:`sweep`'s, run by the caller. Without a coverage window a
+    ``sweep_interval`` here is refused. With one it is required: the steps between the
+    caller's :func:`sweep` calls, the bound the coverage report states for cached slots (and,
+    as for any manager, the SWEEP launches the launch-health check then expects); the
+    report's share comes through :func:`observe` (the stats line, ``manager.coverage()``)."""
     from kvcanary_jax.runtime import CanaryManager, ManagerConfig
 
-    if fields.get("sweep_interval", 0):
+    window = canary.coverage_window
+    if fields.get("coverage_window", window) != window:
+        raise ValueError(f"kv-canary sglang-jax: coverage_window={fields['coverage_window']!r} "
+                         f"here, but the canary's is {window}: the manager checks what the "
+                         "canary's state holds; set it on the SglangJaxCanary")
+    if not window and fields.get("sweep_interval", 0):
         raise ValueError("kv-canary sglang-jax: run the radix sweep with sglang_jax.sweep(); the "
                          "observe-mode manager takes no sweep_interval")
+    if window and not fields.get("sweep_interval"):
+        raise ValueError(
+            f"kv-canary sglang-jax: coverage_window {window} verifies cached slots at each "
+            "sglang_jax.sweep(): pass sweep_interval=K, the steps between your sweep() calls "
+            "(the bound stated for cached slots no request reads)")
+    fields["coverage_window"] = window
     cfg = canary.config
     config = ManagerConfig(mode=mode, ring_capacity=cfg.ring_capacity,
                            real_data=cfg.real_kv_hash_mode if mode != "none" else "none",
@@ -62,6 +80,17 @@ def observe(manager, canary: SglangJaxCanary, state, *, resolve=None) -> None:
     view = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(auto, x.sharding.spec)), state)
     with jax.set_mesh(auto):
         manager.observe(view, resolve=resolve)
+
+
+def coverage(manager, canary: SglangJaxCanary):
+    """``manager.coverage()`` (the coverage window's report of the state :func:`observe` handed
+    over) on any mesh: on sglang-jax 0.1.0rc0's Explicit mesh, under the mesh with Auto axes
+    that state lives on."""
+    auto = canary.auto_mesh()
+    if auto is None:
+        return manager.coverage()
+    with jax.set_mesh(auto):
+        return manager.coverage()
 
 
 def request_resolver(reqs, req_to_token_pool):

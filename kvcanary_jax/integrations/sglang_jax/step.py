@@ -39,8 +39,14 @@ without, one int32 array the size of ``cache_loc`` from the host every step (23 
 2,048 decode step on the H200), compacted on the device and scattered into the pool by SGLang's
 scatter. ``bench/sglang_jax_step.py`` measures the whole against sglang-jax's step.
 
-:func:`per_shard` and :func:`kv_dict` (the per-shard execution and the fused buffer as the
-canary's real-KV sources) serve the sweep and the HiCache hook as well.
+**Coverage** (ours, ``canary.coverage_window``; docs/spec.md §17): the step also hands the
+runtime every layer of the pool (``kv_layers``), each shard its own heads of every layer, whole
+slot rows read in place. TAIL stamps the digest of the slots the step wrote (after the model
+wrote them) and checks it for the read slots of this step's phase; the cost is the bytes read:
+every layer of the written slots, and every layer of about 1/N of the read slots.
+
+:func:`per_shard`, :func:`kv_dict` and :func:`shard_kv` (the per-shard execution and the fused
+buffers as the runtime's KV) serve the sweep and the HiCache hook as well.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from kvcanary_jax.integrations.sglang_jax.batch import device_batch, fed_pool
 from kvcanary_jax.integrations.sglang_jax.layout import (
     SglangJaxCanary,
     fused_kv_sources,
+    layer_source,
     require_int,
 )
 from kvcanary_jax.integrations.sglang_jax.tokens import TokenDelta
@@ -65,6 +72,7 @@ __all__ = [
     "guard_model_step",
     "per_shard",
     "kv_dict",
+    "shard_kv",
 ]
 
 
@@ -113,8 +121,35 @@ def _placed(mesh, tree, spec):
     return jax.tree.map(lambda x: place(x, sharding), tree)
 
 
-def kv_dict(canary: SglangJaxCanary, local_buffer):
-    return {"FULL": {"K": list(fused_kv_sources(local_buffer, k_heads=canary.k_heads))}}
+def kv_dict(canary: SglangJaxCanary, local):
+    """The runtime's KV of one shard: ``local`` is the canary layer's local block, or with a
+    coverage window ``(that block, every layer's local block)``: SGLang's fingerprint over the
+    canary layer's K strips, and every layer's whole slot rows for the digest (fused layers,
+    ``{"layers": {"KV": [...]}}``)."""
+    if not canary.coverage_window:
+        return {"FULL": {"K": list(fused_kv_sources(local, k_heads=canary.k_heads))}}
+    buffer, layers = local
+    return {"FULL": {"K": list(fused_kv_sources(buffer, k_heads=canary.k_heads)),
+                     "layers": {"KV": [layer_source(b) for b in layers]}}}
+
+
+def shard_kv(canary: SglangJaxCanary, buffer, layers):
+    """What :func:`per_shard` takes as ``kv`` (each leaf split as the pool is): the canary
+    layer's fused buffer, and with a coverage window every layer's (checked: a missing list, or
+    one without ``num_layers`` buffers, is a ValueError naming the setting)."""
+    if not canary.coverage_window:
+        return buffer
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
+        raise ValueError(
+            f"kv-canary sglang-jax: coverage_window {canary.coverage_window} digests every "
+            "layer of the pool: hand every layer's fused buffer (the pool's kv_buffer list), "
+            f"got {type(layers).__name__}")
+    if len(layers) != canary.num_layers:
+        raise ValueError(
+            f"kv-canary sglang-jax: {len(layers)} layer buffer(s) handed over, the canary's "
+            f"num_layers is {canary.num_layers}: every layer of the pool is digested (a missing "
+            "one would go unverified)")
+    return buffer, tuple(layers)
 
 
 def _no_lut():
@@ -157,13 +192,13 @@ def _head(canary: SglangJaxCanary, state, mode, fields, expected, table, future_
     return per_shard(canary, fn, state, rank=(fields, expected, table), shared=future_map)
 
 
-def _tail(canary: SglangJaxCanary, state, batches, kv_buffer):
+def _tail(canary: SglangJaxCanary, state, batches, kv):
     cfg = canary.config
 
-    def fn(st, _rank, _shared, kv, b):
-        return tail(cfg, st, b, _no_lut(), kv_dict(canary, kv)), None
+    def fn(st, _rank, _shared, local, b):
+        return tail(cfg, st, b, _no_lut(), kv_dict(canary, local)), None
 
-    state, _ = per_shard(canary, fn, state, kv=kv_buffer, stacked=batches)
+    state, _ = per_shard(canary, fn, state, kv=kv, stacked=batches)
     return state
 
 
@@ -178,7 +213,8 @@ class _LocalBatch:
 
 def guard_model_step(canary: SglangJaxCanary, model_step: Callable, *, batch_argnum: int,
                      pool_argnum: int, fused_kv: Callable[[Any, Any], jax.Array],
-                     static_argnums: Sequence[int] = (), future_map_argnum: int | None = None):
+                     static_argnums: Sequence[int] = (), future_map_argnum: int | None = None,
+                     kv_layers: Callable[[Any, Any], Sequence[jax.Array]] | None = None):
     """Wrap sglang-jax's jitted model step with the canary: HEAD before it, TAIL after it.
 
     ``model_step(*args)`` is the model call (sglang-jax 0.0.2: ``ModelRunner``'s
@@ -189,7 +225,10 @@ def guard_model_step(canary: SglangJaxCanary, model_step: Callable, *, batch_arg
     picks the canary layer's new fused buffer from the step's output (0.0.2: ``out[1][layer]``;
     0.1.0rc0: ``out[1]["token_to_kv_pool"][layer]``). ``future_map_argnum``: the argument holding
     sglang-jax's future token map (the fused decode step), whose entries resolve the batch's
-    negative input ids for the canary as the step resolves them. Returns ``step(state, *args,
+    negative input ids for the canary as the step resolves them. ``kv_layers(out, pool)``
+    (required with ``canary.coverage_window``, refused without): every layer's new fused buffer
+    (0.0.2: ``out[1]``; 0.1.0rc0: ``out[1]["token_to_kv_pool"]``), digested at TAIL (the slots
+    the step wrote are stamped, a share of those it read checked). Returns ``step(state, *args,
     expected=None, table=None) -> (state, out)``, one ``jax.jit`` with the canary state and the
     pool donated (use the buffers ``out`` returns, as sglang-jax does). ``expected``:
     :func:`expected_tokens` (required with ``token_checks``); ``table``: :func:`host_table` to
@@ -213,6 +252,15 @@ def guard_model_step(canary: SglangJaxCanary, model_step: Callable, *, batch_arg
                          f"cannot be static arguments (static_argnums={tuple(static_argnums)})")
     if not callable(model_step) or not callable(fused_kv):
         raise TypeError("kv-canary sglang-jax: model_step and fused_kv must be callables")
+    if canary.coverage_window and not callable(kv_layers):
+        raise ValueError(
+            f"kv-canary sglang-jax: coverage_window {canary.coverage_window} digests every layer "
+            "of the pool: pass kv_layers=(out, pool) -> every layer's new fused buffer (0.0.2: "
+            'out[1]; 0.1.0rc0: out[1]["token_to_kv_pool"])')
+    if kv_layers is not None and not canary.coverage_window:
+        raise ValueError("kv-canary sglang-jax: kv_layers is read by the coverage window only, "
+                         "and this canary has coverage_window=0: set it on the canary, or drop "
+                         "kv_layers")
     nfixed = 4  # state, expected, table, model_x64
 
     def traced(state, expected, table, model_x64, *args):
@@ -222,7 +270,9 @@ def guard_model_step(canary: SglangJaxCanary, model_step: Callable, *, batch_arg
                                table, fut)
         with jax.enable_x64(model_x64):
             out = model_step(*args)
-        state = _tail(canary, state, batches, fused_kv(out, args[pool_argnum]))
+        pool = args[pool_argnum]
+        layers = kv_layers(out, pool) if kv_layers is not None else None
+        state = _tail(canary, state, batches, shard_kv(canary, fused_kv(out, pool), layers))
         return state, out
 
     jitted = jax.jit(

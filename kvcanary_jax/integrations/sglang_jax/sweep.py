@@ -2,7 +2,9 @@
 
 :func:`radix_prefixes` walks sglang-jax's ``RadixCache`` for the slot lists it holds;
 :func:`sweep` re-verifies them against the TAIL buffers between steps (SWEEP tags, token check
-off), ``canary.sweep_rows`` prefixes per launch, once per KV shard. :func:`violation_counts` and
+off), ``canary.sweep_rows`` prefixes per launch, once per KV shard; with a coverage window it
+also checks the KV digest (every layer's K and V) of every slot of those prefixes, which bounds
+how long a cached slot no request reads stays unverified. :func:`violation_counts` and
 :func:`read_violations` read each shard's ring on the host (a metadata fault is reported once per
 shard; :class:`ShardViolation` says which shard saw what).
 """
@@ -17,7 +19,7 @@ import numpy as np
 import kvcanary_jax as kc
 from kvcanary_jax import _config
 from kvcanary_jax.integrations.sglang_jax.layout import SglangJaxCanary, require_positive_int
-from kvcanary_jax.integrations.sglang_jax.step import kv_dict, per_shard
+from kvcanary_jax.integrations.sglang_jax.step import kv_dict, per_shard, shard_kv
 from kvcanary_jax.integrations.sglang_jax.tokens import host_ints
 from kvcanary_jax.runtime import decode_ring
 
@@ -69,7 +71,7 @@ def node_dp_rank(node) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("canary",), donate_argnames=("state",))
-def _sweep_jit(state, expected_tokens, rows_table, row_indices, lengths, kv_buffer, *, canary):
+def _sweep_jit(state, expected_tokens, rows_table, row_indices, lengths, kv, *, canary):
     # The expected-token pool stays out of the donated state and out of the result (the sweep's
     # token check is off, it reads nothing there): the caller's state keeps the very pool array
     # its TokenFeed knows.
@@ -81,24 +83,35 @@ def _sweep_jit(state, expected_tokens, rows_table, row_indices, lengths, kv_buff
                                kv=kv_dict(canary, kv)), None
 
     state = dataclasses.replace(state, expected_tokens=expected_tokens)
-    state, _ = per_shard(canary, fn, state, rank=(rows_table, row_indices, lengths), kv=kv_buffer)
+    state, _ = per_shard(canary, fn, state, rank=(rows_table, row_indices, lengths), kv=kv)
     return dataclasses.replace(state, expected_tokens=None)
 
 
 @_config.entry_point
-def sweep(canary: SglangJaxCanary, state, kv_buffer: jax.Array, prefixes):
+def sweep(canary: SglangJaxCanary, state, kv_buffer: jax.Array, prefixes, *, layers=None):
     """Verify cached prefixes (slot lists, position ``j`` at index ``j``) against the TAIL
     buffers with the SWEEP tags (token check off), ``canary.sweep_rows`` prefixes per launch.
-    ``kv_buffer`` is the canary layer's current fused buffer. ``state`` is donated. With
+    ``kv_buffer`` is the canary layer's current fused buffer. With ``canary.coverage_window``,
+    ``layers`` is every layer's (the pool's ``kv_buffer`` list; required, refused without a
+    window) and the digest of every slot of the prefixes is checked too. ``state`` is donated. With
     ``canary.dp_size > 1``, ``prefixes[rank]`` are DP rank ``rank``'s (rank-local slots:
     :func:`radix_prefixes` with ``dp_size``), each verified by that rank's canaries.
 
     Raises ValueError (our rule, before anything runs or is donated) for a prefix longer than
     ``canary.context_len`` (its tail would go unchecked) or holding a slot outside
     ``[0, canary.num_slots)`` (never verified), and for per-rank lists that are not one per DP
-    rank. The state's expected-token pool is not donated: the returned state keeps that very
-    array (a :class:`TokenFeed` still knows the state)."""
+    rank, and for ``layers`` missing with a window (or not holding ``num_layers`` buffers) or
+    given without one. The state's expected-token pool is not donated: the returned state keeps
+    that very array (a :class:`TokenFeed` still knows the state)."""
     n, dp = canary.sweep_rows, canary.dp_size
+    if layers is not None and not canary.coverage_window:
+        raise ValueError("kv-canary sglang-jax: layers= is read by the coverage window only, and "
+                         "this canary has coverage_window=0: set it on the canary, or drop layers")
+    if canary.coverage_window and layers is None:
+        raise ValueError(
+            f"kv-canary sglang-jax: coverage_window {canary.coverage_window} checks the digest "
+            "of every layer of the cached slots: pass layers= (the pool's kv_buffer list)")
+    kv = shard_kv(canary, kv_buffer, layers)
     if dp == 1:
         per_rank = [prefixes]
     else:
@@ -133,7 +146,7 @@ def sweep(canary: SglangJaxCanary, state, kv_buffer: jax.Array, prefixes):
                 table[d, i + 1, :k] = slots
                 rows[d, i], lens[d, i] = i + 1, k
         state = _sweep_jit(state, pool, table.reshape(dp * (n + 1), -1), rows.reshape(-1),
-                           lens.reshape(-1), kv_buffer, canary=canary)
+                           lens.reshape(-1), kv, canary=canary)
     return dataclasses.replace(state, expected_tokens=pool)
 
 
