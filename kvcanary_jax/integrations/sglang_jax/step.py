@@ -244,12 +244,21 @@ def guard_model_step(canary: SglangJaxCanary, model_step: Callable, *, batch_arg
         if value < 0:
             raise ValueError(f"kv-canary sglang-jax: {name} must be >= 0 (an index into the "
                              f"model step's positional arguments), got {value}")
-    if len(set(named.values())) != len(named):
-        raise ValueError(f"kv-canary sglang-jax: {named} name the same argument twice; the "
-                         "batch, the KV pool and the future map are different arguments")
+    # What each argument number names, for the errors: "the batch and the KV pool" (and "the
+    # future map" when one is given).
+    what = {"batch_argnum": "the batch", "pool_argnum": "the KV pool",
+            "future_map_argnum": "the future map"}
+    things = [what[n] for n in named]
+    things = " and ".join(things) if len(things) == 2 else f"{things[0]}, {things[1]} and {things[2]}"
+    names = list(named)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if named[a] == named[b]:
+                raise ValueError(f"kv-canary sglang-jax: {a} and {b} are both {named[a]}; "
+                                 f"{things} are different arguments")
     if set(named.values()) & set(static_argnums):
-        raise ValueError("kv-canary sglang-jax: the batch, the KV pool and the future map "
-                         f"cannot be static arguments (static_argnums={tuple(static_argnums)})")
+        raise ValueError(f"kv-canary sglang-jax: {things} cannot be static arguments "
+                         f"(static_argnums={tuple(static_argnums)})")
     if not callable(model_step) or not callable(fused_kv):
         raise TypeError("kv-canary sglang-jax: model_step and fused_kv must be callables")
     if canary.coverage_window and not callable(kv_layers):
