@@ -145,6 +145,7 @@ def raise_mode() -> None:
         out["raised"] = None
     except CanaryViolationError as e:
         pool = runner.token_to_kv_pool.kv_buffer
+        first_slots = sorted({r.violation.slot for r in e.reports})
         out["raised"] = {"step": e.step, "reports": len(e.reports),
                          "pool_deleted": _deleted(pool),
                          "error_kv_is_the_pool": e.kv is not None and len(e.kv) == len(pool)
@@ -162,8 +163,17 @@ def raise_mode() -> None:
     for req, tok in zip(life.batch.reqs, plain.steps[-2]["next_ids"]):
         req.output_ids.append(int(tok))
     life.batch.output_ids = np.asarray(plain.steps[-2]["next_ids"], np.int32)
-    life.decode()
-    out["next_ids"] = life.steps[-1]["next_ids"]
+    # The flipped slot is still corrupted and the next step reads it again: its verify records a
+    # new ring row, which raise mode raises (a raise silences nothing after it), after the step
+    # ran and with its KV kept.
+    try:
+        life.decode()
+        out["raised_again"] = None
+    except CanaryViolationError as e:
+        out["raised_again"] = {"step": e.step,
+                               "same_slot": sorted({r.violation.slot for r in e.reports})
+                               == first_slots,
+                               "pool_deleted": _deleted(runner.token_to_kv_pool.kv_buffer)}
     out["kv_after_next"] = life.kv_digest()
     json.dump(out, sys.stdout)
 

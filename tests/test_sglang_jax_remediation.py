@@ -74,8 +74,10 @@ def test_model_runner_with_the_managed_hook():
 def test_model_runner_with_the_managed_hook_in_raise_mode():
     """Raise mode: the step that reports the flip raises after it ran; the runner's pool is
     alive and holds that step's KV (byte-identical to sglang-jax alone after the same steps and
-    flip), the error carries the same buffers, and the next step from them matches sglang-jax
-    alone. A step handed a delta for another batch is refused before anything is donated."""
+    flip), the error carries the same buffers; serving on from them, the next step reads the
+    still-corrupted slot again and raises again, naming it (a raise silences nothing after it),
+    with its KV byte-identical to sglang-jax alone. A step handed a delta for another batch is
+    refused before anything is donated."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, os.path.join(HERE, "_sglang_jax_managed_runner.py"),
                            "--mode", "raise"], capture_output=True, text=True, env=env,
@@ -89,5 +91,5 @@ def test_model_runner_with_the_managed_hook_in_raise_mode():
     assert r["raised"] == {"step": 5, "reports": 1, "pool_deleted": False,
                            "error_kv_is_the_pool": True}
     assert r["kv_after_raise"] == r["plain_kv_after_raise"]
-    assert r["next_ids"] == r["plain_next_ids"]
+    assert r["raised_again"] == {"step": 6, "same_slot": True, "pool_deleted": False}
     assert r["kv_after_next"] == r["plain_kv_after_next"]
