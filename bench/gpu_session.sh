@@ -84,6 +84,7 @@ for step in "$@"; do
         "verify|$I $P tests/test_verify.py"
         "golden_guard_zero|$I $P tests/test_golden.py tests/test_ring_guard.py tests/test_zero_sizes.py"
         "digest_halves_races|$I $P tests/test_digest.py tests/test_plan_halves.py tests/test_races.py"
+        "coverage|$I $P tests/test_coverage.py tests/test_coverage_campaign.py tests/test_bridge_digest.py tests/test_bridge_coverage.py"
         # The bridge's differential test alone takes about 100 s: it gets a part of its own, so
         # no part runs near its 290 s limit.
         "gpu_bridge_differential|$P -m gpu tests/test_bridge.py -k differential_helpers"
