@@ -140,6 +140,50 @@ LONGEST_FIRST = (
 )
 
 
+# The deep tests: whole campaigns (hundreds of flips, every layer and half), the demo and the
+# benchmarks run whole inside the process, and the interpreted kernels at sizes past the hand
+# cases. They check nothing the fast tier's smaller cases leave open in a kernel's logic, and they
+# are most of its time, so they run after it, with the end-to-end tests (the README's
+# test-command-e2e and test-command-py312-e2e select ``e2e or deep``). Each entry is a module, a
+# test of it, or a test with a substring its parameter id must hold.
+DEEP = (
+    ("test_coverage_campaign.py", None, None),
+    ("test_sglang_jax_coverage_campaign.py", None, None),
+    ("test_bridge_coverage.py", "test_every_flip_is_found_at_its_first_check", None),
+    ("test_bridge_coverage.py", "test_a_clean_run_reports_nothing", None),
+    ("test_bridge_coverage.py", "test_sglangs_own_canary_is_unchanged_with_the_window_on", None),
+    ("test_bridge_coverage.py", "test_the_window_runs_inside_a_captured_decode_step", None),
+    ("test_coverage.py", "test_the_demo_runs_the_window_and_prints_its_coverage", None),
+    ("test_coverage.py", "test_without_the_window_the_demo_misses_other_layers", None),
+    ("test_coverage.py", "test_sglangs_canary_is_unchanged_beside_the_window", None),
+    ("test_demo.py", "test_campaign_detects_every_fault_kind", None),
+    ("test_demo_manager.py", "test_campaign_through_the_manager_detects_every_fault_kind", None),
+    ("test_demo_manager.py", "test_demo_flags", None),
+    ("test_bridge_serving.py",
+     "test_decode_loop_with_a_growing_history_compiles_logarithmically_with_flat_memory", None),
+    ("test_runtime.py", "test_steps_match_sglang_references", "pallas_interpret"),
+    ("test_runtime.py", "test_v_half_full_only_matches_sglang_references", "pallas_interpret"),
+    ("test_verify.py", "test_round_trips_clean", "pallas_interpret"),
+    ("test_verify.py", "test_single_corruptions", "large"),
+    ("test_verify.py", "test_tpu_long_runs_across_slabs_and_blocks", None),
+    ("test_plan.py", "test_tpu_batch_sizes", None),
+    ("test_plan.py", "test_hand_cases", "pallas_mosaic_tpu"),
+    ("test_write.py", "test_xla_overlapping_and_unsorted_ranges_match_the_sequential_reference",
+     None),
+    ("test_digest.py", "test_pallas_many_sources_few_slots", None),
+    ("test_digest.py", "test_mosaic_tpu_every_dtype_and_layout", None),
+    ("test_digest.py", "test_tpu_long_strips_paged_rows_and_shared_operands", None),
+    ("test_digest.py", "test_pallas_launch_shapes", None),
+)
+
+
+def _is_deep(item) -> bool:
+    name = getattr(item, "originalname", None) or item.name.split("[")[0]
+    params = item.name[len(name):]
+    return any(item.path.name == module and test in (None, name) and (sub is None or sub in params)
+               for module, test, sub in DEEP)
+
+
 def _module_rank(item) -> tuple[int, str]:
     name = item.path.name
     rank = LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
@@ -149,6 +193,9 @@ def _module_rank(item) -> tuple[int, str]:
 def pytest_collection_modifyitems(config, items):
     # Longest modules first (a stable sort: the order inside a module is unchanged).
     items.sort(key=_module_rank)
+    for it in items:
+        if _is_deep(it):
+            it.add_marker(pytest.mark.deep)
     # Tests that compare with SGLang's torch references need torch, and so does every test of a
     # module that imports torch itself (the Python 3.12 leg, without torch, cannot even import
     # those modules): the marker lets a run without torch (the newest-JAX CI leg) select the rest

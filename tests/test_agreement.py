@@ -153,9 +153,9 @@ def test_a_process_in_mode_none_is_refused_by_every_process():
     for o in outs:
         assert o["config_error"] == ("kv-canary: the processes run different canary settings, "
                                      "so they cannot agree on when to raise: rank 0: mode=raise "
-                                     "sweep_interval=0 ring_capacity=1024 padding_guard=False; "
-                                     "rank 1: mode=none sweep_interval=0 ring_capacity=1024 "
-                                     "padding_guard=False"), o
+                                     "sweep_interval=0 ring_capacity=1024 padding_guard=False "
+                                     "coverage_window=0; rank 1: mode=none sweep_interval=0 "
+                                     "ring_capacity=1024 padding_guard=False coverage_window=0"), o
 
 
 def test_mesh_shards_agree_inside_the_step():

@@ -143,6 +143,7 @@ def test_bridge_coverage_bench_refuses_values_that_make_no_sense(argv, message, 
     assert capsys.readouterr().err.rstrip().endswith(f"error: {message}")
 
 
+@pytest.mark.e2e
 @pytest.mark.sglang_jax
 @pytest.mark.sglang_jax_002  # the timed modes run on 0.0.2 (the bench's docstring says why)
 def test_sglang_jax_step_bench_smoke_with_the_coverage_window(tmp_path):

@@ -106,7 +106,7 @@ def test_write_then_verify_match_the_oracle_over_every_kind_of_source(device, sg
             # Some stored digests and some KV bits changed: each shows where it is checked.
             bad = rng.choice(np.arange(1, n), size=2, replace=False)
             stored = want.copy()
-            stored[bad[0]] ^= 1 << int(rng.integers(64))
+            stored[bad[0]] ^= np.int64(1) << np.int64(rng.integers(64))  # bit 63 too
             flipped = ds.flip(sources, [ds.random_flip(rng, sources, int(bad[1]))])
             tflipped = _torch_sources(flipped, device, cls)
             cap = int(rng.integers(1, 3 * n))

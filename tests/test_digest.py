@@ -180,7 +180,7 @@ def test_verify_against_numpy(impl):
             written = rng.integers(0, num_slots, num_slots)
             st.digest = ds.np_write(st.digest, written, sources)
             for s in rng.integers(0, num_slots, 2):
-                st.digest[s] ^= 1 << int(rng.integers(64))
+                st.digest[s] ^= np.int64(1) << np.int64(rng.integers(64))  # bit 63 too
             sources = ds.flip(sources, [ds.random_flip(rng, sources,
                                                        int(rng.integers(1, num_slots - 3)))])
             cap = int(rng.integers(1, 3 * num_slots))

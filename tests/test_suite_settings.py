@@ -176,3 +176,21 @@ def test_the_race_detector_still_finds_a_race():
 
     assert found(racy=True) is True
     assert found(racy=False) is False
+
+
+def test_every_deep_entry_names_a_test_that_exists():
+    """A renamed test would silently leave the deep tier and run in the fast one (or a renamed
+    module's tests never run as deep): every entry of ``conftest.DEEP`` names a module and a
+    test function that exist, and a parameter substring that one of its ids holds."""
+    import re
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    for module, test, sub in conftest.DEEP:
+        path = os.path.join(here, module)
+        assert os.path.exists(path), module
+        if test is None:
+            continue
+        src = open(path).read()
+        assert re.search(rf"^def {test}\(", src, re.M), (module, test)
+        if sub is not None:
+            assert sub in src or sub in ("pallas_interpret", "pallas_mosaic_tpu"), (module, test, sub)
