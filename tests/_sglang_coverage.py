@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from kvcanary_jax import consts
+import _flip_campaign
 from _sglang_runtime import ToyServer, ToyRadix
 
 HALVES = ("K", "V")
@@ -152,19 +153,7 @@ class LayeredServer(ToyServer):
             swa_window_size=self.swa_window)
 
 
-@dataclasses.dataclass
-class Flip:
-    group: str
-    slot: int
-    layer: int
-    half: str
-    byte: int
-    bit: int
-    kind: str  # "used" or "cached"
-    placed: int  # the first forward that can see it
-    predicted: tuple | None = None  # (forward, "TAIL" | "SWEEP"): its first check
-    detected: tuple | None = None
-    erased: bool = False
+Flip = _flip_campaign.Flip  # one flip, its predicted and its actual first check (steps are forwards)
 
 
 @dataclasses.dataclass
