@@ -13,7 +13,11 @@ The version is read from sglang-jax's own objects, as the integration reads it: 
 * 0.1.0rc0's scheduler releases a finished request with ``release_kv_cache``
   (:func:`release_finished`), 0.0.2's with ``cache_finished_req``;
 * 0.1.0rc0's ``_merge_cache_loc`` writes ``cache_loc`` into a host buffer the
-  ``ReqToTokenPool`` keeps (``init_cache_loc_host_buffer``, sized by the server at start);
+  ``ReqToTokenPool`` keeps (``init_cache_loc_host_buffer``, sized by the server at start), and
+  every ``ModelWorkerBatch`` gets a view of it: on the CPU, ``ForwardBatch.init_new`` may place
+  that view without a copy, so the next batch rewrites the ``cache_loc`` of a ``ForwardBatch``
+  made before it. A harness that keeps a ``ForwardBatch`` past the next
+  ``get_model_worker_batch`` (a replay) makes it with :func:`forward_batch`;
 * 0.1.0rc0's ``ForwardBatch.init_new`` reads the runner's ``model_config.hf_config`` and
   ``is_embedding`` besides its mesh (:func:`runner_stand_in` gives both), and its
   ``get_model_worker_batch`` the model config's ``hf_config`` (:func:`prepare_model_config`).
@@ -98,6 +102,17 @@ def prepare_req_pool(req_pool, cache_loc_len: int) -> None:
     """0.1.0rc0: the host buffer ``cache_loc`` is merged into (the server sizes it at start)."""
     if V01:
         req_pool.init_cache_loc_host_buffer(cache_loc_len)
+
+
+def forward_batch(mwb, runner):
+    """``ForwardBatch.init_new(mwb, runner)`` on a ``cache_loc`` of its own: one the next
+    ``get_model_worker_batch`` cannot rewrite (0.1.0rc0's is a view of the pool's host buffer,
+    which the CPU client may alias, as it may any host array it is handed: then whether a
+    replay sees its own batch's slots or the next batch's depends on that buffer's alignment)."""
+    from sgl_jax.srt.model_executor.forward_batch_info import ForwardBatch
+
+    mwb.cache_loc = np.array(mwb.cache_loc, copy=True)
+    return ForwardBatch.init_new(mwb, runner)
 
 
 def no_prefix_cache(req_pool, allocator, page_size: int):

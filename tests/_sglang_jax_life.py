@@ -68,7 +68,6 @@ from sgl_jax.srt.mem_cache.allocator import (  # noqa: E402
 )
 from sgl_jax.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
-from sgl_jax.srt.model_executor.forward_batch_info import ForwardBatch  # noqa: E402
 from sgl_jax.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
 from kvcanary_jax.integrations import sglang_jax as ksj  # noqa: E402
@@ -245,7 +244,7 @@ class World:
 
     def worker_batch(self, batch):
         mwb = batch.get_model_worker_batch([TOKENS], [MAX_BS], [CACHE_LOC], self.page_size)
-        fb = ForwardBatch.init_new(mwb, self.runner)
+        fb = compat.forward_batch(mwb, self.runner)  # replays keep fb past the next batch
         if self.feed is not None:  # only the ids the device lacks
             return mwb, fb, self.feed.delta(compat.reqs_per_dp(batch), mwb)
         ranks = [ksj.request_token_ids(reqs) for reqs in compat.reqs_per_dp(batch)]
@@ -312,10 +311,8 @@ def _dump(violations):
 
 def _copy(tree):
     """A copy in buffers of its own, finished before this returns: a snapshot that the steps
-    dispatched next, which donate the state and KV it was taken from, can never consume. (With
-    ``jnp.copy`` alone, dispatched asynchronously, 0.1.0rc0's replays from a snapshot have been
-    seen to start from the state of the step after it, now and then, on a cold persistent
-    compilation cache.)"""
+    dispatched next, which donate the state and KV it was taken from, can never consume. (The
+    forward batches replayed are kept apart from the next batch by compat.forward_batch.)"""
     out = jax.tree.map(lambda x: jax.device_put(x, may_alias=False), tree)
     jax.block_until_ready(out)
     return out
