@@ -222,7 +222,7 @@ def pytest_collection_modifyitems(config, items):
     else:
         _deselect(config, items, "sglang_jax_01")
     # tpu-inference 0.32 needs Python 3.12, jax 0.11.2 and an 8 GB install: its tests run with the
-    # README's test-command-tpu-inference, which installs it; elsewhere they are deselected.
+    # test-command-tpu-inference (docs/testing.md), which installs it; elsewhere they are deselected.
     if importlib.util.find_spec("tpu_inference") is None:
         _deselect(config, items, "tpu_inference")
     # Compiling for TPU topologies needs libtpu (jax[tpu]); where it is not installed these tests

@@ -4,8 +4,9 @@
   sglang-jax wiring) are marked runnable, so tests/test_docs.py runs each in a fresh process and
   checks that it prints what its comments say: the examples that import sglang-jax (Python >=
   3.12) are marked ``sglang_jax`` and those that import the torch bridge ``torch``.
-- Its test commands stay between their markers, where ``.ci/run`` finds them: every marker a CI
-  leg names gives one command.
+- Its test command (the fast tier) stays between its markers, where ``.ci/run`` finds it, and so
+  do the other tiers' in docs/testing.md: every marker a CI leg names gives one command, found in
+  one place.
 - It stays short, its relative links point at files of the checkout, and it carries no timing
   figures (dated measurements live in bench/NOTES.md and bench/results/, which the docs cite)."""
 
@@ -21,6 +22,7 @@ import _markdown as md
 TEXT = md.README.read_text(encoding="utf-8")
 BLOCKS = md.blocks(md.README)
 CI = md.ROOT / ".ci" / "run"
+TESTING = md.DOCS / "testing.md"  # the other tiers' commands
 # The smallest uses, by section, and what each example needs besides this package.
 SMALLEST = {
     "## The smallest JAX use": (),
@@ -62,7 +64,7 @@ def _section_of(line: int) -> str | None:
 
 
 def _ci_markers() -> list[str]:
-    """Every README marker a leg of .ci/run names (``leg <name> <python> <marker>...``; a
+    """Every command marker a leg of .ci/run names (``leg <name> <python> <marker>...``; a
     ``fresh:`` marker runs in a fresh venv)."""
     markers = []
     for line in CI.read_text(encoding="utf-8").splitlines():
@@ -76,19 +78,23 @@ def test_ci_finds_every_command_between_its_markers():
     markers = _ci_markers()
     assert {"test-command", "test-command-e2e", "test-command-long", "test-command-py312",
             "test-command-tpu-compile", "docs-command", "test-command-sglang-jax-0.1"} <= set(markers)
+    assert TEXT.count("<!-- test-command -->") == 1  # the README's test command is the fast tier
+    texts = [TEXT, TESTING.read_text(encoding="utf-8")]
     for marker in set(markers):
         # .ci/run's own extraction, run as CI runs it.
         proc = subprocess.run(
-            ["bash", "-c", f'source <(sed -n "/^readme_cmd()/,/^}}/p" .ci/run); readme_cmd {marker}'],
+            ["bash", "-c", f'source <(sed -n "/^DOCS=/p;/^doc_cmd()/,/^}}/p" .ci/run); '
+                           f"doc_cmd {marker}"],
             cwd=md.ROOT, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
         lines = proc.stdout.strip().splitlines()
         assert len(lines) == 1 and lines[0].strip(), (marker, lines)
-        assert TEXT.count(f"<!-- {marker} -->") == 1 and TEXT.count(f"<!-- /{marker} -->") == 1
+        assert sum(t.count(f"<!-- {marker} -->") for t in texts) == 1, marker
+        assert sum(t.count(f"<!-- /{marker} -->") for t in texts) == 1, marker
 
 
 def test_readme_is_short():
-    assert len(TEXT.splitlines()) <= 275
+    assert len(TEXT.splitlines()) <= 215
 
 
 def test_readme_links_resolve():
