@@ -53,6 +53,9 @@ __all__ = [
 ]
 
 _DL_CPU, _DL_CUDA, _DL_ROCM = 1, 2, 10
+# Page-locked host memory: torch's __dlpack_device__ says kDLCUDAHost (kDLROCMHost) for a pinned
+# CPU tensor, while the capsule it exports says kDLCPU. Host memory all the same: the CPU path.
+_DL_HOST = (_DL_CPU, 3, 11)
 
 
 class BridgeError(ValueError):
@@ -97,8 +100,8 @@ def device_info(t, name: str) -> DeviceInfo:
     dl_type, dl_id = t.__dlpack_device__()
     dl_type = int(dl_type)
     stream = None
-    if dl_type == _DL_CPU:
-        jdev, is_gpu = jax.devices("cpu")[0], False
+    if dl_type in _DL_HOST and dev.type == "cpu":
+        jdev, is_gpu, dl_type = jax.devices("cpu")[0], False, _DL_CPU
     elif dl_type in (_DL_CUDA, _DL_ROCM):
         try:
             gpus = jax.devices("gpu")

@@ -423,6 +423,36 @@ def test_meta_device_tensors_get_the_bridges_error():
                             "data to run on; pass tensors on cpu or cuda")
 
 
+def test_pinned_host_tensors_run_on_the_cpu_path(monkeypatch):
+    """Page-locked CPU tensors (SGLang pins its token-id snapshots and offsets; on a CPU pool they
+    reach the launchers as they are): torch's ``__dlpack_device__`` says kDLCUDAHost for them, its
+    capsule kDLCPU. The bridge runs them as the host memory they are, with the results of the same
+    launch on unpinned tensors, whichever tensor comes first. (A CPU-only torch cannot pin: the
+    test makes torch report the pinned device type for the tensors it names.)"""
+    from kvcanary_jax.bridge import dlpack
+
+    flat = torch.arange(1, 7, dtype=torch.int64)
+    offsets = torch.tensor([0, 2, 6])
+    rows = torch.tensor([1, 3])
+    pool = torch.zeros(4, 8, dtype=torch.int32)
+    want = pool.clone()
+    bridge.launch_scatter_req_token_ids_kernel(flat_in=flat, offsets=offsets,
+                                               req_pool_indices=rows, pool_out=want)
+    pinned = {pool.data_ptr(), flat.data_ptr(), offsets.data_ptr()}
+    own = torch.Tensor.__dlpack_device__
+
+    def dlpack_device(t):
+        return (3, 0) if t.device.type == "cpu" and t.data_ptr() in pinned else own(t)
+
+    monkeypatch.setattr(torch.Tensor, "__dlpack_device__", dlpack_device)
+    monkeypatch.setattr(dlpack, "_DEVICES", {})  # the device looked up afresh, pinned first
+    assert pool.__dlpack_device__() == (3, 0)
+    bridge.launch_scatter_req_token_ids_kernel(flat_in=flat, offsets=offsets,
+                                               req_pool_indices=rows, pool_out=pool)
+    assert torch.equal(pool, want)
+    assert pool[1, :2].tolist() == [1, 2] and pool[3, :4].tolist() == [3, 4, 5, 6]
+
+
 # --------------------------------------------------------------------------------------------
 # Buckets are exact, malformed offsets included
 
