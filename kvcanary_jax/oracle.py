@@ -20,6 +20,7 @@ depends on it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.machinery
 import importlib.util
@@ -271,23 +272,54 @@ class _TorchWithoutPinnedMemory:
 
 def _phase_checker_import():
     """Import SGLang's phase checker. Its Triton kernel keeps the forward's pre/post phases in
-    order on the device; without a GPU, Triton's interpreter runs the same kernel on CPU tensors
-    (``TRITON_INTERPRET`` is read when the kernel is decorated, so it is set for this import
-    only)."""
+    order on the device's tensors; Triton's interpreter runs the same kernel on CPU tensors
+    (``TRITON_INTERPRET`` is read when a kernel is decorated, so it is set for the decoration
+    only). Without a GPU the module is imported interpreted; with one, compiled, and its kernel
+    then runs each launch where its tensors are (:class:`_PhaseKernelByDevice`): a harness over
+    a CPU pool on a GPU host runs as on a machine without one."""
     import torch
 
     name = "sglang.srt.utils.phase_checker"
-    if name in sys.modules or torch.cuda.is_available():
+    if name in sys.modules:
+        return sys.modules[name]
+    if torch.cuda.is_available():
+        module = importlib.import_module(name)
+        with _triton_interpret():
+            import triton
+
+            interpreted = triton.jit(debug=True)(module._phase_check_kernel.fn)
+        module._phase_check_kernel = _PhaseKernelByDevice(module._phase_check_kernel, interpreted)
+        return module
+    with _triton_interpret():
         return importlib.import_module(name)
+
+
+@contextlib.contextmanager
+def _triton_interpret():
     before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        return importlib.import_module(name)
+        yield
     finally:
         if before is None:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = before
+
+
+class _PhaseKernelByDevice:
+    """SGLang's phase-check kernel (``kernel[grid](phase, ...)``) on a machine with CUDA: the
+    compiled kernel for CUDA tensors, the interpreted one for CPU tensors."""
+
+    def __init__(self, compiled, interpreted):
+        self.compiled, self.interpreted = compiled, interpreted
+        self.fn = compiled.fn
+
+    def __getitem__(self, grid):
+        def launch(phase, *args, **kwargs):
+            kernel = self.interpreted if phase.device.type == "cpu" else self.compiled
+            return kernel[grid](phase, *args, **kwargs)
+        return launch
 
 
 _runtime: dict[bool, types.SimpleNamespace] = {}

@@ -213,3 +213,38 @@ def test_dropin_matches_sglang_runtime_in_a_cuda_graph(monkeypatch):
     assert {used[t.name]["path"] for t in sglang_install.TARGETS} == {"triton_direct"}, used
     compare_runs(want, got, ordered=False)
     assert sum(len(s["violations"]) for s in want) > 0
+
+
+def test_sglangs_phase_checker_runs_where_its_tensors_are_on_a_cuda_host():
+    """SGLang's runtime over a CPU pool on a machine with CUDA (the whole suite on a GPU host):
+    its phase checker's Triton kernel, imported compiled there, runs CPU tensors in Triton's
+    interpreter, as on a machine without CUDA. The test makes torch report CUDA in a process of
+    its own (the import is once per process); a phase out of order is still reported (the
+interpreter prints the kernel's failure line)."""
+    import subprocess
+    import textwrap
+
+    code = textwrap.dedent("""
+        import torch
+        torch.cuda.is_available = lambda: True  # as on a GPU host
+        import sys
+        from kvcanary_jax import oracle
+        oracle.load_runtime()
+        module = sys.modules["sglang.srt.utils.phase_checker"]
+        kernel = module._phase_check_kernel
+        print(type(kernel).__name__, type(kernel.compiled).__name__,
+              type(kernel.interpreted).__name__)
+        checker = module.SimplePhaseChecker(initial_phase=0, device=torch.device("cpu"))
+        checker.update(expect_phase=0, next_phase=1, caller_name="pre")
+        checker.update(expect_phase=1, next_phase=0, caller_name="post")
+        checker.update(expect_phase=0, next_phase=1, caller_name="pre")
+        print(int(checker._phase))
+        checker.enable_assert()  # back to phase 0: a post now is out of order
+        checker.update(expect_phase=1, next_phase=0, caller_name="post")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert lines[:2] == ["_PhaseKernelByDevice JITFunction InterpretedFunction", "1"], lines
+    assert len(lines) == 3 and "[SimplePhaseChecker FAIL] caller_tag=2 expect=1 next=0" in lines[2]
