@@ -77,7 +77,8 @@ def _ci_markers() -> list[str]:
 def test_ci_finds_every_command_between_its_markers():
     markers = _ci_markers()
     assert {"test-command", "test-command-e2e", "test-command-long", "test-command-py312",
-            "test-command-tpu-compile", "docs-command", "test-command-sglang-jax-0.1"} <= set(markers)
+            "test-command-tpu-compile", "docs-command", "test-command-sglang-jax-0.1",
+            "test-command-tpu-inference"} <= set(markers)
     assert TEXT.count("<!-- test-command -->") == 1  # the README's test command is the fast tier
     texts = [TEXT, TESTING.read_text(encoding="utf-8")]
     for marker in set(markers):
