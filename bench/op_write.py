@@ -1,5 +1,9 @@
 """canary_write: ours (Pallas) vs SGLang 0.5.23's CUDA write. Each request continues a chain from
-a seeded slot (chain-position assert on) and writes its new tokens at random distinct slots."""
+a seeded slot (chain-position assert on) and writes its new tokens at random distinct slots.
+
+Beside the byte floor, which says nothing for a serial chain, the chain floor: a plain Triton
+kernel that computes only each request's dependent splitmix64 chain over the same token ids and
+positions (:func:`chain_floor`)."""
 
 from __future__ import annotations
 
@@ -38,6 +42,96 @@ def _inputs(reqs: int, tokens: int, seed: int):
 
 
 TOKEN_ARRAYS = ("input_ids", "positions", "out_cache_loc")  # the timed calls take them in order
+
+_CHAIN_KERNEL = None
+
+
+def chain_kernel():
+    """A plain Triton kernel with the write's dependent chain and nothing else: one program per
+    request folds ``h = mix3(h, token, position)`` (three splitmix64 rounds, as the canary's
+    chain hash) over its tokens, from ``h0`` (its seed slot's stored hash), reading the ids and
+    positions as the write does, and stores the last ``h`` (so no round is dead). Unsigned 64-bit
+    arithmetic: Triton's own lowering takes it (the uint64 limit is Pallas's)."""
+    global _CHAIN_KERNEL
+    if _CHAIN_KERNEL is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def chain_only(ids, positions, offsets, h0, out):
+            # splitmix64(splitmix64(splitmix64(h) ^ token) ^ position), the rounds written out
+            # (a kernel resolves helpers from module globals; this one is built on first use).
+            r = tl.program_id(0)
+            start = tl.load(offsets + r)
+            end = tl.load(offsets + r + 1)
+            h = tl.load(h0 + r).to(tl.uint64, bitcast=True)
+            for i in range(start, end):
+                t = tl.load(ids + i).to(tl.uint64, bitcast=True)
+                p = tl.load(positions + i).to(tl.uint64, bitcast=True)
+                for k in tl.static_range(3):
+                    h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
+                    h = (h ^ (h >> 27)) * 0x94D049BB133111EB
+                    h = h ^ (h >> 31)
+                    if k == 0:
+                        h = h ^ t
+                    elif k == 1:
+                        h = h ^ p
+            tl.store(out + r, h.to(tl.int64, bitcast=True))
+
+        _CHAIN_KERNEL = chain_only
+    return _CHAIN_KERNEL
+
+
+def chain_inputs(reqs: int, tokens: int, seed: int) -> dict:
+    """The chain floor's arrays of one input set (:func:`_inputs`'s ids, positions and offsets;
+    ``h0``: each request's seed slot's stored hash)."""
+    d = _inputs(reqs, tokens, seed)
+    rows = d["canary_buf"].view(np.int64).reshape(-1, 4)
+    return dict(ids=d["tokens"]["input_ids"], positions=d["tokens"]["positions"],
+                offsets=d["plan"]["write_offsets"],
+                h0=rows[d["plan"]["write_seed_slot_indices"], 2].copy())
+
+
+def chain_reference(c: dict) -> np.ndarray:
+    """:func:`chain_kernel`'s output computed on the host (bench.chains' numpy splitmix64)."""
+    from kvcanary_jax.bench import chains
+
+    out = c["h0"].astype(np.uint64)
+    for r in range(out.shape[0]):
+        h = out[r:r + 1]
+        for i in range(int(c["offsets"][r]), int(c["offsets"][r + 1])):
+            h = chains.mix3(h, c["ids"][i:i + 1], c["positions"][i:i + 1])
+        out[r] = h[0]
+    return out.view(np.int64)
+
+
+def chain_floor(reqs: int, tokens: int, *, iters: int) -> dict:
+    """Device time of the chain alone on this GPU (:func:`chain_kernel`), on the write's inputs,
+    rotated as the op's; ``correct``: the kernel's chains equal the host's on the first set."""
+    import torch
+
+    kern = chain_kernel()
+    n = reqs * tokens
+    k = timing.num_sets(24 * n + 16 * reqs)
+    sets, first = [], None
+    for s in range(k):
+        c = chain_inputs(reqs, tokens, s)
+        if first is None:
+            first = c
+        sets.append([common.to_torch(c[f]) for f in ("ids", "positions", "offsets", "h0")]
+                    + [torch.empty(reqs, dtype=torch.int64, device=common.torch_device())])
+
+    def run(i):
+        kern[(reqs,)](*sets[i % k], num_warps=1)
+
+    run(0)
+    torch.cuda.synchronize()
+    correct = bool(np.array_equal(sets[0][4].cpu().numpy(), chain_reference(first))) \
+        if n <= 65536 else None
+    res = {"us": timing.device_time(run, torch.cuda.synchronize, iters=iters)["median_us"],
+           "correct": correct}
+    del sets
+    return res
 
 
 def jax_fresh(reqs: int, tokens: int, seed: int) -> list:
@@ -118,6 +212,11 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
             row["sglang"] = timing.device_time(run_sgl, torch.cuda.synchronize, iters=iters)
             row["sglang_call"] = timing.call_time(run_sgl, torch.cuda.synchronize, iters=iters)
             del tsets
+            # What the serial chain itself costs here: the byte floor assumes the bytes bound it.
+            c = chain_floor(reqs, tokens, iters=iters)
+            row["chain_floor_us"] = c["us"]
+            if c["correct"] is not None:
+                row["chain_floor_correct"] = c["correct"]
         rows_out.append(row)
         progress.update(1)
     return rows_out

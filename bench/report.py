@@ -6,7 +6,8 @@ import os
 
 PEERS = ("sglang", "triton_2d")
 LABEL = {"ours": "ours (Pallas)", "sglang": "SGLang 0.5.23", "triton_2d": "Triton 2-D",
-         "floor": "byte floor", "gather_floor": "gather floor (random 32 B rows)"}
+         "floor": "byte floor", "gather_floor": "gather floor (random 32 B rows)",
+         "chain_floor": "chain floor (the dependent splitmix64 chain alone)"}
 
 
 def _med(row, key):
@@ -64,10 +65,11 @@ def markdown(result: dict) -> str:
         "torch.profiler/CUPTI for both sides, every kernel the call launches); inputs rotate among "
         "enough sets to overflow the 60 MB L2. Byte floor: bytes the op must move / copy "
         "bandwidth; gather floor (verify): a plain Triton kernel that only reads the plan and "
-        "gathers the same random 32-byte canary rows.",
+        "gathers the same random 32-byte canary rows; chain floor (write): a plain Triton kernel "
+        "that only computes each request's dependent splitmix64 chain over the same tokens.",
         "",
-        "| op | case | ours | SGLang 0.5.23 | Triton 2-D | byte floor | gather floor | ours/SGLang | ours/best Triton | ours/byte floor | correct |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| op | case | ours | SGLang 0.5.23 | Triton 2-D | byte floor | gather / chain floor | ours/SGLang | ours/best Triton | ours/byte floor | ours/gather or chain floor | correct |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     first_rows = _first_impl_rows(result)
     for row in first_rows:
@@ -75,14 +77,16 @@ def markdown(result: dict) -> str:
             continue
         ours, sgl, t2d = _med(row, "ours"), _med(row, "sglang"), _med(row, "triton_2d")
         floor = row.get("floor_us")
+        pattern = row.get("gather_floor_us", row.get("chain_floor_us"))
         best = min([x for x in (sgl, t2d) if x is not None], default=None)
         ratio = lambda a, b: None if a is None or b is None or b == 0 else a / b  # noqa: E731
         correct = all(v for k, v in row.items() if k.endswith("_correct")) if any(
             k.endswith("_correct") for k in row) else None
         lines.append(
             f"| {row['op']} | {row['case']} | {_fmt(ours)} | {_fmt(sgl)} | {_fmt(t2d)} | {_fmt(floor)} | "
-            f"{_fmt(row.get('gather_floor_us'))} | "
+            f"{_fmt(pattern)} | "
             f"{_fmt(ratio(ours, sgl), 2)} | {_fmt(ratio(ours, best), 2)} | {_fmt(ratio(ours, floor), 2)} | "
+            f"{_fmt(ratio(ours, pattern), 2)} | "
             f"{'-' if correct is None else ('yes' if correct else 'NO')} |"
         )
     lines += implementations_table(result)
@@ -115,7 +119,8 @@ def plots(result: dict, out_dir: str) -> None:
         if xkey is None:
             continue
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        series = {"ours": [], "sglang": [], "triton_2d": [], "floor": [], "gather_floor": []}
+        series = {"ours": [], "sglang": [], "triton_2d": [], "floor": [], "gather_floor": [],
+                  "chain_floor": []}
         for r in sorted(rows, key=lambda r: r[xkey]):
             x = r[xkey] / 1e6
             for key in ("ours", "sglang", "triton_2d"):
@@ -126,13 +131,17 @@ def plots(result: dict, out_dir: str) -> None:
                 series["floor"].append((x, r["floor_us"]))
             if r.get("gather_floor_us"):
                 series["gather_floor"].append((x, r["gather_floor_us"]))
-        styles = {"ours": "o-", "sglang": "s--", "triton_2d": "^--", "floor": "k:", "gather_floor": "k-."}
+            if r.get("chain_floor_us"):
+                series["chain_floor"].append((x, r["chain_floor_us"]))
+        styles = {"ours": "o-", "sglang": "s--", "triton_2d": "^--", "floor": "k:", "gather_floor": "k-.",
+                  "chain_floor": "kx"}
         # Write cases differ in chain length, not only in size: points, labelled, not a curve.
         points_only = op == "write"
         for key, pts in series.items():
             if pts:
                 xs, ys = zip(*pts)
-                style = styles[key][0] if points_only and key != "floor" else styles[key]
+                style = (styles[key][0] if points_only and key not in ("floor", "chain_floor")
+                         else styles[key])
                 ax.plot(xs, ys, style, label=LABEL[key], markersize=5 if points_only else 4)
         if points_only:
             xs_all = [r[xkey] / 1e6 for r in rows if _med(r, "ours") is not None]

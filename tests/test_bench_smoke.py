@@ -170,3 +170,29 @@ def test_sglang_jax_step_bench_smoke_with_the_coverage_window(tmp_path):
         assert row["sweep_per_step_us"] == row["sweep"]["median_us"] / 8 > 0
         assert all(row[k]["median_us"] > 0 for k in ("sglang_jax", "guarded", "canary_only"))
     assert "window 2: sweep" in proc.stdout
+
+
+@pytest.mark.torch  # torch tensors and triton, which the Python 3.11 leg installs
+def test_the_write_benchs_chain_floor_kernel_computes_the_chains():
+    """The chain floor's Triton kernel (bench/op_write.py, timed on the GPU beside the write) folds
+    each request's splitmix64 chain as the host does: run in Triton's interpreter on CPU
+    tensors (in a process of its own: the interpreter is chosen when the kernel is decorated),
+    on the write bench's own inputs, one request and several, an empty one among them."""
+    code = """
+import numpy as np, torch
+from kvcanary_jax.bench import op_write
+kern = op_write.chain_kernel()
+for reqs, tokens, seed in ((1, 40, 0), (5, 7, 1), (3, 0, 2)):
+    c = op_write.chain_inputs(reqs, tokens, seed)
+    args = [torch.from_numpy(np.array(c[f])) for f in ("ids", "positions", "offsets", "h0")]
+    out = torch.zeros(reqs, dtype=torch.int64)
+    kern[(reqs,)](*args, out)
+    want = op_write.chain_reference(c)
+    assert np.array_equal(out.numpy(), want), (reqs, tokens, out, want)
+    assert tokens == 0 or not np.array_equal(want, c["h0"])
+print("ok")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.split() == ["ok"], proc.stderr[-3000:]
