@@ -86,9 +86,11 @@ for step in "$@"; do
         "golden_guard_zero|$I $P tests/test_golden.py tests/test_ring_guard.py tests/test_zero_sizes.py"
         "digest_halves_races|$I $P tests/test_digest.py tests/test_plan_halves.py tests/test_races.py"
         "coverage|$I $P tests/test_coverage.py tests/test_coverage_campaign.py"
-        # The bridge's coverage suites on CUDA tensors (their CPU-tensor runs are CI's: on the
-        # GPU host the CPU runs of SGLang's runtime failed on 2026-12-04, still to be explained).
+        # The bridge's coverage suites on CUDA tensors, and their CPU-tensor runs on this CUDA
+        # host (SGLang's phase checker and pinned staging take other paths here than on CI's
+        # CPU machine: both failed on 2026-12-04 before their fixes).
         "bridge_coverage|$P -m gpu tests/test_bridge_digest.py tests/test_bridge_coverage.py"
+        "bridge_coverage_cpu|$P -m 'not gpu' tests/test_bridge_digest.py tests/test_bridge_coverage.py tests/test_bridge_serving.py"
         # The bridge's differential test alone takes about 100 s: it gets a part of its own, so
         # no part runs near its 290 s limit.
         "gpu_bridge_differential|$P -m gpu tests/test_bridge.py -k differential_helpers"
