@@ -189,8 +189,20 @@ def _word_gather(ref, idx, ok):
 # at bs 8 / 512 cached (4 and 32 words: 11.05 / 7.77 and 14.38 / 6.55 us). The verify keeps 8
 # (thousands of slots in flight: 32 words each cost registers), the write, a few slots per
 # program, takes the whole strip at once.
+#
+# The write's group is shared by its sources: each source's fold is unrolled group words wide,
+# twice (the peeled first block and the loop), so 32 words for each of SGLang's four ALL-mode
+# sources made a 13,888-line kernel that triton took 110 s to compile for sm_90 (one source:
+# 4,303 lines, 8.5 s), on every new bucket of the first steps. With more sources each keeps
+# REAL_KV_PREFETCH_WRITE // sources words ahead, never fewer than the verify's 8 (the kernel's
+# size stays about the one-source kernel's; the hash is the same whatever the group).
 REAL_KV_PREFETCH = 8
 REAL_KV_PREFETCH_WRITE = 32
+
+
+def write_prefetch(num_sources: int) -> int:
+    """Words each source's fold loads ahead in the write kernel, for ``num_sources`` sources."""
+    return max(REAL_KV_PREFETCH, REAL_KV_PREFETCH_WRITE // max(num_sources, 1))
 
 
 def fold_real_kv(slots, mask, source_refs, specs, mode: int, *, prefetch: int | None = None):

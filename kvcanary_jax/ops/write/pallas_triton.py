@@ -184,7 +184,7 @@ def _write_kernel(
         # Field 3 depends on the slot only: duplicates of a slot store the same value, so this
         # scatter needs no ordering against the block's other stores or another block's.
         rkv = _kernel_lib.fold_real_kv(slot, valid, src_refs, specs, mode,
-                                       prefetch=_kernel_lib.REAL_KV_PREFETCH_WRITE)
+                                       prefetch=_kernel_lib.write_prefetch(nsrc))
         scatter(canary, slot * slot_words + consts.CANARY_FIELD_REAL_KV_HASH, rkv, valid)
         if h is None:  # first block: the seed's hash, emitted after the block's loads issue
             h = jnp.where(seed < 0, jnp.asarray(hashing.ANCHOR_HASH_I64, i64),
@@ -227,11 +227,19 @@ def _write_kernel(
         return h_out, last_out, written + jnp.sum(valid.astype(i64))
 
     # The first block is peeled out of the loop: straight-line code from the scalar loads to the
-    # first mix3, and a short request never enters the loop.
-    carry = do_block(zero, None, last0, zero)
+    # first mix3, and a short request never enters the loop. Not when the kernel folds real KV:
+    # the fold's code, unrolled per source, would be there twice (four ALL-mode sources: 6,976
+    # TTIR lines and 20 s of triton's compile for sm_90 peeled, half that in the loop alone),
+    # and its loads dwarf what the peel saves.
     nblocks = (n + block - 1) // block
+    if nsrc and mode != int(consts.RealKvHashMode.NONE):
+        h0 = jnp.where(seed < 0, jnp.asarray(hashing.ANCHOR_HASH_I64, i64),
+                       hashing.mix3(s_ph, s_tok, s_pos))
+        carry, first = (h0, last0, zero), zero
+    else:
+        carry, first = do_block(zero, None, last0, zero), jnp.ones((), i64)
     _, _, written = jax.lax.fori_loop(
-        jnp.ones((), i64), nblocks, lambda b, c: do_block(b * block, *c), carry)
+        first, nblocks, lambda b, c: do_block(b * block, *c), carry)
 
     @pl.when(n > 0)
     def _count():
