@@ -96,10 +96,8 @@ for step in "$@"; do
         "gpu_bridge_differential|$P -m gpu tests/test_bridge.py -k differential_helpers"
         "gpu_bridge|$P -m gpu tests/test_bridge.py -k 'not differential_helpers'"
         "gpu_bridge_direct|$P -m gpu tests/test_bridge_gpu.py"
-        # gpu_ops ran past 290 s beside ten other parts on 2026-12-04: the digest's and the
-        # coverage's GPU tests get a part of their own.
-        "gpu_ops|$P -m gpu tests --ignore=tests/test_bridge.py --ignore=tests/test_bridge_gpu.py --ignore=tests/test_bridge_digest.py --ignore=tests/test_bridge_coverage.py --ignore=tests/test_digest.py --ignore=tests/test_coverage.py"
-        "gpu_digest|$P -m gpu tests/test_digest.py tests/test_coverage.py"
+        # Every other test marked gpu (the bridge's run in the parts above).
+        "gpu_ops|$P -m gpu tests --ignore=tests/test_bridge.py --ignore=tests/test_bridge_gpu.py --ignore=tests/test_bridge_digest.py --ignore=tests/test_bridge_coverage.py"
         "memcheck|timeout 290 compute-sanitizer --tool memcheck --print-limit 5 python3 -m kvcanary_jax.bench.sanitize_cases"
       )
       pids=()
