@@ -203,7 +203,10 @@ def test_the_window_runs_inside_a_captured_decode_step(device, monkeypatch):
     digest = [v for s in runs[True] for v in s["violations"] if v[7] & consts.KV_DIGEST_MISMATCH]
     assert digest  # the perturbers changed real KV bytes: the digest, replayed, saw them
     eager, graphed = runs[False, "stats"], runs[True, "stats"]
-    assert graphed["tail_kernel_runs"] == eager["tail_kernel_runs"] + 2 + (device.type == "cuda")
+    # The two warm-up forwards run the TAIL kernels; a CUDA graph's capture records them
+    # without running them (the H200, 2026-12-04: 15 runs against 13 eager), as the rerun
+    # stand-in runs nothing at capture.
+    assert graphed["tail_kernel_runs"] == eager["tail_kernel_runs"] + 2
     assert graphed["sweep_kernel_runs"] == eager["sweep_kernel_runs"]
 
 
