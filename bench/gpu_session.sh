@@ -19,6 +19,10 @@
 #                                    [sglang-jax]   (the canary next to sglang-jax's step; its
 #   wheels travel in .whl/sglang_jax/: on a machine with the registry and Python 3.12,
 #   pip download --no-deps -r requirements-sglang-jax.txt -d .whl/sglang_jax)
+#                                    [tpu-inference]   (the canary in vLLM's TPU backend's
+#   runner step: .whl/tpu_inference/ from python -m kvcanary_jax.bench.device_wheels
+#   tpu-inference; TPUINF_ARGS for the bench). SGLang's wheel pruned by
+#   python -m kvcanary_jax.bench.device_wheels sglang (16 MB) travels with sglang-jax's.
 # bench-impls: the full case list with every op's pallas_triton and xla implementations side by
 # side (SGLang and the peers timed once, with pallas_triton), into $OUT/bench-impls.
 set -uo pipefail
@@ -165,6 +169,15 @@ PY
       echo /tmp/sgljax > "$(python3 -c 'import site; print(site.getsitepackages()[0])')/zz-sgljax.pth"
       JAX_PLATFORMS=cuda timeout ${SGLJAX_TIMEOUT:-540} python3 -m kvcanary_jax.bench.sglang_jax_step \
         ${SGLJAX_ARGS:-} --out $OUT/sglang_jax 2>&1 | grep -v "^WARNING" | tail -20 ;;
+    tpu-inference)
+      # tpu-inference 0.32, vllm-tpu 0.32 and what they import that the image lacks, from
+      # .whl/tpu_inference/ (python -m kvcanary_jax.bench.device_wheels tpu-inference, 35 MB),
+      # ahead of the image's packages and without SGLang's folder (another apache-tvm-ffi).
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tpuinf \
+        .whl/tpu_inference/*.whl 2>&1 | grep -v "^WARNING" | tail -2
+      PYTHONPATH=/tmp/tpuinf:$PWD JAX_PLATFORMS=cuda timeout ${TPUINF_TIMEOUT:-540} \
+        python3 -m kvcanary_jax.bench.tpu_inference_step ${TPUINF_ARGS:-} \
+        --out $OUT/tpu_inference 2>&1 | grep -v "^WARNING" | tail -20 ;;
     bench-impls)
       python3 -m kvcanary_jax.bench --iters 40 --ops "${OPS/,bridge/}" --implementations pallas_triton,xla \
         --out $OUT/bench-impls 2>&1 | tail -80 ;;

@@ -196,3 +196,35 @@ print("ok")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.split() == ["ok"], proc.stderr[-3000:]
+
+
+def test_the_device_wheels_keep_what_the_benchmarks_import_and_skip_what_the_image_holds(tmp_path):
+    """``bench.device_wheels``: a pruned wheel keeps every member but the dropped ones, bytes
+    intact; SGLang's keeps its Python and drops the multimodal tree and the cp311 Rust builds;
+    xprof's keeps the modules tokamax imports; the tpu-inference list asks for none of the
+    image's packages and for every pin it lacks."""
+    import zipfile
+
+    from kvcanary_jax.bench import device_wheels as dw
+
+    src, dst = tmp_path / "a.whl", tmp_path / "b.whl"
+    members = {"sglang/srt/kv_canary/endpoint.py": b"x = 1\n",
+               "sglang/srt/rust_extensions/loader.py": b"",
+               "sglang/srt/rust_extensions/_server.cpython-311-x86_64-linux-gnu.so": b"\0" * 64,
+               "sglang/multimodal_gen/runtime/a.py": b"",
+               "sglang-0.5.23.dist-info/RECORD": b"r"}
+    with zipfile.ZipFile(src, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    assert dw.prune(str(src), str(dst), dw._sglang_drop) == (3, 2)
+    with zipfile.ZipFile(dst) as z:
+        assert {n: z.read(n) for n in z.namelist()} == {
+            n: d for n, d in members.items() if "multimodal_gen" not in n and not n.endswith(".so")}
+    assert not dw._xprof_drop("xprof/cli/tools/__init__.py")
+    assert not dw._xprof_drop("xprof/__init__.py")
+    assert dw._xprof_drop("xprof/convert/profiler_plugin_c_api.so")
+    assert not dw._xprof_drop("xprof-2.24.2.dist-info/METADATA")
+    pins = {p.split("==")[0].lower().replace("_", "-") for p in dw._pins()}
+    assert not pins & dw.IMAGE_HOLDS and not any(p.startswith("nvidia-") for p in pins)
+    assert {"tpu-inference", "vllm-tpu", "tokamax", "xprof", "qwix", "torchax"} <= pins
+    assert len(pins) == 33
