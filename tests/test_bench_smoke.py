@@ -228,3 +228,22 @@ def test_the_device_wheels_keep_what_the_benchmarks_import_and_skip_what_the_ima
     assert not pins & dw.IMAGE_HOLDS and not any(p.startswith("nvidia-") for p in pins)
     assert {"tpu-inference", "vllm-tpu", "tokamax", "xprof", "qwix", "torchax"} <= pins
     assert len(pins) == 33
+
+
+@pytest.mark.e2e
+@pytest.mark.torch
+def test_the_write_sass_bench_reads_the_chain_loops_of_both_kernels(tmp_path):
+    """``bench.write_sass`` (triton's compile for sm_90 and its nvdisasm, any machine): per token
+    the write's chain loop loads a token's slot, id and position and stores three canary fields;
+    the floor loads the id and position and stores nothing; both run the same three splitmix64
+    rounds (their shifts: three per round's 64-bit halves)."""
+    from kvcanary_jax.bench import write_sass
+
+    assert write_sass.main(["--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "write_sass.json").read_text())
+    w, f = rows["write"]["per_token"], rows["chain_floor"]["per_token"]
+    assert (w["LDG.E.64"], w["STG.E.64"]) == (3, 3)
+    assert (f["LDG.E.64"], f.get("STG.E.64", 0)) == (2, 0)
+    assert w["SHF.R.U64"] >= 9 and f["SHF.R.U64"] == 9
+    assert rows["write"]["total_per_token"] > rows["chain_floor"]["total_per_token"]
+    assert (tmp_path / "write.sass").read_text().count("STG.E.64") > 0

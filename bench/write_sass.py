@@ -1,0 +1,147 @@
+"""The write's serial chain against its floor, instruction by instruction (any machine).
+
+    python -m kvcanary_jax.bench.write_sass [--out DIR]
+
+Compiles, with the installed triton for sm_90 (no GPU needed), the write kernel as the torch
+bridge's direct path lowers it (``pallas_triton``, no real-KV source) and the chain floor's plain
+Triton kernel (:func:`bench.op_write.chain_kernel`), disassembles both with the ``nvdisasm``
+triton ships, finds each kernel's hottest loop (the backward branch whose body holds the most
+64-bit multiplies: the chain) and prints its SASS instructions per token by opcode, side by side.
+The floor's loop is unrolled by the compiler and ours by ``CHAIN_UNROLL``; each body is divided
+by the tokens it covers (its ``IMAD.WIDE.U32`` count over the six a token's three splitmix64
+rounds take). ``--out`` keeps both SASS listings and the table as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+
+ROUND_WIDE_MULS = 6  # mix3: three splitmix64 rounds, two 64-bit multiplies each, one IMAD.WIDE
+
+
+def _sass(cubin: bytes, path: str) -> str:
+    import triton
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                            "nvdisasm")
+    with open(path, "wb") as f:
+        f.write(cubin)
+    return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def parse(sass: str) -> tuple[list[str], dict[str, int]]:
+    """(instructions, label -> index of the instruction it precedes)."""
+    ins, labels = [], {}
+    for line in sass.splitlines():
+        m = re.match(r"\s*(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;", line)
+        if m:
+            ins.append(m.group(1))
+    return ins, labels
+
+
+def opcode(instruction: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0]
+
+
+def chain_loop(ins: list[str], labels: dict[str, int]) -> list[str]:
+    """The body of the innermost loop (no backward branch inside it) with the most
+    ``IMAD.WIDE.U32``: the chain's unrolled trip, not its remainder or an enclosing loop."""
+    loops = []
+    for end, i in enumerate(ins):
+        m = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", i)
+        if m and labels.get(m.group(1), end + 1) <= end:
+            loops.append((labels[m.group(1)], end))
+    inner = [(a, b) for a, b in loops
+             if not any(a <= c and d < b and (c, d) != (a, b) for c, d in loops)]
+    if not inner:
+        raise RuntimeError("no loop found in the kernel's SASS")
+    a, b = max(inner, key=lambda ab: sum(opcode(x) == "IMAD.WIDE.U32"
+                                         for x in ins[ab[0]:ab[1] + 1]))
+    return ins[a:b + 1]
+
+
+def per_token(body: list[str]) -> tuple[float, dict[str, float]]:
+    counts = collections.Counter(opcode(x) for x in body)
+    tokens = counts["IMAD.WIDE.U32"] / ROUND_WIDE_MULS
+    return tokens, {k: v / tokens for k, v in counts.items()}
+
+
+def kernels():
+    """(ours, floor): triton's compiled kernels for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvcanary_jax.bench import bridge_overhead as bo
+    from kvcanary_jax.bench import op_write
+    from kvcanary_jax.bridge import declarations
+    from kvcanary_jax.bridge import triton_direct as td
+    from kvcanary_jax.bridge.launcher import bind, lowered_specs
+
+    target = GPUTarget("cuda", 90, 32)
+    c = bo.make_case(device="cpu", bs=4, prefix=12, width=32, ring=64)
+    kw = dict(context=c["ctx"], plan=c["wp"], input_ids=c["input_ids"], positions=c["positions"],
+              out_cache_loc=c["ocl"], enable_write_input_assert=False,
+              expected_input_tokens=None, expected_input_positions=None)
+    decl = declarations.WRITE
+    args, static, results = decl.arguments(kw, decl.tensors(kw))
+    names = [a.name for a in args]
+    prog = td.extract_program(bind(decl.fn, names, results), lowered_specs(args),
+                              results_to_args=[names.index(r) for r in results],
+                              static=dict(static, platform="cuda"))
+    [k] = prog.kernels
+    ours = td.compile_kernel(k.ttir, num_warps=k.num_warps, num_stages=k.num_stages,
+                             target=target)
+    sig = {n: "*i64" for n in ("ids", "positions", "offsets", "h0", "out")}
+    floor = triton.compile(ASTSource(fn=op_write.chain_kernel(), signature=sig, constexprs={}),
+                           target=target, options=dict(num_warps=1, enable_fp_fusion=True))
+    return ours, floor
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None, help="a directory for the SASS listings and JSON")
+    a = ap.parse_args(argv)
+    import tempfile
+
+    import triton
+
+    out = a.out or tempfile.mkdtemp(prefix="kvcanary-sass-")
+    os.makedirs(out, exist_ok=True)
+    rows = {}
+    for name, compiled in zip(("write", "chain_floor"), kernels()):
+        sass = _sass(compiled.asm["cubin"], os.path.join(out, f"{name}.cubin"))
+        with open(os.path.join(out, f"{name}.sass"), "w") as f:
+            f.write(sass)
+        tokens, mix = per_token(chain_loop(*parse(sass)))
+        rows[name] = {"tokens_per_trip": tokens, "per_token": mix,
+                      "total_per_token": sum(mix.values())}
+    w, f = rows["write"]["per_token"], rows["chain_floor"]["per_token"]
+    print(f"triton {triton.__version__}, sm_90; SASS instructions per token in the chain loop "
+          f"(write: {rows['write']['tokens_per_trip']:g} tokens a trip, floor: "
+          f"{rows['chain_floor']['tokens_per_trip']:g})")
+    print(f"{'opcode':24s} {'floor':>7s} {'write':>7s} {'extra':>7s}")
+    for op in sorted(set(w) | set(f), key=lambda k: (-(w.get(k, 0) - f.get(k, 0)), k)):
+        print(f"{op:24s} {f.get(op, 0):7.2f} {w.get(op, 0):7.2f} "
+              f"{w.get(op, 0) - f.get(op, 0):7.2f}")
+    print(f"{'total':24s} {rows['chain_floor']['total_per_token']:7.2f} "
+          f"{rows['write']['total_per_token']:7.2f}")
+    rows["triton"] = triton.__version__
+    with open(os.path.join(out, "write_sass.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
