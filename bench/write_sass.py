@@ -5,8 +5,9 @@
 Compiles, with the installed triton for sm_90 (no GPU needed), the write kernel as the torch
 bridge's direct path lowers it (``pallas_triton``, no real-KV source) and the chain floor's plain
 Triton kernel (:func:`bench.op_write.chain_kernel`), disassembles both with the ``nvdisasm``
-triton ships, finds each kernel's hottest loop (the backward branch whose body holds the most
-64-bit multiplies: the chain) and prints its SASS instructions per token by opcode, side by side.
+triton ships, finds each kernel's chain loop (of the innermost loops, the one whose body holds the
+most 64-bit multiplies: the unrolled trip, not its remainder or an enclosing loop) and prints its
+SASS instructions per token by opcode, side by side.
 The floor's loop is unrolled by the compiler and ours by ``CHAIN_UNROLL``; each body is divided
 by the tokens it covers (its ``IMAD.WIDE.U32`` count over the six a token's three splitmix64
 rounds take). ``--out`` keeps both SASS listings and the table as JSON.
