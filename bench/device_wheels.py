@@ -12,8 +12,9 @@ benchmarks import (``IMAGE_HOLDS``, its package list as read on 2026-11-17):
   tests): 16 MB, which leaves room for sglang-jax's 30 MB in the same call.
 * ``tpu-inference``: what ``requirements-tpu-inference.txt`` pins that the image lacks (torch,
   jax, jaxlib, libtpu and the ``nvidia-*`` libraries are the image's), with xprof cut to the
-  modules a runner step imports (``xprof``, ``xprof.cli``: tokamax's benchmarking imports
-  ``xprof.cli.tools`` at import; its 81 MB converter is never loaded): 33 wheels, 35 MB.
+  modules a runner step imports (tokamax's benchmarking imports ``xprof.cli.tools``, which loads
+  the profiler plugin's C library; the events database, the web front end and the tests are
+  never loaded): 33 wheels, 49 MB.
 
 ``bash bench/gpu_session.sh tpu-inference`` installs the second folder and runs
 ``bench.tpu_inference_step`` (carry ``.whl/tpu_inference``).
@@ -80,9 +81,16 @@ def _sglang_drop(name: str) -> bool:
         name.startswith("sglang/srt/rust_extensions/") and name.endswith(".so"))
 
 
+# xprof as a runner step imports it: tokamax's benchmarking imports ``xprof.cli.tools``, whose
+# xplane tools import ``xprof.profile_data`` and ``xprof.convert``, which load the profiler
+# plugin's C library. Its events database (another 40 MB library), the web front end and the
+# tests are never loaded.
+_XPROF_DROPS = ("xprof/convert/events_db/", "xprof/static/", "xprof/integration_tests/",
+                "xprof/skills/")
+
+
 def _xprof_drop(name: str) -> bool:
-    keep = name in ("xprof/__init__.py", "xprof/version.py") or name.startswith("xprof/cli/")
-    return name.startswith("xprof/") and not keep
+    return name.startswith(_XPROF_DROPS)
 
 
 def sglang() -> str:

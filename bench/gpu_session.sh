@@ -173,9 +173,11 @@ PY
       # tpu-inference 0.32, vllm-tpu 0.32 and what they import that the image lacks, from
       # .whl/tpu_inference/ (python -m kvcanary_jax.bench.device_wheels tpu-inference, 35 MB),
       # ahead of the image's packages and without SGLang's folder (another apache-tvm-ffi).
+      # tpu-inference refuses JAX_PLATFORMS=cuda (it allows '', tpu, cpu, proxy): left empty, jax
+      # takes the GPU.
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tpuinf \
         .whl/tpu_inference/*.whl 2>&1 | grep -v "^WARNING" | tail -2
-      PYTHONPATH=/tmp/tpuinf:$PWD JAX_PLATFORMS=cuda timeout ${TPUINF_TIMEOUT:-540} \
+      PYTHONPATH=/tmp/tpuinf:$PWD JAX_PLATFORMS= timeout ${TPUINF_TIMEOUT:-540} \
         python3 -m kvcanary_jax.bench.tpu_inference_step ${TPUINF_ARGS:-} \
         --out $OUT/tpu_inference 2>&1 | grep -v "^WARNING" | tail -20 ;;
     bench-impls)

@@ -76,7 +76,10 @@ def device_time(run: Callable[[int], None], sync: Callable[[], None], *, iters: 
             torch.cuda.synchronize()
         torch.cuda._sleep(1000)
         torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    # The GPU's events are tagged CUDA, or PrivateUse1 once a process registers a torch backend
+    # of its own (tpu-inference's torchax does): they are the same kernels either way.
+    gpu_types = (DeviceType.CUDA, DeviceType.PrivateUse1)
+    events = [e for e in prof.events() if e.device_type in gpu_types]
     events.sort(key=lambda e: e.time_range.start)
     samples, current, started, names, busy = [], 0.0, False, {}, {}
     for e in events:

@@ -1,7 +1,7 @@
 """The tpu-inference canary's cost: the guarded step next to the bare step through a real
 ``TPUModelRunner`` (device time), and the guarded step compiled with libtpu for TPU topologies.
 
-    JAX_PLATFORMS=cuda python -m bench.tpu_inference_step [--bs 8,64] [--ctx 512,2048]
+    JAX_PLATFORMS= python -m bench.tpu_inference_step [--bs 8,64] [--ctx 512,2048]  # on a GPU
                                                          [--iters 20] [--out DIR] [--smoke]
     JAX_PLATFORMS=cpu python -m bench.tpu_inference_step --compile v5e:2x2,v6e:2x2
                                                          [--head-dim 128,64] [--bare] [--out DIR]

@@ -7,7 +7,8 @@ it). What a TPU-less machine needs, and why:
 * the TPU identity variables (``TPU_ACCELERATOR_TYPE``, ``TPU_NAME``, ``TPU_WORKER_ID``) so that
   ``import tpu_inference`` does not ask the GCE metadata server, ``HF_HUB_OFFLINE=1``,
   ``JAX_PLATFORMS=cpu`` and ``SKIP_JAX_PRECOMPILE=1`` (no warm-up of every bucket);
-* vLLM picks its platform by ``import libtpu``: the TPU platform is set directly;
+* vLLM picks its platform by ``import libtpu``: the TPU platform is set directly (and on a GPU
+  host, where a subprocess would detect CUDA, vLLM's model registry inspects in-process);
 * the TPU compiler options (``xla_tpu_*``) that the step, the sampler and the decode loop's jits
   carry are refused by XLA:CPU: the two functions that give them return none (before the
   sampler's module is imported, which reads them at import);
@@ -119,6 +120,13 @@ def patch_for_cpu(stand_in_attention: bool = True) -> None:
     from tpu_inference.platforms.tpu_platform import TpuPlatform
 
     vllm.platforms._current_platform = TpuPlatform()
+    if os.environ.get("JAX_PLATFORMS") != "cpu":
+        # On a GPU host (the benchmark), vLLM's model registry inspects a model class in a
+        # subprocess, where the platform is detected afresh: CUDA, whose extension the TPU
+        # build lacks. Inspect in this process, whose platform is set above.
+        from vllm.model_executor.models import registry
+
+        registry._run_in_subprocess = lambda fn: fn()
     from tpu_inference import utils
     from tpu_inference.layers.common import attention_interface
     from tpu_inference.runner import decode_loop, tpu_runner
