@@ -196,6 +196,7 @@ def _pool(canary: TpuInferenceCanary, st, b, delta: TokenDelta | None, pending, 
     pool, valid = st.expected_tokens, st.expected_valid_lens
     m, ctx, rows_total = canary.max_reqs, canary.context_len, pool.shape[0]
     prow = jnp.zeros((m,), jnp.int64)
+    cells = []  # (pool rows, columns, ids) to write; a row of rows_total or a column of ctx drops
     if delta is not None:
         prow = delta.rows.astype(jnp.int64)
         starts, counts = delta.starts.astype(jnp.int64), delta.counts.astype(jnp.int64)
@@ -204,17 +205,20 @@ def _pool(canary: TpuInferenceCanary, st, b, delta: TokenDelta | None, pending, 
         i = jnp.arange(delta.ids.shape[0], dtype=jnp.int64)
         r = _owner(doff, i, m)
         ok = (i < doff[m]) & (prow[r] > 0)
-        col = jnp.where(ok, starts[r] + i - doff[r], ctx)  # past the width: dropped
-        pool = pool.at[prow[r], col].set(delta.ids.astype(jnp.int32), mode="drop")
+        col = jnp.where(ok, starts[r] + i - doff[r], ctx)
+        cells.append((prow[r], col, delta.ids.astype(jnp.int32)))
         base = jnp.where(pending & (starts == 0), 0, valid[prow])
         held = jnp.where(prow > 0, jnp.maximum(base, starts + counts), valid[prow])
         valid = valid.at[jnp.where(prow > 0, prow, rows_total)].set(held, mode="drop")
     row_t = jnp.where(b["valid_tok"], prow[b["owner"]], 0)
-    tok_ids = input_ids.astype(jnp.int32)
     adopt = (row_t > 0) & (b["pos"] >= valid[row_t])
-    pool = pool.at[jnp.where(adopt, row_t, rows_total), b["pos"]].set(tok_ids, mode="drop")
-    valid = valid.at[row_t].max(jnp.where(row_t > 0, b["pos"] + 1, 0))
-    valid = valid.at[0].set(0)
+    cells.append((jnp.where(adopt, row_t, rows_total), b["pos"], input_ids.astype(jnp.int32)))
+    # The delta's cells lie below each row's new valid length (``held``) and the adopted ones at
+    # or past it, and no two batch rows share a pool row: the cells are disjoint, so one
+    # scatter writes both. Row 0 (padding) is never written, in the pool or in ``valid``.
+    rows_c, cols_c, ids_c = (jnp.concatenate(parts) for parts in zip(*cells))
+    pool = pool.at[rows_c, cols_c].set(ids_c, mode="drop")
+    valid = valid.at[jnp.where(row_t > 0, row_t, rows_total)].max(b["pos"] + 1, mode="drop")
     expected = pool[row_t, jnp.clip(b["pos"], 0, ctx - 1)].astype(jnp.int64)
     rows_b = jnp.concatenate([jnp.zeros((1,), jnp.int64), prow])
     st = dataclasses.replace(st, expected_tokens=pool, expected_valid_lens=valid)
