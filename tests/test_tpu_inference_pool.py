@@ -1,0 +1,142 @@
+"""The tpu-inference guard's expected-token pool (``integrations/tpu_inference/device.py``:
+``_pool`` and ``_owner``) against a hand-written oracle of its rules, on random steps.
+
+HEAD applies the host's :class:`TokenDelta` (each batch row's ids from ``starts`` on, into its
+pool row; a row's valid length becomes ``max(base, starts + counts)``, ``base`` 0 for a new
+request's first delta), then adopts the step's own tokens at or past each row's valid length, then
+raises the valid lengths to cover the tokens the step writes. The device does the two writes in
+one scatter; the oracle below does them one after the other, cell by cell. No tpu-inference
+needed: these run in every leg.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvcanary_jax.integrations.tpu_inference import TokenDelta
+from kvcanary_jax.integrations.tpu_inference import device
+
+M, CTX, ROWS, TOKENS, IDS = 6, 24, 9, 20, 30  # batch rows, pool width, pool rows, tokens, ids
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _State:
+    expected_tokens: jax.Array  # int32 [ROWS, CTX]
+    expected_valid_lens: jax.Array  # int64 [ROWS]
+
+
+def _oracle(pool, valid, prow, delta, pending, valid_tok, owner, pos, ids):
+    pool, valid = pool.copy(), valid.copy()
+    if delta is not None:
+        starts, counts, dids = delta
+        i = 0
+        for r in range(M):
+            for k in range(counts[r]):
+                col = starts[r] + k
+                if i < len(dids) and prow[r] > 0 and col < CTX:
+                    pool[prow[r], col] = dids[i]
+                i += 1
+        for r in range(M):
+            if prow[r] > 0:
+                base = 0 if (pending and starts[r] == 0) else valid[prow[r]]
+                valid[prow[r]] = max(base, starts[r] + counts[r])
+    row_t = [prow[owner[t]] if valid_tok[t] else 0 for t in range(TOKENS)]
+    adopt = [row_t[t] > 0 and pos[t] >= valid[row_t[t]] for t in range(TOKENS)]  # delta's lengths
+    for t in range(TOKENS):
+        if adopt[t] and pos[t] < CTX:
+            pool[row_t[t], pos[t]] = ids[t]
+    for t in range(TOKENS):
+        if row_t[t] > 0:
+            valid[row_t[t]] = max(valid[row_t[t]], pos[t] + 1)
+    expected = [pool[row_t[t], min(max(pos[t], 0), CTX - 1)] for t in range(TOKENS)]
+    return pool, valid, pool[[0] + list(prow)], np.array(expected, np.int64)
+
+
+def _case(rng, with_delta):
+    pool = rng.integers(0, 1000, (ROWS, CTX)).astype(np.int32)
+    valid = rng.integers(0, CTX + 1, ROWS).astype(np.int64)
+    valid[0] = 0
+    live = rng.integers(0, M + 1)
+    prow = np.zeros(M, np.int64)  # distinct pool rows (1..ROWS-1), 0 for padding rows
+    prow[:live] = rng.choice(np.arange(1, ROWS), live, replace=False)
+    prow[rng.random(M) < 0.15] = 0
+    # The step's tokens: each live row's q_len consecutive positions, padding after.
+    q = rng.integers(0, 5, M) * (prow > 0)
+    while q.sum() > TOKENS:
+        q[np.argmax(q)] -= 1
+    prefix = rng.integers(0, CTX + 4, M)
+    owner = np.zeros(TOKENS, np.int64)
+    pos = np.zeros(TOKENS, np.int64)
+    valid_tok = np.zeros(TOKENS, bool)
+    t = 0
+    for r in range(M):
+        for k in range(q[r]):
+            owner[t], pos[t], valid_tok[t] = r, prefix[r] + k, True
+            t += 1
+    ids = rng.integers(0, 1000, TOKENS).astype(np.int32)
+    delta = None
+    if with_delta:
+        starts = rng.integers(0, CTX + 2, M)
+        counts = rng.integers(0, 6, M)
+        dids = rng.integers(0, 1000, IDS).astype(np.int32)
+        delta = (starts, counts, dids)
+    return pool, valid, prow, delta, bool(rng.integers(2)), valid_tok, owner, pos, ids
+
+
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_the_pool_follows_the_delta_then_the_steps_own_tokens(with_delta):
+    canary = types.SimpleNamespace(max_reqs=M, context_len=CTX)
+    with jax.enable_x64(True):
+        fn = jax.jit(lambda st, b, delta, pending, ids: device._pool(canary, st, b, delta,
+                                                                      pending, ids))
+        rng = np.random.default_rng(7 + with_delta)
+        checked = adopted = 0
+        for _ in range(150):
+            pool, valid, prow, delta, pending, valid_tok, owner, pos, ids = _case(rng, with_delta)
+            st = _State(jnp.asarray(pool), jnp.asarray(valid))
+            b = {"valid_tok": jnp.asarray(valid_tok), "owner": jnp.asarray(owner),
+                 "pos": jnp.asarray(pos)}
+            td = None
+            if with_delta:
+                starts, counts, dids = delta
+                td = TokenDelta(rows=jnp.asarray(prow, jnp.int32),
+                                starts=jnp.asarray(starts, jnp.int32),
+                                counts=jnp.asarray(counts, jnp.int32), ids=jnp.asarray(dids))
+            else:
+                prow = np.zeros(M, np.int64)  # no delta: every batch row is padding to the pool
+            got_st, got_rows, got_expected = fn(st, b, td, jnp.asarray(pending), jnp.asarray(ids))
+            want_pool, want_valid, want_rows, want_expected = _oracle(
+                pool, valid, prow, delta, pending, valid_tok, owner, pos, ids)
+            np.testing.assert_array_equal(np.asarray(got_st.expected_tokens), want_pool)
+            np.testing.assert_array_equal(np.asarray(got_st.expected_valid_lens), want_valid)
+            np.testing.assert_array_equal(np.asarray(got_rows), want_rows)
+            np.testing.assert_array_equal(np.asarray(got_expected), want_expected)
+            checked += 1
+            adopted += int(np.any(np.asarray(got_st.expected_tokens) != pool))
+    assert checked == 150
+    if with_delta:
+        assert adopted > 100  # the cases write the pool, not only read it
+
+
+def test_each_token_is_owned_by_the_row_whose_range_holds_it():
+    """``_owner`` (an unrolled binary search): for exclusive prefix sums ``offsets`` [n + 1],
+    the row ``r`` with ``offsets[r] <= i < offsets[r + 1]``, the last row for indices past the
+    end, empty rows never owning anything."""
+    rng = np.random.default_rng(3)
+    with jax.enable_x64(True):
+        for n in (1, 2, 5, 16, 17):
+            counts = rng.integers(0, 4, n)
+            counts[rng.random(n) < 0.3] = 0
+            offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            idx = np.arange(offsets[-1] + 3, dtype=np.int64)
+            got = np.asarray(device._owner(jnp.asarray(offsets), jnp.asarray(idx), n))
+            want = [next((r for r in range(n) if offsets[r] <= i < offsets[r + 1]), n - 1)
+                    for i in idx]
+            np.testing.assert_array_equal(got, want)
