@@ -66,12 +66,12 @@ class Life:
         self.preempted, self.prefix_hits, self.loops = set(), {}, 0
         self.log = []
 
-    def install(self, real_data: str) -> None:
+    def install(self, real_data: str, **kwargs) -> None:
         """A fresh guard (the one installed, if any, taken off first)."""
         if self.guard is not None:
             self.guard.uninstall()
         self.guard = kti.install(self.e.runner, mode="log", real_data=real_data,
-                                 on_violation=self.remediate)
+                                 on_violation=self.remediate, **kwargs)
         self.rem.guard = self.guard
 
     def refusals(self) -> dict:
@@ -370,6 +370,24 @@ def main() -> None:
         e.runner.continue_decode_eos_check_interval = 1
         life.run(f"{name} rest")
     faults["real_data"] = real_data_modes(life)
+
+    # --- the guard's own sweep after every step (sweep_interval=1): after a plain step it reads
+    # the KV the step returned (the runner stores it only after model_fn returns; it once read
+    # the donated arrays and raised "Array has been deleted"), after a decode loop the KV the
+    # loop stored
+    life.install("all", sweep_interval=1)
+    start = len(life.log)
+    e.add("s1", prefix + [50, 51], 3)
+    e.add("s2", [500 + k for k in range(20)], 6)
+    life.run("sweep every step")
+    e.add("s3", [500 + k for k in range(20)] + [9], 2)  # a prefix hit on s2's cached block
+    life.run("sweep every step, prefix hit")
+    life.guard.manager.flush()
+    out["sweep_every_step"] = {"steps": life.guard.steps, "sweeps": life.guard.sweeps,
+                               "total": kti.violation_counts(life.guard).tolist(),
+                               "prefix_hit": life.prefix_hits.get("s3"),
+                               "scheduled": [s["scheduled"] for s in life.log[start:]
+                                             if s["scheduled"]]}
     print(json.dumps(out))
 
 

@@ -211,6 +211,17 @@ def test_the_decode_loop_eos_lead(full):
     assert len(w0["found"]) == 4  # the loop's third and fourth steps, HEAD and TAIL each
 
 
+def test_the_guards_own_sweep_runs_after_every_kind_of_step(full):
+    """``sweep_interval=1``: the sweep after a plain step reads the KV that step returned (not
+    the donated arrays the runner still holds until ``model_fn`` returns), after a decode loop
+    the KV the loop stored; every step sweeps, a prefix hit included, and nothing is reported."""
+    s = full["sweep_every_step"]
+    assert s["steps"] == s["sweeps"] == len(s["scheduled"]) > 0
+    assert s["total"] == [0] and s["prefix_hit"] == 16
+    assert any(n > 1 for step in s["scheduled"] for n in step.values())  # prefills
+    assert any(step and all(n == 4 for n in step.values()) for step in s["scheduled"])  # loops
+
+
 @pytest.mark.parametrize("mode, covered", [("all", {2, 4}), ("partial", {2}), ("none", set())])
 def test_real_kv_modes_cover_what_they_say(life, mode, covered):
     """Three bits flipped after the prefill: K_0 in the strip's first 16 bytes (position 2),

@@ -252,7 +252,9 @@ class TpuInferenceGuard:
             self.book.reset()
             self._prepared = False
             raise
-        self._after_step(pending)
+        # The runner stores the returned KV only after this returns: runner.kv_caches still
+        # holds the donated (deleted) arrays, so a sweep now reads the step's own output.
+        self._after_step(pending, out[0])
         return out
 
     # --------------------------------------------------------------- the decode loop
@@ -321,7 +323,9 @@ class TpuInferenceGuard:
             return found[0][1] if len(found) == 1 else found
         return resolve
 
-    def _after_step(self, pending) -> None:
+    def _after_step(self, pending, kv_caches=None) -> None:
+        """``kv_caches``: the step's KV where the runner has not stored it yet (default: the
+        runner's)."""
         if pending is not None:
             self.book.commit(pending)
         self._pending = None
@@ -330,15 +334,18 @@ class TpuInferenceGuard:
         if self.manager is not None:
             self.manager.observe(self.state, resolve=self._resolve(self._owners))
         if self.sweep_interval and self.steps % self.sweep_interval == 0:
-            self.sweep()
+            self._sweep(self.runner.kv_caches if kv_caches is None else kv_caches)
 
     def sweep(self) -> None:
         """Re-verify every cached chain of blocks now (the SWEEP tags, token check off)."""
+        self._sweep(self.runner.kv_caches)
+
+    def _sweep(self, kv_caches) -> None:
         c = self.canary
         bs, n, ctx = c.layout.block_size, c.sweep_rows, c.context_len
         per_rank = [self.cached.prefixes(r) for r in range(c.data_shards)]
         launches = max(1, max(-(-len(p) // n) for p in per_rank))
-        kv = self.runner.kv_caches[c.layer_index]
+        kv = kv_caches[c.layer_index]
         for launch in range(launches):
             tables = np.zeros((c.data_shards, n + 1, ctx), np.int32)
             rows = np.zeros((c.data_shards, n), np.int64)
