@@ -174,7 +174,7 @@ PY
         ${SGLJAX_ARGS:-} --out $OUT/sglang_jax 2>&1 | grep -v "^WARNING" | tail -20 ;;
     tpu-inference)
       # tpu-inference 0.32, vllm-tpu 0.32 and what they import that the image lacks, from
-      # .whl/tpu_inference/ (python -m kvcanary_jax.bench.device_wheels tpu-inference, 35 MB),
+      # .whl/tpu_inference/ (python -m kvcanary_jax.bench.device_wheels tpu-inference, 49 MB),
       # ahead of the image's packages and without SGLang's folder (another apache-tvm-ffi).
       # tpu-inference refuses JAX_PLATFORMS=cuda (it allows '', tpu, cpu, proxy): left empty, jax
       # takes the GPU.

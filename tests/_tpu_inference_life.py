@@ -245,11 +245,44 @@ def dp_main() -> None:
     print(json.dumps(out))
 
 
+def raise_main() -> None:
+    """Mode "raise", every step a plain model step (no decode loop): a K byte of a slot the
+    request reads flipped; the step whose readback reports it raises from ``runner.model_fn``,
+    after the step donated the runner's KV."""
+    from kvcanary_jax.runtime import CanaryViolationError
+
+    e = R.Engine(num_blocks=16, continue_decode=False)
+    runner = e.runner
+    guard = kti.install(runner, mode="raise", real_data="all", sweep_interval=1)
+    e.add("r", list(range(100, 132)) + [7, 8], 40)
+    e.step()
+    e.step()
+    kv = np.asarray(runner.kv_caches[0]).copy()
+    block = int(runner.requests["r"].block_ids[0][0])
+    kv.view(np.uint16)[block, 3].reshape(-1)[3] ^= 0x0100
+    runner.kv_caches[0] = jax.device_put(kv, runner.kv_caches[0].sharding)
+    out, steps = {"raised": None}, 0
+    while e.scheduler.has_requests() and steps < 12:
+        steps += 1
+        try:
+            e.step()
+        except CanaryViolationError as err:
+            out = {"raised": type(err).__name__, "steps": steps,
+                   "kv_attached": err.kv is not None and not any(a.is_deleted() for a in err.kv),
+                   "reasons": sorted({r for rep in err.reports for r in rep.violation.reasons})}
+            break
+    out["runner_kv_live"] = not any(a.is_deleted() for a in runner.kv_caches)
+    print(json.dumps(out))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--raise-mode", action="store_true")
     args = ap.parse_args()
+    if args.raise_mode:
+        return raise_main()
     if args.dp > 1:
         return dp_main()
     life = Life(args.head_dim, num_blocks=14)

@@ -222,6 +222,15 @@ def test_the_guards_own_sweep_runs_after_every_kind_of_step(full):
     assert any(step and all(n == 4 for n in step.values()) for step in s["scheduled"])  # loops
 
 
+def test_a_raise_after_a_plain_step_leaves_the_runner_a_live_cache():
+    """Mode "raise": the error raised from ``runner.model_fn`` after a plain step carries that
+    step's KV, and the runner holds it too (it held the donated, deleted arrays before)."""
+    r = _run("--raise-mode")
+    assert r["raised"] == "CanaryViolationError", r
+    assert r["kv_attached"] and r["runner_kv_live"], r
+    assert r["reasons"] == REAL_KV, r
+
+
 @pytest.mark.parametrize("mode, covered", [("all", {2, 4}), ("partial", {2}), ("none", set())])
 def test_real_kv_modes_cover_what_they_say(life, mode, covered):
     """Three bits flipped after the prefill: K_0 in the strip's first 16 bytes (position 2),

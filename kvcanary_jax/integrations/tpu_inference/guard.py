@@ -47,7 +47,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kvcanary_jax.integrations.tpu_inference import device, host, layout as _layout
-from kvcanary_jax.runtime import CanaryManager, ManagerConfig
+from kvcanary_jax.runtime import CanaryManager, CanaryViolationError, ManagerConfig
 
 __all__ = ["SUPPORTED_VERSIONS", "Carried", "TpuInferenceGuard", "install", "Remediator",
            "read_violations", "violation_counts", "guarded_model_fn"]
@@ -252,8 +252,13 @@ class TpuInferenceGuard:
             self.book.reset()
             self._prepared = False
             raise
-        # The runner stores the returned KV only after this returns: runner.kv_caches still
-        # holds the donated (deleted) arrays, so a sweep now reads the step's own output.
+        # The runner stores the returned KV only after this returns; until then its kv_caches
+        # are the donated (deleted) arrays. Hand the step's own KV over first, so that the
+        # sweep reads it and a raise (mode "raise", a callback's error) leaves the runner a
+        # live cache; the error carries it too.
+        if len(kv_caches) == len(self.runner.kv_caches) and all(
+                a is b for a, b in zip(kv_caches, self.runner.kv_caches)):
+            self.runner.kv_caches = list(out[0])
         self._after_step(pending, out[0])
         return out
 
@@ -324,17 +329,23 @@ class TpuInferenceGuard:
         return resolve
 
     def _after_step(self, pending, kv_caches=None) -> None:
-        """``kv_caches``: the step's KV where the runner has not stored it yet (default: the
-        runner's)."""
+        """``kv_caches``: the step's KV (default: the runner's). A violation raised here
+        carries it (``CanaryViolationError.kv``), as :meth:`CanaryManager.step`'s do."""
+        kv_caches = self.runner.kv_caches if kv_caches is None else kv_caches
         if pending is not None:
             self.book.commit(pending)
         self._pending = None
         self._prepared = False
         self.steps += 1
-        if self.manager is not None:
-            self.manager.observe(self.state, resolve=self._resolve(self._owners))
-        if self.sweep_interval and self.steps % self.sweep_interval == 0:
-            self._sweep(self.runner.kv_caches if kv_caches is None else kv_caches)
+        try:
+            if self.manager is not None:
+                self.manager.observe(self.state, resolve=self._resolve(self._owners))
+            if self.sweep_interval and self.steps % self.sweep_interval == 0:
+                self._sweep(kv_caches)
+        except CanaryViolationError as e:
+            if e.kv is None:
+                e.kv = kv_caches
+            raise
 
     def sweep(self) -> None:
         """Re-verify every cached chain of blocks now (the SWEEP tags, token check off)."""
