@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import re
 import warnings
 
 import jax
@@ -326,6 +327,45 @@ def test_fused_layers_are_digested_whole():
     state, _ = _run(cfg, kv, 3, forward=fused, corrupt=corrupt)
     assert [(v.slot, v.reasons) for v in rt.read_violations(state)] == [
         (1, ("KV_DIGEST_MISMATCH",))]
+
+
+# --------------------------------------------------------------- each leaf updated in place
+
+
+def _aliases(lowered) -> dict[int, int]:
+    """The lowered module's donated-argument pairs: argument index -> output index."""
+    text = lowered.as_text()
+    head = text[text.index("func.func public @main"):]
+    head = head[:head.index(") -> (")]
+    out = {}
+    for m in re.finditer(r"%arg(\d+): tensor<[^>]*>\s*\{([^}]*)\}", head):
+        alias = re.search(r"tf.aliasing_output = (\d+)", m.group(2))
+        if alias:
+            out[int(m.group(1))] = int(alias.group(1))
+    return out
+
+
+def test_every_state_leaf_is_donated_to_its_own_output():
+    """A step overwrites some coverage leaves without reading them (the digest's byte count;
+    a sweep's step stamp). JAX drops unread inputs before pairing donated inputs with outputs of
+    the same shape, so every later leaf of that shape would pair with its neighbour's output and
+    XLA would copy each into place (9 copies a step on an H200, ~1 us each). Each state leaf
+    must pair with its own output, in the step and in the sweep."""
+    step = rt.make_canary_step(CFG, _write_forward)
+    with jax.enable_x64(True):
+        state = rt.init_state(CFG)
+        leaves = len(jax.tree.leaves(state))
+        kv = _layered()
+        args = (state, kv, _batch(CFG, [11, 12, 13], 2), _table(CFG, 3),
+                jnp.zeros((1,), jnp.int64))
+        pairs = _aliases(step.jitted.lower(*args))
+        donated = leaves + len(jax.tree.leaves(kv))
+        assert pairs == {i: i for i in range(donated)}, pairs
+        table = jnp.asarray(np.zeros((2, CFG.context_len), np.int32))
+        rows, lengths = jnp.zeros((1,), jnp.int64), jnp.zeros((1,), jnp.int64)
+        lowered = rt.step._sweep_jit.lower(state, table, rows, lengths,
+                                           jnp.zeros((1,), jnp.int64), kv, cfg=CFG)
+        assert _aliases(lowered) == {i: i for i in range(leaves)}
 
 
 # ------------------------------------------------------------------- slots never stamped

@@ -37,7 +37,7 @@ from kvcanary_jax.runtime import step as _step
 from kvcanary_jax.runtime.health import AFTER_HEAD, IDLE, phase_update
 from kvcanary_jax.runtime.readback import readback, word_fields
 from kvcanary_jax.runtime.sharded import stack_shards
-from kvcanary_jax.runtime.state import CanaryConfig, CanaryState, check_state, tag
+from kvcanary_jax.runtime.state import CanaryConfig, CanaryState, check_state, state_jit, tag
 
 __all__ = [
     "fused",
@@ -125,10 +125,10 @@ def observe_fn(state, phase, *, cfg):
     return readback(cfg, state, phase)
 
 
-_fused_jit = jax.jit(fused, static_argnames=("cfg", "forward"), donate_argnums=(0, 1, 2))
-_head_jit = jax.jit(head_only, static_argnames=("cfg",), donate_argnums=(0, 1))
-_tail_jit = jax.jit(tail_only, static_argnames=("cfg",), donate_argnums=(0, 1))
-_sweep_jit = jax.jit(sweep_fn, static_argnames=("cfg", "guard"), donate_argnums=(0,))
+_fused_jit = state_jit(fused, static_argnames=("cfg", "forward"), donate_argnums=(0, 1, 2))
+_head_jit = state_jit(head_only, static_argnames=("cfg",), donate_argnums=(0, 1))
+_tail_jit = state_jit(tail_only, static_argnames=("cfg",), donate_argnums=(0, 1))
+_sweep_jit = state_jit(sweep_fn, static_argnames=("cfg", "guard"), donate_argnums=(0,))
 _observe_jit = jax.jit(observe_fn, static_argnames=("cfg",))
 _coverage_jit = jax.jit(_coverage.counts, static_argnums=0)
 
@@ -155,14 +155,14 @@ class DeviceSteps:
             return
         self.fused = None
         if forward is not None:
-            self.fused = jax.jit(
+            self.fused = state_jit(
                 self._shard_phase(functools.partial(fused, cfg=cfg, forward=forward), 6, True),
                 donate_argnums=(0, 1, 2))
-        self.head = jax.jit(self._shard_phase(functools.partial(head_only, cfg=cfg), 5, False),
+        self.head = state_jit(self._shard_phase(functools.partial(head_only, cfg=cfg), 5, False),
                             donate_argnums=(0, 1))
-        self.tail = jax.jit(self._shard_phase(functools.partial(tail_only, cfg=cfg), 5, True),
+        self.tail = state_jit(self._shard_phase(functools.partial(tail_only, cfg=cfg), 5, True),
                             donate_argnums=(0, 1))
-        self.sweep = jax.jit(self._wrap_shards(
+        self.sweep = state_jit(self._wrap_shards(
             functools.partial(sweep_fn, cfg=cfg, guard=guard), 6, False), donate_argnums=(0,))
         self.observe = jax.jit(functools.partial(observe_fn, cfg=cfg))
 

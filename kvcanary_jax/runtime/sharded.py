@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from kvcanary_jax import _config
-from kvcanary_jax.runtime.state import CanaryConfig
+from kvcanary_jax.runtime.state import CanaryConfig, state_jit
 from kvcanary_jax.runtime.step import step_fn
 
 __all__ = ["stack_shards", "unstack_shard", "make_sharded_step", "data_parallel_mesh"]
@@ -68,7 +68,7 @@ def make_sharded_step(cfg: CanaryConfig, forward: Callable, mesh: Mesh, axis: st
     spec = P(axis)
     mapped = jax.shard_map(per_shard, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec, spec),
                            check_vma=False)
-    jitted = jax.jit(mapped, donate_argnums=(0, 1))
+    jitted = state_jit(mapped, donate_argnums=(0, 1))
 
     @_config.entry_point
     def step(states, kvs, batches, req_to_tokens, luts):

@@ -38,7 +38,8 @@ from kvcanary_jax.ops.write import canary_write
 from kvcanary_jax.plans import VerifyPlan, WritePlan
 from kvcanary_jax.runtime import coverage
 from kvcanary_jax.runtime.kv import as_kv_dict, kv_sources, translate
-from kvcanary_jax.runtime.state import CanaryConfig, CanaryState, ForwardBatch, check_state, tag
+from kvcanary_jax.runtime.state import (CanaryConfig, CanaryState, ForwardBatch, check_state,
+                                        state_jit, tag)
 
 __all__ = [
     "kv_sources",
@@ -243,17 +244,17 @@ def _lut_or_dummy(lut):
     return jnp.zeros((1,), jnp.int64) if lut is None else lut
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+@state_jit(static_argnames=("cfg",), donate_argnames=("state",))
 def _head_jit(state, batch, req_to_token, lut, *, cfg):
     return head(cfg, state, batch, req_to_token, lut)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+@state_jit(static_argnames=("cfg",), donate_argnames=("state",))
 def _tail_jit(state, batch, lut, kv, *, cfg):
     return tail(cfg, state, batch, lut, kv)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+@state_jit(static_argnames=("cfg",), donate_argnames=("state",))
 def _sweep_jit(state, rows_table, row_indices, lengths, lut, kv, *, cfg):
     return _sweep(cfg, state, rows_table, row_indices, lengths, lut, kv)
 
@@ -287,7 +288,7 @@ def make_canary_step(cfg: CanaryConfig, forward: Callable, *, implementation: st
     """
     if implementation is not None:
         cfg = dataclasses.replace(cfg, implementation=implementation)
-    jitted = jax.jit(step_fn(cfg, forward), donate_argnums=(0, 1))
+    jitted = state_jit(step_fn(cfg, forward), donate_argnums=(0, 1))
 
     @_config.entry_point
     def step(state, kv, batch, req_to_token, lut=None):

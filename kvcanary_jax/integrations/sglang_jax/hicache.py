@@ -49,6 +49,7 @@ import numpy as np
 from kvcanary_jax import _config
 from kvcanary_jax.integrations.sglang_jax.layout import SglangJaxCanary
 from kvcanary_jax.integrations.sglang_jax.step import per_shard
+from kvcanary_jax.runtime.state import state_jit
 
 __all__ = ["HiCacheHook"]
 
@@ -97,7 +98,7 @@ def _gather_rows(arrays: dict, slots, *, canary: SglangJaxCanary) -> dict:
     return rows
 
 
-@functools.partial(jax.jit, static_argnames=("canary",), donate_argnames=("arrays",))
+@state_jit(static_argnames=("canary",), donate_argnames=("arrays",))
 def _scatter_rows(arrays: dict, slots, rows: dict, *, canary: SglangJaxCanary) -> dict:
     """``arrays`` with ``rows[name]`` (``[shards, m, ...]``) at ``slots`` (``[shards, m]``; out
     of range: dropped, nothing written); the arrays ``rows`` does not name (the coverage

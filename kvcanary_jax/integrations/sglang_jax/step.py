@@ -66,6 +66,7 @@ from kvcanary_jax.integrations.sglang_jax.layout import (
     require_int,
 )
 from kvcanary_jax.integrations.sglang_jax.tokens import TokenDelta
+from kvcanary_jax.runtime.state import state_jit
 from kvcanary_jax.runtime.step import head, tail
 
 __all__ = [
@@ -284,7 +285,7 @@ def guard_model_step(canary: SglangJaxCanary, model_step: Callable, *, batch_arg
         state = _tail(canary, state, batches, shard_kv(canary, fused_kv(out, pool), layers))
         return state, out
 
-    jitted = jax.jit(
+    jitted = state_jit(
         traced,
         static_argnums=(3,) + tuple(nfixed + a for a in static_argnums),
         donate_argnums=(0, nfixed + pool_argnum),

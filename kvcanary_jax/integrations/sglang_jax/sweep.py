@@ -22,6 +22,7 @@ from kvcanary_jax.integrations.sglang_jax.layout import SglangJaxCanary, require
 from kvcanary_jax.integrations.sglang_jax.step import kv_dict, per_shard, shard_kv
 from kvcanary_jax.integrations.sglang_jax.tokens import host_ints
 from kvcanary_jax.runtime import decode_ring
+from kvcanary_jax.runtime.state import state_jit
 
 __all__ = [
     "radix_prefixes",
@@ -70,7 +71,7 @@ def node_dp_rank(node) -> int:
     return 0 if rank is None else int(rank)
 
 
-@functools.partial(jax.jit, static_argnames=("canary",), donate_argnames=("state",))
+@state_jit(static_argnames=("canary",), donate_argnames=("state",))
 def _sweep_jit(state, expected_tokens, rows_table, row_indices, lengths, kv, *, canary):
     # The expected-token pool stays out of the donated state and out of the result (the sweep's
     # token check is off, it reads nothing there): the caller's state keeps the very pool array

@@ -48,6 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kvcanary_jax.integrations.tpu_inference import device, host, layout as _layout
 from kvcanary_jax.runtime import CanaryManager, CanaryViolationError, ManagerConfig
+from kvcanary_jax.runtime.state import state_jit
 
 __all__ = ["SUPPORTED_VERSIONS", "Carried", "TpuInferenceGuard", "install", "Remediator",
            "read_violations", "violation_counts", "guarded_model_fn"]
@@ -393,7 +394,7 @@ def guarded_model_fn(canary: device.TpuInferenceCanary, step: Callable, kv_shard
         return device.guarded_step(canary, model, state, delta, True, md, input_ids,
                                    input_positions, list(kv), late, split)
 
-    return jax.jit(traced, static_argnums=(3, 4, 11, 14, 15), donate_argnums=(0, 6),
+    return state_jit(traced, static_argnums=(3, 4, 11, 14, 15), donate_argnums=(0, 6),
                    out_shardings=(state_sharding, (list(kv_shardings), None, None, None)),
                    compiler_options=compiler_options or None)
 
@@ -402,7 +403,7 @@ def _sweep_impl(state, tables, rows, lengths, kv, *, canary):
     return device.sweep_step(canary, state, tables, rows.reshape(-1), lengths.reshape(-1), kv)
 
 
-_sweep_jit = jax.jit(_sweep_impl, static_argnames=("canary",), donate_argnums=(0,))
+_sweep_jit = state_jit(_sweep_impl, static_argnames=("canary",), donate_argnums=(0,))
 
 
 def install(runner, *, mode: str = "log", real_data: str = "all", sweep_interval: int = 0,
