@@ -398,8 +398,8 @@ def test_pallas_groups_by_hand():
 def test_pallas_heuristics_spread_few_slots_and_hash_many_whole():
     """A decode step's few new tokens and a sparse verify are spread over programs in groups of
     a slot's words (two kernels); a prefill's thousands of tokens and a dense verify hash whole
-    slots a program (one kernel); a verify's chunk is about a window of entries (one selected
-    entry expected)."""
+    slots a program (one kernel); a verify hashes its selected entries one at a time, its chunk
+    about a window of entries (one selected entry expected), four windows with more slots."""
     from kvcanary_jax.ops.digest import pallas_triton as pt
 
     def shapes(verify, capacity, window=1):
@@ -411,8 +411,9 @@ def test_pallas_heuristics_spread_few_slots_and_hash_many_whole():
     assert pt.heuristics(shapes(0, 8192)).spread is False
     small = pt.heuristics(shapes(1, 4096, 64))
     assert (small.group_words, small.spread, small.entries, small.block) == \
-        (pt.GROUP_WORDS, True, 64, 4)
-    assert pt.heuristics(shapes(1, 131072, 64)).group_words == pt.WIDE_GROUP_WORDS
+        (pt.VERIFY_GROUP_WORDS, True, 64, 1)
+    wide = pt.heuristics(shapes(1, 131072, 64))
+    assert (wide.group_words, wide.entries, wide.block) == (pt.WIDE_GROUP_WORDS, 256, 1)
     dense = pt.heuristics(shapes(1, 131072, 1))
     assert (dense.spread, dense.entries, dense.block) == (False, 1, 1)
 
