@@ -410,8 +410,10 @@ def test_pallas_heuristics_spread_few_slots_and_hash_many_whole():
     assert (few.group_words, few.spread) == (pt.GROUP_WORDS, True)
     assert pt.heuristics(shapes(0, 8192)).spread is False
     small = pt.heuristics(shapes(1, 4096, 64))
-    assert (small.group_words, small.spread, small.entries, small.block) == \
-        (pt.VERIFY_GROUP_WORDS, True, 64, 1)
+    assert (small.group_words, small.spread, small.entries, small.block) == (2048, True, 64, 1)
+    assert 16384 // small.group_words == pt.VERIFY_GROUPS
+    narrow = pt.heuristics(dict(shapes(1, 4096, 64), words=2048))
+    assert narrow.group_words == pt.MIN_GROUP_WORDS  # 4 groups: enough programs
     wide = pt.heuristics(shapes(1, 131072, 64))
     assert (wide.group_words, wide.entries, wide.block) == (pt.WIDE_GROUP_WORDS, 256, 1)
     dense = pt.heuristics(shapes(1, 131072, 1))

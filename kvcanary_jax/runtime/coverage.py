@@ -97,13 +97,16 @@ def at_tail(cfg: CanaryConfig, state: CanaryState, batch, lut, kv) -> CanaryStat
     written slots' digests, check the read slots of phase ``T % N``, advance the counters."""
     cov = state.coverage
     window = cfg.coverage_window
-    t = cov.step + 1
+    # Materialized once: fused into each reader, the step's old value would have to outlive its
+    # in-place update, and XLA would copy it.
+    t = jax.lax.optimization_barrier(cov.step + 1)
     ring, widx = state.violation_ring, state.violation_write_index
     groups = {}
     for group in cfg.groups:
         sc = cov.groups[group]
         n = cfg.group_slots(group)
         sources = digest_sources(cfg, kv, group)
+        nbytes = sum(s.read_bytes for s in sources)
         loc = translate(group, batch.out_cache_loc, lut)
         sc = dataclasses.replace(
             sc, digest=digest_write(sc.digest, loc, sources, implementation=cfg.implementation),
@@ -120,7 +123,8 @@ def at_tail(cfg: CanaryConfig, state: CanaryState, batch, lut, kv) -> CanaryStat
             sc, read_from=_stamp(sc.read_from, read, slots, run_from),
             read_at=_stamp(sc.read_at, read, slots, t),
             checked_at=_stamp(sc.checked_at, checked, slots, t),
-            digest_bytes=jnp.full((1,), sum(s.read_bytes for s in sources), jnp.int64),
+            # Updated from its own value, not stored as a constant (a copy into place each step).
+            digest_bytes=jnp.where(sc.digest_bytes == nbytes, sc.digest_bytes, nbytes),
             tail_slot_runs=ctx.slot_run_counter, tail_kernel_runs=ctx.kernel_run_counter)
     return dataclasses.replace(state, violation_ring=ring, violation_write_index=widx,
                                coverage=dataclasses.replace(cov, groups=groups, step=t))

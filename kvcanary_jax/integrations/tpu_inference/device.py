@@ -197,6 +197,9 @@ def _pool(canary: TpuInferenceCanary, st, b, delta: TokenDelta | None, pending, 
     m, ctx, rows_total = canary.max_reqs, canary.context_len, pool.shape[0]
     prow = jnp.zeros((m,), jnp.int64)
     cells = []  # (pool rows, columns, ids) to write; a row of rows_total or a column of ctx drops
+    lens = []  # (pool rows, lengths) the valid lengths are raised to (a max)
+    row_t = jnp.where(b["valid_tok"], prow[b["owner"]], 0)
+    adopt = jnp.zeros(row_t.shape, jnp.bool_)
     if delta is not None:
         prow = delta.rows.astype(jnp.int64)
         starts, counts = delta.starts.astype(jnp.int64), delta.counts.astype(jnp.int64)
@@ -207,18 +210,28 @@ def _pool(canary: TpuInferenceCanary, st, b, delta: TokenDelta | None, pending, 
         ok = (i < doff[m]) & (prow[r] > 0)
         col = jnp.where(ok, starts[r] + i - doff[r], ctx)
         cells.append((prow[r], col, delta.ids.astype(jnp.int32)))
-        base = jnp.where(pending & (starts == 0), 0, valid[prow])
-        held = jnp.where(prow > 0, jnp.maximum(base, starts + counts), valid[prow])
-        valid = valid.at[jnp.where(prow > 0, prow, rows_total)].set(held, mode="drop")
-    row_t = jnp.where(b["valid_tok"], prow[b["owner"]], 0)
-    adopt = (row_t > 0) & (b["pos"] >= valid[row_t])
+        # A new request's row (its delta starts at 0) restarts at 0; every row is then raised
+        # to what the delta sends. Each batch row's pool row is its own (none shared), so a
+        # token's row holds its batch row's ``held`` after the delta. The old lengths are
+        # gathered once, passed with the rows through a barrier: the scatters below, indexed by
+        # those rows, run after the gather and read nothing of ``valid``, so they update it in
+        # place (a reader of the old values fused into a scatter made XLA copy it twice a step).
+        old, prow = jax.lax.optimization_barrier((valid[prow], prow))
+        reset = (prow > 0) & pending & (starts == 0)
+        held = jnp.maximum(jnp.where(reset, 0, old), starts + counts)
+        valid = valid.at[jnp.where(reset, prow, rows_total)].set(0, mode="drop")
+        lens.append((jnp.where(prow > 0, prow, rows_total), starts + counts))
+        row_t = jnp.where(b["valid_tok"], prow[b["owner"]], 0)
+        adopt = (row_t > 0) & (b["pos"] >= held[b["owner"]])
     cells.append((jnp.where(adopt, row_t, rows_total), b["pos"], input_ids.astype(jnp.int32)))
+    lens.append((jnp.where(row_t > 0, row_t, rows_total), b["pos"] + 1))
     # The delta's cells lie below each row's new valid length (``held``) and the adopted ones at
     # or past it, and no two batch rows share a pool row: the cells are disjoint, so one
     # scatter writes both. Row 0 (padding) is never written, in the pool or in ``valid``.
     rows_c, cols_c, ids_c = (jnp.concatenate(parts) for parts in zip(*cells))
     pool = pool.at[rows_c, cols_c].set(ids_c, mode="drop")
-    valid = valid.at[jnp.where(row_t > 0, row_t, rows_total)].max(b["pos"] + 1, mode="drop")
+    rows_l, lens_l = (jnp.concatenate(parts) for parts in zip(*lens))
+    valid = valid.at[rows_l].max(lens_l, mode="drop")
     expected = pool[row_t, jnp.clip(b["pos"], 0, ctx - 1)].astype(jnp.int64)
     rows_b = jnp.concatenate([jnp.zeros((1,), jnp.int64), prow])
     st = dataclasses.replace(st, expected_tokens=pool, expected_valid_lens=valid)

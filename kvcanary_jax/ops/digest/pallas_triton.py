@@ -70,20 +70,23 @@ from kvcanary_jax.ops import _kernel_lib
 from kvcanary_jax.ops._kernel_lib import append_rows, claim_rows
 from kvcanary_jax.ops.digest import base
 
-__all__ = ["Config", "heuristics", "run", "Segment", "groups", "GROUP_WORDS", "VERIFY_GROUP_WORDS",
-           "WIDE_GROUP_WORDS", "LOOP_GROUP_WORDS", "WHOLE_SLOTS_AT", "SPREAD_SLOTS_AT"]
+__all__ = ["Config", "heuristics", "run", "Segment", "groups", "GROUP_WORDS", "MIN_GROUP_WORDS",
+           "VERIFY_GROUPS", "WIDE_GROUP_WORDS", "LOOP_GROUP_WORDS", "WHOLE_SLOTS_AT", "SPREAD_SLOTS_AT"]
 
 # Launch defaults (bench/NOTES.md, "the KV digest's kernels", has the predictions behind them and
 # the measurements that set them). A slot of the benchmark's model (32 layers of a fused 8 x 128
 # bf16 K/V row) is 16,384 words, one 512-word strip a layer. A call with few slots (a write's
 # entries, a verify's expected selected entries) spreads each slot over programs: a write in
-# groups of GROUP_WORDS (one 4 KiB strip: a decode step's 8 new tokens are 256 programs), a
-# verify in groups of VERIFY_GROUP_WORDS (each group is a branch of its own code: 32 of them made
-# the programs stall on instruction fetch), WIDE_GROUP_WORDS from SPREAD_SLOTS_AT slots. From
-# WHOLE_SLOTS_AT a program hashes whole slots (one kernel, no partials), looping over groups of
-# LOOP_GROUP_WORDS (16 KiB of loads in flight a program).
-GROUP_WORDS = 512
-VERIFY_GROUP_WORDS = 2048
+# groups of GROUP_WORDS (16 KiB: a decode step's 8 new tokens are 64 programs; a slot of at most
+# that many words is one group, and the write one kernel), a verify in at most VERIFY_GROUPS
+# groups of at least MIN_GROUP_WORDS (each group is a branch of its own code: 32 of them made the
+# programs stall on instruction fetch; fewer than 4 left too few programs for its few slots),
+# WIDE_GROUP_WORDS from SPREAD_SLOTS_AT slots. From WHOLE_SLOTS_AT a program hashes whole slots
+# (one kernel, no partials), looping over groups of LOOP_GROUP_WORDS (16 KiB of loads in flight a
+# program).
+GROUP_WORDS = 2048
+MIN_GROUP_WORDS = 512
+VERIFY_GROUPS = 8
 WIDE_GROUP_WORDS = 4096
 LOOP_GROUP_WORDS = 2048
 SPREAD_SLOTS_AT = 1024
@@ -162,8 +165,8 @@ def _entries_for(window: int, block: int) -> int:
 def heuristics(shapes: Mapping[str, int]) -> Config:
     """By the number of slots a call hashes (a write's entries; a verify's expected selected
     entries, capacity / window): a few are spread over programs in groups of
-    :data:`GROUP_WORDS` (a write) or :data:`VERIFY_GROUP_WORDS` (a verify; two kernels), more
-    in groups of :data:`WIDE_GROUP_WORDS`, and from :data:`WHOLE_SLOTS_AT` a program hashes
+    :data:`GROUP_WORDS` (a write) or in at most :data:`VERIFY_GROUPS` of at least
+    :data:`MIN_GROUP_WORDS` (a verify; two kernels), more in groups of :data:`WIDE_GROUP_WORDS`, and from :data:`WHOLE_SLOTS_AT` a program hashes
     whole slots (one kernel). A verify hashes its selected entries one at a time (``block`` 1:
     a block's rows are hashed whether selected or not, and a chunk of about ``window`` entries
     holds one expected); its chunk is about ``window`` entries, four windows from
@@ -179,7 +182,9 @@ def heuristics(shapes: Mapping[str, int]) -> Config:
     if expected >= SPREAD_SLOTS_AT:
         chunk = 4 * window if shapes["verify"] else 1
         return Config(block=1, group_words=WIDE_GROUP_WORDS, entries=_entries_for(chunk, 1))
-    words = VERIFY_GROUP_WORDS if shapes["verify"] else GROUP_WORDS
+    words = GROUP_WORDS
+    if shapes["verify"]:
+        words = max(MIN_GROUP_WORDS, _pow2_at_least(-(-shapes["words"] // VERIFY_GROUPS)))
     return Config(block=1, group_words=words, entries=_entries_for(window, 1))
 
 
