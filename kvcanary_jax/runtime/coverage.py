@@ -116,9 +116,13 @@ def at_tail(cfg: CanaryConfig, state: CanaryState, batch, lut, kv) -> CanaryStat
         ctx, checked = _check(cfg, sc, vplan, read, phase=t, window=window, sources=sources,
                               group=group, ring=ring, widx=widx, copy="TAIL")
         ring, widx = ctx.violation_ring, ctx.violation_write_index
-        # A read run goes on when the slot was read by the step before.
-        run_from = jnp.where(_at(sc.read_at, slots, read) == t - 1,
-                             _at(sc.read_from, slots, read), t)
+        # A read run goes on when the slot was read by the step before. The old stamps are
+        # gathered before the new ones are scattered in place: the slots pass through a barrier
+        # with them, so that the scatters (indexed by those slots) run after the gathers (a
+        # reader of the old values left unordered makes XLA copy the array).
+        prev_at, prev_from, slots = jax.lax.optimization_barrier(
+            (_at(sc.read_at, slots, read), _at(sc.read_from, slots, read), slots))
+        run_from = jnp.where(prev_at == t - 1, prev_from, t)
         groups[group] = dataclasses.replace(
             sc, read_from=_stamp(sc.read_from, read, slots, run_from),
             read_at=_stamp(sc.read_at, read, slots, t),
