@@ -3,7 +3,8 @@ every layer of a model's KV, against the byte floor (the KV bytes the op must re
 bandwidth).
 
     python -m bench.op_digest [--quick | --smoke] [--iters N] [--implementations a,b]
-                              [--config k=v,...] [--sweep] [--budget-s S] [--out DIR]
+                              [--cases i,j] [--layers N] [--config k=v,... ...] [--sweep]
+                              [--budget-s S] [--out DIR]
 
 The model: sglang-jax's fused layout, one bf16 ``[slots, 2 * heads * head_dim]`` buffer per
 layer (K and V of every head interleaved), one source per layer hashing its whole row: 32 layers
@@ -16,7 +17,9 @@ project's ``bench/timing.py`` (CUPTI on a GPU: every kernel the call launches, X
 
 Launch configs of the Pallas kernels (``kvcanary_jax.ops.digest.pallas_triton.Config``):
 ``--config group_words=1024,block=2`` runs every case with the heuristics' config changed in
-those fields; ``--sweep`` times, per case, the heuristics' config and a few variants around it
+those fields (given several times, each such config is timed in turn; ``--config ""`` is the
+heuristics' own); ``--cases 0,1`` keeps those cases of the list (by index), ``--layers 4`` a
+model of that many layers; ``--sweep`` times, per case, the heuristics' config and a few variants around it
 (:func:`variants`: one field moved at a time) and prints the best per case. Both run the
 Triton kernels (``pallas_interpret`` without a GPU, for the smoke mode); ``--budget-s`` stops
 starting variants after that many seconds (each case's heuristic config always runs).
@@ -155,12 +158,21 @@ def parse_config(text: str) -> dict:
     return out
 
 
-def _configs(case, model, *, override: dict | None, sweep: bool, interpret: bool) -> list:
+def _configs(case, model, *, overrides: list, sweep: bool, interpret: bool) -> list:
+    """The launch configs a case is timed with: the heuristics' config with each of
+    ``overrides`` applied (``[{}]``: the heuristics' own), and with ``sweep`` the variants around
+    the first."""
     from kvcanary_jax.ops.digest import pallas_triton
 
-    cfg = pallas_triton.heuristics(shapes_of(case, model))
-    cfg = dataclasses.replace(cfg, **(override or {}), interpret=interpret)
-    return variants(cfg, verify=case["function"] == "verify") if sweep else [cfg]
+    base = pallas_triton.heuristics(shapes_of(case, model))
+    out = []
+    for override in overrides or [{}]:
+        cfg = dataclasses.replace(base, **override, interpret=interpret)
+        if cfg not in out:
+            out.append(cfg)
+    if sweep:
+        out = variants(out[0], verify=case["function"] == "verify") + out[1:]
+    return out
 
 
 def measure_case(case, model, *, implementation, iters: int, bw_gbs: float,
@@ -312,8 +324,11 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per case")
     ap.add_argument("--implementations", default="",
                     help="comma list (default: the platform's implementation)")
-    ap.add_argument("--config", default="",
-                    help="k=v,... fields of the Pallas kernels' Config, over the heuristics'")
+    ap.add_argument("--config", action="append", default=None,
+                    help="k=v,... fields of the Pallas kernels' Config, over the heuristics' "
+                         "(repeatable: each config timed in turn)")
+    ap.add_argument("--cases", default="", help="indices into the case list (default: all)")
+    ap.add_argument("--layers", type=int, default=None, help="the model's layers (default 32)")
     ap.add_argument("--sweep", action="store_true",
                     help="per case, the heuristics' config and variants; the best per case")
     ap.add_argument("--budget-s", type=float, default=None,
@@ -325,10 +340,16 @@ def main(argv=None) -> int:
     if smoke and not args.smoke:
         print("no GPU: running the smoke mode", file=sys.stderr)
     cases = SMOKE_CASES if smoke else QUICK_CASES if args.quick else FULL_CASES
+    if args.cases:
+        cases = [cases[int(i)] for i in args.cases.split(",")]
     model = SMOKE_MODEL if smoke else FULL_MODEL
+    if args.layers is not None:
+        if args.layers < 1:
+            ap.error(f"--layers must be >= 1, got {args.layers}")
+        model = dict(model, layers=args.layers)
     iters = args.iters or (3 if smoke else 30 if args.quick else 50)
     tuned = bool(args.config or args.sweep)
-    override = parse_config(args.config)
+    overrides = [parse_config(text) for text in args.config or []]
     kernels = "pallas_interpret" if not common.on_gpu() else "pallas_triton"
     impls = [i for i in args.implementations.split(",") if i] or [kernels if tuned else None]
     bw = timing.copy_bandwidth_gbs()
@@ -338,7 +359,7 @@ def main(argv=None) -> int:
         for c in cases:
             configs = (None,)
             if tuned and impl in ("pallas_triton", "pallas_interpret"):
-                configs = _configs(c, model, override=override, sweep=args.sweep,
+                configs = _configs(c, model, overrides=overrides, sweep=args.sweep,
                                    interpret=impl == "pallas_interpret")
             rows += measure_case(c, model, implementation=impl, iters=iters, bw_gbs=bw,
                                  configs=configs, deadline=deadline)
@@ -346,7 +367,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "digest.json"), "w") as f:
         json.dump({"mode": "smoke" if smoke else "quick" if args.quick else "full",
                    "iters": iters, "model": model, "copy_bandwidth_gbs": bw,
-                   "sweep": args.sweep, "config": override,
+                   "sweep": args.sweep, "configs": overrides,
                    "environment": common.environment(), "rows": rows}, f, indent=1)
     print(f"copy bandwidth {bw:.0f} GB/s; model {model}")
     print(table(rows))

@@ -710,3 +710,27 @@ def test_bench_op_digest_sweep_smoke(tmp_path, capsys):
         assert mine[0]["config"]["group_words"] == 8 and mine[0]["config"]["spread"] is True
         assert len({json.dumps(r["config"], sort_keys=True) for r in mine}) == len(mine)
     assert "best per case:" in capsys.readouterr().out
+
+
+@pytest.mark.e2e
+def test_bench_op_digest_configs_side_by_side_smoke(tmp_path):
+    """bench/op_digest.py with ``--config`` given twice (the heuristics' own, then one changed),
+    one case kept by ``--cases`` and a model of ``--layers`` layers: that case only, timed with
+    both configs in turn, both correct."""
+    import json
+
+    from kvcanary_jax.bench import op_digest
+    from kvcanary_jax.ops.digest import pallas_triton as pt
+
+    assert op_digest.main(["--smoke", "--cases", "0", "--layers", "3", "--config", "",
+                           "--config", "block=2,group_words=8", "--out", str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "digest.json").read_text())
+    rows = got["rows"]
+    case = op_digest.SMOKE_CASES[0]
+    model = dict(op_digest.SMOKE_MODEL, layers=3)
+    assert got["model"] == model and all(r["layers"] == 3 for r in rows)
+    assert [r["case"] for r in rows] == [op_digest._case_name(case)] * 2
+    own = pt.heuristics(op_digest.shapes_of(case, model))
+    assert rows[0]["config"]["group_words"] == own.group_words
+    assert (rows[1]["config"]["block"], rows[1]["config"]["group_words"]) == (2, 8)
+    assert all(r["ours_correct"] for r in rows)
