@@ -92,6 +92,30 @@ def test_bench_refuses_an_unwritable_out_before_running(main, tmp_path, capsys):
     assert err.startswith("usage: "), err  # the usage and the error only: no case ran before
 
 
+@pytest.mark.e2e
+def test_the_step_copies_bench_lists_each_copy(tmp_path, capsys):
+    """``bench/step_copies.py`` on the CPU: both steps compiled, every copy of each listed with
+    its operand (the JSON holds them all); the parser reads a hand-written module's copies and
+    nothing else; a window below 1 is refused."""
+    from kvcanary_jax.bench import step_copies
+
+    text = ("  %copy.1 = s32[1]{0} copy(%state_step.1), metadata={op_name=\"x\"}\n"
+            "  ROOT %copy.2 = s64[4]{0} copy-start(%p0)\n"
+            "  %add.3 = s32[1]{0} add(%copy.1, %b)\n")
+    assert step_copies.copies(text) == [{"shape": "s32[1]{0}", "of": "state_step.1"},
+                                        {"shape": "s64[4]{0}", "of": "p0"}]
+    assert step_copies.main(["--window", "4", "--out", str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "step_copies.json").read_text())
+    assert [r["window"] for r in got["rows"]] == [0, 4]
+    assert all(r["copies"] == len(r["list"]) for r in got["rows"])
+    assert "make_canary_step window    4" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        step_copies.main(["--window", "0"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.rstrip().endswith("error: argument --window: must be >= 1, "
+                                                     "got 0")
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--rounds", "0"], "argument --rounds: must be >= 1, got 0"),
     (["--demo-steps", "-1"], "argument --demo-steps: must be >= 1, got -1"),

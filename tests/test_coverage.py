@@ -349,7 +349,7 @@ def test_every_state_leaf_is_donated_to_its_own_output():
     """A step overwrites some coverage leaves without reading them (the digest's byte count;
     a sweep's step stamp). JAX drops unread inputs before pairing donated inputs with outputs of
     the same shape, so every later leaf of that shape would pair with its neighbour's output and
-    XLA would copy each into place (9 copies a step on an H200, ~1 us each). Each state leaf
+    XLA would copy each into place (6 copies a step on an H200, ~1 us each). Each state leaf
     must pair with its own output, in the step and in the sweep."""
     step = rt.make_canary_step(CFG, _write_forward)
     with jax.enable_x64(True):
