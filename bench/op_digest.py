@@ -19,8 +19,8 @@ Launch configs of the Pallas kernels (``kvcanary_jax.ops.digest.pallas_triton.Co
 ``--config group_words=1024,block=2`` runs every case with the heuristics' config changed in
 those fields (given several times, each such config is timed in turn; ``--config ""`` is the
 heuristics' own); ``--cases 0,1`` keeps those cases of the list (by index), ``--layers 4`` a
-model of that many layers; ``--sweep`` times, per case, the heuristics' config and a few variants around it
-(:func:`variants`: one field moved at a time) and prints the best per case. Both run the
+model of that many layers; ``--sweep`` times, per case, the heuristics' config and a few
+variants around it (:func:`variants`: one field moved at a time) and prints the best per case. Both run the
 Triton kernels (``pallas_interpret`` without a GPU, for the smoke mode); ``--budget-s`` stops
 starting variants after that many seconds (each case's heuristic config always runs).
 

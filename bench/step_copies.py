@@ -25,27 +25,13 @@ import sys
 import warnings
 
 from kvcanary_jax.bench import common
+from kvcanary_jax.testing.forward import layered_kv, write_every_layer
 
 LAYERS, SLOTS, WIDTH = 2, 16, 8
 SIZES = dict(max_reqs=4, context_len=16, num_slots=SLOTS, max_bs=2, max_tokens=8,
              ring_capacity=64)
 SHOWN = 12  # copies listed per step on stdout (all of them in the JSON)
 _COPY = re.compile(r"^\s*(?:ROOT )?%\S+ = (\S+) copy(?:-start)?\((%[^),]+)")
-
-
-def _forward(kv, batch, rtt, lut):
-    """Every layer's K and V of each new token (distinct bytes per layer and half)."""
-    import jax.numpy as jnp
-
-    rows = jnp.where(batch.out_cache_loc < 0, SLOTS, batch.out_cache_loc)
-    out = {}
-    for half, arrays in kv["FULL"]["layers"].items():
-        out[half] = tuple(
-            a.at[rows].set(jnp.broadcast_to(
-                (batch.input_ids * (2 * i + 1) + (half == "V"))[:, None],
-                (rows.shape[0], a.shape[1])).astype(a.dtype), mode="drop")
-            for i, a in enumerate(arrays))
-    return {"FULL": {"layers": out}}
 
 
 def copies(text: str) -> list[dict]:
@@ -68,12 +54,11 @@ def step_copies(window: int, implementation: str | None) -> dict:
 
     cfg = rt.CanaryConfig(**SIZES, coverage_window=window, num_layers=LAYERS,
                           implementation=implementation)
-    step = rt.make_canary_step(cfg, _forward)
+    step = rt.make_canary_step(cfg, write_every_layer)
     ids = [11, 12, 13]
     with jax.enable_x64(True):
         state = rt.init_state(cfg)
-        kv = {"FULL": {"layers": {h: tuple(jnp.zeros((SLOTS, WIDTH), jnp.bfloat16)
-                                           for _ in range(LAYERS)) for h in ("K", "V")}}}
+        kv = layered_kv(SLOTS, WIDTH, LAYERS)
         batch = rt.make_batch(cfg, req_pool_indices=[1], prefix_lens=[2], extend_seq_lens=[1],
                               all_ids=[ids], input_ids=ids[2:], positions=[2],
                               out_cache_loc=[3])

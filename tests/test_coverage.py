@@ -23,6 +23,7 @@ from kvcanary_jax import sim as sm
 from kvcanary_jax.runtime import agreement
 from kvcanary_jax.runtime import config as rc
 from kvcanary_jax.runtime.reporting import format_violation
+from kvcanary_jax.testing.forward import layered_kv, write_every_layer
 
 from _manager_support import Harness
 
@@ -164,21 +165,10 @@ def _table(cfg, n, row=1, first=1):
 
 
 def _layered(slots=16, width=8, layers=LAYERS, halves=("K", "V")):
-    return {"FULL": {"layers": {h: tuple(jnp.zeros((slots, width), jnp.bfloat16)
-                                         for _ in range(layers)) for h in halves}}}
+    return layered_kv(slots, width, layers, halves)
 
 
-def _write_forward(kv, batch, rtt, lut):
-    """Every layer's K and V of each new token: distinct bytes per layer and half."""
-    rows = jnp.where(batch.out_cache_loc < 0, 16, batch.out_cache_loc)
-    out = {}
-    for half, arrays in kv["FULL"]["layers"].items():
-        out[half] = tuple(
-            a.at[rows].set(jnp.broadcast_to(
-                (batch.input_ids * (2 * i + 1) + (half == "V"))[:, None],
-                (rows.shape[0], a.shape[1])).astype(a.dtype), mode="drop")
-            for i, a in enumerate(arrays))
-    return {"FULL": {"layers": out}}
+_write_forward = write_every_layer  # every layer's K and V of each new token
 
 
 @pytest.mark.parametrize("kv, match", [

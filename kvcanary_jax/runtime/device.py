@@ -159,9 +159,9 @@ class DeviceSteps:
                 self._shard_phase(functools.partial(fused, cfg=cfg, forward=forward), 6, True),
                 donate_argnums=(0, 1, 2))
         self.head = state_jit(self._shard_phase(functools.partial(head_only, cfg=cfg), 5, False),
-                            donate_argnums=(0, 1))
+                              donate_argnums=(0, 1))
         self.tail = state_jit(self._shard_phase(functools.partial(tail_only, cfg=cfg), 5, True),
-                            donate_argnums=(0, 1))
+                              donate_argnums=(0, 1))
         self.sweep = state_jit(self._wrap_shards(
             functools.partial(sweep_fn, cfg=cfg, guard=guard), 6, False), donate_argnums=(0,))
         self.observe = jax.jit(functools.partial(observe_fn, cfg=cfg))

@@ -23,7 +23,6 @@ place. Every op runs ``cfg.implementation`` (see :class:`~kvcanary_jax.runtime.s
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, Mapping, Sequence
 
 import jax

@@ -12,7 +12,6 @@ shard; :class:`ShardViolation` says which shard saw what).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import jax
 import numpy as np
 

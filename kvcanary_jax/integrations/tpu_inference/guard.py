@@ -395,8 +395,8 @@ def guarded_model_fn(canary: device.TpuInferenceCanary, step: Callable, kv_shard
                                    input_positions, list(kv), late, split)
 
     return state_jit(traced, static_argnums=(3, 4, 11, 14, 15), donate_argnums=(0, 6),
-                   out_shardings=(state_sharding, (list(kv_shardings), None, None, None)),
-                   compiler_options=compiler_options or None)
+                     out_shardings=(state_sharding, (list(kv_shardings), None, None, None)),
+                     compiler_options=compiler_options or None)
 
 
 def _sweep_impl(state, tables, rows, lengths, kv, *, canary):

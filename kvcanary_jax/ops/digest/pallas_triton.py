@@ -71,7 +71,8 @@ from kvcanary_jax.ops._kernel_lib import append_rows, claim_rows
 from kvcanary_jax.ops.digest import base
 
 __all__ = ["Config", "heuristics", "run", "Segment", "groups", "GROUP_WORDS", "MIN_GROUP_WORDS",
-           "VERIFY_GROUPS", "WIDE_GROUP_WORDS", "LOOP_GROUP_WORDS", "WHOLE_SLOTS_AT", "SPREAD_SLOTS_AT"]
+           "VERIFY_GROUPS", "WIDE_GROUP_WORDS", "LOOP_GROUP_WORDS", "WHOLE_SLOTS_AT",
+           "SPREAD_SLOTS_AT"]
 
 # Launch defaults (bench/NOTES.md, "the KV digest's kernels", has the predictions behind them and
 # the measurements that set them). A slot of the benchmark's model (32 layers of a fused 8 x 128
@@ -166,8 +167,9 @@ def heuristics(shapes: Mapping[str, int]) -> Config:
     """By the number of slots a call hashes (a write's entries; a verify's expected selected
     entries, capacity / window): a few are spread over programs in groups of
     :data:`GROUP_WORDS` (a write) or in at most :data:`VERIFY_GROUPS` of at least
-    :data:`MIN_GROUP_WORDS` (a verify; two kernels), more in groups of :data:`WIDE_GROUP_WORDS`, and from :data:`WHOLE_SLOTS_AT` a program hashes
-    whole slots (one kernel). A verify hashes its selected entries one at a time (``block`` 1:
+    :data:`MIN_GROUP_WORDS` (a verify; two kernels), more in groups of
+    :data:`WIDE_GROUP_WORDS`, and from :data:`WHOLE_SLOTS_AT` a program hashes whole slots (one
+    kernel). A verify hashes its selected entries one at a time (``block`` 1:
     a block's rows are hashed whether selected or not, and a chunk of about ``window`` entries
     holds one expected); its chunk is about ``window`` entries, four windows from
     :data:`SPREAD_SLOTS_AT` slots (fewer programs, each scanning more)."""
