@@ -192,9 +192,9 @@ def test_a_kv_the_window_cannot_cover_is_refused_before_anything_runs(kv, match)
         assert not state.violation_ring.is_deleted()  # refused while tracing: nothing donated
 
 
-def _run(cfg, kv, steps, *, forward=_write_forward, corrupt=None):
+def _run(cfg, kv, steps, *, forward=_write_forward, corrupt=None, batch_fn=None):
     """``steps`` steps of one request (prefill of 3, then decode); ``corrupt(kv, i)`` before step
-    ``i``. Returns the state and the KV."""
+    ``i``, and step ``i`` given ``batch_fn(batch, i)``. Returns the state and the KV."""
     step = rt.make_canary_step(cfg, forward)
     ids = [11, 12, 13]
     with jax.enable_x64(True):
@@ -203,7 +203,10 @@ def _run(cfg, kv, steps, *, forward=_write_forward, corrupt=None):
             prefix = 0 if i == 0 else len(ids) - 1
             if corrupt is not None:
                 kv = corrupt(kv, i)
-            state, kv = step(state, kv, _batch(cfg, ids, prefix), _table(cfg, len(ids)))
+            batch = _batch(cfg, ids, prefix)
+            if batch_fn is not None:
+                batch = batch_fn(batch, i)
+            state, kv = step(state, kv, batch, _table(cfg, len(ids)))
             ids = ids + [20 + i]
     return state, kv
 
@@ -292,6 +295,39 @@ def test_a_flip_in_any_layer_or_half_is_found_within_the_window():
     assert message.startswith("kv_canary violation: launch_tag=TAIL_K_FULL fail_reason=kv_digest "
                               "slot_idx=2 position=1 ")
     assert "stored:   kv_digest=0x" in message and "every layer's K and V" in message
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
+def test_a_server_s_int32_token_arrays_give_the_int64_bytes(implementation):
+    """``input_ids``, ``positions`` and ``out_cache_loc`` handed to the step as int32 (a server's
+    own arrays, read as they are: no convert kernel) give the bytes of int64 ones: canary
+    buffers, ring, counters, digests and step counters, with a wrong position (the write's
+    chain check) and a flipped layer (the digest) along the way."""
+    cfg = dataclasses.replace(CFG, implementation=implementation)
+
+    def corrupt(kv, i):  # layer 1's K of slot 1 after step 1 wrote it
+        if i != 2:
+            return kv
+        layers = kv["FULL"]["layers"]
+        return {"FULL": {"layers": {**layers, "K": (layers["K"][0],
+                                                    layers["K"][1].at[1, 0].add(1))}}}
+
+    def batch_fn(width):
+        def fn(batch, i):
+            if i == 3:  # a position one past the chain's
+                batch = dataclasses.replace(batch, positions=batch.positions + 1)
+            return dataclasses.replace(batch, **{
+                f: getattr(batch, f).astype(width)
+                for f in ("input_ids", "positions", "out_cache_loc")})
+        return fn
+
+    wide, _ = _run(cfg, _layered(), 6, corrupt=corrupt, batch_fn=batch_fn(jnp.int64))
+    narrow, _ = _run(cfg, _layered(), 6, corrupt=corrupt, batch_fn=batch_fn(jnp.int32))
+    reasons = {r for v in rt.read_violations(wide) for r in v.reasons}
+    assert {"KV_DIGEST_MISMATCH", "WRITE_POSITION_MISMATCH"} <= reasons, reasons
+    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(wide),
+                                 jax.tree_util.tree_leaves_with_path(narrow)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), jax.tree_util.keystr(path))
 
 
 def test_fused_layers_are_digested_whole():

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from kvcanary_jax.integrations import sglang_jax as ksj
+from kvcanary_jax.runtime.state import SLOT_STEPS
 
 PAGE = 4
 
@@ -139,11 +140,13 @@ def test_hicache_hook_moves_a_page_s_digests_with_it():
     sc = holder.state.coverage.groups["FULL"]
     digests = np.arange(PAGE, dtype=np.int64) * 0x1_0000_0001 - 7
     with jax.enable_x64(True):
-        sc = dataclasses.replace(
-            sc, digest=sc.digest.at[0, PAGE:2 * PAGE].set(digests),
-            written_at=sc.written_at.at[0, PAGE:2 * PAGE].set(5),
-            checked_at=sc.checked_at.at[0, 3 * PAGE:4 * PAGE].set(9),
-            read_at=sc.read_at.at[0, 3 * PAGE:4 * PAGE].set(9))
+        col = SLOT_STEPS.index
+        steps = (sc.steps.at[0, PAGE:2 * PAGE, col("written_at")].set(5)
+                 .at[0, PAGE:2 * PAGE, col("read_at")].set(4)
+                 .at[0, 3 * PAGE:4 * PAGE, col("checked_at")].set(9)
+                 .at[0, 3 * PAGE:4 * PAGE, col("read_at")].set(9))
+        sc = dataclasses.replace(sc, digest=sc.digest.at[0, PAGE:2 * PAGE].set(digests),
+                                 steps=steps)
         cov = holder.state.coverage
         holder.state = dataclasses.replace(holder.state, coverage=dataclasses.replace(
             cov, groups={"FULL": sc}))

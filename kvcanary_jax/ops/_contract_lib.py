@@ -8,6 +8,9 @@ helpers) so that validation reads without any kernel code.
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+
 from kvcanary_jax import consts
 from kvcanary_jax.contracts import DType, Rule
 
@@ -76,3 +79,12 @@ def canary_checks():
 
 def source_metas(sources) -> dict:
     return {f"real_kv_sources[{i}].tensor": s.meta for i, s in enumerate(sources)}
+
+
+def int64_stand_in(x):
+    """What a contract checks of an int32 index or token array that an internal caller hands an
+    array-level run, which widens it itself: an int64 ``ShapeDtypeStruct`` of its shape
+    (anything else, ``None`` included, as it is)."""
+    if x is not None and jnp.dtype(x.dtype) == jnp.dtype(jnp.int32):
+        return jax.ShapeDtypeStruct(x.shape, jnp.int64)
+    return x

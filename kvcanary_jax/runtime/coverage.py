@@ -9,11 +9,12 @@ every layer of the group's KV (:func:`kvcanary_jax.runtime.kv.digest_sources`):
 * **TAIL of step T** (steps numbered from 1, after the forward wrote the KV): stamp the digest of
   every slot the step wrote (``out_cache_loc``, SWA slots through the LUT), then check the digest
   of the TAIL verify plan's slots with ``slot % N == T % N``. A slot read by N consecutive steps
-  is checked in one of them.
+  is checked in one of them. The step's counters (the written slots' stamps, the read slots'
+  runs and checks) go in with one scatter.
 * **the sweep** (after a step): check the digest of every slot its plan walks (the cached
   prefixes), whatever the phase.
-* **never-stamped slots are not checked**: a slot whose digest was never stamped under this
-  state (warm-up or capture batches that read slots no guarded forward wrote, a state built over
+* **never-stamped slots are not checked**: a slot whose digest no earlier step stamped under
+  this state (warm-up or capture batches that read slots no guarded forward wrote, a state built over
   a pool that already held KV) has nothing to be checked against; it is left out of the launch
   (its slot passed as -1) instead of reported against a digest of 0. It counts as live and
   unverified in the report below, so the gap shows.
@@ -42,18 +43,34 @@ import jax.numpy as jnp
 
 from kvcanary_jax import _config
 from kvcanary_jax.context import DigestContext
-from kvcanary_jax.ops.digest import digest_verify, digest_write
+from kvcanary_jax.ops._contract_lib import int64_stand_in
+from kvcanary_jax.ops.digest import api as digest_api
+from kvcanary_jax.ops.digest import base as digest_base
+from kvcanary_jax.ops.digest import digest_verify
 from kvcanary_jax.runtime.kv import digest_sources, translate
-from kvcanary_jax.runtime.state import CanaryConfig, CanaryState, tag
+from kvcanary_jax.runtime.state import SLOT_STEPS, CanaryConfig, CanaryState, tag
 
 __all__ = ["at_tail", "at_sweep", "counts", "GroupCoverage", "CoverageStats", "from_counts",
            "coverage_stats"]
 
 
-def _stamp(arr, where, idx, value):
-    """``arr[idx[e]] = value`` for the entries ``where`` holds (the others dropped)."""
-    at = jnp.where(where, idx, arr.shape[0])
-    return arr.at[at].set(jnp.broadcast_to(value, idx.shape).astype(arr.dtype), mode="drop")
+# The columns of SlotCoverage.steps.
+_W, _RF, _RA, _CK, _SW = (SLOT_STEPS.index(f) for f in (
+    "written_at", "read_from", "read_at", "checked_at", "swept_at"))
+
+
+def _stamps(steps, *parts):
+    """``steps`` (``[slots, 5]``) with, for each part ``(where, idx, column, value)``,
+    ``steps[idx[e], column] = value[e]`` where ``where[e]`` holds (the other entries dropped):
+    one scatter for every part. Entries naming the same slot and column carry the same value."""
+    n = steps.shape[0]
+    rows, cols, vals = [], [], []
+    for where, idx, column, value in parts:
+        rows.append(jnp.where(where, idx, n).astype(jnp.int64))
+        cols.append(jnp.full(idx.shape, column, jnp.int64))
+        vals.append(jnp.broadcast_to(value, idx.shape).astype(steps.dtype))
+    return steps.at[jnp.concatenate(rows), jnp.concatenate(cols)].set(
+        jnp.concatenate(vals), mode="drop")
 
 
 def _at(arr, idx, where):
@@ -72,12 +89,11 @@ def _plan_reads(vplan, num_slots: int):
     return slots, read
 
 
-def _check(cfg, sc, vplan, read, *, phase, window, sources, group, ring, widx, copy):
+def _check(cfg, sc, vplan, checkable, *, phase, window, sources, group, ring, widx, copy):
     """One digest check (``copy``: ``"TAIL"`` or ``"SWEEP"``) of the plan's entries that
-    ``read`` holds and whose slot was stamped; returns ``(context after the launch, the entries
+    ``checkable`` holds (read, and stamped); returns ``(context after the launch, the entries
     it checked)``."""
     slots = vplan.verify_slot_indices
-    checkable = read & (_at(sc.written_at, slots, read) >= 0)
     prefix = copy.lower()
     ctx = DigestContext(digest_buf=sc.digest, kernel_kind=int(tag(copy, "K", group)),
                         violation_ring=ring, violation_write_index=widx,
@@ -94,7 +110,8 @@ def _check(cfg, sc, vplan, read, *, phase, window, sources, group, ring, widx, c
 
 def at_tail(cfg: CanaryConfig, state: CanaryState, batch, lut, kv) -> CanaryState:
     """The coverage part of step T's TAIL (traceable; after SGLang's TAIL launches): stamp the
-    written slots' digests, check the read slots of phase ``T % N``, advance the counters."""
+    written slots' digests, check the read slots of phase ``T % N`` stamped by an earlier step,
+    advance the counters."""
     cov = state.coverage
     window = cfg.coverage_window
     # Materialized once: fused into each reader, the step's old value would have to outlive its
@@ -108,25 +125,27 @@ def at_tail(cfg: CanaryConfig, state: CanaryState, batch, lut, kv) -> CanaryStat
         sources = digest_sources(cfg, kv, group)
         nbytes = sum(s.read_bytes for s in sources)
         loc = translate(group, batch.out_cache_loc, lut)
-        sc = dataclasses.replace(
-            sc, digest=digest_write(sc.digest, loc, sources, implementation=cfg.implementation),
-            written_at=_stamp(sc.written_at, (loc >= 0) & (loc < n), loc, t))
+        # digest_write's checks and its array-level write, which takes int32 slots as they are.
+        bound = digest_base.validate_write(sc.digest, int64_stand_in(loc), sources)
+        sc = dataclasses.replace(sc, digest=digest_api.write(
+            sc.digest, loc, bound, implementation=cfg.implementation))
         vplan = state.plans[group][0]
         slots, read = _plan_reads(vplan, n)
-        ctx, checked = _check(cfg, sc, vplan, read, phase=t, window=window, sources=sources,
-                              group=group, ring=ring, widx=widx, copy="TAIL")
+        # The read slots' counters as the step found them, gathered once before the one scatter
+        # that stamps this step's: the slots pass through a barrier with them, so that the
+        # scatter (indexed by those slots) runs after the gather (a reader of the old values
+        # left unordered makes XLA copy the array).
+        old, slots = jax.lax.optimization_barrier((_at(sc.steps, slots, read), slots))
+        ctx, checked = _check(cfg, sc, vplan, read & (old[:, _W] >= 0), phase=t, window=window,
+                              sources=sources, group=group, ring=ring, widx=widx, copy="TAIL")
         ring, widx = ctx.violation_ring, ctx.violation_write_index
-        # A read run goes on when the slot was read by the step before. The old stamps are
-        # gathered before the new ones are scattered in place: the slots pass through a barrier
-        # with them, so that the scatters (indexed by those slots) run after the gathers (a
-        # reader of the old values left unordered makes XLA copy the array).
-        prev_at, prev_from, slots = jax.lax.optimization_barrier(
-            (_at(sc.read_at, slots, read), _at(sc.read_from, slots, read), slots))
-        run_from = jnp.where(prev_at == t - 1, prev_from, t)
+        # A read run goes on when the slot was read by the step before.
+        run_from = jnp.where(old[:, _RA] == t - 1, old[:, _RF], t)
+        steps = _stamps(sc.steps, ((loc >= 0) & (loc < n), loc, _W, t),
+                        (read, slots, _RF, run_from), (read, slots, _RA, t),
+                        (checked, slots, _CK, t))
         groups[group] = dataclasses.replace(
-            sc, read_from=_stamp(sc.read_from, read, slots, run_from),
-            read_at=_stamp(sc.read_at, read, slots, t),
-            checked_at=_stamp(sc.checked_at, checked, slots, t),
+            sc, steps=steps,
             # Updated from its own value, not stored as a constant (a copy into place each step).
             digest_bytes=jnp.where(sc.digest_bytes == nbytes, sc.digest_bytes, nbytes),
             tail_slot_runs=ctx.slot_run_counter, tail_kernel_runs=ctx.kernel_run_counter)
@@ -145,14 +164,15 @@ def at_sweep(cfg: CanaryConfig, state: CanaryState, plans: dict, kv) -> CanarySt
         sc = cov.groups[group]
         vplan = plans[group]
         slots, read = _plan_reads(vplan, cfg.group_slots(group))
+        written, slots = jax.lax.optimization_barrier((_at(sc.written_at, slots, read), slots))
         # Every walked slot, whatever the phase: window 1.
-        ctx, checked = _check(cfg, sc, vplan, read, phase=jnp.zeros((1,), jnp.int32), window=1,
+        ctx, checked = _check(cfg, sc, vplan, read & (written >= 0),
+                              phase=jnp.zeros((1,), jnp.int32), window=1,
                               sources=digest_sources(cfg, kv, group), group=group, ring=ring,
                               widx=widx, copy="SWEEP")
         ring, widx = ctx.violation_ring, ctx.violation_write_index
         groups[group] = dataclasses.replace(
-            sc, checked_at=_stamp(sc.checked_at, checked, slots, t),
-            swept_at=_stamp(sc.swept_at, read, slots, t),
+            sc, steps=_stamps(sc.steps, (checked, slots, _CK, t), (read, slots, _SW, t)),
             sweep_slot_runs=ctx.slot_run_counter, sweep_kernel_runs=ctx.kernel_run_counter)
     return dataclasses.replace(state, violation_ring=ring, violation_write_index=widx,
                                coverage=dataclasses.replace(cov, groups=groups, last_sweep=t))

@@ -208,7 +208,8 @@ def tag(copy: str, half: str, group: str) -> consts.CanaryLaunchTag:
     return consts.CanaryLaunchTag[f"{copy}_{half}_{group}"]
 
 
-# The per-slot step counters of :class:`SlotCoverage` (int32, -1: never).
+# The per-slot step counters of :class:`SlotCoverage`, the columns of its ``steps`` (int32, -1:
+# never).
 SLOT_STEPS = ("written_at", "read_from", "read_at", "checked_at", "swept_at")
 # Its launch counters (int64 [1]): the digest launches, apart from SGLang's per-tag counters.
 DIGEST_RUNS = ("tail_slot_runs", "tail_kernel_runs", "sweep_slot_runs", "sweep_kernel_runs")
@@ -220,27 +221,35 @@ class SlotCoverage:
     """The coverage state of one buffer group (docs/spec.md §17).
 
     ``digest``: int64 ``[slots]``, each slot's KV digest (every layer's K and V) as its last
-    write left it. Steps are numbered from 1 (TAILs run under this state); per slot, int32
-    ``[slots]``, -1 for never: ``written_at`` the step whose TAIL stamped its digest (a slot
-    never stamped has no digest to check, and is not checked), ``read_from`` / ``read_at`` the
-    first and last step of its current run of consecutive TAIL reads, ``checked_at`` the step
-    of its last digest check (a TAIL's or a sweep's), ``swept_at`` the step of the last sweep
-    that walked it. ``digest_bytes``: int64 ``[1]``, the KV bytes a digest covers per slot.
+    write left it. Steps are numbered from 1 (TAILs run under this state); ``steps``: int32
+    ``[slots, 5]``, per slot the step counters of :data:`SLOT_STEPS` in that order, -1 for never
+    (one array, so that a TAIL stamps them all in one scatter; each is also a property, a view
+    of its column): ``written_at`` the step whose TAIL stamped its digest (a slot never stamped
+    has no digest to check, and is not checked), ``read_from`` / ``read_at`` the first and last
+    step of its current run of consecutive TAIL reads, ``checked_at`` the step of its last
+    digest check (a TAIL's or a sweep's), ``swept_at`` the step of the last sweep that walked
+    it. ``digest_bytes``: int64 ``[1]``, the KV bytes a digest covers per slot.
     ``tail_slot_runs`` ... ``sweep_kernel_runs``: int64 ``[1]``, slots checked and launches of the
     TAIL and SWEEP digest checks.
     """
 
     digest: jax.Array
-    written_at: jax.Array
-    read_from: jax.Array
-    read_at: jax.Array
-    checked_at: jax.Array
-    swept_at: jax.Array
+    steps: jax.Array
     digest_bytes: jax.Array
     tail_slot_runs: jax.Array
     tail_kernel_runs: jax.Array
     sweep_slot_runs: jax.Array
     sweep_kernel_runs: jax.Array
+
+    def column(self, name: str) -> jax.Array:
+        """One step counter (a name of :data:`SLOT_STEPS`) of every slot: ``[..., slots]``."""
+        return self.steps[..., SLOT_STEPS.index(name)]
+
+    written_at = property(lambda self: self.column("written_at"))
+    read_from = property(lambda self: self.column("read_from"))
+    read_at = property(lambda self: self.column("read_at"))
+    checked_at = property(lambda self: self.column("checked_at"))
+    swept_at = property(lambda self: self.column("swept_at"))
 
 
 @jax.tree_util.register_dataclass
@@ -345,9 +354,9 @@ def init_state(cfg: CanaryConfig, *, chain_position_assert: bool = True,
 
 def _init_coverage(cfg: CanaryConfig, put) -> CoverageState:
     def group(slots):
-        never = {f: put(jnp.full((slots,), -1, jnp.int32)) for f in SLOT_STEPS}
         zero = {f: put(jnp.zeros((1,), jnp.int64)) for f in DIGEST_RUNS + ("digest_bytes",)}
-        return SlotCoverage(digest=put(jnp.zeros((slots,), jnp.int64)), **never, **zero)
+        return SlotCoverage(digest=put(jnp.zeros((slots,), jnp.int64)),
+                            steps=put(jnp.full((slots, len(SLOT_STEPS)), -1, jnp.int32)), **zero)
 
     return CoverageState(groups={g: group(cfg.group_slots(g)) for g in cfg.groups},
                          step=put(jnp.zeros((1,), jnp.int32)),
@@ -391,8 +400,7 @@ def _layout(cfg: CanaryConfig) -> dict:
             why = f"{slots}={cfg.group_slots(group)}, coverage_window={cfg.coverage_window}"
             at = f"coverage.groups[{group}]"
             out[f"{at}.digest"] = ((cfg.group_slots(group),), "int64", why)
-            for f in SLOT_STEPS:
-                out[f"{at}.{f}"] = ((cfg.group_slots(group),), "int32", why)
+            out[f"{at}.steps"] = ((cfg.group_slots(group), len(SLOT_STEPS)), "int32", why)
             for f in DIGEST_RUNS + ("digest_bytes",):
                 out[f"{at}.{f}"] = ((1,), "int64", "one element")
         out["coverage.step"] = ((1,), "int32", "one element")
@@ -466,6 +474,8 @@ class ForwardBatch:
     Padding rows have ``req_pool_indices == 0``; padding tokens have ``out_cache_loc == -1``
     (never written). ``all_ids_flat`` / ``all_ids_offsets`` are each request's prompt + output
     ids (the expected-token snapshot; its per-request length is the plan's ``valid_lens``).
+    ``input_ids``, ``positions`` and ``out_cache_loc`` may be int32 (a server's own arrays, as
+    sglang-jax's are): the kernels widen them as they read them.
     """
 
     req_pool_indices: jax.Array  # int64 [max_bs]
@@ -473,8 +483,8 @@ class ForwardBatch:
     extend_seq_lens: jax.Array  # int64 [max_bs]
     all_ids_flat: jax.Array  # int64 [max_bs * context_len]
     all_ids_offsets: jax.Array  # int64 [max_bs + 1]
-    input_ids: jax.Array  # int64 [max_tokens]
-    positions: jax.Array  # int64 [max_tokens]
-    out_cache_loc: jax.Array  # int64 [max_tokens]
+    input_ids: jax.Array  # int64 (or int32) [max_tokens]
+    positions: jax.Array  # int64 (or int32) [max_tokens]
+    out_cache_loc: jax.Array  # int64 (or int32) [max_tokens]
     expected_input_tokens: jax.Array  # int64 [max_tokens]
     expected_input_positions: jax.Array  # int64 [max_tokens]

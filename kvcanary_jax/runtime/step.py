@@ -33,7 +33,9 @@ from kvcanary_jax.context import VerifyOrWriteContext
 from kvcanary_jax.ops.plan import canary_plan
 from kvcanary_jax.ops.scatter import scatter_req_token_ids
 from kvcanary_jax.ops.verify import canary_verify
-from kvcanary_jax.ops.write import canary_write
+from kvcanary_jax.ops.write import api as write_api
+from kvcanary_jax.ops.write import base as write_base
+from kvcanary_jax.ops.write.base import WriteTokens
 from kvcanary_jax.plans import VerifyPlan, WritePlan
 from kvcanary_jax.runtime import coverage
 from kvcanary_jax.runtime.kv import as_kv_dict, kv_sources, translate
@@ -97,17 +99,18 @@ def _verify_then_write(cfg, state, batch, group, copy, sources_by_half, lut):
             implementation=cfg.implementation,
         )
         assert_inputs = cfg.enable_write_input_assert
-        ctx = canary_write(
-            context=ctx,
-            plan=wplan,
+        tokens = WriteTokens(
             input_ids=batch.input_ids,
             positions=batch.positions,
             out_cache_loc=loc,
-            enable_write_input_assert=assert_inputs,
             expected_input_tokens=batch.expected_input_tokens if assert_inputs else None,
             expected_input_positions=batch.expected_input_positions if assert_inputs else None,
-            implementation=cfg.implementation,
         )
+        # canary_write's checks, and its array-level run: the batch's token arrays may be int32
+        # (write_base.NARROW_TOKENS), widened by the kernel, not by a convert kernel each.
+        write_base.validate(ctx, wplan, write_base.checked_as(tokens), assert_inputs)
+        ctx = write_api.run(ctx, wplan, tokens, enable_write_input_assert=assert_inputs,
+                            implementation=cfg.implementation)
         state = _absorb(state, ctx, key, t)
     return state
 

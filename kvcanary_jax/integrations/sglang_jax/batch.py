@@ -66,6 +66,17 @@ def _lengths(canary: SglangJaxCanary, fb):
     return seq, prefix, extend, seg, rows
 
 
+# The batch's token arrays the runtime takes as they come, int32 (sglang-jax's) or int64: the
+# kernels widen them as they read them (a convert kernel each, per step, spared).
+_SERVER_ARRAYS = ("input_ids", "positions", "out_cache_loc")
+
+
+def _as_read(x: jax.Array) -> jax.Array:
+    """``x`` as the runtime takes it: int32 and int64 as they are, any other dtype widened."""
+    keep = jnp.dtype(x.dtype) in (jnp.dtype(jnp.int32), jnp.dtype(jnp.int64))
+    return x if keep else x.astype(jnp.int64)
+
+
 def _owner(offsets: jax.Array, idx: jax.Array, bs: int) -> jax.Array:
     """For exclusive prefix sums ``offsets`` [bs + 1], the row whose range holds each index
     (``searchsorted`` right, unrolled: no loop in the step's program)."""
@@ -85,15 +96,17 @@ def canary_batch(canary: SglangJaxCanary, forward_batch, *, expected: jax.Array 
     iff ``canary.token_checks``: int32 parallel to ``cache_loc`` (:func:`expected_tokens`), or,
     with ``canary.token_rows``, a :class:`TokenDelta`'s ``array`` (the batch's
     ``all_ids_flat`` is then a placeholder: the ids are in the state's pool, which the guarded
-    step updates). Trace under 64-bit types.
+    step updates). The batch's arrays are int64. Trace under 64-bit types.
     """
     batch, table, _ = device_batch(canary, forward_batch, expected)
-    return batch, table
+    return dataclasses.replace(batch, **{f: getattr(batch, f).astype(jnp.int64)
+                                         for f in _SERVER_ARRAYS}), table
 
 
 def device_batch(canary: SglangJaxCanary, forward_batch, expected):
     """:func:`canary_batch`, and with ``token_rows`` the delta's device form for
-    :func:`fed_pool` (None otherwise)."""
+    :func:`fed_pool` (None otherwise); the batch's token arrays as sglang-jax gave them (int32:
+    the runtime reads them as they are)."""
     fb = forward_batch
     seq, prefix, extend, seg, rows = _lengths(canary, fb)
     bs = seq.shape[0]
@@ -144,9 +157,7 @@ def device_batch(canary: SglangJaxCanary, forward_batch, expected):
         extend_seq_lens=extend,
         all_ids_flat=flat,
         all_ids_offsets=coff,
-        input_ids=fb.input_ids.astype(jnp.int64),
-        positions=fb.positions.astype(jnp.int64),
-        out_cache_loc=fb.out_cache_loc.astype(jnp.int64),
+        **{f: _as_read(getattr(fb, f)) for f in _SERVER_ARRAYS},
         expected_input_tokens=exp_tok,
         expected_input_positions=exp_pos,
     )

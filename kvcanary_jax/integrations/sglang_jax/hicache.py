@@ -49,38 +49,38 @@ import numpy as np
 from kvcanary_jax import _config
 from kvcanary_jax.integrations.sglang_jax.layout import SglangJaxCanary
 from kvcanary_jax.integrations.sglang_jax.step import per_shard
-from kvcanary_jax.runtime.state import state_jit
+from kvcanary_jax.runtime.state import SLOT_STEPS, state_jit
 
 __all__ = ["HiCacheHook"]
 
 logger = logging.getLogger("kvcanary_jax")
 
 # Per slot, what travels with a page: the canary record of each buffer and, with a coverage
-# window, the digest's per-slot fields that travel with it (the digest and its
-# stamp), and those a reloaded slot starts afresh (-1: never).
-_CARRIED_COVERAGE = ("digest", "written_at")
-_FRESH_COVERAGE = ("read_from", "read_at", "checked_at", "swept_at")
+# window, the digest and the step counters (SlotCoverage.steps), of which only the digest's stamp
+# (written_at) is kept: a reloaded slot starts its other counters afresh (-1: never).
+_KEPT_STEPS = SLOT_STEPS.index("written_at")
 
 
 def _carried(state) -> dict:
     """The per-slot arrays a page carries, by name: each canary buffer (``[shards, slots,
-    32]``), and with a coverage window the digest and its stamp (``[shards, slots]``)."""
+    32]``), and with a coverage window the digest (``[shards, slots]``) and the step counters
+    (``[shards, slots, 5]``)."""
     out = {f"bufs.{name}": b for name, b in state.bufs.items()}
     if state.coverage is not None:
         sc = state.coverage.groups["FULL"]
-        out.update({f"coverage.{f}": getattr(sc, f) for f in _CARRIED_COVERAGE})
+        out.update({"coverage.digest": sc.digest, "coverage.steps": sc.steps})
     return out
 
 
 def _with_carried(state, arrays: dict):
-    """``state`` with the arrays of :func:`_carried` (and the fresh counters) replaced."""
+    """``state`` with the arrays of :func:`_carried` replaced."""
     bufs = {name: arrays[f"bufs.{name}"] for name in state.bufs}
     state = dataclasses.replace(state, bufs=bufs)
     if state.coverage is None:
         return state
     cov = state.coverage
-    sc = dataclasses.replace(cov.groups["FULL"], **{
-        f: arrays[f"coverage.{f}"] for f in _CARRIED_COVERAGE + _FRESH_COVERAGE})
+    sc = dataclasses.replace(cov.groups["FULL"], digest=arrays["coverage.digest"],
+                             steps=arrays["coverage.steps"])
     return dataclasses.replace(state, coverage=dataclasses.replace(
         cov, groups={**cov.groups, "FULL": sc}))
 
@@ -101,13 +101,11 @@ def _gather_rows(arrays: dict, slots, *, canary: SglangJaxCanary) -> dict:
 @state_jit(static_argnames=("canary",), donate_argnames=("arrays",))
 def _scatter_rows(arrays: dict, slots, rows: dict, *, canary: SglangJaxCanary) -> dict:
     """``arrays`` with ``rows[name]`` (``[shards, m, ...]``) at ``slots`` (``[shards, m]``; out
-    of range: dropped, nothing written); the arrays ``rows`` does not name (the coverage
-    counters a reloaded slot starts afresh) get -1 there."""
+    of range: dropped, nothing written)."""
 
     def fn(local, _rank, _shared, _kv, stacked):
         shard_slots, shard_rows = stacked
-        return {name: b.at[shard_slots].set(shard_rows[name] if name in shard_rows else -1,
-                                            mode="drop")
+        return {name: b.at[shard_slots].set(shard_rows[name], mode="drop")
                 for name, b in local.items()}, None
 
     new, _ = per_shard(canary, fn, arrays, stacked=(slots, rows))
@@ -238,9 +236,9 @@ class HiCacheHook:
             logger.warning("kv-canary: HiCache loaded host page(s) %s whose canary rows were "
                            "never backed up through the hook: their slots are cleared and fail "
                            "their next verify", lost)
-        if state.coverage is not None:
-            sc = state.coverage.groups["FULL"]
-            carried.update({f"coverage.{f}": getattr(sc, f) for f in _FRESH_COVERAGE})
+        if "coverage.steps" in rows:  # the counters but the stamp start afresh
+            fresh = np.arange(rows["coverage.steps"].shape[-1]) != _KEPT_STEPS
+            rows["coverage.steps"][..., fresh] = -1
         # Only the per-slot arrays are replaced: the state keeps its expected-token pool (a
         # TokenFeed still knows the state).
         new = _scatter_rows(carried, slots, rows, canary=canary)

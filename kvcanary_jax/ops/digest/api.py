@@ -46,7 +46,8 @@ def _verify(context, slots, positions, num_valid, phase, sources, *, window, imp
 
 def write(digest_buf, slots, sources: base.BoundSources, *, implementation: str | None = None,
           config=None):
-    """Array-level write of bound sources, without the contract's checks."""
+    """Array-level write of bound sources, without the contract's checks; ``slots`` int64 or
+    int32 (a server's own slot array, read as it is: no convert kernel)."""
     impl = OP.select(implementation, config=config, args=(digest_buf, slots))
     cfg = OP.config(impl, base.shapes(digest_buf.shape[0], slots.shape[0], sources,
                                       verify=False), config)

@@ -402,13 +402,20 @@ def _sum_partials(part_ref, k, n: int, num_groups: int, mask):
 # Write.
 
 
+def _slots_at(slots_ref, k, in_plan):
+    """``slots[k]`` as int64 where ``in_plan`` holds (-1 elsewhere): a write's slots are int32
+    or int64 (the array-level write takes both), widened as they are loaded."""
+    slot = plt.load(slots_ref.at[jnp.where(in_plan, k, 0)], mask=in_plan, other=-1)
+    return slot.astype(jnp.int64)
+
+
 def _write_kernel(slots_ref, *refs, group_list, nbuf, num_slots, block, lanes, unroll):
     """One program a block of slots, every group: the digests, stored."""
     srcs, out = refs[:nbuf], refs[nbuf + 1]  # refs[nbuf]: digest_buf in (aliased to out)
     n = slots_ref.shape[0]
     k = pl.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)
     in_plan = k < n
-    slot = plt.load(slots_ref.at[jnp.where(in_plan, k, 0)], mask=in_plan, other=-1)
+    slot = _slots_at(slots_ref, k, in_plan)
     ok = in_plan & (slot >= 0) & (slot < num_slots)
     d = _slot_partial(slot, ok, srcs, group_list, lanes=lanes, unroll=unroll)
     _kernel_lib.scatter(out, slot, d, ok)
@@ -421,7 +428,7 @@ def _write_partials_kernel(slots_ref, *refs, group_list, nbuf, num_slots, block,
     b, g = _split_program(len(group_list))
     k = b * block + jnp.arange(block, dtype=jnp.int32)
     in_plan = k < n
-    slot = plt.load(slots_ref.at[jnp.where(in_plan, k, 0)], mask=in_plan, other=-1)
+    slot = _slots_at(slots_ref, k, in_plan)
     ok = in_plan & (slot >= 0) & (slot < num_slots)
 
     def body(gi, segs):
@@ -437,7 +444,7 @@ def _write_finish_kernel(slots_ref, part_ref, digest_in, digest_out, *, num_grou
     n = slots_ref.shape[0]
     k = pl.program_id(0) * finish + jnp.arange(finish, dtype=jnp.int32)
     in_plan = k < n
-    slot = plt.load(slots_ref.at[jnp.where(in_plan, k, 0)], mask=in_plan, other=-1)
+    slot = _slots_at(slots_ref, k, in_plan)
     ok = in_plan & (slot >= 0) & (slot < num_slots)
     _kernel_lib.scatter(digest_out, slot, _sum_partials(part_ref, k, n, num_groups, ok), ok)
 

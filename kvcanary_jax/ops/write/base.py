@@ -70,6 +70,7 @@ from kvcanary_jax.contracts import Check, Contiguous, Contract, Rule, meta_of
 from kvcanary_jax.ops._contract_lib import (
     canary_checks,
     context_guard_checks,
+    int64_stand_in,
     source_metas,
     tensor_guard,
 )
@@ -171,6 +172,26 @@ class WriteTokens:
     out_cache_loc: jax.Array
     expected_input_tokens: jax.Array | None = None
     expected_input_positions: jax.Array | None = None
+
+
+# The token arrays the array-level :func:`~kvcanary_jax.ops.write.api.run` also takes as int32
+# (the public op keeps SGLang's int64 contract): the runtime hands an integration's batch over as
+# it comes (sglang-jax's arrays are int32), and each implementation widens them as it reads them
+# (the Triton kernel as it loads them), sparing a convert kernel per array and step.
+NARROW_TOKENS = ("input_ids", "positions", "out_cache_loc")
+
+
+def widened(tokens: WriteTokens) -> WriteTokens:
+    """``tokens`` with :data:`NARROW_TOKENS` as int64."""
+    return dataclasses.replace(tokens, **{f: getattr(tokens, f).astype(jnp.int64)
+                                          for f in NARROW_TOKENS})
+
+
+def checked_as(tokens: WriteTokens) -> WriteTokens:
+    """What :func:`validate` checks of ``tokens`` for the array-level run: an int32 array of
+    :data:`NARROW_TOKENS` seen as its int64 widening (every other dtype as it is)."""
+    return dataclasses.replace(tokens, **{f: int64_stand_in(getattr(tokens, f))
+                                          for f in NARROW_TOKENS})
 
 
 # The context fields a launch updates (the others come back as they went in).

@@ -51,6 +51,7 @@ from kvcanary_jax.context import VerifyOrWriteContext
 from kvcanary_jax.ops import _tpu_fingerprint as fingerprint
 from kvcanary_jax.ops import _tpu_lib as tpu
 from kvcanary_jax.ops import _tpu_state as tpu_state
+from kvcanary_jax.ops.write import base
 from kvcanary_jax.ops.write.base import WriteTokens
 from kvcanary_jax.plans import WritePlan
 
@@ -449,6 +450,7 @@ def smem_bytes(capacity: int, check_input: bool) -> int:
 def run(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
         enable_write_input_assert: bool, config: Config) -> VerifyOrWriteContext:
     """The updated context; the canary buffer and the ring are aliased to their inputs."""
+    tokens = base.widened(tokens)  # int32 through the array-level run
     mode, kind = int(context.real_kv_hash_mode), int(context.kernel_kind)
     sources = context.bound_sources()
     check_input = bool(enable_write_input_assert)

@@ -121,7 +121,8 @@ def _write_kernel(
         i = start + j
         ok = (j < n) & (i >= 0) & (i < num_tokens)
         ic = jnp.where(ok, i, 0).astype(jnp.int32)
-        s, t, p = ocl_ref[ic], ids_ref[ic], pos_ref[ic]
+        # int32 or int64 arrays (base.NARROW_TOKENS), widened as they are loaded.
+        s, t, p = (r[ic].astype(i64) for r in (ocl_ref, ids_ref, pos_ref))
         return s, t, p, ok & (s >= 0) & (s < num_slots)
 
     def step(tk, h, last, bad):
@@ -177,9 +178,9 @@ def _write_kernel(
         ic = jnp.where(inb, i, 0).astype(jnp.int32)
         # Vector loads: the slots for the fingerprints, and they bring the block's lines into L1
         # for the chain's scalar loads.
-        slot = plt.load(ocl_ref.at[ic], mask=inb, other=-1)
-        tok = plt.load(ids_ref.at[ic], mask=inb, other=0)
-        pos = plt.load(pos_ref.at[ic], mask=inb, other=0)
+        slot = plt.load(ocl_ref.at[ic], mask=inb, other=-1).astype(i64)
+        tok = plt.load(ids_ref.at[ic], mask=inb, other=0).astype(i64)
+        pos = plt.load(pos_ref.at[ic], mask=inb, other=0).astype(i64)
         valid = inb & (slot >= 0) & (slot < num_slots)
         # Field 3 depends on the slot only: duplicates of a slot store the same value, so this
         # scatter needs no ordering against the block's other stores or another block's.

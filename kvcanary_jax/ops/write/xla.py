@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from kvcanary_jax import consts, hashing
 from kvcanary_jax.context import VerifyOrWriteContext
 from kvcanary_jax.ops import _xla_lib
+from kvcanary_jax.ops.write import base
 from kvcanary_jax.ops.write.base import WriteTokens
 from kvcanary_jax.plans import WritePlan
 
@@ -91,6 +92,7 @@ def run(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
     cpa = context.enable_chain_position_assert
     offsets, seeds, nvalid = (plan.write_offsets, plan.write_seed_slot_indices,
                               plan.write_num_valid_reqs)
+    tokens = base.widened(tokens)  # int32 through the array-level run
     ids, pos, ocl = tokens.input_ids, tokens.positions, tokens.out_cache_loc
     check_input = bool(enable_write_input_assert)
     etok, epos = ((tokens.expected_input_tokens, tokens.expected_input_positions) if check_input
