@@ -94,8 +94,10 @@ for step in "$@"; do
         # host (SGLang's phase checker and pinned staging take other paths here than on CI's
         # CPU machine: both failed on 2026-12-04 before their fixes).
         # Its two flip campaigns take about 100 s each: a part of their own (the whole took 285
-        # of its 290 s on 2026-12-04).
-        "bridge_coverage|$P -m gpu tests/test_bridge_digest.py tests/test_bridge_coverage.py -k 'not first_check'"
+        # of its 290 s on 2026-12-04), and the digest's own tests another (the rest took 263 s
+        # beside the other parts on 60ffd07, and ran past 290 on e1e4808: 31.7 s alone).
+        "bridge_digest|$P -m gpu tests/test_bridge_digest.py"
+        "bridge_coverage|$P -m gpu tests/test_bridge_coverage.py -k 'not first_check'"
         "bridge_coverage_flips|$P -m gpu tests/test_bridge_coverage.py -k first_check"
         "bridge_coverage_cpu|$P -m 'not gpu' tests/test_bridge_digest.py tests/test_bridge_coverage.py tests/test_bridge_serving.py"
         # The bridge's differential test alone takes about 100 s: it gets a part of its own, so

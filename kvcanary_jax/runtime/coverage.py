@@ -89,17 +89,21 @@ def _plan_reads(vplan, num_slots: int):
     return slots, read
 
 
-def _check(cfg, sc, vplan, checkable, *, phase, window, sources, group, ring, widx, copy):
+def _check(cfg, sc, vplan, checkable, *, phase, window, sources, group, ring, widx, copy,
+           checked_slots=None):
     """One digest check (``copy``: ``"TAIL"`` or ``"SWEEP"``) of the plan's entries that
-    ``checkable`` holds (read, and stamped); returns ``(context after the launch, the entries
-    it checked)``."""
+    ``checkable`` holds (read, and stamped; ``checked_slots``: the plan's slots there, -1
+    elsewhere, when the caller has them); returns ``(context after the launch, the entries it
+    checked)``."""
     slots = vplan.verify_slot_indices
+    if checked_slots is None:
+        checked_slots = jnp.where(checkable, slots, -1)
     prefix = copy.lower()
     ctx = DigestContext(digest_buf=sc.digest, kernel_kind=int(tag(copy, "K", group)),
                         violation_ring=ring, violation_write_index=widx,
                         slot_run_counter=getattr(sc, f"{prefix}_slot_runs"),
                         kernel_run_counter=getattr(sc, f"{prefix}_kernel_runs"))
-    ctx = digest_verify(ctx, jnp.where(checkable, slots, -1), vplan.verify_expected_positions,
+    ctx = digest_verify(ctx, checked_slots, vplan.verify_expected_positions,
                         vplan.verify_num_valid, phase, window=window, sources=sources,
                         implementation=cfg.implementation)
     # The op's selection (docs/spec.md §16.3), on the entries handed to it.
@@ -135,9 +139,15 @@ def at_tail(cfg: CanaryConfig, state: CanaryState, batch, lut, kv) -> CanaryStat
         # that stamps this step's: the slots pass through a barrier with them, so that the
         # scatter (indexed by those slots) runs after the gather (a reader of the old values
         # left unordered makes XLA copy the array).
-        old, slots = jax.lax.optimization_barrier((_at(sc.steps, slots, read), slots))
-        ctx, checked = _check(cfg, sc, vplan, read & (old[:, _W] >= 0), phase=t, window=window,
-                              sources=sources, group=group, ring=ring, widx=widx, copy="TAIL")
+        # What the check takes is computed before the barrier too: fused with the gather, not a
+        # kernel of its own after it.
+        old = _at(sc.steps, slots, read)
+        stamped = read & (old[:, _W] >= 0)
+        old, stamped, checked_slots, slots = jax.lax.optimization_barrier(
+            (old, stamped, jnp.where(stamped, slots, -1), slots))
+        ctx, checked = _check(cfg, sc, vplan, stamped, phase=t, window=window, sources=sources,
+                              group=group, ring=ring, widx=widx, copy="TAIL",
+                              checked_slots=checked_slots)
         ring, widx = ctx.violation_ring, ctx.violation_write_index
         # A read run goes on when the slot was read by the step before.
         run_from = jnp.where(old[:, _RA] == t - 1, old[:, _RF], t)
