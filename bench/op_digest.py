@@ -20,9 +20,10 @@ Launch configs of the Pallas kernels (``kvcanary_jax.ops.digest.pallas_triton.Co
 those fields (given several times, each such config is timed in turn; ``--config ""`` is the
 heuristics' own); ``--cases 0,1`` keeps those cases of the list (by index), ``--layers 4`` a
 model of that many layers; ``--sweep`` times, per case, the heuristics' config and a few
-variants around it (:func:`variants`: one field moved at a time) and prints the best per case. Both run the
-Triton kernels (``pallas_interpret`` without a GPU, for the smoke mode); ``--budget-s`` stops
-starting variants after that many seconds (each case's heuristic config always runs).
+variants around it (:func:`variants`: one field moved at a time) and prints the best per case.
+Both run the Triton kernels (``pallas_interpret`` without a GPU, for the smoke mode);
+``--budget-s`` stops starting variants after that many seconds (each case's heuristic config
+always runs).
 
 Correctness, per case and config: a write's digests of a few slots against numpy's
 (:func:`kvcanary_jax.hashing.digest_np` of the slots' bytes); a verify after three stored digests

@@ -14,9 +14,9 @@ every layer of the group's KV (:func:`kvcanary_jax.runtime.kv.digest_sources`):
 * **the sweep** (after a step): check the digest of every slot its plan walks (the cached
   prefixes), whatever the phase.
 * **never-stamped slots are not checked**: a slot whose digest no earlier step stamped under
-  this state (warm-up or capture batches that read slots no guarded forward wrote, a state built over
-  a pool that already held KV) has nothing to be checked against; it is left out of the launch
-  (its slot passed as -1) instead of reported against a digest of 0. It counts as live and
+  this state (warm-up or capture batches that read slots no guarded forward wrote, a state built
+  over a pool that already held KV) has nothing to be checked against; it is left out of the
+  launch (its slot passed as -1) instead of reported against a digest of 0. It counts as live and
   unverified in the report below, so the gap shows.
 * **the report** (:func:`counts`, on the device; :class:`CoverageStats` on the host): per slot,
   the step counters of :class:`~kvcanary_jax.runtime.state.SlotCoverage`. The guarantee is due
@@ -138,9 +138,8 @@ def at_tail(cfg: CanaryConfig, state: CanaryState, batch, lut, kv) -> CanaryStat
         # The read slots' counters as the step found them, gathered once before the one scatter
         # that stamps this step's: the slots pass through a barrier with them, so that the
         # scatter (indexed by those slots) runs after the gather (a reader of the old values
-        # left unordered makes XLA copy the array).
-        # What the check takes is computed before the barrier too: fused with the gather, not a
-        # kernel of its own after it.
+        # left unordered makes XLA copy the array). What the check takes is computed before the
+        # barrier too, fused with the gather rather than a kernel of its own after it.
         old = _at(sc.steps, slots, read)
         stamped = read & (old[:, _W] >= 0)
         old, stamped, checked_slots, slots = jax.lax.optimization_barrier(
