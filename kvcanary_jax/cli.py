@@ -83,6 +83,33 @@ def _fault_list(text: str):
     return kinds
 
 
+_WINDOW_ENV = "SGLANG_KV_CANARY_COVERAGE_WINDOW"  # the servers' variable (runtime.config)
+_DEMO_WINDOW = 4
+
+
+def _coverage_window(args) -> tuple[int, str]:
+    """The demo's coverage window and where it came from: the flag, else the servers'
+    environment variable (refused as the servers refuse it), else the demo's default. A window
+    the demo cannot run is refused here, naming the setting that gave it."""
+    from kvcanary_jax.runtime.config import env_value
+    from kvcanary_jax.runtime.state import MAX_COVERAGE_WINDOW
+
+    if args.coverage_window is not None:
+        window, origin = args.coverage_window, f"--coverage-window {args.coverage_window}"
+    elif (window := env_value("coverage_window")) is not None:
+        origin = f"{_WINDOW_ENV}={window}"
+    else:
+        window, origin = _DEMO_WINDOW, f"--coverage-window {_DEMO_WINDOW}"
+    if window > MAX_COVERAGE_WINDOW:
+        raise ValueError(f"{origin}: a window is at most {MAX_COVERAGE_WINDOW} steps")
+    if window and args.sweep_interval == 0:
+        raise ValueError(
+            f"{origin} verifies the slots steps read within {window} steps and cached slots at "
+            "each sweep: it needs --sweep-interval > 0 (without a sweep, cached slots no request "
+            "reads would never be verified), or --coverage-window 0")
+    return window, origin
+
+
 def _demo_args(p: argparse.ArgumentParser) -> None:
     from kvcanary_jax.ops._registry import IMPLEMENTATIONS
     from kvcanary_jax.sim import FAULT_KINDS
@@ -116,11 +143,11 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=_count(1), default=4,
                    help="attention layers of the simulated model, each with a K and a V array "
                         "(default 4)")
-    p.add_argument("--coverage-window", type=_count(0), default=4,
+    p.add_argument("--coverage-window", type=_count(0), default=None, metavar="N",
                    help="ours (--kv-canary-coverage-window): every layer's K and V of every live "
                         "slot verified within N steps (cached slots at each sweep); 0: off, "
                         "SGLang's check of layer 0 only, so the layer_flip faults go undetected "
-                        "(default 4; needs a sweep)")
+                        f"(default ${_WINDOW_ENV} where set, else {_DEMO_WINDOW}; needs a sweep)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
@@ -239,12 +266,13 @@ def _demo(args, interrupt: _StopOnInterrupt) -> int:
                 f"--steps {args.steps} leaves no clean checkpoint to inject faults on (the first "
                 f"is taken at step {campaign.CHECKPOINT_WARMUP}): pass --steps "
                 f"{campaign.CHECKPOINT_WARMUP + 1} or more, or --injections 0 for the clean run only")
+        window, window_origin = _coverage_window(args)
         sim = simulation.SimConfig(
             steps=args.steps, seed=args.seed, swa_window_size=args.swa_window,
             enable_v_half=args.v_half, sweep_interval=args.sweep_interval,
             implementation=args.implementation, kv_canary=args.kv_canary,
             real_kv_hash_mode=args.real_data, num_layers=args.layers,
-            coverage_window=args.coverage_window,
+            coverage_window=window,
         )
         with warnings.catch_warnings():
             # CPU backends cannot donate every buffer the step donates; that is expected here.
@@ -268,11 +296,11 @@ def _demo(args, interrupt: _StopOnInterrupt) -> int:
     out["timing"]["wall_s"] = round(wall, 3)
     out["device"] = args.device
     out["seed"] = args.seed
-    # Every trial that ran caught its fault, and every kind got its trials (unless none asked).
+    # Every trial that ran caught its fault, and every kind got all its trials.
     ok = not res.interrupted and res.false_positives == 0 and all(
-        f.detected == f.injected and (f.injected > 0 or args.injections == 0)
-        for f in res.faults)
+        f.detected == f.injected == args.injections for f in res.faults)
     out["ok"] = ok
+    out["coverage_window_from"] = window_origin
     out["fingerprint_share"] = _fingerprint_share(sim)
     out["failures"] = [] if ok or res.interrupted else _failures(res, args)
     rc = EXIT_INTERRUPTED if res.interrupted else 0 if ok else 1
@@ -295,12 +323,17 @@ def _demo(args, interrupt: _StopOnInterrupt) -> int:
     print()
     print(_table(res) if res.faults else "(no fault trial ran)")
     print()
-    for line in _coverage_lines(sim, res):
+    for line in _coverage_lines(sim, res, window_origin):
         print(line)
     print()
     verdict = "INTERRUPTED" if res.interrupted else "OK" if ok else "FAILED"
-    print(f"{verdict}: {sum(f.detected for f in res.faults)}/"
-          f"{sum(f.injected for f in res.faults)} injected faults detected; wall {wall:.1f} s")
+    placed = sum(f.injected for f in res.faults)
+    asked = args.injections * len(res.faults)
+    # A trial that could not be placed fails the run even when every placed one was caught.
+    unplaced = (f", {asked - placed} of {asked} trials not placed"
+                if placed < asked and not res.interrupted else "")
+    print(f"{verdict}: {sum(f.detected for f in res.faults)}/{placed} injected faults "
+          f"detected{unplaced}; wall {wall:.1f} s")
     for line in out["failures"]:
         print(f"  - {line}")
     return rc
@@ -315,17 +348,18 @@ def _fingerprint_share(sim) -> float:
     return halves * read / (2 * sim.num_layers * row)
 
 
-def _coverage_lines(sim, res) -> list[str]:
+def _coverage_lines(sim, res, window_origin: str) -> list[str]:
     """The report's coverage, per mode: SGLang's check (the share of each slot it reads), ours
-    (the clean run's coverage report at its end)."""
+    (the clean run's coverage report at its end; ``window_origin``: the setting that chose the
+    window)."""
     halves = "K and V" if sim.enable_v_half else "K"
     sglang = (f"  SGLang's real-KV check (--real-data {sim.real_kv_hash_mode}): layer 0's "
               f"{halves}, {100 * _fingerprint_share(sim):.1f}% of each slot's KV bytes, at every "
               "read" if sim.real_kv_hash_mode != "none" else
               "  SGLang's real-KV check: off (--real-data none)")
     cov = res.coverage
-    ours = ("  ours: off (--coverage-window 0)" if cov is None else
-            f"  ours (--coverage-window {cov.window}): every byte; clean run: {cov.summary()}")
+    ours = (f"  ours: off ({window_origin})" if cov is None else
+            f"  ours ({window_origin}): every byte; clean run: {cov.summary()}")
     return [f"real-KV coverage ({sim.num_layers} layers, K and V):", sglang, ours]
 
 

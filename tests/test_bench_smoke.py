@@ -93,6 +93,21 @@ def test_bench_refuses_an_unwritable_out_before_running(main, tmp_path, capsys):
 
 
 @pytest.mark.e2e
+def test_the_lowered_programs_are_the_same_from_one_run_to_the_next(tmp_path, capsys):
+    """``bench/lowered_programs.py`` compares commits by digest: it only can if lowering the same
+    code twice gives the same text (no addresses, counters or times in it)."""
+    from kvcanary_jax.bench import lowered_programs
+
+    assert lowered_programs.main(["--implementation", "xla", "--dump", str(tmp_path)]) == 0
+    first = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in first] == [
+        f"{name}/xla" for name in ("step", "fused", "tail", "sweep", "observe", "counts")]
+    assert lowered_programs.main(["--implementation", "xla"]) == 0
+    assert capsys.readouterr().out.splitlines() == first
+    assert "stablehlo" in (tmp_path / "tail_xla.txt").read_text()
+
+
+@pytest.mark.e2e
 def test_the_step_copies_bench_lists_each_copy(tmp_path, capsys):
     """``bench/step_copies.py`` on the CPU: both steps compiled, every copy of each listed with
     its operand (the JSON holds them all); the parser reads a hand-written module's copies and

@@ -113,12 +113,30 @@ def test_a_failed_demo_says_why(capsys, monkeypatch):
     monkeypatch.setattr(sm, "run_campaign", run_campaign)
     assert cli.main(["--steps", "6", "--no-progress"]) == 1
     lines = capsys.readouterr().out.rstrip().splitlines()
-    assert lines[-4].startswith("FAILED: 1/2 injected faults detected")
+    # 2 of the 4 trials asked (2 kinds x --injections 2) placed: said on the verdict's line.
+    assert lines[-4].startswith("FAILED: 1/2 injected faults detected, 2 of 4 trials not placed;")
     assert lines[-3:] == [
         "  - 1 false positive(s) in the clean run",
         "  - req_to_token: 1 of 2 injected fault(s) missed",
         "  - stale_row_reuse (0 of 2): fewer trials placed than asked; the 6 clean steps left 1 "
         "checkpoint(s) to place them on: run more --steps"]
+
+
+def test_a_demo_that_placed_fewer_trials_than_asked_is_failed(capsys, monkeypatch):
+    """Every placed trial caught, but 1 of the 2 asked not placed: FAILED (it read "OK: 1/1 ...,
+    1 of 2 trials not placed" with status 0), with the reason."""
+    def run_campaign(sim, **kw):
+        return sm.CampaignResult(
+            steps=5, false_positives=0, clean_violations=[], step_seconds=[1.0] * 5,
+            first_step_seconds=1.0, campaign_seconds=0.0, counters={},
+            faults=[sm.campaign.FaultReport(kind="canary_token_flip", injected=1, detected=1)])
+
+    monkeypatch.setattr(sm, "run_campaign", run_campaign)
+    assert cli.main(["--steps", "5", "--faults", "canary_token_flip", "--no-progress"]) == 1
+    lines = capsys.readouterr().out.rstrip().splitlines()
+    assert lines[-2].startswith("FAILED: 1/1 injected faults detected, 1 of 2 trials not placed;")
+    assert lines[-1] == ("  - canary_token_flip (1 of 2): fewer trials placed than asked; the 5 "
+                         "clean steps left 1 checkpoint(s) to place them on: run more --steps")
 
 
 def test_campaign_api_refuses_negative_counts():

@@ -512,5 +512,99 @@ def test_the_demo_refuses_bad_coverage_flags(argv, message, capsys):
 
 def test_the_demo_refuses_a_window_without_a_sweep(capsys):
     assert cli.main(["demo", "--sweep-interval", "0", "--steps", "6", "--no-progress"]) == 2
-    assert ("--kv-canary-coverage-window 4 verifies the slots steps read within 4 steps"
+    assert ("kvcanary-jax: --coverage-window 4 verifies the slots steps read within 4 steps and "
+            "cached slots at each sweep: it needs --sweep-interval > 0 (without a sweep, cached "
+            "slots no request reads would never be verified), or --coverage-window 0"
             in capsys.readouterr().err)
+
+
+def test_the_demo_takes_the_window_from_the_servers_variable(capsys, monkeypatch):
+    """Unset, the flag's default; set, the variable the servers read (the flag over both)."""
+    assert cli._WINDOW_ENV == rc.OUR_ENV_VARS["coverage_window"]
+    monkeypatch.setenv(ENV, "3")
+    argv = ["demo", "--steps", "8", "--layers", "2", "--injections", "0", "--no-progress"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"ours ({ENV}=3): every byte; clean run: window 3 steps, cached slots every 4: " in out
+    assert "; no violation so far)" in out
+    assert cli.main(argv + ["--coverage-window", "0"]) == 0
+    assert "  ours: off (--coverage-window 0)" in capsys.readouterr().out
+    monkeypatch.setenv(ENV, "three")
+    assert cli.main(argv) == 2
+    assert (f'kvcanary-jax: kv-canary: {ENV}="three" is not a valid integer value'
+            in capsys.readouterr().err)
+    # Refused naming the variable, not a server flag the demo does not have.
+    monkeypatch.setenv(ENV, str(2**29 + 1))
+    assert cli.main(argv) == 2
+    assert (f"kvcanary-jax: {ENV}=536870913: a window is at most 536870912 steps"
+            in capsys.readouterr().err)
+    monkeypatch.setenv(ENV, "2")
+    assert cli.main(argv + ["--sweep-interval", "0"]) == 2
+    assert (f"kvcanary-jax: {ENV}=2 verifies the slots steps read within 2 steps and cached "
+            "slots at each sweep: it needs --sweep-interval > 0" in capsys.readouterr().err)
+
+
+# ------------------------------------------------------------------ the report and its state
+
+
+def test_the_report_counts_the_violations_beside_the_share():
+    """A check that fails is a check: the share stays 100% (every live byte was checked), and
+    the report says how many violations the state holds."""
+    state, _ = _run(CFG, _layered(), 4, corrupt=lambda kv, i: kv if i != 2 else _flipped(kv))
+    cov = rt.coverage_stats(CFG, state)
+    assert cov.share == 1.0 and cov.violations == 1
+    assert cov.summary().endswith("; 1 violation(s) so far)"), cov.summary()
+    assert "checked against their digests" in cov.summary()
+    clean, _ = _run(CFG, _layered(), 4)
+    assert rt.coverage_stats(CFG, clean).violations == 0
+
+
+def _flipped(kv):
+    layers = kv["FULL"]["layers"]
+    v1 = jax.lax.bitcast_convert_type(layers["V"][1], jnp.uint16)
+    v1 = v1.at[2, 3].set(v1[2, 3] ^ jnp.uint16(1 << 9))
+    return {"FULL": {"layers": {**layers, "V": (layers["V"][0], jax.lax.bitcast_convert_type(
+        v1, jnp.bfloat16))}}}
+
+
+def test_the_report_refuses_a_state_of_another_config():
+    state, _ = _run(CFG, _layered(), 2)
+    off = dataclasses.replace(CFG, coverage_window=0)
+    with pytest.raises(ValueError, match=r"the state does not fit its config: unexpected "
+                                         r"coverage\.groups\[FULL\]\.digest"):
+        rt.coverage_stats(off, state)
+    with jax.enable_x64(True):
+        plain = rt.init_state(off)
+    with pytest.raises(ValueError, match=r"the state does not fit its config: missing "
+                                         r"coverage\.groups\[FULL\]\.digest"):
+        rt.coverage_stats(CFG, plain)
+    assert rt.coverage_stats(off, plain) is None
+    bigger = dataclasses.replace(CFG, num_slots=32)
+    with pytest.raises(ValueError, match=r"the state does not fit its config: bufs\[HEAD_K_FULL\] "
+                                         r"is uint8 \(16, 32\), the config needs uint8 \(32, 32\)"):
+        rt.coverage_stats(bigger, state)
+    with pytest.raises(TypeError, match=r"expected a CanaryState \(init_state\(cfg\)\), got "
+                                        r"dict"):
+        rt.coverage_stats(CFG, {"coverage": state.coverage})
+
+
+def test_slot_coverage_names_its_counters():
+    from kvcanary_jax.runtime.state import SlotCoverage
+
+    state, _ = _run(CFG, _layered(), 2)
+    sc = state.coverage.groups["FULL"]
+    with pytest.raises(ValueError, match=r"^kv-canary runtime: no step counter 'writen_at'; "
+                                         r"SlotCoverage's are written_at, read_from, read_at, "
+                                         r"checked_at, swept_at$"):
+        sc.column("writen_at")
+    fields = {f.name: getattr(sc, f.name) for f in dataclasses.fields(sc) if f.name != "steps"}
+    with pytest.raises(TypeError, match=r"^SlotCoverage takes its step counters as one int32 "
+                                        r"array steps=\[slots, 5\], .* not written_at=, "
+                                        r"read_at=: pass steps=jnp\.stack\(\[written_at, "
+                                        r"read_from, read_at, checked_at, swept_at\], axis=-1\)$"):
+        SlotCoverage(**fields, written_at=sc.written_at, read_at=sc.read_at)
+    rebuilt = SlotCoverage(**fields, steps=jnp.stack([sc.column(f) for f in
+                                                      rt.state.SLOT_STEPS], axis=-1))
+    np.testing.assert_array_equal(rebuilt.steps, sc.steps)
+    # Its signature and help still name its fields.
+    assert "steps" in str(__import__("inspect").signature(SlotCoverage))

@@ -292,3 +292,45 @@ def test_the_manager_takes_the_canary_s_window_and_needs_the_sweep_interval():
     assert (manager.config.coverage_window, manager.config.sweep_interval) == (2, 8)
     assert manager.cfg.num_layers == LAYERS
     assert consts.KV_DIGEST_MISMATCH == 1 << 17
+
+
+def test_the_guarded_step_keeps_its_step_counters_from_wrapping():
+    """The guarded step rebases a state whose step reached 2**30 (runtime.rebase; it reads the
+    step every 2**20 calls, here every call): a state moved up to 2 steps short of 2**31 checks
+    the same slots at the same phases as the one it was moved from, and finds the same flip."""
+    import dataclasses
+
+    window = 3
+    canary = _canary(coverage_window=window, num_layers=LAYERS)
+
+    def run(moved):
+        step = _step(canary, kv_layers=lambda out, pool: out[1])
+        step.rebaser.every = 1
+        pool = [jnp.zeros((SLOTS, 2 * HEADS, HEAD_DIM), jnp.bfloat16) for _ in range(LAYERS)]
+        state, out = step(canary.init_state(), _batch(4, 4), pool)
+        pool = out[1]
+        if moved:
+            cov = state.coverage
+            by = (2**31 - 2 - 1) // window * window
+            up = lambda x: jnp.where(x >= 0, x + by, x).astype(x.dtype)  # noqa: E731
+            groups = {g: dataclasses.replace(sc, steps=up(sc.steps))
+                      for g, sc in cov.groups.items()}
+            state = dataclasses.replace(state, coverage=dataclasses.replace(
+                cov, groups=groups, step=up(cov.step), last_sweep=up(cov.last_sweep)))
+        pool = _flip(pool, 2, LAYERS - 1, 3, 1, 5)
+        found, steps = [], []
+        for t in range(2, 2 + 2 * window):
+            before = ksj.violation_counts(state)
+            state, out = step(state, _batch(t + 3, 1), pool)
+            pool = out[1]
+            steps.append(int(np.asarray(state.coverage.step).max()))
+            found += [(t, v.violation.slot, v.violation.reasons)
+                      for v in ksj.read_violations(state, start=before)]
+        return found, steps
+
+    found, steps = run(moved=False)
+    assert found == [(2, 2, ("KV_DIGEST_MISMATCH",)), (5, 2, ("KV_DIGEST_MISMATCH",))]
+    moved, moved_steps = run(moved=True)
+    assert moved == found
+    assert all(0 < s < 2**30 for s in moved_steps)
+    assert [s % window for s in moved_steps] == [s % window for s in steps]

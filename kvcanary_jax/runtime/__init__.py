@@ -3,12 +3,13 @@
 :mod:`.state` (:class:`CanaryConfig`, :class:`CanaryState`, :class:`ForwardBatch`,
 :func:`init_state`), :mod:`.step` (the device step: HEAD -> forward -> TAIL, the sweep), :mod:`.kv`
 (the KV a step takes: SGLang's sources per half, or every layer), :mod:`.coverage` (ours: every
-layer's K and V verified within a window, and its report) and :mod:`.host` (batch padding,
-violation and counter decoding), :mod:`.sharded` (one canary per
-data-parallel shard), :mod:`.config` and :mod:`.manager` (:class:`CanaryManager`, the runtime a
-server holds, orchestrating :mod:`.device` (its jitted calls), :mod:`.readback` (one step late),
-:mod:`.reporting` (SGLang's messages, each violation once), :mod:`.health` (launch health, the
-phase check, the overflow warner, stats) and :mod:`.agreement` (across ranks, with a timeout)).
+layer's K and V verified within a window, and its report; :mod:`.rebase` keeps its int32 step
+counters from wrapping) and :mod:`.host` (batch padding, violation and counter decoding),
+:mod:`.sharded` (one canary per data-parallel shard), :mod:`.config` and :mod:`.manager`
+(:class:`CanaryManager`, the runtime a server holds, orchestrating :mod:`.device` (its jitted
+calls), :mod:`.readback` (one step late), :mod:`.reporting` (SGLang's messages, each violation
+once), :mod:`.health` (launch health, the phase check, the overflow warner, stats) and
+:mod:`.agreement` (across ranks, with a timeout)).
 Everything is importable from here.
 """
 
@@ -24,6 +25,7 @@ from kvcanary_jax.runtime.host import (
 )
 from kvcanary_jax.runtime.config import ManagerConfig
 from kvcanary_jax.runtime.coverage import CoverageStats, GroupCoverage, coverage_stats
+from kvcanary_jax.runtime.rebase import Rebaser, rebase_steps
 from kvcanary_jax.runtime.manager import (
     PADDING_SLOT_NOT_ZERO,
     CanaryAgreementError,
@@ -66,6 +68,8 @@ __all__ = [
     "CoverageStats",
     "GroupCoverage",
     "coverage_stats",
+    "rebase_steps",
+    "Rebaser",
     "Violation",
     "TAG_NAMES",
     "init_state",

@@ -45,7 +45,10 @@ import dataclasses
 import os
 from typing import Mapping
 
-__all__ = ["ManagerConfig", "MODES", "REAL_DATA", "ENV_VARS", "OUR_ENV_VARS", "add_arguments"]
+from kvcanary_jax.runtime.state import MAX_COVERAGE_WINDOW
+
+__all__ = ["ManagerConfig", "MODES", "REAL_DATA", "ENV_VARS", "OUR_ENV_VARS", "add_arguments",
+           "env_value"]
 
 MODES = ("none", "log", "raise")
 REAL_DATA = ("none", "partial", "all")
@@ -104,6 +107,26 @@ def _parse_env_int(name: str, text: str) -> int:
         return int(text.strip())
     except ValueError:
         raise ValueError(f'kv-canary: {name}="{text}" is not a valid integer value') from None
+
+
+def env_value(field: str, environ: Mapping[str, str] | None = None):
+    """The value of ``field``'s ``SGLANG_KV_CANARY_*`` variable in ``environ`` (default
+    ``os.environ``), parsed as SGLang parses it; ``None`` where it is not set. A value that does
+    not parse, or is out of range, is refused naming the variable."""
+    if field not in _ENV:
+        raise ValueError(f"kv-canary: no SGLANG_KV_CANARY_* variable sets {field!r}; those that "
+                         f"do: {', '.join(_ENV)}")
+    environ = os.environ if environ is None else environ
+    name = _ENV[field]
+    if name not in environ:
+        return None
+    text = environ[name]
+    if field in _BOOLS:
+        return _parse_env_bool(name, text)
+    value = _parse_env_int(name, text)
+    if value < _INTS[field]:
+        raise ValueError(f'kv-canary: {name}="{text}" must be >= {_INTS[field]}')
+    return value
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -172,6 +195,8 @@ class ManagerConfig:
         if window == 0:
             return
         flag = f"--kv-canary-coverage-window {window}"
+        if window > MAX_COVERAGE_WINDOW:
+            raise ValueError(f"{flag}: a window is at most {MAX_COVERAGE_WINDOW} steps")
         if self.mode == "none":
             raise ValueError(f"{flag} requires --kv-canary in {{log, raise}}")
         if self.sweep_interval == 0:
@@ -203,19 +228,11 @@ class ManagerConfig:
         (default ``os.environ``) where set, and
         ``fields`` last (they override both). A variable that does not parse, or parses to a
         value out of range, is refused naming the variable."""
-        environ = os.environ if environ is None else environ
         values = dict(mode=kv_canary, real_data=kv_canary_real_data,
                       sweep_interval=kv_canary_sweep_interval)
-        for field, name in _ENV.items():
-            if name not in environ:
-                continue
-            text = environ[name]
-            if field in _BOOLS:
-                values[field] = _parse_env_bool(name, text)
-            else:
-                value = _parse_env_int(name, text)
-                if value < _INTS[field]:
-                    raise ValueError(f'kv-canary: {name}="{text}" must be >= {_INTS[field]}')
+        for field in _ENV:
+            value = env_value(field, environ)
+            if value is not None:
                 values[field] = value
         values.update(fields)
         return cls(**values)

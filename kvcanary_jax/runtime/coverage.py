@@ -40,6 +40,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvcanary_jax import _config
 from kvcanary_jax.context import DigestContext
@@ -48,7 +49,8 @@ from kvcanary_jax.ops.digest import api as digest_api
 from kvcanary_jax.ops.digest import base as digest_base
 from kvcanary_jax.ops.digest import digest_verify
 from kvcanary_jax.runtime.kv import digest_sources, translate
-from kvcanary_jax.runtime.state import SLOT_STEPS, CanaryConfig, CanaryState, tag
+from kvcanary_jax.runtime.state import (SLOT_STEPS, CanaryConfig, CanaryState, check_state_any,
+                                         tag)
 
 __all__ = ["at_tail", "at_sweep", "counts", "GroupCoverage", "CoverageStats", "from_counts",
            "coverage_stats"]
@@ -224,10 +226,18 @@ class GroupCoverage:
 @dataclasses.dataclass(frozen=True)
 class CoverageStats:
     """The coverage report (see the module docstring): ``window`` (N: a slot read in N
-    consecutive steps is verified in them), ``step`` (steps run), ``last_sweep`` (its step,
-    -1: none), the KV bytes ``live`` (the guarantee is due for them), ``verified`` (of those)
+    consecutive steps is verified in them), ``step`` (the state's step counter: steps run, less
+    what a rebase took off, :mod:`kvcanary_jax.runtime.rebase`), ``last_sweep`` (its step, -1:
+    none), the KV bytes ``live`` (the guarantee is due for them), ``verified`` (of those)
     and ``read`` (slots read at least once in the last N steps), ``groups`` by group, and the
-    manager's ``sweep_interval`` (the bound for cached slots; ``None`` outside a manager)."""
+    manager's ``sweep_interval`` (the bound for cached slots; ``None`` outside a manager).
+
+    *Verified* means *checked against its digest*, whatever the check found: a check that fails
+    appends a ``KV_DIGEST_MISMATCH`` ring row, a violation like any other. ``violations`` is
+    the state's count of ring rows so far (every reason; ``None`` where the report was built
+    without the state's write index, or that index is negative), so that a report of 100% never
+    reads as "all clean" when checks failed.
+    """
 
     window: int
     step: int
@@ -237,6 +247,7 @@ class CoverageStats:
     read_bytes: int
     groups: dict
     sweep_interval: int | None = None
+    violations: int | None = None
 
     @property
     def share(self) -> float | None:
@@ -246,14 +257,18 @@ class CoverageStats:
     def summary(self) -> str:
         share = "n/a" if self.share is None else f"{100 * self.share:.1f}%"
         sweep = "" if self.sweep_interval is None else f", cached slots every {self.sweep_interval}"
+        found = ("" if self.violations is None else
+                 f"; {self.violations} violation(s) so far" if self.violations else
+                 "; no violation so far")
         return (f"window {self.window} steps{sweep}: {share} of live KV bytes verified "
-                f"({self.verified_bytes} of {self.live_bytes} B; {self.read_bytes} B read in "
-                "the window)")
+                f"({self.verified_bytes} of {self.live_bytes} B checked against their digests; "
+                f"{self.read_bytes} B read in the window{found})")
 
 
-def from_counts(cfg: CanaryConfig, host: dict, *, sweep_interval: int | None = None
-                ) -> CoverageStats:
-    """:class:`CoverageStats` from :func:`counts`' arrays on the host."""
+def from_counts(cfg: CanaryConfig, host: dict, *, sweep_interval: int | None = None,
+                write_index=None) -> CoverageStats:
+    """:class:`CoverageStats` from :func:`counts`' arrays on the host (``write_index``: the
+    state's violation write index on the host, per shard, for ``violations``)."""
     groups = {g: GroupCoverage(**{f: int(v) for f, v in fields.items()})
               for g, fields in host["groups"].items()}
 
@@ -264,7 +279,18 @@ def from_counts(cfg: CanaryConfig, host: dict, *, sweep_interval: int | None = N
                          last_sweep=int(host["last_sweep"]),
                          live_bytes=total("live_slots"), verified_bytes=total("verified_slots"),
                          read_bytes=total("read_slots"), groups=groups,
-                         sweep_interval=sweep_interval)
+                         sweep_interval=sweep_interval,
+                         violations=_violations(write_index))
+
+
+def _violations(write_index) -> int | None:
+    """The ring rows appended so far, from a state's write index on the host (summed over the
+    shards of a stack); ``None`` without one, or when one is negative (only something writing
+    over the canary's state makes it so: the manager reports that on its own)."""
+    if write_index is None:
+        return None
+    index = np.asarray(write_index)
+    return None if np.any(index < 0) else int(np.sum(index, dtype=np.int64))
 
 
 _counts_jit = jax.jit(counts, static_argnums=0)
@@ -273,9 +299,14 @@ _counts_jit = jax.jit(counts, static_argnums=0)
 @_config.with_x64
 def coverage_stats(cfg: CanaryConfig, state: CanaryState, *,
                    sweep_interval: int | None = None) -> CoverageStats | None:
-    """The coverage report of ``state`` now (a device computation and a host read: not for the
-    hot path); ``None`` when ``cfg`` runs no coverage."""
+    """The coverage report of ``state`` (or of a stack of per-shard states) now: a device
+    computation and a host read, not for the hot path; ``None`` when ``cfg`` runs no coverage.
+    ``cfg`` must be the config the state ran under: a state that does not fit it is refused
+    (:func:`~kvcanary_jax.runtime.state.check_state`). The state does not record its window, so
+    a config of another window is not caught, and its report would read the counters against
+    that window."""
+    check_state_any(cfg, state)
     if not cfg.coverage_window:
         return None
-    host = jax.device_get(_counts_jit(cfg, state))
-    return from_counts(cfg, host, sweep_interval=sweep_interval)
+    host, write_index = jax.device_get((_counts_jit(cfg, state), state.violation_write_index))
+    return from_counts(cfg, host, sweep_interval=sweep_interval, write_index=write_index)

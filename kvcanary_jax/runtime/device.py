@@ -37,7 +37,7 @@ from kvcanary_jax.runtime import step as _step
 from kvcanary_jax.runtime.health import AFTER_HEAD, IDLE, phase_update
 from kvcanary_jax.runtime.readback import readback, word_fields
 from kvcanary_jax.runtime.sharded import stack_shards
-from kvcanary_jax.runtime.state import CanaryConfig, CanaryState, check_state, state_jit, tag
+from kvcanary_jax.runtime.state import CanaryConfig, CanaryState, check_state_any, state_jit, tag
 
 __all__ = [
     "fused",
@@ -111,13 +111,6 @@ def tail_only(state, phase, batch, lut, kv, *, cfg):
 def sweep_fn(state, rows_table, row_indices, lengths, lut, kv, *, cfg, guard):
     state = _step.sweep(cfg, state, rows_table, row_indices, lengths, lut, kv)
     return padding_guard(cfg, state, kv) if guard else state
-
-
-def check_state_any(cfg: CanaryConfig, state) -> None:
-    """:func:`check_state` for a state or a stack of per-shard states (leading axis)."""
-    if state.violation_write_index.ndim == 2:
-        state = jax.tree.map(lambda x: x[0], state)
-    check_state(cfg, state)
 
 
 def observe_fn(state, phase, *, cfg):

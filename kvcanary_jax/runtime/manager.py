@@ -74,6 +74,7 @@ from kvcanary_jax.runtime.agreement import Agreement, AgreementFailure, Finding
 from kvcanary_jax.runtime.config import ManagerConfig
 from kvcanary_jax.runtime.device import DeviceSteps, check_state_any
 from kvcanary_jax.runtime.readback import Readbacks, Staged
+from kvcanary_jax.runtime.rebase import Rebaser
 from kvcanary_jax.runtime.reporting import (
     PADDING_SLOT_NOT_ZERO,
     CanaryAgreementError,
@@ -190,6 +191,7 @@ class CanaryManager:
         self._lock = threading.RLock()
         self.step_count = 0
         self.sweep_passes = 0
+        self._rebaser = None
         self.state = None
         self.cfg = None
         self._radix_walk = None
@@ -222,6 +224,9 @@ class CanaryManager:
         self._device = DeviceSteps(cfg, forward, guard=config.padding_guard, mesh=mesh,
                                    axis=axis)
         self._readbacks = Readbacks(cfg)
+        # The state the manager steps keeps its int32 step counters from wrapping (observe():
+        # the server's own step does, see runtime.rebase).
+        self._rebaser = Rebaser(cfg)
         self._reporter = Reporter(cfg.ring_capacity, self._rank)
         self._health = health.LaunchHealth(config, cfg)
         self._phase_check = health.PhaseCheck()
@@ -239,6 +244,19 @@ class CanaryManager:
     def enabled(self) -> bool:
         return self.config.enabled
 
+    @property
+    def state(self):
+        """The canary's device state (stacked per shard over a mesh), ``None`` until there is one.
+        A state set from outside (a restored checkpoint) has its step counter read at the next
+        step, for the rebase that keeps it from wrapping (runtime.rebase)."""
+        return self._state
+
+    @state.setter
+    def state(self, value) -> None:
+        self._state = value
+        if self._rebaser is not None:
+            self._rebaser.reset()
+
     @_serialized
     def coverage(self) -> _coverage.CoverageStats | None:
         """The coverage report of the state now (``coverage_window``; ``None`` when off): the
@@ -248,8 +266,10 @@ class CanaryManager:
         if not self.enabled or self._device.coverage is None or self.state is None:
             return None
         with _config.x64_scope():
-            host = jax.device_get(self._device.coverage(self.state))
-        return _coverage.from_counts(self.cfg, host, sweep_interval=self.config.sweep_interval)
+            host, write_index = jax.device_get((self._device.coverage(self.state),
+                                                self.state.violation_write_index))
+        return _coverage.from_counts(self.cfg, host, sweep_interval=self.config.sweep_interval,
+                                     write_index=write_index)
 
     @property
     def overflow_count_total(self) -> int:
@@ -310,7 +330,8 @@ class CanaryManager:
                              "(stacked batches) pass resolve=(slot, violation) -> request")
         self._check_requests(batch, requests)
         with _config.x64_scope():
-            self.state, self._phase, kv, rb = self._device.fused(
+            self._state = self._rebaser(self._state)
+            self._state, self._phase, kv, rb = self._device.fused(
                 self.state, self._phase, kv, batch, req_to_token, self._lut(lut))
             try:
                 self._after_step(rb, kv, lut, self._context(batch, req_to_token, lut, requests,
@@ -334,7 +355,8 @@ class CanaryManager:
         """HEAD before a forward the server runs itself (state donated)."""
         self._require_enabled("head")
         with _config.x64_scope():
-            self.state, self._phase = self._device.head(self.state, self._phase, batch,
+            self._state = self._rebaser(self._state)
+            self._state, self._phase = self._device.head(self._state, self._phase, batch,
                                                         req_to_token, self._lut(lut))
         self._unread = True
 
@@ -346,7 +368,7 @@ class CanaryManager:
         self._require_enabled("tail")
         self._check_requests(batch, requests)
         with _config.x64_scope():
-            self.state, self._phase, rb = self._device.tail(self.state, self._phase, batch,
+            self._state, self._phase, rb = self._device.tail(self._state, self._phase, batch,
                                                             self._lut(lut), kv)
             self._after_step(rb, kv, lut, self._context(batch, req_to_token, lut, requests,
                                                         resolve))
@@ -385,8 +407,10 @@ class CanaryManager:
         """After the state was replaced (``manager.state = restored``, a checkpoint whose rows
         were reported already): resume reporting from its current write index (a host read: not
         for the hot path). The readback still pending, the state's before, is reported first,
-        under the bookkeeping it was taken with."""
+        under the bookkeeping it was taken with. The next step reads the state's step counter
+        too (a restored state may be near the wrap its rebase prevents: runtime.rebase)."""
         self._require_enabled("resync")
+        self._rebaser.reset()
         rebase = (np.asarray(jax.device_get(self.state.violation_write_index)),
                   np.asarray(jax.device_get(self.state.kernel_run_counters)))
         staged = self._readbacks.staged
@@ -479,7 +503,7 @@ class CanaryManager:
                     args[:3] = [self._device.stack(a) for a in args[:3]]
                 if args[3].ndim == 1:
                     args[3] = self._device.stack(args[3])
-            self.state = self._device.sweep(self.state, *args, kv)
+            self._state = self._device.sweep(self._state, *args, kv)
         self._unread = True
         self.sweep_passes += 1
         logger.info("[canary] sweep succeeded %d times (last_step=%d)", self.sweep_passes,
@@ -529,7 +553,8 @@ class CanaryManager:
                              write_index=write_index, sweep_passes=self.sweep_passes,
                              active_tags=len(self._health.active_tags()),
                              coverage=None if counts is None else _coverage.from_counts(
-                                 self.cfg, counts, sweep_interval=self.config.sweep_interval))
+                                 self.cfg, counts, sweep_interval=self.config.sweep_interval,
+                                 write_index=write_index))
         # Remediation: the callback sees every new violation, with its request, before a raise.
         failure = None
         if reports:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from kvcanary_jax import _config
+from kvcanary_jax.runtime.rebase import Rebaser
 from kvcanary_jax.runtime.state import CanaryConfig, state_jit
 from kvcanary_jax.runtime.step import step_fn
 
@@ -53,7 +54,8 @@ def make_sharded_step(cfg: CanaryConfig, forward: Callable, mesh: Mesh, axis: st
 
     Returns ``step(states, kvs, batches, req_to_tokens, luts) -> (states, kvs)`` over stacked
     pytrees (see :func:`stack_shards`); states and KV are donated. ``implementation`` overrides
-    ``cfg.implementation``.
+    ``cfg.implementation``. As :func:`~kvcanary_jax.runtime.make_canary_step`'s, the step keeps
+    the states' coverage step counters from wrapping (``step.rebaser``).
     """
     if implementation is not None:
         cfg = dataclasses.replace(cfg, implementation=implementation)
@@ -69,11 +71,13 @@ def make_sharded_step(cfg: CanaryConfig, forward: Callable, mesh: Mesh, axis: st
     mapped = jax.shard_map(per_shard, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec, spec),
                            check_vma=False)
     jitted = state_jit(mapped, donate_argnums=(0, 1))
+    rebaser = Rebaser(cfg)  # the stacked states' coverage step counters kept from wrapping
 
     @_config.entry_point
     def step(states, kvs, batches, req_to_tokens, luts):
-        return jitted(states, kvs, batches, req_to_tokens, luts)
+        return jitted(rebaser(states), kvs, batches, req_to_tokens, luts)
 
     step.jitted = jitted
     step.cfg = cfg
+    step.rebaser = rebaser
     return step

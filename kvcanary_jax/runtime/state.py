@@ -17,6 +17,7 @@ the per-slot step counters the coverage report is measured from.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 
 import jax
@@ -34,6 +35,7 @@ __all__ = [
     "ForwardBatch",
     "init_state",
     "check_state",
+    "check_state_any",
     "enable_chain_assert",
     "launch_tags",
     "tag",
@@ -150,6 +152,10 @@ class CanaryConfig:
         if self.coverage_window < 0:
             raise ValueError("kv-canary runtime: coverage_window must be >= 0 (0: off), got "
                              f"{self.coverage_window}")
+        if self.coverage_window > MAX_COVERAGE_WINDOW:
+            raise ValueError(f"kv-canary runtime: coverage_window must be at most "
+                             f"{MAX_COVERAGE_WINDOW} steps (the int32 step counters keep that "
+                             f"many exact), got {self.coverage_window}")
         for field in ("num_layers", "swa_num_layers"):
             value = getattr(self, field)
             if value is not None and value < 1:
@@ -208,6 +214,10 @@ def tag(copy: str, half: str, group: str) -> consts.CanaryLaunchTag:
     return consts.CanaryLaunchTag[f"{copy}_{half}_{group}"]
 
 
+# The longest coverage window: the int32 step counters are rebased to keep this many steps exact
+# (kvcanary_jax.runtime.rebase).
+MAX_COVERAGE_WINDOW = 2**29
+
 # The per-slot step counters of :class:`SlotCoverage`, the columns of its ``steps`` (int32, -1:
 # never).
 SLOT_STEPS = ("written_at", "read_from", "read_at", "checked_at", "swept_at")
@@ -243,6 +253,9 @@ class SlotCoverage:
 
     def column(self, name: str) -> jax.Array:
         """One step counter (a name of :data:`SLOT_STEPS`) of every slot: ``[..., slots]``."""
+        if name not in SLOT_STEPS:
+            raise ValueError(f"kv-canary runtime: no step counter {name!r}; SlotCoverage's are "
+                             f"{', '.join(SLOT_STEPS)}")
         return self.steps[..., SLOT_STEPS.index(name)]
 
     written_at = property(lambda self: self.column("written_at"))
@@ -250,6 +263,27 @@ class SlotCoverage:
     read_at = property(lambda self: self.column("read_at"))
     checked_at = property(lambda self: self.column("checked_at"))
     swept_at = property(lambda self: self.column("swept_at"))
+
+
+def _refuse_step_keywords(init):
+    """SlotCoverage's ``__init__``, refusing the separate step-counter arrays it took before
+    they became the columns of ``steps`` with a message saying how to build it now."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **fields):
+        old = [f for f in SLOT_STEPS if f in fields]
+        if old:
+            raise TypeError(
+                f"SlotCoverage takes its step counters as one int32 array steps=[slots, "
+                f"{len(SLOT_STEPS)}], columns {', '.join(SLOT_STEPS)} in that order (-1: "
+                f"never), not {', '.join(f + '=' for f in old)}: pass steps=jnp.stack(["
+                f"{', '.join(SLOT_STEPS)}], axis=-1)")
+        init(self, *args, **fields)
+
+    return __init__
+
+
+SlotCoverage.__init__ = _refuse_step_keywords(SlotCoverage.__init__)
 
 
 @jax.tree_util.register_dataclass
@@ -457,6 +491,18 @@ def check_state(cfg: CanaryConfig, state: CanaryState) -> None:
                 f"kv-canary runtime: the state does not fit its config: {path} is "
                 f"{got_dtype} {got_shape}, the config needs {dtype} {shape} ({why}); build the "
                 "state with init_state(cfg)")
+
+
+def check_state_any(cfg: CanaryConfig, state) -> None:
+    """:func:`check_state` for a state or a stack of per-shard states (leading axis)."""
+    if not isinstance(cfg, CanaryConfig):
+        raise TypeError(f"kv-canary runtime: expected a CanaryConfig, got {type(cfg).__name__}")
+    if not isinstance(state, CanaryState):
+        raise TypeError(f"kv-canary runtime: expected a CanaryState (init_state(cfg)), got "
+                        f"{type(state).__name__}")
+    if state.violation_write_index.ndim == 2:
+        state = jax.tree.map(lambda x: x[0], state)
+    check_state(cfg, state)
 
 
 def enable_chain_assert(state: CanaryState, on: bool = True) -> CanaryState:

@@ -39,6 +39,7 @@ from kvcanary_jax.ops.write.base import WriteTokens
 from kvcanary_jax.plans import VerifyPlan, WritePlan
 from kvcanary_jax.runtime import coverage
 from kvcanary_jax.runtime.kv import as_kv_dict, kv_sources, translate
+from kvcanary_jax.runtime.rebase import Rebaser
 from kvcanary_jax.runtime.state import (CanaryConfig, CanaryState, ForwardBatch, check_state,
                                         state_jit, tag)
 
@@ -285,19 +286,23 @@ def make_canary_step(cfg: CanaryConfig, forward: Callable, *, implementation: st
     ``forward(kv, batch, req_to_token, lut) -> kv`` is the model forward (it writes the real KV of
     ``batch.out_cache_loc``). Returns ``step(state, kv, batch, req_to_token, lut) -> (state, kv)``
     with the state and the KV donated. ``implementation`` overrides ``cfg.implementation``.
+    With a coverage window, the step keeps the state's int32 step counters from wrapping
+    (:class:`~kvcanary_jax.runtime.rebase.Rebaser`: a host read every 2**20 calls).
     A state that does not fit ``cfg`` (:func:`~kvcanary_jax.runtime.check_state`) is refused
     with a ValueError when the step is traced, before anything runs or is donated.
     """
     if implementation is not None:
         cfg = dataclasses.replace(cfg, implementation=implementation)
     jitted = state_jit(step_fn(cfg, forward), donate_argnums=(0, 1))
+    rebaser = Rebaser(cfg)
 
     @_config.entry_point
     def step(state, kv, batch, req_to_token, lut=None):
-        return jitted(state, kv, batch, req_to_token, _lut_or_dummy(lut))
+        return jitted(rebaser(state), kv, batch, req_to_token, _lut_or_dummy(lut))
 
     step.jitted = jitted
     step.cfg = cfg
+    step.rebaser = rebaser
     return step
 
 

@@ -80,7 +80,7 @@ class CampaignResult:
             "coverage": None if cov is None else {
                 "window": cov.window, "sweep_interval": cov.sweep_interval, "share": cov.share,
                 "live_bytes": cov.live_bytes, "verified_bytes": cov.verified_bytes,
-                "read_bytes": cov.read_bytes},
+                "read_bytes": cov.read_bytes, "violations": cov.violations},
             "faults": [f.as_dict() for f in self.faults],
             "timing": {
                 "first_step_s": round(self.first_step_seconds, 4),

@@ -66,6 +66,7 @@ from kvcanary_jax.integrations.sglang_jax.layout import (
     require_int,
 )
 from kvcanary_jax.integrations.sglang_jax.tokens import TokenDelta
+from kvcanary_jax.runtime.rebase import Rebaser
 from kvcanary_jax.runtime.state import state_jit
 from kvcanary_jax.runtime.step import head, tail
 
@@ -290,6 +291,7 @@ def guard_model_step(canary: SglangJaxCanary, model_step: Callable, *, batch_arg
         static_argnums=(3,) + tuple(nfixed + a for a in static_argnums),
         donate_argnums=(0, nfixed + pool_argnum),
     )
+    rebaser = Rebaser(canary.config)  # the coverage step counters kept from wrapping
 
     @_config.entry_point
     def step(state, *args, expected=None, table=None):
@@ -297,6 +299,7 @@ def guard_model_step(canary: SglangJaxCanary, model_step: Callable, *, batch_arg
             raise TypeError(f"kv-canary sglang-jax: the model step takes {named}, got "
                             f"{len(args)} arguments")
         fb = args[batch_argnum]
+        state = rebaser(state)
         array, sent = _expected_array(canary, expected, state, fb)
         _check_segments(canary, fb, array, table)
         new_state, out = jitted(state, array, table, _config.caller_had_x64(), *args)
@@ -305,6 +308,7 @@ def guard_model_step(canary: SglangJaxCanary, model_step: Callable, *, batch_arg
         return new_state, out
 
     step.jitted = jitted
+    step.rebaser = rebaser
     return step
 
 

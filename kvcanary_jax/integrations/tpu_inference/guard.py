@@ -48,6 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kvcanary_jax.integrations.tpu_inference import device, host, layout as _layout
 from kvcanary_jax.runtime import CanaryManager, CanaryViolationError, ManagerConfig
+from kvcanary_jax.runtime.rebase import Rebaser
 from kvcanary_jax.runtime.state import state_jit
 
 __all__ = ["SUPPORTED_VERSIONS", "Carried", "TpuInferenceGuard", "install", "Remediator",
@@ -168,6 +169,9 @@ class TpuInferenceGuard:
         self.cached = host.CachedBlocks(dp_size=canary.data_shards,
                                         block_size=canary.layout.block_size)
         self.steps = 0
+        # The coverage step counters kept from wrapping; a call here may run a whole on-device
+        # decode loop, many TAILs: its step is read every 2**12 calls, not every 2**20.
+        self._rebaser = Rebaser(canary.config, every=2**12)
         self.sweeps = 0
         self._pending = None
         self._prepared = False  # update_states described the step the runner runs next
@@ -338,6 +342,7 @@ class TpuInferenceGuard:
         self._pending = None
         self._prepared = False
         self.steps += 1
+        self.state = self._rebaser(self.state)
         try:
             if self.manager is not None:
                 self.manager.observe(self.state, resolve=self._resolve(self._owners))
