@@ -501,7 +501,9 @@ def check_state_any(cfg: CanaryConfig, state) -> None:
         raise TypeError(f"kv-canary runtime: expected a CanaryState (init_state(cfg)), got "
                         f"{type(state).__name__}")
     if state.violation_write_index.ndim == 2:
-        state = jax.tree.map(lambda x: x[0], state)
+        # One shard's shapes, not its arrays: indexing a concrete array would run a gather (and
+        # on an Explicit mesh, sglang-jax 0.1's, needs an out_sharding).
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state)
     check_state(cfg, state)
 
 
