@@ -97,7 +97,10 @@ for step in "$@"; do
         # of its 290 s on 2026-12-04), and the digest's own tests another (the rest took 263 s
         # beside the other parts on 60ffd07, and ran past 290 on e1e4808: 31.7 s alone).
         "bridge_digest|$P -m gpu tests/test_bridge_digest.py"
-        "bridge_coverage|$P -m gpu tests/test_bridge_coverage.py -k 'not first_check'"
+        # The clean runs and the captured decode step: two parts (together they ran past 290 s
+        # beside the other parts on 2026-12-05, 246 s on 2026-12-04).
+        "bridge_coverage_clean|$P -m gpu tests/test_bridge_coverage.py -k clean_run"
+        "bridge_coverage|$P -m gpu tests/test_bridge_coverage.py -k 'not first_check and not clean_run'"
         "bridge_coverage_flips|$P -m gpu tests/test_bridge_coverage.py -k first_check"
         "bridge_coverage_cpu|$P -m 'not gpu' tests/test_bridge_digest.py tests/test_bridge_coverage.py tests/test_bridge_serving.py"
         # The bridge's differential test alone takes about 100 s: it gets a part of its own, so

@@ -161,13 +161,15 @@ def parse_config(text: str) -> dict:
 
 def _configs(case, model, *, overrides: list, sweep: bool, interpret: bool) -> list:
     """The launch configs a case is timed with: the heuristics' config with each of
-    ``overrides`` applied (``[{}]``: the heuristics' own), and with ``sweep`` the variants around
-    the first."""
+    ``overrides`` applied (``[{}]``: the heuristics' own; a block given without a chunk raises
+    the chunk to the block), and with ``sweep`` the variants around the first."""
     from kvcanary_jax.ops.digest import pallas_triton
 
     base = pallas_triton.heuristics(shapes_of(case, model))
     out = []
     for override in overrides or [{}]:
+        if "block" in override and "entries" not in override:  # a chunk holds a block at least
+            override = dict(override, entries=max(base.entries, override["block"]))
         cfg = dataclasses.replace(base, **override, interpret=interpret)
         if cfg not in out:
             out.append(cfg)

@@ -399,7 +399,8 @@ def test_pallas_heuristics_spread_few_slots_and_hash_many_whole():
     """A decode step's few new tokens and a sparse verify are spread over programs in groups of
     a slot's words (two kernels); a prefill's thousands of tokens and a dense verify hash whole
     slots a program (one kernel); a verify hashes its selected entries one at a time, its chunk
-    about a window of entries (one selected entry expected), four windows with more slots."""
+    a quarter of a window of entries with few slots (a quarter of an entry expected), four
+    windows with more; a narrow slot is hashed whole by one program of 8 warps (one kernel)."""
     from kvcanary_jax.ops.digest import pallas_triton as pt
 
     def shapes(verify, capacity, window=1):
@@ -410,10 +411,13 @@ def test_pallas_heuristics_spread_few_slots_and_hash_many_whole():
     assert (few.group_words, few.spread) == (pt.GROUP_WORDS, True)
     assert pt.heuristics(shapes(0, 8192)).spread is False
     small = pt.heuristics(shapes(1, 4096, 64))
-    assert (small.group_words, small.spread, small.entries, small.block) == (2048, True, 64, 1)
+    assert (small.group_words, small.spread, small.entries, small.block) == (2048, True, 16, 1)
     assert 16384 // small.group_words == pt.VERIFY_GROUPS
+    mid = pt.heuristics(dict(shapes(1, 4096, 64), words=4096))
+    assert (mid.group_words, mid.spread, mid.entries) == (pt.MIN_GROUP_WORDS, True, 16)
     narrow = pt.heuristics(dict(shapes(1, 4096, 64), words=2048))
-    assert narrow.group_words == pt.MIN_GROUP_WORDS  # 4 groups: enough programs
+    assert (narrow.group_words, narrow.spread, narrow.entries, narrow.num_warps) == (0, False, 16, 8)
+    assert pt.heuristics(dict(shapes(1, 64, 2), words=2048)).entries == 1  # a window under 4
     wide = pt.heuristics(shapes(1, 131072, 64))
     assert (wide.group_words, wide.entries, wide.block) == (pt.WIDE_GROUP_WORDS, 256, 1)
     dense = pt.heuristics(shapes(1, 131072, 1))

@@ -141,17 +141,20 @@ def at_tail(cfg: CanaryConfig, state: CanaryState, batch, lut, kv) -> CanaryStat
         # that stamps this step's: the slots pass through a barrier with them, so that the
         # scatter (indexed by those slots) runs after the gather (a reader of the old values
         # left unordered makes XLA copy the array). What the check takes is computed before the
-        # barrier too, fused with the gather rather than a kernel of its own after it.
-        old = _at(sc.steps, slots, read)
-        stamped = read & (old[:, _W] >= 0)
-        old, stamped, checked_slots, slots = jax.lax.optimization_barrier(
-            (old, stamped, jnp.where(stamped, slots, -1), slots))
+        # barrier too. Each counter is gathered as a column of its own, so that every array here
+        # has one element a plan entry and XLA computes them all in one kernel (a [entries, 5]
+        # gather was a kernel of its own, and the check's slots recomputed it in another).
+        at = jnp.where(read, slots, 0)
+        written, read_from, read_at = (sc.steps[at, c] for c in (_W, _RF, _RA))
+        stamped = read & (written >= 0)
+        read_from, read_at, stamped, checked_slots, slots = jax.lax.optimization_barrier(
+            (read_from, read_at, stamped, jnp.where(stamped, slots, -1), slots))
         ctx, checked = _check(cfg, sc, vplan, stamped, phase=t, window=window, sources=sources,
                               group=group, ring=ring, widx=widx, copy="TAIL",
                               checked_slots=checked_slots)
         ring, widx = ctx.violation_ring, ctx.violation_write_index
         # A read run goes on when the slot was read by the step before.
-        run_from = jnp.where(old[:, _RA] == t - 1, old[:, _RF], t)
+        run_from = jnp.where(read_at == t - 1, read_from, t)
         steps = _stamps(sc.steps, ((loc >= 0) & (loc < n), loc, _W, t),
                         (read, slots, _RF, run_from), (read, slots, _RA, t),
                         (checked, slots, _CK, t))

@@ -34,7 +34,9 @@ program reaches its group's code through branches on its group index.
   them ``block`` at a time, in entry order (with ``entries == block``, the block is the chunk).
   The work follows the selected entries, not the capacity, without a compaction pass: the grid
   is static (from the capacity) and a chunk without a selected entry costs one scan of its
-  slots. ``entries`` of about ``window`` expects one selected entry a chunk (the heuristics).
+  slots. The heuristics' chunks hold a quarter of a selected entry on average where few slots
+  are expected (a chunk's selected entries are hashed one after another: the kernel takes as
+  long as the chunk with the most), four where a thousand or more are.
   Not spread (or one group): the program hashes every group of its entries, compares with the
   stored digests and records the mismatches (one kernel). Spread: grid ``(chunks x groups)``,
   programs store partials ``[groups, capacity]`` at their selected entries, and a finishing
@@ -92,6 +94,14 @@ WIDE_GROUP_WORDS = 4096
 LOOP_GROUP_WORDS = 2048
 SPREAD_SLOTS_AT = 1024
 WHOLE_SLOTS_AT = 4096
+# A verify of few expected slots: a program scans a chunk of about a window over CHUNKS_A_WINDOW
+# entries (its selected entries are hashed one after another, so the kernel takes as long as its
+# chunk with the most: chunks of a window, about one expected each, held up to four), and a
+# slot of at most ONE_KERNEL_WORDS is hashed whole by one program of ONE_KERNEL_WARPS warps
+# (one kernel: no partials, no finishing kernel).
+CHUNKS_A_WINDOW = 4
+ONE_KERNEL_WORDS = 2048
+ONE_KERNEL_WARPS = 8
 LANES = 512
 UNROLL = 4
 FINISH = 128
@@ -157,22 +167,24 @@ class Config:
                 f"num_stages={self.num_stages} (>= 1)")
 
 
-def _entries_for(window: int, block: int) -> int:
-    """A chunk of about ``window`` entries: one selected entry expected (slots spread evenly over
-    the phases), so one block of ``block`` takes nearly every chunk's in one step."""
-    return min(MAX_ENTRIES, max(block, _pow2_at_least(window)))
+def _entries_for(size: int, block: int) -> int:
+    """A chunk of about ``size`` entries: a power of two, at least ``block``, at most
+    :data:`MAX_ENTRIES` (with slots spread evenly over the phases, a chunk of ``size`` entries
+    holds ``size / window`` selected entries on average)."""
+    return min(MAX_ENTRIES, max(block, _pow2_at_least(size)))
 
 
 def heuristics(shapes: Mapping[str, int]) -> Config:
     """By the number of slots a call hashes (a write's entries; a verify's expected selected
     entries, capacity / window): a few are spread over programs in groups of
     :data:`GROUP_WORDS` (a write) or in at most :data:`VERIFY_GROUPS` of at least
-    :data:`MIN_GROUP_WORDS` (a verify; two kernels), more in groups of
-    :data:`WIDE_GROUP_WORDS`, and from :data:`WHOLE_SLOTS_AT` a program hashes whole slots (one
-    kernel). A verify hashes its selected entries one at a time (``block`` 1:
-    a block's rows are hashed whether selected or not, and a chunk of about ``window`` entries
-    holds one expected); its chunk is about ``window`` entries, four windows from
-    :data:`SPREAD_SLOTS_AT` slots (fewer programs, each scanning more)."""
+    :data:`MIN_GROUP_WORDS` (a verify; two kernels; a slot of at most :data:`ONE_KERNEL_WORDS`
+    is hashed whole by one program of :data:`ONE_KERNEL_WARPS` warps instead, one kernel), more
+    in groups of :data:`WIDE_GROUP_WORDS`, and from :data:`WHOLE_SLOTS_AT` a program hashes
+    whole slots (one kernel). A verify hashes its selected entries one at a time (``block`` 1:
+    a block's rows are hashed whether selected or not); its chunk is about ``window`` /
+    :data:`CHUNKS_A_WINDOW` entries with few slots (a quarter of an entry expected a chunk),
+    four windows from :data:`SPREAD_SLOTS_AT` slots (fewer programs, each scanning more)."""
     if shapes["verify"]:
         window = shapes["window"]
         expected = shapes["capacity"] // window
@@ -184,10 +196,14 @@ def heuristics(shapes: Mapping[str, int]) -> Config:
     if expected >= SPREAD_SLOTS_AT:
         chunk = 4 * window if shapes["verify"] else 1
         return Config(block=1, group_words=WIDE_GROUP_WORDS, entries=_entries_for(chunk, 1))
-    words = GROUP_WORDS
-    if shapes["verify"]:
-        words = max(MIN_GROUP_WORDS, _pow2_at_least(-(-shapes["words"] // VERIFY_GROUPS)))
-    return Config(block=1, group_words=words, entries=_entries_for(window, 1))
+    if not shapes["verify"]:
+        return Config(block=1, group_words=GROUP_WORDS, entries=_entries_for(window, 1))
+    entries = _entries_for(max(1, window // CHUNKS_A_WINDOW), 1)
+    if shapes["words"] <= ONE_KERNEL_WORDS:
+        return Config(block=1, group_words=0, spread=False, entries=entries,
+                      num_warps=ONE_KERNEL_WARPS)
+    words = max(MIN_GROUP_WORDS, _pow2_at_least(-(-shapes["words"] // VERIFY_GROUPS)))
+    return Config(block=1, group_words=words, entries=entries)
 
 
 # ---------------------------------------------------------------------------------------------
