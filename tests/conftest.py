@@ -128,24 +128,30 @@ def pytest_configure(config):
 # the suite with pytest-xdist, one module per worker at a time (--dist loadfile keeps a module's
 # compiled executables in one process); starting with the longest modules keeps a worker from
 # being left with one long module at the end while the other idles. Order only: every module runs.
-LONGEST_FIRST = (
-    "test_plan.py", "test_write.py", "test_verify.py", "test_scatter.py", "test_ring_guard.py",
-    "test_zero_sizes.py", "test_golden.py", "test_careless_inputs.py", "test_bridge.py",
-    "test_runtime.py", "test_cli.py", "test_tpu_vs_reference.py", "test_agreement.py",
-    "test_bench_smoke.py", "test_bridge_sglang.py", "test_manager.py", "test_runtime_guards.py",
-    "test_demo_manager.py", "test_bridge_serving.py", "test_sglang_jax_coverage_campaign.py",
-    "test_sglang_jax.py",
-    "test_sglang_jax_remediation.py", "test_sharded_manager.py", "test_sharded.py",
-    "test_demo.py", "test_registry.py", "test_lowering.py",
+LONGEST_FIRST = (  # each module's fast-tier time, the longer of the two legs' (bench/NOTES.md)
+    "test_digest.py", "test_coverage.py", "test_lowering.py", "test_write.py", "test_plan.py",
+    "test_coverage_rebase.py", "test_scatter.py", "test_sglang_jax_coverage.py", "test_bridge.py",
+    "test_manager.py", "test_docs.py", "test_golden.py", "test_demo.py", "test_zero_sizes.py",
+    "test_tpu_vs_reference.py", "test_verify.py", "test_races.py", "test_sglang_jax_layout.py",
+    "test_bridge_sglang.py", "test_packaging.py", "test_sglang_jax_remediation.py",
+    "test_interpret_config.py", "test_bridge_digest.py", "test_hashing.py", "test_registry.py",
+    "test_manager_trust.py", "test_ring_guard.py", "test_runtime_guards.py", "test_plan_halves.py",
+    "test_runtime.py", "test_bridge_serving.py", "test_bridge_coverage.py",
+    # then the modules the e2e commands spend longest on
+    "test_coverage_campaign.py", "test_cli.py", "test_agreement.py", "test_bench_smoke.py",
+    "test_demo_manager.py", "test_sglang_jax_coverage_campaign.py", "test_sglang_jax.py",
+    "test_sharded_manager.py", "test_sharded.py",
 )
 
 
 # The deep tests: whole campaigns (hundreds of flips, every layer and half), the demo and the
 # benchmarks run whole inside the process, and the interpreted kernels at sizes past the hand
 # cases. They check nothing the fast tier's smaller cases leave open in a kernel's logic, and they
-# are most of its time, so they run after it, with the end-to-end tests (the README's
-# test-command-e2e and test-command-py312-e2e select ``e2e or deep``). Each entry is a module, a
-# test of it, or a test with a substring its parameter id must hold.
+# are most of its time, so they run after it, with the end-to-end tests (test-command-e2e and
+# test-command-py312-e2e in docs/testing.md; its "Tiers" table says which leg runs which deep
+# test, and the long tier runs the deep fuzzes at their full count). Each entry is a module, a
+# test of it, or a test with a substring its parameter id must hold ("pallas": the interpreted
+# Pallas kernels, pallas_interpret and pallas_mosaic_tpu).
 DEEP = (
     ("test_coverage_campaign.py", None, None),
     ("test_sglang_jax_coverage_campaign.py", None, None),
@@ -163,7 +169,6 @@ DEEP = (
      "test_decode_loop_with_a_growing_history_compiles_logarithmically_with_flat_memory", None),
     ("test_runtime.py", "test_steps_match_sglang_references", "pallas_interpret"),
     ("test_runtime.py", "test_v_half_full_only_matches_sglang_references", "pallas_interpret"),
-    ("test_verify.py", "test_round_trips_clean", "pallas_interpret"),
     ("test_verify.py", "test_single_corruptions", "large"),
     ("test_verify.py", "test_tpu_long_runs_across_slabs_and_blocks", None),
     ("test_plan.py", "test_tpu_batch_sizes", None),
@@ -174,6 +179,89 @@ DEEP = (
     ("test_digest.py", "test_mosaic_tpu_every_dtype_and_layout", None),
     ("test_digest.py", "test_tpu_long_strips_paged_rows_and_shared_operands", None),
     ("test_digest.py", "test_pallas_launch_shapes", None),
+    # The fast tiers past 10 minutes on a slower 2-core machine (bench/NOTES.md, "the fast tiers
+    # on a 1.8x slower machine"): what moved here runs the same checks on the interpreted kernels
+    # (pallas_mosaic_tpu in TPU interpret mode, pallas_interpret) beyond the hand cases, the
+    # hostile and family fuzzes, the long strips and chains, the demo run whole, and sglang-jax's
+    # whole lives (each in a process of its own). The fast tier keeps every implementation's hand
+    # cases and golden files (test_golden.py, test_scatter.py's and test_plan.py's hand cases, the
+    # hand-checked hash values) against SGLang and the jnp references.
+    ("test_write.py", "test_hostile_fuzz", None),
+    ("test_plan.py", "test_hostile_fuzz", None),
+    ("test_scatter.py", "test_hostile_fuzz", None),
+    ("test_verify.py", "test_hostile_fuzz", None),
+    ("test_plan.py", "test_fuzz_family", None),
+    ("test_plan.py", "test_fuzz_small_blocks_multi_block_and_looping_entries", None),
+    ("test_write.py", "test_write_fuzz", None),
+    ("test_verify.py", "test_single_corruptions", None),
+    ("test_ring_guard.py", "test_write_bad_index_writes_no_row", None),
+    ("test_ring_guard.py", "test_verify_bad_index_writes_no_row", None),
+    ("test_write.py", "test_real_kv_nan_payloads_hash_as_stored_bytes", None),
+    ("test_write.py", "test_real_kv_long_strips", None),
+    ("test_verify.py", "test_real_kv_long_strips_clean_then_last_word_flipped", None),
+    ("test_verify.py", "test_real_kv_clean_then_bit_flip", "pallas_mosaic_tpu"),
+    ("test_write.py", "test_long_chain", "pallas"),
+    ("test_write.py", "test_ring_overflow", "pallas"),
+    ("test_write.py", "test_no_valid_requests_only_bumps_kernel_counter", "pallas"),
+    ("test_write.py", "test_repeated_slots_within_a_request_last_write_wins", "pallas_mosaic_tpu"),
+    ("test_write.py", "test_repeated_slots_with_four_warps", "pallas"),
+    ("test_write.py", "test_cross_request_races_give_one_order", "pallas_mosaic_tpu"),
+    ("test_write.py", "test_anchor_chain_single_request", "pallas_mosaic_tpu"),
+    ("test_write.py", "test_donated_jit_updates_in_place", "pallas_mosaic_tpu"),
+    ("test_plan.py", "test_padded_batch_multi_block_offsets", "pallas_interpret"),
+    ("test_plan.py", "test_expected_tokens_past_the_pool", "pallas_mosaic_tpu"),
+    ("test_plan.py", "test_jit_with_donated_plans_updates_in_place", "pallas_mosaic_tpu"),
+    ("test_plan.py", "test_prefix_past_row_width_reads_flat_like_the_gpu", "pallas_mosaic_tpu"),
+    ("test_plan.py", "test_base_with_row_pitch_wider_than_the_view", "pallas_mosaic_tpu"),
+    ("test_plan.py", "test_lut_index_clamped_like_the_gpu", "pallas_mosaic_tpu"),
+    ("test_plan.py", "test_rows_outside_the_table_read_as_unfilled", "pallas_mosaic_tpu"),
+    ("test_plan_halves.py", "test_each_half_against_the_reference_half", "pallas_mosaic_tpu"),
+    ("test_verify.py", "test_many_blocks_grid_stride", "pallas"),
+    ("test_verify.py", "test_corrupted_token", "pallas_mosaic_tpu"),
+    ("test_verify.py", "test_clean_chain", "pallas_mosaic_tpu"),
+    ("test_verify.py", "test_negative_slot_reads_wrapped_row_like_the_reference", "pallas_mosaic_tpu"),
+    ("test_verify.py", "test_ring_overflow_with_preexisting_index", "pallas_mosaic_tpu"),
+    ("test_digest.py", "test_flips_outside_the_strips_are_not_reported", "pallas_mosaic_tpu"),
+    ("test_digest.py", "test_verify_hostile_indices_and_the_ring_guard", "pallas_mosaic_tpu"),
+    ("test_digest.py", "test_single_bit_flips_are_always_reported", "pallas_mosaic_tpu"),
+    ("test_coverage.py", "test_a_server_s_int32_token_arrays_give_the_int64_bytes",
+     "pallas_interpret"),
+    ("test_coverage.py", "test_the_demo_takes_the_window_from_the_servers_variable", None),
+    ("test_plan.py", "test_fuzz_batch_sizes", None),
+    ("test_plan.py", "test_padded_batch_with_num_reqs_equals_sglang", None),
+    ("test_verify.py", "test_short_hostile_fuzz_checks_its_coverage", None),
+    ("test_verify.py", "test_round_trips_clean", None),
+    ("test_verify.py", "test_xla_blocks_and_branches", None),
+    ("test_write.py", "test_real_kv_sources", None),
+    ("test_write.py", "test_xla_windows_and_hazards", None),
+    ("test_write.py", "test_wide_slot_stride_keeps_trailing_bytes", "pallas"),
+    ("test_write.py", "test_skip_negative_slots", "pallas"),
+    ("test_write.py", "test_multi_request_with_padding_and_capacity", "pallas"),
+    ("test_write.py", "test_continue_from_seed_and_chain_position_assert", "pallas"),
+    ("test_write.py", "test_offsets_past_the_token_arrays_are_skipped", "pallas"),
+    ("test_write.py", "test_write_input_assert_mismatches", "pallas"),
+    # The fuzzes against the jnp references (the golden files and the hand cases stay in the fast
+    # tier): the 3.12 leg's e2e command runs deep fuzzes, the 3.11 leg's long tier at full count.
+    ("test_verify.py", "test_round_trips_and_corruptions_against_jnp_reference", None),
+    ("test_plan.py", "test_fuzz_against_jnp_reference", None),
+    ("test_write.py", "test_write_fuzz_against_jnp_reference", None),
+    ("test_digest.py", "test_verify_zero_sizes", "pallas_mosaic_tpu"),
+    ("test_verify.py", "test_out_of_range_slot_and_prev_read_as_zero_rows", "pallas_mosaic_tpu"),
+    ("test_scatter.py", "test_malformed_offsets_stay_in_bounds", "pallas_mosaic_tpu"),
+    ("test_ring_guard.py", "test_verify_index_saturates_over_launches", "pallas_mosaic_tpu"),
+    # sglang-jax 0.0.2's whole lives (the ``life`` fixture: a subprocess each; every life's id
+    # names its page size) and the model runner's longer runs.
+    ("test_sglang_jax.py", None, "page"),
+    ("test_sglang_jax.py", "test_a_delta_never_run_records_nothing", None),
+    ("test_sglang_jax.py", "test_model_runner_hook_with_the_coverage_window_digests_every_layer",
+     None),
+    ("test_sglang_jax_remediation.py", "test_model_runner_with_the_managed_hook_in_raise_mode",
+     None),
+    ("test_sglang_jax_remediation.py", "test_running_request_is_aborted_and_its_prefix_dropped",
+     None),
+    ("test_sglang_jax.py", "test_model_runner_with_the_canary_installed", None),
+    ("test_sglang_jax.py", "test_the_guarded_step_lowered_for_cuda_has_no_loop_around_its_kernels",
+     None),
 )
 
 
