@@ -3,8 +3,15 @@
 
     JAX_PLATFORMS= python -m bench.tpu_inference_step [--bs 8,64] [--ctx 512,2048]  # on a GPU
                                                          [--iters 20] [--out DIR] [--smoke]
+                                                         [--coverage-window 0,64]
     JAX_PLATFORMS=cpu python -m bench.tpu_inference_step --compile v5e:2x2,v6e:2x2
                                                          [--head-dim 128,64] [--bare] [--out DIR]
+                                                         [--coverage-window 0,64]
+
+``--coverage-window``: the guard's coverage windows, a case (or compile) each (0: SGLang's
+layer-0 fingerprint only; N: every layer's K and V digested too, docs/spec.md §17). The timed
+step is the guarded step alone: the sweep of cached blocks the window needs runs between steps,
+every ``sweep_interval`` of them, and is not in it.
 
 Needs Python 3.12, jax 0.11.2 and ``requirements-tpu-inference.txt`` (``pip install --no-deps
 -r``); ``--compile`` also needs libtpu (``pip install "jax[tpu]==0.11.2"``). The runner is the
@@ -85,7 +92,7 @@ class Decode:
     delta: kti.TokenDelta
 
 
-def _fill(bs: int, ctx: int, iters: int, smoke: bool):
+def _fill(bs: int, ctx: int, iters: int, smoke: bool, window: int = 0):
     """A runner with the guard, ``bs`` requests prefilled, and the next decode step's call."""
     blocks_per_req = -(-(ctx + 4 * iters + 2 * BLOCK) // BLOCK)
     model = None if smoke else BENCH_MODEL
@@ -97,7 +104,8 @@ def _fill(bs: int, ctx: int, iters: int, smoke: bool):
                        max_model_len=(blocks_per_req + -(-prefill_steps // BLOCK)) * BLOCK,
                        model=model, prefix_caching=False)
     bare, step = e.runner.model_fn, e.runner.model.step_fn_no_options
-    guard = kti.install(e.runner, mode="log", real_data="all")
+    guard = kti.install(e.runner, mode="log", real_data="all", coverage_window=window,
+                        sweep_interval=window)
     plans, plan = [], guard.book.plan
     guard.book.plan = lambda runner, order: plans.append(plan(runner, order)) or plans[-1]
     rng = np.random.default_rng(0)
@@ -123,14 +131,14 @@ def _violations(state) -> int:
     return int(np.asarray(state.violation_write_index)[:, 0].sum())
 
 
-def run_case(bs: int, ctx: int, iters: int, smoke: bool = False) -> dict:
-    e, guard, bare, step, decode = _fill(bs, ctx, iters, smoke)
+def run_case(bs: int, ctx: int, iters: int, smoke: bool = False, window: int = 0) -> dict:
+    e, guard, bare, step, decode = _fill(bs, ctx, iters, smoke, window)
     runner, canary = e.runner, guard.canary
     guard.manager.flush()
     if _violations(guard.state):
         raise RuntimeError("violations while filling the cache")
     seq_lens = np.asarray(decode.args[3].seq_lens)[:bs]
-    row = {"bs": bs, "ctx": ctx, "cached_tokens": {"min": int(seq_lens.min()) - 1,
+    row = {"bs": bs, "ctx": ctx, "coverage_window": window, "cached_tokens": {"min": int(seq_lens.min()) - 1,
                                                    "max": int(seq_lens.max()) - 1},
            "verify_entries_per_step": int(seq_lens.sum()),
            "attention": "jnp stand-in (RPA v3 is TPU-only)",
@@ -227,8 +235,9 @@ def _compiled(jitted, args, mesh) -> dict:
             **{k: int(getattr(memory, k, 0) or 0) for k in MEMORY}}
 
 
-def compile_rows(topologies, head_dims, bare: bool = False) -> list[dict]:
-    """Per topology and head_dim: the guarded step (and with ``bare`` the bare one) compiled."""
+def compile_rows(topologies, head_dims, bare: bool = False, windows=(0,)) -> list[dict]:
+    """Per topology and head_dim: the guarded step of each coverage window (and with ``bare``
+    the bare step) compiled."""
     from jax.experimental import topologies as topo
     from tpu_inference.layers.common.attention_metadata import AttentionMetadata
 
@@ -254,10 +263,6 @@ def compile_rows(topologies, head_dims, bare: bool = False) -> list[dict]:
               for _ in range(hf.num_hidden_layers)]
         layout = kti.kv_layout(shape, jnp.bfloat16, head_dim=head_dim, kv_heads=kv_heads,
                                head_shards=1, block_size=BLOCK)
-        canary = kti.TpuInferenceCanary(
-            layout=layout, layer_index=0, layers=("layer.0",), num_slots=blocks * BLOCK,
-            max_reqs=n, max_blocks=ctx // BLOCK, pool_rows=2 * n, mesh=mesh, kv_spec=spec,
-            implementation="pallas_mosaic_tpu")
         rep = NamedSharding(mesh, P())
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=rep)  # noqa: E731
         md = AttentionMetadata(input_positions=i32(t), block_tables=i32(n * ctx // BLOCK),
@@ -268,28 +273,34 @@ def compile_rows(topologies, head_dims, bare: bool = False) -> list[dict]:
         options = dict(harness.TPU_STEP_OPTIONS) or None
         base = {"topology": topology, "device_kind": device.device_kind, "head_dim": head_dim,
                 "layout": layout.kind, "kv_shape": list(shape), **SERVING}
-        with jax.enable_x64(True):
-            state = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
-                    mesh, P(canary.axes or None))), kdevice.state_shapes(canary))
-            delta = kti.TokenDelta(rows=i32(n), starts=i32(n), counts=i32(n), ids=i32(t))
-            guarded = kti.guarded_model_fn(canary, step, [kv_sharding] * len(kv), options)
-            rows.append({**base, "step": "guarded",
-                         **_compiled(guarded, (state, delta, i32(n), False, False,
-                                               *model_args), mesh)})
+        for window in windows:
+            canary = kti.TpuInferenceCanary(
+                layout=layout, layer_index=0, layers=("layer.0",), num_slots=blocks * BLOCK,
+                max_reqs=n, max_blocks=ctx // BLOCK, pool_rows=2 * n, mesh=mesh, kv_spec=spec,
+                implementation="pallas_mosaic_tpu", coverage_window=window,
+                num_layers=len(kv) if window else None)
+            with jax.enable_x64(True):
+                state = jax.tree.map(
+                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
+                        mesh, P(canary.axes or None))), kdevice.state_shapes(canary))
+                delta = kti.TokenDelta(rows=i32(n), starts=i32(n), counts=i32(n), ids=i32(t))
+                guarded = kti.guarded_model_fn(canary, step, [kv_sharding] * len(kv), options)
+                rows.append({**base, "step": "guarded", "coverage_window": window,
+                             **_compiled(guarded, (state, delta, i32(n), False, False,
+                                                   *model_args), mesh)})
+            print(_fmt(rows[-1]), flush=True)
         if bare:
             jitted = jax.jit(step, static_argnums=(6, 9, 10), donate_argnums=1,
                              out_shardings=([kv_sharding] * len(kv), None, None, None),
                              compiler_options=options)
             rows.append({**base, "step": "bare", **_compiled(jitted, model_args, mesh)})
-        print(_fmt(rows[-2] if bare else rows[-1]), flush=True)
-        if bare:
             print(_fmt(rows[-1]), flush=True)
     return rows
 
 
 def _fmt(row: dict) -> str:
-    head = f"{row['topology']:9s} head_dim {row['head_dim']:3d} {row['step']:7s}"
+    step = row["step"] + (f" w{row['coverage_window']}" if row.get("coverage_window") else "")
+    head = f"{row['topology']:9s} head_dim {row['head_dim']:3d} {step:11s}"
     if not row["ok"]:
         return f"{head} ERROR ({row['seconds']} s): {row['error'].splitlines()[0]}"
     mib = {k: row[k] / 2**20 for k in MEMORY}
@@ -319,28 +330,31 @@ def _main(argv) -> int:
                    help="TPU topologies to compile the guarded step for (e.g. v5e:2x2,v6e:2x2)")
     p.add_argument("--head-dim", default="128,64", help="--compile: the layouts (128, 64)")
     p.add_argument("--bare", action="store_true", help="--compile: the bare step too")
+    p.add_argument("--coverage-window", default="0",
+                   help="the guard's coverage windows, a case each (0: off; e.g. 0,64)")
     p.add_argument("--out", default=None, help="a directory for tpu_inference_step.json")
     a = p.parse_args(argv)
+    windows = [int(w) for w in a.coverage_window.split(",")]
     harness.patch_for_cpu(stand_in_attention=not a.compile)
     errors, rows = [], []
     if a.compile:
         rows = compile_rows(a.compile.split(","), [int(h) for h in a.head_dim.split(",")],
-                            bare=a.bare)
-        errors = [f"{r['topology']} head_dim {r['head_dim']} {r['step']}: {r['error']}"
-                  for r in rows if not r["ok"]]
+                            bare=a.bare, windows=windows)
+        errors = [f"{r['topology']} head_dim {r['head_dim']} {r['step']} window "
+                  f"{r.get('coverage_window', 0)}: {r['error']}" for r in rows if not r["ok"]]
     else:
         if a.smoke:
             a.bs, a.ctx, a.iters = "2", "16", 3
-        for bs, ctx in itertools.product((int(x) for x in a.bs.split(",")),
-                                         (int(x) for x in a.ctx.split(","))):
+        for bs, ctx, window in itertools.product((int(x) for x in a.bs.split(",")),
+                                                 (int(x) for x in a.ctx.split(",")), windows):
             try:
-                row = run_case(bs, ctx, a.iters, a.smoke)
+                row = run_case(bs, ctx, a.iters, a.smoke, window)
             except Exception as e:  # one failing case must not hide the others
-                errors.append(f"bs={bs} ctx={ctx}: {type(e).__name__}: {e}")
+                errors.append(f"bs={bs} ctx={ctx} window={window}: {type(e).__name__}: {e}")
                 print(errors[-1], file=sys.stderr)
                 continue
             rows.append(row)
-            print(f"bs={bs:3d} ctx={ctx:5d}  bare {row['bare']['median_us']:9.1f} us  guarded "
+            print(f"bs={bs:3d} ctx={ctx:5d} window {window:3d}  bare {row['bare']['median_us']:9.1f} us  guarded "
                   f"{row['guarded']['median_us']:9.1f} us  canary alone "
                   f"{row['canary_only']['median_us']:8.1f} us  share {row['share_pct']:5.1f}% / "
                   f"{row['canary_only_share_pct']:5.1f}%  violations {row['violations']}",

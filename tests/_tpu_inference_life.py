@@ -82,13 +82,23 @@ class Life:
                        r.persistent_batch_manager.update_states, r.__dict__.get(
                            "_execute_continue_decode"), len(r.kv_caches))
         before, out = own(), {}
+        kvs = list(r.kv_caches)
+        narrow = jax.device_put(np.zeros((kvs[1].shape[0] // 2, *kvs[1].shape[1:]),
+                                         kvs[1].dtype), kvs[1].sharding)
         for name, kwargs in (("layer", dict(layer=2)), ("k_heads", dict(k_heads=3)),
-                             ("real_data", dict(real_data="some"))):
+                             ("real_data", dict(real_data="some")),
+                             ("coverage_no_sweep", dict(coverage_window=4)),
+                             ("coverage_negative", dict(coverage_window=-1, sweep_interval=2)),
+                             ("coverage_layers", dict(coverage_window=4, sweep_interval=2))):
+            if name == "coverage_layers":  # a second layer of another shape
+                r.kv_caches[1] = narrow
             try:
                 kti.install(r, **kwargs)
                 out[name] = None
             except (ValueError, NotImplementedError) as e:
                 out[name] = {"error": str(e), "untouched": own() == before}
+            finally:
+                r.kv_caches[:] = kvs
         return out
 
     def remediate(self, report) -> None:
@@ -121,6 +131,17 @@ class Life:
         self.log.append({"step": name, "scheduled": dict(out.num_scheduled_tokens),
                          "new_violations": rows(found)})
         return found
+
+    def prefix_hits_and_loops(self) -> None:
+        """Two requests sharing a 16-token block in the step that fills it (a same-step prefix
+        hit), their decode through the on-device loop, then a request hitting the cached
+        block."""
+        prefix = list(range(100, 116))
+        self.e.add("a", prefix + [7, 8, 9, 10], 9)
+        self.e.add("b", prefix + [20, 21], 5)
+        self.run("a b")
+        self.e.add("c", prefix + [30, 31, 32], 3)
+        self.run("c")
 
     def run(self, name: str, limit: int = 40):
         found = []
@@ -275,14 +296,138 @@ def raise_main() -> None:
     print(json.dumps(out))
 
 
+def _tails(guard) -> int:
+    """TAILs run so far (the coverage step counter: each step of a decode loop is one)."""
+    return int(np.asarray(guard.state.coverage.step).max())
+
+
+def _report(guard) -> dict:
+    r = guard.coverage()
+    return {"window": r.window, "sweep_interval": r.sweep_interval, "share": r.share,
+            "live_bytes": r.live_bytes, "verified_bytes": r.verified_bytes,
+            "read_bytes": r.read_bytes, "bytes_per_slot": r.groups["FULL"].bytes_per_slot,
+            "violations": r.violations}
+
+
+def coverage_main(head_dim: int, flips: int, seed: int) -> None:
+    """The coverage window (every layer's K and V digested; window 4, the guard's sweep every
+    2 calls): a clean life (a same-step prefix hit, the decode loop, a later prefix hit, the
+    sweep) with its coverage report, then a campaign of ``flips`` single-bit flips, each in a
+    random byte of a random layer's row (K or V, any head) of a random slot: alternately one
+    that running requests read at every step (``used``) and one of a cached block no request
+    reads (``cached``). After each flip the life steps until a violation names the slot (at
+    most 3 calls), records when, and flips the bit back (unless vLLM handed the block out again
+    and a request overwrote the row: recorded, never expected). Running requests are replaced
+    as they finish; their blocks stay cached (the cache has room for every request's blocks,
+    so vLLM takes never-used blocks before cached ones)."""
+    window, interval = 4, 2
+    life = Life(head_dim, num_blocks=256, guarded=False)
+    e = life.e
+    life.guard = kti.install(e.runner, mode="log", real_data="all", coverage_window=window,
+                             sweep_interval=interval)
+    guard = life.guard
+    out = {"head_dim": head_dim, "layers": len(e.runner.kv_caches),
+           "row_bytes": guard.canary.layout.row_elems * guard.canary.layout.itemsize}
+    life.prefix_hits_and_loops()
+    guard.sweep()
+    guard.manager.flush()
+    out["clean_total"] = kti.violation_counts(guard).tolist()
+    out["clean_report"] = _report(guard)
+    out["prefix_hits"] = dict(life.prefix_hits)
+
+    rng = np.random.default_rng(seed)
+    vocab = 512
+    made = [0]
+
+    def top_up():
+        running = [r for r in e.runner.requests if r in e.scheduler.requests]
+        while len(running) < 2:
+            name = f"L{made[0]}"
+            made[0] += 1
+            e.add(name, rng.integers(3, vocab, 20).tolist(), 96)
+            running.append(name)
+
+    top_up()
+    life.step("L prefill")
+    life.step("L decode")
+    kvs = e.runner.kv_caches
+    row_bytes = out["row_bytes"]
+    campaign = out["campaign"] = []
+    def running():
+        return [r for r in e.runner.requests if r in e.scheduler.requests
+                and e.runner.requests[r].num_computed_tokens > 1]
+
+    for k in range(flips):
+        top_up()
+        while not running():  # the new requests' prefill
+            life.step(f"flip {k}, prefill")
+            top_up()
+        live = running()
+        held = {int(b) for r in e.runner.requests if r in e.scheduler.requests
+                for b in e.runner.requests[r].block_ids[0]}
+        cached = sorted({b for chain in guard.cached.prefixes(0) for b in chain} - held)
+        kind = "cached" if k % 2 and cached else "used"
+        if kind == "used":
+            req = live[int(rng.integers(len(live)))]
+            pos = int(rng.integers(0, e.runner.requests[req].num_computed_tokens - 1))
+            slot = life.slot(req, pos)
+        else:
+            block = cached[int(rng.integers(len(cached)))]
+            slot = block * R.BLOCK_SIZE + int(rng.integers(R.BLOCK_SIZE))
+        layer, byte, bit = (int(rng.integers(len(kvs))), int(rng.integers(row_bytes)),
+                            int(rng.integers(8)))
+        flipped = _flip_bit(e.runner, layer, slot, byte, bit)
+        tails0, calls, found, rows_k = _tails(guard), [], False, []
+        while not found and len(calls) < 3:
+            before = _tails(guard)
+            got = rows(life.step(f"flip {k}"))
+            calls.append({"tails_before": before - tails0, "tails_after": _tails(guard) - tails0})
+            rows_k += got
+            found = any(r["slot"] == slot and "KV_DIGEST_MISMATCH" in r["reasons"] for r in got)
+        overwritten = not np.array_equal(_row(e.runner, layer, slot), flipped)
+        if not overwritten:
+            _flip_bit(e.runner, layer, slot, byte, bit)  # back as it was
+        campaign.append({"kind": kind, "slot": slot, "layer": layer, "byte": byte, "bit": bit,
+                         "calls": calls, "found": found, "rows": rows_k,
+                         "overwritten": overwritten})
+    after = kti.violation_counts(guard).tolist()
+    life.run("L rest", limit=60)
+    guard.sweep()
+    guard.manager.flush()
+    out["after_campaign"] = {"before": after, "end": kti.violation_counts(guard).tolist()}
+    out["end_report"] = _report(guard)
+    print(json.dumps(out))
+
+
+def _row(runner, layer: int, slot: int) -> np.ndarray:
+    """``slot``'s row of ``runner.kv_caches[layer]`` as bytes (one data shard)."""
+    host = np.asarray(runner.kv_caches[layer])
+    return host.reshape(host.shape[0] * host.shape[1], -1).view(np.uint8)[slot].copy()
+
+
+def _flip_bit(runner, layer: int, slot: int, byte: int, bit: int) -> np.ndarray:
+    """Flips bit ``bit`` of byte ``byte`` of ``slot``'s row in ``runner.kv_caches[layer]``
+    (one data shard); returns the row's bytes after."""
+    kv = runner.kv_caches[layer]
+    host = np.asarray(kv).copy()
+    rows_ = host.reshape(host.shape[0] * host.shape[1], -1).view(np.uint8)
+    rows_[slot, byte] ^= np.uint8(1 << bit)
+    runner.kv_caches[layer] = jax.device_put(host, kv.sharding)
+    return rows_[slot].copy()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--raise-mode", action="store_true")
+    ap.add_argument("--coverage-flips", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.raise_mode:
         return raise_main()
+    if args.coverage_flips:
+        return coverage_main(args.head_dim, args.coverage_flips, args.seed)
     if args.dp > 1:
         return dp_main()
     life = Life(args.head_dim, num_blocks=14)
@@ -295,11 +440,7 @@ def main() -> None:
     prefix = list(range(100, 116))
 
     # --- the clean life
-    e.add("a", prefix + [7, 8, 9, 10], 9)
-    e.add("b", prefix + [20, 21], 5)
-    life.run("a b")
-    e.add("c", prefix + [30, 31, 32], 3)
-    life.run("c")
+    life.prefix_hits_and_loops()
     if args.head_dim == 128:
         for i, r in enumerate(("p", "q", "r")):
             e.add(r, [200 + 10 * i + k for k in range(40)], 40)

@@ -20,6 +20,7 @@ from kvcanary_jax import consts
 from kvcanary_jax.hashing import digest_np
 from kvcanary_jax.integrations import sglang_jax as ksj
 from kvcanary_jax.runtime import coverage_stats
+from kvcanary_jax.runtime.kv import digest_reads_rows
 
 warnings.filterwarnings("ignore", message=".*donated buffers.*")
 
@@ -41,23 +42,60 @@ def _row_bytes(layers: list[np.ndarray]) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("layout", ["0.0.2", "paged"])
-def test_layer_sources_digest_every_byte_of_every_layer(layout):
+def test_layer_source_digests_every_byte_of_every_layer(layout):
+    """One source a layer, over the slot's whole row: the form the step hands a digest that is
+    not the TPU kernel (this machine's)."""
     layers = _pool(0)
     shaped = layers if layout == "0.0.2" else [
         b.reshape(SLOTS // PAGE, PAGE, HEADS, 2, HEAD_DIM) for b in layers]
     bufs = [jnp.asarray(b) for b in shaped]
+    assert not digest_reads_rows(None, bufs[0])
     sources = [ksj.layer_source(b) for b in bufs]
     assert [s.tensor is b for s, b in zip(sources, bufs)] == [True] * LAYERS  # views, no copy
     with jax.enable_x64(True):
         got = kc.digest_write(jnp.zeros((SLOTS,), jnp.int64), jnp.arange(SLOTS, dtype=jnp.int64),
                               sources, implementation="xla")
     assert np.asarray(got).tolist() == digest_np(_row_bytes(layers)).tolist()
+
+
+def _strip_bytes(layers: list[np.ndarray]) -> list[np.ndarray]:
+    """Each layer's slot rows as the strips the digest reads, in order: per layer, each head
+    row's ``[slots, head_dim * 2]`` bytes (head ``h``'s K strip, then its V strip, ...)."""
+    out = []
+    for b in layers:
+        rows = np.ascontiguousarray(b).reshape(SLOTS, -1, HEAD_DIM)
+        out += [np.ascontiguousarray(rows[:, r]).view(np.uint8) for r in range(rows.shape[1])]
+    return out
+
+
+@pytest.mark.parametrize("layout", ["0.0.2", "paged"])
+def test_layer_sources_digest_every_byte_of_every_layer(layout):
+    """One strip per head row: the form the step hands the TPU kernel, which reads it in
+    place (tests/test_tpu_compile.py)."""
+    layers = _pool(0)
+    shaped = layers if layout == "0.0.2" else [
+        b.reshape(SLOTS // PAGE, PAGE, HEADS, 2, HEAD_DIM) for b in layers]
+    bufs = [jnp.asarray(b) for b in shaped]
+    sources = [ksj.layer_sources(b) for b in bufs]
+    # Views, no copy: a strip per head row (K and V of each head), one row each.
+    assert all(s.tensor is b for srcs, b in zip(sources, bufs) for s in srcs)
+    assert [len(srcs) for srcs in sources] == [2 * HEADS] * LAYERS
+    assert all(s.num_bytes_per_token == s.read_bytes == 2 * HEAD_DIM for srcs in sources
+               for s in srcs)
+    flat = [s for srcs in sources for s in srcs]
+    with jax.enable_x64(True):
+        got = kc.digest_write(jnp.zeros((SLOTS,), jnp.int64), jnp.arange(SLOTS, dtype=jnp.int64),
+                              flat, implementation="xla")
+    assert np.asarray(got).tolist() == digest_np(_strip_bytes(layers)).tolist()
+    # Together the strips are every byte of every slot's row.
+    assert sum(b.shape[1] for b in _strip_bytes(layers)) == sum(
+        np.ascontiguousarray(b).reshape(SLOTS, -1).view(np.uint8).shape[1] for b in layers)
     # One flipped bit of the last layer's V strip of head 1 changes that slot's digest only.
     flipped = [b.copy() for b in layers]
     words = flipped[-1].view(np.uint16)
     words[5, 3, 2] ^= np.uint16(1 << 9)
-    want = digest_np(_row_bytes(layers))
-    changed = digest_np(_row_bytes(flipped)) != want
+    want = digest_np(_strip_bytes(layers))
+    changed = digest_np(_strip_bytes(flipped)) != want
     assert np.nonzero(changed)[0].tolist() == [5]
 
 

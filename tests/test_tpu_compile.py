@@ -230,3 +230,52 @@ def test_coverage_step_holds_no_copy_of_the_kv():
     kv = 16 * tc.SLOTS * tc.KV_BYTES_PER_TOKEN
     assert covered["temp_size_in_bytes"] - plain["temp_size_in_bytes"] < kv // 16, (plain,
                                                                                       covered)
+
+
+def _fused_layers_write(sources_of):
+    """``digest_write`` over 4 fused bf16 layers of 1M slots (4 KV heads of head_dim 128,
+    ``[pages, 16, 4, 2, 128]``: sglang-jax's paged layout and tpu-inference's RPA v3 alike,
+    2 GiB a layer), the sources each integration's coverage window hands the digest."""
+    import kvcanary_jax as kc
+
+    slots, layers = 1 << 20, 4
+    shape = (slots // 16, 16, 4, 2, 128)
+
+    def write(digest, at, bufs):
+        srcs = [s for b in bufs for s in sources_of(b)]
+        return kc.digest_write(digest, at, srcs, implementation=tc.TPU)
+
+    spec = jax.ShapeDtypeStruct
+    args = (spec((slots,), jnp.int64), spec((256,), jnp.int64),
+            [spec(shape, jnp.bfloat16) for _ in range(layers)])
+    return jax.jit(write, donate_argnums=0), args, layers * slots * 4 * 2 * 128 * 2
+
+
+def _sglang_jax_sources(buf):
+    from kvcanary_jax.integrations.sglang_jax import layer_sources
+
+    return layer_sources(buf)
+
+
+def _tpu_inference_sources(buf):
+    from kvcanary_jax.integrations.tpu_inference import kv_layout
+
+    lay = kv_layout(buf.shape, buf.dtype, head_dim=128, kv_heads=4, head_shards=1,
+                    block_size=16)
+    return lay.row_sources(buf)
+
+
+# (ids with hyphens: an id is a keyword, and the sglang_jax / tpu_inference markers deselect by
+# keyword where those packages are missing; these tests need neither)
+@pytest.mark.parametrize("integration", ["sglang-jax", "tpu-inference"])
+def test_the_integrations_coverage_sources_are_read_in_place(integration):
+    """Each integration's coverage window digests every layer as strips of one 128-lane row
+    each (K and V of every head), which the Mosaic kernel reads where they are: no temporaries
+    for 8 GiB of KV. (A source spanning a slot's whole row, as both handed it before, was laid
+    out as 32-bit rows first: 18 GiB of temporaries here, beyond v5e's HBM.)"""
+    sources_of = {"sglang-jax": _sglang_jax_sources,
+                  "tpu-inference": _tpu_inference_sources}[integration]
+    fn, args, kv = _fused_layers_write(sources_of)
+    compiled = tc.compile_for(fn, args, tc.topology_device("v5e:2x2"))
+    assert all(k in compiled.as_text() for k in DIGEST_KERNELS[tc.TPU])
+    assert compiled.memory_analysis().temp_size_in_bytes < kv // 1024, kv

@@ -9,12 +9,16 @@ CPU patches of ``tests/_tpu_inference_runner.py``) with vLLM's own scheduler: pr
 same-step prefix hit, the on-device decode loop, a later prefix hit, preemption and the sweep
 of cached blocks, all clean; then a flipped K byte, a wrong block-table entry, a stale block
 handed out as a prefix hit and the decode loop's EOS lead, each detected where it is; then the
-real-KV modes. A third life runs data parallelism 2 on two CPU devices. Last, the step bench's
-CPU smoke run and the guarded step compiled by libtpu for v5e and v6e (``tpu_compile``).
+real-KV modes. A third life runs data parallelism 2 on two CPU devices; two more the coverage
+window's campaigns (every layer's K and V). Last, the step bench's CPU smoke run and the guarded
+step compiled by libtpu for v5e and v6e (``tpu_compile``). Every such process is a job of
+:data:`JOBS`, started by the first test that needs one, as many at once as there are cores.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import json
 import os
 import pathlib
@@ -31,15 +35,29 @@ ROOT = HERE.parent
 REAL_KV = ["VERIFY_REAL_KV_HASH_MISMATCH"]
 
 
-def _run(*args: str, devices: int = 1) -> dict:
+def _command(script: list[str], devices: int = 1) -> tuple[list[str], dict]:
     env = dict(os.environ)
     if devices > 1:  # the life's own process only
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
                             + f" --xla_force_host_platform_device_count={devices}").strip()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(HERE),
                                                     env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, str(HERE / "_tpu_inference_life.py"), *args],
-                          capture_output=True, text=True, env=env, timeout=900, cwd=HERE)
+    return [sys.executable, *script], env
+
+
+def _run(*args: str, devices: int = 1) -> dict:
+    """A life of ``tests/_tpu_inference_life.py``, in a process of its own: its JSON."""
+    cmd, env = _command([str(HERE / "_tpu_inference_life.py"), *args], devices)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=HERE)
+    assert proc.returncode == 0, _tail(proc.stderr)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _bench(*args: str, timeout: int) -> dict:
+    cmd, env = _command(["-m", "kvcanary_jax.bench.tpu_inference_step", *args])
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
+                          cwd=ROOT)
     assert proc.returncode == 0, _tail(proc.stderr)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -51,30 +69,82 @@ def _tail(stderr: str) -> str:
                      if "Should not schedule a request that does nothing" not in line)[-6000:]
 
 
-_LIVES: dict[int, dict] = {}  # one life per layout per module (each is a whole process)
+# The coverage window's campaigns: flips per layout (each life a process of its own).
+COVERAGE_FLIPS = {128: 200, 64: 50}
+COMPILES = (("v5e:2x2", 0), ("v6e:2x2", 64))  # (topology, coverage window)
+
+# Every process the module runs, longest first (seconds on two cores, two at a time): each runs
+# once, whichever tests read it.
+JOBS = {
+    **{("compile", t, w): functools.partial(
+        _bench, "--compile", t, "--head-dim", "128,64", "--coverage-window", str(w),
+        timeout=1800) for t, w in COMPILES},
+    **{("coverage", h): functools.partial(_run, "--coverage-flips", str(COVERAGE_FLIPS[h]),
+                                          "--head-dim", str(h)) for h in (128, 64)},
+    **{("life", h): functools.partial(_run, "--head-dim", str(h)) for h in (128, 64)},
+    ("dp",): functools.partial(_run, "--dp", "2", devices=2),
+    ("bench",): functools.partial(_bench, "--smoke", timeout=900),
+    ("raise",): functools.partial(_run, "--raise-mode"),
+}
+_POOL: dict = {}
 
 
-def _life(head_dim: int) -> dict:
-    if head_dim not in _LIVES:
-        _LIVES[head_dim] = _run("--head-dim", str(head_dim))
-    return _LIVES[head_dim]
+def _job(request, key) -> dict:
+    """``JOBS[key]``'s result. The first call starts every job the session's selected tests
+    need, as many at a time as there are cores (2 to 4), longest first (the processes are the
+    module's time: run one after the other, they left a core idle)."""
+    if not _POOL:
+        needed = set()
+        for item in request.session.items:
+            if item.path.name == pathlib.Path(__file__).name:
+                needed.update(_jobs_of(item))
+        workers = min(max(2, os.cpu_count() or 2), 4)  # each process is 1-2 GB
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
+        _POOL.update({k: pool.submit(JOBS[k]) for k in JOBS if k in needed})
+        pool.shutdown(wait=False)
+    if key not in _POOL:  # not foreseen (a test calling a job by hand): run it now
+        _POOL[key] = concurrent.futures.Future()
+        _POOL[key].set_result(JOBS[key]())
+    return _POOL[key].result()
+
+
+def _jobs_of(item) -> set:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    jobs = {("life", params["life"])} if "life" in item.fixturenames else set()
+    if "coverage" in item.fixturenames:
+        jobs.add(("coverage", params["coverage"]))
+    if "full" in item.fixturenames:
+        jobs.add(("life", 128))
+    if "dp" in item.fixturenames:
+        jobs.add(("dp",))
+    for key in getattr(item.function, "jobs", ()):
+        jobs.add(key(params) if callable(key) else key)
+    return jobs
+
+
+def uses(*keys):
+    """The jobs a test reads by hand (a key, or a function of its parameters giving one)."""
+    def mark(fn):
+        fn.jobs = keys
+        return fn
+    return mark
 
 
 @pytest.fixture(scope="module", params=[128, 64], ids=["head_dim128", "head_dim64"])
 def life(request):
-    return _life(request.param)
+    return _job(request, ("life", request.param))
 
 
 @pytest.fixture(scope="module")
-def full():
+def full(request):
     """The head_dim 128 life, the one that also runs the table, stale-block and EOS faults."""
-    return _life(128)
+    return _job(request, ("life", 128))
 
 
 @pytest.fixture(scope="module")
-def dp():
+def dp(request):
     """Data parallelism 2 on two CPU devices, with tpu-inference's DPScheduler."""
-    return _run("--dp", "2", devices=2)
+    return _job(request, ("dp",))
 
 
 def _rows(found):
@@ -110,6 +180,14 @@ def test_the_real_runner_s_bad_installs_are_refused_and_change_nothing(life):
         "kv-canary tpu-inference: k_heads must be in [1, 2] (at most 4 sources, 2 KV heads per "
         "shard), got 3")
     assert refused["real_data"]["error"].startswith("kv-canary: real_data")
+    assert refused["coverage_no_sweep"]["error"].startswith(
+        "kv-canary tpu-inference: coverage_window 4 verifies the slots steps read within 4 "
+        "steps and the cached blocks at each of the guard's sweeps: pass sweep_interval=K > 0")
+    assert refused["coverage_negative"]["error"] == (
+        "kv-canary tpu-inference: coverage_window must be an int >= 0, got -1")
+    assert refused["coverage_layers"]["error"].startswith(
+        "kv-canary tpu-inference: coverage_window 4 digests every layer's KV as layer.0's "
+        "layout, but runner.kv_caches[1] is ")
 
 
 def test_clean_life_has_no_violations(life):
@@ -222,10 +300,11 @@ def test_the_guards_own_sweep_runs_after_every_kind_of_step(full):
     assert any(step and all(n == 4 for n in step.values()) for step in s["scheduled"])  # loops
 
 
-def test_a_raise_after_a_plain_step_leaves_the_runner_a_live_cache():
+@uses(("raise",))
+def test_a_raise_after_a_plain_step_leaves_the_runner_a_live_cache(request):
     """Mode "raise": the error raised from ``runner.model_fn`` after a plain step carries that
     step's KV, and the runner holds it too (it held the donated, deleted arrays before)."""
-    r = _run("--raise-mode")
+    r = _job(request, ("raise",))
     assert r["raised"] == "CanaryViolationError", r
     assert r["kv_attached"] and r["runner_kv_live"], r
     assert r["reasons"] == REAL_KV, r
@@ -279,19 +358,74 @@ def test_data_parallel_wrong_entry_names_a_block_id_of_the_other_rank(dp):
     assert sorted(table["evicted"]) == sorted([[0, table["wrong"]], [0, table["after"] // 16]])
 
 
-def _bench(*args: str, timeout: int) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-m", "kvcanary_jax.bench.tpu_inference_step", *args],
-                          capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
-    assert proc.returncode == 0, _tail(proc.stderr)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+WINDOW, SWEEP_EVERY = 4, 2  # the life's settings
+DIGEST, FINGERPRINT = "KV_DIGEST_MISMATCH", "VERIFY_REAL_KV_HASH_MISMATCH"
 
 
-def test_the_step_bench_runs():
+@pytest.fixture(scope="module", params=[128, 64], ids=["head_dim128", "head_dim64"])
+def coverage(request):
+    return _job(request, ("coverage", request.param))
+
+
+def test_coverage_window_clean_life_verifies_every_layer_s_bytes(coverage):
+    """Window 4, a sweep every 2 calls: prefill, a same-step and a later prefix hit, the
+    decode loop, the sweep; no violation, and the report says every live byte (each slot's
+    whole row in every layer: K and V of every head) was verified within the window."""
+    assert coverage["clean_total"] == [0]
+    assert coverage["prefix_hits"] == {"a": 0, "b": 16, "c": 16}
+    r = coverage["clean_report"]
+    assert (r["window"], r["sweep_interval"], r["violations"]) == (WINDOW, SWEEP_EVERY, 0)
+    assert coverage["layers"] == 2
+    # head_dim 128: 2 KV heads x (K, V) x 128 lanes x 2 B; head_dim 64: 2 heads x 128 lanes x 2 B.
+    assert coverage["row_bytes"] == (1024 if coverage["head_dim"] == 128 else 512)
+    assert r["bytes_per_slot"] == coverage["layers"] * coverage["row_bytes"]
+    assert r["live_bytes"] > 0 and r["verified_bytes"] == r["live_bytes"] and r["share"] == 1.0
+
+
+def _half(head_dim: int, byte: int) -> str:
+    element = byte // 2  # bf16
+    if head_dim == 64:  # K_h | V_h in one 128-lane row
+        return "K" if element % 128 < 64 else "V"
+    return "K" if (element // 128) % 2 == 0 else "V"  # combined head 2h is K_h, 2h + 1 V_h
+
+
+def test_coverage_window_finds_every_flip_in_any_layer_k_or_v(coverage):
+    """A single-bit flip in a random byte of a random layer's row of a random slot, alternately
+    one that running requests read at every step and one of a cached block nobody reads: each
+    is found at its slot within the bound the report states (a read slot by a TAIL within the
+    window, a cached one by the next sweep), nothing is reported anywhere else, and with every
+    bit flipped back the rest of the life is clean."""
+    head_dim = coverage["head_dim"]
+    flips = coverage["campaign"]
+    assert len(flips) == COVERAGE_FLIPS[head_dim]
+    assert {f["layer"] for f in flips} == {0, 1}
+    assert {_half(head_dim, f["byte"]) for f in flips} == {"K", "V"}
+    kinds = [f["kind"] for f in flips]
+    assert kinds.count("cached") >= len(flips) // 2 - 1 and kinds.count("used") >= len(flips) // 2
+    assert not any(f["overwritten"] for f in flips)  # no block handed out again under a flip
+    for f in flips:
+        assert f["found"], f
+        digest = [r for r in f["rows"] if DIGEST in r["reasons"]]
+        assert {r["slot"] for r in f["rows"]} == {f["slot"]}, f  # nothing anywhere else
+        assert all(set(r["reasons"]) <= {DIGEST, FINGERPRINT} for r in f["rows"]), f
+        if f["kind"] == "used":
+            # The call that found it began within the window of TAILs after the flip.
+            assert f["calls"][-1]["tails_before"] < WINDOW, f
+            assert "TAIL_K_FULL" in {r["tag"] for r in digest}, f
+        else:
+            assert len(f["calls"]) <= SWEEP_EVERY, f
+            assert {r["tag"] for r in digest} == {"SWEEP_K_FULL"}, f
+    after = coverage["after_campaign"]
+    assert after["end"] == after["before"]  # every bit flipped back: clean again
+    end = coverage["end_report"]
+    assert end["share"] == 1.0 and end["violations"] == after["end"][0]
+
+
+@uses(("bench",))
+def test_the_step_bench_runs(request):
     """``bench/tpu_inference_step.py`` on the CPU (its smoke size, wall clock): a real decode
     step of the runner replayed bare, guarded and canary-only, every guarded replay clean."""
-    result = _bench("--smoke", timeout=900)
+    result = _job(request, ("bench",))
     assert result["errors"] == []
     (row,) = result["rows"]
     assert (row["bs"], row["ctx"], row["violations"]) == (2, 16, 0)
@@ -300,18 +434,30 @@ def test_the_step_bench_runs():
 
 
 @pytest.mark.tpu_compile
-def test_the_guarded_step_compiles_for_v5e_and_v6e():
+@pytest.mark.parametrize("topology, window", COMPILES)
+@uses(lambda params: ("compile", params["topology"], params["window"]))
+def test_the_guarded_step_compiles_for_v5e_and_v6e(request, topology, window):
     """The guarded step at a serving size (256 requests of up to 8,192 tokens, 8,192 tokens a
     step, a 1M-slot cache) with tpu-inference's own attention kernel (RPA v3, Mosaic), both KV
-    layouts, compiled by libtpu for v5e and v6e (nothing runs). The KV stays in place: its
-    inputs are aliased to its outputs. Compile time and memory: docs/tpu-inference.md."""
-    result = _bench("--compile", "v5e:2x2,v6e:2x2", "--head-dim", "128,64", timeout=1800)
+    layouts, compiled by libtpu (nothing runs): SGLang's layer-0 fingerprint for v5e, with the
+    coverage window (every layer digested: the same step and the digest kernels) for v6e. The
+    KV stays in place: its inputs are aliased to its outputs. Compile time and memory of every
+    combination: docs/tpu-inference.md."""
+    result = _job(request, ("compile", topology, window))
     assert result["errors"] == []
     rows = result["rows"]
-    assert [(r["head_dim"], r["topology"], r["step"], r["ok"]) for r in rows] == [
-        (h, t, "guarded", True) for h in (128, 64) for t in ("v5e:2x2", "v6e:2x2")]
+    assert [(r["head_dim"], r["topology"], r["step"], r["coverage_window"], r["ok"])
+            for r in rows] == [(h, topology, "guarded", window, True) for h in (128, 64)]
     for r in rows:
         kv_bytes = 2 * 2 * int(np.prod(r["kv_shape"]))  # two layers of bf16
         assert r["kv_shape"][:2] == [1 << 16, 16] and r["reqs"] == 256 and r["tokens"] == 8192
         assert r["alias_size_in_bytes"] >= kv_bytes, r
         assert r["generated_code_size_in_bytes"] > 0 and r["seconds"] > 0
+        if window:
+            # The digest reads every layer in place (a strip per 128-lane row): the step's
+            # temporaries stay those of the step without it (2.0 layers' bytes at head_dim 128,
+            # 2.4 at 64: the fingerprint's int32 strips) plus under 0.4 of a layer (2.2 and 2.8
+            # measured); a layer laid out as 32-bit rows for the digest, as a whole-row source
+            # was, adds a whole one (3.2 and 3.4).
+            layer = kv_bytes // 2
+            assert r["temp_size_in_bytes"] < (2.6 if r["head_dim"] == 128 else 3.1) * layer, r

@@ -145,9 +145,71 @@ def test_token_checks_under_async_scheduling_are_refused(version):
                       r"got 3"),
     (dict(implementation="cuda"), r"unknown implementation 'cuda'"),
     (dict(on_violation="abort"), r"on_violation must be callable"),
+    (dict(coverage_window=-1), r"coverage_window must be an int >= 0, got -1"),
+    (dict(coverage_window=4.0, sweep_interval=2), r"coverage_window must be an int >= 0, got 4\.0"),
+    (dict(coverage_window=4), r"coverage_window 4 verifies the slots steps read within 4 steps "
+                              r"and the cached blocks at each of the guard's sweeps: pass "
+                              r"sweep_interval=K > 0"),
+    (dict(coverage_window=2**30, sweep_interval=1),
+     r"--kv-canary-coverage-window 1073741824: a window is at most 536870912 steps"),
+    (dict(coverage_window=4, sweep_interval=2, mode="none", real_data="none"),
+     r"--kv-canary-sweep-interval requires --kv-canary in \{log, raise\}"),
 ])
 def test_bad_arguments_are_refused(version, kwargs, match):
     _refused(runner(), ValueError, match, **kwargs)
+
+
+def test_a_coverage_window_over_layers_of_another_layout_is_refused(version):
+    """A window digests every array of ``runner.kv_caches`` as the canary layer's layout: one
+    of another shape (a hybrid model's) is refused, never left out of the digest."""
+    r = runner()
+    other = jax.ShapeDtypeStruct(_shape(blocks=16), jnp.bfloat16, sharding=r.kv_caches[0].sharding)
+    r.kv_caches = [r.kv_caches[0], other]
+    _refused(r, ValueError, r"coverage_window 8 digests every layer's KV as layer\.0's layout, but "
+             r"runner\.kv_caches\[1\] is \(16, 16, 2, 2, 128\) bfloat16 .* \(caches of several "
+             r"layouts, e\.g\. hybrid or MLA models, are not covered\)",
+             coverage_window=8, sweep_interval=4)
+    _refused(r, ValueError, r"coverage_window 8 digests every layer's KV", layer=1,
+             coverage_window=8, sweep_interval=4)
+
+
+def test_a_coverage_window_over_more_strips_than_a_digest_takes_is_refused(version):
+    """Each layer gives the digest a source per 128-lane row of a slot (2 KV heads: 4 rows);
+    129 layers are 516 sources, past the 512 a digest takes."""
+    r = runner()
+    r.kv_caches = [r.kv_caches[0]] * 129
+    _refused(r, ValueError, r"coverage_window 8 cannot cover 129 layers: a slot's digest takes "
+             r"at most 512 sources, and each layer gives 4", coverage_window=8, sweep_interval=4)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("x", r'kv-canary: SGLANG_KV_CANARY_COVERAGE_WINDOW="x" is not a valid integer value'),
+    ("-2", r'kv-canary: SGLANG_KV_CANARY_COVERAGE_WINDOW="-2" must be >= 0'),
+    ("4", r"coverage_window 4 verifies the slots steps read .* pass sweep_interval=K > 0"),
+])
+def test_the_coverage_window_s_environment_variable_is_read_and_checked(version, monkeypatch,
+                                                                         text, match):
+    """``coverage_window`` left out: ``SGLANG_KV_CANARY_COVERAGE_WINDOW`` sets it (checked as
+    SGLang checks its variables); an argument given wins over it."""
+    monkeypatch.setenv("SGLANG_KV_CANARY_COVERAGE_WINDOW", text)
+    _refused(runner(), ValueError, match)
+    _refused(runner(), ValueError, r"k_heads must be an int >= 1", coverage_window=0, k_heads=0)
+
+
+def test_the_canary_s_config_carries_the_window_and_every_layer():
+    lay = L.kv_layout(_shape(), jnp.bfloat16, head_dim=128, kv_heads=2, head_shards=1,
+                      block_size=BLOCK_SIZE)
+    base = dict(layout=lay, layer_index=0, layers=("layer.0",), num_slots=32 * BLOCK_SIZE,
+                max_reqs=4, max_blocks=8, pool_rows=8, mesh=_mesh(),
+                kv_spec=P(None, None, "model", None, None))
+    cfg = kti.TpuInferenceCanary(**base, coverage_window=4, num_layers=3).config
+    assert (cfg.coverage_window, cfg.num_layers) == (4, 3)
+    off = kti.TpuInferenceCanary(**base, num_layers=3).config
+    assert (off.coverage_window, off.num_layers) == (0, None)
+    srcs = lay.row_sources(jnp.zeros(_shape(), jnp.bfloat16))
+    # A slot's whole row, every byte of it: 2 heads x (K, V), each a 128-lane strip of bf16.
+    assert [(s.num_bytes_per_token, s.read_bytes, s.page_size, s.offset_bytes) for s in srcs] == [
+        (256, 256, 1, 256 * r) for r in range(4)]
 
 
 def test_a_cache_not_placed_by_a_named_sharding_is_refused(version):

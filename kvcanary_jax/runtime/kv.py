@@ -14,7 +14,10 @@ A step's ``kv`` is a mapping ``{group: entry}`` (groups ``"FULL"`` and, with an 
   (``k_buffer[0]``, ``v_buffer[0]``), so its bytes are SGLang's; a half listed beside
   ``"layers"`` (``{"layers": ..., "K": [sources]}``, e.g. a fused layer's K head strips) gives
   the fingerprint's sources instead. The coverage digest (:mod:`kvcanary_jax.runtime.coverage`)
-  reads every layer, in layer order: ``K_0, V_0, K_1, V_1, ...`` (or ``KV_0, KV_1, ...``).
+  reads every layer, in layer order: ``K_0, V_0, K_1, V_1, ...`` (or ``KV_0, KV_1, ...``). A
+  layer's entry may be a list of sources itself (its strips, e.g. one per 128-lane row of a
+  fused layer, which TPU kernels read in place where a whole row of several would be copied
+  first), read in their order.
 
 With ``coverage_window > 0`` every group needs its ``"layers"``, each list holding the config's
 layer count of that group (``num_layers`` / ``swa_num_layers``), and every layer must hold every
@@ -33,7 +36,7 @@ from kvcanary_jax.context import RealKvSource
 from kvcanary_jax.runtime.state import CanaryConfig
 
 __all__ = ["HALVES", "LAYER_FORMS", "kv_sources", "as_kv_dict", "digest_sources", "translate",
-           "source_slots"]
+           "source_slots", "digest_reads_rows"]
 
 HALVES = ("K", "V")
 # The accepted keys of an entry's "layers": split K/V layers, or fused ones.
@@ -64,6 +67,29 @@ def kv_sources(kv: Sequence[jax.Array] | None, *, read_bytes: int | None = None)
             )
         )
     return tuple(out)
+
+
+def digest_reads_rows(implementation: str | None, like) -> bool:
+    """Whether the coverage digest that ``implementation`` (``None``: the default where ``like``,
+    an array of the KV, is placed or traced for) resolves to is the Mosaic TPU kernel, which
+    reads a source in place only when its strip lies inside one 128-lane row of the buffer:
+    the integrations then hand a fused layer as one strip per row (anything wider XLA lays out
+    as 32-bit rows first, a copy of every layer each step). Elsewhere a layer is one source
+    over the slot's whole row, the form the GPU kernel's launch heuristics were measured with.
+    The digest's value depends on the form (the fold runs per source), never what it covers."""
+    import warnings
+
+    from kvcanary_jax.ops import _registry
+
+    with warnings.catch_warnings():  # the digest's own call warns of a fallback, once
+        warnings.simplefilter("ignore", _registry.FallbackWarning)
+        impl = _registry.op("digest").select(implementation, args=like)
+    return impl == "pallas_mosaic_tpu"
+
+
+def _parts(layer) -> tuple:
+    """A layer's sources: the layer itself, or the strips a list of them gives."""
+    return tuple(layer) if isinstance(layer, (list, tuple)) else (layer,)
 
 
 def source_slots(src) -> int:
@@ -103,7 +129,11 @@ def _layers(cfg: CanaryConfig, group: str, entry) -> dict | None:
                 f"layer(s), the config's {setting} is {want}: every layer of the model's KV is "
                 "handed to the canary (a missing one would go unverified)")
         for i, arr in enumerate(arrays):
-            have = source_slots(arr)
+            parts = _parts(arr)
+            if not parts:
+                raise ValueError(f"kv-canary runtime: {_where(group, 'layers', name)}[{i}] is an "
+                                 "empty list of strips")
+            have = next((h for h in map(source_slots, parts) if h != slots), slots)
             if have != slots:
                 raise ValueError(
                     f"kv-canary runtime: {_where(group, 'layers', name)}[{i}] holds {have} "
@@ -130,7 +160,7 @@ def as_kv_dict(cfg: CanaryConfig, kv) -> dict:
                 if h in entry:
                     halves[h] = tuple(entry[h])
                 elif layers is not None and h in layers:
-                    halves[h] = (layers[h][0],)  # SGLang's adapters: layer 0 of each half
+                    halves[h] = _parts(layers[h][0])  # SGLang's adapters: layer 0 of each half
                 elif layers is not None:
                     raise ValueError(
                         f"kv-canary runtime: {_where(g)} gives fused layers ('KV') and no {h!r} "
@@ -162,7 +192,8 @@ def digest_sources(cfg: CanaryConfig, kv, group: str) -> tuple[RealKvSource, ...
             "sources only")
     # Every list holds the config's count (checked above: a window needs num_layers).
     count = cfg.layers(group)
-    return kv_sources([arrays[i] for i in range(count) for arrays in layers.values()])
+    return kv_sources([part for i in range(count) for arrays in layers.values()
+                       for part in _parts(arrays[i])])
 
 
 def translate(group: str, loc, lut):

@@ -39,6 +39,7 @@ from kvcanary_jax.integrations.sglang_jax.layout import (
     SglangJaxCanary,
     fused_kv_sources,
     layer_source,
+    layer_sources,
 )
 from kvcanary_jax.integrations.sglang_jax.remediation import (
     Remediator,
@@ -75,6 +76,7 @@ __all__ = [
     "ShardViolation",
     "fused_kv_sources",
     "layer_source",
+    "layer_sources",
     "canary_batch",
     "expected_tokens",
     "TokenFeed",

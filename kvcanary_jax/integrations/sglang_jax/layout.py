@@ -16,12 +16,13 @@ default, as SGLang fingerprints one layer). The V strips are not fingerprinted (
 off by default as well).
 
 **The coverage window** (ours, ``coverage_window`` N >= 1; docs/spec.md §17): besides SGLang's
-fingerprint, every layer of the pool is handed to the runtime's per-slot KV digest, each as one
-:func:`layer_source`: the slot's whole row of the fused buffer (every head's K and V strips, in
-place, a strided view as above), so a slot's digest covers every byte of its K and V in every
-layer. Under tensor parallelism each KV shard digests its own heads of every layer. What the
+fingerprint, every layer of the pool is handed to the runtime's per-slot KV digest: the slot's whole row of
+the fused buffer (every head's K and V strip, in place, strided views as above), as one source
+(:func:`layer_source`) or, where the digest is the TPU kernel, as one strip per head row
+(:func:`layer_sources`, which that kernel reads in place), so a slot's digest covers every byte
+of its K and V in every layer. Under tensor parallelism each KV shard digests its own heads of every layer. What the
 window cannot cover is refused when the canary is built (a ValueError naming the setting): a
-window without ``num_layers``, more layers than a digest takes (``MAX_DIGEST_SOURCES``), a pool
+window without ``num_layers``, more strips than a digest takes (``MAX_DIGEST_SOURCES``), a pool
 whose layers differ in shape (slot counts or widths), a canary ``layer`` the pool lacks.
 
 :class:`SglangJaxCanary` is the canary's static description (sizes, mesh, sharding, token
@@ -57,11 +58,13 @@ import kvcanary_jax as kc
 from kvcanary_jax import _config
 from kvcanary_jax.consts import MAX_DIGEST_SOURCES, MAX_REAL_KV_SOURCES
 from kvcanary_jax.contracts import TensorMeta
+from kvcanary_jax.runtime.kv import digest_reads_rows
 
 __all__ = [
     "SglangJaxCanary",
     "fused_kv_sources",
     "layer_source",
+    "layer_sources",
     "require_int",
     "require_positive_int",
 ]
@@ -110,14 +113,35 @@ def fused_kv_sources(buffer: jax.Array, *, k_heads: int = 1) -> tuple[kc.RealKvS
 
 def layer_source(buffer: jax.Array) -> kc.RealKvSource:
     """The coverage digest's source over one layer's fused buffer (either layout; under
-    ``shard_map``: the local block): slot ``s``'s whole row, every head's K and V strips, as a
-    strided view of the buffer itself (page size 1, no copy)."""
+    ``shard_map``: the local block) where the digest is not the TPU kernel: slot ``s``'s whole
+    row, every head's K and V strips, as one strided view of the buffer itself (page size 1, no
+    copy). For the TPU kernel, :func:`layer_sources`."""
     slots, width, _ = _layout(buffer.shape)
     row = width * jnp.dtype(buffer.dtype).itemsize
     view = TensorMeta(shape=(slots, width), dtype=jnp.dtype(buffer.dtype).name,
                       strides=(width, 1), device=None, framework="jax")
     return kc.RealKvSource(tensor=buffer, page_size=1, num_bytes_per_token=row, read_bytes=row,
                            view=view)
+
+
+def layer_sources(buffer: jax.Array) -> tuple[kc.RealKvSource, ...]:
+    """The coverage digest's sources over one layer's fused buffer (either layout; under
+    ``shard_map``: the local block): slot ``s``'s whole row, every byte of it, as one strip per
+    head row in the buffer's order (``K_0, V_0, K_1, ...``), each a strided view of the buffer
+    itself (page size 1, no copy). Strips of one row each, because that is what the TPU digest
+    kernel reads in place (with ``head_dim`` a multiple of 128): a source spanning several
+    rows would be laid out as 32-bit rows by XLA first, a copy of every layer each step (18 GiB
+    of temporaries for 4 layers of 4 GiB, which fails to compile for v5e). The step hands these
+    where the digest runs the TPU kernel, :func:`layer_source` elsewhere
+    (:func:`kvcanary_jax.runtime.kv.digest_reads_rows`)."""
+    slots, width, head_dim = _layout(buffer.shape)
+    strip = head_dim * jnp.dtype(buffer.dtype).itemsize
+    view = TensorMeta(shape=(slots, head_dim), dtype=jnp.dtype(buffer.dtype).name,
+                      strides=(width, 1), device=None, framework="jax")
+    return tuple(
+        kc.RealKvSource(tensor=buffer, page_size=1, num_bytes_per_token=strip, read_bytes=strip,
+                        view=view, offset_bytes=r * strip)
+        for r in range(width // head_dim))
 
 
 def _check_pool_layers(layers: list, start: int, kwargs: dict) -> None:
@@ -256,11 +280,15 @@ class SglangJaxCanary:
                 f"kv-canary sglang-jax: coverage_window {self.coverage_window} digests every "
                 "layer of the pool: set num_layers (SglangJaxCanary.from_pools reads it from "
                 "the pool), so that a step handing fewer layers is refused")
-        if self.num_layers > MAX_DIGEST_SOURCES:
+        self._check_strips(1)  # one source a layer (from_pools checks the TPU kernel's strips)
+
+    def _check_strips(self, per_layer: int) -> None:
+        if self.coverage_window and self.num_layers * per_layer > MAX_DIGEST_SOURCES:
             raise ValueError(
                 f"kv-canary sglang-jax: coverage_window {self.coverage_window} cannot cover "
                 f"num_layers={self.num_layers}: a slot's digest takes at most "
-                f"{MAX_DIGEST_SOURCES} sources (one per fused layer)")
+                f"{MAX_DIGEST_SOURCES} sources, and each layer gives {per_layer} (the TPU "
+                "kernel's: a strip per K and V head of a KV shard)")
 
     @classmethod
     def from_pools(cls, req_to_token_pool, token_to_kv_pool, *, max_bs: int,
@@ -292,7 +320,7 @@ class SglangJaxCanary:
         if slots % dp:
             raise ValueError(f"kv-canary sglang-jax: the fused buffer {tuple(buf.shape)} has "
                              f"{slots} slots, not a multiple of its {dp} data-parallel ranks")
-        return cls(
+        canary = cls(
             num_slots=slots // dp,
             page_size=int(page_size),
             context_len=int(req_to_token_pool.max_context_len),
@@ -301,6 +329,10 @@ class SglangJaxCanary:
             kv_spec=spec,
             **kwargs,
         )
+        _, width, head_dim = _layout(buf.shape)
+        if canary.coverage_window and digest_reads_rows(canary.implementation, buf):
+            canary._check_strips(max(width // head_dim // canary.head_shards, 1))
+        return canary
 
     @property
     def dp_axes(self) -> tuple[str, ...]:

@@ -63,9 +63,11 @@ from kvcanary_jax.integrations.sglang_jax.layout import (
     SglangJaxCanary,
     fused_kv_sources,
     layer_source,
+    layer_sources,
     require_int,
 )
 from kvcanary_jax.integrations.sglang_jax.tokens import TokenDelta
+from kvcanary_jax.runtime.kv import digest_reads_rows
 from kvcanary_jax.runtime.rebase import Rebaser
 from kvcanary_jax.runtime.state import state_jit
 from kvcanary_jax.runtime.step import head, tail
@@ -132,7 +134,14 @@ def kv_dict(canary: SglangJaxCanary, local):
         return {"FULL": {"K": list(fused_kv_sources(local, k_heads=canary.k_heads))}}
     buffer, layers = local
     return {"FULL": {"K": list(fused_kv_sources(buffer, k_heads=canary.k_heads)),
-                     "layers": {"KV": [layer_source(b) for b in layers]}}}
+                     "layers": {"KV": [_layer(canary, b) for b in layers]}}}
+
+
+def _layer(canary: SglangJaxCanary, buffer):
+    """One layer's digest sources (:func:`kvcanary_jax.runtime.kv.digest_reads_rows`)."""
+    if digest_reads_rows(canary.implementation, buffer):
+        return layer_sources(buffer)
+    return layer_source(buffer)
 
 
 def shard_kv(canary: SglangJaxCanary, buffer, layers):

@@ -19,8 +19,11 @@ included, as SGLang's runtime does around its forward (:mod:`kvcanary_jax.runtim
   remediation (:class:`Remediator`: abort the request, evict its block from vLLM's prefix
   cache).
 
-Real-KV coverage is SGLang's: one layer's K strips (``layer``, 0 by default; ``guard.layers``
-lists the layers covered), ``real_data`` ``none`` / ``partial`` / ``all``.
+Real-KV coverage: SGLang's fingerprint of one layer's K strips (``layer``, 0 by default;
+``guard.layers`` names it), ``real_data`` ``none`` / ``partial`` / ``all``; and ours, the
+coverage window (``coverage_window`` N, or ``SGLANG_KV_CANARY_COVERAGE_WINDOW``; docs/spec.md
+§17): every byte of every layer's K and V of the slots steps read, verified within N steps, and
+of the cached blocks at each sweep (``guard.coverage()`` reports the share).
 """
 
 from kvcanary_jax.integrations.tpu_inference.device import TokenDelta, TpuInferenceCanary

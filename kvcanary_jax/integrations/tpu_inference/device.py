@@ -24,6 +24,13 @@ position the pool holds is checked against it (the write's input check) and so i
 (the verify's token check). ``valid`` (the state's ``expected_valid_lens``) is how many leading
 positions of each row the pool holds.
 
+**Coverage** (ours, ``coverage_window`` N >= 1; docs/spec.md §17): besides SGLang's fingerprint
+of the canary layer, TAIL stamps the digest of every layer's row of each slot the step wrote
+and checks a rotating share of the slots it read (a slot read by N consecutive TAILs is checked
+in one of them; each step of the on-device decode loop is a TAIL), and the sweep checks every
+slot of the cached blocks. A step split in two passes (below, :func:`_passes`) runs two TAILs,
+and counts as two steps of the window.
+
 **Shards.** One canary per KV shard: over the data-parallel axis (each rank its blocks, its
 block-table rows, its slice of every metadata array) and the KV-head axis (each its own heads).
 The states are stacked along a leading axis sharded over both (:attr:`TpuInferenceCanary.axes`).
@@ -43,10 +50,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import kvcanary_jax as kc
 from kvcanary_jax.integrations.tpu_inference.layout import KvLayout
 from kvcanary_jax.ops._xla_lib import count_below
+from kvcanary_jax.runtime.kv import digest_reads_rows
 from kvcanary_jax.runtime.step import head, tail
 
 __all__ = ["TpuInferenceCanary", "TokenDelta", "step_batch", "guarded_step", "sweep_step",
-           "pack_state", "unpack_state"]
+           "kv_arg", "pack_state", "unpack_state"]
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -60,10 +68,13 @@ class TpuInferenceCanary:
     """Static description of one canary over a tpu-inference runner (hashable: a jit constant).
 
     ``layout``: the canary layer's :class:`KvLayout`; ``layer_index``: its index in
-    ``runner.kv_caches``; ``layers``: the layer names whose real KV is fingerprinted (layer 0's
-    today, SGLang's coverage). ``num_slots``: slots of one data shard; ``max_reqs``: batch rows
+    ``runner.kv_caches``; ``layers``: the layer names whose real KV SGLang's fingerprint reads
+    (the canary layer's). ``num_slots``: slots of one data shard; ``max_reqs``: batch rows
     of one data shard (``max_num_reqs // dp``); ``max_blocks``: block-table columns;
-    ``pool_rows``: expected-token pool rows; ``mesh`` / ``kv_spec``: the cache's. The rest is
+    ``pool_rows``: expected-token pool rows; ``mesh`` / ``kv_spec``: the cache's.
+    ``coverage_window`` (ours, docs/spec.md §17; 0: off): N >= 1 also digests every array of
+    ``runner.kv_caches`` (``num_layers`` of them, each the canary layer's layout), every byte
+    of each slot's row, K and V of every local head. The rest is
     :class:`kvcanary_jax.CanaryConfig`'s."""
 
     layout: KvLayout
@@ -81,6 +92,8 @@ class TpuInferenceCanary:
     ring_capacity: int = 1024
     real_kv_hash_mode: str = "all"
     implementation: str | None = None
+    coverage_window: int = 0
+    num_layers: int | None = None
 
     @property
     def data_axes(self) -> tuple[str, ...]:
@@ -118,7 +131,9 @@ class TpuInferenceCanary:
             max_tokens=self.max_reqs, ring_capacity=self.ring_capacity,
             real_kv_hash_mode=self.real_kv_hash_mode,
             enable_verify_token_assert=self.token_checks,
-            enable_write_input_assert=self.token_checks, implementation=self.implementation)
+            enable_write_input_assert=self.token_checks, implementation=self.implementation,
+            coverage_window=self.coverage_window,
+            num_layers=self.num_layers if self.coverage_window else None)
 
     def init_state(self):
         """Zero-filled per-shard states, stacked on a leading axis placed over :attr:`axes`."""
@@ -283,8 +298,32 @@ def _no_lut():
     return jnp.zeros((1,), jnp.int64)  # the runtime's placeholder when there is no SWA group
 
 
-def _k_dict(canary, local_kv):
-    return {"FULL": {"K": list(canary.layout.k_sources(local_kv, canary.k_heads))}}
+def _k_dict(canary, local):
+    """The runtime's KV of one shard: ``local`` is the canary layer's local block or, with a
+    coverage window, ``(that block, every layer's local block)`` (:func:`kv_arg`): SGLang's
+    fingerprint over the canary layer's K strips, and every layer's whole slot rows for the
+    digest (fused layers: a row holds a slot's K and V)."""
+    if not canary.coverage_window:
+        return {"FULL": {"K": list(canary.layout.k_sources(local, canary.k_heads))}}
+    block, layers = local
+    return {"FULL": {"K": list(canary.layout.k_sources(block, canary.k_heads)),
+                     "layers": {"KV": [canary.layout.row_sources(
+                         b, per_row=digest_reads_rows(canary.implementation, b))
+                         for b in layers]}}}
+
+
+def kv_arg(canary: TpuInferenceCanary, kv_caches):
+    """What a shard's TAIL or SWEEP reads of the runner's ``kv_caches``: the canary layer's
+    array, and with a coverage window every layer's (a list of another length is refused:
+    a layer left out would go unverified)."""
+    if not canary.coverage_window:
+        return kv_caches[canary.layer_index]
+    if len(kv_caches) != canary.num_layers:
+        raise ValueError(
+            f"kv-canary tpu-inference: coverage_window {canary.coverage_window} digests every "
+            f"layer's KV: the step has {len(kv_caches)} KV arrays, the canary was built over "
+            f"{canary.num_layers}")
+    return kv_caches[canary.layer_index], tuple(kv_caches)
 
 
 def _shard_map(canary, fn, state, per_data, kv):
@@ -292,7 +331,8 @@ def _shard_map(canary, fn, state, per_data, kv):
     pytree of per-shard values) stacked along the leading axis."""
     spec = P(canary.axes or None)
     dspec = P(canary.data_axes or None)
-    in_specs = (spec, jax.tree.map(lambda _: dspec, per_data), canary.kv_spec)
+    in_specs = (spec, jax.tree.map(lambda _: dspec, per_data),
+                jax.tree.map(lambda _: canary.kv_spec, kv))
 
     def body(st, data, local):
         return _stack1(fn(_first(st), data, local))
@@ -306,7 +346,8 @@ def _shard_map_plans(canary, fn, state, per_data, kv):
     spec = P(canary.axes or None)
     dspec = P(canary.data_axes or None)
     plans = per_data.pop("plans")
-    in_specs = (spec, jax.tree.map(lambda _: dspec, per_data), spec, canary.kv_spec)
+    in_specs = (spec, jax.tree.map(lambda _: dspec, per_data), spec,
+                jax.tree.map(lambda _: canary.kv_spec, kv))
 
     def body(st, data, pl, local):
         return _stack1(fn(_first(st), {**data, "plans": pl}, local))
@@ -349,7 +390,7 @@ def guarded_step(canary: TpuInferenceCanary, model, state, delta, pending, md, i
     both = _shard_map(canary, head_fn, state, per_data, kv_caches[canary.layer_index])
     state, per_data["plans"] = both["state"], both["plans"]
     out = model(kv_caches)
-    new_kv = out[0][canary.layer_index]
+    new_kv = kv_arg(canary, list(out[0]))
 
     def tail_fn(st, data, local):
         b = step_batch(canary, data["md"], data["ids"], data["pos"])
@@ -372,7 +413,9 @@ def guarded_step(canary: TpuInferenceCanary, model, state, delta, pending, md, i
 
 def sweep_step(canary: TpuInferenceCanary, state, tables, rows, lengths, kv):
     """Verify cached prefixes against the TAIL buffers, per shard (``tables`` [data shards *
-    (n + 1), ctx], ``rows`` / ``lengths`` [data shards * n], stacked per data shard)."""
+    (n + 1), ctx], ``rows`` / ``lengths`` [data shards * n], stacked per data shard; ``kv``:
+    :func:`kv_arg` of the runner's KV), and with a coverage window the digest of every slot
+    they hold."""
     cfg = canary.config
     n = canary.sweep_rows
 

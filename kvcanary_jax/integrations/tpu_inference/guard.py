@@ -46,8 +46,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from kvcanary_jax.consts import MAX_DIGEST_SOURCES
 from kvcanary_jax.integrations.tpu_inference import device, host, layout as _layout
 from kvcanary_jax.runtime import CanaryManager, CanaryViolationError, ManagerConfig
+from kvcanary_jax.runtime.config import env_value
 from kvcanary_jax.runtime.rebase import Rebaser
 from kvcanary_jax.runtime.state import state_jit
 
@@ -111,8 +113,27 @@ def _check_runner(runner) -> None:
                                   "KV writers are out of its view)")
 
 
+def _check_layers(runner, index: int, name: str, window: int) -> int:
+    """With a coverage window every array of ``runner.kv_caches`` is digested: each must be
+    laid out as the canary layer's (shape, dtype, placement); returns how many there are."""
+    kvs = list(runner.kv_caches)
+    ref = kvs[index]
+    for i, kv in enumerate(kvs):
+        if (tuple(kv.shape), kv.dtype, getattr(kv, "sharding", None)) != (
+                tuple(ref.shape), ref.dtype, ref.sharding):
+            raise ValueError(
+                f"kv-canary tpu-inference: coverage_window {window} digests every layer's KV "
+                f"as {name}'s layout, but runner.kv_caches[{i}] is {tuple(kv.shape)} "
+                f"{jnp.dtype(kv.dtype).name} placed {getattr(kv, 'sharding', None)} and {name}'s "
+                f"is {tuple(ref.shape)} {jnp.dtype(ref.dtype).name} placed {ref.sharding} "
+                "(caches of several layouts, e.g. hybrid or MLA models, are not covered): "
+                "leave coverage_window at 0 for SGLang's layer-0 fingerprint")
+    return len(kvs)
+
+
 def _canary(runner, *, layer: int, k_heads: int, token_checks: bool, ring_capacity: int,
-            real_data: str, sweep_rows: int, implementation) -> device.TpuInferenceCanary:
+            real_data: str, sweep_rows: int, implementation,
+            coverage_window: int = 0) -> device.TpuInferenceCanary:
     names = dict(runner.layer_name_to_kvcache_index)
     name = f"layer.{layer}"
     if name not in names:
@@ -143,20 +164,28 @@ def _canary(runner, *, layer: int, k_heads: int, token_checks: bool, ring_capaci
                             where=f"{name}'s KV cache")
     max_reqs = int(getattr(runner, "attn_max_num_seqs", runner.max_num_reqs)) // runner.dp_size
     max_blocks = int(runner.input_batch.block_table[0].max_num_blocks_per_req)
+    num_layers = _check_layers(runner, index, name, coverage_window) if coverage_window else None
+    strips = lay.row_elems // lay.lanes  # the digest's sources of a layer: a 128-lane row each
+    if num_layers and num_layers * strips > MAX_DIGEST_SOURCES:
+        raise ValueError(
+            f"kv-canary tpu-inference: coverage_window {coverage_window} cannot cover "
+            f"{num_layers} layers: a slot's digest takes at most {MAX_DIGEST_SOURCES} sources, "
+            f"and each layer gives {strips} (a 128-lane row each of a KV shard's slot)")
     return device.TpuInferenceCanary(
         layout=lay, layer_index=index, layers=(name,),
         num_slots=_layout.local_slots(kv.shape, data_shards), max_reqs=max_reqs,
         max_blocks=max_blocks, pool_rows=2 * int(runner.max_num_reqs), mesh=mesh, kv_spec=spec,
         k_heads=k_heads, token_checks=token_checks, sweep_rows=sweep_rows,
         ring_capacity=ring_capacity, real_kv_hash_mode=real_data,
-        implementation=implementation)
+        implementation=implementation, coverage_window=coverage_window, num_layers=num_layers)
 
 
 class TpuInferenceGuard:
     """The installed guard (:func:`install` builds it). ``state``: the canary's stacked device
     state; ``canary``: its :class:`~.device.TpuInferenceCanary`; ``manager``: the runtime
-    manager; ``book`` / ``cached``: the host side; ``layers``: the layers whose real KV is
-    fingerprinted; ``steps``: guarded steps run (a decode loop counts once)."""
+    manager; ``book`` / ``cached``: the host side; ``layers``: the layers whose real KV
+    SGLang's fingerprint reads (with a coverage window the digest reads every layer:
+    :meth:`coverage`); ``steps``: guarded steps run (a decode loop counts once)."""
 
     def __init__(self, runner, canary: device.TpuInferenceCanary, manager: CanaryManager,
                  sweep_interval: int):
@@ -354,15 +383,29 @@ class TpuInferenceGuard:
             raise
 
     def sweep(self) -> None:
-        """Re-verify every cached chain of blocks now (the SWEEP tags, token check off)."""
+        """Re-verify every cached chain of blocks now (the SWEEP tags, token check off; with a
+        coverage window, the digest of every layer of their slots too)."""
         self._sweep(self.runner.kv_caches)
+
+    def coverage(self):
+        """The coverage window's report of the state now
+        (:class:`~kvcanary_jax.runtime.coverage.CoverageStats`: the share of live KV bytes,
+        every layer's K and V, verified within the window; ``None`` without a window). A
+        device computation and a host read: for the stats line and on request, not every
+        step."""
+        if not self.canary.coverage_window:
+            return None
+        from kvcanary_jax.runtime.coverage import coverage_stats
+
+        return coverage_stats(self.canary.config, self.state,
+                              sweep_interval=self.sweep_interval)
 
     def _sweep(self, kv_caches) -> None:
         c = self.canary
         bs, n, ctx = c.layout.block_size, c.sweep_rows, c.context_len
         per_rank = [self.cached.prefixes(r) for r in range(c.data_shards)]
         launches = max(1, max(-(-len(p) // n) for p in per_rank))
-        kv = kv_caches[c.layer_index]
+        kv = device.kv_arg(c, list(kv_caches))
         for launch in range(launches):
             tables = np.zeros((c.data_shards, n + 1, ctx), np.int32)
             rows = np.zeros((c.data_shards, n), np.int64)
@@ -414,26 +457,44 @@ _sweep_jit = state_jit(_sweep_impl, static_argnames=("canary",), donate_argnums=
 def install(runner, *, mode: str = "log", real_data: str = "all", sweep_interval: int = 0,
             token_checks: bool = True, layer: int = 0, k_heads: int = 1, sweep_rows: int = 16,
             on_violation: Callable | None = None, implementation: str | None = None,
-            **manager_fields) -> TpuInferenceGuard:
+            coverage_window: int | None = None, **manager_fields) -> TpuInferenceGuard:
     """Guard ``runner`` (a tpu-inference 0.32 ``TPUModelRunner``). ``mode`` / ``real_data``:
     SGLang's ``--kv-canary`` and ``--kv-canary-real-data`` (``none``/``partial``/``all``: the
     first 16 bytes or the whole K strip of layer ``layer``'s first ``k_heads`` heads);
     ``sweep_interval``: every N guarded steps, re-verify the cached blocks (0: never);
+    ``coverage_window`` (ours; default ``SGLANG_KV_CANARY_COVERAGE_WINDOW``, else 0: off):
+    N >= 1 also verifies every byte of every layer's K and V of the slots steps read within
+    N steps, and of the cached blocks at each sweep (it needs ``sweep_interval`` > 0; the
+    report: :meth:`TpuInferenceGuard.coverage`, and the manager's stats line);
     ``token_checks``: check the written and read token ids against the requests' own (needs
     ``async_scheduling=False``); ``on_violation``: the remediation callback
     (:class:`Remediator`); ``manager_fields``: other :class:`~kvcanary_jax.runtime.ManagerConfig`
     fields. Everything is checked here, before the runner is touched."""
-    config = ManagerConfig(mode=mode, real_data=real_data,
-                           enable_verify_token_assert=token_checks,
-                           enable_write_input_assert=token_checks, **manager_fields)
-    if not config.enabled:
-        raise ValueError("kv-canary tpu-inference: mode 'none' installs no guard (the canary is "
-                         "off): leave the runner as it is")
+    if coverage_window is None:
+        coverage_window = env_value("coverage_window") or 0
     for name, value, least in (("sweep_interval", sweep_interval, 0), ("layer", layer, 0),
-                               ("k_heads", k_heads, 1), ("sweep_rows", sweep_rows, 1)):
+                               ("k_heads", k_heads, 1), ("sweep_rows", sweep_rows, 1),
+                               ("coverage_window", coverage_window, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise ValueError(f"kv-canary tpu-inference: {name} must be an int >= {least}, got "
                              f"{value!r}")
+    if coverage_window and not sweep_interval:
+        raise ValueError(
+            f"kv-canary tpu-inference: coverage_window {coverage_window} verifies the slots "
+            f"steps read within {coverage_window} steps and the cached blocks at each of the "
+            "guard's sweeps: pass sweep_interval=K > 0 (without a sweep, cached blocks no "
+            "request reads would never be verified)")
+    # The manager's sweep interval is the bound the coverage report states for cached blocks;
+    # without a window the guard's sweep is its own, as before.
+    config = ManagerConfig(mode=mode, real_data=real_data,
+                           enable_verify_token_assert=token_checks,
+                           enable_write_input_assert=token_checks,
+                           coverage_window=coverage_window,
+                           sweep_interval=sweep_interval if coverage_window else 0,
+                           **manager_fields)
+    if not config.enabled:
+        raise ValueError("kv-canary tpu-inference: mode 'none' installs no guard (the canary is "
+                         "off): leave the runner as it is")
     _check_runner(runner)
     if token_checks and runner.vllm_config.scheduler_config.async_scheduling:
         raise NotImplementedError(
@@ -442,7 +503,8 @@ def install(runner, *, mode: str = "log", real_data: str = "all", sweep_interval
             "token_checks=False or turn async scheduling off")
     canary = _canary(runner, layer=layer, k_heads=k_heads, token_checks=token_checks,
                      ring_capacity=config.ring_capacity, real_data=real_data,
-                     sweep_rows=sweep_rows, implementation=implementation)
+                     sweep_rows=sweep_rows, implementation=implementation,
+                     coverage_window=coverage_window)
     manager = CanaryManager(config, canary.config, on_violation=on_violation, allocate=False)
     return TpuInferenceGuard(runner, canary, manager, sweep_interval)
 

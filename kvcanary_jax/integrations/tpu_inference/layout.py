@@ -89,6 +89,24 @@ class KvLayout:
                             offset_bytes=h * self.k_pitch * self.itemsize)
             for h in range(k_heads))
 
+    def row_sources(self, local_block, *, per_row: bool = True) -> tuple[kc.RealKvSource, ...]:
+        """The coverage digest's sources over one layer's local block: each slot's whole row
+        (every local head's K and V, padding heads and lanes included: every byte the
+        attention kernel stores for the slot), views of the array itself (page size 1, no
+        copy). ``per_row``: one strip per 128-lane row, in row order, each of which the TPU
+        digest kernel reads in place (a whole row of several would be laid out as 32-bit rows
+        first, a copy of every layer each step); else one source over the whole row (the
+        form of the other kernels: :func:`kvcanary_jax.runtime.kv.digest_reads_rows`)."""
+        slots = int(local_block.shape[0]) * int(local_block.shape[1])
+        width = self.lanes if per_row else self.row_elems
+        strip = width * self.itemsize
+        view = TensorMeta(shape=(slots, width), dtype=self.dtype,
+                          strides=(self.row_elems, 1), device=None, framework="jax")
+        return tuple(
+            kc.RealKvSource(tensor=local_block, page_size=1, num_bytes_per_token=strip,
+                            read_bytes=strip, view=view, offset_bytes=r * strip)
+            for r in range(self.row_elems // width))
+
 
 def kv_layout(shape, dtype, *, head_dim: int, kv_heads: int, head_shards: int,
               block_size: int, k_heads: int = 1, where: str = "the KV cache") -> KvLayout:
