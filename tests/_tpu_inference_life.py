@@ -310,21 +310,24 @@ def _report(guard) -> dict:
 
 
 def coverage_main(head_dim: int, flips: int, seed: int) -> None:
-    """The coverage window (every layer's K and V digested; window 4, the guard's sweep every
-    2 calls): a clean life (a same-step prefix hit, the decode loop, a later prefix hit, the
-    sweep) with its coverage report, then a campaign of ``flips`` single-bit flips, each in a
-    random byte of a random layer's row (K or V, any head) of a random slot: alternately one
-    that running requests read at every step (``used``) and one of a cached block no request
-    reads (``cached``). After each flip the life steps until a violation names the slot (at
-    most 3 calls), records when, and flips the bit back (unless vLLM handed the block out again
-    and a request overwrote the row: recorded, never expected). Running requests are replaced
-    as they finish; their blocks stay cached (the cache has room for every request's blocks,
-    so vLLM takes never-used blocks before cached ones)."""
+    """The coverage window (every layer's K and V digested; window 4, the guard's sweep every 2
+    calls, the manager's launch-health check as often): a clean life (a same-step prefix hit,
+    the decode loop, a later prefix hit, the sweep) with its coverage report, then a campaign of
+    ``flips`` single-bit flips, each in a random byte of a random layer's row (K or V, any head)
+    of a random slot: alternately one that running requests read at every step (``used``) and
+    one of a cached block no request reads (``cached``). After each flip the life steps until a
+    violation names the slot (at most 3 calls), records when, and flips the bit back (unless
+    vLLM handed the block out again and a request overwrote the row: recorded, never expected).
+    Running requests are replaced as they finish; their blocks stay cached (the cache has room
+    for every request's blocks, so vLLM takes never-used blocks before cached ones)."""
     window, interval = 4, 2
     life = Life(head_dim, num_blocks=256, guarded=False)
     e = life.e
+    # Launch health checked every `interval` calls: each check must see the SWEEP launches of
+    # the sweep the guard ran in its last call (a check that did not would fail the life).
     life.guard = kti.install(e.runner, mode="log", real_data="all", coverage_window=window,
-                             sweep_interval=interval)
+                             sweep_interval=interval, health_check_every_n_steps=interval,
+                             health_check_warmup_steps=0)
     guard = life.guard
     out = {"head_dim": head_dim, "layers": len(e.runner.kv_caches),
            "row_bytes": guard.canary.layout.row_elems * guard.canary.layout.itemsize}

@@ -103,9 +103,22 @@ def _job(request, key) -> dict:
         _POOL.update({k: pool.submit(JOBS[k]) for k in JOBS if k in needed})
         pool.shutdown(wait=False)
     if key not in _POOL:  # not foreseen (a test calling a job by hand): run it now
-        _POOL[key] = concurrent.futures.Future()
-        _POOL[key].set_result(JOBS[key]())
+        future = concurrent.futures.Future()
+        try:
+            future.set_result(JOBS[key]())
+        except BaseException as e:
+            future.set_exception(e)
+        _POOL[key] = future
     return _POOL[key].result()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _jobs_cancelled_at_the_end():
+    """Jobs still queued when the module ends (``-x`` stopped it, a test failed first) are
+    not started: the interpreter would wait for them at exit."""
+    yield
+    for future in _POOL.values():
+        future.cancel()
 
 
 def _jobs_of(item) -> set:

@@ -154,6 +154,9 @@ def test_token_checks_under_async_scheduling_are_refused(version):
      r"--kv-canary-coverage-window 1073741824: a window is at most 536870912 steps"),
     (dict(coverage_window=4, sweep_interval=2, mode="none", real_data="none"),
      r"--kv-canary-sweep-interval requires --kv-canary in \{log, raise\}"),
+    (dict(coverage_window=4, sweep_interval=2, padding_guard=True),
+     r"padding_guard checks SGLang's padding slot in the manager's own sweep, which the guard "
+     r"does not run"),
 ])
 def test_bad_arguments_are_refused(version, kwargs, match):
     _refused(runner(), ValueError, match, **kwargs)
@@ -173,11 +176,24 @@ def test_a_coverage_window_over_layers_of_another_layout_is_refused(version):
              coverage_window=8, sweep_interval=4)
 
 
-def test_a_coverage_window_over_more_strips_than_a_digest_takes_is_refused(version):
-    """Each layer gives the digest a source per 128-lane row of a slot (2 KV heads: 4 rows);
-    129 layers are 516 sources, past the 512 a digest takes."""
+def test_a_coverage_window_over_more_strips_than_a_digest_takes_is_refused(version, monkeypatch):
+    """For the TPU kernel each layer gives the digest a source per 128-lane row of a slot (2 KV
+    heads: 4 rows): 129 layers are 516 sources, past the 512 a digest takes. Elsewhere a layer
+    is one source: 513 layers are refused, 129 are not."""
+    from kvcanary_jax.integrations.tpu_inference import guard
+
     r = runner()
-    r.kv_caches = [r.kv_caches[0]] * 129
+    r.kv_caches = [r.kv_caches[0]] * 513
+    _refused(r, ValueError, r"coverage_window 8 cannot cover 513 layers: a slot's digest takes "
+             r"at most 512 sources, and each layer gives 1", coverage_window=8, sweep_interval=4)
+    r.kv_caches = r.kv_caches[:129]
+    built = []  # the guard itself needs tpu-inference: stood in for, past every check
+    monkeypatch.setattr(guard, "TpuInferenceGuard", lambda *args: built.append(args) or "guard")
+    assert kti.install(r, coverage_window=8, sweep_interval=4) == "guard"
+    (_, canary, manager, interval), = built
+    assert (canary.num_layers, canary.coverage_window, interval) == (129, 8, 4)
+    assert (manager.config.coverage_window, manager.config.sweep_interval) == (8, 4)
+    monkeypatch.setattr(guard, "digest_reads_rows", lambda implementation, like: True)
     _refused(r, ValueError, r"coverage_window 8 cannot cover 129 layers: a slot's digest takes "
              r"at most 512 sources, and each layer gives 4", coverage_window=8, sweep_interval=4)
 

@@ -16,14 +16,15 @@ default, as SGLang fingerprints one layer). The V strips are not fingerprinted (
 off by default as well).
 
 **The coverage window** (ours, ``coverage_window`` N >= 1; docs/spec.md §17): besides SGLang's
-fingerprint, every layer of the pool is handed to the runtime's per-slot KV digest: the slot's whole row of
-the fused buffer (every head's K and V strip, in place, strided views as above), as one source
-(:func:`layer_source`) or, where the digest is the TPU kernel, as one strip per head row
-(:func:`layer_sources`, which that kernel reads in place), so a slot's digest covers every byte
-of its K and V in every layer. Under tensor parallelism each KV shard digests its own heads of every layer. What the
-window cannot cover is refused when the canary is built (a ValueError naming the setting): a
-window without ``num_layers``, more strips than a digest takes (``MAX_DIGEST_SOURCES``), a pool
-whose layers differ in shape (slot counts or widths), a canary ``layer`` the pool lacks.
+fingerprint, every layer of the pool is handed to the runtime's per-slot KV digest: the slot's
+whole row of the fused buffer (every head's K and V strip, in place, strided views as above), as
+one source (:func:`layer_source`) or, where the digest is the TPU kernel, as one strip per head row
+(:func:`layer_sources`, which that kernel reads in place), so a slot's digest covers every byte of
+its K and V in every layer. Under tensor parallelism each KV shard digests its own heads of every
+layer. What the window cannot cover is refused when the canary is built (a ValueError naming the
+setting): a window without ``num_layers``, more strips than a digest takes
+(``MAX_DIGEST_SOURCES``), a pool whose layers differ in shape (slot counts or widths), a canary
+``layer`` the pool lacks.
 
 :class:`SglangJaxCanary` is the canary's static description (sizes, mesh, sharding, token
 mode), read from sglang-jax's pools by :meth:`SglangJaxCanary.from_pools`; its ``config`` is the

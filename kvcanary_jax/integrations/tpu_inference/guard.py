@@ -50,6 +50,7 @@ from kvcanary_jax.consts import MAX_DIGEST_SOURCES
 from kvcanary_jax.integrations.tpu_inference import device, host, layout as _layout
 from kvcanary_jax.runtime import CanaryManager, CanaryViolationError, ManagerConfig
 from kvcanary_jax.runtime.config import env_value
+from kvcanary_jax.runtime.kv import digest_reads_rows
 from kvcanary_jax.runtime.rebase import Rebaser
 from kvcanary_jax.runtime.state import state_jit
 
@@ -165,12 +166,14 @@ def _canary(runner, *, layer: int, k_heads: int, token_checks: bool, ring_capaci
     max_reqs = int(getattr(runner, "attn_max_num_seqs", runner.max_num_reqs)) // runner.dp_size
     max_blocks = int(runner.input_batch.block_table[0].max_num_blocks_per_req)
     num_layers = _check_layers(runner, index, name, coverage_window) if coverage_window else None
-    strips = lay.row_elems // lay.lanes  # the digest's sources of a layer: a 128-lane row each
+    # The digest's sources of a layer: for the TPU kernel a 128-lane row each, else the row.
+    strips = lay.row_elems // lay.lanes if digest_reads_rows(implementation, kv) else 1
     if num_layers and num_layers * strips > MAX_DIGEST_SOURCES:
         raise ValueError(
             f"kv-canary tpu-inference: coverage_window {coverage_window} cannot cover "
             f"{num_layers} layers: a slot's digest takes at most {MAX_DIGEST_SOURCES} sources, "
-            f"and each layer gives {strips} (a 128-lane row each of a KV shard's slot)")
+            f"and each layer gives {strips} (the TPU kernel's: a 128-lane row each of a KV "
+            "shard's slot; elsewhere one)")
     return device.TpuInferenceCanary(
         layout=lay, layer_index=index, layers=(name,),
         num_slots=_layout.local_slots(kv.shape, data_shards), max_reqs=max_reqs,
@@ -373,10 +376,13 @@ class TpuInferenceGuard:
         self.steps += 1
         self.state = self._rebaser(self.state)
         try:
-            if self.manager is not None:
-                self.manager.observe(self.state, resolve=self._resolve(self._owners))
+            # The sweep first, as the manager's own step runs it: the readback the manager
+            # stages now holds its launches (with a coverage window the manager's launch-health
+            # check expects the SWEEP tags between two checks) and its findings.
             if self.sweep_interval and self.steps % self.sweep_interval == 0:
                 self._sweep(kv_caches)
+            if self.manager is not None:
+                self.manager.observe(self.state, resolve=self._resolve(self._owners))
         except CanaryViolationError as e:
             if e.kv is None:
                 e.kv = kv_caches
@@ -419,6 +425,8 @@ class TpuInferenceGuard:
                 self.state = _sweep_jit(self.state, jnp.asarray(tables), jnp.asarray(rows),
                                         jnp.asarray(lengths), kv, canary=c)
         self.sweeps += 1
+        if self.manager is not None:
+            self.manager.sweep_passes += 1  # the stats line's count
 
 
 def guarded_model_fn(canary: device.TpuInferenceCanary, step: Callable, kv_shardings,
@@ -495,6 +503,10 @@ def install(runner, *, mode: str = "log", real_data: str = "all", sweep_interval
     if not config.enabled:
         raise ValueError("kv-canary tpu-inference: mode 'none' installs no guard (the canary is "
                          "off): leave the runner as it is")
+    if config.padding_guard:
+        raise ValueError("kv-canary tpu-inference: padding_guard checks SGLang's padding slot in "
+                         "the manager's own sweep, which the guard does not run (its sweep is "
+                         "its own): leave it off")
     _check_runner(runner)
     if token_checks and runner.vllm_config.scheduler_config.async_scheduling:
         raise NotImplementedError(
