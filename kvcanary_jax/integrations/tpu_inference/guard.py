@@ -31,7 +31,10 @@ each violation belongs to) and, every ``sweep_interval`` steps, the sweep of cac
 :class:`Remediator` aborts the request and evicts its block from vLLM's prefix cache.
 
 Install after ``load_model()``, ``initialize_kv_cache()`` and any ``capture_model()``
-(warm-ups of every bucket would otherwise stamp the null block's slots, harmless but slow).
+(warm-ups of every bucket would otherwise stamp the null block's slots, harmless but slow), and
+before the runner serves: the guard has no canary for KV written before it, so a prefix-cache
+hit on such a block is reported (after an ``uninstall``, reset vLLM's prefix cache,
+``scheduler.reset_prefix_cache()``, before installing again).
 """
 
 from __future__ import annotations
