@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from kvcanary_jax.context import RealKvSource
+from kvcanary_jax.ops import _registry
 from kvcanary_jax.runtime.state import CanaryConfig
 
 __all__ = ["HALVES", "LAYER_FORMS", "kv_sources", "as_kv_dict", "digest_sources", "translate",
@@ -76,15 +77,9 @@ def digest_reads_rows(implementation: str | None, like) -> bool:
     the integrations then hand a fused layer as one strip per row (anything wider XLA lays out
     as 32-bit rows first, a copy of every layer each step). Elsewhere a layer is one source
     over the slot's whole row, the form the GPU kernel's launch heuristics were measured with.
-    The digest's value depends on the form (the fold runs per source), never what it covers."""
-    import warnings
-
-    from kvcanary_jax.ops import _registry
-
-    with warnings.catch_warnings():  # the digest's own call warns of a fallback, once
-        warnings.simplefilter("ignore", _registry.FallbackWarning)
-        impl = _registry.op("digest").select(implementation, args=like)
-    return impl == "pallas_mosaic_tpu"
+    The digest's value depends on the form (the fold runs per source), never what it covers.
+    (A fallback's FallbackWarning is given once per process, here or at the digest's call.)"""
+    return _registry.op("digest").select(implementation, args=like) == "pallas_mosaic_tpu"
 
 
 def _parts(layer) -> tuple:
