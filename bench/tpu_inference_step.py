@@ -11,7 +11,8 @@
 ``--coverage-window``: the guard's coverage windows, a case (or compile) each (0: SGLang's
 layer-0 fingerprint only; N: every layer's K and V digested too, docs/spec.md §17). The timed
 step is the guarded step alone: the sweep of cached blocks the window needs runs between steps,
-every ``sweep_interval`` of them, and is not in it.
+every ``sweep_interval`` of them (the bench's guard: every ``window`` calls), and is timed on its
+own (``sweep``, and ``sweep_per_step_us`` at one sweep every ``window`` steps).
 
 Needs Python 3.12, jax 0.11.2 and ``requirements-tpu-inference.txt`` (``pip install --no-deps
 -r``); ``--compile`` also needs libtpu (``pip install "jax[tpu]==0.11.2"``). The runner is the
@@ -175,10 +176,30 @@ def run_case(bs: int, ctx: int, iters: int, smoke: bool = False, window: int = 0
     row["canary_only"], idle_violations = timed_guarded(
         kti.guarded_model_fn(canary, idle_step, shardings))
     row["violations"] += idle_violations
+    if window:
+        row.update(_time_sweep(guard, runner, iters, window))
     base, g, c = (row[k]["median_us"] for k in ("bare", "guarded", "canary_only"))
     row["share_pct"] = 100.0 * (g - base) / g
     row["canary_only_share_pct"] = 100.0 * c / (base + c)
     return row
+
+
+def _time_sweep(guard, runner, iters: int, interval: int) -> dict:
+    """The guard's sweep (every cached chain of blocks: SGLang's SWEEP fingerprint and, with a
+    window, every layer's digest), on a copy of the state, and its share of a step at one sweep
+    every ``interval`` steps (the bench's guard sweeps every ``window`` calls)."""
+    kept = guard.state
+    guard.state = jax.tree.map(jnp.copy, kept)
+    try:
+        timed = timing.device_time(lambda i: guard.sweep(), lambda: jax.block_until_ready(
+            guard.state), iters=iters)
+        violations = _violations(guard.state)
+    finally:
+        guard.state = kept
+    blocks = sum(len(chain) for r in range(guard.canary.data_shards)
+                 for chain in guard.cached.prefixes(r))
+    return {"sweep": timed, "sweep_interval": interval, "swept_blocks": blocks,
+            "sweep_per_step_us": timed["median_us"] / interval, "sweep_violations": violations}
 
 
 # ----------------------------------------------------------------------------------- compile
@@ -357,7 +378,9 @@ def _main(argv) -> int:
             print(f"bs={bs:3d} ctx={ctx:5d} window {window:3d}  bare {row['bare']['median_us']:9.1f} us  guarded "
                   f"{row['guarded']['median_us']:9.1f} us  canary alone "
                   f"{row['canary_only']['median_us']:8.1f} us  share {row['share_pct']:5.1f}% / "
-                  f"{row['canary_only_share_pct']:5.1f}%  violations {row['violations']}",
+                  f"{row['canary_only_share_pct']:5.1f}%  violations {row['violations']}"
+                  + (f"  sweep {row['sweep']['median_us']:.1f} us ({row['swept_blocks']} blocks, "
+                     f"{row['sweep_per_step_us']:.1f} a step)" if window else ""),
                   flush=True)
     result = {"environment": common.environment(), "rows": rows, "errors": errors}
     if a.out:
@@ -366,7 +389,7 @@ def _main(argv) -> int:
             json.dump(result, f, indent=1)
             f.write("\n")
     print(json.dumps({"rows": rows, "errors": errors}))
-    bad = errors or any(r.get("violations") for r in rows)
+    bad = errors or any(r.get("violations") or r.get("sweep_violations") for r in rows)
     return 1 if bad else 0
 
 
