@@ -2,7 +2,7 @@
 inside sglang-jax's canary-only step (the kernels as a server runs them).
 
     JAX_PLATFORMS=cuda python -m bench.tune_tail_verify [--bs 8,64] [--ctx 512,2048]
-                                                      [--iters 10] [--out FILE]
+                                                      [--iters 10] [--out FILE] [--vec]
 
 The TAIL verify fingerprints every verified slot's K strip (256 bytes, 32 words, in a serial
 splitmix64 chain per slot), several times the work of the HEAD verify over the same plan, and
@@ -31,6 +31,7 @@ from kvcanary_jax.bench import common, sglang_jax_step as sjs, timing  # noqa: E
 from kvcanary_jax.integrations import sglang_jax as ksj  # noqa: E402
 from kvcanary_jax.ops import _kernel_lib  # noqa: E402
 from kvcanary_jax.ops.verify import pallas_triton as vpt  # noqa: E402
+from kvcanary_jax.ops.write import pallas_triton as wpt  # noqa: E402
 
 # (block, num_warps, max_programs): the metadata-only small-plan shapes first, then more
 # programs with fewer entries each (one entry per lane at block = 32 * num_warps).
@@ -38,9 +39,15 @@ FOLD_SHAPES = [None, (256, 2, 264), (128, 4, 528), (128, 2, 1 << 30), (64, 2, 1 
                (64, 1, 1 << 30), (32, 1, 1 << 30), (256, 4, 1 << 30), (512, 4, 1 << 30),
                (1024, 8, 528)]
 WRITE_PREFETCH = [8, 16, 32]
+# --vec: the strip's words a lane loads at once (``fold_vec``, 1, 2 or 4), the verify's at the
+# shipped fold shape and two wider ones, then the write's (its prefetch as shipped).
+VEC_SHAPES = [(32, 1, 1 << 30, 1), (32, 1, 1 << 30, 2), (32, 1, 1 << 30, 4),
+              (64, 2, 1 << 30, 4), (128, 4, 1 << 30, 4)]
+WRITE_VEC = [1, 2, 4]
 
 
-def _case(bs: int, ctx: int, iters: int, done: list, path: str | None) -> list[dict]:
+def _case(bs: int, ctx: int, iters: int, done: list, path: str | None,
+          vec: bool = False) -> list[dict]:
     st = sjs.Stack("kv", bs, ctx, iters, "feed")
     st.build()
     canary, mesh = st.canary, st.mesh
@@ -72,11 +79,12 @@ def _case(bs: int, ctx: int, iters: int, done: list, path: str | None) -> list[d
 
     rows = []
     plans, prefetch = vpt.FOLD_PLANS, _kernel_lib.REAL_KV_PREFETCH_WRITE
+    verify_vec, write_vec = vpt.FOLD_VEC, wpt.FOLD_VEC
     try:
-        for shape in FOLD_SHAPES:
+        for shape in VEC_SHAPES if vec else FOLD_SHAPES:
             vpt.FOLD_PLANS = () if shape is None else (
                 (1 << 62, dict(block=shape[0], num_warps=shape[1], max_programs=shape[2],
-                               group=1, vec=1)),)
+                               group=1, vec=1, fold_vec=shape[3] if len(shape) > 3 else 1)),)
             try:
                 rows.append({"bs": bs, "ctx": ctx, "fold_shape": shape, **timed()})
             except Exception as e:  # a shape that fails to lower or compile is reported
@@ -85,13 +93,18 @@ def _case(bs: int, ctx: int, iters: int, done: list, path: str | None) -> list[d
             _print(rows[-1])
             _save(done + rows, path)
         vpt.FOLD_PLANS = plans
-        for n in WRITE_PREFETCH:
-            _kernel_lib.REAL_KV_PREFETCH_WRITE = n
-            rows.append({"bs": bs, "ctx": ctx, "write_prefetch": n, **timed()})
+        for n in WRITE_VEC if vec else WRITE_PREFETCH:
+            if vec:
+                wpt.FOLD_VEC = n
+            else:
+                _kernel_lib.REAL_KV_PREFETCH_WRITE = n
+            rows.append({"bs": bs, "ctx": ctx, ("write_fold_vec" if vec else "write_prefetch"): n,
+                         **timed()})
             _print(rows[-1])
             _save(done + rows, path)
     finally:
         vpt.FOLD_PLANS, _kernel_lib.REAL_KV_PREFETCH_WRITE = plans, prefetch
+        vpt.FOLD_VEC, wpt.FOLD_VEC = verify_vec, write_vec
     return rows
 
 
@@ -103,6 +116,7 @@ def _save(rows: list, out: str | None) -> None:
 
 def _print(row: dict) -> None:
     what = (f"fold {row['fold_shape']}" if "fold_shape" in row
+            else f"write fold_vec {row['write_fold_vec']}" if "write_fold_vec" in row
             else f"write prefetch {row['write_prefetch']}")
     if "error" in row:
         print(f"bs={row['bs']} ctx={row['ctx']} {what}: {row['error']}", flush=True)
@@ -119,12 +133,14 @@ def main(argv=None) -> int:
     p.add_argument("--ctx", default="512,2048")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default=None)
+    p.add_argument("--vec", action="store_true",
+                   help="time the real-KV words loaded at once (fold_vec) instead of the shapes")
     a = p.parse_args(argv)
     rows = []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*donated buffers.*")
         for bs, ctx in zip((int(x) for x in a.bs.split(",")), (int(x) for x in a.ctx.split(","))):
-            rows += _case(bs, ctx, a.iters, rows, a.out)
+            rows += _case(bs, ctx, a.iters, rows, a.out, a.vec)
     _save(rows, a.out)
     return 1 if any(r.get("violations") for r in rows) else 0
 

@@ -107,7 +107,7 @@ def array_gather(arr, idx, ok):
 
 
 def fold_real_kv(slots, mask, source_refs: Sequence, specs: Sequence, mode: int, *,
-                 gather=array_gather, index_dtype=None, prefetch: int = 1):
+                 gather=array_gather, index_dtype=None, prefetch: int = 1, gather_words=None):
     """Real-KV fingerprints of a vector of slots.
 
     ``source_refs[i]`` is source i's bytes as a flat int64 word ref; ``specs[i]`` its static
@@ -123,6 +123,10 @@ def fold_real_kv(slots, mask, source_refs: Sequence, specs: Sequence, mode: int,
     slot; a GPU issues in order, so loading each word just before its fold step exposes a load
     latency per word. Loading ``prefetch`` words first exposes one per group. The result does
     not depend on it (same words, same order).
+
+    ``gather_words(ref, base, first, count, ok)``, when given, loads words ``first .. first +
+    count - 1`` of each lane's strip at once (a list of ``count`` word vectors; kernels pass
+    vector loads of several contiguous words a lane) in place of ``count`` calls of ``gather``.
     """
     zero = jnp.zeros(slots.shape, jnp.int64)
     if mode == int(consts.RealKvHashMode.NONE) or not specs:
@@ -141,7 +145,10 @@ def fold_real_kv(slots, mask, source_refs: Sequence, specs: Sequence, mode: int,
 
         def fold(first, count, h, base=base, ok=ok, ref=ref):
             # ``count`` loads issued, then folded in order: word ``first + j`` is step j.
-            loaded = [gather(ref, base + (first + j).astype(idt), ok) for j in range(count)]
+            if gather_words is not None:
+                loaded = gather_words(ref, base, first, count, ok)
+            else:
+                loaded = [gather(ref, base + (first + j).astype(idt), ok) for j in range(count)]
             for word in loaded:
                 h = splitmix64(h ^ word)
             return h

@@ -205,12 +205,38 @@ def write_prefetch(num_sources: int) -> int:
     return max(REAL_KV_PREFETCH, REAL_KV_PREFETCH_WRITE // max(num_sources, 1))
 
 
-def fold_real_kv(slots, mask, source_refs, specs, mode: int, *, prefetch: int | None = None):
+def _words_gather(vec: int):
+    """``hashing.fold_real_kv``'s ``gather_words`` for kernels: a lane's contiguous words in
+    loads of up to ``vec`` words (a ``[lanes, n]`` tile, n a power of two: one vector load a lane
+    where Triton can prove the alignment, as the strips' static strides let it; scalar loads
+    otherwise, same words), split back into word vectors in order."""
+
+    def load(ref, base, first, count, ok):
+        out, j = [], 0
+        while j < count:
+            n = min(vec, 1 << ((count - j).bit_length() - 1))
+            if n == 1:
+                out.append(_word_gather(ref, base + (first + j).astype(base.dtype), ok))
+            else:
+                cols = jnp.arange(n, dtype=base.dtype)[None, :] + (first + j).astype(base.dtype)
+                m = jnp.broadcast_to(ok[:, None], (ok.shape[0], n))
+                tile = _plt().load(ref.at[base[:, None] + cols], mask=m, other=0)
+                out.extend(t.reshape(ok.shape[0]) for t in jax.lax.split(tile, (1,) * n, axis=1))
+            j += n
+        return out
+
+    return load
+
+
+def fold_real_kv(slots, mask, source_refs, specs, mode: int, *, prefetch: int | None = None,
+                 vec: int = 1):
     """:func:`kvcanary_jax.hashing.fold_real_kv` over kernel refs (masked loads, int32 offsets
-    where they fit); ``prefetch`` defaults to :data:`REAL_KV_PREFETCH`."""
+    where they fit); ``prefetch`` defaults to :data:`REAL_KV_PREFETCH`; ``vec``: words a lane
+    loads at once (1, 2 or 4; the result does not depend on it)."""
     return hashing.fold_real_kv(slots, mask, source_refs, specs, mode, gather=_word_gather,
                                 index_dtype=index_dtype,
-                                prefetch=REAL_KV_PREFETCH if prefetch is None else prefetch)
+                                prefetch=REAL_KV_PREFETCH if prefetch is None else prefetch,
+                                gather_words=_words_gather(vec) if vec > 1 else None)
 
 
 def canary_words(buf: jax.Array) -> jax.Array:

@@ -31,7 +31,7 @@ from kvcanary_jax.ops._kernel_lib import append_rows, canary_words, claim_rows
 from kvcanary_jax.plans import VerifyPlan
 
 __all__ = ["Config", "LaunchGrid", "heuristics", "launch_grid", "run", "BLOCK", "MAX_PROGRAMS",
-           "NUM_WARPS", "NUM_STAGES", "GROUP", "VEC", "HOIST", "SMALL_PLANS"]
+           "NUM_WARPS", "NUM_STAGES", "GROUP", "VEC", "HOIST", "SMALL_PLANS", "FOLD_VEC"]
 
 # Entries per block (one grid-stride step of a program), persistent grid cap (SGLang: 64 blocks x
 # 512 threads; the grid is smaller for small plans) and warps: the fastest of the H200 sweep
@@ -67,6 +67,10 @@ SMALL_PLANS = ((4096, dict(block=128, num_warps=4, group=1, vec=1)),
 # a lane), 30.23 -> 28.28 us at 132,864 (bs 64 x 2,048; the large-plan shape).
 FOLD_MIN_WORDS = 8
 FOLD_PLANS: tuple = ((1 << 18, dict(block=32, num_warps=1, max_programs=1 << 30, group=1, vec=1)),)
+# Real-KV words a lane loads at once for the fingerprints (1, 2 or 4): one 8-byte load a word
+# fetches a 32-byte sector for 8 bytes of it, and the strip's next words must still be in L1
+# when their loads come; 4 words are the whole sector.
+FOLD_VEC = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,15 +88,18 @@ class Config:
     group: int = GROUP
     vec: int = VEC
     hoist: bool = HOIST
+    fold_vec: int = FOLD_VEC
     interpret: bool = False
 
     def __post_init__(self):
         _kernel_lib.check_interpret("canary_verify", self.interpret)
         pow2 = lambda n: n >= 1 and not n & (n - 1)  # noqa: E731
-        if self.vec not in (1, 2, 4) or not pow2(self.group) or not pow2(self.block) or \
+        if self.vec not in (1, 2, 4) or self.fold_vec not in (1, 2, 4) or \
+                not pow2(self.group) or not pow2(self.block) or \
                 self.max_programs < 1 or self.num_warps < 1 or self.num_stages < 1:
             raise ValueError(f"kv-canary: canary_verify: bad launch parameters block={self.block} "
-                             f"group={self.group} vec={self.vec} (powers of two; vec 1, 2 or 4)")
+                             f"group={self.group} vec={self.vec} fold_vec={self.fold_vec} "
+                             "(powers of two; vec and fold_vec 1, 2 or 4)")
 
 
 def heuristics(shapes) -> Config:
@@ -101,11 +108,11 @@ def heuristics(shapes) -> Config:
     if shapes.get("real_kv_words", 0) >= FOLD_MIN_WORDS:
         for limit, fold in FOLD_PLANS:
             if shapes["capacity"] <= limit:
-                return Config(**fold)
+                return Config(**{"fold_vec": FOLD_VEC, **fold})
     for limit, small in SMALL_PLANS:
         if shapes["capacity"] <= limit:
-            return Config(**small)
-    return Config()
+            return Config(**{"fold_vec": FOLD_VEC, **small})
+    return Config(fold_vec=FOLD_VEC)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +140,7 @@ def launch_grid(capacity: int, config: Config) -> LaunchGrid:
 def _verify_kernel(
     slots_ref, etok_ref, epos_ref, prev_ref, nvalid_ref, enable_ref, canary, *refs, specs, mode,
     kind, check_token, num_slots, slot_words, ring_cap, block, num_programs, group, vec, hoist,
+    fold_vec=1,
 ):
     nsrc = len(specs)
     src_refs = refs[:nsrc]
@@ -226,7 +234,7 @@ def _verify_kernel(
             exp_chain = jnp.where(prev < 0, anchor, hashing.mix3(p_ph, p_tok, p_pos))
             exp_aux = jnp.where(chain_checked, exp_chain, ph)
             exp_rkv = _kernel_lib.fold_real_kv(slot, checked & (slot >= 0), src_refs, specs,
-                                               mode)
+                                               mode, vec=fold_vec)
             bits = (
                 jnp.where(chain_checked & (ph != exp_chain), int(F.VERIFY_CHAIN_HASH_MISMATCH), 0)
                 | jnp.where(pos != epos, int(F.VERIFY_POSITION_MISMATCH), 0)
@@ -288,7 +296,7 @@ def run(context: VerifyOrWriteContext, plan: VerifyPlan, *, check_verify_expecte
     kernel = functools.partial(
         _verify_kernel, specs=specs, mode=mode, kind=kind, check_token=check_token,
         num_slots=num_slots, slot_words=stride_bytes // 8, ring_cap=ring_cap, block=block,
-        num_programs=num_programs, group=group, vec=vec, hoist=hoist,
+        num_programs=num_programs, group=group, vec=vec, hoist=hoist, fold_vec=config.fold_vec,
     )
     ins = [plan.verify_slot_indices, plan.verify_expected_tokens, plan.verify_expected_positions,
            plan.verify_prev_slot_indices, plan.verify_num_valid, plan.enable,

@@ -42,7 +42,7 @@ from kvcanary_jax.ops._kernel_lib import (
 from kvcanary_jax.ops.write.base import WriteTokens
 from kvcanary_jax.plans import WritePlan
 
-__all__ = ["Config", "heuristics", "run", "BLOCK", "CHAIN_UNROLL", "NUM_WARPS"]
+__all__ = ["Config", "heuristics", "run", "BLOCK", "CHAIN_UNROLL", "NUM_WARPS", "FOLD_VEC"]
 
 # Tokens per block of one request: the vector part (loads, real-KV fingerprints, their store,
 # the input assert and the per-block violation check) is amortised over the block; the serial
@@ -54,6 +54,9 @@ CHAIN_UNROLL = 8
 # A program is one serial chain: more warps would only repeat its scalar work and take residency
 # from other requests' programs.
 NUM_WARPS = 1
+# Real-KV words a lane loads at once for the fingerprints (hashing.fold_real_kv's words, in
+# vector loads of up to this many: a 256-byte strip is 8 loads of 32 bytes, not 32 of 8).
+FOLD_VEC = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,29 +65,31 @@ class Config:
     trip; ``num_warps`` per program. Results do not depend on them; more than one warp is
     correct only because Triton issues a scalar store from a single thread (the in-request order
     of repeated slots), and is expected to be slower. ``interpret``: Pallas interpret mode (any
-    backend; what ``pallas_interpret`` runs)."""
+    backend; what ``pallas_interpret`` runs). ``fold_vec``: real-KV words a lane loads at once
+    (1, 2 or 4)."""
 
     block: int = BLOCK
     unroll: int = CHAIN_UNROLL
     num_warps: int = NUM_WARPS
+    fold_vec: int = FOLD_VEC
     interpret: bool = False
 
     def __post_init__(self):
         _kernel_lib.check_interpret("canary_write", self.interpret)
         if self.block < 1 or self.block & (self.block - 1) or self.unroll < 1 or \
-                self.num_warps < 1:
+                self.num_warps < 1 or self.fold_vec not in (1, 2, 4):
             raise ValueError(f"kv-canary: canary_write: bad launch config {self} (block a power "
-                             "of two, unroll and num_warps >= 1)")
+                             "of two, unroll and num_warps >= 1, fold_vec 1, 2 or 4)")
 
 
 def heuristics(shapes) -> Config:
-    return Config()
+    return Config(fold_vec=FOLD_VEC)
 
 
 def _write_kernel(
     offsets_ref, seeds_ref, nvalid_ref, ids_ref, pos_ref, ocl_ref, etok_ref, epos_ref, cpa_ref,
     *refs, specs, mode, kind, check_input, num_tokens, num_slots, slot_words, ring_cap, block,
-    unroll,
+    unroll, fold_vec=1,
 ):
     nsrc = len(specs)
     src_refs = refs[:nsrc]
@@ -185,7 +190,7 @@ def _write_kernel(
         # Field 3 depends on the slot only: duplicates of a slot store the same value, so this
         # scatter needs no ordering against the block's other stores or another block's.
         rkv = _kernel_lib.fold_real_kv(slot, valid, src_refs, specs, mode,
-                                       prefetch=_kernel_lib.write_prefetch(nsrc))
+                                       prefetch=_kernel_lib.write_prefetch(nsrc), vec=fold_vec)
         scatter(canary, slot * slot_words + consts.CANARY_FIELD_REAL_KV_HASH, rkv, valid)
         if h is None:  # first block: the seed's hash, emitted after the block's loads issue
             h = jnp.where(seed < 0, jnp.asarray(hashing.ANCHOR_HASH_I64, i64),
@@ -271,7 +276,7 @@ def run(context: VerifyOrWriteContext, plan: WritePlan, tokens: WriteTokens, *,
     kernel = functools.partial(
         _write_kernel, specs=specs, mode=mode, kind=kind, check_input=check_input,
         num_tokens=num_tokens, num_slots=num_slots, slot_words=stride_bytes // 8,
-        ring_cap=ring_cap, block=config.block, unroll=config.unroll,
+        ring_cap=ring_cap, block=config.block, unroll=config.unroll, fold_vec=config.fold_vec,
     )
     ins = [plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs,
            tokens.input_ids, tokens.positions, tokens.out_cache_loc, *expected,
