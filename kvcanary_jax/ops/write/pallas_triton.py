@@ -56,7 +56,7 @@ CHAIN_UNROLL = 8
 NUM_WARPS = 1
 # Real-KV words a lane loads at once for the fingerprints (hashing.fold_real_kv's words, in
 # vector loads of up to this many: a 256-byte strip is 8 loads of 32 bytes, not 32 of 8).
-FOLD_VEC = 4
+FOLD_VEC = 1
 
 
 @dataclasses.dataclass(frozen=True)
