@@ -402,6 +402,110 @@ def coverage_main(head_dim: int, flips: int, seed: int) -> None:
     print(json.dumps(out))
 
 
+def trust_main() -> None:
+    """What an operator does around a guard with a coverage window (4, the sweep every 2
+    calls), besides serving: a second install over the guarded runner; the guard's readers and
+    sweeps called from another thread while the main one serves (prefill, same-step and later
+    prefix hits, the decode loop); a bit flipped in a cached block of layer 1 and found by a
+    sweep called by hand, then ``flush()``; ``uninstall()`` twice; a decode loop failing on
+    the device after it took the carried state."""
+    import threading
+
+    window, interval = 4, 2
+    life = Life(128, num_blocks=64, guarded=False)
+    e, r = life.e, life.e.runner
+    own = lambda: (r.model_fn, r.model.step_fn_no_options,  # noqa: E731
+                   r.persistent_batch_manager.update_states,
+                   r.__dict__.get("_execute_continue_decode"))
+    bare = own()
+    life.install("all", coverage_window=window, sweep_interval=interval)
+    g = life.guard
+    out = {}
+    guarded = own()
+    try:
+        kti.install(r, coverage_window=window, sweep_interval=interval)
+        out["second_install"] = None
+    except ValueError as err:
+        out["second_install"] = {"error": str(err), "untouched": own() == guarded}
+
+    errors, stop = [], threading.Event()
+    calls = {"coverage": 0, "violation_counts": 0, "manager_coverage": 0, "sweep": 0}
+    readers = [("coverage", g.coverage), ("violation_counts", lambda: kti.violation_counts(g)),
+               ("manager_coverage", g.manager.coverage), ("sweep", g.sweep)]
+
+    def reader():
+        k = 0
+        while not stop.is_set():
+            name, call = readers[k % len(readers)]
+            try:
+                call()
+                calls[name] += 1
+            except Exception as err:  # noqa: BLE001  (every failure is the finding)
+                errors.append(f"{name}: {type(err).__name__}: {err}"[:300])
+            k += 1
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        life.prefix_hits_and_loops()
+        for i in range(3):
+            e.add(f"t{i}", [400 + 10 * i + k for k in range(24)], 12)
+        life.run("t")
+    finally:
+        stop.set()
+        thread.join()
+    g.manager.flush()
+    out["threads"] = {"errors": errors[:5], "n_errors": len(errors), "calls": calls,
+                      "total": kti.violation_counts(g).tolist(), "share": g.coverage().share,
+                      "loops": sum(1 for s in life.log if s["scheduled"] and all(
+                          n == 4 for n in s["scheduled"].values()))}
+
+    reports = len(life.reports)
+    cached = sorted({b for chain in g.cached.prefixes(0) for b in chain})
+    slot = cached[len(cached) // 2] * R.BLOCK_SIZE + 5
+    _flip_bit(r, 1, slot, 37, 3)
+    g.sweep()
+    g.manager.flush()
+    out["manual_sweep"] = {"slot": slot, "reported": [s for s, _ in life.reports[reports:]],
+                           "manager_coverage": g.manager.coverage() is not None}
+    _flip_bit(r, 1, slot, 37, 3)
+
+    g.uninstall()
+    g.uninstall()
+    out["uninstall_twice"] = {"restored": own() == bare,
+                              "marker": "_kvcanary_guard" in vars(r)}
+
+    e.scheduler.reset_prefix_cache()
+    life.guard = None
+    life.install("all", coverage_window=window, sweep_interval=interval)
+    g = life.guard
+    loop = g._orig["continue"]
+
+    def failing(scheduler_output):  # what a device failure mid-loop leaves: the carry gone
+        for leaf in jax.tree.leaves(r.kv_caches[-1].state):
+            leaf.delete()
+        raise RuntimeError("injected: the decode loop failed on the device")
+
+    e.add("x", list(range(500, 520)), 12)
+    raised = None
+    for n in range(6):
+        if n == 1:
+            g._orig["continue"] = failing
+        try:
+            life.step(f"x {n}")
+        except RuntimeError as err:
+            raised = str(err)
+            break
+    g._orig["continue"] = loop
+    counts = kti.violation_counts(g).tolist()
+    out["loop_failure"] = {"raised": raised, "counts": counts,
+                           "share": g.coverage().share,
+                           "carried_left": any(isinstance(c, kti.Carried) for c in r.kv_caches),
+                           "kv_arrays": len(r.kv_caches)}
+    e.scheduler.shutdown()
+    print(json.dumps(out))
+
+
 def _row(runner, layer: int, slot: int) -> np.ndarray:
     """``slot``'s row of ``runner.kv_caches[layer]`` as bytes (one data shard)."""
     host = np.asarray(runner.kv_caches[layer])
@@ -426,9 +530,12 @@ def main() -> None:
     ap.add_argument("--raise-mode", action="store_true")
     ap.add_argument("--coverage-flips", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trust", action="store_true")
     args = ap.parse_args()
     if args.raise_mode:
         return raise_main()
+    if args.trust:
+        return trust_main()
     if args.coverage_flips:
         return coverage_main(args.head_dim, args.coverage_flips, args.seed)
     if args.dp > 1:

@@ -168,6 +168,42 @@ def test_observe_reports_a_fresh_state_from_its_first_row():
     assert fresh == _ring_rows(state) and fresh[0] == 0, (first_rows, fresh)
 
 
+def test_hold_reports_what_the_server_s_own_sweep_found_at_flush():
+    """The server runs its own sweep between steps (observe mode) and hands the state to
+    hold(): flush() reports what the sweep found, once, and coverage reads the held state."""
+    seen = []
+    mgr = rt.CanaryManager(rt.ManagerConfig(mode="log", **ON, **NO_HEALTH), SIM.canary_config(),
+                           on_violation=seen.append, allocate=False)
+    srv = Server(SIM)
+    step = rt.make_canary_step(mgr.cfg, forward_for(mgr.cfg, SIM.kv_width))
+    state = rt.init_state(mgr.cfg)
+    for _ in range(3):
+        t0 = time.perf_counter()
+        sched, batch, rtt, lut = srv.prepare()
+        state, srv.kv = step(state, srv.kv, batch, rtt, lut)
+        mgr.observe(state)
+        srv.complete(sched, t0, poll=False)
+    mgr.flush()
+    assert seen == [] and rt.violation_count(state) == 0
+    req = next(r for r in srv.live if r.slots)
+    from kvcanary_jax.sim import faults
+    faults._flip_kv_byte(srv, "FULL", req.slots[0])
+    table, rows, lengths = srv.sweep_inputs()
+    with jax.enable_x64(True):
+        state = rt.canary_sweep(mgr.cfg, state, rows_table=jnp.asarray(table),
+                                row_indices=jnp.asarray(rows), lengths=jnp.asarray(lengths),
+                                kv=srv.kv, lut=jnp.asarray(srv.lut))
+    mgr.hold(state)
+    mgr.flush()
+    # Every ring row once (the walk lists the slot in a cache entry and in the live request's
+    # prefix: a row each), all of them the sweep's, all of them the flipped slot.
+    assert [r.violation.index for r in seen] == _ring_rows(state) != [], seen
+    assert {(r.violation.slot, r.violation.phase) for r in seen} == {(req.slots[0], "SWEEP")}
+    mgr.flush()  # nothing new: nothing reported again
+    assert len(seen) == len(_ring_rows(state))
+    assert mgr.state is state
+
+
 # ------------------------------------------------- sizes that contradict the config are refused
 
 

@@ -85,6 +85,7 @@ JOBS = {
     ("dp",): functools.partial(_run, "--dp", "2", devices=2),
     ("bench",): functools.partial(_bench, "--smoke", timeout=900),
     ("raise",): functools.partial(_run, "--raise-mode"),
+    ("trust",): functools.partial(_run, "--trust"),
 }
 _POOL: dict = {}
 
@@ -321,6 +322,29 @@ def test_a_raise_after_a_plain_step_leaves_the_runner_a_live_cache(request):
     assert r["raised"] == "CanaryViolationError", r
     assert r["kv_attached"] and r["runner_kv_live"], r
     assert r["reasons"] == REAL_KV, r
+
+
+@uses(("trust",))
+def test_what_an_operator_does_around_a_guard_with_a_window(request):
+    """A second install over a guarded runner is refused and changes nothing; the guard's
+    readers and sweeps called from another thread while the runner serves (prefix hits, the
+    decode loop) raise nothing and report nothing on clean KV; a flip in a cached block of layer
+    1 found by a sweep called by hand is reported by ``flush()``; ``uninstall()`` twice gives
+    the runner its own functions back; a decode loop failing on the device after it took the
+    carried state raises its own error, and leaves the guard a usable state."""
+    t = _job(request, ("trust",))
+    assert "guarded already" in t["second_install"]["error"], t
+    assert t["second_install"]["untouched"], t
+    th = t["threads"]
+    assert th["n_errors"] == 0, th["errors"]
+    assert th["total"] == [0] and th["share"] == 1.0 and th["loops"] > 0, th
+    assert min(th["calls"].values()) > 0, th
+    assert t["manual_sweep"]["reported"] == [t["manual_sweep"]["slot"]], t
+    assert t["manual_sweep"]["manager_coverage"], t
+    assert t["uninstall_twice"] == {"restored": True, "marker": False}, t
+    lf = t["loop_failure"]
+    assert lf["raised"] == "injected: the decode loop failed on the device", lf
+    assert lf["counts"] == [0] and not lf["carried_left"] and lf["kv_arrays"] == 2, lf
 
 
 @pytest.mark.parametrize("mode, covered", [("all", {2, 4}), ("partial", {2}), ("none", set())])

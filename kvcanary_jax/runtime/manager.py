@@ -257,6 +257,23 @@ class CanaryManager:
         if self._rebaser is not None:
             self._rebaser.reset()
 
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock every public method holds. A server that donates the state the manager holds
+        (an integration's own jitted step) holds it too, from the donating call until the new
+        state is handed over (:meth:`observe`, :meth:`hold`), so that no call from another
+        thread reads a donated state."""
+        return self._lock
+
+    @_serialized
+    def hold(self, state) -> None:
+        """The server's state after launches of its own between steps (a sweep it ran): held
+        from now on (:meth:`coverage` reads it), and what they found is reported by the next
+        step's readback or by :meth:`flush` / :meth:`close`."""
+        self._require_enabled("hold")
+        self.state = state
+        self._unread = True
+
     @_serialized
     def coverage(self) -> _coverage.CoverageStats | None:
         """The coverage report of the state now (``coverage_window``; ``None`` when off): the

@@ -87,6 +87,11 @@ def _get(obj, dotted):
 
 
 def _check_runner(runner) -> None:
+    installed = vars(runner).get("_kvcanary_guard")
+    if installed is not None:
+        raise ValueError("kv-canary tpu-inference: this runner is guarded already (a guard is "
+                         "installed and was not uninstalled): call its uninstall() first, or "
+                         "keep it")
     try:
         version = importlib.metadata.version("tpu-inference")
     except importlib.metadata.PackageNotFoundError:
@@ -210,6 +215,7 @@ class TpuInferenceGuard:
         self.sweeps = 0
         self._pending = None
         self._prepared = False  # update_states described the step the runner runs next
+        self._sweep_due = False  # sweep() asked for one while a step was described
         self._owners: list[dict[int, str]] = []
         self._late = np.zeros((canary.data_shards * canary.max_reqs,), np.int32)
         from tpu_inference.models.common import compiler_options
@@ -222,21 +228,36 @@ class TpuInferenceGuard:
         self._normal_jits: dict = {}
         self._pack = jax.jit(device.pack_state)
         self._unpack = jax.jit(lambda p: device.unpack_state(p, device.state_shapes(canary)))
+        # One lock with the manager's: from a step's donating call until the manager holds the
+        # new state, no call from another thread (coverage(), sweep(), the manager's own, the
+        # module's readers) sees a donated state.
+        self._lock = manager.lock
+        self.installed = True
         runner.persistent_batch_manager.update_states = self._update_states
         runner.model_fn = self._model_fn
         runner.model.step_fn_no_options = self._loop_step
         runner._execute_continue_decode = self._continue_decode
+        runner._kvcanary_guard = self
 
     def uninstall(self) -> None:
-        """Give the runner its own functions back."""
-        r = self.runner
-        r.model_fn = self._orig["model_fn"]
-        r.model.step_fn_no_options = self._orig["step_fn_no_options"]
-        r.persistent_batch_manager.update_states = self._orig["update_states"]
-        del r._execute_continue_decode  # the class's method again
+        """Give the runner its own functions back (a second call does nothing)."""
+        with self._lock:
+            if not self.installed:
+                return
+            r = self.runner
+            r.model_fn = self._orig["model_fn"]
+            r.model.step_fn_no_options = self._orig["step_fn_no_options"]
+            r.persistent_batch_manager.update_states = self._orig["update_states"]
+            del r._execute_continue_decode  # the class's method again
+            del r._kvcanary_guard
+            self.installed = False
 
     # ----------------------------------------------------------------- request lifecycle
     def _update_states(self, scheduler_output, *args, **kwargs):
+        with self._lock:  # the books a sweep from another thread walks
+            return self._update_books(scheduler_output, *args, **kwargs)
+
+    def _update_books(self, scheduler_output, *args, **kwargs):
         out = self._orig["update_states"](scheduler_output, *args, **kwargs)
         self.book.finish(scheduler_output.finished_req_ids)
         if not scheduler_output.total_num_scheduled_tokens:
@@ -278,6 +299,15 @@ class TpuInferenceGuard:
                                           inputs_embeds, input_positions, layer_map,
                                           lora_metadata, intermediate_tensors, is_first_rank,
                                           is_last_rank, **kwargs)
+        with self._lock:
+            return self._guarded_model_fn(state_leaves, kv_caches, input_ids, attn_metadata,
+                                          inputs_embeds, input_positions, layer_map,
+                                          lora_metadata, intermediate_tensors, is_first_rank,
+                                          is_last_rank)
+
+    def _guarded_model_fn(self, state_leaves, kv_caches, input_ids, attn_metadata, inputs_embeds,
+                          input_positions, layer_map, lora_metadata, intermediate_tensors,
+                          is_first_rank, is_last_rank):
         pending, delta = self._take_delta()
         model_x64 = bool(jax.config.read("jax_enable_x64"))
         jitted = self._normal_jit(kv_caches)
@@ -291,6 +321,7 @@ class TpuInferenceGuard:
         except BaseException:
             self.book.reset()
             self._prepared = False
+            self._restart_if_taken()
             raise
         # The runner stores the returned KV only after this returns; until then its kv_caches
         # are the donated (deleted) arrays. Hand the step's own KV over first, so that the
@@ -328,6 +359,10 @@ class TpuInferenceGuard:
     def _continue_decode(self, scheduler_output):
         if not self._prepared:
             return self._orig["continue"](scheduler_output)
+        with self._lock:
+            return self._guarded_continue_decode(scheduler_output)
+
+    def _guarded_continue_decode(self, scheduler_output):
         pending, delta = self._take_delta()
         runner = self.runner
         with jax.enable_x64(True):
@@ -335,22 +370,43 @@ class TpuInferenceGuard:
         self.state = None  # donated into the loop's carry
         runner.kv_caches = list(runner.kv_caches) + [
             Carried(state=packed, delta=delta, pending=jnp.ones((), jnp.bool_))]
+        failed = True
         try:
             out = self._orig["continue"](scheduler_output)
+            failed = False
         except BaseException:
             self.book.reset()
             self._prepared = False
             raise
         finally:
             kvs = list(runner.kv_caches)
-            if kvs and isinstance(kvs[-1], Carried):
-                with jax.enable_x64(True):
-                    self.state = self._unpack(kvs[-1].state)
+            carried = kvs[-1] if kvs and isinstance(kvs[-1], Carried) else None
+            if carried is not None:
                 runner.kv_caches = kvs[:-1]
-            if self.state is None:  # the loop failed after taking the state: start afresh
-                self.state = self.canary.init_state()
+                try:
+                    with jax.enable_x64(True):
+                        self.state = self._unpack(carried.state)
+                except Exception:
+                    if not failed:
+                        raise
+                    # The failed loop took the carried state with it (donated): the loop's
+                    # own error goes on, not this one.
+            self._restart_if_taken()
         self._after_step(pending)
         return out
+
+    def _restart_if_taken(self) -> None:
+        """After a failed step: a state the step took (donated, or never handed back) is gone;
+        the canary starts afresh (blocks written before read as unstamped, and are reported as
+        after a new install), and says so."""
+        state = self.state
+        gone = state is None or any(getattr(leaf, "is_deleted", lambda: False)()
+                                    for leaf in jax.tree.leaves(state))
+        if gone:
+            logger.warning("kv-canary tpu-inference: a failed step took the canary's state with "
+                           "it; the canary starts afresh (KV written before this point has no "
+                           "canary: reset vLLM's prefix cache to avoid reports on it)")
+            self.state = self.canary.init_state()
 
     # ------------------------------------------------------------------- host side
     def _resolve(self, owners):
@@ -382,7 +438,9 @@ class TpuInferenceGuard:
             # The sweep first, as the manager's own step runs it: the readback the manager
             # stages now holds its launches (with a coverage window the manager's launch-health
             # check expects the SWEEP tags between two checks) and its findings.
-            if self.sweep_interval and self.steps % self.sweep_interval == 0:
+            if self._sweep_due or (self.sweep_interval
+                                   and self.steps % self.sweep_interval == 0):
+                self._sweep_due = False
                 self._sweep(kv_caches)
             if self.manager is not None:
                 self.manager.observe(self.state, resolve=self._resolve(self._owners))
@@ -393,8 +451,21 @@ class TpuInferenceGuard:
 
     def sweep(self) -> None:
         """Re-verify every cached chain of blocks now (the SWEEP tags, token check off; with a
-        coverage window, the digest of every layer of their slots too)."""
-        self._sweep(self.runner.kv_caches)
+        coverage window, the digest of every layer of their slots too). What it finds is
+        reported by the next step, or by the manager's ``flush()`` / ``close()``. Called from
+        another thread while the runner is between a step's ``update_states`` and its model
+        call, it runs right after that step instead (the blocks the step is about to write are
+        listed already, with no canary yet)."""
+        with self._lock:
+            if self._prepared:
+                # Between a step's update_states and its model call (another thread's call):
+                # the books already list the blocks the step is about to write, which hold no
+                # canary yet. The sweep runs right after that step, before its readback.
+                self._sweep_due = True
+                return
+            self._sweep(self.runner.kv_caches)
+            if self.manager is not None:
+                self.manager.hold(self.state)
 
     def coverage(self):
         """The coverage window's report of the state now
@@ -406,8 +477,9 @@ class TpuInferenceGuard:
             return None
         from kvcanary_jax.runtime.coverage import coverage_stats
 
-        return coverage_stats(self.canary.config, self.state,
-                              sweep_interval=self.sweep_interval)
+        with self._lock:
+            return coverage_stats(self.canary.config, self.state,
+                                  sweep_interval=self.sweep_interval)
 
     def _sweep(self, kv_caches) -> None:
         c = self.canary
@@ -526,7 +598,8 @@ def install(runner, *, mode: str = "log", real_data: str = "all", sweep_interval
 
 def violation_counts(guard: TpuInferenceGuard) -> np.ndarray:
     """Violations ever recorded, per shard."""
-    return np.asarray(guard.state.violation_write_index)[:, 0].astype(np.int64)
+    with guard._lock:
+        return np.asarray(guard.state.violation_write_index)[:, 0].astype(np.int64)
 
 
 def read_violations(guard: TpuInferenceGuard, *, start=0) -> list[tuple[int, Any]]:
@@ -534,8 +607,9 @@ def read_violations(guard: TpuInferenceGuard, *, start=0) -> list[tuple[int, Any
     or one per shard)."""
     from kvcanary_jax.runtime import decode_ring
 
-    ring = np.asarray(guard.state.violation_ring)
-    counts = violation_counts(guard)
+    with guard._lock:
+        ring = np.asarray(guard.state.violation_ring)
+        counts = violation_counts(guard)
     starts = np.broadcast_to(np.asarray(start, np.int64), counts.shape)
     return [(i, v) for i in range(ring.shape[0])
             for v in decode_ring(ring[i], int(counts[i]), start=int(starts[i]))]
