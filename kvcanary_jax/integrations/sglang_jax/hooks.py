@@ -165,15 +165,20 @@ class ManagedModelRunnerHook(ModelRunnerHook):
         super().expect(expected, table)
         self._reqs = reqs
 
+    # Each guarded step holds the manager's lock from the call that donates the state until the
+    # manager holds the new one: the manager's calls from another thread (coverage(), flush())
+    # never read a donated state.
     def _run(self, forward_batch, logits_metadata):
-        out = super()._run(forward_batch, logits_metadata)
-        self._observe(out[1], forward_batch)
+        with self.manager.lock:
+            out = super()._run(forward_batch, logits_metadata)
+            self._observe(out[1], forward_batch)
         return out
 
     def _run_and_sample(self, forward_batch, logits_metadata, sampling_metadata, future_map):
-        out = super()._run_and_sample(forward_batch, logits_metadata, sampling_metadata,
-                                      future_map)
-        self._observe(out[_FUSED_UPDATES], forward_batch)
+        with self.manager.lock:
+            out = super()._run_and_sample(forward_batch, logits_metadata, sampling_metadata,
+                                          future_map)
+            self._observe(out[_FUSED_UPDATES], forward_batch)
         return out
 
     def _observe(self, updates, forward_batch) -> None:

@@ -87,7 +87,7 @@ def _get(obj, dotted):
 
 
 def _check_runner(runner) -> None:
-    installed = vars(runner).get("_kvcanary_guard")
+    installed = getattr(runner, "__dict__", {}).get("_kvcanary_guard")
     if installed is not None:
         raise ValueError("kv-canary tpu-inference: this runner is guarded already (a guard is "
                          "installed and was not uninstalled): call its uninstall() first, or "
