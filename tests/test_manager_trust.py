@@ -132,15 +132,21 @@ def test_flush_reports_an_explicit_sweep():
 # ----------------------------------------------------------- observe mode: the state swapped
 
 
+def _observing():
+    """A manager in observe mode (log, reports collected), the simulated server, and the
+    server's own jitted canary step."""
+    seen = []
+    mgr = rt.CanaryManager(rt.ManagerConfig(mode="log", **ON, **NO_HEALTH), SIM.canary_config(),
+                           on_violation=seen.append, allocate=False)
+    step = rt.make_canary_step(mgr.cfg, forward_for(mgr.cfg, SIM.kv_width))
+    return seen, mgr, Server(SIM), step
+
+
 def test_observe_reports_a_fresh_state_from_its_first_row():
     """The server runs its own jitted step and hands each new state to observe(); it restarts
     its canary with a fresh init_state() (its write index below what was reported): every row
     of the fresh state is reported, the first one included."""
-    seen = []
-    mgr = rt.CanaryManager(rt.ManagerConfig(mode="log", **ON, **NO_HEALTH), SIM.canary_config(),
-                           on_violation=seen.append, allocate=False)
-    srv = Server(SIM)
-    step = rt.make_canary_step(mgr.cfg, forward_for(mgr.cfg, SIM.kv_width))
+    seen, mgr, srv, step = _observing()
     state = rt.init_state(mgr.cfg)
 
     def run(n):
@@ -171,11 +177,7 @@ def test_observe_reports_a_fresh_state_from_its_first_row():
 def test_hold_reports_what_the_server_s_own_sweep_found_at_flush():
     """The server runs its own sweep between steps (observe mode) and hands the state to
     hold(): flush() reports what the sweep found, once, and coverage reads the held state."""
-    seen = []
-    mgr = rt.CanaryManager(rt.ManagerConfig(mode="log", **ON, **NO_HEALTH), SIM.canary_config(),
-                           on_violation=seen.append, allocate=False)
-    srv = Server(SIM)
-    step = rt.make_canary_step(mgr.cfg, forward_for(mgr.cfg, SIM.kv_width))
+    seen, mgr, srv, step = _observing()
     state = rt.init_state(mgr.cfg)
     for _ in range(3):
         t0 = time.perf_counter()
