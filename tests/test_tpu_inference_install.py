@@ -162,6 +162,25 @@ def test_bad_arguments_are_refused(version, kwargs, match):
     _refused(runner(), ValueError, match, **kwargs)
 
 
+def test_numpy_integers_are_taken_as_ints(version, monkeypatch):
+    """A window and interval read from a config as numpy integers are ints: taken, as Python
+    ints (numpy's bools and floats are not)."""
+    from kvcanary_jax.integrations.tpu_inference import guard
+
+    built = []  # the guard itself needs tpu-inference: stood in for, past every check
+    monkeypatch.setattr(guard, "TpuInferenceGuard", lambda *args: built.append(args) or "guard")
+    assert kti.install(runner(), coverage_window=np.int64(8), sweep_interval=np.int32(4)) == \
+        "guard"
+    (_, canary, manager, interval), = built
+    assert (canary.coverage_window, interval) == (8, 4)
+    assert type(canary.coverage_window) is int and type(interval) is int
+    _refused(runner(), ValueError, r"coverage_window must be an int >= 0, got np\.True_|"
+             r"coverage_window must be an int >= 0, got True", coverage_window=np.bool_(True),
+             sweep_interval=4)
+    _refused(runner(), ValueError, r"sweep_interval must be an int >= 0, got np\.float64\(2\.0\)|"
+             r"sweep_interval must be an int >= 0, got 2\.0", sweep_interval=np.float64(2.0))
+
+
 def test_a_coverage_window_over_layers_of_another_layout_is_refused(version):
     """A window digests every array of ``runner.kv_caches`` as the canary layer's layout: one
     of another shape (a hybrid model's) is refused, never left out of the digest."""

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import logging
+import numbers
 from typing import Any, Callable
 
 import jax
@@ -555,12 +556,10 @@ def install(runner, *, mode: str = "log", real_data: str = "all", sweep_interval
     fields. Everything is checked here, before the runner is touched."""
     if coverage_window is None:
         coverage_window = env_value("coverage_window") or 0
-    for name, value, least in (("sweep_interval", sweep_interval, 0), ("layer", layer, 0),
-                               ("k_heads", k_heads, 1), ("sweep_rows", sweep_rows, 1),
-                               ("coverage_window", coverage_window, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise ValueError(f"kv-canary tpu-inference: {name} must be an int >= {least}, got "
-                             f"{value!r}")
+    sweep_interval, layer, k_heads, sweep_rows, coverage_window = (
+        _whole(name, value, least) for name, value, least in (
+            ("sweep_interval", sweep_interval, 0), ("layer", layer, 0), ("k_heads", k_heads, 1),
+            ("sweep_rows", sweep_rows, 1), ("coverage_window", coverage_window, 0)))
     if coverage_window and not sweep_interval:
         raise ValueError(
             f"kv-canary tpu-inference: coverage_window {coverage_window} verifies the slots "
@@ -594,6 +593,16 @@ def install(runner, *, mode: str = "log", real_data: str = "all", sweep_interval
                      coverage_window=coverage_window)
     manager = CanaryManager(config, canary.config, on_violation=on_violation, allocate=False)
     return TpuInferenceGuard(runner, canary, manager, sweep_interval)
+
+
+def _whole(name: str, value, least: int) -> int:
+    """``value`` as a Python int (numpy's integers too), refused unless an integer >= ``least``
+    (a bool or a float is not one)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or \
+            value < least:
+        raise ValueError(f"kv-canary tpu-inference: {name} must be an int >= {least}, got "
+                         f"{value!r}")
+    return int(value)
 
 
 def violation_counts(guard: TpuInferenceGuard) -> np.ndarray:
