@@ -84,7 +84,8 @@ def _case(bs: int, ctx: int, iters: int, done: list, path: str | None,
         for shape in VEC_SHAPES if vec else FOLD_SHAPES:
             vpt.FOLD_PLANS = () if shape is None else (
                 (1 << 62, dict(block=shape[0], num_warps=shape[1], max_programs=shape[2],
-                               group=1, vec=1, fold_vec=shape[3] if len(shape) > 3 else 1)),)
+                               group=1, vec=1,
+                               fold_vec=shape[3] if len(shape) > 3 else verify_vec)),)
             try:
                 rows.append({"bs": bs, "ctx": ctx, "fold_shape": shape, **timed()})
             except Exception as e:  # a shape that fails to lower or compile is reported

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
@@ -480,6 +481,14 @@ def trust_main() -> None:
     life.install("all", coverage_window=window, sweep_interval=interval)
     g = life.guard
     loop = g._orig["continue"]
+    restarts = []  # the guard's warnings that its canary starts afresh
+
+    class Restarts(logging.Handler):
+        def emit(self, record):
+            if "starts afresh" in record.getMessage():
+                restarts.append(record.getMessage()[:80])
+
+    logging.getLogger("kvcanary_jax.integrations.tpu_inference.guard").addHandler(Restarts())
 
     def failing(scheduler_output):  # what a device failure mid-loop leaves: the carry gone
         for leaf in jax.tree.leaves(r.kv_caches[-1].state):
@@ -499,9 +508,38 @@ def trust_main() -> None:
     g._orig["continue"] = loop
     counts = kti.violation_counts(g).tolist()
     out["loop_failure"] = {"raised": raised, "counts": counts,
-                           "share": g.coverage().share,
                            "carried_left": any(isinstance(c, kti.Carried) for c in r.kv_caches),
-                           "kv_arrays": len(r.kv_caches)}
+                           "kv_arrays": len(r.kv_caches),
+                           "manager_coverage": g.manager.coverage() is not None}
+
+    def failing_jit(kv_caches):  # a plain step failing on the device after the donation
+        def run(state, *args):
+            for leaf in jax.tree.leaves(state):
+                leaf.delete()
+            raise RuntimeError("injected: the step failed on the device")
+        return run
+
+    from vllm.v1.request import RequestStatus
+
+    e.scheduler.finish_requests("x", RequestStatus.FINISHED_ABORTED)
+    jit, g._normal_jit = g._normal_jit, failing_jit
+    e.add("z", list(range(700, 720)), 4)
+    try:
+        life.step("z prefill")
+        raised = None
+    except RuntimeError as err:
+        raised = str(err)
+    g._normal_jit = jit
+    out["step_failure"] = {"raised": raised, "counts": kti.violation_counts(g).tolist(),
+                           "manager_coverage": g.manager.coverage() is not None}
+    # Serving on, the failed requests aborted: a new request served clean and covered.
+    e.scheduler.finish_requests("z", RequestStatus.FINISHED_ABORTED)
+    e.add("y", list(range(600, 630)), 8)
+    life.run("y")
+    g.sweep()
+    g.manager.flush()
+    out["served_on"] = {"counts": kti.violation_counts(g).tolist(), "share": g.coverage().share,
+                        "restarts": restarts}
     e.scheduler.shutdown()
     print(json.dumps(out))
 

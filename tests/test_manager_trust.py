@@ -176,7 +176,7 @@ def test_observe_reports_a_fresh_state_from_its_first_row():
 
 def test_hold_reports_what_the_server_s_own_sweep_found_at_flush():
     """The server runs its own sweep between steps (observe mode) and hands the state to
-    hold(): flush() reports what the sweep found, once, and coverage reads the held state."""
+    hold(): flush() reports what the sweep found, once, and the manager holds that state."""
     seen, mgr, srv, step = _observing()
     state = rt.init_state(mgr.cfg)
     for _ in range(3):

@@ -330,8 +330,9 @@ def test_what_an_operator_does_around_a_guard_with_a_window(request):
     readers and sweeps called from another thread while the runner serves (prefix hits, the
     decode loop) raise nothing and report nothing on clean KV; a flip in a cached block of layer
     1 found by a sweep called by hand is reported by ``flush()``; ``uninstall()`` twice gives
-    the runner its own functions back; a decode loop failing on the device after it took the
-    carried state raises its own error, and leaves the guard a usable state."""
+    the runner its own functions back; a decode loop, then a plain step, failing on the device
+    after taking the canary's state raise their own errors, and the guard, its canary restarted,
+    serves on clean."""
     t = _job(request, ("trust",))
     assert "guarded already" in t["second_install"]["error"], t
     assert t["second_install"]["untouched"], t
@@ -345,6 +346,14 @@ def test_what_an_operator_does_around_a_guard_with_a_window(request):
     lf = t["loop_failure"]
     assert lf["raised"] == "injected: the decode loop failed on the device", lf
     assert lf["counts"] == [0] and not lf["carried_left"] and lf["kv_arrays"] == 2, lf
+    assert lf["manager_coverage"], lf  # the manager holds the fresh state, not the taken one
+    sf = t["step_failure"]  # a plain step failing on the device after it took the state
+    assert sf["raised"] == "injected: the step failed on the device", sf
+    assert sf["counts"] == [0] and sf["manager_coverage"], sf
+    # Serving on, the failed requests aborted: clean, covered, and each restart said so (the
+    # blocks cached before it are not swept: they have no canary).
+    on = t["served_on"]
+    assert on["counts"] == [0] and on["share"] == 1.0 and len(on["restarts"]) == 2, on
 
 
 @pytest.mark.parametrize("mode, covered", [("all", {2, 4}), ("partial", {2}), ("none", set())])

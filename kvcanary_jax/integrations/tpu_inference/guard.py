@@ -295,12 +295,12 @@ class TpuInferenceGuard:
     def _model_fn(self, state_leaves, kv_caches, input_ids, attn_metadata, inputs_embeds,
                   input_positions, layer_map, lora_metadata, intermediate_tensors, is_first_rank,
                   is_last_rank, **kwargs):
-        if not self._prepared:  # no step described (a warm-up, a replay): not guarded
-            return self._orig["model_fn"](state_leaves, kv_caches, input_ids, attn_metadata,
-                                          inputs_embeds, input_positions, layer_map,
-                                          lora_metadata, intermediate_tensors, is_first_rank,
-                                          is_last_rank, **kwargs)
-        with self._lock:
+        with self._lock:  # a sweep from another thread must not read the KV it donates
+            if not self._prepared:  # no step described (a warm-up, a replay): not guarded
+                return self._orig["model_fn"](state_leaves, kv_caches, input_ids,
+                                              attn_metadata, inputs_embeds, input_positions,
+                                              layer_map, lora_metadata, intermediate_tensors,
+                                              is_first_rank, is_last_rank, **kwargs)
             return self._guarded_model_fn(state_leaves, kv_caches, input_ids, attn_metadata,
                                           inputs_embeds, input_positions, layer_map,
                                           lora_metadata, intermediate_tensors, is_first_rank,
@@ -358,9 +358,9 @@ class TpuInferenceGuard:
         return (list(out[0]) + [new], *out[1:])
 
     def _continue_decode(self, scheduler_output):
-        if not self._prepared:
-            return self._orig["continue"](scheduler_output)
         with self._lock:
+            if not self._prepared:
+                return self._orig["continue"](scheduler_output)
             return self._guarded_continue_decode(scheduler_output)
 
     def _guarded_continue_decode(self, scheduler_output):
@@ -380,21 +380,31 @@ class TpuInferenceGuard:
             self._prepared = False
             raise
         finally:
-            kvs = list(runner.kv_caches)
-            carried = kvs[-1] if kvs and isinstance(kvs[-1], Carried) else None
-            if carried is not None:
-                runner.kv_caches = kvs[:-1]
-                try:
-                    with jax.enable_x64(True):
-                        self.state = self._unpack(carried.state)
-                except Exception:
-                    if not failed:
-                        raise
-                    # The failed loop took the carried state with it (donated): the loop's
-                    # own error goes on, not this one.
-            self._restart_if_taken()
+            try:
+                self._take_carried(failed)
+            except BaseException:
+                self.book.reset()
+                self._prepared = False
+                raise
+            finally:
+                self._restart_if_taken()
         self._after_step(pending)
         return out
+
+    def _take_carried(self, failed: bool) -> None:
+        """The loop's carried state back into ``self.state``, its entry out of the runner's
+        ``kv_caches``. After a failed loop a carry it took with it (donated) is let go: the
+        loop's own error goes on, not this one."""
+        kvs = list(self.runner.kv_caches)
+        if not (kvs and isinstance(kvs[-1], Carried)):
+            return
+        self.runner.kv_caches = kvs[:-1]
+        try:
+            with jax.enable_x64(True):
+                self.state = self._unpack(kvs[-1].state)
+        except Exception:
+            if not failed:
+                raise
 
     def _restart_if_taken(self) -> None:
         """After a failed step: a state the step took (donated, or never handed back) is gone;
@@ -408,6 +418,12 @@ class TpuInferenceGuard:
                            "it; the canary starts afresh (KV written before this point has no "
                            "canary: reset vLLM's prefix cache to avoid reports on it)")
             self.state = self.canary.init_state()
+            # The blocks cached so far have no canary now: the sweep walks only blocks written
+            # from here on.
+            self.cached = host.CachedBlocks(dp_size=self.canary.data_shards,
+                                            block_size=self.canary.layout.block_size)
+            if self.manager is not None:  # it held the state the step took
+                self.manager.hold(self.state)
 
     # ------------------------------------------------------------------- host side
     def _resolve(self, owners):
@@ -464,6 +480,7 @@ class TpuInferenceGuard:
                 # canary yet. The sweep runs right after that step, before its readback.
                 self._sweep_due = True
                 return
+            self._sweep_due = False  # this one serves a sweep asked for earlier too
             self._sweep(self.runner.kv_caches)
             if self.manager is not None:
                 self.manager.hold(self.state)
