@@ -181,6 +181,28 @@ def test_real_kv_long_strips_clean_then_last_word_flipped(sgl, impl):
     assert int(ref.ring[0, 1]) == 4
 
 
+@pytest.mark.parametrize("impl", pallas("verify"))
+@pytest.mark.parametrize("fold_vec", [1, 2, 4])
+def test_real_kv_words_loaded_several_at_a_time(sgl, impl, fold_vec):
+    """``fold_vec``: the strips' words loaded 1, 2 or 4 at a time (whole tiles, then the
+    remainder of 14- and 34-word strips): clean, no row; the last word of one slot's strip
+    flipped, that slot's row, as SGLang's reference."""
+    rng = np.random.default_rng(12)
+    srcs = [_kv_source(rng, nbpt=112, read=112), _kv_source(rng, nbpt=272, read=272)]
+    st = _written(sgl, [CHAIN], real_kv_sources=srcs, real_kv_hash_mode=2)
+    from kvcanary_jax.ops.verify.pallas_triton import FOLD_PLANS, Config
+
+    config = Config(**{**FOLD_PLANS[0][1], "fold_vec": fold_vec})  # the fold's shape
+    _check(sgl, st, impl, **_entries(), real_kv_sources=srcs, real_kv_hash_mode=2,
+           check_verify_expected_token=True, expect_rows=0, config=config)
+    flipped = cases.KvSource(srcs[1].u8.copy(), 1, 272, 272)
+    flipped.u8[4, 271] ^= 0x01
+    _, ref = _check(sgl, st, impl, **_entries(), real_kv_sources=[srcs[0], flipped],
+                    real_kv_hash_mode=2, check_verify_expected_token=True, expect_rows=1,
+                    config=config)
+    assert int(ref.ring[0, 1]) == 4
+
+
 def test_real_kv_mode_mismatch_flags_every_slot(sgl, impl):
     src = _kv_source(np.random.default_rng(4))
     st = _written(sgl, [CHAIN], real_kv_sources=[src], real_kv_hash_mode=2)

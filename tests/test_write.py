@@ -224,6 +224,20 @@ def test_repeated_slots_with_four_warps(sgl, impl):
        config=_launch(num_warps=4))
 
 
+@pytest.mark.parametrize("impl", pallas("write"))
+@pytest.mark.parametrize("fold_vec", [1, 2, 4])
+def test_real_kv_words_loaded_several_at_a_time(sgl, impl, fold_vec):
+    """``fold_vec``: the strip's words loaded 1, 2 or 4 at a time (whole tiles and remainders:
+    strips of 6, 14 and 34 words); the fingerprints equal SGLang's word-by-word fold."""
+    rng = np.random.default_rng(12)
+    sources = [_src(rng, 6, 1, 48, 48), _src(rng, 6, 1, 112, 112),
+               _src(rng, 6, 2, 272, 272, extra=16)]
+    ours, _ = _w(sgl, support.State.zeros(6, 3), impl, write_offsets=[0, 3], input_ids=[5, 6, 7],
+                 positions=[0, 1, 2], out_cache_loc=[1, 2, 3], real_kv_sources=sources,
+                 real_kv_hash_mode=2, config=_launch(fold_vec=fold_vec))
+    assert (ours.canary_i64[1:4, 3] != 0).all()
+
+
 def test_request_rewrites_its_own_seed(sgl, impl):
     st = _seeded_state()
     _w(sgl, st, impl, write_offsets=[0, 3], write_seed_slot_indices=[3], input_ids=[5, 6, 7],
