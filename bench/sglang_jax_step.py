@@ -52,7 +52,11 @@ Device time per step from CUPTI (``bench.timing.device_time``: every kernel betw
 idle gaps excluded; wall clock on CPU). Replaying a decode batch is idempotent for both the KV and
 the canary, so warm-up calls do not disturb the state; every guarded run must end with 0
 violations. Reported: the three medians, ``share_pct = (guarded - sglang_jax) / guarded`` and
-``canary_only / (sglang_jax + canary_only)``, both in percent.
+``canary_only / (sglang_jax + canary_only)``, both in percent. With a window the steps run after
+a sweep of the prompts, as a server's do (the caller's sweep every K <= N steps checks the
+prompts' slots, the steps leave them to it: docs/spec.md §17.2); ``canary_only_unswept`` is the
+canary alone without it (the step N steps after a sweep), and ``over_bare_with_sweep_pct`` the
+average step over the bare one with the sweep's share and that step's once every K.
 """
 
 from __future__ import annotations
@@ -109,7 +113,7 @@ class Stack:
     """sglang-jax's pools, allocator and batches for ``bs`` requests of ``ctx`` tokens."""
 
     def __init__(self, what: str, bs: int, ctx: int, iters: int, tokens: str = "feed",
-                 window: int = 0):
+                 window: int = 0, sweep_interval: int = 0):
         from jax.sharding import Mesh
 
         self.what, self.bs, self.ctx, self.iters, self.tokens = what, bs, ctx, iters, tokens
@@ -127,7 +131,9 @@ class Stack:
             self._init_kv(total)
         self.canary = ksj.SglangJaxCanary.from_pools(self.req_pool, self.kv_pool, max_bs=bs,
                                                      incremental_tokens=tokens == "feed",
-                                                     coverage_window=window)
+                                                     coverage_window=window,
+                                                     sweep_interval=sweep_interval if window
+                                                     else 0)
         # With a window the step hands the canary every layer it returns.
         self.layers = {"kv_layers": lambda out, pool: out[1]} if window else {}
         self.feed = ksj.TokenFeed(self.canary) if tokens == "feed" else None
@@ -283,7 +289,7 @@ def _run_case(what: str, bs: int, ctx: int, iters: int, manager: bool = False,
               tokens: str = "feed", window: int = 0, sweep_interval: int = 64) -> dict:
     from sgl_jax.srt.layers.logits_processor import LogitsMetadata
 
-    st = Stack(what, bs, ctx, iters, tokens, window)
+    st = Stack(what, bs, ctx, iters, tokens, window, sweep_interval)
     st.build()
     mesh, canary = st.mesh, st.canary
     state = canary.init_state()
@@ -315,6 +321,19 @@ def _run_case(what: str, bs: int, ctx: int, iters: int, manager: bool = False,
     snap_kv, snap_state = _copy(st.kv_pool.kv_buffer), _copy(state)
     result = {"what": what, "bs": bs, "ctx": ctx, "tokens": tokens,
               "verify_entries_per_step": bs * ctx, "coverage_window": window}
+    unswept = None
+    if window:
+        # The steps are timed as a server sweeping every K steps runs them: fewer than N steps
+        # after a sweep (which the steps then leave the prompts' slots to, when K <= N). The
+        # step that comes N steps after a sweep checks its phase's share of them again: the
+        # canary alone is timed that way too (``canary_only_unswept``, from the state before
+        # the sweep), and counted once every K steps in ``over_bare_with_sweep_pct``.
+        unswept = snap_state
+        with jax.set_mesh(mesh):
+            snap_state = ksj.sweep(canary, _copy(snap_state), snap_kv[0], st.prompts(),
+                                   layers=_copy(snap_kv))
+        if int(ksj.violation_counts(snap_state).sum()):
+            raise RuntimeError("violations in the sweep of the filled pools")
 
     # 1. sglang-jax alone.
     st.kv_pool.kv_buffer = _copy(snap_kv)
@@ -386,10 +405,21 @@ def _run_case(what: str, bs: int, ctx: int, iters: int, manager: bool = False,
     result["canary_only"] = timing.device_time(
         canary_only, lambda: jax.block_until_ready(only["state"]), iters=iters)
     if window:
+        st.kv_pool.kv_buffer = _copy(snap_kv)
+        only["state"] = _copy(unswept)
+        result["canary_only_unswept"] = timing.device_time(
+            canary_only, lambda: jax.block_until_ready(only["state"]), iters=iters)
         result.update(_time_sweep(st, snap_kv, snap_state, iters, sweep_interval))
     base, g, c = (result[k]["median_us"] for k in ("sglang_jax", "guarded", "canary_only"))
     result["share_pct"] = 100.0 * (g - base) / g
     result["canary_only_share_pct"] = 100.0 * c / (base + c)
+    if window:
+        # Of K steps, those at least N steps after the sweep check their phase's prompt slots
+        # again (max(0, K - N + 1) of them); the sweep's own time is spread over the K.
+        k = sweep_interval
+        again = max(0.0, result["canary_only_unswept"]["median_us"] - c) * max(0, k - window + 1)
+        extra = (again + result["sweep"]["median_us"]) / k
+        result["over_bare_with_sweep_pct"] = 100.0 * (g - base + extra) / base
     return result
 
 
@@ -508,7 +538,10 @@ def _main(argv) -> int:
               f"{row['share_pct']:5.1f}% / {row['canary_only_share_pct']:5.1f}%  "
               f"violations {row['violations']}" + (
                   f"  window {row['coverage_window']}: sweep {row['sweep']['median_us']:.1f} us "
-                  f"= {row['sweep_per_step_us']:.2f} us/step" if row["coverage_window"] else ""),
+                  f"= {row['sweep_per_step_us']:.2f} us/step, canary alone "
+                  f"{row['canary_only_unswept']['median_us']:.1f} us N steps after a sweep, "
+                  f"over bare with the sweep {row['over_bare_with_sweep_pct']:.2f}%"
+                  if row["coverage_window"] else ""),
               flush=True)
     result = {"environment": common.environment(), "rows": rows, "errors": errors}
     if a.out:

@@ -10,8 +10,9 @@ uses, in either buffer group), then the server steps on. After each step the hos
 * the ring: digest rows (``KV_DIGEST_MISMATCH``) name the group (their launch tag) and the slot.
 
 A flip's *first check* is the first of: the TAIL of a step ``t`` that reads its slot with
-``slot % window == t % window`` (``t`` counted here, from 1), or the first sweep after it that
-walks its slot. Every flip must be reported exactly at its first check (no earlier, no later, no
+``slot % window == t % window`` (``t`` counted here, from 1), unless the sweep runs at least
+every ``window`` steps and the last one checked the slot fewer than ``window`` steps before
+(:class:`Checks`), or the first sweep after it that walks its slot. Every flip must be reported exactly at its first check (no earlier, no later, no
 miss), and no digest row may name a slot without a pending flip. A flip is restored once found;
 one whose slot a forward rewrites before any check (evicted, reallocated) was erased, and one
 never checked by the end is left out (its slot stopped being live).
@@ -76,6 +77,43 @@ def _group_slots(srv, group, full_slots):
     if group == "FULL":
         return {int(s) for s in full_slots if s > 0}
     return {int(srv.lut[s]) for s in full_slots if s > 0 and srv.lut[s] > 0}
+
+
+class Checks:
+    """The digest checks the stated rule gives (docs/spec.md §17.2), kept on the host from the
+    plans alone: which read slots a TAIL checks, and when each slot was last checked."""
+
+    def __init__(self, cfg: rt.CanaryConfig):
+        self.window = cfg.coverage_window
+        # The FULL group only: the SWA group's read window slides past what a sweep walked.
+        self.left_to_sweep = {g: 0 < cfg.sweep_interval <= cfg.coverage_window and not
+                              cfg.window(g) for g in cfg.groups}
+        self.last_check: dict = {}  # (group, slot) -> step
+        self.last_sweep = -1
+        self.stamped: set = set()
+
+    def _left(self, t: int, key) -> bool:
+        return (self.left_to_sweep[key[0]] and self.last_sweep >= 0
+                and t - self.last_sweep < self.window
+                and self.last_check.get(key, -1) >= self.last_sweep)
+
+    def tail(self, t: int, group: str, reads, written) -> set:
+        """The slots step ``t``'s TAIL checks among ``reads``; ``written`` (the step's) are
+        stamped after it."""
+        out = {s for s in reads if s % self.window == t % self.window
+               and (group, s) in self.stamped and not self._left(t, (group, s))}
+        for s in out:
+            self.last_check[(group, s)] = t
+        self.stamped |= {(group, s) for s in written}
+        return out
+
+    def sweep(self, t: int, walked: dict) -> None:
+        """The sweep after step ``t`` walked ``walked[group]``."""
+        for group, slots in walked.items():
+            for s in slots:
+                if (group, s) in self.stamped:
+                    self.last_check[(group, s)] = t
+        self.last_sweep = t
 
 
 def _windowed(srv, group, slots):
@@ -145,6 +183,7 @@ def run(sim: sm.SimConfig, *, steps: int, flips_per_step: int, seed: int,
 
     srv.sweep_inputs = recording_walk
     flips, pending, false_alarms, other_rows = [], {}, [], []
+    checks = Checks(cfg)
     for t in range(1, steps + 1):
         if t > warmup:
             for _ in range(flips_per_step):
@@ -169,6 +208,9 @@ def run(sim: sm.SimConfig, *, steps: int, flips_per_step: int, seed: int,
         srv.complete(sched, 0.0, poll=False)  # sweeps after step t when it is due
         walked = {g: _sweep_slots(cfg, swept["table"], swept["rows"], swept["lengths"],
                                   swept["lut"], g) for g in cfg.groups} if swept else None
+        tail = {g: checks.tail(t, g, reads[g], written.get(g, ())) for g in cfg.groups}
+        if walked is not None:
+            checks.sweep(t, walked)
 
         # The first check of each pending flip, by the stated rule.
         for (group, slot), f in pending.items():
@@ -180,7 +222,7 @@ def run(sim: sm.SimConfig, *, steps: int, flips_per_step: int, seed: int,
                 continue
             if group in written and slot in written[group]:
                 f.erased = True  # rewritten by the forward before any check
-            elif slot in reads[group] and slot % window == t % window:
+            elif slot in tail[group]:
                 f.predicted = (t, "TAIL")
             elif walked is not None and slot in walked[group]:
                 f.predicted = (t, "SWEEP")

@@ -18,7 +18,9 @@ pool runs short and handed out again), decodes, finishes. Two lives on the same 
   pending flip per slot. After each step the host reads each shard's TAIL verify plan (the slots
   the step read) and the slots the sweep walked, and predicts each flip's first check from the
   stated rule (docs/spec.md §17.3), independently of the coverage code: the TAIL of a step ``t``
-  that reads its slot with ``slot % N == t % N``, or the first sweep that walks it. Every flip
+  that reads its slot with ``slot % N == t % N`` (with ``--leave-to-sweep``, the canary told its
+  sweep runs every ``--sweep`` <= N steps: unless the last sweep checked the slot fewer than N
+  steps before), or the first sweep that walks it. Every flip
   must be reported exactly there, by the shard that holds its head, with ``KV_DIGEST_MISMATCH``
   (no earlier, no later, no miss, no other shard); no digest row may name a slot without a
   pending flip; the only other rows allowed are SGLang's own real-KV rows for a pending flip in
@@ -85,7 +87,8 @@ class Campaign:
         self.a = a
         self.w = life.World(a.page_size, a.pool_size, a.layout, a.kv_write, a.tokens, a.dp,
                             req_rows=life.MAX_BS + 1, coverage_window=a.window,
-                            ring_capacity=4096)
+                            ring_capacity=4096,
+                            **({"sweep_interval": a.sweep} if a.leave_to_sweep else {}))
         if step_fn is not None:  # the same compiled step for both lives
             self.w.step_fn = step_fn
         self.canary = self.w.canary
@@ -257,6 +260,17 @@ def run(a, *, flips: bool, step_fn=None) -> tuple[dict, object]:
            "shares": [], "live_bytes": [], "tail_checks": [], "steps": a.steps}
     pending: dict = {}
     tail_runs = np.zeros(c.canary.num_shards, np.int64)
+    # The rule's state, per DP rank: each slot's last check, the stamped slots, the last sweep.
+    leave = a.leave_to_sweep and a.sweep <= window
+    last_check = [dict() for _ in range(a.dp)]
+    stamped = [set() for _ in range(a.dp)]
+    last_sweep = -1
+
+    def due(rank, s, t):
+        left = (leave and last_sweep >= 0 and t - last_sweep < window
+                and last_check[rank].get(s, -1) >= last_sweep)
+        return s % window == t % window and s in stamped[rank] and not left
+
     with jax.set_mesh(c.w.mesh):
         for t in range(1, a.steps + 1):
             if flips and t > a.warmup:
@@ -273,12 +287,23 @@ def run(a, *, flips: bool, step_fn=None) -> tuple[dict, object]:
             read_lists, written = c.reads(), c.written(mwb)
             reads = [set(r) for r in read_lists]
             walked = c.sweep() if t % a.sweep == 0 else None
-            # Step t's TAIL checked exactly the read slots of its phase, on every shard.
+            # Step t's TAIL checked exactly the read slots the rule gives, on every shard.
+            tail = [{s for s in reads[r] if due(r, s, t)} for r in range(a.dp)]
+            for r in range(a.dp):
+                last_check[r].update((s, t) for s in tail[r])
+                stamped[r] |= written[r]
+            if walked is not None:
+                for r in range(a.dp):
+                    last_check[r].update((s, t) for s in walked[r] if s in stamped[r])
+                last_sweep = t
             runs = np.asarray(jax.device_get(
                 c.w.state.coverage.groups["FULL"].tail_slot_runs)).reshape(-1)
             want = [sum(1 for s in read_lists[i // c.canary.head_shards]
-                        if s % window == t % window)
+                        if s in tail[i // c.canary.head_shards])
                     for i in range(c.canary.num_shards)]
+            out["left_to_sweep"] = out.get("left_to_sweep", 0) + sum(
+                1 for r in range(a.dp) for s in reads[r] if s % window == t % window) - sum(
+                len(x) for x in tail)
             if (runs - tail_runs).tolist() != want:
                 out["tail_checks"].append((t, (runs - tail_runs).tolist(), want))
             tail_runs = runs
@@ -288,7 +313,7 @@ def run(a, *, flips: bool, step_fn=None) -> tuple[dict, object]:
                     continue
                 if slot in written[rank]:
                     f.erased = True
-                elif slot in reads[rank] and slot % window == t % window:
+                elif slot in tail[rank]:
                     f.predicted = (t, "TAIL")
                 elif walked is not None and slot in walked[rank]:
                     f.predicted = (t, "SWEEP")
@@ -338,6 +363,7 @@ def main(a) -> None:
     clean, step_fn = run(a, flips=False)
     flipped, _ = run(a, flips=True, step_fn=step_fn)
     json.dump({"clean": clean, "flips": flipped, "window": a.window, "sweep": a.sweep,
+               "leave_to_sweep": a.leave_to_sweep,
                "version": compat.VERSION}, sys.stdout, default=list)
 
 
@@ -357,4 +383,6 @@ if __name__ == "__main__":
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--flips", type=int, default=6)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--leave-to-sweep", action="store_true",
+                   help="tell the canary the sweep's interval (SglangJaxCanary.sweep_interval)")
     main(p.parse_args())

@@ -93,6 +93,8 @@ SIZES = dict(max_reqs=4, context_len=16, num_slots=16, max_bs=2, max_tokens=8, r
     (dict(coverage_window=1.5, num_layers=2), TypeError, r"coverage_window must be an int"),
     (dict(num_layers=0), ValueError, r"num_layers must be >= 1"),
     (dict(swa_num_layers=2), ValueError, r"there is no SWA group"),
+    (dict(sweep_interval=-1), ValueError, r"sweep_interval must be >= 0"),
+    (dict(sweep_interval=2.0), TypeError, r"sweep_interval must be an int"),
 ])
 def test_canary_config_refuses_coverage_it_cannot_give(fields, error, match):
     with pytest.raises(error, match=match):
@@ -109,6 +111,15 @@ def test_the_manager_refuses_sizes_that_contradict_the_window():
         rt.CanaryManager(config, rt.CanaryConfig(**SIZES, coverage_window=2, num_layers=1))
     built = rt.CanaryManager(config, rt.CanaryConfig(**SIZES, num_layers=3))
     assert built.cfg.coverage_window == 4 and built.state.coverage is not None
+    # The sweep's interval is the config's too: at most the window, the steps leave to the
+    # sweep the read slots it checked (docs/spec.md §17.2).
+    assert built.cfg.sweep_interval == 2 and built.cfg.sweep_covers_reads
+    with pytest.raises(ValueError, match=r"the sizes ask for CanaryConfig.sweep_interval=3, but "
+                                         r"the manager's config has sweep_interval"):
+        rt.CanaryManager(config, rt.CanaryConfig(**SIZES, num_layers=3, sweep_interval=3))
+    longer = rt.ManagerConfig(mode="log", sweep_interval=8, coverage_window=4)
+    assert not rt.CanaryManager(longer, rt.CanaryConfig(**SIZES, num_layers=3)).cfg \
+        .sweep_covers_reads
 
 
 def test_processes_with_different_windows_are_refused(monkeypatch):

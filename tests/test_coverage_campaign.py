@@ -6,8 +6,9 @@ clean run reports nothing.
 The campaign (tests/_flip_campaign.py) is one compiled run per mode, flips applied between steps
 (a few hundred per mode in the fast tier, more with ``--long``). Each flip's check is predicted on
 the host from SGLang's plans (the slots a step reads, the slots a sweep walks) and the phase rule
-``slot % window == step % window``, so a layer, a half, a group or a share of the window left
-unchecked fails here: the flip is missed, or found at another step than its first check."""
+``slot % window == step % window`` (less, with a sweep every window, the read slots the last
+sweep checked), so a layer, a half, a group or a share of the window left unchecked fails here:
+the flip is missed, or found at another step than its first check."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ MODES = {
     # Every read slot checked at every step; both SGLang halves on.
     "window1-sweep5-v-half": dict(coverage_window=1, sweep_interval=5, swa_window_size=0,
                                   enable_v_half=True),
+    # A sweep every window: the TAILs leave to the sweep the read slots it checked (docs/spec.md
+    # §17.2), and the sweep's checks are what bound most read slots.
+    "window4-sweep4-swa": dict(coverage_window=4, sweep_interval=4, swa_window_size=6),
 }
 STEPS = _tier.n(64, 400)
 FLIPS_PER_STEP = 6
@@ -82,7 +86,13 @@ def test_every_flip_is_found_at_its_first_check(mode, impl):
     assert {f.group for f in found} == ({"FULL", "SWA"} if sim.swa_window_size else {"FULL"})
     assert {f.kind for f in found} == {"used", "cached"}
     assert {f.detected[1] for f in found} == {"TAIL", "SWEEP"}
-    assert {f.slot % window for f in found if f.detected[1] == "TAIL"} == set(range(window))
+    tail = [f for f in found if f.detected[1] == "TAIL"]
+    assert {f.slot % window for f in tail} == set(range(window))
+    if interval == window:
+        # Sweeps after the steps t = 0 (mod window): in the FULL group, the step after one reads
+        # no slot that was live and not checked by it, so its phase (1) finds nothing there.
+        assert {f.slot % window for f in tail if f.group == "FULL"} == \
+            set(range(window)) - {1 % window}
     for f in found:
         # The stated bounds: a slot read by `window` consecutive steps is checked in them; a
         # slot the first sweep after the flip walks is checked by it.
@@ -97,22 +107,39 @@ def test_a_clean_run_reports_nothing_and_verifies_every_live_byte(mode, impl):
     """No flip: no ring row at all, and from the first full window on every live KV byte (a slot
     read in each of the last `window` steps, or walked by the last sweep) was verified in it."""
     sim = _sim(mode, impl, seed=12)
-    window = sim.coverage_window
     server = sm.Server(sim)
-    shares = []
-    runs = {g: 0 for g in server.cfg.groups}
+    cfg = server.cfg
+    checks, walks = fc.Checks(cfg), []
+    walk = server.sweep_inputs
+    server.sweep_inputs = lambda: walks.append(walk()) or walks[-1]
+    shares, left = [], 0
+    runs = {g: 0 for g in cfg.groups}
     for t in range(1, _tier.n(24, 120) + 1):
-        server.step()
+        batch = server.prepare()
+        written = {g: fc._group_slots(server, g, [s for _, ss in batch[0] for s in ss])
+                   for g in cfg.groups}
+        server.state, server.kv = server.device_step(server.state, server.kv, *batch[1:])
+        plans = {g: fc.plan_slots(server.state.plans[g][0]) for g in cfg.groups}
+        walks.clear()
+        server.complete(batch[0], 0.0, poll=False)
         cov = server.coverage()
         assert cov.step == server.step_idx == t
         if cov.live_bytes:
             shares.append(cov.share)
             assert cov.verified_bytes == cov.live_bytes, cov
-        # Step t's TAIL checked exactly the entries of its plan with slot % window == t % window.
+        # Step t's TAIL checked exactly the entries of its plan the rule gives: slot % window ==
+        # t % window, less (a sweep every window) the slots the last sweep checked.
         for g, sc in server.state.coverage.groups.items():
-            slots = fc.plan_slots(server.state.plans[g][0])
+            due = checks.tail(t, g, set(int(s) for s in plans[g]), written[g])
             checked = int(sc.tail_slot_runs[0])
-            assert checked - runs[g] == int(np.sum(slots % window == t % window)), (g, t)
+            assert checked - runs[g] == sum(int(s) in due for s in plans[g]), (g, t)
+            left += sum(int(s) % cfg.coverage_window == t % cfg.coverage_window
+                        for s in plans[g]) - (checked - runs[g])
             runs[g] = checked
+        if walks:
+            checks.sweep(t, {g: fc._sweep_slots(cfg, *walks[0], server.lut.copy(), g)
+                             for g in cfg.groups})
+    # The mode with a sweep every window left read slots to it; the others none.
+    assert (left > 0) == cfg.sweep_covers_reads, left
     assert rt.violation_count(server.state) == 0, [str(v) for v in rt.read_violations(server.state)]
     assert len(shares) >= 10 and np.all(np.asarray(shares) == 1.0)

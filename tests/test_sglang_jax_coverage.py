@@ -330,6 +330,17 @@ def test_the_manager_takes_the_canary_s_window_and_needs_the_sweep_interval():
     assert (manager.config.coverage_window, manager.config.sweep_interval) == (2, 8)
     assert manager.cfg.num_layers == LAYERS
     assert consts.KV_DIGEST_MISMATCH == 1 << 17
+    # The sweep's schedule stated on the canary (its steps leave read slots to the sweep by it):
+    # the manager takes it from there, and refuses another.
+    stated = _canary(coverage_window=4, num_layers=LAYERS, sweep_interval=4)
+    assert stated.config.sweep_interval == 4 and stated.config.sweep_covers_reads
+    manager = ksj.canary_manager(stated, "log")
+    assert (manager.config.sweep_interval, manager.cfg.sweep_interval) == (4, 4)
+    with pytest.raises(ValueError, match="sweep_interval=8 here, but the canary's is 4: set it "
+                                         "in one place"):
+        ksj.canary_manager(stated, "log", sweep_interval=8)
+    with pytest.raises(ValueError, match="sweep_interval must be >= 0"):
+        _canary(sweep_interval=-1)
 
 
 def test_the_guarded_step_keeps_its_step_counters_from_wrapping():

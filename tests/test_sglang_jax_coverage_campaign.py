@@ -9,9 +9,11 @@ tensor parallel over 2 devices (each shard digests its own head of every layer) 
 ``[slots, 2H, D]`` layout and the paged ``[pages, page_size, 2H/packing, packing, D]`` one (the
 stand-in on 0.0.2, the real pool on 0.1.0rc0), and on 0.1.0rc0 data parallel over 2 ranks. Each
 flip's check is predicted on the host from what the steps read (each shard's verify plan) and
-what the sweeps walked, with the phase rule ``slot % window == step % window``, so a layer, a
-half, a shard or a share of the window left unchecked fails here: the flip is missed, found by
-another shard, or found at another step than its first check."""
+what the sweeps walked, with the phase rule ``slot % window == step % window`` (the paged
+life tells the canary its sweep runs every window, so the steps leave it the slots it checked:
+docs/spec.md §17.2), so a layer, a half, a shard or a share of the window left unchecked fails
+here: the flip is missed, found by another shard, or found at another step than its first
+check."""
 
 from __future__ import annotations
 
@@ -52,13 +54,14 @@ LIVES = {
 if V01:
     LIVES["tp2-paged-layout-page4"] = (
         ("--page-size", "4", "--pool-size", "80", "--kv-write", "legacy", "--tokens", "full",
-         "--window", "2", "--sweep", "6", "--seed", "8"), 2, 2)
+         "--window", "4", "--sweep", "4", "--leave-to-sweep", "--seed", "8"), 2, 2)
     LIVES["dp2-page1"] = (("--dp", "2", "--kv-write", "kernel", "--tokens", "feed",
                            "--window", "2", "--sweep", "4", "--seed", "9"), 2, 1)
 else:  # 0.0.2's world with the paged layout's stand-in pool
     LIVES["tp2-paged-layout-page4"] = (
         ("--page-size", "4", "--pool-size", "80", "--layout", "head", "--kv-write", "head",
-         "--tokens", "full", "--window", "2", "--sweep", "6", "--seed", "8"), 2, 2)
+         "--tokens", "full", "--window", "4", "--sweep", "4", "--leave-to-sweep", "--seed",
+         "8"), 2, 2)
 
 
 @pytest.fixture(scope="module", params=list(LIVES))
@@ -107,6 +110,10 @@ def test_every_flip_is_found_at_its_first_check_by_its_shard(life):
     assert {f["shard"] for f in found} == set(range(life["shards"]))
     assert {f["kind"] for f in found} == {"used", "cached"}
     assert {f["detected"][1] for f in found} == {"TAIL", "SWEEP"}
+    if life["leave_to_sweep"]:
+        # The canary knows the sweep runs every window: the steps left it read slots it checked
+        # (and still check the tokens decoded since, which the radix cache does not hold).
+        assert life["sweep"] == window and run["left_to_sweep"] > 0
     assert {f["slot"] % window for f in found if f["detected"][1] == "TAIL"} == set(
         range(window))
 

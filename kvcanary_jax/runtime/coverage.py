@@ -12,7 +12,10 @@ every layer of the group's KV (:func:`kvcanary_jax.runtime.kv.digest_sources`):
   is checked in one of them. The step's counters (the written slots' stamps, the read slots'
   runs and checks) go in with one scatter.
 * **the sweep** (after a step): check the digest of every slot its plan walks (the cached
-  prefixes), whatever the phase.
+  prefixes), whatever the phase. When the sweep runs at least every N steps
+  (``CanaryConfig.sweep_interval``), a TAIL leaves out of its check the read slots of the
+  FULL group the last sweep checked fewer than N steps before: the next sweep checks them within N steps of the
+  last, so the guarantee holds without reading their bytes twice in a window.
 * **never-stamped slots are not checked**: a slot whose digest no earlier step stamped under
   this state (warm-up or capture batches that read slots no guarded forward wrote, a state built
   over a pool that already held KV) has nothing to be checked against; it is left out of the
@@ -146,10 +149,19 @@ def at_tail(cfg: CanaryConfig, state: CanaryState, batch, lut, kv) -> CanaryStat
         # gather was a kernel of its own, and the check's slots recomputed it in another).
         at = jnp.where(read, slots, 0)
         written, read_from, read_at = (sc.steps[at, c] for c in (_W, _RF, _RA))
-        stamped = read & (written >= 0)
-        read_from, read_at, stamped, checked_slots, slots = jax.lax.optimization_barrier(
-            (read_from, read_at, stamped, jnp.where(stamped, slots, -1), slots))
-        ctx, checked = _check(cfg, sc, vplan, stamped, phase=t, window=window, sources=sources,
+        due = read & (written >= 0)
+        if cfg.sweep_covers_reads and not cfg.window(group):
+            # A slot the last sweep checked, fewer than N steps ago, is checked again by the
+            # next sweep, within N steps of the last: this phase check is left to it (a slot
+            # checked by a TAIL since is due again N steps later, after that sweep). Not in the
+            # SWA group: its read window slides, a slot the sweep walked may still be read after
+            # the next sweep's window left it.
+            last = cov.last_sweep[0]
+            recent = (last >= 0) & (t[0] - last < window)
+            due = due & ~(recent & (sc.steps[at, _CK] >= last))
+        read_from, read_at, due, checked_slots, slots = jax.lax.optimization_barrier(
+            (read_from, read_at, due, jnp.where(due, slots, -1), slots))
+        ctx, checked = _check(cfg, sc, vplan, due, phase=t, window=window, sources=sources,
                               group=group, ring=ring, widx=widx, copy="TAIL",
                               checked_slots=checked_slots)
         ring, widx = ctx.violation_ring, ctx.violation_write_index

@@ -120,6 +120,8 @@ def _settings_over_sizes(config: ManagerConfig) -> dict:
             f"draft_worker {c.draft_worker} (offset {c.kv_token_id_vs_position_offset})"),
         "coverage_window": (c.coverage_window, "coverage_window (--kv-canary-coverage-window / "
                             f"SGLANG_KV_CANARY_COVERAGE_WINDOW) {c.coverage_window}"),
+        "sweep_interval": (c.sweep_interval, "sweep_interval (--kv-canary-sweep-interval) "
+                           f"{c.sweep_interval}"),
     }
 
 

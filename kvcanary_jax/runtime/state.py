@@ -81,6 +81,10 @@ class CanaryConfig:
     SGLang's behaviour). ``num_layers``: the KV layers of each group (the FULL group's; the SWA
     group's is ``swa_num_layers``, default the same), required with a window: a step whose KV
     holds another count of layers is refused, so no layer goes unverified unnoticed.
+    ``sweep_interval``: the steps between the caller's sweeps (0: none, or no fixed schedule).
+    With a window N and a sweep at least every N steps, a TAIL leaves out of its check the read
+    slots of the FULL group the last sweep checked fewer than N steps before (the next sweep checks them within
+    the window; docs/spec.md §17.2). The manager sets it from its own ``sweep_interval``.
     """
 
     max_reqs: int
@@ -103,6 +107,7 @@ class CanaryConfig:
     coverage_window: int = 0
     num_layers: int | None = None
     swa_num_layers: int | None = None
+    sweep_interval: int = 0
 
     def __post_init__(self):
         # Our rule, first: sizes are integers (4.5 or True was taken and failed, or was
@@ -110,7 +115,7 @@ class CanaryConfig:
         for field in ("max_reqs", "context_len", "num_slots", "max_bs", "max_tokens",
                       "verify_capacity", "write_req_capacity", "sweep_rows", "ring_capacity",
                       "swa_window_size", "swa_num_slots", "kv_token_id_vs_position_offset",
-                      "coverage_window", "num_layers", "swa_num_layers"):
+                      "coverage_window", "num_layers", "swa_num_layers", "sweep_interval"):
             value = getattr(self, field)
             if value is None and field in _OPTIONAL_SIZES:
                 continue
@@ -149,6 +154,9 @@ class CanaryConfig:
         self._check_coverage()
 
     def _check_coverage(self):
+        if self.sweep_interval < 0:
+            raise ValueError("kv-canary runtime: sweep_interval must be >= 0 (0: no fixed "
+                             f"schedule), got {self.sweep_interval}")
         if self.coverage_window < 0:
             raise ValueError("kv-canary runtime: coverage_window must be >= 0 (0: off), got "
                              f"{self.coverage_window}")
@@ -201,6 +209,12 @@ class CanaryConfig:
 
     def window(self, group: str) -> int:
         return self.swa_window_size if group == "SWA" else 0
+
+    @property
+    def sweep_covers_reads(self) -> bool:
+        """A sweep runs at least every ``coverage_window`` steps: a read slot the last sweep
+        checked is left out of the TAILs' checks until N steps after that sweep."""
+        return 0 < self.sweep_interval <= self.coverage_window
 
     def layers(self, group: str) -> int | None:
         """The KV layers of ``group`` (``None``: not stated)."""

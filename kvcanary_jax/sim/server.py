@@ -107,6 +107,7 @@ class SimConfig:
             implementation=self.implementation,
             coverage_window=self.coverage_window,
             num_layers=self.num_layers,
+            sweep_interval=self.sweep_interval,
         )
 
 

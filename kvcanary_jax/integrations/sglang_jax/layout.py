@@ -212,7 +212,10 @@ class SglangJaxCanary:
     and V of each slot the step writes and checks the slots a step reads within N steps, and
     every slot a :func:`sweep` walks (docs/spec.md §17). ``num_layers``: the pool's layers
     (:meth:`from_pools` reads it), required with a window: a step or sweep handing another
-    count of layers is refused.
+    count of layers is refused. ``sweep_interval``: the steps between your :func:`sweep` calls
+    (0: not stated); at most the window, a step leaves to the next sweep the slots it reads that
+    the last sweep checked (they are checked within the window all the same, and their bytes
+    are not read twice in it; docs/spec.md §17.2). :func:`canary_manager` takes it from here.
 
     Sizes are checked when the canary is built (our rules, sglang-jax has none to follow):
     ``num_slots``, ``page_size``, ``context_len``, ``max_bs``, ``k_heads`` (at most 4) and
@@ -241,6 +244,7 @@ class SglangJaxCanary:
     implementation: str | None = None
     coverage_window: int = 0
     num_layers: int | None = None
+    sweep_interval: int = 0
 
     def __post_init__(self):
         # Our rules (sglang-jax has no canary): a page size of 0 would start every request's
@@ -274,6 +278,10 @@ class SglangJaxCanary:
                              f"{self.coverage_window}")
         if self.num_layers is not None:
             require_positive_int("num_layers", self.num_layers)
+        require_int("sweep_interval", self.sweep_interval)
+        if self.sweep_interval < 0:
+            raise ValueError("kv-canary sglang-jax: sweep_interval must be >= 0 (0: not "
+                             f"stated), got {self.sweep_interval}")
         if not self.coverage_window:
             return
         if self.num_layers is None:
@@ -395,6 +403,7 @@ class SglangJaxCanary:
             implementation=self.implementation,
             coverage_window=self.coverage_window,
             num_layers=self.num_layers,
+            sweep_interval=self.sweep_interval,
         )
 
     def auto_mesh(self) -> Mesh | None:

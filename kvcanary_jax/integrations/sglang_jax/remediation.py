@@ -41,8 +41,9 @@ def canary_manager(canary: SglangJaxCanary, mode: str = "log", *, on_violation=N
     :class:`~kvcanary_jax.runtime.ManagerConfig` fields (``stats_print_every_n_steps``, ...).
 
     The sweep stays :func:`sweep`'s, run by the caller. Without a coverage window a
-    ``sweep_interval`` here is refused. With one it is required: the steps between the
-    caller's :func:`sweep` calls, the bound the coverage report states for cached slots (and,
+    ``sweep_interval`` here is refused. With one it is required (here, or as the canary's
+    ``sweep_interval``, which it must then match): the steps between the caller's :func:`sweep`
+    calls, the bound the coverage report states for cached slots (and,
     as for any manager, the SWEEP launches the launch-health check then expects); the
     report's share comes through :func:`observe` (the stats line, ``manager.coverage()``)."""
     from kvcanary_jax.runtime import CanaryManager, ManagerConfig
@@ -52,6 +53,11 @@ def canary_manager(canary: SglangJaxCanary, mode: str = "log", *, on_violation=N
         raise ValueError(f"kv-canary sglang-jax: coverage_window={fields['coverage_window']!r} "
                          f"here, but the canary's is {window}: the manager checks what the "
                          "canary's state holds; set it on the SglangJaxCanary")
+    stated = canary.sweep_interval
+    if stated and fields.setdefault("sweep_interval", stated) != stated:
+        raise ValueError(f"kv-canary sglang-jax: sweep_interval={fields['sweep_interval']!r} "
+                         f"here, but the canary's is {stated}: set it in one place (the "
+                         "canary's steps leave read slots to your sweep by it)")
     if not window and fields.get("sweep_interval", 0):
         raise ValueError("kv-canary sglang-jax: run the radix sweep with sglang_jax.sweep(); the "
                          "observe-mode manager takes no sweep_interval")
