@@ -257,7 +257,8 @@ CASES = (
     Case("verify 64k rkv page 16", "verify", verify_case(1 << 16, 16)),
     Case("step serving", "step", step_case()),
     # The coverage window on: every one of 8 layers' K and V digested at TAIL, a window of 64.
-    Case("step serving coverage w64 x8", "step", step_case(coverage_window=64, num_layers=8)),
+    Case("step serving coverage w64 x8", "step", step_case(coverage_window=64, num_layers=8,
+                                                           sweep_interval=64)),
     Case("digest verify 64k w64 x32 pages", "digest",
          digest_case(1 << 16, verify=True, slots=SLOTS, token_bytes=256, page_size=16)),
     Case("digest write 8192 x32 4KiB tokens", "digest",
