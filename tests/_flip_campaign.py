@@ -56,6 +56,7 @@ class Result:
     false_alarms: list
     other_rows: list
     steps: int
+    left_to_sweep: int = 0  # slots a TAIL left to the sweep (docs/spec.md §17.2)
 
     @property
     def detected(self):
@@ -90,21 +91,30 @@ class Checks:
                               cfg.window(g) for g in cfg.groups}
         self.last_check: dict = {}  # (group, slot) -> step
         self.last_sweep = -1
-        self.stamped: set = set()
+        self.written_at: dict = {}  # (group, slot) -> the step that last wrote it (stamped)
+        self.left = 0  # phase checks left to the sweep
+
+    @property
+    def stamped(self):
+        return self.written_at.keys()
 
     def _left(self, t: int, key) -> bool:
+        # The slot's content (written at or before the last sweep) checked by that sweep.
         return (self.left_to_sweep[key[0]] and self.last_sweep >= 0
                 and t - self.last_sweep < self.window
-                and self.last_check.get(key, -1) >= self.last_sweep)
+                and self.last_check.get(key, -1) >= self.last_sweep
+                and self.written_at[key] <= self.last_sweep)
 
     def tail(self, t: int, group: str, reads, written) -> set:
         """The slots step ``t``'s TAIL checks among ``reads``; ``written`` (the step's) are
         stamped after it."""
-        out = {s for s in reads if s % self.window == t % self.window
-               and (group, s) in self.stamped and not self._left(t, (group, s))}
+        phase = {s for s in reads if s % self.window == t % self.window
+                 and (group, s) in self.stamped}
+        out = {s for s in phase if not self._left(t, (group, s))}
+        self.left += len(phase) - len(out)
         for s in out:
             self.last_check[(group, s)] = t
-        self.stamped |= {(group, s) for s in written}
+        self.written_at.update(((group, s), t) for s in written)
         return out
 
     def sweep(self, t: int, walked: dict) -> None:
@@ -252,4 +262,5 @@ def run(sim: sm.SimConfig, *, steps: int, flips_per_step: int, seed: int,
     jax.block_until_ready(srv.state)
     # Flips still pending whose slot was never checked again stopped being live: left out.
     kept = [f for f in flips if f.detected is not None or f.predicted is not None or f.erased]
-    return Result(flips=kept, false_alarms=false_alarms, other_rows=other_rows, steps=steps)
+    return Result(flips=kept, false_alarms=false_alarms, other_rows=other_rows, steps=steps,
+                  left_to_sweep=checks.left)

@@ -80,6 +80,7 @@ class Flip:
     predicted: tuple | None = None  # (step, "TAIL" | "SWEEP"): the first check, by the rule
     detected: tuple | None = None
     erased: bool = False
+    reads: list = dataclasses.field(default_factory=list)  # steps whose TAIL read its slot
 
 
 class Campaign:
@@ -263,12 +264,13 @@ def run(a, *, flips: bool, step_fn=None) -> tuple[dict, object]:
     # The rule's state, per DP rank: each slot's last check, the stamped slots, the last sweep.
     leave = a.leave_to_sweep and a.sweep <= window
     last_check = [dict() for _ in range(a.dp)]
-    stamped = [set() for _ in range(a.dp)]
+    stamped = [dict() for _ in range(a.dp)]  # slot -> the step that last wrote it
     last_sweep = -1
 
     def due(rank, s, t):
         left = (leave and last_sweep >= 0 and t - last_sweep < window
-                and last_check[rank].get(s, -1) >= last_sweep)
+                and last_check[rank].get(s, -1) >= last_sweep
+                and stamped[rank].get(s, t) <= last_sweep)
         return s % window == t % window and s in stamped[rank] and not left
 
     with jax.set_mesh(c.w.mesh):
@@ -291,7 +293,7 @@ def run(a, *, flips: bool, step_fn=None) -> tuple[dict, object]:
             tail = [{s for s in reads[r] if due(r, s, t)} for r in range(a.dp)]
             for r in range(a.dp):
                 last_check[r].update((s, t) for s in tail[r])
-                stamped[r] |= written[r]
+                stamped[r].update((s, t) for s in written[r])
             if walked is not None:
                 for r in range(a.dp):
                     last_check[r].update((s, t) for s in walked[r] if s in stamped[r])
@@ -309,6 +311,8 @@ def run(a, *, flips: bool, step_fn=None) -> tuple[dict, object]:
             tail_runs = runs
             # The first check of each pending flip, by the stated rule.
             for (rank, slot), f in pending.items():
+                if slot in reads[rank]:
+                    f.reads.append(t)
                 if f.predicted is not None:
                     continue
                 if slot in written[rank]:

@@ -619,3 +619,45 @@ def test_slot_coverage_names_its_counters():
     np.testing.assert_array_equal(rebuilt.steps, sc.steps)
     # Its signature and help still name its fields.
     assert "steps" in str(__import__("inspect").signature(SlotCoverage))
+
+
+def _one_long_request(sweep_interval: int):
+    """The demo's server with one request of a 20-token prompt decoding 25 tokens, window 4."""
+    srv = sm.Server(sm.SimConfig(steps=0, seed=3, coverage_window=4, sweep_interval=sweep_interval,
+                                 swa_window_size=0, implementation="xla", arrival_prob=0.0))
+    req = srv.admit(list(range(1, 21)))
+    req.max_new = 25
+    return srv, req
+
+
+@pytest.mark.parametrize("sweep_interval, found_at", [(4, 15), (5, 11)])
+def test_a_sweep_that_does_not_come_shows_in_the_report(sweep_interval, found_at):
+    """The sweeps stop after step 8 (a walk that fails, a caller's schedule that slips). With a
+    sweep every 4 steps stated (the window's 4), steps 9..11 left the prompt's slots to it: a
+    byte flipped after step 8 in slot s (s = 3 mod 4) is found at s's phase step 15, four steps
+    late, and the report shows those slots unverified from step 12 on (the last check of a slot
+    in a read run more than 4 steps old). With 5 stated nothing is left to the sweep: found at
+    step 11, the report at 100% throughout."""
+    srv, req = _one_long_request(sweep_interval)
+    slot = shares = None
+    for t in range(1, 20):
+        if t == 9:
+            srv.sweep = lambda: None
+            slot = next(s for s in req.slots if s % 4 == 3)
+            sm.flip_kv_bit(srv, "FULL", slot, 2, "V", 5, 1)
+            shares = []
+        srv.step()
+        if slot is None:
+            continue
+        shares.append(srv.coverage().share)
+        found = [v for v in rt.read_violations(srv.state)
+                 if v.reason_bits & consts.KV_DIGEST_MISMATCH]
+        if found:
+            assert [(v.slot, v.phase) for v in found] == [(slot, "TAIL")] and t == found_at
+            break
+    else:
+        pytest.fail("the flip was not found")
+    if sweep_interval == 4:
+        assert shares[:3] == [1.0, 1.0, 1.0] and all(s < 1 for s in shares[3:-1]), shares
+    else:
+        assert set(shares) == {1.0}, shares

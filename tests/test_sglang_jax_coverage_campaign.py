@@ -116,6 +116,12 @@ def test_every_flip_is_found_at_its_first_check_by_its_shard(life):
         assert life["sweep"] == window and run["left_to_sweep"] > 0
     assert {f["slot"] % window for f in found if f["detected"][1] == "TAIL"} == set(
         range(window))
+    for f in found:
+        # The stated bound, independently of the predictions: no run of `window` consecutive
+        # reads of the slot ends before the flip is found.
+        reads = set(f["reads"])
+        assert not any(all(s in reads for s in range(start, start + window))
+                       for start in reads if start + window - 1 < f["detected"][0]), f
 
 
 def test_a_clean_life_reports_nothing_and_verifies_every_live_byte(life):

@@ -14,8 +14,9 @@ every layer of the group's KV (:func:`kvcanary_jax.runtime.kv.digest_sources`):
 * **the sweep** (after a step): check the digest of every slot its plan walks (the cached
   prefixes), whatever the phase. When the sweep runs at least every N steps
   (``CanaryConfig.sweep_interval``), a TAIL leaves out of its check the read slots of the
-  FULL group the last sweep checked fewer than N steps before: the next sweep checks them within N steps of the
-  last, so the guarantee holds without reading their bytes twice in a window.
+  FULL group whose content the last sweep checked, fewer than N steps before: the next sweep
+  checks them within N steps of the last, so the guarantee holds without reading their bytes
+  twice in a window (a sweep that does not come shows in the report below).
 * **never-stamped slots are not checked**: a slot whose digest no earlier step stamped under
   this state (warm-up or capture batches that read slots no guarded forward wrote, a state built
   over a pool that already held KV) has nothing to be checked against; it is left out of the
@@ -25,7 +26,8 @@ every layer of the group's KV (:func:`kvcanary_jax.runtime.kv.digest_sources`):
   the step counters of :class:`~kvcanary_jax.runtime.state.SlotCoverage`. The guarantee is due
   for the slots *read in each of the last N steps* (a read run of N steps) and the slots *the
   last sweep walked*; these are the live slots, and a live slot is verified when its digest was
-  checked in the last N steps (a read run) or at or after the last sweep (a walked slot). The
+  checked in the last N steps (a slot in a read run, whoever checked it) or at or after the
+  last sweep (a walked slot in no read run). The
   share is over KV bytes (each slot counts its group's digest bytes), and is exactly 1 when the
   guarantee held; ``read`` bytes (slots read at least once in the last N steps) are given beside
   it. Computing it reads every counter of the pool once: the manager does it only for its stats
@@ -151,14 +153,16 @@ def at_tail(cfg: CanaryConfig, state: CanaryState, batch, lut, kv) -> CanaryStat
         written, read_from, read_at = (sc.steps[at, c] for c in (_W, _RF, _RA))
         due = read & (written >= 0)
         if cfg.sweep_covers_reads and not cfg.window(group):
-            # A slot the last sweep checked, fewer than N steps ago, is checked again by the
-            # next sweep, within N steps of the last: this phase check is left to it (a slot
-            # checked by a TAIL since is due again N steps later, after that sweep). Not in the
-            # SWA group: its read window slides, a slot the sweep walked may still be read after
-            # the next sweep's window left it.
+            # A slot whose content the last sweep checked, fewer than N steps ago, is checked
+            # again by the next sweep, within N steps of the last: this phase check is left to
+            # it (a slot checked by a TAIL since is due again N steps later, after that sweep;
+            # one written since holds content no sweep checked: a slot freed and handed out
+            # again keeps its old checked_at). Not in the SWA group: its read window slides, a
+            # slot the sweep walked may still be read after the next sweep's window left it.
             last = cov.last_sweep[0]
             recent = (last >= 0) & (t[0] - last < window)
-            due = due & ~(recent & (sc.steps[at, _CK] >= last))
+            swept = (sc.steps[at, _CK] >= last) & (written <= last)
+            due = due & ~(recent & swept)
         read_from, read_at, due, checked_slots, slots = jax.lax.optimization_barrier(
             (read_from, read_at, due, jnp.where(due, slots, -1), slots))
         ctx, checked = _check(cfg, sc, vplan, due, phase=t, window=window, sources=sources,
@@ -217,8 +221,10 @@ def counts(cfg: CanaryConfig, state: CanaryState) -> dict:
         sc = cov.groups[group]
         in_run = (sc.read_at == t) & (sc.read_from <= t - window + 1)
         walked = (sc.swept_at == last) & (last >= 0)
-        verified = ((in_run & (sc.checked_at > t - window))
-                    | (walked & (sc.checked_at >= last)))
+        # A slot in a read run is verified by a check in the last N steps, whoever made it: one
+        # the steps left to a sweep that did not come (late, its walk failed) shows unverified.
+        verified = jnp.where(in_run, sc.checked_at > t - window,
+                             walked & (sc.checked_at >= last))
         read = (sc.read_at >= 1) & (sc.read_at > t - window)
         groups[group] = dict(live_slots=jnp.sum(in_run | walked, dtype=jnp.int64),
                              verified_slots=jnp.sum(verified, dtype=jnp.int64),

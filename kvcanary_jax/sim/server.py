@@ -57,6 +57,9 @@ class SimConfig:
     swa_window_size: int = 8
     enable_v_half: bool = False
     sweep_interval: int = 4
+    # The sweep walks running requests' decoded tokens too; False: their prompts only, as
+    # SGLang's radix cache holds a request's output once it finishes.
+    sweep_decoded: bool = True
     max_cache_entries: int = 6
     arrival_prob: float = 0.7
     share_prob: float = 0.7
@@ -475,12 +478,15 @@ class Server:
 
     def sweep_inputs(self):
         """The radix-cache walk as plan rows: every cache entry and every running request's
-        cached prefix, one row each (row 0 unused), padded to ``sweep_cap_rows`` rows."""
+        cached prefix (its prompt only, with ``sweep_decoded`` off), one row each (row 0
+        unused), padded to ``sweep_cap_rows`` rows."""
         n = self.cfg.sweep_cap_rows
         table = np.zeros((n + 1, self.sim.context_len), np.int32)
         lengths = np.zeros((n,), np.int64)
         rows = np.zeros((n,), np.int64)
-        entries = [e.slots for e in self.cache] + [r.slots for r in self.live]
+        live = [r.slots if self.sim.sweep_decoded else r.slots[: len(r.prompt)]
+                for r in self.live]
+        entries = [e.slots for e in self.cache] + live
         for i, slots in enumerate(entries[:n]):
             table[i + 1, : len(slots)] = slots
             rows[i], lengths[i] = i + 1, len(slots)
