@@ -635,8 +635,9 @@ def test_a_sweep_that_does_not_come_shows_in_the_report(sweep_interval, found_at
     """The sweeps stop after step 8 (a walk that fails, a caller's schedule that slips). With a
     sweep every 4 steps stated (the window's 4), steps 9..11 left the prompt's slots to it: a
     byte flipped after step 8 in slot s (s = 3 mod 4) is found at s's phase step 15, four steps
-    late, and the report shows those slots unverified from step 12 on (the last check of a slot
-    in a read run more than 4 steps old). With 5 stated nothing is left to the sweep: found at
+    late, and the report shows those slots unverified from step 13 on (the last check of a slot
+    in a read run more than 4 steps old, and no sweep due: the report of step 12, read after
+    the step, counts on the sweep due after it). With 5 stated nothing is left to the sweep: found at
     step 11, the report at 100% throughout."""
     srv, req = _one_long_request(sweep_interval)
     slot = shares = None
@@ -658,6 +659,25 @@ def test_a_sweep_that_does_not_come_shows_in_the_report(sweep_interval, found_at
     else:
         pytest.fail("the flip was not found")
     if sweep_interval == 4:
-        assert shares[:3] == [1.0, 1.0, 1.0] and all(s < 1 for s in shares[3:-1]), shares
+        assert shares[:4] == [1.0] * 4 and all(s < 1 for s in shares[4:-1]), shares
     else:
         assert set(shares) == {1.0}, shares
+
+
+def test_the_report_read_before_the_due_sweep_counts_on_it():
+    """A sweep every 4 steps, the window's 4: the steps leave the prompt's slots to it, so N
+    steps after one sweep those slots were last checked N steps ago, and the next sweep, due
+    after the step, checks them. A report read between the step and that sweep (sglang-jax's
+    observe() prints the stats line before the caller's sweep) has every live byte verified,
+    as after it."""
+    srv, _ = _one_long_request(4)
+    before = []
+    sweep = srv.sweep
+    srv.sweep = lambda: before.append(srv.coverage().share) or sweep()
+    after = []
+    for _ in range(20):
+        srv.step()
+        after.append(srv.coverage().share)
+    # (before the first sweep nothing is live yet: no read run of 4 steps, no walk)
+    assert len(before) == 5 and before[0] is None and set(before[1:]) == {1.0}, before
+    assert set(after[4:]) == {1.0} and rt.violation_count(srv.state) == 0, after

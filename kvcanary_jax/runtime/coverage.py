@@ -221,10 +221,13 @@ def counts(cfg: CanaryConfig, state: CanaryState) -> dict:
         sc = cov.groups[group]
         in_run = (sc.read_at == t) & (sc.read_from <= t - window + 1)
         walked = (sc.swept_at == last) & (last >= 0)
-        # A slot in a read run is verified by a check in the last N steps, whoever made it: one
-        # the steps left to a sweep that did not come (late, its walk failed) shows unverified.
-        verified = jnp.where(in_run, sc.checked_at > t - window,
-                             walked & (sc.checked_at >= last))
+        # A slot in a read run is verified by a check in the last N steps, whoever made it, or
+        # by the last sweep when that sweep is N steps old: the steps left the slot to the next
+        # one, due after this step (the report may be read before it runs). One left to a sweep
+        # that did not come (late, its walk failed) shows unverified from the next step on.
+        by_sweep = walked & (sc.checked_at >= last)
+        due = by_sweep & (last >= t - window)
+        verified = jnp.where(in_run, (sc.checked_at > t - window) | due, by_sweep)
         read = (sc.read_at >= 1) & (sc.read_at > t - window)
         groups[group] = dict(live_slots=jnp.sum(in_run | walked, dtype=jnp.int64),
                              verified_slots=jnp.sum(verified, dtype=jnp.int64),
