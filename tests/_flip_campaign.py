@@ -12,8 +12,8 @@ uses, in either buffer group), then the server steps on. After each step the hos
 A flip's *first check* is the first of: the TAIL of a step ``t`` that reads its slot with
 ``slot % window == t % window`` (``t`` counted here, from 1), unless the sweep runs at least
 every ``window`` steps and the last one checked the slot fewer than ``window`` steps before
-(:class:`Checks`), or the first sweep after it that walks its slot. Every flip must be reported exactly at its first check (no earlier, no later, no
-miss), and no digest row may name a slot without a pending flip. A flip is restored once found;
+(:class:`Checks`), or the first sweep after it that walks its slot. Every flip must be
+reported exactly at its first check (no earlier, no later, no miss), and no digest row may name a slot without a pending flip. A flip is restored once found;
 one whose slot a forward rewrites before any check (evicted, reallocated) was erased, and one
 never checked by the end is left out (its slot stopped being live).
 """

@@ -56,6 +56,7 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 import _sglang_jax_compat as compat  # noqa: E402
+import _flip_campaign as fc  # noqa: E402
 from kvcanary_jax import consts  # noqa: E402
 from kvcanary_jax.integrations import sglang_jax as ksj  # noqa: E402
 
@@ -261,17 +262,8 @@ def run(a, *, flips: bool, step_fn=None) -> tuple[dict, object]:
            "shares": [], "live_bytes": [], "tail_checks": [], "steps": a.steps}
     pending: dict = {}
     tail_runs = np.zeros(c.canary.num_shards, np.int64)
-    # The rule's state, per DP rank: each slot's last check, the stamped slots, the last sweep.
-    leave = a.leave_to_sweep and a.sweep <= window
-    last_check = [dict() for _ in range(a.dp)]
-    stamped = [dict() for _ in range(a.dp)]  # slot -> the step that last wrote it
-    last_sweep = -1
-
-    def due(rank, s, t):
-        left = (leave and last_sweep >= 0 and t - last_sweep < window
-                and last_check[rank].get(s, -1) >= last_sweep
-                and stamped[rank].get(s, t) <= last_sweep)
-        return s % window == t % window and s in stamped[rank] and not left
+    # The rule's checks, per DP rank (the demo campaign's predictor, over the canary's config).
+    checks = [fc.Checks(c.canary.config) for _ in range(a.dp)]
 
     with jax.set_mesh(c.w.mesh):
         for t in range(1, a.steps + 1):
@@ -290,22 +282,15 @@ def run(a, *, flips: bool, step_fn=None) -> tuple[dict, object]:
             reads = [set(r) for r in read_lists]
             walked = c.sweep() if t % a.sweep == 0 else None
             # Step t's TAIL checked exactly the read slots the rule gives, on every shard.
-            tail = [{s for s in reads[r] if due(r, s, t)} for r in range(a.dp)]
-            for r in range(a.dp):
-                last_check[r].update((s, t) for s in tail[r])
-                stamped[r].update((s, t) for s in written[r])
+            tail = [checks[r].tail(t, "FULL", reads[r], written[r]) for r in range(a.dp)]
             if walked is not None:
                 for r in range(a.dp):
-                    last_check[r].update((s, t) for s in walked[r] if s in stamped[r])
-                last_sweep = t
+                    checks[r].sweep(t, {"FULL": walked[r]})
             runs = np.asarray(jax.device_get(
                 c.w.state.coverage.groups["FULL"].tail_slot_runs)).reshape(-1)
             want = [sum(1 for s in read_lists[i // c.canary.head_shards]
                         if s in tail[i // c.canary.head_shards])
                     for i in range(c.canary.num_shards)]
-            out["left_to_sweep"] = out.get("left_to_sweep", 0) + sum(
-                1 for r in range(a.dp) for s in reads[r] if s % window == t % window) - sum(
-                len(x) for x in tail)
             if (runs - tail_runs).tolist() != want:
                 out["tail_checks"].append((t, (runs - tail_runs).tolist(), want))
             tail_runs = runs
@@ -347,6 +332,7 @@ def run(a, *, flips: bool, step_fn=None) -> tuple[dict, object]:
             for k in done:
                 del pending[k]
         c.manager.flush()
+    out["left_to_sweep"] = sum(ch.left for ch in checks)
     logger.removeHandler(handler)
     logger.setLevel(level)
     counts = ksj.violation_counts(c.w.state)

@@ -637,8 +637,8 @@ def test_a_sweep_that_does_not_come_shows_in_the_report(sweep_interval, found_at
     byte flipped after step 8 in slot s (s = 3 mod 4) is found at s's phase step 15, four steps
     late, and the report shows those slots unverified from step 13 on (the last check of a slot
     in a read run more than 4 steps old, and no sweep due: the report of step 12, read after
-    the step, counts on the sweep due after it). With 5 stated nothing is left to the sweep: found at
-    step 11, the report at 100% throughout."""
+    the step, counts on the sweep due after it). With 5 stated nothing is left to the sweep:
+    found at step 11, the report at 100% throughout."""
     srv, req = _one_long_request(sweep_interval)
     slot = shares = None
     for t in range(1, 20):

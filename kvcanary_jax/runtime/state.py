@@ -83,8 +83,9 @@ class CanaryConfig:
     holds another count of layers is refused, so no layer goes unverified unnoticed.
     ``sweep_interval``: the steps between the caller's sweeps (0: none, or no fixed schedule).
     With a window N and a sweep at least every N steps, a TAIL leaves out of its check the read
-    slots of the FULL group the last sweep checked fewer than N steps before (the next sweep checks them within
-    the window; docs/spec.md §17.2). The manager sets it from its own ``sweep_interval``.
+    slots of the FULL group whose content the last sweep checked, fewer than N steps before
+    (the next sweep checks them within the window; docs/spec.md §17.2). The manager sets it
+    from its own ``sweep_interval``.
     """
 
     max_reqs: int
