@@ -57,10 +57,19 @@ FULL_CASES = [
     dict(function="write", tokens=8),
     dict(function="write", tokens=64),
     dict(function="write", tokens=8192),
+    # The TAIL's check when the steps leave the swept slots to the sweep (docs/spec.md §17.2):
+    # each request's entries are handed over as -1 but for its last window / 2 (the tokens
+    # decoded since the last sweep, on average), whose slots were handed out a step at a time,
+    # the batch's slots of a step adjacent (a page-size-1 allocator's free list in order): at
+    # bs 64 and window 64 every decoded slot of a request has the same residue, so the entries
+    # a phase selects are one request's window / 2, adjacent in the plan.
+    dict(function="verify", bs=8, ctx=512, window=64, left_to_sweep=True),
+    dict(function="verify", bs=64, ctx=2048, window=64, left_to_sweep=True),
 ]
 QUICK_CASES = [FULL_CASES[0], FULL_CASES[1], FULL_CASES[5]]
 SMOKE_CASES = [dict(function="verify", bs=2, ctx=16, window=4),
-               dict(function="write", tokens=8)]
+               dict(function="write", tokens=8),
+               dict(function="verify", bs=2, ctx=16, window=4, left_to_sweep=True)]
 RING = 1024
 
 
@@ -104,7 +113,8 @@ def _host_digests(kv, slots) -> np.ndarray:
 
 def _case_name(case) -> str:
     if case["function"] == "verify":
-        return f"verify bs={case['bs']} ctx={case['ctx']} window={case['window']}"
+        swept = " left to the sweep" if case.get("left_to_sweep") else ""
+        return f"verify bs={case['bs']} ctx={case['ctx']} window={case['window']}{swept}"
     return f"write tokens={case['tokens']}"
 
 
@@ -122,7 +132,8 @@ def shapes_of(case, model) -> dict:
 def variants(config, *, verify: bool) -> list:
     """``config`` and a few launch configs around it, one field moved at a time: the group of a
     slot's words a program step hashes (halved, doubled), spread over programs or looped over by
-    one program, the block, a verify's chunk (four times longer), the warps."""
+    one program, the block, a verify's chunk (four times longer) and its shares (doubled,
+    halved), the warps."""
     out = [config]
 
     def add(**kw):
@@ -143,6 +154,9 @@ def variants(config, *, verify: bool) -> list:
     add(block=config.block * 2, entries=max(config.entries, config.block * 2))
     if verify:
         add(entries=config.entries * 4)
+        add(share=config.share * 2)
+        if config.share > 1:
+            add(share=config.share // 2)
     add(num_warps=8 if config.num_warps == 4 else 4)
     return out
 
@@ -206,17 +220,24 @@ def measure_case(case, model, *, implementation, iters: int, bw_gbs: float,
         else:
             entries, window = case["bs"] * case["ctx"], case["window"]
             plan = rng.choice(np.arange(1, slots), entries, replace=False)
+            handed = plan
+            if case.get("left_to_sweep"):  # each request's last d entries, the rest -1
+                bs, ctx, d = case["bs"], case["ctx"], max(1, window // 2)
+                j = np.arange(entries) % ctx - (ctx - d)  # the decoded token's step, or < 0
+                decoded = slots - d * bs + j * bs + np.arange(entries) // ctx
+                handed = np.where(j >= 0, decoded, -1)
             write = jax.jit(lambda b, s, src: kc.digest_write(b, s, src), donate_argnums=0)
             digests = write(jnp.zeros((slots,), jnp.int64), jnp.arange(slots, dtype=jnp.int64),
                             sources)
-            picked = plan[plan % window == 0][:3]
+            picked = handed[(handed > 0) & (handed % window == 0)][:3]
             bad = digests.at[jnp.asarray(picked)].add(1)
             fresh = lambda d: kc.DigestContext.allocate(  # noqa: E731  (donated: one each)
                 num_slots=slots, ring_capacity=RING).replace(digest_buf=jnp.array(d))
-            s, pos = jnp.asarray(plan, jnp.int64), jnp.arange(entries, dtype=jnp.int64)
+            s, pos = jnp.asarray(handed, jnp.int64), jnp.arange(entries, dtype=jnp.int64)
             nv = jnp.asarray([entries], jnp.int32)
             phases = [jnp.asarray([p], jnp.int32) for p in range(window)]
-            selected = np.mean([(plan % window == p).sum() for p in range(window)])
+            selected = np.mean([((handed > 0) & (handed % window == p)).sum()
+                                for p in range(window)])
         for k, config in enumerate(configs):
             if k and deadline is not None and time.monotonic() > deadline:
                 break
@@ -247,7 +268,8 @@ def measure_case(case, model, *, implementation, iters: int, bw_gbs: float,
                 n_rows = int(out.violation_write_index[0])
                 found = sorted(int(r[1]) for r in np.asarray(out.violation_ring)[:n_rows])
                 row["ours_correct"] = found == sorted(int(x) for x in picked) and \
-                    int(out.slot_run_counter[0]) == int((plan % window == 0).sum())
+                    int(out.slot_run_counter[0]) == len(handed[(handed > 0) &
+                                                                (handed % window == 0)])
                 row.update(entries=entries, window=window, selected=float(selected))
                 row["bytes"] = int(selected * (slot_bytes + 8) + entries * 16)
                 states = [fresh(digests) for _ in range(2)]

@@ -56,7 +56,10 @@ violations. Reported: the three medians, ``share_pct = (guarded - sglang_jax) / 
 a sweep of the prompts, as a server's do (the caller's sweep every K <= N steps checks the
 prompts' slots, the steps leave them to it: docs/spec.md §17.2); ``canary_only_unswept`` is the
 canary alone without it (the step N steps after a sweep), and ``over_bare_with_sweep_pct`` the
-average step over the bare one with the sweep's share and that step's once every K.
+average step over the bare one with the sweep's share and that step's once every K. The decoded
+tokens since the sweep are the steps' to check, so a step's cost grows with its distance from
+the sweep: ``--iters`` at K - 4 (60 for K = 64; 3 warm-up steps come first) times the steps
+across the whole interval, and the median is the middle one's; fewer time only the first.
 """
 
 from __future__ import annotations

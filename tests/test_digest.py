@@ -329,6 +329,11 @@ PALLAS_SHAPES = [
     dict(block=2, lanes=8, unroll=2, group_words=24, entries=16, finish=4),
     # several tile widths in a group, an unroll that does not divide the tiles
     dict(block=4, lanes=64, unroll=3, group_words=40, entries=64, finish=16),
+    # a chunk's selected entries split among programs, in one kernel and spread (a share left
+    # with nothing where a chunk holds fewer than the shares), and a chunk of one block shared
+    dict(block=1, lanes=16, group_words=0, entries=16, share=4),
+    dict(block=2, lanes=8, unroll=2, group_words=24, entries=16, finish=4, share=8),
+    dict(block=8, lanes=32, group_words=0, entries=8, share=2),
 ]
 
 
@@ -400,7 +405,8 @@ def test_pallas_heuristics_spread_few_slots_and_hash_many_whole():
     a slot's words (two kernels); a prefill's thousands of tokens and a dense verify hash whole
     slots a program (one kernel); a verify hashes its selected entries one at a time, its chunk
     a quarter of a window of entries with few slots (a quarter of an entry expected), four
-    windows with more; a narrow slot is hashed whole by one program of 8 warps (one kernel)."""
+    windows with more; a narrow slot is hashed whole by one program of 8 warps (one kernel); a
+    verify's chunk is shared among programs (more where a slot is one group)."""
     from kvcanary_jax.ops.digest import pallas_triton as pt
 
     def shapes(verify, capacity, window=1):
@@ -417,11 +423,15 @@ def test_pallas_heuristics_spread_few_slots_and_hash_many_whole():
     assert (mid.group_words, mid.spread, mid.entries) == (pt.MIN_GROUP_WORDS, True, 16)
     narrow = pt.heuristics(dict(shapes(1, 4096, 64), words=2048))
     assert (narrow.group_words, narrow.spread, narrow.entries, narrow.num_warps) == (0, False, 16, 8)
+    assert (narrow.share, small.share, mid.share) == (pt.SHARE_FEW, 1, 1)
     assert pt.heuristics(dict(shapes(1, 64, 2), words=2048)).entries == 1  # a window under 4
     wide = pt.heuristics(shapes(1, 131072, 64))
     assert (wide.group_words, wide.entries, wide.block) == (pt.WIDE_GROUP_WORDS, 256, 1)
+    assert wide.share == pt.SHARE_GROUPS
+    assert pt.heuristics(dict(shapes(1, 131072, 64), words=2048)).share == pt.SHARE_ONE_GROUP
     dense = pt.heuristics(shapes(1, 131072, 1))
     assert (dense.spread, dense.entries, dense.block) == (False, 1, 1)
+    assert pt.heuristics(shapes(0, 2048)).share == 1 == dense.share
 
 
 @pytest.mark.parametrize("block", [1, 4])

@@ -32,21 +32,26 @@ program reaches its group's code through branches on its group index.
   consecutive entries (``e < clamp(num_valid)``, ``0 < slot < num_slots``, ``slot % window ==
   phase mod window``), ranks its selected entries with a prefix sum over the chunk, and hashes
   them ``block`` at a time, in entry order (with ``entries == block``, the block is the chunk).
+  With ``share`` > 1, ``share`` programs scan the same chunk and split its selected entries
+  into as many runs of consecutive ranks, one each: a chunk's selected entries are hashed one
+  after another by a program, so the kernel takes as long as the chunk with the most, and where
+  one request's slots all share a residue (a page-size-1 allocator handing a batch of 64 its
+  slots a step at a time, window 64) a phase selects a run of adjacent entries.
   The work follows the selected entries, not the capacity, without a compaction pass: the grid
   is static (from the capacity) and a chunk without a selected entry costs one scan of its
   slots. The heuristics' chunks hold a quarter of a selected entry on average where few slots
-  are expected (a chunk's selected entries are hashed one after another: the kernel takes as
-  long as the chunk with the most), four where a thousand or more are.
+  are expected, four where a thousand or more are (shared among 4 or 8 programs there).
   Not spread (or one group): the program hashes every group of its entries, compares with the
-  stored digests and records the mismatches (one kernel). Spread: grid ``(chunks x groups)``,
+  stored digests and records the mismatches (one kernel). Spread: grid ``(chunks x groups x
+  share)``,
   programs store partials ``[groups, capacity]`` at their selected entries, and a finishing
   kernel over chunks of ``finish`` entries selects again, sums the partials, compares and
   records (two kernels).
   Records: each block of compared entries claims its rows with one claim under the ring guard
   (:func:`kvcanary_jax.ops._kernel_lib.claim_rows`): rows keep entry order within a block; the
   order across blocks is the atomics' (in interpret mode, where programs run in order, entry
-  order). ``slot_run_counter`` takes one atomic add per chunk (its selected count),
-  ``kernel_run_counter`` is bumped by program 0.
+  order). ``slot_run_counter`` takes one atomic add per chunk (its selected count, added by the
+  chunk's first program), ``kernel_run_counter`` is bumped by program 0.
 
 Why a static grid rather than a persistent one striding over blocks of compacted entries up to a
 count read on the device: the selection is made where the entries are scanned, so no count
@@ -102,6 +107,17 @@ WHOLE_SLOTS_AT = 4096
 CHUNKS_A_WINDOW = 4
 ONE_KERNEL_WORDS = 2048
 ONE_KERNEL_WARPS = 8
+# Programs a verify chunk's selected entries are split among (``Config.share``): a chunk's
+# entries are hashed one after another, and a phase may select a run of adjacent ones (one
+# request's slots handed out a step at a time with a stride of the window share its residue).
+# The H100 sweep (bench/NOTES.md, "a chunk's selected entries shared among programs"): at 64 x
+# 2,048 entries and window 64, 4 layers (one group), 32 adjacent selected entries 44.8 -> 8.6 us
+# with 8 shares and the 2,048 of every read slot 25.2 -> 19.0; 32 layers (4 groups) 66.5 ->
+# 23.2 and 110.9 -> 110.5 with 4 (8 and more lose: programs that only scan); 8 x 512, 4 layers,
+# one kernel: 4.4 -> 3.5 with 2.
+SHARE_ONE_GROUP = 8
+SHARE_GROUPS = 4
+SHARE_FEW = 2
 LANES = 512
 UNROLL = 4
 FINISH = 128
@@ -136,11 +152,13 @@ class Config:
     * ``lanes``: words of a strip per tile row; ``unroll``: tiles loaded before any is hashed
       where a segment loops over its tiles;
     * ``entries``: entries a verify program scans (a multiple of ``block``);
+    * ``share``: programs a verify chunk's selected entries are split among (each scans the
+      chunk and hashes one run of consecutive ranks);
     * ``finish``: entries (slots) per program of the finishing kernel;
     * ``num_warps``, ``num_stages``: Triton's.
 
-    ``block``, ``lanes``, ``entries`` and ``finish`` are powers of two. ``interpret``: Pallas
-    interpret mode (any backend; what ``pallas_interpret`` runs)."""
+    ``block``, ``lanes``, ``entries``, ``finish`` and ``share`` are powers of two.
+    ``interpret``: Pallas interpret mode (any backend; what ``pallas_interpret`` runs)."""
 
     block: int = 1
     group_words: int = GROUP_WORDS
@@ -151,20 +169,22 @@ class Config:
     finish: int = FINISH
     num_warps: int = NUM_WARPS
     num_stages: int = NUM_STAGES
+    share: int = 1
     interpret: bool = False
 
     def __post_init__(self):
         _kernel_lib.check_interpret("digest", self.interpret)
-        ok = all(_pow2(v) for v in (self.block, self.lanes, self.entries, self.finish)) and \
+        ok = all(_pow2(v) for v in (self.block, self.lanes, self.entries, self.finish,
+                                    self.share)) and \
             self.entries >= self.block and self.unroll >= 1 and self.group_words >= 0 and \
             isinstance(self.spread, bool) and self.num_warps >= 1 and self.num_stages >= 1
         if not ok:
             raise ValueError(
                 f"kv-canary digest: bad launch parameters block={self.block} lanes={self.lanes} "
-                f"entries={self.entries} finish={self.finish} (powers of two, entries >= block) "
-                f"unroll={self.unroll} group_words={self.group_words} (>= 0) "
-                f"spread={self.spread!r} (a bool) num_warps={self.num_warps} "
-                f"num_stages={self.num_stages} (>= 1)")
+                f"entries={self.entries} finish={self.finish} share={self.share} "
+                f"(powers of two, entries >= block) unroll={self.unroll} "
+                f"group_words={self.group_words} (>= 0) spread={self.spread!r} (a bool) "
+                f"num_warps={self.num_warps} num_stages={self.num_stages} (>= 1)")
 
 
 def _entries_for(size: int, block: int) -> int:
@@ -184,7 +204,10 @@ def heuristics(shapes: Mapping[str, int]) -> Config:
     whole slots (one kernel). A verify hashes its selected entries one at a time (``block`` 1:
     a block's rows are hashed whether selected or not); its chunk is about ``window`` /
     :data:`CHUNKS_A_WINDOW` entries with few slots (a quarter of an entry expected a chunk),
-    four windows from :data:`SPREAD_SLOTS_AT` slots (fewer programs, each scanning more)."""
+    four windows from :data:`SPREAD_SLOTS_AT` slots (fewer programs, each scanning more), and
+    its chunks' selected entries split among :data:`SHARE_ONE_GROUP` programs (a slot of one
+    group) or :data:`SHARE_GROUPS` (several) there, :data:`SHARE_FEW` where a narrow slot is
+    hashed whole with few expected."""
     if shapes["verify"]:
         window = shapes["window"]
         expected = shapes["capacity"] // window
@@ -194,14 +217,17 @@ def heuristics(shapes: Mapping[str, int]) -> Config:
         return Config(block=1, group_words=LOOP_GROUP_WORDS, spread=False,
                       entries=_entries_for(window, 1))
     if expected >= SPREAD_SLOTS_AT:
-        chunk = 4 * window if shapes["verify"] else 1
-        return Config(block=1, group_words=WIDE_GROUP_WORDS, entries=_entries_for(chunk, 1))
+        if not shapes["verify"]:
+            return Config(block=1, group_words=WIDE_GROUP_WORDS, entries=1)
+        share = SHARE_ONE_GROUP if shapes["words"] <= WIDE_GROUP_WORDS else SHARE_GROUPS
+        return Config(block=1, group_words=WIDE_GROUP_WORDS, entries=_entries_for(4 * window, 1),
+                      share=share)
     if not shapes["verify"]:
         return Config(block=1, group_words=GROUP_WORDS, entries=_entries_for(window, 1))
     entries = _entries_for(max(1, window // CHUNKS_A_WINDOW), 1)
     if shapes["words"] <= ONE_KERNEL_WORDS:
         return Config(block=1, group_words=0, spread=False, entries=entries,
-                      num_warps=ONE_KERNEL_WARPS)
+                      num_warps=ONE_KERNEL_WARPS, share=SHARE_FEW)
     words = max(MIN_GROUP_WORDS, _pow2_at_least(-(-shapes["words"] // VERIFY_GROUPS)))
     return Config(block=1, group_words=words, entries=entries)
 
@@ -379,13 +405,16 @@ def _by_group(g, group_list, body):
         pl.when(g == gi)(functools.partial(body, gi, segs))
 
 
-def _split_program(num_groups: int):
-    """``(block or chunk index, group index)`` of this program (programs of one block are
-    adjacent: they share its slots in the caches)."""
-    p = pl.program_id(0)
-    if num_groups == 1:
-        return p, jnp.int32(0)
-    return jax.lax.div(p, jnp.int32(num_groups)), jax.lax.rem(p, jnp.int32(num_groups))
+def _split_program(num_groups: int, share: int = 1):
+    """``(block or chunk index, group index, share index)`` of this program (programs of one
+    block are adjacent: they share its slots in the caches; a chunk's shares come in order, so
+    that interpret mode, running programs in order, records in entry order)."""
+    p, g, r = pl.program_id(0), jnp.int32(0), jnp.int32(0)
+    if share > 1:
+        p, r = jax.lax.div(p, jnp.int32(share)), jax.lax.rem(p, jnp.int32(share))
+    if num_groups > 1:
+        p, g = jax.lax.div(p, jnp.int32(num_groups)), jax.lax.rem(p, jnp.int32(num_groups))
+    return p, g, r
 
 
 def _sum_partials(part_ref, k, n: int, num_groups: int, mask):
@@ -441,7 +470,7 @@ def _write_partials_kernel(slots_ref, *refs, group_list, nbuf, num_slots, block,
     """One program a block of slots and a group: the group's partials."""
     srcs, out = refs[:nbuf], refs[nbuf]
     n = slots_ref.shape[0]
-    b, g = _split_program(len(group_list))
+    b, g, _ = _split_program(len(group_list))
     k = b * block + jnp.arange(block, dtype=jnp.int32)
     in_plan = k < n
     slot = _slots_at(slots_ref, k, in_plan)
@@ -553,60 +582,75 @@ def _record(digest_ref, pos_ref, ring, widx, e, slot, live, d, *, kind, ring_cap
             jnp.full((n,), consts.KV_DIGEST_MISMATCH, i64)))
 
 
-def _blocks_of_chunk(e, slot, sel, block: int, visit):
+def _blocks_of_chunk(e, slot, sel, block: int, visit, *, share: int = 1, r=None):
     """``visit(entries, slots, live)`` for the selected entries of a chunk, ``block`` at a time
-    in entry order (a prefix sum ranks them; a block gathers its ranks' entries)."""
+    in entry order (a prefix sum ranks them; a block gathers its ranks' entries). With ``share``
+    > 1, only share ``r`` of them: the ranks ``[r * q, (r + 1) * q)``, ``q`` = the count over
+    ``share`` rounded up."""
     size = e.shape[0]
     if size == block:
-        @pl.when(jnp.sum(sel.astype(jnp.int32)) > 0)
+        go = jnp.sum(sel.astype(jnp.int32)) > 0
+        if share > 1:
+            go = go & (r == 0)
+
+        @pl.when(go)
         def _one():
             visit(e, slot, sel)
         return
     flags = sel.astype(jnp.int32)
     rank = jnp.cumsum(flags, dtype=jnp.int32) - flags
     count = jnp.sum(flags, dtype=jnp.int32)
+    lo, hi = jnp.int32(0), count
+    if share > 1:
+        q = (count + (share - 1)) // share
+        lo = jnp.minimum(r * q, count)
+        hi = jnp.minimum(lo + q, count)
 
     def trip(t, carry):
-        k = t * block + jnp.arange(block, dtype=jnp.int32)
+        k = lo + t * block + jnp.arange(block, dtype=jnp.int32)
         match = sel[None, :] & (rank[None, :] == k[:, None])
         ent = jnp.sum(jnp.where(match, e[None, :], 0), axis=1, dtype=jnp.int32)
         picked = jnp.sum(jnp.where(match, slot[None, :], 0), axis=1, dtype=jnp.int64)
-        visit(ent, picked, k < count)
+        visit(ent, picked, k < hi)
         return carry
 
-    jax.lax.fori_loop(0, (count + (block - 1)) // block, trip, 0)
+    jax.lax.fori_loop(0, (hi - lo + (block - 1)) // block, trip, 0)
 
 
 def _verify_kernel(slots_ref, pos_ref, nv_ref, phase_ref, digest_ref, *refs, group_list, nbuf,
-                   kind, ring_cap, window, num_slots, block, entries, lanes, unroll):
-    """One program a chunk, every group: select, hash, compare, record."""
+                   kind, ring_cap, window, num_slots, block, entries, lanes, unroll, share):
+    """One program a chunk (a share of it), every group: select, hash, compare, record."""
     srcs = refs[:nbuf]
     ring, widx, sctr, kctr = refs[nbuf + 4:]
-    c = pl.program_id(0)
     cap = slots_ref.shape[0]
+    c, _, r = _split_program(1, share)
 
-    @pl.when(c == 0)
+    @pl.when(pl.program_id(0) == 0)
     def _launch():
         kctr[0] = kctr[0] + 1
 
     e, slot, sel = _select(slots_ref, nv_ref, phase_ref, c * entries, entries, window=window,
                            num_slots=num_slots)
-    _count(sctr, sel.astype(jnp.int32))
+    if share > 1:
+        pl.when(r == 0)(lambda: _count(sctr, sel.astype(jnp.int32)))
+    else:
+        _count(sctr, sel.astype(jnp.int32))
 
     def visit(ent, picked, live):
         d = _slot_partial(picked, live, srcs, group_list, lanes=lanes, unroll=unroll)
         _record(digest_ref, pos_ref, ring, widx, ent, picked, live, d, kind=kind,
                 ring_cap=ring_cap, most=cap)
 
-    _blocks_of_chunk(e, slot, sel, block, visit)
+    _blocks_of_chunk(e, slot, sel, block, visit, share=share, r=r)
 
 
 def _verify_partials_kernel(slots_ref, nv_ref, phase_ref, *refs, group_list, nbuf, window,
-                            num_slots, block, entries, lanes, unroll):
-    """One program a chunk and a group: the selected entries' partials of the group."""
+                            num_slots, block, entries, lanes, unroll, share):
+    """One program a chunk (a share of it) and a group: the selected entries' partials of the
+    group."""
     srcs, part = refs[:nbuf], refs[nbuf]
     cap = slots_ref.shape[0]
-    c, g = _split_program(len(group_list))
+    c, g, r = _split_program(len(group_list), share)
     e, slot, sel = _select(slots_ref, nv_ref, phase_ref, c * entries, entries, window=window,
                            num_slots=num_slots)
 
@@ -615,7 +659,7 @@ def _verify_partials_kernel(slots_ref, nv_ref, phase_ref, *refs, group_list, nbu
             d = _group_partial(picked, live, srcs, segs, lanes=lanes, unroll=unroll)
             _kernel_lib.scatter(part, ent.astype(jnp.int64) + gi * cap, d, live)
 
-        _blocks_of_chunk(e, slot, sel, block, visit)
+        _blocks_of_chunk(e, slot, sel, block, visit, share=share, r=r)
 
     _by_group(g, group_list, body)
 
@@ -652,7 +696,7 @@ def verify(context: DigestContext, slots, positions, num_valid, phase,
     entries = config.entries
     hashing_args = dict(group_list=group_list, nbuf=nbuf, window=window, num_slots=num_slots,
                         block=config.block, entries=entries, lanes=config.lanes,
-                        unroll=config.unroll)
+                        unroll=config.unroll, share=config.share)
     record_args = dict(kind=int(context.kernel_kind), ring_cap=context.violation_ring.shape[0],
                        window=window, num_slots=num_slots)
     words = [as_words(b) for b in sources.buffers]
@@ -665,12 +709,12 @@ def verify(context: DigestContext, slots, positions, num_valid, phase,
         ins = [slots, positions, num_valid, phase, context.digest_buf, *words]
         kernel = functools.partial(_verify_kernel, **hashing_args, kind=record_args["kind"],
                                    ring_cap=record_args["ring_cap"])
-        name, grid = "kvcanary_digest_verify", (chunks,)
+        name, grid = "kvcanary_digest_verify", (chunks * config.share,)
     else:
         partials = pl.pallas_call(
             functools.partial(_verify_partials_kernel, **hashing_args),
             out_shape=jax.ShapeDtypeStruct((len(group_list) * cap,), jnp.int64),
-            grid=(chunks * len(group_list),), interpret=config.interpret,
+            grid=(chunks * len(group_list) * config.share,), interpret=config.interpret,
             compiler_params=_params(config), name="kvcanary_digest_verify_partials",
         )(slots, num_valid, phase, *words)
         ins = [slots, positions, num_valid, phase, context.digest_buf, partials]
