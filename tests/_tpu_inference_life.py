@@ -408,8 +408,8 @@ def trust_main() -> None:
     calls), besides serving: a second install over the guarded runner; the guard's readers and
     sweeps called from another thread while the main one serves (prefill, same-step and later
     prefix hits, the decode loop); a bit flipped in a cached block of layer 1 and found by a
-    sweep called by hand, then ``flush()``; ``uninstall()`` twice; a decode loop failing on
-    the device after it took the carried state."""
+    sweep called by hand, then ``flush()``; ``uninstall()`` twice; an install again over the
+    warm prefix cache; a decode loop failing on the device after it took the carried state."""
     import threading
 
     window, interval = 4, 2
@@ -476,10 +476,29 @@ def trust_main() -> None:
     out["uninstall_twice"] = {"restored": own() == bare,
                               "marker": "_kvcanary_guard" in vars(r)}
 
-    e.scheduler.reset_prefix_cache()
+    # Installed again over the warm prefix cache (not reset): KV the first guard's life wrote
+    # has no canary in the new one, and requests hitting it must not be reported; a block one
+    # of them writes after the install is guarded (a flip in it is found by a sweep).
     life.guard = None
     life.install("all", coverage_window=window, sweep_interval=interval)
     g = life.guard
+    reports = len(life.reports)
+    e.add("w0", list(range(100, 116)) + [41, 42, 43], 20)  # a's cached block, then its own
+    e.add("w1", [400 + k for k in range(24)] + [5], 6)  # t0's first block
+    life.step("w prefill")
+    own = life.slot("w0", 17)
+    life.run("w")
+    g.sweep()
+    g.manager.flush()
+    clean = {"hits": {k: life.prefix_hits.get(k) for k in ("w0", "w1")},
+             "counts": kti.violation_counts(g).tolist(), "share": g.coverage().share,
+             "reported": [s for s, _ in life.reports[reports:]]}
+    _flip_bit(r, 1, own, 37, 3)
+    g.sweep()
+    g.manager.flush()
+    out["warm_reinstall"] = dict(clean, own=own,
+                                 found=[s for s, _ in life.reports[reports:]])
+    _flip_bit(r, 1, own, 37, 3)
     loop = g._orig["continue"]
     restarts = []  # the guard's warnings that its canary starts afresh
 
@@ -513,7 +532,7 @@ def trust_main() -> None:
                            "manager_coverage": g.manager.coverage() is not None}
 
     def failing_jit(kv_caches):  # a plain step failing on the device after the donation
-        def run(state, *args):
+        def run(state, *args, **kwargs):
             for leaf in jax.tree.leaves(state):
                 leaf.delete()
             raise RuntimeError("injected: the step failed on the device")

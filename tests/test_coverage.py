@@ -681,3 +681,72 @@ def test_the_report_read_before_the_due_sweep_counts_on_it():
     # (before the first sweep nothing is live yet: no read run of 4 steps, no walk)
     assert len(before) == 5 and before[0] is None and set(before[1:]) == {1.0}, before
     assert set(after[4:]) == {1.0} and rt.violation_count(srv.state) == 0, after
+
+
+def test_the_report_by_hand_cached_slots_expire_and_a_reused_slot_is_not_the_sweeps():
+    """The report's rule (docs/spec.md §17.4) on counters set by hand, window 4, the last sweep
+    at step 8, slots of one group:
+
+    * slot 1, cached: walked at 8, written at 5, checked at 8: live and verified until step 12,
+      unverified from 13 (the sweep due by 12 did not come), and slot 3 as well once its run
+      ends;
+    * slot 2, walked at 8 but written at 9 (freed and handed out again): not live, the sweep
+      never saw its content;
+    * slot 3, read at steps 7..10 (a run of 4 at step 10), written at 5, left to the sweep at 8:
+      live, verified;
+    * slot 4, the same run, written at 9 after the sweep, checked at 8: live, unverified (the
+      check saw the content before);
+    * slot 5, a run of 4 checked by a TAIL at 9: live, verified whatever the sweep.
+
+    With a sweep every 6 steps stated, the cached slots stay verified through step 14."""
+    cfg = dataclasses.replace(CFG, coverage_window=4)
+    rows = {1: (5, -1, -1, 8, 8), 2: (9, -1, -1, 8, 8), 3: (5, 7, 10, 8, 8),
+            4: (9, 7, 10, 8, 8), 5: (2, 7, 10, 9, -1)}
+    with jax.enable_x64(True):
+        state = rt.init_state(cfg)
+        cov = state.coverage
+        sc = cov.groups["FULL"]
+        steps = np.full(np.asarray(sc.steps).shape, -1, np.int32)
+        for slot, row in rows.items():
+            steps[slot] = row
+        sc = dataclasses.replace(sc, steps=jnp.asarray(steps),
+                                 digest_bytes=jnp.full_like(sc.digest_bytes, 100))
+
+        def report(t, c=cfg):
+            st = dataclasses.replace(state, coverage=dataclasses.replace(
+                cov, groups={"FULL": sc}, step=jnp.full_like(cov.step, t),
+                last_sweep=jnp.full_like(cov.last_sweep, 8)))
+            return rt.coverage_stats(c, st, sweep_interval=c.sweep_interval or None)
+
+        at10, at12, at13 = report(10).groups["FULL"], report(12), report(13)
+        # A sweep every 6 steps stated (more than the window): the cached slots' bound is 6.
+        every6 = dataclasses.replace(cfg, sweep_interval=6)
+        at14, at15 = report(14, every6), report(15, every6)
+    assert (at10.live_slots, at10.verified_slots) == (4, 3)  # slots 1, 3, 4, 5; 4 unverified
+    # At 12 and 13 no run is live any more: slots 1 and 3 are, cached as the sweep walked them.
+    assert (at12.live_bytes, at12.verified_bytes, at12.share) == (200, 200, 1.0)
+    assert (at13.live_bytes, at13.verified_bytes, at13.share) == (200, 0, 0.0)
+    assert (at14.verified_bytes, at15.verified_bytes) == (200, 0)
+    assert "cached slots every 6" in at15.summary()
+
+
+def test_cached_slots_show_unverified_when_the_sweeps_stop():
+    """One request finishes and its slots stay cached; the server idles, a sweep every 4 steps
+    stated (window 4), and the sweeps stop after step 8: the report stays at 100% through step
+    12 (the sweep of 8 is at most 4 steps old) and shows every cached byte unverified from step
+    13 on; the summary says so, and names no sweep for a state that states none."""
+    srv, req = _one_long_request(4)
+    req.max_new = 4
+    shares = {}
+    for t in range(1, 21):
+        if t == 9:
+            srv.sweep = lambda: None
+        srv.step()
+        shares[t] = srv.coverage().share
+    assert not srv.live and srv.cache and srv.coverage().last_sweep == 8
+    assert [shares[t] for t in range(9, 13)] == [1.0] * 4, shares
+    assert {shares[t] for t in range(13, 21)} == {0.0}, shares
+    assert "0.0% of live KV bytes verified" in srv.coverage().summary()
+    with jax.enable_x64(True):
+        bare = rt.coverage_stats(srv.cfg, srv.state, sweep_interval=0)
+    assert "no sweep: cached slots unchecked" in bare.summary()

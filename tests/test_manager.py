@@ -79,6 +79,14 @@ def test_bad_values_name_the_setting(fields, match):
         rt.ManagerConfig(**fields)
 
 
+def test_numpy_integers_are_taken_as_ints():
+    import numpy as np
+
+    cfg = rt.ManagerConfig(mode="log", sweep_interval=np.int64(4), ring_capacity=np.int32(64))
+    assert (cfg.sweep_interval, cfg.ring_capacity) == (4, 64)
+    assert type(cfg.sweep_interval) is int and type(cfg.ring_capacity) is int
+
+
 @pytest.mark.parametrize("fields, match", [
     # SGLang's validation hook, in its words.
     (dict(sweep_interval=4), r"^--kv-canary-sweep-interval requires --kv-canary in \{log, raise\}$"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import sys
 import threading
 import time
@@ -319,6 +320,35 @@ def test_a_failing_radix_walk_keeps_the_kv_and_the_step():
     assert [type(e).__name__ for e in errors] == ["CanaryCallbackError"]
     assert errors[0].callback == "radix_walk" and "being rebuilt" in str(errors[0])
     assert (h.mgr.step_count, h.mgr.sweep_passes, len(calls)) == (5, 2, 3)
+
+
+@pytest.mark.parametrize("bad, problem", [
+    ("long", r"a prefix of 1000 slots \(lengths\[0\]\) for a table of \d+ columns"),
+    ("row", r"row index -1 \(row_indices\[0\]\) for a table of \d+ rows")])
+def test_a_walk_the_sweep_cannot_cover_is_refused_not_run_short(bad, problem):
+    """A walk listing a prefix longer than its table's row (SGLang's plan reads past the row,
+    and the sweep's plan overflows its capacity: it would check nothing) or a row outside the
+    table: the sweep does not run and does not count (the coverage report and the steps'
+    left-to-the-sweep rule take a sweep that ran for one that checked what it was given); the
+    walk's failure is reported like a walk that raised, and so is a direct ``sweep()``'s."""
+    h = Harness(rt.ManagerConfig(mode="log", sweep_interval=2, **ON, **NO_HEALTH), attach=False)
+
+    def walk():
+        table, rows, lengths = (jnp.asarray(a) for a in h.srv.sweep_inputs())
+        if bad == "long":
+            return table, rows, lengths.at[0].set(1000)
+        return table, rows.at[0].set(-1), lengths
+
+    h.mgr.attach_radix_cache(walk)
+    errors = h.serve(3) + h.close()  # sweeps due at steps 0 and 2
+    assert [type(e).__name__ for e in errors] == ["CanaryCallbackError"] * 2, errors
+    assert errors[0].callback == "radix_walk", errors[0]
+    assert re.search(problem, str(errors[0])) and "the sweep did not run" in str(errors[0])
+    assert h.mgr.sweep_passes == 0
+    with pytest.raises(ValueError, match=rf"kv-canary: sweep\(\): {problem}; the sweep did not "
+                                         rf"run"):
+        h.mgr.sweep(*walk(), kv=h.srv.kv)
+    assert h.mgr.sweep_passes == 0
 
 
 # -------------------------------------------------------------- a phase error is reported once

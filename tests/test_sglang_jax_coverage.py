@@ -341,6 +341,13 @@ def test_the_manager_takes_the_canary_s_window_and_needs_the_sweep_interval():
         ksj.canary_manager(stated, "log", sweep_interval=8)
     with pytest.raises(ValueError, match="sweep_interval must be >= 0"):
         _canary(sweep_interval=-1)
+    # A NumPy integer is an int to the canary and to the manager alike.
+    numpy_stated = _canary(coverage_window=4, num_layers=LAYERS, sweep_interval=np.int64(4))
+    assert ksj.canary_manager(numpy_stated, "log").config.sweep_interval == 4
+    # An interval stated on a canary without a window is refused where it is set.
+    with pytest.raises(ValueError, match=r"sweep_interval=4 with coverage_window 0: .* set "
+                                         r"coverage_window, or leave sweep_interval at 0"):
+        _canary(sweep_interval=4)
 
 
 def test_the_guarded_step_keeps_its_step_counters_from_wrapping():

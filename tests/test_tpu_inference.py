@@ -330,7 +330,9 @@ def test_what_an_operator_does_around_a_guard_with_a_window(request):
     readers and sweeps called from another thread while the runner serves (prefix hits, the
     decode loop) raise nothing and report nothing on clean KV; a flip in a cached block of layer
     1 found by a sweep called by hand is reported by ``flush()``; ``uninstall()`` twice gives
-    the runner its own functions back; a decode loop, then a plain step, failing on the device
+    the runner its own functions back; an install again over the warm prefix cache reports
+    nothing on the KV the first one's life wrote, and guards what is written after it; a
+    decode loop, then a plain step, failing on the device
     after taking the canary's state raise their own errors, and the guard, its canary restarted,
     serves on clean."""
     t = _job(request, ("trust",))
@@ -343,6 +345,10 @@ def test_what_an_operator_does_around_a_guard_with_a_window(request):
     assert t["manual_sweep"]["reported"] == [t["manual_sweep"]["slot"]], t
     assert t["manual_sweep"]["manager_coverage"], t
     assert t["uninstall_twice"] == {"restored": True, "marker": False}, t
+    w = t["warm_reinstall"]  # vLLM's prefix cache not reset: its blocks have no canary
+    assert w["hits"] == {"w0": 16, "w1": 16}, w
+    assert w["counts"] == [0] and w["reported"] == [] and w["share"] == 1.0, w
+    assert w["found"] == [w["own"]], w  # a block written after the install is guarded
     lf = t["loop_failure"]
     assert lf["raised"] == "injected: the decode loop failed on the device", lf
     assert lf["counts"] == [0] and not lf["carried_left"] and lf["kv_arrays"] == 2, lf

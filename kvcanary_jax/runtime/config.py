@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import numbers
 import os
 from typing import Mapping
 
@@ -158,10 +159,13 @@ class ManagerConfig:
             object.__setattr__(self, field, value.strip().lower())
         for field, minimum in _INTS.items():
             value = getattr(self, field)
-            # bool is an int to Python; a flag given True here is a slip, not a count.
-            if isinstance(value, bool) or not isinstance(value, int):
+            # bool is an int to Python; a flag given True here is a slip, not a count. NumPy's
+            # integers are taken, as ints.
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise ValueError(f"kv-canary: {_origin(field)} must be an integer, got "
                                  f"{value!r} ({type(value).__name__})")
+            value = int(value)
+            object.__setattr__(self, field, value)
             if value < minimum:
                 raise ValueError(f"kv-canary: {_origin(field)} must be >= {minimum}, got {value}")
         for field in _BOOLS:

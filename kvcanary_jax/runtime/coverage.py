@@ -220,14 +220,20 @@ def counts(cfg: CanaryConfig, state: CanaryState) -> dict:
     for group in cfg.groups:
         sc = cov.groups[group]
         in_run = (sc.read_at == t) & (sc.read_from <= t - window + 1)
-        walked = (sc.swept_at == last) & (last >= 0)
+        # Cached as the last sweep walked it: a slot written since (freed and handed out again)
+        # holds other content, live again once read N steps in a row.
+        walked = (sc.swept_at == last) & (last >= 0) & (sc.written_at <= last)
         # A slot in a read run is verified by a check in the last N steps, whoever made it, or
         # by the last sweep when that sweep is N steps old: the steps left the slot to the next
-        # one, due after this step (the report may be read before it runs). One left to a sweep
-        # that did not come (late, its walk failed) shows unverified from the next step on.
+        # one, due after this step (the report may be read before it runs). A cached slot is
+        # verified by the last sweep while it is at most K steps old (the stated interval; N
+        # where none is). A sweep that did not come (late, its walk failed) shows from the next
+        # step on, for both. A check before the slot's last write saw other content.
         by_sweep = walked & (sc.checked_at >= last)
         due = by_sweep & (last >= t - window)
-        verified = jnp.where(in_run, (sc.checked_at > t - window) | due, by_sweep)
+        cached = by_sweep & (last >= t - (cfg.sweep_interval or window))
+        checked = (sc.checked_at > t - window) & (sc.checked_at >= sc.written_at)
+        verified = jnp.where(in_run, checked | due, cached)
         read = (sc.read_at >= 1) & (sc.read_at > t - window)
         groups[group] = dict(live_slots=jnp.sum(in_run | walked, dtype=jnp.int64),
                              verified_slots=jnp.sum(verified, dtype=jnp.int64),
@@ -280,7 +286,9 @@ class CoverageStats:
 
     def summary(self) -> str:
         share = "n/a" if self.share is None else f"{100 * self.share:.1f}%"
-        sweep = "" if self.sweep_interval is None else f", cached slots every {self.sweep_interval}"
+        sweep = ("" if self.sweep_interval is None else
+                 f", cached slots every {self.sweep_interval}" if self.sweep_interval else
+                 ", no sweep: cached slots unchecked")
         found = ("" if self.violations is None else
                  f"; {self.violations} violation(s) so far" if self.violations else
                  "; no violation so far")

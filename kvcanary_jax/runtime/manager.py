@@ -419,6 +419,9 @@ class CanaryManager:
         self._require_enabled("sweep")
         if self.config.sweep_interval == 0:
             raise ValueError("kv-canary: sweep() with --kv-canary-sweep-interval 0")
+        problem = _walk_problem(rows_table, row_indices, lengths)
+        if problem:
+            raise ValueError(f"kv-canary: sweep(): {problem}; the sweep did not run")
         self._run_sweep(kv, lut, lambda: (rows_table, row_indices, lengths))
 
     @_serialized
@@ -512,6 +515,12 @@ class CanaryManager:
                 f"kv-canary: the radix walk (attach_radix_cache) raised {e!r} at step "
                 f"{self.step_count}; the sweep did not run", callback="radix_walk",
                 step=self.step_count) from e
+        problem = _walk_problem(table, rows, lengths)
+        if problem:
+            raise CanaryCallbackError(
+                f"kv-canary: the radix walk (attach_radix_cache) returned {problem} at step "
+                f"{self.step_count}; the sweep did not run", callback="radix_walk",
+                step=self.step_count)
         with _config.x64_scope():
             args = [jnp.asarray(table, jnp.int32), jnp.asarray(rows, jnp.int64),
                     jnp.asarray(lengths, jnp.int64), self._lut(lut)]
@@ -632,3 +641,28 @@ class CanaryManager:
         if any(f.raises for f in everyone.values()):
             raise CanaryViolationError("\n".join(lines + detail), step=step_no,
                                        reports=reports if raise_mode else (), ranks=ranks)
+
+
+def _walk_problem(rows_table, row_indices, lengths) -> str | None:
+    """What makes a sweep's rows unusable, or None. A prefix longer than its table's row (its
+    plan would read past the row, SGLang's unbounded read, and overflow the sweep's capacity,
+    which then checks nothing) and a row index outside the table (its slots would be read from
+    no row) are refused before anything runs: a sweep that checks less than it was given must
+    not count as a sweep (the coverage report and the steps' left-to-the-sweep rule rely on
+    it). A host read of the three arrays (a sweep runs every few steps, not every step)."""
+    table = np.asarray(rows_table)
+    rows, lens = np.asarray(row_indices), np.asarray(lengths)
+    if table.ndim < 2 or rows.shape != lens.shape:
+        return (f"rows_table of shape {table.shape} (rows x columns, per shard stacked), "
+                f"row_indices of shape {rows.shape} and lengths of shape {lens.shape} (the same)")
+    width, height = table.shape[-1], table.shape[-2]
+    long = np.nonzero(lens > width)
+    if long[0].size:
+        at = tuple(int(i[0]) for i in long)
+        return (f"a prefix of {int(lens[at])} slots (lengths{list(at)}) for a table of {width} "
+                f"columns")
+    bad = np.nonzero((rows < 0) | (rows >= height))
+    if bad[0].size:
+        at = tuple(int(i[0]) for i in bad)
+        return f"row index {int(rows[at])} (row_indices{list(at)}) for a table of {height} rows"
+    return None

@@ -117,7 +117,8 @@ def _verify_then_write(cfg, state, batch, group, copy, sources_by_half, lut):
 
 
 def head(cfg: CanaryConfig, state: CanaryState, batch: ForwardBatch, req_to_token: jax.Array,
-         lut: jax.Array, *, expected_pool: jax.Array | None = None) -> CanaryState:
+         lut: jax.Array, *, expected_pool: jax.Array | None = None,
+         fresh_chains: bool = False) -> CanaryState:
     """The HEAD half of a step, traceable (call inside a jit): scatter the expected tokens, plan
     every group, HEAD verify + write. ``lut``: the full->SWA LUT (any 1-element array without
     an SWA group). Raises ValueError (while tracing) for a state that does not fit ``cfg``.
@@ -126,7 +127,12 @@ def head(cfg: CanaryConfig, state: CanaryState, batch: ForwardBatch, req_to_toke
     already, row ``batch.req_pool_indices[r]`` holding request ``r``'s ids up to its
     ``all_ids_offsets`` length (an integration that keeps the ids on the device between steps);
     the scatter is skipped and ``state.expected_tokens`` / ``expected_valid_lens`` are left as
-    they are (the caller keeps them)."""
+    they are (the caller keeps them).
+
+    ``fresh_chains`` (static): a write whose chain seed is slot 0 starts a new chain from the
+    anchor instead (SGLang reads slot 0 as a real seed): for a caller whose ``req_to_token``
+    holds 0 for the slots it has no canary for (KV written before the canary started), whose
+    verify entries are then skipped and whose successor's chain check is off."""
     check_state(cfg, state)
     valid_lens = batch.all_ids_offsets[1:] - batch.all_ids_offsets[:-1]
     pool = None
@@ -163,6 +169,10 @@ def head(cfg: CanaryConfig, state: CanaryState, batch: ForwardBatch, req_to_toke
             kv_token_id_vs_position_offset=cfg.kv_token_id_vs_position_offset,
             implementation=cfg.implementation,
         )
+        if fresh_chains:
+            seeds = wplan.write_seed_slot_indices
+            wplan = dataclasses.replace(wplan, write_seed_slot_indices=jnp.where(
+                seeds == consts.TOKEN_TO_KV_SLOT_PADDING, -1, seeds))
         plans[group] = (vplan, wplan)
     state = dataclasses.replace(state, plans=plans)
     for group in cfg.groups:

@@ -283,6 +283,12 @@ class SglangJaxCanary:
             raise ValueError("kv-canary sglang-jax: sweep_interval must be >= 0 (0: not "
                              f"stated), got {self.sweep_interval}")
         if not self.coverage_window:
+            if self.sweep_interval:
+                raise ValueError(
+                    f"kv-canary sglang-jax: sweep_interval={self.sweep_interval} with "
+                    "coverage_window 0: the interval of your sweep() calls is stated for a "
+                    "coverage window (the steps leave read slots to the sweep by it); set "
+                    "coverage_window, or leave sweep_interval at 0")
             return
         if self.num_layers is None:
             raise ValueError(

@@ -169,10 +169,12 @@ def _gather(values, idx):
     return values[jnp.clip(idx, 0, max(values.shape[0] - 1, 0))]
 
 
-def step_batch(canary: TpuInferenceCanary, md, input_ids, input_positions):
+def step_batch(canary: TpuInferenceCanary, md, input_ids, input_positions, unwritten=None):
     """One data shard's metadata -> (lengths, written positions, table) (trace under x64).
     ``md``: the shard's ``seq_lens`` [M], ``query_start_loc`` [M + 1], ``block_tables``
-    [M * max_blocks], ``request_distribution`` [3]."""
+    [M * max_blocks], ``request_distribution`` [3]. ``unwritten`` (int32 [blocks], or None):
+    per block, the first offset a guarded step wrote (:class:`.host.Unwritten`); the table's
+    read slots below it are 0, the padding slot, which no check reads (KV with no canary)."""
     seq_lens, qsl, block_tables, dist = md
     m = seq_lens.shape[0]
     if m != canary.max_reqs or block_tables.shape[0] != m * canary.max_blocks:
@@ -190,8 +192,14 @@ def step_batch(canary: TpuInferenceCanary, md, input_ids, input_positions):
     prefix = jnp.where(live, seq - q_len, 0)
     cols = jnp.arange(canary.context_len, dtype=jnp.int64)
     bt = i64(block_tables).reshape(m, canary.max_blocks)
-    table = bt[:, cols // bs] * bs + cols % bs
-    table = jnp.where(cols[None, :] < seq[:, None], table, 0).astype(jnp.int32)
+    blk = bt[:, cols // bs]
+    table = blk * bs + cols % bs
+    keep = cols[None, :] < seq[:, None]
+    if unwritten is not None:
+        # Only the read positions: the step's own writes keep their slots.
+        old = (cols[None, :] < prefix[:, None]) & (cols % bs < _gather(unwritten, blk))
+        keep = keep & ~old
+    table = jnp.where(keep, table, 0).astype(jnp.int32)
     table = jnp.concatenate([jnp.zeros((1, canary.context_len), jnp.int32), table])
     ntok = input_ids.shape[0]
     tok = jnp.arange(ntok, dtype=jnp.int64)
@@ -361,21 +369,23 @@ def _metadata(md):
 
 
 def guarded_step(canary: TpuInferenceCanary, model, state, delta, pending, md, input_ids,
-                 input_positions, kv_caches, late=None, split: bool = False):
+                 input_positions, kv_caches, late=None, split: bool = False, unwritten=None):
     """HEAD -> ``model(kv_caches) -> out`` -> TAIL, traceable under x64 (the model is traced
     under the caller's own setting: ``model`` enters it). ``out[0]`` is the new KV list.
     ``pending``: whether ``delta`` is new (applied with its resets) or seen already (the
     decode loop's later iterations). ``late`` [data shards * max_reqs]: requests that read a
-    slot another request of the step writes; ``split`` (static): whether any does."""
+    slot another request of the step writes; ``split`` (static): whether any does.
+    ``unwritten`` [data shards * blocks] (or None: every block read was written since the
+    canary started): :func:`step_batch`'s, per data shard."""
     cfg = canary.config
     pend = jnp.broadcast_to(jnp.asarray(pending, jnp.bool_), (canary.data_shards,))
     if late is None:
         late = jnp.zeros((canary.data_shards * canary.max_reqs,), jnp.int32)
     per_data = dict(md=_metadata(md), ids=input_ids, pos=input_positions, delta=delta,
-                    pending=pend, late=late)
+                    pending=pend, late=late, unwritten=unwritten)
 
     def head_fn(st, data, _local):
-        b = step_batch(canary, data["md"], data["ids"], data["pos"])
+        b = step_batch(canary, data["md"], data["ids"], data["pos"], data["unwritten"])
         expected_pool, expected = None, jnp.zeros(data["ids"].shape, jnp.int64)
         if canary.token_checks:
             st, expected_pool, expected = _pool(canary, st, b, data["delta"],
@@ -383,7 +393,9 @@ def guarded_step(canary: TpuInferenceCanary, model, state, delta, pending, md, i
         plans = []  # each pass's plans, for its TAIL (the state keeps the last pass's)
         for keep in _passes(data["late"], split):
             batch = _canary_batch(b, data["ids"], data["pos"], expected, keep)
-            st = head(cfg, st, batch, b["table"], _no_lut(), expected_pool=expected_pool)
+            # A request whose last read slot has no canary (0 in the table) starts a new chain.
+            st = head(cfg, st, batch, b["table"], _no_lut(), expected_pool=expected_pool,
+                      fresh_chains=data["unwritten"] is not None)
             plans.append(st.plans)
         return {"state": st, "plans": plans}
 

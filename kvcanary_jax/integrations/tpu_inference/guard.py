@@ -31,10 +31,15 @@ each violation belongs to) and, every ``sweep_interval`` steps, the sweep of cac
 :class:`Remediator` aborts the request and evicts its block from vLLM's prefix cache.
 
 Install after ``load_model()``, ``initialize_kv_cache()`` and any ``capture_model()``
-(warm-ups of every bucket would otherwise stamp the null block's slots, harmless but slow), and
-before the runner serves: the guard has no canary for KV written before it, so a prefix-cache
-hit on such a block is reported (after an ``uninstall``, reset vLLM's prefix cache,
-``scheduler.reset_prefix_cache()``, before installing again).
+(warm-ups of every bucket would otherwise stamp the null block's slots, harmless but slow),
+best before the runner serves: the guard has no canary for KV written before it (an install
+over a warm prefix cache, a second install after ``uninstall``, a restart after a failed step),
+so the steps and the sweep leave those slots unchecked, and out of the coverage report, until
+vLLM hands their block out again (:class:`~.host.Unwritten`). A block written after them chains
+from their empty canary: should vLLM evict such an old block before the later one behind it
+(it frees a request's tail blocks first) and a request then read both again, recomputed, the
+chain check at the later block's first slot would report; reset vLLM's prefix cache
+(``scheduler.reset_prefix_cache()``) before installing to rule that out.
 """
 
 from __future__ import annotations
@@ -74,11 +79,14 @@ _WRAPPED = ("model_fn", "model.step_fn_no_options", "persistent_batch_manager.up
 @dataclasses.dataclass(frozen=True)
 class Carried:
     """The canary's entry in the decode loop's ``kv_caches``: the packed state
-    (:func:`~.device.pack_state`), the step's delta and whether it is still to be applied."""
+    (:func:`~.device.pack_state`), the step's delta and whether it is still to be applied, and
+    the blocks' first slots written since the canary started (None: every block the loop reads
+    was; :class:`~.host.Unwritten`)."""
 
     state: Any
     delta: Any
     pending: jax.Array
+    unwritten: Any = None
 
 
 def _get(obj, dotted):
@@ -209,6 +217,8 @@ class TpuInferenceGuard:
                                    dp_size=canary.data_shards, context_len=canary.context_len)
         self.cached = host.CachedBlocks(dp_size=canary.data_shards,
                                         block_size=canary.layout.block_size)
+        self.unwritten = self._unwritten()
+        self._reads_old = False  # the step described reads KV written before the canary
         self.steps = 0
         # The coverage step counters kept from wrapping; a call here may run a whole on-device
         # decode loop, many TAILs: its step is read every 2**12 calls, not every 2**20.
@@ -240,6 +250,15 @@ class TpuInferenceGuard:
         runner._execute_continue_decode = self._continue_decode
         runner._kvcanary_guard = self
 
+    def _unwritten(self) -> host.Unwritten:
+        c = self.canary
+        return host.Unwritten(dp_size=c.data_shards, num_blocks=c.num_slots // c.layout.block_size,
+                              block_size=c.layout.block_size)
+
+    def _unwritten_arg(self):
+        """The step's :func:`~.device.step_batch` ``unwritten``, or None where it reads none."""
+        return jnp.asarray(self.unwritten.first.reshape(-1)) if self._reads_old else None
+
     def uninstall(self) -> None:
         """Give the runner its own functions back (a second call does nothing)."""
         with self._lock:
@@ -265,6 +284,7 @@ class TpuInferenceGuard:
             return out
         order = host.batch_order(self.runner, scheduler_output, self.canary.data_shards)
         self.cached.observe(self.runner, order)
+        self._reads_old = self.unwritten.observe(self.runner, order)
         self._owners = host.block_owners(self.runner, order)
         self._pending = self.book.plan(self.runner, order) if self.canary.token_checks else None
         self._late = host.late_requests(self.runner, order, scheduler_output,
@@ -318,7 +338,8 @@ class TpuInferenceGuard:
                                          bool(self._late.any()), model_x64, state_leaves,
                                          list(kv_caches), input_ids, attn_metadata, inputs_embeds,
                                          input_positions, layer_map, lora_metadata,
-                                         intermediate_tensors, is_first_rank, is_last_rank)
+                                         intermediate_tensors, is_first_rank, is_last_rank,
+                                         unwritten=self._unwritten_arg())
         except BaseException:
             self.book.reset()
             self._prepared = False
@@ -352,9 +373,9 @@ class TpuInferenceGuard:
             state = device.unpack_state(carried.state, device.state_shapes(self.canary))
             state, out = device.guarded_step(self.canary, model, state, carried.delta,
                                              carried.pending, md, input_ids, input_positions,
-                                             real)
+                                             real, unwritten=carried.unwritten)
             new = Carried(state=device.pack_state(state), delta=carried.delta,
-                          pending=jnp.zeros_like(carried.pending))
+                          pending=jnp.zeros_like(carried.pending), unwritten=carried.unwritten)
         return (list(out[0]) + [new], *out[1:])
 
     def _continue_decode(self, scheduler_output):
@@ -370,7 +391,8 @@ class TpuInferenceGuard:
             packed = self._pack(self.state)
         self.state = None  # donated into the loop's carry
         runner.kv_caches = list(runner.kv_caches) + [
-            Carried(state=packed, delta=delta, pending=jnp.ones((), jnp.bool_))]
+            Carried(state=packed, delta=delta, pending=jnp.ones((), jnp.bool_),
+                    unwritten=self._unwritten_arg())]
         failed = True
         try:
             out = self._orig["continue"](scheduler_output)
@@ -416,12 +438,13 @@ class TpuInferenceGuard:
         if gone:
             logger.warning("kv-canary tpu-inference: a failed step took the canary's state with "
                            "it; the canary starts afresh (KV written before this point has no "
-                           "canary: reset vLLM's prefix cache to avoid reports on it)")
+                           "canary: it is left unchecked until vLLM hands its block out again)")
             self.state = self.canary.init_state()
             # The blocks cached so far have no canary now: the sweep walks only blocks written
-            # from here on.
+            # from here on, and the steps leave the slots written before unchecked.
             self.cached = host.CachedBlocks(dp_size=self.canary.data_shards,
                                             block_size=self.canary.layout.block_size)
+            self.unwritten = self._unwritten()
             if self.manager is not None:  # it held the state the step took
                 self.manager.hold(self.state)
 
@@ -501,7 +524,7 @@ class TpuInferenceGuard:
 
     def _sweep(self, kv_caches) -> None:
         c = self.canary
-        bs, n, ctx = c.layout.block_size, c.sweep_rows, c.context_len
+        n, ctx = c.sweep_rows, c.context_len
         per_rank = [self.cached.prefixes(r) for r in range(c.data_shards)]
         launches = max(1, max(-(-len(p) // n) for p in per_rank))
         kv = device.kv_arg(c, list(kv_caches))
@@ -511,7 +534,7 @@ class TpuInferenceGuard:
             lengths = np.zeros((c.data_shards, n), np.int64)
             for rank, chains in enumerate(per_rank):
                 for i, chain in enumerate(chains[launch * n:(launch + 1) * n]):
-                    slots = (np.asarray(chain, np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
+                    slots = self.unwritten.tables(chain, rank)  # KV written before: slot 0
                     tables[rank, i + 1, :slots.shape[0]] = slots
                     rows[rank, i], lengths[rank, i] = i + 1, slots.shape[0]
             with jax.enable_x64(True):
@@ -528,20 +551,23 @@ def guarded_model_fn(canary: device.TpuInferenceCanary, step: Callable, kv_shard
     (the model's options-free step, ``runner.model.step_fn_no_options``) -> TAIL, called as
     ``fn(state, delta, late, split, model_x64, state_leaves, kv_caches, input_ids,
     attn_metadata, inputs_embeds, input_positions, layer_map, lora_metadata,
-    intermediate_tensors, is_first_rank, is_last_rank)`` under x64 and returning ``(state,
-    step's output)``; the state and the KV donated, the KV placed as ``kv_shardings``, the
+    intermediate_tensors, is_first_rank, is_last_rank, unwritten=None)`` under x64 (``unwritten``:
+    :func:`~.device.step_batch`'s, per data shard stacked, where the step reads KV written
+    before the canary started) and returning ``(state, step's output)``; the state and the KV
+    donated, the KV placed as ``kv_shardings``, the
     step's own ``compiler_options`` (JAX refuses them on a nested jit)."""
     state_sharding = NamedSharding(canary.mesh, P(canary.axes or None))
 
     def traced(state, delta, late, split, model_x64, state_leaves, kv, input_ids, md,
-               inputs_embeds, input_positions, layer_map, lora, inter, first, last):
+               inputs_embeds, input_positions, layer_map, lora, inter, first, last,
+               unwritten=None):
         def model(kv_in):
             with jax.enable_x64(model_x64):
                 return step(state_leaves, kv_in, input_ids, md, inputs_embeds,
                             input_positions, layer_map, lora, inter, first, last)
 
         return device.guarded_step(canary, model, state, delta, True, md, input_ids,
-                                   input_positions, list(kv), late, split)
+                                   input_positions, list(kv), late, split, unwritten)
 
     return state_jit(traced, static_argnums=(3, 4, 11, 14, 15), donate_argnums=(0, 6),
                      out_shardings=(state_sharding, (list(kv_shardings), None, None, None)),

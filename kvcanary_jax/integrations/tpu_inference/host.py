@@ -18,6 +18,10 @@ the canary keeps is keyed by request id:
   holds that prefix until vLLM hands the block out again, which a later step shows as a block a
   request writes into. Each such block is kept with its chain of block ids from the start of the
   sequence; the sweep re-verifies the longest chains.
+* :class:`Unwritten`: per block, the first slot a guarded step wrote since the canary started
+  (the block size where none): slots below it hold KV written before (an install over a warm
+  prefix cache, a restart after a failed step) with no canary, which the steps and the sweep
+  leave unchecked until vLLM hands the block out again.
 
 Batch rows per data-parallel rank are ordered as the runner orders them (``input_batch.req_ids``
 filtered by ``scheduler_output.assigned_dp_rank``).
@@ -30,8 +34,8 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["TokenBook", "CachedBlocks", "batch_order", "block_owners", "late_requests",
-           "next_bucket"]
+__all__ = ["TokenBook", "CachedBlocks", "Unwritten", "batch_order", "block_owners",
+           "late_requests", "next_bucket"]
 
 MIN_IDS = 16
 
@@ -215,3 +219,43 @@ class CachedBlocks:
         chains = set(self._chains[rank].values())
         inner = {c[:k] for c in chains for k in range(1, len(c))}
         return sorted(chains - inner)
+
+
+class Unwritten:
+    """Per data-parallel rank and block, the first offset a guarded step wrote since the canary
+    started (``block_size``: none; see the module docstring)."""
+
+    def __init__(self, *, dp_size: int, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.first = np.full((dp_size, num_blocks), block_size, np.int32)
+
+    def observe(self, runner, order: list[list[str]]) -> bool:
+        """After ``update_states``: the blocks the step writes, from the slot it starts at (a
+        block past a request's computed tokens from its first slot); returns whether any request
+        of the step reads a slot written before (the step then masks them)."""
+        bs, n = self.block_size, self.first.shape[1]
+        reads_old = False
+        for rank, req_ids in enumerate(order):
+            first = self.first[rank]
+            for req_id in req_ids:
+                state = runner.requests[req_id]
+                # A block id out of range (a broken table, which the checks report) is skipped.
+                blocks = np.asarray([int(b) for b in state.block_ids[0]], np.int64)
+                ok = (blocks >= 0) & (blocks < n)
+                done = int(state.num_computed_tokens)
+                read = -(-done // bs)
+                reads_old = reads_old or bool((first[blocks[:read][ok[:read]]] > 0).any())
+                k = done // bs
+                if done % bs and k < blocks.shape[0] and ok[k]:
+                    first[blocks[k]] = min(int(first[blocks[k]]), done % bs)
+                first[blocks[read:][ok[read:]]] = 0
+        return reads_old
+
+    def tables(self, blocks: np.ndarray, rank: int) -> np.ndarray:
+        """Slots of ``blocks`` (one row of block ids) with those written before set to 0 (the
+        padding slot, which no check reads)."""
+        bs = self.block_size
+        blocks = np.asarray(blocks, np.int64)
+        off = np.arange(bs)
+        ok = off[None, :] >= self.first[rank][np.clip(blocks, 0, self.first.shape[1] - 1)][:, None]
+        return np.where(ok, blocks[:, None] * bs + off, 0).reshape(-1)
