@@ -479,6 +479,14 @@ def trust_main() -> None:
     # Installed again over the warm prefix cache (not reset): KV the first guard's life wrote
     # has no canary in the new one, and requests hitting it must not be reported; a block one
     # of them writes after the install is guarded (a flip in it is found by a sweep).
+    olds = []  # the guard's warnings that a step reads KV written before its canary
+
+    class Olds(logging.Handler):
+        def emit(self, record):
+            if "written before the canary started" in record.getMessage():
+                olds.append(record.getMessage())
+
+    logging.getLogger("kvcanary_jax.integrations.tpu_inference.guard").addHandler(Olds())
     life.guard = None
     life.install("all", coverage_window=window, sweep_interval=interval)
     g = life.guard
@@ -492,7 +500,7 @@ def trust_main() -> None:
     g.manager.flush()
     clean = {"hits": {k: life.prefix_hits.get(k) for k in ("w0", "w1")},
              "counts": kti.violation_counts(g).tolist(), "share": g.coverage().share,
-             "reported": [s for s, _ in life.reports[reports:]]}
+             "reported": [s for s, _ in life.reports[reports:]], "warned": len(olds)}
     _flip_bit(r, 1, own, 37, 3)
     g.sweep()
     g.manager.flush()

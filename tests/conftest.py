@@ -179,6 +179,8 @@ DEEP = (
     ("test_digest.py", "test_mosaic_tpu_every_dtype_and_layout", None),
     ("test_digest.py", "test_tpu_long_strips_paged_rows_and_shared_operands", None),
     ("test_digest.py", "test_pallas_launch_shapes", None),
+    ("test_digest.py", "test_bench_op_digest_sweep_smoke", None),
+    ("test_coverage.py", "test_cached_slots_show_unverified_when_the_sweeps_stop", None),
     # The fast tiers past 10 minutes on a slower 2-core machine (bench/NOTES.md, "the fast tiers
     # on a 1.8x slower machine"): what moved here runs the same checks on the interpreted kernels
     # (pallas_mosaic_tpu in TPU interpret mode, pallas_interpret) beyond the hand cases, the

@@ -698,7 +698,8 @@ def test_the_report_by_hand_cached_slots_expire_and_a_reused_slot_is_not_the_swe
       check saw the content before);
     * slot 5, a run of 4 checked by a TAIL at 9: live, verified whatever the sweep.
 
-    With a sweep every 6 steps stated, the cached slots stay verified through step 14."""
+    With a sweep every 6 steps stated, the cached slots stay verified through step 14; with an
+    interval in calls, not steps, they are not aged."""
     cfg = dataclasses.replace(CFG, coverage_window=4)
     rows = {1: (5, -1, -1, 8, 8), 2: (9, -1, -1, 8, 8), 3: (5, 7, 10, 8, 8),
             4: (9, 7, 10, 8, 8), 5: (2, 7, 10, 9, -1)}
@@ -722,11 +723,16 @@ def test_the_report_by_hand_cached_slots_expire_and_a_reused_slot_is_not_the_swe
         # A sweep every 6 steps stated (more than the window): the cached slots' bound is 6.
         every6 = dataclasses.replace(cfg, sweep_interval=6)
         at14, at15 = report(14, every6), report(15, every6)
+        # An interval in calls, not steps (tpu-inference's guard): the sweep is not aged.
+        calls = dataclasses.replace(cfg, sweep_interval=2, sweep_in_steps=False)
+        at30 = report(30, calls)
     assert (at10.live_slots, at10.verified_slots) == (4, 3)  # slots 1, 3, 4, 5; 4 unverified
     # At 12 and 13 no run is live any more: slots 1 and 3 are, cached as the sweep walked them.
     assert (at12.live_bytes, at12.verified_bytes, at12.share) == (200, 200, 1.0)
     assert (at13.live_bytes, at13.verified_bytes, at13.share) == (200, 0, 0.0)
     assert (at14.verified_bytes, at15.verified_bytes) == (200, 0)
+    assert (at30.live_bytes, at30.verified_bytes) == (200, 200)
+    assert not calls.sweep_covers_reads  # and the steps keep every read slot's check
     assert "cached slots every 6" in at15.summary()
 
 

@@ -348,6 +348,7 @@ def test_what_an_operator_does_around_a_guard_with_a_window(request):
     w = t["warm_reinstall"]  # vLLM's prefix cache not reset: its blocks have no canary
     assert w["hits"] == {"w0": 16, "w1": 16}, w
     assert w["counts"] == [0] and w["reported"] == [] and w["share"] == 1.0, w
+    assert w["warned"] == 1, w  # said once: those slots go unchecked
     assert w["found"] == [w["own"]], w  # a block written after the install is guarded
     lf = t["loop_failure"]
     assert lf["raised"] == "injected: the decode loop failed on the device", lf

@@ -87,3 +87,21 @@ def test_the_step_s_table_hides_the_old_read_slots_and_keeps_its_own_writes():
                                                         [12, 13, 14, 15, 0, 0, 0, 0]]
     assert np.asarray(masked["slot"]).tolist() == np.asarray(plain["slot"]).tolist() == \
         [26, 27, 15, -1]
+
+
+def test_a_broken_block_table_entry_is_never_masked():
+    """A block-table entry naming the null block 0 or a block past the pool, in a step that
+    reads KV written before: its slots stay in the table (the checks report them), however
+    the clamped gather would read the offsets (block 0 is never written: its offset stays the
+    block size)."""
+    canary = types.SimpleNamespace(max_reqs=1, max_blocks=2, context_len=2 * BS,
+                                   layout=types.SimpleNamespace(block_size=BS))
+    first = jnp.asarray([4, 4, 4, 0, 4, 4, 1, 4], jnp.int32)
+    with jax.enable_x64(True):
+        for broken, slots in ((0, [0, 1, 2, 3]), (99, [396, 397, 398, 399]),
+                              (-5, [-20, -19, -18, -17])):
+            md = (jnp.asarray([8], jnp.int32), jnp.asarray([0, 2], jnp.int32),
+                  jnp.asarray([broken, 3], jnp.int32), jnp.asarray([0, 0, 1], jnp.int32))
+            got = device.step_batch(canary, md, jnp.asarray([5, 6], jnp.int32),
+                                    jnp.asarray([6, 7], jnp.int32), first)
+            assert np.asarray(got["table"])[1].tolist() == slots + [12, 13, 14, 15], broken

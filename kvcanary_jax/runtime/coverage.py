@@ -227,11 +227,14 @@ def counts(cfg: CanaryConfig, state: CanaryState) -> dict:
         # by the last sweep when that sweep is N steps old: the steps left the slot to the next
         # one, due after this step (the report may be read before it runs). A cached slot is
         # verified by the last sweep while it is at most K steps old (the stated interval; N
-        # where none is). A sweep that did not come (late, its walk failed) shows from the next
-        # step on, for both. A check before the slot's last write saw other content.
+        # where none is; not aged where the interval counts calls, not steps). A sweep that did
+        # not come (late, its walk failed) shows from the next step on, for both. A check
+        # before the slot's last write saw other content.
         by_sweep = walked & (sc.checked_at >= last)
         due = by_sweep & (last >= t - window)
-        cached = by_sweep & (last >= t - (cfg.sweep_interval or window))
+        cached = by_sweep
+        if cfg.sweep_in_steps:
+            cached = cached & (last >= t - (cfg.sweep_interval or window))
         checked = (sc.checked_at > t - window) & (sc.checked_at >= sc.written_at)
         verified = jnp.where(in_run, checked | due, cached)
         read = (sc.read_at >= 1) & (sc.read_at > t - window)

@@ -649,13 +649,13 @@ def _walk_problem(rows_table, row_indices, lengths) -> str | None:
     which then checks nothing) and a row index outside the table (its slots would be read from
     no row) are refused before anything runs: a sweep that checks less than it was given must
     not count as a sweep (the coverage report and the steps' left-to-the-sweep rule rely on
-    it). A host read of the three arrays (a sweep runs every few steps, not every step)."""
-    table = np.asarray(rows_table)
+    it). A host read of the row indices and lengths (a sweep runs every few steps)."""
+    shape = tuple(np.shape(rows_table))  # the table itself may be the live pool: not copied
     rows, lens = np.asarray(row_indices), np.asarray(lengths)
-    if table.ndim < 2 or rows.shape != lens.shape:
-        return (f"rows_table of shape {table.shape} (rows x columns, per shard stacked), "
+    if len(shape) < 2 or rows.shape != lens.shape:
+        return (f"rows_table of shape {shape} (rows x columns, per shard stacked), "
                 f"row_indices of shape {rows.shape} and lengths of shape {lens.shape} (the same)")
-    width, height = table.shape[-1], table.shape[-2]
+    width, height = shape[-1], shape[-2]
     long = np.nonzero(lens > width)
     if long[0].size:
         at = tuple(int(i[0]) for i in long)

@@ -84,8 +84,12 @@ class CanaryConfig:
     ``sweep_interval``: the steps between the caller's sweeps (0: none, or no fixed schedule).
     With a window N and a sweep at least every N steps, a TAIL leaves out of its check the read
     slots of the FULL group whose content the last sweep checked, fewer than N steps before
-    (the next sweep checks them within the window; docs/spec.md §17.2). The manager sets it
-    from its own ``sweep_interval``.
+    (the next sweep checks them within the window; docs/spec.md §17.2), and the coverage report
+    counts a cached slot verified while the last sweep is at most that many steps old (the
+    window where none is stated; §17.4). The manager sets it from its own ``sweep_interval``.
+    ``sweep_in_steps``: whether that interval counts steps, one TAIL each (False: calls of an
+    integration whose call may run several TAILs, tpu-inference's on-device decode loop; the
+    steps then keep every read slot's check, and the report does not age the sweep).
     """
 
     max_reqs: int
@@ -109,6 +113,7 @@ class CanaryConfig:
     num_layers: int | None = None
     swa_num_layers: int | None = None
     sweep_interval: int = 0
+    sweep_in_steps: bool = True
 
     def __post_init__(self):
         # Our rule, first: sizes are integers (4.5 or True was taken and failed, or was
@@ -155,6 +160,9 @@ class CanaryConfig:
         self._check_coverage()
 
     def _check_coverage(self):
+        if not isinstance(self.sweep_in_steps, bool):
+            raise TypeError("kv-canary runtime: CanaryConfig.sweep_in_steps must be a bool, got "
+                            f"{type(self.sweep_in_steps).__name__} {self.sweep_in_steps!r}")
         if self.sweep_interval < 0:
             raise ValueError("kv-canary runtime: sweep_interval must be >= 0 (0: no fixed "
                              f"schedule), got {self.sweep_interval}")
@@ -215,7 +223,7 @@ class CanaryConfig:
     def sweep_covers_reads(self) -> bool:
         """A sweep runs at least every ``coverage_window`` steps: a read slot the last sweep
         checked is left out of the TAILs' checks until N steps after that sweep."""
-        return 0 < self.sweep_interval <= self.coverage_window
+        return self.sweep_in_steps and 0 < self.sweep_interval <= self.coverage_window
 
     def layers(self, group: str) -> int | None:
         """The KV layers of ``group`` (``None``: not stated)."""

@@ -133,7 +133,9 @@ class TpuInferenceCanary:
             enable_verify_token_assert=self.token_checks,
             enable_write_input_assert=self.token_checks, implementation=self.implementation,
             coverage_window=self.coverage_window,
-            num_layers=self.num_layers if self.coverage_window else None)
+            num_layers=self.num_layers if self.coverage_window else None,
+            # The guard sweeps every K calls, and a call may run a whole decode loop.
+            sweep_in_steps=False)
 
     def init_state(self):
         """Zero-filled per-shard states, stacked on a leading axis placed over :attr:`axes`."""
@@ -197,7 +199,11 @@ def step_batch(canary: TpuInferenceCanary, md, input_ids, input_positions, unwri
     keep = cols[None, :] < seq[:, None]
     if unwritten is not None:
         # Only the read positions: the step's own writes keep their slots.
-        old = (cols[None, :] < prefix[:, None]) & (cols % bs < _gather(unwritten, blk))
+        # A block id outside [1, blocks) (the null block, a broken table) is never masked: the
+        # checks report what it reads.
+        real = (blk > 0) & (blk < unwritten.shape[0])
+        first = jnp.where(real, _gather(unwritten, blk), 0)
+        old = (cols[None, :] < prefix[:, None]) & (cols % bs < first)
         keep = keep & ~old
     table = jnp.where(keep, table, 0).astype(jnp.int32)
     table = jnp.concatenate([jnp.zeros((1, canary.context_len), jnp.int32), table])

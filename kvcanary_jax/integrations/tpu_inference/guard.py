@@ -219,6 +219,7 @@ class TpuInferenceGuard:
                                         block_size=canary.layout.block_size)
         self.unwritten = self._unwritten()
         self._reads_old = False  # the step described reads KV written before the canary
+        self._said_old = False  # the warning that steps read such KV, once a canary
         self.steps = 0
         # The coverage step counters kept from wrapping; a call here may run a whole on-device
         # decode loop, many TAILs: its step is read every 2**12 calls, not every 2**20.
@@ -285,6 +286,13 @@ class TpuInferenceGuard:
         order = host.batch_order(self.runner, scheduler_output, self.canary.data_shards)
         self.cached.observe(self.runner, order)
         self._reads_old = self.unwritten.observe(self.runner, order)
+        if self._reads_old and not self._said_old:
+            self._said_old = True
+            logger.warning("kv-canary tpu-inference: a step reads KV written before the canary "
+                           "started (an install over a warm prefix cache, a restart): it is "
+                           "left unchecked, and out of the coverage report, until vLLM hands "
+                           "its block out again (reset vLLM's prefix cache before installing "
+                           "to guard it from the first step)")
         self._owners = host.block_owners(self.runner, order)
         self._pending = self.book.plan(self.runner, order) if self.canary.token_checks else None
         self._late = host.late_requests(self.runner, order, scheduler_output,
@@ -445,6 +453,7 @@ class TpuInferenceGuard:
             self.cached = host.CachedBlocks(dp_size=self.canary.data_shards,
                                             block_size=self.canary.layout.block_size)
             self.unwritten = self._unwritten()
+            self._said_old = False
             if self.manager is not None:  # it held the state the step took
                 self.manager.hold(self.state)
 
