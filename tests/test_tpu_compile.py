@@ -61,6 +61,21 @@ def _compiled_text(fn, args, topology):
     return compiled.as_text()
 
 
+_CASES = {c.name: c for c in tc.CASES}
+
+
+@functools.cache
+def _measured(case: tc.Case, topology: str) -> dict:
+    """``tc.measure`` of a case on a topology, once per process: a pure function of the two (a
+    case is a frozen spec, the compiler libtpu's); the tests below that read memory figures ask
+    again for cases the serving-size test compiled (about 80 of this module's 370 s)."""
+    return tc.measure(case, topology)
+
+
+def _measure(case: tc.Case, topology: str) -> dict:
+    return dict(_measured(case, topology))  # a copy: a test may not edit another's row
+
+
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_every_op_compiles(topology):
     """The lowering tests' ops: scatter (a 16-column pool: a row shorter than one segment), plan
@@ -76,7 +91,7 @@ def test_every_op_compiles(topology):
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("case", SMALL, ids=lambda c: c.name)
 def test_small_cases_compile(case, topology):
-    row = tc.measure(case, topology)
+    row = _measure(case, topology)
     assert row["ok"], row.get("error")
     assert row["generated_code_size_in_bytes"] > 0
 
@@ -92,7 +107,7 @@ SERVING = tuple((case, topology) for case in tc.CASES for topology in TOPOLOGIES
 
 @pytest.mark.parametrize("case,topology", SERVING, ids=lambda x: getattr(x, "name", x))
 def test_serving_sizes_compile(case, topology):
-    row = tc.measure(case, topology)
+    row = _measure(case, topology)
     assert row["ok"], row.get("error")
     # Arguments are laid out compactly (what the caller's arrays take, no layout padding).
     assert row["argument_vs_logical"] <= 1.01 or row["logical_bytes"] < 1 << 20, row
@@ -133,7 +148,7 @@ def test_canary_ops_hold_no_copy_of_the_canary(name):
     layout): their temporaries stay far below one copy of the canary. (An int32 [N, 8] operand,
     which XLA pads to 128 lanes, cost 2-2.5 GiB of temporaries here.)"""
     case = next(c for c in tc.CASES if c.name == name)
-    row = tc.measure(case, "v5e:2x2")
+    row = _measure(case, "v5e:2x2")
     assert row["ok"], row.get("error")
     canary = tc.SLOTS * 32
     assert row["temp_size_in_bytes"] < canary // 8, row
@@ -212,7 +227,7 @@ def test_digest_reads_the_kv_in_place(name):
     are: its temporaries stay far below one layer's bytes (a copy of the sources would not fit
     in v5e's HBM at all)."""
     case = next(c for c in tc.CASES if c.name == name)
-    row = tc.measure(case, "v5e:2x2")
+    row = _measure(case, "v5e:2x2")
     assert row["ok"], row.get("error")
     kv = row["logical_bytes"]
     assert kv > 8 << 30 and row["temp_size_in_bytes"] < kv // (32 * 16), row
@@ -223,9 +238,8 @@ def test_coverage_step_holds_no_copy_of_the_kv():
     GiB of KV digested every step) on v5e: the digest reads the KV in place, so its temporaries
     exceed the step's without coverage by far less than the KV (a bf16 KV laid out as 32-bit
     rows cost 8.6 GiB of temporaries here, against 1.3 GiB without coverage)."""
-    cases = {c.name: c for c in tc.CASES}
-    plain = tc.measure(cases["step serving"], "v5e:2x2")
-    covered = tc.measure(cases["step serving coverage w64 x8"], "v5e:2x2")
+    plain = _measure(_CASES["step serving"], "v5e:2x2")
+    covered = _measure(_CASES["step serving coverage w64 x8"], "v5e:2x2")
     assert plain["ok"] and covered["ok"], (plain.get("error"), covered.get("error"))
     kv = 16 * tc.SLOTS * tc.KV_BYTES_PER_TOKEN
     assert covered["temp_size_in_bytes"] - plain["temp_size_in_bytes"] < kv // 16, (plain,
