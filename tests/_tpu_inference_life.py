@@ -90,9 +90,14 @@ class Life:
                              ("real_data", dict(real_data="some")),
                              ("coverage_no_sweep", dict(coverage_window=4)),
                              ("coverage_negative", dict(coverage_window=-1, sweep_interval=2)),
-                             ("coverage_layers", dict(coverage_window=4, sweep_interval=2))):
+                             ("coverage_layers", dict(coverage_window=4, sweep_interval=2)),
+                             ("forbid_compile", {})):
             if name == "coverage_layers":  # a second layer of another shape
                 r.kv_caches[1] = narrow
+            forbid = r.maybe_forbid_compile
+            if name == "forbid_compile":  # what VLLM_XLA_CHECK_RECOMPILATION=1 gives the runner
+                from tpu_inference.runner.utils import ForbidCompile
+                r.maybe_forbid_compile = ForbidCompile()
             try:
                 kti.install(r, **kwargs)
                 out[name] = None
@@ -100,6 +105,7 @@ class Life:
                 out[name] = {"error": str(e), "untouched": own() == before}
             finally:
                 r.kv_caches[:] = kvs
+                r.maybe_forbid_compile = forbid
         return out
 
     def remediate(self, report) -> None:

@@ -202,6 +202,9 @@ def test_the_real_runner_s_bad_installs_are_refused_and_change_nothing(life):
     assert refused["coverage_layers"]["error"].startswith(
         "kv-canary tpu-inference: coverage_window 4 digests every layer's KV as layer.0's "
         "layout, but runner.kv_caches[1] is ")
+    assert refused["forbid_compile"]["error"].startswith(
+        "kv-canary tpu-inference: the runner forbids compilation while it steps "
+        "(VLLM_XLA_CHECK_RECOMPILATION=1)")
 
 
 def test_clean_life_has_no_violations(life):

@@ -123,6 +123,17 @@ def test_features_the_guard_does_not_cover_are_refused(version, extra, what):
              rf"kv-canary tpu-inference: the runner uses {what}, which the guard does not cover")
 
 
+def test_a_runner_that_forbids_compilation_is_refused(version):
+    """``VLLM_XLA_CHECK_RECOMPILATION=1`` gives the runner a ``ForbidCompile`` around each step,
+    which raises at the guard's first compile of each shape: refused when installing instead."""
+    ForbidCompile = type("ForbidCompile", (), {"__enter__": lambda self: self,
+                                               "__exit__": lambda self, *exc: False})
+    _refused(runner(maybe_forbid_compile=ForbidCompile()), NotImplementedError,
+             r"kv-canary tpu-inference: the runner forbids compilation while it steps "
+             r"\(VLLM_XLA_CHECK_RECOMPILATION=1\).* Install with VLLM_XLA_CHECK_RECOMPILATION "
+             r"unset or 0$")
+
+
 def test_token_checks_under_async_scheduling_are_refused(version):
     _refused(runner(async_scheduling=True), NotImplementedError,
              r"token checks need async_scheduling=False .* pass token_checks=False")

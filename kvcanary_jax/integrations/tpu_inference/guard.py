@@ -129,6 +129,17 @@ def _check_runner(runner) -> None:
         raise NotImplementedError(f"kv-canary tpu-inference: the runner uses {', '.join(found)}, "
                                   "which the guard does not cover (rejected drafts and other "
                                   "KV writers are out of its view)")
+    # VLLM_XLA_CHECK_RECOMPILATION: the runner runs every step inside ForbidCompile, which
+    # raises on any JAX compilation there. The guard's jits (the guarded step and the decode
+    # loop's carry, per bucket; the sweep; the readback) compile at their first use, inside it:
+    # the first guarded step of each shape would fail mid-serving. Refused here instead.
+    if type(getattr(runner, "maybe_forbid_compile", None)).__name__ == "ForbidCompile":
+        raise NotImplementedError(
+            "kv-canary tpu-inference: the runner forbids compilation while it steps "
+            "(VLLM_XLA_CHECK_RECOMPILATION=1), and the guard compiles its own guarded step for "
+            "each of the runner's shapes at its first use, inside that check: every first "
+            "guarded step of a shape would fail. Install with VLLM_XLA_CHECK_RECOMPILATION unset "
+            "or 0")
 
 
 def _check_layers(runner, index: int, name: str, window: int) -> int:
