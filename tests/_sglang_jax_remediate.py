@@ -10,7 +10,8 @@ a 2-device mesh, allocator, ``RadixCache``, ``Req``, ``ScheduleBatch``), the gua
    it, the manager reports it one step later with the request (through the batch), the request is
    aborted through sglang-jax's own ``to_abort``, and its radix-cache node, locked while the
    request runs, is dropped once the scheduler has released it;
-2. a finished request's cached prefix gets a flipped byte: the radix sweep finds it (no request),
+2. a finished request's cached prefix gets a flipped byte: the radix sweep finds it (no request;
+   ``sweep(..., manager=)`` hands the swept state to the manager, whose ``flush()`` reports it),
    and its node is dropped at once, its slots back in the allocator.
 """
 
@@ -93,8 +94,10 @@ def main() -> None:
     report["r1_match_before"] = compat.match_len(w.tree, r1.origin_input_ids)
     w.kv_pool.kv_buffer = [life._flip_byte(w.kv_pool.kv_buffer[0], target, 0, 9),
                            *w.kv_pool.kv_buffer[1:]]
-    w.state = ksj.sweep(w.canary, w.state, w.kv_pool.kv_buffer[0], prefixes)
-    ksj.observe(mgr, w.canary, w.state)
+    # The sweep hands the swept state to the manager (manager=): flush() reports its finding
+    # with no step after it (without manager=, the manager would still hold the state before
+    # the sweep, and flush() or close() had nothing new to read).
+    w.state = ksj.sweep(w.canary, w.state, w.kv_pool.kv_buffer[0], prefixes, manager=mgr)
     mgr.flush()
     report["r1_match_after"] = compat.match_len(w.tree, r1.origin_input_ids)
     report["freed_by_sweep_drop"] = w.allocator.available_size() - free_before

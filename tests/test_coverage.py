@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import re
@@ -734,6 +735,24 @@ def test_the_report_by_hand_cached_slots_expire_and_a_reused_slot_is_not_the_swe
     assert (at30.live_bytes, at30.verified_bytes) == (200, 200)
     assert not calls.sweep_covers_reads  # and the steps keep every read slot's check
     assert "cached slots every 6" in at15.summary()
+
+
+def test_the_summary_says_when_no_sweep_has_run():
+    """A stated sweep interval that no sweep followed (a manager with no radix walk attached
+    and no sweep() call): the slots only a sweep would walk are not in the report at all, and
+    its summary says so rather than "cached slots every K"."""
+    groups = {"FULL": rt.coverage.GroupCoverage(live_slots=19, verified_slots=19, read_slots=20,
+                                                bytes_per_slot=32)}
+    cov = functools.partial(rt.coverage.CoverageStats, window=2, live_bytes=608,
+                            verified_bytes=608, read_bytes=640, groups=groups, sweep_interval=4,
+                            violations=0)
+    assert cov(step=22, last_sweep=-1).summary().startswith(
+        "window 2 steps, cached slots every 4, but no sweep has run: cached slots unchecked and "
+        "not counted: 100.0% of live KV bytes verified (608 of 608 B")
+    assert cov(step=22, last_sweep=20).summary().startswith(
+        "window 2 steps, cached slots every 4: 100.0%")
+    assert cov(step=0, last_sweep=-1).summary().startswith(  # nothing has run yet
+        "window 2 steps, cached slots every 4: ")
 
 
 def test_cached_slots_show_unverified_when_the_sweeps_stop():

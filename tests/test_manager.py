@@ -318,12 +318,22 @@ def test_health_check_fails_when_a_launch_stops():
     h.mgr.flush()
 
 
-def test_health_check_fails_when_the_sweep_never_runs():
-    # A sweep interval with no radix walk attached: SGLang fails the health check on it.
+def test_health_check_fails_when_the_sweep_never_runs(caplog):
+    # A sweep interval with no radix walk attached: SGLang fails the health check on it. Ours
+    # says why in the error, and warns once, at the second sweep due, before the check fails.
     h = Harness(rt.ManagerConfig(mode="log", sweep_interval=1, health_check_warmup_steps=2,
                                  health_check_every_n_steps=2, **ON), attach=False)
-    with pytest.raises(RuntimeError, match=r"tags=\[SWEEP_K_FULL\] at step=2; canary path is not"):
+    with caplog.at_level(logging.WARNING, logger=rm.logger.name), pytest.raises(
+            RuntimeError, match=r"tags=\[SWEEP_K_FULL\] at step=2; canary path is not") as e:
         h.step(4)
+    assert ("no sweep ran since the previous check: no radix walk is attached "
+            "(attach_radix_cache) and sweep() was not called, while sweep_interval 1 asks for a "
+            "sweep every 1 steps") in str(e.value)
+    warned = [r.getMessage() for r in caplog.records if "no radix walk" in r.getMessage()]
+    assert warned == ["kv-canary: sweep_interval 1 asks for a sweep every 1 steps, but no radix "
+                      "walk is attached (attach_radix_cache) and sweep() was not called: cached "
+                      "slots are not checked, not counted in the coverage report, and the "
+                      "launch-health check will report the SWEEP tags as stalled"]
 
 
 def test_sweep_and_padding_guard():
@@ -442,3 +452,9 @@ def test_sglang_jax_manager_takes_the_canarys_settings():
         ksj.canary_manager(canary, "loud")
     with pytest.raises(ValueError, match="runs --kv-canary none: install no hook"):
         ksj.ManagedModelRunnerHook(canary, object(), ksj.canary_manager(canary, "none"))
+    # A sweep handed to a manager that runs none is refused before it runs (nothing donated).
+    state = canary.init_state()
+    with pytest.raises(ValueError, match=r"sweep\(manager=\.\.\.\) with a manager that runs "
+                                         r"--kv-canary none"):
+        ksj.sweep(canary, state, None, [], manager=ksj.canary_manager(canary, "none"))
+    assert not state.violation_ring.is_deleted()

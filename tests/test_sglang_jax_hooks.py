@@ -84,6 +84,46 @@ def test_a_second_hook_is_refused():
     assert ksj.runner_api(runner).version == "0.0.2"
 
 
+def test_a_hook_resumes_the_previous_hook_s_state_and_warns_over_a_serving_pool(caplog):
+    """A hook installed again on a serving runner takes the previous hook's state and feed
+    (``resume=``); one installed without it over slots in use says so, once, naming the way out
+    (its new state knows none of that KV: every step reading it would report it)."""
+    import logging
+
+    canary = _canary()
+    runner = _wrapped_runner("0.0.2")
+    first = ksj.ModelRunnerHook(canary, runner)
+    with pytest.raises(ValueError, match="already has a canary hook installed"):
+        ksj.ModelRunnerHook(canary, runner, resume=first)  # uninstall() first
+    first.uninstall()
+    with pytest.raises(ValueError, match=r"resume= takes a hook of the same canary"):
+        ksj.ModelRunnerHook(_canary(ring_capacity=128), runner, resume=first)
+    with pytest.raises(TypeError, match=r"resume= takes the previous ModelRunnerHook, got dict"):
+        ksj.ModelRunnerHook(canary, runner, resume={})
+    # sglang-jax's allocator with 5 of 32 slots handed out (0.0.2: size, available_size()).
+    runner.token_to_kv_pool_allocator = types.SimpleNamespace(size=32, available_size=lambda: 27)
+    with caplog.at_level(logging.WARNING, logger="kvcanary_jax.integrations.sglang_jax.hooks"):
+        second = ksj.ModelRunnerHook(canary, runner, resume=first)
+        assert second.state is first.state and second.feed is first.feed
+        assert not caplog.records  # resumed: the state knows the pool's KV
+        second.uninstall()
+        fresh = ksj.ModelRunnerHook(canary, runner)
+    assert fresh.state is not first.state
+    assert [r.getMessage() for r in caplog.records] == [
+        "kv-canary sglang-jax: the runner's allocator has 5 KV slot(s) in use, written before "
+        "this hook's canary: every step that reads them (a prefix-cache hit, a running request) "
+        "will report violations. Install before the runner serves, flush the radix cache first, "
+        "or pass resume= the previous hook"]
+    fresh.uninstall()
+    # 0.1.0rc0's per-rank allocator: every rank's slots in use.
+    runner.token_to_kv_pool_allocator = types.SimpleNamespace(
+        size=64, dp_size=2, available_size=lambda dp_rank=0: (32, 30)[dp_rank])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvcanary_jax.integrations.sglang_jax.hooks"):
+        ksj.ModelRunnerHook(canary, runner).uninstall()
+    assert "has 2 KV slot(s) in use" in caplog.records[0].getMessage()
+
+
 class _Controller:
     """What HiCacheHook wraps of sglang-jax's HiCacheController (the KV transfers elided)."""
 

@@ -290,8 +290,10 @@ class CoverageStats:
     def summary(self) -> str:
         share = "n/a" if self.share is None else f"{100 * self.share:.1f}%"
         sweep = ("" if self.sweep_interval is None else
-                 f", cached slots every {self.sweep_interval}" if self.sweep_interval else
-                 ", no sweep: cached slots unchecked")
+                 ", no sweep: cached slots unchecked" if not self.sweep_interval else
+                 f", cached slots every {self.sweep_interval}, but no sweep has run: cached "
+                 "slots unchecked and not counted" if self.last_sweep < 0 and self.step > 0 else
+                 f", cached slots every {self.sweep_interval}")
         found = ("" if self.violations is None else
                  f"; {self.violations} violation(s) so far" if self.violations else
                  "; no violation so far")

@@ -198,6 +198,7 @@ class CanaryManager:
         self.cfg = None
         self._radix_walk = None
         self._last_sweep_step = -1
+        self._warned_no_walk = False
         self._unread = False  # a launch ran since the last staged readback (a sweep, a HEAD)
         if mesh is not None and axis not in mesh.shape:
             raise ValueError(f"kv-canary: axis {axis!r} is not an axis of the mesh "
@@ -505,6 +506,16 @@ class CanaryManager:
         if self._last_sweep_step >= 0 and c - self._last_sweep_step < interval:
             return False
         self._last_sweep_step = c
+        if self._radix_walk is None and self.sweep_passes == 0 and c >= interval \
+                and not self._warned_no_walk:
+            # A second due sweep and none has run: nothing walks the radix cache (the server
+            # calls neither attach_radix_cache nor sweep()), so its cached slots go unchecked.
+            self._warned_no_walk = True
+            logger.warning(
+                "kv-canary: sweep_interval %d asks for a sweep every %d steps, but no radix walk "
+                "is attached (attach_radix_cache) and sweep() was not called: cached slots are "
+                "not checked, not counted in the coverage report, and the launch-health check "
+                "will report the SWEEP tags as stalled", interval, interval)
         return self._radix_walk is not None
 
     def _run_sweep(self, kv, lut, walk):
@@ -603,6 +614,11 @@ class CanaryManager:
             first_shard=reports[0].shard if reports else -1, stalled_tags=len(stalled),
             phase_errors=phase_errors, negative_index=len(negative))
         detail = [health.stalled_message(stalled, step_no)] if stalled else []
+        if self._radix_walk is None and any(t.startswith("SWEEP") for t in stalled):
+            detail.append("kv-canary: no sweep ran since the previous check: no radix walk is "
+                          "attached (attach_radix_cache) and sweep() was not called, while "
+                          f"sweep_interval {self.config.sweep_interval} asks for a sweep every "
+                          f"{self.config.sweep_interval} steps")
         if phase_errors:
             detail.append(health.phase_message(phase_errors))
         detail += negative

@@ -13,6 +13,8 @@ step, and, when that raises, stores the step's new buffers in the runner's pools
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from kvcanary_jax.integrations.sglang_jax.layout import SglangJaxCanary
@@ -27,6 +29,23 @@ __all__ = [
     "ManagedModelRunnerHook",
     "store_kv",
 ]
+
+
+def _slots_in_use(model_runner) -> int:
+    """KV slots the runner's allocator has handed out (every data-parallel rank's), 0 where the
+    allocator is not found or not one of sglang-jax's (``size``, ``available_size``)."""
+    alloc = getattr(model_runner, "token_to_kv_pool_allocator", None)
+    size = getattr(alloc, "size", None)
+    if not isinstance(size, int) or not callable(getattr(alloc, "available_size", None)):
+        return 0
+    try:
+        ranks = int(getattr(alloc, "dp_size", 1) or 1)
+        if ranks == 1:
+            return max(size - int(alloc.available_size()), 0)
+        per_rank = size // ranks
+        return sum(max(per_rank - int(alloc.available_size(dp_rank=r)), 0) for r in range(ranks))
+    except Exception:  # noqa: BLE001  (an allocator of another shape: no warning, not a failure)
+        return 0
 
 
 def store_kv(model_runner, layers, forward_batch) -> None:
@@ -46,6 +65,8 @@ def store_kv(model_runner, layers, forward_batch) -> None:
     start = getattr(pool, "start_layer", 0)
     pool.kv_buffer[start : start + len(layers)] = layers
 
+
+logger = logging.getLogger(__name__)
 
 # The guarded steps' argument positions: the runner's own order.
 _MODEL_ARGS = {"batch_argnum": 3, "pool_argnum": 4, "static_argnums": (1,)}
@@ -74,14 +95,38 @@ class ModelRunnerHook:
     ``token_rows``); ``version`` the sglang-jax version found. A step refused before it runs (a
     delta made for another batch, ...) leaves the runner's pools, the state and the feed as they
     were.
+
+    A new hook starts a new state: KV already in the pool was written under no canary of its,
+    and every step that reads it would report it. Install before the runner serves; to install
+    again on a serving runner (after :meth:`uninstall`), pass ``resume=`` the previous hook: the
+    new one takes over its state and feed. A hook installed without ``resume`` on a runner whose
+    allocator has slots in use logs a warning saying so.
     """
 
-    def __init__(self, canary: SglangJaxCanary, model_runner):
-        api = runner_api(model_runner)
+    def __init__(self, canary: SglangJaxCanary, model_runner, *, resume=None):
+        if resume is not None:
+            if not isinstance(resume, ModelRunnerHook):
+                raise TypeError("kv-canary sglang-jax: resume= takes the previous "
+                                f"ModelRunnerHook, got {type(resume).__name__}")
+            if resume.canary is not canary and resume.canary != canary:
+                raise ValueError("kv-canary sglang-jax: resume= takes a hook of the same canary "
+                                 "(its state is laid out for that canary's sizes)")
+        api = runner_api(model_runner)  # refuses a runner that has a hook installed
         self.canary = canary
         self.version = api.version
-        self.state = canary.init_state()
-        self.feed = TokenFeed(canary) if canary.token_rows is not None else None
+        if resume is not None:
+            self.state, self.feed = resume.state, resume.feed
+        else:
+            self.state = canary.init_state()
+            self.feed = TokenFeed(canary) if canary.token_rows is not None else None
+            in_use = _slots_in_use(model_runner)
+            if in_use:
+                logger.warning(
+                    "kv-canary sglang-jax: the runner's allocator has %d KV slot(s) in use, "
+                    "written before this hook's canary: every step that reads them (a prefix-"
+                    "cache hit, a running request) will report violations. Install before the "
+                    "runner serves, flush the radix cache first, or pass resume= the previous "
+                    "hook", in_use)
         self._api: RunnerApi = api
         self._runner = model_runner
         self._pending: dict = {}
@@ -152,11 +197,11 @@ class ManagedModelRunnerHook(ModelRunnerHook):
     error propagates: the runner keeps serving-ready KV, and a ``CanaryViolationError`` carries
     the same buffers as ``kv``."""
 
-    def __init__(self, canary: SglangJaxCanary, model_runner, manager):
+    def __init__(self, canary: SglangJaxCanary, model_runner, manager, *, resume=None):
         if not getattr(manager, "enabled", False):
             raise ValueError("kv-canary sglang-jax: the manager runs --kv-canary none: install no "
                              "hook at all (the canary is off)")
-        super().__init__(canary, model_runner)
+        super().__init__(canary, model_runner, resume=resume)
         self.manager = manager
         self._reqs = None
 

@@ -88,6 +88,19 @@ def observe(manager, canary: SglangJaxCanary, state, *, resolve=None) -> None:
         manager.observe(view, resolve=resolve)
 
 
+def hold(manager, canary: SglangJaxCanary, state) -> None:
+    """``manager.hold(state)`` (a state the server's own launches made between steps: a sweep)
+    on any mesh, handed over as :func:`observe` hands a step's. :func:`sweep` with ``manager=``
+    calls it under the manager's lock."""
+    auto = canary.auto_mesh()
+    if auto is None:
+        manager.hold(state)
+        return
+    view = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(auto, x.sharding.spec)), state)
+    with jax.set_mesh(auto):
+        manager.hold(view)
+
+
 def coverage(manager, canary: SglangJaxCanary):
     """``manager.coverage()`` (the coverage window's report of the state :func:`observe` handed
     over) on any mesh: on sglang-jax 0.1.0rc0's Explicit mesh, under the mesh with Auto axes

@@ -88,7 +88,8 @@ def _sweep_jit(state, expected_tokens, rows_table, row_indices, lengths, kv, *, 
 
 
 @_config.entry_point
-def sweep(canary: SglangJaxCanary, state, kv_buffer: jax.Array, prefixes, *, layers=None):
+def sweep(canary: SglangJaxCanary, state, kv_buffer: jax.Array, prefixes, *, layers=None,
+          manager=None):
     """Verify cached prefixes (slot lists, position ``j`` at index ``j``) against the TAIL
     buffers with the SWEEP tags (token check off), ``canary.sweep_rows`` prefixes per launch.
     ``kv_buffer`` is the canary layer's current fused buffer. With ``canary.coverage_window``,
@@ -102,7 +103,27 @@ def sweep(canary: SglangJaxCanary, state, kv_buffer: jax.Array, prefixes, *, lay
     ``[0, canary.num_slots)`` (never verified), and for per-rank lists that are not one per DP
     rank, and for ``layers`` missing with a window (or not holding ``num_layers`` buffers) or
     given without one. The state's expected-token pool is not donated: the returned state keeps
-    that very array (a :class:`TokenFeed` still knows the state)."""
+    that very array (a :class:`TokenFeed` still knows the state).
+
+    ``manager``: the :func:`canary_manager` that holds ``state`` (after :func:`observe`, or a
+    :class:`ManagedModelRunnerHook`'s): the sweep runs under its lock and the manager holds the
+    swept state (``manager.hold``), so a call from another thread never reads the state the
+    sweep donated, and what the sweep found is reported by the next step or by ``flush()`` /
+    ``close()``. Without it, hand the returned state to the manager yourself."""
+    if manager is None:
+        return _sweep(canary, state, kv_buffer, prefixes, layers=layers)
+    if not getattr(manager, "enabled", False):
+        raise ValueError("kv-canary sglang-jax: sweep(manager=...) with a manager that runs "
+                         "--kv-canary none (the canary is off)")
+    from kvcanary_jax.integrations.sglang_jax.remediation import hold
+
+    with manager.lock:
+        state = _sweep(canary, state, kv_buffer, prefixes, layers=layers)
+        hold(manager, canary, state)
+    return state
+
+
+def _sweep(canary: SglangJaxCanary, state, kv_buffer: jax.Array, prefixes, *, layers=None):
     n, dp = canary.sweep_rows, canary.dp_size
     if layers is not None and not canary.coverage_window:
         raise ValueError("kv-canary sglang-jax: layers= is read by the coverage window only, and "
