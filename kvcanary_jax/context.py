@@ -367,6 +367,8 @@ class VerifyOrWriteContext:
         """Zero-filled buffers and counters, as the runtime allocates them."""
         from kvcanary_jax import _config
 
+        _check_sizes("VerifyOrWriteContext", num_slots=num_slots, ring_capacity=ring_capacity,
+                     slot_stride_bytes=slot_stride_bytes)
         with _config.x64_scope():
             return cls(
                 canary_buf=jnp.zeros((num_slots, slot_stride_bytes), jnp.uint8),
@@ -418,6 +420,7 @@ class DigestContext:
         """Zero-filled digests, ring and counters."""
         from kvcanary_jax import _config
 
+        _check_sizes("DigestContext", num_slots=num_slots, ring_capacity=ring_capacity)
         with _config.x64_scope():
             return cls(
                 digest_buf=jnp.zeros((num_slots,), jnp.int64),
@@ -427,3 +430,13 @@ class DigestContext:
                 slot_run_counter=jnp.zeros((1,), jnp.int64),
                 kernel_run_counter=jnp.zeros((1,), jnp.int64),
             )
+
+
+def _check_sizes(owner: str, **sizes) -> None:
+    """``allocate``'s sizes: each an int >= 0 (NumPy's integers too), refused naming it."""
+    import numbers
+
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"kv-canary: {owner}.allocate {name} must be an int >= 0, got "
+                             f"{value!r}")

@@ -552,3 +552,18 @@ def test_a_tuned_entry_cannot_switch_interpret_mode_on(tmp_path, monkeypatch, im
             directory=tmp_path)
     assert os.listdir(tmp_path) == []
     _registry.load_table.cache_clear()
+
+
+@pytest.mark.parametrize("owner, kwargs, name, got", [
+    ("VerifyOrWriteContext", dict(num_slots=-1), "num_slots", "-1"),
+    ("VerifyOrWriteContext", dict(num_slots=4, ring_capacity=2.5), "ring_capacity", "2.5"),
+    ("VerifyOrWriteContext", dict(num_slots=4, slot_stride_bytes=-32), "slot_stride_bytes",
+     "-32"),
+    ("DigestContext", dict(num_slots=True), "num_slots", "True"),
+])
+def test_contexts_refuse_sizes_that_are_not_counts(owner, kwargs, name, got):
+    """A negative or fractional size is refused naming it, not left to JAX's shape error."""
+    with pytest.raises(ValueError, match=rf"^kv-canary: {owner}\.allocate {name} must be an int "
+                                         rf">= 0, got {got}$"):
+        getattr(kc, owner).allocate(**kwargs)
+    assert getattr(kc, owner).allocate(num_slots=np.int64(3)).violation_write_index.shape == (1,)
