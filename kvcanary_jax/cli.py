@@ -22,7 +22,9 @@ Other subcommands register themselves through :func:`register_command`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -150,6 +152,40 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
                         f"(default ${_WINDOW_ENV} where set, else {_DEMO_WINDOW}; needs a sweep)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--log-violations", action="store_true",
+                   help="let the manager log each violation of the fault trials on stderr, as "
+                        "a server in log mode does (by default the demo counts them and reports "
+                        "them in its table)")
+
+
+class _ViolationLogs(logging.Filter):
+    """Holds back the manager's per-violation log messages (log mode) while the demo runs,
+    counting them: the faults the demo injects make hundreds, and its table reports them. Every
+    other message of the manager's logger goes through."""
+
+    def __init__(self):
+        super().__init__()
+        self.held = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("kv_canary violation:"):
+            self.held += 1
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def _violation_logs(shown: bool):
+    from kvcanary_jax.runtime.reporting import LOGGER_NAME
+
+    held = _ViolationLogs()
+    logger = logging.getLogger(LOGGER_NAME)
+    if not shown:
+        logger.addFilter(held)
+    try:
+        yield held
+    finally:
+        logger.removeFilter(held)
 
 
 def _progress_factory(enabled: bool):
@@ -274,7 +310,7 @@ def _demo(args, interrupt: _StopOnInterrupt) -> int:
             real_kv_hash_mode=args.real_data, num_layers=args.layers,
             coverage_window=window,
         )
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _violation_logs(args.log_violations) as held:
             # CPU backends cannot donate every buffer the step donates; that is expected here.
             warnings.filterwarnings("ignore", message=".*donated buffers.*")
             res = simulation.run_campaign(
@@ -336,6 +372,9 @@ def _demo(args, interrupt: _StopOnInterrupt) -> int:
           f"detected{unplaced}; wall {wall:.1f} s")
     for line in out["failures"]:
         print(f"  - {line}")
+    if held.held:
+        print(f"({held.held} violation message(s) of the manager's log mode held back; "
+              "--log-violations prints them)")
     return rc
 
 

@@ -253,6 +253,7 @@ DEEP = (
      "test_write_then_verify_match_the_oracle_over_every_kind_of_source", None),
     ("test_runtime.py", "test_v_half_full_only_matches_sglang_references", None),
     ("test_demo.py", "test_cli_json_shape", None),
+    ("test_demo.py", "test_the_demo_holds_back_the_violation_logs_of_its_trials", None),
     # The fuzzes against the jnp references (the golden files and the hand cases stay in the fast
     # tier): the 3.12 leg's e2e command runs deep fuzzes, the 3.11 leg's long tier at full count.
     ("test_verify.py", "test_round_trips_and_corruptions_against_jnp_reference", None),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import pytest
@@ -46,6 +47,44 @@ def test_cli_json_shape(capsys):
         assert {"kind", "injected", "detected", "first_step"} <= set(f)
         assert f["injected"] == f["detected"] == 1
     assert len(out["timing"]["per_step_s"]) == 12
+
+
+def test_the_demo_holds_back_the_violation_logs_of_its_trials(capsys, caplog):
+    """The fault trials make the manager (log mode) log the violations it finds: the demo holds
+    those messages back, says how many, and leaves no filter on the manager's logger after it."""
+    import logging
+
+    from kvcanary_jax.runtime.reporting import LOGGER_NAME
+
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        rc = cli.main(["--steps", "12", "--seed", "2", "--injections", "1", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert not [r for r in caplog.records if r.getMessage().startswith("kv_canary violation:")]
+    m = re.search(r"\n\((\d+) violation message\(s\) of the manager's log mode held back; "
+                  r"--log-violations prints them\)\n$", out)
+    assert m and int(m.group(1)) > 0, out
+    assert not logging.getLogger(LOGGER_NAME).filters
+
+
+@pytest.mark.parametrize("shown", [False, True])
+def test_the_demo_s_violation_log_filter_holds_only_violations(caplog, shown):
+    """--log-violations lets the manager's violation messages through; without it they are
+    counted, not logged, and every other message of that logger still is."""
+    import logging
+
+    from kvcanary_jax.runtime.reporting import LOGGER_NAME
+
+    log = logging.getLogger(LOGGER_NAME)
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        with cli._violation_logs(shown) as held:
+            log.warning("kv_canary violation: launch_tag=HEAD_K_FULL fail_reason=verify_token")
+            log.warning("kv-canary: violation ring overflow on rank 0 shard 0: 3 rows lost")
+        log.warning("kv_canary violation: after the demo")
+    messages = [r.getMessage()[:22] for r in caplog.records]
+    assert messages == (["kv_canary violation: l"] * shown + ["kv-canary: violation r",
+                                                               "kv_canary violation: a"])
+    assert held.held == (0 if shown else 1) and not log.filters
 
 
 def test_cli_rejects_unknown_fault(capsys):
