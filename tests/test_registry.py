@@ -82,6 +82,9 @@ def test_pallas_triton_on_a_cpu_falls_back_to_xla_with_one_warning_saying_why():
         assert msgs == ["kv-canary: implementation 'pallas_triton' is unavailable: its kernels "
                         "compile for CUDA GPUs and the platform is 'cpu' (pallas_interpret runs "
                         "the same kernels anywhere, as a test tool); using 'xla'"], msgs
+        # It names the caller's line (here, the script's), not the package's.
+        where = [(x.filename, x.lineno) for x in w if issubclass(x.category, kc.FallbackWarning)]
+        assert where == [("<string>", 8)], where
         assert first.tolist() == second.tolist() == scatter("xla").tolist()
         print("OK")
     """)

@@ -56,6 +56,7 @@ import importlib.resources
 import json
 import os
 import re
+import sys
 import tempfile
 import threading
 import warnings
@@ -348,7 +349,7 @@ class Op:
             return
         _WARNED.add(key)
         warnings.warn(f"kv-canary: implementation {asked!r} is unavailable: {why}; using "
-                      f"{used!r}", FallbackWarning, stacklevel=4)
+                      f"{used!r}", FallbackWarning, stacklevel=_caller_level())
 
     def module(self, implementation: str) -> ModuleType:
         return importlib.import_module(self._registered[implementation])
@@ -556,3 +557,15 @@ def standard_op(name: str) -> Op:
     op.register("xla", ".xla")
     op.register("pallas_mosaic_tpu", ".pallas_mosaic_tpu")
     return op
+
+
+def _caller_level() -> int:
+    """``warnings.warn``'s stacklevel, counted from its caller's frame, of the first frame outside
+    this package and JAX: the caller's own line, however deep the entry points and JAX's tracing
+    put the registry's call."""
+    inside = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                   for m in (sys.modules["kvcanary_jax"], sys.modules["jax"]))
+    frame, level = sys._getframe(2), 2  # the caller of warnings.warn's caller
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 1
