@@ -737,7 +737,7 @@ def test_the_report_by_hand_cached_slots_expire_and_a_reused_slot_is_not_the_swe
     assert "cached slots every 6" in at15.summary()
 
 
-def test_the_summary_says_when_no_sweep_has_run():
+def test_the_summary_says_when_no_sweep_is_on_record():
     """A stated sweep interval that no sweep followed (a manager with no radix walk attached
     and no sweep() call): the slots only a sweep would walk are not in the report at all, and
     its summary says so rather than "cached slots every K"."""
@@ -747,8 +747,8 @@ def test_the_summary_says_when_no_sweep_has_run():
                             verified_bytes=608, read_bytes=640, groups=groups, sweep_interval=4,
                             violations=0)
     assert cov(step=22, last_sweep=-1).summary().startswith(
-        "window 2 steps, cached slots every 4, but no sweep has run: cached slots unchecked and "
-        "not counted: 100.0% of live KV bytes verified (608 of 608 B")
+        "window 2 steps, cached slots every 4, but no sweep on record: cached slots unchecked "
+        "and not counted: 100.0% of live KV bytes verified (608 of 608 B")
     assert cov(step=22, last_sweep=20).summary().startswith(
         "window 2 steps, cached slots every 4: 100.0%")
     assert cov(step=0, last_sweep=-1).summary().startswith(  # nothing has run yet

@@ -330,10 +330,35 @@ def test_health_check_fails_when_the_sweep_never_runs(caplog):
             "(attach_radix_cache) and sweep() was not called, while sweep_interval 1 asks for a "
             "sweep every 1 steps") in str(e.value)
     warned = [r.getMessage() for r in caplog.records if "no radix walk" in r.getMessage()]
-    assert warned == ["kv-canary: sweep_interval 1 asks for a sweep every 1 steps, but no radix "
-                      "walk is attached (attach_radix_cache) and sweep() was not called: cached "
-                      "slots are not checked, not counted in the coverage report, and the "
-                      "launch-health check will report the SWEEP tags as stalled"]
+    assert warned == ["kv-canary: sweep_interval 1 asks for a sweep every 1 steps, but none has "
+                      "run in the first 1 steps (no radix walk is attached with "
+                      "attach_radix_cache, and no sweep() came): cached slots are not checked "
+                      "and not counted in the coverage report, and the launch-health check will "
+                      "report the SWEEP tags as stalled"]
+
+
+@pytest.mark.parametrize("case", ["draft_worker", "sweeps_itself", "rarer_than_the_check"])
+def test_the_no_walk_warning_is_said_only_where_it_holds(caplog, case):
+    """A draft worker runs no sweep (SGLang's rule): no warning. A server whose own sweep()
+    comes in time: none. A sweep rarer than the health check: the warning, without the health
+    check's part (that check leaves the SWEEP tags out then)."""
+    interval = 4 if case == "rarer_than_the_check" else 2
+    h = Harness(rt.ManagerConfig(mode="log", sweep_interval=interval, health_check_warmup_steps=2,
+                                 health_check_every_n_steps=2,
+                                 draft_worker=case == "draft_worker", **ON), attach=False)
+    with caplog.at_level(logging.WARNING, logger=rm.logger.name):
+        if case == "sweeps_itself":
+            for _ in range(6):  # a sweep of its own after each step
+                h.step(1)
+                h.mgr.sweep(*h.srv.sweep_inputs(), kv=h.srv.kv, lut=jnp.asarray(h.srv.lut))
+        else:
+            h.step(12)
+        h.mgr.flush()
+    warned = [r.getMessage() for r in caplog.records if "none has run" in r.getMessage()]
+    if case == "rarer_than_the_check":
+        assert len(warned) == 1 and warned[0].endswith("not counted in the coverage report")
+    else:
+        assert warned == []
 
 
 def test_sweep_and_padding_guard():

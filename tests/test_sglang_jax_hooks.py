@@ -93,8 +93,8 @@ def test_a_hook_resumes_the_previous_hook_s_state_and_warns_over_a_serving_pool(
     canary = _canary()
     runner = _wrapped_runner("0.0.2")
     first = ksj.ModelRunnerHook(canary, runner)
-    with pytest.raises(ValueError, match="already has a canary hook installed"):
-        ksj.ModelRunnerHook(canary, runner, resume=first)  # uninstall() first
+    with pytest.raises(ValueError, match=r"it is still installed: call its uninstall\(\) first"):
+        ksj.ModelRunnerHook(canary, runner, resume=first)
     first.uninstall()
     with pytest.raises(ValueError, match=r"resume= takes a hook of the same canary"):
         ksj.ModelRunnerHook(_canary(ring_capacity=128), runner, resume=first)
@@ -122,6 +122,55 @@ def test_a_hook_resumes_the_previous_hook_s_state_and_warns_over_a_serving_pool(
     with caplog.at_level(logging.WARNING, logger="kvcanary_jax.integrations.sglang_jax.hooks"):
         ksj.ModelRunnerHook(canary, runner).uninstall()
     assert "has 2 KV slot(s) in use" in caplog.records[0].getMessage()
+    # 0.1.0rc0's SWA hybrid: its available_size() is the smaller pool's (the window's, 0.8x by
+    # default): the full-attention pool's count is read, so a fresh one warns of nothing.
+    full = types.SimpleNamespace(size=64, available_size=lambda: 64)
+    runner.token_to_kv_pool_allocator = types.SimpleNamespace(
+        size=64, available_size=lambda: 51, full_attn_allocator=full)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvcanary_jax.integrations.sglang_jax.hooks"):
+        ksj.ModelRunnerHook(canary, runner).uninstall()
+    assert not caplog.records
+
+
+def test_a_resumed_hook_s_state_flags_and_its_new_manager():
+    """resume= takes an uninstalled hook once; a managed hook resumed with a new manager flushes
+    the previous one and reads the state's ring from where it stands: rows the previous manager
+    reported are not reported again (2 rows in the ring here: nothing new, nothing reported)."""
+    import jax.numpy as jnp
+
+    canary = _canary()
+    runner = _wrapped_runner("0.0.2")
+    first = ksj.ModelRunnerHook(canary, runner)
+    first.uninstall()
+    second = ksj.ModelRunnerHook(canary, runner, resume=first)
+    second.uninstall()
+    with pytest.raises(ValueError, match=r"resume= takes a hook that was uninstalled and not "
+                                         r"resumed already \(another hook took over its state\)"):
+        ksj.ModelRunnerHook(canary, runner, resume=first)
+    other = _wrapped_runner("0.0.2")
+    third = ksj.ModelRunnerHook(canary, other, resume=second)
+    with pytest.raises(ValueError, match=r"\(it is still installed: call its uninstall\(\) first\)"):
+        ksj.ModelRunnerHook(canary, runner, resume=third)
+    third.uninstall()
+
+    seen, flushed = [], []
+    old = ksj.canary_manager(canary, "log", on_violation=seen.append)
+    managed = ksj.ManagedModelRunnerHook(canary, runner, old)
+    managed.uninstall()
+    # Two rows its manager saw already (a hand-made ring: slot 3, a TAIL token mismatch).
+    state = managed.state
+    with jax.enable_x64(True):
+        ring = state.violation_ring.at[:, :2, 1].set(3)
+        managed.state = dataclasses.replace(
+            state, violation_ring=ring,
+            violation_write_index=jnp.full_like(state.violation_write_index, 2))
+    old.flush = lambda: flushed.append(True)
+    new = ksj.canary_manager(canary, "log", on_violation=seen.append)
+    ksj.ManagedModelRunnerHook(canary, runner, new, resume=managed).uninstall()
+    assert flushed == [True] and new.state is not None
+    new.flush()
+    assert seen == []
 
 
 class _Controller:

@@ -291,7 +291,7 @@ class CoverageStats:
         share = "n/a" if self.share is None else f"{100 * self.share:.1f}%"
         sweep = ("" if self.sweep_interval is None else
                  ", no sweep: cached slots unchecked" if not self.sweep_interval else
-                 f", cached slots every {self.sweep_interval}, but no sweep has run: cached "
+                 f", cached slots every {self.sweep_interval}, but no sweep on record: cached "
                  "slots unchecked and not counted" if self.last_sweep < 0 and self.step > 0 else
                  f", cached slots every {self.sweep_interval}")
         found = ("" if self.violations is None else

@@ -199,6 +199,7 @@ class CanaryManager:
         self._radix_walk = None
         self._last_sweep_step = -1
         self._warned_no_walk = False
+        self._steps_itself = allocate  # False: observe mode, the server steps (and sweeps)
         self._unread = False  # a launch ran since the last staged readback (a sweep, a HEAD)
         if mesh is not None and axis not in mesh.shape:
             raise ValueError(f"kv-canary: axis {axis!r} is not an axis of the mesh "
@@ -507,15 +508,17 @@ class CanaryManager:
             return False
         self._last_sweep_step = c
         if self._radix_walk is None and self.sweep_passes == 0 and c >= interval \
-                and not self._warned_no_walk:
-            # A second due sweep and none has run: nothing walks the radix cache (the server
-            # calls neither attach_radix_cache nor sweep()), so its cached slots go unchecked.
+                and not self._warned_no_walk and not self.config.draft_worker:
+            # A second due sweep and none has run: nothing walks the radix cache (no walk
+            # attached, no sweep() of the server's own yet), so its cached slots go unchecked.
             self._warned_no_walk = True
+            health_line = (", and the launch-health check will report the SWEEP tags as stalled"
+                           if interval <= self.config.health_check_every_n_steps else "")
             logger.warning(
-                "kv-canary: sweep_interval %d asks for a sweep every %d steps, but no radix walk "
-                "is attached (attach_radix_cache) and sweep() was not called: cached slots are "
-                "not checked, not counted in the coverage report, and the launch-health check "
-                "will report the SWEEP tags as stalled", interval, interval)
+                "kv-canary: sweep_interval %d asks for a sweep every %d steps, but none has run "
+                "in the first %d steps (no radix walk is attached with attach_radix_cache, and "
+                "no sweep() came): cached slots are not checked and not counted in the "
+                "coverage report%s", interval, interval, c, health_line)
         return self._radix_walk is not None
 
     def _run_sweep(self, kv, lut, walk):
@@ -614,9 +617,15 @@ class CanaryManager:
             first_shard=reports[0].shard if reports else -1, stalled_tags=len(stalled),
             phase_errors=phase_errors, negative_index=len(negative))
         detail = [health.stalled_message(stalled, step_no)] if stalled else []
-        if self._radix_walk is None and any(t.startswith("SWEEP") for t in stalled):
-            detail.append("kv-canary: no sweep ran since the previous check: no radix walk is "
-                          "attached (attach_radix_cache) and sweep() was not called, while "
+        if any(t.startswith("SWEEP") for t in stalled) and (
+                self._radix_walk is None or not self._steps_itself):
+            # (observe mode: the server's own step, and its own sweep: an attached walk never
+            # runs there)
+            how = ("no radix walk is attached (attach_radix_cache) and sweep() was not called"
+                   if self._steps_itself else "the server's own sweep (an integration's: "
+                   "sglang_jax.sweep, the tpu-inference guard's) did not run or was not handed "
+                   "to this manager")
+            detail.append(f"kv-canary: no sweep ran since the previous check: {how}, while "
                           f"sweep_interval {self.config.sweep_interval} asks for a sweep every "
                           f"{self.config.sweep_interval} steps")
         if phase_errors:

@@ -18,7 +18,7 @@ import logging
 import numpy as np
 
 from kvcanary_jax.integrations.sglang_jax.layout import SglangJaxCanary
-from kvcanary_jax.integrations.sglang_jax.remediation import observe, request_resolver
+from kvcanary_jax.integrations.sglang_jax.remediation import hold, observe, request_resolver
 from kvcanary_jax.integrations.sglang_jax.runners import RunnerApi, runner_api
 from kvcanary_jax.integrations.sglang_jax.step import guard_model_step
 from kvcanary_jax.integrations.sglang_jax.tokens import TokenDelta, TokenFeed
@@ -35,6 +35,9 @@ def _slots_in_use(model_runner) -> int:
     """KV slots the runner's allocator has handed out (every data-parallel rank's), 0 where the
     allocator is not found or not one of sglang-jax's (``size``, ``available_size``)."""
     alloc = getattr(model_runner, "token_to_kv_pool_allocator", None)
+    # 0.1.0rc0's SWA hybrid: its available_size() is the smaller of its two pools' (the sliding
+    # window's is smaller by design); the full-attention pool's is the one to read.
+    alloc = getattr(alloc, "full_attn_allocator", alloc)
     size = getattr(alloc, "size", None)
     if not isinstance(size, int) or not callable(getattr(alloc, "available_size", None)):
         return 0
@@ -111,11 +114,19 @@ class ModelRunnerHook:
             if resume.canary is not canary and resume.canary != canary:
                 raise ValueError("kv-canary sglang-jax: resume= takes a hook of the same canary "
                                  "(its state is laid out for that canary's sizes)")
+            if resume._installed or resume._resumed:
+                raise ValueError(
+                    "kv-canary sglang-jax: resume= takes a hook that was uninstalled and not "
+                    "resumed already (" + ("it is still installed: call its uninstall() first"
+                                           if resume._installed else "another hook took over "
+                                           "its state") + ")")
         api = runner_api(model_runner)  # refuses a runner that has a hook installed
         self.canary = canary
         self.version = api.version
+        self._installed, self._resumed = True, False
         if resume is not None:
             self.state, self.feed = resume.state, resume.feed
+            resume._resumed = True
         else:
             self.state = canary.init_state()
             self.feed = TokenFeed(canary) if canary.token_rows is not None else None
@@ -181,9 +192,11 @@ class ModelRunnerHook:
         return out
 
     def uninstall(self) -> None:
-        """Give the runner its own steps back."""
+        """Give the runner its own steps back (the hook keeps its state and feed, for
+        ``resume=``)."""
         for name, fn in self._unguarded.items():
             setattr(self._runner, name, fn)
+        self._installed = False
 
 
 class ManagedModelRunnerHook(ModelRunnerHook):
@@ -201,9 +214,19 @@ class ManagedModelRunnerHook(ModelRunnerHook):
         if not getattr(manager, "enabled", False):
             raise ValueError("kv-canary sglang-jax: the manager runs --kv-canary none: install no "
                              "hook at all (the canary is off)")
+        previous = getattr(resume, "manager", None)
         super().__init__(canary, model_runner, resume=resume)
         self.manager = manager
         self._reqs = None
+        if resume is not None and previous is not manager:
+            # Another manager had the state: it reports its last step's readback now, and this
+            # one reads the state's ring from where it stands (its rows were reported, or, from
+            # an unmanaged hook, were the caller's to read), not from row 0.
+            if previous is not None:
+                previous.flush()
+            with manager.lock:
+                hold(manager, canary, self.state)
+                manager.resync()
 
     def expect(self, expected: np.ndarray | TokenDelta | None = None,
                table: np.ndarray | None = None, *, reqs=None) -> None:

@@ -23,6 +23,7 @@ from kvcanary_jax.integrations.sglang_jax.sweep import node_dp_rank
 __all__ = [
     "canary_manager",
     "observe",
+    "hold",
     "coverage",
     "request_resolver",
     "abort_request",
