@@ -215,18 +215,25 @@ class ManagedModelRunnerHook(ModelRunnerHook):
             raise ValueError("kv-canary sglang-jax: the manager runs --kv-canary none: install no "
                              "hook at all (the canary is off)")
         previous = getattr(resume, "manager", None)
+        if resume is not None and previous is not None and previous is not manager \
+                and not getattr(resume, "_installed", False):
+            # Another manager had the state: it reports its last step's readback first (before
+            # anything is installed here: in raise mode that may raise).
+            previous.flush()
         super().__init__(canary, model_runner, resume=resume)
         self.manager = manager
         self._reqs = None
         if resume is not None and previous is not manager:
-            # Another manager had the state: it reports its last step's readback now, and this
-            # one reads the state's ring from where it stands (its rows were reported, or, from
-            # an unmanaged hook, were the caller's to read), not from row 0.
-            if previous is not None:
-                previous.flush()
-            with manager.lock:
-                hold(manager, canary, self.state)
-                manager.resync()
+            # This one reads the state's ring from where it stands (its rows were reported, or,
+            # from an unmanaged hook, were the caller's to read), not from row 0.
+            try:
+                with manager.lock:
+                    hold(manager, canary, self.state)
+                    manager.resync()
+            except BaseException:
+                self.uninstall()  # the runner keeps its own steps, as before this call
+                self._installed, resume._resumed = False, False
+                raise
 
     def expect(self, expected: np.ndarray | TokenDelta | None = None,
                table: np.ndarray | None = None, *, reqs=None) -> None:
