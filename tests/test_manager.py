@@ -337,6 +337,25 @@ def test_health_check_fails_when_the_sweep_never_runs(caplog):
                       "report the SWEEP tags as stalled"]
 
 
+def test_an_observing_manager_s_stalled_sweep_names_the_server_s_own_sweep():
+    """A manager fed the states of a step it does not run (observe(); the integrations' way)
+    sweeps nothing itself, an attached walk included: its health error names the server's own
+    sweep, not attach_radix_cache."""
+    stepping = Harness(rt.ManagerConfig(mode="log", health_check_warmup_steps=10**6, **ON))
+    observing = rt.CanaryManager(rt.ManagerConfig(mode="log", sweep_interval=1,
+                                                  health_check_warmup_steps=2,
+                                                  health_check_every_n_steps=2, **ON),
+                                 stepping.srv.cfg, allocate=False)
+    observing.attach_radix_cache(stepping.srv.sweep_inputs)  # never run by observe()
+    with pytest.raises(RuntimeError, match=r"tags=\[SWEEP_K_FULL\] at step=2") as e:
+        for _ in range(4):
+            stepping.step(1)
+            observing.observe(stepping.mgr.state)
+    assert ("no sweep ran since the previous check: the server's own sweep (an integration's: "
+            "sglang_jax.sweep, the tpu-inference guard's) did not run or was not handed to this "
+            "manager, while sweep_interval 1 asks for a sweep every 1 steps") in str(e.value)
+
+
 @pytest.mark.parametrize("case", ["draft_worker", "sweeps_itself", "rarer_than_the_check"])
 def test_the_no_walk_warning_is_said_only_where_it_holds(caplog, case):
     """A draft worker runs no sweep (SGLang's rule): no warning. A server whose own sweep()
@@ -354,7 +373,8 @@ def test_the_no_walk_warning_is_said_only_where_it_holds(caplog, case):
         else:
             h.step(12)
         h.mgr.flush()
-    warned = [r.getMessage() for r in caplog.records if "none has run" in r.getMessage()]
+    warned = [r.getMessage() for r in caplog.records
+              if r.getMessage().startswith("kv-canary: sweep_interval")]
     if case == "rarer_than_the_check":
         assert len(warned) == 1 and warned[0].endswith("not counted in the coverage report")
     else:

@@ -144,10 +144,13 @@ def test_a_resumed_hook_s_state_flags_and_its_new_manager():
     first = ksj.ModelRunnerHook(canary, runner)
     first.uninstall()
     second = ksj.ModelRunnerHook(canary, runner, resume=first)
+    first.uninstall()  # again: second keeps the runner
+    assert runner.jitted_run_model == second._run
     second.uninstall()
     with pytest.raises(ValueError, match=r"resume= takes a hook that was uninstalled and not "
                                          r"resumed already \(another hook took over its state\)"):
         ksj.ModelRunnerHook(canary, runner, resume=first)
+    first.uninstall()  # again, with a hook installed since: leaves the runner to that hook
     other = _wrapped_runner("0.0.2")
     third = ksj.ModelRunnerHook(canary, other, resume=second)
     with pytest.raises(ValueError, match=r"\(it is still installed: call its uninstall\(\) first\)"):

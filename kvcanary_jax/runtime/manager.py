@@ -199,7 +199,7 @@ class CanaryManager:
         self._radix_walk = None
         self._last_sweep_step = -1
         self._warned_no_walk = False
-        self._steps_itself = allocate  # False: observe mode, the server steps (and sweeps)
+        self._steps_itself = allocate  # False once observe() runs: the server steps (and sweeps)
         self._unread = False  # a launch ran since the last staged readback (a sweep, a HEAD)
         if mesh is not None and axis not in mesh.shape:
             raise ValueError(f"kv-canary: axis {axis!r} is not an axis of the mesh "
@@ -402,6 +402,7 @@ class CanaryManager:
         ``init_state()``) is reported from its first row. Returns nothing; raises as
         :meth:`step`."""
         self._require_enabled("observe")
+        self._steps_itself = False  # the server's step, and its sweep: an attached walk never runs
         if state is not None:
             self.state = state
         if self.state is None:

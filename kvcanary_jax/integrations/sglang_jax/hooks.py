@@ -78,6 +78,7 @@ _MODEL_ARGS = {"batch_argnum": 3, "pool_argnum": 4, "static_argnums": (1,)}
 # rng_step, sampling_metadata, future_token_ids_map)
 _FUSED_ARGS = {"batch_argnum": 3, "pool_argnum": 4, "static_argnums": (1, 7, 9),
                "future_map_argnum": 12}
+_GUARDED = {"jitted_run_model": "_run", "jitted_run_and_sample": "_run_and_sample"}
 _FUSED_UPDATES = 2  # the pool updates' place in jitted_run_and_sample's result
 
 
@@ -194,8 +195,11 @@ class ModelRunnerHook:
     def uninstall(self) -> None:
         """Give the runner its own steps back (the hook keeps its state and feed, for
         ``resume=``)."""
+        if not self._installed:
+            return  # again: another hook may own the runner now
         for name, fn in self._unguarded.items():
-            setattr(self._runner, name, fn)
+            if getattr(self._runner, name) == getattr(self, _GUARDED[name]):
+                setattr(self._runner, name, fn)
         self._installed = False
 
 
