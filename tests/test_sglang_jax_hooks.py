@@ -176,6 +176,28 @@ def test_a_resumed_hook_s_state_flags_and_its_new_manager():
     assert seen == []
 
 
+def test_a_shared_prefix_slot_resolves_to_each_request_holding_it():
+    """Two requests share a prefix (slot 7 at position 1 in both rows), a third does not: the
+    rows the step reports for slot 7 go to each holder in turn; a slot no request holds, or one
+    held on two data-parallel ranks, resolves to None."""
+    table = np.zeros((4, 8), np.int32)
+    table[1, :3] = [5, 7, 9]
+    table[2, :3] = [5, 7, 11]
+    table[3, :2] = [12, 13]
+    pool = types.SimpleNamespace(req_to_token=table)
+
+    def req(rid, row, n, rank=0):
+        return types.SimpleNamespace(rid=rid, req_pool_idx=row, origin_input_ids=[0] * n,
+                                     output_ids=[], dp_rank=rank)
+
+    a, b, c = req("a", 1, 3), req("b", 2, 3), req("c", 3, 2)
+    resolve = ksj.request_resolver([a, b, c], pool)
+    assert [resolve(7).rid for _ in range(3)] == ["a", "b", "a"]
+    assert resolve(9).rid == "a" and resolve(13).rid == "c" and resolve(30) is None
+    two_ranks = ksj.request_resolver([[a], [req("d", 2, 3, rank=1)]], pool)
+    assert two_ranks(7) is None and two_ranks(9).rid == "a"
+
+
 class _Controller:
     """What HiCacheHook wraps of sglang-jax's HiCacheController (the KV transfers elided)."""
 

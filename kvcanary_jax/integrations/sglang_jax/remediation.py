@@ -119,6 +119,11 @@ def request_resolver(reqs, req_to_token_pool):
     ``req_to_token`` row holds ``slot`` among its first ``len(origin_input_ids) +
     len(output_ids)`` entries. Reads the pool's table only when called (a violation).
 
+    A slot several requests hold (a shared prefix) gives one ring row per request that read it:
+    the resolver hands those rows the holders in turn (the k-th call for a slot gets the k-th
+    holder, cycling), so a step's reports reach every request that read the corrupted slot, not
+    the first one over and over.
+
     ``reqs`` may be per-DP lists (``[info.reqs for info in batch.reqs_info]``). Slots are
     rank-local there and the manager's ``resolve`` is given no rank, so a slot that requests of
     two ranks hold resolves to None (no request is aborted for another's fault; the report
@@ -126,6 +131,7 @@ def request_resolver(reqs, req_to_token_pool):
     reqs = list(reqs)
     if reqs and all(isinstance(r, (list, tuple)) for r in reqs):
         reqs = [r for rank in reqs for r in rank]
+    calls: dict[int, int] = {}
 
     def resolve(slot, violation=None):
         table = np.asarray(req_to_token_pool.req_to_token)
@@ -138,7 +144,11 @@ def request_resolver(reqs, req_to_token_pool):
             if int(slot) in set(np.asarray(table[int(row), :n]).tolist()):
                 found.append(req)
         ranks = {getattr(r, "dp_rank", None) or 0 for r in found}
-        return found[0] if found and len(ranks) == 1 else None
+        if not found or len(ranks) != 1:
+            return None
+        k = calls.get(int(slot), 0)
+        calls[int(slot)] = k + 1
+        return found[k % len(found)]
 
     return resolve
 
