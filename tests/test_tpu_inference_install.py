@@ -346,3 +346,27 @@ def test_a_remediator_evicts_through_the_scheduler_s_block_pool_by_default():
         block_pool=pool)))
     rem.evict(0, 7)
     assert pool.evicted == [{7}]
+
+
+def test_a_shared_block_resolves_to_each_request_holding_it():
+    """vLLM's prefix cache hands two requests the same block (block 3): the step's rows for one
+    of its slots go to each holder in turn; a block of one request, to it; a block of no
+    request, to none; one held on two data-parallel ranks, to each rank's holder."""
+    from kvcanary_jax.integrations.tpu_inference import guard as G, host
+
+    rows = np.zeros((3, 4), np.int32)
+    rows[0, :2], rows[1, :3], rows[2, :1] = [3, 4], [3, 5, 6], [3]
+    batch = types.SimpleNamespace(
+        req_id_to_index={"a": 0, "b": 1, "c": 2},
+        block_table=[types.SimpleNamespace(block_table_cpu=rows,
+                                           num_blocks_per_row=np.array([2, 3, 1]))])
+    owners = host.block_owners(types.SimpleNamespace(input_batch=batch), [["a", "b"]])
+    assert owners == [{3: ["a", "b"], 4: ["a"], 5: ["b"], 6: ["b"]}]
+    guard = types.SimpleNamespace(canary=types.SimpleNamespace(
+        layout=types.SimpleNamespace(block_size=BLOCK_SIZE)))
+    resolve = G.TpuInferenceGuard._resolve(guard, owners)
+    slot = 3 * BLOCK_SIZE + 5
+    assert [resolve(slot) for _ in range(3)] == ["a", "b", "a"]
+    assert resolve(4 * BLOCK_SIZE) == "a" and resolve(9 * BLOCK_SIZE) is None
+    two = host.block_owners(types.SimpleNamespace(input_batch=batch), [["a"], ["c"]])
+    assert G.TpuInferenceGuard._resolve(guard, two)(slot) == ((0, "a"), (1, "c"))

@@ -473,14 +473,20 @@ class TpuInferenceGuard:
         """The manager's ``resolve(slot, violation)``: the request whose block table maps the
         slot's block in the step, or, where requests of several data-parallel ranks do (each
         rank numbers its own blocks), ``((rank, request), ...)`` (:class:`Remediator` picks
-        the report's rank)."""
+        the report's rank). A block several requests of a rank share (a cached prefix) gives a
+        ring row per request that read the slot: those rows get its holders in turn (the k-th
+        call for a slot the k-th holder, cycling), so every one of them is reported."""
         bs = self.canary.layout.block_size
+        calls: dict[int, int] = {}
 
         def resolve(slot, violation=None):
-            found = tuple((rank, mine[int(slot) // bs]) for rank, mine in enumerate(owners)
-                          if int(slot) // bs in mine)
-            if not found:
+            block = int(slot) // bs
+            holders = [(rank, mine[block]) for rank, mine in enumerate(owners) if block in mine]
+            if not holders:
                 return None
+            k = calls.get(int(slot), 0)
+            calls[int(slot)] = k + 1
+            found = tuple((rank, reqs[k % len(reqs)]) for rank, reqs in holders)
             return found[0][1] if len(found) == 1 else found
         return resolve
 

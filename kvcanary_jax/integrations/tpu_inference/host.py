@@ -55,17 +55,20 @@ def batch_order(runner, scheduler_output, dp_size: int) -> list[list[str]]:
     return ranks
 
 
-def block_owners(runner, order: list[list[str]]) -> list[dict[int, str]]:
-    """Per data-parallel rank, block id -> the request of the step whose block-table row (the
-    one the step's attention reads, ``input_batch.block_table[0]``) holds it."""
+def block_owners(runner, order: list[list[str]]) -> list[dict[int, list[str]]]:
+    """Per data-parallel rank, block id -> the requests of the step whose block-table rows (the
+    ones the step's attention reads, ``input_batch.block_table[0]``) hold it, in batch order
+    (several where a prefix block is shared)."""
     batch = runner.input_batch
     table = batch.block_table[0]
-    owners: list[dict[int, str]] = [{} for _ in order]
+    owners: list[dict[int, list[str]]] = [{} for _ in order]
     for rank, req_ids in enumerate(order):
         for req_id in req_ids:
             idx = batch.req_id_to_index[req_id]
             for b in table.block_table_cpu[idx, :int(table.num_blocks_per_row[idx])]:
-                owners[rank][int(b)] = req_id
+                holders = owners[rank].setdefault(int(b), [])
+                if req_id not in holders:
+                    holders.append(req_id)
     return owners
 
 
