@@ -254,6 +254,27 @@ DEEP = (
     ("test_runtime.py", "test_v_half_full_only_matches_sglang_references", None),
     ("test_demo.py", "test_cli_json_shape", None),
     ("test_demo.py", "test_the_demo_holds_back_the_violation_logs_of_its_trials", None),
+    # Both fast tiers past 10 minutes on 4c76f8e (632 and 610 s side by side; 302 and 406 s
+    # alone): the sglang-jax lives that run a process of their own (the feed's events, 64 s on
+    # 3.12; the remediation script, 21 s; the managed runner, 25 s: the 3.12 e2e command and
+    # the 0.1.0rc0 leg still run them), the manager's rebase tests near the counters' wrap
+    # (60 s on 3.12) and the torch bridge's CPU-tensor differential runs (the GPU gate runs
+    # them on CUDA tensors).
+    ("test_sglang_jax.py", "test_one_feed_two_states", None),
+    ("test_sglang_jax.py", "test_a_new_request_in_a_finished_one_s_row_with_its_rid", None),
+    ("test_sglang_jax.py", "test_a_delta_for_another_batch_is_refused", None),
+    ("test_sglang_jax_remediation.py", "test_sweep_finding_drops_the_cached_node_at_once", None),
+    ("test_sglang_jax_remediation.py", "test_model_runner_with_the_managed_hook", None),
+    ("test_coverage_rebase.py", "test_the_manager_rebases_the_state_it_steps", None),
+    ("test_coverage_rebase.py", "test_a_state_set_from_outside_is_read_at_the_next_step", None),
+    ("test_coverage_rebase.py",
+     "test_a_state_near_the_wrap_checks_and_reports_as_the_state_it_was_made_from", None),
+    ("test_sglang_jax_coverage.py", "test_the_guarded_step_keeps_its_step_counters_from_wrapping",
+     None),
+    ("test_bridge.py", "test_write_then_verify_match_sglang_reference_through_its_differential_helpers",
+     "cpu"),
+    ("test_bridge.py", "test_plan_matches_sglang_reference_through_its_differential_helper", "cpu"),
+    ("test_bridge_serving.py", "test_dropped_buffer_sets_are_released", None),
     # The fuzzes against the jnp references (the golden files and the hand cases stay in the fast
     # tier): the 3.12 leg's e2e command runs deep fuzzes, the 3.11 leg's long tier at full count.
     ("test_verify.py", "test_round_trips_and_corruptions_against_jnp_reference", None),

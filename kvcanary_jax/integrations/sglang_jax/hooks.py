@@ -18,9 +18,10 @@ import logging
 import numpy as np
 
 from kvcanary_jax.integrations.sglang_jax.layout import SglangJaxCanary
-from kvcanary_jax.integrations.sglang_jax.remediation import hold, observe, request_resolver
+from kvcanary_jax.integrations.sglang_jax.remediation import observe, request_resolver
 from kvcanary_jax.integrations.sglang_jax.runners import RunnerApi, runner_api
 from kvcanary_jax.integrations.sglang_jax.step import guard_model_step
+from kvcanary_jax.integrations.sglang_jax.sweep import hold
 from kvcanary_jax.integrations.sglang_jax.tokens import TokenDelta, TokenFeed
 from kvcanary_jax.runtime import CanaryViolationError
 

@@ -23,7 +23,6 @@ from kvcanary_jax.integrations.sglang_jax.sweep import node_dp_rank
 __all__ = [
     "canary_manager",
     "observe",
-    "hold",
     "coverage",
     "request_resolver",
     "abort_request",
@@ -87,19 +86,6 @@ def observe(manager, canary: SglangJaxCanary, state, *, resolve=None) -> None:
     view = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(auto, x.sharding.spec)), state)
     with jax.set_mesh(auto):
         manager.observe(view, resolve=resolve)
-
-
-def hold(manager, canary: SglangJaxCanary, state) -> None:
-    """``manager.hold(state)`` (a state the server's own launches made between steps: a sweep)
-    on any mesh, handed over as :func:`observe` hands a step's. :func:`sweep` with ``manager=``
-    calls it under the manager's lock."""
-    auto = canary.auto_mesh()
-    if auto is None:
-        manager.hold(state)
-        return
-    view = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(auto, x.sharding.spec)), state)
-    with jax.set_mesh(auto):
-        manager.hold(view)
 
 
 def coverage(manager, canary: SglangJaxCanary):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 import kvcanary_jax as kc
 from kvcanary_jax import _config
@@ -27,6 +28,7 @@ __all__ = [
     "radix_prefixes",
     "node_dp_rank",
     "sweep",
+    "hold",
     "ShardViolation",
     "violation_counts",
     "read_violations",
@@ -115,12 +117,23 @@ def sweep(canary: SglangJaxCanary, state, kv_buffer: jax.Array, prefixes, *, lay
     if not getattr(manager, "enabled", False):
         raise ValueError("kv-canary sglang-jax: sweep(manager=...) with a manager that runs "
                          "--kv-canary none (the canary is off)")
-    from kvcanary_jax.integrations.sglang_jax.remediation import hold
-
     with manager.lock:
         state = _sweep(canary, state, kv_buffer, prefixes, layers=layers)
         hold(manager, canary, state)
     return state
+
+
+def hold(manager, canary: SglangJaxCanary, state) -> None:
+    """``manager.hold(state)`` (a state the server's own launches made between steps: a sweep)
+    on any mesh, handed over as :func:`~kvcanary_jax.integrations.sglang_jax.observe` hands a
+    step's. :func:`sweep` with ``manager=`` calls it under the manager's lock."""
+    auto = canary.auto_mesh()
+    if auto is None:
+        manager.hold(state)
+        return
+    view = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(auto, x.sharding.spec)), state)
+    with jax.set_mesh(auto):
+        manager.hold(view)
 
 
 def _sweep(canary: SglangJaxCanary, state, kv_buffer: jax.Array, prefixes, *, layers=None):
