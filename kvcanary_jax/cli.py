@@ -361,6 +361,9 @@ def _demo(args, interrupt: _StopOnInterrupt) -> int:
     print()
     for line in _coverage_lines(sim, res, window_origin):
         print(line)
+    if held.held:  # (the verdict stays the last line)
+        print(f"({held.held} violation message(s) of the manager's log mode held back; "
+              "--log-violations prints them)")
     print()
     verdict = "INTERRUPTED" if res.interrupted else "OK" if ok else "FAILED"
     placed = sum(f.injected for f in res.faults)
@@ -372,9 +375,6 @@ def _demo(args, interrupt: _StopOnInterrupt) -> int:
           f"detected{unplaced}; wall {wall:.1f} s")
     for line in out["failures"]:
         print(f"  - {line}")
-    if held.held:
-        print(f"({held.held} violation message(s) of the manager's log mode held back; "
-              "--log-violations prints them)")
     return rc
 
 

@@ -62,8 +62,9 @@ def test_the_demo_holds_back_the_violation_logs_of_its_trials(capsys, caplog):
     assert rc == 0, out
     assert not [r for r in caplog.records if r.getMessage().startswith("kv_canary violation:")]
     m = re.search(r"\n\((\d+) violation message\(s\) of the manager's log mode held back; "
-                  r"--log-violations prints them\)\n$", out)
+                  r"--log-violations prints them\)\n\nOK: ", out)
     assert m and int(m.group(1)) > 0, out
+    assert out.strip().splitlines()[-1].startswith("OK: ")  # the verdict, last
     assert not logging.getLogger(LOGGER_NAME).filters
 
 
