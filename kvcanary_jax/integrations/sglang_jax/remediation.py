@@ -15,10 +15,9 @@ import sys
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
 from kvcanary_jax.integrations.sglang_jax.layout import SglangJaxCanary
-from kvcanary_jax.integrations.sglang_jax.sweep import node_dp_rank
+from kvcanary_jax.integrations.sglang_jax.sweep import node_dp_rank, on_auto_mesh
 
 __all__ = [
     "canary_manager",
@@ -79,13 +78,7 @@ def observe(manager, canary: SglangJaxCanary, state, *, resolve=None) -> None:
     """``manager.observe(state, resolve=resolve)`` (the host side after a guarded step) on any
     mesh: on sglang-jax 0.1.0rc0's Explicit mesh the state is handed over as the same buffers
     (no copy) on the mesh with Auto axes (:meth:`SglangJaxCanary.auto_mesh`), under that mesh."""
-    auto = canary.auto_mesh()
-    if auto is None:
-        manager.observe(state, resolve=resolve)
-        return
-    view = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(auto, x.sharding.spec)), state)
-    with jax.set_mesh(auto):
-        manager.observe(view, resolve=resolve)
+    on_auto_mesh(canary, state, lambda s: manager.observe(s, resolve=resolve))
 
 
 def coverage(manager, canary: SglangJaxCanary):

@@ -127,13 +127,20 @@ def hold(manager, canary: SglangJaxCanary, state) -> None:
     """``manager.hold(state)`` (a state the server's own launches made between steps: a sweep)
     on any mesh, handed over as :func:`~kvcanary_jax.integrations.sglang_jax.observe` hands a
     step's. :func:`sweep` with ``manager=`` calls it under the manager's lock."""
+    on_auto_mesh(canary, state, manager.hold)
+
+
+def on_auto_mesh(canary: SglangJaxCanary, state, call) -> None:
+    """``call(state)``, or, on sglang-jax 0.1.0rc0's Explicit mesh, ``call`` of the same buffers
+    (no copy) on the mesh with Auto axes (:meth:`SglangJaxCanary.auto_mesh`), under that mesh:
+    how a state reaches the manager."""
     auto = canary.auto_mesh()
     if auto is None:
-        manager.hold(state)
+        call(state)
         return
     view = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(auto, x.sharding.spec)), state)
     with jax.set_mesh(auto):
-        manager.hold(view)
+        call(view)
 
 
 def _sweep(canary: SglangJaxCanary, state, kv_buffer: jax.Array, prefixes, *, layers=None):
