@@ -10,12 +10,12 @@ values, so the checks are a diagnostic: on for CPU tensors by default, opt-in on
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 
 import torch
 
 from kvcanary_jax.bridge.dlpack import BridgeError
+from kvcanary_jax.bridge.switches import env_switch, switch
 from kvcanary_jax.contracts import Contiguous, Contract, SameDevice
 
 __all__ = [
@@ -46,12 +46,13 @@ def torch_checks(op: str, anchor: str, contiguous: tuple[str, ...],
 
 
 _mode = threading.local()
-_DEFAULT = os.environ.get("KVCANARY_BRIDGE_VALUE_CHECKS", "auto").lower()
+_DEFAULT = env_switch("KVCANARY_BRIDGE_VALUE_CHECKS", "auto", others=("auto",))
 
 
 def set_value_checks(mode) -> None:
-    """``True`` / ``False`` / ``"auto"`` (CPU tensors only) for the current thread."""
-    _mode.value = mode
+    """``True`` / ``False`` / ``"auto"`` (CPU tensors only) for the current thread; the words of
+    ``KVCANARY_BRIDGE_VALUE_CHECKS`` (``"on"``, ``"0"``, ...) too. Anything else: ValueError."""
+    _mode.value = switch("set_value_checks", mode, others=("auto",))
 
 
 def _current():
@@ -70,11 +71,7 @@ def value_checks(mode=True):
 
 def value_checks_enabled(device: torch.device) -> bool:
     mode = _current()
-    if mode in (True, "1", "true", "on"):
-        return True
-    if mode in (False, "0", "false", "off"):
-        return False
-    return device.type == "cpu"
+    return device.type == "cpu" if mode == "auto" else mode
 
 
 def check_range(prefix: str, name: str, t: torch.Tensor, lo: int, hi: int, what: str) -> None:

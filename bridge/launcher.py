@@ -32,7 +32,6 @@ taken.
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import warnings
 import weakref
@@ -46,6 +45,7 @@ from kvcanary_jax.bridge.cache import CACHES
 from kvcanary_jax.bridge.checks import check_outputs_apart_from_inputs, value_checks_enabled
 from kvcanary_jax.bridge.dlpack import (STATS, BridgeError, device_info, import_tensor, write_back,
                                         x64_scope)
+from kvcanary_jax.bridge.switches import env_switch
 
 __all__ = ["Arg", "Signature", "ProgramKey", "Launcher", "paths", "set_direct", "direct_enabled",
            "lowered_specs", "bind"]
@@ -155,7 +155,7 @@ class Prepared:
 # Path report and switch
 
 _PATHS: dict[str, tuple[str, str]] = {}
-_DIRECT = {"on": os.environ.get("KVCANARY_BRIDGE_DIRECT", "1") not in ("0", "false", "off")}
+_DIRECT = {"on": env_switch("KVCANARY_BRIDGE_DIRECT", True)}
 
 
 def set_direct(enabled: bool) -> None:

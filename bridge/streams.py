@@ -21,7 +21,6 @@ run under capture (the direct path is captured like any torch kernel).
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
@@ -29,6 +28,7 @@ import jax
 
 from kvcanary_jax.bridge.dlpack import STATS as _STATS
 from kvcanary_jax.bridge.dlpack import BridgeError, DeviceInfo, import_tensor
+from kvcanary_jax.bridge.switches import env_choice
 
 try:
     from jax._src.lib import _jax as _jaxlib
@@ -51,7 +51,7 @@ __all__ = ["set_stream_sync", "stream_sync", "enter", "finish", "gpu_sync",
 #            stream (true of the stream-executor GPU client: one compute stream per device); the
 #            probe checks the stream is the same over several executions and the fence is used
 #            where it is not, or where the probe fails.
-_MODE = {"value": os.environ.get("KVCANARY_BRIDGE_STREAM_SYNC", "event").lower()}
+_MODE = {"value": env_choice("KVCANARY_BRIDGE_STREAM_SYNC", "event", ("event", "fence"))}
 
 
 def set_stream_sync(mode: str) -> None:

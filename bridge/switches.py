@@ -1,0 +1,57 @@
+"""The bridge's environment switches, read once at import.
+
+``KVCANARY_BRIDGE_DIRECT`` and ``KVCANARY_BRIDGE_VALUE_CHECKS`` take SGLang's boolean spellings
+(its ``EnvBool``: ``true/1/yes/y`` and ``false/0/no/n``, any case) and ``on``/``off``;
+``KVCANARY_BRIDGE_VALUE_CHECKS`` also takes ``auto``, and ``KVCANARY_BRIDGE_STREAM_SYNC`` one of
+``event`` and ``fence``. Anything else is a ``ValueError`` naming the variable when the bridge is
+imported: a misspelt switch never leaves the bridge on a path the user meant to turn off.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["TRUE_WORDS", "FALSE_WORDS", "switch", "env_switch", "env_choice"]
+
+TRUE_WORDS = ("true", "1", "yes", "y", "on")
+FALSE_WORDS = ("false", "0", "no", "n", "off")
+
+
+def switch(name: str, value, others: tuple[str, ...] = ()):
+    """``value`` read as a switch: a bool (or 0 / 1), or a word of :data:`TRUE_WORDS` / :data:`FALSE_WORDS`
+    (any case, spaces around ignored) as True / False, or one of ``others`` (returned lower-case).
+    Anything else: ``ValueError`` naming ``name``."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in TRUE_WORDS:
+            return True
+        if word in FALSE_WORDS:
+            return False
+        if word in others:
+            return word
+    words = "true/1/yes/y/on or false/0/no/n/off" + "".join(f" or {w}" for w in others)
+    raise ValueError(f"kv-canary bridge: {name}={value!r} is not a valid switch ({words})")
+
+
+def env_switch(name: str, default, others: tuple[str, ...] = ()):
+    """:func:`switch` of the environment variable ``name``; ``default`` where it is unset or
+    empty."""
+    text = os.environ.get(name, "")
+    return default if not text.strip() else switch(name, text, others)
+
+
+def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """The environment variable ``name``, one of ``choices`` (any case); ``default`` where it is
+    unset or empty; anything else a ``ValueError`` naming the variable."""
+    text = os.environ.get(name, "")
+    if not text.strip():
+        return default
+    word = text.strip().lower()
+    if word not in choices:
+        raise ValueError(f"kv-canary bridge: {name}={text!r} must be one of "
+                         f"{', '.join(choices)}")
+    return word
