@@ -319,6 +319,11 @@ def pytest_collection_modifyitems(config, items):
     for it in items:
         if _is_deep(it):
             it.add_marker(pytest.mark.deep)
+        # The Triton kernels interpreted on the CPU: CI's long tier leaves their full-count
+        # fuzzes to the GPU's long run of the same kernels (pallas_triton), and the 3.11 leg's
+        # e2e command runs their deep fuzzes at the fast tier's counts (docs/testing.md).
+        if "pallas_interpret" in it.name[len(getattr(it, "originalname", None) or it.name):]:
+            it.add_marker(pytest.mark.pallas_interpret)
     # Tests that compare with SGLang's torch references need torch, and so does every test of a
     # module that imports torch itself (the Python 3.12 leg, without torch, cannot even import
     # those modules): the marker lets a run without torch (the newest-JAX CI leg) select the rest

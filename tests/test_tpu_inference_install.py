@@ -141,7 +141,8 @@ def test_token_checks_under_async_scheduling_are_refused(version):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(mode="none", real_data="none"), r"mode 'none' installs no guard"),
-    (dict(mode="none"), r"--kv-canary-real-data requires --kv-canary in \{log, raise\}"),
+    (dict(mode="none"), r"mode 'none' installs no guard"),
+    (dict(mode=" None "), r"mode 'none' installs no guard"),
     (dict(mode="warn"), r"mode \(--kv-canary\) must be one of none/log/raise, got 'warn'"),
     (dict(real_data="some"), r"real_data .* must be one of none/partial/all, got 'some'"),
     (dict(sweep_interval=-1), r"sweep_interval must be an int >= 0, got -1"),
@@ -164,10 +165,13 @@ def test_token_checks_under_async_scheduling_are_refused(version):
     (dict(coverage_window=2**30, sweep_interval=1),
      r"--kv-canary-coverage-window 1073741824: a window is at most 536870912 steps"),
     (dict(coverage_window=4, sweep_interval=2, mode="none", real_data="none"),
-     r"--kv-canary-sweep-interval requires --kv-canary in \{log, raise\}"),
+     r"mode 'none' installs no guard"),
     (dict(coverage_window=4, sweep_interval=2, padding_guard=True),
      r"padding_guard checks SGLang's padding slot in the manager's own sweep, which the guard "
      r"does not run"),
+    # Without a window the guard's sweep is its own: the guard's word, not the manager's (which
+    # asked for a sweep interval the call had given).
+    (dict(sweep_interval=2, padding_guard=True), r"padding_guard checks SGLang's padding slot"),
 ])
 def test_bad_arguments_are_refused(version, kwargs, match):
     _refused(runner(), ValueError, match, **kwargs)
@@ -231,7 +235,8 @@ def test_a_coverage_window_over_more_strips_than_a_digest_takes_is_refused(versi
 @pytest.mark.parametrize("text, match", [
     ("x", r'kv-canary: SGLANG_KV_CANARY_COVERAGE_WINDOW="x" is not a valid integer value'),
     ("-2", r'kv-canary: SGLANG_KV_CANARY_COVERAGE_WINDOW="-2" must be >= 0'),
-    ("4", r"coverage_window 4 verifies the slots steps read .* pass sweep_interval=K > 0"),
+    ("4", r"coverage_window 4 \(from SGLANG_KV_CANARY_COVERAGE_WINDOW\) verifies the slots "
+          r"steps read .* pass sweep_interval=K > 0"),
 ])
 def test_the_coverage_window_s_environment_variable_is_read_and_checked(version, monkeypatch,
                                                                          text, match):
@@ -370,3 +375,101 @@ def test_a_shared_block_resolves_to_each_request_holding_it():
     assert resolve(4 * BLOCK_SIZE) == "a" and resolve(9 * BLOCK_SIZE) is None
     two = host.block_owners(types.SimpleNamespace(input_batch=batch), [["a"], ["c"]])
     assert G.TpuInferenceGuard._resolve(guard, two)(slot) == ((0, "a"), (1, "c"))
+
+
+def test_a_remediator_acts_on_every_report_not_only_a_block_s_or_an_id_s_first():
+    """vLLM hands an evicted block out again and caches it under a new prefix, and a request id
+    may come back: a later corruption of the same block, reported for a request of the same id,
+    is remediated again (before, the first eviction and abort were the last ones: the block
+    stayed cached and the next request was served the corrupted prefix). Within one report step,
+    each request is aborted once and each block evicted once."""
+    from kvcanary_jax.runtime.host import Violation
+    from kvcanary_jax.runtime.reporting import ViolationReport
+
+    class Scheduler:  # vLLM's finish_requests: what it finished, [] for a finished id
+        def __init__(self):
+            self.live, self.calls = set(), []
+            block = types.SimpleNamespace
+            self.pool = types.SimpleNamespace(blocks=[block(block_hash=None) for _ in range(4)])
+            self.pool.evict_blocks = self._evict
+            self.kv_cache_manager = types.SimpleNamespace(block_pool=self.pool)
+
+        def finish_requests(self, request_id, status):
+            self.calls.append(request_id)
+            if request_id in self.live:
+                self.live.discard(request_id)
+                return [request_id]
+            return []
+
+        def _evict(self, blocks):
+            for b in blocks:
+                self.pool.blocks[b].block_hash = None
+
+    s = Scheduler()
+    dropped = []
+    guard = types.SimpleNamespace(
+        canary=types.SimpleNamespace(layout=types.SimpleNamespace(block_size=BLOCK_SIZE),
+                                     num_shards=1, data_shards=1),
+        cached=types.SimpleNamespace(drop=lambda rank, block: dropped.append((rank, block))))
+    rem = kti.Remediator(s, guard)
+
+    def report(step, slot, request):
+        v = Violation(index=0, tag="TAIL_K_FULL", phase="TAIL", half="K", group="FULL",
+                      op="verify", slot=slot, position=3, stored_token=1, expected_token=1,
+                      stored_chain_hash=0, expected_aux=0, reason_bits=0, reasons=("x",))
+        rem(ViolationReport(violation=v, step=step, rank=0, shard=0, request=request))
+
+    slot = 2 * BLOCK_SIZE + 3
+    s.live.add("s")
+    s.pool.blocks[2].block_hash = "prefix-1"
+    report(5, slot, "s")
+    report(5, slot, "s")  # the same step's second row: nothing more to do
+    assert (rem.aborted, rem.evicted, s.calls, dropped) == (["s"], [(0, 2)], ["s"], [(0, 2)])
+    assert s.pool.blocks[2].block_hash is None
+    report(6, slot, "s")  # a late row of the same incident: "s" is gone, block 2 uncached
+    assert (rem.aborted, rem.evicted) == (["s"], [(0, 2)])
+    # Block 2 handed out again and cached under another prefix; "s" comes back and reads it,
+    # corrupted again.
+    s.live.add("s")
+    s.pool.blocks[2].block_hash = "prefix-2"
+    report(9, slot, "s")
+    assert (rem.aborted, rem.evicted) == (["s", "s"], [(0, 2), (0, 2)])
+    assert s.pool.blocks[2].block_hash is None and dropped == [(0, 2), (0, 2)]
+    # With an evict of its own (a data-parallel engine's), every step that reports the block.
+    own = []
+    rem = kti.Remediator(DPScheduler(), guard, evict=lambda rank, block: own.append(block))
+    for step in (1, 1, 2):
+        report(step, slot, "t")
+    assert own == [2, 2] and rem.aborted == ["t"]
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"SGLANG_KV_CANARY_RING_CAPACITY": "abc"},
+     r'kv-canary: SGLANG_KV_CANARY_RING_CAPACITY="abc" is not a valid integer value'),
+    ({"SGLANG_KV_CANARY_RING_CAPACITY": "0"}, r'SGLANG_KV_CANARY_RING_CAPACITY="0" must be >= 1'),
+    ({"SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT": "maybe"},
+     r'SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT="maybe" is not a valid boolean value'),
+])
+def test_the_manager_s_environment_variables_are_read_and_checked(version, monkeypatch, env,
+                                                                  match):
+    """SGLang's ``SGLANG_KV_CANARY_*`` variables set the manager's fields, as for SGLang's own
+    canary: before, every one but the window's was ignored, a bad value included."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _refused(runner(), ValueError, match)
+
+
+def test_the_ring_capacity_comes_from_the_environment_unless_given(version, monkeypatch):
+    from kvcanary_jax.integrations.tpu_inference import guard
+
+    built = []  # the guard itself needs tpu-inference: stood in for, past every check
+    monkeypatch.setattr(guard, "TpuInferenceGuard", lambda *args: built.append(args) or "guard")
+    monkeypatch.setenv("SGLANG_KV_CANARY_RING_CAPACITY", "7")
+    monkeypatch.setenv("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", "false")
+    kti.install(runner())
+    kti.install(runner(), ring_capacity=64)
+    (_, canary, manager, _), (_, canary64, manager64, _) = built
+    assert (manager.config.ring_capacity, canary.config.ring_capacity) == (7, 7)
+    assert (manager64.config.ring_capacity, canary64.config.ring_capacity) == (64, 64)
+    # token_checks (True by default) sets both asserts, over the variable.
+    assert manager.config.enable_verify_token_assert and manager.config.enable_write_input_assert

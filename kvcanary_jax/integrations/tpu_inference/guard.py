@@ -622,34 +622,39 @@ def install(runner, *, mode: str = "log", real_data: str = "all", sweep_interval
     ``token_checks``: check the written and read token ids against the requests' own (needs
     ``async_scheduling=False``); ``on_violation``: the remediation callback
     (:class:`Remediator`); ``manager_fields``: other :class:`~kvcanary_jax.runtime.ManagerConfig`
-    fields. Everything is checked here, before the runner is touched."""
-    if coverage_window is None:
+    fields. The ``SGLANG_KV_CANARY_*`` variables set the manager's other fields, as SGLang's
+    ``CanaryConfig.from_env`` reads them (``ring_capacity``, ``stats_print_every_n_steps``);
+    an argument wins over a variable, and ``token_checks`` sets both token asserts. Everything
+    is checked here, before the runner is touched."""
+    window_from_env = coverage_window is None
+    if window_from_env:
         coverage_window = env_value("coverage_window") or 0
     sweep_interval, layer, k_heads, sweep_rows, coverage_window = (
         _whole(name, value, least) for name, value, least in (
             ("sweep_interval", sweep_interval, 0), ("layer", layer, 0), ("k_heads", k_heads, 1),
             ("sweep_rows", sweep_rows, 1), ("coverage_window", coverage_window, 0)))
-    if coverage_window and not sweep_interval:
-        raise ValueError(
-            f"kv-canary tpu-inference: coverage_window {coverage_window} verifies the slots "
-            f"steps read within {coverage_window} steps and the cached blocks at each of the "
-            "guard's sweeps: pass sweep_interval=K > 0 (without a sweep, cached blocks no "
-            "request reads would never be verified)")
-    # The manager's sweep interval is the bound the coverage report states for cached blocks;
-    # without a window the guard's sweep is its own, as before.
-    config = ManagerConfig(mode=mode, real_data=real_data,
-                           enable_verify_token_assert=token_checks,
-                           enable_write_input_assert=token_checks,
-                           coverage_window=coverage_window,
-                           sweep_interval=sweep_interval if coverage_window else 0,
-                           **manager_fields)
-    if not config.enabled:
+    if isinstance(mode, str) and mode.strip().lower() == "none":
         raise ValueError("kv-canary tpu-inference: mode 'none' installs no guard (the canary is "
                          "off): leave the runner as it is")
-    if config.padding_guard:
+    if manager_fields.get("padding_guard"):
         raise ValueError("kv-canary tpu-inference: padding_guard checks SGLang's padding slot in "
                          "the manager's own sweep, which the guard does not run (its sweep is "
                          "its own): leave it off")
+    if coverage_window and not sweep_interval:
+        origin = " (from SGLANG_KV_CANARY_COVERAGE_WINDOW)" if window_from_env else ""
+        raise ValueError(
+            f"kv-canary tpu-inference: coverage_window {coverage_window}{origin} verifies the "
+            f"slots steps read within {coverage_window} steps and the cached blocks at each of "
+            "the guard's sweeps: pass sweep_interval=K > 0 (without a sweep, cached blocks no "
+            "request reads would never be verified)")
+    # The manager's sweep interval is the bound the coverage report states for cached blocks;
+    # without a window the guard's sweep is its own, as before.
+    config = ManagerConfig.from_env(kv_canary=mode, kv_canary_real_data=real_data,
+                                    kv_canary_sweep_interval=sweep_interval if coverage_window
+                                    else 0,
+                                    enable_verify_token_assert=token_checks,
+                                    enable_write_input_assert=token_checks,
+                                    coverage_window=coverage_window, **manager_fields)
     _check_runner(runner)
     if token_checks and runner.vllm_config.scheduler_config.async_scheduling:
         raise NotImplementedError(
@@ -704,11 +709,19 @@ class Remediator:
     ids and blocks there). ``evict(rank, block)``: evicts a data-parallel rank's block; by
     default ``scheduler.kv_cache_manager.block_pool.evict_blocks``, which a ``DPScheduler``
     lacks (each rank's scheduler and block pool live in a process of their own, which takes no
-    such command): give it one there. ``aborted`` / ``evicted`` (``(rank, block)``) record what
-    was done."""
+    such command): give it one there, idempotent as the pool's is. ``aborted`` / ``evicted``
+    (``(rank, block)``) record what was done.
+
+    Every report is acted on, not only a request's or a block's first: vLLM hands an evicted
+    block out again and caches it under a new prefix, and a request id may come back. A request
+    is aborted while the scheduler still runs it (``finish_requests`` is a no-op on one it
+    finished: ``aborted`` records it again only when the scheduler says it finished it again); a
+    block is evicted at its first report, and again once the pool has cached it since (with an
+    ``evict`` of your own, which says nothing of the pool, at every step that reports it)."""
 
     def __init__(self, scheduler, guard: TpuInferenceGuard | None = None, *,
                  evict: Callable[[int, int], Any] | None = None):
+        pool = None
         if evict is None:
             pool = getattr(getattr(scheduler, "kv_cache_manager", None), "block_pool", None)
             if pool is None:
@@ -721,8 +734,10 @@ class Remediator:
         if not callable(evict):
             raise ValueError("kv-canary tpu-inference: evict must be callable (rank, block)")
         self.scheduler, self.guard, self.evict = scheduler, guard, evict
+        self._pool = pool  # the block pool evicted from, where it is the scheduler's
         self.aborted: list[str] = []
         self.evicted: list[tuple[int, int]] = []
+        self._step, self._acted = None, set()  # what this report step already did
 
     def __call__(self, report) -> None:
         from vllm.v1.request import RequestStatus
@@ -736,15 +751,33 @@ class Remediator:
         req_id = report.request
         if isinstance(req_id, tuple):  # the block's owners on several ranks: the report's
             req_id = dict(req_id).get(rank)
-        if req_id is not None and req_id not in self.aborted:
-            self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
-            self.aborted.append(req_id)
+        if report.step != self._step:
+            self._step, self._acted = report.step, set()
+        if req_id is not None and ("abort", req_id) not in self._acted:
+            self._acted.add(("abort", req_id))
+            done = self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+            # vLLM's and tpu-inference's schedulers return what they finished ([] for an id
+            # already finished); a scheduler that returns nothing is recorded once an id.
+            if done or (done is None and req_id not in self.aborted):
+                self.aborted.append(req_id)
         if bs is not None and v.slot >= bs:  # block 0 is vLLM's null block
             block = int(v.slot) // bs
-            if (rank, block) not in self.evicted:
+            key = (rank, block)
+            if key not in self._acted and (key not in self.evicted or self._cached(block)):
+                self._acted.add(key)
                 self.evict(rank, block)
-                self.guard.cached.drop(rank, block)
-                self.evicted.append((rank, block))
+                if self.guard is not None:
+                    self.guard.cached.drop(rank, block)
+                self.evicted.append(key)
+
+    def _cached(self, block: int) -> bool:
+        """Whether the pool caches ``block`` now (True without a pool to ask)."""
+        if self._pool is None:
+            return True
+        blocks = getattr(self._pool, "blocks", None)
+        if blocks is None or block >= len(blocks):
+            return True
+        return getattr(blocks[block], "block_hash", True) is not None
 
 
 def _pool_evict(pool):
