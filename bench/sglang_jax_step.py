@@ -293,12 +293,14 @@ def _run_case(what: str, bs: int, ctx: int, iters: int, manager: bool = False,
     from sgl_jax.srt.layers.logits_processor import LogitsMetadata
 
     st = Stack(what, bs, ctx, iters, tokens, window, sweep_interval)
-    st.build()
     mesh, canary = st.mesh, st.canary
+    # Installed before the requests take their slots (build() allocates every step's ahead),
+    # as a server installs it before it serves.
+    hook = ksj.ModelRunnerHook(canary, st.runner) if what == "runner" else None
+    st.build()
     state = canary.init_state()
 
     if what == "runner":
-        hook = ksj.ModelRunnerHook(canary, st.runner)
         hook.state = state
 
         def runner_forward(mwb, fb, ids, guarded):
@@ -363,8 +365,9 @@ def _run_case(what: str, bs: int, ctx: int, iters: int, manager: bool = False,
     mgr = (ksj.canary_manager(canary, "log", stats_print_every_n_steps=0, **stated) if manager
            else None)
     if what == "runner":
-        hook = (ksj.ManagedModelRunnerHook(canary, st.runner, mgr) if mgr is not None
-                else ksj.ModelRunnerHook(canary, st.runner))
+        # The first hook's state goes on (resume=): the prompts' slots hold its stamps.
+        hook = (ksj.ManagedModelRunnerHook(canary, st.runner, mgr, resume=hook) if mgr is not None
+                else ksj.ModelRunnerHook(canary, st.runner, resume=hook))
         hook.state = _copy(snap_state)
 
         def guarded(i):
