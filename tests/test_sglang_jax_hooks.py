@@ -110,10 +110,10 @@ def test_a_hook_resumes_the_previous_hook_s_state_and_warns_over_a_serving_pool(
         fresh = ksj.ModelRunnerHook(canary, runner)
     assert fresh.state is not first.state
     assert [r.getMessage() for r in caplog.records] == [
-        "kv-canary sglang-jax: the runner's allocator has 5 KV slot(s) in use, written before "
-        "this hook's canary: every step that reads them (a prefix-cache hit, a running request) "
-        "will report violations. Install before the runner serves, flush the radix cache first, "
-        "or pass resume= the previous hook"]
+        "kv-canary sglang-jax: the runner's allocator has 5 KV slot(s) in use before this "
+        "hook's canary: every step that reads one written before it (a prefix-cache hit, a "
+        "running request) will report violations. Install before the runner serves, flush the "
+        "radix cache first, or pass resume= the previous hook"]
     fresh.uninstall()
     # 0.1.0rc0's per-rank allocator: every rank's slots in use.
     runner.token_to_kv_pool_allocator = types.SimpleNamespace(

@@ -135,11 +135,11 @@ class ModelRunnerHook:
             in_use = _slots_in_use(model_runner)
             if in_use:
                 logger.warning(
-                    "kv-canary sglang-jax: the runner's allocator has %d KV slot(s) in use, "
-                    "written before this hook's canary: every step that reads them (a prefix-"
-                    "cache hit, a running request) will report violations. Install before the "
-                    "runner serves, flush the radix cache first, or pass resume= the previous "
-                    "hook", in_use)
+                    "kv-canary sglang-jax: the runner's allocator has %d KV slot(s) in use "
+                    "before this hook's canary: every step that reads one written before it (a "
+                    "prefix-cache hit, a running request) will report violations. Install "
+                    "before the runner serves, flush the radix cache first, or pass resume= "
+                    "the previous hook", in_use)
         self._api: RunnerApi = api
         self._runner = model_runner
         self._pending: dict = {}
