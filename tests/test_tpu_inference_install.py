@@ -437,6 +437,11 @@ def test_a_remediator_acts_on_every_report_not_only_a_block_s_or_an_id_s_first(m
     assert s.pool.blocks[2].block_hash is None
     report(6, slot, "s")  # a late row of the same incident: "s" is gone, block 2 uncached
     assert (rem.aborted, rem.evicted) == (["s"], [(0, 2)])
+    # Block 2 handed out at once to a new request's clean prefill and cached; late rows of the
+    # incident (up to two steps after the eviction) do not evict the clean block.
+    s.pool.blocks[2].block_hash = "clean"
+    report(7, slot, None)
+    assert rem.evicted == [(0, 2)] and s.pool.blocks[2].block_hash == "clean"
     # Block 2 handed out again and cached under another prefix; "s" comes back and reads it,
     # corrupted again.
     s.live.add("s")
@@ -447,9 +452,9 @@ def test_a_remediator_acts_on_every_report_not_only_a_block_s_or_an_id_s_first(m
     # With an evict of its own (a data-parallel engine's), every step that reports the block.
     own = []
     rem = kti.Remediator(DPScheduler(), guard, evict=lambda rank, block: own.append(block))
-    for step in (1, 1, 2):
+    for step in (1, 1, 2, 3, 4):
         report(step, slot, "t")
-    assert own == [2, 2] and rem.aborted == ["t"]
+    assert own == [2, 2] and rem.aborted == ["t"]  # at steps 1 and 4
 
 
 @pytest.mark.parametrize("env, match", [
@@ -482,3 +487,11 @@ def test_the_ring_capacity_comes_from_the_environment_unless_given(version, monk
     assert (manager64.config.ring_capacity, canary64.config.ring_capacity) == (64, 64)
     # token_checks (True by default) sets both asserts, over the variable.
     assert manager.config.enable_verify_token_assert and manager.config.enable_write_input_assert
+
+
+def test_install_refuses_from_env_s_own_arguments(version):
+    """``environ=`` or ``kv_canary=`` are not install's: refused, not taken by the manager's
+    config as another environment or another mode."""
+    for kwargs in (dict(environ={}), dict(kv_canary="log"), dict(kv_canary_sweep_interval=4)):
+        with pytest.raises(TypeError, match=r"install\(\) got an unexpected keyword argument"):
+            kti.install(runner(), **kwargs)

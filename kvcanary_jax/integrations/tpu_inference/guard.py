@@ -626,6 +626,11 @@ def install(runner, *, mode: str = "log", real_data: str = "all", sweep_interval
     ``CanaryConfig.from_env`` reads them (``ring_capacity``, ``stats_print_every_n_steps``);
     an argument wins over a variable, and ``token_checks`` sets both token asserts. Everything
     is checked here, before the runner is touched."""
+    for name in manager_fields:
+        if name == "environ" or name.startswith("kv_canary"):
+            raise TypeError(f"kv-canary tpu-inference: install() got an unexpected keyword "
+                            f"argument {name!r} (mode, real_data and sweep_interval are its "
+                            "own; the SGLANG_KV_CANARY_* variables are read from os.environ)")
     window_from_env = coverage_window is None
     if window_from_env:
         coverage_window = env_value("coverage_window") or 0
@@ -716,8 +721,10 @@ class Remediator:
     block out again and caches it under a new prefix, and a request id may come back. A request
     is aborted while the scheduler still runs it (``finish_requests`` is a no-op on one it
     finished: ``aborted`` records it again only when the scheduler says it finished it again); a
-    block is evicted at its first report, and again once the pool has cached it since (with an
-    ``evict`` of your own, which says nothing of the pool, at every step that reports it)."""
+    block is evicted at its first report, and again at a report more than two steps later (the
+    rows of the steps that ran before the eviction arrive up to two steps late) once the pool
+    has cached it since (with an ``evict`` of your own, which says nothing of the pool, without
+    that last condition)."""
 
     def __init__(self, scheduler, guard: TpuInferenceGuard | None = None, *,
                  evict: Callable[[int, int], Any] | None = None):
@@ -738,6 +745,7 @@ class Remediator:
         self.aborted: list[str] = []
         self.evicted: list[tuple[int, int]] = []
         self._step, self._acted = None, set()  # what this report step already did
+        self._evicted_at: dict[tuple[int, int], int] = {}  # (rank, block) -> its report step
 
     def __call__(self, report) -> None:
         from vllm.v1.request import RequestStatus
@@ -763,12 +771,18 @@ class Remediator:
         if bs is not None and v.slot >= bs:  # block 0 is vLLM's null block
             block = int(v.slot) // bs
             key = (rank, block)
-            if key not in self._acted and (key not in self.evicted or self._cached(block)):
+            last = self._evicted_at.get(key)
+            # Rows of the steps that ran before an eviction still arrive after it (the readback
+            # is a step late, one more under async scheduling): those are the same incident,
+            # and the pool may have cached the block again, for a new request's clean KV.
+            if key not in self._acted and (last is None or (
+                    report.step > last + _REPORT_LAG and self._cached(block))):
                 self._acted.add(key)
                 self.evict(rank, block)
                 if self.guard is not None:
                     self.guard.cached.drop(rank, block)
                 self.evicted.append(key)
+                self._evicted_at[key] = report.step
 
     def _cached(self, block: int) -> bool:
         """Whether the pool caches ``block`` now (True without a pool to ask)."""
@@ -778,6 +792,11 @@ class Remediator:
         if blocks is None or block >= len(blocks):
             return True
         return getattr(blocks[block], "block_hash", True) is not None
+
+
+# Steps after an eviction whose reports may still be rows recorded before it: the readback is
+# one step late, and one more under async scheduling.
+_REPORT_LAG = 2
 
 
 def _pool_evict(pool):
