@@ -3,6 +3,7 @@ inside sglang-jax's canary-only step (the kernels as a server runs them).
 
     JAX_PLATFORMS=cuda python -m bench.tune_tail_verify [--bs 8,64] [--ctx 512,2048]
                                                       [--iters 10] [--out FILE] [--vec]
+                                                      [--write-block]
 
 The TAIL verify fingerprints every verified slot's K strip (256 bytes, 32 words, in a serial
 splitmix64 chain per slot), several times the work of the HEAD verify over the same plan, and
@@ -44,10 +45,13 @@ WRITE_PREFETCH = [8, 16, 32]
 VEC_SHAPES = [(32, 1, 1 << 30, 1), (32, 1, 1 << 30, 2), (32, 1, 1 << 30, 4),
               (64, 2, 1 << 30, 4), (128, 4, 1 << 30, 4)]
 WRITE_VEC = [1, 2, 4]
+# --write-block: the write's tokens per vector block (its fingerprints are folded on every lane
+# of the block, valid or not: a decode step's request has one token).
+WRITE_BLOCKS = [128, 64, 32]
 
 
 def _case(bs: int, ctx: int, iters: int, done: list, path: str | None,
-          vec: bool = False) -> list[dict]:
+          vec: bool = False, write_block: bool = False) -> list[dict]:
     st = sjs.Stack("kv", bs, ctx, iters, "feed")
     st.build()
     canary, mesh = st.canary, st.mesh
@@ -78,6 +82,17 @@ def _case(bs: int, ctx: int, iters: int, done: list, path: str | None,
         return t
 
     rows = []
+    if write_block:
+        heuristics = wpt.heuristics
+        try:
+            for b in WRITE_BLOCKS:
+                wpt.heuristics = lambda shapes, b=b: wpt.Config(block=b, fold_vec=wpt.FOLD_VEC)
+                rows.append({"bs": bs, "ctx": ctx, "write_block": b, **timed()})
+                _print(rows[-1])
+                _save(done + rows, path)
+        finally:
+            wpt.heuristics = heuristics
+        return rows
     plans, prefetch = vpt.FOLD_PLANS, _kernel_lib.REAL_KV_PREFETCH_WRITE
     verify_vec, write_vec = vpt.FOLD_VEC, wpt.FOLD_VEC
     try:
@@ -118,6 +133,7 @@ def _save(rows: list, out: str | None) -> None:
 def _print(row: dict) -> None:
     what = (f"fold {row['fold_shape']}" if "fold_shape" in row
             else f"write fold_vec {row['write_fold_vec']}" if "write_fold_vec" in row
+            else f"write block {row['write_block']}" if "write_block" in row
             else f"write prefetch {row['write_prefetch']}")
     if "error" in row:
         print(f"bs={row['bs']} ctx={row['ctx']} {what}: {row['error']}", flush=True)
@@ -136,12 +152,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--vec", action="store_true",
                    help="time the real-KV words loaded at once (fold_vec) instead of the shapes")
+    p.add_argument("--write-block", action="store_true",
+                   help="time the write's tokens per vector block (block) instead")
     a = p.parse_args(argv)
     rows = []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*donated buffers.*")
         for bs, ctx in zip((int(x) for x in a.bs.split(",")), (int(x) for x in a.ctx.split(","))):
-            rows += _case(bs, ctx, a.iters, rows, a.out, a.vec)
+            rows += _case(bs, ctx, a.iters, rows, a.out, a.vec, a.write_block)
     _save(rows, a.out)
     return 1 if any(r.get("violations") for r in rows) else 0
 

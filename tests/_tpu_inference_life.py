@@ -573,6 +573,26 @@ def trust_main() -> None:
     g.manager.flush()
     out["served_on"] = {"counts": kti.violation_counts(g).tolist(), "share": g.coverage().share,
                         "restarts": restarts}
+
+    # A client sends an id again as soon as its request finished. The old request's last step
+    # read a flipped byte; its rows are read back a step late, in the new request's first step:
+    # reported for the old request, which the Remediator cannot abort any more, and the new
+    # one, which read nothing of that step, served to its end.
+    reports, aborted = len(life.reports), len(life.rem.aborted)
+    e.add("q", list(range(800, 820)), 2)
+    e.step()  # the prefill, its first token sampled
+    slot = life.slot("q", 5)
+    life.flip(slot)
+    e.step()  # its last decode reads the flipped slot; "q" finishes
+    e.add("q", list(range(900, 920)), 6)
+    new_q = e.step()  # the new "q"'s prefill; the old one's rows read back
+    life.run("q again")
+    g.manager.flush()
+    out["recycled_id"] = {
+        "slot": slot, "aborted": life.rem.aborted[aborted:], "outputs": len(e.outputs["q"]),
+        "new": [nr.req_id for nr in new_q.scheduled_new_reqs],
+        "reported": sorted({(s, str(q), getattr(q, "incarnation", None))
+                            for s, q in life.reports[reports:] if q is not None})}
     e.scheduler.shutdown()
     print(json.dumps(out))
 

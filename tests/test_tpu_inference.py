@@ -337,7 +337,8 @@ def test_what_an_operator_does_around_a_guard_with_a_window(request):
     nothing on the KV the first one's life wrote, and guards what is written after it; a
     decode loop, then a plain step, failing on the device
     after taking the canary's state raise their own errors, and the guard, its canary restarted,
-    serves on clean."""
+    serves on clean; a late report of a request whose id a client has sent again does not abort
+    the new request."""
     t = _job(request, ("trust",))
     assert "guarded already" in t["second_install"]["error"], t
     assert t["second_install"]["untouched"], t
@@ -364,6 +365,12 @@ def test_what_an_operator_does_around_a_guard_with_a_window(request):
     # blocks cached before it are not swept: they have no canary).
     on = t["served_on"]
     assert on["counts"] == [0] and on["share"] == 1.0 and len(on["restarts"]) == 2, on
+    # An id sent again: the old request's late rows are reported (one incarnation), and the
+    # new request of that id is not aborted for them (before, it was, after its prefill).
+    rq = t["recycled_id"]
+    assert rq["new"] == ["q"] and rq["aborted"] == [] and rq["outputs"] == 6, rq
+    assert [s for s, _, _ in rq["reported"]] == [rq["slot"]], rq
+    assert len({(q, n) for _, q, n in rq["reported"]}) == 1 and rq["reported"][0][1] == "q", rq
 
 
 @pytest.mark.parametrize("mode, covered", [("all", {2, 4}), ("partial", {2}), ("none", set())])

@@ -384,7 +384,8 @@ def test_a_remediator_acts_on_every_report_not_only_a_block_s_or_an_id_s_first(m
     may come back: a later corruption of the same block, reported for a request of the same id,
     is remediated again (before, the first eviction and abort were the last ones: the block
     stayed cached and the next request was served the corrupted prefix). Within one report step,
-    each request is aborted once and each block evicted once."""
+    each request is aborted once and each block evicted once. A late report of a request whose
+    id was sent again since aborts nothing (before, it aborted the new request)."""
     from kvcanary_jax.runtime.host import Violation
     from kvcanary_jax.runtime.reporting import ViolationReport
 
@@ -449,6 +450,20 @@ def test_a_remediator_acts_on_every_report_not_only_a_block_s_or_an_id_s_first(m
     report(9, slot, "s")
     assert (rem.aborted, rem.evicted) == (["s", "s"], [(0, 2), (0, 2)])
     assert s.pool.blocks[2].block_hash is None and dropped == [(0, 2), (0, 2)]
+    # A client sends "s" again once it finished: rows of the old "s" arriving late (the
+    # readback a step or two behind) name that request, not the new one, which is not aborted;
+    # a row of the new one is. A plain str id (a forwarded report) is aborted as before.
+    incarnations = {"u": 2}
+    guard.incarnation = incarnations.get
+    rem = kti.Remediator(s, guard)
+    s.live, s.calls = {"u"}, []
+    report(20, slot, kti.RequestId("u", 1))
+    assert (rem.aborted, s.calls, s.live) == ([], [], {"u"})
+    report(21, slot, kti.RequestId("u", 2))
+    assert (rem.aborted, s.calls, s.live) == (["u"], ["u"], set())
+    s.live.add("v")
+    report(22, slot, "v")
+    assert rem.aborted == ["u", "v"]
     # With an evict of its own (a data-parallel engine's), every step that reports the block.
     own = []
     rem = kti.Remediator(DPScheduler(), guard, evict=lambda rank, block: own.append(block))

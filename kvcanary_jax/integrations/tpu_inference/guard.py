@@ -64,9 +64,24 @@ from kvcanary_jax.runtime.rebase import Rebaser
 from kvcanary_jax.runtime.state import state_jit
 
 __all__ = ["SUPPORTED_VERSIONS", "Carried", "TpuInferenceGuard", "install", "Remediator",
-           "read_violations", "violation_counts", "guarded_model_fn"]
+           "RequestId", "read_violations", "violation_counts", "guarded_model_fn"]
 
 logger = logging.getLogger(__name__)
+
+
+class RequestId(str):
+    """A report's request: vLLM's request id (a ``str``, equal to it), and ``incarnation``, which
+    request of that id the step ran. A client may send an id again once its request finished,
+    and a report arrives a step or two after its step (the readback is a step late, one more
+    under async scheduling): :class:`Remediator` aborts the id only while it still names the
+    request the step ran."""
+
+    incarnation: int | None
+
+    def __new__(cls, value: str, incarnation: int | None = None):
+        out = super().__new__(cls, value)
+        out.incarnation = incarnation
+        return out
 
 SUPPORTED_VERSIONS = ("0.32",)
 _WRAPPED = ("model_fn", "model.step_fn_no_options", "persistent_batch_manager.update_states",
@@ -240,6 +255,13 @@ class TpuInferenceGuard:
         self._prepared = False  # update_states described the step the runner runs next
         self._sweep_due = False  # sweep() asked for one while a step was described
         self._owners: list[dict[int, str]] = []
+        # Request id -> its incarnation: a number drawn when vLLM schedules a request of that id
+        # for the first time since the id's last request finished (a preempted request resumed,
+        # which vLLM's v2 runner gets as a new one, keeps its number), dropped when it finishes;
+        # the step's owners keep the numbers of the requests they name.
+        self._incarnations: dict[str, int] = {}
+        self._drawn = 0
+        self._owner_incarnations: dict[str, int] = {}
         self._late = np.zeros((canary.data_shards * canary.max_reqs,), np.int32)
         from tpu_inference.models.common import compiler_options
 
@@ -292,6 +314,12 @@ class TpuInferenceGuard:
     def _update_books(self, scheduler_output, *args, **kwargs):
         out = self._orig["update_states"](scheduler_output, *args, **kwargs)
         self.book.finish(scheduler_output.finished_req_ids)
+        for req_id in scheduler_output.finished_req_ids or ():
+            self._incarnations.pop(req_id, None)
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+            if new.req_id not in self._incarnations:  # not a preempted request resumed
+                self._drawn += 1
+                self._incarnations[new.req_id] = self._drawn
         if not scheduler_output.total_num_scheduled_tokens:
             return out
         order = host.batch_order(self.runner, scheduler_output, self.canary.data_shards)
@@ -305,6 +333,7 @@ class TpuInferenceGuard:
                            "its block out again (reset vLLM's prefix cache before installing "
                            "to guard it from the first step)")
         self._owners = host.block_owners(self.runner, order)
+        self._owner_incarnations = {r: self._incarnations.get(r) for rank in order for r in rank}
         self._pending = self.book.plan(self.runner, order) if self.canary.token_checks else None
         self._late = host.late_requests(self.runner, order, scheduler_output,
                                         self.canary.max_reqs, self.canary.layout.block_size)
@@ -469,13 +498,20 @@ class TpuInferenceGuard:
                 self.manager.hold(self.state)
 
     # ------------------------------------------------------------------- host side
-    def _resolve(self, owners):
+    def incarnation(self, req_id: str) -> int | None:
+        """The incarnation (:class:`RequestId`) of the request vLLM runs under ``req_id`` now,
+        or None where none runs."""
+        return self._incarnations.get(str(req_id))
+
+    def _resolve(self, owners, incarnations=None):
         """The manager's ``resolve(slot, violation)``: the request whose block table maps the
-        slot's block in the step, or, where requests of several data-parallel ranks do (each
-        rank numbers its own blocks), ``((rank, request), ...)`` (:class:`Remediator` picks
-        the report's rank). A block several requests of a rank share (a cached prefix) gives a
-        ring row per request that read the slot: those rows get its holders in turn (the k-th
-        call for a slot the k-th holder, cycling), so every one of them is reported."""
+        slot's block in the step (a :class:`RequestId`, with its incarnation in
+        ``incarnations``), or, where requests of several data-parallel ranks do (each rank
+        numbers its own blocks), ``((rank, request), ...)`` (:class:`Remediator` picks the
+        report's rank). A block several requests of a rank share (a cached prefix) gives a ring
+        row per request that read the slot: those rows get its holders in turn (the k-th call
+        for a slot the k-th holder, cycling), so every one of them is reported."""
+        incarnations = incarnations or {}
         bs = self.canary.layout.block_size
         calls: dict[int, int] = {}
 
@@ -486,7 +522,8 @@ class TpuInferenceGuard:
                 return None
             k = calls.get(int(slot), 0)
             calls[int(slot)] = k + 1
-            found = tuple((rank, reqs[k % len(reqs)]) for rank, reqs in holders)
+            found = tuple((rank, RequestId(r, incarnations.get(r)))
+                          for rank, r in ((rank, reqs[k % len(reqs)]) for rank, reqs in holders))
             return found[0][1] if len(found) == 1 else found
         return resolve
 
@@ -509,7 +546,8 @@ class TpuInferenceGuard:
                 self._sweep_due = False
                 self._sweep(kv_caches)
             if self.manager is not None:
-                self.manager.observe(self.state, resolve=self._resolve(self._owners))
+                self.manager.observe(self.state, resolve=self._resolve(
+                    self._owners, self._owner_incarnations))
         except CanaryViolationError as e:
             if e.kv is None:
                 e.kv = kv_caches
@@ -724,7 +762,9 @@ class Remediator:
     block is evicted at its first report, and again at a report more than two steps later (the
     rows of the steps that ran before the eviction arrive up to two steps late) once the pool
     has cached it since (with an ``evict`` of your own, which says nothing of the pool, without
-    that last condition)."""
+    that last condition). A report's request whose id vLLM has given to a new request since (a
+    client sending an id again) is not aborted: the report names the step's
+    (:class:`RequestId`), and the new one has read nothing of that step."""
 
     def __init__(self, scheduler, guard: TpuInferenceGuard | None = None, *,
                  evict: Callable[[int, int], Any] | None = None):
@@ -761,6 +801,8 @@ class Remediator:
             req_id = dict(req_id).get(rank)
         if report.step != self._step:
             self._step, self._acted = report.step, set()
+        if req_id is not None and not self._same_request(req_id):
+            req_id = None  # the id names another request now: nothing of it to abort
         if req_id is not None and ("abort", req_id) not in self._acted:
             self._acted.add(("abort", req_id))
             done = self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
@@ -783,6 +825,16 @@ class Remediator:
                     self.guard.cached.drop(rank, block)
                 self.evicted.append(key)
                 self._evicted_at[key] = report.step
+
+    def _same_request(self, req_id) -> bool:
+        """Whether ``req_id`` (a :class:`RequestId`) still names the request its step ran:
+        False once that request finished and vLLM runs a new one under the same id. True where
+        either side does not say (a plain ``str``, no guard, or no request of that id running:
+        ``finish_requests`` does nothing then)."""
+        then = getattr(req_id, "incarnation", None)
+        now_of = getattr(self.guard, "incarnation", None)
+        now = now_of(req_id) if then is not None and callable(now_of) else None
+        return now is None or now == then
 
     def _cached(self, block: int) -> bool:
         """Whether the pool caches ``block`` now (True without a pool to ask)."""
