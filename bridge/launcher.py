@@ -45,7 +45,7 @@ from kvcanary_jax.bridge.cache import CACHES
 from kvcanary_jax.bridge.checks import check_outputs_apart_from_inputs, value_checks_enabled
 from kvcanary_jax.bridge.dlpack import (STATS, BridgeError, device_info, import_tensor, write_back,
                                         x64_scope)
-from kvcanary_jax.bridge.switches import env_switch
+from kvcanary_jax.bridge.switches import env_switch, switch
 
 __all__ = ["Arg", "Signature", "ProgramKey", "Launcher", "paths", "set_direct", "direct_enabled",
            "lowered_specs", "bind"]
@@ -158,9 +158,11 @@ _PATHS: dict[str, tuple[str, str]] = {}
 _DIRECT = {"on": env_switch("KVCANARY_BRIDGE_DIRECT", True)}
 
 
-def set_direct(enabled: bool) -> None:
-    """Allow (default) or forbid the direct Triton path (``KVCANARY_BRIDGE_DIRECT=0``)."""
-    _DIRECT["on"] = bool(enabled)
+def set_direct(enabled) -> None:
+    """Allow (default) or forbid the direct Triton path (``KVCANARY_BRIDGE_DIRECT=0``):
+    ``True`` / ``False`` or the variable's words (``"off"``, ``"0"``, ...); anything else is a
+    ``ValueError`` and changes nothing."""
+    _DIRECT["on"] = switch("set_direct", enabled)
 
 
 def direct_enabled() -> bool:

@@ -28,7 +28,7 @@ import jax
 
 from kvcanary_jax.bridge.dlpack import STATS as _STATS
 from kvcanary_jax.bridge.dlpack import BridgeError, DeviceInfo, import_tensor
-from kvcanary_jax.bridge.switches import env_choice
+from kvcanary_jax.bridge.switches import choice, env_choice
 
 try:
     from jax._src.lib import _jax as _jaxlib
@@ -55,12 +55,9 @@ _MODE = {"value": env_choice("KVCANARY_BRIDGE_STREAM_SYNC", "event", ("event", "
 
 
 def set_stream_sync(mode: str) -> None:
-    """``"event"`` (default) or ``"fence"``: see the module docstring."""
-    if mode not in ("fence", "event"):
-        raise ValueError(
-            f"kv-canary bridge: stream sync mode must be 'fence' or 'event', got {mode!r}"
-        )
-    _MODE["value"] = mode
+    """``"event"`` (default) or ``"fence"``, any case: see the module docstring. Anything else
+    is a ``ValueError`` and changes nothing."""
+    _MODE["value"] = choice("set_stream_sync", mode, ("event", "fence"))
 
 
 def stream_sync() -> str:

@@ -62,6 +62,44 @@ def test_set_value_checks_reads_the_same_words_and_refuses_others():
         bridge.set_value_checks(checks._DEFAULT)
 
 
+def test_numpy_bools_and_integers_are_switches_too():
+    import numpy as np
+
+    assert switches.switch("X", np.bool_(False)) is False
+    assert switches.switch("X", np.True_) is True
+    assert switches.switch("X", np.int64(1)) is True and switches.switch("X", np.int32(0)) is False
+    with pytest.raises(ValueError, match="X=.* is not a valid switch"):
+        switches.switch("X", np.int64(2))
+    with pytest.raises(ValueError, match="X=.* is not a valid switch"):
+        switches.switch("X", np.array([True]))
+
+
+def test_set_direct_and_set_stream_sync_read_the_words_and_refuse_the_rest():
+    """Before, ``set_direct("off")`` turned the direct path on (``bool("off")``) and
+    ``set_stream_sync("Fence")`` was refused."""
+    direct, mode = bridge.direct_enabled(), bridge.stream_sync()
+    try:
+        for word, on in (("off", False), ("ON", True), ("0", False), (True, True),
+                         ("no", False), (1, True)):
+            bridge.set_direct(word)
+            assert bridge.direct_enabled() is on, word
+        for word in ("maybe", "", None, 2):
+            with pytest.raises(ValueError, match=r"set_direct=.* is not a valid switch"):
+                bridge.set_direct(word)
+            assert bridge.direct_enabled() is True, word  # the refused value changed nothing
+        bridge.set_stream_sync("Fence")
+        assert bridge.stream_sync() == "fence"
+        bridge.set_stream_sync(" event ")
+        assert bridge.stream_sync() == "event"
+        for word in ("fenced", "", None, 1):
+            with pytest.raises(ValueError, match=r"set_stream_sync=.* must be one of event, fence"):
+                bridge.set_stream_sync(word)
+            assert bridge.stream_sync() == "event", word
+    finally:
+        bridge.set_direct(direct)
+        bridge.set_stream_sync(mode)
+
+
 def _import_bridge(env: dict, code: str) -> subprocess.Popen:
     import os
 

@@ -92,12 +92,17 @@ def _origin(field: str) -> str:
     return f"{field} ({' / '.join(names)})" if names else field
 
 
+# SGLang's EnvBool words (any case).
+ENV_TRUE = ("true", "1", "yes", "y")
+ENV_FALSE = ("false", "0", "no", "n")
+
+
 def _parse_env_bool(name: str, text: str) -> bool:
     # SGLang's EnvBool.parse, with the variable named.
     value = text.strip().lower()
-    if value in ("true", "1", "yes", "y"):
+    if value in ENV_TRUE:
         return True
-    if value in ("false", "0", "no", "n"):
+    if value in ENV_FALSE:
         return False
     raise ValueError(f'kv-canary: {name}="{text}" is not a valid boolean value '
                      "(true/1/yes/y or false/0/no/n)")
