@@ -45,7 +45,8 @@ def switch(name: str, value, others: tuple[str, ...] = ()):
             return False
         if word in others:
             return word
-    words = "true/1/yes/y/on or false/0/no/n/off" + "".join(f" or {w}" for w in others)
+    words = "/".join(TRUE_WORDS) + " or " + "/".join(FALSE_WORDS) + "".join(
+        f" or {w}" for w in others)
     raise ValueError(f"kv-canary bridge: {name}={value!r} is not a valid switch ({words})")
 
 

@@ -464,6 +464,11 @@ def test_a_remediator_acts_on_every_report_not_only_a_block_s_or_an_id_s_first(m
     s.live.add("v")
     report(22, slot, "v")
     assert rem.aborted == ["u", "v"]
+    # The old "w" finished and a new "w" waits for its first step (the batch full): vLLM's
+    # finish_requests would abort the waiting one; a late row of the old one aborts nothing.
+    s.live.add("w")
+    report(23, slot, kti.RequestId("w", 3))
+    assert rem.aborted == ["u", "v"] and "w" in s.live
     # With an evict of its own (a data-parallel engine's), every step that reports the block.
     own = []
     rem = kti.Remediator(DPScheduler(), guard, evict=lambda rank, block: own.append(block))

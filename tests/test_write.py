@@ -238,6 +238,29 @@ def test_real_kv_words_loaded_several_at_a_time(sgl, impl, fold_vec):
     assert (ours.canary_i64[1:4, 3] != 0).all()
 
 
+@pytest.mark.parametrize("impl", pallas("write"))
+def test_a_decode_step_takes_the_small_block(sgl, impl):
+    """No more tokens than requests (a decode step): the Triton write's heuristics take
+    ``SMALL_BLOCK`` tokens a block, whose fingerprints fold on 32 lanes, not 128. A request
+    holding most of such a step's tokens spans several small blocks: its chain and fingerprints
+    are SGLang's."""
+    from kvcanary_jax.ops.write import pallas_triton as wpt
+
+    shapes = {"num_slots": 4096, "write_capacity": 64}
+    assert wpt.heuristics({**shapes, "num_tokens": 64}).block == wpt.SMALL_BLOCK == 32
+    assert wpt.heuristics({**shapes, "num_tokens": 65}).block == wpt.BLOCK
+    rng = np.random.default_rng(14)
+    lens = [70] + [1] * 9 + [0] * 70  # 79 tokens, 80 requests
+    offsets = np.concatenate([[0], np.cumsum(lens)])
+    n = int(offsets[-1])
+    _w(sgl, support.State.zeros(n + 1, 8), impl, write_offsets=offsets,
+       input_ids=rng.integers(0, 9, n),
+       positions=np.concatenate([np.arange(k) for k in lens]),
+       out_cache_loc=rng.permutation(np.arange(1, n + 1)),
+       real_kv_sources=[_src(rng, n + 1, 2, 256, 256)], real_kv_hash_mode=2,
+       config=_launch(block=wpt.SMALL_BLOCK))
+
+
 def test_request_rewrites_its_own_seed(sgl, impl):
     st = _seeded_state()
     _w(sgl, st, impl, write_offsets=[0, 3], write_seed_slot_indices=[3], input_ids=[5, 6, 7],

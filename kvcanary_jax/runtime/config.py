@@ -49,7 +49,7 @@ from typing import Mapping
 from kvcanary_jax.runtime.state import MAX_COVERAGE_WINDOW
 
 __all__ = ["ManagerConfig", "MODES", "REAL_DATA", "ENV_VARS", "OUR_ENV_VARS", "add_arguments",
-           "env_value"]
+           "env_value", "ENV_TRUE", "ENV_FALSE"]
 
 MODES = ("none", "log", "raise")
 REAL_DATA = ("none", "partial", "all")
@@ -105,7 +105,7 @@ def _parse_env_bool(name: str, text: str) -> bool:
     if value in ENV_FALSE:
         return False
     raise ValueError(f'kv-canary: {name}="{text}" is not a valid boolean value '
-                     "(true/1/yes/y or false/0/no/n)")
+                     f"({'/'.join(ENV_TRUE)} or {'/'.join(ENV_FALSE)})")
 
 
 def _parse_env_int(name: str, text: str) -> int:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import itertools
 import logging
 import numbers
 from typing import Any, Callable
@@ -67,6 +68,11 @@ __all__ = ["SUPPORTED_VERSIONS", "Carried", "TpuInferenceGuard", "install", "Rem
            "RequestId", "read_violations", "violation_counts", "guarded_model_fn"]
 
 logger = logging.getLogger(__name__)
+
+
+# Incarnation numbers, drawn for the process (guards installed one after another never reuse
+# one: a Remediator may see a previous guard's late reports).
+_INCARNATIONS = itertools.count(1)
 
 
 class RequestId(str):
@@ -260,7 +266,6 @@ class TpuInferenceGuard:
         # which vLLM's v2 runner gets as a new one, keeps its number), dropped when it finishes;
         # the step's owners keep the numbers of the requests they name.
         self._incarnations: dict[str, int] = {}
-        self._drawn = 0
         self._owner_incarnations: dict[str, int] = {}
         self._late = np.zeros((canary.data_shards * canary.max_reqs,), np.int32)
         from tpu_inference.models.common import compiler_options
@@ -312,14 +317,13 @@ class TpuInferenceGuard:
             return self._update_books(scheduler_output, *args, **kwargs)
 
     def _update_books(self, scheduler_output, *args, **kwargs):
-        out = self._orig["update_states"](scheduler_output, *args, **kwargs)
-        self.book.finish(scheduler_output.finished_req_ids)
         for req_id in scheduler_output.finished_req_ids or ():
             self._incarnations.pop(req_id, None)
+        out = self._orig["update_states"](scheduler_output, *args, **kwargs)
+        self.book.finish(scheduler_output.finished_req_ids)
         for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
             if new.req_id not in self._incarnations:  # not a preempted request resumed
-                self._drawn += 1
-                self._incarnations[new.req_id] = self._drawn
+                self._incarnations[new.req_id] = next(_INCARNATIONS)
         if not scheduler_output.total_num_scheduled_tokens:
             return out
         order = host.batch_order(self.runner, scheduler_output, self.canary.data_shards)
@@ -828,13 +832,15 @@ class Remediator:
 
     def _same_request(self, req_id) -> bool:
         """Whether ``req_id`` (a :class:`RequestId`) still names the request its step ran:
-        False once that request finished and vLLM runs a new one under the same id. True where
-        either side does not say (a plain ``str``, no guard, or no request of that id running:
-        ``finish_requests`` does nothing then)."""
+        False once that request finished (a new one under the same id may run or wait). True
+        where either side does not say (a plain ``str``, no guard to ask)."""
         then = getattr(req_id, "incarnation", None)
         now_of = getattr(self.guard, "incarnation", None)
-        now = now_of(req_id) if then is not None and callable(now_of) else None
-        return now is None or now == then
+        if then is None or not callable(now_of):
+            return True
+        # None now: the step's request finished. vLLM's finish_requests would abort a request of
+        # that id still waiting for its first step, which read nothing of it.
+        return now_of(req_id) == then
 
     def _cached(self, block: int) -> bool:
         """Whether the pool caches ``block`` now (True without a pool to ask)."""

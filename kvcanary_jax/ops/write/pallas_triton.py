@@ -42,7 +42,8 @@ from kvcanary_jax.ops._kernel_lib import (
 from kvcanary_jax.ops.write.base import WriteTokens
 from kvcanary_jax.plans import WritePlan
 
-__all__ = ["Config", "heuristics", "run", "BLOCK", "CHAIN_UNROLL", "NUM_WARPS", "FOLD_VEC"]
+__all__ = ["Config", "heuristics", "run", "BLOCK", "SMALL_BLOCK", "CHAIN_UNROLL", "NUM_WARPS",
+           "FOLD_VEC"]
 
 # Tokens per block of one request: the vector part (loads, real-KV fingerprints, their store,
 # the input assert and the per-block violation check) is amortised over the block; the serial
@@ -82,8 +83,18 @@ class Config:
                              "of two, unroll and num_warps >= 1, fold_vec 1, 2 or 4)")
 
 
+# The block of a step with no more tokens than requests (a decode step: one token each): the
+# real-KV fingerprints are folded on every lane of a block, valid or not, 32 strips of serial
+# splitmix64 rounds a lane at BLOCK 128 and one warp, and a request of one token needs one lane.
+SMALL_BLOCK = 32
+
+
 def heuristics(shapes) -> Config:
-    return Config(fold_vec=FOLD_VEC)
+    """``BLOCK`` tokens a block, ``SMALL_BLOCK`` where the step has no more tokens than requests
+    (no request can have more than ``num_tokens`` of them, so a long one pays at most
+    ``num_tokens / SMALL_BLOCK`` blocks)."""
+    small = shapes.get("num_tokens", BLOCK + 1) <= shapes.get("write_capacity", 0)
+    return Config(block=SMALL_BLOCK if small else BLOCK, fold_vec=FOLD_VEC)
 
 
 def _write_kernel(
