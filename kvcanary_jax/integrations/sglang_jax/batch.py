@@ -112,14 +112,10 @@ def device_batch(canary: SglangJaxCanary, forward_batch, expected):
     bs = seq.shape[0]
     cache_loc = fb.cache_loc.astype(jnp.int32)
     cols = jnp.arange(canary.context_len, dtype=jnp.int64)
-    # Row 0 (zeros) comes from a zero length prepended to the [bs] vectors, not a row
-    # concatenated to the table: one kernel writes the whole table (a concatenated row is a pad
-    # kernel more, which copies it).
-    zero = jnp.zeros((1,), jnp.int64)
-    seq0, seg0 = jnp.concatenate([zero, seq]), jnp.concatenate([zero, seg])
-    table = jnp.where(cols[None, :] < seq0[:, None],
-                      _gather(cache_loc, seg0[:, None] + cols[None, :]), 0).astype(jnp.int32)
+    table = jnp.where(cols[None, :] < seq[:, None], _gather(cache_loc, seg[:, None] + cols[None, :]), 0)
+    table = jnp.concatenate([jnp.zeros((1, canary.context_len), jnp.int32), table.astype(jnp.int32)])
 
+    zero = jnp.zeros((1,), jnp.int64)
     coff = jnp.concatenate([zero, jnp.cumsum(seq)])  # compact offsets: valid_lens = seq_lens
     woff = jnp.concatenate([zero, jnp.cumsum(extend)])
     ntok = fb.input_ids.shape[0]
