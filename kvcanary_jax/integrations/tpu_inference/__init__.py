@@ -15,9 +15,9 @@ included, as SGLang's runtime does around its forward (:mod:`kvcanary_jax.runtim
   re-verifies);
 * :mod:`.guard`: the hooks (``model_fn``, ``model.step_fn_no_options`` with the state in the
   decode loop's carry, ``persistent_batch_manager.update_states``,
-  ``_execute_continue_decode``), the runtime manager (modes, reporting, agreement) and
-  remediation (:class:`Remediator`: abort the request, evict its block from vLLM's prefix
-  cache).
+  ``_execute_continue_decode``) and the runtime manager (modes, reporting, agreement);
+* :mod:`.remediation`: :class:`Remediator` (abort the request, evict its block from vLLM's
+  prefix cache) and :class:`RequestId` (which request of an id a report's step ran).
 
 Real-KV coverage: SGLang's fingerprint of one layer's K strips (``layer``, 0 by default;
 ``guard.layers`` names it), ``real_data`` ``none`` / ``partial`` / ``all``; and ours, the
@@ -30,8 +30,6 @@ from kvcanary_jax.integrations.tpu_inference.device import TokenDelta, TpuInfere
 from kvcanary_jax.integrations.tpu_inference.guard import (
     SUPPORTED_VERSIONS,
     Carried,
-    Remediator,
-    RequestId,
     TpuInferenceGuard,
     guarded_model_fn,
     install,
@@ -39,6 +37,7 @@ from kvcanary_jax.integrations.tpu_inference.guard import (
     violation_counts,
 )
 from kvcanary_jax.integrations.tpu_inference.layout import SUPPORTED_LAYOUTS, KvLayout, kv_layout
+from kvcanary_jax.integrations.tpu_inference.remediation import Remediator, RequestId
 
 __all__ = [
     "install",
