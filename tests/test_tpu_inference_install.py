@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import pickle
 import sys
 import types
 
@@ -453,6 +454,9 @@ def test_a_remediator_acts_on_every_report_not_only_a_block_s_or_an_id_s_first(m
     # A client sends "s" again once it finished: rows of the old "s" arriving late (the
     # readback a step or two behind) name that request, not the new one, which is not aborted;
     # a row of the new one is. A plain str id (a forwarded report) is aborted as before.
+    u1 = kti.RequestId("u", 1)
+    assert u1 == "u" and str(u1) == "u" and repr(u1) == "RequestId('u', incarnation=1)"
+    assert pickle.loads(pickle.dumps(u1)).incarnation == 1
     incarnations = {"u": 2}
     guard.incarnation = incarnations.get
     rem = kti.Remediator(s, guard)

@@ -32,6 +32,9 @@ class RequestId(str):
         out.incarnation = incarnation
         return out
 
+    def __repr__(self) -> str:
+        return f"RequestId({str(self)!r}, incarnation={self.incarnation!r})"
+
 
 class Remediator:
     """The ``on_violation`` callback: aborts the request a violation belongs to through vLLM's
