@@ -104,7 +104,7 @@ class Remediator:
             # vLLM's and tpu-inference's schedulers return what they finished ([] for an id
             # already finished); a scheduler that returns nothing is recorded once an id.
             if done or (done is None and req_id not in self.aborted):
-                self.aborted.append(req_id)
+                self.aborted.append(str(req_id))
         if bs is not None and v.slot >= bs:  # block 0 is vLLM's null block
             block = int(v.slot) // bs
             key = (rank, block)
