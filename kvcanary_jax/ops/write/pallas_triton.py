@@ -84,8 +84,8 @@ class Config:
 
 
 # The block of a step with no more tokens than requests (a decode step: one token each): the
-# real-KV fingerprints are folded on every lane of a block, valid or not, 32 strips of serial
-# splitmix64 rounds a lane at BLOCK 128 and one warp, and a request of one token needs one lane.
+# real-KV fingerprints are folded on every lane of a block, valid or not (at BLOCK 128 and one
+# warp, 4 strips of 32 serial splitmix64 rounds a thread), and a one-token request needs 1 lane.
 SMALL_BLOCK = 32
 
 
