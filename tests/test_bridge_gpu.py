@@ -175,3 +175,57 @@ def test_misaligned_counter_views_run_on_the_direct_path():
     torch.cuda.synchronize()
     assert bridge.paths()["launch_canary_verify_kernel"]["path"] == "triton_direct"
     assert int(counters[7]) == 3 and int(counters[1]) > 0
+
+
+def test_the_driver_launch_gives_the_bytes_of_tritons_launcher_from_any_thread(sgl):
+    """Every kernel launched through ``cuLaunchKernel`` (``bridge/cuda_launch.py``, the
+    default) and through triton's own launcher (``set_launch("triton")``): the same bytes after
+    each step. Then a thread that has touched no CUDA builds and launches a step of its own."""
+    import threading
+
+    bo, (a, b) = _cases(bs=8)
+    ops = (bo.run_scatter, bo.run_plan, bo.run_write, bo.run_verify)
+    old = bridge.launch_choice()
+    try:
+        for choice, c, key in (("driver", a, "driver_launch_kernels"),
+                               ("triton", b, "triton_launcher_kernels")):
+            bridge.set_launch(choice)
+            bridge.clear_cache()  # programs prepared from here launch the chosen way
+            before = bridge.stats().get(key, 0)
+            for i in range(4):
+                _advance(c, i)
+                for op in ops:
+                    op(c)
+            assert bridge.stats().get(key, 0) >= before + 4, choice  # a kernel or more an op
+            assert bridge.paths()["launch_canary_verify_kernel"]["path"] == "triton_direct"
+        torch.cuda.synchronize()
+        _assert_equal(_state(a), _state(b), "driver against triton")
+
+        bridge.set_launch("driver")
+        bridge.clear_cache()
+        errors = []
+
+        def step():
+            try:
+                _advance(a, 4)
+                for op in ops:
+                    op(a)
+                torch.cuda.current_stream().synchronize()
+            except BaseException as e:  # noqa: BLE001  (asserted below)
+                errors.append(e)
+
+        before = bridge.stats().get("driver_launch_kernels", 0)
+        t = threading.Thread(target=step)
+        t.start()
+        t.join()
+        assert errors == []
+        assert bridge.stats().get("driver_launch_kernels", 0) > before
+        _advance(b, 4)
+        for op in ops:
+            op(b)
+        torch.cuda.synchronize()
+        _assert_equal(_state(a), _state(b), "a thread's launch")
+    finally:
+        bridge.set_launch(old)
+        bridge.clear_cache()
+    del sgl

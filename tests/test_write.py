@@ -243,12 +243,18 @@ def test_a_decode_step_takes_the_small_block(sgl, impl):
     """No more tokens than requests (a decode step): the Triton write's heuristics take
     ``SMALL_BLOCK`` tokens a block, whose fingerprints fold on 32 lanes, not 128. A request
     holding most of such a step's tokens spans several small blocks: its chain and fingerprints
-    are SGLang's."""
+    are SGLang's. So does a step of at most ``SMALL_BLOCK`` tokens, whatever its rows."""
     from kvcanary_jax.ops.write import pallas_triton as wpt
 
     shapes = {"num_slots": 4096, "write_capacity": 64}
     assert wpt.heuristics({**shapes, "num_tokens": 64}).block == wpt.SMALL_BLOCK == 32
     assert wpt.heuristics({**shapes, "num_tokens": 65}).block == wpt.BLOCK
+    # A decode step padded to a token bucket above its request rows (tpu-inference pads to 16
+    # tokens, 9 rows at bs 8): no request can hold more than 32 tokens, one small block each.
+    few = {"num_slots": 4096, "write_capacity": 9}
+    assert wpt.heuristics({**few, "num_tokens": 16}).block == wpt.SMALL_BLOCK
+    assert wpt.heuristics({**few, "num_tokens": 32}).block == wpt.SMALL_BLOCK
+    assert wpt.heuristics({**few, "num_tokens": 33}).block == wpt.BLOCK
     rng = np.random.default_rng(14)
     lens = [70] + [1] * 9 + [0] * 70  # 79 tokens, 80 requests
     offsets = np.concatenate([[0], np.cumsum(lens)])

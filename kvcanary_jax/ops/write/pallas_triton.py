@@ -91,9 +91,11 @@ SMALL_BLOCK = 32
 
 def heuristics(shapes) -> Config:
     """``BLOCK`` tokens a block, ``SMALL_BLOCK`` where the step has no more tokens than requests
-    (no request can have more than ``num_tokens`` of them, so a long one pays at most
-    ``num_tokens / SMALL_BLOCK`` blocks)."""
-    small = shapes.get("num_tokens", BLOCK + 1) <= shapes.get("write_capacity", 0)
+    or than ``SMALL_BLOCK`` (no request can have more than ``num_tokens`` of them, so a long one
+    pays at most ``num_tokens / SMALL_BLOCK`` blocks; a server that pads a decode step's tokens
+    to a bucket above its request rows, as tpu-inference's 16, still takes the small block)."""
+    small = shapes.get("num_tokens", BLOCK + 1) <= max(shapes.get("write_capacity", 0),
+                                                       SMALL_BLOCK)
     return Config(block=SMALL_BLOCK if small else BLOCK, fold_vec=FOLD_VEC)
 
 
