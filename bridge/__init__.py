@@ -10,10 +10,7 @@ two paths:
 * ``triton_direct`` (CUDA tensors, the default there): the same Pallas kernels, lowered once per
   shape bucket to their Triton IR, compiled with the ``triton`` that torch ships and launched with
   the tensors' pointers on torch's current stream: no DLPack, no JAX dispatch, capturable by
-  ``torch.cuda.graph`` (:mod:`kvcanary_jax.bridge.triton_direct`). Each kernel is one
-  ``cuLaunchKernel`` through CUDA's driver API (:mod:`kvcanary_jax.bridge.cuda_launch`), or
-  triton's own launcher where that cannot run or under :func:`set_launch` ``("triton")``
-  (``KVCANARY_BRIDGE_LAUNCH``).
+  ``torch.cuda.graph`` (:mod:`kvcanary_jax.bridge.triton_direct`).
 * ``dlpack`` (CPU tensors, and wherever the direct path is unavailable): tensors handed to JAX
   zero-copy over DLPack and the jitted function run by XLA (:mod:`kvcanary_jax.bridge.dlpack`,
   :mod:`kvcanary_jax.bridge.views`, :mod:`kvcanary_jax.bridge.streams`); refused under CUDA graph
@@ -86,7 +83,6 @@ from kvcanary_jax.bridge.launcher import call_paths as _call_paths  # noqa: E402
 from kvcanary_jax.bridge.launcher import direct_enabled, set_direct  # noqa: E402
 from kvcanary_jax.bridge.sglang_install import SglangInstall, install_into_sglang  # noqa: E402
 from kvcanary_jax.bridge.sglang_install import installed as _installed  # noqa: E402
-from kvcanary_jax.bridge.cuda_launch import launch_choice, set_launch  # noqa: E402
 from kvcanary_jax.bridge.streams import set_stream_sync, stream_sync  # noqa: E402
 from kvcanary_jax.bridge.types import (  # noqa: E402
     CANARY_SLOT_BYTES,
@@ -127,8 +123,6 @@ __all__ = [
     "direct_enabled",
     "set_stream_sync",
     "stream_sync",
-    "set_launch",
-    "launch_choice",
     "set_value_checks",
     "value_checks",
 ]

@@ -29,11 +29,9 @@ lowering passes shapes and strides as constants). XLA aligns buffers to at least
 pointer actually has (:func:`with_divisibility`), and compiled kernels are keyed by it: the
 aligned case keeps the kernel XLA would run.
 
-Launch (:meth:`Loaded.launch`, GPU only): for each kernel, the pointers in parameter order, on the
-caller's current torch stream, through one ``cuLaunchKernel`` (:mod:`kvcanary_jax.bridge.cuda_launch`;
-triton's own launcher where that cannot run, and under ``KVCANARY_BRIDGE_LAUNCH=triton``). No
-DLPack, no JAX dispatch, no host synchronisation; a ``torch.cuda.graph`` capture records the
-launches like any torch kernel.
+Launch (:meth:`Program.launch`, GPU only): for each kernel, the pointers in parameter order, on the
+caller's current torch stream, through triton's launcher. No DLPack, no JAX dispatch, no host
+synchronisation; a ``torch.cuda.graph`` capture records the launches like any torch kernel.
 """
 
 from __future__ import annotations
@@ -49,8 +47,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from kvcanary_jax.bridge import cuda_launch
-from kvcanary_jax.bridge.dlpack import STATS, BridgeError
+from kvcanary_jax.bridge.dlpack import BridgeError
 
 __all__ = [
     "Buf",
@@ -509,9 +506,6 @@ class Loaded:
         self.masks = [max([p.divisibility or 1 for p in k.params] + [1]) - 1
                       for k in program.kernels]
         self._runners: dict[tuple, Callable] = {}
-        # Per kernel: "" where its launch is CUDA's driver API (bridge/cuda_launch.py), else why
-        # it is triton's own launcher.
-        self.launch_notes = ["not launched yet"] * len(program.kernels)
         self._lock = threading.Lock()
 
     def runner(self, i: int, divisibility: tuple | None):
@@ -523,14 +517,7 @@ class Loaded:
             k = self.program.kernels[i]
             compiled = self._compile(k, divisibility or tuple(p.divisibility for p in k.params))
             with self._lock, torch.cuda.device(self.device):
-                r = self._runners.get(key)
-                if r is None:
-                    # A tensor's device names its index.
-                    r, note = cuda_launch.runner(compiled, k.grid, self.device.index or 0,
-                                                 len(k.params))
-                    self.launch_notes[i] = note
-                    STATS["triton_launcher_kernels" if note else "driver_launch_kernels"] += 1
-                    self._runners[key] = r
+                r = self._runners.setdefault(key, compiled[k.grid])
         return r
 
     def launch(self, ptrs: Sequence[int], stream: int, arg_views: Callable | None = None) -> None:
