@@ -110,7 +110,10 @@ for step in "$@"; do
         # beside the other parts on 2026-12-05, 246 s on 2026-12-04).
         "bridge_coverage_clean|$P -m gpu tests/test_bridge_coverage.py -k clean_run"
         "bridge_coverage|$P -m gpu tests/test_bridge_coverage.py -k 'not first_check and not clean_run'"
-        "bridge_coverage_flips|$P -m gpu tests/test_bridge_coverage.py -k first_check"
+        # The two flip campaigns, a part each: together they took 186-286 s of their 290 on
+        # 2026-12-05/06 and ran past it on bc72492 (132 s and 89 s alone on faf441f).
+        "bridge_coverage_flips_mha|$P -m gpu tests/test_bridge_coverage.py -k 'first_check and mha'"
+        "bridge_coverage_flips_swa|$P -m gpu tests/test_bridge_coverage.py -k 'first_check and swa'"
         # The CPU-tensor runs took 286 s of their 290 s on a0ec8fd: the serving suite (its
         # growing-history decode loop, 56 s) is a part of its own.
         "bridge_coverage_cpu|$P -m 'not gpu' tests/test_bridge_digest.py tests/test_bridge_coverage.py"
