@@ -481,6 +481,14 @@ def trust_main() -> None:
     g.uninstall()
     out["uninstall_twice"] = {"restored": own() == bare,
                               "marker": "_kvcanary_guard" in vars(r)}
+    # A sweep through the uninstalled guard (a periodic thread holding it): its books stopped
+    # following vLLM's blocks, which other requests' KV fills from here on. Refused: before,
+    # it swept them all as corrupted, and a Remediator evicted healthy blocks.
+    try:
+        g.sweep()
+        out["sweep_after_uninstall"] = "ran"
+    except RuntimeError as err:
+        out["sweep_after_uninstall"] = str(err)
 
     # Installed again over the warm prefix cache (not reset): KV the first guard's life wrote
     # has no canary in the new one, and requests hitting it must not be reported; a block one
@@ -516,12 +524,18 @@ def trust_main() -> None:
     loop = g._orig["continue"]
     restarts = []  # the guard's warnings that its canary starts afresh
 
+    replaced = []  # the manager's warnings of a state swapped unannounced (none: a restart
+    # hands the manager its fresh state as such)
+
     class Restarts(logging.Handler):
         def emit(self, record):
             if "starts afresh" in record.getMessage():
                 restarts.append(record.getMessage()[:80])
+            if "state was replaced" in record.getMessage():
+                replaced.append(record.getMessage()[:120])
 
     logging.getLogger("kvcanary_jax.integrations.tpu_inference.guard").addHandler(Restarts())
+    logging.getLogger("kvcanary_jax.runtime.manager").addHandler(Restarts())
 
     def failing(scheduler_output):  # what a device failure mid-loop leaves: the carry gone
         for leaf in jax.tree.leaves(r.kv_caches[-1].state):
@@ -572,7 +586,7 @@ def trust_main() -> None:
     g.sweep()
     g.manager.flush()
     out["served_on"] = {"counts": kti.violation_counts(g).tolist(), "share": g.coverage().share,
-                        "restarts": restarts}
+                        "restarts": restarts, "replaced": replaced}
 
     # A client sends an id again as soon as its request finished. The old request's last step
     # read a flipped byte; its rows are read back a step late, in the new request's first step:

@@ -73,6 +73,21 @@ def test_a_window_that_cannot_hold_is_refused(fields, match):
         rt.ManagerConfig(**fields)
 
 
+def test_a_window_from_the_environment_is_refused_naming_the_variable():
+    """A window set by the variable alone: the refusal names it beside the flag's words (the
+    flag or an argument over it: the flag's words alone)."""
+    env = {"SGLANG_KV_CANARY_COVERAGE_WINDOW": "9999999999"}
+    with pytest.raises(ValueError, match=r"^--kv-canary-coverage-window 9999999999: a window is "
+                       r"at most \d+ steps \(the window from SGLANG_KV_CANARY_COVERAGE_WINDOW\)$"):
+        rt.ManagerConfig.from_env(kv_canary="log", kv_canary_sweep_interval=4, environ=env)
+    with pytest.raises(ValueError, match=r"requires --kv-canary in \{log, raise\} \(the window "
+                       r"from SGLANG_KV_CANARY_COVERAGE_WINDOW\)$"):
+        rt.ManagerConfig.from_env(environ={"SGLANG_KV_CANARY_COVERAGE_WINDOW": "4"})
+    with pytest.raises(ValueError, match=r"a window is at most \d+ steps$"):
+        rt.ManagerConfig.from_env(kv_canary="log", kv_canary_sweep_interval=4, environ=env,
+                                  coverage_window=1 << 40)
+
+
 @pytest.mark.parametrize("text, match", [
     ("x", r'^kv-canary: SGLANG_KV_CANARY_COVERAGE_WINDOW="x" is not a valid integer value$'),
     ("-2", r'^kv-canary: SGLANG_KV_CANARY_COVERAGE_WINDOW="-2" must be >= 0$'),

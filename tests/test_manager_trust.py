@@ -175,6 +175,41 @@ def test_observe_reports_a_fresh_state_from_its_first_row():
     assert fresh == _ring_rows(state) and fresh[0] == 0, (first_rows, fresh)
 
 
+def test_a_fresh_state_held_as_such_is_reported_from_its_first_row_without_a_warning(caplog):
+    """An integration that restarts its canary (a failed step took the state) hands the fresh
+    state with ``hold(state, fresh=True)``: the rows of the old state still pending, then every
+    row of the fresh one, and no "state was replaced ... call resync()" warning, which is for a
+    state swapped unannounced (before, a restart logged it, with advice that did not apply)."""
+    seen, mgr, srv, step = _observing()
+    state = rt.init_state(mgr.cfg)
+
+    def run(n):
+        nonlocal state
+        for _ in range(n):
+            t0 = time.perf_counter()
+            sched, batch, rtt, lut = srv.prepare()
+            state, srv.kv = step(state, srv.kv, batch, rtt, lut)
+            mgr.observe(state)
+            srv.complete(sched, t0, poll=False)
+
+    from kvcanary_jax.sim import faults
+
+    run(3)
+    faults._flip_kv_byte(srv, "FULL", next(r for r in srv.live if r.slots).slots[0])
+    run(3)
+    first_rows, swapped_at = _ring_rows(state), mgr.step_count
+    assert first_rows
+    state = rt.init_state(mgr.cfg)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        mgr.hold(state, fresh=True)
+        run(2)
+        mgr.flush()
+    assert not [r for r in caplog.records if "was replaced" in r.getMessage()]
+    assert sorted(r.violation.index for r in seen if r.step <= swapped_at) == first_rows
+    fresh = sorted(r.violation.index for r in seen if r.step > swapped_at)
+    assert fresh == _ring_rows(state) and fresh[0] == 0, (first_rows, fresh)
+
+
 def test_hold_reports_what_the_server_s_own_sweep_found_at_flush():
     """The server runs its own sweep between steps (observe mode) and hands the state to
     hold(): flush() reports what the sweep found, once, and the manager holds that state."""
@@ -448,3 +483,90 @@ def test_mode_none_steps_without_a_lut():
     assert kv["FULL"]["layers"]["K"][0].shape == h.srv.kv["FULL"]["layers"]["K"][0].shape
     h.mgr.flush()
     h.mgr.close()
+
+
+def _callback_server(fail):
+    """A manager over a one-slot-row KV whose forward calls the host (``jax.pure_callback``),
+    which raises while ``fail["run"]``: a failure at run time, after the step took the donated
+    state and KV. ``fail["trace"]`` raises while the forward is traced instead."""
+    import numpy as np
+
+    import kvcanary_jax as kc
+
+    def host(x):
+        if fail["run"]:
+            raise RuntimeError("the device step failed")
+        return x
+
+    def forward(kv, batch, req_to_token, lut):
+        if fail["trace"]:
+            raise ValueError("the forward does not trace")
+        k = kv["FULL"]["K"][0]
+        rows = jnp.where(batch.out_cache_loc < 0, k.shape[0], batch.out_cache_loc)
+        vals = jnp.broadcast_to(batch.input_ids[:, None], (rows.shape[0], k.shape[1]))
+        k = k.at[rows].set(vals.astype(k.dtype), mode="drop")
+        k = jax.pure_callback(host, jax.ShapeDtypeStruct(k.shape, k.dtype), k)
+        return {"FULL": {"K": (k,)}}
+
+    config = rt.ManagerConfig.from_env(kv_canary="raise", kv_canary_real_data="all", environ={})
+    sizes = kc.CanaryConfig(max_reqs=4, context_len=16, num_slots=32, max_bs=2, max_tokens=8,
+                            implementation="xla")
+    m = rt.CanaryManager(config, sizes, forward=forward)
+    m.mark_init_finished()
+    table = np.zeros((4, 16), np.int32)
+
+    def step(kv, tokens, new):
+        n = len(tokens)
+        table[1, :n] = range(1, n + 1)
+        batch = rt.make_batch(sizes, req_pool_indices=[1], prefix_lens=[n - new],
+                              extend_seq_lens=[new], all_ids=[tokens],
+                              input_ids=tokens[n - new:], positions=list(range(n - new, n)),
+                              out_cache_loc=list(range(n - new + 1, n + 1)))
+        return m.step(kv, batch, jnp.asarray(table), requests=["r"])
+
+    return m, step, lambda: {"FULL": {"K": (jnp.zeros((32, 8), jnp.bfloat16),)}}
+
+
+def test_a_step_that_fails_on_the_device_says_the_state_is_gone_until_one_is_set():
+    """A forward that fails at run time takes the donated state and KV with it. Before, the
+    manager kept the deleted state and every later step failed with XLA's "Buffer has been
+    deleted or donated". Now the failing step raises ``CanaryStateLost`` (its cause the device's
+    error), later calls refuse with it, and a state set by the server serves on, clean. A
+    forward that fails while it is traced takes nothing: its own error, the state kept."""
+    fail = {"run": False, "trace": False}
+    m, step, new_kv = _callback_server(fail)
+    kv = step(new_kv(), [7, 8, 9], 3)
+    fail["trace"] = True
+    jax.clear_caches()  # traced again at the next step
+    with pytest.raises(ValueError, match="does not trace"):
+        step(kv, [7, 8, 9, 10], 1)
+    fail["trace"] = False
+    kv = step(kv, [7, 8, 9, 10], 1)  # the state and KV were kept: it serves on
+    fail["run"] = True
+    with pytest.raises(rt.CanaryStateLost, match=r"step\(\) at step \d+ failed on the device "
+                       r"after taking it .* the canary's state and the KV passed in went") as e:
+        step(kv, [7, 8, 9, 10, 11], 1)
+    assert "the device step failed" in str(e.value.__cause__)
+    assert m.state is None and kv["FULL"]["K"][0].is_deleted()
+    fail["run"] = False
+    for call in (lambda: step(new_kv(), [7, 8, 9, 10, 11], 1),
+                 lambda: m.head(None, None), lambda: m.tail(None, None)):
+        with pytest.raises(rt.CanaryStateLost, match=r"has no canary state: step\(\) at step "
+                           r"\d+ failed on the device.* Set manager.state first"):
+            call()
+    m.state = rt.init_state(m.cfg)  # a fresh pool: nothing cached the new state lacks
+    kv = step(new_kv(), [5, 6], 2)
+    kv = step(kv, [5, 6, 7], 1)
+    m.flush()
+    assert rt.violation_count(m.state) == 0
+
+
+def test_the_config_cannot_be_swapped_under_a_built_manager():
+    """The manager's jits, health checks and sweep schedule are built from its config: a new
+    one assigned later was taken half (the next step failed on a missing jit). Read-only now."""
+    fail = {"run": False, "trace": False}
+    m, step, new_kv = _callback_server(fail)
+    with pytest.raises(AttributeError):
+        m.config = dataclasses.replace(m.config, mode="log")
+    assert m.config.mode == "raise"
+    step(new_kv(), [1, 2], 2)

@@ -333,7 +333,7 @@ def test_what_an_operator_does_around_a_guard_with_a_window(request):
     readers and sweeps called from another thread while the runner serves (prefix hits, the
     decode loop) raise nothing and report nothing on clean KV; a flip in a cached block of layer
     1 found by a sweep called by hand is reported by ``flush()``; ``uninstall()`` twice gives
-    the runner its own functions back; an install again over the warm prefix cache reports
+    the runner its own functions back, and the uninstalled guard refuses a sweep; an install again over the warm prefix cache reports
     nothing on the KV the first one's life wrote, and guards what is written after it; a
     decode loop, then a plain step, failing on the device
     after taking the canary's state raise their own errors, and the guard, its canary restarted,
@@ -349,6 +349,7 @@ def test_what_an_operator_does_around_a_guard_with_a_window(request):
     assert t["manual_sweep"]["reported"] == [t["manual_sweep"]["slot"]], t
     assert t["manual_sweep"]["manager_coverage"], t
     assert t["uninstall_twice"] == {"restored": True, "marker": False}, t
+    assert "sweep() of an uninstalled guard" in t["sweep_after_uninstall"], t
     w = t["warm_reinstall"]  # vLLM's prefix cache not reset: its blocks have no canary
     assert w["hits"] == {"w0": 16, "w1": 16}, w
     assert w["counts"] == [0] and w["reported"] == [] and w["share"] == 1.0, w
@@ -365,6 +366,7 @@ def test_what_an_operator_does_around_a_guard_with_a_window(request):
     # blocks cached before it are not swept: they have no canary).
     on = t["served_on"]
     assert on["counts"] == [0] and on["share"] == 1.0 and len(on["restarts"]) == 2, on
+    assert on["replaced"] == [], on  # the fresh state is announced, not warned of as swapped
     # An id sent again: the old request's late rows are reported (one incarnation), and the
     # new request of that id is not aborted for them (before, it was, after its prefill).
     rq = t["recycled_id"]

@@ -503,14 +503,81 @@ def test_the_ring_capacity_comes_from_the_environment_unless_given(version, monk
     built = []  # the guard itself needs tpu-inference: stood in for, past every check
     monkeypatch.setattr(guard, "TpuInferenceGuard", lambda *args: built.append(args) or "guard")
     monkeypatch.setenv("SGLANG_KV_CANARY_RING_CAPACITY", "7")
-    monkeypatch.setenv("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", "false")
     kti.install(runner())
     kti.install(runner(), ring_capacity=64)
     (_, canary, manager, _), (_, canary64, manager64, _) = built
     assert (manager.config.ring_capacity, canary.config.ring_capacity) == (7, 7)
     assert (manager64.config.ring_capacity, canary64.config.ring_capacity) == (64, 64)
-    # token_checks (True by default) sets both asserts, over the variable.
+    # No token variable set: the guard checks tokens (both asserts).
     assert manager.config.enable_verify_token_assert and manager.config.enable_write_input_assert
+    assert canary.token_checks
+
+
+@pytest.mark.parametrize("env, passed, checks", [
+    ({"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "false"}, None, False),
+    ({"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "0",
+      "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT": "no"}, None, False),
+    ({"SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT": "true"}, None, True),
+    ({"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "false"}, True, True),  # the argument wins
+    ({}, False, False),
+])
+def test_the_token_variables_set_token_checks_unless_it_is_passed(version, monkeypatch, env,
+                                                                  passed, checks):
+    """SGLang's two token-assert variables turn the guard's token checks off or on where
+    ``token_checks`` is not passed (before, the argument's default True won over them)."""
+    from kvcanary_jax.integrations.tpu_inference import guard
+
+    built = []
+    monkeypatch.setattr(guard, "TpuInferenceGuard", lambda *args: built.append(args) or "guard")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    kti.install(runner(), **({} if passed is None else {"token_checks": passed}))
+    (_, canary, manager, _), = built
+    assert canary.token_checks is checks
+    assert manager.config.enable_verify_token_assert is manager.config.enable_write_input_assert \
+        is checks
+
+
+def test_token_variables_that_disagree_and_odd_keywords_are_refused(version, monkeypatch):
+    """The guard checks the written and the read tokens together: variables that differ are
+    refused, naming both, and so are the assert names as keywords (pointing to token_checks),
+    a token_checks that is not a bool, and a keyword no config has (named as install's)."""
+    monkeypatch.setenv("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1")
+    monkeypatch.setenv("SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT", "0")
+    _refused(runner(), ValueError, "ENABLE_VERIFY_TOKEN_ASSERT and SGLANG_KV_CANARY_ENABLE_"
+             "WRITE_INPUT_ASSERT differ.* set both the same, or pass token_checks")
+    monkeypatch.delenv("SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT")
+    _refused(runner(), TypeError, r"install\(\) sets enable_verify_token_assert from "
+             "token_checks.* pass token_checks=True or False", enable_verify_token_assert=False)
+    _refused(runner(), ValueError, "token_checks must be True or False, got 'no'",
+             token_checks="no")
+    _refused(runner(), TypeError, r"install\(\) got an unexpected keyword argument 'foo'.* "
+             "ManagerConfig's fields", foo=1)
+
+
+def test_a_remediator_is_bound_to_the_guard_it_is_installed_with(version, monkeypatch):
+    """``on_violation=Remediator(scheduler)`` gets the guard at install (before, without
+    ``remediate.guard = guard`` it knew no block size and never evicted a corrupted block);
+    one bound to another guard that is still installed is refused, one whose guard was
+    uninstalled is bound to the new one."""
+    from kvcanary_jax.integrations.tpu_inference import guard
+
+    class Guard:
+        def __init__(self, *args):
+            self.installed = True
+
+    monkeypatch.setattr(guard, "TpuInferenceGuard", Guard)
+    scheduler = types.SimpleNamespace(kv_cache_manager=types.SimpleNamespace(
+        block_pool=types.SimpleNamespace(evict_blocks=lambda blocks: None)))
+    rem = kti.Remediator(scheduler)
+    g1 = kti.install(runner(), on_violation=rem)
+    assert rem.guard is g1
+    _refused(runner(), ValueError, "on_violation is a Remediator serving another installed "
+             "guard", on_violation=rem)
+    assert rem.guard is g1
+    g1.installed = False
+    g2 = kti.install(runner(), on_violation=rem)
+    assert rem.guard is g2
 
 
 def test_install_refuses_from_env_s_own_arguments(version):

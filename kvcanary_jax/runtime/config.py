@@ -243,8 +243,15 @@ class ManagerConfig:
             value = env_value(field, environ)
             if value is not None:
                 values[field] = value
+        from_env = "coverage_window" in values and "coverage_window" not in fields
         values.update(fields)
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ValueError as e:
+            if not (from_env and str(e).startswith("--kv-canary-coverage-window")):
+                raise
+            # The flag's words, and where the value came from.
+            raise ValueError(f"{e} (the window from {_ENV['coverage_window']})") from None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, *, environ: Mapping[str, str] | None = None,

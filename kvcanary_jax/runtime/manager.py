@@ -79,6 +79,7 @@ from kvcanary_jax.runtime.reporting import (
     PADDING_SLOT_NOT_ZERO,
     CanaryAgreementError,
     CanaryCallbackError,
+    CanaryStateLost,
     CanaryViolationError,
     Reporter,
     StepContext,
@@ -88,11 +89,18 @@ from kvcanary_jax.runtime.reporting import (
 )
 from kvcanary_jax.runtime.state import CanaryConfig, init_state
 
+def _deleted(state) -> bool:
+    """Whether any array of ``state`` was deleted (donated to a computation that failed)."""
+    return state is not None and any(
+        getattr(leaf, "is_deleted", lambda: False)() for leaf in jax.tree_util.tree_leaves(state))
+
+
 __all__ = [
     "CanaryManager",
     "CanaryViolationError",
     "CanaryCallbackError",
     "CanaryAgreementError",
+    "CanaryStateLost",
     "ViolationReport",
     "PADDING_SLOT_NOT_ZERO",
     "format_violation",
@@ -186,7 +194,7 @@ class CanaryManager:
             raise ValueError("kv-canary: on_violation must be callable")
         if forward is not None and not callable(forward):
             raise ValueError("kv-canary: forward must be callable")
-        self.config = config
+        self._config = config
         self._forward = forward
         self._on_violation = on_violation
         self._mesh, self._axis = mesh, axis
@@ -201,6 +209,8 @@ class CanaryManager:
         self._warned_no_walk = False
         self._steps_itself = allocate  # False once observe() runs: the server steps (and sweeps)
         self._unread = False  # a launch ran since the last staged readback (a sweep, a HEAD)
+        self._lost = ""  # why the manager holds no state (a step failed on the device), or ""
+        self._init_finished = False  # mark_init_finished() was called
         if mesh is not None and axis not in mesh.shape:
             raise ValueError(f"kv-canary: axis {axis!r} is not an axis of the mesh "
                              f"(axes: {', '.join(mesh.axis_names)})")
@@ -245,6 +255,13 @@ class CanaryManager:
 
     # ---------------------------------------------------------------------- public surface
     @property
+    def config(self) -> ManagerConfig:
+        """The :class:`ManagerConfig` the manager was built with (read-only: its jits, its
+        health checks and its sweep schedule were built from it; build a new manager for
+        another)."""
+        return self._config
+
+    @property
     def enabled(self) -> bool:
         return self.config.enabled
 
@@ -258,6 +275,7 @@ class CanaryManager:
     @state.setter
     def state(self, value) -> None:
         self._state = value
+        self._lost = ""
         if self._rebaser is not None:
             self._rebaser.reset()
 
@@ -270,13 +288,24 @@ class CanaryManager:
         return self._lock
 
     @_serialized
-    def hold(self, state) -> None:
+    def hold(self, state, *, fresh: bool = False) -> None:
         """The server's state after launches of its own between steps (a sweep it ran): held
         from now on (:meth:`coverage` reads it), and what they found is reported by the next
-        step's readback or by :meth:`flush` / :meth:`close`."""
+        step's readback or by :meth:`flush` / :meth:`close`. ``fresh``: a new state
+        (``init_state()``, an integration's restart after a failed step) that does not continue
+        the one held: reported from its first row, after the readback still pending, without the
+        replaced-state warning (which is for a state swapped unannounced)."""
         self._require_enabled("hold")
         self.state = state
         self._unread = True
+        if fresh:
+            zero = (np.zeros(np.shape(state.violation_write_index), np.int64),
+                    np.zeros(np.shape(state.kernel_run_counters), np.int64))
+            staged = self._readbacks.staged
+            if staged is not None:
+                staged.rebase = zero
+            else:
+                self._rebase(*zero)
 
     @_serialized
     def coverage(self) -> _coverage.CoverageStats | None:
@@ -308,6 +337,7 @@ class CanaryManager:
                 on = jnp.ones_like(self.state.enable_chain_position_assert)
                 self.state = dataclasses.replace(self.state, enable_chain_position_assert=on)
             self._phase = health.initial_phase(True)
+        self._init_finished = True
         self._phase_epoch += 1  # a new phase array: its error count starts from 0
 
     @_serialized
@@ -350,10 +380,12 @@ class CanaryManager:
             raise ValueError("kv-canary: requests= maps slots through one batch; over a mesh "
                              "(stacked batches) pass resolve=(slot, violation) -> request")
         self._check_requests(batch, requests)
+        self._require_state("step")
         with _config.x64_scope():
             self._state = self._rebaser(self._state)
-            self._state, self._phase, kv, rb = self._device.fused(
-                self.state, self._phase, kv, batch, req_to_token, self._lut(lut))
+            self._state, self._phase, kv, rb = self._on_device(
+                "step", self._device.fused, self.state, self._phase, kv, batch, req_to_token,
+                self._lut(lut))
             try:
                 self._after_step(rb, kv, lut, self._context(batch, req_to_token, lut, requests,
                                                             resolve))
@@ -375,10 +407,12 @@ class CanaryManager:
     def head(self, batch, req_to_token, lut=None) -> None:
         """HEAD before a forward the server runs itself (state donated)."""
         self._require_enabled("head")
+        self._require_state("head")
         with _config.x64_scope():
             self._state = self._rebaser(self._state)
-            self._state, self._phase = self._device.head(self._state, self._phase, batch,
-                                                        req_to_token, self._lut(lut))
+            self._state, self._phase = self._on_device("head", self._device.head, self._state,
+                                                       self._phase, batch, req_to_token,
+                                                       self._lut(lut))
         self._unread = True
 
     @_serialized
@@ -388,11 +422,43 @@ class CanaryManager:
         and the host side, as :meth:`step`."""
         self._require_enabled("tail")
         self._check_requests(batch, requests)
+        self._require_state("tail")
         with _config.x64_scope():
-            self._state, self._phase, rb = self._device.tail(self._state, self._phase, batch,
-                                                            self._lut(lut), kv)
+            self._state, self._phase, rb = self._on_device("tail", self._device.tail,
+                                                           self._state, self._phase, batch,
+                                                           self._lut(lut), kv)
             self._after_step(rb, kv, lut, self._context(batch, req_to_token, lut, requests,
                                                         resolve))
+
+    def _require_state(self, what: str) -> None:
+        if self._lost:
+            raise CanaryStateLost(f"kv-canary: {what}() has no canary state: {self._lost}. Set "
+                                  "manager.state first: a checkpoint of it, or runtime."
+                                  "init_state(manager.cfg) over a KV pool that holds no "
+                                  "request's KV yet (a fresh state has no canary for cached "
+                                  "slots: every check of them would report)")
+
+    def _on_device(self, what: str, launch: Callable, *args):
+        """``launch(*args)``; where it raises after taking the state (donated: a failure at run
+        time, not while tracing), the manager holds no state from then on
+        (:class:`CanaryStateLost`)."""
+        try:
+            return launch(*args)
+        except Exception as e:
+            if not _deleted(self._state):
+                raise  # traced or refused before running: the state is as it was
+            self._state = None
+            # The phase array went with it (donated too): a new one, as the step left it.
+            with _config.x64_scope():
+                self._phase = health.initial_phase(self._init_finished)
+            self._phase_epoch += 1
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            self._lost = (f"{what}() at step {self.step_count} failed on the device after "
+                          f"taking it ({type(e).__name__}: {first})")
+            gone = " and the KV passed in" if what == "step" else ""
+            raise CanaryStateLost(f"kv-canary: {self._lost}; the canary's state{gone} went with "
+                                  "it (donated). The manager holds no state until one is set "
+                                  "(manager.state = ...)") from e
 
     @_serialized
     def observe(self, state=None, *, requests=None, resolve=None):

@@ -105,6 +105,13 @@ class CanaryAgreementError(CanaryViolationError):
         self.peers = tuple(peers)
 
 
+class CanaryStateLost(RuntimeError):
+    """A step failed on the device after it had taken the canary's state (donated), and, for
+    :meth:`CanaryManager.step`, the KV passed in: both are gone (``__cause__`` is the device's
+    error). The manager holds no state from then on, and its steps refuse with this error until
+    the server sets one (``manager.state = ...``)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ViolationReport:
     """One new violation as the manager reports it: the decoded ring row, the outer step whose

@@ -58,7 +58,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kvcanary_jax.consts import MAX_DIGEST_SOURCES
 from kvcanary_jax.integrations.tpu_inference import device, host, layout as _layout
-from kvcanary_jax.integrations.tpu_inference.remediation import _INCARNATIONS, RequestId
+from kvcanary_jax.integrations.tpu_inference.remediation import _INCARNATIONS, Remediator, RequestId
 from kvcanary_jax.runtime import CanaryManager, CanaryViolationError, ManagerConfig
 from kvcanary_jax.runtime.config import env_value
 from kvcanary_jax.runtime.kv import digest_reads_rows
@@ -480,7 +480,7 @@ class TpuInferenceGuard:
             self.unwritten = self._unwritten()
             self._said_old = False
             if self.manager is not None:  # it held the state the step took
-                self.manager.hold(self.state)
+                self.manager.hold(self.state, fresh=True)
 
     # ------------------------------------------------------------------- host side
     def incarnation(self, req_id: str) -> int | None:
@@ -545,8 +545,15 @@ class TpuInferenceGuard:
         reported by the next step, or by the manager's ``flush()`` / ``close()``. Called from
         another thread while the runner is between a step's ``update_states`` and its model
         call, it runs right after that step instead (the blocks the step is about to write are
-        listed already, with no canary yet)."""
+        listed already, with no canary yet). Refused once the guard is uninstalled: its books
+        no longer follow vLLM's blocks, which hold other requests' KV by then."""
         with self._lock:
+            if not self.installed:
+                raise RuntimeError(
+                    "kv-canary tpu-inference: sweep() of an uninstalled guard: its list of cached "
+                    "blocks stopped following vLLM's at uninstall(), and blocks handed out since "
+                    "hold KV this guard never saw (they would all read as corrupted); sweep "
+                    "through the guard installed now")
             if self._prepared:
                 # Between a step's update_states and its model call (another thread's call):
                 # the books already list the blocks the step is about to write, which hold no
@@ -632,7 +639,8 @@ _sweep_jit = state_jit(_sweep_impl, static_argnames=("canary",), donate_argnums=
 
 
 def install(runner, *, mode: str = "log", real_data: str = "all", sweep_interval: int = 0,
-            token_checks: bool = True, layer: int = 0, k_heads: int = 1, sweep_rows: int = 16,
+            token_checks: bool | None = None, layer: int = 0, k_heads: int = 1,
+            sweep_rows: int = 16,
             on_violation: Callable | None = None, implementation: str | None = None,
             coverage_window: int | None = None, **manager_fields) -> TpuInferenceGuard:
     """Guard ``runner`` (a tpu-inference 0.32 ``TPUModelRunner``). ``mode`` / ``real_data``:
@@ -644,18 +652,31 @@ def install(runner, *, mode: str = "log", real_data: str = "all", sweep_interval
     N steps, and of the cached blocks at each sweep (it needs ``sweep_interval`` > 0; the
     report: :meth:`TpuInferenceGuard.coverage`, and the manager's stats line);
     ``token_checks``: check the written and read token ids against the requests' own (needs
-    ``async_scheduling=False``); ``on_violation``: the remediation callback
-    (:class:`~.remediation.Remediator`); ``manager_fields``: other
-    :class:`~kvcanary_jax.runtime.ManagerConfig` fields. The ``SGLANG_KV_CANARY_*`` variables
-    set the manager's other fields, as SGLang's ``CanaryConfig.from_env`` reads them
-    (``ring_capacity``, ``stats_print_every_n_steps``); an argument wins over a variable, and
-    ``token_checks`` sets both token asserts. Everything is checked here, before the runner is
-    touched."""
+    ``async_scheduling=False``; default True, or what ``SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_
+    ASSERT`` and ``SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT`` say where either is set: the
+    guard checks both or neither, so they must agree); ``on_violation``: the remediation
+    callback (:class:`~.remediation.Remediator`, bound to this guard here); ``manager_fields``:
+    other :class:`~kvcanary_jax.runtime.ManagerConfig` fields. The ``SGLANG_KV_CANARY_*``
+    variables set the manager's other fields, as SGLang's ``CanaryConfig.from_env`` reads them
+    (``ring_capacity``, ``stats_print_every_n_steps``); an argument wins over a variable.
+    Everything is checked here, before the runner is touched."""
+    fields = {f.name for f in dataclasses.fields(ManagerConfig)}
     for name in manager_fields:
-        if name == "environ" or name.startswith("kv_canary"):
+        if name in _TOKEN_ASSERTS:
+            raise TypeError(f"kv-canary tpu-inference: install() sets {name} from token_checks "
+                            "(the guard checks the written and the read tokens together): pass "
+                            "token_checks=True or False")
+        if name == "environ" or name.startswith("kv_canary") or name not in fields:
             raise TypeError(f"kv-canary tpu-inference: install() got an unexpected keyword "
                             f"argument {name!r} (mode, real_data and sweep_interval are its "
-                            "own; the SGLANG_KV_CANARY_* variables are read from os.environ)")
+                            "own; the SGLANG_KV_CANARY_* variables are read from os.environ; "
+                            "other keywords are ManagerConfig's fields)")
+    if token_checks is None:
+        token_checks = _token_checks_from_env()
+    elif not isinstance(token_checks, (bool, np.bool_)):
+        raise ValueError(f"kv-canary tpu-inference: token_checks must be True or False, got "
+                         f"{token_checks!r}")
+    token_checks = bool(token_checks)
     window_from_env = coverage_window is None
     if window_from_env:
         coverage_window = env_value("coverage_window") or 0
@@ -695,8 +716,35 @@ def install(runner, *, mode: str = "log", real_data: str = "all", sweep_interval
                      ring_capacity=config.ring_capacity, real_data=real_data,
                      sweep_rows=sweep_rows, implementation=implementation,
                      coverage_window=coverage_window)
+    remediator = on_violation if isinstance(on_violation, Remediator) else None
+    if remediator is not None and remediator.guard is not None and remediator.guard.installed:
+        raise ValueError("kv-canary tpu-inference: on_violation is a Remediator serving another "
+                         "installed guard (it maps a report's slot to that guard's blocks): "
+                         "build one Remediator per guard")
     manager = CanaryManager(config, canary.config, on_violation=on_violation, allocate=False)
-    return TpuInferenceGuard(runner, canary, manager, sweep_interval)
+    guard = TpuInferenceGuard(runner, canary, manager, sweep_interval)
+    if remediator is not None:
+        remediator.guard = guard  # its block size, ranks and request incarnations
+    return guard
+
+
+# The two token asserts of SGLang's config, set together by install's token_checks.
+_TOKEN_ASSERTS = ("enable_verify_token_assert", "enable_write_input_assert")
+
+
+def _token_checks_from_env() -> bool:
+    """install's ``token_checks`` where it is not passed: True, unless SGLang's token-assert
+    variables say otherwise (both the same)."""
+    said = {name: env_value(name) for name in _TOKEN_ASSERTS}
+    said = {name: v for name, v in said.items() if v is not None}
+    if not said:
+        return True
+    if len(set(said.values())) > 1:
+        raise ValueError(
+            "kv-canary tpu-inference: SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT and "
+            "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT differ; the guard checks the written "
+            "and the read token ids together: set both the same, or pass token_checks")
+    return bool(next(iter(said.values())))
 
 
 def _whole(name: str, value, least: int) -> int:
