@@ -89,6 +89,7 @@ from kvcanary_jax.runtime.reporting import (
 )
 from kvcanary_jax.runtime.state import CanaryConfig, init_state
 
+
 def _deleted(state) -> bool:
     """Whether any array of ``state`` was deleted (donated to a computation that failed)."""
     return state is not None and any(
