@@ -291,3 +291,45 @@ def test_hicache_hook_refuses_what_it_cannot_hook():
         ksj.HiCacheHook(holder, types.SimpleNamespace(write=print, evict_callback=print))
     with pytest.raises(ValueError, match="device page 99 is outside the 16 pages"):
         ksj.HiCacheHook(holder, _Controller()).controller.write([99], [0])
+
+
+def test_a_step_that_fails_on_the_device_leaves_the_hook_refusing_with_why():
+    """The guarded step fails after it took the donated state (a device failure): the hook
+    raises ``CanaryStateLost`` (the device's error its cause) and refuses every later step with
+    it, where before each later step failed on XLA's deleted buffers. A step that fails before
+    it runs (while traced) keeps the state."""
+    from kvcanary_jax.runtime import CanaryStateLost
+
+    hook = ksj.ModelRunnerHook(_canary(), _wrapped_runner("0.0.2"))
+    kept = hook.state
+
+    def refused(state, *args, **kw):
+        raise ValueError("the step does not trace")
+
+    def fails_on_device(state, *args, **kw):
+        for leaf in jax.tree_util.tree_leaves(state):
+            leaf.delete()  # what a donating computation that failed leaves
+        raise RuntimeError("INTERNAL: the device step failed")
+
+    hook._step = refused
+    with pytest.raises(ValueError, match="does not trace"):
+        hook._run(None, None)
+    assert hook.state is kept
+    hook._step = fails_on_device
+    with pytest.raises(CanaryStateLost, match="a step failed on the device after taking it "
+                       r"\(RuntimeError: INTERNAL: the device step failed\); the canary's "
+                       "state and the runner's pools passed in went with it") as e:
+        hook._run(None, None)
+    assert "the device step failed" in str(e.value.__cause__) and hook.state is None
+    with pytest.raises(CanaryStateLost, match="this hook has no canary state: a step failed on "
+                       "the device.* Install a new hook"):
+        hook._run(None, None)
+    hook.uninstall()
+    # A managed hook's manager held the same state: it holds none after (nothing to read).
+    manager = ksj.canary_manager(_canary(), "log")
+    managed = ksj.ManagedModelRunnerHook(_canary(), _wrapped_runner("0.0.2"), manager)
+    managed._step = fails_on_device
+    with pytest.raises(CanaryStateLost):
+        managed._run(None, None)
+    assert manager.state is None and manager.coverage() is None
+    managed.uninstall()

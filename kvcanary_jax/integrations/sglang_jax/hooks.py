@@ -23,7 +23,8 @@ from kvcanary_jax.integrations.sglang_jax.runners import RunnerApi, runner_api
 from kvcanary_jax.integrations.sglang_jax.step import guard_model_step
 from kvcanary_jax.integrations.sglang_jax.sweep import hold
 from kvcanary_jax.integrations.sglang_jax.tokens import TokenDelta, TokenFeed
-from kvcanary_jax.runtime import CanaryViolationError
+from kvcanary_jax.runtime import CanaryStateLost, CanaryViolationError
+from kvcanary_jax.runtime.manager import _deleted
 
 __all__ = [
     "ModelRunnerHook",
@@ -101,6 +102,11 @@ class ModelRunnerHook:
     delta made for another batch, ...) leaves the runner's pools, the state and the feed as they
     were.
 
+    A step that fails on the device after taking the donated state (and the runner's pools)
+    raises :class:`~kvcanary_jax.runtime.CanaryStateLost`; the hook refuses every later step
+    with it (its state went with the step): install a new hook, over a pool that holds no
+    request's KV.
+
     A new hook starts a new state: KV already in the pool was written under no canary of its,
     and every step that reads it would report it. Install before the runner serves; to install
     again on a serving runner (after :meth:`uninstall`), pass ``resume=`` the previous hook: the
@@ -126,6 +132,7 @@ class ModelRunnerHook:
         self.canary = canary
         self.version = api.version
         self._installed, self._resumed = True, False
+        self._lost = ""  # why the hook holds no state (a step failed on the device), or ""
         if resume is not None:
             self.state, self.feed = resume.state, resume.feed
             resume._resumed = True
@@ -169,15 +176,33 @@ class ModelRunnerHook:
         :func:`host_table`)."""
         self._pending = {"expected": expected, "table": table}
 
+    def _guarded(self, step, *args, **pending):
+        """``step(state, *args)``: the new state kept, the output returned. A step refused before
+        it runs donates nothing and records nothing in the feed (the runner's pools, the state
+        and the feed are as they were); one that fails on the device after taking the state
+        leaves the hook without one (:class:`CanaryStateLost`, here and at every later step)."""
+        if self._lost:
+            raise CanaryStateLost(f"kv-canary sglang-jax: this hook has no canary state: "
+                                  f"{self._lost}. Install a new hook over a pool that holds no "
+                                  "request's KV")
+        try:
+            self.state, out = step(self.state, *args, **pending)
+        except Exception as e:
+            if not _deleted(self.state):
+                raise  # traced or refused before it ran: the state is as it was
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            self._lost = (f"a step failed on the device after taking it ({type(e).__name__}: "
+                          f"{first})")
+            self.state = None
+            raise CanaryStateLost(f"kv-canary sglang-jax: {self._lost}; the canary's state and "
+                                  "the runner's pools passed in went with it (donated)") from e
+        return out
+
     def _run(self, forward_batch, logits_metadata):
-        # A step refused before it runs donates nothing and records nothing in the feed: the
-        # runner's pools, the state and the feed are as they were.
         api = self._api
         pending, self._pending = self._pending, {}
-        self.state, out = self._step(self.state, api.model_def, api.model_state_def,
-                                     api.leaves(), forward_batch, api.pools(), logits_metadata,
-                                     **pending)
-        return out
+        return self._guarded(self._step, api.model_def, api.model_state_def, api.leaves(),
+                             forward_batch, api.pools(), logits_metadata, **pending)
 
     def _run_and_sample(self, forward_batch, logits_metadata, sampling_metadata, future_map):
         # As 0.1.0rc0's run_and_sample_wrapper: one sampler step per call, the weights and
@@ -186,12 +211,11 @@ class ModelRunnerHook:
         runner._sampler_step += 1
         sampler_def, sampler_state_def, sampler_leaves = api.sampler
         pending, self._pending = self._pending, {}
-        self.state, out = self._fused(
-            self.state, api.model_def, api.model_state_def, api.leaves(), forward_batch,
+        return self._guarded(
+            self._fused, api.model_def, api.model_state_def, api.leaves(), forward_batch,
             api.pools(), logits_metadata, sampler_def, sampler_state_def, sampler_leaves,
             runner.use_sort_for_toppk_minp, runner._sampler_step, sampling_metadata, future_map,
             **pending)
-        return out
 
     def uninstall(self) -> None:
         """Give the runner its own steps back (the hook keeps its state and feed, for
@@ -250,16 +274,23 @@ class ManagedModelRunnerHook(ModelRunnerHook):
     # never read a donated state.
     def _run(self, forward_batch, logits_metadata):
         with self.manager.lock:
-            out = super()._run(forward_batch, logits_metadata)
+            out = self._lost_with_manager(super()._run, forward_batch, logits_metadata)
             self._observe(out[1], forward_batch)
         return out
 
     def _run_and_sample(self, forward_batch, logits_metadata, sampling_metadata, future_map):
         with self.manager.lock:
-            out = super()._run_and_sample(forward_batch, logits_metadata, sampling_metadata,
-                                          future_map)
+            out = self._lost_with_manager(super()._run_and_sample, forward_batch,
+                                          logits_metadata, sampling_metadata, future_map)
             self._observe(out[_FUSED_UPDATES], forward_batch)
         return out
+
+    def _lost_with_manager(self, run, *args):
+        try:
+            return run(*args)
+        except CanaryStateLost:
+            self.manager.state = None  # it held the state the step took: nothing to read now
+            raise
 
     def _observe(self, updates, forward_batch) -> None:
         reqs, self._reqs = self._reqs, None
