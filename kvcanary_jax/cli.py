@@ -399,7 +399,8 @@ def _coverage_lines(sim, res, window_origin: str) -> list[str]:
     cov = res.coverage
     ours = (f"  ours: off ({window_origin})" if cov is None else
             f"  ours ({window_origin}): every byte; clean run: {cov.summary()}")
-    return [f"real-KV coverage ({sim.num_layers} layers, K and V):", sglang, ours]
+    layers = f"{sim.num_layers} layer{'s' if sim.num_layers != 1 else ''}"
+    return [f"real-KV coverage ({layers}, K and V):", sglang, ours]
 
 
 def _failures(res, args) -> list[str]:

@@ -790,3 +790,11 @@ def test_cached_slots_show_unverified_when_the_sweeps_stop():
     with jax.enable_x64(True):
         bare = rt.coverage_stats(srv.cfg, srv.state, sweep_interval=0)
     assert "no sweep: cached slots unchecked" in bare.summary()
+
+
+def test_the_demo_s_coverage_heading_counts_one_layer_as_one():
+    import types
+
+    sim = types.SimpleNamespace(enable_v_half=True, real_kv_hash_mode="none", num_layers=1)
+    lines = cli._coverage_lines(sim, types.SimpleNamespace(coverage=None), "--coverage-window 0")
+    assert lines[0] == "real-KV coverage (1 layer, K and V):"

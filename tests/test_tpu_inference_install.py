@@ -553,6 +553,9 @@ def test_token_variables_that_disagree_and_odd_keywords_are_refused(version, mon
              token_checks="no")
     _refused(runner(), TypeError, r"install\(\) got an unexpected keyword argument 'foo'.* "
              "ManagerConfig's fields", foo=1)
+    # SGLang's draft-worker offset would contradict the guard's canary (the target runner's).
+    _refused(runner(), ValueError, "draft_worker is SGLang's draft model's manager.* leave it "
+             "off", draft_worker=True)
 
 
 def test_a_remediator_is_bound_to_the_guard_it_is_installed_with(version, monkeypatch):

@@ -687,6 +687,11 @@ def install(runner, *, mode: str = "log", real_data: str = "all", sweep_interval
     if isinstance(mode, str) and mode.strip().lower() == "none":
         raise ValueError("kv-canary tpu-inference: mode 'none' installs no guard (the canary is "
                          "off): leave the runner as it is")
+    if manager_fields.get("draft_worker"):
+        raise ValueError("kv-canary tpu-inference: draft_worker is SGLang's draft model's manager "
+                         "(its token ids one position ahead); the guard runs on the target "
+                         "runner, and a runner with speculative decoding is refused: leave it "
+                         "off")
     if manager_fields.get("padding_guard"):
         raise ValueError("kv-canary tpu-inference: padding_guard checks SGLang's padding slot in "
                          "the manager's own sweep, which the guard does not run (its sweep is "
