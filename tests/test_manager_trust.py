@@ -143,10 +143,16 @@ def _observing():
     return seen, mgr, Server(SIM), step
 
 
-def test_observe_reports_a_fresh_state_from_its_first_row():
+@pytest.mark.parametrize("announced", [False, True], ids=["observed", "held_fresh"])
+def test_a_fresh_state_is_reported_from_its_first_row(announced, caplog):
     """The server runs its own jitted step and hands each new state to observe(); it restarts
-    its canary with a fresh init_state() (its write index below what was reported): every row
-    of the fresh state is reported, the first one included."""
+    its canary with a fresh init_state() (its write index below what was reported): the rows of
+    the old state still pending, then every row of the fresh one, the first included. Handed
+    unannounced, the swap is warned of ("state was replaced ... call resync()"); announced with
+    ``hold(state, fresh=True)`` (an integration's restart after a failed step), it is not:
+    before, a restart logged that warning, with advice that did not apply."""
+    from kvcanary_jax.sim import faults
+
     seen, mgr, srv, step = _observing()
     state = rt.init_state(mgr.cfg)
 
@@ -158,53 +164,21 @@ def test_observe_reports_a_fresh_state_from_its_first_row():
             state, srv.kv = step(state, srv.kv, batch, rtt, lut)
             mgr.observe(state)
             srv.complete(sched, t0, poll=False)
-
-    run(3)
-    req = next(r for r in srv.live if r.slots)
-    from kvcanary_jax.sim import faults
-    faults._flip_kv_byte(srv, "FULL", req.slots[0])
-    run(3)
-    first_rows, swapped_at = _ring_rows(state), mgr.step_count
-    assert first_rows
-    state = rt.init_state(mgr.cfg)  # the canary restarted
-    run(2)
-    mgr.flush()
-    # The first state's rows (the last of them read back after the swap), then the fresh one's.
-    assert sorted(r.violation.index for r in seen if r.step <= swapped_at) == first_rows
-    fresh = sorted(r.violation.index for r in seen if r.step > swapped_at)
-    assert fresh == _ring_rows(state) and fresh[0] == 0, (first_rows, fresh)
-
-
-def test_a_fresh_state_held_as_such_is_reported_from_its_first_row_without_a_warning(caplog):
-    """An integration that restarts its canary (a failed step took the state) hands the fresh
-    state with ``hold(state, fresh=True)``: the rows of the old state still pending, then every
-    row of the fresh one, and no "state was replaced ... call resync()" warning, which is for a
-    state swapped unannounced (before, a restart logged it, with advice that did not apply)."""
-    seen, mgr, srv, step = _observing()
-    state = rt.init_state(mgr.cfg)
-
-    def run(n):
-        nonlocal state
-        for _ in range(n):
-            t0 = time.perf_counter()
-            sched, batch, rtt, lut = srv.prepare()
-            state, srv.kv = step(state, srv.kv, batch, rtt, lut)
-            mgr.observe(state)
-            srv.complete(sched, t0, poll=False)
-
-    from kvcanary_jax.sim import faults
 
     run(3)
     faults._flip_kv_byte(srv, "FULL", next(r for r in srv.live if r.slots).slots[0])
     run(3)
     first_rows, swapped_at = _ring_rows(state), mgr.step_count
     assert first_rows
-    state = rt.init_state(mgr.cfg)
+    state = rt.init_state(mgr.cfg)  # the canary restarted
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        mgr.hold(state, fresh=True)
+        if announced:
+            mgr.hold(state, fresh=True)
         run(2)
         mgr.flush()
-    assert not [r for r in caplog.records if "was replaced" in r.getMessage()]
+    warned = [r for r in caplog.records if "was replaced" in r.getMessage()]
+    assert bool(warned) is not announced, warned
+    # The first state's rows (the last of them read back after the swap), then the fresh one's.
     assert sorted(r.violation.index for r in seen if r.step <= swapped_at) == first_rows
     fresh = sorted(r.violation.index for r in seen if r.step > swapped_at)
     assert fresh == _ring_rows(state) and fresh[0] == 0, (first_rows, fresh)

@@ -83,17 +83,13 @@ from kvcanary_jax.runtime.reporting import (
     CanaryViolationError,
     Reporter,
     StepContext,
+    failure_line,
+    state_consumed,
     ViolationReport,
     format_violation,
     logger,
 )
 from kvcanary_jax.runtime.state import CanaryConfig, init_state
-
-
-def _deleted(state) -> bool:
-    """Whether any array of ``state`` was deleted (donated to a computation that failed)."""
-    return state is not None and any(
-        getattr(leaf, "is_deleted", lambda: False)() for leaf in jax.tree_util.tree_leaves(state))
 
 
 __all__ = [
@@ -446,16 +442,15 @@ class CanaryManager:
         try:
             return launch(*args)
         except Exception as e:
-            if not _deleted(self._state):
+            if not state_consumed(self._state):
                 raise  # traced or refused before running: the state is as it was
             self._state = None
             # The phase array went with it (donated too): a new one, as the step left it.
             with _config.x64_scope():
                 self._phase = health.initial_phase(self._init_finished)
             self._phase_epoch += 1
-            first = (str(e).strip().splitlines() or [""])[0][:200]
             self._lost = (f"{what}() at step {self.step_count} failed on the device after "
-                          f"taking it ({type(e).__name__}: {first})")
+                          f"taking it ({failure_line(e)})")
             gone = " and the KV passed in" if what == "step" else ""
             raise CanaryStateLost(f"kv-canary: {self._lost}; the canary's state{gone} went with "
                                   "it (donated). The manager holds no state until one is set "

@@ -112,6 +112,18 @@ class CanaryStateLost(RuntimeError):
     the server sets one (``manager.state = ...``)."""
 
 
+def state_consumed(state) -> bool:
+    """Whether any array of ``state`` was deleted: donated to a computation that failed on the
+    device (a failure while tracing donates nothing)."""
+    return state is not None and any(
+        getattr(leaf, "is_deleted", lambda: False)() for leaf in jax.tree_util.tree_leaves(state))
+
+
+def failure_line(e: BaseException) -> str:
+    """``Type: first line`` of an error (XLA's run-time errors carry whole tracebacks)."""
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+
+
 @dataclasses.dataclass(frozen=True)
 class ViolationReport:
     """One new violation as the manager reports it: the decoded ring row, the outer step whose

@@ -24,7 +24,7 @@ from kvcanary_jax.integrations.sglang_jax.step import guard_model_step
 from kvcanary_jax.integrations.sglang_jax.sweep import hold
 from kvcanary_jax.integrations.sglang_jax.tokens import TokenDelta, TokenFeed
 from kvcanary_jax.runtime import CanaryStateLost, CanaryViolationError
-from kvcanary_jax.runtime.manager import _deleted
+from kvcanary_jax.runtime.reporting import failure_line, state_consumed
 
 __all__ = [
     "ModelRunnerHook",
@@ -188,11 +188,9 @@ class ModelRunnerHook:
         try:
             self.state, out = step(self.state, *args, **pending)
         except Exception as e:
-            if not _deleted(self.state):
+            if not state_consumed(self.state):
                 raise  # traced or refused before it ran: the state is as it was
-            first = (str(e).strip().splitlines() or [""])[0][:200]
-            self._lost = (f"a step failed on the device after taking it ({type(e).__name__}: "
-                          f"{first})")
+            self._lost = f"a step failed on the device after taking it ({failure_line(e)})"
             self.state = None
             raise CanaryStateLost(f"kv-canary sglang-jax: {self._lost}; the canary's state and "
                                   "the runner's pools passed in went with it (donated)") from e

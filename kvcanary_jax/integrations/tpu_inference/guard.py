@@ -61,6 +61,7 @@ from kvcanary_jax.integrations.tpu_inference import device, host, layout as _lay
 from kvcanary_jax.integrations.tpu_inference.remediation import _INCARNATIONS, Remediator, RequestId
 from kvcanary_jax.runtime import CanaryManager, CanaryViolationError, ManagerConfig
 from kvcanary_jax.runtime.config import env_value
+from kvcanary_jax.runtime.reporting import state_consumed
 from kvcanary_jax.runtime.kv import digest_reads_rows
 from kvcanary_jax.runtime.rebase import Rebaser
 from kvcanary_jax.runtime.state import state_jit
@@ -465,10 +466,7 @@ class TpuInferenceGuard:
         """After a failed step: a state the step took (donated, or never handed back) is gone;
         the canary starts afresh (blocks written before read as unstamped, and are reported as
         after a new install), and says so."""
-        state = self.state
-        gone = state is None or any(getattr(leaf, "is_deleted", lambda: False)()
-                                    for leaf in jax.tree.leaves(state))
-        if gone:
+        if self.state is None or state_consumed(self.state):
             logger.warning("kv-canary tpu-inference: a failed step took the canary's state with "
                            "it; the canary starts afresh (KV written before this point has no "
                            "canary: it is left unchecked until vLLM hands its block out again)")
