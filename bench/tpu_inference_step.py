@@ -4,6 +4,8 @@
     JAX_PLATFORMS= python -m bench.tpu_inference_step [--bs 8,64] [--ctx 512,2048]  # on a GPU
                                                          [--iters 20] [--out DIR] [--smoke]
                                                          [--coverage-window 0,64]
+    ncu --profile-from-start off -k regex:kvcanary --set full -o FILE \
+        python -m bench.tpu_inference_step --bs 64 --ctx 2048 --iters 2 --ncu   # its kernels
     JAX_PLATFORMS=cpu python -m bench.tpu_inference_step --compile v5e:2x2,v6e:2x2
                                                          [--head-dim 128,64] [--bare] [--out DIR]
                                                          [--coverage-window 0,64]
@@ -132,7 +134,11 @@ def _violations(state) -> int:
     return int(np.asarray(state.violation_write_index)[:, 0].sum())
 
 
-def run_case(bs: int, ctx: int, iters: int, smoke: bool = False, window: int = 0) -> dict:
+def run_case(bs: int, ctx: int, iters: int, smoke: bool = False, window: int = 0,
+             ncu: bool = False) -> dict:
+    """One case's row. ``ncu``: nothing timed; the canary-only step runs ``iters`` times
+    between ``cudaProfilerStart`` and ``cudaProfilerStop`` (for ``ncu --profile-from-start
+    off``: the bench's own CUPTI profiler and Nsight Compute's cannot share a process)."""
     e, guard, bare, step, decode = _fill(bs, ctx, iters, smoke, window)
     runner, canary = e.runner, guard.canary
     guard.manager.flush()
@@ -169,6 +175,9 @@ def run_case(bs: int, ctx: int, iters: int, smoke: bool = False, window: int = 0
     def idle_step(state_leaves, kv_caches, *args):
         return kv_caches, None, None, None
 
+    if ncu:
+        return _profiled(row, kti.guarded_model_fn(canary, idle_step, shardings), guard, runner,
+                         decode, late, with_kv, iters)
     row["bare"] = timing.device_time(bare_step, lambda: jax.block_until_ready(runner.kv_caches),
                                      iters=iters)
     row["guarded"], row["violations"] = timed_guarded(
@@ -181,6 +190,30 @@ def run_case(bs: int, ctx: int, iters: int, smoke: bool = False, window: int = 0
     base, g, c = (row[k]["median_us"] for k in ("bare", "guarded", "canary_only"))
     row["share_pct"] = 100.0 * (g - base) / g
     row["canary_only_share_pct"] = 100.0 * c / (base + c)
+    return row
+
+
+def _profiled(row, fn, guard, runner, decode, late, with_kv, iters: int) -> dict:
+    import torch
+
+    state = jax.tree.map(jnp.copy, guard.state)
+
+    def run():
+        nonlocal state
+        with jax.enable_x64(True):
+            state, out = fn(state, decode.delta, late, False, False, *with_kv(decode.args))
+        runner.kv_caches = list(out[0])
+        jax.block_until_ready((runner.kv_caches, state))
+
+    run()  # compiled outside the profiled range
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for _ in range(iters):
+        run()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    row["profiled_calls"] = iters
+    row["violations"] = _violations(state)
     return row
 
 
@@ -354,6 +387,9 @@ def _main(argv) -> int:
     p.add_argument("--coverage-window", default="0",
                    help="the guard's coverage windows, a case each (0: off; e.g. 0,64)")
     p.add_argument("--out", default=None, help="a directory for tpu_inference_step.json")
+    p.add_argument("--ncu", action="store_true",
+                   help="time nothing: run the canary-only step --iters times inside "
+                        "cudaProfilerStart/Stop, for ncu --profile-from-start off")
     a = p.parse_args(argv)
     windows = [int(w) for w in a.coverage_window.split(",")]
     harness.patch_for_cpu(stand_in_attention=not a.compile)
@@ -369,12 +405,16 @@ def _main(argv) -> int:
         for bs, ctx, window in itertools.product((int(x) for x in a.bs.split(",")),
                                                  (int(x) for x in a.ctx.split(",")), windows):
             try:
-                row = run_case(bs, ctx, a.iters, a.smoke, window)
+                row = run_case(bs, ctx, a.iters, a.smoke, window, ncu=a.ncu)
             except Exception as e:  # one failing case must not hide the others
                 errors.append(f"bs={bs} ctx={ctx} window={window}: {type(e).__name__}: {e}")
                 print(errors[-1], file=sys.stderr)
                 continue
             rows.append(row)
+            if a.ncu:
+                print(f"bs={bs:3d} ctx={ctx:5d} window {window:3d}  {a.iters} canary-only calls "
+                      f"profiled, violations {row['violations']}", flush=True)
+                continue
             print(f"bs={bs:3d} ctx={ctx:5d} window {window:3d}  bare {row['bare']['median_us']:9.1f} us  guarded "
                   f"{row['guarded']['median_us']:9.1f} us  canary alone "
                   f"{row['canary_only']['median_us']:8.1f} us  share {row['share_pct']:5.1f}% / "

@@ -302,6 +302,16 @@ def _demo(args, interrupt: _StopOnInterrupt) -> int:
                 f"--steps {args.steps} leaves no clean checkpoint to inject faults on (the first "
                 f"is taken at step {campaign.CHECKPOINT_WARMUP}): pass --steps "
                 f"{campaign.CHECKPOINT_WARMUP + 1} or more, or --injections 0 for the clean run only")
+        if args.injections and args.sweep_interval > args.steps:
+            # Our rule: the clean run would hold no sweep, and each fault trial waits for a
+            # sweep and then up to two intervals for it to report (an interval of 10,000 ran
+            # for hours).
+            raise ValueError(
+                f"--sweep-interval {args.sweep_interval} is longer than the clean run (--steps "
+                f"{args.steps}): no sweep would run in it, and each fault trial waits up to "
+                f"{campaign.default_window_steps(args.sweep_interval)} steps for a sweep to "
+                f"report its fault: pass --sweep-interval {args.steps} or less, or --injections "
+                "0 for the clean run only")
         window, window_origin = _coverage_window(args)
         sim = simulation.SimConfig(
             steps=args.steps, seed=args.seed, swa_window_size=args.swa_window,

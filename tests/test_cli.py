@@ -102,6 +102,32 @@ def test_demo_with_too_few_steps_for_a_fault_trial_says_so(steps, capsys, monkey
     assert [sm.campaign.checkpoint_count(n) for n in (1, 4, 5, 6, 7, 40)] == [0, 0, 1, 1, 2, 18]
 
 
+def test_a_sweep_interval_longer_than_the_clean_run_is_refused(capsys, monkeypatch):
+    """--sweep-interval 10000 with the default 40 steps: no sweep in the clean run, and the
+    fault trials waited tens of thousands of steps each for one."""
+    monkeypatch.setattr(sm, "run_campaign", lambda *a, **k: pytest.fail("ran"))
+    assert cli.main(["--sweep-interval", "10000", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        "kvcanary-jax: --sweep-interval 10000 is longer than the clean run (--steps 40): no "
+        "sweep would run in it, and each fault trial waits up to 20001 steps for a sweep to "
+        "report its fault: pass --sweep-interval 40 or less, or --injections 0 for the clean "
+        "run only\n")
+
+    class Ran(Exception):
+        pass
+
+    def run_campaign(sim, **kw):
+        raise Ran(sim.sweep_interval)
+
+    monkeypatch.setattr(sm, "run_campaign", run_campaign)
+    # The clean run alone, and an interval the clean run holds, are taken.
+    for argv, interval in ((["--sweep-interval", "10000", "--injections", "0"], 10000),
+                           (["--sweep-interval", "40"], 40)):
+        with pytest.raises(Ran) as e:
+            cli.main(argv + ["--no-progress"])
+        assert e.value.args == (interval,)
+
+
 def test_a_failed_demo_says_why(capsys, monkeypatch):
     def run_campaign(sim, **kw):
         return sm.CampaignResult(

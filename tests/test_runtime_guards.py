@@ -80,6 +80,24 @@ def test_a_state_from_init_state_fits(extra):
     rt.check_state(cfg, rt.init_state(cfg))
 
 
+@pytest.mark.parametrize("field,value,part", [
+    ("ring_capacity", 10**11, "the violation ring (ring_capacity 100000000000 rows of 64 B): "
+     "6,400,000,000,000 B"),
+    ("num_slots", 10**11, "the canary buffers (2 of num_slots 100000000000 x 32 B): "
+     "6,400,000,000,000 B"),
+])
+def test_a_state_too_large_for_the_device_names_what_sizes_it(field, value, part):
+    # XLA's allocator refuses it at once (no allocation is attempted beyond what it asks).
+    cfg = rt.CanaryConfig(**{**BASE, field: value})
+    with pytest.raises(MemoryError) as e:
+        rt.init_state(cfg)
+    msg = str(e.value)
+    assert msg.startswith("kv-canary: the canary's state does not fit the device's memory: it "
+                          "needs 6,400,000,00")
+    assert f"most of it {part}; lower the fields named" in msg
+    assert "RESOURCE_EXHAUSTED" in str(e.value.__cause__)
+
+
 # --- a state that does not fit its config --------------------------------------------------------
 
 CFG = rt.CanaryConfig(**BASE)

@@ -378,7 +378,40 @@ def launch_tags(cfg: CanaryConfig) -> tuple[str, ...]:
 def init_state(cfg: CanaryConfig, *, chain_position_assert: bool = True,
                device=None) -> CanaryState:
     """Zero-filled state sized from ``cfg``. The chain-position flag starts at 1 unless the
-    caller still has warm-up / capture steps to run (then flip it with ``enable_chain_assert``)."""
+    caller still has warm-up / capture steps to run (then flip it with ``enable_chain_assert``).
+    Raises MemoryError, naming the state's largest buffers and the fields that size them, where
+    the device cannot hold it."""
+    try:
+        return _build_state(cfg, chain_position_assert, device)
+    except Exception as e:  # XLA's allocator says RESOURCE_EXHAUSTED, as a runtime error
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise MemoryError(_too_large(cfg)) from e
+
+
+def _too_large(cfg: CanaryConfig) -> str:
+    """What the state of ``cfg`` needs, by part (shapes only: nothing is allocated)."""
+    shapes = jax.eval_shape(lambda: _build_state(cfg, True, None))
+    size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
+    parts = {
+        f"the violation ring (ring_capacity {cfg.ring_capacity} rows of "
+        f"{consts.VIOLATION_FIELDS * 8} B)": size(shapes.violation_ring),
+        f"the canary buffers ({len(shapes.bufs)} of num_slots {cfg.num_slots} x "
+        f"{consts.CANARY_SLOT_BYTES} B)": size(shapes.bufs),
+        f"the expected-token pool (max_reqs {cfg.max_reqs} x context_len {cfg.context_len} "
+        "int32)": size(shapes.expected_tokens),
+        f"the plans (verify capacity {cfg.verify_cap})": size(shapes.plans),
+    }
+    if shapes.coverage is not None:
+        parts["the coverage counters (coverage_window)"] = size(shapes.coverage)
+    total = size(shapes)
+    largest = sorted(parts.items(), key=lambda kv: -kv[1])
+    listed = "; ".join(f"{name}: {n:,} B" for name, n in largest if n and 100 * n >= total)
+    return (f"kv-canary: the canary's state does not fit the device's memory: it needs "
+            f"{total:,} B, most of it {listed}; lower the fields named")
+
+
+def _build_state(cfg: CanaryConfig, chain_position_assert: bool, device) -> CanaryState:
     put = lambda x: jax.device_put(x, device)  # noqa: E731
     bufs = {}
     for group in cfg.groups:

@@ -118,7 +118,7 @@ def _verify_then_write(cfg, state, batch, group, copy, sources_by_half, lut):
 
 def head(cfg: CanaryConfig, state: CanaryState, batch: ForwardBatch, req_to_token: jax.Array,
          lut: jax.Array, *, expected_pool: jax.Array | None = None,
-         fresh_chains: bool = False) -> CanaryState:
+         valid_lens: jax.Array | None = None, fresh_chains: bool = False) -> CanaryState:
     """The HEAD half of a step, traceable (call inside a jit): scatter the expected tokens, plan
     every group, HEAD verify + write. ``lut``: the full->SWA LUT (any 1-element array without
     an SWA group). Raises ValueError (while tracing) for a state that does not fit ``cfg``.
@@ -127,14 +127,19 @@ def head(cfg: CanaryConfig, state: CanaryState, batch: ForwardBatch, req_to_toke
     already, row ``batch.req_pool_indices[r]`` holding request ``r``'s ids up to its
     ``all_ids_offsets`` length (an integration that keeps the ids on the device between steps);
     the scatter is skipped and ``state.expected_tokens`` / ``expected_valid_lens`` are left as
-    they are (the caller keeps them).
+    they are (the caller keeps them). ``valid_lens`` (with ``expected_pool`` only): those
+    lengths per batch row, where the caller has them (default: the differences of
+    ``all_ids_offsets``; the offsets are then not read, and a caller need not sum them).
 
     ``fresh_chains`` (static): a write whose chain seed is slot 0 starts a new chain from the
     anchor instead (SGLang reads slot 0 as a real seed): for a caller whose ``req_to_token``
     holds 0 for the slots it has no canary for (KV written before the canary started), whose
     verify entries are then skipped and whose successor's chain check is off."""
     check_state(cfg, state)
-    valid_lens = batch.all_ids_offsets[1:] - batch.all_ids_offsets[:-1]
+    if valid_lens is None:
+        valid_lens = batch.all_ids_offsets[1:] - batch.all_ids_offsets[:-1]
+    elif expected_pool is None:
+        raise ValueError("kv-canary runtime: valid_lens is for an expected_pool caller")
     pool = None
     if expected_pool is not None:
         if not cfg.enable_verify_token_assert:

@@ -139,7 +139,12 @@ def fault_kinds(faults=None) -> list[str]:
 
 def default_window(sim: SimConfig) -> int:
     """Steps a placed fault gets to show up in the host poll (two sweeps for sweep-only faults)."""
-    return max(4, 2 * sim.sweep_interval + 1)
+    return default_window_steps(sim.sweep_interval)
+
+
+def default_window_steps(sweep_interval: int) -> int:
+    """:func:`default_window` of a sweep interval."""
+    return max(4, 2 * sweep_interval + 1)
 
 
 def run_trial(server: Server, kind: str, rng: np.random.Generator, *, window: int,

@@ -396,14 +396,19 @@ def guarded_step(canary: TpuInferenceCanary, model, state, delta, pending, md, i
         if canary.token_checks:
             st, expected_pool, expected = _pool(canary, st, b, data["delta"],
                                                 data["pending"][0], data["ids"])
-        plans = []  # each pass's plans, for its TAIL (the state keeps the last pass's)
+        # Each pass's plans and batch, for its TAIL (the state keeps the last pass's plans).
+        # TAIL takes HEAD's batch as it is: the pool it was read from is the one TAIL would
+        # read (``head`` leaves an ``expected_pool`` caller's pool alone), and deriving it again
+        # after the model was a dozen small kernels a step.
+        passes = []
         for keep in _passes(data["late"], split):
             batch = _canary_batch(b, data["ids"], data["pos"], expected, keep)
             # A request whose last read slot has no canary (0 in the table) starts a new chain.
             st = head(cfg, st, batch, b["table"], _no_lut(), expected_pool=expected_pool,
-                      fresh_chains=data["unwritten"] is not None)
-            plans.append(st.plans)
-        return {"state": st, "plans": plans}
+                      valid_lens=None if expected_pool is None else batch.extend_seq_lens
+                      + batch.prefix_lens, fresh_chains=data["unwritten"] is not None)
+            passes.append((st.plans, batch))
+        return {"state": st, "plans": passes}
 
     both = _shard_map(canary, head_fn, state, per_data, kv_caches[canary.layer_index])
     state, per_data["plans"] = both["state"], both["plans"]
@@ -411,17 +416,9 @@ def guarded_step(canary: TpuInferenceCanary, model, state, delta, pending, md, i
     new_kv = kv_arg(canary, list(out[0]))
 
     def tail_fn(st, data, local):
-        b = step_batch(canary, data["md"], data["ids"], data["pos"])
-        expected = jnp.zeros(data["ids"].shape, jnp.int64)
-        if canary.token_checks:
-            # HEAD updated the pool already; the expected ids are re-read, not re-adopted.
-            row_t = jnp.where(b["valid_tok"], data["delta"].rows.astype(jnp.int64)[b["owner"]], 0)
-            expected = st.expected_tokens[row_t, jnp.clip(b["pos"], 0, canary.context_len - 1)]
-            expected = expected.astype(jnp.int64)
-        for keep, plans in zip(_passes(data["late"], split), data["plans"]):
-            batch = _canary_batch(b, data["ids"], data["pos"], expected, keep)
-            st = tail(cfg, dataclasses.replace(st, plans=_first(plans)), batch, _no_lut(),
-                      _k_dict(canary, local))
+        for plans, batch in data["plans"]:
+            st = tail(cfg, dataclasses.replace(st, plans=_first(plans)), _first(batch),
+                      _no_lut(), _k_dict(canary, local))
         return st
 
     # The plans travel as per-shard values: stacked over every shard axis, not only the data
