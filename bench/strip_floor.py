@@ -16,10 +16,12 @@ request's positions in order.
 - ``chain``: the same loads, the strip folded as the verify folds it (``h = splitmix64(h ^ w)``
   per word, int64), its result stored (the floor of the fold: the loads and the serial chain);
 - each at one entry a lane in one-warp programs of 32 entries (the verify's shape for such
-  plans) and in 4-warp programs of 128.
+  plans) and in 4-warp programs of 128;
+- both again in CUDA C (cupy's NVRTC, where cupy is installed): the whole strip loaded in
+  16-byte loads before the first word is folded, nothing masked, at 128 and 256 threads.
 
 Device time per launch (``bench.timing``; the inputs rotate past the L2). Prints a table and
-writes JSON with ``--out``. Needs a CUDA GPU, torch and triton.
+writes JSON with ``--out``. Needs a CUDA GPU, torch and triton (and cupy for the CUDA C rows).
 """
 
 from __future__ import annotations
@@ -72,6 +74,52 @@ def _kernels():
         tl.store(out + k, acc ^ h, mask=ok)
 
     return floor_kernel
+
+
+CUDA_SOURCE = r"""
+extern "C" __global__ void strip_floor(const long long* plan, const unsigned long long* canary,
+                                       const ulonglong2* kv, long long* out, int n,
+                                       int slot_words, int chain) {
+    int k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= n) return;
+    long long slot = plan[4 * k], epos = plan[4 * k + 1], prev = plan[4 * k + 2];
+    unsigned long long acc = (unsigned long long)(epos ^ plan[4 * k + 3]);
+    const ulonglong2* row = (const ulonglong2*)(canary + 4 * slot);
+    ulonglong2 r0 = row[0], r1 = row[1];
+    acc ^= r0.x ^ r0.y ^ r1.x ^ r1.y;
+    if (prev > 0) {
+        const unsigned long long* p = canary + 4 * prev;
+        acc ^= p[0] ^ p[1] ^ p[2];
+    }
+    // The whole 256-byte strip in flight at once (16 loads of 16 bytes), then folded.
+    const ulonglong2* strip = kv + slot * (slot_words / 2);
+    ulonglong2 w[16];
+    #pragma unroll
+    for (int j = 0; j < 16; ++j) w[j] = strip[j];
+    unsigned long long h = 0;
+    if (chain) {
+        #pragma unroll
+        for (int j = 0; j < 32; ++j) {
+            unsigned long long x = h ^ ((j & 1) ? w[j >> 1].y : w[j >> 1].x);
+            x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+            x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+            h = x ^ (x >> 31);
+        }
+    } else {
+        #pragma unroll
+        for (int j = 0; j < 16; ++j) h ^= w[j].x ^ w[j].y;
+    }
+    out[k] = (long long)(acc ^ h);
+}
+"""
+
+
+def _cuda_kernel():
+    """The same loads in CUDA C (cupy's NVRTC): every word of the strip loaded before the
+    first is folded, 16-byte loads, no masks, no checks."""
+    import cupy
+
+    return cupy.RawKernel(CUDA_SOURCE, "strip_floor")
 
 
 def _slots(entries: int, rng) -> np.ndarray:
@@ -136,6 +184,30 @@ def run(entries: int, slot_bytes: int, strip_bytes: int, iters: int) -> list[dic
                          "gb_per_s": round(byte_count / t["median_us"] / 1e3, 1)})
             print(f"{rows[-1]['kernel']:6s} block {block:4d} x {warps} warps: "
                   f"{t['median_us']:8.2f} us  {rows[-1]['gb_per_s']:7.1f} GB/s", flush=True)
+    try:
+        import cupy
+    except ImportError:
+        print("cupy not installed: no CUDA C rows", flush=True)
+        return rows
+    cuda = _cuda_kernel()
+    cp = [cupy.from_dlpack(t) for t in plans]
+    cp_canary, cp_kv, cp_out = (cupy.from_dlpack(t) for t in (canary, kv, out))
+    for chain in (0, 1):
+        for block in (128, 256):
+            grid = (-(-entries // block),)
+
+            def call(i, block=block, chain=chain, grid=grid):
+                cuda(grid, (block,), (cp[i % sets], cp_canary, cp_kv, cp_out, np.int32(entries),
+                                      np.int32(slot_bytes // 8), np.int32(chain)))
+
+            t = timing.device_time(call, torch.cuda.synchronize, iters=iters)
+            byte_count = entries * (32 + 32 + strip_bytes)
+            rows.append({"kernel": ("chain" if chain else "gather") + " (CUDA C)",
+                         "block": block, "num_warps": block // 32, "entries": entries,
+                         "bytes": byte_count, "median_us": round(t["median_us"], 2),
+                         "gb_per_s": round(byte_count / t["median_us"] / 1e3, 1)})
+            print(f"{rows[-1]['kernel']:15s} block {block:4d}: {t['median_us']:8.2f} us  "
+                  f"{rows[-1]['gb_per_s']:7.1f} GB/s", flush=True)
     return rows
 
 

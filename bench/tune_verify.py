@@ -42,6 +42,7 @@ SMALL_SHAPES = [(64, 1), (128, 1), (128, 2), (128, 4), (256, 2), (256, 4), (256,
                 (1024, 4), (1024, 8)]
 
 PROGRAMS = [132, 264, 528, 1056, 2112, 1 << 30]
+MID_PLAN = 1 << 18
 EXTRAS = [dict(num_stages=2), dict(num_stages=3), dict(hoist=False)]
 
 
@@ -123,7 +124,10 @@ def main() -> int:
             measure(dict(default))
             cur = dict(default)
             cur = best_of([{**cur, "group": g, "vec": v} for g, v in STRUCTURE] + [dict(OLD)])
-            shapes = SMALL_SHAPES if entries <= 65536 else SHAPES
+            # Mid-size plans (a batch's whole context, 64 x 2,048 cached tokens) get both lists:
+            # the large shapes leave most SMs one program there.
+            shapes = (SMALL_SHAPES if entries <= 65536 else
+                      SMALL_SHAPES + SHAPES if entries <= MID_PLAN else SHAPES)
             cur = best_of([{**cur, "block": b, "num_warps": w} for b, w in shapes])
             if entries > 4096:
                 cur = best_of([{**cur, "max_programs": p} for p in PROGRAMS])

@@ -278,6 +278,35 @@ def test_many_blocks_grid_stride(sgl, structure, impl):
     _races.assert_verify_outcome(ref, st, claims=claims, **plan, check_verify_expected_token=True)
 
 
+@pytest.mark.parametrize("impl", pallas("verify"))
+@pytest.mark.parametrize("shape", [0, 1, 2])
+def test_the_heuristics_small_and_mid_plan_shapes(sgl, shape, impl):
+    """Each shape of ``SMALL_PLANS`` (2: the mid-size plans', 4-warp programs of 512 entries as
+    4 column vectors, 2 canary words a load) over a chain-ordered plan (a predecessor taken
+    from the previous column) with others gathered, many violations, a few programs."""
+    from kvcanary_jax.ops.verify.pallas_triton import SMALL_PLANS
+
+    rng = np.random.default_rng(21 + shape)
+    num_slots, n = 1024, 1500
+    slots = rng.integers(1, num_slots, n)
+    st = support.State.zeros(num_slots, 2048)
+    st.canary_i64[:, :4] = rng.integers(-5, 5, (num_slots, 4))
+    prev = np.where(rng.random(n) < 0.7, np.roll(slots, 1), rng.integers(-2, num_slots, n))
+    e = dict(verify_slot_indices=slots, verify_expected_tokens=rng.integers(-5, 5, n),
+             verify_expected_positions=rng.integers(-5, 5, n), verify_prev_slot_indices=prev)
+    plan = cases.padded_verify_plan(e, capacity=2048)
+    plan["verify_num_valid"] = 1400
+    _, ref = support.check_verify(sgl, st, implementation="xla", **plan,
+                                  check_verify_expected_token=True)
+    config = _launch(**SMALL_PLANS[shape][1])
+    with jax.enable_x64(True):
+        got = canary_verify(**cases.jax_verify_args(context=support.jax_context(st), **plan),
+                            implementation=impl, config=config)
+    claims = _races.assert_verify_outcome(support.state_of(got), st, config=config, **plan,
+                                          check_verify_expected_token=True)
+    _races.assert_verify_outcome(ref, st, claims=claims, **plan, check_verify_expected_token=True)
+
+
 # --- round trips: write then verify, clean, per hash mode --------------------------------------
 
 TRIPS_PER_MODE = _tier.n(30, 1000)

@@ -56,8 +56,13 @@ HOIST = True
 # per-entry latency matters more than the load count, so the plain one-entry-per-lane structure
 # in small blocks wins: 2.4 us at 1k entries (128-entry blocks, 4 warps), 6.2 us at 64k
 # (256-entry blocks, 2 warps).
+# Mid-size plans (up to 262,144 entries: a batch's whole context, 64 requests of 2,048-2,352
+# cached tokens) take 4-warp programs of 512 entries, one per block: the large-plan shape gives
+# most SMs a single 8-warp program there (the H100 sweep of bench/tune_verify.py,
+# bench/NOTES.md: 14.27 -> 10.93 us at 150,528 entries, 9.90 -> 9.04 at 131,072).
 SMALL_PLANS = ((4096, dict(block=128, num_warps=4, group=1, vec=1)),
-               (65536, dict(block=256, num_warps=2, group=1, vec=1, max_programs=264)))
+               (65536, dict(block=256, num_warps=2, group=1, vec=1, max_programs=264)),
+               (1 << 18, dict(block=512, num_warps=4, group=4, vec=2, max_programs=1 << 30)))
 # Verifies that fold at least FOLD_MIN_WORDS real-KV words per entry (a TAIL or SWEEP launch)
 # do a serial splitmix64 chain per entry, several times the metadata checks' work: (capacity
 # limit, config) pairs for them, tried before the shapes above. One entry per lane in one-warp
@@ -103,7 +108,8 @@ class Config:
 
 
 def heuristics(shapes) -> Config:
-    """The large-plan shape, or the small-plan one for plans of up to 4,096 / 65,536 entries;
+    """The large-plan shape, or the small-plan one for plans of up to 4,096 / 65,536 / 262,144
+    entries;
     for a verify that folds real KV, the fold shapes first."""
     if shapes.get("real_kv_words", 0) >= FOLD_MIN_WORDS:
         for limit, fold in FOLD_PLANS:
