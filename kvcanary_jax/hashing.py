@@ -106,48 +106,8 @@ def array_gather(arr, idx, ok):
     return jnp.where(ok, arr[jnp.where(ok, idx, 0)], 0)
 
 
-def _strips(slots, mask, source_refs, specs, mode: int, index_dtype, prefetch: int):
-    """Per source of :func:`fold_real_kv`: ``(ref, base, ok, idt, words, group, first)``: the
-    lanes' first word offsets, which lanes load, the offset dtype, the words folded, the words
-    loaded at once, and how many the first load takes (all of them up to 8)."""
-    out = []
-    for ref, spec in zip(source_refs, specs):
-        idt = jnp.int64 if index_dtype is None else index_dtype(ref.shape[0])
-        s = jnp.where(mask, slots, 0).astype(jnp.int64)
-        row = s // spec.page_size
-        col = s % spec.page_size
-        ok = mask & (slots >= 0) & (row < spec.num_rows)
-        base = spec.word_offset + row * spec.row_stride_words + col * spec.nbpt_words
-        base = jnp.where(ok, base, 0).astype(idt)
-        words = 2 if mode == int(consts.RealKvHashMode.PARTIAL) else spec.read_words
-        group = max(1, min(prefetch, words))
-        out.append((ref, base, ok, idt, words, group, words if words <= 8 else group))
-    return out
-
-
-def _load_words(ref, base, ok, idt, first, count, gather, gather_words):
-    """Words ``first .. first + count - 1`` of each lane's strip (``count`` loads issued)."""
-    if gather_words is not None:
-        return gather_words(ref, base, first, count, ok)
-    return [gather(ref, base + (first + j).astype(idt), ok) for j in range(count)]
-
-
-def first_real_kv_words(slots, mask, source_refs: Sequence, specs: Sequence, mode: int, *,
-                        gather=array_gather, index_dtype=None, prefetch: int = 1,
-                        gather_words=None):
-    """The words :func:`fold_real_kv` (same arguments) loads first, per source, loaded now; pass
-    them as its ``early`` to fold them there. A kernel issues them as soon as it has the slots,
-    so that their latency overlaps its other loads (``None`` where nothing is loaded)."""
-    if mode == int(consts.RealKvHashMode.NONE) or not specs:
-        return None
-    return [_load_words(ref, base, ok, idt, jnp.asarray(0, idt), first, gather, gather_words)
-            for ref, base, ok, idt, _, _, first in _strips(slots, mask, source_refs, specs, mode,
-                                                             index_dtype, prefetch)]
-
-
 def fold_real_kv(slots, mask, source_refs: Sequence, specs: Sequence, mode: int, *,
-                 gather=array_gather, index_dtype=None, prefetch: int = 1, gather_words=None,
-                 early=None):
+                 gather=array_gather, index_dtype=None, prefetch: int = 1, gather_words=None):
     """Real-KV fingerprints of a vector of slots.
 
     ``source_refs[i]`` is source i's bytes as a flat int64 word ref; ``specs[i]`` its static
@@ -167,31 +127,38 @@ def fold_real_kv(slots, mask, source_refs: Sequence, specs: Sequence, mode: int,
     ``gather_words(ref, base, first, count, ok)``, when given, loads words ``first .. first +
     count - 1`` of each lane's strip at once (a list of ``count`` word vectors; kernels pass
     vector loads of several contiguous words a lane) in place of ``count`` calls of ``gather``.
-
-    ``early``: :func:`first_real_kv_words` of the same arguments, loaded earlier by the caller
-    (the first group is folded from them instead of loaded here; the same words, the same hash).
     """
     zero = jnp.zeros(slots.shape, jnp.int64)
     if mode == int(consts.RealKvHashMode.NONE) or not specs:
         return zero
     acc = zero
-    strips = _strips(slots, mask, source_refs, specs, mode, index_dtype, prefetch)
-    for k, (ref, base, ok, idt, words, group, first) in enumerate(strips):
+    for ref, spec in zip(source_refs, specs):
+        idt = jnp.int64 if index_dtype is None else index_dtype(ref.shape[0])
+        s = jnp.where(mask, slots, 0).astype(jnp.int64)
+        row = s // spec.page_size
+        col = s % spec.page_size
+        ok = mask & (slots >= 0) & (row < spec.num_rows)
+        base = spec.word_offset + row * spec.row_stride_words + col * spec.nbpt_words
+        base = jnp.where(ok, base, 0).astype(idt)
+        words = 2 if mode == int(consts.RealKvHashMode.PARTIAL) else spec.read_words
+        group = max(1, min(prefetch, words))
 
-        def fold(start, count, h, base=base, ok=ok, ref=ref, idt=idt, loaded=None):
-            # ``count`` loads issued, then folded in order: word ``start + j`` is step j.
-            if loaded is None:
-                loaded = _load_words(ref, base, ok, idt, start, count, gather, gather_words)
+        def fold(first, count, h, base=base, ok=ok, ref=ref):
+            # ``count`` loads issued, then folded in order: word ``first + j`` is step j.
+            if gather_words is not None:
+                loaded = gather_words(ref, base, first, count, ok)
+            else:
+                loaded = [gather(ref, base + (first + j).astype(idt), ok) for j in range(count)]
             for word in loaded:
                 h = splitmix64(h ^ word)
             return h
 
         full, rest = divmod(words, group)
-        loaded = None if early is None else early[k]
-        h = fold(jnp.asarray(0, idt), first, zero, loaded=loaded)  # all words up to 8
-        if words > 8:
+        if words <= 8:
+            h = fold(jnp.asarray(0, idt), words, zero)
+        else:
             h = jax.lax.fori_loop(
-                1, full, lambda c, h: fold(c.astype(idt) * group, group, h), h)
+                0, full, lambda c, h: fold(c.astype(idt) * group, group, h), zero)
             if rest:
                 h = fold(jnp.asarray(full * group, idt), rest, h)
         acc = splitmix64(acc ^ h)

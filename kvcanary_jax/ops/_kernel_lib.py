@@ -42,7 +42,6 @@ __all__ = [
     "append_rows",
     "ring_append",
     "fold_real_kv",
-    "first_real_kv_words",
     "canary_words",
     "canary_from_words",
 ]
@@ -229,28 +228,15 @@ def _words_gather(vec: int):
     return load
 
 
-def _fold_args(prefetch, vec) -> dict:
-    return dict(gather=_word_gather, index_dtype=index_dtype,
-                prefetch=REAL_KV_PREFETCH if prefetch is None else prefetch,
-                gather_words=_words_gather(vec) if vec > 1 else None)
-
-
 def fold_real_kv(slots, mask, source_refs, specs, mode: int, *, prefetch: int | None = None,
-                 vec: int = 1, early=None):
+                 vec: int = 1):
     """:func:`kvcanary_jax.hashing.fold_real_kv` over kernel refs (masked loads, int32 offsets
     where they fit); ``prefetch`` defaults to :data:`REAL_KV_PREFETCH`; ``vec``: words a lane
-    loads at once (1, 2 or 4; the result does not depend on it); ``early``: what
-    :func:`first_real_kv_words` of the same arguments loaded."""
-    return hashing.fold_real_kv(slots, mask, source_refs, specs, mode, early=early,
-                                **_fold_args(prefetch, vec))
-
-
-def first_real_kv_words(slots, mask, source_refs, specs, mode: int, *,
-                        prefetch: int | None = None, vec: int = 1):
-    """:func:`kvcanary_jax.hashing.first_real_kv_words` over kernel refs (as
-    :func:`fold_real_kv`)."""
-    return hashing.first_real_kv_words(slots, mask, source_refs, specs, mode,
-                                       **_fold_args(prefetch, vec))
+    loads at once (1, 2 or 4; the result does not depend on it)."""
+    return hashing.fold_real_kv(slots, mask, source_refs, specs, mode, gather=_word_gather,
+                                index_dtype=index_dtype,
+                                prefetch=REAL_KV_PREFETCH if prefetch is None else prefetch,
+                                gather_words=_words_gather(vec) if vec > 1 else None)
 
 
 def canary_words(buf: jax.Array) -> jax.Array:

@@ -31,8 +31,7 @@ from kvcanary_jax.ops._kernel_lib import append_rows, canary_words, claim_rows
 from kvcanary_jax.plans import VerifyPlan
 
 __all__ = ["Config", "LaunchGrid", "heuristics", "launch_grid", "run", "BLOCK", "MAX_PROGRAMS",
-           "NUM_WARPS", "NUM_STAGES", "GROUP", "VEC", "HOIST", "SMALL_PLANS", "FOLD_VEC",
-           "FOLD_EARLY"]
+           "NUM_WARPS", "NUM_STAGES", "GROUP", "VEC", "HOIST", "SMALL_PLANS", "FOLD_VEC"]
 
 # Entries per block (one grid-stride step of a program), persistent grid cap (SGLang: 64 blocks x
 # 512 threads; the grid is smaller for small plans) and warps: the fastest of the H200 sweep
@@ -77,9 +76,6 @@ FOLD_PLANS: tuple = ((1 << 18, dict(block=32, num_warps=1, max_programs=1 << 30,
 # fetches a 32-byte sector for 8 bytes of it, and the strip's next words must still be in L1
 # when their loads come; 4 words are the whole sector.
 FOLD_VEC = 4
-# Issue the strip's first ``REAL_KV_PREFETCH`` words with the canary rows' gathers (they depend
-# on the slot only), instead of after the rows' checks: one memory round trip a block fewer.
-FOLD_EARLY = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +83,8 @@ class Config:
     """Launch parameters: ``block`` entries per block (a power of two), ``max_programs`` (the
     persistent grid's cap), ``num_warps``, ``num_stages``, ``group`` column vectors per block (a
     power of two), ``vec`` canary words per gather (1, 2 or 4), ``hoist`` (drop the grid-stride
-    loop and issue the plan loads early when one pass covers the plan), ``fold_vec`` (real-KV
-    words a lane loads at once) and ``fold_early`` (the strip's first words issued with the
-    rows' gathers). Results do not depend on them. ``interpret``: Pallas interpret mode (any backend; what ``pallas_interpret`` runs)."""
+    loop and issue the plan loads early when one pass covers the plan). Results do not depend on
+    them. ``interpret``: Pallas interpret mode (any backend; what ``pallas_interpret`` runs)."""
 
     block: int = BLOCK
     max_programs: int = MAX_PROGRAMS
@@ -99,7 +94,6 @@ class Config:
     vec: int = VEC
     hoist: bool = HOIST
     fold_vec: int = FOLD_VEC
-    fold_early: bool = FOLD_EARLY
     interpret: bool = False
 
     def __post_init__(self):
@@ -152,7 +146,7 @@ def launch_grid(capacity: int, config: Config) -> LaunchGrid:
 def _verify_kernel(
     slots_ref, etok_ref, epos_ref, prev_ref, nvalid_ref, enable_ref, canary, *refs, specs, mode,
     kind, check_token, num_slots, slot_words, ring_cap, block, num_programs, group, vec, hoist,
-    fold_vec=1, fold_early=False,
+    fold_vec=1,
 ):
     nsrc = len(specs)
     src_refs = refs[:nsrc]
@@ -228,18 +222,12 @@ def _verify_kernel(
             # agree (that entry is active and its slot > 0 is in range, so it is loaded).
             reuse = None if g == 0 else p_ok & (prev == plan[g - 1][1])
             need = p_ok if reuse is None else p_ok & ~reuse
-            early = None
-            if fold_early:
-                # The strip's first words go out with the rows' gathers, not after their checks.
-                early = _kernel_lib.first_real_kv_words(slot, checked & (slot >= 0), src_refs,
-                                                        specs, mode, vec=fold_vec)
             loads.append((checked, reuse, gather(row_base(s_eff, s_ok), s_ok, 4),
-                          gather(row_base(prev, need), need, 3), early))
+                          gather(row_base(prev, need), need, 3)))
 
         cols = []
         prev_col = None
-        for (act, slot, epos, prev, etok), (checked, reuse, row, prow, early) in zip(plan,
-                                                                                    loads):
+        for (act, slot, epos, prev, etok), (checked, reuse, row, prow) in zip(plan, loads):
             tok, pos, ph, rkv = fields(row, 4)
             p_tok, p_pos, p_ph = fields(prow, 3)
             if reuse is not None:
@@ -252,7 +240,7 @@ def _verify_kernel(
             exp_chain = jnp.where(prev < 0, anchor, hashing.mix3(p_ph, p_tok, p_pos))
             exp_aux = jnp.where(chain_checked, exp_chain, ph)
             exp_rkv = _kernel_lib.fold_real_kv(slot, checked & (slot >= 0), src_refs, specs,
-                                               mode, vec=fold_vec, early=early)
+                                               mode, vec=fold_vec)
             bits = (
                 jnp.where(chain_checked & (ph != exp_chain), int(F.VERIFY_CHAIN_HASH_MISMATCH), 0)
                 | jnp.where(pos != epos, int(F.VERIFY_POSITION_MISMATCH), 0)
@@ -315,7 +303,6 @@ def run(context: VerifyOrWriteContext, plan: VerifyPlan, *, check_verify_expecte
         _verify_kernel, specs=specs, mode=mode, kind=kind, check_token=check_token,
         num_slots=num_slots, slot_words=stride_bytes // 8, ring_cap=ring_cap, block=block,
         num_programs=num_programs, group=group, vec=vec, hoist=hoist, fold_vec=config.fold_vec,
-        fold_early=config.fold_early,
     )
     ins = [plan.verify_slot_indices, plan.verify_expected_tokens, plan.verify_expected_positions,
            plan.verify_prev_slot_indices, plan.verify_num_valid, plan.enable,
