@@ -3,7 +3,7 @@ inside sglang-jax's canary-only step (the kernels as a server runs them).
 
     JAX_PLATFORMS=cuda python -m bench.tune_tail_verify [--bs 8,64] [--ctx 512,2048]
                                                       [--iters 10] [--out FILE] [--vec]
-                                                      [--write-block]
+                                                      [--write-block] [--prefetch]
 
 The TAIL verify fingerprints every verified slot's K strip (256 bytes, 32 words, in a serial
 splitmix64 chain per slot), several times the work of the HEAD verify over the same plan, and
@@ -48,10 +48,14 @@ WRITE_VEC = [1, 2, 4]
 # --write-block: the write's tokens per vector block (its fingerprints are folded on every lane
 # of the block, valid or not: a decode step's request has one token).
 WRITE_BLOCKS = [128, 64, 32]
+# --prefetch: the strip's words the verify loads before it folds them (REAL_KV_PREFETCH; 32:
+# the whole 256-byte strip in flight, as the CUDA C floor of bench/strip_floor.py loads it).
+VERIFY_PREFETCH = [8, 16, 32]
 
 
 def _case(bs: int, ctx: int, iters: int, done: list, path: str | None,
-          vec: bool = False, write_block: bool = False) -> list[dict]:
+          vec: bool = False, write_block: bool = False,
+          prefetch_sweep: bool = False) -> list[dict]:
     st = sjs.Stack("kv", bs, ctx, iters, "feed")
     st.build()
     canary, mesh = st.canary, st.mesh
@@ -82,6 +86,17 @@ def _case(bs: int, ctx: int, iters: int, done: list, path: str | None,
         return t
 
     rows = []
+    if prefetch_sweep:
+        kept = _kernel_lib.REAL_KV_PREFETCH
+        try:
+            for n in VERIFY_PREFETCH:
+                _kernel_lib.REAL_KV_PREFETCH = n
+                rows.append({"bs": bs, "ctx": ctx, "verify_prefetch": n, **timed()})
+                _print(rows[-1])
+                _save(done + rows, path)
+        finally:
+            _kernel_lib.REAL_KV_PREFETCH = kept
+        return rows
     if write_block:
         heuristics = wpt.heuristics
         try:
@@ -134,6 +149,7 @@ def _print(row: dict) -> None:
     what = (f"fold {row['fold_shape']}" if "fold_shape" in row
             else f"write fold_vec {row['write_fold_vec']}" if "write_fold_vec" in row
             else f"write block {row['write_block']}" if "write_block" in row
+            else f"verify prefetch {row['verify_prefetch']}" if "verify_prefetch" in row
             else f"write prefetch {row['write_prefetch']}")
     if "error" in row:
         print(f"bs={row['bs']} ctx={row['ctx']} {what}: {row['error']}", flush=True)
@@ -154,12 +170,14 @@ def main(argv=None) -> int:
                    help="time the real-KV words loaded at once (fold_vec) instead of the shapes")
     p.add_argument("--write-block", action="store_true",
                    help="time the write's tokens per vector block (block) instead")
+    p.add_argument("--prefetch", action="store_true",
+                   help="time the verify's real-KV words loaded before folding instead")
     a = p.parse_args(argv)
     rows = []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*donated buffers.*")
         for bs, ctx in zip((int(x) for x in a.bs.split(",")), (int(x) for x in a.ctx.split(","))):
-            rows += _case(bs, ctx, a.iters, rows, a.out, a.vec, a.write_block)
+            rows += _case(bs, ctx, a.iters, rows, a.out, a.vec, a.write_block, a.prefetch)
     _save(rows, a.out)
     return 1 if any(r.get("violations") for r in rows) else 0
 
