@@ -77,6 +77,7 @@ def _kernels():
 
 
 CUDA_SOURCE = r"""
+// STRIP_WORDS (the strip's 8-byte words, a multiple of 2) is defined by _cuda_kernel.
 extern "C" __global__ void strip_floor(const long long* plan, const unsigned long long* canary,
                                        const ulonglong2* kv, long long* out, int n,
                                        int slot_words, int chain) {
@@ -91,15 +92,15 @@ extern "C" __global__ void strip_floor(const long long* plan, const unsigned lon
         const unsigned long long* p = canary + 4 * prev;
         acc ^= p[0] ^ p[1] ^ p[2];
     }
-    // The whole 256-byte strip in flight at once (16 loads of 16 bytes), then folded.
+    // The whole strip in flight at once (loads of 16 bytes), then folded.
     const ulonglong2* strip = kv + slot * (slot_words / 2);
-    ulonglong2 w[16];
+    ulonglong2 w[STRIP_WORDS / 2];
     #pragma unroll
-    for (int j = 0; j < 16; ++j) w[j] = strip[j];
+    for (int j = 0; j < STRIP_WORDS / 2; ++j) w[j] = strip[j];
     unsigned long long h = 0;
     if (chain) {
         #pragma unroll
-        for (int j = 0; j < 32; ++j) {
+        for (int j = 0; j < STRIP_WORDS; ++j) {
             unsigned long long x = h ^ ((j & 1) ? w[j >> 1].y : w[j >> 1].x);
             x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
             x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
@@ -107,27 +108,29 @@ extern "C" __global__ void strip_floor(const long long* plan, const unsigned lon
         }
     } else {
         #pragma unroll
-        for (int j = 0; j < 16; ++j) h ^= w[j].x ^ w[j].y;
+        for (int j = 0; j < STRIP_WORDS / 2; ++j) h ^= w[j].x ^ w[j].y;
     }
     out[k] = (long long)(acc ^ h);
 }
 """
 
 
-def _cuda_kernel():
+def _cuda_kernel(strip_words: int):
     """The same loads in CUDA C (cupy's NVRTC): every word of the strip loaded before the
     first is folded, 16-byte loads, no masks, no checks."""
     import cupy
 
-    return cupy.RawKernel(CUDA_SOURCE, "strip_floor")
+    return cupy.RawKernel(CUDA_SOURCE, "strip_floor",
+                          options=(f"-DSTRIP_WORDS={strip_words}",))
 
 
-def _slots(entries: int, rng) -> np.ndarray:
-    """tpu-inference's slots for ``entries`` cached tokens: requests of 2,048-2,320 tokens in
-    blocks of 16, the blocks shuffled over the cache (block 0 is the null block)."""
+def _slots(entries: int, rng) -> tuple[np.ndarray, int]:
+    """tpu-inference's slots for ``entries`` cached tokens (and the cache's slot count):
+    requests of 2,049-2,320 tokens in blocks of 16, the blocks shuffled over the cache (block 0
+    is the null block)."""
     lens = []
     while sum(lens) < entries:
-        lens.append(int(rng.integers(2049, 2320)))
+        lens.append(int(rng.integers(2049, 2321)))
     lens[-1] -= sum(lens) - entries
     blocks_needed = sum(-(-n // 16) for n in lens)
     order = rng.permutation(blocks_needed) + 1
@@ -189,7 +192,7 @@ def run(entries: int, slot_bytes: int, strip_bytes: int, iters: int) -> list[dic
     except ImportError:
         print("cupy not installed: no CUDA C rows", flush=True)
         return rows
-    cuda = _cuda_kernel()
+    cuda = _cuda_kernel(strip_bytes // 8)
     cp = [cupy.from_dlpack(t) for t in plans]
     cp_canary, cp_kv, cp_out = (cupy.from_dlpack(t) for t in (canary, kv, out))
     for chain in (0, 1):
@@ -219,6 +222,14 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    if a.entries < 1:
+        p.error(f"--entries must be >= 1, got {a.entries}")
+    if a.strip_bytes < 32 or a.strip_bytes % 32:
+        p.error(f"--strip-bytes must be a positive multiple of 32 (the kernels load 4 words at "
+                f"once), got {a.strip_bytes}")
+    if a.slot_bytes % 16 or a.slot_bytes < a.strip_bytes:
+        p.error(f"--slot-bytes must be a multiple of 16 and hold the strip (--strip-bytes "
+                f"{a.strip_bytes}), got {a.slot_bytes}")
     from kvcanary_jax.bench import common
 
     rows = run(a.entries, a.slot_bytes, a.strip_bytes, a.iters)

@@ -391,6 +391,9 @@ def _main(argv) -> int:
                    help="time nothing: run the canary-only step --iters times inside "
                         "cudaProfilerStart/Stop, for ncu --profile-from-start off")
     a = p.parse_args(argv)
+    if a.ncu and (a.compile or a.out):
+        p.error("--ncu times nothing (the kernels run for an outside profiler): it takes "
+                "neither --compile nor --out")
     windows = [int(w) for w in a.coverage_window.split(",")]
     harness.patch_for_cpu(stand_in_attention=not a.compile)
     errors, rows = [], []

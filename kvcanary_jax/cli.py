@@ -101,7 +101,7 @@ def _coverage_window(args) -> tuple[int, str]:
     elif (window := env_value("coverage_window")) is not None:
         origin = f"{_WINDOW_ENV}={window}"
     else:
-        window, origin = _DEMO_WINDOW, f"--coverage-window {_DEMO_WINDOW}"
+        window, origin = _DEMO_WINDOW, f"the demo's default --coverage-window {_DEMO_WINDOW}"
     if window > MAX_COVERAGE_WINDOW:
         raise ValueError(f"{origin}: a window is at most {MAX_COVERAGE_WINDOW} steps")
     if window and args.sweep_interval == 0:
@@ -302,17 +302,28 @@ def _demo(args, interrupt: _StopOnInterrupt) -> int:
                 f"--steps {args.steps} leaves no clean checkpoint to inject faults on (the first "
                 f"is taken at step {campaign.CHECKPOINT_WARMUP}): pass --steps "
                 f"{campaign.CHECKPOINT_WARMUP + 1} or more, or --injections 0 for the clean run only")
-        if args.injections and args.sweep_interval > args.steps:
-            # Our rule: the clean run would hold no sweep, and each fault trial waits for a
+        window, window_origin = _coverage_window(args)
+        placed = [k for k in (faults or simulation.FAULT_KINDS) if k in simulation.SWEEP_PLACED]
+        if args.injections and placed and args.sweep_interval == 0:
+            # Our rule: those trials could never be placed, and the demo failed advising more
+            # --steps.
+            raise ValueError(
+                f"--sweep-interval 0 runs no sweep, and the fault kind"
+                f"{'s' if len(placed) > 1 else ''} {', '.join(placed)} "
+                f"{'are' if len(placed) > 1 else 'is'} placed on a sweep step: pass "
+                "--sweep-interval > 0, or --faults without "
+                f"{'them' if len(placed) > 1 else 'it'}")
+        if args.injections and placed and args.sweep_interval > args.steps:
+            # Our rule: the clean run would hold no sweep, and each of those trials waits for a
             # sweep and then up to two intervals for it to report (an interval of 10,000 ran
             # for hours).
             raise ValueError(
                 f"--sweep-interval {args.sweep_interval} is longer than the clean run (--steps "
-                f"{args.steps}): no sweep would run in it, and each fault trial waits up to "
+                f"{args.steps}): no sweep would run in it, and a trial of {', '.join(placed)} "
+                f"(placed on a sweep step) waits up to "
                 f"{campaign.default_window_steps(args.sweep_interval)} steps for a sweep to "
-                f"report its fault: pass --sweep-interval {args.steps} or less, or --injections "
-                "0 for the clean run only")
-        window, window_origin = _coverage_window(args)
+                f"report its fault: pass --sweep-interval {args.steps} or less, --faults "
+                "without them, or --injections 0 for the clean run only")
         sim = simulation.SimConfig(
             steps=args.steps, seed=args.seed, swa_window_size=args.swa_window,
             enable_v_half=args.v_half, sweep_interval=args.sweep_interval,

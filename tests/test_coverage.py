@@ -539,7 +539,8 @@ def test_the_demo_refuses_bad_coverage_flags(argv, message, capsys):
 
 def test_the_demo_refuses_a_window_without_a_sweep(capsys):
     assert cli.main(["demo", "--sweep-interval", "0", "--steps", "6", "--no-progress"]) == 2
-    assert ("kvcanary-jax: --coverage-window 4 verifies the slots steps read within 4 steps and "
+    assert ("kvcanary-jax: the demo's default --coverage-window 4 verifies the slots steps read "
+            "within 4 steps and "
             "cached slots at each sweep: it needs --sweep-interval > 0 (without a sweep, cached "
             "slots no request reads would never be verified), or --coverage-window 0"
             in capsys.readouterr().err)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -80,22 +82,103 @@ def test_a_state_from_init_state_fits(extra):
     rt.check_state(cfg, rt.init_state(cfg))
 
 
-@pytest.mark.parametrize("field,value,part", [
-    ("ring_capacity", 10**11, "the violation ring (ring_capacity 100000000000 rows of 64 B): "
-     "6,400,000,000,000 B"),
-    ("num_slots", 10**11, "the canary buffers (2 of num_slots 100000000000 x 32 B): "
-     "6,400,000,000,000 B"),
+@pytest.mark.parametrize("extra,total,part", [
+    (dict(ring_capacity=10**11), "6,400,000,002,860", "the violation ring (ring_capacity "
+     "100,000,000,000 rows of 64 B): 6,400,000,000,000 B"),
+    (dict(num_slots=10**11), "6,400,000,001,836", "the FULL canary buffers (2 of num_slots "
+     "100,000,000,000 x 32 B): 6,400,000,000,000 B"),
+    (dict(write_req_capacity=10**11), "1,600,000,003,820", "the plans (verify_capacity 16 "
+     "entries, write_req_capacity 100,000,000,000 requests): 1,600,000,000,532 B"),
+    (dict(swa_window_size=4, swa_num_slots=10**11), "6,400,000,004,528", "the SWA canary "
+     "buffers (2 of swa_num_slots 100,000,000,000 x 32 B): 6,400,000,000,000 B"),
+    (dict(coverage_window=4, num_layers=2, num_slots=10**11), "9,200,000,001,884", "the FULL "
+     "canary buffers (2 of num_slots 100,000,000,000 x 32 B): 6,400,000,000,000 B; the FULL "
+     "coverage counters (num_slots 100,000,000,000 slots, coverage_window > 0): "
+     "2,800,000,000,040 B"),
 ])
-def test_a_state_too_large_for_the_device_names_what_sizes_it(field, value, part):
+def test_a_state_too_large_for_the_device_names_what_sizes_it(extra, total, part):
     # XLA's allocator refuses it at once (no allocation is attempted beyond what it asks).
-    cfg = rt.CanaryConfig(**{**BASE, field: value})
+    cfg = rt.CanaryConfig(**{**BASE, **extra})
     with pytest.raises(MemoryError) as e:
         rt.init_state(cfg)
     msg = str(e.value)
     assert msg.startswith("kv-canary: the canary's state does not fit the device's memory: it "
-                          "needs 6,400,000,00")
-    assert f"most of it {part}; lower the fields named" in msg
-    assert "RESOURCE_EXHAUSTED" in str(e.value.__cause__)
+                          f"needs {total} B, most of it {part}; lower the fields named (XLA: "
+                          "RESOURCE_EXHAUSTED: "), msg
+    # Raised outside the failed allocation's handler: nothing of the state is kept alive by
+    # the error (a server that catches it and retries smaller has its memory back).
+    assert e.value.__cause__ is None and e.value.__context__ is None
+    assert rt.state_bytes(cfg)[0] == int(total.replace(",", ""))
+
+
+def test_a_state_no_device_holds_is_refused_before_anything_is_allocated():
+    """Sizes whose products pass int64 aborted the process in XLA's shape arithmetic, and one
+    of 2**63 failed deep in JAX: each field is bounded, and a state past 2**48 bytes is refused
+    from its shapes alone."""
+    before = sum(a.nbytes for a in jax.live_arrays())
+    cfg = rt.CanaryConfig(**{**BASE, "max_reqs": 2**30, "context_len": 2**30})
+    with pytest.raises(MemoryError) as e:
+        rt.init_state(cfg)
+    assert str(e.value).startswith("kv-canary: the canary's state does not fit the device's "
+                                   "memory: it needs 4,611,686,")
+    assert "the expected-token pool (max_reqs 1,073,741,824 x context_len 1,073,741,824, " \
+           "int32): 4,611,686,018,427,387,904 B" in str(e.value)
+    assert "(XLA:" not in str(e.value)  # nothing was allocated
+    with pytest.raises(MemoryError):
+        rt.init_state_stacked(cfg, 2)
+    assert sum(a.nbytes for a in jax.live_arrays()) == before
+    for field in ("num_slots", "ring_capacity", "context_len", "verify_capacity", "max_reqs"):
+        for value in (2**40 + 1, 2**63, 2**70):
+            with pytest.raises(ValueError) as e:
+                rt.CanaryConfig(**{**BASE, field: value})
+            assert str(e.value) == (f"kv-canary runtime: CanaryConfig.{field} must be at most "
+                                    f"2**40 (1,099,511,627,776), got {value:,}: no device holds "
+                                    "a canary that large")
+
+
+def test_a_failed_allocation_leaves_nothing_allocated():
+    # The expected-token pool fails after the canary buffers (64 MB) and the plans were built.
+    before = sum(a.nbytes for a in jax.live_arrays())
+    cfg = rt.CanaryConfig(**{**BASE, "num_slots": 10**6, "context_len": 10**11})
+    with pytest.raises(MemoryError) as e:
+        rt.init_state(cfg)
+    held = e.value  # a caller holding the error while it retries
+    assert sum(a.nbytes for a in jax.live_arrays()) == before, held
+
+
+def test_stacked_zero_states_equal_the_single_one_stacked():
+    cfg = rt.CanaryConfig(**{**BASE, "coverage_window": 4, "num_layers": 2})
+    one = rt.init_state(cfg, chain_position_assert=False)
+    stacked = rt.init_state_stacked(cfg, 3, chain_position_assert=False)
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(stacked)):
+        assert b.shape == (3,) + a.shape and b.dtype == a.dtype
+        np.testing.assert_array_equal(np.asarray(b), np.broadcast_to(np.asarray(a), b.shape))
+
+
+def test_stacked_states_are_built_on_their_own_devices(tmp_path):
+    """Over a mesh, each device allocates its own shard (stacking states built on one device
+    put every shard there first: a state that fits each GPU failed on the first)."""
+    script = tmp_path / "stacked.py"
+    script.write_text(
+        "import jax, numpy as np\n"
+        "from jax.sharding import Mesh, NamedSharding, PartitionSpec as P\n"
+        "from kvcanary_jax import runtime as rt\n"
+        "cfg = rt.CanaryConfig(max_reqs=4, context_len=8, num_slots=32, max_bs=2, max_tokens=8,"
+        " ring_capacity=16)\n"
+        "mesh = Mesh(np.array(jax.devices()[:2]), ('dp',))\n"
+        "with jax.enable_x64(True):\n"
+        "    st = rt.init_state_stacked(cfg, 2, NamedSharding(mesh, P('dp')))\n"
+        "for x in jax.tree.leaves(st):\n"
+        "    shards = x.addressable_shards\n"
+        "    assert len(shards) == 2 and {s.device for s in shards} == set(jax.devices()[:2])\n"
+        "    assert all(s.data.shape == (1,) + x.shape[1:] for s in shards), x.shape\n"
+        "print('ok')\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
+                        + " --xla_force_host_platform_device_count=2").strip()
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
 # --- a state that does not fit its config --------------------------------------------------------

@@ -43,7 +43,9 @@ from kvcanary_jax.runtime.state import (
     check_state,
     enable_chain_assert,
     init_state,
+    init_state_stacked,
     launch_tags,
+    state_bytes,
 )
 from kvcanary_jax.runtime.step import (
     canary_step_head,
@@ -75,6 +77,8 @@ __all__ = [
     "Violation",
     "TAG_NAMES",
     "init_state",
+    "init_state_stacked",
+    "state_bytes",
     "check_state",
     "enable_chain_assert",
     "launch_tags",

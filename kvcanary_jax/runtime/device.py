@@ -37,7 +37,10 @@ from kvcanary_jax.runtime import step as _step
 from kvcanary_jax.runtime.health import AFTER_HEAD, IDLE, phase_update
 from kvcanary_jax.runtime.readback import readback, word_fields
 from kvcanary_jax.runtime.sharded import stack_shards
-from kvcanary_jax.runtime.state import CanaryConfig, CanaryState, check_state_any, state_jit, tag
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from kvcanary_jax.runtime.state import (CanaryConfig, CanaryState, check_state_any, init_state,
+                                        init_state_stacked, state_jit, tag)
 
 __all__ = [
     "fused",
@@ -159,6 +162,14 @@ class DeviceSteps:
             functools.partial(sweep_fn, cfg=cfg, guard=guard), 6, False), donate_argnums=(0,))
         self.observe = jax.jit(functools.partial(observe_fn, cfg=cfg))
 
+    def zero_state(self, **kw):
+        """A zero state of the config for every shard of the mesh, each built on its own device
+        (:func:`~kvcanary_jax.runtime.state.init_state_stacked`); one state without a mesh."""
+        if self._mesh is None:
+            return init_state(self.cfg, **kw)
+        return init_state_stacked(self.cfg, self.shards,
+                                  NamedSharding(self._mesh, P(self._axis)), **kw)
+
     def stack(self, tree):
         """``tree`` repeated on every shard of the mesh (``tree`` itself without one)."""
         if self._mesh is None:
@@ -167,7 +178,6 @@ class DeviceSteps:
 
     def _wrap_shards(self, fn, n_in, reduce_flag):
         """``fn`` per shard under ``shard_map`` over stacked inputs."""
-        from jax.sharding import PartitionSpec as P
         axis = self._axis
         write_index = word_fields(self.cfg, mesh=False)["write_index"]
 

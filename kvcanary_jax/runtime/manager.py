@@ -89,7 +89,7 @@ from kvcanary_jax.runtime.reporting import (
     format_violation,
     logger,
 )
-from kvcanary_jax.runtime.state import CanaryConfig, init_state
+from kvcanary_jax.runtime.state import CanaryConfig
 
 
 __all__ = [
@@ -248,7 +248,7 @@ class CanaryManager:
             if allocate:
                 # Chain-position assert off until mark_init_finished (SGLang: warm-up steps and
                 # graph capture feed synthetic positions that trip it).
-                self.state = self._device.stack(init_state(cfg, chain_position_assert=False))
+                self.state = self._device.zero_state(chain_position_assert=False)
 
     # ---------------------------------------------------------------------- public surface
     @property

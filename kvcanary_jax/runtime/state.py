@@ -34,6 +34,8 @@ __all__ = [
     "SlotCoverage",
     "ForwardBatch",
     "init_state",
+    "init_state_stacked",
+    "state_bytes",
     "check_state",
     "check_state_any",
     "enable_chain_assert",
@@ -145,6 +147,15 @@ class CanaryConfig:
             if value is not None and value <= 0:
                 where = "" if sgl_name.endswith(field) else f" (CanaryConfig.{field})"
                 raise ValueError(f"kv-canary: {sgl_name} must be positive, got {value}{where}")
+        # Our rule: a size past MAX_SIZE is refused here (one of 2**63 failed deep in JAX with a
+        # TypeError, and products of such sizes past int64 aborted the process in XLA's shape
+        # arithmetic); init_state then refuses a state no device holds before allocating it.
+        for field in _SIZES:
+            value = getattr(self, field)
+            if value is not None and value > MAX_SIZE:
+                raise ValueError(f"kv-canary runtime: CanaryConfig.{field} must be at most "
+                                 f"2**40 ({MAX_SIZE:,}), got {value:,}: no device holds a "
+                                 "canary that large")
         for field in ("max_bs", "sweep_rows"):
             value = getattr(self, field)
             if value is not None and value <= 0:
@@ -374,41 +385,88 @@ def launch_tags(cfg: CanaryConfig) -> tuple[str, ...]:
                  for group in cfg.groups for half in cfg.halves)
 
 
+# The fields that size the state's arrays (or index them), and the most each may be.
+_SIZES = ("max_reqs", "context_len", "num_slots", "max_bs", "max_tokens", "verify_capacity",
+          "write_req_capacity", "sweep_rows", "ring_capacity", "swa_window_size",
+          "swa_num_slots", "num_layers", "swa_num_layers")
+MAX_SIZE = 1 << 40
+# A state past this many bytes is refused before anything is allocated (no device holds it).
+_MAX_STATE_BYTES = 1 << 48
+
+
 @_config.with_x64
 def init_state(cfg: CanaryConfig, *, chain_position_assert: bool = True,
                device=None) -> CanaryState:
     """Zero-filled state sized from ``cfg``. The chain-position flag starts at 1 unless the
     caller still has warm-up / capture steps to run (then flip it with ``enable_chain_assert``).
     Raises MemoryError, naming the state's largest buffers and the fields that size them, where
-    the device cannot hold it."""
+    the device cannot hold it (before allocating anything where no device could)."""
+    total, message = state_bytes(cfg)
+    if total > _MAX_STATE_BYTES:
+        raise MemoryError(message)
     try:
         return _build_state(cfg, chain_position_assert, device)
     except Exception as e:  # XLA's allocator says RESOURCE_EXHAUSTED, as a runtime error
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        raise MemoryError(_too_large(cfg)) from e
+        detail = str(e).strip().splitlines()[0]
+    # Raised outside the handler: the failed allocation's traceback (and the buffers its frames
+    # hold) is let go, not kept alive by the error a caller may hold while it retries.
+    raise MemoryError(f"{message} (XLA: {detail})")
 
 
-def _too_large(cfg: CanaryConfig) -> str:
-    """What the state of ``cfg`` needs, by part (shapes only: nothing is allocated)."""
+@_config.with_x64
+def init_state_stacked(cfg: CanaryConfig, shards: int, sharding=None, *,
+                       chain_position_assert: bool = True) -> CanaryState:
+    """``shards`` zero states of ``cfg`` stacked on a leading axis, built where ``sharding`` (a
+    ``NamedSharding`` over that axis; None: the default device) places them: each device
+    allocates its own shards only (stacking states built on one device first put every shard
+    there). Raises MemoryError as :func:`init_state` does."""
+    total, message = state_bytes(cfg)
+    if total > _MAX_STATE_BYTES:
+        raise MemoryError(message)
+
+    def build():
+        one = _build_state(cfg, chain_position_assert, None)
+        return jax.tree.map(lambda x: jnp.broadcast_to(x[None], (shards,) + x.shape), one)
+
+    try:
+        return jax.jit(build, out_shardings=sharding)()
+    except Exception as e:  # as in init_state
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        detail = str(e).strip().splitlines()[0]
+    where = f", {shards} of them stacked over the devices of its mesh" if shards > 1 else ""
+    raise MemoryError(f"{message}{where} (XLA: {detail})")
+
+
+@_config.with_x64
+def state_bytes(cfg: CanaryConfig) -> tuple[int, str]:
+    """The bytes the state of ``cfg`` needs, and the message that refuses it, naming its largest
+    parts and the fields that size them (shapes only: nothing is allocated)."""
     shapes = jax.eval_shape(lambda: _build_state(cfg, True, None))
     size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
     parts = {
-        f"the violation ring (ring_capacity {cfg.ring_capacity} rows of "
+        f"the violation ring (ring_capacity {cfg.ring_capacity:,} rows of "
         f"{consts.VIOLATION_FIELDS * 8} B)": size(shapes.violation_ring),
-        f"the canary buffers ({len(shapes.bufs)} of num_slots {cfg.num_slots} x "
-        f"{consts.CANARY_SLOT_BYTES} B)": size(shapes.bufs),
-        f"the expected-token pool (max_reqs {cfg.max_reqs} x context_len {cfg.context_len} "
-        "int32)": size(shapes.expected_tokens),
-        f"the plans (verify capacity {cfg.verify_cap})": size(shapes.plans),
+        f"the expected-token pool (max_reqs {cfg.max_reqs:,} x context_len "
+        f"{cfg.context_len:,}, int32)": size(shapes.expected_tokens),
+        f"the plans (verify_capacity {cfg.verify_cap:,} entries, write_req_capacity "
+        f"{cfg.write_cap:,} requests)": size(shapes.plans),
     }
-    if shapes.coverage is not None:
-        parts["the coverage counters (coverage_window)"] = size(shapes.coverage)
+    for group in cfg.groups:
+        field = "num_slots" if group == "FULL" else "swa_num_slots"
+        bufs = {k: v for k, v in shapes.bufs.items() if k.endswith(f"_{group}")}
+        parts[f"the {group} canary buffers ({len(bufs)} of {field} "
+              f"{cfg.group_slots(group):,} x {consts.CANARY_SLOT_BYTES} B)"] = size(bufs)
+        if shapes.coverage is not None:
+            parts[f"the {group} coverage counters ({field} {cfg.group_slots(group):,} slots, "
+                  "coverage_window > 0)"] = size(shapes.coverage.groups[group])
     total = size(shapes)
     largest = sorted(parts.items(), key=lambda kv: -kv[1])
     listed = "; ".join(f"{name}: {n:,} B" for name, n in largest if n and 100 * n >= total)
-    return (f"kv-canary: the canary's state does not fit the device's memory: it needs "
-            f"{total:,} B, most of it {listed}; lower the fields named")
+    return total, (f"kv-canary: the canary's state does not fit the device's memory: it needs "
+                   f"{total:,} B, most of it {listed}; lower the fields named")
 
 
 def _build_state(cfg: CanaryConfig, chain_position_assert: bool, device) -> CanaryState:

@@ -128,8 +128,9 @@ def head(cfg: CanaryConfig, state: CanaryState, batch: ForwardBatch, req_to_toke
     ``all_ids_offsets`` length (an integration that keeps the ids on the device between steps);
     the scatter is skipped and ``state.expected_tokens`` / ``expected_valid_lens`` are left as
     they are (the caller keeps them). ``valid_lens`` (with ``expected_pool`` only): those
-    lengths per batch row, where the caller has them (default: the differences of
-    ``all_ids_offsets``; the offsets are then not read, and a caller need not sum them).
+    lengths, one per batch row (``[max_bs]``, taken as int64), where the caller has them; given,
+    ``all_ids_offsets`` is not read, and a caller need not sum the lengths only for the plan to
+    difference them (default: the differences of ``all_ids_offsets``).
 
     ``fresh_chains`` (static): a write whose chain seed is slot 0 starts a new chain from the
     anchor instead (SGLang reads slot 0 as a real seed): for a caller whose ``req_to_token``
@@ -140,6 +141,8 @@ def head(cfg: CanaryConfig, state: CanaryState, batch: ForwardBatch, req_to_toke
         valid_lens = batch.all_ids_offsets[1:] - batch.all_ids_offsets[:-1]
     elif expected_pool is None:
         raise ValueError("kv-canary runtime: valid_lens is for an expected_pool caller")
+    else:
+        valid_lens = jnp.asarray(valid_lens).astype(jnp.int64)
     pool = None
     if expected_pool is not None:
         if not cfg.enable_verify_token_assert:

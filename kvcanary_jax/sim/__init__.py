@@ -13,6 +13,7 @@ from kvcanary_jax.sim.campaign import (
 from kvcanary_jax.sim.faults import (
     FAULT_KINDS,
     FAULTS,
+    SWEEP_PLACED,
     Fault,
     disarm,
     fault,
@@ -43,6 +44,7 @@ __all__ = [
     "Fault",
     "FAULTS",
     "FAULT_KINDS",
+    "SWEEP_PLACED",
     "fault",
     "inject",
     "flip_kv_bit",

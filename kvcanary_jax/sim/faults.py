@@ -20,8 +20,8 @@ import numpy as np
 
 from kvcanary_jax.sim.server import Server
 
-__all__ = ["Fault", "FAULTS", "FAULT_KINDS", "WAIT", "fault", "inject", "hooks_armed", "disarm",
-           "flip_kv_bit"]
+__all__ = ["Fault", "FAULTS", "FAULT_KINDS", "SWEEP_PLACED", "WAIT", "fault", "inject",
+           "hooks_armed", "disarm", "flip_kv_bit"]
 
 _HOOKS = ("pre_step_hook", "post_sample_hook", "post_step_hook", "admit_hook")
 
@@ -308,3 +308,6 @@ def _stale_row_reuse(srv, pick, rng):
 
 # What each fault models, and which launch is expected to catch it.
 FAULT_KINDS = {kind: f.description for kind, f in FAULTS.items()}
+# The kinds placed only on a sweep step (in a cached slot no request reads): a run without a
+# sweep never places them.
+SWEEP_PLACED = ("real_kv_unused_cache", "layer_flip_cached")

@@ -425,9 +425,7 @@ class SglangJaxCanary:
     @_config.with_x64
     def init_state(self):
         """Zero-filled per-shard states, stacked on a leading axis and placed on the mesh."""
-        one = kc.init_state(self.config)
-        n = self.num_shards
-        stacked = jax.tree.map(lambda x: jnp.broadcast_to(x[None], (n,) + x.shape), one)
-        if not self.axes:
-            return jax.device_put(stacked)
-        return jax.device_put(stacked, NamedSharding(self.mesh, P(self.axes)))
+        # Each device builds its own shards (kc.init_state_stacked).
+        return kc.init_state_stacked(self.config, self.num_shards,
+                                     NamedSharding(self.mesh, P(self.axes)) if self.axes
+                                     else None)

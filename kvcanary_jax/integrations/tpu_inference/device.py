@@ -140,10 +140,9 @@ class TpuInferenceCanary:
     def init_state(self):
         """Zero-filled per-shard states, stacked on a leading axis placed over :attr:`axes`."""
         with jax.enable_x64(True):
-            one = kc.init_state(self.config)
-            n = self.num_shards
-            stacked = jax.tree.map(lambda x: jnp.broadcast_to(x[None], (n,) + x.shape), one)
-            return jax.device_put(stacked, NamedSharding(self.mesh, P(self.axes or None)))
+            # Each device builds its own shards (kc.init_state_stacked).
+            return kc.init_state_stacked(self.config, self.num_shards,
+                                         NamedSharding(self.mesh, P(self.axes or None)))
 
 
 @jax.tree_util.register_dataclass
