@@ -49,8 +49,8 @@ def register_command(name: str, help: str, add_arguments: Callable | None,
     _COMMANDS[name] = (help, add_arguments, run)
 
 
-def _count(minimum: int):
-    """An argparse type: an integer >= ``minimum``."""
+def _count(minimum: int, maximum: int | None = None):
+    """An argparse type: an integer >= ``minimum`` (and <= ``maximum``, a power of two)."""
 
     def parse(text: str) -> int:
         try:
@@ -59,6 +59,9 @@ def _count(minimum: int):
             raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(
+                f"must be <= 2**{maximum.bit_length() - 1}, got {value}")
         return value
 
     return parse
@@ -131,7 +134,7 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swa-window", type=_count(0), default=8,
                    help="sliding window of the SWA buffer group; 0 = FULL group only")
     p.add_argument("--v-half", action="store_true", help="also run the V-half endpoints")
-    p.add_argument("--sweep-interval", type=_count(0), default=4,
+    p.add_argument("--sweep-interval", type=_count(0, 1 << 40), default=4,
                    help="steps between sweeps (default 4; 0: no sweep)")
     p.add_argument("--kv-canary", choices=("log", "raise"), default="log",
                    help="the runtime manager's mode (SGLang's --kv-canary): 'log' logs each "
@@ -303,27 +306,25 @@ def _demo(args, interrupt: _StopOnInterrupt) -> int:
                 f"is taken at step {campaign.CHECKPOINT_WARMUP}): pass --steps "
                 f"{campaign.CHECKPOINT_WARMUP + 1} or more, or --injections 0 for the clean run only")
         window, window_origin = _coverage_window(args)
-        placed = [k for k in (faults or simulation.FAULT_KINDS) if k in simulation.SWEEP_PLACED]
+        placed = [k for k in dict.fromkeys(faults or simulation.FAULT_KINDS)
+                  if k in simulation.SWEEP_PLACED]
         if args.injections and placed and args.sweep_interval == 0:
             # Our rule: those trials could never be placed, and the demo failed advising more
             # --steps.
+            many = len(placed) > 1
             raise ValueError(
-                f"--sweep-interval 0 runs no sweep, and the fault kind"
-                f"{'s' if len(placed) > 1 else ''} {', '.join(placed)} "
-                f"{'are' if len(placed) > 1 else 'is'} placed on a sweep step: pass "
-                "--sweep-interval > 0, or --faults without "
-                f"{'them' if len(placed) > 1 else 'it'}")
-        if args.injections and placed and args.sweep_interval > args.steps:
-            # Our rule: the clean run would hold no sweep, and each of those trials waits for a
-            # sweep and then up to two intervals for it to report (an interval of 10,000 ran
-            # for hours).
+                f"--sweep-interval 0 runs no sweep, and the fault kind{'s' if many else ''} "
+                f"{', '.join(placed)} {'are' if many else 'is'} placed on a sweep step: pass "
+                f"--sweep-interval > 0, or --faults without {'them' if many else 'it'}")
+        if args.injections and args.sweep_interval > args.steps:
+            # Our rule: the clean run would hold no sweep, and a fault trial waits up to two
+            # intervals for its fault to be reported (an interval of 10,000 ran for hours).
             raise ValueError(
                 f"--sweep-interval {args.sweep_interval} is longer than the clean run (--steps "
-                f"{args.steps}): no sweep would run in it, and a trial of {', '.join(placed)} "
-                f"(placed on a sweep step) waits up to "
-                f"{campaign.default_window_steps(args.sweep_interval)} steps for a sweep to "
-                f"report its fault: pass --sweep-interval {args.steps} or less, --faults "
-                "without them, or --injections 0 for the clean run only")
+                f"{args.steps}): no sweep would run in it, and a fault trial waits up to "
+                f"{campaign.default_window_steps(args.sweep_interval)} steps for its fault to "
+                f"be reported: pass --sweep-interval {args.steps} or less, or --injections 0 "
+                "for the clean run only")
         sim = simulation.SimConfig(
             steps=args.steps, seed=args.seed, swa_window_size=args.swa_window,
             enable_v_half=args.v_half, sweep_interval=args.sweep_interval,

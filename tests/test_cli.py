@@ -64,6 +64,8 @@ def test_top_level_help_lists_the_commands():
     ("kvcanary-jax --steps -5", "argument --steps: must be >= 1, got -5"),
     ("kvcanary-jax demo --injections -2", "argument --injections: must be >= 0, got -2"),
     ("kvcanary-jax demo --sweep-interval -1", "argument --sweep-interval: must be >= 0, got -1"),
+    ("kvcanary-jax demo --sweep-interval 9223372036854775808",
+     "argument --sweep-interval: must be <= 2**40, got 9223372036854775808"),
     ("kvcanary-jax demo --steps two", "argument --steps: not an integer: 'two'"),
     ("kvcanary-jax demo --seed -1", "argument --seed: must be >= 0, got -1"),
 ])
@@ -103,20 +105,23 @@ def test_demo_with_too_few_steps_for_a_fault_trial_says_so(steps, capsys, monkey
 
 
 def test_a_sweep_interval_longer_than_the_clean_run_is_refused(capsys, monkeypatch):
-    """--sweep-interval 10000 with the default 40 steps: no sweep in the clean run, and the
-    trials of the kinds placed on a sweep step waited tens of thousands of steps each for one;
-    --sweep-interval 0 could never place them (the demo failed advising more --steps)."""
+    """--sweep-interval 10000 with the default 40 steps: no sweep in the clean run, and a trial
+    waited up to 20,001 steps for its fault to be reported; --sweep-interval 0 could never place
+    the kinds placed on a sweep step (the demo failed advising more --steps)."""
     monkeypatch.setattr(sm, "run_campaign", lambda *a, **k: pytest.fail("ran"))
     assert sm.SWEEP_PLACED == ("real_kv_unused_cache", "layer_flip_cached")
     assert cli.main(["--sweep-interval", "10000", "--no-progress"]) == 2
     assert capsys.readouterr().err == (
         "kvcanary-jax: --sweep-interval 10000 is longer than the clean run (--steps 40): no "
-        "sweep would run in it, and a trial of real_kv_unused_cache, layer_flip_cached (placed "
-        "on a sweep step) waits up to 20001 steps for a sweep to report its fault: pass "
-        "--sweep-interval 40 or less, --faults without them, or --injections 0 for the clean "
-        "run only\n")
+        "sweep would run in it, and a fault trial waits up to 20001 steps for its fault to be "
+        "reported: pass --sweep-interval 40 or less, or --injections 0 for the clean run "
+        "only\n")
+    # Whatever the kinds: a fault the configuration cannot catch waits out the whole window.
+    assert cli.main(["--sweep-interval", "1000", "--steps", "12", "--faults", "req_to_token",
+                     "--no-progress"]) == 2
+    assert "waits up to 2001 steps" in capsys.readouterr().err
     assert cli.main(["--sweep-interval", "0", "--coverage-window", "0", "--faults",
-                     "req_to_token,layer_flip_cached", "--no-progress"]) == 2
+                     "req_to_token,layer_flip_cached,layer_flip_cached", "--no-progress"]) == 2
     assert capsys.readouterr().err == (
         "kvcanary-jax: --sweep-interval 0 runs no sweep, and the fault kind layer_flip_cached "
         "is placed on a sweep step: pass --sweep-interval > 0, or --faults without it\n")
@@ -132,11 +137,10 @@ def test_a_sweep_interval_longer_than_the_clean_run_is_refused(capsys, monkeypat
         raise Ran(sim.sweep_interval)
 
     monkeypatch.setattr(sm, "run_campaign", run_campaign)
-    # The clean run alone, an interval the clean run holds, and faults the steps catch (no
-    # sweep needed) are taken.
+    # The clean run alone, an interval the clean run holds, and without a sweep the faults
+    # the steps catch are taken.
     for argv, interval in ((["--sweep-interval", "10000", "--injections", "0"], 10000),
                            (["--sweep-interval", "40"], 40),
-                           (["--sweep-interval", "1000", "--faults", "req_to_token"], 1000),
                            (["--sweep-interval", "0", "--coverage-window", "0", "--faults",
                              "req_to_token"], 0)):
         with pytest.raises(Ran) as e:

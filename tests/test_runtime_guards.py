@@ -108,7 +108,7 @@ def test_a_state_too_large_for_the_device_names_what_sizes_it(extra, total, part
     # Raised outside the failed allocation's handler: nothing of the state is kept alive by
     # the error (a server that catches it and retries smaller has its memory back).
     assert e.value.__cause__ is None and e.value.__context__ is None
-    assert rt.state_bytes(cfg)[0] == int(total.replace(",", ""))
+    assert rt.state_bytes(cfg) == int(total.replace(",", ""))
 
 
 def test_a_state_no_device_holds_is_refused_before_anything_is_allocated():
@@ -144,6 +144,52 @@ def test_a_failed_allocation_leaves_nothing_allocated():
         rt.init_state(cfg)
     held = e.value  # a caller holding the error while it retries
     assert sum(a.nbytes for a in jax.live_arrays()) == before, held
+
+
+def test_stacked_states_refuse_what_cannot_be_built(tmp_path):
+    cfg = rt.CanaryConfig(**BASE)
+    for shards in (0, -1, True, 2.0, "2"):
+        with pytest.raises(ValueError, match="init_state_stacked shards must be a positive int"):
+            rt.init_state_stacked(cfg, shards)
+    with pytest.raises(ValueError, match="shards must be at most 2\\*\\*40"):
+        rt.init_state_stacked(cfg, 2**55)
+    # Each state fits; 2**20 of them (2**66 B) do not: refused before anything is allocated.
+    big = rt.CanaryConfig(**{**BASE, "max_reqs": 2**30, "context_len": 2**14})
+    with pytest.raises(MemoryError) as e:
+        rt.init_state_stacked(big, 2**20)
+    assert str(e.value).endswith(f", or shards (1,048,576 states, "
+                                 f"{2**20 * rt.state_bytes(big):,} B in all, each device "
+                                 "holding its share)")
+    for sharding in (jax.devices()[0], "dp"):
+        with pytest.raises(TypeError, match="sharding must be None or a jax.sharding."
+                                            "NamedSharding"):
+            rt.init_state_stacked(cfg, 2, sharding)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",))
+    with pytest.raises(ValueError, match=r"must split the leading axis of 2 shards"):
+        rt.init_state_stacked(cfg, 2, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    # One state, unsplit: every device of the mesh holds it (an integration without shard axes).
+    one = rt.init_state_stacked(cfg, 1, jax.sharding.NamedSharding(mesh,
+                                                                    jax.sharding.PartitionSpec()))
+    assert one.violation_ring.shape == (1, cfg.ring_capacity, 8)
+    with pytest.raises(TypeError, match="state_bytes takes a CanaryConfig, got dict"):
+        rt.state_bytes(BASE)
+
+
+def test_step_counts_and_the_ring_are_bounded_where_they_are_set():
+    """A sweep interval of 2**70 ran, then overflowed the report's int64 arithmetic; a ring of
+    2**41 from SGLang's variable was refused later, naming a field the user never set."""
+    for field in ("sweep_interval", "kv_token_id_vs_position_offset"):
+        with pytest.raises(ValueError, match=f"CanaryConfig.{field} must be within 2\\*\\*40"):
+            rt.CanaryConfig(**{**BASE, field: 2**70})
+    with pytest.raises(ValueError) as e:
+        rt.ManagerConfig.from_env(kv_canary="log",
+                                  environ={"SGLANG_KV_CANARY_RING_CAPACITY": str(2**41)})
+    assert str(e.value) == ("kv-canary: ring_capacity (SGLANG_KV_CANARY_RING_CAPACITY) must be "
+                            "<= 2**40, got 2199023255552")
+    with pytest.raises(ValueError) as e:
+        rt.ManagerConfig(mode="log", sweep_interval=2**70)
+    assert str(e.value) == ("kv-canary: sweep_interval (--kv-canary-sweep-interval) must be "
+                            f"<= 2**40, got {2**70}")
 
 
 def test_stacked_zero_states_equal_the_single_one_stacked():

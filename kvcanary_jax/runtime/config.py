@@ -83,6 +83,10 @@ _INTS = {
     "health_check_every_n_steps": 1,
     "coverage_window": 0,
 }
+# Ours: the most the fields the canary's state or its step counters take may be (a larger
+# sweep interval overflowed the report's int64 step arithmetic; CanaryConfig bounds its sizes
+# the same way).
+_MAXES = {"sweep_interval": 1 << 40, "ring_capacity": 1 << 40}
 _BOOLS = ("enable_write_input_assert", "enable_verify_token_assert", "draft_worker",
           "padding_guard")
 
@@ -173,6 +177,8 @@ class ManagerConfig:
             object.__setattr__(self, field, value)
             if value < minimum:
                 raise ValueError(f"kv-canary: {_origin(field)} must be >= {minimum}, got {value}")
+            if field in _MAXES and value > _MAXES[field]:
+                raise ValueError(f"kv-canary: {_origin(field)} must be <= 2**40, got {value}")
         for field in _BOOLS:
             value = getattr(self, field)
             if not isinstance(value, bool):

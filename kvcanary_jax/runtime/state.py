@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from kvcanary_jax import _config, consts
 from kvcanary_jax.ops._registry import IMPLEMENTATIONS
@@ -156,6 +158,12 @@ class CanaryConfig:
                 raise ValueError(f"kv-canary runtime: CanaryConfig.{field} must be at most "
                                  f"2**40 ({MAX_SIZE:,}), got {value:,}: no device holds a "
                                  "canary that large")
+        # The same bound on the step counts and the offset the device adds (int64 arithmetic).
+        for field in ("sweep_interval", "kv_token_id_vs_position_offset"):
+            value = getattr(self, field)
+            if value is not None and abs(value) > MAX_SIZE:
+                raise ValueError(f"kv-canary runtime: CanaryConfig.{field} must be within "
+                                 f"2**40 of 0, got {value:,}")
         for field in ("max_bs", "sweep_rows"):
             value = getattr(self, field)
             if value is not None and value <= 0:
@@ -401,7 +409,7 @@ def init_state(cfg: CanaryConfig, *, chain_position_assert: bool = True,
     caller still has warm-up / capture steps to run (then flip it with ``enable_chain_assert``).
     Raises MemoryError, naming the state's largest buffers and the fields that size them, where
     the device cannot hold it (before allocating anything where no device could)."""
-    total, message = state_bytes(cfg)
+    total, message = _state_parts(cfg)
     if total > _MAX_STATE_BYTES:
         raise MemoryError(message)
     try:
@@ -418,13 +426,38 @@ def init_state(cfg: CanaryConfig, *, chain_position_assert: bool = True,
 @_config.with_x64
 def init_state_stacked(cfg: CanaryConfig, shards: int, sharding=None, *,
                        chain_position_assert: bool = True) -> CanaryState:
-    """``shards`` zero states of ``cfg`` stacked on a leading axis, built where ``sharding`` (a
-    ``NamedSharding`` over that axis; None: the default device) places them: each device
-    allocates its own shards only (stacking states built on one device first put every shard
-    there). Raises MemoryError as :func:`init_state` does."""
-    total, message = state_bytes(cfg)
-    if total > _MAX_STATE_BYTES:
-        raise MemoryError(message)
+    """``shards`` zero states of ``cfg`` stacked on a leading axis, built where ``sharding``
+    places them: each device allocates its own shards only (stacking states built on one device
+    first put every shard there). ``sharding``: None (the default device), or a
+    ``jax.sharding.NamedSharding`` whose spec splits the leading axis over mesh axes whose
+    devices divide ``shards`` (or, for one state, none: every device holds it). Raises
+    ValueError / TypeError for other arguments, and
+    MemoryError as :func:`init_state` does."""
+    if isinstance(shards, bool) or not isinstance(shards, numbers.Integral) or shards < 1:
+        raise ValueError(f"kv-canary runtime: init_state_stacked shards must be a positive int, "
+                         f"got {shards!r}")
+    shards = int(shards)
+    if shards > MAX_SIZE:
+        raise ValueError(f"kv-canary runtime: init_state_stacked shards must be at most 2**40, "
+                         f"got {shards:,}")
+    if sharding is not None:
+        if not isinstance(sharding, NamedSharding):
+            raise TypeError("kv-canary runtime: init_state_stacked sharding must be None or a "
+                            f"jax.sharding.NamedSharding over the shards' axis, got "
+                            f"{type(sharding).__name__} {sharding!r}")
+        spec = tuple(sharding.spec)
+        axes = spec[0] if spec else None
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        split = math.prod(sharding.mesh.shape[a] for a in axes)
+        # Unsplit (replicated on every device) only a single state.
+        if (not axes and shards != 1) or shards % split:
+            raise ValueError(
+                f"kv-canary runtime: init_state_stacked sharding {sharding.spec} must split the "
+                f"leading axis of {shards} shards over mesh axes whose devices divide it (mesh "
+                f"{dict(sharding.mesh.shape)}): each device builds its own shards")
+    total, message = _state_parts(cfg)
+    if shards * total > _MAX_STATE_BYTES:
+        raise MemoryError(_stacked(message, shards, total))
 
     def build():
         one = _build_state(cfg, chain_position_assert, None)
@@ -436,14 +469,29 @@ def init_state_stacked(cfg: CanaryConfig, shards: int, sharding=None, *,
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         detail = str(e).strip().splitlines()[0]
-    where = f", {shards} of them stacked over the devices of its mesh" if shards > 1 else ""
-    raise MemoryError(f"{message}{where} (XLA: {detail})")
+    raise MemoryError(f"{_stacked(message, shards, total)} (XLA: {detail})")
+
+
+def _stacked(message: str, shards: int, total: int) -> str:
+    if shards == 1:
+        return message
+    return (f"{message}, or shards ({shards:,} states, {shards * total:,} B in all, each "
+            "device holding its share)")
 
 
 @_config.with_x64
-def state_bytes(cfg: CanaryConfig) -> tuple[int, str]:
-    """The bytes the state of ``cfg`` needs, and the message that refuses it, naming its largest
-    parts and the fields that size them (shapes only: nothing is allocated)."""
+def state_bytes(cfg: CanaryConfig) -> int:
+    """The bytes the state of ``cfg`` needs (from its shapes: nothing is allocated)."""
+    if not isinstance(cfg, CanaryConfig):
+        raise TypeError(f"kv-canary runtime: state_bytes takes a CanaryConfig, got "
+                        f"{type(cfg).__name__}")
+    return _state_parts(cfg)[0]
+
+
+@_config.with_x64
+def _state_parts(cfg: CanaryConfig) -> tuple[int, str]:
+    """:func:`state_bytes`, and the message that refuses such a state, naming its largest parts
+    and the fields that size them."""
     shapes = jax.eval_shape(lambda: _build_state(cfg, True, None))
     size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
     parts = {
