@@ -267,7 +267,8 @@ def test_the_canary_s_config_carries_the_window_and_every_layer():
 
 
 def test_a_cache_not_placed_by_a_named_sharding_is_refused(version):
-    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    # An array's own one-device sharding (the class's name is deprecated in jax 0.12.1).
+    single = jax.device_put(jnp.zeros(()), jax.devices()[0]).sharding
     _refused(runner(sharding=single), ValueError,
              r"layer\.0's KV cache is not placed with a NamedSharding \(found "
              r"SingleDeviceSharding\)")
