@@ -86,28 +86,26 @@ def _case(bs: int, ctx: int, iters: int, done: list, path: str | None,
         return t
 
     rows = []
+
+    def sweep(module, name, values, key, value_of=lambda v: v):
+        """``value_of(v)`` installed as ``module.name`` for each of ``values`` in turn, a timed
+        row each; the module's own value restored after."""
+        kept = getattr(module, name)
+        try:
+            for v in values:
+                setattr(module, name, value_of(v))
+                rows.append({"bs": bs, "ctx": ctx, key: v, **timed()})
+                _print(rows[-1])
+                _save(done + rows, path)
+        finally:
+            setattr(module, name, kept)
+        return rows
+
     if prefetch_sweep:
-        kept = _kernel_lib.REAL_KV_PREFETCH
-        try:
-            for n in VERIFY_PREFETCH:
-                _kernel_lib.REAL_KV_PREFETCH = n
-                rows.append({"bs": bs, "ctx": ctx, "verify_prefetch": n, **timed()})
-                _print(rows[-1])
-                _save(done + rows, path)
-        finally:
-            _kernel_lib.REAL_KV_PREFETCH = kept
-        return rows
+        return sweep(_kernel_lib, "REAL_KV_PREFETCH", VERIFY_PREFETCH, "verify_prefetch")
     if write_block:
-        heuristics = wpt.heuristics
-        try:
-            for b in WRITE_BLOCKS:
-                wpt.heuristics = lambda shapes, b=b: wpt.Config(block=b, fold_vec=wpt.FOLD_VEC)
-                rows.append({"bs": bs, "ctx": ctx, "write_block": b, **timed()})
-                _print(rows[-1])
-                _save(done + rows, path)
-        finally:
-            wpt.heuristics = heuristics
-        return rows
+        return sweep(wpt, "heuristics", WRITE_BLOCKS, "write_block", lambda b: (
+            lambda shapes: wpt.Config(block=b, fold_vec=wpt.FOLD_VEC)))
     plans, prefetch = vpt.FOLD_PLANS, _kernel_lib.REAL_KV_PREFETCH_WRITE
     verify_vec, write_vec = vpt.FOLD_VEC, wpt.FOLD_VEC
     try:

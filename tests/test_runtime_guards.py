@@ -5,6 +5,7 @@ size (SGLang's runtime errors, in its words), and a state that does not fit its 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib.util
 import os
 import subprocess
@@ -115,6 +116,7 @@ def test_a_state_no_device_holds_is_refused_before_anything_is_allocated():
     """Sizes whose products pass int64 aborted the process in XLA's shape arithmetic, and one
     of 2**63 failed deep in JAX: each field is bounded, and a state past 2**48 bytes is refused
     from its shapes alone."""
+    gc.collect()  # only what this test allocates counts
     before = sum(a.nbytes for a in jax.live_arrays())
     cfg = rt.CanaryConfig(**{**BASE, "max_reqs": 2**30, "context_len": 2**30})
     with pytest.raises(MemoryError) as e:
@@ -138,6 +140,7 @@ def test_a_state_no_device_holds_is_refused_before_anything_is_allocated():
 
 def test_a_failed_allocation_leaves_nothing_allocated():
     # The expected-token pool fails after the canary buffers (64 MB) and the plans were built.
+    gc.collect()  # only what this test allocates counts
     before = sum(a.nbytes for a in jax.live_arrays())
     cfg = rt.CanaryConfig(**{**BASE, "num_slots": 10**6, "context_len": 10**11})
     with pytest.raises(MemoryError) as e:

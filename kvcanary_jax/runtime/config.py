@@ -46,7 +46,7 @@ import numbers
 import os
 from typing import Mapping
 
-from kvcanary_jax.runtime.state import MAX_COVERAGE_WINDOW
+from kvcanary_jax.runtime.state import MAX_COVERAGE_WINDOW, MAX_SIZE
 
 __all__ = ["ManagerConfig", "MODES", "REAL_DATA", "ENV_VARS", "OUR_ENV_VARS", "add_arguments",
            "env_value", "ENV_TRUE", "ENV_FALSE"]
@@ -84,9 +84,9 @@ _INTS = {
     "coverage_window": 0,
 }
 # Ours: the most the fields the canary's state or its step counters take may be (a larger
-# sweep interval overflowed the report's int64 step arithmetic; CanaryConfig bounds its sizes
-# the same way).
-_MAXES = {"sweep_interval": 1 << 40, "ring_capacity": 1 << 40}
+# sweep interval overflowed the report's int64 step arithmetic): CanaryConfig's bound, refused
+# here naming the flag or variable.
+_MAXES = {"sweep_interval": MAX_SIZE, "ring_capacity": MAX_SIZE}
 _BOOLS = ("enable_write_input_assert", "enable_verify_token_assert", "draft_worker",
           "padding_guard")
 
@@ -178,7 +178,8 @@ class ManagerConfig:
             if value < minimum:
                 raise ValueError(f"kv-canary: {_origin(field)} must be >= {minimum}, got {value}")
             if field in _MAXES and value > _MAXES[field]:
-                raise ValueError(f"kv-canary: {_origin(field)} must be <= 2**40, got {value}")
+                raise ValueError(f"kv-canary: {_origin(field)} must be <= "
+                                 f"2**{_MAXES[field].bit_length() - 1}, got {value}")
         for field in _BOOLS:
             value = getattr(self, field)
             if not isinstance(value, bool):

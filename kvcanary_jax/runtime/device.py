@@ -30,6 +30,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kvcanary_jax import consts
 from kvcanary_jax.runtime import coverage as _coverage
@@ -37,8 +38,6 @@ from kvcanary_jax.runtime import step as _step
 from kvcanary_jax.runtime.health import AFTER_HEAD, IDLE, phase_update
 from kvcanary_jax.runtime.readback import readback, word_fields
 from kvcanary_jax.runtime.sharded import stack_shards
-from jax.sharding import NamedSharding, PartitionSpec as P
-
 from kvcanary_jax.runtime.state import (CanaryConfig, CanaryState, check_state_any, init_state,
                                         init_state_stacked, state_jit, tag)
 
