@@ -31,21 +31,29 @@ holds every slot), then one decode step's ``runner.model_fn`` arguments are kept
 (the same KV written again, the same stamps: idempotent), timed three ways:
 
 1. ``bare``: the runner's own ``model_fn`` (the model's step jit);
-2. ``guarded``: ``runner.model_fn`` as :func:`~kvcanary_jax.integrations.tpu_inference.install`
-   left it (HEAD -> step -> TAIL in one jit, the canary state donated);
-3. ``canary_only``: the guard's jit around a step that writes nothing.
+2. ``guarded``: the guard's step as :func:`~kvcanary_jax.integrations.tpu_inference.install`
+   runs it: the expected-id delta's jit, HEAD's, the runner's own ``model_fn`` and TAIL's, the
+   canary state donated through them;
+3. ``canary_only``: the same without the model (the delta, HEAD and TAIL);
+4. with ``--one-jit``, ``guarded_one_jit``: the delta's jit, then HEAD -> the model's
+   options-free step -> TAIL traced as one jit (:func:`~kvcanary_jax.integrations.
+   tpu_inference.device.guarded_step`, what the decode loop runs each iteration, and how the
+   guard ran normal steps until f4b6569): what splitting HEAD and TAIL from the model's own jit
+   costs on the device.
 
 Device time per call from CUPTI (``bench.timing.device_time``; wall clock on CPU). Reported: the
 medians, ``share_pct = (guarded - bare) / guarded`` and ``canary_only / (bare + canary_only)``;
 every guarded run must end with 0 violations.
 
-**Compiling** (``--compile``). The guarded step at a serving size (256 requests of up to 8,192
+**Compiling** (``--compile``). The guard's jits at a serving size (256 requests of up to 8,192
 tokens, 8,192 tokens a step, a 1M-slot cache: 65,536 blocks of 16; the tests' Qwen3, 2 layers,
-2 KV heads) is traced with abstract arguments placed on one device of each TPU topology
-(``jax.experimental.topologies``), the real RPA kernel in it (its TPU generation given, the host
-being a CPU), and compiled by libtpu with the step's TPU compiler options: ``ok`` or the
-compiler's message, the seconds (trace, lower, compile) and ``memory_analysis()``; ``--bare``
-adds the bare step for comparison. Nothing runs.
+2 KV heads) are traced with abstract arguments placed on one device of each TPU topology
+(``jax.experimental.topologies``) and compiled by libtpu: the expected-id delta's (8,192 ids),
+HEAD's (one pass, and split in two: ``head split``) and TAIL's (one pass): ``ok`` or the
+compiler's message, the seconds (trace, lower, compile) and ``memory_analysis()``. The model is
+not in them (the guard runs the runner's own step between HEAD and TAIL); ``--bare`` adds the
+model's step, the real RPA kernel in it (its TPU generation given, the host being a CPU), with
+its TPU compiler options, for comparison. Nothing runs.
 """
 
 from __future__ import annotations
@@ -106,7 +114,7 @@ def _fill(bs: int, ctx: int, iters: int, smoke: bool, window: int = 0):
                        max_num_seqs=bs, max_num_batched_tokens=chunk, continue_decode=False,
                        max_model_len=(blocks_per_req + -(-prefill_steps // BLOCK)) * BLOCK,
                        model=model, prefix_caching=False)
-    bare, step = e.runner.model_fn, e.runner.model.step_fn_no_options
+    bare = e.runner.model_fn
     guard = kti.install(e.runner, mode="log", real_data="all", coverage_window=window,
                         sweep_interval=window)
     plans, plan = [], guard.book.plan
@@ -127,7 +135,7 @@ def _fill(bs: int, ctx: int, iters: int, smoke: bool, window: int = 0):
     p = plans[-1]
     delta = kti.TokenDelta(rows=jnp.asarray(p.rows), starts=jnp.asarray(p.starts),
                            counts=jnp.asarray(p.counts), ids=jnp.asarray(p.ids))
-    return e, guard, bare, step, Decode(kept[0][:11], delta)
+    return e, guard, bare, Decode(kept[0][:11], delta)
 
 
 def _violations(state) -> int:
@@ -135,11 +143,12 @@ def _violations(state) -> int:
 
 
 def run_case(bs: int, ctx: int, iters: int, smoke: bool = False, window: int = 0,
-             ncu: bool = False) -> dict:
+             ncu: bool = False, one_jit: bool = False) -> dict:
     """One case's row. ``ncu``: nothing timed; the canary-only step runs ``iters`` times
     between ``cudaProfilerStart`` and ``cudaProfilerStop`` (for ``ncu --profile-from-start
     off``: the bench's own CUPTI profiler and Nsight Compute's cannot share a process)."""
-    e, guard, bare, step, decode = _fill(bs, ctx, iters, smoke, window)
+    e, guard, bare, decode = _fill(bs, ctx, iters, smoke, window)
+    step = e.runner.model.step_fn_no_options
     runner, canary = e.runner, guard.canary
     guard.manager.flush()
     if _violations(guard.state):
@@ -151,7 +160,6 @@ def run_case(bs: int, ctx: int, iters: int, smoke: bool = False, window: int = 0
            "attention": "jnp stand-in (RPA v3 is TPU-only)",
            "model": "tests' Qwen3" if smoke else BENCH_MODEL}
     late = jnp.zeros((canary.data_shards * canary.max_reqs,), jnp.int32)
-    shardings = [c.sharding for c in runner.kv_caches]
 
     def with_kv(args):
         return (args[0], runner.kv_caches, *args[2:])
@@ -159,31 +167,26 @@ def run_case(bs: int, ctx: int, iters: int, smoke: bool = False, window: int = 0
     def bare_step(i):
         runner.kv_caches = list(bare(*with_kv(decode.args))[0])
 
-    def timed_guarded(fn):
+    def timed_guarded(with_model: bool):
         holder = {"state": jax.tree.map(jnp.copy, guard.state)}
-
-        def run(i):
-            with jax.enable_x64(True):
-                holder["state"], out = fn(holder["state"], decode.delta, late, False, False,
-                                          *with_kv(decode.args))
-            runner.kv_caches = list(out[0])
-
+        run = _guarded_run(holder, canary, guard, runner, decode, late, with_kv,
+                           bare if with_model else None)
         result = timing.device_time(run, lambda: jax.block_until_ready(
             (runner.kv_caches, holder["state"])), iters=iters)
         return result, _violations(holder["state"])
 
-    def idle_step(state_leaves, kv_caches, *args):
-        return kv_caches, None, None, None
-
     if ncu:
-        return _profiled(row, kti.guarded_model_fn(canary, idle_step, shardings), guard, runner,
-                         decode, late, with_kv, iters)
+        return _profiled(row, canary, guard, runner, decode, late, with_kv, iters)
     row["bare"] = timing.device_time(bare_step, lambda: jax.block_until_ready(runner.kv_caches),
                                      iters=iters)
-    row["guarded"], row["violations"] = timed_guarded(
-        kti.guarded_model_fn(canary, step, shardings))
-    row["canary_only"], idle_violations = timed_guarded(
-        kti.guarded_model_fn(canary, idle_step, shardings))
+    row["guarded"], row["violations"] = timed_guarded(True)
+    row["canary_only"], idle_violations = timed_guarded(False)
+    if one_jit:
+        holder = {"state": jax.tree.map(jnp.copy, guard.state)}
+        run = _one_jit_run(holder, canary, guard, runner, decode, late, with_kv, step)
+        row["guarded_one_jit"] = timing.device_time(run, lambda: jax.block_until_ready(
+            (runner.kv_caches, holder["state"])), iters=iters)
+        row["violations"] += _violations(holder["state"])
     row["violations"] += idle_violations
     if window:
         row.update(_time_sweep(guard, runner, iters, window))
@@ -193,17 +196,73 @@ def run_case(bs: int, ctx: int, iters: int, smoke: bool = False, window: int = 0
     return row
 
 
-def _profiled(row, fn, guard, runner, decode, late, with_kv, iters: int) -> dict:
+def _guarded_run(holder, canary, guard, runner, decode, late, with_kv, model):
+    """One guarded step as the guard runs it (``model`` None: no model between HEAD and TAIL),
+    on ``holder["state"]``."""
+    md = kdevice.metadata(decode.args[3])
+    ids, pos, delta = decode.args[2], decode.args[5], decode.delta
+    unwritten = guard._all_written  # the step reads no KV from before the canary
+
+    def run(i):
+        with jax.enable_x64(True):
+            st = holder["state"]
+            pool, valid = kti.delta_jit(st.expected_tokens, st.expected_valid_lens, delta,
+                                        canary=canary)
+            st = dataclasses.replace(st, expected_tokens=pool, expected_valid_lens=valid)
+            st, passes = kti.head_jit(st, delta.rows, late, unwritten, md, ids, pos,
+                                      canary=canary, split=False)
+        if model is not None:
+            runner.kv_caches = list(model(*with_kv(decode.args))[0])
+        with jax.enable_x64(True):
+            holder["state"] = kti.tail_jit(st, passes, kdevice.kv_arg(canary, runner.kv_caches),
+                                           canary=canary)
+    return run
+
+
+def _one_jit_run(holder, canary, guard, runner, decode, late, with_kv, step):
+    """The delta's jit, then HEAD -> ``step`` (the model's options-free step) -> TAIL as one
+    jit, on ``holder["state"]``."""
+    ids, pos, delta = decode.args[2], decode.args[5], decode.delta
+    unwritten = guard._all_written
+    shardings = [c.sharding for c in runner.kv_caches]
+    state_sharding = NamedSharding(canary.mesh, P(canary.axes or None))
+
+    model_x64 = bool(jax.config.read("jax_enable_x64"))
+
+    def traced(state, rows, late, unwritten, state_leaves, kv, input_ids, md, *rest):
+        def model(kv_in):
+            with jax.enable_x64(model_x64):  # the model traced as the runner traces it
+                return step(state_leaves, kv_in, input_ids, md, *rest)
+        return kdevice.guarded_step(canary, model, state, rows, md, input_ids, rest[1],
+                                    list(kv), late, False, unwritten)
+
+    # Static: the layer map and the two rank flags (the runner's own jit's).
+    jitted = jax.jit(traced, static_argnums=(10, 13, 14), donate_argnums=(0, 5),
+                     keep_unused=True,
+                     out_shardings=(state_sharding, (shardings, None, None, None)))
+
+    def run(i):
+        with jax.enable_x64(True):
+            st = holder["state"]
+            pool, valid = kti.delta_jit(st.expected_tokens, st.expected_valid_lens, delta,
+                                        canary=canary)
+            st = dataclasses.replace(st, expected_tokens=pool, expected_valid_lens=valid)
+            args = with_kv(decode.args)
+            holder["state"], out = jitted(st, delta.rows, late, unwritten, args[0],
+                                          list(args[1]), *args[2:])
+        runner.kv_caches = list(out[0])
+    return run
+
+
+def _profiled(row, canary, guard, runner, decode, late, with_kv, iters: int) -> dict:
     import torch
 
-    state = jax.tree.map(jnp.copy, guard.state)
+    holder = {"state": jax.tree.map(jnp.copy, guard.state)}
+    step = _guarded_run(holder, canary, guard, runner, decode, late, with_kv, None)
 
     def run():
-        nonlocal state
-        with jax.enable_x64(True):
-            state, out = fn(state, decode.delta, late, False, False, *with_kv(decode.args))
-        runner.kv_caches = list(out[0])
-        jax.block_until_ready((runner.kv_caches, state))
+        step(0)
+        jax.block_until_ready((runner.kv_caches, holder["state"]))
 
     run()  # compiled outside the profiled range
     torch.cuda.synchronize()
@@ -213,7 +272,7 @@ def _profiled(row, fn, guard, runner, decode, late, with_kv, iters: int) -> dict
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
     row["profiled_calls"] = iters
-    row["violations"] = _violations(state)
+    row["violations"] = _violations(holder["state"])
     return row
 
 
@@ -276,8 +335,13 @@ def _abstract_model(config, mesh):
 def _compiled(jitted, args, mesh) -> dict:
     t0 = time.perf_counter()
     try:
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            compiled = jitted.trace(*args).lower(lowering_platforms=("tpu",)).compile()
+        # A canary jit (a function returning its trace) traces and compiles under x64; the
+        # model's step under the process's own setting, as the runner's.
+        canary = not hasattr(jitted, "trace")
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), jax.enable_x64(
+                canary or jax.config.read("jax_enable_x64")):
+            traced = jitted(*args) if canary else jitted.trace(*args)
+            compiled = traced.lower(lowering_platforms=("tpu",)).compile()
     except Exception as e:  # noqa: BLE001  (the report names every failure)
         text = str(e)
         at = text.find("Mosaic failed")
@@ -333,16 +397,10 @@ def compile_rows(topologies, head_dims, bare: bool = False, windows=(0,)) -> lis
                 max_reqs=n, max_blocks=ctx // BLOCK, pool_rows=2 * n, mesh=mesh, kv_spec=spec,
                 implementation="pallas_mosaic_tpu", coverage_window=window,
                 num_layers=len(kv) if window else None)
-            with jax.enable_x64(True):
-                state = jax.tree.map(
-                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
-                        mesh, P(canary.axes or None))), kdevice.state_shapes(canary))
-                delta = kti.TokenDelta(rows=i32(n), starts=i32(n), counts=i32(n), ids=i32(t))
-                guarded = kti.guarded_model_fn(canary, step, [kv_sharding] * len(kv), options)
-                rows.append({**base, "step": "guarded", "coverage_window": window,
-                             **_compiled(guarded, (state, delta, i32(n), False, False,
-                                                   *model_args), mesh)})
-            print(_fmt(rows[-1]), flush=True)
+            for name, jitted, args in _canary_jits(canary, mesh, md, kv, n, t):
+                rows.append({**base, "step": name, "coverage_window": window,
+                             **_compiled(jitted, args, mesh)})
+                print(_fmt(rows[-1]), flush=True)
         if bare:
             jitted = jax.jit(step, static_argnums=(6, 9, 10), donate_argnums=1,
                              out_shardings=([kv_sharding] * len(kv), None, None, None),
@@ -350,6 +408,31 @@ def compile_rows(topologies, head_dims, bare: bool = False, windows=(0,)) -> lis
             rows.append({**base, "step": "bare", **_compiled(jitted, model_args, mesh)})
             print(_fmt(rows[-1]), flush=True)
     return rows
+
+
+def _canary_jits(canary, mesh, md, kv, n: int, t: int):
+    """``(name, jit, abstract args)`` of the guard's jits at this size: the delta (``t`` ids),
+    HEAD (one pass and split) and TAIL (one pass)."""
+    state_sharding = NamedSharding(mesh, P(canary.axes or None))
+    rep = NamedSharding(mesh, P())
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=rep)  # noqa: E731
+    placed = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=state_sharding)  # noqa: E731
+    with jax.enable_x64(True):
+        state = jax.tree.map(placed, kdevice.state_shapes(canary))
+        delta = kti.TokenDelta(rows=i32(n), starts=i32(n), counts=i32(n), ids=i32(t))
+        unwritten = i32(SERVING["blocks"])
+        head_args = (state, i32(n), i32(n), unwritten, kdevice.metadata(md), i32(t), i32(t))
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            passes = jax.tree.map(placed, kti.head_jit.trace(
+                *head_args, canary=canary, split=False).out_info[1])
+    yield ("delta", lambda *a: kti.delta_jit.trace(*a, canary=canary),
+           (state.expected_tokens, state.expected_valid_lens, delta))
+    for split in (False, True):
+        yield ("head split" if split else "head",
+               lambda *a, split=split: kti.head_jit.trace(*a, canary=canary, split=split),
+               head_args)
+    yield ("tail", lambda *a: kti.tail_jit.trace(*a, canary=canary),
+           (state, passes, kdevice.kv_arg(canary, kv)))
 
 
 def _fmt(row: dict) -> str:
@@ -387,6 +470,8 @@ def _main(argv) -> int:
     p.add_argument("--coverage-window", default="0",
                    help="the guard's coverage windows, a case each (0: off; e.g. 0,64)")
     p.add_argument("--out", default=None, help="a directory for tpu_inference_step.json")
+    p.add_argument("--one-jit", action="store_true",
+                   help="also time HEAD -> model -> TAIL traced as one jit (guarded_one_jit)")
     p.add_argument("--ncu", action="store_true",
                    help="time nothing: run the canary-only step --iters times inside "
                         "cudaProfilerStart/Stop, for ncu --profile-from-start off")
@@ -408,7 +493,8 @@ def _main(argv) -> int:
         for bs, ctx, window in itertools.product((int(x) for x in a.bs.split(",")),
                                                  (int(x) for x in a.ctx.split(",")), windows):
             try:
-                row = run_case(bs, ctx, a.iters, a.smoke, window, ncu=a.ncu)
+                row = run_case(bs, ctx, a.iters, a.smoke, window, ncu=a.ncu,
+                               one_jit=a.one_jit)
             except Exception as e:  # one failing case must not hide the others
                 errors.append(f"bs={bs} ctx={ctx} window={window}: {type(e).__name__}: {e}")
                 print(errors[-1], file=sys.stderr)
@@ -423,8 +509,9 @@ def _main(argv) -> int:
                   f"{row['canary_only']['median_us']:8.1f} us  share {row['share_pct']:5.1f}% / "
                   f"{row['canary_only_share_pct']:5.1f}%  violations {row['violations']}"
                   + (f"  sweep {row['sweep']['median_us']:.1f} us ({row['swept_blocks']} blocks, "
-                     f"{row['sweep_per_step_us']:.1f} a step)" if window else ""),
-                  flush=True)
+                     f"{row['sweep_per_step_us']:.1f} a step)" if window else "")
+                  + (f"  one jit {row['guarded_one_jit']['median_us']:.1f} us"
+                     if a.one_jit else ""), flush=True)
     result = {"environment": common.environment(), "rows": rows, "errors": errors}
     if a.out:
         os.makedirs(a.out, exist_ok=True)

@@ -559,24 +559,22 @@ def trust_main() -> None:
                            "kv_arrays": len(r.kv_caches),
                            "manager_coverage": g.manager.coverage() is not None}
 
-    def failing_jit(kv_caches):  # a plain step failing on the device after the donation
-        def run(state, *args, **kwargs):
-            for leaf in jax.tree.leaves(state):
-                leaf.delete()
-            raise RuntimeError("injected: the step failed on the device")
-        return run
+    def failing_tail(state, *args, **kwargs):  # a plain step failing on the device after
+        for leaf in jax.tree.leaves(state):        # its TAIL took the state
+            leaf.delete()
+        raise RuntimeError("injected: the step failed on the device")
 
     from vllm.v1.request import RequestStatus
 
     e.scheduler.finish_requests("x", RequestStatus.FINISHED_ABORTED)
-    jit, g._normal_jit = g._normal_jit, failing_jit
+    jit, g._tail_jit = g._tail_jit, failing_tail
     e.add("z", list(range(700, 720)), 4)
     try:
         life.step("z prefill")
         raised = None
     except RuntimeError as err:
         raised = str(err)
-    g._normal_jit = jit
+    g._tail_jit = jit
     out["step_failure"] = {"raised": raised, "counts": kti.violation_counts(g).tolist(),
                            "manager_coverage": g.manager.coverage() is not None}
     # Serving on, the failed requests aborted: a new request served clean and covered.
@@ -611,6 +609,63 @@ def trust_main() -> None:
     print(json.dumps(out))
 
 
+def warm_up_main() -> None:
+    """A guard installed before the runner's own warm-up (``capture_model()``, which calls
+    ``model_fn`` once per token bucket), then serving: prefills of several token buckets, a
+    same-step prefix hit (the late split), decodes, a prompt longer than a step (chunked), a
+    flipped K byte. Every call of the canary's jits counts the lowerings it missed (what
+    ``VLLM_XLA_CHECK_RECOMPILATION`` watches): none may happen while serving."""
+    from jax._src.interpreters import pxla
+
+    from tpu_inference import envs
+
+    life = Life(128, num_blocks=40, guarded=False)
+    e, r = life.e, life.e.runner
+    life.install("all")
+    g = life.guard
+    out = {"paddings": list(r.num_tokens_paddings)}
+    os.environ["SKIP_JAX_PRECOMPILE"] = "0"
+    try:
+        r.capture_model()
+    finally:
+        os.environ["SKIP_JAX_PRECOMPILE"] = "1"
+    out["skip_precompile"] = bool(envs.SKIP_JAX_PRECOMPILE)
+    out["warmed"] = len(g._warmed)
+    compiles = {"delta": 0, "head": 0, "tail": 0}
+    calls = dict.fromkeys(compiles, 0)
+    splits = []
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            if name == "head":
+                splits.append(kwargs["split"])
+            before = pxla._cached_lowering_to_hlo.cache_info().misses
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                calls[name] += 1
+                compiles[name] += pxla._cached_lowering_to_hlo.cache_info().misses - before
+        return call
+
+    g._delta_jit = counted("delta", g._delta_jit)
+    g._head_jit = counted("head", g._head_jit)
+    g._tail_jit = counted("tail", g._tail_jit)
+    life.prefix_hits_and_loops()  # a same-step prefix hit, then a later one
+    e.add("long", [300 + k for k in range(100)], 6)  # chunked over steps of 64 tokens
+    e.add("short", [200 + k for k in range(5)], 20)
+    life.run("long short")
+    e.add("m", [250 + k for k in range(20)], 4)
+    life.step("m prefill")
+    s = life.slot("m", 3)
+    life.flip(s)
+    found = life.run("m flipped")
+    g.manager.flush()
+    out.update(compiles=compiles, calls=calls, splits=sorted(set(splits)),
+               tokens=sorted({sum(x["scheduled"].values()) for x in life.log}),
+               found=rows(found), flipped=s, violations=kti.violation_counts(g).tolist())
+    print(json.dumps(out))
+
+
 def _row(runner, layer: int, slot: int) -> np.ndarray:
     """``slot``'s row of ``runner.kv_caches[layer]`` as bytes (one data shard)."""
     host = np.asarray(runner.kv_caches[layer])
@@ -636,7 +691,10 @@ def main() -> None:
     ap.add_argument("--coverage-flips", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trust", action="store_true")
+    ap.add_argument("--warm-up", action="store_true")
     args = ap.parse_args()
+    if args.warm_up:
+        return warm_up_main()
     if args.raise_mode:
         return raise_main()
     if args.trust:

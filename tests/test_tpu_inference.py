@@ -86,6 +86,7 @@ JOBS = {
     ("bench",): functools.partial(_bench, "--smoke", timeout=900),
     ("raise",): functools.partial(_run, "--raise-mode"),
     ("trust",): functools.partial(_run, "--trust"),
+    ("warm",): functools.partial(_run, "--warm-up"),
 }
 _POOL: dict = {}
 
@@ -327,6 +328,26 @@ def test_a_raise_after_a_plain_step_leaves_the_runner_a_live_cache(request):
     assert r["reasons"] == REAL_KV, r
 
 
+@uses(("warm",))
+def test_a_guard_installed_before_the_runners_warm_up_compiles_nothing_while_serving(request):
+    """tpu-inference's own warm-up (``capture_model()``, a ``model_fn`` call per token bucket)
+    compiles the guard's jits too: then serving (prefills and decodes of every bucket, a
+    same-step prefix hit that splits HEAD and TAIL in two passes, a chunked prompt) misses no
+    lowering in them (what ``VLLM_XLA_CHECK_RECOMPILATION`` counts), and a flipped K byte is
+    still found."""
+    w = _job(request, ("warm",))
+    assert w["skip_precompile"], w  # the variable the life set for the warm-up is restored
+    assert w["warmed"] == len(w["paddings"]) == 3, w
+    assert w["compiles"] == {"delta": 0, "head": 0, "tail": 0}, w
+    assert min(w["calls"].values()) >= 4, w
+    assert w["splits"] == [False, True], w
+    used = {min(p for p in w["paddings"] if p >= t) for t in w["tokens"] if t}
+    assert used == set(w["paddings"]), w
+    assert w["found"] and {(f["slot"], f["position"], tuple(f["reasons"]))
+                           for f in w["found"]} == {(w["flipped"], 3, tuple(REAL_KV))}, w
+    assert w["violations"] == [len(w["found"])], w
+
+
 @uses(("trust",))
 def test_what_an_operator_does_around_a_guard_with_a_window(request):
     """A second install over a guarded runner is refused and changes nothing; the guard's
@@ -502,27 +523,31 @@ def test_the_step_bench_runs(request):
 @pytest.mark.parametrize("topology, window", COMPILES)
 @uses(lambda params: ("compile", params["topology"], params["window"]))
 def test_the_guarded_step_compiles_for_v5e_and_v6e(request, topology, window):
-    """The guarded step at a serving size (256 requests of up to 8,192 tokens, 8,192 tokens a
-    step, a 1M-slot cache) with tpu-inference's own attention kernel (RPA v3, Mosaic), both KV
-    layouts, compiled by libtpu (nothing runs): SGLang's layer-0 fingerprint for v5e, with the
-    coverage window (every layer digested: the same step and the digest kernels) for v6e. The
-    KV stays in place: its inputs are aliased to its outputs. Compile time and memory of every
-    combination: docs/tpu-inference.md."""
+    """The guard's jits at a serving size (256 requests of up to 8,192 tokens, 8,192 tokens a
+    step, a 1M-slot cache), both KV layouts, compiled by libtpu (nothing runs): the expected-id
+    delta, HEAD (one pass, and split in two), and TAIL with SGLang's layer-0 fingerprint for
+    v5e, with the coverage window (every layer digested) for v6e. The canary state is donated
+    and aliased in each, and TAIL only reads the KV: nothing it outputs is a copy. Compile time
+    and memory of every combination: docs/tpu-inference.md."""
     result = _job(request, ("compile", topology, window))
     assert result["errors"] == []
     rows = result["rows"]
+    steps = ("delta", "head", "head split", "tail")
     assert [(r["head_dim"], r["topology"], r["step"], r["coverage_window"], r["ok"])
-            for r in rows] == [(h, topology, "guarded", window, True) for h in (128, 64)]
+            for r in rows] == [(h, topology, s, window, True) for h in (128, 64) for s in steps]
     for r in rows:
-        kv_bytes = 2 * 2 * int(np.prod(r["kv_shape"]))  # two layers of bf16
         assert r["kv_shape"][:2] == [1 << 16, 16] and r["reqs"] == 256 and r["tokens"] == 8192
-        assert r["alias_size_in_bytes"] >= kv_bytes, r
         assert r["generated_code_size_in_bytes"] > 0 and r["seconds"] > 0
-        if window:
-            # The digest reads every layer in place (a strip per 128-lane row): the step's
-            # temporaries stay those of the step without it (2.0 layers' bytes at head_dim 128,
-            # 2.4 at 64: the fingerprint's int32 strips) plus under 0.4 of a layer (2.2 and 2.8
-            # measured); a layer laid out as 32-bit rows for the digest, as a whole-row source
-            # was, adds a whole one (3.2 and 3.4).
-            layer = kv_bytes // 2
+        if r["step"] in ("delta", "tail"):  # all they give back is the donated state (the
+            # output's few bytes more: its tuple's index tables)
+            assert 0 <= r["output_size_in_bytes"] - r["alias_size_in_bytes"] < 4096, r
+            assert r["alias_size_in_bytes"] > 2**20, r
+        else:  # the state, and the passes TAIL takes
+            assert 0 < r["alias_size_in_bytes"] < r["output_size_in_bytes"], r
+        if r["step"] == "tail" and window:
+            # The digest reads every layer in place (a strip per 128-lane row): TAIL's
+            # temporaries are the fingerprint's int32 strips (2.3 layers' bytes at head_dim
+            # 128, 2.6 at 64 measured); a layer laid out as 32-bit rows for the digest, as a
+            # whole-row source was, adds a whole one.
+            layer = 2 * int(np.prod(r["kv_shape"]))  # one layer of bf16
             assert r["temp_size_in_bytes"] < (2.6 if r["head_dim"] == 128 else 3.1) * layer, r

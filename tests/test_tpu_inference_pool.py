@@ -1,11 +1,12 @@
 """The tpu-inference guard's expected-token pool (``integrations/tpu_inference/device.py``:
-``_pool`` and ``_owner``) against a hand-written oracle of its rules, on random steps.
+``apply_delta``, ``_pool`` and ``_owner``) against a hand-written oracle of its rules, on random
+steps.
 
-HEAD applies the host's :class:`TokenDelta` (each batch row's ids from ``starts`` on, into its
-pool row; a row's valid length becomes ``max(base, starts + counts)``, ``base`` 0 for a new
-request's first delta), then adopts the step's own tokens at or past each row's valid length, then
-raises the valid lengths to cover the tokens the step writes. The device does the two writes in
-one scatter; the oracle below does them one after the other, cell by cell. No tpu-inference
+A step first applies the host's :class:`TokenDelta` (``apply_delta``, a jit of its own: each
+batch row's ids from ``starts`` on, into its pool row; a row's valid length becomes
+``max(base, starts + counts)``, ``base`` 0 for a new request's first delta); HEAD then adopts
+the step's own tokens at or past each row's valid length and raises the valid lengths to cover
+the tokens the step writes (``_pool``). The oracle below does it cell by cell. No tpu-inference
 needed: these run in every leg.
 """
 
@@ -94,8 +95,16 @@ def _case(rng, with_delta):
 def test_the_pool_follows_the_delta_then_the_steps_own_tokens(with_delta):
     canary = types.SimpleNamespace(max_reqs=M, context_len=CTX)
     with jax.enable_x64(True):
-        fn = jax.jit(lambda st, b, delta, pending, ids: device._pool(canary, st, b, delta,
-                                                                      pending, ids))
+        def step(st, b, delta, pending, ids):
+            rows = None
+            if delta is not None:
+                pool, valid = device.apply_delta(canary, st.expected_tokens,
+                                                 st.expected_valid_lens, delta, pending)
+                st = dataclasses.replace(st, expected_tokens=pool, expected_valid_lens=valid)
+                rows = delta.rows
+            return device._pool(canary, st, b, rows, ids)
+
+        fn = jax.jit(step)
         rng = np.random.default_rng(7 + with_delta)
         checked = adopted = 0
         for _ in range(150):

@@ -31,9 +31,11 @@ from kvcanary_jax.integrations.tpu_inference.guard import (
     SUPPORTED_VERSIONS,
     Carried,
     TpuInferenceGuard,
-    guarded_model_fn,
+    delta_jit,
+    head_jit,
     install,
     read_violations,
+    tail_jit,
     violation_counts,
 )
 from kvcanary_jax.integrations.tpu_inference.layout import SUPPORTED_LAYOUTS, KvLayout, kv_layout
@@ -49,7 +51,9 @@ __all__ = [
     "TpuInferenceCanary",
     "TokenDelta",
     "Carried",
-    "guarded_model_fn",
+    "delta_jit",
+    "head_jit",
+    "tail_jit",
     "KvLayout",
     "kv_layout",
     "SUPPORTED_LAYOUTS",

@@ -53,8 +53,9 @@ from kvcanary_jax.ops._xla_lib import count_below
 from kvcanary_jax.runtime.kv import digest_reads_rows
 from kvcanary_jax.runtime.step import head, tail
 
-__all__ = ["TpuInferenceCanary", "TokenDelta", "step_batch", "guarded_step", "sweep_step",
-           "kv_arg", "pack_state", "unpack_state"]
+__all__ = ["TpuInferenceCanary", "TokenDelta", "step_batch", "apply_delta", "delta_step",
+           "metadata", "head_step", "tail_step", "guarded_step", "sweep_step", "kv_arg",
+           "pack_state", "unpack_state"]
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -218,48 +219,51 @@ def step_batch(canary: TpuInferenceCanary, md, input_ids, input_positions, unwri
                 table=table)
 
 
-def _pool(canary: TpuInferenceCanary, st, b, delta: TokenDelta | None, pending, input_ids):
-    """The delta applied, the step's first writes adopted; returns (state, batch rows of the
-    pool [M + 1, ctx], expected id per token)."""
+def apply_delta(canary: TpuInferenceCanary, pool, valid, delta: TokenDelta, pending=True):
+    """One shard's expected-id pool after a step's :class:`TokenDelta` (trace under x64):
+    returns ``(pool, valid)``. The delta's ids land at each batch row's pool row from its
+    ``start``; a new request's row (``pending`` and its delta starting at 0) restarts at 0, and
+    every row is then raised to what the delta sends (``start + count``). A step applies its
+    delta once, before HEAD (the on-device decode loop's steps read the pool it left)."""
+    m, ctx, rows_total = canary.max_reqs, canary.context_len, pool.shape[0]
+    prow = delta.rows.astype(jnp.int64)
+    starts, counts = delta.starts.astype(jnp.int64), delta.counts.astype(jnp.int64)
+    zero = jnp.zeros((1,), jnp.int64)
+    doff = jnp.concatenate([zero, jnp.cumsum(counts)])
+    i = jnp.arange(delta.ids.shape[0], dtype=jnp.int64)
+    r = _owner(doff, i, m)
+    ok = (i < doff[m]) & (prow[r] > 0)
+    col = jnp.where(ok, starts[r] + i - doff[r], ctx)  # a column of ctx drops
+    pool = pool.at[prow[r], col].set(delta.ids.astype(jnp.int32), mode="drop")
+    # The old lengths gathered once and passed with the rows through a barrier: the scatter
+    # below, indexed by those rows, runs after the gather and updates ``valid`` in place (a
+    # reader of the old values fused into a scatter made XLA copy it). Each batch row's pool
+    # row is its own (none shared): one scatter sets every row's new length.
+    old, prow = jax.lax.optimization_barrier((valid[prow], prow))
+    reset = (prow > 0) & jnp.asarray(pending, jnp.bool_) & (starts == 0)
+    held = jnp.maximum(jnp.where(reset, 0, old), starts + counts)
+    valid = valid.at[jnp.where(prow > 0, prow, rows_total)].set(held, mode="drop")
+    return pool, valid
+
+
+def _pool(canary: TpuInferenceCanary, st, b, rows, input_ids):
+    """The step's first writes adopted into the pool (its delta applied already:
+    :func:`apply_delta`); returns (state, batch rows of the pool [M + 1, ctx], expected id per
+    token). ``rows`` [M]: each batch row's pool row + 1 (0: padding; None: every row)."""
     pool, valid = st.expected_tokens, st.expected_valid_lens
     m, ctx, rows_total = canary.max_reqs, canary.context_len, pool.shape[0]
-    prow = jnp.zeros((m,), jnp.int64)
-    cells = []  # (pool rows, columns, ids) to write; a row of rows_total or a column of ctx drops
-    lens = []  # (pool rows, lengths) the valid lengths are raised to (a max)
+    prow = jnp.zeros((m,), jnp.int64) if rows is None else rows.astype(jnp.int64)
+    # ``held`` (the ids the pool holds per batch row) read once, before the scatters below,
+    # which then update the pool and ``valid`` in place.
+    held, prow = jax.lax.optimization_barrier((valid[prow], prow))
     row_t = jnp.where(b["valid_tok"], prow[b["owner"]], 0)
-    adopt = jnp.zeros(row_t.shape, jnp.bool_)
-    if delta is not None:
-        prow = delta.rows.astype(jnp.int64)
-        starts, counts = delta.starts.astype(jnp.int64), delta.counts.astype(jnp.int64)
-        zero = jnp.zeros((1,), jnp.int64)
-        doff = jnp.concatenate([zero, jnp.cumsum(counts)])
-        i = jnp.arange(delta.ids.shape[0], dtype=jnp.int64)
-        r = _owner(doff, i, m)
-        ok = (i < doff[m]) & (prow[r] > 0)
-        col = jnp.where(ok, starts[r] + i - doff[r], ctx)
-        cells.append((prow[r], col, delta.ids.astype(jnp.int32)))
-        # A new request's row (its delta starts at 0) restarts at 0; every row is then raised
-        # to what the delta sends. Each batch row's pool row is its own (none shared), so a
-        # token's row holds its batch row's ``held`` after the delta. The old lengths are
-        # gathered once, passed with the rows through a barrier: the scatters below, indexed by
-        # those rows, run after the gather and read nothing of ``valid``, so they update it in
-        # place (a reader of the old values fused into a scatter made XLA copy it twice a step).
-        old, prow = jax.lax.optimization_barrier((valid[prow], prow))
-        reset = (prow > 0) & pending & (starts == 0)
-        held = jnp.maximum(jnp.where(reset, 0, old), starts + counts)
-        valid = valid.at[jnp.where(reset, prow, rows_total)].set(0, mode="drop")
-        lens.append((jnp.where(prow > 0, prow, rows_total), starts + counts))
-        row_t = jnp.where(b["valid_tok"], prow[b["owner"]], 0)
-        adopt = (row_t > 0) & (b["pos"] >= held[b["owner"]])
-    cells.append((jnp.where(adopt, row_t, rows_total), b["pos"], input_ids.astype(jnp.int32)))
-    lens.append((jnp.where(row_t > 0, row_t, rows_total), b["pos"] + 1))
-    # The delta's cells lie below each row's new valid length (``held``) and the adopted ones at
-    # or past it, and no two batch rows share a pool row: the cells are disjoint, so one
-    # scatter writes both. Row 0 (padding) is never written, in the pool or in ``valid``.
-    rows_c, cols_c, ids_c = (jnp.concatenate(parts) for parts in zip(*cells))
-    pool = pool.at[rows_c, cols_c].set(ids_c, mode="drop")
-    rows_l, lens_l = (jnp.concatenate(parts) for parts in zip(*lens))
-    valid = valid.at[rows_l].max(lens_l, mode="drop")
+    # Positions past what the pool holds (the on-device decode loop's own samples) are taken
+    # from the step's input ids; the rest are checked against the pool. Row 0 (padding) is
+    # never written, in the pool or in ``valid``.
+    adopt = (row_t > 0) & (b["pos"] >= held[b["owner"]])
+    pool = pool.at[jnp.where(adopt, row_t, rows_total), b["pos"]].set(
+        input_ids.astype(jnp.int32), mode="drop")
+    valid = valid.at[jnp.where(row_t > 0, row_t, rows_total)].max(b["pos"] + 1, mode="drop")
     expected = pool[row_t, jnp.clip(b["pos"], 0, ctx - 1)].astype(jnp.int64)
     rows_b = jnp.concatenate([jnp.zeros((1,), jnp.int64), prow])
     st = dataclasses.replace(st, expected_tokens=pool, expected_valid_lens=valid)
@@ -339,13 +343,18 @@ def kv_arg(canary: TpuInferenceCanary, kv_caches):
     return kv_caches[canary.layer_index], tuple(kv_caches)
 
 
-def _shard_map(canary, fn, state, per_data, kv):
-    """``fn(shard state, shard's data, local kv)`` once per shard; its result (a state, or any
-    pytree of per-shard values) stacked along the leading axis."""
+def _shard_map(canary, fn, state, per_data, kv=None):
+    """``fn(shard state, shard's data, local kv)`` once per shard (``kv`` None: ``fn(shard
+    state, shard's data)``); its result (a state, or any pytree of per-shard values) stacked
+    along the leading axis."""
     spec = P(canary.axes or None)
     dspec = P(canary.data_axes or None)
-    in_specs = (spec, jax.tree.map(lambda _: dspec, per_data),
-                jax.tree.map(lambda _: canary.kv_spec, kv))
+    data_specs = jax.tree.map(lambda _: dspec, per_data)
+    if kv is None:
+        return jax.shard_map(lambda st, data: _stack1(fn(_first(st), data)), mesh=canary.mesh,
+                             in_specs=(spec, data_specs), out_specs=spec,
+                             check_vma=False)(state, per_data)
+    in_specs = (spec, data_specs, jax.tree.map(lambda _: canary.kv_spec, kv))
 
     def body(st, data, local):
         return _stack1(fn(_first(st), data, local))
@@ -354,51 +363,52 @@ def _shard_map(canary, fn, state, per_data, kv):
                          check_vma=False)(state, per_data, kv)
 
 
-def _shard_map_plans(canary, fn, state, per_data, kv):
-    """:func:`_shard_map` with ``per_data["plans"]`` split over every shard axis."""
-    spec = P(canary.axes or None)
-    dspec = P(canary.data_axes or None)
-    plans = per_data.pop("plans")
-    in_specs = (spec, jax.tree.map(lambda _: dspec, per_data), spec,
-                jax.tree.map(lambda _: canary.kv_spec, kv))
-
-    def body(st, data, pl, local):
-        return _stack1(fn(_first(st), {**data, "plans": pl}, local))
-
-    return jax.shard_map(body, mesh=canary.mesh, in_specs=in_specs, out_specs=spec,
-                         check_vma=False)(state, per_data, plans, kv)
-
-
-def _metadata(md):
+def metadata(md):
+    """What the canary reads of an ``AttentionMetadata``: ``(seq_lens, query_start_loc,
+    block_tables, request_distribution)`` (its other fields, some static, stay out of the
+    canary's jits)."""
     return (md.seq_lens, md.query_start_loc, md.block_tables, md.request_distribution)
 
 
-def guarded_step(canary: TpuInferenceCanary, model, state, delta, pending, md, input_ids,
-                 input_positions, kv_caches, late=None, split: bool = False, unwritten=None):
-    """HEAD -> ``model(kv_caches) -> out`` -> TAIL, traceable under x64 (the model is traced
-    under the caller's own setting: ``model`` enters it). ``out[0]`` is the new KV list.
-    ``pending``: whether ``delta`` is new (applied with its resets) or seen already (the
-    decode loop's later iterations). ``late`` [data shards * max_reqs]: requests that read a
-    slot another request of the step writes; ``split`` (static): whether any does.
+def delta_step(canary: TpuInferenceCanary, pool, valid, delta: TokenDelta):
+    """:func:`apply_delta` per shard: ``pool`` / ``valid`` the state's stacked
+    ``expected_tokens`` / ``expected_valid_lens``, ``delta`` per data shard stacked. Its own jit
+    in the guard, keyed by the delta's id bucket only (the step's jits take its rows)."""
+    spec = P(canary.axes or None)
+    dspec = P(canary.data_axes or None)
+
+    def body(p, v, d):
+        p, v = apply_delta(canary, p[0], v[0], d)
+        return p[None], v[None]
+
+    return jax.shard_map(body, mesh=canary.mesh,
+                         in_specs=(spec, spec, jax.tree.map(lambda _: dspec, delta)),
+                         out_specs=(spec, spec), check_vma=False)(pool, valid, delta)
+
+
+def head_step(canary: TpuInferenceCanary, state, rows, md, input_ids, input_positions,
+              late=None, split: bool = False, unwritten=None):
+    """HEAD of a step, per shard, traceable under x64: returns ``(state, passes)``, ``passes``
+    what :func:`tail_step` takes after the model. ``md``: :func:`metadata`'s four arrays.
+    ``rows`` [data shards * max_reqs] (with token checks): each batch row's pool row + 1, its
+    delta applied already (:func:`delta_step`). ``late`` [data shards * max_reqs]: requests that
+    read a slot another request of the step writes; ``split`` (static): whether any does.
     ``unwritten`` [data shards * blocks] (or None: every block read was written since the
     canary started): :func:`step_batch`'s, per data shard."""
     cfg = canary.config
-    pend = jnp.broadcast_to(jnp.asarray(pending, jnp.bool_), (canary.data_shards,))
     if late is None:
         late = jnp.zeros((canary.data_shards * canary.max_reqs,), jnp.int32)
-    per_data = dict(md=_metadata(md), ids=input_ids, pos=input_positions, delta=delta,
-                    pending=pend, late=late, unwritten=unwritten)
+    per_data = dict(md=tuple(md), ids=input_ids, pos=input_positions, rows=rows, late=late,
+                    unwritten=unwritten)
 
-    def head_fn(st, data, _local):
+    def head_fn(st, data):
         b = step_batch(canary, data["md"], data["ids"], data["pos"], data["unwritten"])
         expected_pool, expected = None, jnp.zeros(data["ids"].shape, jnp.int64)
         if canary.token_checks:
-            st, expected_pool, expected = _pool(canary, st, b, data["delta"],
-                                                data["pending"][0], data["ids"])
+            st, expected_pool, expected = _pool(canary, st, b, data["rows"], data["ids"])
         # Each pass's plans and batch, for its TAIL (the state keeps the last pass's plans).
         # TAIL takes HEAD's batch as it is: the pool it was read from is the one TAIL would
-        # read (``head`` leaves an ``expected_pool`` caller's pool alone), and deriving it again
-        # after the model was a dozen small kernels a step.
+        # read (``head`` leaves an ``expected_pool`` caller's pool alone).
         passes = []
         for keep in _passes(data["late"], split):
             batch = _canary_batch(b, data["ids"], data["pos"], expected, keep)
@@ -409,20 +419,41 @@ def guarded_step(canary: TpuInferenceCanary, model, state, delta, pending, md, i
             passes.append((st.plans, batch))
         return {"state": st, "plans": passes}
 
-    both = _shard_map(canary, head_fn, state, per_data, kv_caches[canary.layer_index])
-    state, per_data["plans"] = both["state"], both["plans"]
-    out = model(kv_caches)
-    new_kv = kv_arg(canary, list(out[0]))
+    both = _shard_map(canary, head_fn, state, per_data)
+    return both["state"], both["plans"]
 
-    def tail_fn(st, data, local):
-        for plans, batch in data["plans"]:
-            st = tail(cfg, dataclasses.replace(st, plans=_first(plans)), _first(batch),
-                      _no_lut(), _k_dict(canary, local))
-        return st
+
+def tail_step(canary: TpuInferenceCanary, state, passes, kv):
+    """TAIL of a step after the model, per shard, traceable under x64: ``passes`` from
+    :func:`head_step`, ``kv`` what it reads of the model's new KV (:func:`kv_arg`)."""
+    cfg = canary.config
+    spec = P(canary.axes or None)
+
+    def body(st, pl, local):
+        st = _first(st)
+        for plans, batch in _first(pl):
+            st = tail(cfg, dataclasses.replace(st, plans=plans), batch, _no_lut(),
+                      _k_dict(canary, local))
+        return _stack1(st)
 
     # The plans travel as per-shard values: stacked over every shard axis, not only the data
     # axes the other per-step arrays are split over.
-    return _shard_map_plans(canary, tail_fn, state, per_data, new_kv), out
+    return jax.shard_map(body, mesh=canary.mesh,
+                         in_specs=(spec, spec, jax.tree.map(lambda _: canary.kv_spec, kv)),
+                         out_specs=spec, check_vma=False)(state, passes, kv)
+
+
+def guarded_step(canary: TpuInferenceCanary, model, state, rows, md, input_ids,
+                 input_positions, kv_caches, late=None, split: bool = False, unwritten=None):
+    """HEAD -> ``model(kv_caches) -> out`` -> TAIL in one trace, under x64 (the model is traced
+    under the caller's own setting: ``model`` enters it); ``out[0]`` is the new KV list. What
+    the on-device decode loop runs in each iteration (the guard's normal steps run
+    :func:`head_step`, the runner's own step and :func:`tail_step` as three jits). Arguments
+    as :func:`head_step`'s (``md`` an ``AttentionMetadata``); returns ``(state, out)``."""
+    state, passes = head_step(canary, state, rows, metadata(md), input_ids, input_positions,
+                              late, split, unwritten)
+    out = model(kv_caches)
+    return tail_step(canary, state, passes, kv_arg(canary, list(out[0]))), out
 
 
 def sweep_step(canary: TpuInferenceCanary, state, tables, rows, lengths, kv):

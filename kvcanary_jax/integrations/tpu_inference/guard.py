@@ -7,14 +7,16 @@ changes anything. Then it wraps four attributes of that runner instance:
 * ``runner.persistent_batch_manager.update_states``: after the runner's own update, the step's
   batch order, its expected-id delta (:class:`~.host.TokenBook`) and the blocks it writes
   (:class:`~.host.CachedBlocks`);
-* ``runner.model_fn`` (every step but the on-device decode loop): one ``jax.jit`` of HEAD ->
-  the model's options-free step (``runner.model.step_fn_no_options``, whose jit may nest:
-  JAX refuses compiler options on a nested jit, so the guarded jit carries the step's own,
-  ``get_step_fn_compiler_options()``) -> TAIL, the canary state and the KV donated, the KV
-  outputs placed as their inputs. Only a step ``update_states`` described is guarded (its
-  batch rows, expected ids and block owners come from there); any other call (a warm-up, a
-  second call of the same step) runs the runner's own ``model_fn``, and so does
-  ``_execute_continue_decode``;
+* ``runner.model_fn`` (every step but the on-device decode loop): HEAD (a jit of the canary's)
+  -> the runner's own ``model_fn``, as it compiled it -> TAIL (another), the canary state
+  donated through both; before HEAD, with token checks, the step's expected ids into the
+  state's pool (a third, small jit). The model is never compiled again for the canary: the
+  canary's jits are keyed by the step's token bucket (HEAD and TAIL, each with or without the
+  late split) and the delta's id bucket, and compile in the runner's own warm-up
+  (``capture_model()``) when the guard is installed before it. Only a step ``update_states``
+  described is guarded (its batch rows, expected ids and block owners come from there); any
+  other call (a warm-up, a second call of the same step) runs the runner's own ``model_fn``,
+  and so does ``_execute_continue_decode``;
 * ``runner.model.step_fn_no_options``, the step ``continue_decode`` calls in its
   ``lax.while_loop``: HEAD -> step -> TAIL in every iteration, the canary state travelling in
   the loop's carry as a trailing entry of its ``kv_caches`` (a :class:`Carried`: the loop
@@ -31,9 +33,10 @@ each violation belongs to) and, every ``sweep_interval`` steps, the sweep of cac
 :class:`~.remediation.Remediator` aborts the request and evicts its block from vLLM's prefix
 cache.
 
-Install after ``load_model()``, ``initialize_kv_cache()`` and any ``capture_model()``
-(warm-ups of every bucket would otherwise stamp the null block's slots, harmless but slow),
-best before the runner serves: the guard has no canary for KV written before it (an install
+Install after ``load_model()`` and ``initialize_kv_cache()`` and before ``capture_model()``:
+its warm-up calls ``model_fn`` once per token bucket, unguarded (no step described), and the
+guard compiles its jits for each then (:meth:`TpuInferenceGuard._warm`; installed later, they
+compile at their first use while serving). Install before the runner serves: the guard has no canary for KV written before it (an install
 over a warm prefix cache, a second install after ``uninstall``, a restart after a failed step),
 so the steps and the sweep leave those slots unchecked, and out of the coverage report, until
 vLLM hands their block out again (:class:`~.host.Unwritten`). A block written after them chains
@@ -45,7 +48,9 @@ chain check at the later block's first slot would report; reset vLLM's prefix ca
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import importlib.metadata
 import logging
 import numbers
@@ -67,7 +72,7 @@ from kvcanary_jax.runtime.rebase import Rebaser
 from kvcanary_jax.runtime.state import state_jit
 
 __all__ = ["SUPPORTED_VERSIONS", "Carried", "TpuInferenceGuard", "install", "read_violations",
-           "violation_counts", "guarded_model_fn"]
+           "violation_counts", "delta_jit", "head_jit", "tail_jit"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +87,12 @@ _WRAPPED = ("model_fn", "model.step_fn_no_options", "persistent_batch_manager.up
 @dataclasses.dataclass(frozen=True)
 class Carried:
     """The canary's entry in the decode loop's ``kv_caches``: the packed state
-    (:func:`~.device.pack_state`), the step's delta and whether it is still to be applied, and
-    the blocks' first slots written since the canary started (None: every block the loop reads
-    was; :class:`~.host.Unwritten`)."""
+    (:func:`~.device.pack_state`, the step's expected-id delta applied), each batch row's pool
+    row + 1 (None without token checks) and the blocks' first slots written since the canary
+    started (:class:`~.host.Unwritten`; None: every block the loop reads was)."""
 
     state: Any
-    delta: Any
-    pending: jax.Array
+    rows: Any = None
     unwritten: Any = None
 
 
@@ -133,16 +137,16 @@ def _check_runner(runner) -> None:
                                   "which the guard does not cover (rejected drafts and other "
                                   "KV writers are out of its view)")
     # VLLM_XLA_CHECK_RECOMPILATION: the runner runs every step inside ForbidCompile, which
-    # raises on any JAX compilation there. The guard's jits (the guarded step and the decode
-    # loop's carry, per bucket; the sweep; the readback) compile at their first use, inside it:
-    # the first guarded step of each shape would fail mid-serving. Refused here instead.
+    # raises on any JAX compilation there. HEAD, TAIL and the delta compile in the runner's
+    # warm-up (TpuInferenceGuard._warm), but the decode loop's carry, the sweep and the
+    # readback compile at their first use, inside it: those steps would fail mid-serving.
+    # Refused here instead.
     if type(getattr(runner, "maybe_forbid_compile", None)).__name__ == "ForbidCompile":
         raise NotImplementedError(
             "kv-canary tpu-inference: the runner forbids compilation while it steps "
-            "(VLLM_XLA_CHECK_RECOMPILATION=1), and the guard compiles its own guarded step for "
-            "each of the runner's shapes at its first use, inside that check: every first "
-            "guarded step of a shape would fail. Install with VLLM_XLA_CHECK_RECOMPILATION unset "
-            "or 0")
+            "(VLLM_XLA_CHECK_RECOMPILATION=1), and the guard compiles some of its programs (its "
+            "readback, the decode loop's carry, the sweep) at their first use, inside that "
+            "check: those steps would fail. Install with VLLM_XLA_CHECK_RECOMPILATION unset or 0")
 
 
 def _check_layers(runner, index: int, name: str, window: int) -> int:
@@ -250,14 +254,22 @@ class TpuInferenceGuard:
         self._incarnations: dict[str, int] = {}
         self._owner_incarnations: dict[str, int] = {}
         self._late = np.zeros((canary.data_shards * canary.max_reqs,), np.int32)
-        from tpu_inference.models.common import compiler_options
-
-        self._options = compiler_options.get_step_fn_compiler_options()
         self._orig = {"model_fn": runner.model_fn,
                       "step_fn_no_options": runner.model.step_fn_no_options,
                       "update_states": runner.persistent_batch_manager.update_states,
                       "continue": runner._execute_continue_decode}
-        self._normal_jits: dict = {}
+        # Whether a call of the runner's warm-up compiles the canary's jits for its shapes
+        # (:meth:`_warm`), and the shapes done.
+        self.warm_up = True
+        self._replicated = NamedSharding(canary.mesh, P())
+        self._warmed: set = set()
+        self._warmed_ids = False
+        # The step's three jits besides the runner's own (attributes: a test injects failures).
+        self._delta_jit, self._head_jit, self._tail_jit = delta_jit, head_jit, tail_jit
+        # The unwritten mask of a step that reads no KV written before the canary started (every
+        # block as written: nothing masked), kept on the device: the step's jits take one always.
+        self._all_written = self._placed(np.zeros(
+            (canary.data_shards * (canary.num_slots // canary.layout.block_size),), np.int32))
         self._pack = jax.jit(device.pack_state)
         self._unpack = jax.jit(lambda p: device.unpack_state(p, device.state_shapes(canary)))
         # One lock with the manager's: from a step's donating call until the manager holds the
@@ -271,14 +283,31 @@ class TpuInferenceGuard:
         runner._execute_continue_decode = self._continue_decode
         runner._kvcanary_guard = self
 
+    def _context(self):
+        """Where the canary's jits are traced and called: under x64 and the canary's mesh
+        (``jax.set_mesh``), whatever the caller's (tpu-inference sets its mesh around some
+        calls and not others: a jit's cache is keyed by it, and a warmed jit would miss)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.enable_x64(True))
+        stack.enter_context(jax.set_mesh(self.canary.mesh))
+        return stack
+
     def _unwritten(self) -> host.Unwritten:
         c = self.canary
         return host.Unwritten(dp_size=c.data_shards, num_blocks=c.num_slots // c.layout.block_size,
                               block_size=c.layout.block_size)
 
+    def _placed(self, host_array) -> jax.Array:
+        """A step's host array on the device as the canary's jits take it (and :meth:`_warm`
+        declares it): replicated on the canary's mesh."""
+        return jax.device_put(host_array, self._replicated)
+
     def _unwritten_arg(self):
-        """The step's :func:`~.device.step_batch` ``unwritten``, or None where it reads none."""
-        return jnp.asarray(self.unwritten.first.reshape(-1)) if self._reads_old else None
+        """The step's :func:`~.device.step_batch` ``unwritten`` (all 0 where it reads no KV
+        written before the canary started: the same shape either way, one compile)."""
+        if self._reads_old:
+            return self._placed(self.unwritten.first.reshape(-1))
+        return self._all_written
 
     def uninstall(self) -> None:
         """Give the runner its own functions back (a second call does nothing)."""
@@ -326,58 +355,105 @@ class TpuInferenceGuard:
         self._prepared = True
         return out
 
-    def _take_delta(self):
+    def _apply_delta(self):
+        """The step's expected-id delta into the state's pool (a jit of its own, keyed by the
+        delta's id bucket; call under x64); returns ``(pending, its rows)`` (``(None, None)``
+        without token checks)."""
         pending = self._pending
         if pending is None:
             return None, None
-        return pending, device.TokenDelta(rows=jnp.asarray(pending.rows),
-                                          starts=jnp.asarray(pending.starts),
-                                          counts=jnp.asarray(pending.counts),
-                                          ids=jnp.asarray(pending.ids))
+        put = self._placed
+        delta = device.TokenDelta(rows=put(pending.rows), starts=put(pending.starts),
+                                  counts=put(pending.counts), ids=put(pending.ids))
+        st = self.state
+        pool, valid = self._delta_jit(st.expected_tokens, st.expected_valid_lens, delta,
+                                      canary=self.canary)
+        self.state = dataclasses.replace(st, expected_tokens=pool, expected_valid_lens=valid)
+        return pending, delta.rows
 
-    # -------------------------------------------------------------------- normal steps
-    def _normal_jit(self, kv_caches):
-        key = tuple(getattr(c, "sharding", None) for c in kv_caches)
-        fn = self._normal_jits.get(key)
-        if fn is None:
-            fn = guarded_model_fn(self.canary, self._orig["step_fn_no_options"],
-                                  [getattr(c, "sharding", None) for c in kv_caches],
-                                  self._options)
-            self._normal_jits[key] = fn
-        return fn
+    def _failed(self) -> None:
+        self.book.reset()
+        self._prepared = False
+        self._restart_if_taken()
 
     def _model_fn(self, state_leaves, kv_caches, input_ids, attn_metadata, inputs_embeds,
                   input_positions, layer_map, lora_metadata, intermediate_tensors, is_first_rank,
                   is_last_rank, **kwargs):
         with self._lock:  # a sweep from another thread must not read the KV it donates
             if not self._prepared:  # no step described (a warm-up, a replay): not guarded
-                return self._orig["model_fn"](state_leaves, kv_caches, input_ids,
-                                              attn_metadata, inputs_embeds, input_positions,
-                                              layer_map, lora_metadata, intermediate_tensors,
-                                              is_first_rank, is_last_rank, **kwargs)
+                out = self._orig["model_fn"](state_leaves, kv_caches, input_ids, attn_metadata,
+                                             inputs_embeds, input_positions, layer_map,
+                                             lora_metadata, intermediate_tensors, is_first_rank,
+                                             is_last_rank, **kwargs)
+                if self.warm_up:
+                    self._warm(input_ids, attn_metadata, input_positions, out[0])
+                return out
             return self._guarded_model_fn(state_leaves, kv_caches, input_ids, attn_metadata,
                                           inputs_embeds, input_positions, layer_map,
                                           lora_metadata, intermediate_tensors, is_first_rank,
                                           is_last_rank)
 
+    def _warm(self, input_ids, attn_metadata, input_positions, kv_caches) -> None:
+        """Compile the canary's jits for a step of these shapes, running nothing: HEAD with and
+        without the late split and TAIL after each, and (once) the delta's for every id bucket
+        up to the pool's size. tpu-inference's warm-up (``capture_model()``) calls
+        ``model_fn`` once per token bucket: a guard installed before it serves with every jit
+        compiled. A call whose metadata the canary does not take compiles nothing."""
+        c = self.canary
+        md = device.metadata(attn_metadata)
+        key = tuple((tuple(x.shape), x.dtype, getattr(x, "sharding", None))
+                    for x in (input_ids, input_positions, *md))
+        if key in self._warmed:
+            return
+        self._warmed.add(key)
+        if md[0].shape[0] != c.data_shards * c.max_reqs:
+            return  # not a step's metadata (step_batch would refuse it)
+        # Declared as the steps place them (:meth:`_placed`): replicated on the canary's mesh.
+        placed = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32,
+                                   sharding=self._replicated)
+        per_row = placed((c.data_shards * c.max_reqs,))
+        with self._context():
+            state, kv = self.state, device.kv_arg(c, list(kv_caches))
+            for split in (False, True):
+                head = self._head_jit.lower(
+                    state, per_row if c.token_checks else None, per_row,
+                    placed(self._all_written.shape), md, input_ids, input_positions, canary=c,
+                    split=split).compile()
+                self._tail_jit.lower(state, head.out_info[1], kv, canary=c).compile()
+            if c.token_checks and not self._warmed_ids:
+                self._warmed_ids = True
+                n = host.MIN_IDS
+                while n <= host.next_bucket(c.max_reqs * c.context_len):
+                    delta = device.TokenDelta(rows=per_row, starts=per_row, counts=per_row,
+                                              ids=placed((c.data_shards * n,)))
+                    self._delta_jit.lower(state.expected_tokens, state.expected_valid_lens,
+                                          delta, canary=c).compile()
+                    n *= 2
+
     def _guarded_model_fn(self, state_leaves, kv_caches, input_ids, attn_metadata, inputs_embeds,
                           input_positions, layer_map, lora_metadata, intermediate_tensors,
                           is_first_rank, is_last_rank):
-        pending, delta = self._take_delta()
-        model_x64 = bool(jax.config.read("jax_enable_x64"))
-        jitted = self._normal_jit(kv_caches)
+        c = self.canary
         try:
-            with jax.enable_x64(True):
-                self.state, out = jitted(self.state, delta, jnp.asarray(self._late),
-                                         bool(self._late.any()), model_x64, state_leaves,
-                                         list(kv_caches), input_ids, attn_metadata, inputs_embeds,
-                                         input_positions, layer_map, lora_metadata,
-                                         intermediate_tensors, is_first_rank, is_last_rank,
-                                         unwritten=self._unwritten_arg())
+            with self._context():
+                pending, rows = self._apply_delta()
+                self.state, passes = self._head_jit(
+                    self.state, rows, self._placed(self._late), self._unwritten_arg(),
+                    device.metadata(attn_metadata), input_ids, input_positions, canary=c,
+                    split=bool(self._late.any()))
         except BaseException:
-            self.book.reset()
-            self._prepared = False
-            self._restart_if_taken()
+            self._failed()
+            raise
+        try:
+            out = self._orig["model_fn"](state_leaves, kv_caches, input_ids, attn_metadata,
+                                         inputs_embeds, input_positions, layer_map,
+                                         lora_metadata, intermediate_tensors, is_first_rank,
+                                         is_last_rank)
+        except BaseException:
+            # HEAD stamped the step's slots, and the step wrote no KV there: the canary starts
+            # afresh rather than check them.
+            self.state = None
+            self._failed()
             raise
         # The runner stores the returned KV only after this returns; until then its kv_caches
         # are the donated (deleted) arrays. Hand the step's own KV over first, so that the
@@ -386,6 +462,13 @@ class TpuInferenceGuard:
         if len(kv_caches) == len(self.runner.kv_caches) and all(
                 a is b for a, b in zip(kv_caches, self.runner.kv_caches)):
             self.runner.kv_caches = list(out[0])
+        try:
+            with self._context():
+                self.state = self._tail_jit(self.state, passes,
+                                            device.kv_arg(c, list(out[0])), canary=c)
+        except BaseException:
+            self._failed()
+            raise
         self._after_step(pending, out[0])
         return out
 
@@ -405,11 +488,11 @@ class TpuInferenceGuard:
 
         with jax.enable_x64(True):
             state = device.unpack_state(carried.state, device.state_shapes(self.canary))
-            state, out = device.guarded_step(self.canary, model, state, carried.delta,
-                                             carried.pending, md, input_ids, input_positions,
-                                             real, unwritten=carried.unwritten)
-            new = Carried(state=device.pack_state(state), delta=carried.delta,
-                          pending=jnp.zeros_like(carried.pending), unwritten=carried.unwritten)
+            state, out = device.guarded_step(self.canary, model, state, carried.rows, md,
+                                             input_ids, input_positions, real,
+                                             unwritten=carried.unwritten)
+            new = Carried(state=device.pack_state(state), rows=carried.rows,
+                          unwritten=carried.unwritten)
         return (list(out[0]) + [new], *out[1:])
 
     def _continue_decode(self, scheduler_output):
@@ -419,14 +502,18 @@ class TpuInferenceGuard:
             return self._guarded_continue_decode(scheduler_output)
 
     def _guarded_continue_decode(self, scheduler_output):
-        pending, delta = self._take_delta()
         runner = self.runner
-        with jax.enable_x64(True):
-            packed = self._pack(self.state)
+        try:
+            with self._context():
+                pending, rows = self._apply_delta()
+                packed = self._pack(self.state)
+        except BaseException:
+            self._failed()
+            raise
         self.state = None  # donated into the loop's carry
+        # The loop donates its whole carry: the kept all-written mask goes in as a copy.
         runner.kv_caches = list(runner.kv_caches) + [
-            Carried(state=packed, delta=delta, pending=jnp.ones((), jnp.bool_),
-                    unwritten=self._unwritten_arg())]
+            Carried(state=packed, rows=rows, unwritten=jnp.copy(self._unwritten_arg()))]
         failed = True
         try:
             out = self._orig["continue"](scheduler_output)
@@ -600,39 +687,37 @@ class TpuInferenceGuard:
             self.manager.sweep_passes += 1  # the stats line's count
 
 
-def guarded_model_fn(canary: device.TpuInferenceCanary, step: Callable, kv_shardings,
-                     compiler_options: dict | None = None):
-    """The guarded step's jit (what the guard's ``runner.model_fn`` calls): HEAD -> ``step``
-    (the model's options-free step, ``runner.model.step_fn_no_options``) -> TAIL, called as
-    ``fn(state, delta, late, split, model_x64, state_leaves, kv_caches, input_ids,
-    attn_metadata, inputs_embeds, input_positions, layer_map, lora_metadata,
-    intermediate_tensors, is_first_rank, is_last_rank, unwritten=None)`` under x64 (``unwritten``:
-    :func:`~.device.step_batch`'s, per data shard stacked, where the step reads KV written
-    before the canary started) and returning ``(state, step's output)``; the state and the KV
-    donated, the KV placed as ``kv_shardings``, the
-    step's own ``compiler_options`` (JAX refuses them on a nested jit)."""
-    state_sharding = NamedSharding(canary.mesh, P(canary.axes or None))
+def _delta_impl(pool, valid, delta, *, canary):
+    return device.delta_step(canary, pool, valid, delta)
 
-    def traced(state, delta, late, split, model_x64, state_leaves, kv, input_ids, md,
-               inputs_embeds, input_positions, layer_map, lora, inter, first, last,
-               unwritten=None):
-        def model(kv_in):
-            with jax.enable_x64(model_x64):
-                return step(state_leaves, kv_in, input_ids, md, inputs_embeds,
-                            input_positions, layer_map, lora, inter, first, last)
 
-        return device.guarded_step(canary, model, state, delta, True, md, input_ids,
-                                   input_positions, list(kv), late, split, unwritten)
+def _head_impl(state, rows, late, unwritten, md, input_ids, input_positions, *, canary, split):
+    return device.head_step(canary, state, rows, md, input_ids, input_positions, late, split,
+                            unwritten)
 
-    return state_jit(traced, static_argnums=(3, 4, 11, 14, 15), donate_argnums=(0, 6),
-                     out_shardings=(state_sharding, (list(kv_shardings), None, None, None)),
-                     compiler_options=compiler_options or None)
+
+def _tail_impl(state, passes, kv, *, canary):
+    return device.tail_step(canary, state, passes, kv)
 
 
 def _sweep_impl(state, tables, rows, lengths, kv, *, canary):
     return device.sweep_step(canary, state, tables, rows.reshape(-1), lengths.reshape(-1), kv)
 
 
+# A normal step runs ``_delta_jit`` (with token checks), ``_head_jit``, the runner's own step
+# and ``_tail_jit``: the model is never compiled again for the canary, and the canary's jits
+# are keyed by the step's token bucket (HEAD and TAIL, each with or without the late split) or
+# the delta's id bucket only.
+#
+# ``delta_jit(pool, valid, delta, canary=)`` -> ``(pool, valid)`` (:func:`~.device.delta_step`;
+# the state's two pool leaves donated), ``head_jit(state, rows, late, unwritten, md, input_ids,
+# input_positions, canary=, split=)`` -> ``(state, passes)`` (:func:`~.device.head_step`, ``md``
+# :func:`~.device.metadata`'s) and ``tail_jit(state, passes, kv, canary=)`` -> ``state``
+# (:func:`~.device.tail_step`, ``kv`` :func:`~.device.kv_arg`'s of the step's new KV), the
+# state donated; call under x64.
+delta_jit = jax.jit(_delta_impl, static_argnames=("canary",), donate_argnums=(0, 1))
+head_jit = state_jit(_head_impl, static_argnames=("canary", "split"), donate_argnums=(0,))
+tail_jit = state_jit(_tail_impl, static_argnames=("canary",), donate_argnums=(0,))
 _sweep_jit = state_jit(_sweep_impl, static_argnames=("canary",), donate_argnums=(0,))
 
 
