@@ -615,6 +615,9 @@ def warm_up_main() -> None:
     same-step prefix hit (the late split), decodes, a prompt longer than a step (chunked), a
     flipped K byte. Every call of the canary's jits counts the lowerings it missed (what
     ``VLLM_XLA_CHECK_RECOMPILATION`` watches): none may happen while serving."""
+    import threading
+    import time
+
     from jax._src.interpreters import pxla
 
     from tpu_inference import envs
@@ -624,11 +627,29 @@ def warm_up_main() -> None:
     life.install("all")
     g = life.guard
     out = {"paddings": list(r.num_tokens_paddings)}
+    # An operator's thread sweeping while the runner warms up: each warm-up call donates the
+    # KV, and the guard hands the new arrays to the runner before it lets the sweep in.
+    stop, sweeps, errors = threading.Event(), [0], []
+
+    def sweeper():
+        while not stop.is_set():
+            try:
+                g.sweep()
+                sweeps[0] += 1
+            except Exception as err:  # noqa: BLE001  (reported, not raised, in this thread)
+                errors.append(f"{type(err).__name__}: {err}")
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=sweeper)
     os.environ["SKIP_JAX_PRECOMPILE"] = "0"
+    thread.start()
     try:
         r.capture_model()
     finally:
+        stop.set()
+        thread.join()
         os.environ["SKIP_JAX_PRECOMPILE"] = "1"
+    out["sweeps_during_warm_up"], out["sweep_errors"] = sweeps[0], errors[:3]
     out["skip_precompile"] = bool(envs.SKIP_JAX_PRECOMPILE)
     out["warmed"] = len(g._warmed)
     compiles = {"delta": 0, "head": 0, "tail": 0}
@@ -647,6 +668,13 @@ def warm_up_main() -> None:
                 compiles[name] += pxla._cached_lowering_to_hlo.cache_info().misses - before
         return call
 
+    own, keywords = g._orig["model_fn"], set()
+
+    def runner_step(*args, **kwargs):  # the runner's own step, as the guard calls it
+        keywords.update(kwargs)
+        return own(*args, **kwargs)
+
+    g._orig["model_fn"] = runner_step
     g._delta_jit = counted("delta", g._delta_jit)
     g._head_jit = counted("head", g._head_jit)
     g._tail_jit = counted("tail", g._tail_jit)
@@ -661,6 +689,7 @@ def warm_up_main() -> None:
     found = life.run("m flipped")
     g.manager.flush()
     out.update(compiles=compiles, calls=calls, splits=sorted(set(splits)),
+               runner_keywords=sorted(keywords),
                tokens=sorted({sum(x["scheduled"].values()) for x in life.log}),
                found=rows(found), flipped=s, violations=kti.violation_counts(g).tolist())
     print(json.dumps(out))

@@ -334,11 +334,16 @@ def test_a_guard_installed_before_the_runners_warm_up_compiles_nothing_while_ser
     compiles the guard's jits too: then serving (prefills and decodes of every bucket, a
     same-step prefix hit that splits HEAD and TAIL in two passes, a chunked prompt) misses no
     lowering in them (what ``VLLM_XLA_CHECK_RECOMPILATION`` counts), and a flipped K byte is
-    still found."""
+    still found. A thread calling ``guard.sweep()`` all through the warm-up gets no error."""
     w = _job(request, ("warm",))
     assert w["skip_precompile"], w  # the variable the life set for the warm-up is restored
+    # A thread sweeping all through the warm-up never read the KV a warm-up call donated
+    # (before the first guarded step a sweep has nothing to check, and returns).
+    assert w["sweeps_during_warm_up"] > 10 and w["sweep_errors"] == [], w
     assert w["warmed"] == len(w["paddings"]) == 3, w
     assert w["compiles"] == {"delta": 0, "head": 0, "tail": 0}, w
+    # The runner's own step gets the keywords the runner passed (what its warm-up compiled with).
+    assert w["runner_keywords"] == ["shared_attention_metadata"], w
     assert min(w["calls"].values()) >= 4, w
     assert w["splits"] == [False, True], w
     used = {min(p for p in w["paddings"] if p >= t) for t in w["tokens"] if t}

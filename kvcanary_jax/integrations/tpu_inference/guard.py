@@ -373,6 +373,7 @@ class TpuInferenceGuard:
 
     def _failed(self) -> None:
         self.book.reset()
+        self._pending = None
         self._prepared = False
         self._restart_if_taken()
 
@@ -385,13 +386,24 @@ class TpuInferenceGuard:
                                              inputs_embeds, input_positions, layer_map,
                                              lora_metadata, intermediate_tensors, is_first_rank,
                                              is_last_rank, **kwargs)
+                self._hand_over(kv_caches, out)
                 if self.warm_up:
                     self._warm(input_ids, attn_metadata, input_positions, out[0])
                 return out
             return self._guarded_model_fn(state_leaves, kv_caches, input_ids, attn_metadata,
                                           inputs_embeds, input_positions, layer_map,
                                           lora_metadata, intermediate_tensors, is_first_rank,
-                                          is_last_rank)
+                                          is_last_rank, **kwargs)
+
+    def _hand_over(self, kv_caches, out) -> None:
+        """The step's new KV into ``runner.kv_caches`` before the lock is let go: the runner
+        stores it only after ``model_fn`` returns, and until then its ``kv_caches`` are the
+        donated (deleted) arrays, which a sweep from another thread would read. A raise after
+        this (mode "raise", a callback's error) leaves the runner a live cache too. A call over
+        other arrays than the runner's (a replay of kept ones) hands nothing over."""
+        if len(kv_caches) == len(self.runner.kv_caches) and all(
+                a is b for a, b in zip(kv_caches, self.runner.kv_caches)):
+            self.runner.kv_caches = list(out[0])
 
     def _warm(self, input_ids, attn_metadata, input_positions, kv_caches) -> None:
         """Compile the canary's jits for a step of these shapes, running nothing: HEAD with and
@@ -403,11 +415,8 @@ class TpuInferenceGuard:
         md = device.metadata(attn_metadata)
         key = tuple((tuple(x.shape), x.dtype, getattr(x, "sharding", None))
                     for x in (input_ids, input_positions, *md))
-        if key in self._warmed:
-            return
-        self._warmed.add(key)
-        if md[0].shape[0] != c.data_shards * c.max_reqs:
-            return  # not a step's metadata (step_batch would refuse it)
+        if key in self._warmed or md[0].shape[0] != c.data_shards * c.max_reqs:
+            return  # done, or not a step's metadata (step_batch would refuse it)
         # Declared as the steps place them (:meth:`_placed`): replicated on the canary's mesh.
         placed = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32,
                                    sharding=self._replicated)
@@ -421,7 +430,6 @@ class TpuInferenceGuard:
                     split=split).compile()
                 self._tail_jit.lower(state, head.out_info[1], kv, canary=c).compile()
             if c.token_checks and not self._warmed_ids:
-                self._warmed_ids = True
                 n = host.MIN_IDS
                 while n <= host.next_bucket(c.max_reqs * c.context_len):
                     delta = device.TokenDelta(rows=per_row, starts=per_row, counts=per_row,
@@ -429,10 +437,14 @@ class TpuInferenceGuard:
                     self._delta_jit.lower(state.expected_tokens, state.expected_valid_lens,
                                           delta, canary=c).compile()
                     n *= 2
+                self._warmed_ids = True
+        # Recorded once compiled: a compile that failed (raised out of the warm-up, before
+        # serving) is tried again by the next call of these shapes.
+        self._warmed.add(key)
 
     def _guarded_model_fn(self, state_leaves, kv_caches, input_ids, attn_metadata, inputs_embeds,
                           input_positions, layer_map, lora_metadata, intermediate_tensors,
-                          is_first_rank, is_last_rank):
+                          is_first_rank, is_last_rank, **kwargs):
         c = self.canary
         try:
             with self._context():
@@ -445,23 +457,21 @@ class TpuInferenceGuard:
             self._failed()
             raise
         try:
+            # The runner's own step, its keywords (shared_attention_metadata, ...) passed on:
+            # called as its warm-up called it, it runs what the warm-up compiled.
             out = self._orig["model_fn"](state_leaves, kv_caches, input_ids, attn_metadata,
                                          inputs_embeds, input_positions, layer_map,
                                          lora_metadata, intermediate_tensors, is_first_rank,
-                                         is_last_rank)
+                                         is_last_rank, **kwargs)
         except BaseException:
             # HEAD stamped the step's slots, and the step wrote no KV there: the canary starts
             # afresh rather than check them.
             self.state = None
             self._failed()
             raise
-        # The runner stores the returned KV only after this returns; until then its kv_caches
-        # are the donated (deleted) arrays. Hand the step's own KV over first, so that the
-        # sweep reads it and a raise (mode "raise", a callback's error) leaves the runner a
-        # live cache; the error carries it too.
-        if len(kv_caches) == len(self.runner.kv_caches) and all(
-                a is b for a, b in zip(kv_caches, self.runner.kv_caches)):
-            self.runner.kv_caches = list(out[0])
+        # The step's own KV handed over first: the sweep reads it, and a raise leaves the
+        # runner a live cache (the error carries it too).
+        self._hand_over(kv_caches, out)
         try:
             with self._context():
                 self.state = self._tail_jit(self.state, passes,
@@ -630,8 +640,9 @@ class TpuInferenceGuard:
         reported by the next step, or by the manager's ``flush()`` / ``close()``. Called from
         another thread while the runner is between a step's ``update_states`` and its model
         call, it runs right after that step instead (the blocks the step is about to write are
-        listed already, with no canary yet). Refused once the guard is uninstalled: its books
-        no longer follow vLLM's blocks, which hold other requests' KV by then."""
+        listed already, with no canary yet). Before the first guarded step it does nothing (no
+        slot is stamped yet). Refused once the guard is uninstalled: its books no longer follow
+        vLLM's blocks, which hold other requests' KV by then."""
         with self._lock:
             if not self.installed:
                 raise RuntimeError(
@@ -644,6 +655,11 @@ class TpuInferenceGuard:
                 # the books already list the blocks the step is about to write, which hold no
                 # canary yet. The sweep runs right after that step, before its readback.
                 self._sweep_due = True
+                return
+            if not self.steps:
+                # No guarded step yet: nothing is stamped, so there is nothing to sweep. (And
+                # the runner's warm-up, capture_model(), donates its KV in calls the guard does
+                # not wrap: its arrays may be deleted at this very moment.)
                 return
             self._sweep_due = False  # this one serves a sweep asked for earlier too
             self._sweep(self.runner.kv_caches)
