@@ -624,7 +624,7 @@ def warm_up_main() -> None:
 
     life = Life(128, num_blocks=40, guarded=False)
     e, r = life.e, life.e.runner
-    life.install("all")
+    life.install("all", sweep_interval=3)
     g = life.guard
     out = {"paddings": list(r.num_tokens_paddings)}
     # An operator's thread sweeping while the runner warms up: each warm-up call donates the
@@ -652,7 +652,7 @@ def warm_up_main() -> None:
     out["sweeps_during_warm_up"], out["sweep_errors"] = sweeps[0], errors[:3]
     out["skip_precompile"] = bool(envs.SKIP_JAX_PRECOMPILE)
     out["warmed"] = len(g._warmed)
-    compiles = {"delta": 0, "head": 0, "tail": 0}
+    compiles = {"delta": 0, "head": 0, "tail": 0, "sweep": 0}
     calls = dict.fromkeys(compiles, 0)
     splits = []
 
@@ -678,6 +678,7 @@ def warm_up_main() -> None:
     g._delta_jit = counted("delta", g._delta_jit)
     g._head_jit = counted("head", g._head_jit)
     g._tail_jit = counted("tail", g._tail_jit)
+    g._sweep_jit = counted("sweep", g._sweep_jit)
     life.prefix_hits_and_loops()  # a same-step prefix hit, then a later one
     e.add("long", [300 + k for k in range(100)], 6)  # chunked over steps of 64 tokens
     e.add("short", [200 + k for k in range(5)], 20)

@@ -331,7 +331,8 @@ def test_a_raise_after_a_plain_step_leaves_the_runner_a_live_cache(request):
 @uses(("warm",))
 def test_a_guard_installed_before_the_runners_warm_up_compiles_nothing_while_serving(request):
     """tpu-inference's own warm-up (``capture_model()``, a ``model_fn`` call per token bucket)
-    compiles the guard's jits too: then serving (prefills and decodes of every bucket, a
+    compiles the guard's jits too (with a ``sweep_interval``, the sweep's): then serving
+    (prefills and decodes of every bucket, a
     same-step prefix hit that splits HEAD and TAIL in two passes, a chunked prompt) misses no
     lowering in them (what ``VLLM_XLA_CHECK_RECOMPILATION`` counts), and a flipped K byte is
     still found. A thread calling ``guard.sweep()`` all through the warm-up gets no error."""
@@ -341,10 +342,10 @@ def test_a_guard_installed_before_the_runners_warm_up_compiles_nothing_while_ser
     # (before the first guarded step a sweep has nothing to check, and returns).
     assert w["sweeps_during_warm_up"] > 10 and w["sweep_errors"] == [], w
     assert w["warmed"] == len(w["paddings"]) == 3, w
-    assert w["compiles"] == {"delta": 0, "head": 0, "tail": 0}, w
+    assert w["compiles"] == {"delta": 0, "head": 0, "tail": 0, "sweep": 0}, w
     # The runner's own step gets the keywords the runner passed (what its warm-up compiled with).
     assert w["runner_keywords"] == ["shared_attention_metadata"], w
-    assert min(w["calls"].values()) >= 4, w
+    assert min(w["calls"].values()) >= 1 and w["calls"]["head"] >= 4, w
     assert w["splits"] == [False, True], w
     used = {min(p for p in w["paddings"] if p >= t) for t in w["tokens"] if t}
     assert used == set(w["paddings"]), w

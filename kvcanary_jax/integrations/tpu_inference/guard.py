@@ -263,9 +263,10 @@ class TpuInferenceGuard:
         self.warm_up = True
         self._replicated = NamedSharding(canary.mesh, P())
         self._warmed: set = set()
-        self._warmed_ids = False
+        self._warmed_ids = self._warmed_sweep = False
         # The step's three jits besides the runner's own (attributes: a test injects failures).
         self._delta_jit, self._head_jit, self._tail_jit = delta_jit, head_jit, tail_jit
+        self._sweep_jit = _sweep_jit
         # The unwritten mask of a step that reads no KV written before the canary started (every
         # block as written: nothing masked), kept on the device: the step's jits take one always.
         self._all_written = self._placed(np.zeros(
@@ -407,8 +408,8 @@ class TpuInferenceGuard:
 
     def _warm(self, input_ids, attn_metadata, input_positions, kv_caches) -> None:
         """Compile the canary's jits for a step of these shapes, running nothing: HEAD with and
-        without the late split and TAIL after each, and (once) the delta's for every id bucket
-        up to the pool's size. tpu-inference's warm-up (``capture_model()``) calls
+        without the late split and TAIL after each, and once the delta's for every id bucket up
+        to the pool's size and, with a ``sweep_interval``, the sweep's. tpu-inference's warm-up (``capture_model()``) calls
         ``model_fn`` once per token bucket: a guard installed before it serves with every jit
         compiled. A call whose metadata the canary does not take compiles nothing."""
         c = self.canary
@@ -438,6 +439,13 @@ class TpuInferenceGuard:
                                           delta, canary=c).compile()
                     n *= 2
                 self._warmed_ids = True
+            if self.sweep_interval and not self._warmed_sweep:  # the sweep's one shape
+                n, shards = c.sweep_rows, c.data_shards
+                wide = functools.partial(jax.ShapeDtypeStruct, (shards, n), jnp.int64,
+                                         sharding=self._replicated)
+                self._sweep_jit.lower(state, placed((shards, n + 1, c.context_len)), wide(),
+                                      wide(), kv, canary=c).compile()
+                self._warmed_sweep = True
         # Recorded once compiled: a compile that failed (raised out of the warm-up, before
         # serving) is tried again by the next call of these shapes.
         self._warmed.add(key)
@@ -695,9 +703,10 @@ class TpuInferenceGuard:
                     slots = self.unwritten.tables(chain, rank)  # KV written before: slot 0
                     tables[rank, i + 1, :slots.shape[0]] = slots
                     rows[rank, i], lengths[rank, i] = i + 1, slots.shape[0]
-            with jax.enable_x64(True):
-                self.state = _sweep_jit(self.state, jnp.asarray(tables), jnp.asarray(rows),
-                                        jnp.asarray(lengths), kv, canary=c)
+            with self._context():
+                self.state = self._sweep_jit(self.state, self._placed(tables),
+                                             self._placed(rows), self._placed(lengths), kv,
+                                             canary=c)
         self.sweeps += 1
         if self.manager is not None:
             self.manager.sweep_passes += 1  # the stats line's count
