@@ -36,14 +36,15 @@ cache.
 Install after ``load_model()`` and ``initialize_kv_cache()`` and before ``capture_model()``:
 its warm-up calls ``model_fn`` once per token bucket, unguarded (no step described), and the
 guard compiles its jits for each then (:meth:`TpuInferenceGuard._warm`; installed later, they
-compile at their first use while serving). Install before the runner serves: the guard has no canary for KV written before it (an install
-over a warm prefix cache, a second install after ``uninstall``, a restart after a failed step),
-so the steps and the sweep leave those slots unchecked, and out of the coverage report, until
-vLLM hands their block out again (:class:`~.host.Unwritten`). A block written after them chains
-from their empty canary: should vLLM evict such an old block before the later one behind it
-(it frees a request's tail blocks first) and a request then read both again, recomputed, the
-chain check at the later block's first slot would report; reset vLLM's prefix cache
-(``scheduler.reset_prefix_cache()``) before installing to rule that out.
+compile at their first use while serving). Install before the runner serves: the guard has
+no canary for KV written before it (an install over a warm prefix cache, a second install after
+``uninstall``, a restart after a failed step), so the steps and the sweep leave those slots
+unchecked, and out of the coverage report, until vLLM hands their block out again
+(:class:`~.host.Unwritten`). A block written after them chains from their empty canary: should
+vLLM evict such an old block before the later one behind it (it frees a request's tail blocks
+first) and a request then read both again, recomputed, the chain check at the later block's
+first slot would report; reset vLLM's prefix cache (``scheduler.reset_prefix_cache()``) before
+installing to rule that out.
 """
 
 from __future__ import annotations
@@ -223,7 +224,9 @@ class TpuInferenceGuard:
     state; ``canary``: its :class:`~.device.TpuInferenceCanary`; ``manager``: the runtime
     manager; ``book`` / ``cached``: the host side; ``layers``: the layers whose real KV
     SGLang's fingerprint reads (with a coverage window the digest reads every layer:
-    :meth:`coverage`); ``steps``: guarded steps run (a decode loop counts once)."""
+    :meth:`coverage`); ``steps``: guarded steps run (a decode loop counts once);
+    ``warm_up``: whether the runner's warm-up calls compile the canary's jits
+    (:meth:`_warm`; default True)."""
 
     def __init__(self, runner, canary: device.TpuInferenceCanary, manager: CanaryManager,
                  sweep_interval: int):
@@ -409,9 +412,10 @@ class TpuInferenceGuard:
     def _warm(self, input_ids, attn_metadata, input_positions, kv_caches) -> None:
         """Compile the canary's jits for a step of these shapes, running nothing: HEAD with and
         without the late split and TAIL after each, and once the delta's for every id bucket up
-        to the pool's size and, with a ``sweep_interval``, the sweep's. tpu-inference's warm-up (``capture_model()``) calls
-        ``model_fn`` once per token bucket: a guard installed before it serves with every jit
-        compiled. A call whose metadata the canary does not take compiles nothing."""
+        to the pool's size and, with a ``sweep_interval``, the sweep's. tpu-inference's
+        warm-up (``capture_model()``) calls ``model_fn`` once per token bucket: a guard
+        installed before it serves with every jit compiled (``guard.warm_up = False``: none).
+        A call whose metadata the canary does not take compiles nothing."""
         c = self.canary
         md = device.metadata(attn_metadata)
         key = tuple((tuple(x.shape), x.dtype, getattr(x, "sharding", None))
