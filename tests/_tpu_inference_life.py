@@ -609,7 +609,7 @@ def trust_main() -> None:
     print(json.dumps(out))
 
 
-def warm_up_main() -> None:
+def warm_up_main(dp_size: int = 1) -> None:
     """A guard installed before the runner's own warm-up (``capture_model()``, which calls
     ``model_fn`` once per token bucket), then serving: prefills of several token buckets, a
     same-step prefix hit (the late split), decodes, a prompt longer than a step (chunked), a
@@ -622,7 +622,7 @@ def warm_up_main() -> None:
 
     from tpu_inference import envs
 
-    life = Life(128, num_blocks=40, guarded=False)
+    life = Life(128, num_blocks=40 * dp_size, guarded=False, dp_size=dp_size)
     e, r = life.e, life.e.runner
     life.install("all", sweep_interval=3)
     g = life.guard
@@ -724,7 +724,7 @@ def main() -> None:
     ap.add_argument("--warm-up", action="store_true")
     args = ap.parse_args()
     if args.warm_up:
-        return warm_up_main()
+        return warm_up_main(args.dp)
     if args.raise_mode:
         return raise_main()
     if args.trust:
