@@ -196,6 +196,14 @@ def run_case(bs: int, ctx: int, iters: int, smoke: bool = False, window: int = 0
     return row
 
 
+def _with_delta(state, delta, canary):
+    """``state`` with the step's expected-id delta applied, as the guard applies it (its own
+    jit; call under x64)."""
+    pool, valid = kti.delta_jit(state.expected_tokens, state.expected_valid_lens, delta,
+                                canary=canary)
+    return dataclasses.replace(state, expected_tokens=pool, expected_valid_lens=valid)
+
+
 def _guarded_run(holder, canary, guard, runner, decode, late, with_kv, model):
     """One guarded step as the guard runs it (``model`` None: no model between HEAD and TAIL),
     on ``holder["state"]``."""
@@ -205,10 +213,7 @@ def _guarded_run(holder, canary, guard, runner, decode, late, with_kv, model):
 
     def run(i):
         with jax.enable_x64(True):
-            st = holder["state"]
-            pool, valid = kti.delta_jit(st.expected_tokens, st.expected_valid_lens, delta,
-                                        canary=canary)
-            st = dataclasses.replace(st, expected_tokens=pool, expected_valid_lens=valid)
+            st = _with_delta(holder["state"], delta, canary)
             st, passes = kti.head_jit(st, delta.rows, late, unwritten, md, ids, pos,
                                       canary=canary, split=False)
         if model is not None:
@@ -243,10 +248,7 @@ def _one_jit_run(holder, canary, guard, runner, decode, late, with_kv, step):
 
     def run(i):
         with jax.enable_x64(True):
-            st = holder["state"]
-            pool, valid = kti.delta_jit(st.expected_tokens, st.expected_valid_lens, delta,
-                                        canary=canary)
-            st = dataclasses.replace(st, expected_tokens=pool, expected_valid_lens=valid)
+            st = _with_delta(holder["state"], delta, canary)
             args = with_kv(decode.args)
             holder["state"], out = jitted(st, delta.rows, late, unwritten, args[0],
                                           list(args[1]), *args[2:])
