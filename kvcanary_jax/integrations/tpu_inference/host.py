@@ -74,13 +74,35 @@ def block_owners(runner, order: list[list[str]]) -> list[dict[int, list[str]]]:
 
 @dataclasses.dataclass
 class PendingDelta:
-    """A step's delta, not yet delivered: the arrays and what the book records once it ran."""
+    """A step's delta, not yet delivered: the arrays (per data-parallel rank, stacked: ``ids``
+    ``shards`` equal parts) and what the book records once it ran."""
 
     rows: np.ndarray
     starts: np.ndarray
     counts: np.ndarray
     ids: np.ndarray
     held: dict
+    shards: int = 1
+
+    def within(self, n: int) -> PendingDelta | None:
+        """This delta with ``n`` ids a rank (its own, then zeros), or None where a rank sends
+        more: what HEAD applies inline, its ids as many as the step's tokens (one shape per
+        token bucket, not one more per id bucket)."""
+        ids = self.ids.reshape(self.shards, -1)
+        if ids.shape[1] > n:
+            return None
+        padded = np.zeros((self.shards, n), np.int32)
+        padded[:, :ids.shape[1]] = ids
+        return dataclasses.replace(self, ids=padded.reshape(-1))
+
+    def sent(self, n: int) -> PendingDelta:
+        """What is left to apply after this delta, with ``n`` ids a rank: no ids, and each
+        row's ``start`` where this one leaves it (``start + count``), so that
+        :func:`~.device.apply_delta` of it changes nothing (a row restarts only at a start of 0,
+        where this one restarted it and sent nothing)."""
+        return dataclasses.replace(self, starts=self.starts + self.counts,
+                                   counts=np.zeros_like(self.counts),
+                                   ids=np.zeros((self.shards * n,), np.int32))
 
 
 class TokenBook:
@@ -152,7 +174,8 @@ class TokenBook:
                 flat = np.concatenate(ps)
                 ids[rank, :flat.shape[0]] = flat
         return PendingDelta(rows=rows.reshape(-1), starts=starts.reshape(-1),
-                            counts=counts.reshape(-1), ids=ids.reshape(-1), held=held)
+                            counts=counts.reshape(-1), ids=ids.reshape(-1), held=held,
+                            shards=self.dp_size)
 
     def commit(self, delta: PendingDelta) -> None:
         for row, entry in delta.held.items():
