@@ -35,7 +35,9 @@ holds every slot), then one decode step's ``runner.model_fn`` arguments are kept
    runs it: HEAD's jit (the step's expected-id delta applied first: a decode step's always
    fits HEAD's inline delta), the runner's own ``model_fn`` and TAIL's jit, the canary state
    donated through them;
-3. ``canary_only``: the same without the model (HEAD and TAIL);
+3. ``canary_only``: the same without the model (HEAD and TAIL); ``canary_only_delta_jit``: the
+   same with the delta applied as the guard applies one of more ids than the step has tokens
+   (its own jit, then HEAD's delta of no ids);
 4. with ``--one-jit``, ``guarded_one_jit``: HEAD -> the model's options-free step -> TAIL
    traced as one jit (:func:`~kvcanary_jax.integrations.
    tpu_inference.device.guarded_step`, what the decode loop runs each iteration, and how the
@@ -103,6 +105,7 @@ class Decode:
 
     args: tuple
     delta: kti.TokenDelta
+    apart: tuple  # (the delta for its own jit, HEAD's delta of no ids after it)
 
 
 def _fill(bs: int, ctx: int, iters: int, smoke: bool, window: int = 0):
@@ -135,11 +138,14 @@ def _fill(bs: int, ctx: int, iters: int, smoke: bool, window: int = 0):
     if sorted(out.num_scheduled_tokens.values()) != [1] * bs:
         raise RuntimeError(f"the kept step is not {bs} decodes: {out.num_scheduled_tokens}")
     # The delta as the guard hands it to HEAD: inline, as many ids a rank as the step has
-    # tokens (a decode step's delta, one id a request, always fits).
-    p = plans[-1].within(kept[0][2].shape[0] // guard.canary.data_shards)
-    delta = kti.TokenDelta(rows=jnp.asarray(p.rows), starts=jnp.asarray(p.starts),
-                           counts=jnp.asarray(p.counts), ids=jnp.asarray(p.ids))
-    return e, guard, bare, Decode(kept[0][:11], delta)
+    # tokens (a decode step's delta, one id a request, always fits); and, for the
+    # ``canary_only_delta_jit`` row, as the guard applies a delta of more ids: its own jit, then
+    # HEAD's delta of no ids.
+    tokens = kept[0][2].shape[0] // guard.canary.data_shards
+    put = lambda p: kti.TokenDelta(rows=jnp.asarray(p.rows), starts=jnp.asarray(p.starts),  # noqa: E731
+                                   counts=jnp.asarray(p.counts), ids=jnp.asarray(p.ids))
+    return e, guard, bare, Decode(kept[0][:11], put(plans[-1].within(tokens)),
+                                  (put(plans[-1]), put(plans[-1].sent(tokens))))
 
 
 def _violations(state) -> int:
@@ -171,10 +177,10 @@ def run_case(bs: int, ctx: int, iters: int, smoke: bool = False, window: int = 0
     def bare_step(i):
         runner.kv_caches = list(bare(*with_kv(decode.args))[0])
 
-    def timed_guarded(with_model: bool):
+    def timed_guarded(with_model: bool, apart: bool = False):
         holder = {"state": jax.tree.map(jnp.copy, guard.state)}
         run = _guarded_run(holder, canary, guard, runner, decode, late, with_kv,
-                           bare if with_model else None)
+                           bare if with_model else None, apart)
         result = timing.device_time(run, lambda: jax.block_until_ready(
             (runner.kv_caches, holder["state"])), iters=iters)
         return result, _violations(holder["state"])
@@ -185,6 +191,8 @@ def run_case(bs: int, ctx: int, iters: int, smoke: bool = False, window: int = 0
                                      iters=iters)
     row["guarded"], row["violations"] = timed_guarded(True)
     row["canary_only"], idle_violations = timed_guarded(False)
+    row["canary_only_delta_jit"], apart_violations = timed_guarded(False, apart=True)
+    idle_violations += apart_violations
     if one_jit:
         holder = {"state": jax.tree.map(jnp.copy, guard.state)}
         run = _one_jit_run(holder, canary, guard, runner, decode, late, with_kv, step)
@@ -200,17 +208,24 @@ def run_case(bs: int, ctx: int, iters: int, smoke: bool = False, window: int = 0
     return row
 
 
-def _guarded_run(holder, canary, guard, runner, decode, late, with_kv, model):
+def _guarded_run(holder, canary, guard, runner, decode, late, with_kv, model, apart=False):
     """One guarded step as the guard runs it (``model`` None: no model between HEAD and TAIL),
-    on ``holder["state"]``."""
+    on ``holder["state"]``; ``apart``: the delta applied as the guard applies a delta of more
+    ids than the step has tokens (its own jit before HEAD)."""
     md = kdevice.metadata(decode.args[3])
     ids, pos, delta = decode.args[2], decode.args[5], decode.delta
     unwritten = guard._all_written  # the step reads no KV from before the canary
 
     def run(i):
         with jax.enable_x64(True):
-            st, passes = kti.head_jit(holder["state"], delta, late, unwritten, md, ids, pos,
-                                      canary=canary, split=False)
+            st = holder["state"]
+            if apart:
+                whole, delta_after = decode.apart
+                pool, valid = kti.delta_jit(st.expected_tokens, st.expected_valid_lens, whole,
+                                            canary=canary)
+                st = dataclasses.replace(st, expected_tokens=pool, expected_valid_lens=valid)
+            st, passes = kti.head_jit(st, delta_after if apart else delta, late, unwritten, md,
+                                      ids, pos, canary=canary, split=False)
         if model is not None:
             runner.kv_caches = list(model(*with_kv(decode.args))[0])
         with jax.enable_x64(True):
@@ -503,7 +518,8 @@ def _main(argv) -> int:
                 continue
             print(f"bs={bs:3d} ctx={ctx:5d} window {window:3d}  bare {row['bare']['median_us']:9.1f} us  guarded "
                   f"{row['guarded']['median_us']:9.1f} us  canary alone "
-                  f"{row['canary_only']['median_us']:8.1f} us  share {row['share_pct']:5.1f}% / "
+                  f"{row['canary_only']['median_us']:8.1f} us (delta's own jit "
+                  f"{row['canary_only_delta_jit']['median_us']:.1f})  share {row['share_pct']:5.1f}% / "
                   f"{row['canary_only_share_pct']:5.1f}%  violations {row['violations']}"
                   + (f"  sweep {row['sweep']['median_us']:.1f} us ({row['swept_blocks']} blocks, "
                      f"{row['sweep_per_step_us']:.1f} a step)" if window else "")
