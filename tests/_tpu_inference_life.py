@@ -51,8 +51,9 @@ def rows(found):
 
 class Life:
     def __init__(self, head_dim: int, num_blocks: int, *, dp_size: int = 1,
-                 guarded: bool = True):
-        self.e = R.Engine(head_dim=head_dim, num_blocks=num_blocks, dp_size=dp_size)
+                 guarded: bool = True, continue_decode: bool = True):
+        self.e = R.Engine(head_dim=head_dim, num_blocks=num_blocks, dp_size=dp_size,
+                          continue_decode=continue_decode)
         self.dp_size = dp_size
         self.refused = self.refusals()
         # tpu-inference's DPScheduler keeps each rank's block pool in a process of its own,
@@ -99,7 +100,7 @@ class Life:
                 from tpu_inference.runner.utils import ForbidCompile
                 r.maybe_forbid_compile = ForbidCompile()
             try:
-                kti.install(r, **kwargs)
+                kti.install(r, **kwargs).uninstall()
                 out[name] = None
             except (ValueError, NotImplementedError) as e:
                 out[name] = {"error": str(e), "untouched": own() == before}
@@ -609,12 +610,16 @@ def trust_main() -> None:
     print(json.dumps(out))
 
 
-def warm_up_main(dp_size: int = 1) -> None:
+def warm_up_main(dp_size: int = 1, forbid: bool = False) -> None:
     """A guard installed before the runner's own warm-up (``capture_model()``, which calls
     ``model_fn`` once per token bucket), then serving: prefills of several token buckets, a
     same-step prefix hit (the late split), decodes, a prompt longer than a step (chunked), a
     flipped K byte. Every call of the canary's jits counts the lowerings it missed (what
-    ``VLLM_XLA_CHECK_RECOMPILATION`` watches): none may happen while serving."""
+    ``VLLM_XLA_CHECK_RECOMPILATION`` watches): none may happen while serving. ``forbid``: the
+    runner steps inside its own ``ForbidCompile`` (``VLLM_XLA_CHECK_RECOMPILATION=1``, which
+    raises on any compilation inside a step), without the on-device decode loop (the guard
+    refuses the two together): the whole life, readbacks and sweeps included, compiles
+    nothing inside a step."""
     import threading
     import time
 
@@ -622,8 +627,12 @@ def warm_up_main(dp_size: int = 1) -> None:
 
     from tpu_inference import envs
 
-    life = Life(128, num_blocks=40 * dp_size, guarded=False, dp_size=dp_size)
+    life = Life(128, num_blocks=40 * dp_size, guarded=False, dp_size=dp_size,
+                continue_decode=not forbid)
     e, r = life.e, life.e.runner
+    if forbid:
+        from tpu_inference.runner.utils import ForbidCompile
+        r.maybe_forbid_compile = ForbidCompile()
     life.install("all", sweep_interval=3)
     g = life.guard
     out = {"paddings": list(r.num_tokens_paddings)}
@@ -656,16 +665,20 @@ def warm_up_main(dp_size: int = 1) -> None:
     calls = dict.fromkeys(compiles, 0)
     splits = []
 
+    def misses():  # the cache's own count (inside ForbidCompile, under its wrapper)
+        cached = pxla._cached_lowering_to_hlo
+        return getattr(cached, "__wrapped__", cached).cache_info().misses
+
     def counted(name, fn):
         def call(*args, **kwargs):
             if name == "head":
                 splits.append(kwargs["split"])
-            before = pxla._cached_lowering_to_hlo.cache_info().misses
+            before = misses()
             try:
                 return fn(*args, **kwargs)
             finally:
                 calls[name] += 1
-                compiles[name] += pxla._cached_lowering_to_hlo.cache_info().misses - before
+                compiles[name] += misses() - before
         return call
 
     own, keywords = g._orig["model_fn"], set()
@@ -689,6 +702,7 @@ def warm_up_main(dp_size: int = 1) -> None:
     life.flip(s)
     found = life.run("m flipped")
     g.manager.flush()
+    out.update(forbid=type(r.maybe_forbid_compile).__name__, loops=r.enable_continue_decode)
     out.update(compiles=compiles, calls=calls, splits=sorted(set(splits)),
                runner_keywords=sorted(keywords),
                tokens=sorted({sum(x["scheduled"].values()) for x in life.log}),
@@ -722,9 +736,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trust", action="store_true")
     ap.add_argument("--warm-up", action="store_true")
+    ap.add_argument("--forbid-compile", action="store_true")
     args = ap.parse_args()
     if args.warm_up:
-        return warm_up_main(args.dp)
+        return warm_up_main(args.dp, args.forbid_compile)
     if args.raise_mode:
         return raise_main()
     if args.trust:

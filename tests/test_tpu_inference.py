@@ -87,6 +87,7 @@ JOBS = {
     ("raise",): functools.partial(_run, "--raise-mode"),
     ("trust",): functools.partial(_run, "--trust"),
     ("warm",): functools.partial(_run, "--warm-up"),
+    ("forbid",): functools.partial(_run, "--warm-up", "--forbid-compile"),
 }
 _POOL: dict = {}
 
@@ -203,9 +204,10 @@ def test_the_real_runner_s_bad_installs_are_refused_and_change_nothing(life):
     assert refused["coverage_layers"]["error"].startswith(
         "kv-canary tpu-inference: coverage_window 4 digests every layer's KV as layer.0's "
         "layout, but runner.kv_caches[1] is ")
+    # This life's runner runs the on-device decode loop.
     assert refused["forbid_compile"]["error"].startswith(
         "kv-canary tpu-inference: the runner forbids compilation while it steps "
-        "(VLLM_XLA_CHECK_RECOMPILATION=1)")
+        "(VLLM_XLA_CHECK_RECOMPILATION=1) and runs the on-device decode loop")
 
 
 def test_clean_life_has_no_violations(life):
@@ -349,6 +351,25 @@ def test_a_guard_installed_before_the_runners_warm_up_compiles_nothing_while_ser
     assert w["splits"] == [False, True], w
     used = {min(p for p in w["paddings"] if p >= t) for t in w["tokens"] if t}
     assert used == set(w["paddings"]), w
+    assert w["found"] and {(f["slot"], f["position"], tuple(f["reasons"]))
+                           for f in w["found"]} == {(w["flipped"], 3, tuple(REAL_KV))}, w
+    assert w["violations"] == [len(w["found"])], w
+
+
+@uses(("forbid",))
+def test_a_runner_that_forbids_compiling_while_it_steps_serves_guarded(request):
+    """``VLLM_XLA_CHECK_RECOMPILATION=1``: the runner steps inside its own ``ForbidCompile``,
+    which raises at any compilation inside a step. A guard installed before the runner's
+    warm-up has compiled everything a step runs there (HEAD, TAIL, the delta, the sweep, the
+    readback each step stages): the same serving as above, a sweep every 3 steps and a thread
+    sweeping through the warm-up, raises nothing and finds the flipped K byte."""
+    w = _job(request, ("forbid",))
+    assert (w["forbid"], w["loops"]) == ("ForbidCompile", False), w
+    assert w["compiles"] == {"delta": 0, "head": 0, "tail": 0, "sweep": 0}, w
+    assert w["calls"]["head"] >= 10 and w["calls"]["sweep"] >= 3, w
+    assert w["calls"]["delta"] >= 1, w  # a delta of more ids than its step's tokens too
+    assert w["splits"] == [False, True], w
+    assert w["sweep_errors"] == [], w
     assert w["found"] and {(f["slot"], f["position"], tuple(f["reasons"]))
                            for f in w["found"]} == {(w["flipped"], 3, tuple(REAL_KV))}, w
     assert w["violations"] == [len(w["found"])], w

@@ -126,15 +126,19 @@ def test_features_the_guard_does_not_cover_are_refused(version, extra, what):
              rf"kv-canary tpu-inference: the runner uses {what}, which the guard does not cover")
 
 
-def test_a_runner_that_forbids_compilation_is_refused(version):
+def test_a_runner_that_forbids_compilation_with_the_decode_loop_is_refused(version):
     """``VLLM_XLA_CHECK_RECOMPILATION=1`` gives the runner a ``ForbidCompile`` around each step,
-    which raises at the guard's first compile of each shape: refused when installing instead."""
+    which raises at any compile inside it. The guard compiles its own programs in the runner's
+    warm-up (``tests/_tpu_inference_life.py --warm-up --forbid-compile`` serves a real runner
+    so), but the on-device decode loop's program compiles again over the guard's carry at its
+    first use: the two together are refused when installing."""
     ForbidCompile = type("ForbidCompile", (), {"__enter__": lambda self: self,
                                                "__exit__": lambda self, *exc: False})
-    _refused(runner(maybe_forbid_compile=ForbidCompile()), NotImplementedError,
+    _refused(runner(maybe_forbid_compile=ForbidCompile(), enable_continue_decode=True),
+             NotImplementedError,
              r"kv-canary tpu-inference: the runner forbids compilation while it steps "
-             r"\(VLLM_XLA_CHECK_RECOMPILATION=1\).* Install with VLLM_XLA_CHECK_RECOMPILATION "
-             r"unset or 0$")
+             r"\(VLLM_XLA_CHECK_RECOMPILATION=1\) and runs the on-device decode loop .* Install "
+             r"with VLLM_XLA_CHECK_RECOMPILATION unset or 0, or without enable_continue_decode$")
 
 
 def test_token_checks_under_async_scheduling_are_refused(version):

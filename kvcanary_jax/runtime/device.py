@@ -161,6 +161,16 @@ class DeviceSteps:
             functools.partial(sweep_fn, cfg=cfg, guard=guard), 6, False), donate_argnums=(0,))
         self.observe = jax.jit(functools.partial(observe_fn, cfg=cfg))
 
+    def compile_observe(self, state, phase) -> None:
+        """Compile ``observe`` (and, with a coverage window, ``coverage``) for these arrays,
+        running nothing: ahead of a server's steps, where compiling is not allowed."""
+        for fn, args in ((self.observe, (state, phase)),
+                         *(((self.coverage, (state,)),) if self.coverage is not None else ())):
+            if isinstance(fn, functools.partial):  # a jit of the module's, its cfg bound
+                fn.func.lower(*fn.args, *args, **fn.keywords).compile()
+            else:
+                fn.lower(*args).compile()
+
     def zero_state(self, **kw):
         """A zero state of the config for every shard of the mesh, each built on its own device
         (:func:`~kvcanary_jax.runtime.state.init_state_stacked`); one state without a mesh."""

@@ -476,6 +476,20 @@ class CanaryManager:
                              sweep=False)
 
     @_serialized
+    def compile_observe(self, state=None) -> None:
+        """Compile what :meth:`observe` runs on the device for ``state``'s shapes (default: the
+        state held), and with a coverage window the stats line's count, running nothing: for a
+        server's warm-up, when it forbids compiling while it steps. Call it where
+        :meth:`observe` will be called (the same mesh context): a jit's cache is keyed by it."""
+        self._require_enabled("compile_observe")
+        state = self.state if state is None else state
+        if state is None:
+            raise ValueError("kv-canary: compile_observe() needs the server's canary state: "
+                             "compile_observe(state)")
+        with _config.x64_scope():
+            self._device.compile_observe(state, self._phase)
+
+    @_serialized
     def sweep(self, rows_table, row_indices, lengths, *, kv, lut=None) -> None:
         """Run the sweep now over the given rows (the same arrays the attached walk returns),
         for a server that keeps its own sweep schedule (``attach_radix_cache`` runs it every

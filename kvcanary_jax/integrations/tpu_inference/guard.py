@@ -139,16 +139,23 @@ def _check_runner(runner) -> None:
                                   "which the guard does not cover (rejected drafts and other "
                                   "KV writers are out of its view)")
     # VLLM_XLA_CHECK_RECOMPILATION: the runner runs every step inside ForbidCompile, which
-    # raises on any JAX compilation there. HEAD, TAIL and the delta compile in the runner's
-    # warm-up (TpuInferenceGuard._warm), but the decode loop's carry, the sweep and the
-    # readback compile at their first use, inside it: those steps would fail mid-serving.
-    # Refused here instead.
-    if type(getattr(runner, "maybe_forbid_compile", None)).__name__ == "ForbidCompile":
+    # raises on any JAX compilation there. Every program of a normal step (HEAD, TAIL, the
+    # delta, the sweep, the readback) compiles in the runner's warm-up (TpuInferenceGuard._warm),
+    # but the decode loop's carry (the runner's own loop, compiled again over the carry with
+    # the canary's entry) compiles at its first use, inside it: refused here instead.
+    if _forbids_compiling(runner) and getattr(runner, "enable_continue_decode", False):
         raise NotImplementedError(
             "kv-canary tpu-inference: the runner forbids compilation while it steps "
-            "(VLLM_XLA_CHECK_RECOMPILATION=1), and the guard compiles some of its programs (its "
-            "readback, the decode loop's carry, the sweep) at their first use, inside that "
-            "check: those steps would fail. Install with VLLM_XLA_CHECK_RECOMPILATION unset or 0")
+            "(VLLM_XLA_CHECK_RECOMPILATION=1) and runs the on-device decode loop "
+            "(enable_continue_decode): the guard carries its state through that loop, whose "
+            "program then compiles again at its first use, inside that check, and the step "
+            "would fail. Install with VLLM_XLA_CHECK_RECOMPILATION unset or 0, or without "
+            "enable_continue_decode")
+
+
+def _forbids_compiling(runner) -> bool:
+    """Whether the runner steps inside ``ForbidCompile`` (``VLLM_XLA_CHECK_RECOMPILATION=1``)."""
+    return type(getattr(runner, "maybe_forbid_compile", None)).__name__ == "ForbidCompile"
 
 
 def _check_layers(runner, index: int, name: str, window: int) -> int:
@@ -267,7 +274,10 @@ class TpuInferenceGuard:
         self.warm_up = True
         self._replicated = NamedSharding(canary.mesh, P())
         self._warmed: set = set()
-        self._warmed_ids = self._warmed_sweep = False
+        self._warmed_ids = self._warmed_sweep = self._warmed_observe = False
+        # VLLM_XLA_CHECK_RECOMPILATION=1: the warm-up compiles the sweep whatever the interval
+        # (a sweep() asked for from another thread runs after a step, inside the check).
+        self._forbids = _forbids_compiling(runner)
         # The step's three jits besides the runner's own (attributes: a test injects failures).
         self._delta_jit, self._head_jit, self._tail_jit = delta_jit, head_jit, tail_jit
         self._sweep_jit = _sweep_jit
@@ -387,6 +397,19 @@ class TpuInferenceGuard:
             return pending, delta
         return pending, self._put_delta(pending.sent(tokens))
 
+    def _raise_if_forbidden(self, err: BaseException) -> None:
+        """The runner's ``VLLM_XLA_CHECK_RECOMPILATION`` error, raised where a jit of the guard
+        compiled at its first use: said again with its cause (a guard installed after the
+        runner's warm-up, or a shape the warm-up did not have)."""
+        forbid = getattr(self.runner, "maybe_forbid_compile", None)
+        if self._forbids and isinstance(err, RuntimeError) and \
+                str(err) == str(getattr(forbid, "message", None)):
+            raise RuntimeError(
+                f"kv-canary tpu-inference: a program of the guard compiled at its first use, "
+                f"inside the runner's VLLM_XLA_CHECK_RECOMPILATION check ({err}): install the "
+                f"guard before the runner's warm-up (capture_model()), which compiles them for "
+                f"every token bucket") from err
+
     def _failed(self) -> None:
         self.book.reset()
         self._pending = None
@@ -457,7 +480,12 @@ class TpuInferenceGuard:
                                           delta, canary=c).compile()
                     n *= 2
                 self._warmed_ids = True
-            if self.sweep_interval and not self._warmed_sweep:  # the sweep's one shape
+            if self.manager is not None and not self._warmed_observe:
+                # The readback each guarded step stages (observe()), as _after_step calls it.
+                self.manager.compile_observe(state)
+                self._warmed_observe = True
+            if (self.sweep_interval or self._forbids) and not self._warmed_sweep:
+                # The sweep's one shape.
                 n, shards = c.sweep_rows, c.data_shards
                 wide = functools.partial(jax.ShapeDtypeStruct, (shards, n), jnp.int64,
                                          sharding=self._replicated)
@@ -479,8 +507,9 @@ class TpuInferenceGuard:
                     self.state, delta, self._placed(self._late), self._unwritten_arg(),
                     device.metadata(attn_metadata), input_ids, input_positions, canary=c,
                     split=bool(self._late.any()))
-        except BaseException:
+        except BaseException as e:
             self._failed()
+            self._raise_if_forbidden(e)
             raise
         try:
             # The runner's own step, its keywords (shared_attention_metadata, ...) passed on:
@@ -502,8 +531,9 @@ class TpuInferenceGuard:
             with self._context():
                 self.state = self._tail_jit(self.state, passes,
                                             device.kv_arg(c, list(out[0])), canary=c)
-        except BaseException:
+        except BaseException as e:
             self._failed()
+            self._raise_if_forbidden(e)
             raise
         self._after_step(pending, out[0])
         return out
@@ -654,11 +684,17 @@ class TpuInferenceGuard:
                 self._sweep_due = False
                 self._sweep(kv_caches)
             if self.manager is not None:
-                self.manager.observe(self.state, resolve=self._resolve(
-                    self._owners, self._owner_incarnations))
+                # Under the canary's mesh, as the warm-up compiled it (a jit's cache is keyed
+                # by the mesh context).
+                with jax.set_mesh(self.canary.mesh):
+                    self.manager.observe(self.state, resolve=self._resolve(
+                        self._owners, self._owner_incarnations))
         except CanaryViolationError as e:
             if e.kv is None:
                 e.kv = kv_caches
+            raise
+        except RuntimeError as e:
+            self._raise_if_forbidden(e)
             raise
 
     def sweep(self) -> None:
