@@ -503,3 +503,32 @@ def test_sglang_jax_manager_takes_the_canarys_settings():
                                          r"--kv-canary none"):
         ksj.sweep(canary, state, None, [], manager=ksj.canary_manager(canary, "none"))
     assert not state.violation_ring.is_deleted()
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_compile_observe_leaves_observe_nothing_to_compile(window):
+    """``compile_observe(state)`` (for a server that forbids compiling while it steps: the
+    tpu-inference guard calls it in the runner's warm-up) compiles what ``observe()`` runs, and
+    with a coverage window the stats line's count: the observes after it lower nothing (what
+    ``VLLM_XLA_CHECK_RECOMPILATION`` counts), and report as before."""
+    from jax._src.interpreters import pxla
+
+    kw = dict(coverage_window=window, sweep_interval=window, stats_print_every_n_steps=1) \
+        if window else {}
+    stepping = Harness(rt.ManagerConfig(mode="log", health_check_warmup_steps=10**6, **ON))
+    observing = rt.CanaryManager(rt.ManagerConfig(mode="log", health_check_warmup_steps=10**6,
+                                                  **kw, **ON),
+                                 dataclasses.replace(stepping.srv.cfg, coverage_window=window),
+                                 allocate=False)
+    stepping.step(1)
+    state = stepping.mgr.state
+    if window:  # a state of the window's shape (the stepping manager's has none)
+        state = rt.init_state(observing.cfg)
+    with pytest.raises(ValueError, match=r"compile_observe\(\) needs the server's canary state"):
+        observing.compile_observe()
+    observing.compile_observe(state)
+    before = pxla._cached_lowering_to_hlo.cache_info().misses
+    for _ in range(3):
+        observing.observe(state)
+    assert pxla._cached_lowering_to_hlo.cache_info().misses == before
+    observing.flush()
