@@ -707,6 +707,22 @@ def warm_up_main(dp_size: int = 1, forbid: bool = False) -> None:
                runner_keywords=sorted(keywords),
                tokens=sorted({sum(x["scheduled"].values()) for x in life.log}),
                found=rows(found), flipped=s, violations=kti.violation_counts(g).tolist())
+    if forbid:
+        # Last (the runner's step fails, and vLLM's scheduler is left with it): a step whose
+        # shapes the warm-up did not compile (as after an install past the warm-up) is refused
+        # before the guard launches anything; its state is the one it had.
+        warmed, g._warmed = g._warmed, set()
+        before = jax.tree.map(np.asarray, g.state)
+        e.add("late", [400 + k for k in range(5)], 3)
+        try:
+            life.step("unwarmed")
+            out["unwarmed_error"] = None
+        except RuntimeError as err:
+            out["unwarmed_error"] = str(err)
+        out["unwarmed_state_kept"] = all(
+            np.array_equal(a, np.asarray(b)) for a, b in zip(
+                jax.tree.leaves(before), jax.tree.leaves(g.state)))
+        g._warmed = warmed
     print(json.dumps(out))
 
 

@@ -362,8 +362,14 @@ def test_a_runner_that_forbids_compiling_while_it_steps_serves_guarded(request):
     which raises at any compilation inside a step. A guard installed before the runner's
     warm-up has compiled everything a step runs there (HEAD, TAIL, the delta, the sweep, the
     readback each step stages): the same serving as above, a sweep every 3 steps and a thread
-    sweeping through the warm-up, raises nothing and finds the flipped K byte."""
+    sweeping through the warm-up, raises nothing and finds the flipped K byte. A step of shapes
+    the warm-up did not compile (an install after it) is refused before anything runs."""
     w = _job(request, ("forbid",))
+    assert w["unwarmed_error"].startswith(
+        "kv-canary tpu-inference: the runner forbids compiling while it steps "
+        "(VLLM_XLA_CHECK_RECOMPILATION=1), and the guard's programs for this step's shapes "), w
+    assert "install the guard before capture_model()" in w["unwarmed_error"], w
+    assert w["unwarmed_state_kept"], w
     assert (w["forbid"], w["loops"]) == ("ForbidCompile", False), w
     assert w["compiles"] == {"delta": 0, "head": 0, "tail": 0, "sweep": 0}, w
     assert w["calls"]["head"] >= 10 and w["calls"]["sweep"] >= 3, w

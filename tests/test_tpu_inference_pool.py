@@ -158,10 +158,13 @@ def test_a_delta_applied_before_head_leaves_head_a_delta_that_changes_nothing():
             n = int(counts.sum())
             pd = host.PendingDelta(rows=prow.astype(np.int32), starts=starts.astype(np.int32),
                                    counts=counts.astype(np.int32),
-                                   ids=rng.integers(0, 1000, n).astype(np.int32), held={})
+                                   ids=np.concatenate([rng.integers(0, 1000, n),
+                                                       np.zeros(7, np.int64)]).astype(np.int32),
+                                   held={}, shards=1)  # the ids a bucket with zeros after
             once = [np.asarray(x) for x in fn(jnp.asarray(pool), jnp.asarray(valid), put(pd))]
             assert pd.within(n - 1 if n else -1) is None  # more ids than that: not inline
-            inline = pd.within(n + 5)
+            # As many as it sends (fewer than its bucket), or more.
+            inline = pd.within(n + 5 * int(rng.integers(2)))
             padded = [np.asarray(x) for x in fn(jnp.asarray(pool), jnp.asarray(valid),
                                                  put(inline))]
             twice = [np.asarray(x) for x in fn(*fn(jnp.asarray(pool), jnp.asarray(valid),
@@ -172,6 +175,22 @@ def test_a_delta_applied_before_head_leaves_head_a_delta_that_changes_nothing():
             restarted += int(np.any((prow > 0) & (starts == 0) & (counts == 0)
                                     & (valid[prow] > 0)))
         assert restarted > 10  # rows reset to 0 by a new request sending nothing
+
+
+def test_a_delta_fits_inline_by_what_each_rank_sends_not_by_its_bucket():
+    """Two ranks, one id a request sent (a decode step with data parallelism: 8 tokens a rank,
+    an id bucket of 16): inline at 8 ids a rank, each rank's ids in its own part; not at 2."""
+    rows = np.arange(1, 9, dtype=np.int32)
+    counts = np.array([1, 1, 1, 0, 1, 1, 0, 0], np.int32)
+    ids = np.zeros(32, np.int32)
+    ids[:3], ids[16:18] = [11, 12, 13], [21, 22]
+    pd = host.PendingDelta(rows=rows, starts=rows, counts=counts, ids=ids, held={}, shards=2)
+    inline = pd.within(8)
+    assert inline.ids.tolist() == [11, 12, 13, 0, 0, 0, 0, 0, 21, 22, 0, 0, 0, 0, 0, 0]
+    assert pd.within(3).ids.tolist() == [11, 12, 13, 21, 22, 0]
+    assert pd.within(2) is None  # rank 0 sends 3
+    with pytest.raises(ValueError, match="a delta of 3 ranks needs"):
+        host.PendingDelta(rows=rows, starts=rows, counts=counts, ids=ids, held={}, shards=3)
 
 
 def test_each_token_is_owned_by_the_row_whose_range_holds_it():

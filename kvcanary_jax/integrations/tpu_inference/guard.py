@@ -139,10 +139,12 @@ def _check_runner(runner) -> None:
                                   "which the guard does not cover (rejected drafts and other "
                                   "KV writers are out of its view)")
     # VLLM_XLA_CHECK_RECOMPILATION: the runner runs every step inside ForbidCompile, which
-    # raises on any JAX compilation there. Every program of a normal step (HEAD, TAIL, the
-    # delta, the sweep, the readback) compiles in the runner's warm-up (TpuInferenceGuard._warm),
-    # but the decode loop's carry (the runner's own loop, compiled again over the carry with
-    # the canary's entry) compiles at its first use, inside it: refused here instead.
+    # raises on any JAX compilation there (in any thread, while a step runs). Every program a
+    # normal step runs (HEAD, TAIL, the delta, the sweep, the readback) and coverage()'s count
+    # compile in the runner's warm-up (TpuInferenceGuard._warm; a step of shapes it did not
+    # compile is refused before it launches anything), but the decode loop's carry (the
+    # runner's own loop, compiled again over the carry with the canary's entry) compiles at
+    # its first use, inside it: refused here instead.
     if _forbids_compiling(runner) and getattr(runner, "enable_continue_decode", False):
         raise NotImplementedError(
             "kv-canary tpu-inference: the runner forbids compilation while it steps "
@@ -444,17 +446,29 @@ class TpuInferenceGuard:
                 a is b for a, b in zip(kv_caches, self.runner.kv_caches)):
             self.runner.kv_caches = list(out[0])
 
+    @staticmethod
+    def _shape_key(input_ids, attn_metadata, input_positions) -> tuple:
+        """What the canary's jits of a step are compiled for: its arrays' shapes, dtypes and
+        placements."""
+        return tuple((tuple(x.shape), x.dtype, getattr(x, "sharding", None))
+                     for x in (input_ids, input_positions, *device.metadata(attn_metadata)))
+
+    def _tokens(self, input_ids) -> int:
+        """The step's tokens a data-parallel rank: HEAD's inline delta takes as many ids."""
+        return input_ids.shape[0] // self.canary.data_shards
+
     def _warm(self, input_ids, attn_metadata, input_positions, kv_caches) -> None:
         """Compile the canary's jits for a step of these shapes, running nothing: HEAD with and
-        without the late split and TAIL after each, and once the delta's for every id bucket up
-        to the pool's size and, with a ``sweep_interval``, the sweep's. tpu-inference's
-        warm-up (``capture_model()``) calls ``model_fn`` once per token bucket: a guard
-        installed before it serves with every jit compiled (``guard.warm_up = False``: none).
-        A call whose metadata the canary does not take compiles nothing."""
+        without the late split and TAIL after each; once, the delta's for every id bucket up to
+        the pool's size, the readback each step stages (and with a coverage window the count
+        :meth:`coverage` reads) and, with a ``sweep_interval`` or when the runner forbids
+        compiling while it steps, the sweep's. tpu-inference's warm-up (``capture_model()``)
+        calls ``model_fn`` once per token bucket: a guard installed before it serves with every
+        jit compiled (``guard.warm_up = False``: none). A call whose metadata the canary does
+        not take compiles nothing."""
         c = self.canary
         md = device.metadata(attn_metadata)
-        key = tuple((tuple(x.shape), x.dtype, getattr(x, "sharding", None))
-                    for x in (input_ids, input_positions, *md))
+        key = self._shape_key(input_ids, attn_metadata, input_positions)
         if key in self._warmed or md[0].shape[0] != c.data_shards * c.max_reqs:
             return  # done, or not a step's metadata (step_batch would refuse it)
         # Declared as the steps place them (:meth:`_placed`): replicated on the canary's mesh.
@@ -462,7 +476,7 @@ class TpuInferenceGuard:
                                    sharding=self._replicated)
         per_row = placed((c.data_shards * c.max_reqs,))
         inline = device.TokenDelta(rows=per_row, starts=per_row, counts=per_row,
-                                   ids=placed((input_ids.shape[0],)))
+                                   ids=placed((c.data_shards * self._tokens(input_ids),)))
         with self._context():
             state, kv = self.state, device.kv_arg(c, list(kv_caches))
             for split in (False, True):
@@ -481,8 +495,12 @@ class TpuInferenceGuard:
                     n *= 2
                 self._warmed_ids = True
             if self.manager is not None and not self._warmed_observe:
-                # The readback each guarded step stages (observe()), as _after_step calls it.
+                # The readback each guarded step stages (observe()), as _after_step calls it,
+                # and the count coverage() reads, as it calls it.
                 self.manager.compile_observe(state)
+                if c.coverage_window:
+                    from kvcanary_jax.runtime.coverage import _counts_jit
+                    _counts_jit.lower(c.config, state).compile()
                 self._warmed_observe = True
             if (self.sweep_interval or self._forbids) and not self._warmed_sweep:
                 # The sweep's one shape.
@@ -500,9 +518,21 @@ class TpuInferenceGuard:
                           input_positions, layer_map, lora_metadata, intermediate_tensors,
                           is_first_rank, is_last_rank, **kwargs):
         c = self.canary
+        if self._forbids and self._shape_key(input_ids, attn_metadata,
+                                             input_positions) not in self._warmed:
+            # Said before anything runs: inside the runner's check, the first jit of the guard
+            # compiled here would raise mid-step.
+            self._failed()
+            raise RuntimeError(
+                "kv-canary tpu-inference: the runner forbids compiling while it steps "
+                "(VLLM_XLA_CHECK_RECOMPILATION=1), and the guard's programs for this step's "
+                f"shapes ({input_ids.shape[0]} tokens) were not compiled in the runner's "
+                "warm-up: install the guard before capture_model(), keep guard.warm_up True, "
+                "and let the warm-up run (SKIP_JAX_PRECOMPILE unset, enforce_eager off); it "
+                "compiles them for every token bucket")
         try:
             with self._context():
-                pending, delta = self._apply_delta(input_ids.shape[0] // c.data_shards)
+                pending, delta = self._apply_delta(self._tokens(input_ids))
                 self.state, passes = self._head_jit(
                     self.state, delta, self._placed(self._late), self._unwritten_arg(),
                     device.metadata(attn_metadata), input_ids, input_positions, canary=c,
@@ -739,7 +769,9 @@ class TpuInferenceGuard:
             return None
         from kvcanary_jax.runtime.coverage import coverage_stats
 
-        with self._lock:
+        # Under the canary's mesh, as the warm-up compiled its count (a jit's cache is keyed by
+        # the mesh context).
+        with self._lock, jax.set_mesh(self.canary.mesh):
             return coverage_stats(self.canary.config, self.state,
                                   sweep_interval=self.sweep_interval)
 

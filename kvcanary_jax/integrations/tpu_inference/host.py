@@ -74,25 +74,38 @@ def block_owners(runner, order: list[list[str]]) -> list[dict[int, list[str]]]:
 
 @dataclasses.dataclass
 class PendingDelta:
-    """A step's delta, not yet delivered: the arrays (per data-parallel rank, stacked: ``ids``
-    ``shards`` equal parts) and what the book records once it ran."""
+    """A step's delta, not yet delivered: the arrays, per data-parallel rank (``shards`` of
+    them) stacked (``rows`` / ``starts`` / ``counts`` a part of each rank's batch rows, ``ids``
+    a part of each rank's ids, its own first, zeros after), and what the book records once it
+    ran."""
 
     rows: np.ndarray
     starts: np.ndarray
     counts: np.ndarray
     ids: np.ndarray
     held: dict
-    shards: int = 1
+    shards: int
+
+    def __post_init__(self):
+        if self.shards < 1 or any(np.size(a) % self.shards for a in (
+                self.rows, self.starts, self.counts, self.ids)) or not (
+                np.size(self.rows) == np.size(self.starts) == np.size(self.counts)):
+            raise ValueError(f"kv-canary tpu-inference: a delta of {self.shards} ranks needs "
+                             f"rows, starts and counts of one size and ids, each a multiple of "
+                             f"the ranks: got {np.size(self.rows)}, {np.size(self.starts)}, "
+                             f"{np.size(self.counts)} and {np.size(self.ids)}")
 
     def within(self, n: int) -> PendingDelta | None:
         """This delta with ``n`` ids a rank (its own, then zeros), or None where a rank sends
-        more: what HEAD applies inline, its ids as many as the step's tokens (one shape per
-        token bucket, not one more per id bucket)."""
-        ids = self.ids.reshape(self.shards, -1)
-        if ids.shape[1] > n:
+        more than ``n``: what HEAD applies inline, its ids as many as the step's tokens (one
+        shape per token bucket, not one more per id bucket)."""
+        sent = self.counts.reshape(self.shards, -1).astype(np.int64).sum(1)
+        if n < 0 or int(sent.max(initial=0)) > n:
             return None
+        ids = self.ids.reshape(self.shards, -1)
+        keep = min(ids.shape[1], n)  # a rank's ids past its count are zeros
         padded = np.zeros((self.shards, n), np.int32)
-        padded[:, :ids.shape[1]] = ids
+        padded[:, :keep] = ids[:, :keep]
         return dataclasses.replace(self, ids=padded.reshape(-1))
 
     def sent(self, n: int) -> PendingDelta:
