@@ -32,14 +32,11 @@ holds every slot), then one decode step's ``runner.model_fn`` arguments are kept
 
 1. ``bare``: the runner's own ``model_fn`` (the model's step jit);
 2. ``guarded``: the guard's step as :func:`~kvcanary_jax.integrations.tpu_inference.install`
-   runs it: HEAD's jit (the step's expected-id delta applied first: a decode step's always
-   fits HEAD's inline delta), the runner's own ``model_fn`` and TAIL's jit, the canary state
-   donated through them;
-3. ``canary_only``: the same without the model (HEAD and TAIL); ``canary_only_delta_jit``: the
-   same with the delta applied as the guard applies one of more ids than the step has tokens
-   (its own jit, then HEAD's delta of no ids);
-4. with ``--one-jit``, ``guarded_one_jit``: HEAD -> the model's options-free step -> TAIL
-   traced as one jit (:func:`~kvcanary_jax.integrations.
+   runs it: the expected-id delta's jit, HEAD's, the runner's own ``model_fn`` and TAIL's, the
+   canary state donated through them;
+3. ``canary_only``: the same without the model (the delta, HEAD and TAIL);
+4. with ``--one-jit``, ``guarded_one_jit``: the delta's jit, then HEAD -> the model's
+   options-free step -> TAIL traced as one jit (:func:`~kvcanary_jax.integrations.
    tpu_inference.device.guarded_step`, what the decode loop runs each iteration, and how the
    guard ran normal steps until f4b6569): what splitting HEAD and TAIL from the model's own jit
    costs on the device.
@@ -52,8 +49,7 @@ every guarded run must end with 0 violations.
 tokens, 8,192 tokens a step, a 1M-slot cache: 65,536 blocks of 16; the tests' Qwen3, 2 layers,
 2 KV heads) are traced with abstract arguments placed on one device of each TPU topology
 (``jax.experimental.topologies``) and compiled by libtpu: the expected-id delta's (8,192 ids),
-HEAD's (one pass, and split in two: ``head split``; its inline delta of 8,192 ids) and TAIL's
-(one pass): ``ok`` or the
+HEAD's (one pass, and split in two: ``head split``) and TAIL's (one pass): ``ok`` or the
 compiler's message, the seconds (trace, lower, compile) and ``memory_analysis()``. The model is
 not in them (the guard runs the runner's own step between HEAD and TAIL); ``--bare`` adds the
 model's step, the real RPA kernel in it (its TPU generation given, the host being a CPU), with
@@ -105,7 +101,6 @@ class Decode:
 
     args: tuple
     delta: kti.TokenDelta
-    apart: tuple  # (the delta for its own jit, HEAD's delta of no ids after it)
 
 
 def _fill(bs: int, ctx: int, iters: int, smoke: bool, window: int = 0):
@@ -137,15 +132,10 @@ def _fill(bs: int, ctx: int, iters: int, smoke: bool, window: int = 0):
     e.runner.model_fn = guarded
     if sorted(out.num_scheduled_tokens.values()) != [1] * bs:
         raise RuntimeError(f"the kept step is not {bs} decodes: {out.num_scheduled_tokens}")
-    # The delta as the guard hands it to HEAD: inline, as many ids a rank as the step has
-    # tokens (a decode step's delta, one id a request, always fits); and, for the
-    # ``canary_only_delta_jit`` row, as the guard applies a delta of more ids: its own jit, then
-    # HEAD's delta of no ids.
-    tokens = kept[0][2].shape[0] // guard.canary.data_shards
-    put = lambda p: kti.TokenDelta(rows=jnp.asarray(p.rows), starts=jnp.asarray(p.starts),  # noqa: E731
-                                   counts=jnp.asarray(p.counts), ids=jnp.asarray(p.ids))
-    return e, guard, bare, Decode(kept[0][:11], put(plans[-1].within(tokens)),
-                                  (put(plans[-1]), put(plans[-1].sent(tokens))))
+    p = plans[-1]
+    delta = kti.TokenDelta(rows=jnp.asarray(p.rows), starts=jnp.asarray(p.starts),
+                           counts=jnp.asarray(p.counts), ids=jnp.asarray(p.ids))
+    return e, guard, bare, Decode(kept[0][:11], delta)
 
 
 def _violations(state) -> int:
@@ -177,10 +167,10 @@ def run_case(bs: int, ctx: int, iters: int, smoke: bool = False, window: int = 0
     def bare_step(i):
         runner.kv_caches = list(bare(*with_kv(decode.args))[0])
 
-    def timed_guarded(with_model: bool, apart: bool = False):
+    def timed_guarded(with_model: bool):
         holder = {"state": jax.tree.map(jnp.copy, guard.state)}
         run = _guarded_run(holder, canary, guard, runner, decode, late, with_kv,
-                           bare if with_model else None, apart)
+                           bare if with_model else None)
         result = timing.device_time(run, lambda: jax.block_until_ready(
             (runner.kv_caches, holder["state"])), iters=iters)
         return result, _violations(holder["state"])
@@ -191,8 +181,6 @@ def run_case(bs: int, ctx: int, iters: int, smoke: bool = False, window: int = 0
                                      iters=iters)
     row["guarded"], row["violations"] = timed_guarded(True)
     row["canary_only"], idle_violations = timed_guarded(False)
-    row["canary_only_delta_jit"], apart_violations = timed_guarded(False, apart=True)
-    idle_violations += apart_violations
     if one_jit:
         holder = {"state": jax.tree.map(jnp.copy, guard.state)}
         run = _one_jit_run(holder, canary, guard, runner, decode, late, with_kv, step)
@@ -208,24 +196,26 @@ def run_case(bs: int, ctx: int, iters: int, smoke: bool = False, window: int = 0
     return row
 
 
-def _guarded_run(holder, canary, guard, runner, decode, late, with_kv, model, apart=False):
+def _with_delta(state, delta, canary):
+    """``state`` with the step's expected-id delta applied, as the guard applies it (its own
+    jit; call under x64)."""
+    pool, valid = kti.delta_jit(state.expected_tokens, state.expected_valid_lens, delta,
+                                canary=canary)
+    return dataclasses.replace(state, expected_tokens=pool, expected_valid_lens=valid)
+
+
+def _guarded_run(holder, canary, guard, runner, decode, late, with_kv, model):
     """One guarded step as the guard runs it (``model`` None: no model between HEAD and TAIL),
-    on ``holder["state"]``; ``apart``: the delta applied as the guard applies a delta of more
-    ids than the step has tokens (its own jit before HEAD)."""
+    on ``holder["state"]``."""
     md = kdevice.metadata(decode.args[3])
     ids, pos, delta = decode.args[2], decode.args[5], decode.delta
     unwritten = guard._all_written  # the step reads no KV from before the canary
 
     def run(i):
         with jax.enable_x64(True):
-            st = holder["state"]
-            if apart:
-                whole, delta_after = decode.apart
-                pool, valid = kti.delta_jit(st.expected_tokens, st.expected_valid_lens, whole,
-                                            canary=canary)
-                st = dataclasses.replace(st, expected_tokens=pool, expected_valid_lens=valid)
-            st, passes = kti.head_jit(st, delta_after if apart else delta, late, unwritten, md,
-                                      ids, pos, canary=canary, split=False)
+            st = _with_delta(holder["state"], delta, canary)
+            st, passes = kti.head_jit(st, delta.rows, late, unwritten, md, ids, pos,
+                                      canary=canary, split=False)
         if model is not None:
             runner.kv_caches = list(model(*with_kv(decode.args))[0])
         with jax.enable_x64(True):
@@ -235,8 +225,8 @@ def _guarded_run(holder, canary, guard, runner, decode, late, with_kv, model, ap
 
 
 def _one_jit_run(holder, canary, guard, runner, decode, late, with_kv, step):
-    """HEAD (the delta applied first, as the guard's HEAD does) -> ``step`` (the model's
-    options-free step) -> TAIL as one jit, on ``holder["state"]``."""
+    """The delta's jit, then HEAD -> ``step`` (the model's options-free step) -> TAIL as one
+    jit, on ``holder["state"]``."""
     ids, pos, delta = decode.args[2], decode.args[5], decode.delta
     unwritten = guard._all_written
     shardings = [c.sharding for c in runner.kv_caches]
@@ -244,12 +234,12 @@ def _one_jit_run(holder, canary, guard, runner, decode, late, with_kv, step):
 
     model_x64 = bool(jax.config.read("jax_enable_x64"))
 
-    def traced(state, delta, late, unwritten, state_leaves, kv, input_ids, md, *rest):
+    def traced(state, rows, late, unwritten, state_leaves, kv, input_ids, md, *rest):
         def model(kv_in):
             with jax.enable_x64(model_x64):  # the model traced as the runner traces it
                 return step(state_leaves, kv_in, input_ids, md, *rest)
-        return kdevice.guarded_step(canary, model, state, delta.rows, md, input_ids, rest[1],
-                                    list(kv), late, False, unwritten, delta)
+        return kdevice.guarded_step(canary, model, state, rows, md, input_ids, rest[1],
+                                    list(kv), late, False, unwritten)
 
     # Static: the layer map and the two rank flags (the runner's own jit's).
     jitted = jax.jit(traced, static_argnums=(10, 13, 14), donate_argnums=(0, 5),
@@ -258,8 +248,9 @@ def _one_jit_run(holder, canary, guard, runner, decode, late, with_kv, step):
 
     def run(i):
         with jax.enable_x64(True):
+            st = _with_delta(holder["state"], delta, canary)
             args = with_kv(decode.args)
-            holder["state"], out = jitted(holder["state"], delta, late, unwritten, args[0],
+            holder["state"], out = jitted(st, delta.rows, late, unwritten, args[0],
                                           list(args[1]), *args[2:])
         runner.kv_caches = list(out[0])
     return run
@@ -430,10 +421,9 @@ def _canary_jits(canary, mesh, md, kv, n: int, t: int):
     placed = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=state_sharding)  # noqa: E731
     with jax.enable_x64(True):
         state = jax.tree.map(placed, kdevice.state_shapes(canary))
-        # The delta's own jit and HEAD's inline delta take ``t`` ids here.
         delta = kti.TokenDelta(rows=i32(n), starts=i32(n), counts=i32(n), ids=i32(t))
         unwritten = i32(SERVING["blocks"])
-        head_args = (state, delta, i32(n), unwritten, kdevice.metadata(md), i32(t), i32(t))
+        head_args = (state, i32(n), i32(n), unwritten, kdevice.metadata(md), i32(t), i32(t))
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             passes = jax.tree.map(placed, kti.head_jit.trace(
                 *head_args, canary=canary, split=False).out_info[1])
@@ -518,8 +508,7 @@ def _main(argv) -> int:
                 continue
             print(f"bs={bs:3d} ctx={ctx:5d} window {window:3d}  bare {row['bare']['median_us']:9.1f} us  guarded "
                   f"{row['guarded']['median_us']:9.1f} us  canary alone "
-                  f"{row['canary_only']['median_us']:8.1f} us (delta's own jit "
-                  f"{row['canary_only_delta_jit']['median_us']:.1f})  share {row['share_pct']:5.1f}% / "
+                  f"{row['canary_only']['median_us']:8.1f} us  share {row['share_pct']:5.1f}% / "
                   f"{row['canary_only_share_pct']:5.1f}%  violations {row['violations']}"
                   + (f"  sweep {row['sweep']['median_us']:.1f} us ({row['swept_blocks']} blocks, "
                      f"{row['sweep_per_step_us']:.1f} a step)" if window else "")

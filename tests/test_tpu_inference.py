@@ -372,8 +372,7 @@ def test_a_runner_that_forbids_compiling_while_it_steps_serves_guarded(request):
     assert w["unwarmed_state_kept"], w
     assert (w["forbid"], w["loops"]) == ("ForbidCompile", False), w
     assert w["compiles"] == {"delta": 0, "head": 0, "tail": 0, "sweep": 0}, w
-    assert w["calls"]["head"] >= 10 and w["calls"]["sweep"] >= 3, w
-    assert w["calls"]["delta"] >= 1, w  # a delta of more ids than its step's tokens too
+    assert min(w["calls"]["head"], w["calls"]["delta"]) >= 10 and w["calls"]["sweep"] >= 3, w
     assert w["splits"] == [False, True], w
     assert w["sweep_errors"] == [], w
     assert w["found"] and {(f["slot"], f["position"], tuple(f["reasons"]))

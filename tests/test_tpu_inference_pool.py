@@ -2,8 +2,8 @@
 ``apply_delta``, ``_pool`` and ``_owner``) against a hand-written oracle of its rules, on random
 steps.
 
-A step first applies the host's :class:`TokenDelta` (``apply_delta``, first in HEAD, or by a
-jit of its own before HEAD for a delta of more ids than the step has tokens: each batch row's ids from ``starts`` on, into its pool row; a row's valid length becomes
+A step first applies the host's :class:`TokenDelta` (``apply_delta``, a jit of its own: each
+batch row's ids from ``starts`` on, into its pool row; a row's valid length becomes
 ``max(base, starts + counts)``, ``base`` 0 for a new request's first delta); HEAD then adopts
 the step's own tokens at or past each row's valid length and raises the valid lengths to cover
 the tokens the step writes (``_pool``). The oracle below does it cell by cell. No tpu-inference
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from kvcanary_jax.integrations.tpu_inference import TokenDelta
-from kvcanary_jax.integrations.tpu_inference import device, host
+from kvcanary_jax.integrations.tpu_inference import device
 
 M, CTX, ROWS, TOKENS, IDS = 6, 24, 9, 20, 30  # batch rows, pool width, pool rows, tokens, ids
 
@@ -132,65 +132,6 @@ def test_the_pool_follows_the_delta_then_the_steps_own_tokens(with_delta):
     assert checked == 150
     if with_delta:
         assert adopted > 100  # the cases write the pool, not only read it
-
-
-def test_a_delta_applied_before_head_leaves_head_a_delta_that_changes_nothing():
-    """HEAD applies the step's delta inline when it fits the step's tokens
-    (:meth:`PendingDelta.within`: its ids padded with zeros); a bigger one goes into the pool
-    first, by a jit of its own, and HEAD then applies :meth:`PendingDelta.sent` (no ids, each
-    row's start where the delta left it). Both ways end with the pool and lengths of the delta
-    applied once, on random pools and deltas (new requests, rows restarting at 0, sends
-    past the pool's width, empty sends)."""
-    canary = types.SimpleNamespace(max_reqs=M, context_len=CTX)
-    with jax.enable_x64(True):
-        fn = jax.jit(lambda p, v, d: device.apply_delta(canary, p, v, d))
-
-        def put(pd):
-            return TokenDelta(rows=jnp.asarray(pd.rows), starts=jnp.asarray(pd.starts),
-                              counts=jnp.asarray(pd.counts), ids=jnp.asarray(pd.ids))
-
-        rng = np.random.default_rng(11)
-        restarted = 0
-        for _ in range(120):
-            pool, valid, prow, (starts, counts, _), *_ = _case(rng, True)
-            starts[rng.random(M) < 0.3] = 0  # new requests (restart at 0), some sending nothing
-            counts[rng.random(M) < 0.2] = 0
-            n = int(counts.sum())
-            pd = host.PendingDelta(rows=prow.astype(np.int32), starts=starts.astype(np.int32),
-                                   counts=counts.astype(np.int32),
-                                   ids=np.concatenate([rng.integers(0, 1000, n),
-                                                       np.zeros(7, np.int64)]).astype(np.int32),
-                                   held={}, shards=1)  # the ids a bucket with zeros after
-            once = [np.asarray(x) for x in fn(jnp.asarray(pool), jnp.asarray(valid), put(pd))]
-            assert pd.within(n - 1 if n else -1) is None  # more ids than that: not inline
-            # As many as it sends (fewer than its bucket), or more.
-            inline = pd.within(n + 5 * int(rng.integers(2)))
-            padded = [np.asarray(x) for x in fn(jnp.asarray(pool), jnp.asarray(valid),
-                                                 put(inline))]
-            twice = [np.asarray(x) for x in fn(*fn(jnp.asarray(pool), jnp.asarray(valid),
-                                                    put(pd)), put(pd.sent(4)))]
-            for got in (padded, twice):
-                np.testing.assert_array_equal(got[0], once[0])
-                np.testing.assert_array_equal(got[1], once[1])
-            restarted += int(np.any((prow > 0) & (starts == 0) & (counts == 0)
-                                    & (valid[prow] > 0)))
-        assert restarted > 10  # rows reset to 0 by a new request sending nothing
-
-
-def test_a_delta_fits_inline_by_what_each_rank_sends_not_by_its_bucket():
-    """Two ranks, one id a request sent (a decode step with data parallelism: 8 tokens a rank,
-    an id bucket of 16): inline at 8 ids a rank, each rank's ids in its own part; not at 2."""
-    rows = np.arange(1, 9, dtype=np.int32)
-    counts = np.array([1, 1, 1, 0, 1, 1, 0, 0], np.int32)
-    ids = np.zeros(32, np.int32)
-    ids[:3], ids[16:18] = [11, 12, 13], [21, 22]
-    pd = host.PendingDelta(rows=rows, starts=rows, counts=counts, ids=ids, held={}, shards=2)
-    inline = pd.within(8)
-    assert inline.ids.tolist() == [11, 12, 13, 0, 0, 0, 0, 0, 21, 22, 0, 0, 0, 0, 0, 0]
-    assert pd.within(3).ids.tolist() == [11, 12, 13, 21, 22, 0]
-    assert pd.within(2) is None  # rank 0 sends 3
-    with pytest.raises(ValueError, match="a delta of 3 ranks needs"):
-        host.PendingDelta(rows=rows, starts=rows, counts=counts, ids=ids, held={}, shards=3)
 
 
 def test_each_token_is_owned_by_the_row_whose_range_holds_it():

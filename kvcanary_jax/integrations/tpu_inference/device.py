@@ -224,9 +224,7 @@ def apply_delta(canary: TpuInferenceCanary, pool, valid, delta: TokenDelta, pend
     returns ``(pool, valid)``. The delta's ids land at each batch row's pool row from its
     ``start``; a new request's row (``pending`` and its delta starting at 0) restarts at 0, and
     every row is then raised to what the delta sends (``start + count``). A step applies its
-    delta once, first in HEAD or before it (the on-device decode loop's steps read the pool it
-    left). A delta of no ids whose ``start`` is each row's ``start + count`` here leaves the
-    pool as this one left it (:meth:`.host.PendingDelta.sent`)."""
+    delta once, before HEAD (the on-device decode loop's steps read the pool it left)."""
     m, ctx, rows_total = canary.max_reqs, canary.context_len, pool.shape[0]
     prow = delta.rows.astype(jnp.int64)
     starts, counts = delta.starts.astype(jnp.int64), delta.counts.astype(jnp.int64)
@@ -375,8 +373,7 @@ def metadata(md):
 def delta_step(canary: TpuInferenceCanary, pool, valid, delta: TokenDelta):
     """:func:`apply_delta` per shard: ``pool`` / ``valid`` the state's stacked
     ``expected_tokens`` / ``expected_valid_lens``, ``delta`` per data shard stacked. Its own jit
-    in the guard, keyed by the delta's id bucket only: for a delta of more ids than the step has
-    tokens, and before the on-device decode loop (HEAD applies any other, :func:`head_step`)."""
+    in the guard, keyed by the delta's id bucket only (the step's jits take its rows)."""
     spec = P(canary.axes or None)
     dspec = P(canary.data_axes or None)
 
@@ -390,13 +387,11 @@ def delta_step(canary: TpuInferenceCanary, pool, valid, delta: TokenDelta):
 
 
 def head_step(canary: TpuInferenceCanary, state, rows, md, input_ids, input_positions,
-              late=None, split: bool = False, unwritten=None, delta: TokenDelta | None = None):
+              late=None, split: bool = False, unwritten=None):
     """HEAD of a step, per shard, traceable under x64: returns ``(state, passes)``, ``passes``
     what :func:`tail_step` takes after the model. ``md``: :func:`metadata`'s four arrays.
-    ``rows`` [data shards * max_reqs] (with token checks): each batch row's pool row + 1.
-    ``delta``: the step's :class:`TokenDelta` (its ``rows`` are ``rows``), applied first
-    (:func:`apply_delta`); None: applied already (:func:`delta_step`, as before the on-device
-    decode loop). ``late`` [data shards * max_reqs]: requests that
+    ``rows`` [data shards * max_reqs] (with token checks): each batch row's pool row + 1, its
+    delta applied already (:func:`delta_step`). ``late`` [data shards * max_reqs]: requests that
     read a slot another request of the step writes; ``split`` (static): whether any does.
     ``unwritten`` [data shards * blocks] (or None: every block read was written since the
     canary started): :func:`step_batch`'s, per data shard."""
@@ -404,13 +399,9 @@ def head_step(canary: TpuInferenceCanary, state, rows, md, input_ids, input_posi
     if late is None:
         late = jnp.zeros((canary.data_shards * canary.max_reqs,), jnp.int32)
     per_data = dict(md=tuple(md), ids=input_ids, pos=input_positions, rows=rows, late=late,
-                    unwritten=unwritten, delta=delta)
+                    unwritten=unwritten)
 
     def head_fn(st, data):
-        if data["delta"] is not None:
-            pool, valid = apply_delta(canary, st.expected_tokens, st.expected_valid_lens,
-                                      data["delta"])
-            st = dataclasses.replace(st, expected_tokens=pool, expected_valid_lens=valid)
         b = step_batch(canary, data["md"], data["ids"], data["pos"], data["unwritten"])
         expected_pool, expected = None, jnp.zeros(data["ids"].shape, jnp.int64)
         if canary.token_checks:
@@ -458,15 +449,14 @@ def tail_step(canary: TpuInferenceCanary, state, passes, kv):
 
 
 def guarded_step(canary: TpuInferenceCanary, model, state, rows, md, input_ids,
-                 input_positions, kv_caches, late=None, split: bool = False, unwritten=None,
-                 delta: TokenDelta | None = None):
+                 input_positions, kv_caches, late=None, split: bool = False, unwritten=None):
     """HEAD -> ``model(kv_caches) -> out`` -> TAIL in one trace, under x64 (the model is traced
     under the caller's own setting: ``model`` enters it); ``out[0]`` is the new KV list. What
     the on-device decode loop runs in each iteration (the guard's normal steps run
     :func:`head_step`, the runner's own step and :func:`tail_step` as three jits). Arguments
     as :func:`head_step`'s (``md`` an ``AttentionMetadata``); returns ``(state, out)``."""
     state, passes = head_step(canary, state, rows, metadata(md), input_ids, input_positions,
-                              late, split, unwritten, delta)
+                              late, split, unwritten)
     out = model(kv_caches)
     return tail_step(canary, state, passes, kv_arg(canary, list(out[0]))), out
 

@@ -9,11 +9,10 @@ changes anything. Then it wraps four attributes of that runner instance:
   (:class:`~.host.CachedBlocks`);
 * ``runner.model_fn`` (every step but the on-device decode loop): HEAD (a jit of the canary's)
   -> the runner's own ``model_fn``, as it compiled it -> TAIL (another), the canary state
-  donated through both. With token checks HEAD first puts the step's expected ids into the
-  state's pool; a delta of more ids than the step has tokens goes there before HEAD, by a
-  third, small jit. The model is never compiled again for the canary: the canary's jits are
-  keyed by the step's token bucket (HEAD and TAIL, each with or without the late split) and
-  the delta's id bucket, and compile in the runner's own warm-up
+  donated through both; before HEAD, with token checks, the step's expected ids into the
+  state's pool (a third, small jit). The model is never compiled again for the canary: the
+  canary's jits are keyed by the step's token bucket (HEAD and TAIL, each with or without the
+  late split) and the delta's id bucket, and compile in the runner's own warm-up
   (``capture_model()``) when the guard is installed before it. Only a step ``update_states``
   described is guarded (its batch rows, expected ids and block owners come from there); any
   other call (a warm-up, a second call of the same step) runs the runner's own ``model_fn``,
@@ -372,45 +371,21 @@ class TpuInferenceGuard:
         self._prepared = True
         return out
 
-    def _put_delta(self, pending: host.PendingDelta) -> device.TokenDelta:
-        put = self._placed
-        return device.TokenDelta(rows=put(pending.rows), starts=put(pending.starts),
-                                 counts=put(pending.counts), ids=put(pending.ids))
-
-    def _apply_delta(self, tokens: int | None = None):
-        """The step's expected-id delta (call under x64): returns ``(pending, what HEAD
-        applies)`` (``(None, None)`` without token checks). ``tokens``: the step's tokens a
-        rank, as many ids as HEAD takes inline (one shape per token bucket). A delta of more
-        ids (a prompt whose prefix the cache holds, a chunked prompt's first chunk), or any
-        with ``tokens`` None (before the on-device decode loop), goes into the state's pool
-        now, by a jit of its own keyed by its id bucket; HEAD then gets a delta of no ids."""
+    def _apply_delta(self):
+        """The step's expected-id delta into the state's pool (a jit of its own, keyed by the
+        delta's id bucket; call under x64); returns ``(pending, its rows)`` (``(None, None)``
+        without token checks)."""
         pending = self._pending
         if pending is None:
             return None, None
-        inline = None if tokens is None else pending.within(tokens)
-        if inline is not None:
-            return pending, self._put_delta(inline)
-        delta = self._put_delta(pending)
+        put = self._placed
+        delta = device.TokenDelta(rows=put(pending.rows), starts=put(pending.starts),
+                                  counts=put(pending.counts), ids=put(pending.ids))
         st = self.state
         pool, valid = self._delta_jit(st.expected_tokens, st.expected_valid_lens, delta,
                                       canary=self.canary)
         self.state = dataclasses.replace(st, expected_tokens=pool, expected_valid_lens=valid)
-        if tokens is None:
-            return pending, delta
-        return pending, self._put_delta(pending.sent(tokens))
-
-    def _raise_if_forbidden(self, err: BaseException) -> None:
-        """The runner's ``VLLM_XLA_CHECK_RECOMPILATION`` error, raised where a jit of the guard
-        compiled at its first use: said again with its cause (a guard installed after the
-        runner's warm-up, or a shape the warm-up did not have)."""
-        forbid = getattr(self.runner, "maybe_forbid_compile", None)
-        if self._forbids and isinstance(err, RuntimeError) and \
-                str(err) == str(getattr(forbid, "message", None)):
-            raise RuntimeError(
-                f"kv-canary tpu-inference: a program of the guard compiled at its first use, "
-                f"inside the runner's VLLM_XLA_CHECK_RECOMPILATION check ({err}): install the "
-                f"guard before the runner's warm-up (capture_model()), which compiles them for "
-                f"every token bucket") from err
+        return pending, delta.rows
 
     def _failed(self) -> None:
         self.book.reset()
@@ -453,10 +428,6 @@ class TpuInferenceGuard:
         return tuple((tuple(x.shape), x.dtype, getattr(x, "sharding", None))
                      for x in (input_ids, input_positions, *device.metadata(attn_metadata)))
 
-    def _tokens(self, input_ids) -> int:
-        """The step's tokens a data-parallel rank: HEAD's inline delta takes as many ids."""
-        return input_ids.shape[0] // self.canary.data_shards
-
     def _warm(self, input_ids, attn_metadata, input_positions, kv_caches) -> None:
         """Compile the canary's jits for a step of these shapes, running nothing: HEAD with and
         without the late split and TAIL after each; once, the delta's for every id bucket up to
@@ -475,13 +446,11 @@ class TpuInferenceGuard:
         placed = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32,
                                    sharding=self._replicated)
         per_row = placed((c.data_shards * c.max_reqs,))
-        inline = device.TokenDelta(rows=per_row, starts=per_row, counts=per_row,
-                                   ids=placed((c.data_shards * self._tokens(input_ids),)))
         with self._context():
             state, kv = self.state, device.kv_arg(c, list(kv_caches))
             for split in (False, True):
                 head = self._head_jit.lower(
-                    state, inline if c.token_checks else None, per_row,
+                    state, per_row if c.token_checks else None, per_row,
                     placed(self._all_written.shape), md, input_ids, input_positions, canary=c,
                     split=split).compile()
                 self._tail_jit.lower(state, head.out_info[1], kv, canary=c).compile()
@@ -532,14 +501,13 @@ class TpuInferenceGuard:
                 "compiles them for every token bucket")
         try:
             with self._context():
-                pending, delta = self._apply_delta(self._tokens(input_ids))
+                pending, rows = self._apply_delta()
                 self.state, passes = self._head_jit(
-                    self.state, delta, self._placed(self._late), self._unwritten_arg(),
+                    self.state, rows, self._placed(self._late), self._unwritten_arg(),
                     device.metadata(attn_metadata), input_ids, input_positions, canary=c,
                     split=bool(self._late.any()))
-        except BaseException as e:
+        except BaseException:
             self._failed()
-            self._raise_if_forbidden(e)
             raise
         try:
             # The runner's own step, its keywords (shared_attention_metadata, ...) passed on:
@@ -561,9 +529,8 @@ class TpuInferenceGuard:
             with self._context():
                 self.state = self._tail_jit(self.state, passes,
                                             device.kv_arg(c, list(out[0])), canary=c)
-        except BaseException as e:
+        except BaseException:
             self._failed()
-            self._raise_if_forbidden(e)
             raise
         self._after_step(pending, out[0])
         return out
@@ -601,7 +568,7 @@ class TpuInferenceGuard:
         runner = self.runner
         try:
             with self._context():
-                pending, delta = self._apply_delta()
+                pending, rows = self._apply_delta()
                 packed = self._pack(self.state)
         except BaseException:
             self._failed()
@@ -609,8 +576,7 @@ class TpuInferenceGuard:
         self.state = None  # donated into the loop's carry
         # The loop donates its whole carry: the kept all-written mask goes in as a copy.
         runner.kv_caches = list(runner.kv_caches) + [
-            Carried(state=packed, rows=None if delta is None else delta.rows,
-                    unwritten=jnp.copy(self._unwritten_arg()))]
+            Carried(state=packed, rows=rows, unwritten=jnp.copy(self._unwritten_arg()))]
         failed = True
         try:
             out = self._orig["continue"](scheduler_output)
@@ -723,9 +689,6 @@ class TpuInferenceGuard:
             if e.kv is None:
                 e.kv = kv_caches
             raise
-        except RuntimeError as e:
-            self._raise_if_forbidden(e)
-            raise
 
     def sweep(self) -> None:
         """Re-verify every cached chain of blocks now (the SWEEP tags, token check off; with a
@@ -803,9 +766,9 @@ def _delta_impl(pool, valid, delta, *, canary):
     return device.delta_step(canary, pool, valid, delta)
 
 
-def _head_impl(state, delta, late, unwritten, md, input_ids, input_positions, *, canary, split):
-    return device.head_step(canary, state, None if delta is None else delta.rows, md,
-                            input_ids, input_positions, late, split, unwritten, delta)
+def _head_impl(state, rows, late, unwritten, md, input_ids, input_positions, *, canary, split):
+    return device.head_step(canary, state, rows, md, input_ids, input_positions, late, split,
+                            unwritten)
 
 
 def _tail_impl(state, passes, kv, *, canary):
@@ -816,18 +779,15 @@ def _sweep_impl(state, tables, rows, lengths, kv, *, canary):
     return device.sweep_step(canary, state, tables, rows.reshape(-1), lengths.reshape(-1), kv)
 
 
-# A normal step runs ``_head_jit``, the runner's own step and ``_tail_jit``, and before them
-# ``_delta_jit`` where the step's expected-id delta has more ids than the step has tokens: the
-# model is never compiled again for the canary, and the canary's jits are keyed by the step's
-# token bucket (HEAD and TAIL, each with or without the late split) or the delta's id bucket
-# only.
+# A normal step runs ``_delta_jit`` (with token checks), ``_head_jit``, the runner's own step
+# and ``_tail_jit``: the model is never compiled again for the canary, and the canary's jits
+# are keyed by the step's token bucket (HEAD and TAIL, each with or without the late split) or
+# the delta's id bucket only.
 #
 # ``delta_jit(pool, valid, delta, canary=)`` -> ``(pool, valid)`` (:func:`~.device.delta_step`;
-# the state's two pool leaves donated), ``head_jit(state, delta, late, unwritten, md,
-# input_ids, input_positions, canary=, split=)`` -> ``(state, passes)``
-# (:func:`~.device.head_step`, ``md`` :func:`~.device.metadata`'s, ``delta`` a
-# :class:`~.device.TokenDelta` of as many ids a rank as the step has tokens, or None without
-# token checks) and ``tail_jit(state, passes, kv, canary=)`` -> ``state``
+# the state's two pool leaves donated), ``head_jit(state, rows, late, unwritten, md, input_ids,
+# input_positions, canary=, split=)`` -> ``(state, passes)`` (:func:`~.device.head_step`, ``md``
+# :func:`~.device.metadata`'s) and ``tail_jit(state, passes, kv, canary=)`` -> ``state``
 # (:func:`~.device.tail_step`, ``kv`` :func:`~.device.kv_arg`'s of the step's new KV), the
 # state donated; call under x64.
 delta_jit = jax.jit(_delta_impl, static_argnames=("canary",), donate_argnums=(0, 1))

@@ -74,48 +74,13 @@ def block_owners(runner, order: list[list[str]]) -> list[dict[int, list[str]]]:
 
 @dataclasses.dataclass
 class PendingDelta:
-    """A step's delta, not yet delivered: the arrays, per data-parallel rank (``shards`` of
-    them) stacked (``rows`` / ``starts`` / ``counts`` a part of each rank's batch rows, ``ids``
-    a part of each rank's ids, its own first, zeros after), and what the book records once it
-    ran."""
+    """A step's delta, not yet delivered: the arrays and what the book records once it ran."""
 
     rows: np.ndarray
     starts: np.ndarray
     counts: np.ndarray
     ids: np.ndarray
     held: dict
-    shards: int
-
-    def __post_init__(self):
-        if self.shards < 1 or any(np.size(a) % self.shards for a in (
-                self.rows, self.starts, self.counts, self.ids)) or not (
-                np.size(self.rows) == np.size(self.starts) == np.size(self.counts)):
-            raise ValueError(f"kv-canary tpu-inference: a delta of {self.shards} ranks needs "
-                             f"rows, starts and counts of one size and ids, each a multiple of "
-                             f"the ranks: got {np.size(self.rows)}, {np.size(self.starts)}, "
-                             f"{np.size(self.counts)} and {np.size(self.ids)}")
-
-    def within(self, n: int) -> PendingDelta | None:
-        """This delta with ``n`` ids a rank (its own, then zeros), or None where a rank sends
-        more than ``n``: what HEAD applies inline, its ids as many as the step's tokens (one
-        shape per token bucket, not one more per id bucket)."""
-        sent = self.counts.reshape(self.shards, -1).astype(np.int64).sum(1)
-        if n < 0 or int(sent.max(initial=0)) > n:
-            return None
-        ids = self.ids.reshape(self.shards, -1)
-        keep = min(ids.shape[1], n)  # a rank's ids past its count are zeros
-        padded = np.zeros((self.shards, n), np.int32)
-        padded[:, :keep] = ids[:, :keep]
-        return dataclasses.replace(self, ids=padded.reshape(-1))
-
-    def sent(self, n: int) -> PendingDelta:
-        """What is left to apply after this delta, with ``n`` ids a rank: no ids, and each
-        row's ``start`` where this one leaves it (``start + count``), so that
-        :func:`~.device.apply_delta` of it changes nothing (a row restarts only at a start of 0,
-        where this one restarted it and sent nothing)."""
-        return dataclasses.replace(self, starts=self.starts + self.counts,
-                                   counts=np.zeros_like(self.counts),
-                                   ids=np.zeros((self.shards * n,), np.int32))
 
 
 class TokenBook:
@@ -187,8 +152,7 @@ class TokenBook:
                 flat = np.concatenate(ps)
                 ids[rank, :flat.shape[0]] = flat
         return PendingDelta(rows=rows.reshape(-1), starts=starts.reshape(-1),
-                            counts=counts.reshape(-1), ids=ids.reshape(-1), held=held,
-                            shards=self.dp_size)
+                            counts=counts.reshape(-1), ids=ids.reshape(-1), held=held)
 
     def commit(self, delta: PendingDelta) -> None:
         for row, entry in delta.held.items():
