@@ -633,7 +633,10 @@ def warm_up_main(dp_size: int = 1, forbid: bool = False) -> None:
     if forbid:
         from tpu_inference.runner.utils import ForbidCompile
         r.maybe_forbid_compile = ForbidCompile()
-    life.install("all", sweep_interval=3)
+    # Under the runner's check, with a coverage window and the stats line every step: the
+    # readback's coverage count and coverage()'s are compiled in the warm-up too.
+    life.install("all", sweep_interval=3, **(
+        dict(coverage_window=4, stats_print_every_n_steps=1) if forbid else {}))
     g = life.guard
     out = {"paddings": list(r.num_tokens_paddings)}
     # An operator's thread sweeping while the runner warms up: each warm-up call donates the
@@ -708,6 +711,13 @@ def warm_up_main(dp_size: int = 1, forbid: bool = False) -> None:
                tokens=sorted({sum(x["scheduled"].values()) for x in life.log}),
                found=rows(found), flipped=s, violations=kti.violation_counts(g).tolist())
     if forbid:
+        # A metrics thread's coverage() while a step runs (the runner's check is on for the
+        # whole process then) compiles nothing.
+        try:
+            with r.maybe_forbid_compile:
+                out["coverage_during_a_step"] = g.coverage().share
+        except RuntimeError as err:
+            out["coverage_during_a_step"] = str(err)
         # Last (the runner's step fails, and vLLM's scheduler is left with it): a step whose
         # shapes the warm-up did not compile (as after an install past the warm-up) is refused
         # before the guard launches anything; its state is the one it had.

@@ -362,9 +362,14 @@ def test_a_runner_that_forbids_compiling_while_it_steps_serves_guarded(request):
     which raises at any compilation inside a step. A guard installed before the runner's
     warm-up has compiled everything a step runs there (HEAD, TAIL, the delta, the sweep, the
     readback each step stages): the same serving as above, a sweep every 3 steps and a thread
-    sweeping through the warm-up, raises nothing and finds the flipped K byte. A step of shapes
-    the warm-up did not compile (an install after it) is refused before anything runs."""
+    sweeping through the warm-up, with a coverage window and its count in the stats line every
+    step, raises nothing and finds the flipped K byte; ``coverage()`` inside the check compiles
+    nothing. A step of shapes the warm-up did not compile (an install after it) is refused
+    before anything runs."""
     w = _job(request, ("forbid",))
+    # With a coverage window and the stats line every step; coverage() from another thread
+    # while a step runs compiles nothing either.
+    assert isinstance(w["coverage_during_a_step"], float), w
     assert w["unwarmed_error"].startswith(
         "kv-canary tpu-inference: the runner forbids compiling while it steps "
         "(VLLM_XLA_CHECK_RECOMPILATION=1), and the guard's programs for this step's shapes "), w
