@@ -34,8 +34,12 @@ holds every slot), then one decode step's ``runner.model_fn`` arguments are kept
 2. ``guarded``: the guard's step as :func:`~kvcanary_jax.integrations.tpu_inference.install`
    runs it: the expected-id delta's jit, HEAD's, the runner's own ``model_fn`` and TAIL's, the
    canary state donated through them;
-3. ``canary_only``: the same without the model (the delta, HEAD and TAIL);
-4. with ``--one-jit``, ``guarded_one_jit``: the delta's jit, then HEAD -> the model's
+3. ``canary_only``: the same without the model (HEAD, the step's delta written in its one pass
+   with the step's own ids, and TAIL);
+4. with ``--delta-jit``, ``canary_only_delta_jit``: the canary alone with the delta applied by
+   its own jit before HEAD (what the guard does with a delta bigger than the step's tokens):
+   what HEAD's one pass saves;
+5. with ``--one-jit``, ``guarded_one_jit``: the delta's jit, then HEAD -> the model's
    options-free step -> TAIL traced as one jit (:func:`~kvcanary_jax.integrations.
    tpu_inference.device.guarded_step`, what the decode loop runs each iteration, and how the
    guard ran normal steps until f4b6569): what splitting HEAD and TAIL from the model's own jit
@@ -82,6 +86,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from kvcanary_jax.bench import common, timing  # noqa: E402
 from kvcanary_jax.integrations import tpu_inference as kti  # noqa: E402
 from kvcanary_jax.integrations.tpu_inference import device as kdevice  # noqa: E402
+from kvcanary_jax.integrations.tpu_inference import host as khost  # noqa: E402
 
 BENCH_MODEL = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 4,
                "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 32000}
@@ -101,6 +106,7 @@ class Decode:
 
     args: tuple
     delta: kti.TokenDelta
+    pending: object  # the host's PendingDelta, for HEAD's delta (host.head_delta)
 
 
 def _fill(bs: int, ctx: int, iters: int, smoke: bool, window: int = 0):
@@ -135,7 +141,7 @@ def _fill(bs: int, ctx: int, iters: int, smoke: bool, window: int = 0):
     p = plans[-1]
     delta = kti.TokenDelta(rows=jnp.asarray(p.rows), starts=jnp.asarray(p.starts),
                            counts=jnp.asarray(p.counts), ids=jnp.asarray(p.ids))
-    return e, guard, bare, Decode(kept[0][:11], delta)
+    return e, guard, bare, Decode(kept[0][:11], delta, p)
 
 
 def _violations(state) -> int:
@@ -143,7 +149,7 @@ def _violations(state) -> int:
 
 
 def run_case(bs: int, ctx: int, iters: int, smoke: bool = False, window: int = 0,
-             ncu: bool = False, one_jit: bool = False) -> dict:
+             ncu: bool = False, one_jit: bool = False, delta_jit: bool = False) -> dict:
     """One case's row. ``ncu``: nothing timed; the canary-only step runs ``iters`` times
     between ``cudaProfilerStart`` and ``cudaProfilerStop`` (for ``ncu --profile-from-start
     off``: the bench's own CUPTI profiler and Nsight Compute's cannot share a process)."""
@@ -167,10 +173,10 @@ def run_case(bs: int, ctx: int, iters: int, smoke: bool = False, window: int = 0
     def bare_step(i):
         runner.kv_caches = list(bare(*with_kv(decode.args))[0])
 
-    def timed_guarded(with_model: bool):
+    def timed_guarded(with_model: bool, inline: bool = True):
         holder = {"state": jax.tree.map(jnp.copy, guard.state)}
         run = _guarded_run(holder, canary, guard, runner, decode, late, with_kv,
-                           bare if with_model else None)
+                           bare if with_model else None, inline)
         result = timing.device_time(run, lambda: jax.block_until_ready(
             (runner.kv_caches, holder["state"])), iters=iters)
         return result, _violations(holder["state"])
@@ -181,6 +187,9 @@ def run_case(bs: int, ctx: int, iters: int, smoke: bool = False, window: int = 0
                                      iters=iters)
     row["guarded"], row["violations"] = timed_guarded(True)
     row["canary_only"], idle_violations = timed_guarded(False)
+    if delta_jit:
+        row["canary_only_delta_jit"], more = timed_guarded(False, inline=False)
+        idle_violations += more
     if one_jit:
         holder = {"state": jax.tree.map(jnp.copy, guard.state)}
         run = _one_jit_run(holder, canary, guard, runner, decode, late, with_kv, step)
@@ -204,17 +213,26 @@ def _with_delta(state, delta, canary):
     return dataclasses.replace(state, expected_tokens=pool, expected_valid_lens=valid)
 
 
-def _guarded_run(holder, canary, guard, runner, decode, late, with_kv, model):
+def _guarded_run(holder, canary, guard, runner, decode, late, with_kv, model, inline=True):
     """One guarded step as the guard runs it (``model`` None: no model between HEAD and TAIL),
-    on ``holder["state"]``."""
+    on ``holder["state"]``. ``inline`` False: the delta applied by its own jit first, HEAD
+    then given a delta of no ids (the guard's path for a delta bigger than the step)."""
     md = kdevice.metadata(decode.args[3])
     ids, pos, delta = decode.args[2], decode.args[5], decode.delta
     unwritten = guard._all_written  # the step reads no KV from before the canary
+    n = canary.data_shards
+    rows, starts, counts, head_ids, fits = khost.head_delta(decode.pending, n, ids.shape[0] // n)
+    if not inline:
+        p = decode.pending
+        rows, starts, counts, head_ids = (p.rows, p.starts + p.counts, np.zeros_like(p.counts),
+                                          np.zeros_like(head_ids))
+    separate = not (inline and fits)
+    head_delta = kti.TokenDelta(*(jnp.asarray(x) for x in (rows, starts, counts, head_ids)))
 
     def run(i):
         with jax.enable_x64(True):
-            st = _with_delta(holder["state"], delta, canary)
-            st, passes = kti.head_jit(st, delta.rows, late, unwritten, md, ids, pos,
+            st = _with_delta(holder["state"], delta, canary) if separate else holder["state"]
+            st, passes = kti.head_jit(st, head_delta, late, unwritten, md, ids, pos,
                                       canary=canary, split=False)
         if model is not None:
             runner.kv_caches = list(model(*with_kv(decode.args))[0])
@@ -414,7 +432,7 @@ def compile_rows(topologies, head_dims, bare: bool = False, windows=(0,)) -> lis
 
 def _canary_jits(canary, mesh, md, kv, n: int, t: int):
     """``(name, jit, abstract args)`` of the guard's jits at this size: the delta (``t`` ids),
-    HEAD (one pass and split) and TAIL (one pass)."""
+    HEAD (one pass and split; its delta of ``t`` ids) and TAIL (one pass)."""
     state_sharding = NamedSharding(mesh, P(canary.axes or None))
     rep = NamedSharding(mesh, P())
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=rep)  # noqa: E731
@@ -423,7 +441,8 @@ def _canary_jits(canary, mesh, md, kv, n: int, t: int):
         state = jax.tree.map(placed, kdevice.state_shapes(canary))
         delta = kti.TokenDelta(rows=i32(n), starts=i32(n), counts=i32(n), ids=i32(t))
         unwritten = i32(SERVING["blocks"])
-        head_args = (state, i32(n), i32(n), unwritten, kdevice.metadata(md), i32(t), i32(t))
+        head_delta = kti.TokenDelta(rows=i32(n), starts=i32(n), counts=i32(n), ids=i32(t))
+        head_args = (state, head_delta, i32(n), unwritten, kdevice.metadata(md), i32(t), i32(t))
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             passes = jax.tree.map(placed, kti.head_jit.trace(
                 *head_args, canary=canary, split=False).out_info[1])
@@ -474,6 +493,9 @@ def _main(argv) -> int:
     p.add_argument("--out", default=None, help="a directory for tpu_inference_step.json")
     p.add_argument("--one-jit", action="store_true",
                    help="also time HEAD -> model -> TAIL traced as one jit (guarded_one_jit)")
+    p.add_argument("--delta-jit", action="store_true",
+                   help="also time the canary alone with the delta through its own jit "
+                        "(canary_only_delta_jit)")
     p.add_argument("--ncu", action="store_true",
                    help="time nothing: run the canary-only step --iters times inside "
                         "cudaProfilerStart/Stop, for ncu --profile-from-start off")
@@ -496,7 +518,7 @@ def _main(argv) -> int:
                                                  (int(x) for x in a.ctx.split(",")), windows):
             try:
                 row = run_case(bs, ctx, a.iters, a.smoke, window, ncu=a.ncu,
-                               one_jit=a.one_jit)
+                               one_jit=a.one_jit, delta_jit=a.delta_jit)
             except Exception as e:  # one failing case must not hide the others
                 errors.append(f"bs={bs} ctx={ctx} window={window}: {type(e).__name__}: {e}")
                 print(errors[-1], file=sys.stderr)
@@ -513,7 +535,10 @@ def _main(argv) -> int:
                   + (f"  sweep {row['sweep']['median_us']:.1f} us ({row['swept_blocks']} blocks, "
                      f"{row['sweep_per_step_us']:.1f} a step)" if window else "")
                   + (f"  one jit {row['guarded_one_jit']['median_us']:.1f} us"
-                     if a.one_jit else ""), flush=True)
+                     if a.one_jit else "")
+                  + (f"  canary alone, delta's own jit "
+                     f"{row['canary_only_delta_jit']['median_us']:.1f} us"
+                     if a.delta_jit else ""), flush=True)
     result = {"environment": common.environment(), "rows": rows, "errors": errors}
     if a.out:
         os.makedirs(a.out, exist_ok=True)

@@ -377,7 +377,10 @@ def test_a_runner_that_forbids_compiling_while_it_steps_serves_guarded(request):
     assert w["unwarmed_state_kept"], w
     assert (w["forbid"], w["loops"]) == ("ForbidCompile", False), w
     assert w["compiles"] == {"delta": 0, "head": 0, "tail": 0, "sweep": 0}, w
-    assert min(w["calls"]["head"], w["calls"]["delta"]) >= 10 and w["calls"]["sweep"] >= 3, w
+    # The delta's own jit runs only for a delta bigger than its step (the chunked prompt's
+    # first chunk sends the whole prompt); the others ride in HEAD's one pass.
+    assert w["calls"]["head"] >= 10 and 1 <= w["calls"]["delta"] < w["calls"]["head"], w
+    assert w["calls"]["sweep"] >= 3, w
     assert w["splits"] == [False, True], w
     assert w["sweep_errors"] == [], w
     assert w["found"] and {(f["slot"], f["position"], tuple(f["reasons"]))

@@ -2,12 +2,13 @@
 ``apply_delta``, ``_pool`` and ``_owner``) against a hand-written oracle of its rules, on random
 steps.
 
-A step first applies the host's :class:`TokenDelta` (``apply_delta``, a jit of its own: each
-batch row's ids from ``starts`` on, into its pool row; a row's valid length becomes
-``max(base, starts + counts)``, ``base`` 0 for a new request's first delta); HEAD then adopts
-the step's own tokens at or past each row's valid length and raises the valid lengths to cover
-the tokens the step writes (``_pool``). The oracle below does it cell by cell. No tpu-inference
-needed: these run in every leg.
+A step's :class:`TokenDelta` comes first: each batch row's ids from ``starts`` on, into its pool
+row; a row's valid length becomes ``max(base, starts + counts)``, ``base`` 0 for a new request's
+first delta. Then the step's own tokens are adopted at or past each row's valid length, and the
+valid lengths raised to cover the tokens the step writes. HEAD does both in one pass
+(``_pool`` given the delta); a delta too big for HEAD goes through ``apply_delta`` (a jit of its
+own) first, and ``_pool`` then does the second part. The oracle below does it cell by cell,
+and both ways must match it. No tpu-inference needed: these run in every leg.
 """
 
 from __future__ import annotations
@@ -88,15 +89,18 @@ def _case(rng, with_delta):
         counts = rng.integers(0, 6, M)
         dids = rng.integers(0, 1000, IDS).astype(np.int32)
         delta = (starts, counts, dids)
-    return pool, valid, prow, delta, bool(rng.integers(2)), valid_tok, owner, pos, ids
+    return (pool, valid, prow, delta, bool(rng.integers(2)), valid_tok, owner, pos, ids,
+            prefix, q)
 
 
-@pytest.mark.parametrize("with_delta", [True, False])
-def test_the_pool_follows_the_delta_then_the_steps_own_tokens(with_delta):
+@pytest.mark.parametrize("with_delta, one_pass", [(True, True), (True, False), (False, False)])
+def test_the_pool_follows_the_delta_then_the_steps_own_tokens(with_delta, one_pass):
     canary = types.SimpleNamespace(max_reqs=M, context_len=CTX)
     with jax.enable_x64(True):
         def step(st, b, delta, pending, ids):
             rows = None
+            if delta is not None and one_pass:  # HEAD's pass: the delta always pending
+                return device._pool(canary, st, b, delta.rows, ids, delta)
             if delta is not None:
                 pool, valid = device.apply_delta(canary, st.expected_tokens,
                                                  st.expected_valid_lens, delta, pending)
@@ -108,10 +112,12 @@ def test_the_pool_follows_the_delta_then_the_steps_own_tokens(with_delta):
         rng = np.random.default_rng(7 + with_delta)
         checked = adopted = 0
         for _ in range(150):
-            pool, valid, prow, delta, pending, valid_tok, owner, pos, ids = _case(rng, with_delta)
+            (pool, valid, prow, delta, pending, valid_tok, owner, pos, ids, prefix,
+             q) = _case(rng, with_delta)
+            pending = pending or one_pass
             st = _State(jnp.asarray(pool), jnp.asarray(valid))
             b = {"valid_tok": jnp.asarray(valid_tok), "owner": jnp.asarray(owner),
-                 "pos": jnp.asarray(pos)}
+                 "pos": jnp.asarray(pos), "prefix": jnp.asarray(prefix), "q_len": jnp.asarray(q)}
             td = None
             if with_delta:
                 starts, counts, dids = delta

@@ -219,51 +219,78 @@ def step_batch(canary: TpuInferenceCanary, md, input_ids, input_positions, unwri
                 table=table)
 
 
-def apply_delta(canary: TpuInferenceCanary, pool, valid, delta: TokenDelta, pending=True):
-    """One shard's expected-id pool after a step's :class:`TokenDelta` (trace under x64):
-    returns ``(pool, valid)``. The delta's ids land at each batch row's pool row from its
-    ``start``; a new request's row (``pending`` and its delta starting at 0) restarts at 0, and
-    every row is then raised to what the delta sends (``start + count``). A step applies its
-    delta once, before HEAD (the on-device decode loop's steps read the pool it left)."""
-    m, ctx, rows_total = canary.max_reqs, canary.context_len, pool.shape[0]
-    prow = delta.rows.astype(jnp.int64)
+def _delta_cells(canary: TpuInferenceCanary, prow, old, delta: TokenDelta, pending=True):
+    """Where a :class:`TokenDelta`'s ids land and what each batch row then holds (trace under
+    x64): returns ``(pool rows, columns, held)``, one cell per id (a column of ``ctx`` drops:
+    past the ids sent, or a padding row), and per batch row its new held length. ``prow``:
+    each batch row's pool row + 1 (0: padding); ``old``: what those rows held before. A new
+    request's row (``pending`` and its delta starting at 0) restarts at 0, and every row is
+    then raised to what the delta sends (``start + count``)."""
+    m, ctx = canary.max_reqs, canary.context_len
     starts, counts = delta.starts.astype(jnp.int64), delta.counts.astype(jnp.int64)
     zero = jnp.zeros((1,), jnp.int64)
     doff = jnp.concatenate([zero, jnp.cumsum(counts)])
     i = jnp.arange(delta.ids.shape[0], dtype=jnp.int64)
     r = _owner(doff, i, m)
     ok = (i < doff[m]) & (prow[r] > 0)
-    col = jnp.where(ok, starts[r] + i - doff[r], ctx)  # a column of ctx drops
-    pool = pool.at[prow[r], col].set(delta.ids.astype(jnp.int32), mode="drop")
+    cell_rows = jnp.where(ok, prow[r], 0)
+    cols = jnp.where(ok, starts[r] + i - doff[r], ctx)
+    reset = (prow > 0) & jnp.asarray(pending, jnp.bool_) & (starts == 0)
+    held = jnp.maximum(jnp.where(reset, 0, old), starts + counts)
+    return cell_rows, cols, held
+
+
+def apply_delta(canary: TpuInferenceCanary, pool, valid, delta: TokenDelta, pending=True):
+    """One shard's expected-id pool after a step's :class:`TokenDelta` (trace under x64):
+    returns ``(pool, valid)``. The delta's ids land at each batch row's pool row from its
+    ``start`` (:func:`_delta_cells`). What the decode loop's steps read (applied once before the
+    loop), and a normal step's delta too big for HEAD to take (:func:`.host.head_delta`)."""
+    rows_total = pool.shape[0]
     # The old lengths gathered once and passed with the rows through a barrier: the scatter
     # below, indexed by those rows, runs after the gather and updates ``valid`` in place (a
     # reader of the old values fused into a scatter made XLA copy it). Each batch row's pool
     # row is its own (none shared): one scatter sets every row's new length.
-    old, prow = jax.lax.optimization_barrier((valid[prow], prow))
-    reset = (prow > 0) & jnp.asarray(pending, jnp.bool_) & (starts == 0)
-    held = jnp.maximum(jnp.where(reset, 0, old), starts + counts)
+    old, prow = jax.lax.optimization_barrier((valid[delta.rows.astype(jnp.int64)],
+                                              delta.rows.astype(jnp.int64)))
+    cell_rows, cols, held = _delta_cells(canary, prow, old, delta, pending)
+    pool = pool.at[cell_rows, cols].set(delta.ids.astype(jnp.int32), mode="drop")
     valid = valid.at[jnp.where(prow > 0, prow, rows_total)].set(held, mode="drop")
     return pool, valid
 
 
-def _pool(canary: TpuInferenceCanary, st, b, rows, input_ids):
-    """The step's first writes adopted into the pool (its delta applied already:
-    :func:`apply_delta`); returns (state, batch rows of the pool [M + 1, ctx], expected id per
-    token). ``rows`` [M]: each batch row's pool row + 1 (0: padding; None: every row)."""
+def _pool(canary: TpuInferenceCanary, st, b, rows, input_ids, delta: TokenDelta | None = None):
+    """The step's expected ids into the pool in one pass: ``delta``'s (None: applied already,
+    :func:`apply_delta`) and the step's own first writes; returns (state, batch rows of the pool
+    [M + 1, ctx], expected id per token). ``rows`` [M]: each batch row's pool row + 1 (0:
+    padding; None: every row). One scatter writes both: a position the step adopts is at or
+    past what the delta leaves its row holding, so the two never write one cell. Each row's
+    length is set once: what the delta leaves it, raised to the step's last position + 1
+    (``prefix + q_len``: :func:`step_batch`'s positions are contiguous per request)."""
     pool, valid = st.expected_tokens, st.expected_valid_lens
     m, ctx, rows_total = canary.max_reqs, canary.context_len, pool.shape[0]
     prow = jnp.zeros((m,), jnp.int64) if rows is None else rows.astype(jnp.int64)
-    # ``held`` (the ids the pool holds per batch row) read once, before the scatters below,
-    # which then update the pool and ``valid`` in place.
-    held, prow = jax.lax.optimization_barrier((valid[prow], prow))
+    # What each batch row's pool row holds, read once, before the scatters below, which then
+    # update the pool and ``valid`` in place.
+    old, prow = jax.lax.optimization_barrier((valid[prow], prow))
+    held = old
+    if delta is not None:
+        cell_rows, cols, held = _delta_cells(canary, prow, old, delta)
     row_t = jnp.where(b["valid_tok"], prow[b["owner"]], 0)
     # Positions past what the pool holds (the on-device decode loop's own samples) are taken
     # from the step's input ids; the rest are checked against the pool. Row 0 (padding) is
     # never written, in the pool or in ``valid``.
     adopt = (row_t > 0) & (b["pos"] >= held[b["owner"]])
-    pool = pool.at[jnp.where(adopt, row_t, rows_total), b["pos"]].set(
-        input_ids.astype(jnp.int32), mode="drop")
-    valid = valid.at[jnp.where(row_t > 0, row_t, rows_total)].max(b["pos"] + 1, mode="drop")
+    cell_rows_t = jnp.where(adopt, row_t, 0)
+    cols_t = jnp.where(adopt, b["pos"], ctx)
+    ids = input_ids.astype(jnp.int32)
+    if delta is not None:
+        cell_rows_t = jnp.concatenate([cell_rows, cell_rows_t])
+        cols_t = jnp.concatenate([cols, cols_t])
+        ids = jnp.concatenate([delta.ids.astype(jnp.int32), ids])
+    pool = pool.at[cell_rows_t, cols_t].set(ids, mode="drop")
+    last = jnp.where(b["q_len"] > 0, b["prefix"] + b["q_len"], 0)
+    valid = valid.at[jnp.where(prow > 0, prow, rows_total)].set(jnp.maximum(held, last),
+                                                                 mode="drop")
     expected = pool[row_t, jnp.clip(b["pos"], 0, ctx - 1)].astype(jnp.int64)
     rows_b = jnp.concatenate([jnp.zeros((1,), jnp.int64), prow])
     st = dataclasses.replace(st, expected_tokens=pool, expected_valid_lens=valid)
@@ -390,8 +417,10 @@ def head_step(canary: TpuInferenceCanary, state, rows, md, input_ids, input_posi
               late=None, split: bool = False, unwritten=None):
     """HEAD of a step, per shard, traceable under x64: returns ``(state, passes)``, ``passes``
     what :func:`tail_step` takes after the model. ``md``: :func:`metadata`'s four arrays.
-    ``rows`` [data shards * max_reqs] (with token checks): each batch row's pool row + 1, its
-    delta applied already (:func:`delta_step`). ``late`` [data shards * max_reqs]: requests that
+    ``rows`` (with token checks): the step's :class:`TokenDelta` (per data shard stacked; its
+    ids written with the step's own in one pass, :func:`_pool`), or its ``rows`` alone [data
+    shards * max_reqs] (each batch row's pool row + 1), the delta applied already
+    (:func:`delta_step`). ``late`` [data shards * max_reqs]: requests that
     read a slot another request of the step writes; ``split`` (static): whether any does.
     ``unwritten`` [data shards * blocks] (or None: every block read was written since the
     canary started): :func:`step_batch`'s, per data shard."""
@@ -405,7 +434,9 @@ def head_step(canary: TpuInferenceCanary, state, rows, md, input_ids, input_posi
         b = step_batch(canary, data["md"], data["ids"], data["pos"], data["unwritten"])
         expected_pool, expected = None, jnp.zeros(data["ids"].shape, jnp.int64)
         if canary.token_checks:
-            st, expected_pool, expected = _pool(canary, st, b, data["rows"], data["ids"])
+            delta = data["rows"] if isinstance(data["rows"], TokenDelta) else None
+            st, expected_pool, expected = _pool(
+                canary, st, b, data["rows"] if delta is None else delta.rows, data["ids"], delta)
         # Each pass's plans and batch, for its TAIL. The state keeps the last pass's plans, and
         # that pass carries none of its own: a plan returned twice (in the state and in the
         # passes) is copied on the way out, and TAIL's state then copied back in place (19

@@ -9,10 +9,12 @@ changes anything. Then it wraps four attributes of that runner instance:
   (:class:`~.host.CachedBlocks`);
 * ``runner.model_fn`` (every step but the on-device decode loop): HEAD (a jit of the canary's)
   -> the runner's own ``model_fn``, as it compiled it -> TAIL (another), the canary state
-  donated through both; before HEAD, with token checks, the step's expected ids into the
-  state's pool (a third, small jit). The model is never compiled again for the canary: the
-  canary's jits are keyed by the step's token bucket (HEAD and TAIL, each with or without the
-  late split) and the delta's id bucket, and compile in the runner's own warm-up
+  donated through both. With token checks HEAD writes the step's expected ids into the state's
+  pool with the step's own, in one pass; a delta bigger than the step's token count (a prompt
+  whose prefix the cache holds, a chunked prompt's first chunk) goes into the pool first, by a
+  third, small jit. The model is never compiled again for the canary: the canary's jits are
+  keyed by the step's token bucket (HEAD and TAIL, each with or without the late split) and
+  the delta's id bucket, and compile in the runner's own warm-up
   (``capture_model()``) when the guard is installed before it. Only a step ``update_states``
   described is guarded (its batch rows, expected ids and block owners come from there); any
   other call (a warm-up, a second call of the same step) runs the runner's own ``model_fn``,
@@ -387,6 +389,22 @@ class TpuInferenceGuard:
         self.state = dataclasses.replace(st, expected_tokens=pool, expected_valid_lens=valid)
         return pending, delta.rows
 
+    def _head_delta(self, input_ids):
+        """The step's delta as HEAD takes it (:func:`.host.head_delta`: one that does not fit
+        the step's tokens is applied first by its own jit; call under x64); returns ``(pending,
+        the TokenDelta)`` (``(None, None)`` without token checks)."""
+        pending = self._pending
+        if pending is None:
+            return None, None
+        c = self.canary
+        rows, starts, counts, ids, fits = host.head_delta(pending, c.data_shards,
+                                                          input_ids.shape[0] // c.data_shards)
+        if not fits:
+            self._apply_delta()
+        put = self._placed
+        return pending, device.TokenDelta(rows=put(rows), starts=put(starts),
+                                          counts=put(counts), ids=put(ids))
+
     def _failed(self) -> None:
         self.book.reset()
         self._pending = None
@@ -448,9 +466,12 @@ class TpuInferenceGuard:
         per_row = placed((c.data_shards * c.max_reqs,))
         with self._context():
             state, kv = self.state, device.kv_arg(c, list(kv_caches))
+            # HEAD's delta: as many ids as the step has tokens (:meth:`_head_delta`).
+            delta = device.TokenDelta(rows=per_row, starts=per_row, counts=per_row,
+                                      ids=placed((input_ids.shape[0],)))
             for split in (False, True):
                 head = self._head_jit.lower(
-                    state, per_row if c.token_checks else None, per_row,
+                    state, delta if c.token_checks else None, per_row,
                     placed(self._all_written.shape), md, input_ids, input_positions, canary=c,
                     split=split).compile()
                 self._tail_jit.lower(state, head.out_info[1], kv, canary=c).compile()
@@ -501,9 +522,9 @@ class TpuInferenceGuard:
                 "compiles them for every token bucket")
         try:
             with self._context():
-                pending, rows = self._apply_delta()
+                pending, delta = self._head_delta(input_ids)
                 self.state, passes = self._head_jit(
-                    self.state, rows, self._placed(self._late), self._unwritten_arg(),
+                    self.state, delta, self._placed(self._late), self._unwritten_arg(),
                     device.metadata(attn_metadata), input_ids, input_positions, canary=c,
                     split=bool(self._late.any()))
         except BaseException:
@@ -766,8 +787,8 @@ def _delta_impl(pool, valid, delta, *, canary):
     return device.delta_step(canary, pool, valid, delta)
 
 
-def _head_impl(state, rows, late, unwritten, md, input_ids, input_positions, *, canary, split):
-    return device.head_step(canary, state, rows, md, input_ids, input_positions, late, split,
+def _head_impl(state, delta, late, unwritten, md, input_ids, input_positions, *, canary, split):
+    return device.head_step(canary, state, delta, md, input_ids, input_positions, late, split,
                             unwritten)
 
 
@@ -779,15 +800,17 @@ def _sweep_impl(state, tables, rows, lengths, kv, *, canary):
     return device.sweep_step(canary, state, tables, rows.reshape(-1), lengths.reshape(-1), kv)
 
 
-# A normal step runs ``_delta_jit`` (with token checks), ``_head_jit``, the runner's own step
-# and ``_tail_jit``: the model is never compiled again for the canary, and the canary's jits
-# are keyed by the step's token bucket (HEAD and TAIL, each with or without the late split) or
-# the delta's id bucket only.
+# A normal step runs ``_head_jit``, the runner's own step and ``_tail_jit`` (and first, with a
+# delta too big for HEAD, ``_delta_jit``): the model is never compiled again for the canary,
+# and the canary's jits are keyed by the step's token bucket (HEAD and TAIL, each with or
+# without the late split) or the delta's id bucket only.
 #
 # ``delta_jit(pool, valid, delta, canary=)`` -> ``(pool, valid)`` (:func:`~.device.delta_step`;
-# the state's two pool leaves donated), ``head_jit(state, rows, late, unwritten, md, input_ids,
-# input_positions, canary=, split=)`` -> ``(state, passes)`` (:func:`~.device.head_step`, ``md``
-# :func:`~.device.metadata`'s) and ``tail_jit(state, passes, kv, canary=)`` -> ``state``
+# the state's two pool leaves donated), ``head_jit(state, delta, late, unwritten, md,
+# input_ids, input_positions, canary=, split=)`` -> ``(state, passes)``
+# (:func:`~.device.head_step`, ``delta`` a :class:`~.device.TokenDelta` of as many ids as the
+# step has tokens, or None without token checks, ``md`` :func:`~.device.metadata`'s) and
+# ``tail_jit(state, passes, kv, canary=)`` -> ``state``
 # (:func:`~.device.tail_step`, ``kv`` :func:`~.device.kv_arg`'s of the step's new KV), the
 # state donated; call under x64.
 delta_jit = jax.jit(_delta_impl, static_argnames=("canary",), donate_argnums=(0, 1))

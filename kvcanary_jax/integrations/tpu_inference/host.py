@@ -35,7 +35,7 @@ import dataclasses
 import numpy as np
 
 __all__ = ["TokenBook", "CachedBlocks", "Unwritten", "batch_order", "block_owners",
-           "late_requests", "next_bucket"]
+           "head_delta", "late_requests", "next_bucket"]
 
 MIN_IDS = 16
 
@@ -81,6 +81,26 @@ class PendingDelta:
     counts: np.ndarray
     ids: np.ndarray
     held: dict
+
+
+def head_delta(delta: PendingDelta, dp_size: int, tokens: int):
+    """What HEAD takes of a step's delta, ``tokens`` ids a rank (the step's own token count
+    per data-parallel rank, so that HEAD's compiles stay keyed by the step's token bucket):
+    ``(rows, starts, counts, ids, fits)``. A delta of at most ``tokens`` ids a rank (a decode
+    step's: one id a request) ``fits``: HEAD writes it with the step's own ids in one pass. A
+    bigger one (a prompt, a request sent whole again) is applied first by the delta's own jit,
+    keyed by its id bucket; HEAD then takes a delta of no ids, each row starting at what that
+    one left it holding (``start + count``, which also keeps a new request's row from being
+    reset twice)."""
+    sent = delta.counts.reshape(dp_size, -1).sum(axis=1)
+    ids = delta.ids.reshape(dp_size, -1)
+    if int(sent.max(initial=0)) <= tokens:
+        out = np.zeros((dp_size, tokens), np.int32)
+        k = min(tokens, ids.shape[1])
+        out[:, :k] = ids[:, :k]
+        return delta.rows, delta.starts, delta.counts, out.reshape(-1), True
+    return (delta.rows, delta.starts + delta.counts, np.zeros_like(delta.counts),
+            np.zeros(dp_size * tokens, np.int32), False)
 
 
 class TokenBook:
