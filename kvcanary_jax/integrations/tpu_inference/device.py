@@ -193,20 +193,25 @@ def step_batch(canary: TpuInferenceCanary, md, input_ids, input_positions, unwri
     seq = jnp.where(live, i64(seq_lens), 0)
     prefix = jnp.where(live, seq - q_len, 0)
     cols = jnp.arange(canary.context_len, dtype=jnp.int64)
-    bt = i64(block_tables).reshape(m, canary.max_blocks)
+    # The table [M + 1, ctx] with its padding row 0 derived in the same elementwise pass (the
+    # small per-request inputs get the extra row, not the table: a concatenate of the table
+    # was a copy kernel of its own).
+    zero = jnp.zeros((1,), jnp.int64)
+    bt = jnp.concatenate([jnp.zeros((1, canary.max_blocks), jnp.int64),
+                          i64(block_tables).reshape(m, canary.max_blocks)])
+    seq1, prefix1 = jnp.concatenate([zero, seq]), jnp.concatenate([zero, prefix])
     blk = bt[:, cols // bs]
     table = blk * bs + cols % bs
-    keep = cols[None, :] < seq[:, None]
+    keep = cols[None, :] < seq1[:, None]
     if unwritten is not None:
         # Only the read positions: the step's own writes keep their slots.
         # A block id outside [1, blocks) (the null block, a broken table) is never masked: the
         # checks report what it reads.
         real = (blk > 0) & (blk < unwritten.shape[0])
         first = jnp.where(real, _gather(unwritten, blk), 0)
-        old = (cols[None, :] < prefix[:, None]) & (cols % bs < first)
+        old = (cols[None, :] < prefix1[:, None]) & (cols % bs < first)
         keep = keep & ~old
     table = jnp.where(keep, table, 0).astype(jnp.int32)
-    table = jnp.concatenate([jnp.zeros((1, canary.context_len), jnp.int32), table])
     ntok = input_ids.shape[0]
     tok = jnp.arange(ntok, dtype=jnp.int64)
     owner = _owner(qsl, tok, m)
