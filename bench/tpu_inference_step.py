@@ -238,7 +238,7 @@ def _guarded_run(holder, canary, guard, runner, decode, late, with_kv, model, in
             runner.kv_caches = list(model(*with_kv(decode.args))[0])
         with jax.enable_x64(True):
             holder["state"] = kti.tail_jit(st, passes, kdevice.kv_arg(canary, runner.kv_caches),
-                                           canary=canary)
+                                           ids, pos, canary=canary)
     return run
 
 
@@ -453,7 +453,7 @@ def _canary_jits(canary, mesh, md, kv, n: int, t: int):
                lambda *a, split=split: kti.head_jit.trace(*a, canary=canary, split=split),
                head_args)
     yield ("tail", lambda *a: kti.tail_jit.trace(*a, canary=canary),
-           (state, passes, kdevice.kv_arg(canary, kv)))
+           (state, passes, kdevice.kv_arg(canary, kv), i32(t), i32(t)))
 
 
 def _fmt(row: dict) -> str:

@@ -305,11 +305,14 @@ def _pool(canary: TpuInferenceCanary, st, b, rows, input_ids, delta: TokenDelta 
 def _canary_batch(b, input_ids, input_positions, expected, keep=None):
     """The runtime's batch; with ``keep`` (per request), the other requests masked out: no
     row, no length, their tokens moved after the kept ones (the plan reads each request's
-    tokens at the running sum of the lengths) and written nowhere (``out_cache_loc`` -1)."""
-    i64 = lambda x: x.astype(jnp.int64)  # noqa: E731
+    tokens at the running sum of the lengths) and written nowhere (``out_cache_loc`` -1).
+    The step's ids and positions are taken as the runner's arrays are (int32: the write widens
+    them as it reads them, and reads only the tokens it walks, so padding needs no mask);
+    ``all_ids_offsets`` is the running sum of the lengths (``head`` takes the lengths
+    themselves: it is read by nothing, and XLA drops it)."""
     zero = jnp.zeros((1,), jnp.int64)
     rows, prefix, q_len, seq = b["rows"], b["prefix"], b["q_len"], b["seq"]
-    ids, pos, slot = i64(input_ids), jnp.where(b["valid_tok"], i64(input_positions), 0), b["slot"]
+    ids, pos, slot = input_ids, input_positions, b["slot"]
     exp_pos = b["pos"]
     if keep is not None:
         rows, prefix, q_len, seq = (jnp.where(keep, x, 0) for x in (rows, prefix, q_len, seq))
@@ -323,6 +326,31 @@ def _canary_batch(b, input_ids, input_positions, expected, keep=None):
         all_ids_flat=zero, all_ids_offsets=jnp.concatenate([zero, jnp.cumsum(seq)]),
         input_ids=ids, positions=pos, out_cache_loc=slot, expected_input_tokens=expected,
         expected_input_positions=exp_pos)
+
+
+# What TAIL reads of a pass's batch: the write's token arrays.
+_TAIL_TOKENS = ("input_ids", "positions", "out_cache_loc", "expected_input_tokens",
+                "expected_input_positions")
+
+
+def _tail_tokens(batch, own: bool) -> dict:
+    """A pass's batch as HEAD hands it to TAIL: the write's token arrays only (the rest is
+    HEAD's: a value returned from a jit is materialized, read or not). ``own``: the pass over
+    every request, whose ids and positions are the step's own arrays, which TAIL takes from its
+    arguments (None here: a jit's input returned as is is copied out)."""
+    return {f: None if own and f in ("input_ids", "positions") else getattr(batch, f)
+            for f in _TAIL_TOKENS}
+
+
+def _tail_batch(tokens: dict, input_ids, input_positions):
+    """:func:`_tail_tokens`' arrays as the runtime's batch for ``tail`` (which reads only
+    them; the other fields are placeholders)."""
+    zero = jnp.zeros((1,), jnp.int64)
+    own = {"input_ids": input_ids, "positions": input_positions}
+    return kc.ForwardBatch(req_pool_indices=zero, prefix_lens=zero, extend_seq_lens=zero,
+                           all_ids_flat=zero, all_ids_offsets=zero,
+                           **{f: own[f] if tokens[f] is None else tokens[f]
+                              for f in _TAIL_TOKENS})
 
 
 def _passes(late, split: bool):
@@ -456,32 +484,37 @@ def head_step(canary: TpuInferenceCanary, state, rows, md, input_ids, input_posi
             st = head(cfg, st, batch, b["table"], _no_lut(), expected_pool=expected_pool,
                       valid_lens=None if expected_pool is None else batch.extend_seq_lens
                       + batch.prefix_lens, fresh_chains=data["unwritten"] is not None)
-            passes.append((st.plans if i < len(keeps) - 1 else None, batch))
+            passes.append((st.plans if i < len(keeps) - 1 else None,
+                           _tail_tokens(batch, own=keep is None)))
         return {"state": st, "plans": passes}
 
     both = _shard_map(canary, head_fn, state, per_data)
     return both["state"], both["plans"]
 
 
-def tail_step(canary: TpuInferenceCanary, state, passes, kv):
+def tail_step(canary: TpuInferenceCanary, state, passes, kv, input_ids, input_positions):
     """TAIL of a step after the model, per shard, traceable under x64: ``passes`` from
-    :func:`head_step`, ``kv`` what it reads of the model's new KV (:func:`kv_arg`)."""
+    :func:`head_step`, ``kv`` what it reads of the model's new KV (:func:`kv_arg`),
+    ``input_ids`` / ``input_positions`` the step's, as HEAD took them."""
     cfg = canary.config
     spec = P(canary.axes or None)
+    dspec = P(canary.data_axes or None)
 
-    def body(st, pl, local):
+    def body(st, pl, local, ids, pos):
         st = _first(st)
         last = st.plans  # the last pass's (an earlier pass carries its own)
-        for plans, batch in _first(pl):
+        for plans, tokens in _first(pl):
             st = tail(cfg, dataclasses.replace(st, plans=last if plans is None else plans),
-                      batch, _no_lut(), _k_dict(canary, local))
+                      _tail_batch(tokens, ids, pos), _no_lut(), _k_dict(canary, local))
         return _stack1(st)
 
     # The plans travel as per-shard values: stacked over every shard axis, not only the data
     # axes the other per-step arrays are split over.
     return jax.shard_map(body, mesh=canary.mesh,
-                         in_specs=(spec, spec, jax.tree.map(lambda _: canary.kv_spec, kv)),
-                         out_specs=spec, check_vma=False)(state, passes, kv)
+                         in_specs=(spec, spec, jax.tree.map(lambda _: canary.kv_spec, kv),
+                                   dspec, dspec),
+                         out_specs=spec, check_vma=False)(state, passes, kv, input_ids,
+                                                          input_positions)
 
 
 def guarded_step(canary: TpuInferenceCanary, model, state, rows, md, input_ids,
@@ -494,7 +527,8 @@ def guarded_step(canary: TpuInferenceCanary, model, state, rows, md, input_ids,
     state, passes = head_step(canary, state, rows, metadata(md), input_ids, input_positions,
                               late, split, unwritten)
     out = model(kv_caches)
-    return tail_step(canary, state, passes, kv_arg(canary, list(out[0]))), out
+    return tail_step(canary, state, passes, kv_arg(canary, list(out[0])), input_ids,
+                     input_positions), out
 
 
 def sweep_step(canary: TpuInferenceCanary, state, tables, rows, lengths, kv):

@@ -474,7 +474,8 @@ class TpuInferenceGuard:
                     state, delta if c.token_checks else None, per_row,
                     placed(self._all_written.shape), md, input_ids, input_positions, canary=c,
                     split=split).compile()
-                self._tail_jit.lower(state, head.out_info[1], kv, canary=c).compile()
+                self._tail_jit.lower(state, head.out_info[1], kv, input_ids, input_positions,
+                                     canary=c).compile()
             if c.token_checks and not self._warmed_ids:
                 n = host.MIN_IDS
                 while n <= host.next_bucket(c.max_reqs * c.context_len):
@@ -548,8 +549,8 @@ class TpuInferenceGuard:
         self._hand_over(kv_caches, out)
         try:
             with self._context():
-                self.state = self._tail_jit(self.state, passes,
-                                            device.kv_arg(c, list(out[0])), canary=c)
+                self.state = self._tail_jit(self.state, passes, device.kv_arg(c, list(out[0])),
+                                            input_ids, input_positions, canary=c)
         except BaseException:
             self._failed()
             raise
@@ -792,8 +793,8 @@ def _head_impl(state, delta, late, unwritten, md, input_ids, input_positions, *,
                             unwritten)
 
 
-def _tail_impl(state, passes, kv, *, canary):
-    return device.tail_step(canary, state, passes, kv)
+def _tail_impl(state, passes, kv, input_ids, input_positions, *, canary):
+    return device.tail_step(canary, state, passes, kv, input_ids, input_positions)
 
 
 def _sweep_impl(state, tables, rows, lengths, kv, *, canary):
@@ -810,7 +811,7 @@ def _sweep_impl(state, tables, rows, lengths, kv, *, canary):
 # input_ids, input_positions, canary=, split=)`` -> ``(state, passes)``
 # (:func:`~.device.head_step`, ``delta`` a :class:`~.device.TokenDelta` of as many ids as the
 # step has tokens, or None without token checks, ``md`` :func:`~.device.metadata`'s) and
-# ``tail_jit(state, passes, kv, canary=)`` -> ``state``
+# ``tail_jit(state, passes, kv, input_ids, input_positions, canary=)`` -> ``state``
 # (:func:`~.device.tail_step`, ``kv`` :func:`~.device.kv_arg`'s of the step's new KV), the
 # state donated; call under x64.
 delta_jit = jax.jit(_delta_impl, static_argnames=("canary",), donate_argnums=(0, 1))
