@@ -221,11 +221,11 @@ def _guarded_run(holder, canary, guard, runner, decode, late, with_kv, model, in
     ids, pos, delta = decode.args[2], decode.args[5], decode.delta
     unwritten = guard._all_written  # the step reads no KV from before the canary
     n = canary.data_shards
-    rows, starts, counts, head_ids, fits = khost.head_delta(decode.pending, n, ids.shape[0] // n)
+    rows, starts, counts, head_ids, fits = khost.head_delta(decode.pending, n, ids.shape[0] // n,
+                                                            canary.context_len)
     if not inline:
-        p = decode.pending
-        rows, starts, counts, head_ids = (p.rows, p.starts + p.counts, np.zeros_like(p.counts),
-                                          np.zeros_like(head_ids))
+        rows, starts, counts, head_ids = khost.applied_head_delta(
+            decode.pending, n, ids.shape[0] // n, canary.context_len)
     separate = not (inline and fits)
     head_delta = kti.TokenDelta(*(jnp.asarray(x) for x in (rows, starts, counts, head_ids)))
 
@@ -439,9 +439,9 @@ def _canary_jits(canary, mesh, md, kv, n: int, t: int):
     placed = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=state_sharding)  # noqa: E731
     with jax.enable_x64(True):
         state = jax.tree.map(placed, kdevice.state_shapes(canary))
-        delta = kti.TokenDelta(rows=i32(n), starts=i32(n), counts=i32(n), ids=i32(t))
+        delta = kti.TokenDelta(rows=i32(n), starts=i32(n), counts=i32(n), ids=i32(t, 3))
         unwritten = i32(SERVING["blocks"])
-        head_delta = kti.TokenDelta(rows=i32(n), starts=i32(n), counts=i32(n), ids=i32(t))
+        head_delta = kti.TokenDelta(rows=i32(n), starts=i32(n), counts=i32(n), ids=i32(t, 3))
         head_args = (state, head_delta, i32(n), unwritten, kdevice.metadata(md), i32(t), i32(t))
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             passes = jax.tree.map(placed, kti.head_jit.trace(

@@ -61,6 +61,21 @@ def _oracle(pool, valid, prow, delta, pending, valid_tok, owner, pos, ids):
     return pool, valid, pool[[0] + list(prow)], np.array(expected, np.int64)
 
 
+def _laid_out(starts, counts, dids):
+    """The delta's ids as the host lays them out (``TokenBook.plan``): ``[IDS, 3]``, each id
+    with its batch row and column, in batch-row order; the ids past those sent are padding
+    (column ``CTX``)."""
+    out = np.zeros((IDS, 3), np.int32)
+    out[:, 2] = CTX
+    i = 0
+    for r in range(M):
+        for k in range(counts[r]):
+            if i < IDS:
+                out[i] = (dids[i], r, starts[r] + k)
+            i += 1
+    return out
+
+
 def _case(rng, with_delta):
     pool = rng.integers(0, 1000, (ROWS, CTX)).astype(np.int32)
     valid = rng.integers(0, CTX + 1, ROWS).astype(np.int64)
@@ -123,7 +138,8 @@ def test_the_pool_follows_the_delta_then_the_steps_own_tokens(with_delta, one_pa
                 starts, counts, dids = delta
                 td = TokenDelta(rows=jnp.asarray(prow, jnp.int32),
                                 starts=jnp.asarray(starts, jnp.int32),
-                                counts=jnp.asarray(counts, jnp.int32), ids=jnp.asarray(dids))
+                                counts=jnp.asarray(counts, jnp.int32),
+                                ids=jnp.asarray(_laid_out(starts, counts, dids)))
             else:
                 prow = np.zeros(M, np.int64)  # no delta: every batch row is padding to the pool
             got_st, got_rows, got_expected = fn(st, b, td, jnp.asarray(pending), jnp.asarray(ids))
@@ -140,10 +156,13 @@ def test_the_pool_follows_the_delta_then_the_steps_own_tokens(with_delta, one_pa
         assert adopted > 100  # the cases write the pool, not only read it
 
 
-def test_each_token_is_owned_by_the_row_whose_range_holds_it():
-    """``_owner`` (an unrolled binary search): for exclusive prefix sums ``offsets`` [n + 1],
-    the row ``r`` with ``offsets[r] <= i < offsets[r + 1]``, the last row for indices past the
-    end, empty rows never owning anything."""
+@pytest.mark.parametrize("pairs", [1 << 16, 0], ids=["compared", "searched"])
+def test_each_token_is_owned_by_the_row_whose_range_holds_it(monkeypatch, pairs):
+    """``_owner`` (every index compared with every entry, or an unrolled binary search past
+    ``_OWNER_PAIRS``): for exclusive prefix sums ``offsets`` [n + 1], the row ``r`` with
+    ``offsets[r] <= i < offsets[r + 1]``, the last row for indices past the end, empty rows
+    never owning anything."""
+    monkeypatch.setattr(device, "_OWNER_PAIRS", pairs)
     rng = np.random.default_rng(3)
     with jax.enable_x64(True):
         for n in (1, 2, 5, 16, 17):
@@ -155,3 +174,35 @@ def test_each_token_is_owned_by_the_row_whose_range_holds_it():
             want = [next((r for r in range(n) if offsets[r] <= i < offsets[r + 1]), n - 1)
                     for i in idx]
             np.testing.assert_array_equal(got, want)
+
+
+def test_the_host_lays_out_each_id_with_its_batch_row_and_column():
+    """``TokenBook.plan``: each id the device lacks, with its batch row and its column in the
+    request's pool row, padding at column ``context_len``; ``head_delta``: a delta of at most
+    the step's tokens rides in HEAD as it is, a bigger one leaves HEAD no ids and each row
+    starting at what the delta's own jit leaves it holding. Hand-checked."""
+    from kvcanary_jax.integrations.tpu_inference import host
+
+    book = host.TokenBook(pool_rows=4, max_reqs=3, dp_size=1, context_len=10)
+    tokens = np.zeros((2, 10), np.int64)
+    tokens[0, :4], tokens[1, :2] = [5, 6, 7, 11], [8, 9]
+    batch = types.SimpleNamespace(req_id_to_index={"a": 0, "b": 1}, token_ids_cpu=tokens,
+                                  num_tokens_no_spec=np.array([3, 2]))
+    runner = types.SimpleNamespace(input_batch=batch)
+    first = book.plan(runner, [["a", "b"]])
+    assert first.rows.tolist() == [1, 2, 0]
+    assert (first.starts.tolist(), first.counts.tolist()) == ([0, 0, 0], [3, 2, 0])
+    pad = [0, 0, 10]
+    assert first.ids.tolist() == [[5, 0, 0], [6, 0, 1], [7, 0, 2], [8, 1, 0], [9, 1, 1]] + [
+        pad] * 11  # the id bucket: 16
+    rows, starts, counts, ids, fits = host.head_delta(first, 1, 8, 10)
+    assert fits and ids.tolist() == first.ids[:8].tolist()
+    assert (rows.tolist(), starts.tolist(), counts.tolist()) == ([1, 2, 0], [0, 0, 0], [3, 2, 0])
+    rows, starts, counts, ids, fits = host.head_delta(first, 1, 4, 10)  # 5 ids: too many
+    assert not fits and ids.tolist() == [pad] * 4
+    assert (starts.tolist(), counts.tolist()) == ([3, 2, 0], [0, 0, 0])
+    book.commit(first)
+    batch.num_tokens_no_spec = np.array([4, 2])  # "a" sampled 11; "b" nothing new
+    second = book.plan(runner, [["a", "b"]])
+    assert (second.starts.tolist(), second.counts.tolist()) == ([3, 2, 0], [1, 0, 0])
+    assert second.ids.tolist() == [[11, 0, 3]] + [pad] * 15

@@ -17,7 +17,8 @@ a wrong block-table entry is checked, not hidden.
 **Expected token ids, kept on the device.** The state's expected-token pool has a row per
 request (``pool row``, stable while the request lives, :mod:`.host`), ``+ 1`` (row 0 unused).
 Each step takes a :class:`TokenDelta` (per batch row: its pool row + 1, the first position sent
-and how many; then the ids): the ids the host knows and the device lacks. Positions a step
+and how many; then each id with the batch row and the column it lands at, laid out by the host,
+so that the device searches nothing): the ids the host knows and the device lacks. Positions a step
 writes past what the pool holds (the on-device decode loop's own samples, which the host learns
 only after the loop) are taken from the step's input ids when first written; a later write of a
 position the pool holds is checked against it (the write's input check) and so is every read
@@ -151,7 +152,9 @@ class TpuInferenceCanary:
 class TokenDelta:
     """One step's expected ids from the host, per data shard stacked (int32): ``rows``
     ``[shards * max_reqs]`` (pool row + 1 of each batch row, 0 = padding), ``starts`` and
-    ``counts`` (first position sent, ids sent), ``ids`` ``[shards * n]``."""
+    ``counts`` (first position sent, ids sent), ``ids`` ``[shards * n, 3]``: each id, the batch
+    row it belongs to and its column in that row's pool row (``context_len``: padding, written
+    nowhere; :meth:`.host.TokenBook.plan` lays them out)."""
 
     rows: jax.Array
     starts: jax.Array
@@ -159,11 +162,21 @@ class TokenDelta:
     ids: jax.Array
 
 
+# Up to this many (index, entry) pairs, :func:`_owner` compares every index with every entry.
+_OWNER_PAIRS = 1 << 16
+
+
 def _owner(offsets, idx, n):
     """For exclusive prefix sums ``offsets`` [n + 1], the entry whose range holds each index
-    (``searchsorted`` right, unrolled: ``jnp.searchsorted`` is a loop, two small kernels an
-    iteration on a GPU, 14 a step at 128 requests)."""
-    return jnp.clip(count_below(offsets[1:], idx, inclusive=True), 0, max(n - 1, 0))
+    (``searchsorted`` right). A small step (a decode's) compares every index with every entry
+    and counts, one reduction; a bigger one searches, unrolled (``jnp.searchsorted`` is a loop,
+    two small kernels an iteration on a GPU, 14 a step at 128 requests; the unrolled search's
+    dependent gathers were two kernels at 64 requests)."""
+    if idx.shape[0] * n <= _OWNER_PAIRS:
+        below = jnp.sum(offsets[None, 1:] <= idx[:, None], axis=1, dtype=jnp.int64)
+    else:
+        below = count_below(offsets[1:], idx, inclusive=True)
+    return jnp.clip(below, 0, max(n - 1, 0))
 
 
 def _gather(values, idx):
@@ -233,13 +246,11 @@ def _delta_cells(canary: TpuInferenceCanary, prow, old, delta: TokenDelta, pendi
     then raised to what the delta sends (``start + count``)."""
     m, ctx = canary.max_reqs, canary.context_len
     starts, counts = delta.starts.astype(jnp.int64), delta.counts.astype(jnp.int64)
-    zero = jnp.zeros((1,), jnp.int64)
-    doff = jnp.concatenate([zero, jnp.cumsum(counts)])
-    i = jnp.arange(delta.ids.shape[0], dtype=jnp.int64)
-    r = _owner(doff, i, m)
-    ok = (i < doff[m]) & (prow[r] > 0)
-    cell_rows = jnp.where(ok, prow[r], 0)
-    cols = jnp.where(ok, starts[r] + i - doff[r], ctx)
+    owner = jnp.clip(delta.ids[:, 1].astype(jnp.int64), 0, max(m - 1, 0))
+    col = delta.ids[:, 2].astype(jnp.int64)
+    ok = (col >= 0) & (col < ctx) & (prow[owner] > 0)
+    cell_rows = jnp.where(ok, prow[owner], 0)
+    cols = jnp.where(ok, col, ctx)
     reset = (prow > 0) & jnp.asarray(pending, jnp.bool_) & (starts == 0)
     held = jnp.maximum(jnp.where(reset, 0, old), starts + counts)
     return cell_rows, cols, held
@@ -258,7 +269,7 @@ def apply_delta(canary: TpuInferenceCanary, pool, valid, delta: TokenDelta, pend
     old, prow = jax.lax.optimization_barrier((valid[delta.rows.astype(jnp.int64)],
                                               delta.rows.astype(jnp.int64)))
     cell_rows, cols, held = _delta_cells(canary, prow, old, delta, pending)
-    pool = pool.at[cell_rows, cols].set(delta.ids.astype(jnp.int32), mode="drop")
+    pool = pool.at[cell_rows, cols].set(delta.ids[:, 0], mode="drop")
     valid = valid.at[jnp.where(prow > 0, prow, rows_total)].set(held, mode="drop")
     return pool, valid
 
@@ -291,7 +302,7 @@ def _pool(canary: TpuInferenceCanary, st, b, rows, input_ids, delta: TokenDelta 
     if delta is not None:
         cell_rows_t = jnp.concatenate([cell_rows, cell_rows_t])
         cols_t = jnp.concatenate([cols, cols_t])
-        ids = jnp.concatenate([delta.ids.astype(jnp.int32), ids])
+        ids = jnp.concatenate([delta.ids[:, 0].astype(jnp.int32), ids])
     pool = pool.at[cell_rows_t, cols_t].set(ids, mode="drop")
     last = jnp.where(b["q_len"] > 0, b["prefix"] + b["q_len"], 0)
     valid = valid.at[jnp.where(prow > 0, prow, rows_total)].set(jnp.maximum(held, last),

@@ -397,8 +397,8 @@ class TpuInferenceGuard:
         if pending is None:
             return None, None
         c = self.canary
-        rows, starts, counts, ids, fits = host.head_delta(pending, c.data_shards,
-                                                          input_ids.shape[0] // c.data_shards)
+        rows, starts, counts, ids, fits = host.head_delta(
+            pending, c.data_shards, input_ids.shape[0] // c.data_shards, c.context_len)
         if not fits:
             self._apply_delta()
         put = self._placed
@@ -468,7 +468,7 @@ class TpuInferenceGuard:
             state, kv = self.state, device.kv_arg(c, list(kv_caches))
             # HEAD's delta: as many ids as the step has tokens (:meth:`_head_delta`).
             delta = device.TokenDelta(rows=per_row, starts=per_row, counts=per_row,
-                                      ids=placed((input_ids.shape[0],)))
+                                      ids=placed((input_ids.shape[0], 3)))
             for split in (False, True):
                 head = self._head_jit.lower(
                     state, delta if c.token_checks else None, per_row,
@@ -480,7 +480,7 @@ class TpuInferenceGuard:
                 n = host.MIN_IDS
                 while n <= host.next_bucket(c.max_reqs * c.context_len):
                     delta = device.TokenDelta(rows=per_row, starts=per_row, counts=per_row,
-                                              ids=placed((c.data_shards * n,)))
+                                              ids=placed((c.data_shards * n, 3)))
                     self._delta_jit.lower(state.expected_tokens, state.expected_valid_lens,
                                           delta, canary=c).compile()
                     n *= 2

@@ -35,7 +35,7 @@ import dataclasses
 import numpy as np
 
 __all__ = ["TokenBook", "CachedBlocks", "Unwritten", "batch_order", "block_owners",
-           "head_delta", "late_requests", "next_bucket"]
+           "applied_head_delta", "head_delta", "late_requests", "next_bucket"]
 
 MIN_IDS = 16
 
@@ -83,7 +83,7 @@ class PendingDelta:
     held: dict
 
 
-def head_delta(delta: PendingDelta, dp_size: int, tokens: int):
+def head_delta(delta: PendingDelta, dp_size: int, tokens: int, context_len: int):
     """What HEAD takes of a step's delta, ``tokens`` ids a rank (the step's own token count
     per data-parallel rank, so that HEAD's compiles stay keyed by the step's token bucket):
     ``(rows, starts, counts, ids, fits)``. A delta of at most ``tokens`` ids a rank (a decode
@@ -91,16 +91,30 @@ def head_delta(delta: PendingDelta, dp_size: int, tokens: int):
     bigger one (a prompt, a request sent whole again) is applied first by the delta's own jit,
     keyed by its id bucket; HEAD then takes a delta of no ids, each row starting at what that
     one left it holding (``start + count``, which also keeps a new request's row from being
-    reset twice)."""
+    reset twice). ``context_len``: the pool's width (a padding id's column)."""
     sent = delta.counts.reshape(dp_size, -1).sum(axis=1)
-    ids = delta.ids.reshape(dp_size, -1)
-    if int(sent.max(initial=0)) <= tokens:
-        out = np.zeros((dp_size, tokens), np.int32)
-        k = min(tokens, ids.shape[1])
-        out[:, :k] = ids[:, :k]
-        return delta.rows, delta.starts, delta.counts, out.reshape(-1), True
+    if int(sent.max(initial=0)) > tokens:
+        return (*applied_head_delta(delta, dp_size, tokens, context_len), False)
+    ids = delta.ids.reshape(dp_size, -1, 3)
+    out = _padding_ids(dp_size, tokens, context_len)
+    k = min(tokens, ids.shape[1])
+    out[:, :k] = ids[:, :k]
+    return delta.rows, delta.starts, delta.counts, out.reshape(-1, 3), True
+
+
+def applied_head_delta(delta: PendingDelta, dp_size: int, tokens: int, context_len: int):
+    """HEAD's delta after ``delta`` was applied by its own jit: ``(rows, starts, counts,
+    ids)``, no ids, each row starting at what ``delta`` left it holding."""
     return (delta.rows, delta.starts + delta.counts, np.zeros_like(delta.counts),
-            np.zeros(dp_size * tokens, np.int32), False)
+            _padding_ids(dp_size, tokens, context_len).reshape(-1, 3))
+
+
+def _padding_ids(dp_size: int, n: int, context_len: int) -> np.ndarray:
+    """``[dp_size, n, 3]`` padding ids: id 0 of batch row 0 at column ``context_len`` (written
+    nowhere)."""
+    out = np.zeros((dp_size, n, 3), np.int32)
+    out[:, :, 2] = context_len
+    return out
 
 
 class TokenBook:
@@ -153,6 +167,7 @@ class TokenBook:
         rows = np.zeros((self.dp_size, m), np.int32)
         starts = np.zeros((self.dp_size, m), np.int32)
         counts = np.zeros((self.dp_size, m), np.int32)
+        # Per rank, each id sent with its batch row and its column in the pool row.
         parts: list[list[np.ndarray]] = [[] for _ in range(self.dp_size)]
         held = {}
         for rank, req_ids in enumerate(order):
@@ -163,16 +178,20 @@ class TokenBook:
                 mine = self._held.get(row)
                 start = min(mine[1], known) if mine is not None and mine[0] == req_id else 0
                 rows[rank, i], starts[rank, i], counts[rank, i] = row, start, known - start
-                parts[rank].append(np.asarray(batch.token_ids_cpu[idx, start:known], np.int32))
+                part = np.empty((known - start, 3), np.int32)
+                part[:, 0] = batch.token_ids_cpu[idx, start:known]
+                part[:, 1] = i
+                part[:, 2] = np.arange(start, known)
+                parts[rank].append(part)
                 held[row] = (req_id, known)
         n = next_bucket(max(sum(p.shape[0] for p in ps) for ps in parts))
-        ids = np.zeros((self.dp_size, n), np.int32)
+        ids = _padding_ids(self.dp_size, n, self.context_len)
         for rank, ps in enumerate(parts):
             if ps:
                 flat = np.concatenate(ps)
                 ids[rank, :flat.shape[0]] = flat
         return PendingDelta(rows=rows.reshape(-1), starts=starts.reshape(-1),
-                            counts=counts.reshape(-1), ids=ids.reshape(-1), held=held)
+                            counts=counts.reshape(-1), ids=ids.reshape(-1, 3), held=held)
 
     def commit(self, delta: PendingDelta) -> None:
         for row, entry in delta.held.items():
