@@ -392,11 +392,10 @@ class Launcher:
             streams.finish(info, outs[:1], stream)
             for r, i in zip(outs, prep.results):
                 _commit(prep.args[i], tensors[prep.args[i].name], presented[i], r, cache)
-            if not info.is_gpu:
-                _LAST_LAUNCH[info.torch_device] = (presented, fence, outs)
+            _LAST_LAUNCH[info.torch_device] = (presented, fence, outs)
 
 
-# The last DLPack launch's JAX arrays on each CPU device, held until the next launch there, and
+# The last DLPack launch's JAX arrays on each device, held until the next launch there, and
 # past the interpreter's exit. XLA's CPU client ends a launch on a worker thread; where that
 # thread drops the last reference to an imported torch tensor, torch's DLPack deleter takes the
 # GIL there, and during the interpreter's finalization the thread is then killed mid-unwind
