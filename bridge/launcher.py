@@ -31,8 +31,6 @@ taken.
 
 from __future__ import annotations
 
-import atexit
-import ctypes
 import dataclasses
 import threading
 import warnings
@@ -392,23 +390,6 @@ class Launcher:
             streams.finish(info, outs[:1], stream)
             for r, i in zip(outs, prep.results):
                 _commit(prep.args[i], tensors[prep.args[i].name], presented[i], r, cache)
-            _LAST_LAUNCH[info.torch_device] = (presented, fence, outs)
-
-
-# The last DLPack launch's JAX arrays on each device, held until the next launch there, and
-# past the interpreter's exit. XLA's CPU client ends a launch on a worker thread; where that
-# thread drops the last reference to an imported torch tensor, torch's DLPack deleter takes the
-# GIL there, and during the interpreter's finalization the thread is then killed mid-unwind
-# ("terminate called without an active exception": the process aborted after the script's last
-# line, a few runs in a hundred on a loaded machine). Held here, the last reference to a launch's
-# imports is dropped by Python, on the thread that holds the GIL; the last launch's are never
-# dropped (at exit, :func:`_keep_last_launch`), their memory going with the process.
-_LAST_LAUNCH: dict = {}
-
-
-@atexit.register
-def _keep_last_launch() -> None:
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_LAST_LAUNCH))
 
 
 def _padded(a: Arg, t):
