@@ -5,9 +5,10 @@
 Compiles, with the installed triton for sm_90 (no GPU needed), the write kernel as the torch
 bridge's direct path lowers it (``pallas_triton``, no real-KV source) and the chain floor's plain
 Triton kernel (:func:`bench.op_write.chain_kernel`), disassembles both with the ``nvdisasm``
-triton ships, finds each kernel's chain loop (of the innermost loops, the one whose body holds the
-most 64-bit multiplies: the unrolled trip, not its remainder or an enclosing loop) and prints its
-SASS instructions per token by opcode, side by side.
+triton ships, finds each kernel's chain loops (of the innermost loops, those whose bodies hold the
+most 64-bit multiplies: the unrolled trips, not their remainders or an enclosing loop; the
+write has two, its fast chain for a block whose tokens are all written and its general one) and
+prints their SASS instructions per token by opcode, side by side.
 The floor's loop is unrolled by the compiler and ours by ``CHAIN_UNROLL``; each body is divided
 by the tokens it covers (its ``IMAD.WIDE.U32`` count over the six a token's three splitmix64
 rounds take). ``--out`` keeps both SASS listings and the table as JSON.
@@ -55,9 +56,10 @@ def opcode(instruction: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0]
 
 
-def chain_loop(ins: list[str], labels: dict[str, int]) -> list[str]:
-    """The body of the innermost loop (no backward branch inside it) with the most
-    ``IMAD.WIDE.U32``: the chain's unrolled trip, not its remainder or an enclosing loop."""
+def chain_loops(ins: list[str], labels: dict[str, int]) -> list[list[str]]:
+    """The bodies of the innermost loops (no backward branch inside them) with the most
+    ``IMAD.WIDE.U32``, in code order: the chain's unrolled trips, not their remainders or an
+    enclosing loop (the write has two: its fast chain and its general one)."""
     loops = []
     for end, i in enumerate(ins):
         m = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", i)
@@ -67,9 +69,11 @@ def chain_loop(ins: list[str], labels: dict[str, int]) -> list[str]:
              if not any(a <= c and d < b and (c, d) != (a, b) for c, d in loops)]
     if not inner:
         raise RuntimeError("no loop found in the kernel's SASS")
-    a, b = max(inner, key=lambda ab: sum(opcode(x) == "IMAD.WIDE.U32"
-                                         for x in ins[ab[0]:ab[1] + 1]))
-    return ins[a:b + 1]
+
+    def wide(ab):
+        return sum(opcode(x) == "IMAD.WIDE.U32" for x in ins[ab[0]:ab[1] + 1])
+    most = max(map(wide, inner))
+    return [ins[a:b + 1] for a, b in sorted(inner) if wide((a, b)) == most]
 
 
 def per_token(body: list[str]) -> tuple[float, dict[str, float]]:
@@ -125,19 +129,38 @@ def main(argv=None) -> int:
         sass = _sass(compiled.asm["cubin"], os.path.join(out, f"{name}.cubin"))
         with open(os.path.join(out, f"{name}.sass"), "w") as f:
             f.write(sass)
-        tokens, mix = per_token(chain_loop(*parse(sass)))
-        rows[name] = {"tokens_per_trip": tokens, "per_token": mix,
-                      "total_per_token": sum(mix.values())}
-    w, f = rows["write"]["per_token"], rows["chain_floor"]["per_token"]
-    print(f"triton {triton.__version__}, sm_90; SASS instructions per token in the chain loop "
-          f"(write: {rows['write']['tokens_per_trip']:g} tokens a trip, floor: "
-          f"{rows['chain_floor']['tokens_per_trip']:g})")
-    print(f"{'opcode':24s} {'floor':>7s} {'write':>7s} {'extra':>7s}")
-    for op in sorted(set(w) | set(f), key=lambda k: (-(w.get(k, 0) - f.get(k, 0)), k)):
-        print(f"{op:24s} {f.get(op, 0):7.2f} {w.get(op, 0):7.2f} "
-              f"{w.get(op, 0) - f.get(op, 0):7.2f}")
-    print(f"{'total':24s} {rows['chain_floor']['total_per_token']:7.2f} "
-          f"{rows['write']['total_per_token']:7.2f}")
+        bodies = [per_token(b) for b in chain_loops(*parse(sass))]
+        if name == "chain_floor":
+            tokens, mix = bodies[0]
+            rows[name] = {"tokens_per_trip": tokens, "per_token": mix,
+                          "total_per_token": sum(mix.values())}
+            continue
+        # The write's loops in code order: the first block's (peeled out of the block loop)
+        # fast and general chains, then the later blocks' (a long request's all but one).
+        if len(bodies) != 4:
+            raise RuntimeError(f"the write's SASS has {len(bodies)} chain loops, not 4 (the "
+                               "fast and general chains of the first block and of the later "
+                               "ones)")
+        for where, pair in (("first", bodies[:2]), ("", bodies[2:])):
+            for label, (tokens, mix) in zip(("fast", "general"),
+                                            sorted(pair, key=lambda tm: sum(tm[1].values()))):
+                rows["_".join(x for x in ("write", where, label) if x)] = {
+                    "tokens_per_trip": tokens, "per_token": mix,
+                    "total_per_token": sum(mix.values())}
+    cols = ("chain_floor", "write_fast", "write_general")
+    print(f"triton {triton.__version__}, sm_90; SASS instructions per token in the chain loops "
+          f"(write: {rows['write_fast']['tokens_per_trip']:g} tokens a trip, floor: "
+          f"{rows['chain_floor']['tokens_per_trip']:g}), in the blocks after a request's first; "
+          "fast: a block whose tokens are all written, general: any block")
+    print(f"{'opcode':24s} {'floor':>7s} {'fast':>7s} {'general':>7s}")
+    f = rows["chain_floor"]["per_token"]
+    ops = set().union(*(rows[c]["per_token"] for c in cols))
+    for op in sorted(ops, key=lambda k: (-(rows["write_fast"]["per_token"].get(k, 0)
+                                           - f.get(k, 0)), k)):
+        print(f"{op:24s} " + " ".join(f"{rows[c]['per_token'].get(op, 0):7.2f}" for c in cols))
+    print(f"{'total':24s} " + " ".join(f"{rows[c]['total_per_token']:7.2f}" for c in cols))
+    print("the first block: fast " + f"{rows['write_first_fast']['total_per_token']:.2f}, "
+          f"general {rows['write_first_general']['total_per_token']:.2f}")
     rows["triton"] = triton.__version__
     with open(os.path.join(out, "write_sass.json"), "w") as fh:
         json.dump(rows, fh, indent=1)

@@ -299,6 +299,40 @@ def test_small_blocks_remainders_and_violations_in_later_blocks(sgl, impl):
     assert ref.widx > 10
 
 
+@pytest.mark.parametrize("impl", pallas("write"))
+def test_blocks_of_written_tokens_and_blocks_with_a_skipped_one(sgl, impl):
+    """Block 8, unroll 3. A block whose tokens are all in bounds and all written takes the
+    Triton write's fast chain (no per-token checks; the position check on the block's vectors,
+    its first lane against the block before's last token); a block with a skipped token takes
+    the general one. Request 0's five blocks: clean; a position gap mid-block; a skipped slot;
+    a first token that does not follow the block before's last; a slot repeated (the last
+    write wins). Request 1 skips its third token; request 2 is a partial block whose first
+    position does not follow its seed's."""
+    rng = np.random.default_rng(15)
+    lens = [40, 5, 6]
+    n = sum(lens)
+    offsets = np.concatenate([[0], np.cumsum(lens)])
+    pos0 = np.arange(40) + 6  # the seed, slot 60, holds position 5
+    pos0[12:] += 1  # block 1: a gap between tokens 11 and 12
+    pos0[24:] += 3  # block 3: its first token does not follow token 23
+    slots0 = rng.permutation(np.arange(1, 41))
+    slots0[19] = -1  # block 2: a skipped token
+    slots0[36] = slots0[33]  # block 4: a slot written twice
+    slots = np.concatenate([slots0, [41, 42, -1, 43, 44], [45, 46, 47, 48, 49, 50]])
+    pos = np.concatenate([pos0, np.arange(5), np.arange(6) + 9])
+    st = support.State.zeros(64, 2 * n)
+    st.canary_i64[60, :3] = [3, 5, 77]
+    st.canary_i64[61, :3] = [4, 7, 78]  # request 2's seed: position 7, its first token 9
+    ours, ref = _w(sgl, st, impl, write_offsets=offsets,
+                   write_seed_slot_indices=[60, -1, 61], input_ids=rng.integers(0, 9, n),
+                   positions=pos, out_cache_loc=slots, config=_launch(block=8, unroll=3))
+    rows = ref.ring[:ref.widx]
+    # Each break's position and the one expected: the gap at token 12, token 20 after the
+    # skipped token 19, token 24 after token 23, request 2 after its seed (request 1 has no seed,
+    # so no position check).
+    assert rows[:, 2].tolist() == [19, 27, 34, 9] and rows[:, 6].tolist() == [18, 26, 31, 8]
+
+
 def test_zero_capacity_still_bumps_kernel_counter(sgl, impl):
     _, ref = _w(sgl, support.State.zeros(8, 2), impl, write_offsets=[0], write_seed_slot_indices=[],
                 write_num_valid_reqs=1, input_ids=[1, 2], positions=[0, 1], out_cache_loc=[1, 2])
