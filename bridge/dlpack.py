@@ -33,6 +33,7 @@ from typing import Any
 import jax
 
 from kvcanary_jax import _config
+from kvcanary_jax.bridge import views
 
 try:  # jaxlib's DLPack entry point (5-argument form since extension 467)
     from jax._src.lib import _jax as _jaxlib
@@ -136,9 +137,13 @@ def import_tensor(t, info: DeviceInfo):
     alias = t.detach()
     if _FAST_IMPORT:
         cap = alias.__dlpack__(stream=info.stream) if info.is_gpu else alias.__dlpack__()
-        return _jaxlib.dlpack_managed_tensor_to_buffer(cap, info.jax_device, info.stream, None,
-                                                       info.dl_type)
-    return jax.dlpack.from_dlpack(alias)
+        array = _jaxlib.dlpack_managed_tensor_to_buffer(cap, info.jax_device, info.stream, None,
+                                                        info.dl_type)
+    else:
+        array = jax.dlpack.from_dlpack(alias)
+    if not info.is_gpu:  # released at exit only once XLA's CPU workers are done with it
+        views.track_import(array, alias)
+    return array
 
 
 def write_back(dst, result, cols: int | None = None) -> None:
