@@ -5,12 +5,12 @@
 Compiles, with the installed triton for sm_90 (no GPU needed), the write kernel as the torch
 bridge's direct path lowers it (``pallas_triton``, no real-KV source) and the chain floor's plain
 Triton kernel (:func:`bench.op_write.chain_kernel`), disassembles both with the ``nvdisasm``
-triton ships, finds each kernel's chain loops (of the innermost loops, those whose bodies hold the
-most 64-bit multiplies: the unrolled trips, not their remainders or an enclosing loop; the
-write has two, its fast chain for a block whose tokens are all written and its general one) and
-prints their SASS instructions per token by opcode, side by side.
-The floor's loop is unrolled by the compiler and ours by ``CHAIN_UNROLL``; each body is divided
-by the tokens it covers (its ``IMAD.WIDE.U32`` count over the six a token's three splitmix64
+triton ships, finds each kernel's chain loops (innermost loops that run a token's splitmix64
+rounds: the floor's unrolled trip; the write's fast chain, for a block whose tokens are all
+written, and its general chain, :func:`write_chains`) and prints their SASS instructions per
+token by opcode, side by side.
+The floor's loop is unrolled by the compiler and the write's fast chain by ``CHAIN_UNROLL``; each
+body is divided by the tokens it covers (its ``IMAD.WIDE.U32`` count over the six a token's three splitmix64
 rounds take). ``--out`` keeps both SASS listings and the table as JSON.
 """
 
@@ -57,9 +57,8 @@ def opcode(instruction: str) -> str:
 
 
 def chain_loops(ins: list[str], labels: dict[str, int]) -> list[list[str]]:
-    """The bodies of the innermost loops (no backward branch inside them) with the most
-    ``IMAD.WIDE.U32``, in code order: the chain's unrolled trips, not their remainders or an
-    enclosing loop (the write has two: its fast chain and its general one)."""
+    """The bodies of the innermost loops (no backward branch inside them) that run at least one
+    token's splitmix64 rounds (``ROUND_WIDE_MULS`` ``IMAD.WIDE.U32``), in code order."""
     loops = []
     for end, i in enumerate(ins):
         m = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", i)
@@ -67,13 +66,40 @@ def chain_loops(ins: list[str], labels: dict[str, int]) -> list[list[str]]:
             loops.append((labels[m.group(1)], end))
     inner = [(a, b) for a, b in loops
              if not any(a <= c and d < b and (c, d) != (a, b) for c, d in loops)]
-    if not inner:
-        raise RuntimeError("no loop found in the kernel's SASS")
+    bodies = [ins[a:b + 1] for a, b in sorted(inner)]
+    bodies = [x for x in bodies
+              if sum(opcode(i) == "IMAD.WIDE.U32" for i in x) >= ROUND_WIDE_MULS]
+    if not bodies:
+        raise RuntimeError("no chain loop found in the kernel's SASS")
+    return bodies
 
-    def wide(ab):
-        return sum(opcode(x) == "IMAD.WIDE.U32" for x in ins[ab[0]:ab[1] + 1])
-    most = max(map(wide, inner))
-    return [ins[a:b + 1] for a, b in sorted(inner) if wide((a, b)) == most]
+
+def write_chains(bodies: list[list[str]]) -> dict[str, list[str]]:
+    """The write's chain loops by role. Each of its two parts (the first block, peeled out of
+    the block loop, then the later blocks: a long request's all but one) has the fast chain's
+    unrolled trip (the most tokens a trip), its remainder (one token, no select) and the
+    general chain (one token, with the selects of its per-token checks); the loop that re-runs
+    a block's chain to record a violation stores nothing and is left out."""
+    chains = [b for b in bodies if (lambda t, c: c["STG.E.64"] == 3 * t and t)(
+        *per_token_counts(b))]
+    if len(chains) != 6:
+        raise RuntimeError(f"the write's SASS has {len(chains)} chain loops, not 6 (the fast "
+                           "chain's trip and remainder and the general chain, in the first "
+                           "block and in the later ones)")
+    out = {}
+    for part, group in (("first", chains[:3]), ("later", chains[3:])):
+        trip = max(group, key=lambda b: per_token_counts(b)[0])
+        ones = [b for b in group if b is not trip]
+        general = [b for b in ones if per_token_counts(b)[1]["SEL"]]
+        if len(general) != 1:
+            raise RuntimeError("the write's general chain was not told from its fast remainder")
+        out[f"{part}_fast"], out[f"{part}_general"] = trip, general[0]
+    return out
+
+
+def per_token_counts(body: list[str]) -> tuple[float, collections.Counter]:
+    counts = collections.Counter(opcode(x) for x in body)
+    return counts["IMAD.WIDE.U32"] / ROUND_WIDE_MULS, counts
 
 
 def per_token(body: list[str]) -> tuple[float, dict[str, float]]:
@@ -129,29 +155,21 @@ def main(argv=None) -> int:
         sass = _sass(compiled.asm["cubin"], os.path.join(out, f"{name}.cubin"))
         with open(os.path.join(out, f"{name}.sass"), "w") as f:
             f.write(sass)
-        bodies = [per_token(b) for b in chain_loops(*parse(sass))]
+        bodies = chain_loops(*parse(sass))
         if name == "chain_floor":
-            tokens, mix = bodies[0]
-            rows[name] = {"tokens_per_trip": tokens, "per_token": mix,
-                          "total_per_token": sum(mix.values())}
-            continue
-        # The write's loops in code order: the first block's (peeled out of the block loop)
-        # fast and general chains, then the later blocks' (a long request's all but one).
-        if len(bodies) != 4:
-            raise RuntimeError(f"the write's SASS has {len(bodies)} chain loops, not 4 (the "
-                               "fast and general chains of the first block and of the later "
-                               "ones)")
-        for where, pair in (("first", bodies[:2]), ("", bodies[2:])):
-            for label, (tokens, mix) in zip(("fast", "general"),
-                                            sorted(pair, key=lambda tm: sum(tm[1].values()))):
-                rows["_".join(x for x in ("write", where, label) if x)] = {
-                    "tokens_per_trip": tokens, "per_token": mix,
-                    "total_per_token": sum(mix.values())}
+            roles = {"chain_floor": max(bodies, key=lambda b: per_token_counts(b)[0])}
+        else:  # the later blocks' chains are the table's; the first block's go to the JSON
+            roles = {("write_" + k).replace("_later", ""): v
+                     for k, v in write_chains(bodies).items()}
+        for key, body in roles.items():
+            tokens, mix = per_token(body)
+            rows[key] = {"tokens_per_trip": tokens, "per_token": mix,
+                         "total_per_token": sum(mix.values())}
     cols = ("chain_floor", "write_fast", "write_general")
-    print(f"triton {triton.__version__}, sm_90; SASS instructions per token in the chain loops "
-          f"(write: {rows['write_fast']['tokens_per_trip']:g} tokens a trip, floor: "
-          f"{rows['chain_floor']['tokens_per_trip']:g}), in the blocks after a request's first; "
-          "fast: a block whose tokens are all written, general: any block")
+    print(f"triton {triton.__version__}, sm_90; SASS instructions per token in the chain loops, "
+          "in the blocks after a request's first (fast: a block whose tokens are all written, "
+          f"{rows['write_fast']['tokens_per_trip']:g} a trip; general: any other, one a trip; "
+          f"floor: {rows['chain_floor']['tokens_per_trip']:g} a trip)")
     print(f"{'opcode':24s} {'floor':>7s} {'fast':>7s} {'general':>7s}")
     f = rows["chain_floor"]["per_token"]
     ops = set().union(*(rows[c]["per_token"] for c in cols))

@@ -301,7 +301,7 @@ def test_small_blocks_remainders_and_violations_in_later_blocks(sgl, impl):
 
 @pytest.mark.parametrize("impl", pallas("write"))
 def test_blocks_of_written_tokens_and_blocks_with_a_skipped_one(sgl, impl):
-    """Block 8, unroll 3. A block whose tokens are all in bounds and all written takes the
+    """Block 8, unroll 3. A block of at least 3 tokens, all in bounds and all written, takes the
     Triton write's fast chain (no per-token checks; the position check on the block's vectors,
     its first lane against the block before's last token); a block with a skipped token takes
     the general one. Request 0's five blocks: clean; a position gap mid-block; a skipped slot;
