@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import weakref
 from typing import Any
 
 import jax
 
 from kvcanary_jax import _config
-from kvcanary_jax.bridge import views
 
 try:  # jaxlib's DLPack entry point (5-argument form since extension 467)
     from jax._src.lib import _jax as _jaxlib
@@ -47,6 +47,8 @@ __all__ = [
     "DeviceInfo",
     "device_info",
     "import_tensor",
+    "released_but_held",
+    "track_import",
     "write_back",
     "x64_scope",
     "STATS",
@@ -142,8 +144,31 @@ def import_tensor(t, info: DeviceInfo):
     else:
         array = jax.dlpack.from_dlpack(alias)
     if not info.is_gpu:  # released at exit only once XLA's CPU workers are done with it
-        views.track_import(array, alias)
+        track_import(array, alias)
     return array
+
+
+# Every CPU import that may still be held: id -> (weak reference to its JAX array, to the torch
+# alias exported to it). An entry goes when the alias dies.
+_IMPORTS: dict[int, tuple] = {}
+
+
+def track_import(array, alias) -> None:
+    """Record a CPU import: ``array``, the JAX array over ``alias``'s memory (the exit hook of
+    :mod:`kvcanary_jax.bridge.views` waits for those a worker thread still holds)."""
+    key = id(alias)
+
+    def gone(_ref, key=key, imports=_IMPORTS):
+        entry = imports.get(key)
+        if entry is not None and entry[1] is _ref:
+            del imports[key]
+
+    _IMPORTS[key] = (weakref.ref(array), weakref.ref(alias, gone))
+
+
+def released_but_held() -> int:
+    """Imports whose JAX array is gone while a worker thread still holds their memory."""
+    return sum(a() is None and t() is not None for a, t in list(_IMPORTS.values()))
 
 
 def write_back(dst, result, cols: int | None = None) -> None:

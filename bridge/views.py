@@ -19,9 +19,10 @@ launch on a worker thread, whose hold on the launch's operands can outlive the r
 event by a moment; where that thread dropped the last reference to an import during the
 interpreter's finalization, torch's DLPack deleter took the GIL there, which finalization answers
 by killing the thread: the process aborted after the script's last line ("terminate called without
-an active exception"). So every CPU import is tracked (:func:`track_import`): an import whose JAX
-array is gone but whose torch alias is not is still held by a worker, and the hook sleeps (the GIL
-released) until each such alias has died, at most :data:`EXIT_WAIT_S`; the caches' arrays, which
+an active exception"). So every CPU import is tracked
+(:func:`kvcanary_jax.bridge.dlpack.import_tensor`): an import whose JAX array is gone but whose
+torch alias is not is still held by a worker, and the hook sleeps (the GIL released) until each
+such alias has died, at most :data:`EXIT_WAIT_S`; the caches' arrays, which
 are still alive, are kept with the process instead. A caller's memory still comes back when the
 caller drops its tensor.
 """
@@ -37,8 +38,12 @@ import weakref
 from typing import Any
 
 from kvcanary_jax.bridge.cache import CACHES
+from kvcanary_jax.bridge.dlpack import released_but_held
 
-__all__ = ["ViewCache", "for_device", "layout_of", "track_import"]
+__all__ = ["ViewCache", "for_device", "layout_of", "EXIT_WAIT_S"]
+
+# The longest the exit hook waits for a worker thread to release the imports it still holds.
+EXIT_WAIT_S = 2.0
 
 # Set once, at the interpreter's exit: nothing imported is released after it. Read by weakref
 # callbacks through their default arguments (module globals are cleared during finalization).
@@ -119,31 +124,6 @@ def for_device(device) -> ViewCache:
         return c
 
 
-# Every CPU import that may still be held: id -> (weak reference to its JAX array, to the torch
-# alias exported to it). An entry goes when the alias dies.
-_IMPORTS: dict[int, tuple] = {}
-# The longest the exit hook waits for a worker thread to release the imports it still holds.
-EXIT_WAIT_S = 2.0
-
-
-def track_import(array, alias) -> None:
-    """Record a CPU import: ``array``, the JAX array over ``alias``'s memory (see the module
-    docstring)."""
-    key = id(alias)
-
-    def gone(_ref, key=key, imports=_IMPORTS):
-        entry = imports.get(key)
-        if entry is not None and entry[1] is _ref:
-            del imports[key]
-
-    _IMPORTS[key] = (weakref.ref(array), weakref.ref(alias, gone))
-
-
-def _released_but_held() -> int:
-    """Imports whose JAX array is gone while a worker thread still holds their memory."""
-    return sum(a() is None and t() is not None for a, t in list(_IMPORTS.values()))
-
-
 @atexit.register
 def _freeze() -> None:
     """At the interpreter's exit: keep every cached view, and wait for the released imports'
@@ -151,7 +131,7 @@ def _freeze() -> None:
     _FROZEN.set()
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(_CACHES))
     deadline = time.monotonic() + EXIT_WAIT_S
-    while _released_but_held() and time.monotonic() < deadline:
+    while released_but_held() and time.monotonic() < deadline:
         time.sleep(0.001)
 
 

@@ -492,21 +492,21 @@ def test_cpu_imports_are_tracked_until_released_and_kept_after_the_exit_hook():
             flat_in=torch.tensor([i, i]), offsets=torch.tensor([0, 2]),
             req_pool_indices=torch.tensor([1]), pool_out=pool)
     deadline = time.monotonic() + 5
-    while views._released_but_held() and time.monotonic() < deadline:
+    while dlpack.released_but_held() and time.monotonic() < deadline:
         time.sleep(0.001)
-    assert views._released_but_held() == 0
-    assert len(views._IMPORTS) <= 8  # the cached imports' entries, not one per call
+    assert dlpack.released_but_held() == 0
+    assert len(dlpack._IMPORTS) <= 8  # the cached imports' entries, not one per call
     assert pool[1, :2].tolist() == [49, 49]
 
     code = ("import gc, torch; import kvcanary_jax.bridge as bridge; "
-            "from kvcanary_jax.bridge import views; "
+            "from kvcanary_jax.bridge import dlpack, views; "
             "pool, flat = torch.zeros(2, 4, dtype=torch.int32), torch.tensor([1, 2]); "
             "offs, rpi = torch.tensor([0, 2]), torch.tensor([1]); "
             "bridge.launch_scatter_req_token_ids_kernel(flat_in=flat, offsets=offs, "
             "req_pool_indices=rpi, pool_out=pool); "
             "cache = views.for_device(torch.device('cpu')); before = len(cache); "
             "views._freeze(); del pool, flat, offs, rpi; gc.collect(); "
-            "print(before, len(cache), views._released_but_held())")
+            "print(before, len(cache), dlpack.released_but_held())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     before, after, held = out.stdout.split()
