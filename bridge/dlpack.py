@@ -47,6 +47,7 @@ __all__ = [
     "DeviceInfo",
     "device_info",
     "import_tensor",
+    "carry_import",
     "released_but_held",
     "track_import",
     "write_back",
@@ -148,9 +149,10 @@ def import_tensor(t, info: DeviceInfo):
     return array
 
 
-# Every CPU import that may still be held: id -> (weak reference to its JAX array, to the torch
-# alias exported to it). An entry goes when the alias dies.
-_IMPORTS: dict[int, tuple] = {}
+# Every CPU import that may still be held: id(alias) -> [weak reference to the JAX array that
+# holds it, to the torch alias exported to it, the array's id]. An entry goes when the alias dies.
+_IMPORTS: dict[int, list] = {}
+_KEYS: dict[int, int] = {}  # id(array) -> its entry's key
 
 
 def track_import(array, alias) -> None:
@@ -158,17 +160,38 @@ def track_import(array, alias) -> None:
     :mod:`kvcanary_jax.bridge.views` waits for those a worker thread still holds)."""
     key = id(alias)
 
-    def gone(_ref, key=key, imports=_IMPORTS):
+    def gone(_ref, key=key, imports=_IMPORTS, keys=_KEYS):
         entry = imports.get(key)
         if entry is not None and entry[1] is _ref:
             del imports[key]
+            if keys.get(entry[2]) == key:
+                del keys[entry[2]]
 
-    _IMPORTS[key] = (weakref.ref(array), weakref.ref(alias, gone))
+    _IMPORTS[key] = [weakref.ref(array), weakref.ref(alias, gone), id(array)]
+    _KEYS[id(array)] = key
+
+
+def carry_import(array, result) -> None:
+    """``result``, a launch's output over the memory of import ``array`` (donated, so now
+    deleted), holds that import from now on."""
+    key = _KEYS.get(id(array))
+    entry = _IMPORTS.get(key)
+    if entry is None or entry[0]() is not array:
+        return
+    del _KEYS[id(array)]
+    entry[0], entry[2] = weakref.ref(result), id(result)
+    _KEYS[id(result)] = key
 
 
 def released_but_held() -> int:
-    """Imports whose JAX array is gone while a worker thread still holds their memory."""
-    return sum(a() is None and t() is not None for a, t in list(_IMPORTS.values()))
+    """Imports a worker thread may still hold: the torch alias is alive while the JAX array that
+    held it is gone or deleted (a donated operand)."""
+    n = 0
+    for array_ref, alias_ref, _ in list(_IMPORTS.values()):
+        if alias_ref() is not None:
+            array = array_ref()
+            n += array is None or array.is_deleted()
+    return n
 
 
 def write_back(dst, result, cols: int | None = None) -> None:

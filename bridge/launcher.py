@@ -43,8 +43,8 @@ import torch
 from kvcanary_jax.bridge import streams, triton_direct, views
 from kvcanary_jax.bridge.cache import CACHES
 from kvcanary_jax.bridge.checks import check_outputs_apart_from_inputs, value_checks_enabled
-from kvcanary_jax.bridge.dlpack import (STATS, BridgeError, device_info, import_tensor, write_back,
-                                        x64_scope)
+from kvcanary_jax.bridge.dlpack import (STATS, BridgeError, carry_import, device_info,
+                                        import_tensor, write_back, x64_scope)
 from kvcanary_jax.bridge.switches import env_switch, switch
 
 __all__ = ["Arg", "Signature", "ProgramKey", "Launcher", "paths", "set_direct", "direct_enabled",
@@ -493,6 +493,7 @@ def _commit(a: Arg, t, p: _Presented, result, cache) -> None:
     the imported memory (the result then stands in for the donated array), else a copy."""
     if p.alias is not None and result.unsafe_buffer_pointer() == p.alias:
         cache.put(t, result, (a.shape, a.layout))
+        carry_import(p.array, result)
         return
     if p.back is not None:
         write_back(p.back, result, p.cols)

@@ -20,9 +20,9 @@ event by a moment; where that thread dropped the last reference to an import dur
 interpreter's finalization, torch's DLPack deleter took the GIL there, which finalization answers
 by killing the thread: the process aborted after the script's last line ("terminate called without
 an active exception"). So every CPU import is tracked
-(:func:`kvcanary_jax.bridge.dlpack.import_tensor`): an import whose JAX array is gone but whose
-torch alias is not is still held by a worker, and the hook sleeps (the GIL released) until each
-such alias has died, at most :data:`EXIT_WAIT_S`; the caches' arrays, which
+(:func:`kvcanary_jax.bridge.dlpack.import_tensor`): an import whose JAX array is gone or deleted
+(a donated operand) but whose torch alias is not is still held by a worker, and the hook sleeps
+(the GIL released) until each such alias has died, at most :data:`EXIT_WAIT_S`; the caches' arrays, which
 are still alive, are kept with the process instead. A caller's memory still comes back when the
 caller drops its tensor.
 """

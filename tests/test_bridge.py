@@ -516,6 +516,27 @@ def test_cpu_imports_are_tracked_until_released_and_kept_after_the_exit_hook():
     gc.collect()
 
 
+def test_an_import_held_past_its_array_or_its_donation_is_waited_for_and_a_carried_one_is_not():
+    """What the exit hook waits for: an import whose torch alias is alive while the JAX array
+    that held it is gone or deleted (a donated operand that a worker may still hold). An import
+    whose memory a launch's result took over (:func:`dlpack.carry_import`) is held by that
+    result, and is not waited for while the result lives."""
+    import jax.numpy as jnp
+
+    base = dlpack.released_but_held()
+    donated, alias = jnp.zeros(3), torch.zeros(3)
+    donated.delete()
+    dlpack.track_import(donated, alias)
+    assert dlpack.released_but_held() == base + 1
+    result = jnp.ones(3)
+    dlpack.carry_import(donated, result)  # the result holds the import now
+    assert dlpack.released_but_held() == base
+    del result
+    assert dlpack.released_but_held() == base + 1
+    del alias  # the alias released: nothing left to wait for
+    assert dlpack.released_but_held() == base
+
+
 def test_unaligned_counter_views_are_updated_in_place(sgl, helpers):  # noqa: ARG001
     counters = torch.zeros(12, dtype=torch.int64)  # per-tag counters, 1-element views into it
     ctx = _context(bridge.VerifyOrWriteContext, bridge.CanaryLaunchTag, bridge.RealKvHashMode.NONE,
