@@ -178,7 +178,7 @@ def carry_import(array, result) -> None:
     entry = _IMPORTS.get(key)
     if entry is None or entry[0]() is not array:
         return
-    del _KEYS[id(array)]
+    _KEYS.pop(id(array), None)  # (its alias' callback may have gone first)
     entry[0], entry[2] = weakref.ref(result), id(result)
     _KEYS[id(result)] = key
 

@@ -15,16 +15,15 @@ recently used first); :func:`kvcanary_jax.bridge.clear_cache` empties every devi
 
 At the interpreter's exit (:func:`_freeze`, an ``atexit`` hook) nothing imported on the CPU is
 released any more, and the hook waits for the imports already released. XLA's CPU client ends a
-launch on a worker thread, whose hold on the launch's operands can outlive the results' ready
-event by a moment; where that thread dropped the last reference to an import during the
-interpreter's finalization, torch's DLPack deleter took the GIL there, which finalization answers
-by killing the thread: the process aborted after the script's last line ("terminate called without
-an active exception"). So every CPU import is tracked
-(:func:`kvcanary_jax.bridge.dlpack.import_tensor`): an import whose JAX array is gone or deleted
-(a donated operand) but whose torch alias is not is still held by a worker, and the hook sleeps
-(the GIL released) until each such alias has died, at most :data:`EXIT_WAIT_S`; the caches' arrays, which
-are still alive, are kept with the process instead. A caller's memory still comes back when the
-caller drops its tensor.
+launch on a worker thread, whose hold on the launch's operands can outlive the results' ready event
+by a moment; where that thread dropped the last reference to an import during the interpreter's
+finalization, torch's DLPack deleter took the GIL there, which finalization answers by killing the
+thread: the process aborted after the script's last line ("terminate called without an active
+exception"). So every CPU import is tracked (:func:`kvcanary_jax.bridge.dlpack.import_tensor`): an
+import whose JAX array is gone or deleted (a donated operand) but whose torch alias is not is still
+held by a worker, and the hook sleeps (the GIL released) until each such alias has died, at most
+:data:`EXIT_WAIT_S`; the caches' arrays, which are still alive, are kept with the process instead.
+A caller's memory still comes back when the caller drops its tensor.
 """
 
 from __future__ import annotations
