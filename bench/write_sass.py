@@ -5,11 +5,12 @@
 Compiles, with the installed triton for sm_90 (no GPU needed), the write kernel as the torch
 bridge's direct path lowers it (``pallas_triton``, no real-KV source) and the chain floor's plain
 Triton kernel (:func:`bench.op_write.chain_kernel`), disassembles both with the ``nvdisasm``
-triton ships, finds each kernel's chain loop (of the innermost loops, the one whose body holds the
-most 64-bit multiplies: the unrolled trip, not its remainder or an enclosing loop) and prints its
-SASS instructions per token by opcode, side by side.
-The floor's loop is unrolled by the compiler and ours by ``CHAIN_UNROLL``; each body is divided
-by the tokens it covers (its ``IMAD.WIDE.U32`` count over the six a token's three splitmix64
+triton ships, finds each kernel's chain loops (innermost loops that run a token's splitmix64
+rounds: the floor's unrolled trip; the write's fast chain, for a block whose tokens are all
+written, and its general chain, :func:`write_chains`) and prints their SASS instructions per
+token by opcode, side by side.
+The floor's loop is unrolled by the compiler and the write's fast chain by ``CHAIN_UNROLL``; each
+body is divided by the tokens it covers (its ``IMAD.WIDE.U32`` count over the six a token's three splitmix64
 rounds take). ``--out`` keeps both SASS listings and the table as JSON.
 """
 
@@ -55,9 +56,9 @@ def opcode(instruction: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0]
 
 
-def chain_loop(ins: list[str], labels: dict[str, int]) -> list[str]:
-    """The body of the innermost loop (no backward branch inside it) with the most
-    ``IMAD.WIDE.U32``: the chain's unrolled trip, not its remainder or an enclosing loop."""
+def chain_loops(ins: list[str], labels: dict[str, int]) -> list[list[str]]:
+    """The bodies of the innermost loops (no backward branch inside them) that run at least one
+    token's splitmix64 rounds (``ROUND_WIDE_MULS`` ``IMAD.WIDE.U32``), in code order."""
     loops = []
     for end, i in enumerate(ins):
         m = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", i)
@@ -65,11 +66,40 @@ def chain_loop(ins: list[str], labels: dict[str, int]) -> list[str]:
             loops.append((labels[m.group(1)], end))
     inner = [(a, b) for a, b in loops
              if not any(a <= c and d < b and (c, d) != (a, b) for c, d in loops)]
-    if not inner:
-        raise RuntimeError("no loop found in the kernel's SASS")
-    a, b = max(inner, key=lambda ab: sum(opcode(x) == "IMAD.WIDE.U32"
-                                         for x in ins[ab[0]:ab[1] + 1]))
-    return ins[a:b + 1]
+    bodies = [ins[a:b + 1] for a, b in sorted(inner)]
+    bodies = [x for x in bodies
+              if sum(opcode(i) == "IMAD.WIDE.U32" for i in x) >= ROUND_WIDE_MULS]
+    if not bodies:
+        raise RuntimeError("no chain loop found in the kernel's SASS")
+    return bodies
+
+
+def write_chains(bodies: list[list[str]]) -> dict[str, list[str]]:
+    """The write's chain loops by role. Each of its two parts (the first block, peeled out of
+    the block loop, then the later blocks: a long request's all but one) has the fast chain's
+    unrolled trip (the most tokens a trip), its remainder (one token, no select) and the
+    general chain (one token, with the selects of its per-token checks); the loop that re-runs
+    a block's chain to record a violation stores nothing and is left out."""
+    chains = [b for b in bodies if (lambda t, c: c["STG.E.64"] == 3 * t and t)(
+        *per_token_counts(b))]
+    if len(chains) != 6:
+        raise RuntimeError(f"the write's SASS has {len(chains)} chain loops, not 6 (the fast "
+                           "chain's trip and remainder and the general chain, in the first "
+                           "block and in the later ones)")
+    out = {}
+    for part, group in (("first", chains[:3]), ("later", chains[3:])):
+        trip = max(group, key=lambda b: per_token_counts(b)[0])
+        ones = [b for b in group if b is not trip]
+        general = [b for b in ones if per_token_counts(b)[1]["SEL"]]
+        if len(general) != 1:
+            raise RuntimeError("the write's general chain was not told from its fast remainder")
+        out[f"{part}_fast"], out[f"{part}_general"] = trip, general[0]
+    return out
+
+
+def per_token_counts(body: list[str]) -> tuple[float, collections.Counter]:
+    counts = collections.Counter(opcode(x) for x in body)
+    return counts["IMAD.WIDE.U32"] / ROUND_WIDE_MULS, counts
 
 
 def per_token(body: list[str]) -> tuple[float, dict[str, float]]:
@@ -125,19 +155,30 @@ def main(argv=None) -> int:
         sass = _sass(compiled.asm["cubin"], os.path.join(out, f"{name}.cubin"))
         with open(os.path.join(out, f"{name}.sass"), "w") as f:
             f.write(sass)
-        tokens, mix = per_token(chain_loop(*parse(sass)))
-        rows[name] = {"tokens_per_trip": tokens, "per_token": mix,
-                      "total_per_token": sum(mix.values())}
-    w, f = rows["write"]["per_token"], rows["chain_floor"]["per_token"]
-    print(f"triton {triton.__version__}, sm_90; SASS instructions per token in the chain loop "
-          f"(write: {rows['write']['tokens_per_trip']:g} tokens a trip, floor: "
-          f"{rows['chain_floor']['tokens_per_trip']:g})")
-    print(f"{'opcode':24s} {'floor':>7s} {'write':>7s} {'extra':>7s}")
-    for op in sorted(set(w) | set(f), key=lambda k: (-(w.get(k, 0) - f.get(k, 0)), k)):
-        print(f"{op:24s} {f.get(op, 0):7.2f} {w.get(op, 0):7.2f} "
-              f"{w.get(op, 0) - f.get(op, 0):7.2f}")
-    print(f"{'total':24s} {rows['chain_floor']['total_per_token']:7.2f} "
-          f"{rows['write']['total_per_token']:7.2f}")
+        bodies = chain_loops(*parse(sass))
+        if name == "chain_floor":
+            roles = {"chain_floor": max(bodies, key=lambda b: per_token_counts(b)[0])}
+        else:  # the later blocks' chains are the table's; the first block's go to the JSON
+            roles = {("write_" + k).replace("_later", ""): v
+                     for k, v in write_chains(bodies).items()}
+        for key, body in roles.items():
+            tokens, mix = per_token(body)
+            rows[key] = {"tokens_per_trip": tokens, "per_token": mix,
+                         "total_per_token": sum(mix.values())}
+    cols = ("chain_floor", "write_fast", "write_general")
+    print(f"triton {triton.__version__}, sm_90; SASS instructions per token in the chain loops, "
+          "in the blocks after a request's first (fast: a block whose tokens are all written, "
+          f"{rows['write_fast']['tokens_per_trip']:g} a trip; general: any other, one a trip; "
+          f"floor: {rows['chain_floor']['tokens_per_trip']:g} a trip)")
+    print(f"{'opcode':24s} {'floor':>7s} {'fast':>7s} {'general':>7s}")
+    f = rows["chain_floor"]["per_token"]
+    ops = set().union(*(rows[c]["per_token"] for c in cols))
+    for op in sorted(ops, key=lambda k: (-(rows["write_fast"]["per_token"].get(k, 0)
+                                           - f.get(k, 0)), k)):
+        print(f"{op:24s} " + " ".join(f"{rows[c]['per_token'].get(op, 0):7.2f}" for c in cols))
+    print(f"{'total':24s} " + " ".join(f"{rows[c]['total_per_token']:7.2f}" for c in cols))
+    print("the first block: fast " + f"{rows['write_first_fast']['total_per_token']:.2f}, "
+          f"general {rows['write_first_general']['total_per_token']:.2f}")
     rows["triton"] = triton.__version__
     with open(os.path.join(out, "write_sass.json"), "w") as fh:
         json.dump(rows, fh, indent=1)

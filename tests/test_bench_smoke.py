@@ -278,16 +278,23 @@ def test_the_device_wheels_keep_what_the_benchmarks_import_and_skip_what_the_ima
 @pytest.mark.torch
 def test_the_write_sass_bench_reads_the_chain_loops_of_both_kernels(tmp_path):
     """``bench.write_sass`` (triton's compile for sm_90 and its nvdisasm, any machine): per token
-    the write's chain loop loads a token's slot, id and position and stores three canary fields;
-    the floor loads the id and position and stores nothing; both run the same three splitmix64
-    rounds (their shifts: three per round's 64-bit halves)."""
+    each of the write's chain loops (the fast and general chains, of the first block and of the
+    later ones) loads a token's slot, id and position and stores three canary fields; the floor
+    loads the id and position and stores nothing; all run the same three splitmix64 rounds
+    (their shifts: three per round's 64-bit halves). The fast chain drops the general one's
+    per-token checks and selects."""
     from kvcanary_jax.bench import write_sass
 
     assert write_sass.main(["--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "write_sass.json").read_text())
-    w, f = rows["write"]["per_token"], rows["chain_floor"]["per_token"]
-    assert (w["LDG.E.64"], w["STG.E.64"]) == (3, 3)
-    assert (f["LDG.E.64"], f.get("STG.E.64", 0)) == (2, 0)
-    assert w["SHF.R.U64"] >= 9 and f["SHF.R.U64"] == 9
-    assert rows["write"]["total_per_token"] > rows["chain_floor"]["total_per_token"]
+    f = rows["chain_floor"]["per_token"]
+    assert (f["LDG.E.64"], f.get("STG.E.64", 0)) == (2, 0) and f["SHF.R.U64"] == 9
+    for k in ("write_fast", "write_general", "write_first_fast", "write_first_general"):
+        w = rows[k]["per_token"]
+        assert w.get("LDG.E.64", 0) + w.get("LDG.E", 0) == 3 and w["STG.E.64"] == 3, k
+        assert w["SHF.R.U64"] >= 9, k
+        assert rows[k]["total_per_token"] > rows["chain_floor"]["total_per_token"], k
+    assert "SEL" not in rows["write_fast"]["per_token"] and \
+        rows["write_general"]["per_token"]["SEL"] >= 1
+    assert rows["write_fast"]["total_per_token"] + 20 < rows["write_general"]["total_per_token"]
     assert (tmp_path / "write.sass").read_text().count("STG.E.64") > 0

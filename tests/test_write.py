@@ -301,12 +301,13 @@ def test_small_blocks_remainders_and_violations_in_later_blocks(sgl, impl):
 
 @pytest.mark.parametrize("impl", pallas("write"))
 def test_blocks_of_written_tokens_and_blocks_with_a_skipped_one(sgl, impl):
-    """Block 8, unroll 3: blocks whose tokens are all written and blocks with a skipped one,
-    and each position break recorded where it falls. Request 0's five blocks: clean; a position
-    gap mid-block; a skipped slot; a first token that does not follow the block before's last
-    (the chain's position carried across blocks); a slot repeated (the last write wins).
-    Request 1 skips its third token; request 2 is a partial block whose first position does
-    not follow its seed's."""
+    """Block 8, unroll 3. A block of at least 3 tokens, all in bounds and all written, takes the
+    Triton write's fast chain (no per-token checks; the position check on the block's vectors,
+    its first lane against the block before's last token); a block with a skipped token takes
+    the general one. Request 0's five blocks: clean; a position gap mid-block; a skipped slot;
+    a first token that does not follow the block before's last; a slot repeated (the last
+    write wins). Request 1 skips its third token; request 2 is a partial block whose first
+    position does not follow its seed's."""
     rng = np.random.default_rng(15)
     lens = [40, 5, 6]
     n = sum(lens)

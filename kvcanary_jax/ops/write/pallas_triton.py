@@ -5,11 +5,17 @@ count do nothing), one warp each (``num_warps``): a request's chain is serial, a
 its ``mix3`` step has to be. A program takes its tokens in blocks of ``block`` lanes: the block's
 slots / ids / positions are vector loads, its real-KV fingerprints (field 3) are folded and
 scattered vectorised, and the input assert is checked vectorised. The chain is a scalar loop in
-token order (``unroll`` steps per trip, then single steps for the remainder) whose body loads the
-token's slot, id and position (L1 hits), stores fields 0-2 with predicated scalar stores and
-advances the hash. A block with a violation to record (rare) runs its chain again to collect each
-lane's link and expected position, then claims its rows (one compare-and-swap loop under the ring
-guard of :mod:`kvcanary_jax.ops._kernel_lib`) and scatters them.
+token order whose body loads the token's slot, id and position (L1 hits), stores fields 0-2 with
+scalar stores and advances the hash. A block of at least ``unroll`` tokens, all in bounds and all
+written (a server's step, but for a skipped slot; decided once from the block's vector loads), runs
+the fast chain: ``unroll`` steps per trip (then single steps for the remainder), no per-token
+checks, selects or masks, unmasked stores, and the position check done on the block's vectors. Any
+other block runs the general chain, one step per trip, with each token's checks and predicated
+stores. For sm_90 the fast chain takes about 75 SASS instructions a token, the general one about
+110 (what every block ran before the fast chain), the chain floor 64 (``bench.write_sass``). A
+block with a violation to record (rare) runs its chain again to collect each lane's link and
+expected position, then claims its rows (one compare-and-swap loop under the ring guard of
+:mod:`kvcanary_jax.ops._kernel_lib`) and scatters them.
 
 In-request order: fields 0-2 are scalar stores in token order (Triton issues a scalar store from
 one thread; with one warp every lane would store the same value in the same instruction anyway),
@@ -49,8 +55,8 @@ __all__ = ["Config", "heuristics", "run", "BLOCK", "SMALL_BLOCK", "CHAIN_UNROLL"
 # the input assert and the per-block violation check) is amortised over the block; the serial
 # part is one mix3 and three predicated scalar stores per token.
 BLOCK = 128
-# mix3 steps per trip of the chain loop: straight-line code lets the next steps' scalar loads
-# (L1 hits after the block's vector loads) issue while the current hash is computed.
+# mix3 steps per trip of the fast chain's loop: straight-line code lets the next steps' scalar
+# loads (L1 hits after the block's vector loads) issue while the current hash is computed.
 CHAIN_UNROLL = 8
 # A program is one serial chain: more warps would only repeat its scalar work and take residency
 # from other requests' programs.
@@ -62,8 +68,8 @@ FOLD_VEC = 1
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """``block``: tokens per vector block (a power of two); ``unroll``: chain steps per loop
-    trip; ``num_warps`` per program. Results do not depend on them; more than one warp is
+    """``block``: tokens per vector block (a power of two); ``unroll``: the fast chain's steps
+    per loop trip; ``num_warps`` per program. Results do not depend on them; more than one warp is
     correct only because Triton issues a scalar store from a single thread (the in-request order
     of repeated slots), and is expected to be slower. ``interpret``: Pallas interpret mode (any
     backend; what ``pallas_interpret`` runs). ``fold_vec``: real-KV words a lane loads at once
@@ -155,24 +161,52 @@ def _write_kernel(
         return jnp.where(v, hashing.mix3(h, t, p), h), jnp.where(v, p, last), bad
 
     def chain(j0, cnt, h, last):
-        # Unrolled trips: the next steps' loads do not depend on h, so they issue while the
-        # current mix3 runs. The remainder runs one step per trip (a 1-token request pays for
-        # one mix3, not `unroll`).
+        # One step per trip. A block gets here only with a token skipped or out of bounds (rare
+        # in a server's step: see fast_chain), so its code is kept small rather than unrolled
+        # (unrolled like fast_chain's, it made triton's compile of the kernel 1.45x longer).
+        return jax.lax.fori_loop(zero, cnt, lambda jl, c: step(token(j0 + jl), *c),
+                                 (h, last, jnp.zeros((), jnp.bool_)))
+
+    def fast_chain(j0, cnt, h, last, pos):
+        """:func:`chain` for a block whose tokens are all in bounds and all written (decided
+        once from the block's vector loads, ``pos`` its positions): no per-token bounds checks,
+        selects or masks, the token arrays indexed in 32 bits from the block's first token, and
+        the position check done on the block's vectors (each lane's position against the lane
+        before's, the first against ``last``)."""
+        i0 = (start + j0).astype(jnp.int32)  # in [0, num_tokens): every lane is in bounds
+        cnt = cnt.astype(jnp.int32)
         full = cnt // unroll
+        lane32 = lane.astype(jnp.int32)
+        before = plt.load(pos_ref.at[i0 + jnp.maximum(lane32 - 1, 0)],
+                          mask=(lane32 > 0) & (lane32 < cnt), other=0).astype(i64)
+        want = jnp.where(lane32 == 0, last, before) + 1
+        bad = jnp.sum(((lane32 < cnt) & (pos != want)).astype(jnp.int32)) > 0
+
+        def token(jl):
+            return tuple(r[i0 + jl].astype(i64) for r in (ocl_ref, ids_ref, pos_ref))
+
+        def step(tk, h, last):
+            s, t, p = tk
+            row = s.astype(idt) * slot_words  # s in [0, num_slots): the row is in bounds
+            for f, val in ((consts.CANARY_FIELD_TOKEN, t), (consts.CANARY_FIELD_POSITION, p),
+                           (consts.CANARY_FIELD_PREV_HASH, h)):
+                plt.store(canary.at[row + f], val)
+            return hashing.mix3(h, t, p), p
 
         def trip(c, carry):
-            j = j0 + c.astype(i64) * unroll
-            # Every load of the trip comes first in program order: placed after a store they
-            # could not be moved above it (the compiler cannot prove the buffers distinct), and
-            # in-order issue would then add an L1 latency to every link of the chain.
-            tks = [token(j + u) for u in range(unroll)]
+            # Unrolled: the next steps' loads do not depend on h, so they issue while the
+            # current mix3 runs. Every load of the trip comes first in program order: placed
+            # after a store they could not be moved above it (the compiler cannot prove the
+            # buffers distinct), and in-order issue would then add an L1 latency to every link.
+            tks = [token(c * unroll + u) for u in range(unroll)]
             for tk in tks:
                 carry = step(tk, *carry)
             return carry
 
-        carry = jax.lax.fori_loop(zero, full, trip, (h, last, jnp.zeros((), jnp.bool_)))
-        return jax.lax.fori_loop(full * unroll, cnt, lambda jl, c: step(token(j0 + jl), *c),
-                                 carry)
+        carry = jax.lax.fori_loop(jnp.int32(0), full, trip, (h, last))
+        h, last = jax.lax.fori_loop(full * unroll, cnt, lambda jl, c: step(token(jl), *c),
+                                    carry)
+        return h, last, bad
 
     def links(j0, cnt, h, last):
         """Each lane's chain hash and expected position (last + 1) before its token: the chain
@@ -208,7 +242,17 @@ def _write_kernel(
         if h is None:  # first block: the seed's hash, emitted after the block's loads issue
             h = jnp.where(seed < 0, jnp.asarray(hashing.ANCHOR_HASH_I64, i64),
                           hashing.mix3(s_ph, s_tok, s_pos))
-        h_out, last_out, bad = chain(j0, cnt, h, last)
+        # Whether every token is written: a reduction over the block, paid only where the fast
+        # chain's unrolled trips can repay it (a decode step's one-token blocks take the
+        # general chain, as fast for one token).
+        # (The false branch returns its operand, false there: a constant cannot be yielded.)
+        long = cnt >= unroll
+        fast = jax.lax.cond(
+            long, lambda _: jnp.sum(valid.astype(jnp.int32)) == cnt.astype(jnp.int32),
+            lambda no: no, long)
+        h_out, last_out, bad = jax.lax.cond(
+            fast, fast_chain, lambda j0, cnt, h, last, _: chain(j0, cnt, h, last),
+            j0, cnt, h, last, pos)
 
         F = consts.FailReason
         if check_input:
