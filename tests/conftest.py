@@ -336,6 +336,15 @@ def pytest_collection_modifyitems(config, items):
         if "sgl" in getattr(it, "fixturenames", ()) or (
                 torch is not None and getattr(module, "torch", None) is torch):
             it.add_marker(pytest.mark.torch)
+    # KVCANARY_TEST_SHARD=i/n keeps every n-th test from the i-th (0-based) of the collected
+    # order: the GPU gate runs its longest suites as two processes each.
+    shard = os.environ.get("KVCANARY_TEST_SHARD")
+    if shard:
+        i, n = (int(x) for x in shard.split("/"))
+        if not 0 <= i < n:
+            raise pytest.UsageError(f"KVCANARY_TEST_SHARD={shard}: want i/n with 0 <= i < n")
+        config.hook.pytest_deselected(items=[it for k, it in enumerate(items) if k % n != i])
+        items[:] = items[i::n]
     # A test of implementations that KVCANARY_TEST_IMPLEMENTATIONS leaves out has an empty
     # parameter set, which pytest would report as a skip: deselected, as not asked for.
     if os.environ.get("KVCANARY_TEST_IMPLEMENTATIONS"):
