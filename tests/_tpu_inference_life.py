@@ -95,10 +95,12 @@ class Life:
                              ("forbid_compile", {})):
             if name == "coverage_layers":  # a second layer of another shape
                 r.kv_caches[1] = narrow
-            forbid = r.maybe_forbid_compile
+            forbid, compilation = r.maybe_forbid_compile, r.compilation_manager
             if name == "forbid_compile":  # what VLLM_XLA_CHECK_RECOMPILATION=1 gives the runner
                 from tpu_inference.runner.utils import ForbidCompile
                 r.maybe_forbid_compile = ForbidCompile()
+                # ... on a runner whose warm-up the guard cannot reach for the decode loop
+                r.compilation_manager = None
             try:
                 kti.install(r, **kwargs).uninstall()
                 out[name] = None
@@ -106,7 +108,7 @@ class Life:
                 out[name] = {"error": str(e), "untouched": own() == before}
             finally:
                 r.kv_caches[:] = kvs
-                r.maybe_forbid_compile = forbid
+                r.maybe_forbid_compile, r.compilation_manager = forbid, compilation
         return out
 
     def remediate(self, report) -> None:
@@ -424,7 +426,8 @@ def trust_main() -> None:
     e, r = life.e, life.e.runner
     own = lambda: (r.model_fn, r.model.step_fn_no_options,  # noqa: E731
                    r.persistent_batch_manager.update_states,
-                   r.__dict__.get("_execute_continue_decode"))
+                   r.__dict__.get("_execute_continue_decode"),
+                   vars(r.compilation_manager).get("_precompile_continue_decode"))
     bare = own()
     life.install("all", coverage_window=window, sweep_interval=interval)
     g = life.guard
@@ -617,9 +620,8 @@ def warm_up_main(dp_size: int = 1, forbid: bool = False) -> None:
     flipped K byte. Every call of the canary's jits counts the lowerings it missed (what
     ``VLLM_XLA_CHECK_RECOMPILATION`` watches): none may happen while serving. ``forbid``: the
     runner steps inside its own ``ForbidCompile`` (``VLLM_XLA_CHECK_RECOMPILATION=1``, which
-    raises on any compilation inside a step), without the on-device decode loop (the guard
-    refuses the two together): the whole life, readbacks and sweeps included, compiles
-    nothing inside a step."""
+    raises on any compilation inside a step): the whole life, the on-device decode loop,
+    readbacks and sweeps included, compiles nothing inside a step."""
     import threading
     import time
 
@@ -627,8 +629,7 @@ def warm_up_main(dp_size: int = 1, forbid: bool = False) -> None:
 
     from tpu_inference import envs
 
-    life = Life(128, num_blocks=40 * dp_size, guarded=False, dp_size=dp_size,
-                continue_decode=not forbid)
+    life = Life(128, num_blocks=40 * dp_size, guarded=False, dp_size=dp_size)
     e, r = life.e, life.e.runner
     if forbid:
         from tpu_inference.runner.utils import ForbidCompile
@@ -695,6 +696,14 @@ def warm_up_main(dp_size: int = 1, forbid: bool = False) -> None:
     g._head_jit = counted("head", g._head_jit)
     g._tail_jit = counted("tail", g._tail_jit)
     g._sweep_jit = counted("sweep", g._sweep_jit)
+    own_loop = g._orig["continue"]
+
+    def loop(*args, **kwargs):  # the runner's own decode loop, as the guard calls it
+        calls["loop"] += 1
+        return own_loop(*args, **kwargs)
+
+    calls["loop"] = 0
+    g._orig["continue"] = loop
     life.prefix_hits_and_loops()  # a same-step prefix hit, then a later one
     e.add("long", [300 + k for k in range(100)], 6)  # chunked over steps of 64 tokens
     e.add("short", [200 + k for k in range(5)], 20)
@@ -705,7 +714,8 @@ def warm_up_main(dp_size: int = 1, forbid: bool = False) -> None:
     life.flip(s)
     found = life.run("m flipped")
     g.manager.flush()
-    out.update(forbid=type(r.maybe_forbid_compile).__name__, loops=r.enable_continue_decode)
+    out.update(forbid=type(r.maybe_forbid_compile).__name__, loops=r.enable_continue_decode,
+               warmed_loop=g._warmed_loop)
     out.update(compiles=compiles, calls=calls, splits=sorted(set(splits)),
                runner_keywords=sorted(keywords),
                tokens=sorted({sum(x["scheduled"].values()) for x in life.log}),
@@ -733,6 +743,17 @@ def warm_up_main(dp_size: int = 1, forbid: bool = False) -> None:
             np.array_equal(a, np.asarray(b)) for a, b in zip(
                 jax.tree.leaves(before), jax.tree.leaves(g.state)))
         g._warmed = warmed
+        # The same for the decode loop (a guard whose loop the warm-up did not reach).
+        g._warmed_loop = False
+        try:
+            g._guarded_continue_decode(None)
+            out["unwarmed_loop_error"] = None
+        except RuntimeError as err:
+            out["unwarmed_loop_error"] = str(err)
+        out["unwarmed_loop_state_kept"] = all(
+            np.array_equal(a, np.asarray(b)) for a, b in zip(
+                jax.tree.leaves(before), jax.tree.leaves(g.state)))
+        g._warmed_loop = True
     print(json.dumps(out))
 
 

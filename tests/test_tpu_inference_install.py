@@ -126,18 +126,21 @@ def test_features_the_guard_does_not_cover_are_refused(version, extra, what):
              rf"kv-canary tpu-inference: the runner uses {what}, which the guard does not cover")
 
 
-def test_a_runner_that_forbids_compilation_with_the_decode_loop_is_refused(version):
+def test_a_runner_that_forbids_compilation_with_a_loop_the_guard_cannot_warm_is_refused(version):
     """``VLLM_XLA_CHECK_RECOMPILATION=1`` gives the runner a ``ForbidCompile`` around each step,
     which raises at any compile inside it. The guard compiles its own programs in the runner's
-    warm-up (``tests/_tpu_inference_life.py --warm-up --forbid-compile`` serves a real runner
-    so), but the on-device decode loop's program compiles again over the guard's carry at its
-    first use: the two together are refused when installing."""
+    warm-up, and the on-device decode loop over its carry in the loop's warm-up, through
+    ``compilation_manager._precompile_continue_decode`` (``tests/_tpu_inference_life.py
+    --warm-up --forbid-compile`` serves a real runner so). A runner without that warm-up would
+    compile the loop at its first use, inside the check: refused when installing."""
     ForbidCompile = type("ForbidCompile", (), {"__enter__": lambda self: self,
                                                "__exit__": lambda self, *exc: False})
     _refused(runner(maybe_forbid_compile=ForbidCompile(), enable_continue_decode=True),
              NotImplementedError,
              r"kv-canary tpu-inference: the runner forbids compilation while it steps "
-             r"\(VLLM_XLA_CHECK_RECOMPILATION=1\) and runs the on-device decode loop .* Install "
+             r"\(VLLM_XLA_CHECK_RECOMPILATION=1\) and runs the on-device decode loop "
+             r"\(enable_continue_decode\), but has no compilation_manager\."
+             r"_precompile_continue_decode: .* Install "
              r"with VLLM_XLA_CHECK_RECOMPILATION unset or 0, or without enable_continue_decode$")
 
 

@@ -2,7 +2,8 @@
 
 :func:`install` checks the runner (its version, the attributes the guard wraps, the features it
 does not cover, the canary layer's KV layout) and refuses what it cannot guard, before it
-changes anything. Then it wraps four attributes of that runner instance:
+changes anything. Then it wraps four attributes of that runner instance, and one of its
+compilation manager:
 
 * ``runner.persistent_batch_manager.update_states``: after the runner's own update, the step's
   batch order, its expected-id delta (:class:`~.host.TokenBook`) and the blocks it writes
@@ -22,11 +23,14 @@ changes anything. Then it wraps four attributes of that runner instance:
 * ``runner.model.step_fn_no_options``, the step ``continue_decode`` calls in its
   ``lax.while_loop``: HEAD -> step -> TAIL in every iteration, the canary state travelling in
   the loop's carry as a trailing entry of its ``kv_caches`` (a :class:`Carried`: the loop
-  passes ``kv_caches`` through untouched). A call without that entry (a warm-up) runs the step
-  unguarded;
+  passes ``kv_caches`` through untouched). A call without that entry (a warm-up the guard
+  did not reach) runs the step unguarded;
 * ``runner._execute_continue_decode``: appends the :class:`Carried` entry to
   ``runner.kv_caches`` for the loop and takes it back after (everything else that walks
-  ``runner.kv_caches`` never sees it).
+  ``runner.kv_caches`` never sees it);
+* ``runner.compilation_manager._precompile_continue_decode`` (the warm-up of the loop, in
+  ``capture_model()``): its runs go with a :class:`Carried` entry, so that the loop compiles
+  there over the carry it serves with (:meth:`TpuInferenceGuard._precompile_loop`).
 
 After every guarded step the guard runs the host side: the runtime manager
 (:class:`~kvcanary_jax.runtime.CanaryManager` in observe mode: SGLang's modes, readback one step
@@ -143,16 +147,19 @@ def _check_runner(runner) -> None:
     # raises on any JAX compilation there (in any thread, while a step runs). Every program a
     # normal step runs (HEAD, TAIL, the delta, the sweep, the readback) and coverage()'s count
     # compile in the runner's warm-up (TpuInferenceGuard._warm; a step of shapes it did not
-    # compile is refused before it launches anything), but the decode loop's carry (the
-    # runner's own loop, compiled again over the carry with the canary's entry) compiles at
-    # its first use, inside it: refused here instead.
-    if _forbids_compiling(runner) and getattr(runner, "enable_continue_decode", False):
+    # compile is refused before it launches anything), and so does the decode loop over the
+    # carry with the canary's entry, through the warm-up of the runner's compilation manager
+    # (TpuInferenceGuard._precompile_loop): a runner without that warm-up is refused.
+    if (_forbids_compiling(runner) and getattr(runner, "enable_continue_decode", False)
+            and not callable(getattr(getattr(runner, "compilation_manager", None),
+                                     "_precompile_continue_decode", None))):
         raise NotImplementedError(
             "kv-canary tpu-inference: the runner forbids compilation while it steps "
             "(VLLM_XLA_CHECK_RECOMPILATION=1) and runs the on-device decode loop "
-            "(enable_continue_decode): the guard carries its state through that loop, whose "
-            "program then compiles again at its first use, inside that check, and the step "
-            "would fail. Install with VLLM_XLA_CHECK_RECOMPILATION unset or 0, or without "
+            "(enable_continue_decode), but has no compilation_manager."
+            "_precompile_continue_decode: the guard compiles the loop over its state there, "
+            "and without it the loop would compile at its first use, inside that check. "
+            "Install with VLLM_XLA_CHECK_RECOMPILATION unset or 0, or without "
             "enable_continue_decode")
 
 
@@ -278,6 +285,7 @@ class TpuInferenceGuard:
         self._replicated = NamedSharding(canary.mesh, P())
         self._warmed: set = set()
         self._warmed_ids = self._warmed_sweep = self._warmed_observe = False
+        self._warmed_loop = False  # the decode loop compiled over the canary's carry
         # VLLM_XLA_CHECK_RECOMPILATION=1: the warm-up compiles the sweep whatever the interval
         # (a sweep() asked for from another thread runs after a step, inside the check).
         self._forbids = _forbids_compiling(runner)
@@ -299,6 +307,10 @@ class TpuInferenceGuard:
         runner.model_fn = self._model_fn
         runner.model.step_fn_no_options = self._loop_step
         runner._execute_continue_decode = self._continue_decode
+        compilation = getattr(runner, "compilation_manager", None)
+        if callable(getattr(compilation, "_precompile_continue_decode", None)):
+            self._orig["precompile_loop"] = compilation._precompile_continue_decode
+            compilation._precompile_continue_decode = self._precompile_loop
         runner._kvcanary_guard = self
 
     def _context(self):
@@ -337,6 +349,8 @@ class TpuInferenceGuard:
             r.model.step_fn_no_options = self._orig["step_fn_no_options"]
             r.persistent_batch_manager.update_states = self._orig["update_states"]
             del r._execute_continue_decode  # the class's method again
+            if "precompile_loop" in self._orig:
+                del r.compilation_manager._precompile_continue_decode
             del r._kvcanary_guard
             self.installed = False
 
@@ -580,6 +594,35 @@ class TpuInferenceGuard:
                           unwritten=carried.unwritten)
         return (list(out[0]) + [new], *out[1:])
 
+    def _precompile_loop(self) -> None:
+        """tpu-inference's warm-up of the on-device decode loop (``capture_model()`` calls
+        ``compilation_manager._precompile_continue_decode``, which queues a run of the loop per
+        request padding, then runs them): the queued runs go with a :class:`Carried` entry of
+        a throwaway copy of the state in ``runner.kv_caches``, so the loop compiles over the
+        carry it serves with, the canary's HEAD and TAIL in its step; the entry is taken back
+        after (unpacked: that compiles too). ``guard.warm_up = False``: the runner's own
+        warm-up only."""
+        self._orig["precompile_loop"]()
+        if not self.warm_up:
+            return
+        runner, c = self.runner, self.canary
+        with self._lock:
+            with self._context():
+                rows = (self._placed(np.zeros((c.data_shards * c.max_reqs,), np.int32))
+                        if c.token_checks else None)
+                carried = Carried(state=self._pack(self.state), rows=rows,
+                                  unwritten=jnp.copy(self._all_written))
+            runner.kv_caches = list(runner.kv_caches) + [carried]
+            try:
+                runner.compilation_manager._flush_compilations()
+            finally:
+                kvs = list(runner.kv_caches)
+                if kvs and isinstance(kvs[-1], Carried):
+                    runner.kv_caches = kvs[:-1]
+                    with jax.enable_x64(True):
+                        jax.block_until_ready(self._unpack(kvs[-1].state))
+            self._warmed_loop = True
+
     def _continue_decode(self, scheduler_output):
         with self._lock:
             if not self._prepared:
@@ -588,6 +631,16 @@ class TpuInferenceGuard:
 
     def _guarded_continue_decode(self, scheduler_output):
         runner = self.runner
+        if self._forbids and not self._warmed_loop:
+            # Said before anything runs: inside the runner's check the loop, compiled here over
+            # the canary's carry, would raise mid-step.
+            self._failed()
+            raise RuntimeError(
+                "kv-canary tpu-inference: the runner forbids compiling while it steps "
+                "(VLLM_XLA_CHECK_RECOMPILATION=1), and its on-device decode loop was not "
+                "compiled over the guard's state in the runner's warm-up: install the guard "
+                "before capture_model(), keep guard.warm_up True, and let the warm-up run "
+                "(SKIP_JAX_PRECOMPILE unset, enforce_eager off)")
         try:
             with self._context():
                 pending, rows = self._apply_delta()
