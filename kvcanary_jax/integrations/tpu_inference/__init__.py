@@ -13,9 +13,10 @@ included, as SGLang's runtime does around its forward (:mod:`kvcanary_jax.runtim
   (one canary per data-parallel rank and per KV-head shard);
 * :mod:`.host`: the request lifecycle (expected-id deltas, the fully written blocks the sweep
   re-verifies);
-* :mod:`.guard`: the hooks (``model_fn``, ``model.step_fn_no_options`` with the state in the
-  decode loop's carry, ``persistent_batch_manager.update_states``,
-  ``_execute_continue_decode``) and the runtime manager (modes, reporting, agreement);
+* :mod:`.guard`: the hooks (``model_fn``, ``persistent_batch_manager.update_states``) and the
+  runtime manager (modes, reporting, agreement);
+* :mod:`.loop`: the on-device decode loop's part of the guard (``model.step_fn_no_options``
+  with the state in the loop's carry, ``_execute_continue_decode``, the loop's warm-up);
 * :mod:`.remediation`: :class:`Remediator` (abort the request, evict its block from vLLM's
   prefix cache) and :class:`RequestId` (which request of an id a report's step ran).
 
