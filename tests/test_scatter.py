@@ -246,11 +246,13 @@ def test_malformed_offsets_stay_in_bounds(impl):
 @pytest.mark.parametrize("impl", IMPLS_TPU)
 def test_num_tokens_reads_a_longer_flat_in_as_its_true_length(impl):
     """``run(..., num_tokens=[n])`` over a ``flat_in`` of ``n`` tokens then a tail (a bucket,
-    as the torch bridge passes it): the offsets are read as ``min(offsets, n)``, so the tail is
-    never read and the pool equals the reference's over the true ``flat_in`` with the offsets
-    clamped to ``n``; malformed offsets (negative, decreasing, past the end) included."""
+    as the torch bridge passes it): the offsets are read as ``min(offsets, n)``, so the tail
+    (a value no token has) is never read and the pool equals the reference's over the true
+    ``flat_in`` with the offsets clamped to ``n``; malformed offsets (negative, decreasing, past
+    the end) included."""
     from kvcanary_jax.ops.scatter import ScatterInputs, run
 
+    TAIL = 5000  # the tokens are drawn from [-1000, 1000)
     rng = np.random.default_rng(29)
     bs, n, tail, rows, cols = 24, 200, 56, 16, 24
     count = _tier.n(2, 20) if _impls.tpu_interpreted(impl) else _tier.n(20, 200)
@@ -262,7 +264,7 @@ def test_num_tokens_reads_a_longer_flat_in_as_its_true_length(impl):
         rpi = rng.permutation(rows)[:bs % rows].astype(np.int64)
         rpi = np.concatenate([rpi, np.full(bs - rpi.shape[0], rows + 3, np.int64)])
         flat = rng.integers(-1000, 1000, n).astype(np.int64)
-        bucket = np.concatenate([flat, np.full(tail, 777, np.int64)])
+        bucket = np.concatenate([flat, np.full(tail, TAIL, np.int64)])
         pool = np.full((rows, cols), MARK, np.int32)
         want = np.asarray(kc.scatter_req_token_ids_reference(
             flat_in=flat, offsets=np.minimum(offsets, n), req_pool_indices=rpi, pool_out=pool))
@@ -273,7 +275,7 @@ def test_num_tokens_reads_a_longer_flat_in_as_its_true_length(impl):
                 implementation=impl, config=_impls.config("scatter", impl),
                 num_tokens=jnp.asarray(_i64(n))))
         np.testing.assert_array_equal(got, want)
-        assert not (got == 777).any()
+        assert not (got == TAIL).any()
 
 
 @pytest.mark.parametrize("impl", IMPLS_TPU)
