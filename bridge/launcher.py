@@ -390,6 +390,12 @@ class Launcher:
             streams.finish(info, outs[:1], stream)
             for r, i in zip(outs, prep.results):
                 _commit(prep.args[i], tensors[prep.args[i].name], presented[i], r, cache)
+        if not info.is_gpu:
+            # A call after the exit hook (from an atexit handler registered before the bridge
+            # was imported: such handlers run after it) waits, as the hook does, for the worker
+            # to let go of its imports.
+            del presented, outs
+            views.wait_if_exiting()
 
 
 def _padded(a: Arg, t):

@@ -23,7 +23,9 @@ exception"). So every CPU import is tracked (:func:`kvcanary_jax.bridge.dlpack.i
 import whose JAX array is gone or deleted (a donated operand) but whose torch alias is not is still
 held by a worker, and the hook sleeps (the GIL released) until each such alias has died, at most
 :data:`EXIT_WAIT_S`; the caches' arrays, which are still alive, are kept with the process instead.
-A caller's memory still comes back when the caller drops its tensor.
+A CPU launch after the hook (from an ``atexit`` handler registered before the bridge was
+imported, which runs after the hook) waits the same way before it returns
+(:func:`wait_if_exiting`). A caller's memory still comes back when the caller drops its tensor.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any
 from kvcanary_jax.bridge.cache import CACHES
 from kvcanary_jax.bridge.dlpack import released_but_held
 
-__all__ = ["ViewCache", "for_device", "layout_of", "EXIT_WAIT_S"]
+__all__ = ["ViewCache", "for_device", "layout_of", "wait_if_exiting", "EXIT_WAIT_S"]
 
 # The longest the exit hook waits for a worker thread to release the imports it still holds.
 EXIT_WAIT_S = 2.0
@@ -129,6 +131,17 @@ def _freeze() -> None:
     last holders (see the module docstring)."""
     _FROZEN.set()
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(_CACHES))
+    _wait_released()
+
+
+def wait_if_exiting() -> None:
+    """After the exit hook has run (a launch from an ``atexit`` handler that runs after it):
+    wait, as the hook does, for the released imports' last holders. Before it: nothing."""
+    if _FROZEN.is_set():
+        _wait_released()
+
+
+def _wait_released() -> None:
     deadline = time.monotonic() + EXIT_WAIT_S
     while released_but_held() and time.monotonic() < deadline:
         time.sleep(0.001)

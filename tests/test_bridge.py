@@ -515,6 +515,33 @@ def test_cpu_imports_are_tracked_until_released_and_kept_after_the_exit_hook():
     assert int(before) >= 1 and after == before and held == "0"
 
 
+def test_a_cpu_launch_after_the_exit_hook_waits_for_its_imports():
+    """An ``atexit`` handler registered before the bridge was imported runs after the bridge's
+    exit hook; a CPU launch from it returns only once no import it released is held by a worker
+    (the hook's wait, per call), and the process exits cleanly."""
+    import subprocess
+    import sys
+
+    code = (
+        "import atexit, torch\n"
+        "def late():\n"
+        "    import kvcanary_jax.bridge as bridge\n"
+        "    from kvcanary_jax.bridge import dlpack, views\n"
+        "    assert views._FROZEN.is_set()\n"
+        "    pool, held = torch.zeros(4, 8, dtype=torch.int32), []\n"
+        "    for i in range(30):\n"
+        "        bridge.launch_scatter_req_token_ids_kernel(\n"
+        "            flat_in=torch.tensor([i, i, i]), offsets=torch.tensor([0, 3]),\n"
+        "            req_pool_indices=torch.tensor([2]), pool_out=pool)\n"
+        "        held.append(dlpack.released_but_held())\n"
+        "    print(pool[2, :3].tolist(), max(held))\n"
+        "atexit.register(late)\n"
+        "import kvcanary_jax.bridge\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[0] == "[29, 29, 29] 0", out.stdout
+
+
 def test_an_import_held_past_its_array_or_its_donation_is_waited_for_and_a_carried_one_is_not():
     """What the exit hook waits for: an import whose torch alias is alive while the JAX array
     that held it is gone or deleted (a donated operand that a worker may still hold). An import
