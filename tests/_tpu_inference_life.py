@@ -757,6 +757,48 @@ def warm_up_main(dp_size: int = 1, forbid: bool = False) -> None:
     print(json.dumps(out))
 
 
+def forbid_uninstall_main() -> None:
+    """Under the runner's ``ForbidCompile`` (``VLLM_XLA_CHECK_RECOMPILATION=1``): a guard
+    installed before ``capture_model()`` serves the on-device decode loop, then is uninstalled;
+    the runner serves on, its own decode loop included, and nothing compiles inside its check
+    (the guard's loop warm-up compiled the runner's own loop as well)."""
+    from tpu_inference.runner.utils import ForbidCompile
+
+    life = Life(128, num_blocks=40, guarded=False)
+    e, r = life.e, life.e.runner
+    r.maybe_forbid_compile = ForbidCompile()
+    life.install("all")
+    os.environ["SKIP_JAX_PRECOMPILE"] = "0"
+    try:
+        r.capture_model()
+    finally:
+        os.environ["SKIP_JAX_PRECOMPILE"] = "1"
+    g, loops = life.guard, {"guarded": 0, "own": 0}
+    guarded = g._orig["continue"]
+
+    def guarded_loop(*args, **kwargs):
+        loops["guarded"] += 1
+        return guarded(*args, **kwargs)
+
+    g._orig["continue"] = guarded_loop
+    life.prefix_hits_and_loops()
+    g.manager.flush()
+    out = {"violations": kti.violation_counts(g).tolist()}
+    g.uninstall()
+    own = r._execute_continue_decode  # the runner's own method again
+
+    def own_loop(*args, **kwargs):
+        loops["own"] += 1
+        return own(*args, **kwargs)
+
+    r._execute_continue_decode = own_loop
+    e.add("u1", [100 + k for k in range(20)], 9)
+    e.add("u2", [50 + k for k in range(20)], 9)
+    out.update(steps=len(e.run(40)), loops=loops,
+               outputs={k: len(e.outputs.get(k, ())) for k in ("u1", "u2")})
+    print(json.dumps(out))
+
+
 def _row(runner, layer: int, slot: int) -> np.ndarray:
     """``slot``'s row of ``runner.kv_caches[layer]`` as bytes (one data shard)."""
     host = np.asarray(runner.kv_caches[layer])
@@ -784,7 +826,10 @@ def main() -> None:
     ap.add_argument("--trust", action="store_true")
     ap.add_argument("--warm-up", action="store_true")
     ap.add_argument("--forbid-compile", action="store_true")
+    ap.add_argument("--forbid-uninstall", action="store_true")
     args = ap.parse_args()
+    if args.forbid_uninstall:
+        return forbid_uninstall_main()
     if args.warm_up:
         return warm_up_main(args.dp, args.forbid_compile)
     if args.raise_mode:

@@ -88,6 +88,7 @@ JOBS = {
     ("trust",): functools.partial(_run, "--trust"),
     ("warm",): functools.partial(_run, "--warm-up"),
     ("forbid",): functools.partial(_run, "--warm-up", "--forbid-compile"),
+    ("forbid_uninstall",): functools.partial(_run, "--forbid-uninstall"),
 }
 _POOL: dict = {}
 
@@ -400,6 +401,17 @@ def test_a_runner_that_forbids_compiling_while_it_steps_serves_guarded(request):
                            for f in w["found"]} - {(w["flipped"], 3, ("KV_DIGEST_MISMATCH",))} \
         == {(w["flipped"], 3, tuple(REAL_KV))}, w
     assert w["violations"] == [len(w["found"])], w
+
+
+@uses(("forbid_uninstall",))
+def test_a_runner_that_forbids_compiling_serves_its_own_loop_after_uninstall(request):
+    """Under ``VLLM_XLA_CHECK_RECOMPILATION=1`` the runner's warm-up compiles its loop with the
+    guard's step: the guard warms the runner's own loop too, so after ``uninstall()`` the
+    runner serves on, its own decode loop included, and nothing compiles inside its check."""
+    w = _job(request, ("forbid_uninstall",))
+    assert w["violations"] == [0], w
+    assert w["loops"]["guarded"] >= 2 and w["loops"]["own"] >= 1, w
+    assert w["outputs"] == {"u1": 9, "u2": 9}, w
 
 
 @uses(("trust",))

@@ -298,6 +298,8 @@ class TpuInferenceGuard(DecodeLoop):
         compilation = getattr(runner, "compilation_manager", None)
         if callable(getattr(compilation, "_precompile_continue_decode", None)):
             self._orig["precompile_loop"] = compilation._precompile_continue_decode
+            self._own_precompile_loop = "_precompile_continue_decode" in getattr(
+                compilation, "__dict__", {})
             compilation._precompile_continue_decode = self._precompile_loop
         runner._kvcanary_guard = self
 
@@ -337,8 +339,12 @@ class TpuInferenceGuard(DecodeLoop):
             r.model.step_fn_no_options = self._orig["step_fn_no_options"]
             r.persistent_batch_manager.update_states = self._orig["update_states"]
             del r._execute_continue_decode  # the class's method again
-            if "precompile_loop" in self._orig:
-                del r.compilation_manager._precompile_continue_decode
+            if "precompile_loop" in self._orig:  # the method the runner had, back
+                if self._own_precompile_loop:
+                    r.compilation_manager._precompile_continue_decode = \
+                        self._orig["precompile_loop"]
+                else:
+                    del r.compilation_manager._precompile_continue_decode
             del r._kvcanary_guard
             self.installed = False
 

@@ -72,12 +72,22 @@ class DecodeLoop:
         a throwaway copy of the state in ``runner.kv_caches``, so the loop compiles over the
         carry it serves with, the canary's HEAD and TAIL in its step; the entry is taken back
         after (unpacked: that compiles too). ``guard.warm_up = False``: the runner's own
-        warm-up only."""
-        self._orig["precompile_loop"]()
+        warm-up only. When the runner forbids compiling while it steps, its own loop (its own
+        step, no entry: what it runs after :meth:`uninstall`) is warmed first as well."""
         if not self.warm_up:
+            self._orig["precompile_loop"]()
             return
         runner, c = self.runner, self.canary
         with self._lock:
+            if self._forbids:
+                model = runner.model
+                model.step_fn_no_options = self._orig["step_fn_no_options"]
+                try:
+                    self._orig["precompile_loop"]()  # queued with the runner's own step
+                finally:
+                    model.step_fn_no_options = self._loop_step
+                runner.compilation_manager._flush_compilations()
+            self._orig["precompile_loop"]()
             with self._context():
                 rows = (self._placed(np.zeros((c.data_shards * c.max_reqs,), np.int32))
                         if c.token_checks else None)
