@@ -340,9 +340,12 @@ def pytest_collection_modifyitems(config, items):
     # order: the GPU gate runs its longest suites as two processes each.
     shard = os.environ.get("KVCANARY_TEST_SHARD")
     if shard:
-        i, n = (int(x) for x in shard.split("/"))
+        try:
+            i, n = (int(x) for x in shard.split("/"))
+        except ValueError:
+            i = n = 0
         if not 0 <= i < n:
-            raise pytest.UsageError(f"KVCANARY_TEST_SHARD={shard}: want i/n with 0 <= i < n")
+            raise pytest.UsageError(f"KVCANARY_TEST_SHARD={shard!r}: want i/n with 0 <= i < n")
         config.hook.pytest_deselected(items=[it for k, it in enumerate(items) if k % n != i])
         items[:] = items[i::n]
     # A test of implementations that KVCANARY_TEST_IMPLEMENTATIONS leaves out has an empty
