@@ -731,28 +731,25 @@ def warm_up_main(dp_size: int = 1, forbid: bool = False) -> None:
         # Last (the runner's step fails, and vLLM's scheduler is left with it): a step whose
         # shapes the warm-up did not compile (as after an install past the warm-up) is refused
         # before the guard launches anything; its state is the one it had.
-        warmed, g._warmed = g._warmed, set()
         before = jax.tree.map(np.asarray, g.state)
+
+        def refused(name, call):  # the error ``call`` raised, and whether the state was kept
+            try:
+                call()
+                out[f"{name}_error"] = None
+            except RuntimeError as err:
+                out[f"{name}_error"] = str(err)
+            out[f"{name}_state_kept"] = all(
+                np.array_equal(a, np.asarray(b)) for a, b in zip(
+                    jax.tree.leaves(before), jax.tree.leaves(g.state)))
+
+        warmed, g._warmed = g._warmed, set()
         e.add("late", [400 + k for k in range(5)], 3)
-        try:
-            life.step("unwarmed")
-            out["unwarmed_error"] = None
-        except RuntimeError as err:
-            out["unwarmed_error"] = str(err)
-        out["unwarmed_state_kept"] = all(
-            np.array_equal(a, np.asarray(b)) for a, b in zip(
-                jax.tree.leaves(before), jax.tree.leaves(g.state)))
+        refused("unwarmed", lambda: life.step("unwarmed"))
         g._warmed = warmed
         # The same for the decode loop (a guard whose loop the warm-up did not reach).
         g._warmed_loop = False
-        try:
-            g._guarded_continue_decode(None)
-            out["unwarmed_loop_error"] = None
-        except RuntimeError as err:
-            out["unwarmed_loop_error"] = str(err)
-        out["unwarmed_loop_state_kept"] = all(
-            np.array_equal(a, np.asarray(b)) for a, b in zip(
-                jax.tree.leaves(before), jax.tree.leaves(g.state)))
+        refused("unwarmed_loop", lambda: g._guarded_continue_decode(None))
         g._warmed_loop = True
     print(json.dumps(out))
 

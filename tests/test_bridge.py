@@ -473,6 +473,16 @@ def test_temporaries_are_not_kept_alive_by_the_cache():
     assert pool[1, :3].tolist() == [4, 4, 4]
 
 
+def _python(code: str) -> str:
+    """``code`` run by this Python in a process of its own; its stdout (it must exit 0)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
 def test_cpu_imports_are_tracked_until_released_and_kept_after_the_exit_hook():
     """XLA's CPU client ends a launch on a worker thread, which may hold the operands a moment
     after the results are ready. Where that thread dropped the last reference to an import
@@ -480,9 +490,6 @@ def test_cpu_imports_are_tracked_until_released_and_kept_after_the_exit_hook():
     process aborted ("terminate called without an active exception", after the script's last
     line). Every CPU import is tracked until its torch alias dies; the exit hook waits for
     those released by Python but still held by a worker, and keeps the cached ones."""
-    import gc
-    import subprocess
-    import sys
     import time
 
     bridge.clear_cache()
@@ -507,9 +514,7 @@ def test_cpu_imports_are_tracked_until_released_and_kept_after_the_exit_hook():
             "cache = views.for_device(torch.device('cpu')); before = len(cache); "
             "views._freeze(); del pool, flat, offs, rpi; gc.collect(); "
             "print(before, len(cache), dlpack.released_but_held())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-2000:]
-    before, after, held = out.stdout.split()
+    before, after, held = _python(code).split()
     # After the exit hook the cached views stay though their tensors died, and nothing
     # released is left to a worker.
     assert int(before) >= 1 and after == before and held == "0"
@@ -519,9 +524,6 @@ def test_a_cpu_launch_after_the_exit_hook_waits_for_its_imports():
     """An ``atexit`` handler registered before the bridge was imported runs after the bridge's
     exit hook; a CPU launch from it returns only once no import it released is held by a worker
     (the hook's wait, per call), and the process exits cleanly."""
-    import subprocess
-    import sys
-
     code = (
         "import atexit, torch\n"
         "def late():\n"
@@ -537,9 +539,8 @@ def test_a_cpu_launch_after_the_exit_hook_waits_for_its_imports():
         "    print(pool[2, :3].tolist(), max(held))\n"
         "atexit.register(late)\n"
         "import kvcanary_jax.bridge\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split("\n")[0] == "[29, 29, 29] 0", out.stdout
+    out = _python(code)
+    assert out.split("\n")[0] == "[29, 29, 29] 0", out
 
 
 def test_an_import_held_past_its_array_or_its_donation_is_waited_for_and_a_carried_one_is_not():
