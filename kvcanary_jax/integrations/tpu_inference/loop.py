@@ -71,12 +71,10 @@ class DecodeLoop:
         request padding, then runs them): the queued runs go with a :class:`Carried` entry of
         a throwaway copy of the state in ``runner.kv_caches``, so the loop compiles over the
         carry it serves with, the canary's HEAD and TAIL in its step; the entry is taken back
-        after (unpacked: that compiles too). ``guard.warm_up = False``: the runner's own
-        warm-up only. When the runner forbids compiling while it steps, its own loop (its own
-        step, no entry: what it runs after :meth:`uninstall`) is warmed first as well."""
-        if not self.warm_up:
-            self._orig["precompile_loop"]()
-            return
+        after (unpacked: that compiles too). When the runner forbids compiling while it steps,
+        its own loop (its own step, no entry: what it runs after :meth:`uninstall`) is warmed
+        first as well, whatever ``guard.warm_up``; ``guard.warm_up = False`` otherwise leaves
+        the runner's own warm-up as it is."""
         runner, c = self.runner, self.canary
         with self._lock:
             if self._forbids:
@@ -87,6 +85,10 @@ class DecodeLoop:
                 finally:
                     model.step_fn_no_options = self._loop_step
                 runner.compilation_manager._flush_compilations()
+            elif not self.warm_up:
+                self._orig["precompile_loop"]()
+            if not self.warm_up:
+                return
             self._orig["precompile_loop"]()
             with self._context():
                 rows = (self._placed(np.zeros((c.data_shards * c.max_reqs,), np.int32))
