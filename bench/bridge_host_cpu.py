@@ -4,7 +4,8 @@ The direct Triton path's host time is this Python plus triton's launcher per ker
 launcher of :mod:`kvcanary_jax.bench.bridge_overhead`'s decode-like case is called back to back on
 CPU tensors with value checks off (the GPU default) and the launch itself replaced by what the
 direct path does per call besides triton's launcher: read each argument's pointer (and clamp the
-offsets that index a bucketed token array, as a torch op on the tensors' device). So the time per
+write's offsets into its bucketed token arrays, as a torch op on the tensors' device; the
+scatter's kernel reads its true length from a tensor kept per call signature). So the time per
 call is: the tensors and the signature, the prepared-call lookup, the per-call storage checks, the
 path decision and the pointers. Minimum over ``--repeat`` runs of ``--iters`` calls, in CPU time of
 the calling thread (``time.thread_time``: on a shared machine, wall time mostly measures the other

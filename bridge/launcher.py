@@ -70,8 +70,11 @@ class Arg:
     does read (a digest's slots): passed as a per-call temporary, the tensor then ``pad`` (a
     value the op skips), on both paths.
     ``whole_rows``: the op reads a pitched base's whole rows, so the base must lie inside the
-    tensor's storage (checked on every call). Holds no tensor: arguments are cached per call
-    signature.
+    tensor's storage (checked on every call). ``value``: not a caller's tensor but an int64
+    ``[1]`` holding this number, made by the bridge (once per signature, kept in its
+    :class:`Prepared`; inside a CUDA graph capture, a per-call temporary the graph fills): a
+    bucketed token array's true length, which the op's kernel reads. Holds no tensor:
+    arguments are cached per call signature.
     """
 
     name: str
@@ -83,6 +86,7 @@ class Arg:
     clamp: int | None = None
     whole_rows: bool = False
     pad: int | None = None
+    value: int | None = None
 
 
 class Signature(NamedTuple):
@@ -136,7 +140,9 @@ class Prepared:
     the names of the arguments its results update (``result_names``) and their positions
     (``results``), bound once here. ``arg_names`` and ``clamped`` (the positions of the
     arguments clamped per call) and ``padded`` (those staged with their ``pad`` per call) let the
-    direct path read the pointers in one pass."""
+    direct path read the pointers in one pass; ``valued`` (the positions of the arguments with
+    a ``value``) and ``values`` (their tensors by name, made at their first call outside a
+    capture)."""
 
     skip: bool
     args: tuple[Arg, ...] = ()
@@ -148,6 +154,8 @@ class Prepared:
     arg_names: tuple[str, ...] = ()
     clamped: tuple[int, ...] = ()
     padded: tuple[int, ...] = ()
+    valued: tuple[int, ...] = ()
+    values: dict = dataclasses.field(default_factory=dict)
     program: _ProgramSlot = dataclasses.field(default_factory=_ProgramSlot)
 
 
@@ -255,6 +263,8 @@ class Launcher:
         for a in prep.whole_rows:
             check_whole_rows(a, tensors[a.name])
         anchor = tensors[decl.anchor]
+        if prep.valued:
+            _add_values(prep, tensors, anchor.device)
         device = anchor.device
         checked = value_checks_enabled(device)
         if checked:
@@ -310,7 +320,8 @@ class Launcher:
                         result_names=tuple(result_names), program_key=key,
                         whole_rows=tuple(a for a in args if a.whole_rows), arg_names=names,
                         clamped=tuple(i for i, a in enumerate(args) if a.clamp is not None),
-                        padded=tuple(i for i, a in enumerate(args) if a.pad is not None))
+                        padded=tuple(i for i, a in enumerate(args) if a.pad is not None),
+                        valued=tuple(i for i, a in enumerate(args) if a.value is not None))
 
     # ---------------------------------------------------------------------------------------
     # Direct path
@@ -396,6 +407,23 @@ class Launcher:
             # to let go of its imports.
             del presented, outs
             views.wait_if_exiting()
+
+
+def _add_values(prep: Prepared, tensors: dict, device) -> None:
+    """The tensors of the arguments with a ``value`` into the call's ``tensors``: the prepared
+    call's, made at the first call outside a CUDA graph capture (a synchronous copy, so any
+    stream may read it at once); inside a capture a per-call temporary, filled by the graph
+    (a capture cannot copy from the host)."""
+    for i in prep.valued:
+        a = prep.args[i]
+        t = prep.values.get(a.name)
+        if t is None:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                t = torch.full((1,), a.value, dtype=torch.int64, device=device)
+            else:
+                t = prep.values[a.name] = torch.tensor([a.value], dtype=torch.int64,
+                                                       device=device)
+        tensors[a.name] = t
 
 
 def _padded(a: Arg, t):

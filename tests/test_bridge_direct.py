@@ -89,10 +89,15 @@ def test_scatter_kernel_parameters_are_its_operands_then_the_aliased_pool():
     assert name == "kvcanary_scatter_req_token_ids"
     # bs = 4 requests; span = min(pool width 32, bucketed tokens 64) = 32 -> one 32-column tile.
     assert grid == (4, 1, 1)
+    # The bucketed flat_in's true length is an operand the kernel reads (no per-call clamp of
+    # the offsets): a tensor the bridge keeps per call signature.
     assert params == [("flat_in", "i64"), ("offsets", "i64"), ("req_pool_indices", "i64"),
-                      ("pool_out", "i32"), ("pool_out", "i32")]
+                      ("num_tokens", "i64"), ("pool_out", "i32"), ("pool_out", "i32")]
     args, prog = _program("scatter")
     assert args[0].shape == (64,)  # 4 x 13 tokens, bucketed up to the floor
+    count = next(a for a in args if a.name == "num_tokens")
+    assert (count.value, count.shape) == (52, (1,))
+    assert all(a.clamp is None for a in args)
     assert prog.scratch == () and prog.consts == () and prog.copies == ()
 
 
@@ -286,8 +291,10 @@ def test_fused_step_is_one_program_of_all_the_kernels():
     names = [a.name for a in args]
     pool = names.index("req_to_verify_expected_tokens")
     scatter, _, entries, verify, write = prog.kernels
-    # The scatter's output pool is the buffer the entries kernel reads, with no copy between.
-    assert scatter.bufs[3] == scatter.bufs[4] == td.Buf("arg", pool)
+    # The scatter's output pool is the buffer the entries kernel reads, with no copy between
+    # (after the bucketed history's true length, an operand of the scatter's kernel).
+    assert scatter.bufs[3] == td.Buf("arg", names.index("expected_token_count"))
+    assert scatter.bufs[4] == scatter.bufs[5] == td.Buf("arg", pool)
     assert entries.bufs[6] == td.Buf("arg", pool)
     # Verify's updated ring is what write appends to.
     ring = names.index("violation_ring")

@@ -242,6 +242,42 @@ def test_malformed_offsets_stay_in_bounds(impl):
                     assert got[rpi[r], j] == np.int32(flat[src])
 
 
+@pytest.mark.fuzz
+@pytest.mark.parametrize("impl", IMPLS_TPU)
+def test_num_tokens_reads_a_longer_flat_in_as_its_true_length(impl):
+    """``run(..., num_tokens=[n])`` over a ``flat_in`` of ``n`` tokens then a tail (a bucket,
+    as the torch bridge passes it): the offsets are read as ``min(offsets, n)``, so the tail
+    (a value no token has) is never read and the pool equals the reference's over the true
+    ``flat_in`` with the offsets clamped to ``n``; malformed offsets (negative, decreasing, past
+    the end) included."""
+    from kvcanary_jax.ops.scatter import ScatterInputs, run
+
+    TAIL = 5000  # the tokens are drawn from [-1000, 1000)
+    rng = np.random.default_rng(29)
+    bs, n, tail, rows, cols = 24, 200, 56, 16, 24
+    count = _tier.n(2, 20) if _impls.tpu_interpreted(impl) else _tier.n(20, 200)
+    _tier.seeded("scatter num_tokens", 29, count)
+    for _ in range(count):
+        offsets = rng.integers(-20, n + 40, bs + 1).astype(np.int64)
+        if rng.random() < 0.7:
+            offsets = np.sort(offsets)
+        rpi = rng.permutation(rows)[:bs % rows].astype(np.int64)
+        rpi = np.concatenate([rpi, np.full(bs - rpi.shape[0], rows + 3, np.int64)])
+        flat = rng.integers(-1000, 1000, n).astype(np.int64)
+        bucket = np.concatenate([flat, np.full(tail, TAIL, np.int64)])
+        pool = np.full((rows, cols), MARK, np.int32)
+        want = np.asarray(kc.scatter_req_token_ids_reference(
+            flat_in=flat, offsets=np.minimum(offsets, n), req_pool_indices=rpi, pool_out=pool))
+        with jax.enable_x64(True):
+            got = np.asarray(run(
+                ScatterInputs(flat_in=jnp.asarray(bucket), offsets=jnp.asarray(offsets),
+                              req_pool_indices=jnp.asarray(rpi), pool_out=jnp.asarray(pool)),
+                implementation=impl, config=_impls.config("scatter", impl),
+                num_tokens=jnp.asarray(_i64(n))))
+        np.testing.assert_array_equal(got, want)
+        assert not (got == TAIL).any()
+
+
 @pytest.mark.parametrize("impl", IMPLS_TPU)
 def test_negative_start_differs_from_sglangs_reference_by_design(sgl, impl):
     """Documented difference: SGLang's torch reference slices flat_in[start:end] with Python

@@ -11,10 +11,11 @@ through XLA on the DLPack path and is lowered to its Triton kernels on the direc
 source.
 
 Buckets (:mod:`kvcanary_jax.buckets`): scatter's ``flat_in`` and write's token arrays are lowered
-at ``bucket(length)``; the offsets that index them are clamped to the true length by a torch op
-on the call's stream (a per-call temporary), which keeps every read below the true length on
-both paths. ``launch_canary_step`` buckets its scatter input only (its write offsets are computed
-inside the step). The plan's request vectors are lowered at ``min(bucket(bs),
+at ``bucket(length)``. The scatter's kernel reads the true length (an int64 ``[1]`` the bridge
+keeps per call signature: ``Arg.value``) and reads the offsets as at most that; the write's
+offsets are clamped to the true length by a torch op on the call's stream (a per-call
+temporary). Either keeps every read below the true length on both paths. ``launch_canary_step``
+buckets its scatter input only (its write offsets are computed inside the step). The plan's request vectors are lowered at ``min(bucket(bs),
 write_req_capacity)`` with the batch size as an operand (``num_reqs``: a device scalar from
 :class:`kvcanary_jax.bridge.cache.Counts`): its kernels never read a request lane at or past it, so
 the caller's shorter vectors are passed as they are on the direct path (staged on the DLPack path)

@@ -2,8 +2,9 @@
 
 Each request's int64 tokens into its int32 row of ``pool_out``, in place: SGLang's checks (the
 op's contract, then the torch-only ones), the values checked on request (rows, offsets inside
-``flat_in``, non-decreasing), and the arguments: ``flat_in`` at ``bucket(length)``, its offsets
-clamped to the true length, ``pool_out`` a view whose rows may be strided. The step reuses the
+``flat_in``, non-decreasing), and the arguments: ``flat_in`` at ``bucket(length)`` with its true
+length beside it (the kernel reads the offsets as at most that length), ``pool_out`` a view whose
+rows may be strided. The step reuses the
 checks and the call (:func:`scatter_validate`, :func:`scatter_skip`, :func:`scatter_values`,
 :func:`scatter_call`).
 """
@@ -13,9 +14,9 @@ from __future__ import annotations
 from kvcanary_jax.bridge.checks import check_range, require_tensors, torch_checks
 from kvcanary_jax.bridge.declarations.shared import (
     Declaration,
+    count_arg,
     dense,
     impl_for,
-    offsets_arg,
     pitched,
     platform_of,
     rebuild,
@@ -64,21 +65,25 @@ def _scatter_args(flat_in, offsets, rpi, pool_name, pool):
     b = buckets.bucket(n)
     args = [
         dense("flat_in", flat_in, shape=(b,)),
-        offsets_arg("offsets", offsets, n, b),
+        *count_arg("num_tokens", n, b),
+        dense("offsets", offsets),
         dense("req_pool_indices", rpi),
         pitched(pool_name, pool, out=True, check_fits=False),
     ]
     return args
 
 
-def scatter_call(inputs: ScatterInputs, *, max_cols, platform):
-    return _scatter.run(inputs, max_cols=max_cols, implementation=impl_for("scatter", platform))
+def scatter_call(inputs: ScatterInputs, *, max_cols, platform, num_tokens=None):
+    """``num_tokens``: ``flat_in``'s true length (an int64 ``[1]``) where it is a bucket."""
+    return _scatter.run(inputs, max_cols=max_cols, implementation=impl_for("scatter", platform),
+                        num_tokens=num_tokens)
 
 
 def scatter_fn(named, *, max_cols, platform):
-    # The arguments are named after ScatterInputs' fields; the pool comes back as pool_out.
+    # The arguments are named after ScatterInputs' fields (and num_tokens); the pool comes back
+    # as pool_out.
     return {"pool_out": scatter_call(rebuild(ScatterInputs, named), max_cols=max_cols,
-                                     platform=platform)}
+                                     platform=platform, num_tokens=named.get("num_tokens"))}
 
 
 def _scatter_arguments(kw, ts):

@@ -46,6 +46,7 @@ __all__ = [
     "dense",
     "pitched",
     "offsets_arg",
+    "count_arg",
     "source_statics",
     "ctx_for_checks",
     "same_device",
@@ -204,6 +205,13 @@ def check_distinct_outputs(outputs: dict) -> None:
                     "be distinct tensors"
                 )
         spans.append((name, (lo, hi)))
+
+
+def count_arg(name, n: int, b: int) -> list[Arg]:
+    """A token array's true length ``n`` where it is lowered at bucket ``b > n``: an int64
+    ``[1]`` the bridge makes (``Arg.value``) and the op reads (the scatter's ``num_tokens``:
+    its offsets read as at most ``n``); none where ``b == n``."""
+    return [Arg(name=name, shape=(1,), dtype=torch.int64, value=n)] if b != n else []
 
 
 def offsets_arg(name, t, n: int, b: int) -> Arg:

@@ -35,11 +35,11 @@ from kvcanary_jax.bridge.declarations.shared import (
     WP_FIELDS,
     Declaration,
     context_from,
+    count_arg,
     ctx_args,
     ctx_tensors,
     dense,
     fields_of,
-    offsets_arg,
     pitched,
     platform_of,
     same_device,
@@ -143,7 +143,8 @@ def step_fn(named, *, scatter_cols, swa, cap, k, sources, kind, mode, check_toke
         # The scatter writes the expected-token pool, which the plan then reads.
         inputs = ScatterInputs(**{field: named[name] for field, name in _STEP_SCATTER.items()})
         named = dict(named, req_to_verify_expected_tokens=scatter_call(
-            inputs, max_cols=scatter_cols, platform=platform))
+            inputs, max_cols=scatter_cols, platform=platform,
+            num_tokens=named.get("expected_token_count")))
     vp, wp = plan_call(named, swa=swa, cap=cap, k=k, platform=platform)
     context = context_from(named, op="write", kind=kind, mode=mode, sources=sources)
     context = verify_call(context, vp, check=check_token, platform=platform)
@@ -166,8 +167,8 @@ def _step_arguments(kw, ts):
         n = int(flat.shape[0])
         b = buckets.bucket(n)
         args.append(dense("expected_token_ids", flat, shape=(b,)))
-        offs = ts["expected_token_offsets"]
-        args.append(offsets_arg("expected_token_offsets", offs, n, b))
+        args += count_arg("expected_token_count", n, b)
+        args.append(dense("expected_token_offsets", ts["expected_token_offsets"]))
     # The step's batch size stays exact: its write plan feeds write in the same program.
     plan_args = plan_args_at(ts, int(ts["req_pool_indices"].shape[0]), False)
     if do_scatter:  # the pool is written by the scatter: an in-place output of the step

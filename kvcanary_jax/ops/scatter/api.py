@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,27 +18,44 @@ __all__ = ["OP", "run", "scatter_req_token_ids"]
 OP = _registry.standard_op("scatter")
 
 
+# The implementations whose kernel reads ``num_tokens`` itself; the others are given the
+# offsets at most it.
+_READ_NUM_TOKENS = ("pallas_triton", "pallas_interpret")
+
+
 @functools.partial(jax.jit, static_argnames=("max_cols", "implementation", "config"))
-def _run(inputs, *, max_cols, implementation, config):
-    return base.sized_call(functools.partial(OP.run, implementation, config=config), inputs,
-                           max_cols=max_cols)
+def _run(inputs, num_tokens=None, *, max_cols, implementation, config):
+    fn = functools.partial(OP.run, implementation, config=config)
+    if num_tokens is not None:
+        num_tokens = jnp.asarray(num_tokens).astype(inputs.offsets.dtype).reshape(1)
+        if implementation in _READ_NUM_TOKENS:
+            fn = functools.partial(fn, num_tokens=num_tokens)
+        else:
+            inputs = dataclasses.replace(inputs, offsets=jnp.minimum(inputs.offsets,
+                                                                     num_tokens[0]))
+    return base.sized_call(fn, inputs, max_cols=max_cols)
 
 
 @_config.entry_point
 def run(inputs: ScatterInputs, *, max_cols: int | None = None,
-        implementation: str | None = None, config=None) -> jax.Array:
+        implementation: str | None = None, config=None,
+        num_tokens: jax.Array | None = None) -> jax.Array:
     """Array-level scatter, without the contract's checks (the torch bridge checks the same
     contract on its tensors): returns the updated pool, aliased to ``inputs.pool_out``.
 
     ``max_cols``: columns a row may receive (default ``pool_out.shape[1]``; the bridge passes the
     view's width when ``pool_out`` is the compact base of a column-sliced view).
+    ``num_tokens``: an integer ``[1]`` array, the true length of a ``flat_in`` passed in a
+    longer buffer (a bucket: the torch bridge's launches): the offsets are read as
+    ``min(offsets, num_tokens[0])``, so nothing at or past it is read (the Triton kernel reads
+    it; the other implementations take the offsets at most it).
     ``implementation``: see :mod:`kvcanary_jax.ops._registry` (default: the platform's);
     ``config``: the implementation's ``Config`` (default: tuned table, else heuristics)."""
     impl = OP.select(implementation, config=config,
                      args=(inputs.pool_out, inputs.flat_in))  # the target: see select
     max_cols = int(inputs.pool_out.shape[1] if max_cols is None else max_cols)
     cfg = OP.config(impl, base.shapes(inputs, max_cols=max_cols), config)
-    return _run(inputs, max_cols=max_cols, implementation=impl, config=cfg)
+    return _run(inputs, num_tokens, max_cols=max_cols, implementation=impl, config=cfg)
 
 
 @_config.entry_point

@@ -50,14 +50,20 @@ def heuristics(shapes) -> Config:
     return Config()
 
 
-def _scatter_kernel(flat_ref, offsets_ref, rpi_ref, _pool_in_ref, pool_ref, *, block, max_cols):
-    """Program (r, c) copies column tile c of request r; tiles past the request's length exit."""
+def _scatter_kernel(flat_ref, offsets_ref, rpi_ref, *refs, block, max_cols, limited):
+    """Program (r, c) copies column tile c of request r; tiles past the request's length exit.
+    ``limited``: the operand after ``rpi_ref`` holds flat_in's true length, and the offsets
+    are read as at most that (a bucketed ``flat_in``)."""
+    limit_ref, _pool_in_ref, pool_ref = refs if limited else (None, *refs)
     r = pl.program_id(0)
     c = pl.program_id(1)
     num_tokens = flat_ref.shape[0]
     num_rows = pool_ref.shape[0]
     start = offsets_ref[r]
     end = offsets_ref[r + 1]
+    if limited:
+        limit = limit_ref[0]
+        start, end = jnp.minimum(start, limit), jnp.minimum(end, limit)
     write_len = jnp.minimum(end - start, max_cols)
     col0 = c * block
 
@@ -78,22 +84,28 @@ def _scatter_kernel(flat_ref, offsets_ref, rpi_ref, _pool_in_ref, pool_ref, *, b
         )
 
 
-def run(inputs: ScatterInputs, *, max_cols: int | None, config: Config):
+def run(inputs: ScatterInputs, *, max_cols: int | None, config: Config,
+        num_tokens: jax.Array | None = None):
     """The updated pool (aliased to ``inputs.pool_out``). ``max_cols``: columns a row may receive
-    (default: the pool's width); ``config.interpret``: Pallas interpret mode."""
+    (default: the pool's width); ``config.interpret``: Pallas interpret mode; ``num_tokens``: an
+    int64 ``[1]`` array, ``flat_in``'s true length where ``flat_in`` is a longer buffer (see
+    :func:`kvcanary_jax.ops.scatter.api.run`), read by the kernel."""
     interpret = config.interpret
     bs = inputs.req_pool_indices.shape[0]
-    num_tokens = inputs.flat_in.shape[0]
+    length = inputs.flat_in.shape[0]
     max_cols = inputs.pool_out.shape[1] if max_cols is None else max_cols
-    span = min(max_cols, num_tokens)  # >= 1: zero sizes never get here (base.sized_call)
+    span = min(max_cols, length)  # >= 1: zero sizes never get here (base.sized_call)
     block = min(config.block_cols, pl.next_power_of_2(span))
-    kernel = functools.partial(_scatter_kernel, block=block, max_cols=max_cols)
+    limited = num_tokens is not None
+    kernel = functools.partial(_scatter_kernel, block=block, max_cols=max_cols, limited=limited)
+    operands = (inputs.flat_in, inputs.offsets, inputs.req_pool_indices,
+                *((num_tokens.astype(inputs.offsets.dtype),) if limited else ()), inputs.pool_out)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(inputs.pool_out.shape, inputs.pool_out.dtype),
         grid=(bs, pl.cdiv(span, block)),
-        input_output_aliases={3: 0},
+        input_output_aliases={len(operands) - 1: 0},
         interpret=interpret,
         compiler_params=None if interpret else _kernel_lib.compiler_params(config.num_warps),
         name="kvcanary_scatter_req_token_ids",
-    )(inputs.flat_in, inputs.offsets, inputs.req_pool_indices, inputs.pool_out)
+    )(*operands)
