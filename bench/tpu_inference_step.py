@@ -25,10 +25,11 @@ vLLM's scheduler, the patches a machine without a TPU needs).
 on a GPU the runner runs the tests' jnp stand-in of it (same KV layout, same slot rule; a gather
 of each token's whole context, so the model step is slower than a real kernel's and the canary's
 share smaller). The model: Qwen3, 4 layers, hidden 1024, 8 heads, 8 KV heads, head_dim 128, vocab
-32000 (sglang-jax's bench model, ``bench/sglang_jax_step.py``). Per case, ``bs`` requests of
-``ctx`` prompt tokens are prefilled through the runner with the guard installed (so the canary
-holds every slot), then one decode step's ``runner.model_fn`` arguments are kept and replayed
-(the same KV written again, the same stamps: idempotent), timed three ways:
+32000 (sglang-jax's bench model, ``bench/sglang_jax_step.py``; ``--layers`` sets its depth). Per
+case, ``bs`` requests of ``ctx`` prompt tokens are prefilled through the runner with the guard
+installed (so the canary holds every slot), then one decode step's ``runner.model_fn``
+arguments are kept and replayed (the same KV written again, the same stamps: idempotent), timed
+three ways:
 
 1. ``bare``: the runner's own ``model_fn`` (the model's step jit);
 2. ``guarded``: the guard's step as :func:`~kvcanary_jax.integrations.tpu_inference.install`
@@ -109,10 +110,16 @@ class Decode:
     pending: object  # the host's PendingDelta, for HEAD's delta (host.head_delta)
 
 
-def _fill(bs: int, ctx: int, iters: int, smoke: bool, window: int = 0):
+def bench_model(layers: int | None = None) -> dict:
+    """The bench's Qwen3 (``layers``: its depth, 4 unless given; 28 is Qwen3-0.6B's)."""
+    return {**BENCH_MODEL, **({"num_hidden_layers": layers} if layers else {})}
+
+
+def _fill(bs: int, ctx: int, iters: int, smoke: bool, window: int = 0,
+          layers: int | None = None):
     """A runner with the guard, ``bs`` requests prefilled, and the next decode step's call."""
     blocks_per_req = -(-(ctx + 4 * iters + 2 * BLOCK) // BLOCK)
-    model = None if smoke else BENCH_MODEL
+    model = None if smoke else bench_model(layers)
     vocab = (model or harness.qwen3_config(128))["vocab_size"]
     chunk = max(64, min(512, bs * ctx))  # the stand-in attention gathers each token's context
     prefill_steps = -(-bs * ctx // chunk)
@@ -149,11 +156,12 @@ def _violations(state) -> int:
 
 
 def run_case(bs: int, ctx: int, iters: int, smoke: bool = False, window: int = 0,
-             ncu: bool = False, one_jit: bool = False, delta_jit: bool = False) -> dict:
+             ncu: bool = False, one_jit: bool = False, delta_jit: bool = False,
+             layers: int | None = None) -> dict:
     """One case's row. ``ncu``: nothing timed; the canary-only step runs ``iters`` times
     between ``cudaProfilerStart`` and ``cudaProfilerStop`` (for ``ncu --profile-from-start
     off``: the bench's own CUPTI profiler and Nsight Compute's cannot share a process)."""
-    e, guard, bare, decode = _fill(bs, ctx, iters, smoke, window)
+    e, guard, bare, decode = _fill(bs, ctx, iters, smoke, window, layers)
     step = e.runner.model.step_fn_no_options
     runner, canary = e.runner, guard.canary
     guard.manager.flush()
@@ -164,7 +172,7 @@ def run_case(bs: int, ctx: int, iters: int, smoke: bool = False, window: int = 0
                                                    "max": int(seq_lens.max()) - 1},
            "verify_entries_per_step": int(seq_lens.sum()),
            "attention": "jnp stand-in (RPA v3 is TPU-only)",
-           "model": "tests' Qwen3" if smoke else BENCH_MODEL}
+           "model": "tests' Qwen3" if smoke else bench_model(layers)}
     late = jnp.zeros((canary.data_shards * canary.max_reqs,), jnp.int32)
 
     def with_kv(args):
@@ -491,6 +499,10 @@ def _main(argv) -> int:
     p.add_argument("--coverage-window", default="0",
                    help="the guard's coverage windows, a case each (0: off; e.g. 0,64)")
     p.add_argument("--out", default=None, help="a directory for tpu_inference_step.json")
+    p.add_argument("--layers", type=int, default=None,
+                   help="the timed model's depth (4 unless given; 28 is Qwen3-0.6B's): with "
+                        "--coverage-window 0 the canary reads layer 0's KV at any depth, "
+                        "while the step grows with it")
     p.add_argument("--one-jit", action="store_true",
                    help="also time HEAD -> model -> TAIL traced as one jit (guarded_one_jit)")
     p.add_argument("--delta-jit", action="store_true",
@@ -518,7 +530,7 @@ def _main(argv) -> int:
                                                  (int(x) for x in a.ctx.split(",")), windows):
             try:
                 row = run_case(bs, ctx, a.iters, a.smoke, window, ncu=a.ncu,
-                               one_jit=a.one_jit, delta_jit=a.delta_jit)
+                               one_jit=a.one_jit, delta_jit=a.delta_jit, layers=a.layers)
             except Exception as e:  # one failing case must not hide the others
                 errors.append(f"bs={bs} ctx={ctx} window={window}: {type(e).__name__}: {e}")
                 print(errors[-1], file=sys.stderr)
