@@ -10,6 +10,12 @@ per-round ratios.
 
     python -m bench.bridge_overhead --device cuda --bs 64,256 [--sglang] [--out result.json]
 
+``scatter_growing`` and ``step_growing`` are the scatter and the fused step as a server calls
+them: SGLang scatters each request's whole token history every step, so ``flat_in`` is one
+token a request longer at every call (each call here takes the next of ``GROW`` lengths; its
+SGLang side is the same calls on its twin buffers, and ``step_growing``'s ratio is against the
+sum of SGLang's four launches with the growing scatter).
+
 On the GPU SGLang's side is its Triton / CUDA kernels; on CPU its torch references.
 """
 
@@ -25,8 +31,13 @@ import kvcanary_jax.bridge as bridge
 from kvcanary_jax.testing import cases
 
 
+GROW = 1024  # the growing history's lengths: more than one side's calls of one op
+
+
 def make_case(*, device, bs: int = 64, prefix: int = 100, width: int = 256, ring: int = 1024):
-    """Persistent buffers and one step's inputs (every tensor reused call after call)."""
+    """Persistent buffers and one step's inputs (every tensor reused call after call), and a
+    growing history (``history``: ``GROW`` pairs of a ``flat_in`` one token a request longer
+    than the last and its offsets, with a pool wide enough for the longest)."""
     device = torch.device(device)
     max_reqs = bs + 1
     g = torch.Generator().manual_seed(0)
@@ -54,7 +65,34 @@ def make_case(*, device, bs: int = 64, prefix: int = 100, width: int = 256, ring
         valid=prefix_lens + 1, flat=hist, offs=offs,
         input_ids=hist[offs[1:] - 1].contiguous(), positions=prefix_lens.clone(), ocl=ocl,
     )
+    longest = prefix + 1 + GROW
+    base = torch.randint(0, 50000, (bs * longest,), generator=g).to(device)
+    case["history"] = [(base[: bs * per], torch.arange(0, bs * per + 1, per, dtype=torch.int64,
+                                                      device=device))
+                       for per in range(prefix + 1, longest)]
+    case["history_pool"] = torch.zeros(max_reqs, longest, dtype=torch.int32, device=device)
+    case["calls"] = [0]
     return case
+
+
+def _bucket_starts(c) -> list[int]:
+    """The first index of the growing history in each length bucket."""
+    from kvcanary_jax import buckets
+
+    seen, out = set(), []
+    for i, (flat, _) in enumerate(c["history"]):
+        b = buckets.bucket(int(flat.shape[0]))
+        if b not in seen:
+            seen.add(b)
+            out.append(i)
+    return out
+
+
+def _next_history(c):
+    """The next (flat_in, offsets) of the growing history (cycling after ``GROW`` calls)."""
+    i = c["calls"][0]
+    c["calls"][0] = i + 1
+    return c["history"][i % GROW]
 
 
 def _plan_kw(c):
@@ -70,6 +108,12 @@ def _plan_kw(c):
 def run_scatter(c, lib=bridge):
     lib.launch_scatter_req_token_ids_kernel(flat_in=c["flat"], offsets=c["offs"],
                                             req_pool_indices=c["rpi"], pool_out=c["pool"])
+
+
+def run_scatter_growing(c, lib=bridge):
+    flat, offs = _next_history(c)
+    lib.launch_scatter_req_token_ids_kernel(flat_in=flat, offsets=offs, req_pool_indices=c["rpi"],
+                                            pool_out=c["history_pool"])
 
 
 def run_plan(c, lib=bridge):
@@ -93,6 +137,16 @@ def run_step(c):
     bridge.launch_canary_step(
         context=c["ctx"], input_ids=c["input_ids"], positions=c["positions"],
         out_cache_loc=c["ocl"], expected_token_ids=c["flat"], expected_token_offsets=c["offs"],
+        check_verify_expected_token=True, **kw,
+    )
+
+
+def run_step_growing(c):
+    flat, offs = _next_history(c)
+    kw = dict(_plan_kw(c), req_to_verify_expected_tokens=c["history_pool"])
+    bridge.launch_canary_step(
+        context=c["ctx"], input_ids=c["input_ids"], positions=c["positions"],
+        out_cache_loc=c["ocl"], expected_token_ids=flat, expected_token_offsets=offs,
         check_verify_expected_token=True, **kw,
     )
 
@@ -127,6 +181,11 @@ def _interleaved(sides: dict, ops, *, iters: int, rounds: int):
     raw = {side: {} for side in sides}
     for side, op, f, c in plan:  # warm-up: compile, record the replays
         raw[side][op] = []
+        if op.endswith("_growing"):  # one call per bucket of the history: compiled before
+            for i in _bucket_starts(c):
+                c["calls"][0] = i
+                f(c)
+            c["calls"][0] = 0
         for _ in range(5):
             f(c)
     for _ in range(rounds):
@@ -172,9 +231,12 @@ def measure(*, device="cpu", bs: int = 64, iters: int = 200, sglang: bool = Fals
                      "iters/rounds back-to-back calls; sides interleaved within each round"}
     default_direct = bridge.direct_enabled()
 
+    grown = dict(scatter_growing=run_scatter_growing)
+    fused = dict(step_fused=run_step, step_growing=run_step_growing)
+
     def ours(direct):
         def fn_of(op):
-            f = run_step if op == "step_fused" else ops[op]
+            f = {**ops, **grown, **fused}[op]
 
             def call(cc):
                 bridge.set_direct(direct)
@@ -188,10 +250,11 @@ def measure(*, device="cpu", bs: int = 64, iters: int = 200, sglang: bool = Fals
     if sglang:
         lib = _SglangLib(cuda_jit=is_gpu)
         sides["sglang"] = (
-            lambda op: (lambda cc, f=ops.get(op): f(cc, lib)) if op in ops else None,
+            lambda op: ((lambda cc, f={**ops, **grown}[op]: f(cc, lib))
+                        if op in ops or op in grown else None),
             make_case(device=device, bs=bs))
     try:
-        timed, raw = _interleaved(sides, [*ops, "step_fused"], iters=iters, rounds=rounds)
+        timed, raw = _interleaved(sides, [*ops, *grown, *fused], iters=iters, rounds=rounds)
     finally:
         bridge.set_direct(default_direct)
     out.update(timed)
@@ -200,42 +263,50 @@ def measure(*, device="cpu", bs: int = 64, iters: int = 200, sglang: bool = Fals
     if sglang:
         sg = raw["sglang"]
         total = [sum(sg[n][r] for n in ops) for r in range(rounds)]
+        grown_total = [total[r] - sg["scatter"][r] + sg["scatter_growing"][r]
+                       for r in range(rounds)]
         for side in [k for k in sides if k != "sglang"]:
             mine = raw[side]
             ratios = {n: round(_median([mine[n][r] / sg[n][r] for r in range(rounds)]), 2)
-                      for n in ops}
+                      for n in [*ops, *grown]}
             ratios["step_fused_vs_sum"] = round(_median(
                 [mine["step_fused"][r] / total[r] for r in range(rounds)]), 2)
+            ratios["step_growing_vs_sum"] = round(_median(
+                [mine["step_growing"][r] / grown_total[r] for r in range(rounds)]), 2)
             out["ratio_launch" if side == "bridge" else "ratio_launch_" + side[7:]] = ratios
         out["sglang"]["sum_of_four"] = {"launch_us": round(_median(total), 2)}
+        out["sglang"]["sum_of_four_growing"] = {"launch_us": round(_median(grown_total), 2)}
     return out
 
 
 def table(out) -> str:
     """Microseconds per call (median burst) per side, SGLang's, and the ratios (medians of the
     per-round ratios)."""
-    names = ("scatter", "plan", "verify", "write", "step_fused")
+    names = ("scatter", "plan", "verify", "write", "step_fused", "scatter_growing",
+             "step_growing")
+    sums = {"step_fused": "sum_of_four", "step_growing": "sum_of_four_growing"}
     sides = [k for k in ("bridge", "bridge_dlpack") if k in out]
     label = {"bridge": "direct" if out["device"].startswith("cuda") else "dlpack",
              "bridge_dlpack": "dlpack"}
     ratio_key = {"bridge": "ratio_launch", "bridge_dlpack": "ratio_launch_dlpack"}
     sg = out.get("sglang", {})
-    head = f"{'op':<11}" + "".join(f"{label[k]:>12}" for k in sides) + f"{'sglang':>10}"
+    head = f"{'op':<16}" + "".join(f"{label[k]:>12}" for k in sides) + f"{'sglang':>10}"
     if sg:
         head += "".join(f"{'ratio ' + label[k]:>14}" for k in sides)
     lines = [f"device={out['device']} bs={out['bs']} iters={out['iters']} rounds="
              f"{out.get('rounds', 1)} (us per call)", head]
     for n in names:
-        row = f"{n:<11}" + "".join(f"{out[k][n]['launch_us']:>12.1f}" for k in sides)
-        ref = sg.get("sum_of_four" if n == "step_fused" else n, {}).get("launch_us")
+        row = f"{n:<16}" + "".join(f"{out[k][n]['launch_us']:>12.1f}" for k in sides)
+        ref = sg.get(sums.get(n, n), {}).get("launch_us")
         row += f"{ref:>10.1f}" if ref else f"{'-':>10}"
         if ref:
-            rk = "step_fused_vs_sum" if n == "step_fused" else n
+            rk = n + "_vs_sum" if n in sums else n
             row += "".join(f"{out[ratio_key[k]][rk]:>13.2f}x" for k in sides)
         lines.append(row)
     if sg:
-        lines.append("(step_fused's SGLang column is the sum of its four launches; targets on "
-                     "the direct path: ops <= 1.0x, step <= 0.5x)")
+        lines.append("(the steps' SGLang column is the sum of its four launches, the growing "
+                     "scatter's for step_growing; targets on the direct path: ops <= 1.0x, "
+                     "step <= 0.5x)")
     return "\n".join(lines)
 
 

@@ -23,6 +23,12 @@ for the one that refers to tensors, weakly):
               that of the largest batch seen, at least 4,096 (32 bytes a count); it is made
               outside graph captures (a first plan call inside one is refused, asking for a
               warm-up call).
+``lengths``   a bucketed token array's true length, the operand the scatter's kernel reads
+              (``Arg.length_of``): per device, a table of int64 lengths kept the same way (8
+              bytes a length, at least 65,536 of them: the table is the size of the longest
+              ``flat_in`` seen, in int64), read by address (no view kept per length). Inside a
+              graph capture, a length past the table is a per-call tensor in the graph's own
+              memory.
 
 Lifetime: process-wide, from first use until evicted (oldest entry first, once a cache is full)
 or :func:`clear_cache`. A lookup is one dict read (atomic in CPython, no lock on the hot path);
@@ -88,16 +94,26 @@ _MISSING = object()
 
 
 class Counts:
-    """Read-only device scalars: ``view(device, n)`` is a one-element int32 tensor holding ``n``,
-    the same tensor for every call with ``(device, n)``, at a 32-byte aligned address (so a
-    kernel taking it keeps its aligned variant). Tables grow by doubling; an outgrown table is
-    kept alive, as its addresses may be in a captured CUDA graph."""
+    """Read-only device scalars: ``view(device, n)`` is a one-element tensor (``dtype``) holding
+    ``n``, ``row`` elements after ``n - 1``'s (a ``row`` of 32 bytes keeps every count as aligned
+    as a kernel's operands may assume), and ``address(device, n)`` its address. With
+    ``keep_views`` a view is made once and kept (the same tensor for every call with
+    ``(device, n)``); without, each ``view`` is a new view of the table (the lengths of a growing
+    history: a view kept for each would be a host object per length ever seen). Tables grow by
+    doubling, at least ``minimum`` counts; an outgrown table is kept alive, as its addresses may
+    be in a captured CUDA graph. A new table is waited for once on the stream that fills it, so
+    any stream may read it at once."""
 
-    ROW = 8  # int32 per count: 32 bytes
-
-    def __init__(self):
+    def __init__(self, dtype: str = "int32", row: int = 8, minimum: int = 4096,
+                 keep_views: bool = True,
+                 what: str = "launch_canary_plan_kernels with {n} requests needs a device scalar "
+                             "for its batch size"):
+        self.dtype, self.row, self.minimum, self.what = dtype, row, minimum, what
+        self.keep_views = keep_views
         self._views: dict[tuple, Any] = {}
         self._tables: dict[Any, list] = {}
+        # Per device, the newest table's (counts, address, bytes a count): address() in one read.
+        self._latest: dict[Any, tuple[int, int, int]] = {}
         self._lock = threading.Lock()
 
     def view(self, device, n: int):
@@ -106,28 +122,45 @@ class Counts:
         v = self._views.get(key, _MISSING)
         if v is not _MISSING:
             return v
-        import torch
-
         if n == 0 or device.type not in ("cpu", "cuda"):
             return self._views.setdefault(key, None)
+        v = self._table(device, n)[n, :1]
+        return self._views.setdefault(key, v) if self.keep_views else v
+
+    def address(self, device, n: int) -> int:
+        """``view(device, n).data_ptr()`` without making the view (``n > 0``, a CPU or CUDA
+        device)."""
+        latest = self._latest.get(device)
+        if latest is None or latest[0] <= n:
+            self._table(device, n)
+            latest = self._latest[device]
+        return latest[1] + n * latest[2]
+
+    def _table(self, device, n: int):
+        """The newest table on ``device``, made (or outgrown) to hold ``n``."""
+        import torch
+
         with self._lock:
             tables = self._tables.setdefault(device, [])
             if not tables or tables[-1].shape[0] <= n:
-                if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                cuda = device.type == "cuda"
+                if cuda and torch.cuda.is_current_stream_capturing():
                     # A table made now would be filled only when the graph first replays.
                     from kvcanary_jax.bridge.dlpack import BridgeError
 
                     raise BridgeError(
-                        f"kv-canary bridge: launch_canary_plan_kernels with {n} requests needs "
-                        "a device scalar for its batch size, which cannot be made during a CUDA "
-                        "graph capture; call it once with as many requests (or more) before "
+                        f"kv-canary bridge: {self.what.format(n=n)}, which cannot be made during "
+                        f"a CUDA graph capture; call it once with as many (or more) before "
                         "capturing (as a warm-up run does)")
-                # SGLang's own batch cap (4,096) on first use: 128 KiB.
-                size = 1 << max(n, 4095).bit_length()
-                table = torch.arange(size, dtype=torch.int32, device=device)
-                tables.append(table[:, None].repeat(1, self.ROW))
-            v = self._views.setdefault(key, tables[-1][n, :1])
-        return v
+                size = 1 << max(n, self.minimum - 1).bit_length()
+                table = torch.arange(size, dtype=getattr(torch, self.dtype), device=device)
+                table = table[:, None].repeat(1, self.row) if self.row > 1 else table[:, None]
+                if cuda:
+                    torch.cuda.current_stream(device).synchronize()
+                tables.append(table)
+                self._latest[device] = (size, table.data_ptr(),
+                                        table.stride(0) * table.element_size())
+            return tables[-1]
 
 
 class Caches:
@@ -139,6 +172,8 @@ class Caches:
         self.variants = Bounded("variants", 512)
         self.jitted = Bounded("jitted", 256)
         self.counts = Counts()
+        self.lengths = Counts("int64", row=1, minimum=1 << 16, keep_views=False,
+                              what="a token array's true length of {n}")
         self._extra: list[Callable[[], None]] = []
 
     def on_clear(self, fn: Callable[[], None]) -> None:

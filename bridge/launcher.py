@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 import jax
 import torch
 
+from kvcanary_jax import buckets
 from kvcanary_jax.bridge import streams, triton_direct, views
 from kvcanary_jax.bridge.cache import CACHES
 from kvcanary_jax.bridge.checks import check_outputs_apart_from_inputs, value_checks_enabled
@@ -70,11 +71,12 @@ class Arg:
     does read (a digest's slots): passed as a per-call temporary, the tensor then ``pad`` (a
     value the op skips), on both paths.
     ``whole_rows``: the op reads a pitched base's whole rows, so the base must lie inside the
-    tensor's storage (checked on every call). ``value``: not a caller's tensor but an int64
-    ``[1]`` holding this number, made by the bridge (once per signature, kept in its
-    :class:`Prepared`; inside a CUDA graph capture, a per-call temporary the graph fills): a
-    bucketed token array's true length, which the op's kernel reads. Holds no tensor:
-    arguments are cached per call signature.
+    tensor's storage (checked on every call). ``length_of``: not a caller's tensor but an int64
+    ``[1]`` holding the length of this call's tensor ``length_of`` (a bucketed token array's
+    true length, which the op's kernel reads), the bridge's device scalar for it
+    (``CACHES.lengths``, never freed: no copy, no host wait, and a CUDA graph may keep its
+    address; read per call by :meth:`Launcher.pointers`); its address is only 8-byte aligned, and the kernels are built to
+    take it so. Holds no tensor: arguments are cached per call signature.
     """
 
     name: str
@@ -86,14 +88,15 @@ class Arg:
     clamp: int | None = None
     whole_rows: bool = False
     pad: int | None = None
-    value: int | None = None
+    length_of: str | None = None
 
 
 class Signature(NamedTuple):
     """What a call's checks, arguments and program depend on: the launcher, every tensor's
-    (shape, strides, dtype, device) in declaration order (None where absent), the non-tensor
-    arguments, and the in-place outputs' addresses (two outputs must not share memory). A
-    signature never keeps a tensor."""
+    (shape, strides, dtype, device) in declaration order (None where absent; a bucketed token
+    array's bucket in place of its length, :func:`_bucket_metas`), the non-tensor arguments,
+    and the in-place outputs' addresses (two outputs must not share memory). A signature never
+    keeps a tensor."""
 
     launcher: str
     tensors: tuple
@@ -141,8 +144,7 @@ class Prepared:
     (``results``), bound once here. ``arg_names`` and ``clamped`` (the positions of the
     arguments clamped per call) and ``padded`` (those staged with their ``pad`` per call) let the
     direct path read the pointers in one pass; ``valued`` (the positions of the arguments with
-    a ``value``) and ``values`` (their tensors by name, made at their first call outside a
-    capture)."""
+    a ``length_of``, whose addresses each call reads)."""
 
     skip: bool
     args: tuple[Arg, ...] = ()
@@ -152,10 +154,10 @@ class Prepared:
     program_key: Any = None
     whole_rows: tuple[Arg, ...] = ()  # arguments checked against their storage on every call
     arg_names: tuple[str, ...] = ()
+    ptr_names: tuple[str, ...] = ()  # arg_names, a length's own name replaced by its array's
     clamped: tuple[int, ...] = ()
     padded: tuple[int, ...] = ()
     valued: tuple[int, ...] = ()
-    values: dict = dataclasses.field(default_factory=dict)
     program: _ProgramSlot = dataclasses.field(default_factory=_ProgramSlot)
 
 
@@ -211,6 +213,23 @@ def _metas(values) -> tuple:
                   for t in values])
 
 
+# buckets.bucket(n) is 1 << max(_FLOOR_BITS, (n - 1).bit_length()) for n >= 1.
+_FLOOR_BITS = (buckets.FLOOR - 1).bit_length()
+
+
+def _bucket_metas(metas: tuple, k: int) -> tuple:
+    """``metas`` with each of the first ``k`` (a declaration's bucketed token arrays) holding
+    its bucket (as its power of two) where it has a length: 1-D, at least 2 elements (there its
+    stride alone says whether it is contiguous). Empty and 1-element arrays, and every other
+    shape, stay exact: the checks and the launch decide on them."""
+    out = []
+    for m in metas[:k]:
+        if m is not None and len(m) == 4 and len(m[0]) == 1 and m[0][0] > 1:
+            m = (("bucket", max(_FLOOR_BITS, (m[0][0] - 1).bit_length())),) + m[1:]
+        out.append(m)
+    return (*out, *metas[k:])
+
+
 def check_whole_rows(a: Arg, t) -> None:
     """A pitched base whose rows the op reads whole must lie inside ``t``'s storage."""
     rows, pitch = a.shape
@@ -252,7 +271,10 @@ class Launcher:
     def __call__(self, **kwargs) -> None:
         decl = self.decl
         tensors = decl.tensors(kwargs)
-        sig = Signature(decl.name, _metas(tensors.values()), decl.statics(kwargs),
+        metas = _metas(tensors.values())
+        if decl.bucketed:
+            metas = _bucket_metas(metas, decl.bucketed)
+        sig = Signature(decl.name, metas, decl.statics(kwargs),
                         tuple([t.data_ptr() if type(t) is _Tensor else _ptr(t)
                                for t in map(tensors.__getitem__, decl.outputs)]))
         prep = CACHES.prepared.get(sig)
@@ -263,8 +285,6 @@ class Launcher:
         for a in prep.whole_rows:
             check_whole_rows(a, tensors[a.name])
         anchor = tensors[decl.anchor]
-        if prep.valued:
-            _add_values(prep, tensors, anchor.device)
         device = anchor.device
         checked = value_checks_enabled(device)
         if checked:
@@ -319,9 +339,10 @@ class Launcher:
         return Prepared(skip=False, args=tuple(args), static=static, results=results,
                         result_names=tuple(result_names), program_key=key,
                         whole_rows=tuple(a for a in args if a.whole_rows), arg_names=names,
+                        ptr_names=tuple(a.length_of or a.name for a in args),
                         clamped=tuple(i for i, a in enumerate(args) if a.clamp is not None),
                         padded=tuple(i for i, a in enumerate(args) if a.pad is not None),
-                        valued=tuple(i for i, a in enumerate(args) if a.value is not None))
+                        valued=tuple(i for i, a in enumerate(args) if a.length_of is not None))
 
     # ---------------------------------------------------------------------------------------
     # Direct path
@@ -342,7 +363,7 @@ class Launcher:
         if isinstance(entry, str):
             return entry
         # Per-call temporaries (clamped offsets) live until the launches are queued.
-        ptrs, keep = self.pointers(prep, tensors, clamp)
+        ptrs, keep = self.pointers(prep, tensors, clamp, device)
         stream = (_raw_stream(key.device) if _raw_stream is not None
                   else torch.cuda.current_stream(device).cuda_stream)
 
@@ -358,12 +379,20 @@ class Launcher:
         return ""
 
     @staticmethod
-    def pointers(prep: Prepared, tensors, clamp: bool = True) -> tuple[list, list]:
+    def pointers(prep: Prepared, tensors, clamp: bool = True, device=None) -> tuple[list, list]:
         """Each argument's address, and the per-call temporaries behind them (offsets clamped to
         a bucketed token array's true length; arrays padded to their bucket: torch ops on the
-        tensors' stream)."""
-        ptrs = [tensors[n].data_ptr() for n in prep.arg_names]
+        tensors' stream; a length past its table inside a graph capture)."""
+        ptrs = [tensors[n].data_ptr() for n in prep.ptr_names]
         keep = []
+        for i in prep.valued:
+            n = tensors[prep.args[i].length_of].shape[0]
+            try:
+                ptrs[i] = CACHES.lengths.address(device, n)
+            except BridgeError:  # past the table, inside a capture: in the graph's memory
+                t = torch.full((1,), n, dtype=torch.int64, device=device)
+                keep.append(t)
+                ptrs[i] = t.data_ptr()
         if clamp:
             for i in prep.clamped:
                 t = torch.clamp(tensors[prep.arg_names[i]], max=prep.args[i].clamp)
@@ -395,7 +424,10 @@ class Launcher:
                                         static), donate_argnums=donate, keep_unused=True))
         cache = views.for_device(info.torch_device)
         with _dlpack_lock(info.torch_device), x64_scope():
-            presented = [_present(a, tensors[a.name], info, cache) for a in prep.args]
+            presented = [_present(a, tensors[a.name] if a.length_of is None else
+                                  CACHES.lengths.view(anchor.device,
+                                                      tensors[a.length_of].shape[0]),
+                                  info, cache) for a in prep.args]
             fence, stream = streams.enter(info)
             outs = fn(fence, *(p.array for p in presented))
             streams.finish(info, outs[:1], stream)
@@ -407,23 +439,6 @@ class Launcher:
             # to let go of its imports.
             del presented, outs
             views.wait_if_exiting()
-
-
-def _add_values(prep: Prepared, tensors: dict, device) -> None:
-    """The tensors of the arguments with a ``value`` into the call's ``tensors``: the prepared
-    call's, made at the first call outside a CUDA graph capture (a synchronous copy, so any
-    stream may read it at once); inside a capture a per-call temporary, filled by the graph
-    (a capture cannot copy from the host)."""
-    for i in prep.valued:
-        a = prep.args[i]
-        t = prep.values.get(a.name)
-        if t is None:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                t = torch.full((1,), a.value, dtype=torch.int64, device=device)
-            else:
-                t = prep.values[a.name] = torch.tensor([a.value], dtype=torch.int64,
-                                                       device=device)
-        tensors[a.name] = t
 
 
 def _padded(a: Arg, t):
@@ -550,6 +565,9 @@ def _build_program(decl, prep: Prepared, device, index):
                                                 static=dict(prep.static, platform="cuda"))
     except triton_direct.Unsupported as e:
         return f"{decl.name}: {e}"
+    # A value's device scalar is a row of an int64 table: 8-byte aligned, not the 32 bytes
+    # the lowering declares (one kernel for every value, no variant compiled per alignment).
+    program = triton_direct.with_arg_alignment(program, {i: 8 for i in prep.valued})
     loaded = triton_direct.Loaded(program, device, _compile_variant(index),
                                   [a.name for a in prep.args])
     try:

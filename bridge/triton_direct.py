@@ -58,6 +58,7 @@ __all__ = [
     "ttir_text",
     "kernel_params",
     "with_divisibility",
+    "with_arg_alignment",
     "compile_kernel",
     "triton_version",
     "available",
@@ -381,6 +382,26 @@ def with_divisibility(text: str, divisibility: Sequence[int | None]) -> str:
             p += f" {{tt.divisibility = {d} : i32}}"
         out.append(p)
     return text[:m.start(2)] + ", ".join(out) + text[m.end(2):]
+
+
+def with_arg_alignment(program: Program, alignment: dict[int, int]) -> Program:
+    """``program`` with each parameter on argument ``i``'s memory declared at most
+    ``alignment[i]`` bytes divisible (an argument whose address the caller knows is only that
+    aligned: compiling for it once, rather than per pointer met)."""
+    if not alignment:
+        return program
+    kernels = []
+    for k in program.kernels:
+        div = tuple(min(p.divisibility, alignment[b.index])
+                    if p.divisibility and b.kind == "arg" and b.index in alignment
+                    else p.divisibility for p, b in zip(k.params, k.bufs))
+        if div != tuple(p.divisibility for p in k.params):
+            k = dataclasses.replace(
+                k, ttir=with_divisibility(k.ttir, div),
+                params=tuple(dataclasses.replace(p, divisibility=d)
+                             for p, d in zip(k.params, div)))
+        kernels.append(k)
+    return dataclasses.replace(program, kernels=tuple(kernels))
 
 
 # --------------------------------------------------------------------------------------------

@@ -1186,3 +1186,86 @@ def test_plan_batch_size_scalars_are_shared_aligned_and_never_freed():
     assert big.tolist() == [5000] and big.data_ptr() % 32 == 0
     assert counts.view(CPU, 7) is a and a.tolist() == [7]  # the first table's views stay
     assert counts.view(CPU, 0) is None
+
+
+def test_a_scatters_true_length_is_a_never_freed_table_row_kept_past_every_cache():
+    """The scatter's bucketed flat_in length: a row of the bridge's int64 table (8 bytes apart,
+    8-byte aligned), read by address, no view kept per length (a history grows every step);
+    the same address after clear_cache() (a captured CUDA graph may hold it), and the table
+    grows past its first 65,536 lengths keeping the old rows."""
+    from kvcanary_jax.bridge.cache import CACHES
+
+    n = 6464  # 64 requests of 101 tokens: not a bucket
+    flat = torch.arange(n, dtype=torch.int64)
+    offs = torch.arange(0, n + 1, 101, dtype=torch.int64)
+    rpi = torch.arange(1, 65, dtype=torch.int64)
+    pool = torch.zeros(65, 128, dtype=torch.int32)
+    with bridge.value_checks(False):
+        bridge.launch_scatter_req_token_ids_kernel(flat_in=flat, offsets=offs,
+                                                   req_pool_indices=rpi, pool_out=pool)
+    assert torch.equal(pool[1:, :101], flat.reshape(64, 101).to(torch.int32))
+    lengths = CACHES.lengths
+    t = lengths.view(CPU, n)
+    assert t.tolist() == [n] and t.dtype == torch.int64 and t.data_ptr() % 8 == 0
+    assert lengths.address(CPU, n) == t.data_ptr() and lengths.view(CPU, n) is not t
+    assert lengths.address(CPU, n + 1) - t.data_ptr() == 8 and not lengths._views
+    bridge.clear_cache()
+    assert lengths.address(CPU, n) == t.data_ptr() and t.tolist() == [n]
+    big = lengths.view(CPU, 70001)  # past the first table: a second one
+    assert big.tolist() == [70001] and lengths.address(CPU, 70001) == big.data_ptr()
+    assert t.tolist() == [n]
+
+
+def test_a_growing_history_keeps_one_prepared_scatter_per_bucket_and_equals_sglang():
+    """SGLang scatters each request's whole history every step, one token longer each time:
+    the call signature holds flat_in's bucket, not its length, so every length of a bucket
+    runs the call prepared once (its checks and arguments), each with its own true length (the
+    kernel reads no token past it), equal to SGLang's reference; a 1-token history keeps a
+    signature of its own (there the contiguity check decides on more than the stride)."""
+    from kvcanary_jax.bridge.cache import CACHES
+    from kvcanary_jax import oracle
+
+    ref = oracle.load(cuda_jit=False).scatter_ref.scatter_req_token_ids_torch_reference
+    bs, width = 4, 64
+    rpi = torch.tensor([3, 1, 4, 2])
+    pool, want = (torch.full((6, width), -5, dtype=torch.int32) for _ in range(2))
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(-1000, 1000, (bs * width,), generator=g)
+    bridge.clear_cache()
+
+    def prepared():
+        return sum(k.launcher == "launch_scatter_req_token_ids_kernel"
+                   for k in CACHES.prepared._d)
+
+    seen = []
+    with bridge.value_checks(False):
+        for per in range(9, 40):  # 36 .. 156 tokens: buckets 64, 128 and 256
+            flat = base[: bs * per].clone()
+            offs = torch.arange(0, bs * per + 1, per)
+            bridge.launch_scatter_req_token_ids_kernel(flat_in=flat, offsets=offs,
+                                                       req_pool_indices=rpi, pool_out=pool)
+            ref(flat_in=flat, offsets=offs, req_pool_indices=rpi, pool_out=want)
+            assert torch.equal(pool, want), per
+            seen.append(prepared())
+    assert seen[0] == 1 and seen[-1] == 3  # one per bucket
+    # A shorter history in a seen bucket: the kernel reads its own length, not the first one's.
+    flat = base[: bs * 10].clone()
+    offs = torch.tensor([0, 10, 20, 30, 1000])  # past the end: read as the true 40
+    pool.fill_(-5)
+    want.fill_(-5)
+    with bridge.value_checks(False):
+        bridge.launch_scatter_req_token_ids_kernel(flat_in=flat, offsets=offs,
+                                                   req_pool_indices=rpi, pool_out=pool)
+    ref(flat_in=flat, offsets=offs.clamp(max=40), req_pool_indices=rpi, pool_out=want)
+    assert torch.equal(pool, want) and prepared() == 3
+    pool2 = pool.clone()
+    # A 1-element view with a stride is contiguous and runs; a strided longer one is refused.
+    with bridge.value_checks(False):
+        bridge.launch_scatter_req_token_ids_kernel(
+            flat_in=base[:4:3][:1], offsets=torch.tensor([0, 1, 1, 1, 1]),
+            req_pool_indices=rpi, pool_out=pool2)
+        assert pool2[3, 0] == base[0]
+        with pytest.raises(ValueError, match="flat_in must be contiguous"):
+            bridge.launch_scatter_req_token_ids_kernel(
+                flat_in=base[: 2 * 40:2], offsets=torch.tensor([0, 10, 20, 30, 40]),
+                req_pool_indices=rpi, pool_out=pool2)

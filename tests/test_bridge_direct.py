@@ -90,13 +90,13 @@ def test_scatter_kernel_parameters_are_its_operands_then_the_aliased_pool():
     # bs = 4 requests; span = min(pool width 32, bucketed tokens 64) = 32 -> one 32-column tile.
     assert grid == (4, 1, 1)
     # The bucketed flat_in's true length is an operand the kernel reads (no per-call clamp of
-    # the offsets): a tensor the bridge keeps per call signature.
+    # the offsets): a row of the bridge's never-freed table of lengths (CACHES.lengths).
     assert params == [("flat_in", "i64"), ("offsets", "i64"), ("req_pool_indices", "i64"),
                       ("num_tokens", "i64"), ("pool_out", "i32"), ("pool_out", "i32")]
     args, prog = _program("scatter")
     assert args[0].shape == (64,)  # 4 x 13 tokens, bucketed up to the floor
     count = next(a for a in args if a.name == "num_tokens")
-    assert (count.value, count.shape) == (52, (1,))
+    assert (count.length_of, count.shape) == ("flat_in", (1,))
     assert all(a.clamp is None for a in args)
     assert prog.scratch == () and prog.consts == () and prog.copies == ()
 
@@ -271,6 +271,30 @@ def test_a_misaligned_pointer_gets_a_kernel_with_the_divisibility_it_has():
                                          "not 4-byte aligned"):
         td.check_alignment(k, ptrs, [f"p{i}" if i != 8 else "violation_write_index"
                                      for i in range(len(ptrs))])
+
+
+def test_a_length_operand_is_declared_8_byte_aligned_and_compiles_once_for_any_length():
+    """The scatter's true length is a row of an int64 table, so its address is 8-byte aligned
+    only: the program declares that parameter so (every other one as lowered), so every length
+    takes the kernel built first, none a variant of its own."""
+    args, prog = _program("scatter")
+    i = next(j for j, a in enumerate(args) if a.name == "num_tokens")
+    loose = td.with_arg_alignment(prog, {i: 8})
+    [k], [k0] = loose.kernels, prog.kernels
+    for b, p, p0 in zip(k.bufs, k.params, k0.params):
+        if (b.kind, b.index) == ("arg", i):
+            assert p0.divisibility > 8 and p.divisibility == 8
+        else:
+            assert p == p0
+    assert td.kernel_params(k.ttir)[1] == k.params
+    # Any row's address: 8-byte aligned at least, so no pointer is less aligned than declared.
+    ptrs = [0x7f0000000000] * len(k.params)
+    ptrs[[b.index for b in k.bufs].index(i)] += 8
+    assert td.divisibility_for(k, ptrs) == tuple(p.divisibility for p in k.params)
+    compiled = td.compile_kernel(k.ttir, num_warps=k.num_warps, num_stages=k.num_stages,
+                                 target=_target())
+    assert compiled.metadata.name == k.name
+    assert td.with_arg_alignment(prog, {}) is prog
 
 
 def test_fused_step_is_one_program_of_all_the_kernels():

@@ -11,8 +11,10 @@ through XLA on the DLPack path and is lowered to its Triton kernels on the direc
 source.
 
 Buckets (:mod:`kvcanary_jax.buckets`): scatter's ``flat_in`` and write's token arrays are lowered
-at ``bucket(length)``. The scatter's kernel reads the true length (an int64 ``[1]`` the bridge
-keeps per call signature: ``Arg.value``) and reads the offsets as at most that; the write's
+at ``bucket(length)``. The scatter's kernel reads the true length (an int64 ``[1]``, a row of the
+bridge's never-freed table of lengths: ``Arg.length_of``) and reads the offsets as at most that,
+so a call signature holds the history's bucket, not its length (``Declaration.bucketed``: the
+history SGLang scatters grows every step, and keeps its prepared call); the write's
 offsets are clamped to the true length by a torch op on the call's stream (a per-call
 temporary). Either keeps every read below the true length on both paths. ``launch_canary_step``
 buckets its scatter input only (its write offsets are computed inside the step). The plan's request vectors are lowered at ``min(bucket(bs),

@@ -3,8 +3,9 @@
 Each request's int64 tokens into its int32 row of ``pool_out``, in place: SGLang's checks (the
 op's contract, then the torch-only ones), the values checked on request (rows, offsets inside
 ``flat_in``, non-decreasing), and the arguments: ``flat_in`` at ``bucket(length)`` with its true
-length beside it (the kernel reads the offsets as at most that length), ``pool_out`` a view whose
-rows may be strided. The step reuses the
+length beside it (the kernel reads the offsets as at most that length; a call signature holds the
+bucket, so the history SGLang scatters, longer every step, keeps one prepared call), ``pool_out``
+a view whose rows may be strided. The step reuses the
 checks and the call (:func:`scatter_validate`, :func:`scatter_skip`, :func:`scatter_values`,
 :func:`scatter_call`).
 """
@@ -61,11 +62,10 @@ def scatter_values(kw, ts):
 def _scatter_args(flat_in, offsets, rpi, pool_name, pool):
     """Scatter's arguments, ``flat_in`` bucketed; ``pool`` may be a view with strided rows (only
     its columns are written, so its base may run past the storage on the direct path)."""
-    n = int(flat_in.shape[0])
-    b = buckets.bucket(n)
+    b = buckets.bucket(int(flat_in.shape[0]))
     args = [
         dense("flat_in", flat_in, shape=(b,)),
-        *count_arg("num_tokens", n, b),
+        count_arg("num_tokens", "flat_in"),
         dense("offsets", offsets),
         dense("req_pool_indices", rpi),
         pitched(pool_name, pool, out=True, check_fits=False),
@@ -74,7 +74,7 @@ def _scatter_args(flat_in, offsets, rpi, pool_name, pool):
 
 
 def scatter_call(inputs: ScatterInputs, *, max_cols, platform, num_tokens=None):
-    """``num_tokens``: ``flat_in``'s true length (an int64 ``[1]``) where it is a bucket."""
+    """``num_tokens``: ``flat_in``'s true length (an int64 ``[1]``; ``flat_in`` is a bucket)."""
     return _scatter.run(inputs, max_cols=max_cols, implementation=impl_for("scatter", platform),
                         num_tokens=num_tokens)
 
@@ -94,7 +94,7 @@ def _scatter_arguments(kw, ts):
 
 SCATTER = Declaration(
     name="launch_scatter_req_token_ids_kernel", anchor="pool_out", outputs=("pool_out",),
-    tensors=_scatter_tensors,
+    tensors=_scatter_tensors, bucketed=1,  # flat_in, first
     statics=lambda kw: (), validate=scatter_validate, skip=scatter_skip,
     check_values=scatter_values, arguments=_scatter_arguments, fn=scatter_fn,
 )

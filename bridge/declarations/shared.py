@@ -79,6 +79,11 @@ class Declaration:
     # Tensors this call writes besides ``outputs`` (the step's expected-token pool when it
     # scatters): they must not share memory with any input either.
     also_written: Callable[[dict], tuple] = lambda kw: ()
+    # The first ``bucketed`` tensors are token arrays lowered at ``bucket(length)`` whose true
+    # length the function takes per call (an argument with ``length_of``): a call signature
+    # holds their bucket, not their length, so a history that grows every step (SGLang's
+    # scatter) keeps its prepared call. No check may depend on their exact length.
+    bucketed: int = 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,11 +212,11 @@ def check_distinct_outputs(outputs: dict) -> None:
         spans.append((name, (lo, hi)))
 
 
-def count_arg(name, n: int, b: int) -> list[Arg]:
-    """A token array's true length ``n`` where it is lowered at bucket ``b > n``: an int64
-    ``[1]`` the bridge makes (``Arg.value``) and the op reads (the scatter's ``num_tokens``:
-    its offsets read as at most ``n``); none where ``b == n``."""
-    return [Arg(name=name, shape=(1,), dtype=torch.int64, value=n)] if b != n else []
+def count_arg(name, of: str) -> Arg:
+    """Token array ``of``'s true length, this call's: an int64 ``[1]`` the bridge supplies
+    (``Arg.length_of``) and the op reads (the scatter's ``num_tokens``: its offsets read as at
+    most that), so one prepared call serves every length of a bucket."""
+    return Arg(name=name, shape=(1,), dtype=torch.int64, length_of=of)
 
 
 def offsets_arg(name, t, n: int, b: int) -> Arg:

@@ -66,7 +66,9 @@ _STEP_EXTRA = ("input_ids", "positions", "out_cache_loc", "expected_token_ids",
 
 
 def _step_tensors(kw):
-    out = plan_tensors(kw)
+    # The bucketed history first (STEP.bucketed).
+    out = {"expected_token_ids": kw["expected_token_ids"]}
+    out.update(plan_tensors(kw))
     out.update(ctx_tensors(kw["context"], "write"))
     out.update({k: kw[k] for k in _STEP_EXTRA})
     return out
@@ -164,10 +166,9 @@ def _step_arguments(kw, ts):
     pool = ts["req_to_verify_expected_tokens"]
     if do_scatter:
         flat = ts["expected_token_ids"]
-        n = int(flat.shape[0])
-        b = buckets.bucket(n)
+        b = buckets.bucket(int(flat.shape[0]))
         args.append(dense("expected_token_ids", flat, shape=(b,)))
-        args += count_arg("expected_token_count", n, b)
+        args.append(count_arg("expected_token_count", "expected_token_ids"))
         args.append(dense("expected_token_offsets", ts["expected_token_offsets"]))
     # The step's batch size stays exact: its write plan feeds write in the same program.
     plan_args = plan_args_at(ts, int(ts["req_pool_indices"].shape[0]), False)
@@ -194,7 +195,7 @@ def _step_arguments(kw, ts):
 
 STEP = Declaration(
     name="launch_canary_step", anchor="canary_buf",
-    outputs=_write_base.OUTPUTS + PLAN.outputs, tensors=_step_tensors,
+    outputs=_write_base.OUTPUTS + PLAN.outputs, tensors=_step_tensors, bucketed=1,
     statics=_step_statics, validate=_step_validate, skip=lambda kw, ts: False,
     check_values=_step_values, arguments=_step_arguments, fn=step_fn,
     also_written=lambda kw: ("req_to_verify_expected_tokens",) if _do_scatter(kw) else (),
