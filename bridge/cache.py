@@ -25,10 +25,11 @@ for the one that refers to tensors, weakly):
               warm-up call).
 ``lengths``   a bucketed token array's true length, the operand the scatter's kernel reads
               (``Arg.length_of``): per device, a table of int64 lengths kept the same way (8
-              bytes a length, at least 65,536 of them: the table is the size of the longest
-              ``flat_in`` seen, in int64), read by address (no view kept per length). Inside a
-              graph capture, a length past the table is a per-call tensor in the graph's own
-              memory.
+              bytes a length; 65,536 to 1,048,575 of them, sized to the longest ``flat_in``
+              seen: 16 MiB at most with the tables it outgrew), read by address on the direct
+              path; the DLPack path keeps the 256 newest views. A length past the table inside
+              a graph capture, or of 1,048,576 tokens or more, is a per-call tensor (in the
+              graph's own memory in a capture).
 
 Lifetime: process-wide, from first use until evicted (oldest entry first, once a cache is full)
 or :func:`clear_cache`. A lookup is one dict read (atomic in CPython, no lock on the hot path);
@@ -96,20 +97,21 @@ _MISSING = object()
 class Counts:
     """Read-only device scalars: ``view(device, n)`` is a one-element tensor (``dtype``) holding
     ``n``, ``row`` elements after ``n - 1``'s (a ``row`` of 32 bytes keeps every count as aligned
-    as a kernel's operands may assume), and ``address(device, n)`` its address. With
-    ``keep_views`` a view is made once and kept (the same tensor for every call with
-    ``(device, n)``); without, each ``view`` is a new view of the table (the lengths of a growing
-    history: a view kept for each would be a host object per length ever seen). Tables grow by
-    doubling, at least ``minimum`` counts; an outgrown table is kept alive, as its addresses may
-    be in a captured CUDA graph. A new table is waited for once on the stream that fills it, so
-    any stream may read it at once."""
+    as a kernel's operands may assume), and ``address(device, n)`` its address. A view is made
+    once and kept (the same tensor for every call with ``(device, n)``), the ``keep_views`` most
+    recent where that is a number (the lengths of a growing history: a view kept for each would
+    be a host object per length ever seen). Tables grow by doubling, at least ``minimum`` counts
+    and, with a ``maximum``, never to hold it or more (``view`` and ``address`` give None there:
+    the caller makes a per-call tensor). An outgrown table is kept alive, as its addresses may be
+    in a captured CUDA graph. A new table is waited for once on the stream that fills it, so any
+    stream may read it at once."""
 
     def __init__(self, dtype: str = "int32", row: int = 8, minimum: int = 4096,
-                 keep_views: bool = True,
+                 keep_views: int | None = None, maximum: int | None = None,
                  what: str = "launch_canary_plan_kernels with {n} requests needs a device scalar "
                              "for its batch size"):
         self.dtype, self.row, self.minimum, self.what = dtype, row, minimum, what
-        self.keep_views = keep_views
+        self.keep_views, self.maximum = keep_views, maximum
         self._views: dict[tuple, Any] = {}
         self._tables: dict[Any, list] = {}
         # Per device, the newest table's (counts, address, bytes a count): address() in one read.
@@ -124,14 +126,22 @@ class Counts:
             return v
         if n == 0 or device.type not in ("cpu", "cuda"):
             return self._views.setdefault(key, None)
+        if self.maximum is not None and n >= self.maximum:
+            return None
         v = self._table(device, n)[n, :1]
-        return self._views.setdefault(key, v) if self.keep_views else v
+        if self.keep_views is not None:
+            with self._lock:
+                while len(self._views) >= self.keep_views:
+                    del self._views[next(iter(self._views))]
+        return self._views.setdefault(key, v)
 
-    def address(self, device, n: int) -> int:
+    def address(self, device, n: int) -> int | None:
         """``view(device, n).data_ptr()`` without making the view (``n > 0``, a CPU or CUDA
-        device)."""
+        device); None at or past ``maximum``."""
         latest = self._latest.get(device)
         if latest is None or latest[0] <= n:
+            if self.maximum is not None and n >= self.maximum:
+                return None
             self._table(device, n)
             latest = self._latest[device]
         return latest[1] + n * latest[2]
@@ -153,6 +163,8 @@ class Counts:
                         f"a CUDA graph capture; call it once with as many (or more) before "
                         "capturing (as a warm-up run does)")
                 size = 1 << max(n, self.minimum - 1).bit_length()
+                if self.maximum is not None:
+                    size = min(size, self.maximum)
                 table = torch.arange(size, dtype=getattr(torch, self.dtype), device=device)
                 table = table[:, None].repeat(1, self.row) if self.row > 1 else table[:, None]
                 if cuda:
@@ -172,8 +184,8 @@ class Caches:
         self.variants = Bounded("variants", 512)
         self.jitted = Bounded("jitted", 256)
         self.counts = Counts()
-        self.lengths = Counts("int64", row=1, minimum=1 << 16, keep_views=False,
-                              what="a token array's true length of {n}")
+        self.lengths = Counts("int64", row=1, minimum=1 << 16, keep_views=256,
+                              maximum=1 << 20, what="a token array's true length of {n}")
         self._extra: list[Callable[[], None]] = []
 
     def on_clear(self, fn: Callable[[], None]) -> None:

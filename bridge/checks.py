@@ -9,6 +9,7 @@ values, so the checks are a diagnostic: on for CPU tensors by default, opt-in on
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import threading
 
@@ -99,23 +100,66 @@ def check_outputs_apart_from_inputs(launcher: str, written: tuple, tensors: dict
     kernels would read what they are writing, a result neither SGLang's reference nor any
     defined one. Refused naming both; spans are compared by address (a strided output whose
     span encloses an input is refused even where their elements interleave)."""
-    def has_memory(t):  # meta tensors (address 0) hold none: the launcher refuses them itself
-        return isinstance(t, torch.Tensor) and t.numel() and t.device.type != "meta"
-
-    outs = []
-    for name in written:
-        t = tensors.get(name)
-        if has_memory(t):
-            outs.append((name, t.device, *_span(t)))
+    outs = written_spans(written, tensors)
     if not outs:
         return
     for name, t in tensors.items():
-        if name in written or not has_memory(t):
-            continue
-        lo, hi = _span(t)
-        for out, device, a, b in outs:
-            if lo < b and a < hi and t.device == device:
-                raise BridgeError(
-                    f"kv-canary bridge: {launcher} {out} shares memory with {name}; a tensor "
-                    "the launcher writes must not overlap one it reads (pass distinct tensors)"
-                )
+        if name not in written:
+            check_apart(launcher, outs, name, t)
+
+
+def _has_memory(t) -> bool:  # meta tensors (address 0) hold none: the launcher refuses them
+    return bool(isinstance(t, torch.Tensor) and t.numel() and t.device.type != "meta")
+
+
+def written_spans(written: tuple, tensors: dict) -> tuple:
+    """``(name, device, start, end)`` of each written tensor that holds memory."""
+    return tuple((name, t.device, *_span(t)) for name in written
+                 if _has_memory(t := tensors.get(name)))
+
+
+def check_apart(launcher: str, outs: tuple, name: str, t) -> None:
+    """Input ``name`` apart from every span of :func:`written_spans`, else the rule's error."""
+    if not _has_memory(t):
+        return
+    lo, hi = _span(t)
+    for out, device, a, b in outs:
+        if lo < b and a < hi and t.device == device:
+            raise BridgeError(
+                f"kv-canary bridge: {launcher} {out} shares memory with {name}; a tensor "
+                "the launcher writes must not overlap one it reads (pass distinct tensors)"
+            )
+
+
+class Apart:
+    """The written spans of one prepared call, for a per-call check of an input whose extent the
+    call signature does not hold (a bucketed array): the spans' union sorted once, so a call
+    costs one bisection; a hit is named by :func:`check_apart`."""
+
+    def __init__(self, launcher: str, outs: tuple):
+        self.launcher, self.outs = launcher, outs
+        merged: list[list[int]] = []
+        for _, _, a, b in sorted(outs, key=lambda o: o[2]):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        self.starts = [a for a, _ in merged]
+        self.ends = [b for _, b in merged]
+
+    def check(self, name: str, t) -> None:
+        """``t`` as the call signature admitted it: a tensor of the prepared call's device."""
+        shape = t.shape
+        if len(shape) == 1:  # a token array: its span without the general walk
+            n = shape[0]
+            if not n:
+                return
+            lo = t.data_ptr()
+            hi = lo + ((n - 1) * t.stride(0) + 1) * t.element_size()
+        elif not _has_memory(t):
+            return
+        else:
+            lo, hi = _span(t)
+        i = bisect.bisect_left(self.starts, hi) - 1  # the last span starting below hi
+        if i >= 0 and self.ends[i] > lo:
+            check_apart(self.launcher, self.outs, name, t)

@@ -43,7 +43,8 @@ import torch
 from kvcanary_jax import buckets
 from kvcanary_jax.bridge import streams, triton_direct, views
 from kvcanary_jax.bridge.cache import CACHES
-from kvcanary_jax.bridge.checks import check_outputs_apart_from_inputs, value_checks_enabled
+from kvcanary_jax.bridge.checks import (Apart, check_outputs_apart_from_inputs,
+                                        value_checks_enabled, written_spans)
 from kvcanary_jax.bridge.dlpack import (STATS, BridgeError, carry_import, device_info,
                                         import_tensor, write_back, x64_scope)
 from kvcanary_jax.bridge.switches import env_switch, switch
@@ -75,8 +76,9 @@ class Arg:
     ``[1]`` holding the length of this call's tensor ``length_of`` (a bucketed token array's
     true length, which the op's kernel reads), the bridge's device scalar for it
     (``CACHES.lengths``, never freed: no copy, no host wait, and a CUDA graph may keep its
-    address; read per call by :meth:`Launcher.pointers`); its address is only 8-byte aligned, and the kernels are built to
-    take it so. Holds no tensor: arguments are cached per call signature.
+    address; read per call by :meth:`Launcher.pointers`); its address is only 8-byte aligned,
+    and the kernels are built to take it so. Holds no tensor: arguments are cached per call
+    signature.
     """
 
     name: str
@@ -158,6 +160,10 @@ class Prepared:
     clamped: tuple[int, ...] = ()
     padded: tuple[int, ...] = ()
     valued: tuple[int, ...] = ()
+    # The bucketed arrays' names and the written tensors' spans (the outputs' addresses are in
+    # the signature): each call checks those arrays apart from them, their length being not.
+    bucketed_apart: tuple[str, ...] = ()
+    written_apart: Any = None
     program: _ProgramSlot = dataclasses.field(default_factory=_ProgramSlot)
 
 
@@ -287,6 +293,11 @@ class Launcher:
         anchor = tensors[decl.anchor]
         device = anchor.device
         checked = value_checks_enabled(device)
+        if prep.bucketed_apart and not checked:
+            # A bucketed array's length is not in the signature either: a longer one may reach
+            # an output that the signature's check did not see it reach.
+            for name in prep.bucketed_apart:
+                prep.written_apart.check(name, tensors[name])
         if checked:
             # Addresses of the inputs are not part of the signature: checked again here.
             check_outputs_apart_from_inputs(decl.name, decl.outputs + decl.also_written(kwargs),
@@ -319,8 +330,9 @@ class Launcher:
                 e.add_note(f"kv-canary bridge: raised by {decl.name}")
             raise
         # Once per signature (with value checks on, on every call: see __call__).
-        check_outputs_apart_from_inputs(decl.name, decl.outputs + decl.also_written(kwargs),
-                                        tensors)
+        written = decl.outputs + decl.also_written(kwargs)
+        check_outputs_apart_from_inputs(decl.name, written, tensors)
+        apart = tuple(list(tensors)[:decl.bucketed])
         anchor = tensors[decl.anchor]
         if anchor.device.type == "meta":
             device_info(anchor, decl.anchor)  # raises the bridge's error for the meta device
@@ -342,7 +354,9 @@ class Launcher:
                         ptr_names=tuple(a.length_of or a.name for a in args),
                         clamped=tuple(i for i, a in enumerate(args) if a.clamp is not None),
                         padded=tuple(i for i, a in enumerate(args) if a.pad is not None),
-                        valued=tuple(i for i, a in enumerate(args) if a.length_of is not None))
+                        valued=tuple(i for i, a in enumerate(args) if a.length_of is not None),
+                        bucketed_apart=apart, written_apart=Apart(
+                            decl.name, written_spans(written, tensors)) if apart else None)
 
     # ---------------------------------------------------------------------------------------
     # Direct path
@@ -389,8 +403,10 @@ class Launcher:
             n = tensors[prep.args[i].length_of].shape[0]
             try:
                 ptrs[i] = CACHES.lengths.address(device, n)
-            except BridgeError:  # past the table, inside a capture: in the graph's memory
-                t = torch.full((1,), n, dtype=torch.int64, device=device)
+            except BridgeError:  # past the table inside a capture (in the graph's memory)
+                ptrs[i] = None
+            if ptrs[i] is None:  # or past the table's bound
+                t = _length_tensor(n, device)
                 keep.append(t)
                 ptrs[i] = t.data_ptr()
         if clamp:
@@ -425,8 +441,7 @@ class Launcher:
         cache = views.for_device(info.torch_device)
         with _dlpack_lock(info.torch_device), x64_scope():
             presented = [_present(a, tensors[a.name] if a.length_of is None else
-                                  CACHES.lengths.view(anchor.device,
-                                                      tensors[a.length_of].shape[0]),
+                                  _length_view(tensors[a.length_of].shape[0], anchor.device),
                                   info, cache) for a in prep.args]
             fence, stream = streams.enter(info)
             outs = fn(fence, *(p.array for p in presented))
@@ -439,6 +454,20 @@ class Launcher:
             # to let go of its imports.
             del presented, outs
             views.wait_if_exiting()
+
+
+def _length_tensor(n: int, device):
+    """A per-call int64 ``[1]`` holding ``n`` (made on the current stream; no host wait)."""
+    return torch.full((1,), n, dtype=torch.int64, device=device)
+
+
+def _length_view(n: int, device):
+    """The length ``n`` as a tensor for the DLPack path: the table's view, else per call."""
+    try:
+        t = CACHES.lengths.view(device, n)
+    except BridgeError:
+        t = None
+    return _length_tensor(n, device) if t is None else t
 
 
 def _padded(a: Arg, t):

@@ -526,6 +526,16 @@ class Loaded:
         # The largest declared divisibility: pointers that all have it take the default kernel.
         self.masks = [max([p.divisibility or 1 for p in k.params] + [1]) - 1
                       for k in program.kernels]
+        # A kernel some of whose parameters are declared less divisible (with_arg_alignment):
+        # the positions declared the largest (tight), and each other one with its own mask
+        # (loose); None where every parameter is declared alike.
+        self.tight, self.loose = [], []
+        for k, m in zip(program.kernels, self.masks):
+            loose = tuple((j, p.divisibility - 1) for j, p in enumerate(k.params)
+                          if p.divisibility and 1 < p.divisibility <= m)
+            self.loose.append(loose)
+            self.tight.append(tuple(j for j, p in enumerate(k.params)
+                                    if p.divisibility and p.divisibility > m) if loose else None)
         self._runners: dict[tuple, Callable] = {}
         self._lock = threading.Lock()
 
@@ -557,10 +567,17 @@ class Loaded:
             args = [ptrs[j] if kind == 0 else base + offs[j] if kind == 1 else const_ptrs[j]
                     for kind, j in plan]
             low = 0
-            for p in args:
-                low |= p
+            tight = self.tight[i]
+            if tight is None:
+                for p in args:
+                    low |= p
+                off = low & self.masks[i]
+            else:
+                for j in tight:
+                    low |= args[j]
+                off = low & self.masks[i] or any(args[j] & m for j, m in self.loose[i])
             div = None
-            if low & self.masks[i]:  # some pointer is less aligned than the kernel assumes
+            if off:  # some pointer is less aligned than the kernel assumes
                 k = self.program.kernels[i]
                 check_alignment(k, args, [self.names[j] if kind == 0 else "scratch"
                                           for kind, j in plan])

@@ -1190,7 +1190,7 @@ def test_plan_batch_size_scalars_are_shared_aligned_and_never_freed():
 
 def test_a_scatters_true_length_is_a_never_freed_table_row_kept_past_every_cache():
     """The scatter's bucketed flat_in length: a row of the bridge's int64 table (8 bytes apart,
-    8-byte aligned), read by address, no view kept per length (a history grows every step);
+    8-byte aligned), read by address (the DLPack path's views: the newest few, see below);
     the same address after clear_cache() (a captured CUDA graph may hold it), and the table
     grows past its first 65,536 lengths keeping the old rows."""
     from kvcanary_jax.bridge.cache import CACHES
@@ -1207,8 +1207,8 @@ def test_a_scatters_true_length_is_a_never_freed_table_row_kept_past_every_cache
     lengths = CACHES.lengths
     t = lengths.view(CPU, n)
     assert t.tolist() == [n] and t.dtype == torch.int64 and t.data_ptr() % 8 == 0
-    assert lengths.address(CPU, n) == t.data_ptr() and lengths.view(CPU, n) is not t
-    assert lengths.address(CPU, n + 1) - t.data_ptr() == 8 and not lengths._views
+    assert lengths.address(CPU, n) == t.data_ptr() and lengths.view(CPU, n) is t
+    assert lengths.address(CPU, n + 1) - t.data_ptr() == 8
     bridge.clear_cache()
     assert lengths.address(CPU, n) == t.data_ptr() and t.tolist() == [n]
     big = lengths.view(CPU, 70001)  # past the first table: a second one
@@ -1269,3 +1269,45 @@ def test_a_growing_history_keeps_one_prepared_scatter_per_bucket_and_equals_sgla
             bridge.launch_scatter_req_token_ids_kernel(
                 flat_in=base[: 2 * 40:2], offsets=torch.tensor([0, 10, 20, 30, 40]),
                 req_pool_indices=rpi, pool_out=pool2)
+
+
+def test_a_longer_history_reaching_the_pool_is_refused_within_its_bucket():
+    """The signature holds flat_in's bucket, not its extent: each call checks the history apart
+    from the outputs, so one that grows into pool_out inside its bucket is refused as a fresh
+    call would be, with value checks off, and nothing is written."""
+    buf = torch.zeros(400, dtype=torch.int64)
+    pool = buf[110:110 + 64].view(torch.int32).view(4, 32)
+    rpi = torch.tensor([1, 2])
+    with bridge.value_checks(False):
+        bridge.launch_scatter_req_token_ids_kernel(
+            flat_in=buf[:100], offsets=torch.tensor([0, 50, 100]), req_pool_indices=rpi,
+            pool_out=pool)
+        before = buf.clone()
+        with pytest.raises(bridge.BridgeError, match="pool_out shares memory with flat_in"):
+            bridge.launch_scatter_req_token_ids_kernel(
+                flat_in=buf[:120], offsets=torch.tensor([0, 60, 120]), req_pool_indices=rpi,
+                pool_out=pool)
+    assert torch.equal(buf, before)
+
+
+def test_the_length_table_is_bounded_and_its_views_few():
+    """Lengths of 2**20 tokens or more get no table row (the caller makes a per-call tensor):
+    the table stays under 16 MiB with those it outgrew; the DLPack path's views of it are the
+    256 newest, not one per length ever seen; the plan's counts keep every view."""
+    from kvcanary_jax.bridge.cache import Counts
+
+    lengths = Counts("int64", row=1, minimum=1 << 16, keep_views=256, maximum=1 << 20)
+    assert lengths.address(CPU, (1 << 20) - 1) is not None
+    assert lengths.address(CPU, 1 << 20) is None and lengths.view(CPU, 1 << 20) is None
+    assert sum(t.numel() * 8 for t in lengths._tables[CPU]) < 16 << 20
+    views = [lengths.view(CPU, n) for n in range(1, 1001)]
+    assert len(lengths._views) == 256 and lengths.view(CPU, 1000) is views[-1]
+    assert all(v.tolist() == [n] for n, v in enumerate(views, 1))
+    with bridge.value_checks(False):  # a history that long still runs, its length per call
+        n = (1 << 20) + 3
+        flat = torch.arange(n, dtype=torch.int64) % 1000
+        pool = torch.zeros(3, 8, dtype=torch.int32)
+        bridge.launch_scatter_req_token_ids_kernel(
+            flat_in=flat, offsets=torch.tensor([0, 4, n + 50]), req_pool_indices=torch.tensor([1, 2]),
+            pool_out=pool)
+    assert pool[1, :4].tolist() == [0, 1, 2, 3] and pool[2].tolist() == list(range(4, 12))

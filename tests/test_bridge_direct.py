@@ -422,3 +422,24 @@ def test_empty_batch_plan_is_copies_of_constants_and_matches_sglang(sgl):
         assert torch.equal(getattr(plans[0][0], f), getattr(plans[1][0], f)), f
     for f in bridge.WritePlan.__dataclass_fields__:
         assert torch.equal(getattr(plans[0][1], f), getattr(plans[1][1], f)), f
+
+
+def test_a_length_row_at_any_8_byte_address_takes_the_kernel_built_first():
+    """The launch's alignment test reads each parameter against its own declared divisibility:
+    the length operand (declared 8) at an address only 8-byte aligned takes the first kernel
+    without the alignment walk; another operand off its 32 bytes still gets its variant."""
+    args, prog = _program("scatter")
+    i = next(j for j, a in enumerate(args) if a.name == "num_tokens")
+    prog = td.with_arg_alignment(prog, {i: 8})
+    loaded = td.Loaded(prog, "cpu", None, [a.name for a in args])
+    asked = []
+    loaded.runner = lambda k, div: (lambda *a, stream: asked.append(div))
+    base = 0x7f0000000000
+    ptrs = [base] * len(args)
+    ptrs[i] = base + 8
+    loaded.launch(ptrs, 0)
+    assert asked == [None]
+    ptrs[0] = base + 8  # flat_in off its declared 32 bytes: a variant for that
+    loaded.launch(ptrs, 0)
+    j = [b.index for b in prog.kernels[0].bufs].index(0)
+    assert asked[1] is not None and asked[1][j] == 8
