@@ -166,6 +166,10 @@ class Prepared:
     written_apart: Any = None
     program: _ProgramSlot = dataclasses.field(default_factory=_ProgramSlot)
 
+    def __post_init__(self):
+        if not self.ptr_names:
+            object.__setattr__(self, "ptr_names", tuple(a.length_of or a.name for a in self.args))
+
 
 # --------------------------------------------------------------------------------------------
 # Path report and switch
@@ -351,7 +355,6 @@ class Launcher:
         return Prepared(skip=False, args=tuple(args), static=static, results=results,
                         result_names=tuple(result_names), program_key=key,
                         whole_rows=tuple(a for a in args if a.whole_rows), arg_names=names,
-                        ptr_names=tuple(a.length_of or a.name for a in args),
                         clamped=tuple(i for i, a in enumerate(args) if a.clamp is not None),
                         padded=tuple(i for i, a in enumerate(args) if a.pad is not None),
                         valued=tuple(i for i, a in enumerate(args) if a.length_of is not None),
