@@ -168,7 +168,7 @@ PY
       timeout 260 python3 -m kvcanary_jax.bench --quick --ops "${OPS/,bridge/}" \
         --implementations pallas_triton,xla --out $OUT/bench-quick-impls 2>&1 | tail -70 ;;
     bridge-bench)
-      timeout 60 python3 -m kvcanary_jax.bench.bridge_overhead --device cuda --bs 64,256 --sglang \
+      timeout 150 python3 -m kvcanary_jax.bench.bridge_overhead --device cuda --bs 64,256 --sglang \
         --iters 270 --rounds 9 --out $OUT/bridge_overhead.json 2>&1 | tail -20
       timeout 40 python3 -m kvcanary_jax.bench.bridge_direct --bs 64,256 --out $OUT/bridge_direct.json \
         2>&1 | tail -25 ;;
@@ -180,7 +180,7 @@ PY
         tests/test_bridge_gpu.py 2>&1 | tee $OUT/bridge_tests.log | tail -25
       timeout 75 compute-sanitizer --tool memcheck --print-limit 5 \
         python3 -m kvcanary_jax.bench.sanitize_cases --bridge-only 2>&1 | tee $OUT/bridge_sanitize.log | tail -8
-      timeout 60 python3 -m kvcanary_jax.bench.bridge_overhead --device cuda --bs 64,256 --sglang \
+      timeout 150 python3 -m kvcanary_jax.bench.bridge_overhead --device cuda --bs 64,256 --sglang \
         --iters 270 --rounds 9 --out $OUT/bridge_overhead.json 2>&1 | tail -20
       timeout 40 python3 -m kvcanary_jax.bench.bridge_direct --bs 64,256 --out $OUT/bridge_direct.json \
         2>&1 | tail -25
