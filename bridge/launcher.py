@@ -97,8 +97,8 @@ class Signature(NamedTuple):
     """What a call's checks, arguments and program depend on: the launcher, every tensor's
     (shape, strides, dtype, device) in declaration order (None where absent; a bucketed token
     array's bucket in place of its length, :func:`_bucket_metas`), the non-tensor arguments,
-    and the in-place outputs' addresses (two outputs must not share memory). A signature never
-    keeps a tensor."""
+    and the addresses of the tensors it writes (two outputs must not share memory, and a
+    prepared call checks inputs against their spans). A signature never keeps a tensor."""
 
     launcher: str
     tensors: tuple
@@ -286,7 +286,7 @@ class Launcher:
             metas = _bucket_metas(metas, decl.bucketed)
         sig = Signature(decl.name, metas, decl.statics(kwargs),
                         tuple([t.data_ptr() if type(t) is _Tensor else _ptr(t)
-                               for t in map(tensors.__getitem__, decl.outputs)]))
+                               for t in map(tensors.__getitem__, decl.addressed)]))
         prep = CACHES.prepared.get(sig)
         if prep is None:
             prep = CACHES.prepared.put(sig, self._prepare(kwargs, tensors))

@@ -144,6 +144,43 @@ def test_fused_step_refuses_to_scatter_into_req_to_token():
     assert _unchanged(kw, before)
 
 
+@pytest.mark.parametrize("checks", [True, False], ids=["value_checks", "no_value_checks"])
+def test_fused_step_checks_the_history_against_the_pool_it_is_given(checks):
+    """The pool's address is part of the call signature: a step given a new pool of the same
+    shape checks its history against that pool, not against the one an earlier call was
+    prepared with. Both ways: a history where the old pool was runs, and a history inside the
+    new pool's row is refused, with nothing written."""
+    rows, cols = 4, 8
+    old = torch.zeros(rows * cols, dtype=torch.int32)
+    kw = _step_kw()  # the same outputs every call: one signature, but for the pool's address
+
+    def step(pool, history):
+        bridge.launch_canary_step(
+            **kw, req_to_verify_expected_tokens=pool,
+            req_to_verify_expected_tokens_valid_lens=torch.tensor([2]),
+            expected_token_ids=history, expected_token_offsets=torch.tensor([0, 2]),
+            check_verify_expected_token=True)
+
+    with bridge.value_checks(checks):
+        step(old.view(rows, cols), torch.tensor([5, 6]))
+        assert old.view(rows, cols)[1, :2].tolist() == [5, 6]
+        # The pool moves; the next history lies where the old pool was.
+        new = torch.zeros(rows, cols, dtype=torch.int32)
+        history = old.view(torch.int64)[:2]
+        history.copy_(torch.tensor([5, 6]))
+        step(new, history)
+        assert new[1, :2].tolist() == [5, 6]
+        # A history inside the row the step would scatter into is refused, nothing written.
+        newer = torch.full((rows, cols), -1, dtype=torch.int32)
+        inside = newer.view(-1).view(torch.int64)[4:6]  # row 1, columns 0-3
+        inside.copy_(torch.tensor([5, 6]))
+        before = newer.clone()
+        with _shared("launch_canary_step req_to_verify_expected_tokens shares memory with "
+                     "expected_token_ids"):
+            step(newer, inside)
+        assert torch.equal(newer, before)
+
+
 @pytest.mark.parametrize("launcher,kw,message", [
     ("launch_scatter_req_token_ids_kernel",
      dict(flat_in=torch.arange(8)[::2], offsets=torch.tensor([0, 4]),

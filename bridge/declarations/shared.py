@@ -79,11 +79,19 @@ class Declaration:
     # Tensors this call writes besides ``outputs`` (the step's expected-token pool when it
     # scatters): they must not share memory with any input either.
     also_written: Callable[[dict], tuple] = lambda kw: ()
+    # Every tensor ``also_written`` may name: their addresses join the outputs' in the call
+    # signature, since the spans a prepared call checks inputs against come from them.
+    may_also_write: tuple[str, ...] = ()
     # The first ``bucketed`` tensors are token arrays lowered at ``bucket(length)`` whose true
     # length the function takes per call (an argument with ``length_of``): a call signature
     # holds their bucket, not their length, so a history that grows every step (SGLang's
     # scatter) keeps its prepared call. No check may depend on their exact length.
     bucketed: int = 0
+    # outputs + may_also_write: the tensors whose addresses a call signature holds.
+    addressed: tuple[str, ...] = dataclasses.field(init=False, default=())
+
+    def __post_init__(self):
+        object.__setattr__(self, "addressed", self.outputs + self.may_also_write)
 
 
 # --------------------------------------------------------------------------------------------

@@ -199,5 +199,6 @@ STEP = Declaration(
     statics=_step_statics, validate=_step_validate, skip=lambda kw, ts: False,
     check_values=_step_values, arguments=_step_arguments, fn=step_fn,
     also_written=lambda kw: ("req_to_verify_expected_tokens",) if _do_scatter(kw) else (),
+    may_also_write=("req_to_verify_expected_tokens",),
 )
 
