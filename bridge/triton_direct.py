@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import operator
 import os
 import re
 import tempfile
@@ -492,6 +493,22 @@ def check_alignment(kernel: KernelCall, ptrs: Sequence[int], names: Sequence[str
             )
 
 
+def _required(p: Param) -> int:
+    """The alignment a parameter's pointer must have for the kernel as compiled: its declared
+    divisibility, else its element's size."""
+    return p.divisibility or _ELEM_BYTES.get(p.dtype, 1)
+
+
+def _gather(positions: tuple[int, ...]) -> Callable[[Sequence[int]], tuple]:
+    """``pointers -> tuple(pointers[i] for i in positions)``, in one C call."""
+    if len(positions) > 1:
+        return operator.itemgetter(*positions)
+    if positions:
+        (i,) = positions
+        return lambda p: (p[i],)
+    return lambda p: ()
+
+
 class Loaded:
     """A :class:`Program` compiled for one CUDA device, ready to launch.
 
@@ -519,23 +536,37 @@ class Loaded:
             total += -(-max(s.nbytes, 1) // 256) * 256
         self.scratch_offsets = offs
         self.scratch_bytes = total
-        # Per kernel: where each parameter's pointer comes from, as (kind, index) with kind
-        # 0 = argument, 1 = scratch, 2 = constant.
-        kinds = {"arg": 0, "scratch": 1, "const": 2}
-        self.plans = [tuple((kinds[b.kind], b.index) for b in k.bufs) for k in program.kernels]
-        # The largest declared divisibility: pointers that all have it take the default kernel.
-        self.masks = [max([p.divisibility or 1 for p in k.params] + [1]) - 1
-                      for k in program.kernels]
-        # A kernel some of whose parameters are declared less divisible (with_arg_alignment):
-        # the positions declared the largest (tight), and each other one with its own mask
-        # (loose); None where every parameter is declared alike.
-        self.tight, self.loose = [], []
-        for k, m in zip(program.kernels, self.masks):
-            loose = tuple((j, p.divisibility - 1) for j, p in enumerate(k.params)
-                          if p.divisibility and 1 < p.divisibility <= m)
-            self.loose.append(loose)
-            self.tight.append(tuple(j for j, p in enumerate(k.params)
-                                    if p.divisibility and p.divisibility > m) if loose else None)
+        # The constants' addresses, fixed for the object's lifetime.
+        self.const_ptrs = [c.data_ptr() for c in self.consts]
+        # Per kernel: its parameters as positions in one list of the call's pointers (the
+        # arguments', then the scratch buffers', then the constants'), read by one C call.
+        nargs = len(self.names)
+        first = {"arg": 0, "scratch": nargs, "const": nargs + len(offs)}
+        self.gathers = [_gather(tuple(first[b.kind] + b.index for b in k.bufs))
+                        for k in program.kernels]
+        # Every kernel's default variant is right for a call whose pointers all have their
+        # declared divisibility. Each argument's strictest one over the kernels, grouped by
+        # mask: (mask, argument positions). Scratch offsets are multiples of 256 and the
+        # constants fixed, so they are checked here once (the scratch base per call).
+        need: dict[tuple[str, int], int] = {}
+        for k in program.kernels:
+            for b, prm in zip(k.bufs, k.params):
+                if _required(prm) > 1:
+                    key = (b.kind, b.index)
+                    need[key] = max(need.get(key, 1), _required(prm))
+        groups: dict[int, list[int]] = {}
+        for (kind, j), d in sorted(need.items()):
+            if kind == "arg":
+                groups.setdefault(d - 1, []).append(j)
+        self.arg_masks = tuple((m, tuple(js)) for m, js in groups.items())
+        self.scratch_mask = max([d for (kind, _), d in need.items()
+                                 if kind == "scratch"] + [1]) - 1
+        self.uniform = all(o & self.scratch_mask == 0 for o in offs) and all(
+            self.const_ptrs[j] % d == 0 for (kind, j), d in need.items() if kind == "const")
+        self._defaults: list = [None] * len(program.kernels)
+        # Calls with a pointer less aligned than declared: runners per low-bits pattern.
+        self.low_mask = max([d for d in need.values()] + [1]) - 1
+        self._variants: dict[tuple, list] = {}
         self._runners: dict[tuple, Callable] = {}
         self._lock = threading.Lock()
 
@@ -551,43 +582,69 @@ class Loaded:
                 r = self._runners.setdefault(key, compiled[k.grid])
         return r
 
+    def _variants_for(self, pool: Sequence[int]) -> list:
+        """Each kernel's runner for the pointers ``pool``: its default where every parameter
+        has its declared divisibility, else one compiled for what they have (a pointer not
+        aligned to its element type is refused, naming its tensor)."""
+        runs = []
+        for i, gather in enumerate(self.gathers):
+            args = gather(pool)
+            k = self.program.kernels[i]
+            div = None
+            if any(a & (_required(p) - 1) for a, p in zip(args, k.params)):
+                check_alignment(k, args, [self.names[b.index] if b.kind == "arg" else b.kind
+                                          for b in k.bufs])
+                div = divisibility_for(k, args)
+            runs.append(self.runner(i, div))
+        return runs
+
     def launch(self, ptrs: Sequence[int], stream: int, arg_views: Callable | None = None) -> None:
         """Launch every kernel on raw CUDA stream ``stream`` with argument pointers ``ptrs``;
         ``arg_views(i)`` gives argument ``i`` as a flat uint8 tensor (for result copies)."""
         import torch
 
-        base = 0
         scratch = None
+        pool = ptrs
+        uniform = self.uniform
         if self.scratch_bytes:
             scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=self.device)
             base = scratch.data_ptr()
-        const_ptrs = [c.data_ptr() for c in self.consts]
-        offs = self.scratch_offsets
-        for i, plan in enumerate(self.plans):
-            args = [ptrs[j] if kind == 0 else base + offs[j] if kind == 1 else const_ptrs[j]
-                    for kind, j in plan]
-            low = 0
-            tight = self.tight[i]
-            if tight is None:
-                for p in args:
-                    low |= p
-                off = low & self.masks[i]
-            else:
-                for j in tight:
-                    low |= args[j]
-                off = low & self.masks[i] or any(args[j] & m for j, m in self.loose[i])
-            div = None
-            if off:  # some pointer is less aligned than the kernel assumes
-                k = self.program.kernels[i]
-                check_alignment(k, args, [self.names[j] if kind == 0 else "scratch"
-                                          for kind, j in plan])
-                div = divisibility_for(k, args)
-            self.runner(i, div)(*args, stream=stream)
+            pool = [*ptrs, *[base + o for o in self.scratch_offsets], *self.const_ptrs]
+            uniform = uniform and not base & self.scratch_mask
+        elif self.const_ptrs:
+            pool = [*ptrs, *self.const_ptrs]
+        if uniform:
+            for mask, positions in self.arg_masks:
+                low = 0
+                for j in positions:
+                    low |= ptrs[j]
+                if low & mask:
+                    uniform = False
+                    break
+        if uniform:  # every pointer as aligned as declared: each kernel's default variant
+            defaults = self._defaults
+            for i, gather in enumerate(self.gathers):
+                run = defaults[i]
+                if run is None:
+                    run = defaults[i] = self.runner(i, None)
+                run(*gather(pool), stream=stream)
+        else:
+            # Some pointer is less aligned than declared: the kernels for these pointers'
+            # alignments, found once per pattern of low address bits.
+            key = tuple([p & self.low_mask for p in pool])
+            runs = self._variants.get(key)
+            if runs is None:
+                runs = self._variants_for(pool)
+                if len(self._variants) >= 64:
+                    self._variants.clear()
+                self._variants[key] = runs
+            for run, gather in zip(runs, self.gathers):
+                run(*gather(pool), stream=stream)
         for c in self.program.copies:
             dst = arg_views(c.dst_arg)
             if c.src.kind == "const":
                 dst.copy_(self.consts[c.src.index][: dst.numel()])
             else:
-                off = offs[c.src.index]
+                off = self.scratch_offsets[c.src.index]
                 dst.copy_(scratch[off: off + dst.numel()])
         del scratch  # back to the caching allocator, ordered on the current stream

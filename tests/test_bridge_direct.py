@@ -443,3 +443,58 @@ def test_a_length_row_at_any_8_byte_address_takes_the_kernel_built_first():
     loaded.launch(ptrs, 0)
     j = [b.index for b in prog.kernels[0].bufs].index(0)
     assert asked[1] is not None and asked[1][j] == 8
+
+
+def test_a_launchs_kernels_are_chosen_once_per_alignment_pattern():
+    """The fused step's five kernels: pointers all as aligned as declared take each kernel's
+    default; a pattern of lower alignments is resolved once (a kernel compiled for what its
+    pointers have, the others' defaults) and reused while the low address bits repeat; a
+    pointer off its element's size is refused on every call, never remembered."""
+    c = _case()
+    kw = dict(context=c["ctx"], verify_plan_out=c["vp"], write_plan_out=c["wp"],
+              input_ids=c["input_ids"], positions=c["positions"], out_cache_loc=c["ocl"],
+              expected_token_ids=c["flat"], expected_token_offsets=c["offs"],
+              check_verify_expected_token=True, enable_write_input_assert=False,
+              expected_input_tokens=None, expected_input_positions=None,
+              **{k: v for k, v in bo._plan_kw(c).items()
+                 if k not in ("verify_plan_out", "write_plan_out")})
+    ts = declarations.STEP.tensors(kw)
+    args, static, results = declarations.STEP.arguments(kw, ts)
+    prog = _extract(declarations.STEP.fn, args, results, static=dict(static, platform="cuda"))
+    names = [a.name for a in args]
+    loaded = td.Loaded(prog, "cpu", None, names)
+    asked, calls = [], []
+    loaded.runner = lambda k, div: asked.append((k, div)) or (
+        lambda *a, stream, k=k, div=div: calls.append((k, div, a)))
+    base = 1 << 40
+    ptrs = [base + 4096 * i for i in range(len(args))]
+    for _ in range(3):
+        loaded.launch(ptrs, 0)
+    assert asked == [(k, None) for k in range(5)]  # each default once, then kept
+    assert [k for k, _, _ in calls] == list(range(5)) * 3
+    ring = names.index("violation_ring")
+    users = [k for k, kern in enumerate(prog.kernels) if td.Buf("arg", ring) in kern.bufs]
+    assert users  # verify and write append to it
+    ptrs[ring] += 16
+    asked.clear()
+    calls.clear()
+    for _ in range(3):
+        loaded.launch(ptrs, 0)
+        ptrs = [p + (1 << 20) for p in ptrs]  # other addresses, the same low bits
+    assert [k for k, _ in asked] == list(range(5))  # resolved once for the pattern
+    for k, div in asked:
+        kern = prog.kernels[k]
+        if k in users:
+            j = kern.bufs.index(td.Buf("arg", ring))
+            assert div[j] == 16 and div == td.divisibility_for(kern, calls[k][2])
+        else:
+            assert div is None
+    # The arguments each kernel got are the call's, in parameter order.
+    for k, div, a in calls[-5:]:
+        assert a == tuple(ptrs[b.index] - (1 << 20) if b.kind == "arg" else a[n]
+                          for n, b in enumerate(prog.kernels[k].bufs))
+    ptrs[ring] += 4  # an int64 ring at a 4-byte address
+    for _ in range(2):
+        with pytest.raises(td.BridgeError,
+                           match="violation_ring starts at an address that is not 8-byte"):
+            loaded.launch(ptrs, 0)
