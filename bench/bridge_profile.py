@@ -24,6 +24,7 @@ import torch
 import kvcanary_jax.bridge as bridge
 from kvcanary_jax.bench import bridge_overhead as bo
 from kvcanary_jax.bridge import declarations, triton_direct
+from kvcanary_jax.bridge.cache import CACHES
 
 
 class _Stages:
@@ -73,8 +74,21 @@ def _timed_runners(acc):
 
         return timed
 
+    def forget():
+        # A launch keeps the runners it was given (each kernel's default, and those chosen per
+        # alignment pattern): every kept program fetches them again, through the wrap or not.
+        for entry in list(CACHES.programs._d.values()):
+            if isinstance(entry, triton_direct.Loaded):
+                entry._defaults = [None] * len(entry.program.kernels)
+                entry._variants = {}
+
+    def undo():
+        triton_direct.Loaded.runner = orig
+        forget()
+
     triton_direct.Loaded.runner = runner
-    return lambda: setattr(triton_direct.Loaded, "runner", orig)
+    forget()
+    return undo
 
 
 def _per_call(fn, c, iters: int) -> float:

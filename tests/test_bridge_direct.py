@@ -498,3 +498,33 @@ def test_a_launchs_kernels_are_chosen_once_per_alignment_pattern():
         with pytest.raises(td.BridgeError,
                            match="violation_ring starts at an address that is not 8-byte"):
             loaded.launch(ptrs, 0)
+
+
+def test_the_host_profile_times_every_kernel_a_warm_launch_runs(monkeypatch):
+    """``bench.bridge_profile`` times triton's launcher by wrapping ``Loaded.runner``; a launch
+    keeps the runners it was given, so the wrap makes every kept program fetch them again (and
+    its undo once more): a warmed-up plan still counts its two kernels a call."""
+    from kvcanary_jax.bench import bridge_profile
+    from kvcanary_jax.bridge.cache import CACHES
+
+    args, prog = _program("plan")
+    launched = []
+    monkeypatch.setattr(td.Loaded, "runner", lambda self, i, div: (
+        lambda *a, stream: launched.append(i)))
+    loaded = td.Loaded(prog, "cpu", None, [a.name for a in args])
+    key = ("test_the_host_profile", id(loaded))
+    CACHES.programs.put(key, loaded)
+    try:
+        ptrs = [0x10000 * (i + 1) for i in range(len(args))]
+        for _ in range(3):
+            loaded.launch(ptrs, 0)  # warm: the defaults are kept
+        acc = bridge_profile.collections.Counter()
+        undo = bridge_profile._timed_runners(acc)
+        for _ in range(4):
+            loaded.launch(ptrs, 0)
+        undo()
+        loaded.launch(ptrs, 0)
+        assert acc["kernels"] == 4 * len(prog.kernels) == 8
+        assert launched == [0, 1] * 8  # every launch ran each kernel, in order
+    finally:
+        CACHES.programs.pop(key)
