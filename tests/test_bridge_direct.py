@@ -297,7 +297,10 @@ def test_a_length_operand_is_declared_8_byte_aligned_and_compiles_once_for_any_l
     assert td.with_arg_alignment(prog, {}) is prog
 
 
-def test_fused_step_is_one_program_of_all_the_kernels():
+@functools.lru_cache(maxsize=None)
+def _step_program():
+    """The fused step's arguments and program on the shared case (scatter, plan, verify and
+    write in one call)."""
     c = _case()
     kw = dict(context=c["ctx"], verify_plan_out=c["vp"], write_plan_out=c["wp"],
               input_ids=c["input_ids"], positions=c["positions"], out_cache_loc=c["ocl"],
@@ -308,7 +311,12 @@ def test_fused_step_is_one_program_of_all_the_kernels():
                  if k not in ("verify_plan_out", "write_plan_out")})
     ts = declarations.STEP.tensors(kw)
     args, static, results = declarations.STEP.arguments(kw, ts)
-    prog = _extract(declarations.STEP.fn, args, results, static=dict(static, platform="cuda"))
+    return args, _extract(declarations.STEP.fn, args, results,
+                          static=dict(static, platform="cuda"))
+
+
+def test_fused_step_is_one_program_of_all_the_kernels():
+    args, prog = _step_program()
     assert [k.name for k in prog.kernels] == [
         "kvcanary_scatter_req_token_ids", "kvcanary_plan_offsets", "kvcanary_plan_entries",
         "kvcanary_verify", "kvcanary_write"]
@@ -450,17 +458,7 @@ def test_a_launchs_kernels_are_chosen_once_per_alignment_pattern():
     default; a pattern of lower alignments is resolved once (a kernel compiled for what its
     pointers have, the others' defaults) and reused while the low address bits repeat; a
     pointer off its element's size is refused on every call, never remembered."""
-    c = _case()
-    kw = dict(context=c["ctx"], verify_plan_out=c["vp"], write_plan_out=c["wp"],
-              input_ids=c["input_ids"], positions=c["positions"], out_cache_loc=c["ocl"],
-              expected_token_ids=c["flat"], expected_token_offsets=c["offs"],
-              check_verify_expected_token=True, enable_write_input_assert=False,
-              expected_input_tokens=None, expected_input_positions=None,
-              **{k: v for k, v in bo._plan_kw(c).items()
-                 if k not in ("verify_plan_out", "write_plan_out")})
-    ts = declarations.STEP.tensors(kw)
-    args, static, results = declarations.STEP.arguments(kw, ts)
-    prog = _extract(declarations.STEP.fn, args, results, static=dict(static, platform="cuda"))
+    args, prog = _step_program()
     names = [a.name for a in args]
     loaded = td.Loaded(prog, "cpu", None, names)
     asked, calls = [], []
