@@ -4,10 +4,12 @@ The caches and what they hold (none holds a caller's tensor; see :mod:`kvcanary_
 for the one that refers to tensors, weakly):
 
 ``prepared``  :class:`~kvcanary_jax.bridge.launcher.Signature` (shapes, strides, dtypes, devices of
-              every tensor and the non-tensor arguments; no addresses) -> the call's
+              every tensor, the non-tensor arguments, the outputs' addresses) -> the call's
               :class:`~kvcanary_jax.bridge.launcher.Prepared` arguments. An entry means the static
               checks passed on that signature; a call whose signature is here skips its contract and
               reuses its arguments. 4,096 entries.
+``front``     each launcher's last signature and its prepared call, matched in C++ on the next
+              call (:mod:`kvcanary_jax.bridge.front`); cleared with ``prepared``.
 ``programs``  direct path: :class:`~kvcanary_jax.bridge.launcher.ProgramKey` (launcher, static
               arguments, the arrays' lowered shapes and dtypes, device) -> a lowered and
               compiled program, or the reason the direct path cannot run it. 256 entries.
@@ -50,9 +52,10 @@ __all__ = ["Bounded", "CACHES", "clear_cache", "Caches"]
 class Bounded:
     """A bounded, thread-safe mapping: when full, the oldest entry leaves first."""
 
-    def __init__(self, name: str, max_entries: int):
+    def __init__(self, name: str, max_entries: int, also_clear: Callable[[], None] | None = None):
         self.name = name
         self.max_entries = max_entries
+        self._also_clear = also_clear
         self._d: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -85,6 +88,8 @@ class Bounded:
     def clear(self) -> None:
         with self._lock:
             self._d.clear()
+            if self._also_clear is not None:
+                self._also_clear()
 
     def __len__(self) -> int:
         with self._lock:
@@ -179,7 +184,10 @@ class Caches:
     """The bridge's caches (see the module docstring)."""
 
     def __init__(self):
-        self.prepared = Bounded("prepared", 4096)
+        # Each launcher's last signature, matched in C++ (:mod:`kvcanary_jax.bridge.front`):
+        # launcher name -> Front. One per launcher; forgotten with ``prepared``.
+        self.front: dict[str, Any] = {}
+        self.prepared = Bounded("prepared", 4096, also_clear=self.front.clear)
         self.programs = Bounded("programs", 256)
         self.variants = Bounded("variants", 512)
         self.jitted = Bounded("jitted", 256)

@@ -11,10 +11,12 @@ For every call, in this order::
     path: "triton_direct" (CUDA tensors, triton importable, the function lowers to kernels
           only) or "dlpack" (CPU tensors, and wherever the direct path is unavailable)
 
-No call is recorded and replayed: every call recomputes its signature, so a tensor changed in
-place (``as_strided_``, ``set_``) is checked and laid out again, and nothing of a call outlives it
-but the bounded caches of :mod:`kvcanary_jax.bridge.cache`, which hold no tensors (the DLPack path's
-view cache holds them weakly, :mod:`kvcanary_jax.bridge.views`).
+No call is recorded and replayed: every call's signature is read again, so a tensor changed in
+place (``as_strided_``, ``set_``) is checked and laid out again. A call matching its launcher's
+last signature for the same outputs is told apart in C++ (:mod:`kvcanary_jax.bridge.front`);
+any other computes its signature in Python. Nothing of a call outlives it but the bounded caches
+of :mod:`kvcanary_jax.bridge.cache`, which hold no tensors (the DLPack path's view cache holds them
+weakly, :mod:`kvcanary_jax.bridge.views`).
 
 Direct path: the program (lowered, extracted and compiled kernels) is looked up by
 :class:`ProgramKey` and its kernels launched with the tensors' pointers on torch's current stream
@@ -32,6 +34,7 @@ taken.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import threading
 import warnings
 import weakref
@@ -41,7 +44,7 @@ import jax
 import torch
 
 from kvcanary_jax import buckets
-from kvcanary_jax.bridge import streams, triton_direct, views
+from kvcanary_jax.bridge import front, streams, triton_direct, views
 from kvcanary_jax.bridge.cache import CACHES
 from kvcanary_jax.bridge.checks import (Apart, check_outputs_apart_from_inputs,
                                         value_checks_enabled, written_spans)
@@ -165,10 +168,18 @@ class Prepared:
     bucketed_apart: tuple[str, ...] = ()
     written_apart: Any = None
     program: _ProgramSlot = dataclasses.field(default_factory=_ProgramSlot)
+    # The signature's :class:`~kvcanary_jax.bridge.front.Front`, built on its first call with
+    # the check on: [] until then, [None] where the check cannot hold it.
+    front: list = dataclasses.field(default_factory=list)
+
+    # The tensors at ptr_names, read from the call's tensors in one call.
+    ptr_tensors: Any = None
 
     def __post_init__(self):
         if not self.ptr_names:
             object.__setattr__(self, "ptr_names", tuple(a.length_of or a.name for a in self.args))
+        if self.ptr_tensors is None:
+            object.__setattr__(self, "ptr_tensors", front.getter(self.ptr_names))
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,6 +225,7 @@ def _ptr(t):
 
 
 _Tensor = torch.Tensor
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _metas(values) -> tuple:
@@ -254,6 +266,9 @@ def check_whole_rows(a: Arg, t) -> None:
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+# torch.cuda.current_device() without its Python wrapper (the C function initializes CUDA
+# itself where it has not been).
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 # One lock per device for the DLPack path, shared by every launcher: two launchers over one
@@ -281,15 +296,23 @@ class Launcher:
     def __call__(self, **kwargs) -> None:
         decl = self.decl
         tensors = decl.tensors(kwargs)
-        metas = _metas(tensors.values())
-        if decl.bucketed:
-            metas = _bucket_metas(metas, decl.bucketed)
-        sig = Signature(decl.name, metas, decl.statics(kwargs),
-                        tuple([t.data_ptr() if type(t) is _Tensor else _ptr(t)
-                               for t in map(tensors.__getitem__, decl.addressed)]))
-        prep = CACHES.prepared.get(sig)
+        values = tuple(tensors.values())
+        statics = decl.statics(kwargs)
+        addressed = tuple([t.data_ptr() if type(t) is _Tensor else _ptr(t)
+                           for t in map(tensors.__getitem__, decl.addressed)])
+        fronts = CACHES.front
+        last = fronts.get((decl.name, addressed))
+        prep = None if last is None else last.match(values, statics)
         if prep is None:
-            prep = CACHES.prepared.put(sig, self._prepare(kwargs, tensors))
+            metas = _metas(values)
+            if decl.bucketed:
+                metas = _bucket_metas(metas, decl.bucketed)
+            sig = Signature(decl.name, metas, statics, addressed)
+            prep = CACHES.prepared.get(sig)
+            if prep is None:
+                prep = CACHES.prepared.put(sig, self._prepare(kwargs, tensors))
+            if front.enabled():
+                front.keep(fronts, (decl.name, addressed), prep, values, metas, statics)
         if prep.skip:
             return
         for a in prep.whole_rows:
@@ -387,7 +410,7 @@ class Launcher:
         def views_of(i):
             return _byte_view(tensors[prep.args[i].name], prep.args[i])
 
-        if torch.cuda.current_device() == key.device:
+        if _current_device() == key.device:
             entry.launch(ptrs, stream, views_of)
         else:  # a kernel runs in its device's context
             with torch.cuda.device(key.device):
@@ -400,7 +423,7 @@ class Launcher:
         """Each argument's address, and the per-call temporaries behind them (offsets clamped to
         a bucketed token array's true length; arrays padded to their bucket: torch ops on the
         tensors' stream; a length past its table inside a graph capture)."""
-        ptrs = [tensors[n].data_ptr() for n in prep.ptr_names]
+        ptrs = list(map(_data_ptr, prep.ptr_tensors(tensors)))
         keep = []
         for i in prep.valued:
             n = tensors[prep.args[i].length_of].shape[0]

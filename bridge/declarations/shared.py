@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 import types
 from typing import Callable
 
@@ -127,7 +128,24 @@ def rebuild(cls, named: dict, prefix: str = ""):
 
 
 def fields_of(obj, names, prefix: str = "") -> dict:
-    return {prefix + k: getattr(obj, k) for k in names}
+    """``{prefix + name: obj.name}`` for each of ``names`` (a tuple; one attribute read)."""
+    read = _READERS.get((names, prefix))
+    if read is None:
+        read = _READERS.setdefault((names, prefix), _reader(names, prefix))
+    return read(obj)
+
+
+def _reader(names: tuple, prefix: str):
+    keys = tuple(prefix + k for k in names)
+    if not names:
+        return lambda obj: {}
+    if len(names) == 1:
+        return lambda obj: {keys[0]: getattr(obj, names[0])}
+    get = operator.attrgetter(*names)
+    return lambda obj: dict(zip(keys, get(obj)))
+
+
+_READERS: dict = {}
 
 
 def context_from(named: dict, *, op: str, kind: int, mode: int, sources: tuple):
