@@ -9,7 +9,9 @@ the call is the launcher's own Python (cache lookups). Floors in the same proces
 of a tiny kernel; with ``--sglang``, SGLang 0.5.23's launcher of each op on a twin case, timed the
 same way (its fused step: the sum of its four launches).
 
-    python -m bench.bridge_profile [--bs 64] [--iters 300] [--sglang] [--out profile.json]
+With ``--stages``, each piece of a repeated call is also timed alone (:func:`stages`).
+
+    python -m bench.bridge_profile [--bs 64] [--iters 300] [--sglang] [--stages] [--out f.json]
 """
 
 from __future__ import annotations
@@ -164,6 +166,84 @@ def profile(*, bs: int = 64, iters: int = 300, sglang: bool = False) -> dict:
     return out
 
 
+def stages(*, bs: int = 64, number: int = 2000, repeat: int = 7) -> dict:
+    """Each piece of a repeated call on the direct path, timed alone (the best of ``repeat``
+    runs of ``number`` calls, us): the call's tensors (``bind``), its non-tensor arguments,
+    the written tensors' addresses, the front's lookup and match, the signature it saves
+    (for comparison), the pointers, the stream and device reads, the launch (with triton's
+    launcher, ``runners``: that alone), and the whole call."""
+    import timeit
+
+    from kvcanary_jax.bridge import launcher
+
+    c = bo.make_case(device="cuda", bs=bs)
+    ops = dict(scatter=(bo.run_scatter, declarations.SCATTER),
+               plan=(bo.run_plan, declarations.PLAN), verify=(bo.run_verify, declarations.VERIFY),
+               write=(bo.run_write, declarations.WRITE), step_fused=(bo.run_step, declarations.STEP))
+    out = {}
+
+    def best(fn):
+        fn()
+        torch.cuda.synchronize()
+        t = min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
+        torch.cuda.synchronize()
+        return round(t, 2)
+
+    for name, (run, decl) in ops.items():
+        seen = {}
+        call = launcher.Launcher.__call__
+
+        def grab(self, **kw):
+            seen.update(kw)
+            return call(self, **kw)
+
+        launcher.Launcher.__call__ = grab
+        try:
+            run(c)
+        finally:
+            launcher.Launcher.__call__ = call
+        L = launcher.Launcher(decl)
+        kw = seen
+        tensors = decl.tensors(kw)
+        values, statics = tuple(tensors.values()), decl.statics(kw)
+        addressed = tuple([t.data_ptr() if isinstance(t, torch.Tensor) else None
+                           for t in L._addressed(tensors)])
+        f = CACHES.front.get((decl.name, addressed))
+        prep = f.prepared
+        entry = prep.program.get()
+        device = tensors[decl.anchor].device
+        ptrs, _ = launcher.Launcher.pointers(prep, tensors, True, device)
+        stream = torch.cuda.current_stream().cuda_stream
+        pool = list(ptrs) + list(entry.const_ptrs)
+        runners = [(entry._defaults[i] or entry.runner(i, None), g)
+                   for i, g in enumerate(entry.gathers)]
+
+        def launch_runners():
+            for r, g in runners:
+                r(*g(pool), stream=stream)
+
+        metas = launcher._metas
+        out[name] = dict(
+            bind=best(lambda: decl.tensors(kw)),
+            statics=best(lambda: decl.statics(kw)),
+            addressed=best(lambda: tuple([t.data_ptr() if type(t) is torch.Tensor else None
+                                          for t in L._addressed(tensors)])),
+            front=best(lambda: CACHES.front.get((decl.name, addressed)).match(values, statics)),
+            signature_saved=best(lambda: CACHES.prepared.get(launcher.Signature(
+                decl.name, metas(values), statics, addressed))),
+            pointers=best(lambda: launcher.Launcher.pointers(prep, tensors, True, device)),
+            stream=best(lambda: launcher._raw_stream(0)),
+            current_device=best(lambda: launcher._current_device()),
+            launch=best(lambda: entry.launch(ptrs, stream, None)) if not entry.scratch_bytes
+            else None,
+            runners=best(launch_runners) if not entry.scratch_bytes else None,
+            call=best(lambda: run(c)),
+        )
+    x = torch.zeros(16, device="cuda")
+    out["torch_add_"] = best(lambda: x.add_(1))
+    return out
+
+
 def _timed(fn, acc, stage):
     def timed(*a, **k):
         t = time.perf_counter()
@@ -182,9 +262,13 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--sglang", action="store_true",
                    help="also time SGLang 0.5.23's launchers (needs its CUDA JIT kernels)")
+    p.add_argument("--stages", action="store_true",
+                   help="also time each piece of a repeated call alone (stages())")
     p.add_argument("--out")
     a = p.parse_args(argv)
     out = profile(bs=a.bs, iters=a.iters, sglang=a.sglang)
+    if a.stages:
+        out["stages"] = stages(bs=a.bs)
     print(json.dumps(out, indent=1))
     if a.out:
         with open(a.out, "w") as f:

@@ -104,11 +104,12 @@ class Front:
     """A signature and its prepared call, matched by torch's C++ tensor check (see the module
     docstring). Its launcher and written tensors' addresses are its key in ``CACHES.front``."""
 
-    __slots__ = ("statics", "types", "pick", "guard", "buckets", "prepared")
+    __slots__ = ("statics", "size", "others", "pick", "guard", "buckets", "prepared")
 
-    def __init__(self, statics, types, pick, guard, buckets, prepared):
+    def __init__(self, statics, size, others, pick, guard, buckets, prepared):
         self.statics = statics
-        self.types = types
+        self.size = size
+        self.others = others
         self.pick = pick
         self.guard = guard
         self.buckets = buckets
@@ -116,9 +117,13 @@ class Front:
 
     def match(self, values: tuple, statics):
         """The prepared call if ``values`` (the call's tensors, in order) and ``statics`` have
-        this front's signature, else None."""
-        if statics != self.statics or tuple(map(type, values)) != self.types:
+        this front's signature, else None. The check compares the tensors' Python types; the
+        values that were not tensors (None, mostly) are compared here."""
+        if statics != self.statics or len(values) != self.size:
             return None
+        for i, kind in self.others:
+            if type(values[i]) is not kind:
+                return None
         for i, bits in self.buckets:
             n = values[i].shape[0]
             if n < 2 or max(_FLOOR_BITS, (n - 1).bit_length()) != bits:
@@ -149,10 +154,11 @@ def make(values: tuple, metas: tuple, statics, prepared):
     """A front for a call with ``values`` (its tensors, in order), whose signature's tensor
     ``metas`` are ``metas`` (a bucketed array's holds its bucket), or None where the check
     cannot hold it (a tensor passed twice, a size it cannot read)."""
-    positions, tensors, sizes, strides, bucketed = [], [], [], [], []
+    positions, tensors, sizes, strides, bucketed, others = [], [], [], [], [], []
     seen = set()
     for i, (t, m) in enumerate(zip(values, metas)):
         if not isinstance(t, _Tensor):
+            others.append((i, type(t)))
             continue
         if id(t) in seen:
             return None
@@ -171,8 +177,8 @@ def make(values: tuple, metas: tuple, statics, prepared):
         guard = _guards(tensors, sizes, strides)
     except Exception:
         return None
-    return Front(statics, tuple(map(type, values)), getter(positions), guard, tuple(bucketed),
-                 prepared)
+    return Front(statics, len(values), tuple(others), getter(positions), guard,
+                 tuple(bucketed), prepared)
 
 
 def getter(keys) -> Callable:

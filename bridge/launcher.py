@@ -292,6 +292,7 @@ class Launcher:
 
     def __init__(self, decl):
         self.decl = decl
+        self._addressed = front.getter(decl.addressed)
 
     def __call__(self, **kwargs) -> None:
         decl = self.decl
@@ -299,7 +300,7 @@ class Launcher:
         values = tuple(tensors.values())
         statics = decl.statics(kwargs)
         addressed = tuple([t.data_ptr() if type(t) is _Tensor else _ptr(t)
-                           for t in map(tensors.__getitem__, decl.addressed)])
+                           for t in self._addressed(tensors)])
         fronts = CACHES.front
         last = fronts.get((decl.name, addressed))
         prep = None if last is None else last.match(values, statics)
@@ -389,12 +390,12 @@ class Launcher:
 
     def _direct(self, prep: Prepared, tensors, device, clamp: bool = True) -> str:
         """Launch on the direct path; returns "" or the reason it cannot run this call."""
-        ok, reason = triton_direct.available()
-        if not ok:
-            return reason
         key = prep.program_key
         entry = prep.program.get()
         if entry is None:
+            ok, reason = triton_direct.available()
+            if not ok:
+                return reason
             entry = CACHES.programs.get(key)
             if entry is None:
                 entry = CACHES.programs.put(key, _build_program(self.decl, prep, device,
@@ -407,8 +408,10 @@ class Launcher:
         stream = (_raw_stream(key.device) if _raw_stream is not None
                   else torch.cuda.current_stream(device).cuda_stream)
 
-        def views_of(i):
-            return _byte_view(tensors[prep.args[i].name], prep.args[i])
+        views_of = None
+        if entry.program.copies:
+            def views_of(i):
+                return _byte_view(tensors[prep.args[i].name], prep.args[i])
 
         if _current_device() == key.device:
             entry.launch(ptrs, stream, views_of)

@@ -23,6 +23,7 @@ from kvcanary_jax.bridge.declarations.shared import (
     check_distinct_outputs,
     dense,
     fields_of,
+    reader,
     impl_for,
     pitched,
     platform_of,
@@ -45,10 +46,13 @@ _PLAN_IN = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token"
             "req_to_verify_expected_tokens_valid_lens")
 
 
+_VP_FIELDS = reader(VP_FIELDS, "verify_plan_out.")
+_WP_FIELDS = reader(WP_FIELDS, "write_plan_out.")
+
+
 def plan_tensors(kw):
-    vp, wp = kw["verify_plan_out"], kw["write_plan_out"]
-    out = fields_of(vp, VP_FIELDS, "verify_plan_out.")
-    out.update(fields_of(wp, WP_FIELDS, "write_plan_out."))
+    out = _VP_FIELDS(kw["verify_plan_out"])
+    out.update(_WP_FIELDS(kw["write_plan_out"]))
     out.update({k: kw[k] for k in _PLAN_IN})
     out["num_reqs"] = _num_reqs(out["req_pool_indices"])
     return out

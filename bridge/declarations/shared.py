@@ -43,6 +43,7 @@ __all__ = [
     "impl_for",
     "rebuild",
     "fields_of",
+    "reader",
     "context_from",
     "dense",
     "pitched",
@@ -128,14 +129,16 @@ def rebuild(cls, named: dict, prefix: str = ""):
 
 
 def fields_of(obj, names, prefix: str = "") -> dict:
-    """``{prefix + name: obj.name}`` for each of ``names`` (a tuple; one attribute read)."""
+    """``{prefix + name: obj.name}`` for each of ``names`` (a tuple)."""
     read = _READERS.get((names, prefix))
     if read is None:
-        read = _READERS.setdefault((names, prefix), _reader(names, prefix))
+        read = _READERS.setdefault((names, prefix), reader(names, prefix))
     return read(obj)
 
 
-def _reader(names: tuple, prefix: str):
+def reader(names: tuple, prefix: str = ""):
+    """:func:`fields_of` for these ``names`` and ``prefix``, as one function: a call site on
+    every launch keeps it (one attribute read for all the fields)."""
     keys = tuple(prefix + k for k in names)
     if not names:
         return lambda obj: {}

@@ -23,6 +23,7 @@ from kvcanary_jax.bridge.declarations.shared import (
     fields_of,
     impl_for,
     platform_of,
+    reader,
     rebuild,
     required_of,
     same_device,
@@ -39,9 +40,12 @@ __all__ = ["VERIFY", "verify_fn", "verify_validate", "verify_tensors", "verify_c
 _VERIFY_P = "kv-canary: launch_canary_verify_kernel"
 
 
+_PLAN_FIELDS = reader(VP_FIELDS, "plan.")
+
+
 def verify_tensors(kw):
     out = ctx_tensors(kw["context"], "verify")
-    out.update(fields_of(kw["plan"], VP_FIELDS, "plan."))
+    out.update(_PLAN_FIELDS(kw["plan"]))
     return out
 
 

@@ -26,6 +26,7 @@ from kvcanary_jax.bridge.declarations.shared import (
     ctx_tensors,
     dense,
     fields_of,
+    reader,
     impl_for,
     offsets_arg,
     platform_of,
@@ -50,9 +51,12 @@ TOKENS = tuple(f.name for f in dataclasses.fields(WriteTokens))
 _EXPECTED = ("expected_input_tokens", "expected_input_positions")  # present iff asserted
 
 
+_PLAN_FIELDS = reader(WP_FIELDS, "plan.")
+
+
 def write_tensors(kw):
     out = ctx_tensors(kw["context"], "write")
-    out.update(fields_of(kw["plan"], WP_FIELDS, "plan."))
+    out.update(_PLAN_FIELDS(kw["plan"]))
     out.update({k: kw[k] for k in TOKENS})
     return out
 
