@@ -3,8 +3,8 @@
 ``KVCANARY_BRIDGE_DIRECT``, ``KVCANARY_BRIDGE_FRONT`` and ``KVCANARY_BRIDGE_VALUE_CHECKS`` take
 SGLang's boolean spellings (its ``EnvBool``: ``true/1/yes/y`` and ``false/0/no/n``, any case) and
 ``on``/``off``;
-``KVCANARY_BRIDGE_VALUE_CHECKS`` also takes ``auto``, and ``KVCANARY_BRIDGE_STREAM_SYNC`` one of
-``event`` and ``fence``. Anything else is a ``ValueError`` naming the variable when the bridge is
+``KVCANARY_BRIDGE_VALUE_CHECKS`` also takes ``auto``, ``KVCANARY_BRIDGE_STREAM_SYNC`` one of
+``event`` and ``fence``, and ``KVCANARY_BRIDGE_LAUNCH`` one of ``direct`` and ``triton``. Anything else is a ``ValueError`` naming the variable when the bridge is
 imported: a misspelt switch never leaves the bridge on a path the user meant to turn off. The
 setters (``set_direct``, ``set_value_checks``, ``set_stream_sync``) read the same words, and
 refuse the rest the same way.

@@ -48,6 +48,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from kvcanary_jax.bridge import triton_launch
 from kvcanary_jax.bridge.dlpack import BridgeError
 
 __all__ = [
@@ -579,7 +580,8 @@ class Loaded:
             k = self.program.kernels[i]
             compiled = self._compile(k, divisibility or tuple(p.divisibility for p in k.params))
             with self._lock, torch.cuda.device(self.device):
-                r = self._runners.setdefault(key, compiled[k.grid])
+                r = self._runners.get(key) or self._runners.setdefault(
+                    key, triton_launch.runner(compiled, k.grid, len(k.params)))
         return r
 
     def _variants_for(self, pool: Sequence[int]) -> list:
