@@ -19,7 +19,10 @@ fails, every call computes its signature (``KVCANARY_BRIDGE_FRONT=0`` does the s
 The check is stricter than the signature in two ways, each costing a signature, never a wrong
 match: ``requires_grad`` and the dispatch keys (a grad mode or an inference-mode tensor) are
 compared, and a tensor passed twice in one call is never matched (the check refuses aliases),
-so such a call keeps no front.
+so such a call keeps no front. A prepared call's front is built from its first call: calls of
+the same signature whose tensors differ from that one in those flags (a warm-up outside
+``torch.inference_mode()``, serving inside it) compute their signature every time, as every
+call did before fronts.
 """
 
 from __future__ import annotations
@@ -124,12 +127,14 @@ class Front:
         for i, kind in self.others:
             if type(values[i]) is not kind:
                 return None
+        # The check first: it has found each bucketed value a tensor of one dimension (a call
+        # may pass None or a 0-d tensor where the front had a history) before its length is read.
+        if not self.guard.check(*self.pick(values)):
+            return None
         for i, bits in self.buckets:
             n = values[i].shape[0]
             if n < 2 or max(_FLOOR_BITS, (n - 1).bit_length()) != bits:
                 return None
-        if not self.guard.check(*self.pick(values)):
-            return None
         return self.prepared
 
 

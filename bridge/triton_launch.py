@@ -5,7 +5,8 @@ triton launches a compiled kernel through three Python layers before its C launc
 (which allocates global and profile scratch where the kernel has them) and, inside the C
 launcher, a call of the enter and exit hook chains, empty unless a profiler is attached. For the
 bridge's kernels (no scratch, no hooks attached) all of it passes the same values on every call
-but the stream and the arguments: about 2 us a kernel on an H100 host, a quarter of a launch.
+but the stream and the arguments. On an H100 host that Python took about 3 us of a 7 us launch
+timed alone, and 5-6 us a kernel between SGLang's launches (``bench/NOTES.md``).
 
 :func:`runner` learns what triton passes to its C launcher by launching through a copy of the
 compiled kernel whose C launcher is replaced by a recorder, with stand-in arguments (nothing
@@ -14,7 +15,8 @@ fills them and calls the C launcher itself, with the hooks left out while their 
 (the C launcher calls a hook only when it is not None, and an empty chain calls nothing). While a
 hook is attached (a profiler), or wherever the recording does not show that shape (another
 triton, a kernel with scratch), the call goes through triton's own runner.
-``KVCANARY_BRIDGE_LAUNCH=triton`` always does.
+``KVCANARY_BRIDGE_LAUNCH=triton`` always does. The recording is made with the kernel's runner, on
+its program's first call: a runner made while a hook is attached stays triton's.
 """
 
 from __future__ import annotations

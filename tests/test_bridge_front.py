@@ -211,3 +211,72 @@ def test_the_switch_turns_the_front_off_at_import():
     bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**__import__("os").environ, "KVCANARY_BRIDGE_FRONT": "maybe"})
     assert bad.returncode != 0 and "KVCANARY_BRIDGE_FRONT='maybe'" in bad.stderr
+
+
+@pytest.mark.parametrize("bad", ["none", "zero_d", "list"])
+def test_a_bad_history_after_a_good_call_gets_sglangs_error(sgl, signatures, bad):
+    """The front held a history of 6 tokens: a call with the same pool and no history, a 0-d
+    one or a list is refused with SGLang's error, as with the front off, and writes nothing."""
+    flat = {"none": None, "zero_d": torch.tensor(5), "list": [1, 2, 3]}[bad]
+    errors = []
+    for on in (True, False):
+        front.set_enabled(on)
+        try:
+            bridge.clear_cache()
+            pool = torch.zeros(4, 16, dtype=torch.int32)
+            args = _scatter_args()
+            bridge.launch_scatter_req_token_ids_kernel(pool_out=pool, **args)
+            before = pool.clone()
+            with pytest.raises((TypeError, ValueError)) as e:
+                bridge.launch_scatter_req_token_ids_kernel(pool_out=pool, **dict(args,
+                                                                                  flat_in=flat))
+            assert torch.equal(pool, before)
+            errors.append((type(e.value), str(e.value)))
+        finally:
+            front.set_enabled(True)
+    assert errors[0] == errors[1] and "flat_in" in errors[0][1]
+
+
+def test_a_step_that_stops_scattering_runs_as_with_the_front_off(sgl, signatures):
+    """``launch_canary_step`` scattering twice, then without a history (no scatter), over the
+    same outputs: each call runs, and every buffer ends as with the front off."""
+    from tests.test_bridge import _context
+
+    F = sgl.fixtures
+    ends = []
+    for on in (True, False):
+        front.set_enabled(on)
+        try:
+            bridge.clear_cache()
+            torch.manual_seed(0)
+            kv = torch.randint(0, 256, (300, 80), dtype=torch.uint8)
+            src = bridge.RealKvSource(tensor=kv[:, :64], page_size=1, num_bytes_per_token=64,
+                                      read_bytes=32)
+            vp = bridge.VerifyPlan.allocate(verify_capacity=64, device="cpu").zero_for_testing_()
+            wp = bridge.WritePlan.allocate(write_req_capacity=8, device="cpu").zero_for_testing_()
+            ctx = _context(bridge.VerifyOrWriteContext, bridge.CanaryLaunchTag,
+                           bridge.RealKvHashMode.ALL, num_slots=300, sources=(src,))
+            pool = torch.full((8, 48), -5, dtype=torch.int32)[:, :40]
+            rtt = F.make_req_to_token(kind="sparse_permuted", max_reqs=8, max_seq_len=32,
+                                      device="cpu")
+            ocl = torch.tensor([int(rtt[1, 0]), int(rtt[1, 1]), int(rtt[3, 0]), int(rtt[3, 1])])
+            base = dict(context=ctx, verify_plan_out=vp, write_plan_out=wp,
+                        req_pool_indices=torch.tensor([1, 3]),
+                        prefix_lens=torch.zeros(2, dtype=torch.int64),
+                        extend_seq_lens=torch.tensor([2, 2]), req_to_token=rtt,
+                        input_ids=torch.tensor([11, 12, 13, 14]),
+                        positions=torch.tensor([0, 1, 0, 1]), out_cache_loc=ocl,
+                        req_to_verify_expected_tokens=pool,
+                        req_to_verify_expected_tokens_valid_lens=torch.tensor([0, 0]),
+                        check_verify_expected_token=False, enable_write_input_assert=False,
+                        expected_input_tokens=None, expected_input_positions=None)
+            for scatter in (True, True, False):
+                bridge.launch_canary_step(**dict(
+                    base, expected_token_ids=torch.tensor([7, 8, 9]) if scatter else None,
+                    expected_token_offsets=torch.tensor([0, 1, 3]) if scatter else None))
+            ends.append([t.clone() for t in (ctx.canary_buf, ctx.violation_ring,
+                                             ctx.violation_write_index, pool)])
+        finally:
+            front.set_enabled(True)
+    assert all(torch.equal(a, b) for a, b in zip(*ends))
+    assert int(ends[0][2][0]) >= 0 and ends[0][3][1, :1].tolist() == [7]
