@@ -360,7 +360,9 @@ class Launcher:
         # Once per signature (with value checks on, on every call: see __call__).
         written = decl.outputs + decl.also_written(kwargs)
         check_outputs_apart_from_inputs(decl.name, written, tensors)
-        apart = tuple(list(tensors)[:decl.bucketed])
+        # (A history that is absent, the step without a scatter, has no length to check.)
+        apart = tuple(n for n in list(tensors)[:decl.bucketed]
+                      if isinstance(tensors[n], torch.Tensor))
         anchor = tensors[decl.anchor]
         if anchor.device.type == "meta":
             device_info(anchor, decl.anchor)  # raises the bridge's error for the meta device

@@ -203,3 +203,42 @@ def test_contiguity_errors_name_the_launcher(launcher, kw, message):
         getattr(bridge, launcher)(**kw)
     assert str(e.value) == message
     assert e.value.__notes__ == [f"kv-canary bridge: raised by {launcher}"]
+
+
+def test_fused_step_without_a_history_runs_with_value_checks_off():
+    """No ``expected_token_ids`` (no scatter) with value checks off, the GPU's default: the
+    per-call check of a bucketed history met None and raised ``AttributeError`` on every call.
+    Each call now runs, and ends every buffer as with value checks on."""
+    ends = []
+    for checks in (True, False):
+        bridge.clear_cache()
+        kw = _step_kw()
+        with bridge.value_checks(checks):
+            for _ in range(2):
+                bridge.launch_canary_step(**kw)
+        ends.append(_snapshot(kw))
+    assert all(torch.equal(a, b) for a, b in zip(*ends))
+    assert int(kw["context"].kernel_run_counter[0]) == 4  # a verify and a write per step
+
+
+def test_digest_sources_given_as_numpy_integers_are_in_the_signature():
+    """A source's ``read_bytes`` as a numpy integer was held in the call signature by its type
+    alone, so a call with another ``read_bytes`` reused the first call's prepared launch and
+    hashed the wrong bytes. Each now digests as on a fresh start."""
+    import numpy as np
+
+    rows = [torch.arange(16 * 64, dtype=torch.int64).remainder(251).to(torch.uint8).view(16, 64)]
+    slots = torch.arange(1, 9)
+
+    def digest(read_bytes, warm):
+        bridge.clear_cache()
+        buf = torch.zeros(16, dtype=torch.int64)
+        for rb in ((64, read_bytes) if warm else (read_bytes,)):
+            src = tuple(bridge.RealKvSource(tensor=r, page_size=np.int64(1),
+                                            num_bytes_per_token=np.int64(64),
+                                            read_bytes=np.int64(rb)) for r in rows)
+            bridge.launch_kv_digest_write(digest_buf=buf, slots=slots, sources=src)
+        return buf
+
+    assert torch.equal(digest(32, warm=True), digest(32, warm=False))
+    assert not torch.equal(digest(32, warm=False), digest(64, warm=False))

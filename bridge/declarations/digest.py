@@ -29,6 +29,7 @@ loop's plan has one capacity).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 from kvcanary_jax import buckets, consts
 from kvcanary_jax.bridge.checks import require_tensors
@@ -59,9 +60,9 @@ _VERIFY_ARRAYS = ("slots", "positions", "num_valid", "phase")
 
 
 def _hashable(x):
-    """``x`` in a call signature: an int as itself (with its type: ``True`` is not ``1``), any
-    other value by its type (refused by the checks, so never cached)."""
-    return (x if isinstance(x, int) else None, type(x))
+    """``x`` in a call signature: an integer (numpy's too) as its value with its type (``True`` is
+    not ``1``), any other value by its type (refused by the checks, so never cached)."""
+    return (int(x) if isinstance(x, numbers.Integral) else None, type(x))
 
 
 def _contiguous(prefix: str, ts: dict, names) -> None:
