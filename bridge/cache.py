@@ -8,8 +8,9 @@ for the one that refers to tensors, weakly):
               :class:`~kvcanary_jax.bridge.launcher.Prepared` arguments. An entry means the static
               checks passed on that signature; a call whose signature is here skips its contract and
               reuses its arguments. 4,096 entries.
-``front``     each launcher's last signature and its prepared call, matched in C++ on the next
-              call (:mod:`kvcanary_jax.bridge.front`); cleared with ``prepared``.
+``front``     each launcher's last signature per set of output addresses and its prepared call,
+              matched in C++ on the next call (:mod:`kvcanary_jax.bridge.front`); cleared with
+              ``prepared``.
 ``programs``  direct path: :class:`~kvcanary_jax.bridge.launcher.ProgramKey` (launcher, static
               arguments, the arrays' lowered shapes and dtypes, device) -> a lowered and
               compiled program, or the reason the direct path cannot run it. 256 entries.
@@ -185,8 +186,9 @@ class Caches:
 
     def __init__(self):
         # Each launcher's last signature, matched in C++ (:mod:`kvcanary_jax.bridge.front`):
-        # launcher name -> Front. One per launcher; forgotten with ``prepared``.
-        self.front: dict[str, Any] = {}
+        # (launcher name, output addresses) -> Front, at most front.MAX_FRONTS keys; forgotten
+        # with ``prepared``.
+        self.front: dict[tuple, Any] = {}
         self.prepared = Bounded("prepared", 4096, also_clear=self.front.clear)
         self.programs = Bounded("programs", 256)
         self.variants = Bounded("variants", 512)

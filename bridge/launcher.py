@@ -34,7 +34,6 @@ taken.
 from __future__ import annotations
 
 import dataclasses
-import operator
 import threading
 import warnings
 import weakref
