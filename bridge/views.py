@@ -64,50 +64,74 @@ class _Entry:
 
 
 class ViewCache:
-    """Per-device cache of JAX arrays over live tensors (see the module docstring)."""
+    """Per-device cache of JAX arrays over live tensors (see the module docstring).
+
+    An entry's weakref callback may run inside the cache's own critical section: the garbage
+    collector can run at any allocation there, and it may free a cached tensor. So a callback
+    never waits for the lock: it queues its entry and removes what is queued only if it gets the
+    lock at once; otherwise whoever holds the lock removes it on the way out (:meth:`_drain`)."""
 
     def __init__(self, max_entries: int = 512):
         self.max_entries = max_entries
         self._d: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._gone: collections.deque = collections.deque()  # (key, dead weak reference)
 
     def get(self, t, tag: Hashable = None):
         """The cached array of ``t`` (presented as ``tag``), or None."""
         key = (id(t), tag)
         with self._lock:
             e = self._d.get(key)
-            if e is None:
-                return None
-            if e.ref() is not t or e.layout != layout_of(t) or e.array.is_deleted():
+            if e is not None and (e.ref() is not t or e.layout != layout_of(t)
+                                  or e.array.is_deleted()):
                 del self._d[key]
-                return None
-            self._d.move_to_end(key)
-            return e.array
+                e = None
+            elif e is not None:
+                self._d.move_to_end(key)
+        if self._gone:
+            self._drain()
+        return None if e is None else e.array
 
     def put(self, t, array, tag: Hashable = None) -> None:
         key = (id(t), tag)
-        d, lock = self._d, self._lock
 
-        def gone(_ref, key=key, frozen=_FROZEN):
-            if frozen.is_set():
-                return
-            with lock:
-                e = d.get(key)
-                if e is not None and e.ref is _ref:
-                    del d[key]
+        def gone(_ref, key=key, queue=self._gone, drain=self._drain, frozen=_FROZEN):
+            if not frozen.is_set():
+                queue.append((key, _ref))
+                drain()
 
         e = _Entry(weakref.ref(t, gone), layout_of(t), array)
-        with lock:
+        d = self._d
+        with self._lock:
             d[key] = e
             d.move_to_end(key)
             while len(d) > self.max_entries:
                 d.popitem(last=False)
+        if self._gone:
+            self._drain()
+
+    def _drain(self) -> None:
+        """Remove the entries whose tensors died, unless another holder of the lock (this thread
+        included) is inside the cache: that holder drains on its way out."""
+        queue, d, lock = self._gone, self._d, self._lock
+        while queue and lock.acquire(blocking=False):
+            try:
+                while queue:
+                    key, ref = queue.popleft()
+                    e = d.get(key)
+                    if e is not None and e.ref is ref:
+                        del d[key]
+            finally:
+                lock.release()
 
     def clear(self) -> None:
         with self._lock:
             self._d.clear()
+            self._gone.clear()
 
     def __len__(self) -> int:
+        if self._gone:
+            self._drain()
         with self._lock:
             return len(self._d)
 

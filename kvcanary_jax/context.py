@@ -18,6 +18,7 @@ view's metadata, so the messages match what SGLang prints for the view itself.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -32,6 +33,7 @@ __all__ = [
     "DigestContext",
     "SourceSpec",
     "SOURCE_CONTRACT",
+    "check_source_sizes",
     "SourceCount",
     "SourceAbi",
     "source_spec",
@@ -53,6 +55,27 @@ def itemsize_of(dtype_name: str) -> int:
 
 def _row_stride_bytes(m: TensorMeta) -> int:
     return int(m.stride(0)) * itemsize_of(m.dtype)
+
+
+def _not_integer(metas, s):
+    """The first of the three sizes that is not an integer (a float would be truncated where the
+    kernels index with it, and a bool is not a size)."""
+    for name in ("page_size", "num_bytes_per_token", "read_bytes"):
+        v = s[name]
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            return {"name": name, "got": f"{type(v).__name__} {v!r}"}
+    return None
+
+
+_SIZES_ARE_INTEGERS = Rule(_not_integer, "kv-canary: RealKvSource.{name} must be an int, got {got}",
+                           TypeError)
+
+
+def check_source_sizes(source) -> None:
+    """The first of :data:`SOURCE_CONTRACT`'s checks, alone: a source built elsewhere (SGLang's
+    ``RealKvSource`` takes any number) has integer sizes."""
+    _SIZES_ARE_INTEGERS.run({}, {n: getattr(source, n) for n in
+                                 ("page_size", "num_bytes_per_token", "read_bytes")})
 
 
 def _page_size_bad(metas, s):
@@ -97,6 +120,7 @@ def _row_width_bad(metas, s):
 SOURCE_CONTRACT = Contract(
     op="RealKvSource",
     checks=(
+        _SIZES_ARE_INTEGERS,
         Rule(_page_size_bad, "kv-canary: RealKvSource.page_size must be >= 1, got {page_size}"),
         Rule(
             _nbpt_bad,

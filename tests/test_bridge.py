@@ -473,6 +473,37 @@ def test_temporaries_are_not_kept_alive_by_the_cache():
     assert pool[1, :3].tolist() == [4, 4, 4]
 
 
+def test_a_cached_tensor_freed_inside_the_cache_lock_neither_deadlocks_nor_leaks():
+    """The garbage collector may run at any allocation inside the view cache's critical section
+    and free a cached tensor there; its weakref callback used to wait for the lock its own
+    thread held (a hang inside a launch). Freed while the lock is held, the entry goes when the
+    holder leaves; freed otherwise, at once."""
+    import threading
+
+    class Array:  # what the cache asks of a JAX array
+        def is_deleted(self):
+            return False
+
+    cache, arrays = views.ViewCache(), (Array(), Array())
+    kept, freed = torch.zeros(4), torch.zeros(4)
+    cache.put(kept, arrays[0])
+    cache.put(freed, arrays[1])
+
+    def free_inside():
+        with cache._lock:  # as the collector would, mid-put
+            nonlocal freed
+            del freed
+        assert cache.get(kept) is arrays[0]  # the holder's way out removes the queued entry
+
+    worker = threading.Thread(target=free_inside, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "a weakref callback waited for its own thread's lock"
+    assert len(cache._d) == 1 and len(cache) == 1
+    del kept
+    assert len(cache._d) == 0  # no holder: removed by the callback at once
+
+
 def _python(code: str) -> str:
     """``code`` run by this Python in a process of its own; its stdout (it must exit 0)."""
     import subprocess

@@ -242,3 +242,40 @@ def test_digest_sources_given_as_numpy_integers_are_in_the_signature():
 
     assert torch.equal(digest(32, warm=True), digest(32, warm=False))
     assert not torch.equal(digest(32, warm=False), digest(64, warm=False))
+
+
+@pytest.mark.parametrize("bad", [1.0, torch.tensor(1), True], ids=["float", "tensor", "bool"])
+def test_a_sources_sizes_must_be_integers_even_after_an_integer_call(bad):
+    """SGLang's ``RealKvSource`` takes any number for its sizes. A float or a 0-d tensor equal
+    to an earlier call's integer was held in the call signature by its type or truncated to it,
+    so the call reused the earlier one's checks and launch; a float that is not whole was
+    truncated where the kernels index with it. Each is refused by name, with nothing written."""
+    import types
+
+    rows = torch.arange(16 * 64, dtype=torch.int64).remainder(251).to(torch.uint8).view(16, 64)
+
+    def source(page_size):  # as SGLang's own dataclass builds one: no type check
+        return types.SimpleNamespace(tensor=rows, page_size=page_size, num_bytes_per_token=64,
+                                     read_bytes=64)
+
+    message = f"kv-canary: RealKvSource.page_size must be an int, got {type(bad).__name__} {bad!r}"
+    buf, slots = torch.zeros(16, dtype=torch.int64), torch.arange(1, 9)
+    bridge.launch_kv_digest_write(digest_buf=buf, slots=slots, sources=(source(1),))
+    before = buf.clone()
+    with pytest.raises(TypeError, match="^" + re.escape(message) + "(\n|$)"):
+        bridge.launch_kv_digest_write(digest_buf=buf, slots=slots, sources=(source(bad),))
+    assert torch.equal(buf, before)
+
+    ctx = dataclasses.replace(_ctx(), real_kv_sources=(source(1),),
+                              real_kv_hash_mode=bridge.RealKvHashMode.ALL)
+    vp = bridge.VerifyPlan.allocate(verify_capacity=4, device=torch.device("cpu"))
+    vp.zero_for_testing_().enable.fill_(1)
+    bridge.launch_canary_verify_kernel(context=ctx, plan=vp, check_verify_expected_token=False)
+    ctx = dataclasses.replace(ctx, real_kv_sources=(source(bad),))
+    kw = dict(context=ctx, plan=vp)
+    before = _snapshot(kw)
+    with pytest.raises(TypeError, match="^" + re.escape(message) + "(\n|$)"):
+        bridge.launch_canary_verify_kernel(context=ctx, plan=vp, check_verify_expected_token=False)
+    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(kw)))
+    with pytest.raises(TypeError, match="^" + re.escape(message) + "(\n|$)"):
+        bridge.RealKvSource(tensor=rows, page_size=bad, num_bytes_per_token=64, read_bytes=64)

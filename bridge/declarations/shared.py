@@ -32,7 +32,7 @@ from kvcanary_jax.bridge.dlpack import BridgeError
 from kvcanary_jax.bridge.launcher import Arg
 from kvcanary_jax import default_implementation
 from kvcanary_jax import plans as _plans
-from kvcanary_jax.context import RealKvSource, VerifyOrWriteContext
+from kvcanary_jax.context import RealKvSource, VerifyOrWriteContext, check_source_sizes
 from kvcanary_jax.contracts import Contract, SameDevice, TensorMeta, meta_of
 
 __all__ = [
@@ -203,13 +203,18 @@ def _source_arg(name, s) -> tuple[Arg, RealKvSource]:
 
 
 def source_statics(context) -> tuple:
-    return tuple((int(s.page_size), int(s.num_bytes_per_token), int(s.read_bytes))
-                 for s in context.real_kv_sources)
+    """The sources' sizes in a call signature, each with its type: a float or a tensor that
+    equals an earlier call's integer must not reuse that call's checks (which refuse it)."""
+    return tuple((v, type(v)) for s in context.real_kv_sources
+                 for v in (s.page_size, s.num_bytes_per_token, s.read_bytes))
 
 
 def ctx_for_checks(context):
     """SGLang's context as the ops' contracts read it: the package's context over the torch
-    tensors, each source as its tensor and the torch view's metadata."""
+    tensors, each source as its tensor and the torch view's metadata. A source's sizes must be
+    integers (SGLang's own ``RealKvSource`` takes any number)."""
+    for s in context.real_kv_sources:
+        check_source_sizes(s)
     return VerifyOrWriteContext(
         **{k: getattr(context, k, None) for k in _CTX_FIELDS}, kernel_kind=context.kernel_kind,
         real_kv_hash_mode=context.real_kv_hash_mode,
