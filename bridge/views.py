@@ -133,7 +133,12 @@ class ViewCache:
         if self._gone:
             self._drain()
         with self._lock:
-            return len(self._d)
+            n = len(self._d)
+        if self._gone:  # a tensor freed meanwhile: gone before the count is returned
+            self._drain()
+            with self._lock:
+                n = len(self._d)
+        return n
 
 
 Hashable = Any

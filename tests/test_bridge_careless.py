@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -244,12 +245,14 @@ def test_digest_sources_given_as_numpy_integers_are_in_the_signature():
     assert not torch.equal(digest(32, warm=False), digest(64, warm=False))
 
 
-@pytest.mark.parametrize("bad", [1.0, torch.tensor(1), True], ids=["float", "tensor", "bool"])
+@pytest.mark.parametrize("bad", [1.0, torch.tensor(1), np.array(1), True],
+                         ids=["float", "tensor", "array", "bool"])
 def test_a_sources_sizes_must_be_integers_even_after_an_integer_call(bad):
     """SGLang's ``RealKvSource`` takes any number for its sizes. A float or a 0-d tensor equal
     to an earlier call's integer was held in the call signature by its type or truncated to it,
     so the call reused the earlier one's checks and launch; a float that is not whole was
-    truncated where the kernels index with it. Each is refused by name, with nothing written."""
+    truncated where the kernels index with it. Each is refused by name, with nothing written
+    (an array scalar too, which a call signature cannot hold by value)."""
     import types
 
     rows = torch.arange(16 * 64, dtype=torch.int64).remainder(251).to(torch.uint8).view(16, 64)

@@ -29,7 +29,6 @@ loop's plan has one capacity).
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 from kvcanary_jax import buckets, consts
 from kvcanary_jax.bridge.checks import require_tensors
@@ -37,6 +36,7 @@ from kvcanary_jax.bridge.declarations.shared import (
     Declaration,
     check_distinct_outputs,
     dense,
+    hashable,
     impl_for,
     named_source_args,
     platform_of,
@@ -57,12 +57,6 @@ _SOURCE_FIELDS = ("tensor", "page_size", "num_bytes_per_token", "read_bytes")
 CONTEXT_FIELDS = ("digest_buf", "violation_ring", "violation_write_index", "slot_run_counter",
                   "kernel_run_counter")
 _VERIFY_ARRAYS = ("slots", "positions", "num_valid", "phase")
-
-
-def _hashable(x):
-    """``x`` in a call signature: an integer (numpy's too) as its value with its type (``True`` is
-    not ``1``), any other value by its type (refused by the checks, so never cached)."""
-    return (int(x) if isinstance(x, numbers.Integral) else None, type(x))
 
 
 def _contiguous(prefix: str, ts: dict, names) -> None:
@@ -86,7 +80,7 @@ def _source_tensors(sources) -> dict:
 def _source_statics(sources) -> tuple:
     if not isinstance(sources, (tuple, list)):
         return (type(sources),)
-    return tuple(tuple(_hashable(getattr(s, f, None)) for f in _SOURCE_FIELDS[1:]) + (type(s),)
+    return tuple(tuple(hashable(getattr(s, f, None)) for f in _SOURCE_FIELDS[1:]) + (type(s),)
                  for s in sources)
 
 
@@ -185,7 +179,7 @@ def _verify_tensors(kw):
 
 
 def _verify_statics(kw):
-    return (_hashable(getattr(kw["context"], "kernel_kind", None)), _hashable(kw["window"]),
+    return (hashable(getattr(kw["context"], "kernel_kind", None)), hashable(kw["window"]),
             _source_statics(kw["sources"]))
 
 

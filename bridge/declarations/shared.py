@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import operator
 import types
 from typing import Callable
@@ -50,6 +51,7 @@ __all__ = [
     "offsets_arg",
     "count_arg",
     "source_statics",
+    "hashable",
     "ctx_for_checks",
     "same_device",
     "check_distinct_outputs",
@@ -205,8 +207,15 @@ def _source_arg(name, s) -> tuple[Arg, RealKvSource]:
 def source_statics(context) -> tuple:
     """The sources' sizes in a call signature, each with its type: a float or a tensor that
     equals an earlier call's integer must not reuse that call's checks (which refuse it)."""
-    return tuple((v, type(v)) for s in context.real_kv_sources
+    return tuple(hashable(v) for s in context.real_kv_sources
                  for v in (s.page_size, s.num_bytes_per_token, s.read_bytes))
+
+
+def hashable(x) -> tuple:
+    """``x`` in a call signature: an integer (numpy's too) as its value with its type (``True`` is
+    not ``1``), any other value by its type alone (an array scalar is not hashable; the checks
+    refuse every such value, so it is never cached)."""
+    return (int(x) if isinstance(x, numbers.Integral) else None, type(x))
 
 
 def ctx_for_checks(context):
