@@ -270,6 +270,11 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
+def _not_a_tensor(launcher: str, name: str, value) -> TypeError:
+    return TypeError(f"kv-canary: {launcher} {name} must be a torch.Tensor or None, got "
+                     f"{type(value).__name__}")
+
+
 # One lock per device for the DLPack path, shared by every launcher: two launchers over one
 # context (verify in one thread, write in another) donate and replace the same imported buffers,
 # so a lock per launcher let one thread read an array the other had just donated ("Array has
@@ -348,6 +353,10 @@ class Launcher:
     def _prepare(self, kwargs, tensors) -> Prepared:
         """First call of a signature: the static checks (SGLang's errors), then the arguments."""
         decl = self.decl
+        # A non-tensor in an optional slot (a list, a numpy array, an int): SGLang's own error
+        # where its checks raise one first, else ours, never an AttributeError from inside.
+        stray = next(((n, t) for n, t in tensors.items()
+                      if t is not None and not isinstance(t, torch.Tensor)), None)
         try:
             decl.validate(kwargs, tensors)
         except (TypeError, ValueError) as e:
@@ -356,6 +365,12 @@ class Launcher:
             if decl.name not in str(e):
                 e.add_note(f"kv-canary bridge: raised by {decl.name}")
             raise
+        except AttributeError as e:
+            if stray is None:
+                raise
+            raise _not_a_tensor(decl.name, *stray) from e
+        if stray is not None:
+            raise _not_a_tensor(decl.name, *stray)
         # Once per signature (with value checks on, on every call: see __call__).
         written = decl.outputs + decl.also_written(kwargs)
         check_outputs_apart_from_inputs(decl.name, written, tensors)

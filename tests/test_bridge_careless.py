@@ -282,3 +282,113 @@ def test_a_sources_sizes_must_be_integers_even_after_an_integer_call(bad):
     assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(kw)))
     with pytest.raises(TypeError, match="^" + re.escape(message) + "(\n|$)"):
         bridge.RealKvSource(tensor=rows, page_size=bad, num_bytes_per_token=64, read_bytes=64)
+
+
+def _plan_with_pool(pool, valid_lens, *, prefix=(6, 6), rpi=(1, 2), offset=0):
+    rtt = torch.arange(4 * 16, dtype=torch.int32).view(4, 16)
+    kw = dict(
+        verify_plan_out=bridge.VerifyPlan.allocate(verify_capacity=32, device=torch.device("cpu")),
+        write_plan_out=bridge.WritePlan.allocate(write_req_capacity=2, device=torch.device("cpu")),
+        req_pool_indices=torch.tensor(rpi), prefix_lens=torch.tensor(prefix),
+        extend_seq_lens=torch.tensor([1, 1]), req_to_token=rtt, swa_window_size=0,
+        full_to_swa_index_mapping=None, verify_capacity=32, req_to_verify_expected_tokens=pool,
+        req_to_verify_expected_tokens_valid_lens=torch.tensor(valid_lens),
+        kv_token_id_vs_position_offset=offset)
+    for t in _tensors(kw["verify_plan_out"]) + _tensors(kw["write_plan_out"]):
+        t.fill_(-3)
+    return kw
+
+
+@pytest.mark.parametrize("rows,width,valid_lens,offset,message", [
+    # Request 1's row past the pool: the kernel read no tokens (-1) for it.
+    (2, 16, (7, 7), 0, "req_pool_indices[1]=2 is outside [0, 2) (rows of "
+                       "req_to_verify_expected_tokens)"),
+    # Columns 4 and 5 past a 4-wide pool: the kernel read the next row's tokens.
+    (5, 4, (7, 7), 0, "req_to_verify_expected_tokens_valid_lens[0]=7 reads past "
+                      "req_to_verify_expected_tokens's width 4 (prefix_lens[0]=6, "
+                      "kv_token_id_vs_position_offset=0)"),
+    (5, 6, (7, 7), 1, "req_to_verify_expected_tokens_valid_lens[0]=7 reads past "
+                      "req_to_verify_expected_tokens's width 6 (prefix_lens[0]=6, "
+                      "kv_token_id_vs_position_offset=1)"),
+])
+def test_plan_refuses_to_read_the_expected_token_pool_past_its_rows_or_width(
+        rows, width, valid_lens, offset, message):
+    """SGLang's reference indexes the pool at each verified position (an IndexError past it),
+    while the kernels would have given a request no expected tokens or another row's, a miss or
+    a false alarm, without a word. With value checks on, the plan and the fused step refuse it
+    by name and write nothing."""
+    from kvcanary_jax import oracle
+
+    ref = oracle.load().plan_ref.launch_canary_plan_kernels_torch_reference
+    pool = torch.arange(rows * width, dtype=torch.int32).view(rows, width) + 100
+    with pytest.raises(IndexError):
+        ref(**_plan_with_pool(pool.clone(), valid_lens, offset=offset))
+    kw = _plan_with_pool(pool, valid_lens, offset=offset)
+    before = _snapshot(kw)
+    with _raises(ValueError, "kv-canary: launch_canary_plan_kernels " + message):
+        bridge.launch_canary_plan_kernels(**kw)
+    assert _unchanged(kw, before)
+    step = {k: v for k, v in kw.items() if k != "verify_capacity"}
+    step.update(context=_ctx(), input_ids=torch.tensor([5, 6]), positions=torch.tensor([6, 6]),
+                out_cache_loc=torch.tensor([3, 4]))
+    before = _snapshot(step)
+    with _raises(ValueError, "kv-canary: launch_canary_plan_kernels " + message):
+        bridge.launch_canary_step(**step)
+    assert _unchanged(step, before)
+
+
+@pytest.mark.parametrize("rows,width,valid_lens,offset,prefix", [
+    (2, 16, (7, 0), 0, (6, 6)),  # request 1 reads nothing (valid length 0): its row may be past
+    (5, 4, (7, 7), 0, (4, 4)),  # valid lengths past the width, the reads within it
+    (5, 4, (7, 7), -2, (6, 6)),  # the offset keeps the reads within the width
+])
+def test_plan_reads_of_the_pool_within_its_bounds_are_not_refused(rows, width, valid_lens,
+                                                                  offset, prefix):
+    from kvcanary_jax import oracle
+
+    ref = oracle.load().plan_ref.launch_canary_plan_kernels_torch_reference
+    pool = torch.arange(rows * width, dtype=torch.int32).view(rows, width) + 100
+    theirs = _plan_with_pool(pool.clone(), valid_lens, offset=offset, prefix=prefix)
+    ours = _plan_with_pool(pool, valid_lens, offset=offset, prefix=prefix)
+    ref(**theirs)
+    bridge.launch_canary_plan_kernels(**ours)
+    n = int(theirs["verify_plan_out"].verify_num_valid[0])
+    assert n == int(ours["verify_plan_out"].verify_num_valid[0]) > 0
+    got, want = ours["verify_plan_out"], theirs["verify_plan_out"]
+    assert torch.equal(got.verify_expected_tokens[:n], want.verify_expected_tokens[:n])
+    assert (got.verify_expected_tokens[:n] != -1).any()
+
+
+@pytest.mark.parametrize("name,value,launcher", [
+    ("full_to_swa_index_mapping", [0, 1, 2], "plan"),
+    ("req_to_verify_expected_tokens", np.zeros((4, 8), np.int32), "plan"),
+    ("req_to_verify_expected_tokens_valid_lens", [2], "plan"),
+    ("req_to_verify_expected_tokens_valid_lens", np.array([2]), "step"),
+])
+def test_a_non_tensor_in_an_optional_slot_is_refused_by_name(name, value, launcher):
+    """An optional tensor given as a list, a numpy array or an int used to fail with an
+    AttributeError from inside the checks (or pass them, a numpy array having a shape)."""
+    kw = _step_kw(**{"req_to_verify_expected_tokens": torch.zeros(4, 8, dtype=torch.int32),
+                     "req_to_verify_expected_tokens_valid_lens": torch.tensor([2]), name: value})
+    if launcher == "plan":
+        kw = {k: v for k, v in kw.items() if k not in (
+            "context", "input_ids", "positions", "out_cache_loc")}
+        kw.update(swa_window_size=0, verify_capacity=16, kv_token_id_vs_position_offset=0)
+        kw.setdefault("full_to_swa_index_mapping", None)
+    before = _snapshot(kw)
+    full = "launch_canary_plan_kernels" if launcher == "plan" else "launch_canary_step"
+    with _raises(TypeError, f"kv-canary: {full} {name} must be a torch.Tensor or None, got "
+                            f"{type(value).__name__}"):
+        getattr(bridge, full)(**kw)
+    assert _unchanged(kw, before)
+
+
+def test_the_write_keeps_sglangs_error_for_a_non_tensor_expected_input():
+    kw = _step_kw()
+    args = dict(context=kw["context"], plan=kw["write_plan_out"], input_ids=kw["input_ids"],
+                positions=kw["positions"], out_cache_loc=kw["out_cache_loc"],
+                enable_write_input_assert=False, expected_input_tokens=5,
+                expected_input_positions=None)
+    with pytest.raises(ValueError, match="^kv-canary: expected input tensors must be None when "
+                                         "enable_write_input_assert=False\n"):
+        bridge.launch_canary_write_kernel(**args)

@@ -109,6 +109,38 @@ def plan_values(kw, ts):
         i = int(bad.nonzero()[0, 0])
         raise ValueError(f"{_PLAN_P} prefix_lens[{i}]={int(prefix[i])} exceeds req_to_token's "
                          f"width {width}")
+    _pool_values(kw, ts)
+
+
+def _pool_values(kw, ts) -> None:
+    """The expected-token pool's cells the plan reads: for an active request ``r``, columns
+    ``position + kv_token_id_vs_position_offset`` of row ``req_pool_indices[r]``, for each
+    verified position, those in ``[0, valid_lens[r])``. SGLang's reference indexes the pool
+    there (an IndexError past it); the kernels would read another row's tokens past the width,
+    or none past the last row, each without a word."""
+    pool = ts.get("req_to_verify_expected_tokens")
+    lens = ts.get("req_to_verify_expected_tokens_valid_lens")
+    rpi = ts["req_pool_indices"]
+    if pool is None or lens is None or rpi.numel() == 0:
+        return
+    prefix, lens = ts["prefix_lens"].to(torch.int64), lens.to(torch.int64)
+    swa, off = int(kw["swa_window_size"]), int(kw["kv_token_id_vs_position_offset"])
+    start = (prefix - swa).clamp(min=0) if swa > 0 else torch.zeros_like(prefix)
+    lo, hi = (start + off).clamp(min=0), torch.minimum(prefix + off, lens)
+    reads = (rpi != 0) & (hi > lo)
+    rows, width = int(pool.shape[0]), int(pool.shape[1])
+    bad = reads & (rpi >= rows)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{_PLAN_P} req_pool_indices[{i}]={int(rpi[i])} is outside [0, {rows}) "
+                         "(rows of req_to_verify_expected_tokens)")
+    bad = reads & (hi > width)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"{_PLAN_P} req_to_verify_expected_tokens_valid_lens[{i}]={int(lens[i])} reads past "
+            f"req_to_verify_expected_tokens's width {width} (prefix_lens[{i}]={int(prefix[i])}, "
+            f"kv_token_id_vs_position_offset={off})")
 
 
 def plan_lanes(ts, platform: str) -> tuple[int, bool]:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from kvcanary_jax.bridge.checks import check_range, require_tensors
 from kvcanary_jax.bridge.declarations.shared import (
     WP_FIELDS,
@@ -69,6 +71,11 @@ def write_statics(kw):
 
 def write_validate(kw, ts):
     require_tensors(_WRITE_P, {k: v for k, v in required_of(ts).items() if k not in _EXPECTED})
+    if not kw["enable_write_input_assert"] and any(
+            ts[k] is not None and not isinstance(ts[k], torch.Tensor) for k in _EXPECTED):
+        # SGLang's check, which a non-tensor would not reach here (its metadata is read first).
+        raise ValueError("kv-canary: expected input tensors must be None when "
+                         "enable_write_input_assert=False")
     _write_base.validate(ctx_for_checks(kw["context"]), kw["plan"],
                          WriteTokens(**{k: ts[k] for k in TOKENS}),
                          kw["enable_write_input_assert"])
