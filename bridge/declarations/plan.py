@@ -3,7 +3,8 @@
 Fills both plans in place: the op's contract on the caller's tensors under SGLang's launcher names
 (:func:`kvcanary_jax.ops.plan.contract.plan_metas`), then what SGLang's entries launcher requires
 beyond its offsets kernel's checks; the values checked on request (rows of ``req_to_token``,
-prefixes within its width); and the arguments: the request vectors at :func:`plan_lanes` lanes
+prefixes within its width, the expected-token pool's cells the plan reads within its rows and
+width); and the arguments: the request vectors at :func:`plan_lanes` lanes
 with the batch size as an operand where the implementation takes it (see the package's
 docstring). The step reuses the plan's tensors, checks, arguments and call (:func:`plan_tensors`,
 :func:`plan_statics`, :func:`plan_validate`, :func:`plan_values`, :func:`plan_args_at`,
