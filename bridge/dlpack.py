@@ -51,6 +51,7 @@ __all__ = [
     "released_but_held",
     "track_import",
     "write_back",
+    "copy_into",
     "x64_scope",
     "STATS",
     "stats",
@@ -203,4 +204,18 @@ def write_back(dst, result, cols: int | None = None) -> None:
     src = torch.from_dlpack(result)
     if cols is not None:
         src = src[:, :cols]
-    dst.copy_(src.reshape(dst.shape))
+    copy_into(dst, src.reshape(dst.shape))
+
+
+def copy_into(dst, src) -> None:
+    """``dst.copy_(src)`` into a caller's tensor, standing in for a kernel's write. An inference
+    tensor (allocated under ``torch.inference_mode()``) refuses an in-place update outside the
+    mode, while the kernels write its memory as they write any other (as SGLang's do): the copy
+    runs inside the mode for it, so that a launch never fails half written."""
+    import torch
+
+    if dst.is_inference() and not torch.is_inference_mode_enabled():
+        with torch.inference_mode():
+            dst.copy_(src)
+    else:
+        dst.copy_(src)

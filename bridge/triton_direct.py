@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from kvcanary_jax.bridge import triton_launch
-from kvcanary_jax.bridge.dlpack import BridgeError
+from kvcanary_jax.bridge.dlpack import BridgeError, copy_into
 
 __all__ = [
     "Buf",
@@ -645,8 +645,8 @@ class Loaded:
         for c in self.program.copies:
             dst = arg_views(c.dst_arg)
             if c.src.kind == "const":
-                dst.copy_(self.consts[c.src.index][: dst.numel()])
+                copy_into(dst, self.consts[c.src.index][: dst.numel()])
             else:
                 off = self.scratch_offsets[c.src.index]
-                dst.copy_(scratch[off: off + dst.numel()])
+                copy_into(dst, scratch[off: off + dst.numel()])
         del scratch  # back to the caching allocator, ordered on the current stream

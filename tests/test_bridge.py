@@ -296,7 +296,15 @@ def test_scatter_matches_sglang_reference_including_strided_pool_view(sgl, devic
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fused_step_equals_the_four_sglang_references_in_sequence(sgl, device):
+@pytest.mark.parametrize("inference,launch_inside", [(False, False), (True, False), (False, True)],
+                         ids=["tensors", "inference_tensors", "inside_inference_mode"])
+def test_fused_step_equals_the_four_sglang_references_in_sequence(sgl, device, inference,
+                                                                  launch_inside):
+    """``inference_tensors``: the step's buffers allocated under ``torch.inference_mode()`` (as a
+    server's model runner may) and the step launched outside it; ``inside_inference_mode``: the
+    reverse. torch refuses an in-place update
+    of such a tensor outside the mode: the copies that stand in for a kernel's writes failed after
+    the kernels ran, leaving the step half written. SGLang's kernels write the memory directly."""
     F = sgl.fixtures
     rng = random.Random(4)
 
@@ -313,8 +321,10 @@ def test_fused_step_equals_the_four_sglang_references_in_sequence(sgl, device):
         )
 
     rtt = F.make_req_to_token(kind="sparse_permuted", max_reqs=8, max_seq_len=32, device=device)
-    ours = state(bridge.VerifyPlan, bridge.WritePlan, bridge.VerifyOrWriteContext,
-                 bridge.CanaryLaunchTag, bridge.RealKvHashMode, bridge.RealKvSource)
+    with torch.inference_mode(inference):
+        ours = state(bridge.VerifyPlan, bridge.WritePlan, bridge.VerifyOrWriteContext,
+                     bridge.CanaryLaunchTag, bridge.RealKvHashMode, bridge.RealKvSource)
+    assert ours["ctx"].violation_ring.is_inference() == inference
     ref = state(sgl.verify.VerifyPlan, sgl.write.WritePlan, sgl.verify.VerifyOrWriteContext,
                 sgl.verify.CanaryLaunchTag, sgl.consts.RealKvHashMode, sgl.verify.RealKvSource)
     prefix = torch.zeros(4, dtype=torch.int64, device=device)
@@ -341,14 +351,15 @@ def test_fused_step_equals_the_four_sglang_references_in_sequence(sgl, device):
         kw = dict(req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend,
                   req_to_token=rtt)
         pool_view = ours["pool"][:, :40]  # strided expected-token pool
-        launch_canary_step(
-            context=ours["ctx"], verify_plan_out=ours["vp"], write_plan_out=ours["wp"], **kw,
-            input_ids=ids, positions=pos, out_cache_loc=ocl,
-            req_to_verify_expected_tokens=pool_view,
-            req_to_verify_expected_tokens_valid_lens=valid, expected_token_ids=flat,
-            expected_token_offsets=offs, check_verify_expected_token=True,
-            enable_write_input_assert=True, expected_input_tokens=ids, expected_input_positions=pos,
-        )
+        with torch.inference_mode(launch_inside):
+            launch_canary_step(
+                context=ours["ctx"], verify_plan_out=ours["vp"], write_plan_out=ours["wp"], **kw,
+                input_ids=ids, positions=pos, out_cache_loc=ocl,
+                req_to_verify_expected_tokens=pool_view,
+                req_to_verify_expected_tokens_valid_lens=valid, expected_token_ids=flat,
+                expected_token_offsets=offs, check_verify_expected_token=True,
+                enable_write_input_assert=True, expected_input_tokens=ids,
+                expected_input_positions=pos)
         rpool = ref["pool"][:, :40]
         sgl.scatter_ref.scatter_req_token_ids_torch_reference(
             flat_in=flat, offsets=offs, req_pool_indices=rpi, pool_out=rpool)

@@ -392,3 +392,96 @@ def test_the_write_keeps_sglangs_error_for_a_non_tensor_expected_input():
     with pytest.raises(ValueError, match="^kv-canary: expected input tensors must be None when "
                                          "enable_write_input_assert=False\n"):
         bridge.launch_canary_write_kernel(**args)
+
+
+@pytest.mark.parametrize("name,bad,cls,message", [
+    ("verify_capacity", 32.5, ValueError, "verify_capacity=32.5 does not match "
+                                          "verify_plan_out.verify_slot_indices.shape[0]=32"),
+    ("verify_capacity", 32.0, TypeError, "verify_capacity must be an int, got float 32.0"),
+    ("swa_window_size", 0.0, TypeError, "swa_window_size must be an int, got float 0.0"),
+    ("kv_token_id_vs_position_offset", torch.tensor(0), TypeError,
+     "kv_token_id_vs_position_offset must be an int, got Tensor tensor(0)"),
+    ("kv_token_id_vs_position_offset", 0.5, TypeError,
+     "kv_token_id_vs_position_offset must be an int, got float 0.5"),
+])
+def test_the_plans_scalars_must_be_integers_even_after_an_integer_call(name, bad, cls, message):
+    """The plan's scalars went through ``int()`` into the call signature and the checks: a
+    ``verify_capacity`` of 32.5 was truncated where SGLang raises, and an offset of 0.5 or a
+    0-d tensor reused an integer call's launch (SGLang's launcher truncates the offset, and
+    its reference adds it to positions). SGLang's error where it raises one, else a TypeError
+    naming the scalar; nothing written, by the plan or the fused step."""
+    pool = torch.arange(5 * 16, dtype=torch.int32).view(5, 16) + 100
+    bridge.launch_canary_plan_kernels(**_plan_with_pool(pool.clone(), (7, 7)))
+    kw = _plan_with_pool(pool, (7, 7))
+    kw[name] = bad
+    before = _snapshot(kw)
+    with pytest.raises(cls, match="^" + re.escape("kv-canary: launch_canary_plan_kernels "
+                                                  + message) + "(\n|$)"):
+        bridge.launch_canary_plan_kernels(**kw)
+    assert _unchanged(kw, before)
+    if name == "verify_capacity":
+        return  # the step takes its capacity from the plan
+    step = {k: v for k, v in kw.items() if k != "verify_capacity"}
+    step.update(context=_ctx(), input_ids=torch.tensor([5, 6]), positions=torch.tensor([6, 6]),
+                out_cache_loc=torch.tensor([3, 4]))
+    good = dict(step, **{name: 0})
+    bridge.launch_canary_step(**{k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                 for k, v in good.items()})
+    before = _snapshot(step)
+    with pytest.raises(cls, match="^" + re.escape("kv-canary: launch_canary_plan_kernels "
+                                                  + message) + "(\n|$)"):
+        bridge.launch_canary_step(**step)
+    assert _unchanged(step, before)
+
+
+@pytest.mark.parametrize("rpi,prefix,refused", [
+    ((1, 9), (6, 0), False),  # row 9 past the table, no prefix: nothing read there
+    ((1, -2), (6, 0), False),
+    ((1, 9), (6, 1), True),  # a prefix reads row 9: SGLang's reference raises
+    ((1, -2), (6, 3), True),  # the reference wraps to row 2, the kernels would read zeros
+])
+def test_plan_checks_only_the_rows_it_reads(rpi, prefix, refused):
+    """A request's row of ``req_to_token`` is read only for its prefix. A row past the table
+    with no prefix was refused although SGLang's reference (and kernels) read nothing there;
+    it now gives the reference's plans, and a row that is read is still refused by name."""
+    from kvcanary_jax import oracle
+
+    ref = oracle.load().plan_ref.launch_canary_plan_kernels_torch_reference
+    pool = torch.arange(5 * 16, dtype=torch.int32).view(5, 16) + 100
+    ours = _plan_with_pool(pool.clone(), (7, 7), rpi=rpi, prefix=prefix)
+    if refused:
+        before = _snapshot(ours)
+        with _raises(ValueError, f"kv-canary: launch_canary_plan_kernels req_pool_indices[1]="
+                                 f"{rpi[1]} is outside [0, 4) (rows of req_to_token)"):
+            bridge.launch_canary_plan_kernels(**ours)
+        assert _unchanged(ours, before)
+        return
+    theirs = _plan_with_pool(pool.clone(), (7, 7), rpi=rpi, prefix=prefix)
+    ref(**theirs)
+    bridge.launch_canary_plan_kernels(**ours)
+    for got, want in zip(_tensors(ours["verify_plan_out"]) + _tensors(ours["write_plan_out"]),
+                         _tensors(theirs["verify_plan_out"]) + _tensors(theirs["write_plan_out"])):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("tokens,positions", [(None, [0, 1]), ([5, 6], None), (None, 5)])
+def test_the_write_keeps_sglangs_error_for_a_missing_expected_input(tokens, positions):
+    """With the input assert on and one expected input missing, SGLang raises its "required"
+    error whatever the other is; a list or an int beside the None gave the bridge's TypeError."""
+    kw = _step_kw()
+    args = dict(context=kw["context"], plan=kw["write_plan_out"], input_ids=kw["input_ids"],
+                positions=kw["positions"], out_cache_loc=kw["out_cache_loc"],
+                enable_write_input_assert=True, expected_input_tokens=tokens,
+                expected_input_positions=positions)
+    before = _snapshot(args)
+    with pytest.raises(ValueError, match="^kv-canary: expected input tensors are required when "
+                                         "enable_write_input_assert=True\n"):
+        bridge.launch_canary_write_kernel(**args)
+    assert _unchanged(args, before)
+    step = dict(kw, enable_write_input_assert=True, expected_input_tokens=tokens,
+                expected_input_positions=positions)
+    before = _snapshot(step)
+    with pytest.raises(ValueError, match="^kv-canary: expected input tensors are required when "
+                                         "enable_write_input_assert=True\n"):
+        bridge.launch_canary_step(**step)
+    assert _unchanged(step, before)

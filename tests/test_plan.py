@@ -556,6 +556,22 @@ def test_verify_capacity_mismatch_gpu_wording():
             "verify_plan_out.verify_slot_indices.shape[0]=6", c=_base(), verify_capacity=7)
 
 
+@pytest.mark.parametrize("name,bad,cls,message", [
+    ("verify_capacity", 6.5, ValueError, "verify_capacity=6.5 does not match "
+                                         "verify_plan_out.verify_slot_indices.shape[0]=6"),
+    ("verify_capacity", 6.0, TypeError, "verify_capacity must be an int, got float 6.0"),
+    ("swa_window_size", 0.0, TypeError, "swa_window_size must be an int, got float 0.0"),
+    ("kv_token_id_vs_position_offset", 1.5, TypeError,
+     "kv_token_id_vs_position_offset must be an int, got float 1.5"),
+    ("kv_token_id_vs_position_offset", np.array(1), TypeError,
+     "kv_token_id_vs_position_offset must be an int, got ndarray array(1)"),
+])
+def test_the_scalars_must_be_integers(name, bad, cls, message):
+    """They were truncated with ``int()`` before the checks: 6.5 passed as 6 where SGLang
+    raises, and a fractional offset or window was silently rounded down."""
+    _raises(cls, "kv-canary: launch_canary_plan_kernels " + message, c=_base(), **{name: bad})
+
+
 _DTYPE_CASES = {
     "req_pool_indices": ("req_pool_indices", np.int32),
     "prefix_lens": ("prefix_lens", np.int32),

@@ -7,8 +7,8 @@ prefixes within its width, the expected-token pool's cells the plan reads within
 width); and the arguments: the request vectors at :func:`plan_lanes` lanes
 with the batch size as an operand where the implementation takes it (see the package's
 docstring). The step reuses the plan's tensors, checks, arguments and call (:func:`plan_tensors`,
-:func:`plan_statics`, :func:`plan_validate`, :func:`plan_values`, :func:`plan_args_at`,
-:data:`PLAN_RESULTS`, :func:`plan_call`).
+:func:`plan_statics`, :func:`plan_scalars`, :func:`plan_validate`, :func:`plan_values`,
+:func:`plan_args_at`, :data:`PLAN_RESULTS`, :func:`plan_call`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from kvcanary_jax.bridge.cache import CACHES
-from kvcanary_jax.bridge.checks import check_range, require_tensors, torch_checks
+from kvcanary_jax.bridge.checks import require_tensors, torch_checks
 from kvcanary_jax.bridge.declarations.shared import (
     VP_FIELDS,
     WP_FIELDS,
@@ -26,6 +26,7 @@ from kvcanary_jax.bridge.declarations.shared import (
     fields_of,
     reader,
     impl_for,
+    hashable,
     pitched,
     platform_of,
     rebuild,
@@ -38,7 +39,8 @@ from kvcanary_jax import plans as _plans
 from kvcanary_jax.ops import plan as _plan
 from kvcanary_jax.ops.plan import base as _plan_base
 
-__all__ = ["PLAN", "plan_fn", "plan_lanes", "plan_tensors", "plan_statics", "plan_validate",
+__all__ = ["PLAN", "plan_fn", "plan_lanes", "plan_tensors", "plan_statics", "plan_scalars",
+           "plan_validate",
            "plan_values", "plan_args_at", "PLAN_RESULTS", "plan_call"]
 
 _PLAN_P = "kv-canary: launch_canary_plan_kernels"
@@ -68,8 +70,14 @@ def _num_reqs(rpi):
 
 
 def plan_statics(kw):
-    return (int(kw["swa_window_size"]), int(kw["verify_capacity"]),
-            int(kw["kv_token_id_vs_position_offset"]))
+    """The plan's scalars in a call signature, each with its type (a float equal to an earlier
+    call's integer must not reuse that call's checks, which refuse it)."""
+    return tuple(hashable(kw[n]) for n in _plan.PLAN_SCALARS)
+
+
+def plan_scalars(kw):
+    """``(swa, cap, k)`` as ints, once :func:`plan_validate` has found them integers."""
+    return tuple(int(kw[n]) for n in _plan.PLAN_SCALARS)
 
 
 def plan_validate(kw, ts):
@@ -81,8 +89,8 @@ def plan_validate(kw, ts):
     tensors.update({_plan_base.out_name(k.split(".", 1)[1]): v for k, v in required.items()
                     if "." in k})
     _plan.CONTRACT.validate_metas(
-        _plan.plan_metas(tensors), swa_window_size=int(kw["swa_window_size"]),
-        verify_capacity=int(kw["verify_capacity"]), req_to_token_stride0=None,
+        _plan.plan_metas(tensors), req_to_token_stride0=None,
+        **{n: kw[n] for n in _plan.PLAN_SCALARS},
     )
     # Torch-only: what SGLang's entries launcher requires beyond the offsets kernel's checks.
     torch_checks(
@@ -102,8 +110,18 @@ def plan_validate(kw, ts):
 
 
 def plan_values(kw, ts):
+    """The rows the plan reads: an active request (``req_pool_indices[r] != 0``) with a prefix
+    reads ``req_to_token`` at its row, columns ``[0, prefix_lens[r])``; SGLang's reference
+    raises past the table (and wraps a negative row), where the kernels would read zeros. A
+    request without a prefix reads nothing there, so its row is not checked (the reference
+    accepts it too)."""
     rpi, prefix, rtt = ts["req_pool_indices"], ts["prefix_lens"], ts["req_to_token"]
-    check_range(_PLAN_P, "req_pool_indices", rpi, 0, int(rtt.shape[0]), "rows of req_to_token")
+    rows = int(rtt.shape[0])
+    bad = (rpi != 0) & (prefix > 0) & ((rpi < 0) | (rpi >= rows))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{_PLAN_P} req_pool_indices[{i}]={int(rpi[i])} is outside [0, {rows}) "
+                         "(rows of req_to_token)")
     width = int(rtt.shape[1])
     bad = (rpi != 0) & (prefix > width)
     if bool(bad.any()):
@@ -202,7 +220,7 @@ def plan_fn(named, *, swa, cap, k, platform, config=None):
 def _plan_arguments(kw, ts):
     platform = platform_of(ts["verify_plan_out.verify_slot_indices"])
     lanes, has_n = plan_lanes(ts, platform)
-    swa, cap, k = plan_statics(kw)
+    swa, cap, k = plan_scalars(kw)
     static = dict(swa=swa, cap=cap, k=k, platform=platform)
     return plan_args_at(ts, lanes, has_n), static, PLAN_RESULTS
 

@@ -19,6 +19,7 @@ from kvcanary_jax.bridge.declarations.plan import (
     PLAN_RESULTS,
     plan_args_at,
     plan_call,
+    plan_scalars,
     plan_statics,
     plan_tensors,
     plan_validate,
@@ -181,7 +182,7 @@ def _step_arguments(kw, ts):
     args += [dense(k, ts[k]) for k in token_names(check_input)]
     src_args, sources = source_args(context)
     args += src_args
-    swa, cap, k = plan_statics(kw)
+    swa, cap, k = plan_scalars(kw)
     static = dict(scatter_cols=int(pool.shape[1]) if do_scatter else None, swa=swa, cap=cap,
                   k=k, sources=sources, kind=int(context.kernel_kind),
                   mode=int(context.real_kv_hash_mode),

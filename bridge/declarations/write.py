@@ -76,8 +76,11 @@ def write_validate(kw, ts):
         # SGLang's check, which a non-tensor would not reach here (its metadata is read first).
         raise ValueError("kv-canary: expected input tensors must be None when "
                          "enable_write_input_assert=False")
-    _write_base.validate(ctx_for_checks(kw["context"]), kw["plan"],
-                         WriteTokens(**{k: ts[k] for k in TOKENS}),
+    tokens = {k: ts[k] for k in TOKENS}
+    if kw["enable_write_input_assert"] and any(tokens[k] is None for k in _EXPECTED):
+        # SGLang's "required" error, in its place among the checks, whatever the other one is.
+        tokens.update({k: None for k in _EXPECTED if not isinstance(tokens[k], torch.Tensor)})
+    _write_base.validate(ctx_for_checks(kw["context"]), kw["plan"], WriteTokens(**tokens),
                          kw["enable_write_input_assert"])
     same_device("canary_write", "canary_buf", ts)
     check_distinct_outputs({k: ts[k] for k in _write_base.OUTPUTS})

@@ -3,7 +3,7 @@ public entry (:mod:`.api`)."""
 
 from kvcanary_jax.ops.plan.api import canary_plan, run, takes_num_reqs
 from kvcanary_jax.ops.plan.base import PlanInputs, canary_plan_reference
-from kvcanary_jax.ops.plan.contract import CONTRACT, plan_metas
+from kvcanary_jax.ops.plan.contract import CONTRACT, PLAN_SCALARS, plan_metas
 
-__all__ = ["CONTRACT", "PlanInputs", "canary_plan", "canary_plan_reference", "plan_metas", "run",
-           "takes_num_reqs"]
+__all__ = ["CONTRACT", "PLAN_SCALARS", "PlanInputs", "canary_plan", "canary_plan_reference",
+           "plan_metas", "run", "takes_num_reqs"]

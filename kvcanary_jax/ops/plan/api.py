@@ -117,10 +117,11 @@ def canary_plan(
     inputs = base.inputs_of(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token,
                             full_to_swa_index_mapping, req_to_verify_expected_tokens,
                             req_to_verify_expected_tokens_valid_lens)
-    base.validate(verify_plan_out, write_plan_out, inputs, swa_window_size=int(swa_window_size),
-                  verify_capacity=int(verify_capacity),
+    base.validate(verify_plan_out, write_plan_out, inputs, swa_window_size=swa_window_size,
+                  verify_capacity=verify_capacity,
                   req_to_token_stride0=None if req_to_token_stride0 is None
-                  else int(req_to_token_stride0))
+                  else int(req_to_token_stride0),
+                  kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
     return run(verify_plan_out, write_plan_out, dataclasses.replace(inputs, num_reqs=num_reqs),
                swa_window_size=swa_window_size, verify_capacity=verify_capacity,
                kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,

@@ -143,7 +143,8 @@ class PlanOffsets:
 
 
 def validate(vp: VerifyPlan, wp: WritePlan, inputs: PlanInputs, *, swa_window_size: int,
-             verify_capacity: int, req_to_token_stride0: int | None) -> None:
+             verify_capacity: int, req_to_token_stride0: int | None,
+             kv_token_id_vs_position_offset: int = 0) -> None:
     """:data:`CONTRACT` on the op's arrays (raises at trace time)."""
     tensors = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(PlanInputs)
                if f.name != "num_reqs"}
@@ -153,6 +154,7 @@ def validate(vp: VerifyPlan, wp: WritePlan, inputs: PlanInputs, *, swa_window_si
     CONTRACT.validate_metas(
         plan_metas(tensors), swa_window_size=swa_window_size, verify_capacity=verify_capacity,
         req_to_token_stride0=req_to_token_stride0,
+        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
     )
 
 
@@ -394,10 +396,11 @@ def canary_plan_reference(
     inputs = inputs_of(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token,
                        full_to_swa_index_mapping, req_to_verify_expected_tokens,
                        req_to_verify_expected_tokens_valid_lens)
-    validate(verify_plan_out, write_plan_out, inputs, swa_window_size=int(swa_window_size),
-             verify_capacity=int(verify_capacity),
+    validate(verify_plan_out, write_plan_out, inputs, swa_window_size=swa_window_size,
+             verify_capacity=verify_capacity,
              req_to_token_stride0=None if req_to_token_stride0 is None
-             else int(req_to_token_stride0))
+             else int(req_to_token_stride0),
+             kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
     return reference(verify_plan_out, write_plan_out, inputs,
                      swa_window_size=int(swa_window_size), verify_capacity=int(verify_capacity),
                      kv_token_id_vs_position_offset=int(kv_token_id_vs_position_offset))

@@ -2,7 +2,8 @@
 anything is launched, so that nothing is written on error.
 
 :data:`CONTRACT` is SGLang's GPU-path validation in its order, classes and words
-(docs/spec.md §8, §11.2, §11.3): the SWA LUT's presence and ``verify_capacity``, then the offsets
+(docs/spec.md §8, §11.2, §11.3): the SWA LUT's presence and ``verify_capacity`` (then, beyond
+SGLang, the three scalars as integers: a ``TypeError`` naming the first that is not), then the offsets
 half's checks (:data:`OFFSETS_CHECKS`, its offsets kernel's validation), then the entries
 half's (:data:`ENTRIES_CHECKS`: the missing ``valid_lens`` error, then its launcher's C++ tensor
 guards). The checks read tensor metas by SGLang's launcher names: :func:`plan_metas` builds them
@@ -15,6 +16,7 @@ adding SGLang's ``lut_tensor``; :func:`out_name` is a plan field's launcher name
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Mapping
 
 from kvcanary_jax.contracts import (
@@ -30,6 +32,7 @@ from kvcanary_jax.contracts import (
 
 __all__ = [
     "CONTRACT",
+    "PLAN_SCALARS",
     "OFFSETS_CHECKS",
     "ENTRIES_CHECKS",
     "plan_metas",
@@ -273,9 +276,27 @@ def _rule_swa_lut(metas, scalars):
 def _rule_capacity(metas, scalars):
     m = metas.get("out_verify_slot_indices")
     n = m.shape[0] if m is not None and m.ndim else None
-    if n is None or scalars["verify_capacity"] == n:
+    c = scalars["verify_capacity"]
+    # A value that is no number (a tensor, an array) is left to _rule_integers, which names it.
+    if n is None or not isinstance(c, numbers.Number) or c == n:
         return None
     return {"n": n}
+
+
+PLAN_SCALARS = ("swa_window_size", "verify_capacity", "kv_token_id_vs_position_offset")
+
+
+def _rule_integers(metas, scalars):
+    """The first of the plan's scalars that is not an integer. SGLang's launcher truncates a float
+    window or offset with ``int()``, and its reference computes positions with it; the kernels
+    here compile per value, so a float or a tensor must never stand for an integer."""
+    for name in PLAN_SCALARS:
+        if name not in scalars:
+            continue
+        v = scalars[name]
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            return {"name": name, "got": f"{type(v).__name__} {v!r}"}
+    return None
 
 
 # SGLang's GPU-path order (docs/spec.md §8, §11.2, §11.3): SWA LUT presence, verify_capacity,
@@ -289,6 +310,7 @@ CONTRACT = Contract(
             _API + " verify_capacity={verify_capacity} does not match "
             "verify_plan_out.verify_slot_indices.shape[0]={n}",
         ),
+        Rule(_rule_integers, _API + " {name} must be an int, got {got}", TypeError),
         *OFFSETS_CHECKS,
         *ENTRIES_CHECKS,
     ),
