@@ -403,6 +403,13 @@ def test_the_write_keeps_sglangs_error_for_a_non_tensor_expected_input():
      "kv_token_id_vs_position_offset must be an int, got Tensor tensor(0)"),
     ("kv_token_id_vs_position_offset", 0.5, TypeError,
      "kv_token_id_vs_position_offset must be an int, got float 0.5"),
+    # SGLang compares whatever it is given: its mismatch error where the comparison fails.
+    ("verify_capacity", None, ValueError, "verify_capacity=None does not match "
+                                          "verify_plan_out.verify_slot_indices.shape[0]=32"),
+    ("verify_capacity", torch.tensor(31), ValueError,
+     "verify_capacity=31 does not match verify_plan_out.verify_slot_indices.shape[0]=32"),
+    ("verify_capacity", torch.tensor(32), TypeError,
+     "verify_capacity must be an int, got Tensor tensor(32)"),
 ])
 def test_the_plans_scalars_must_be_integers_even_after_an_integer_call(name, bad, cls, message):
     """The plan's scalars went through ``int()`` into the call signature and the checks: a
@@ -485,3 +492,53 @@ def test_the_write_keeps_sglangs_error_for_a_missing_expected_input(tokens, posi
                                          "enable_write_input_assert=True\n"):
         bridge.launch_canary_step(**step)
     assert _unchanged(step, before)
+
+
+@pytest.mark.parametrize("row,swa,prefix,refused", [
+    ((3, 6), 2, 2, "6"),  # the last verified slot past a 6-entry table
+    ((6, 3), 2, 2, "6"),  # the first one's
+    ((6, 3), 1, 2, "6"),  # a window of 1 verifies position 1 and reads its predecessor, slot 6
+    ((6, 3, 4), 1, 3, None),  # position 0 is neither verified nor a predecessor: not read
+    ((2, 5), 2, 2, None),
+])
+def test_plan_refuses_a_slot_past_the_swa_table(row, swa, prefix, refused):
+    """A slot the plan translates through ``full_to_swa_index_mapping`` past the table was
+    clamped to its last entry (as SGLang's kernels do): the slot checked against another's
+    canary. SGLang's reference raises; with value checks on, the plan refuses it in its words
+    and writes nothing."""
+    from kvcanary_jax import oracle
+
+    ref = oracle.load().plan_ref.launch_canary_plan_kernels_torch_reference
+
+    def kw():
+        out = dict(
+            verify_plan_out=bridge.VerifyPlan.allocate(verify_capacity=4,
+                                                       device=torch.device("cpu")),
+            write_plan_out=bridge.WritePlan.allocate(write_req_capacity=1,
+                                                     device=torch.device("cpu")),
+            req_pool_indices=torch.tensor([1]), prefix_lens=torch.tensor([prefix]),
+            extend_seq_lens=torch.tensor([1]),
+            req_to_token=torch.tensor([[0] * len(row), list(row)], dtype=torch.int32),
+            swa_window_size=swa, full_to_swa_index_mapping=torch.arange(10, 16),
+            verify_capacity=4, req_to_verify_expected_tokens=None,
+            req_to_verify_expected_tokens_valid_lens=None, kv_token_id_vs_position_offset=0)
+        for t in _tensors(out["verify_plan_out"]) + _tensors(out["write_plan_out"]):
+            t.fill_(-3)
+        return out
+
+    theirs, ours = kw(), kw()
+    if refused is None:
+        ref(**theirs)
+        bridge.launch_canary_plan_kernels(**ours)
+        for got, want in zip(_tensors(ours["verify_plan_out"]) + _tensors(ours["write_plan_out"]),
+                             _tensors(theirs["verify_plan_out"])
+                             + _tensors(theirs["write_plan_out"])):
+            assert torch.equal(got, want)
+        return
+    message = f"kv-canary: SWA slot {refused} is outside full_to_swa_index_mapping length 6"
+    with _raises(ValueError, message):
+        ref(**theirs)
+    before = _snapshot(ours)
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "(\n|$)"):
+        bridge.launch_canary_plan_kernels(**ours)
+    assert _unchanged(ours, before)

@@ -565,6 +565,16 @@ def test_verify_capacity_mismatch_gpu_wording():
      "kv_token_id_vs_position_offset must be an int, got float 1.5"),
     ("kv_token_id_vs_position_offset", np.array(1), TypeError,
      "kv_token_id_vs_position_offset must be an int, got ndarray array(1)"),
+    # SGLang compares whatever it is given: its mismatch error, not ours.
+    ("verify_capacity", None, ValueError, "verify_capacity=None does not match "
+                                          "verify_plan_out.verify_slot_indices.shape[0]=6"),
+    ("req_to_token_stride0", 16.5, TypeError,
+     "req_to_token_stride0 must be an int, got float 16.5"),
+    # Past int64, JAX's argument parsing failed with no word of which argument.
+    ("kv_token_id_vs_position_offset", 2**63, ValueError,
+     "kv_token_id_vs_position_offset must fit in int64, got 9223372036854775808"),
+    ("swa_window_size", -(2**63) - 1, ValueError,
+     "swa_window_size must fit in int64, got -9223372036854775809"),
 ])
 def test_the_scalars_must_be_integers(name, bad, cls, message):
     """They were truncated with ``int()`` before the checks: 6.5 passed as 6 where SGLang

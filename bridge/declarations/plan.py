@@ -3,9 +3,9 @@
 Fills both plans in place: the op's contract on the caller's tensors under SGLang's launcher names
 (:func:`kvcanary_jax.ops.plan.contract.plan_metas`), then what SGLang's entries launcher requires
 beyond its offsets kernel's checks; the values checked on request (rows of ``req_to_token``,
-prefixes within its width, the expected-token pool's cells the plan reads within its rows and
-width); and the arguments: the request vectors at :func:`plan_lanes` lanes
-with the batch size as an operand where the implementation takes it (see the package's
+prefixes within its width, slots within the SWA table, the expected-token pool's cells the plan
+reads within its rows and width); and the arguments: the request vectors at :func:`plan_lanes`
+lanes with the batch size as an operand where the implementation takes it (see the package's
 docstring). The step reuses the plan's tensors, checks, arguments and call (:func:`plan_tensors`,
 :func:`plan_statics`, :func:`plan_scalars`, :func:`plan_validate`, :func:`plan_values`,
 :func:`plan_args_at`, :data:`PLAN_RESULTS`, :func:`plan_call`).
@@ -128,7 +128,36 @@ def plan_values(kw, ts):
         i = int(bad.nonzero()[0, 0])
         raise ValueError(f"{_PLAN_P} prefix_lens[{i}]={int(prefix[i])} exceeds req_to_token's "
                          f"width {width}")
+    _lut_values(kw, ts)
     _pool_values(kw, ts)
+
+
+def _lut_values(kw, ts) -> None:
+    """The SWA table's entries the plan reads: the slot of every verified position and of its
+    predecessor (columns ``[max(start - 1, 0), prefix_lens[r])`` of an active request's row;
+    the write's seed is the last of them) goes through ``full_to_swa_index_mapping``. SGLang's
+    reference raises past the table, in its words; its kernels, and these, clamp to the last
+    entry, so that slot would be checked against another slot's canary."""
+    lut, rpi = ts.get("full_to_swa_index_mapping"), ts["req_pool_indices"]
+    prefix = ts["prefix_lens"]
+    active = (rpi != 0) & (prefix > 0)
+    if lut is None or not bool(active.any()):
+        return
+    rtt, n, swa = ts["req_to_token"], int(lut.shape[0]), int(kw["swa_window_size"])
+    start = (prefix - swa).clamp(min=0) if swa > 0 else torch.zeros_like(prefix)
+    cols = torch.arange(int(rtt.shape[1]), device=rtt.device)
+    rows = rtt[torch.where(active, rpi, 0)].to(torch.int64)  # active rows: checked above
+    read = active[:, None] & (cols >= (start - 1).clamp(min=0)[:, None]) & \
+        (cols < prefix[:, None])
+    bad = read & (rows >= n)
+    if not bool(bad.any()):
+        return
+    r = int(bad.any(1).nonzero()[0, 0])
+    for p in range(int(start[r]), int(prefix[r])):  # the reference's order: slot, predecessor
+        for q in (p, p - 1):
+            if q >= 0 and int(rows[r, q]) >= n:
+                raise ValueError(f"kv-canary: SWA slot {int(rows[r, q])} is outside "
+                                 f"full_to_swa_index_mapping length {n}")
 
 
 def _pool_values(kw, ts) -> None:

@@ -119,8 +119,7 @@ def canary_plan(
                             req_to_verify_expected_tokens_valid_lens)
     base.validate(verify_plan_out, write_plan_out, inputs, swa_window_size=swa_window_size,
                   verify_capacity=verify_capacity,
-                  req_to_token_stride0=None if req_to_token_stride0 is None
-                  else int(req_to_token_stride0),
+                  req_to_token_stride0=req_to_token_stride0,
                   kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
     return run(verify_plan_out, write_plan_out, dataclasses.replace(inputs, num_reqs=num_reqs),
                swa_window_size=swa_window_size, verify_capacity=verify_capacity,

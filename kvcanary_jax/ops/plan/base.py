@@ -398,8 +398,7 @@ def canary_plan_reference(
                        req_to_verify_expected_tokens_valid_lens)
     validate(verify_plan_out, write_plan_out, inputs, swa_window_size=swa_window_size,
              verify_capacity=verify_capacity,
-             req_to_token_stride0=None if req_to_token_stride0 is None
-             else int(req_to_token_stride0),
+             req_to_token_stride0=req_to_token_stride0,
              kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
     return reference(verify_plan_out, write_plan_out, inputs,
                      swa_window_size=int(swa_window_size), verify_capacity=int(verify_capacity),

@@ -3,13 +3,14 @@ anything is launched, so that nothing is written on error.
 
 :data:`CONTRACT` is SGLang's GPU-path validation in its order, classes and words
 (docs/spec.md §8, §11.2, §11.3): the SWA LUT's presence and ``verify_capacity`` (then, beyond
-SGLang, the three scalars as integers: a ``TypeError`` naming the first that is not), then the offsets
-half's checks (:data:`OFFSETS_CHECKS`, its offsets kernel's validation), then the entries
-half's (:data:`ENTRIES_CHECKS`: the missing ``valid_lens`` error, then its launcher's C++ tensor
-guards). The checks read tensor metas by SGLang's launcher names: :func:`plan_metas` builds them
-from JAX arrays or torch tensors (the bridge checks the caller's tensors with the same contract),
-adding SGLang's ``lut_tensor``; :func:`out_name` is a plan field's launcher name and
-:func:`row_stride` ``req_to_token``'s row stride as torch reports it.
+SGLang, the scalars as integers within int64: a ``TypeError`` or ``ValueError`` naming the first
+that is not), then the offsets half's checks (:data:`OFFSETS_CHECKS`, its offsets kernel's
+validation), then the entries half's (:data:`ENTRIES_CHECKS`: the missing ``valid_lens`` error,
+then its launcher's C++ tensor guards). The checks read tensor metas by SGLang's launcher
+names: :func:`plan_metas` builds them from JAX arrays or torch tensors (the bridge checks the
+caller's tensors with the same contract), adding SGLang's ``lut_tensor``; :func:`out_name` is a
+plan field's launcher name and :func:`row_stride` ``req_to_token``'s row stride as torch reports
+it.
 :func:`kvcanary_jax.ops.plan.base.validate` applies the contract to the op's pytrees.
 """
 
@@ -85,7 +86,7 @@ def row_stride(m: TensorMeta) -> int:
 def _stride0(metas, scalars) -> int | None:
     s = scalars.get("req_to_token_stride0")
     if s is not None:
-        return int(s)
+        return s
     m = metas.get("req_to_token")
     return None if m is None or m.ndim < 2 else row_stride(m)
 
@@ -153,7 +154,7 @@ def _rule_stride_match(metas, scalars):
     if a is None or m is None:
         return None
     b = row_stride(m)
-    return None if int(a) == b else {"a": int(a), "b": b}
+    return None if a == b else {"a": a, "b": b}
 
 
 def _rule_same_device(metas, scalars):
@@ -276,31 +277,47 @@ def _rule_swa_lut(metas, scalars):
 def _rule_capacity(metas, scalars):
     m = metas.get("out_verify_slot_indices")
     n = m.shape[0] if m is not None and m.ndim else None
-    c = scalars["verify_capacity"]
-    # A value that is no number (a tensor, an array) is left to _rule_integers, which names it.
-    if n is None or not isinstance(c, numbers.Number) or c == n:
+    if n is None:
         return None
-    return {"n": n}
+    try:  # SGLang's own comparison, whatever the value (a 0-d tensor equal to n passes it)
+        same = bool(scalars["verify_capacity"] == n)
+    except (TypeError, ValueError, RuntimeError):  # an array of several values
+        same = False
+    return None if same else {"n": n}
 
 
 PLAN_SCALARS = ("swa_window_size", "verify_capacity", "kv_token_id_vs_position_offset")
+
+
+def _given_scalars(scalars):
+    """The plan's scalars given, with ``req_to_token_stride0`` where the caller passed one."""
+    out = [(n, scalars[n]) for n in PLAN_SCALARS if n in scalars]
+    if scalars.get("req_to_token_stride0") is not None:
+        out.append(("req_to_token_stride0", scalars["req_to_token_stride0"]))
+    return out
 
 
 def _rule_integers(metas, scalars):
     """The first of the plan's scalars that is not an integer. SGLang's launcher truncates a float
     window or offset with ``int()``, and its reference computes positions with it; the kernels
     here compile per value, so a float or a tensor must never stand for an integer."""
-    for name in PLAN_SCALARS:
-        if name not in scalars:
-            continue
-        v = scalars[name]
+    for name, v in _given_scalars(scalars):
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             return {"name": name, "got": f"{type(v).__name__} {v!r}"}
     return None
 
 
+def _rule_int64(metas, scalars):
+    """An integer past int64 would fail inside JAX's argument parsing, with no word of which."""
+    for name, v in _given_scalars(scalars):
+        if not -(1 << 63) <= int(v) < (1 << 63):
+            return {"name": name, "got": int(v)}
+    return None
+
+
 # SGLang's GPU-path order (docs/spec.md §8, §11.2, §11.3): SWA LUT presence, verify_capacity,
-# the offsets kernel's checks, then the entries launcher's (missing valid_lens, then its C++ guards).
+# (ours: the scalars' types and range), the offsets kernel's checks, then the entries
+# launcher's (missing valid_lens, then its C++ guards).
 CONTRACT = Contract(
     op="canary_plan",
     checks=(
@@ -311,6 +328,7 @@ CONTRACT = Contract(
             "verify_plan_out.verify_slot_indices.shape[0]={n}",
         ),
         Rule(_rule_integers, _API + " {name} must be an int, got {got}", TypeError),
+        Rule(_rule_int64, _API + " {name} must fit in int64, got {got}"),
         *OFFSETS_CHECKS,
         *ENTRIES_CHECKS,
     ),
