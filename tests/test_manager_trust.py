@@ -117,6 +117,30 @@ def test_close_reports_the_last_steps_sweep():
     assert seen[0].violation.reasons == ("PADDING_SLOT_NOT_ZERO",)
 
 
+def test_one_close_in_raise_mode_reports_the_last_step_and_its_sweep():
+    """The pending readback raised, and the readback of the state as it is (what the last
+    step's sweep found) never ran: one ``close()`` at shutdown lost the sweep's rows (a second
+    ``close()`` found them). Both run now; the one error carries the violations of both, each
+    handed to ``on_violation``, and a second ``close()`` has nothing left."""
+    seen = []
+    h = Harness(rt.ManagerConfig(mode="raise", padding_guard=True, sweep_interval=2, **ON,
+                                 **NO_HEALTH), on_violation=seen.append)
+    h.mgr.mark_init_finished()
+    h.serve(2)
+    _, slot = h.live_prefix_slot()
+    h.corrupt_kv(slot)
+    h.dirty_padding_slot()
+    assert h.serve(1) == []  # its readback is pending; its sweep ran after that readback
+    errors = h.close()
+    assert len(errors) == 1
+    reported = [(r.violation.slot, r.violation.tag) for r in errors[0].reports]
+    assert any(s == slot and not t.startswith("SWEEP") for s, t in reported), reported
+    assert any(s == 0 and t.startswith("SWEEP") for s, t in reported), reported
+    assert [(r.violation.slot, r.violation.tag) for r in seen] == reported
+    assert sorted(r.violation.index for r in errors[0].reports) == _ring_rows(h.mgr.state)
+    assert h.close() == []
+
+
 def test_flush_reports_an_explicit_sweep():
     seen = []
     h = _sweeping(sweep_interval=100)
@@ -544,3 +568,179 @@ def test_the_config_cannot_be_swapped_under_a_built_manager():
         m.config = dataclasses.replace(m.config, mode="log")
     assert m.config.mode == "raise"
     step(new_kv(), [1, 2], 2)
+
+
+# ------------------------------------------------- a host table read one step late is the step's
+
+_ONE_SIZES = dict(max_reqs=4, context_len=16, num_slots=32, max_bs=2, max_tokens=8,
+                  implementation="xla")
+
+
+def _one_layer_forward(kv, batch, req_to_token, lut):
+    """Writes each new token's id into its slot's K row (one layer, K only)."""
+    k = kv["FULL"]["K"][0]
+    rows = jnp.where(batch.out_cache_loc < 0, k.shape[0], batch.out_cache_loc)
+    vals = jnp.broadcast_to(batch.input_ids[:, None], (rows.shape[0], k.shape[1]))
+    return {"FULL": {"K": (k.at[rows].set(vals.astype(k.dtype), mode="drop"),)}}
+
+
+@pytest.mark.parametrize("how", ["step", "head_tail"])
+def test_a_host_table_rewritten_after_the_step_still_names_the_steps_request(how):
+    """A server's live numpy ``req_to_token`` was kept by reference and read when the step's
+    readback was consumed, one step later: a pool row recycled in between named another
+    request, or none (``request=None``: remediation aborted nothing). The step's table is read
+    as it was."""
+    import numpy as np
+
+    from kvcanary_jax import _config
+
+    sizes = rt.CanaryConfig(**_ONE_SIZES)
+    found = []
+    config = rt.ManagerConfig(mode="log", real_data="all", **NO_HEALTH)
+    mgr = rt.CanaryManager(config, sizes, forward=_one_layer_forward, on_violation=found.append)
+    mgr.mark_init_finished()
+    kv = {"FULL": {"K": (jnp.zeros((32, 8), jnp.bfloat16),)}}
+    rtt = np.zeros((4, 16), np.int32)  # the server's own table, rewritten in place
+    forward = jax.jit(_one_layer_forward)
+
+    def step(tokens, new, base, rid):
+        nonlocal kv
+        n = len(tokens)
+        rtt[1, :n] = range(base, base + n)
+        batch = rt.make_batch(sizes, req_pool_indices=[1], prefix_lens=[n - new],
+                              extend_seq_lens=[new], all_ids=[tokens],
+                              input_ids=tokens[n - new:], positions=list(range(n - new, n)),
+                              out_cache_loc=list(range(base + n - new, base + n)))
+        if how == "step":
+            kv = mgr.step(kv, batch, rtt, requests=[rid])
+            return
+        mgr.head(batch, rtt)
+        with _config.x64_scope():
+            kv = forward(kv, batch, jnp.asarray(rtt), None)
+        mgr.tail(batch, kv, req_to_token=rtt, requests=[rid])
+
+    step([7, 8, 9], 3, 1, "r1")
+    step([7, 8, 9, 10], 1, 1, "r1")
+    kv["FULL"]["K"] = (kv["FULL"]["K"][0].at[2, 0].add(1),)
+    step([7, 8, 9, 10, 11], 1, 1, "r1")  # r1's last step finds slot 2
+    step([5, 6, 7], 3, 20, "r2")  # r1 finished: row 1 recycled by r2 before that readback
+    mgr.close()
+    assert [(r.violation.slot, r.request) for r in found] == [(2, "r1")]
+
+
+@pytest.mark.parametrize("mode", ["log", "raise"])
+def test_a_forward_that_fails_between_head_and_tail_is_aborted_and_retried(mode):
+    """The server's own forward raised after ``head()``: with no TAIL, the retry's HEAD was a
+    second HEAD, a phase error raised in every mode. ``abort_step()`` drops the step: the
+    retry is clean, and a corruption the aborted HEAD verified is still reported, once."""
+    import numpy as np
+
+    from kvcanary_jax import _config
+
+    sizes = rt.CanaryConfig(**_ONE_SIZES)
+    found = []
+    config = rt.ManagerConfig(mode=mode, real_data="all", **NO_HEALTH)
+    mgr = rt.CanaryManager(config, sizes, on_violation=found.append)
+    mgr.mark_init_finished()
+    kv = {"FULL": {"K": (jnp.zeros((32, 8), jnp.bfloat16),)}}
+    rtt = np.zeros((4, 16), np.int32)
+    forward = jax.jit(_one_layer_forward)
+    errors = []
+
+    def step(tokens, new, *, fail=False):
+        nonlocal kv
+        n = len(tokens)
+        rtt[1, :n] = range(1, 1 + n)
+        batch = rt.make_batch(sizes, req_pool_indices=[1], prefix_lens=[n - new],
+                              extend_seq_lens=[new], all_ids=[tokens],
+                              input_ids=tokens[n - new:], positions=list(range(n - new, n)),
+                              out_cache_loc=list(range(1 + n - new, 1 + n)))
+        table = jnp.asarray(rtt)
+        mgr.head(batch, table)
+        try:
+            if fail:
+                raise RuntimeError("the model's forward failed")
+            with _config.x64_scope():
+                kv = forward(kv, batch, table, None)
+        except RuntimeError:
+            mgr.abort_step()
+            raise
+        try:
+            mgr.tail(batch, kv, req_to_token=table, requests=["r1"])
+        except rt.CanaryViolationError as e:
+            errors.append(e)
+
+    step([7, 8, 9], 3)
+    step([7, 8, 9, 10], 1)
+    kv["FULL"]["K"] = (kv["FULL"]["K"][0].at[2, 0].add(1),)
+    with pytest.raises(RuntimeError, match="forward failed"):
+        step([7, 8, 9, 10, 11], 1, fail=True)  # its HEAD verifies slot 2: a violation
+    step([7, 8, 9, 10, 11], 1)  # the retry
+    step([7, 8, 9, 10, 11, 12], 1)
+    try:
+        mgr.close()
+    except rt.CanaryViolationError as e:
+        errors.append(e)
+    assert all("phase check" not in str(e) for e in errors), [str(e) for e in errors]
+    slots = sorted({r.violation.slot for r in found})
+    assert slots == [2], [(r.violation.slot, r.violation.tag) for r in found]
+    assert sorted(r.violation.index for r in found) == _ring_rows(mgr.state)
+    if mode == "raise":
+        assert sorted(r.violation.index for e in errors for r in e.reports) == \
+            _ring_rows(mgr.state)
+    else:
+        assert errors == []
+
+
+def test_violations_past_a_full_ring_raise_in_raise_mode(caplog):
+    """The ring keeps its first rows; a violation past its capacity is counted, its row
+    dropped. In raise mode a server serving on after a long incident got only an overflow
+    warning for every later, unrelated violation: blind. Each readback whose count grew past a
+    full ring now raises, saying how many went unrecorded (logged in every mode)."""
+    import numpy as np
+
+    sizes = rt.CanaryConfig(**_ONE_SIZES, ring_capacity=4)
+    config = rt.ManagerConfig(mode="raise", real_data="all", ring_capacity=4, **NO_HEALTH)
+    found = []
+    mgr = rt.CanaryManager(config, sizes, forward=_one_layer_forward, on_violation=found.append)
+    mgr.mark_init_finished()
+    kv = {"FULL": {"K": (jnp.zeros((32, 8), jnp.bfloat16),)}}
+    rtt = np.zeros((4, 16), np.int32)
+    errors = []
+
+    def step(tokens, new, row, base, rid):
+        nonlocal kv
+        n = len(tokens)
+        rtt[row, :n] = range(base, base + n)
+        batch = rt.make_batch(sizes, req_pool_indices=[row], prefix_lens=[n - new],
+                              extend_seq_lens=[new], all_ids=[tokens],
+                              input_ids=tokens[n - new:], positions=list(range(n - new, n)),
+                              out_cache_loc=list(range(base + n - new, base + n)))
+        try:
+            kv = mgr.step(kv, batch, jnp.asarray(rtt), requests=[rid])
+        except rt.CanaryViolationError as e:
+            kv = e.kv
+            errors.append(e)
+
+    t = [7, 8, 9]
+    step(t, 3, 1, 1, "r1")
+    kv["FULL"]["K"] = (kv["FULL"]["K"][0].at[2, 0].add(1),)  # incident 1: r1's slot 2
+    for x in range(10, 14):  # four steps re-verify slot 2: the ring's four rows
+        t = t + [x]
+        step(t, 1, 1, 1, "r1")
+    p = [1, 2, 3]
+    step(p, 3, 2, 20, "r2")  # r1 is done; r2 runs alone
+    kv["FULL"]["K"] = (kv["FULL"]["K"][0].at[21, 0].add(1),)  # incident 2: r2's slot 21
+    for x in range(4, 7):
+        p = p + [x]
+        step(p, 1, 2, 20, "r2")
+    try:
+        mgr.close()
+    except rt.CanaryViolationError as e:
+        errors.append(e)
+    assert rt.violation_count(mgr.state) > 4
+    assert {r.violation.slot for r in found} == {2}  # the ring's rows: incident 1's
+    late = [e for e in errors if "not recorded: the violation ring is full" in str(e)]
+    assert late, [str(e) for e in errors]
+    counted = sum(int(re.search(r"(\d+) more violation\(s\)", str(e)).group(1)) for e in late)
+    assert counted == rt.violation_count(mgr.state) - 4

@@ -71,11 +71,12 @@ class Finding:
     stalled_tags: int = 0
     phase_errors: int = 0
     negative_index: int = 0
+    unrecorded: int = 0  # raise mode only: violations past a full ring (their slots unknown)
 
     @property
     def raises(self) -> bool:
         return bool(self.new_violations or self.stalled_tags or self.phase_errors
-                    or self.negative_index)
+                    or self.negative_index or self.unrecorded)
 
 
 class AgreementFailure(Exception):

@@ -206,6 +206,7 @@ class CanaryManager:
         self._warned_no_walk = False
         self._steps_itself = allocate  # False once observe() runs: the server steps (and sweeps)
         self._unread = False  # a launch ran since the last staged readback (a sweep, a HEAD)
+        self._head_table = (None, None)  # (the host table HEAD was given, its device copy)
         self._lost = ""  # why the manager holds no state (a step failed on the device), or ""
         self._init_finished = False  # mark_init_finished() was called
         if mesh is not None and axis not in mesh.shape:
@@ -379,6 +380,7 @@ class CanaryManager:
         self._check_requests(batch, requests)
         self._require_state("step")
         with _config.x64_scope():
+            req_to_token, lut = _held(req_to_token), _held(lut)
             self._state = self._rebaser(self._state)
             self._state, self._phase, kv, rb = self._on_device(
                 "step", self._device.fused, self.state, self._phase, kv, batch, req_to_token,
@@ -406,11 +408,26 @@ class CanaryManager:
         self._require_enabled("head")
         self._require_state("head")
         with _config.x64_scope():
+            table = _held(req_to_token)
             self._state = self._rebaser(self._state)
             self._state, self._phase = self._on_device("head", self._device.head, self._state,
-                                                       self._phase, batch, req_to_token,
+                                                       self._phase, batch, table,
                                                        self._lut(lut))
+        # The table the TAIL's report reads, where the TAIL is handed the same host table.
+        self._head_table = (req_to_token, table)
         self._unread = True
+
+    @_serialized
+    def abort_step(self) -> None:
+        """The forward between :meth:`head` and :meth:`tail` failed and the server drops the
+        step (to retry it, say): no TAIL runs for it. What its HEAD verified stays and is
+        reported with the next readback; its tokens get their canaries when a later TAIL writes
+        them. Without it, the next HEAD is a phase error (two HEADs), raised in every mode.
+        Nothing to do after a TAIL."""
+        self._require_enabled("abort_step")
+        self._head_table = (None, None)
+        with _config.x64_scope():
+            self._phase = self._phase.at[0].set(jnp.int32(health.IDLE))
 
     @_serialized
     def tail(self, batch, kv, lut=None, *, req_to_token=None, requests=None,
@@ -421,6 +438,13 @@ class CanaryManager:
         self._check_requests(batch, requests)
         self._require_state("tail")
         with _config.x64_scope():
+            given, held = self._head_table
+            self._head_table = (None, None)
+            if req_to_token is not None and req_to_token is given:
+                req_to_token = held  # HEAD's copy of this host table: no second copy
+            elif isinstance(req_to_token, np.ndarray):
+                req_to_token = req_to_token.copy()  # read one step late: the server's may change
+            lut = _held(lut)
             self._state, self._phase, rb = self._on_device("tail", self._device.tail,
                                                            self._state, self._phase, batch,
                                                            self._lut(lut), kv)
@@ -524,17 +548,35 @@ class CanaryManager:
     def flush(self) -> None:
         """Report what is still unreported now (end of serving, tests): the pending readback
         (waits for the last step), then, when a sweep or a HEAD ran after it, a readback of the
-        state as it is."""
+        state as it is. Both run even when the first raises (raise mode, a failing
+        ``on_violation``): one error then carries the violations of both."""
         if not self.enabled:
             return
         pending = self._readbacks.take()
+        first = None
         if pending is not None:
-            self._consume(pending)
+            try:
+                self._consume(pending)
+            except CanaryAgreementError:
+                raise  # the processes no longer step together: no second exchange
+            except CanaryViolationError as e:
+                first = e  # the readback of the state as it is still runs: raised after it
         if self._unread and self.state is not None:
             self._unread = False
             with _config.x64_scope():
                 rb = self._device.observe(self.state, self._phase)
-            self._consume(Staged(self.step_count, rb, self._context(), final=True))
+            try:
+                self._consume(Staged(self.step_count, rb, self._context(), final=True))
+            except CanaryViolationError as e:
+                if first is None:
+                    raise
+                # Both raised: one error carrying both readbacks' violations, in order.
+                first.reports += e.reports
+                for rank, found in e.ranks.items():
+                    first.ranks.setdefault(rank, found)
+                first.add_note(str(e))
+        if first is not None:
+            raise first
 
     def close(self) -> None:
         """End of serving: :meth:`flush`."""
@@ -661,7 +703,7 @@ class CanaryManager:
         # Over a mesh, the flag the step max-reduced over the mesh axis says whether any shard
         # has any violation: none, no ring to scan.
         any_errored = "errored" not in host or bool(np.max(host["errored"]))
-        reports, negative = self._reporter.new_rows(
+        reports, negative, unrecorded = self._reporter.new_rows(
             step_no, write_index, host["kernel_runs"], any_errored=any_errored,
             ring=lambda: self._readbacks.ring(staged, write_index.size))
         stalled = []
@@ -681,9 +723,10 @@ class CanaryManager:
                 reports, ctx, log=self.config.mode == "log", on_violation=self._on_violation)
         if staged.rebase is not None:
             self._rebase(*staged.rebase)
-        self._decide(step_no, reports, stalled, phase_errors, negative, failure)
+        self._decide(step_no, reports, stalled, phase_errors, negative, failure, unrecorded)
 
-    def _decide(self, step_no, reports, stalled, phase_errors, negative, failure):
+    def _decide(self, step_no, reports, stalled, phase_errors, negative, failure,
+                unrecorded=()):
         raise_mode = self.config.mode == "raise"
         first = reports[0].violation if reports else None
         first_tag = "" if first is None else (
@@ -692,7 +735,10 @@ class CanaryManager:
             step=step_no, new_violations=len(reports) if raise_mode else 0,
             first_slot=first.slot if first else -1, first_tag=first_tag,
             first_shard=reports[0].shard if reports else -1, stalled_tags=len(stalled),
-            phase_errors=phase_errors, negative_index=len(negative))
+            phase_errors=phase_errors, negative_index=len(negative),
+            # A full ring drops the rows of later violations: in raise mode they raise, counted
+            # (logged in every mode), or a server serving on past a long incident goes blind.
+            unrecorded=sum(n for _, n, _ in unrecorded) if raise_mode else 0)
         detail = [health.stalled_message(stalled, step_no)] if stalled else []
         if any(t.startswith("SWEEP") for t in stalled) and (
                 self._radix_walk is None or not self._steps_itself):
@@ -709,7 +755,7 @@ class CanaryManager:
             detail.append(health.phase_message(phase_errors))
         detail += negative
         if raise_mode:
-            detail += [r.message for r in reports]
+            detail += [r.message for r in reports] + [m for _, _, m in unrecorded]
         if failure is not None:
             detail.insert(0, f"kv-canary: {failure.callback} raised {failure.error!r} on the "
                              f"violations of step {step_no} (carried here, each logged in log "
@@ -736,6 +782,9 @@ class CanaryManager:
                              "time(s)")
             if f.negative_index:
                 lines.append(f"kv-canary: rank {rank}: violation_write_index is negative")
+            if f.unrecorded:
+                lines.append(f"kv-canary: rank {rank}: {f.unrecorded} violation(s) at step "
+                             f"{step_no} not recorded: the violation ring is full")
         if failure is not None:
             raise CanaryCallbackError("\n".join(detail[:1] + lines + detail[1:]),
                                       callback=failure.callback, step=step_no, reports=reports,
@@ -743,6 +792,13 @@ class CanaryManager:
         if any(f.raises for f in everyone.values()):
             raise CanaryViolationError("\n".join(lines + detail), step=step_no,
                                        reports=reports if raise_mode else (), ranks=ranks)
+
+
+def _held(x):
+    """A host (numpy) table as the device array the step takes anyway: the report reads the
+    step's table one step late, when the server may have rewritten its own (a recycled row
+    would name another request, or none)."""
+    return jnp.asarray(x) if isinstance(x, np.ndarray) else x
 
 
 def _walk_problem(rows_table, row_indices, lengths) -> str | None:

@@ -298,13 +298,15 @@ class Reporter:
 
     def new_rows(self, step_no: int, write_index: np.ndarray, kernel_runs: np.ndarray, *,
                  any_errored: bool, ring: Callable[[], np.ndarray]):
-        """The rows not reported yet, per shard, as :class:`ViolationReport` (no request yet),
-        and the messages of the shards whose write index turned negative. ``ring()`` copies the
-        rings to the host (``[shards, capacity, fields]``), called only when a row is due."""
+        """The rows not reported yet, per shard, as :class:`ViolationReport` (no request yet);
+        the messages of the shards whose write index turned negative; and, per shard whose ring
+        is full, the violations recorded since the last readback past its capacity (counted,
+        their rows dropped: ``(shard, count, message)``). ``ring()`` copies the rings to the
+        host (``[shards, capacity, fields]``), called only when a row is due."""
         write_index = np.asarray(write_index).reshape(-1)
         kernel_runs = np.asarray(kernel_runs).reshape(write_index.size, -1)
         self._fit(write_index.size)
-        reports, negative = [], []
+        reports, negative, unrecorded = [], [], []
         ring_host = None
         for s, shard in enumerate(self._shards):
             wi = int(write_index[s])
@@ -329,6 +331,11 @@ class Reporter:
                                "violations recorded, the ring keeps the first %d "
                                "(SGLANG_KV_CANARY_RING_CAPACITY)", self.rank, s, wi,
                                self.capacity)
+                lost = wi - max(shard.overflow_reported, self.capacity)
+                unrecorded.append((s, lost, (
+                    f"kv-canary: rank {self.rank} shard {s}: {lost} more violation(s) by step "
+                    f"{step_no} past the ring's {self.capacity} rows, not recorded (their slots "
+                    f"are unknown; {wi} recorded in all; SGLANG_KV_CANARY_RING_CAPACITY)")))
                 shard.overflow_reported = wi
             if start >= valid:
                 continue  # no row to report: the ring is not copied
@@ -341,7 +348,7 @@ class Reporter:
                 reports.append(ViolationReport(violation=v, step=step_no, rank=self.rank,
                                                shard=s, message=msg))
             shard.reported = valid
-        return reports, negative
+        return reports, negative, unrecorded
 
     @staticmethod
     def hand_over(reports: list[ViolationReport], ctx: StepContext | None, *, log: bool,
