@@ -272,10 +272,16 @@ class CanaryManager:
 
     @state.setter
     def state(self, value) -> None:
+        lost = getattr(self, "_lost", "")  # (unset while __init__ sets the first state)
         self._state = value
         self._lost = ""
         if self._rebaser is not None:
             self._rebaser.reset()
+        if lost and value is not None:
+            # The state a failed step took is gone: this one (a checkpoint, a fresh init_state)
+            # is reported from its first row, as docs/serving.md says to set it, without the
+            # replaced-state warning (for a state swapped unannounced).
+            self._report_from_zero(value)
 
     @property
     def lock(self) -> threading.RLock:
@@ -297,13 +303,17 @@ class CanaryManager:
         self.state = state
         self._unread = True
         if fresh:
-            zero = (np.zeros(np.shape(state.violation_write_index), np.int64),
-                    np.zeros(np.shape(state.kernel_run_counters), np.int64))
-            staged = self._readbacks.staged
-            if staged is not None:
-                staged.rebase = zero
-            else:
-                self._rebase(*zero)
+            self._report_from_zero(state)
+
+    def _report_from_zero(self, state) -> None:
+        """The reporting of ``state`` from its first row, after the readback still pending."""
+        zero = (np.zeros(np.shape(state.violation_write_index), np.int64),
+                np.zeros(np.shape(state.kernel_run_counters), np.int64))
+        staged = self._readbacks.staged
+        if staged is not None:
+            staged.rebase = zero
+        else:
+            self._rebase(*zero)
 
     @_serialized
     def coverage(self) -> _coverage.CoverageStats | None:
