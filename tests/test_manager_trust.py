@@ -748,3 +748,31 @@ def test_violations_past_a_full_ring_raise_in_raise_mode(caplog):
     assert late, [str(e) for e in errors]
     counted = sum(int(re.search(r"(\d+) more violation\(s\)", str(e)).group(1)) for e in late)
     assert counted == rt.violation_count(mgr.state) - 4
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda k: k, "the step's kv must map each buffer group ('FULL') to its KV"),
+    (lambda k: {"FULL": {"K": k}}, "kv['FULL']['K'] must be a list of sources"),
+    (lambda k: {"FULL": (k,)}, "kv['FULL'][0] must be a list of sources"),
+])
+def test_a_malformed_kv_is_refused_by_name_and_the_state_kept(make, message):
+    """A bare array, or one array where a list of sources goes, failed with a TypeError or an
+    IndexError from inside the trace (a single array was taken row by row)."""
+    import numpy as np
+
+    sizes = rt.CanaryConfig(**_ONE_SIZES)
+    mgr = rt.CanaryManager(rt.ManagerConfig(mode="log", real_data="all", **NO_HEALTH), sizes)
+    rtt = np.zeros((4, 16), np.int32)
+    rtt[1, :3] = [1, 2, 3]
+    batch = rt.make_batch(sizes, req_pool_indices=[1], prefix_lens=[0], extend_seq_lens=[3],
+                          all_ids=[[7, 8, 9]], input_ids=[7, 8, 9], positions=[0, 1, 2],
+                          out_cache_loc=[1, 2, 3])
+    k = jnp.zeros((32, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match="^kv-canary runtime: " + re.escape(message)):
+        mgr.head(batch, jnp.asarray(rtt))
+        mgr.tail(batch, make(k), req_to_token=jnp.asarray(rtt))
+    mgr.abort_step()
+    mgr.head(batch, jnp.asarray(rtt))
+    mgr.tail(batch, {"FULL": {"K": [k]}}, req_to_token=jnp.asarray(rtt))
+    mgr.flush()
+    assert rt.violation_count(mgr.state) == 0

@@ -141,6 +141,10 @@ def _layers(cfg: CanaryConfig, group: str, entry) -> dict | None:
 def as_kv_dict(cfg: CanaryConfig, kv) -> dict:
     """SGLang's real-KV sources per group and half the config runs:
     ``{group: {half: (arrays or sources)}}`` (see the module docstring for the forms taken)."""
+    if not isinstance(kv, Mapping):
+        raise ValueError(f"kv-canary runtime: the step's kv must map each buffer group "
+                         f"({', '.join(map(repr, cfg.groups))}) to its KV (see "
+                         f"kvcanary_jax.runtime.kv), got {type(kv).__name__}")
     out = {}
     for g in cfg.groups:
         if g not in kv:
@@ -153,7 +157,7 @@ def as_kv_dict(cfg: CanaryConfig, kv) -> dict:
             halves = {}
             for h in cfg.halves:
                 if h in entry:
-                    halves[h] = tuple(entry[h])
+                    halves[h] = _sources(entry[h], _where(g, h))
                 elif layers is not None and h in layers:
                     halves[h] = _parts(layers[h][0])  # SGLang's adapters: layer 0 of each half
                 elif layers is not None:
@@ -168,8 +172,25 @@ def as_kv_dict(cfg: CanaryConfig, kv) -> dict:
                         f"{', '.join(cfg.halves)}; enable_v_half adds V)")
             out[g] = halves
         else:
-            out[g] = {h: tuple(entry[i]) for i, h in enumerate(HALVES) if h in cfg.halves}
+            need = 1 + HALVES.index(cfg.halves[-1])  # the pair, or (K,) where V is not run
+            if isinstance(entry, (str, bytes)) or not isinstance(entry, Sequence) \
+                    or not need <= len(entry) <= len(HALVES):
+                raise ValueError(f"kv-canary runtime: {_where(g)} must be {{'K': [sources], "
+                                 "'V': [sources]}, the pair ([K sources], [V sources]) or "
+                                 f"{{'layers': ...}}, got {type(entry).__name__}")
+            out[g] = {h: _sources(entry[i], f"{_where(g)}[{i}]")
+                      for i, h in enumerate(HALVES) if h in cfg.halves}
     return out
+
+
+def _sources(value, where: str) -> tuple:
+    """A half's list of sources; one array given alone would be taken row by row."""
+    if isinstance(value, (RealKvSource, str, bytes)) or hasattr(value, "shape") \
+            or not isinstance(value, Sequence):
+        raise ValueError(f"kv-canary runtime: {where} must be a list of sources (1 to 4 arrays "
+                         f"[slots, ...] or RealKvSource), got {type(value).__name__}: wrap a "
+                         "single one in a list")
+    return tuple(value)
 
 
 def digest_sources(cfg: CanaryConfig, kv, group: str) -> tuple[RealKvSource, ...]:
