@@ -776,3 +776,114 @@ def test_a_malformed_kv_is_refused_by_name_and_the_state_kept(make, message):
     mgr.tail(batch, {"FULL": {"K": [k]}}, req_to_token=jnp.asarray(rtt))
     mgr.flush()
     assert rt.violation_count(mgr.state) == 0
+
+
+class _OneLayer:
+    """A one-layer server on the manager's fused step (raise mode by default)."""
+
+    def __init__(self, mode="raise", **config):
+        import numpy as np
+
+        self.sizes = rt.CanaryConfig(**_ONE_SIZES)
+        self.seen = []
+        self.mgr = rt.CanaryManager(
+            rt.ManagerConfig(mode=mode, real_data="all", **NO_HEALTH, **config), self.sizes,
+            forward=_one_layer_forward, on_violation=self.seen.append)
+        self.mgr.mark_init_finished()
+        self.kv = {"FULL": {"K": (jnp.zeros((32, 8), jnp.bfloat16),)}}
+        self.rtt = np.zeros((4, 16), np.int32)
+
+    def step(self, tokens, new):
+        n = len(tokens)
+        self.rtt[1, :n] = range(1, 1 + n)
+        batch = rt.make_batch(self.sizes, req_pool_indices=[1], prefix_lens=[n - new],
+                              extend_seq_lens=[new], all_ids=[tokens],
+                              input_ids=tokens[n - new:], positions=list(range(n - new, n)),
+                              out_cache_loc=list(range(1 + n - new, 1 + n)))
+        try:
+            self.kv = self.mgr.step(self.kv, batch, jnp.asarray(self.rtt), requests=["r1"])
+        except rt.CanaryViolationError as e:
+            self.kv = e.kv
+            return e
+        return None
+
+    def corrupt(self, slot):
+        self.kv["FULL"]["K"] = (self.kv["FULL"]["K"][0].at[slot, 0].add(1),)
+
+
+def test_a_close_whose_two_readbacks_raise_keeps_the_specific_error_and_both_counts():
+    """Both of ``close()``'s readbacks raised: the merged error counted only the first's
+    violations per rank, and an agreement failure in the second became a plain violation error
+    (a server that stops on lost agreement would not)."""
+    import numpy as np
+
+    from kvcanary_jax.runtime.agreement import AgreementFailure
+
+    s = _OneLayer(sweep_interval=100)
+    t = [7, 8, 9]
+    s.step(t, 3)
+    s.step(t + [10], 1)
+    s.corrupt(2)
+    assert s.step(t + [10, 11], 1) is None  # its readback (slot 2, by the TAIL) is pending
+    s.mgr.sweep(s.rtt.copy(), np.array([1]), np.array([5]), kv=s.kv)  # slot 2 again
+    with pytest.raises(rt.CanaryViolationError) as e:
+        s.mgr.close()
+    tags = [r.violation.tag for r in e.value.reports]
+    assert tags == ["TAIL_K_FULL", "SWEEP_K_FULL"]
+    assert e.value.ranks[0][0] == 2
+
+    s = _OneLayer()
+    s.step(t, 3)
+    s.step(t + [10], 1)
+    s.corrupt(2)
+    s.step(t + [10, 11], 1)
+    s.mgr.hold(s.mgr.state)  # a readback of the state as it is follows the pending one
+    exchange, calls = s.mgr._agreement.exchange, []
+
+    def failing_second(finding):
+        calls.append(finding)
+        if len(calls) == 2:
+            raise AgreementFailure("rank 1 did not report within 1 s", [1])
+        return exchange(finding)
+
+    s.mgr._agreement.exchange = failing_second
+    with pytest.raises(rt.CanaryAgreementError, match="rank 1 did not report") as e:
+        s.mgr.close()
+    assert [r.violation.slot for r in e.value.reports] == [2]  # the first readback's
+
+
+def test_a_checkpoint_set_after_a_lost_state_reports_each_row_once():
+    """After ``CanaryStateLost`` the server sets a checkpoint taken at its last readback (as
+    the error asks): it continues what was reported, so no row is reported twice (a fresh
+    ``init_state()`` is reported from its first row, without a warning: the test above)."""
+    fail = {"run": False, "trace": False}
+    m, step, new_kv = _callback_server(fail)
+    seen = []
+    m._on_violation = seen.append
+
+    def serve(kv, tokens):
+        try:
+            return step(kv, tokens, 1)
+        except rt.CanaryViolationError as e:
+            return e.kv
+
+    kv = step(new_kv(), [7, 8, 9], 3)
+    kv = step(kv, [7, 8, 9, 10], 1)
+    kv = {"FULL": {"K": (kv["FULL"]["K"][0].at[2, 0].add(1),)}}
+    kv = serve(kv, [7, 8, 9, 10, 11])
+    kv = serve(kv, [7, 8, 9, 10, 11, 12])
+    checkpoint, kv_checkpoint = jax.tree.map(jnp.copy, (m.state, kv))
+    fail["run"] = True
+    with pytest.raises(rt.CanaryStateLost):
+        step(kv, [7, 8, 9, 10, 11, 12, 13], 1)
+    fail["run"] = False
+    m.state = checkpoint
+    kv = serve(kv_checkpoint, [7, 8, 9, 10, 11, 12, 13])
+    kv = serve(kv, [7, 8, 9, 10, 11, 12, 13, 14])
+    try:
+        m.close()
+    except rt.CanaryViolationError:
+        pass
+    rows = [r.violation.index for r in seen]
+    assert len(rows) == len(set(rows)), rows
+    assert sorted(rows) == _ring_rows(m.state)

@@ -277,10 +277,11 @@ class CanaryManager:
         self._lost = ""
         if self._rebaser is not None:
             self._rebaser.reset()
-        if lost and value is not None:
-            # The state a failed step took is gone: this one (a checkpoint, a fresh init_state)
-            # is reported from its first row, as docs/serving.md says to set it, without the
-            # replaced-state warning (for a state swapped unannounced).
+        if lost and value is not None and _is_fresh(value):
+            # The state a failed step took is gone, and this is a new one (init_state), as the
+            # error asks: reported from its first row without the replaced-state warning. A
+            # checkpoint is left to the reporter: one that continues what was reported goes on
+            # from there; an older one is reported again, with the warning naming resync().
             self._report_from_zero(value)
 
     @property
@@ -390,7 +391,8 @@ class CanaryManager:
         self._check_requests(batch, requests)
         self._require_state("step")
         with _config.x64_scope():
-            req_to_token, lut = _held(req_to_token), _held(lut)
+            if self._reads_tables(requests, resolve):
+                req_to_token, lut = _held(req_to_token), _held(lut)
             self._state = self._rebaser(self._state)
             self._state, self._phase, kv, rb = self._on_device(
                 "step", self._device.fused, self.state, self._phase, kv, batch, req_to_token,
@@ -418,13 +420,15 @@ class CanaryManager:
         self._require_enabled("head")
         self._require_state("head")
         with _config.x64_scope():
-            table = _held(req_to_token)
+            # A host table as the device array the HEAD takes anyway: the TAIL's report reads
+            # it one step late, where the TAIL is handed the same table (not over a mesh, whose
+            # reports go through resolve=, which reads no table).
+            table = req_to_token if self._mesh is not None else _held(req_to_token)
             self._state = self._rebaser(self._state)
             self._state, self._phase = self._on_device("head", self._device.head, self._state,
                                                        self._phase, batch, table,
                                                        self._lut(lut))
-        # The table the TAIL's report reads, where the TAIL is handed the same host table.
-        self._head_table = (req_to_token, table)
+        self._head_table = (req_to_token, table) if table is not req_to_token else (None, None)
         self._unread = True
 
     @_serialized
@@ -450,16 +454,24 @@ class CanaryManager:
         with _config.x64_scope():
             given, held = self._head_table
             self._head_table = (None, None)
-            if req_to_token is not None and req_to_token is given:
-                req_to_token = held  # HEAD's copy of this host table: no second copy
-            elif isinstance(req_to_token, np.ndarray):
-                req_to_token = req_to_token.copy()  # read one step late: the server's may change
-            lut = _held(lut)
+            if self._reads_tables(requests, resolve):
+                if req_to_token is not None and req_to_token is given:
+                    req_to_token = held  # HEAD's copy of this host table: no second copy
+                elif isinstance(req_to_token, np.ndarray):
+                    req_to_token = req_to_token.copy()  # read one step late: the server's may
+                    # have changed by then
+                lut = _held(lut)
             self._state, self._phase, rb = self._on_device("tail", self._device.tail,
                                                            self._state, self._phase, batch,
                                                            self._lut(lut), kv)
             self._after_step(rb, kv, lut, self._context(batch, req_to_token, lut, requests,
                                                         resolve))
+
+    def _reads_tables(self, requests, resolve) -> bool:
+        """Whether a report of this step reads its tables (one step late): ``requests=``
+        without ``resolve=``, on one device. Only then is a host table held as the step had it
+        (a device copy kept until the readback)."""
+        return requests is not None and resolve is None and self._mesh is None
 
     def _require_state(self, what: str) -> None:
         if self._lost:
@@ -580,11 +592,11 @@ class CanaryManager:
             except CanaryViolationError as e:
                 if first is None:
                     raise
-                # Both raised: one error carrying both readbacks' violations, in order.
-                first.reports += e.reports
-                for rank, found in e.ranks.items():
-                    first.ranks.setdefault(rank, found)
-                first.add_note(str(e))
+                raise _merged(first, e)
+            except Exception as e:
+                if first is not None:
+                    e.add_note(f"(after the pending readback raised: {first})")
+                raise
         if first is not None:
             raise first
 
@@ -802,6 +814,32 @@ class CanaryManager:
         if any(f.raises for f in everyone.values()):
             raise CanaryViolationError("\n".join(lines + detail), step=step_no,
                                        reports=reports if raise_mode else (), ranks=ranks)
+
+
+def _merged(first: CanaryViolationError, second: CanaryViolationError) -> CanaryViolationError:
+    """One error for two readbacks that both raised (``flush``): the more specific of the two
+    (an agreement failure, then a failing callback, then a violation), carrying both's
+    violations in order and each rank's counts summed; the other's message as a note."""
+    def weight(e):
+        if isinstance(e, CanaryAgreementError):
+            return 2
+        return int(isinstance(e, CanaryCallbackError))
+
+    keep, other = (second, first) if weight(second) > weight(first) else (first, second)
+    keep.reports = tuple(first.reports) + tuple(second.reports)
+    ranks = dict(first.ranks)
+    for rank, (n, slot, tag) in second.ranks.items():
+        ranks[rank] = (ranks[rank][0] + n, *ranks[rank][1:]) if rank in ranks else (n, slot, tag)
+    keep.ranks = ranks
+    keep.add_note(str(other))
+    return keep
+
+
+def _is_fresh(state) -> bool:
+    """Whether ``state`` recorded nothing yet (``init_state``): no violation, no launch. A host
+    read of two small arrays."""
+    index, runs = jax.device_get((state.violation_write_index, state.kernel_run_counters))
+    return not np.any(np.asarray(index)) and not np.any(np.asarray(runs))
 
 
 def _held(x):
