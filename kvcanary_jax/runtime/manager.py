@@ -747,8 +747,7 @@ class CanaryManager:
             self._rebase(*staged.rebase)
         self._decide(step_no, reports, stalled, phase_errors, negative, failure, unrecorded)
 
-    def _decide(self, step_no, reports, stalled, phase_errors, negative, failure,
-                unrecorded=()):
+    def _decide(self, step_no, reports, stalled, phase_errors, negative, failure, unrecorded):
         raise_mode = self.config.mode == "raise"
         first = reports[0].violation if reports else None
         first_tag = "" if first is None else (
