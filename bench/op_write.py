@@ -58,13 +58,17 @@ def chain_kernel():
         import triton.language as tl
 
         @triton.jit
-        def chain_only(ids, positions, offsets, h0, out):
+        def chain_only(ids, positions, offsets, h0, seeds, canary, out, SEEDED: tl.constexpr):
             # splitmix64(splitmix64(splitmix64(h) ^ token) ^ position), the rounds written out
             # (a kernel resolves helpers from module globals; this one is built on first use).
             r = tl.program_id(0)
             start = tl.load(offsets + r)
             end = tl.load(offsets + r + 1)
-            h = tl.load(h0 + r).to(tl.uint64, bitcast=True)
+            if SEEDED:
+                # The seed's hash read as the write must: its slot first, then its canary row.
+                h = tl.load(canary + tl.load(seeds + r) * 4 + 2).to(tl.uint64, bitcast=True)
+            else:
+                h = tl.load(h0 + r).to(tl.uint64, bitcast=True)
             for i in range(start, end):
                 t = tl.load(ids + i).to(tl.uint64, bitcast=True)
                 p = tl.load(positions + i).to(tl.uint64, bitcast=True)
@@ -89,7 +93,8 @@ def chain_inputs(reqs: int, tokens: int, seed: int) -> dict:
     rows = d["canary_buf"].view(np.int64).reshape(-1, 4)
     return dict(ids=d["tokens"]["input_ids"], positions=d["tokens"]["positions"],
                 offsets=d["plan"]["write_offsets"],
-                h0=rows[d["plan"]["write_seed_slot_indices"], 2].copy())
+                h0=rows[d["plan"]["write_seed_slot_indices"], 2].copy(),
+                seeds=d["plan"]["write_seed_slot_indices"], canary=rows.reshape(-1))
 
 
 def chain_reference(c: dict) -> np.ndarray:
@@ -107,29 +112,33 @@ def chain_reference(c: dict) -> np.ndarray:
 
 def chain_floor(reqs: int, tokens: int, *, iters: int) -> dict:
     """Device time of the chain alone on this GPU (:func:`chain_kernel`), on the write's inputs,
-    rotated as the op's; ``correct``: the kernel's chains equal the host's on the first set."""
+    rotated as the op's: ``us`` from each seed's hash handed over, ``seeded_us`` with it read
+    through the seed slot (two dependent loads, as the write must: what bounds a one-token
+    write); ``correct``: both kernels' chains equal the host's on the first set."""
     import torch
 
     kern = chain_kernel()
     n = reqs * tokens
-    k = timing.num_sets(24 * n + 16 * reqs)
+    k = timing.num_sets(24 * n + 16 * reqs + 32 * (n + reqs + 1))
+    fields = ("ids", "positions", "offsets", "h0", "seeds", "canary")
     sets, first = [], None
     for s in range(k):
         c = chain_inputs(reqs, tokens, s)
         if first is None:
             first = c
-        sets.append([common.to_torch(c[f]) for f in ("ids", "positions", "offsets", "h0")]
+        sets.append([common.to_torch(c[f]) for f in fields]
                     + [torch.empty(reqs, dtype=torch.int64, device=common.torch_device())])
+    res, correct = {}, True
+    for seeded, key in ((False, "us"), (True, "seeded_us")):
+        def run(i, seeded=seeded):
+            kern[(reqs,)](*sets[i % k], SEEDED=seeded, num_warps=1)
 
-    def run(i):
-        kern[(reqs,)](*sets[i % k], num_warps=1)
-
-    run(0)
-    torch.cuda.synchronize()
-    correct = bool(np.array_equal(sets[0][4].cpu().numpy(), chain_reference(first))) \
-        if n <= 65536 else None
-    res = {"us": timing.device_time(run, torch.cuda.synchronize, iters=iters)["median_us"],
-           "correct": correct}
+        run(0)
+        torch.cuda.synchronize()
+        if n <= 65536:
+            correct &= bool(np.array_equal(sets[0][-1].cpu().numpy(), chain_reference(first)))
+        res[key] = timing.device_time(run, torch.cuda.synchronize, iters=iters)["median_us"]
+    res["correct"] = correct if n <= 65536 else None
     del sets
     return res
 
@@ -215,6 +224,7 @@ def measure(cases, *, iters: int, bw_gbs: float, progress) -> list[dict]:
             # What the serial chain itself costs here: the byte floor assumes the bytes bound it.
             c = chain_floor(reqs, tokens, iters=iters)
             row["chain_floor_us"] = c["us"]
+            row["seeded_chain_floor_us"] = c["seeded_us"]
             if c["correct"] is not None:
                 row["chain_floor_correct"] = c["correct"]
         rows_out.append(row)

@@ -44,6 +44,9 @@ SMALL_SHAPES = [(64, 1), (128, 1), (128, 2), (128, 4), (256, 2), (256, 4), (256,
 PROGRAMS = [132, 264, 528, 1056, 2112, 1 << 30]
 MID_PLAN = 1 << 18
 EXTRAS = [dict(num_stages=2), dict(num_stages=3), dict(hoist=False)]
+# KVCANARY_TUNE_VARIANTS='[{"group": 8, "block": 2048}, ...]': time only these, each over the
+# heuristics' config, and write no tuned table.
+VARIANTS = json.loads(os.environ.get("KVCANARY_TUNE_VARIANTS", "[]"))
 
 
 def _key(kw: dict) -> str:
@@ -123,6 +126,12 @@ def main() -> int:
             measure(dict(large))
             measure(dict(default))
             cur = dict(default)
+            if VARIANTS:
+                # Only the given variants, each over the heuristics' config.
+                cur = best_of([cur] + [{**cur, **v} for v in VARIANTS])
+                del sets
+                _finish(res, cur, default, out, path, t_start)
+                continue
             cur = best_of([{**cur, "group": g, "vec": v} for g, v in STRUCTURE] + [dict(OLD)])
             # Mid-size plans (a batch's whole context, 64 x 2,048 cached tokens) get both lists:
             # the large shapes leave most SMs one program there.
@@ -135,25 +144,12 @@ def main() -> int:
             # Second look at the structure under the chosen launch shape.
             cur = best_of([cur] + [{**cur, "group": g} for g in (2, 4, 8)])
             del sets
-
-        res["best"] = _key(cur)
-        res["best_config"] = dict(cur)
-        res["best_us"] = res["times"].get(res["best"])
-        res["default_us"] = res["times"].get(_key(default))
-        res["old_us"] = res["times"].get(_key(OLD))
-        fmt = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
-        print(f"{res['case']:>16}: best {fmt(res['best_us'])} us [{res['best']}] | defaults "
-              f"{fmt(res['default_us'])} | previous design {fmt(res['old_us'])} | "
-              f"{len(res['times'])} variants, {len(res['errors'])} failed | "
-              f"{time.perf_counter() - t_start:.0f} s", flush=True)
-        out.append(res)
-        with open(path, "w") as f:
-            json.dump(out, f, indent=1)
+        _finish(res, cur, default, out, path, t_start)
     table = common.write_tuned_table("verify", [
         # The cases fold no real KV: the entries apply to verifies that do not either.
         {"key": {"capacity": r["entries"], "real_kv_words": 0}, "config": r["best_config"],
          "median_us": round(r["best_us"], 3), "source": "bench/tune_verify.py"}
-        for r in out if r["best_us"] is not None])
+        for r in out if r["best_us"] is not None and not VARIANTS])
     if table:
         print(f"tuned table: {table}")
     for res in out:
@@ -162,6 +158,22 @@ def main() -> int:
         for n, e in list(res["errors"].items())[:3]:
             print("  failed:", n, "->", e)
     return 0
+
+
+def _finish(res, cur, default, out, path, t_start):
+    res["best"] = _key(cur)
+    res["best_config"] = dict(cur)
+    res["best_us"] = res["times"].get(res["best"])
+    res["default_us"] = res["times"].get(_key(default))
+    res["old_us"] = res["times"].get(_key(OLD))
+    fmt = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
+    print(f"{res['case']:>16}: best {fmt(res['best_us'])} us [{res['best']}] | defaults "
+          f"{fmt(res['default_us'])} | previous design {fmt(res['old_us'])} | "
+          f"{len(res['times'])} variants, {len(res['errors'])} failed | "
+          f"{time.perf_counter() - t_start:.0f} s", flush=True)
+    out.append(res)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -134,8 +134,10 @@ def kernels():
     [k] = prog.kernels
     ours = td.compile_kernel(k.ttir, num_warps=k.num_warps, num_stages=k.num_stages,
                              target=target)
-    sig = {n: "*i64" for n in ("ids", "positions", "offsets", "h0", "out")}
-    floor = triton.compile(ASTSource(fn=op_write.chain_kernel(), signature=sig, constexprs={}),
+    sig = {n: "*i64" for n in ("ids", "positions", "offsets", "h0", "seeds", "canary", "out")}
+    sig["SEEDED"] = "constexpr"
+    floor = triton.compile(ASTSource(fn=op_write.chain_kernel(), signature=sig,
+                                     constexprs={"SEEDED": False}),
                            target=target, options=dict(num_warps=1, enable_fp_fusion=True))
     return ours, floor
 

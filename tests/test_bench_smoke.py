@@ -214,7 +214,8 @@ def test_sglang_jax_step_bench_smoke_with_the_coverage_window(tmp_path):
 @pytest.mark.torch  # torch tensors and triton, which the Python 3.11 leg installs
 def test_the_write_benchs_chain_floor_kernel_computes_the_chains():
     """The chain floor's Triton kernel (bench/op_write.py, timed on the GPU beside the write) folds
-    each request's splitmix64 chain as the host does: run in Triton's interpreter on CPU
+    each request's splitmix64 chain as the host does, from each seed's hash handed over or read
+    through its seed slot: run in Triton's interpreter on CPU
     tensors (in a process of its own: the interpreter is chosen when the kernel is decorated),
     on the write bench's own inputs, one request and several, an empty one among them."""
     code = """
@@ -223,11 +224,13 @@ from kvcanary_jax.bench import op_write
 kern = op_write.chain_kernel()
 for reqs, tokens, seed in ((1, 40, 0), (5, 7, 1), (3, 0, 2)):
     c = op_write.chain_inputs(reqs, tokens, seed)
-    args = [torch.from_numpy(np.array(c[f])) for f in ("ids", "positions", "offsets", "h0")]
-    out = torch.zeros(reqs, dtype=torch.int64)
-    kern[(reqs,)](*args, out)
+    args = [torch.from_numpy(np.array(c[f]))
+            for f in ("ids", "positions", "offsets", "h0", "seeds", "canary")]
     want = op_write.chain_reference(c)
-    assert np.array_equal(out.numpy(), want), (reqs, tokens, out, want)
+    for seeded in (False, True):
+        out = torch.zeros(reqs, dtype=torch.int64)
+        kern[(reqs,)](*args, out, SEEDED=seeded)
+        assert np.array_equal(out.numpy(), want), (reqs, tokens, seeded, out, want)
     assert tokens == 0 or not np.array_equal(want, c["h0"])
 print("ok")
 """
