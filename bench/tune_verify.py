@@ -28,7 +28,7 @@ import time
 import traceback
 
 from kvcanary_jax.bench import common, timing
-from kvcanary_jax.bench.op_verify import _inputs, jax_fresh
+from kvcanary_jax.bench.op_verify import _inputs, gather_floor, jax_fresh
 
 # Largest first: the byte-floor target is at 4M entries, and BUDGET_S may cut the tail.
 CASES = [1 << 22, 1 << 20, 1 << 10, 1 << 16]
@@ -127,9 +127,11 @@ def main() -> int:
             measure(dict(default))
             cur = dict(default)
             if VARIANTS:
-                # Only the given variants, each over the heuristics' config.
+                # Only the given variants, each over the heuristics' config, and the gather
+                # floor in the same process.
                 cur = best_of([cur] + [{**cur, **v} for v in VARIANTS])
                 del sets
+                res["gather_floor"] = gather_floor(entries, iters=ITERS)
                 _finish(res, cur, default, out, path, t_start)
                 continue
             cur = best_of([{**cur, "group": g, "vec": v} for g, v in STRUCTURE] + [dict(OLD)])
@@ -167,6 +169,8 @@ def _finish(res, cur, default, out, path, t_start):
     res["default_us"] = res["times"].get(_key(default))
     res["old_us"] = res["times"].get(_key(OLD))
     fmt = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
+    if "gather_floor" in res:
+        print(f"{res['case']:>16}: gather floor {res['gather_floor']}")
     print(f"{res['case']:>16}: best {fmt(res['best_us'])} us [{res['best']}] | defaults "
           f"{fmt(res['default_us'])} | previous design {fmt(res['old_us'])} | "
           f"{len(res['times'])} variants, {len(res['errors'])} failed | "
