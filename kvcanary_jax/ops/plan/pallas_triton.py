@@ -31,7 +31,7 @@ class Config:
     block_entries: int = kernel.BLOCK_ENTRIES
     max_programs: int = kernel.MAX_PROGRAMS
     entries_num_warps: int = kernel.ENTRIES_NUM_WARPS
-    inline_sums: bool = False
+    inline_sums: bool = True
     narrow_search: bool = False
     interpret: bool = False
 

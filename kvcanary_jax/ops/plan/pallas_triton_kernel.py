@@ -1,9 +1,9 @@
 """The plan's two Pallas kernels (Triton lowering on CUDA GPUs; interpret mode too).
 
 Offsets (:func:`plan_offsets`): up to ``single_block_max`` requests run in one program with one
-in-register cumsum of the verify and write lengths; larger batches take a two-kernel path
-(per-block sums, then each block adds the sum of the blocks before it, read by every program
-itself: cheaper than a third launch). Unlike SGLang (one program, ``bs <= 4096``) there is no cap
+in-register cumsum of the verify and write lengths; larger batches are split in blocks, each
+program adding the sum of the blocks before its own: up to ``INLINE_SUMS_MAX_BLOCKS`` blocks it
+sums them itself (one launch), past that it reads them from a first launch of per-block sums. Unlike SGLang (one program, ``bs <= 4096``) there is no cap
 on ``bs``. The program that owns index ``bs`` of ``write_offsets`` stores the totals and the
 scalars; programs past ``bs`` zero-fill ``write_offsets`` up to the write capacity.
 
@@ -45,16 +45,23 @@ __all__ = [
     "SINGLE_BLOCK_MAX",
     "MULTI_BLOCK",
     "MIN_BLOCK",
+    "INLINE_SUMS_MAX_BLOCKS",
     "OFFSETS_NUM_WARPS",
     "BLOCK_ENTRIES",
     "MAX_PROGRAMS",
     "ENTRIES_NUM_WARPS",
 ]
 
-# One program, one cumsum up to this many requests (SGLang's own block; a 4096-wide int64 cumsum
-# lowers and runs on the H200). Above it the batch is split in MULTI_BLOCK-request blocks.
-SINGLE_BLOCK_MAX = 4096
-MULTI_BLOCK = 4096
+# One program, one cumsum up to this many requests; above it the batch is split in
+# MULTI_BLOCK-request blocks. (SGLang's one program takes up to 4,096: compiled for sm_90 that
+# program needs 255 registers a thread and spills, and took 21 us of the plan's 111 at bs 4,096
+# on an H100; a 512-request block at 8 warps needs 64 and no stack: bench/NOTES.md.)
+SINGLE_BLOCK_MAX = 512
+MULTI_BLOCK = 512
+# Up to this many blocks, each program of the offsets sums the blocks before its own (its loads
+# all in flight at once) rather than reading the sums of a first launch: one launch fewer. Past
+# it the unrolled sums cost more registers than the launch (32 blocks of 512: 255 a thread).
+INLINE_SUMS_MAX_BLOCKS = 8
 # Smallest block of the single-program path: tiny decode batches still fill a warp.
 MIN_BLOCK = 32
 OFFSETS_NUM_WARPS = 8
@@ -239,14 +246,15 @@ def _dummy(dtype):
 def plan_offsets(inputs: PlanInputs, vp: VerifyPlan, wp: WritePlan, *, swa_window_size,
                  verify_capacity, interpret, num_warps=OFFSETS_NUM_WARPS,
                  single_block_max=SINGLE_BLOCK_MAX, multi_block=MULTI_BLOCK,
-                 inline_sums=False) -> PlanOffsets:
+                 inline_sums=True) -> PlanOffsets:
     """Launch the offsets kernel(s) (call inside a jit, after validation; the offsets half of
     :func:`kvcanary_jax.ops.plan.base.compose`). ``inputs.req_to_token`` is the ``[rows,
     row_pitch]`` table (a compact base whose pitch may exceed the logical width);
     ``inputs.num_reqs``: None, or a one-element int32 array, the batch's request count (module
     docstring). The write plan and the verify plan's two scalars alias their inputs.
-    ``inline_sums``: above ``single_block_max``, one launch whose programs sum the blocks before
-    their own (see the kernel), not a block-sums launch first."""
+    ``inline_sums``: above ``single_block_max`` and up to :data:`INLINE_SUMS_MAX_BLOCKS` blocks,
+    one launch whose programs sum the blocks before their own (see the kernel), not a
+    block-sums launch first."""
     rpi, prefix, extend = inputs.req_pool_indices, inputs.prefix_lens, inputs.extend_seq_lens
     req_to_token, lut, num_reqs = (inputs.req_to_token, inputs.full_to_swa_index_mapping,
                                    inputs.num_reqs)
@@ -269,7 +277,7 @@ def plan_offsets(inputs: PlanInputs, vp: VerifyPlan, wp: WritePlan, *, swa_windo
     else:
         block = multi_block
         num_sum_blocks = pl.cdiv(bs, block)
-    inline_sums = inline_sums and num_sum_blocks > 1
+    inline_sums = inline_sums and 1 < num_sum_blocks <= INLINE_SUMS_MAX_BLOCKS
     if num_sum_blocks > 1 and not inline_sums:
         sum_inputs = pl.pallas_call(
             functools.partial(_block_sums_kernel, block=block, bs=bs,
