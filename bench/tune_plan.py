@@ -5,10 +5,9 @@ batches, prefixes up to 2,048, the expected-token pool on), the two halves of th
 (``kvcanary_jax.ops.plan.pallas_triton.Config``) by their own kernels' device time:
 
 1. offsets: the one-program path at several warp counts, and the multi-block path at several
-   block sizes and warps, with a block-sums launch first or with each program summing the
-   blocks before its own (``inline_sums``); scored by the offsets kernels' time;
+   block sizes and warps; scored by the offsets kernels' time (the block sums' included);
 2. entries (under the best offsets): ``block_entries`` x ``entries_num_warps``, then
-   ``max_programs``, then ``narrow_search``; scored by the entries kernel's time.
+   ``max_programs``; scored by the entries kernel's time.
 
 Every variant's plan is compared with the defaults' on one input set (all nine arrays) before it
 is timed. Writes every measurement to the JSON file after each case and prints the best variant
@@ -123,14 +122,11 @@ def main() -> int:
             offsets = [{**default, "offsets_num_warps": w} for w in SINGLE_WARPS
                        if bs <= default["single_block_max"]]
             offsets += [{**default, "single_block_max": 1, "multi_block": b,
-                         "offsets_num_warps": w, "inline_sums": inline}
-                        for b, w in MULTI if b < bs for inline in (False, True)]
+                         "offsets_num_warps": w} for b, w in MULTI if b < bs]
             cur = best_of([default] + offsets, "offsets")
             cur = best_of([cur] + [{**cur, "block_entries": b, "entries_num_warps": w}
                                    for b, w in ENTRY_SHAPES], "entries_us")
             cur = best_of([cur] + [{**cur, "max_programs": p} for p in PROGRAMS], "entries_us")
-            cur = best_of([cur, {**cur, "narrow_search": not cur["narrow_search"]}],
-                          "entries_us")
             del sets
         res["best"] = _key(cur)
         res["best_config"] = dict(cur)

@@ -315,23 +315,12 @@ def test_fuzz_family(sgl, family, impl):
         assert n_overflow > 0
 
 
-# The two ways of the multi-block offsets (a block-sums launch first, or each program summing
-# the blocks before its own) and of the entries' request search (the whole batch, or the
-# requests a block spans).
-# (Blocks of 2 requests: batches of over 16 pass the inline sums' cap and take the launch.)
-VARIANTS = {"sums_launch": dict(inline_sums=False),
-            "inline_narrow": dict(inline_sums=True, narrow_search=True),
-            "past_inline_cap": dict(single_block_max=2, multi_block=2)}
-
-
 @pytest.mark.fuzz
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("impl", PALLAS)
-def test_fuzz_small_blocks_multi_block_and_looping_entries(sgl, impl, variant):
-    """Tiny launch blocks send bs > 8 through the multi-block offsets path and a capacity over
+def test_fuzz_small_blocks_multi_block_and_looping_entries(sgl, impl):
+    """Tiny launch blocks send bs > 8 through the two-kernel offsets path and a capacity over
     2 x 16 entries through the looping entries grid."""
-    config = _launch(**{**dict(single_block_max=8, multi_block=8, block_entries=16,
-                                 max_programs=2), **VARIANTS[variant]})
+    config = _launch(single_block_max=8, multi_block=8, block_entries=16, max_programs=2)
     buckets = [Bucket(9, 12, 6, vc=40), Bucket(8, 10, 5, W=2, lut_len=64, pool_width=6, k=1,
                                                      vc=20, wc_extra=9),
                Bucket(33, 40, 4, W=3, lut_len=90, pool_width=5, vc=90, wc_extra=30),
@@ -414,10 +403,8 @@ def _both(c, impl):
     got = run_ours(c, impl)
     assert_same(run_ours(c, reference=True), got, c)
     if impl in PALLAS:
-        for variant in VARIANTS.values():
-            small = _launch(**{**dict(single_block_max=1, multi_block=1, block_entries=2,
-                                      max_programs=1), **variant})
-            assert_same(run_ours(c, impl, config=small), got, c)
+        small = _launch(single_block_max=1, multi_block=1, block_entries=2, max_programs=1)
+        assert_same(run_ours(c, impl, config=small), got, c)
     return got
 
 
@@ -1029,13 +1016,11 @@ def test_padded_batch_with_num_reqs_equals_sglang(sgl, family, impl):
     assert 0 < n_overflow < 150
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("impl", PALLAS)
-def test_padded_batch_multi_block_offsets(sgl, impl, variant):
-    """num_reqs through the multi-block offsets path (block sums over padded lanes) and the
+def test_padded_batch_multi_block_offsets(sgl, impl):
+    """num_reqs through the two-kernel offsets path (block sums over padded lanes) and the
     looping entries grid."""
-    config = _launch(**{**dict(single_block_max=8, multi_block=8, block_entries=16,
-                                 max_programs=2), **VARIANTS[variant]})
+    config = _launch(single_block_max=8, multi_block=8, block_entries=16, max_programs=2)
     buckets = [Bucket(9, 12, 6, vc=40), Bucket(17, 20, 7, pool_width=8, k=1, vc=64,
                                                     wc_extra=16),
                Bucket(1, 3, 5, W=2, lut_len=64, pool_width=6, vc=20)]

@@ -252,8 +252,7 @@ def test_out_of_range_slot_and_prev_read_as_zero_rows(impl):
 
 
 @pytest.mark.parametrize("impl", pallas("verify"))
-@pytest.mark.parametrize("structure", [dict(group=1, vec=1), dict(group=4, vec=4),
-                                       dict(group=8, vec=4, wave=4)])
+@pytest.mark.parametrize("structure", [dict(group=1, vec=1), dict(group=4, vec=4)])
 def test_many_blocks_grid_stride(sgl, structure, impl):
     rng = np.random.default_rng(11)
     num_slots, n = 1024, 1500
@@ -279,24 +278,15 @@ def test_many_blocks_grid_stride(sgl, structure, impl):
     _races.assert_verify_outcome(ref, st, claims=claims, **plan, check_verify_expected_token=True)
 
 
-# Columns in waves: 8 or 16 columns gathered 4 (or 2) at a time, the first column of a wave
-# reusing the last of the wave before.
-WAVES = [dict(block=256, num_warps=2, group=8, vec=4, wave=4, max_programs=3),
-         dict(block=512, num_warps=1, group=16, vec=2, wave=2, max_programs=1 << 30),
-         dict(block=128, num_warps=4, group=8, vec=1, wave=8, max_programs=2)]
-
-
 @pytest.mark.parametrize("impl", pallas("verify"))
-@pytest.mark.parametrize("shape", [0, 1, 2, "wave0", "wave1", "wave2"])
+@pytest.mark.parametrize("shape", [0, 1, 2])
 def test_the_heuristics_small_and_mid_plan_shapes(sgl, shape, impl):
     """Each shape of ``SMALL_PLANS`` (2: the mid-size plans', 4-warp programs of 512 entries as
-    4 column vectors, 2 canary words a load), and the column waves of ``WAVES``, over a
-    chain-ordered plan (a predecessor taken from the previous column) with others gathered,
-    many violations, a few programs."""
+    4 column vectors, 2 canary words a load) over a chain-ordered plan (a predecessor taken
+    from the previous column) with others gathered, many violations, a few programs."""
     from kvcanary_jax.ops.verify.pallas_triton import SMALL_PLANS
 
-    kw = WAVES[int(shape[4:])] if isinstance(shape, str) else SMALL_PLANS[shape][1]
-    rng = np.random.default_rng(21 + (shape if isinstance(shape, int) else 3))
+    rng = np.random.default_rng(21 + shape)
     num_slots, n = 1024, 1500
     slots = rng.integers(1, num_slots, n)
     st = support.State.zeros(num_slots, 2048)
@@ -308,7 +298,7 @@ def test_the_heuristics_small_and_mid_plan_shapes(sgl, shape, impl):
     plan["verify_num_valid"] = 1400
     _, ref = support.check_verify(sgl, st, implementation="xla", **plan,
                                   check_verify_expected_token=True)
-    config = _launch(**kw)
+    config = _launch(**SMALL_PLANS[shape][1])
     with jax.enable_x64(True):
         got = canary_verify(**cases.jax_verify_args(context=support.jax_context(st), **plan),
                             implementation=impl, config=config)

@@ -31,8 +31,6 @@ class Config:
     block_entries: int = kernel.BLOCK_ENTRIES
     max_programs: int = kernel.MAX_PROGRAMS
     entries_num_warps: int = kernel.ENTRIES_NUM_WARPS
-    inline_sums: bool = True
-    narrow_search: bool = False
     interpret: bool = False
 
     def __post_init__(self):
@@ -59,12 +57,10 @@ def run(vp: VerifyPlan, wp: WritePlan, inputs: base.PlanInputs, *, swa_window_si
     interpret = config.interpret
     offsets = functools.partial(
         kernel.plan_offsets, interpret=interpret, num_warps=config.offsets_num_warps,
-        single_block_max=config.single_block_max, multi_block=config.multi_block,
-        inline_sums=config.inline_sums)
+        single_block_max=config.single_block_max, multi_block=config.multi_block)
     entries = functools.partial(
         kernel.plan_entries, interpret=interpret, block_entries=config.block_entries,
-        max_programs=config.max_programs, num_warps=config.entries_num_warps,
-        narrow_search=config.narrow_search)
+        max_programs=config.max_programs, num_warps=config.entries_num_warps)
     return base.compose(offsets, entries, vp, wp, inputs, swa_window_size=swa_window_size,
                         verify_capacity=verify_capacity,
                         kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)

@@ -83,8 +83,7 @@ class Config:
     """Launch parameters: ``block`` entries per block (a power of two), ``max_programs`` (the
     persistent grid's cap), ``num_warps``, ``num_stages``, ``group`` column vectors per block (a
     power of two), ``vec`` canary words per gather (1, 2 or 4), ``hoist`` (drop the grid-stride
-    loop and issue the plan loads early when one pass covers the plan), ``wave`` (columns whose
-    gathers are in flight together, a power of two; 0: all ``group``). Results do not depend on
+    loop and issue the plan loads early when one pass covers the plan). Results do not depend on
     them. ``interpret``: Pallas interpret mode (any backend; what ``pallas_interpret`` runs)."""
 
     block: int = BLOCK
@@ -95,7 +94,6 @@ class Config:
     vec: int = VEC
     hoist: bool = HOIST
     fold_vec: int = FOLD_VEC
-    wave: int = 0
     interpret: bool = False
 
     def __post_init__(self):
@@ -103,12 +101,10 @@ class Config:
         pow2 = lambda n: n >= 1 and not n & (n - 1)  # noqa: E731
         if self.vec not in (1, 2, 4) or self.fold_vec not in (1, 2, 4) or \
                 not pow2(self.group) or not pow2(self.block) or \
-                not (self.wave == 0 or pow2(self.wave)) or \
                 self.max_programs < 1 or self.num_warps < 1 or self.num_stages < 1:
             raise ValueError(f"kv-canary: canary_verify: bad launch parameters block={self.block} "
                              f"group={self.group} vec={self.vec} fold_vec={self.fold_vec} "
-                             f"wave={self.wave} (powers of two; vec and fold_vec 1, 2 or 4; "
-                             "wave 0 or a power of two)")
+                             "(powers of two; vec and fold_vec 1, 2 or 4)")
 
 
 def heuristics(shapes) -> Config:
@@ -150,7 +146,7 @@ def launch_grid(capacity: int, config: Config) -> LaunchGrid:
 def _verify_kernel(
     slots_ref, etok_ref, epos_ref, prev_ref, nvalid_ref, enable_ref, canary, *refs, specs, mode,
     kind, check_token, num_slots, slot_words, ring_cap, block, num_programs, group, vec, hoist,
-    fold_vec=1, wave=None,
+    fold_vec=1,
 ):
     nsrc = len(specs)
     src_refs = refs[:nsrc]
@@ -194,90 +190,67 @@ def _verify_kernel(
 
     F = consts.FailReason
     anchor = jnp.asarray(hashing.ANCHOR_HASH_I64, i64)
-    wave = group if wave is None else min(wave, group)
-
-    def column_plan(b, g, act_limit):
-        """Column g's plan fields: ``(act, slot, epos, prev, etok)``."""
-        k = b * block + lane * group + g
-        act = k < act_limit
-        in_plan = (k < capacity) if hoist else act
-        kc = jnp.where(in_plan, k, 0).astype(jnp.int32)
-        slot = plt.load(slots_ref.at[kc], mask=in_plan, other=0)
-        epos = plt.load(epos_ref.at[kc], mask=in_plan, other=0)
-        prev = plt.load(prev_ref.at[kc], mask=in_plan, other=0)
-        if check_token:
-            etok = plt.load(etok_ref.at[kc], mask=in_plan, other=-1)
-        else:
-            etok = jnp.full((rows_per_col,), -1, i64)
-        return act, slot, epos, prev, etok
-
-    def column_gathers(plan_g, left_slot):
-        """Issues column g's gathers: its slots' rows and, where the column to its left (slot
-        ``left_slot``; None: no such column) does not hold it, the predecessor's fields."""
-        act, slot, epos, prev, etok = plan_g
-        checked = act & (slot != consts.TOKEN_TO_KV_SLOT_PADDING)
-        s_eff = jnp.where(slot < 0, slot + num_slots, slot)
-        s_ok = checked & (s_eff >= 0) & (s_eff < num_slots)
-        p_ok = checked & (prev > 0) & (prev < num_slots)
-        # The left column's row is this entry's predecessor row exactly when the indices agree
-        # (that entry is active and its slot > 0 is in range, so it is loaded).
-        reuse = None if left_slot is None else p_ok & (prev == left_slot)
-        need = p_ok if reuse is None else p_ok & ~reuse
-        return (checked, reuse, gather(row_base(s_eff, s_ok), s_ok, 4),
-                gather(row_base(prev, need), need, 3))
-
-    def check_column(plan_g, loaded, left_fields):
-        """``(viol, row fields, (tok, pos, ph))`` of a column whose gathers are ``loaded``;
-        ``left_fields``: the left column's ``(tok, pos, ph)`` where ``loaded`` reuses them."""
-        act, slot, epos, prev, etok = plan_g
-        checked, reuse, row, prow = loaded
-        tok, pos, ph, rkv = fields(row, 4)
-        p_tok, p_pos, p_ph = fields(prow, 3)
-        if reuse is not None:
-            p_tok = jnp.where(reuse, left_fields[0], p_tok)
-            p_pos = jnp.where(reuse, left_fields[1], p_pos)
-            p_ph = jnp.where(reuse, left_fields[2], p_ph)
-        chain_checked = prev != consts.TOKEN_TO_KV_SLOT_PADDING
-        exp_chain = jnp.where(prev < 0, anchor, hashing.mix3(p_ph, p_tok, p_pos))
-        exp_aux = jnp.where(chain_checked, exp_chain, ph)
-        exp_rkv = _kernel_lib.fold_real_kv(slot, checked & (slot >= 0), src_refs, specs,
-                                           mode, vec=fold_vec)
-        bits = (
-            jnp.where(chain_checked & (ph != exp_chain), int(F.VERIFY_CHAIN_HASH_MISMATCH), 0)
-            | jnp.where(pos != epos, int(F.VERIFY_POSITION_MISMATCH), 0)
-            | jnp.where(rkv != exp_rkv, int(F.VERIFY_REAL_KV_HASH_MISMATCH), 0)
-        )
-        if check_token:
-            bits = bits | jnp.where((etok != -1) & (tok != etok),
-                                    int(F.VERIFY_TOKEN_MISMATCH), 0)
-        viol = checked & (bits != 0)
-        return viol, (slot, pos, tok, etok, ph, exp_aux, bits.astype(i64)), (tok, pos, ph)
 
     def block_body(b, act_limit):
         # Entry k = b * block + r * group + g sits in column g: column g-1 holds its chain
         # predecessor in plans laid out in chain order, so its fields are reused, not gathered.
-        # Warps issue in order and stall at a load's first use. The columns go in waves of
-        # ``wave``: a wave's gathers are all issued (its plan fields were loaded with the wave
-        # before's gathers) before any of its values is used, so a wave costs one memory round
-        # trip; the first column of a wave reuses the last of the wave before, held in
-        # registers, so only column 0 gathers predecessors whatever ``group`` is. (A row's
-        # fields are used only where the block records a violation: the compiler computes
-        # them there.)
-        plans = [column_plan(b, g, act_limit) for g in range(wave)]
+        # Warps issue in order and stall at a load's first use: every column's loads are issued
+        # (plan fields, then all gathers) before any loaded value is used, so one block costs
+        # two memory round trips whatever ``group`` is.
+        plan = []
+        for g in range(group):
+            k = b * block + lane * group + g
+            act = k < act_limit
+            in_plan = (k < capacity) if hoist else act
+            kc = jnp.where(in_plan, k, 0).astype(jnp.int32)
+            slot = plt.load(slots_ref.at[kc], mask=in_plan, other=0)
+            epos = plt.load(epos_ref.at[kc], mask=in_plan, other=0)
+            prev = plt.load(prev_ref.at[kc], mask=in_plan, other=0)
+            if check_token:
+                etok = plt.load(etok_ref.at[kc], mask=in_plan, other=-1)
+            else:
+                etok = jnp.full((rows_per_col,), -1, i64)
+            plan.append((act, slot, epos, prev, etok))
+
+        loads = []
+        for g, (act, slot, epos, prev, etok) in enumerate(plan):
+            checked = act & (slot != consts.TOKEN_TO_KV_SLOT_PADDING)
+            s_eff = jnp.where(slot < 0, slot + num_slots, slot)
+            s_ok = checked & (s_eff >= 0) & (s_eff < num_slots)
+            p_ok = checked & (prev > 0) & (prev < num_slots)
+            # The previous column's row is this entry's predecessor row exactly when the indices
+            # agree (that entry is active and its slot > 0 is in range, so it is loaded).
+            reuse = None if g == 0 else p_ok & (prev == plan[g - 1][1])
+            need = p_ok if reuse is None else p_ok & ~reuse
+            loads.append((checked, reuse, gather(row_base(s_eff, s_ok), s_ok, 4),
+                          gather(row_base(prev, need), need, 3)))
+
         cols = []
-        left_slot = left_fields = None
-        for w0 in range(0, group, wave):
-            loads = []
-            for g in range(w0, w0 + wave):
-                loads.append(column_gathers(plans[g - w0], left_slot))
-                left_slot = plans[g - w0][1]
-            if w0 + wave < group:
-                nxt = [column_plan(b, g, act_limit) for g in range(w0 + wave, w0 + 2 * wave)]
-            for plan_g, loaded in zip(plans, loads):
-                viol, row_fields, left_fields = check_column(plan_g, loaded, left_fields)
-                cols.append((viol, row_fields))
-            if w0 + wave < group:
-                plans = nxt
+        prev_col = None
+        for (act, slot, epos, prev, etok), (checked, reuse, row, prow) in zip(plan, loads):
+            tok, pos, ph, rkv = fields(row, 4)
+            p_tok, p_pos, p_ph = fields(prow, 3)
+            if reuse is not None:
+                p_tok = jnp.where(reuse, prev_col[0], p_tok)
+                p_pos = jnp.where(reuse, prev_col[1], p_pos)
+                p_ph = jnp.where(reuse, prev_col[2], p_ph)
+            prev_col = (tok, pos, ph)
+
+            chain_checked = prev != consts.TOKEN_TO_KV_SLOT_PADDING
+            exp_chain = jnp.where(prev < 0, anchor, hashing.mix3(p_ph, p_tok, p_pos))
+            exp_aux = jnp.where(chain_checked, exp_chain, ph)
+            exp_rkv = _kernel_lib.fold_real_kv(slot, checked & (slot >= 0), src_refs, specs,
+                                               mode, vec=fold_vec)
+            bits = (
+                jnp.where(chain_checked & (ph != exp_chain), int(F.VERIFY_CHAIN_HASH_MISMATCH), 0)
+                | jnp.where(pos != epos, int(F.VERIFY_POSITION_MISMATCH), 0)
+                | jnp.where(rkv != exp_rkv, int(F.VERIFY_REAL_KV_HASH_MISMATCH), 0)
+            )
+            if check_token:
+                bits = bits | jnp.where((etok != -1) & (tok != etok),
+                                        int(F.VERIFY_TOKEN_MISMATCH), 0)
+            viol = checked & (bits != 0)
+            cols.append((viol, (slot, pos, tok, etok, ph, exp_aux, bits.astype(i64))))
 
         # Rows keep entry order within the block: entry (r, g) follows every entry of rows < r
         # and the columns < g of row r.
@@ -289,9 +262,9 @@ def _verify_kernel(
         def _record():
             w0 = claim_rows(widx, total, capacity)  # at most a row an entry
             rel = jnp.cumsum(per_row, dtype=jnp.int32) - per_row
-            for (viol, row_fields), n in zip(cols, counts):
+            for (viol, fields), n in zip(cols, counts):
                 append_rows(ring, w0, rel, viol, ring_cap, (
-                    jnp.full((rows_per_col,), kind, i64), *row_fields))
+                    jnp.full((rows_per_col,), kind, i64), *fields))
                 rel = rel + n
 
     limit = jnp.where(enabled, active, 0)
@@ -330,7 +303,6 @@ def run(context: VerifyOrWriteContext, plan: VerifyPlan, *, check_verify_expecte
         _verify_kernel, specs=specs, mode=mode, kind=kind, check_token=check_token,
         num_slots=num_slots, slot_words=stride_bytes // 8, ring_cap=ring_cap, block=block,
         num_programs=num_programs, group=group, vec=vec, hoist=hoist, fold_vec=config.fold_vec,
-        wave=config.wave or group,
     )
     ins = [plan.verify_slot_indices, plan.verify_expected_tokens, plan.verify_expected_positions,
            plan.verify_prev_slot_indices, plan.verify_num_valid, plan.enable,
