@@ -51,12 +51,10 @@ __all__ = [
     "ENTRIES_NUM_WARPS",
 ]
 
-# One program, one cumsum up to this many requests; above it the batch is split in
-# MULTI_BLOCK-request blocks. (SGLang's one program takes up to 4,096: compiled for sm_90 that
-# program needs 255 registers a thread and spills, and took 21 us of the plan's 111 at bs 4,096
-# on an H100; a block of 512 requests at 8 warps needs 48 and no stack: bench/NOTES.md.)
-SINGLE_BLOCK_MAX = 512
-MULTI_BLOCK = 512
+# One program, one cumsum up to this many requests (SGLang's own block; a 4096-wide int64 cumsum
+# lowers and runs on the H200). Above it the batch is split in MULTI_BLOCK-request blocks.
+SINGLE_BLOCK_MAX = 4096
+MULTI_BLOCK = 4096
 # Smallest block of the single-program path: tiny decode batches still fill a warp.
 MIN_BLOCK = 32
 OFFSETS_NUM_WARPS = 8
