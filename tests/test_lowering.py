@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 import jax
+import jax.extend.core  # noqa: F401 - Literal, in the literal-select check
 import jax.numpy as jnp
 
 import kvcanary_jax as kc
@@ -231,3 +232,109 @@ def test_digest_launch_shapes_lower_for_cuda(shape):
             assert text.count("__gpu$xla.gpu.triton") == len(kernels[name]), name
             for kernel in kernels[name]:
                 assert kernel in text, (name, kernel)
+
+
+# --- a miscompile of Pallas's Triton lowering: a scalar select between two literals ----------
+#
+# In jax 0.10-0.11 Pallas's Triton lowering gives a ``select_n`` case that reaches it as a
+# weak-typed literal the predicate's type: ``jnp.where(pid > 0, 16, 0)`` becomes an i1 select
+# (0 or 1), silently, while interpret mode evaluates it right (bench/NOTES.md, "the plan's
+# offsets program spills"). ``jnp.where`` hands its cases over as they are only where all are
+# scalars of one weak type: a vector predicate broadcasts them first, and a traced case gives
+# the literal its type. Literals 0 and 1 alone survive the i1 round trip.
+
+
+def _literal_selects(jaxpr, env=None, in_kernel=False):
+    """``(literal values, where)`` of every ``select_n`` inside a ``pallas_call``'s kernel in
+    ``jaxpr`` with a case that is a weak-typed literal (directly, or as the argument a ``jit``
+    such as ``jnp.where``'s was called with). Outside the kernels XLA lowers them."""
+    env = env or {}
+    found = []
+
+    def literal(v):
+        if isinstance(v, jax.extend.core.Literal):
+            return True, v.val
+        return (v in env), env.get(v)
+
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "select_n" and in_kernel:
+            weak = [int(val) for c in eqn.invars[1:] for ok, val in [literal(c)]
+                    if ok and getattr(c.aval, "weak_type", False)]
+            if weak:
+                found.append((weak, str(eqn)))
+        for name, sub in eqn.params.items():
+            subs = sub if isinstance(sub, (tuple, list)) else (sub,)
+            for s in subs:
+                inner = getattr(s, "jaxpr", s)
+                if not hasattr(inner, "eqns"):
+                    continue
+                inner_env = {}
+                if name == "jaxpr" and eqn.primitive.name in ("pjit", "jit", "closed_call"):
+                    for iv, ov in zip(inner.invars, eqn.invars):
+                        ok, val = literal(ov)
+                        if ok:
+                            inner_env[iv] = val
+                found += _literal_selects(inner, inner_env,
+                                          in_kernel or eqn.primitive.name == "pallas_call")
+    return found
+
+
+def _triton_kernel_calls():
+    """(name, jitted function, arguments) of every op through its Triton kernels, with the
+    plan's multi-block offsets and the verify's large-plan and fold shapes besides the
+    heuristics' choices for these sizes."""
+    from kvcanary_jax.ops.plan.pallas_triton import Config as PlanConfig
+    from kvcanary_jax.ops.verify.pallas_triton import FOLD_PLANS, Config as VerifyConfig
+
+    calls = [(name, fn, args) for name, fn, args, _ in _ops("pallas_triton")]
+    calls += [(name, fn, args) for name, fn, args in _digest_ops("pallas_triton")]
+    plan_name, plan_fn, plan_args, _ = _ops("pallas_triton")[1]
+    multi = PlanConfig(single_block_max=1, multi_block=1, block_entries=4, max_programs=2)
+    calls.append(("plan (multi-block)", jax.jit(lambda *a: kc.canary_plan(
+        verify_plan_out=a[0], write_plan_out=a[1], req_pool_indices=a[2], prefix_lens=a[3],
+        extend_seq_lens=a[4], req_to_token=a[5], swa_window_size=4,
+        full_to_swa_index_mapping=a[6], verify_capacity=32, req_to_verify_expected_tokens=a[7],
+        req_to_verify_expected_tokens_valid_lens=a[8], kv_token_id_vs_position_offset=1,
+        implementation="pallas_triton", config=multi)), plan_args))
+    vp = kc.VerifyPlan.allocate(verify_capacity=32)
+    for label, config in (("large", VerifyConfig(block=8, max_programs=2)),
+                          ("fold", VerifyConfig(**FOLD_PLANS[0][1]))):
+        calls.append((f"verify ({label})", jax.jit(
+            lambda ctx, p, c=config: kc.canary_verify(
+                context=ctx, plan=p, check_verify_expected_token=True,
+                implementation="pallas_triton", config=c)), (_context(sources=1), vp)))
+    return calls
+
+
+def test_no_triton_kernel_selects_a_weak_typed_literal():
+    """No Triton kernel selects a weak-typed literal other than 0 or 1, which Pallas's Triton
+    lowering would compile as a boolean (see above)."""
+    with jax.enable_x64(True), _registry.lowering_for("cuda"):
+        for name, fn, args in _triton_kernel_calls():
+            jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+            assert any(e.primitive.name == "pallas_call" for e in jaxpr.eqns) or \
+                "pallas_call" in str(jaxpr), name
+            bad = [(vals, where) for vals, where in _literal_selects(jaxpr)
+                   if not set(vals) <= {0, 1}]
+            assert not bad, (name, bad)
+
+
+def test_the_literal_select_check_finds_the_miscompiled_form():
+    """The check above sees ``jnp.where(pid > 0, 16, 0)`` (and ``(pid > 1, 0, 1)``) in a
+    kernel, and none of the forms that lower right."""
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, o_ref):
+        pid = pl.program_id(0)
+        o_ref[0] = jnp.where(pid > 0, 16, 0).astype(jnp.int64)  # the miscompiled form
+        o_ref[1] = jnp.where(pid > 3, 7, x_ref[0])  # one case traced: lowers right
+        o_ref[2] = jnp.where(jnp.arange(2) > pid, 5, 9)[0].astype(jnp.int64)  # a vector
+        o_ref[3] = jnp.where(pid > 1, 0, 1).astype(jnp.int64)  # 0 and 1 survive
+
+    def f(x):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4,), jnp.int64),
+                              grid=(2,), interpret=True)(x)
+
+    with jax.enable_x64(True):
+        found = _literal_selects(jax.make_jaxpr(f)(jnp.zeros((1,), jnp.int64)).jaxpr)
+    assert sorted(vals for vals, _ in found) == [[0, 16], [1, 0]]
