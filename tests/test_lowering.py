@@ -289,7 +289,9 @@ def _triton_kernel_calls():
     calls = [(name, fn, args) for name, fn, args, _ in _ops("pallas_triton")]
     calls += [(name, fn, args) for name, fn, args in _digest_ops("pallas_triton")]
     plan_name, plan_fn, plan_args, _ = _ops("pallas_triton")[1]
-    multi = PlanConfig(single_block_max=1, multi_block=1, block_entries=4, max_programs=2)
+    # Two blocks: with a count of blocks that is not a power of two, jax 0.12 refuses the
+    # block sums' padded load while tracing (bench/NOTES.md, known and not yet fixed).
+    multi = PlanConfig(single_block_max=1, multi_block=2, block_entries=2, max_programs=1)
     calls.append(("plan (multi-block)", jax.jit(lambda *a: kc.canary_plan(
         verify_plan_out=a[0], write_plan_out=a[1], req_pool_indices=a[2], prefix_lens=a[3],
         extend_seq_lens=a[4], req_to_token=a[5], swa_window_size=4,
