@@ -94,6 +94,12 @@ def sglang(cuda_jit: bool):
     return _SGL["mods"]
 
 
+def config_key(fields: dict) -> str:
+    """A launch config's fields as one line, sorted by name: the key of a tuning sweep's
+    measurements."""
+    return " ".join(f"{k}={fields[k]}" for k in sorted(fields))
+
+
 def write_tuned_table(op: str, entries: list[dict], directory: str | None = None) -> str | None:
     """Merge a sweep's best configs into ``kvcanary_jax/tuning/<op>.<device kind>.json`` (the
     table the op's config resolution reads; ``directory`` to write elsewhere). GPU runs only: a

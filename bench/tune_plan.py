@@ -39,10 +39,6 @@ OFFSETS_KERNELS = ("kvcanary_plan_offsets", "kvcanary_plan_offsets_block_sums")
 ENTRIES_KERNEL = "kvcanary_plan_entries"
 
 
-def _key(kw: dict) -> str:
-    return " ".join(f"{k}={kw[k]}" for k in sorted(kw))
-
-
 def main() -> int:
     import jax
 
@@ -77,9 +73,9 @@ def main() -> int:
             expect = None
 
             def measure(cfg: dict):
-                name = _key(cfg)
+                name = common.config_key(cfg)
                 if name in res["total"] or name in res["errors"]:
-                    return res["total"].get(name) and name
+                    return name if name in res["total"] else None
                 if time.perf_counter() - t_start > BUDGET_S:
                     return None
                 nonlocal expect
@@ -128,11 +124,11 @@ def main() -> int:
                                    for b, w in ENTRY_SHAPES], "entries_us")
             cur = best_of([cur] + [{**cur, "max_programs": p} for p in PROGRAMS], "entries_us")
             del sets
-        res["best"] = _key(cur)
+        res["best"] = common.config_key(cur)
         res["best_config"] = dict(cur)
         for what in ("total", "offsets", "entries_us"):
             res[f"best_{what}"] = res[what].get(res["best"])
-            res[f"default_{what}"] = res[what].get(_key(default))
+            res[f"default_{what}"] = res[what].get(common.config_key(default))
         print(f"{res['case']:>10}: best {res['best_total']} us (offsets {res['best_offsets']}, "
               f"entries {res['best_entries_us']}) [{res['best']}] | defaults "
               f"{res['default_total']} ({res['default_offsets']}, {res['default_entries_us']}) | "

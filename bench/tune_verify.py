@@ -49,10 +49,6 @@ EXTRAS = [dict(num_stages=2), dict(num_stages=3), dict(hoist=False)]
 VARIANTS = json.loads(os.environ.get("KVCANARY_TUNE_VARIANTS", "[]"))
 
 
-def _key(kw: dict) -> str:
-    return " ".join(f"{k}={kw[k]}" for k in sorted(kw))
-
-
 def main() -> int:
     import jax
 
@@ -82,7 +78,7 @@ def main() -> int:
             expect = None
 
             def measure(kw: dict):
-                name = _key(kw)
+                name = common.config_key(kw)
                 if name in res["times"] or name in res["errors"]:
                     return res["times"].get(name)
                 if time.perf_counter() - t_start > BUDGET_S:
@@ -163,11 +159,11 @@ def main() -> int:
 
 
 def _finish(res, cur, default, out, path, t_start):
-    res["best"] = _key(cur)
+    res["best"] = common.config_key(cur)
     res["best_config"] = dict(cur)
     res["best_us"] = res["times"].get(res["best"])
-    res["default_us"] = res["times"].get(_key(default))
-    res["old_us"] = res["times"].get(_key(OLD))
+    res["default_us"] = res["times"].get(common.config_key(default))
+    res["old_us"] = res["times"].get(common.config_key(OLD))
     fmt = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
     if "gather_floor" in res:
         print(f"{res['case']:>16}: gather floor {res['gather_floor']}")
