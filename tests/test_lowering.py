@@ -287,8 +287,8 @@ def _triton_kernel_calls():
     from kvcanary_jax.ops.verify.pallas_triton import FOLD_PLANS, Config as VerifyConfig
 
     calls = [(name, fn, args) for name, fn, args, _ in _ops("pallas_triton")]
+    plan_args = dict((name, args) for name, _, args in calls)["plan"]
     calls += [(name, fn, args) for name, fn, args in _digest_ops("pallas_triton")]
-    plan_name, plan_fn, plan_args, _ = _ops("pallas_triton")[1]
     # Two blocks: with a count of blocks that is not a power of two, jax 0.12 refuses the
     # block sums' padded load while tracing (bench/NOTES.md, known and not yet fixed).
     multi = PlanConfig(single_block_max=1, multi_block=2, block_entries=2, max_programs=1)
@@ -314,8 +314,7 @@ def test_no_triton_kernel_selects_a_weak_typed_literal():
     with jax.enable_x64(True), _registry.lowering_for("cuda"):
         for name, fn, args in _triton_kernel_calls():
             jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-            assert any(e.primitive.name == "pallas_call" for e in jaxpr.eqns) or \
-                "pallas_call" in str(jaxpr), name
+            assert "pallas_call" in str(jaxpr), name
             bad = [(vals, where) for vals, where in _literal_selects(jaxpr)
                    if not set(vals) <= {0, 1}]
             assert not bad, (name, bad)
