@@ -5,11 +5,9 @@ batches, prefixes up to 2,048, the expected-token pool on), the two halves of th
 (``kvcanary_jax.ops.plan.pallas_triton.Config``) by their own kernels' device time:
 
 1. offsets: the one-program path at several warp counts, and the multi-block path at several
-   block sizes and warps, its sums inline and from a first launch; scored by the offsets
-   kernels' time (the block sums' included);
-2. entries (under the best offsets): the search over a block's requests or the whole batch,
-   then ``block_entries`` x ``entries_num_warps``, then ``max_programs``; scored by the entries
-   kernel's time.
+   block sizes and warps; scored by the offsets kernels' time (the block sums' included);
+2. entries (under the best offsets): ``block_entries`` x ``entries_num_warps``, then
+   ``max_programs``; scored by the entries kernel's time.
 
 Every variant's plan is compared with the defaults' on one input set (all nine arrays) before it
 is timed. Writes every measurement to the JSON file after each case and prints the best variant
@@ -35,7 +33,8 @@ ITERS = 20
 BUDGET_S = float(os.environ.get("KVCANARY_TUNE_BUDGET_S", 400))
 SINGLE_WARPS = [4, 8, 16, 32]
 MULTI = [(256, 4), (512, 4), (512, 8), (1024, 8), (2048, 8)]
-ENTRY_SHAPES = [(256, 2), (256, 4), (512, 4), (1024, 4), (1024, 8), (2048, 8), (4096, 8)]
+ENTRY_SHAPES = [(128, 4), (256, 2), (256, 4), (512, 2), (512, 4), (512, 8), (1024, 4),
+                (1024, 8), (2048, 8)]
 PROGRAMS = [264, 528, 2048, 1 << 30]
 OFFSETS_KERNELS = ("kvcanary_plan_offsets", "kvcanary_plan_offsets_block_sums")
 ENTRIES_KERNEL = "kvcanary_plan_entries"
@@ -119,16 +118,12 @@ def main() -> int:
             measure(default)
             offsets = [{**default, "offsets_num_warps": w} for w in SINGLE_WARPS
                        if bs <= default["single_block_max"]]
-            # Blocks with the sums inline (up to the default's cap) and with the sums' launch;
-            # and SGLang's one program of up to 4,096 requests, for reference.
             offsets += [{**default, "single_block_max": 1, "multi_block": b,
-                         "offsets_num_warps": w, "inline_sums_max_blocks": m}
-                        for b, w in MULTI if b < bs
-                        for m in sorted({0, default["inline_sums_max_blocks"]})]
-            if bs <= 4096:
-                offsets.append({**default, "single_block_max": 4096, "multi_block": 4096})
+                         "offsets_num_warps": w} for b, w in MULTI if b < bs]
+            if bs <= 4096:  # SGLang's one program of up to 4,096 requests, for reference
+                offsets.append({**default, "single_block_max": 4096, "multi_block": 4096,
+                                "offsets_num_warps": 8})
             cur = best_of([default] + offsets, "offsets")
-            cur = best_of([cur, {**cur, "narrow_search": not cur["narrow_search"]}], "entries_us")
             cur = best_of([cur] + [{**cur, "block_entries": b, "entries_num_warps": w}
                                    for b, w in ENTRY_SHAPES], "entries_us")
             cur = best_of([cur] + [{**cur, "max_programs": p} for p in PROGRAMS], "entries_us")

@@ -140,26 +140,12 @@ def test_an_interpret_config_is_never_launched_directly():
                  static=dict(static, platform="cuda", config=config))
 
 
-def test_plan_multi_block_path_with_inline_sums_is_two_kernels():
-    """Blocks that sum the blocks before their own (the default up to 8 blocks): the offsets
-    kernel and the entries kernel, the verify offsets a scratch array between them."""
-    kw = bo._plan_kw(_case())
-    args, static, results = declarations.PLAN.arguments(kw, declarations.PLAN.tensors(kw))
-    config = _plan_triton.Config(single_block_max=2, multi_block=2)
-    prog = _extract(declarations.plan_fn, args, results,
-                    static=dict(static, platform="cuda", config=config))
-    assert [k.name for k in prog.kernels] == ["kvcanary_plan_offsets", "kvcanary_plan_entries"]
-    offsets, entries = prog.kernels
-    assert offsets.grid[0] >= 3  # 4 requests lowered as 5 lanes, in blocks of 2
-    assert entries.bufs[4] == td.Buf("scratch", 0)
-
-
 def test_plan_multi_block_path_is_three_kernels():
     c = _case()
     kw = bo._plan_kw(c)
     ts = declarations.PLAN.tensors(kw)
     args, static, results = declarations.PLAN.arguments(kw, ts)
-    config = _plan_triton.Config(single_block_max=2, multi_block=2, inline_sums_max_blocks=0)
+    config = _plan_triton.Config(single_block_max=2, multi_block=2)
     prog = _extract(declarations.plan_fn, args, results,
                     static=dict(static, platform="cuda", config=config))
     names = [k.name for k in prog.kernels]

@@ -315,24 +315,12 @@ def test_fuzz_family(sgl, family, impl):
         assert n_overflow > 0
 
 
-# The two ways of the multi-block offsets: each program summing the blocks before its own (the
-# default up to 8 blocks), or a block-sums launch first. With blocks of 8, every batch below
-# takes the inline sums; with blocks of 2, those over 16 requests pass the cap (and their block
-# counts are not powers of two).
-# The entries' search: over the requests a block spans (the default), or the whole batch.
-VARIANTS = {"inline_sums": {}, "sums_launch": dict(inline_sums_max_blocks=0),
-            "past_inline_cap": dict(single_block_max=2, multi_block=2),
-            "whole_batch_search": dict(narrow_search=False)}
-
-
 @pytest.mark.fuzz
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("impl", PALLAS)
-def test_fuzz_small_blocks_multi_block_and_looping_entries(sgl, impl, variant):
-    """Tiny launch blocks send bs > 8 through the multi-block offsets path and a capacity over
+def test_fuzz_small_blocks_multi_block_and_looping_entries(sgl, impl):
+    """Tiny launch blocks send bs > 8 through the two-kernel offsets path and a capacity over
     2 x 16 entries through the looping entries grid."""
-    config = _launch(**{**dict(single_block_max=8, multi_block=8, block_entries=16,
-                                 max_programs=2), **VARIANTS[variant]})
+    config = _launch(single_block_max=8, multi_block=8, block_entries=16, max_programs=2)
     buckets = [Bucket(9, 12, 6, vc=40), Bucket(8, 10, 5, W=2, lut_len=64, pool_width=6, k=1,
                                                      vc=20, wc_extra=9),
                Bucket(33, 40, 4, W=3, lut_len=90, pool_width=5, vc=90, wc_extra=30),
@@ -415,12 +403,8 @@ def _both(c, impl):
     got = run_ours(c, impl)
     assert_same(run_ours(c, reference=True), got, c)
     if impl in PALLAS:
-        # Blocks of 1: the inline sums and the narrow search, then the launch and the whole
-        # batch's search.
-        for sums in ({}, dict(inline_sums_max_blocks=0, narrow_search=False)):
-            small = _launch(single_block_max=1, multi_block=1, block_entries=2, max_programs=1,
-                            **sums)
-            assert_same(run_ours(c, impl, config=small), got, c)
+        small = _launch(single_block_max=1, multi_block=1, block_entries=2, max_programs=1)
+        assert_same(run_ours(c, impl, config=small), got, c)
     return got
 
 
@@ -1032,13 +1016,11 @@ def test_padded_batch_with_num_reqs_equals_sglang(sgl, family, impl):
     assert 0 < n_overflow < 150
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("impl", PALLAS)
-def test_padded_batch_multi_block_offsets(sgl, impl, variant):
-    """num_reqs through the multi-block offsets path (sums over padded lanes) and the looping
-    entries grid."""
-    config = _launch(**{**dict(single_block_max=8, multi_block=8, block_entries=16,
-                                 max_programs=2), **VARIANTS[variant]})
+def test_padded_batch_multi_block_offsets(sgl, impl):
+    """num_reqs through the two-kernel offsets path (block sums over padded lanes) and the
+    looping entries grid."""
+    config = _launch(single_block_max=8, multi_block=8, block_entries=16, max_programs=2)
     buckets = [Bucket(9, 12, 6, vc=40), Bucket(17, 20, 7, pool_width=8, k=1, vc=64,
                                                     wc_extra=16),
                Bucket(1, 3, 5, W=2, lut_len=64, pool_width=6, vc=20)]

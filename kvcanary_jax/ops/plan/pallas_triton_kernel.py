@@ -1,16 +1,15 @@
 """The plan's two Pallas kernels (Triton lowering on CUDA GPUs; interpret mode too).
 
 Offsets (:func:`plan_offsets`): up to ``single_block_max`` requests run in one program with one
-in-register cumsum of the verify and write lengths; larger batches are split in blocks, each
-program adding the sum of the blocks before its own. Up to ``inline_sums_max_blocks`` blocks a
-program sums them itself (one launch); past that it reads them from a first launch of per-block
-sums. Unlike SGLang (one program, ``bs <= 4096``) there is no cap on ``bs``. The program that owns index ``bs`` of ``write_offsets`` stores the totals and the
+in-register cumsum of the verify and write lengths; larger batches take a two-kernel path
+(per-block sums, then each block adds the sum of the blocks before it, read by every program
+itself: cheaper than a third launch). Unlike SGLang (one program, ``bs <= 4096``) there is no cap
+on ``bs``. The program that owns index ``bs`` of ``write_offsets`` stores the totals and the
 scalars; programs past ``bs`` zero-fill ``write_offsets`` up to the write capacity.
 
 Entries (:func:`plan_entries`): one lane per verify entry; a lane finds its request by a
-vectorised binary search of the verify offsets, over the requests its block spans (found by two
-scalar searches of ``ceil(log2(bs))`` dependent loads) or, without ``narrow_search``, over the
-whole batch. The grid is sized from the (static) capacity, since the live total is only known on
+vectorised binary search of the verify offsets (``ceil(log2(bs))`` dependent gathers whatever the
+data). The grid is sized from the (static) capacity, since the live total is only known on
 device: up to ``max_programs`` programs each take one block and exit when it lies past the total;
 beyond that the programs loop over blocks with a stride of the grid size.
 
@@ -46,42 +45,35 @@ __all__ = [
     "SINGLE_BLOCK_MAX",
     "MULTI_BLOCK",
     "MIN_BLOCK",
-    "INLINE_SUMS_MAX_BLOCKS",
     "OFFSETS_NUM_WARPS",
     "BLOCK_ENTRIES",
     "MAX_PROGRAMS",
     "ENTRIES_NUM_WARPS",
-    "NARROW_SEARCH",
 ]
 
 # One program, one cumsum up to this many requests; above it the batch is split in
-# MULTI_BLOCK-request blocks. (SGLang's one program takes up to 4,096: compiled for sm_90 that
-# program needs 255 registers a thread and spills, and took 21 us of the plan's 111 at bs 4,096
-# on an H100; a 512-request block at 8 warps needs 48 and no stack: bench/NOTES.md.)
+# MULTI_BLOCK-request blocks, after a launch of per-block sums. SGLang's one program takes up to
+# 4,096 requests: compiled for sm_90 it needs 255 registers a thread and spills, and took 21 us
+# at bs 4,096 on an H100, against 5.1 for blocks of 256 at 4 warps and their sums' launch
+# (bench/NOTES.md; `python -m bench.tune_plan`).
 SINGLE_BLOCK_MAX = 512
-MULTI_BLOCK = 512
-# Up to this many blocks, each offsets program sums the blocks before its own (every load in
-# flight at once) rather than reading the sums of a first launch: one launch fewer. Past it the
-# unrolled sums cost more registers than the launch saves (32 blocks of 512: 255 a thread).
-INLINE_SUMS_MAX_BLOCKS = 8
+MULTI_BLOCK = 256
 # Smallest block of the single-program path: tiny decode batches still fill a warp.
 MIN_BLOCK = 32
-OFFSETS_NUM_WARPS = 8
+OFFSETS_NUM_WARPS = 4
 
-# Entries per program iteration: 1024 lanes over 4 warps give each thread 8 independent binary
-# searches in flight, which hides the latency of the dependent offset loads.
-BLOCK_ENTRIES = 1024
+# Entries per program iteration: 512 lanes over 4 warps, 4 binary searches in flight a thread at
+# 48 registers (1,024 lanes needed 72): the kernel waits on memory, and more programs an SM hide
+# more of it (on an H100, 73-75% of the time of 1,024 lanes at bs 4,096 and 16,384:
+# bench/NOTES.md).
+BLOCK_ENTRIES = 512
 ENTRIES_NUM_WARPS = 4
 # Up to MAX_PROGRAMS programs each take one block and those past the total exit at once; beyond
-# that (capacity > MAX_PROGRAMS * BLOCK_ENTRIES, ~1M entries) the programs loop over blocks with a
+# that (capacity > MAX_PROGRAMS * BLOCK_ENTRIES, 512K entries) the programs loop over blocks with a
 # stride of the grid size, so a huge capacity with a small live total does not launch thousands
 # of idle programs. 1024 programs = ~8 per SM on an H200 (132 SMs), as SGLang's persistent grid.
+# (No cap was faster at bs 1,024 and 4,096 on an H100 and slower at 16,384.)
 MAX_PROGRAMS = 1024
-# Each block first finds the requests of its first and last entries (two scalar searches), and
-# its lanes search only between them: in long contexts a block of 1,024 entries spans one or
-# two requests, so the ceil(log2(bs)) probes a lane (most of the kernel's instructions) become
-# 0 or 1. A batch of one-entry requests pays two scalar searches more.
-NARROW_SEARCH = True
 
 
 # --------------------------------------------------------------------------------------------
@@ -89,13 +81,11 @@ NARROW_SEARCH = True
 # --------------------------------------------------------------------------------------------
 
 
-def _load_block(rpi_ref, prefix_ref, extend_ref, start, block, n, also=True):
+def _load_block(rpi_ref, prefix_ref, extend_ref, start, block, n):
     """Requests ``[start, start + block)``; lanes at or past ``n`` (the batch's request count:
-    static ``bs``, or the ``num_reqs`` operand), or all of them where the scalar ``also`` is
-    false, are masked, never loaded. (A mask, not ``n`` narrowed by a select: Pallas's Triton
-    lowering types ``jnp.where(p, n, 0)`` of a weak-typed literal as the predicate's boolean.)"""
+    static ``bs``, or the ``num_reqs`` operand) are masked, never loaded."""
     idx = start + jnp.arange(block, dtype=jnp.int32)
-    in_bs = (idx < n) & also
+    in_bs = idx < n
     rpi = plt.load(rpi_ref.at[pl.ds(start, block)], mask=in_bs, other=consts.REQ_POOL_IDX_PADDING)
     prefix = plt.load(prefix_ref.at[pl.ds(start, block)], mask=in_bs, other=0)
     extend = plt.load(extend_ref.at[pl.ds(start, block)], mask=in_bs, other=0)
@@ -140,20 +130,17 @@ def _block_sums_kernel(*refs, block, bs, swa_window_size, has_n):
 
 
 def _offsets_kernel(*refs, block, bs, num_sum_blocks, swa_window_size, has_lut, lut_len, pitch,
-                    n_cells, verify_capacity, write_capacity, has_n, inline_sums):
+                    n_cells, verify_capacity, write_capacity, has_n):
     """Program p owns request indices ``[p*block, (p+1)*block)``: it computes its requests'
     offsets and seeds (when any fall below bs) and zero-fills its part of ``write_offsets`` past
-    bs. Program 0 also stores the totals and the scalars (with ``inline_sums``, the program of
-    the last request block). With ``has_n``, lanes at or past the ``num_reqs`` operand are
-    outside the batch (module docstring). ``inline_sums``: each program sums the blocks before
-    its own itself (every block's loads issued at once, masked from its own block on) instead of
-    reading the block sums of a first launch."""
+    bs. Program 0 also stores the totals and the scalars. With ``has_n``, lanes at or past the
+    ``num_reqs`` operand are outside the batch (module docstring)."""
     multi = num_sum_blocks > 1
     refs = list(refs)
     rpi_ref, prefix_ref, extend_ref, rtt_ref, lut_ref = refs[:5]
     del refs[:5]
     vsum_ref = wsum_ref = n_ref = None
-    if multi and not inline_sums:
+    if multi:
         vsum_ref, wsum_ref = refs[:2]
         del refs[:2]
     if has_n:
@@ -164,18 +151,8 @@ def _offsets_kernel(*refs, block, bs, num_sum_blocks, swa_window_size, has_lut, 
     pid = pl.program_id(0)
     start = pid * block
 
-    if multi and inline_sums:
-        parts = [_load_block(rpi_ref, prefix_ref, extend_ref, c * block, block, n, c < pid)
-                 for c in range(num_sum_blocks - 1)]
-        base_v = base_w = jnp.int64(0)
-        for _, in_c, rpi_c, prefix_c, extend_c in parts:
-            _, vlen_c, wlen_c = lens(rpi_c, prefix_c, extend_c, in_c, swa_window_size)
-            base_v = base_v + jnp.sum(vlen_c)
-            base_w = base_w + jnp.sum(wlen_c)
-        total_v = total_w = None
-    elif multi:
-        # Every program scans the (few) block sums itself: cheaper than a third launch. The sums
-        # are allocated at the padded length nsp (jax 0.12 refuses a slice past an array's end).
+    if multi:
+        # Every program scans the (few) block sums itself: cheaper than a third launch.
         nsp = pl.next_power_of_2(num_sum_blocks)
         j = jnp.arange(nsp, dtype=jnp.int32)
         jm = j < num_sum_blocks
@@ -222,10 +199,6 @@ def _offsets_kernel(*refs, block, bs, num_sum_blocks, swa_window_size, has_lut, 
         plt.store(seed_ref.at[pl.ds(start, block)], seed, mask=in_bs)
         if not multi:
             store_scalars(jnp.sum(vlen), jnp.sum(wlen))
-        elif inline_sums:
-            @pl.when(pid == (bs - 1) // block)
-            def _scalars_inline():
-                store_scalars(base_v + jnp.sum(vlen), base_w + jnp.sum(wlen))
 
     # SGLang's API zero-fills write_offsets before its kernel; here the tail past bs is written
     # by the programs that own it (the entry at bs holds the total).
@@ -236,7 +209,7 @@ def _offsets_kernel(*refs, block, bs, num_sum_blocks, swa_window_size, has_lut, 
     def _zero_tail():
         plt.store(wo_ref.at[pl.ds(start, block)], jnp.zeros((block,), jnp.int64), mask=tail)
 
-    if multi and not inline_sums:
+    if multi:
         @pl.when(pid == 0)
         def _scalars():
             store_scalars(total_v, total_w)
@@ -248,15 +221,12 @@ def _dummy(dtype):
 
 def plan_offsets(inputs: PlanInputs, vp: VerifyPlan, wp: WritePlan, *, swa_window_size,
                  verify_capacity, interpret, num_warps=OFFSETS_NUM_WARPS,
-                 single_block_max=SINGLE_BLOCK_MAX, multi_block=MULTI_BLOCK,
-                 inline_sums_max_blocks=INLINE_SUMS_MAX_BLOCKS) -> PlanOffsets:
+                 single_block_max=SINGLE_BLOCK_MAX, multi_block=MULTI_BLOCK) -> PlanOffsets:
     """Launch the offsets kernel(s) (call inside a jit, after validation; the offsets half of
     :func:`kvcanary_jax.ops.plan.base.compose`). ``inputs.req_to_token`` is the ``[rows,
     row_pitch]`` table (a compact base whose pitch may exceed the logical width);
     ``inputs.num_reqs``: None, or a one-element int32 array, the batch's request count (module
-    docstring). The write plan and the verify plan's two scalars alias their inputs.
-    ``inline_sums_max_blocks``: up to this many blocks, one launch whose programs sum the blocks
-    before their own, not a block-sums launch first (0: always the launch)."""
+    docstring). The write plan and the verify plan's two scalars alias their inputs."""
     rpi, prefix, extend = inputs.req_pool_indices, inputs.prefix_lens, inputs.extend_seq_lens
     req_to_token, lut, num_reqs = (inputs.req_to_token, inputs.full_to_swa_index_mapping,
                                    inputs.num_reqs)
@@ -272,16 +242,15 @@ def plan_offsets(inputs: PlanInputs, vp: VerifyPlan, wp: WritePlan, *, swa_windo
     has_n = num_reqs is not None
     n_inputs = (num_reqs.reshape(1).astype(jnp.int32),) if has_n else ()
 
-    sum_inputs = ()
     if bs <= single_block_max:
         block = max(MIN_BLOCK, pl.next_power_of_2(max(bs, 1)))
+        sum_inputs = ()
         num_sum_blocks = 1
     else:
         block = multi_block
         num_sum_blocks = pl.cdiv(bs, block)
-    inline_sums = 1 < num_sum_blocks <= inline_sums_max_blocks
-    if num_sum_blocks > 1 and not inline_sums:
-        # Padded to a power of two for the offsets kernel's one load (the tail is masked).
+        # Allocated at the offsets kernel's padded load (jax 0.12 refuses a static slice past an
+        # array's end); the tail is never written and the load masks it.
         padded = pl.next_power_of_2(num_sum_blocks)
         sum_inputs = pl.pallas_call(
             functools.partial(_block_sums_kernel, block=block, bs=bs,
@@ -298,7 +267,7 @@ def plan_offsets(inputs: PlanInputs, vp: VerifyPlan, wp: WritePlan, *, swa_windo
         _offsets_kernel, block=block, bs=bs, num_sum_blocks=num_sum_blocks,
         swa_window_size=swa_window_size, has_lut=has_lut, lut_len=max(lut_len, 1), pitch=pitch,
         n_cells=n_cells, verify_capacity=verify_capacity, write_capacity=write_capacity,
-        has_n=has_n, inline_sums=inline_sums,
+        has_n=has_n,
     )
     aliased = (wp.write_offsets, wp.write_seed_slot_indices, vp.verify_num_valid, vp.enable,
                wp.write_num_valid_reqs)
@@ -338,30 +307,10 @@ def _owner(voff_ref, t, *, bs):
     return r
 
 
-def _owner_in_block(voff_ref, t, first, last, *, bs):
-    """:func:`_owner` for a block's lanes ``t``, the live ones within ``[first, last]``: two
-    scalar searches bound every lane's request, and the lanes then search only the requests
-    between (no probe at all when the block lies within one request, as in long contexts)."""
-    lo = _owner(voff_ref, first, bs=bs)
-    hi = _owner(voff_ref, last, bs=bs)
-    span = hi - lo
-    # Probes of 2**(n-1), ..., 1 from lo reach every request of [lo, hi]; n = bit length of span.
-    nsteps = functools.reduce(jnp.add, [(span >= (1 << j)).astype(jnp.int32)
-                                        for j in range(max(bs - 1, 1).bit_length())])
-
-    def probe(i, r):
-        cand = r + jnp.left_shift(jnp.int32(1), nsteps - 1 - i)
-        ok = cand <= hi
-        v = plt.load(voff_ref.at[jnp.where(ok, cand, 0)], mask=ok, other=0)
-        return jnp.where(ok & (v <= t), cand, r)
-
-    return jax.lax.fori_loop(0, nsteps, probe, jnp.full(t.shape, lo, jnp.int32))
-
-
 def _entries_kernel(rpi_ref, prefix_ref, rtt_ref, lut_ref, voff_ref, en_ref, pool_ref, vl_ref,
                     _s_in, _t_in, _p_in, _v_in, slot_ref, tok_ref, pos_ref, prev_ref, *,
                     block, num_programs, loop, bs, capacity, swa_window_size, has_lut, lut_len,
-                    pitch, n_cells, has_pool, pool_pitch, n_pool, k, narrow_search):
+                    pitch, n_cells, has_pool, pool_pitch, n_pool, k):
     pid = pl.program_id(0)
     total = voff_ref[bs]
     # Overflow (enable == 0) leaves every entry untouched; the clamp to capacity only keeps a
@@ -373,12 +322,7 @@ def _entries_kernel(rpi_ref, prefix_ref, rtt_ref, lut_ref, voff_ref, en_ref, poo
         t32 = start + jnp.arange(block, dtype=jnp.int32)
         t = t32.astype(jnp.int64)
         mask = t < live
-        if narrow_search:
-            # A block runs only when its first entry is live.
-            last = (jnp.minimum(start + block, live) - 1).astype(jnp.int64)
-            r = _owner_in_block(voff_ref, t, jnp.asarray(start, jnp.int64), last, bs=bs)
-        else:
-            r = _owner(voff_ref, t, bs=bs)
+        r = _owner(voff_ref, t, bs=bs)
         # A lane past the live total may find a request lane at or past num_reqs, which a
         # caller need not have allocated (module docstring): only live lanes load.
         rstart = plt.load(voff_ref.at[r], mask=mask, other=0)
@@ -424,13 +368,10 @@ def _entries_kernel(rpi_ref, prefix_ref, rtt_ref, lut_ref, voff_ref, en_ref, poo
 
 def plan_entries(inputs: PlanInputs, vp: VerifyPlan, verify_offsets, *, swa_window_size,
                  kv_token_id_vs_position_offset, interpret, block_entries=BLOCK_ENTRIES,
-                 max_programs=MAX_PROGRAMS, num_warps=ENTRIES_NUM_WARPS,
-                 narrow_search=NARROW_SEARCH) -> VerifyPlan:
+                 max_programs=MAX_PROGRAMS, num_warps=ENTRIES_NUM_WARPS) -> VerifyPlan:
     """Launch the entries kernel (inside a jit, after validation, bs >= 1; the entries half of
     :func:`kvcanary_jax.ops.plan.base.compose`). ``inputs.req_to_token`` and the pool are
-    ``[rows, row_pitch]`` tables. Returns ``vp`` with its four arrays filled (aliased).
-    ``narrow_search``: each lane searches only the requests its block spans
-    (:func:`_owner_in_block`), not the whole batch."""
+    ``[rows, row_pitch]`` tables. Returns ``vp`` with its four arrays filled (aliased)."""
     rpi, prefix, req_to_token = inputs.req_pool_indices, inputs.prefix_lens, inputs.req_to_token
     lut, pool = inputs.full_to_swa_index_mapping, inputs.req_to_verify_expected_tokens
     valid_lens = inputs.req_to_verify_expected_tokens_valid_lens
@@ -453,7 +394,7 @@ def plan_entries(inputs: PlanInputs, vp: VerifyPlan, verify_offsets, *, swa_wind
         bs=bs, capacity=capacity, swa_window_size=swa_window_size, has_lut=has_lut,
         lut_len=lut.shape[0] if has_lut else 1, pitch=pitch, n_cells=n_cells,
         has_pool=has_pool, pool_pitch=pool_pitch, n_pool=n_pool,
-        k=int(kv_token_id_vs_position_offset), narrow_search=narrow_search,
+        k=int(kv_token_id_vs_position_offset),
     )
     dummy64 = jnp.zeros((1,), jnp.int64)
     read = (
