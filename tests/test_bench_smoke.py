@@ -301,3 +301,28 @@ def test_the_write_sass_bench_reads_the_chain_loops_of_both_kernels(tmp_path):
         rows["write_general"]["per_token"]["SEL"] >= 1
     assert rows["write_fast"]["total_per_token"] + 20 < rows["write_general"]["total_per_token"]
     assert (tmp_path / "write.sass").read_text().count("STG.E.64") > 0
+
+
+def test_the_plan_tuner_checks_every_variant_against_the_defaults(tmp_path, monkeypatch):
+    """bench/tune_plan.py off the GPU (the kernels in interpret mode, wall-clock timing), its
+    lists cut to a small batch that still takes every path: the one-program and the multi-block
+    offsets, another entries block, a capped grid. Every variant plans the defaults' bytes, and
+    the JSON names a measured best."""
+    from kvcanary_jax.bench import tune_plan
+
+    monkeypatch.setattr(tune_plan, "MAX_PREFIX", 8)
+    monkeypatch.setattr(tune_plan, "ITERS", 2)
+    monkeypatch.setattr(tune_plan, "SINGLE_WARPS", [2])
+    monkeypatch.setattr(tune_plan, "MULTI", [(16, 4)])
+    monkeypatch.setattr(tune_plan, "ENTRY_SHAPES", [(16, 4)])
+    monkeypatch.setattr(tune_plan, "PROGRAMS", [2])
+    out = tmp_path / "tune_plan.json"
+    monkeypatch.setattr(sys, "argv", ["tune_plan", str(out), "40"])
+    assert tune_plan.main() == 0
+    (res,) = json.loads(out.read_text())
+    assert res["errors"] == {}
+    # The defaults, 2 warps, blocks of 16, SGLang's one program, entries of 16, 2 programs.
+    measured = set(res["total"])
+    assert len(measured) == 6, sorted(measured)
+    assert res["best"] in measured
+    assert res["default_total"] is not None
